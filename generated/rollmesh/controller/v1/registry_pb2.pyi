@@ -1,0 +1,215 @@
+import datetime
+
+from google.protobuf import duration_pb2 as _duration_pb2
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from rollmesh.common.v1 import load_pb2 as _load_pb2
+from rollmesh.common.v1 import types_pb2 as _types_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ReplicaRegistration(_message.Message):
+    __slots__ = ("replica_id", "kind", "state", "weight_version", "slots", "memory_fraction", "initial")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    INITIAL_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    kind: _types_pb2.ReplicaKind
+    state: _types_pb2.ReplicaState
+    weight_version: int
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    memory_fraction: float
+    initial: bool
+    def __init__(self, replica_id: _Optional[str] = ..., kind: _Optional[_Union[_types_pb2.ReplicaKind, str]] = ..., state: _Optional[_Union[_types_pb2.ReplicaState, str]] = ..., weight_version: _Optional[int] = ..., slots: _Optional[_Iterable[int]] = ..., memory_fraction: _Optional[float] = ..., initial: _Optional[bool] = ...) -> None: ...
+
+class NodeRecord(_message.Message):
+    __slots__ = ("node_id", "address", "slots_total", "backend", "model", "model_name", "agent_version", "registered_at", "lease_expires_at", "last_report_at", "lease_held", "replica_ids")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_AT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    LAST_REPORT_AT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_HELD_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_IDS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    slots_total: int
+    backend: _types_pb2.EngineBackend
+    model: str
+    model_name: str
+    agent_version: str
+    registered_at: _timestamp_pb2.Timestamp
+    lease_expires_at: _timestamp_pb2.Timestamp
+    last_report_at: _timestamp_pb2.Timestamp
+    lease_held: bool
+    replica_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., slots_total: _Optional[int] = ..., backend: _Optional[_Union[_types_pb2.EngineBackend, str]] = ..., model: _Optional[str] = ..., model_name: _Optional[str] = ..., agent_version: _Optional[str] = ..., registered_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., lease_expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_report_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., lease_held: _Optional[bool] = ..., replica_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReplicaRecord(_message.Message):
+    __slots__ = ("replica_id", "node_id", "address", "kind", "state", "weight_version", "initial", "added_by_operation_id", "intentionally_removed", "lease_expires_at", "last_report", "state_reason", "updated_at", "model_name", "slots", "memory_fraction")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    INITIAL_FIELD_NUMBER: _ClassVar[int]
+    ADDED_BY_OPERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    INTENTIONALLY_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    LAST_REPORT_FIELD_NUMBER: _ClassVar[int]
+    STATE_REASON_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    node_id: str
+    address: str
+    kind: _types_pb2.ReplicaKind
+    state: _types_pb2.ReplicaState
+    weight_version: int
+    initial: bool
+    added_by_operation_id: str
+    intentionally_removed: bool
+    lease_expires_at: _timestamp_pb2.Timestamp
+    last_report: _load_pb2.LoadReport
+    state_reason: str
+    updated_at: _timestamp_pb2.Timestamp
+    model_name: str
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    memory_fraction: float
+    def __init__(self, replica_id: _Optional[str] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., kind: _Optional[_Union[_types_pb2.ReplicaKind, str]] = ..., state: _Optional[_Union[_types_pb2.ReplicaState, str]] = ..., weight_version: _Optional[int] = ..., initial: _Optional[bool] = ..., added_by_operation_id: _Optional[str] = ..., intentionally_removed: _Optional[bool] = ..., lease_expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_report: _Optional[_Union[_load_pb2.LoadReport, _Mapping]] = ..., state_reason: _Optional[str] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., model_name: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ..., memory_fraction: _Optional[float] = ...) -> None: ...
+
+class RegisterNodeRequest(_message.Message):
+    __slots__ = ("node_id", "address", "slots_total", "backend", "model", "model_name", "replicas", "agent_version")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    slots_total: int
+    backend: _types_pb2.EngineBackend
+    model: str
+    model_name: str
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaRegistration]
+    agent_version: str
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., slots_total: _Optional[int] = ..., backend: _Optional[_Union[_types_pb2.EngineBackend, str]] = ..., model: _Optional[str] = ..., model_name: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaRegistration, _Mapping]]] = ..., agent_version: _Optional[str] = ...) -> None: ...
+
+class RegisterNodeResponse(_message.Message):
+    __slots__ = ("node_id", "lease_ttl", "load_report_interval", "accepted_replica_ids", "rejected_replica_ids")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_FIELD_NUMBER: _ClassVar[int]
+    LOAD_REPORT_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_REPLICA_IDS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_REPLICA_IDS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    lease_ttl: _duration_pb2.Duration
+    load_report_interval: _duration_pb2.Duration
+    accepted_replica_ids: _containers.RepeatedScalarFieldContainer[str]
+    rejected_replica_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_id: _Optional[str] = ..., lease_ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., load_report_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., accepted_replica_ids: _Optional[_Iterable[str]] = ..., rejected_replica_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DeregisterNodeRequest(_message.Message):
+    __slots__ = ("node_id", "reason")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    reason: str
+    def __init__(self, node_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class DeregisterNodeResponse(_message.Message):
+    __slots__ = ("stopped_replica_ids",)
+    STOPPED_REPLICA_IDS_FIELD_NUMBER: _ClassVar[int]
+    stopped_replica_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, stopped_replica_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class StreamLoadReportsRequest(_message.Message):
+    __slots__ = ("node_id", "reports")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    REPORTS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    reports: _containers.RepeatedCompositeFieldContainer[_load_pb2.LoadReport]
+    def __init__(self, node_id: _Optional[str] = ..., reports: _Optional[_Iterable[_Union[_load_pb2.LoadReport, _Mapping]]] = ...) -> None: ...
+
+class StreamLoadReportsResponse(_message.Message):
+    __slots__ = ("load_report_interval", "lease_ttl", "lease_expires_at")
+    LOAD_REPORT_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    load_report_interval: _duration_pb2.Duration
+    lease_ttl: _duration_pb2.Duration
+    lease_expires_at: _timestamp_pb2.Timestamp
+    def __init__(self, load_report_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., lease_ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., lease_expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class ListNodesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListNodesResponse(_message.Message):
+    __slots__ = ("nodes",)
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeRecord]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeRecord, _Mapping]]] = ...) -> None: ...
+
+class GetNodeRequest(_message.Message):
+    __slots__ = ("node_id",)
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+
+class GetNodeResponse(_message.Message):
+    __slots__ = ("node", "replicas")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    node: NodeRecord
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaRecord]
+    def __init__(self, node: _Optional[_Union[NodeRecord, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaRecord, _Mapping]]] = ...) -> None: ...
+
+class ListReplicasRequest(_message.Message):
+    __slots__ = ("kinds", "states", "node_id", "model_name")
+    KINDS_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    kinds: _containers.RepeatedScalarFieldContainer[_types_pb2.ReplicaKind]
+    states: _containers.RepeatedScalarFieldContainer[_types_pb2.ReplicaState]
+    node_id: str
+    model_name: str
+    def __init__(self, kinds: _Optional[_Iterable[_Union[_types_pb2.ReplicaKind, str]]] = ..., states: _Optional[_Iterable[_Union[_types_pb2.ReplicaState, str]]] = ..., node_id: _Optional[str] = ..., model_name: _Optional[str] = ...) -> None: ...
+
+class ListReplicasResponse(_message.Message):
+    __slots__ = ("replicas",)
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaRecord]
+    def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaRecord, _Mapping]]] = ...) -> None: ...
+
+class GetReplicaRequest(_message.Message):
+    __slots__ = ("replica_id",)
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    def __init__(self, replica_id: _Optional[str] = ...) -> None: ...
+
+class GetReplicaResponse(_message.Message):
+    __slots__ = ("replica",)
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    replica: ReplicaRecord
+    def __init__(self, replica: _Optional[_Union[ReplicaRecord, _Mapping]] = ...) -> None: ...
