@@ -1,0 +1,99 @@
+"""The ``rollmesh`` command: one subcommand per server, plus local-mesh helpers.
+
+``rollmesh controller|lb|replica-agent|trainer-agent [--config FILE] [--listen HOST:PORT]``
+runs one server in this process. A bad flag or config value exits with code 2
+and one line that names the bad key and why. ``rollmesh up`` starts all four
+servers locally as separate processes; ``rollmesh status ADDRESS`` prints a
+server's status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from .config import ConfigError, describe, load_config
+
+# Subcommand -> module exposing CONFIG_CLASS, ENV_PREFIX and `async serve(config, env)`.
+SERVERS = {
+    "controller": "controller.server",
+    "lb": "loadbalancer.server",
+    "replica-agent": "replica_agent.server",
+    "trainer-agent": "trainer_agent.server",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line and exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _server_parser(sub: argparse._SubParsersAction, name: str) -> None:
+    p = sub.add_parser(name, help=f"run the {name} server", description=f"Run the rollmesh {name} server.")
+    p.add_argument("--config", metavar="FILE", help="YAML config file (keys documented by --print-default-config)")
+    p.add_argument("--listen", metavar="HOST:PORT", help="address to serve on; port 0 picks a free port")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--print-default-config", action="store_true",
+                   help="print every config key with its default and meaning, then exit")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="rollmesh", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name in SERVERS:
+        _server_parser(sub, name)
+    up = sub.add_parser("up", help="start the four servers locally and print their status")
+    up.add_argument("--run-dir", default="runs/up", help="directory for the servers' logs")
+    up.add_argument("--exit-after-status", action="store_true",
+                    help="stop the servers after printing their status instead of waiting for Ctrl-C")
+    status = sub.add_parser("status", help="print the status of a running server")
+    status.add_argument("address", metavar="HOST:PORT")
+    status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
+    return parser
+
+
+def run_server(name: str, args: argparse.Namespace, env: dict[str, str]) -> int:
+    module = importlib.import_module(SERVERS[name])
+    if args.print_default_config:
+        print(describe(module.CONFIG_CLASS))
+        return 0
+    overrides = {"listen": args.listen} if args.listen is not None else {}
+    try:
+        config = load_config(module.CONFIG_CLASS, args.config, env=env,
+                             env_prefix=module.ENV_PREFIX, overrides=overrides)
+    except ConfigError as err:
+        print(f"rollmesh {name}: error: {err}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(module.serve(config, env))
+    except OSError as err:
+        print(f"rollmesh {name}: error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    env = dict(os.environ)  # read once, passed down explicitly
+    if args.command in SERVERS:
+        return run_server(args.command, args, env)
+    from . import local_mesh  # noqa: PLC0415 - only these commands need it
+
+    if args.command == "up":
+        return asyncio.run(local_mesh.up(args.run_dir, exit_after_status=args.exit_after_status, env=env))
+    if args.command == "status":
+        return asyncio.run(local_mesh.print_status(args.address, timeout_s=args.timeout))
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,252 @@
+"""Typed server configuration: dataclasses loaded from YAML plus environment overrides.
+
+Every config is a dataclass whose fields are declared with :func:`setting`
+(default + one line of help). :func:`load_config` reads the YAML file once,
+applies ``<PREFIX>__<KEY>[__<SUBKEY>]`` environment overrides and explicit
+overrides (command-line flags), checks every value against the field's type,
+rejects unknown keys, and runs each dataclass's ``validate()``. Every problem
+is a :class:`ConfigError` that names the key and says what is wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+_MISSING = dataclasses.MISSING
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown, mistyped or inconsistent."""
+
+    def __init__(self, key: str, why: str) -> None:
+        super().__init__(f"config key '{key}': {why}" if key else why)
+        self.key = key
+        self.why = why
+
+
+def setting(default: Any = _MISSING, *, help: str, secret: bool = False,
+            default_factory: Any = _MISSING) -> Any:
+    """Declare a config field with its default and its one-line documentation."""
+    meta = {"help": help, "secret": secret}
+    if default_factory is not _MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against annotation ``tp``; return it (converted if lossless)."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as err:
+                errors.append(err.why)
+        raise ConfigError(key, "; ".join(errors))
+    if origin is typing.Literal:
+        if value not in args:
+            raise ConfigError(key, f"must be one of {', '.join(map(repr, args))}, got {value!r}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            raise ConfigError(key, f"must be a mapping, got {type(value).__name__}")
+        return _build(tp, value, key)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        names = [m.value for m in tp]
+        if value not in names:
+            raise ConfigError(key, f"must be one of {', '.join(map(repr, names))}, got {value!r}")
+        return tp(value)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(key, f"must be a list, got {type(value).__name__}")
+        item_tp = args[0] if args else Any
+        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(key, f"must be a mapping, got {type(value).__name__}")
+        val_tp = args[1] if len(args) == 2 else Any
+        return {str(k): _coerce(v, val_tp, f"{key}.{k}") for k, v in value.items()}
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(key, f"must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(key, f"must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(key, f"must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(key, f"must be a string, got {value!r}")
+        return value
+    raise ConfigError(key, f"unsupported config type {_type_name(tp)}")
+
+
+def _build(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    for key in data:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f" (did you mean '{_join(prefix, close[0])}'?)" if close else ""
+            raise ConfigError(_join(prefix, str(key)), f"unknown key{hint}")
+    kwargs = {}
+    for name, field in fields.items():
+        key = _join(prefix, name)
+        if name in data:
+            kwargs[name] = _coerce(data[name], hints[name], key)
+        elif field.default is _MISSING and field.default_factory is _MISSING:
+            raise ConfigError(key, "is required")
+    obj = cls(**kwargs)
+    validate = getattr(obj, "validate", None)
+    if callable(validate):
+        try:
+            validate()
+        except ConfigError as err:
+            if prefix and err.key and not err.key.startswith(prefix):
+                raise ConfigError(_join(prefix, err.key), err.why) from None
+            raise
+    return obj
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _set_path(data: dict, path: list[str], value: Any) -> None:
+    node = data
+    for part in path[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = {}
+            node[part] = child
+        node = child
+    node[path[-1]] = value
+
+
+def load_config(cls: type, path: str | Path | None = None, *,
+                env: Mapping[str, str] | None = None, env_prefix: str = "",
+                overrides: Mapping[str, Any] | None = None) -> Any:
+    """Build ``cls`` from a YAML file, environment overrides and explicit overrides.
+
+    ``env`` is passed in by the caller (the command line reads ``os.environ``
+    once); keys look like ``ROLLMESH_LB__MAX_VERSION_LAG`` for ``env_prefix``
+    ``ROLLMESH_LB`` and are parsed as YAML scalars. ``overrides`` uses dotted keys.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as err:
+            raise ConfigError("", f"cannot read config file {path}: {err.strerror}") from None
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            raise ConfigError("", f"config file {path} is not valid YAML: {err}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError("", f"config file {path} must hold a mapping at the top level")
+        data = loaded
+    if env and env_prefix:
+        marker = env_prefix + "__"
+        for name, raw in sorted(env.items()):
+            if name.startswith(marker):
+                keys = [p.lower() for p in name[len(marker):].split("__") if p]
+                try:
+                    value = yaml.safe_load(raw) if raw != "" else ""
+                except yaml.YAMLError:
+                    value = raw
+                _set_path(data, keys, value)
+    for dotted, value in (overrides or {}).items():
+        _set_path(data, dotted.split("."), value)
+    return _build(cls, data)
+
+
+def summary(cfg: Any) -> dict[str, Any]:
+    """The effective config as plain data, with secret fields redacted."""
+    out: dict[str, Any] = {}
+    for field in dataclasses.fields(cfg):
+        value = getattr(cfg, field.name)
+        if field.metadata.get("secret") and value:
+            out[field.name] = "<redacted>"
+        elif dataclasses.is_dataclass(value):
+            out[field.name] = summary(value)
+        elif isinstance(value, enum.Enum):
+            out[field.name] = value.value
+        elif isinstance(value, list):
+            out[field.name] = [summary(v) if dataclasses.is_dataclass(v) else v for v in value]
+        else:
+            out[field.name] = value
+    return out
+
+
+def describe(cls: type, indent: int = 0) -> str:
+    """Render the documented defaults of ``cls`` as commented YAML."""
+    lines: list[str] = []
+    pad = "  " * indent
+    for field in dataclasses.fields(cls):
+        help_text = field.metadata.get("help", "")
+        if help_text:
+            lines.append(f"{pad}# {help_text}")
+        if field.default is not _MISSING:
+            default = field.default
+        elif field.default_factory is not _MISSING:
+            default = field.default_factory()
+        else:
+            lines.append(f"{pad}{field.name}:  # required")
+            continue
+        if dataclasses.is_dataclass(default):
+            lines.append(f"{pad}{field.name}:")
+            lines.append(describe(type(default), indent + 1))
+            continue
+        if isinstance(default, enum.Enum):
+            default = default.value
+        rendered = yaml.safe_dump({field.name: default}, default_flow_style=True).strip()
+        lines.append(pad + rendered.removeprefix("{").removesuffix("}"))
+    return "\n".join(lines)
+
+
+@dataclasses.dataclass
+class ServerConfig:
+    """Settings every rollmesh server has. Server configs subclass this."""
+
+    listen: str = setting("127.0.0.1:0", help="HOST:PORT to serve gRPC on; port 0 picks a free port "
+                                               "(the chosen one is printed in the readiness line)")
+    node_id: str = setting("", help="name of this node in status, events and traces; empty = the host name")
+    shutdown_grace_s: float = setting(10.0, help="seconds in-flight RPCs may take to finish after "
+                                                 "SIGTERM/SIGINT before they are cancelled")
+
+    def validate(self) -> None:
+        from .net import AddressError, parse_host_port  # noqa: PLC0415 - avoid an import cycle at load
+
+        try:
+            parse_host_port(self.listen)
+        except AddressError as err:
+            raise ConfigError("listen", str(err)) from None
+        if not 0 < self.shutdown_grace_s <= 600:
+            raise ConfigError("shutdown_grace_s", f"must be in (0, 600] seconds, got {self.shutdown_grace_s}")

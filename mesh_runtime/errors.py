@@ -1,0 +1,213 @@
+"""Domain errors and their one mapping onto canonical gRPC statuses.
+
+Servicers raise these exceptions; :class:`ErrorMappingInterceptor` turns them
+into a ``grpc.Status`` with a ``google.rpc.ErrorInfo`` detail (reason in
+UPPER_SNAKE, domain ``rollmesh``), so no servicer builds a status by hand.
+Anything else that escapes a handler becomes ``INTERNAL`` and is logged.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable, Mapping
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+log = logging.getLogger(__name__)
+
+ERROR_DOMAIN = "rollmesh"
+
+
+class RollmeshError(Exception):
+    """Base of every error that crosses an RPC boundary.
+
+    ``reason`` is a stable, machine-readable UPPER_SNAKE identifier; ``metadata``
+    carries structured context (for example the id of a conflicting operation).
+    """
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    default_reason = "INTERNAL"
+
+    def __init__(self, message: str, *, reason: str | None = None,
+                 metadata: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.reason = reason or self.default_reason
+        self.metadata = {k: str(v) for k, v in (metadata or {}).items()}
+
+
+class InvalidArgument(RollmeshError):
+    """The request itself is malformed; retrying it unchanged cannot succeed."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    default_reason = "INVALID_ARGUMENT"
+
+
+class NotFound(RollmeshError):
+    """A named resource (replica, node, operation, request) does not exist."""
+
+    code = grpc.StatusCode.NOT_FOUND
+    default_reason = "NOT_FOUND"
+
+
+class AlreadyExists(RollmeshError):
+    """A resource with this id already exists or is in flight."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+    default_reason = "ALREADY_EXISTS"
+
+
+class FailedPrecondition(RollmeshError):
+    """The system is not in a state that allows the call."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    default_reason = "FAILED_PRECONDITION"
+
+
+class Aborted(RollmeshError):
+    """A conflicting concurrent operation prevents this one."""
+
+    code = grpc.StatusCode.ABORTED
+    default_reason = "ABORTED"
+
+
+class OutOfRange(RollmeshError):
+    """A position (sequence number, cycle index) is outside the valid range."""
+
+    code = grpc.StatusCode.OUT_OF_RANGE
+    default_reason = "OUT_OF_RANGE"
+
+
+class ResourceExhausted(RollmeshError):
+    """A quota or capacity (slots, retry budget, buffer) is used up."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    default_reason = "RESOURCE_EXHAUSTED"
+
+
+class Unavailable(RollmeshError):
+    """Transiently unable to serve; the caller may retry (possibly elsewhere)."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+    default_reason = "UNAVAILABLE"
+
+
+class DeadlineExceeded(RollmeshError):
+    """The work did not finish within its deadline or timeout."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    default_reason = "DEADLINE_EXCEEDED"
+
+
+class Unauthenticated(RollmeshError):
+    """The call carries no valid credential."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+    default_reason = "UNAUTHENTICATED"
+
+
+class PermissionDenied(RollmeshError):
+    """The credential is valid but does not allow this call."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+    default_reason = "PERMISSION_DENIED"
+
+
+class Unimplemented(RollmeshError):
+    """The RPC belongs to a capability this server does not offer (yet)."""
+
+    code = grpc.StatusCode.UNIMPLEMENTED
+    default_reason = "CAPABILITY_NOT_IMPLEMENTED"
+
+
+class Internal(RollmeshError):
+    """An invariant broke inside the server."""
+
+    code = grpc.StatusCode.INTERNAL
+    default_reason = "INTERNAL"
+
+
+def to_status(err: RollmeshError) -> grpc.Status:
+    """Encode a domain error as a ``grpc.Status`` carrying an ``ErrorInfo``."""
+    info = error_details_pb2.ErrorInfo(reason=err.reason, domain=ERROR_DOMAIN,
+                                       metadata=err.metadata)
+    detail = any_pb2.Any()
+    detail.Pack(info)
+    proto = status_pb2.Status(code=err.code.value[0], message=err.message,
+                              details=[detail])
+    return rpc_status.to_status(proto)
+
+
+def error_info(rpc_error: grpc.RpcError) -> error_details_pb2.ErrorInfo | None:
+    """Read the ``ErrorInfo`` detail back from a failed call, if it has one."""
+    status = rpc_status.from_call(rpc_error)  # type: ignore[arg-type]
+    if status is None:
+        return None
+    for detail in status.details:
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            return info
+    return None
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str):
+    if isinstance(exc, RollmeshError):
+        await context.abort_with_status(to_status(exc))
+    log.exception("unhandled error in %s", method, exc_info=exc)
+    await context.abort_with_status(
+        to_status(Internal(f"internal error in {method}: {type(exc).__name__}: {exc}")))
+
+
+def _wrap_unary(behavior: Callable, method: str) -> Callable:
+    async def wrapper(request_or_iterator, context):
+        try:
+            return await behavior(request_or_iterator, context)
+        except (grpc.aio.AbortError, KeyboardInterrupt):
+            raise
+        except Exception as exc:  # noqa: BLE001 - this is the single mapping point
+            await _abort(context, exc, method)
+    return wrapper
+
+
+def _wrap_streaming(behavior: Callable, method: str) -> Callable:
+    async def wrapper(request_or_iterator, context):
+        try:
+            async for item in behavior(request_or_iterator, context):
+                yield item
+        except (grpc.aio.AbortError, KeyboardInterrupt):
+            raise
+        except Exception as exc:  # noqa: BLE001
+            await _abort(context, exc, method)
+    return wrapper
+
+
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    """Maps :class:`RollmeshError` (and stray exceptions) raised by handlers."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                _wrap_unary(handler.unary_unary, method),
+                handler.request_deserializer, handler.response_serializer)
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(
+                _wrap_unary(handler.stream_unary, method),
+                handler.request_deserializer, handler.response_serializer)
+        streaming = handler.unary_stream or handler.stream_stream
+        if not inspect.isasyncgenfunction(streaming):
+            # Handlers that write with context.write() are coroutines.
+            wrapped = _wrap_unary(streaming, method)
+        else:
+            wrapped = _wrap_streaming(streaming, method)
+        factory = (grpc.unary_stream_rpc_method_handler if handler.unary_stream
+                   else grpc.stream_stream_rpc_method_handler)
+        return factory(wrapped, handler.request_deserializer, handler.response_serializer)

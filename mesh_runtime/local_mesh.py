@@ -1,0 +1,118 @@
+"""Local mesh helpers behind ``rollmesh up`` and ``rollmesh status``.
+
+``up`` starts the four servers as separate processes on loopback (free ports),
+prints each one's status and either stops them or keeps them running until
+Ctrl-C. ``status`` finds a server's rollmesh service by reflection and prints
+its ``GetStatus`` answer as JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import signal
+import sys
+from pathlib import Path
+
+import grpc
+from google.protobuf import json_format
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from .launcher import LaunchError, ServerProcess, start_server
+
+# Full service name -> module holding its generated stub and messages.
+STATUS_SERVICES = {
+    "rollmesh.controller.v1.ControllerService": "rollmesh.controller.v1.controller",
+    "rollmesh.loadbalancer.v1.LoadBalancerService": "rollmesh.loadbalancer.v1.loadbalancer",
+    "rollmesh.replica.v1.ReplicaAgentService": "rollmesh.replica.v1.replica_agent",
+    "rollmesh.trainer.v1.TrainerAgentService": "rollmesh.trainer.v1.trainer_agent",
+}
+
+
+async def list_services(channel: grpc.aio.Channel, timeout_s: float) -> list[str]:
+    """Service names a server announces through reflection."""
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    call = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                     timeout=timeout_s)
+    async for response in call:
+        return [s.name for s in response.list_services_response.service]
+    return []
+
+
+async def fetch_status(address: str, timeout_s: float = 5.0):
+    """``(service name, GetStatusResponse)`` of the rollmesh server at ``address``."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        names = await list_services(channel, timeout_s)
+        service = next((n for n in names if n in STATUS_SERVICES), None)
+        if service is None:
+            raise LookupError(f"{address} serves no rollmesh service (it announces: {', '.join(names)})")
+        prefix = STATUS_SERVICES[service]
+        messages = importlib.import_module(prefix + "_pb2")
+        stubs = importlib.import_module(prefix + "_pb2_grpc")
+        stub = getattr(stubs, service.rsplit(".", 1)[1] + "Stub")(channel)
+        return service, await stub.GetStatus(messages.GetStatusRequest(), timeout=timeout_s)
+
+
+async def print_status(address: str, timeout_s: float) -> int:
+    try:
+        service, response = await fetch_status(address, timeout_s)
+    except (grpc.RpcError, LookupError) as err:
+        detail = err.details() if isinstance(err, grpc.aio.AioRpcError) else str(err)
+        print(f"rollmesh status: error: {address}: {detail}", file=sys.stderr)
+        return 1
+    print(json_format.MessageToJson(response, indent=2))
+    return 0
+
+
+ORDER = ("lb", "controller", "replica-agent", "trainer-agent")
+
+
+async def start_local_mesh(run_dir: Path, env: dict[str, str]) -> dict[str, ServerProcess]:
+    """Start the four servers on free loopback ports, logs under ``run_dir``."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    started: dict[str, ServerProcess] = {}
+    try:
+        for name in ORDER:
+            child_env = dict(env)
+            if name == "controller":
+                child_env["ROLLMESH_CONTROLLER__LOAD_BALANCER_ADDRESS"] = started["lb"].address
+            started[name] = await start_server(name, ["--listen", "127.0.0.1:0"], env=child_env,
+                                               log_path=run_dir / f"{name}.log")
+    except BaseException:
+        await stop_all(started)
+        raise
+    return started
+
+
+async def stop_all(servers: dict[str, ServerProcess]) -> dict[str, int]:
+    codes = await asyncio.gather(*(s.terminate() for s in servers.values()))
+    return dict(zip(servers, codes))
+
+
+async def up(run_dir: str, *, exit_after_status: bool, env: dict[str, str]) -> int:
+    try:
+        servers = await start_local_mesh(Path(run_dir), env)
+    except LaunchError as err:
+        print(f"rollmesh up: error: {err}", file=sys.stderr)
+        return 1
+    codes: dict[str, int] = {}
+    try:
+        print(f"{'server':<14} {'address':<22} {'ready':<6} {'version':<8} capabilities")
+        for name, proc in servers.items():
+            _, response = await fetch_status(proc.address)
+            status = response.status
+            print(f"{name:<14} {proc.address:<22} {str(status.ready).lower():<6} {status.version:<8} "
+                  f"{', '.join(status.capabilities)}")
+        if not exit_after_status:
+            print("mesh running; press Ctrl-C to stop", flush=True)
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stop.set)
+            await stop.wait()
+    finally:
+        with contextlib.suppress(Exception):
+            codes = await stop_all(servers)
+            print("stopped: " + ", ".join(f"{n} (exit {c})" for n, c in codes.items()))
+    return 0 if codes and all(c == 0 for c in codes.values()) else 1

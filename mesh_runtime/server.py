@@ -1,0 +1,216 @@
+"""The bootstrap every rollmesh server shares.
+
+:class:`MeshServer` owns one ``grpc.aio`` server with the project's services
+plus ``grpc.health.v1`` and server reflection, the tracing and error-mapping
+interceptors, background tasks, and an orderly, idempotent shutdown:
+health NOT_SERVING -> stop accepting and drain in-flight RPCs within the grace
+period -> cancel background tasks -> run cleanups (close channels) -> flush spans.
+:func:`serve_until_signalled` runs a server until SIGTERM or SIGINT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from opentelemetry.sdk.trace import TracerProvider
+
+from . import tracing
+from .errors import ErrorMappingInterceptor
+from .net import format_host_port, parse_host_port
+
+log = logging.getLogger(__name__)
+
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+
+
+@dataclass(frozen=True)
+class ServiceBinding:
+    """One gRPC service to serve: its full name, its servicer and the generated adder."""
+
+    full_name: str
+    servicer: Any
+    add_to_server: Callable[[Any, grpc.aio.Server], None]
+
+
+class MeshServer:
+    """A rollmesh gRPC server: project services + health + reflection + tracing."""
+
+    def __init__(self, *, server_name: str, listen: str, services: Sequence[ServiceBinding],
+                 tracer_provider: TracerProvider | None = None,
+                 shutdown_grace_s: float = 10.0,
+                 interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
+        self.server_name = server_name
+        self.listen = listen
+        self.services = list(services)
+        self.tracer_provider = tracer_provider
+        self.shutdown_grace_s = shutdown_grace_s
+        self.started_at = time.time()
+        self._started_monotonic = time.monotonic()
+        self._interceptors = [tracing.server_interceptor(tracer_provider), ErrorMappingInterceptor(),
+                              *interceptors]
+        self._server: grpc.aio.Server | None = None
+        self._health = health.aio.HealthServicer()
+        self._tasks: set[asyncio.Task] = set()
+        self._cleanups: list[Callable[[], Awaitable[None]]] = []
+        self._stopping: asyncio.Task | None = None
+        self._on_start: list[Callable[[MeshServer], Awaitable[None]]] = []
+        self.ready = False
+        self.port: int | None = None
+
+    @property
+    def address(self) -> str:
+        """``HOST:PORT`` actually bound (the real port when 0 was asked for)."""
+        host, _ = parse_host_port(self.listen)
+        return format_host_port(host, self.port or 0)
+
+    def uptime_s(self) -> float:
+        return time.monotonic() - self._started_monotonic
+
+    async def start(self) -> int:
+        """Bind, start serving and mark every service SERVING; returns the port."""
+        server = grpc.aio.server(interceptors=self._interceptors)
+        for binding in self.services:
+            binding.add_to_server(binding.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        names = [b.full_name for b in self.services] + [HEALTH_SERVICE, reflection.SERVICE_NAME]
+        reflection.enable_server_reflection(names, server)
+        port = server.add_insecure_port(self.listen)
+        if port == 0:
+            raise OSError(f"could not bind {self.listen}")
+        self._server = server
+        self.port = port
+        await server.start()
+        for hook in self._on_start:
+            await hook(self)
+        for name in ["", *[b.full_name for b in self.services]]:
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.ready = True
+        return port
+
+    def on_start(self, hook: Callable[[MeshServer], Awaitable[None]]) -> None:
+        """Run ``hook(server)`` after binding, before the server reports SERVING."""
+        self._on_start.append(hook)
+
+    def spawn(self, coro: Coroutine, *, name: str | None = None) -> asyncio.Task:
+        """Run a background task that is cancelled at shutdown; failures are logged."""
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background task %s failed", task.get_name(), exc_info=task.exception())
+
+    def add_cleanup(self, cleanup: Callable[[], Awaitable[None]]) -> None:
+        """Register an async cleanup (close a channel, flush a store) run at shutdown."""
+        self._cleanups.append(cleanup)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Shut down in order; safe to call more than once or concurrently."""
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._stop(grace_s))
+        await asyncio.shield(self._stopping)
+
+    async def _stop(self, grace_s: float | None) -> None:
+        grace = self.shutdown_grace_s if grace_s is None else grace_s
+        self.ready = False
+        await self._health.enter_graceful_shutdown()
+        if self._server is not None:
+            await self._server.stop(grace)
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=grace)
+        for cleanup in reversed(self._cleanups):
+            try:
+                await asyncio.wait_for(cleanup(), timeout=grace)
+            except Exception:  # noqa: BLE001 - shutdown continues past a failing cleanup
+                log.exception("cleanup failed during shutdown")
+        if self.tracer_provider is not None:
+            self.tracer_provider.force_flush(timeout_millis=int(grace * 1000))
+
+    async def wait_for_termination(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+
+async def serve_until_signalled(server: MeshServer, *, on_ready: Callable[[MeshServer], None] | None = None) -> None:
+    """Start ``server``, announce readiness, and stop it cleanly on SIGTERM/SIGINT."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await server.start()
+        if on_ready is not None:
+            on_ready(server)
+        print(f"rollmesh {server.server_name} listening on {server.address}", flush=True)
+        await stop.wait()
+        log.info("%s: shutdown requested", server.server_name)
+    finally:
+        await server.stop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(Exception):
+                loop.remove_signal_handler(sig)
+        if server.tracer_provider is not None:
+            server.tracer_provider.shutdown()
+        sys.stdout.flush()
+
+
+async def serve_config(server_name: str, config: Any, env: dict[str, str],
+                       build: Callable[[Any, TracerProvider], MeshServer]) -> None:
+    """Run one server process: tracing named ``rollmesh-<server>``, then serve until signalled."""
+    provider = tracing.create_tracer_provider(f"rollmesh-{server_name}", env)
+    tracing.install_global(provider)
+    await serve_until_signalled(build(config, provider))
+
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """Everything that makes one rollmesh server process out of one project service.
+
+    ``make_servicer(config, tracer_provider)`` builds the servicer; it must carry a
+    ``status`` (:class:`~mesh_runtime.status.StatusReporter`), and may define
+    ``async attach(server)`` to start background work once the server exists.
+    """
+
+    name: str
+    config_class: type
+    env_prefix: str
+    descriptor: Any
+    make_servicer: Callable[[Any, TracerProvider | None], Any]
+    add_to_server: Callable[[Any, grpc.aio.Server], None]
+
+    def build(self, config: Any, tracer_provider: TracerProvider | None = None) -> MeshServer:
+        servicer = self.make_servicer(config, tracer_provider)
+        server = MeshServer(server_name=self.name, listen=config.listen,
+                            services=[ServiceBinding(self.descriptor.full_name, servicer, self.add_to_server)],
+                            tracer_provider=tracer_provider, shutdown_grace_s=config.shutdown_grace_s)
+        servicer.status.bind(server)
+        attach = getattr(servicer, "attach", None)
+        if attach is not None:
+            server.on_start(attach)
+        return server
+
+    async def create(self, config: Any, tracer_provider: TracerProvider | None = None) -> tuple[MeshServer, int]:
+        """Build and start the server (tests bind ``listen`` to port 0)."""
+        server = self.build(config, tracer_provider)
+        return server, await server.start()
+
+    async def serve(self, config: Any, env: dict[str, str]) -> None:
+        """Run this server as the process's one server until SIGTERM/SIGINT."""
+        await serve_config(self.name, config, env, self.build)
