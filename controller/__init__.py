@@ -1,0 +1,1 @@
+"""The rollmesh controller: owns the mesh's state and every transition in it."""

@@ -1,0 +1,1 @@
+"""The rollmesh load balancer: routes generation requests to engine replicas."""

@@ -1,0 +1,1 @@
+"""The rollmesh replica agent: one per node, manages the engine replicas there."""
