@@ -3,8 +3,28 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
-from mesh_runtime.config import ServerConfig, setting
+from mesh_runtime.config import ConfigError, ServerConfig, setting
+from mesh_runtime.net import AddressError, parse_host_port
+
+
+@dataclasses.dataclass
+class StaticReplica:
+    """A replica to route to from the start, without a controller."""
+
+    replica_id: str = setting(help="id of the replica on its agent")
+    address: str = setting(help="HOST:PORT of the replica agent that hosts it")
+    kind: Literal["STANDALONE", "HYBRID"] = setting("STANDALONE", help="STANDALONE or HYBRID")
+    weight_version: int = setting(0, help="weight version the replica serves")
+
+    def validate(self) -> None:
+        if not self.replica_id:
+            raise ConfigError("replica_id", "must not be empty")
+        try:
+            parse_host_port(self.address, allow_zero_port=False)
+        except AddressError as err:
+            raise ConfigError("address", str(err)) from None
 
 
 @dataclasses.dataclass
@@ -12,3 +32,45 @@ class LoadBalancerConfig(ServerConfig):
     """Settings of the load balancer (``--print-default-config`` lists them)."""
 
     listen: str = setting("127.0.0.1:50052", help="HOST:PORT to serve gRPC on; port 0 picks a free port")
+    replicas: list[StaticReplica] = setting(default_factory=list, help="replicas to route to from the start "
+                                            "(the controller adds and removes replicas at run time)")
+    sticky_max_load_gap: int = setting(4, help="a sticky session leaves its replica when that replica has more "
+                                               "than this many in-flight requests above the least loaded one")
+    max_sticky_sessions: int = setting(100_000, help="sticky-session pins kept (least recently used dropped)")
+    max_version_lag: int | None = setting(None, help="route only to replicas at most this many weight versions "
+                                                     "behind the newest known; null = no limit")
+    retry_budget: int = setting(16, help="extra attempts allowed per request after the first (aborts and "
+                                         "failures both count); a request can override it")
+    partial_rollout: bool = setting(True, help="default for requests that do not say: resume an aborted "
+                                               "request with its generated prefix (true) or regenerate (false)")
+    no_replica_wait_s: float = setting(60.0, help="how long a request waits for an eligible replica before it "
+                                                  "fails with UNAVAILABLE")
+    retry_initial_backoff_s: float = setting(0.05, help="first backoff before retrying after an UNAVAILABLE "
+                                                        "replica (doubles each time, jittered)")
+    retry_max_backoff_s: float = setting(2.0, help="largest backoff between retries")
+    upstream_call_timeout_s: float = setting(10.0, help="deadline of control calls to replica agents (abort)")
+    completed_cache_size: int = setting(10_000, help="completed requests remembered, so a repeated request_id "
+                                                     "is answered from the record instead of generated twice")
+    metrics_listen: str = setting("", help="HOST:PORT for a Prometheus /metrics endpoint; empty = off")
+
+    def validate(self) -> None:
+        super().validate()
+        ids = [r.replica_id for r in self.replicas]
+        if len(ids) != len(set(ids)):
+            raise ConfigError("replicas", "replica ids must be unique")
+        positive = ("sticky_max_load_gap", "max_sticky_sessions", "completed_cache_size")
+        for key in positive:
+            if getattr(self, key) < 1:
+                raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")
+        if self.max_version_lag is not None and self.max_version_lag < 0:
+            raise ConfigError("max_version_lag", f"must be >= 0 or null, got {self.max_version_lag}")
+        if self.retry_budget < 0:
+            raise ConfigError("retry_budget", f"must be >= 0, got {self.retry_budget}")
+        for key in ("no_replica_wait_s", "retry_initial_backoff_s", "retry_max_backoff_s", "upstream_call_timeout_s"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(key, f"must be > 0, got {getattr(self, key)}")
+        if self.metrics_listen:
+            try:
+                parse_host_port(self.metrics_listen)
+            except AddressError as err:
+                raise ConfigError("metrics_listen", str(err)) from None

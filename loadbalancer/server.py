@@ -9,7 +9,7 @@ from .config import LoadBalancerConfig
 from .service import DESCRIPTOR, LoadBalancerServicer
 
 SPEC = ServerSpec(name="lb", config_class=LoadBalancerConfig, env_prefix="ROLLMESH_LB", descriptor=DESCRIPTOR,
-                  make_servicer=lambda config, tracer_provider: LoadBalancerServicer(config),
+                  make_servicer=LoadBalancerServicer,
                   add_to_server=loadbalancer_pb2_grpc.add_LoadBalancerServiceServicer_to_server)
 CONFIG_CLASS = SPEC.config_class
 ENV_PREFIX = SPEC.env_prefix

@@ -1,27 +1,115 @@
-"""gRPC surface of the load balancer: decode -> domain call -> encode."""
+"""gRPC surface of the load balancer: decode -> Balancer call -> encode."""
 
 from __future__ import annotations
 
-from mesh_runtime.capabilities import pending
+from opentelemetry.sdk.trace import TracerProvider
+
+from mesh_runtime import tracing
+from mesh_runtime.errors import InvalidArgument
+from mesh_runtime.prometheus import MetricsEndpoint
 from mesh_runtime.status import StatusReporter
-from rollmesh.loadbalancer.v1 import loadbalancer_pb2, loadbalancer_pb2_grpc
+from rollmesh.common.v1 import types_pb2
+from rollmesh.loadbalancer.v1 import loadbalancer_pb2 as pb
+from rollmesh.loadbalancer.v1 import loadbalancer_pb2_grpc, routing_pb2
 
+from .balancer import Balancer
 from .config import LoadBalancerConfig
+from .table import Route, RoutingTable, check_address
+from .upstreams import Upstreams
 
-DESCRIPTOR = loadbalancer_pb2.DESCRIPTOR.services_by_name["LoadBalancerService"]
+DESCRIPTOR = pb.DESCRIPTOR.services_by_name["LoadBalancerService"]
+KINDS = {types_pb2.REPLICA_KIND_STANDALONE: "STANDALONE", types_pb2.REPLICA_KIND_HYBRID: "HYBRID",
+         types_pb2.REPLICA_KIND_UNSPECIFIED: "STANDALONE"}
+KIND_VALUES = {"STANDALONE": types_pb2.REPLICA_KIND_STANDALONE, "HYBRID": types_pb2.REPLICA_KIND_HYBRID}
 
 
-@pending(DESCRIPTOR, {
-    "generate": ["Generate"],
-    "replicas": ["AddReplicas", "RemoveReplicas", "UpdateReplicas", "ListReplicas"],
-    "rebalance": ["ClearStickySessions", "Rebalance"],
-    "stats": ["GetStats"],
-})
+def build_balancer(config: LoadBalancerConfig, tracer_provider: TracerProvider | None, **kwargs) -> Balancer:
+    table = RoutingTable(sticky_max_load_gap=config.sticky_max_load_gap,
+                         max_sticky_sessions=config.max_sticky_sessions, max_version_lag=config.max_version_lag)
+    table.add(Route(r.replica_id, r.address, r.kind, r.weight_version) for r in config.replicas)
+    upstreams = Upstreams(tracer_provider=tracer_provider, call_timeout_s=config.upstream_call_timeout_s)
+    return Balancer(config, table, upstreams, tracer=tracing.tracer(tracer_provider, "rollmesh.loadbalancer"),
+                    **kwargs)
+
+
 class LoadBalancerServicer(loadbalancer_pb2_grpc.LoadBalancerServiceServicer):
     """Implements ``rollmesh.loadbalancer.v1.LoadBalancerService``."""
 
-    def __init__(self, config: LoadBalancerConfig) -> None:
-        self.status = StatusReporter(config, ["status"])
+    def __init__(self, config: LoadBalancerConfig, tracer_provider: TracerProvider | None = None,
+                 **balancer_kwargs) -> None:
+        self.config = config
+        self.balancer = build_balancer(config, tracer_provider, **balancer_kwargs)
+        self.table = self.balancer.table
+        self.status = StatusReporter(config, ["status", "generate", "replicas", "rebalance", "stats"])
 
-    async def GetStatus(self, request, context):  # noqa: N802 - gRPC method name
-        return loadbalancer_pb2.GetStatusResponse(status=self.status.status())
+    async def attach(self, server) -> None:
+        server.add_cleanup(self.balancer.upstreams.close)
+        if self.config.metrics_listen:
+            endpoint = MetricsEndpoint(self.config.metrics_listen,
+                                       lambda: self.balancer.stats.metrics(self.balancer.in_flight))
+            await endpoint.start()
+            server.add_cleanup(endpoint.close)
+
+    def _routed(self, route: Route) -> routing_pb2.RoutedReplica:
+        floor = self.table.version_floor(None)
+        reason = self.table.unroutable_reason(route, floor)
+        msg = routing_pb2.RoutedReplica(
+            endpoint=routing_pb2.ReplicaEndpoint(replica_id=route.replica_id, address=route.address,
+                                                 kind=KIND_VALUES[route.kind], weight_version=route.weight_version,
+                                                 node_id=route.node_id),
+            in_flight=route.in_flight, sticky_sessions=self.table.sticky_count(route.replica_id),
+            completed=route.completed, failed=route.failed, routable=not reason, unroutable_reason=reason)
+        msg.added_at.FromNanoseconds(int(route.added_at * 1e9))
+        return msg
+
+    async def GetStatus(self, request, context):  # noqa: N802 - gRPC method names throughout
+        return pb.GetStatusResponse(status=self.status.status(), replica_count=len(self.table.routes),
+                                    routable_replica_count=len(self.table.eligible(None)),
+                                    in_flight=self.balancer.in_flight)
+
+    async def Generate(self, request, context):  # noqa: N802
+        async for message in self.balancer.generate(request, context.time_remaining()):
+            yield message
+
+    async def AddReplicas(self, request, context):  # noqa: N802
+        routes = [Route(e.replica_id, e.address, KINDS[e.kind], e.weight_version, e.node_id)
+                  for e in request.replicas]
+        added = self.table.add(routes)
+        return pb.AddReplicasResponse(replicas=[self._routed(r) for r in added])
+
+    async def RemoveReplicas(self, request, context):  # noqa: N802
+        if not request.replica_ids:
+            raise InvalidArgument("replica_ids must not be empty", reason="EMPTY_REPLICA_IDS")
+        removed, dropped, in_flight = await self.balancer.remove(list(request.replica_ids),
+                                                                 request.abort_in_flight)
+        return pb.RemoveReplicasResponse(removed_replica_ids=removed, dropped_sticky_sessions=dropped,
+                                         in_flight_request_ids=in_flight)
+
+    async def UpdateReplicas(self, request, context):  # noqa: N802
+        for update in request.updates:  # validate everything before changing anything
+            if not update.replica_id:
+                raise InvalidArgument("an update has an empty replica_id", reason="EMPTY_REPLICA_ID")
+            if update.HasField("address"):
+                check_address(update.address, f"replica {update.replica_id!r} address")
+            self.table.get(update.replica_id)
+        routes = [self.table.update(u.replica_id,
+                                    weight_version=u.weight_version if u.HasField("weight_version") else None,
+                                    address=u.address if u.HasField("address") else None)
+                  for u in request.updates]
+        return pb.UpdateReplicasResponse(replicas=[self._routed(r) for r in routes])
+
+    async def ListReplicas(self, request, context):  # noqa: N802
+        kinds = {KINDS[k] for k in request.kinds}
+        routed = [self._routed(r) for r in self.table.routes.values() if not kinds or r.kind in kinds]
+        return pb.ListReplicasResponse(replicas=[r for r in routed if r.routable or not request.routable_only])
+
+    async def ClearStickySessions(self, request, context):  # noqa: N802
+        return pb.ClearStickySessionsResponse(cleared_sessions=self.table.clear_sticky(request.replica_ids))
+
+    async def Rebalance(self, request, context):  # noqa: N802
+        moved, counts = await self.balancer.rebalance(request.max_moves if request.HasField("max_moves") else None)
+        return pb.RebalanceResponse(moved_request_ids=moved, replicas=[
+            pb.ReplicaInFlight(replica_id=rid, in_flight_before=b, in_flight_after=a) for rid, (b, a) in counts.items()])
+
+    async def GetStats(self, request, context):  # noqa: N802
+        return pb.GetStatsResponse(stats=self.balancer.stats.to_proto(self.balancer.in_flight))

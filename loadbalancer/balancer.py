@@ -1,0 +1,418 @@
+"""Runs generation requests through the mesh: route, stream, retry and resume.
+
+Each request runs in its own task that feeds the caller's stream through a
+queue, so cancelling the call cancels the task, which cancels the upstream
+call. Attempts are driven by tenacity: an aborted attempt resumes at once on
+another replica (with the tokens so far as prefix when partial rollout is on,
+from scratch otherwise), an unavailable replica is retried with jittered
+exponential backoff, and the whole is bounded by the retry budget and the
+request's deadline. One request id has at most one run in flight, and a
+recently completed one is answered from its record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
+from opentelemetry import trace
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt
+
+from mesh_runtime.errors import (
+    AlreadyExists,
+    DeadlineExceeded,
+    InvalidArgument,
+    FailedPrecondition,
+    Internal,
+    ResourceExhausted,
+    Unavailable,
+)
+from mesh_runtime.generation import check_generation
+from rollmesh.common.v1 import generation_pb2
+from rollmesh.loadbalancer.v1 import loadbalancer_pb2, routing_pb2
+from rollmesh.replica.v1 import replica_agent_pb2
+
+from .config import LoadBalancerConfig
+from .stats import Stats
+from .table import Choice, RoutingTable, Ticket
+from .upstreams import Upstreams
+
+FINISHED = (generation_pb2.FINISH_REASON_STOP, generation_pb2.FINISH_REASON_LENGTH)
+_RETRYABLE_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL,
+                    grpc.StatusCode.UNKNOWN, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS,
+                    grpc.StatusCode.CANCELLED, grpc.StatusCode.FAILED_PRECONDITION}
+_DONE = object()
+
+
+class RetryAttempt(Exception):
+    """An attempt ended without a result; the request goes on elsewhere."""
+
+    def __init__(self, why: str, *, backoff: bool) -> None:
+        super().__init__(why)
+        self.backoff = backoff
+
+
+def _now_ts() -> Timestamp:
+    ts = Timestamp()
+    ts.GetCurrentTime()
+    return ts
+
+
+@dataclass
+class RequestRun:
+    """The state of one request across its attempts."""
+
+    request: loadbalancer_pb2.GenerateRequest
+    partial_rollout: bool
+    budget: int
+    deadline: float | None
+    segments: list[generation_pb2.TokenSegment] = field(default_factory=list)
+    attempts: list[routing_pb2.Attempt] = field(default_factory=list)
+    avoid: frozenset[str] = frozenset()
+    restart_pending: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    def remaining(self) -> float | None:
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
+
+class Balancer:
+    """The load balancer's domain: the routing table plus request execution."""
+
+    def __init__(self, config: LoadBalancerConfig, table: RoutingTable, upstreams: Upstreams, *,
+                 tracer: trace.Tracer, stats: Stats | None = None,
+                 before_send: Callable[[Ticket], Awaitable[None]] | None = None) -> None:
+        self.config = config
+        self.table = table
+        self.upstreams = upstreams
+        self.tracer = tracer
+        self.stats = stats or Stats()
+        self._before_send = before_send
+        self._running: dict[str, RequestRun] = {}
+        self._completed: OrderedDict[str, loadbalancer_pb2.GenerateResponse] = OrderedDict()
+        self._table_changed = asyncio.Event()
+        table.on_change(self._notify)
+
+    def _notify(self) -> None:
+        self._table_changed.set()
+        self._table_changed = asyncio.Event()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._running)
+
+    # ------------------------------------------------------------ generation
+    async def generate(self, request: loadbalancer_pb2.GenerateRequest,
+                       time_remaining: float | None) -> AsyncIterator[loadbalancer_pb2.GenerateResponse]:
+        """Stream one request's result; see the module docstring."""
+        check_generation(request.request_id, request.prompt_token_ids, request.sampling_params,
+                         request.resume_segments)
+        if request.HasField("stream_interval") and request.stream_interval == 0:
+            raise InvalidArgument("stream_interval must be > 0 when set", reason="INVALID_STREAM_INTERVAL")
+        if request.request_id in self._running:
+            raise AlreadyExists(f"request {request.request_id!r} is already in flight", reason="REQUEST_IN_FLIGHT")
+        if request.request_id in self._completed:
+            yield self._completed[request.request_id]
+            return
+        run = RequestRun(
+            request=request,
+            partial_rollout=request.partial_rollout if request.HasField("partial_rollout")
+            else self.config.partial_rollout,
+            budget=request.retry_budget if request.HasField("retry_budget") else self.config.retry_budget,
+            deadline=None if time_remaining is None else time.monotonic() + time_remaining,
+            segments=list(request.resume_segments))
+        self._running[request.request_id] = run
+        self.stats.requests_total += 1
+        queue: asyncio.Queue = asyncio.Queue()
+        task = asyncio.get_running_loop().create_task(self._produce(run, queue))
+        ok = False
+        try:
+            while (item := await queue.get()) is not _DONE:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+            ok = True
+        finally:
+            task.cancel()
+            del self._running[request.request_id]
+            if ok:
+                self.stats.completed += 1
+            else:
+                self.stats.failed += 1
+
+    async def _produce(self, run: RequestRun, queue: asyncio.Queue) -> None:
+        try:
+            with self.tracer.start_as_current_span("lb.generate", attributes={
+                    "rollmesh.request_id": run.request_id, "rollmesh.session_id": run.request.session_id,
+                    "rollmesh.max_tokens": run.request.sampling_params.max_tokens}) as span:
+                await self._run_attempts(run, queue.put_nowait, span)
+                span.set_attribute("rollmesh.attempts", len(run.attempts))
+            queue.put_nowait(_DONE)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait(exc)
+
+    def _backoff(self, run: RequestRun) -> Callable[[RetryCallState], float]:
+        """No wait after an abort; jittered exponential backoff after a failure, within the deadline."""
+        def wait(state: RetryCallState) -> float:
+            exc = state.outcome.exception() if state.outcome else None
+            if not isinstance(exc, RetryAttempt) or not exc.backoff:
+                return 0.0
+            base = self.config.retry_initial_backoff_s * 2 ** max(0, state.attempt_number - 1)
+            delay = min(self.config.retry_max_backoff_s, base) * (0.5 + 0.5 * random.random())
+            remaining = run.remaining()
+            return delay if remaining is None else max(0.0, min(delay, remaining))
+        return wait
+
+    async def _run_attempts(self, run: RequestRun, emit, span) -> None:
+        retrying = AsyncRetrying(stop=stop_after_attempt(run.budget + 1), wait=self._backoff(run),
+                                 retry=retry_if_exception_type(RetryAttempt), reraise=True)
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    remaining = run.remaining()
+                    if remaining is not None and remaining <= 0:
+                        raise DeadlineExceeded(f"request {run.request_id!r} ran out of time after "
+                                               f"{len(run.attempts)} attempt(s)", reason="DEADLINE_EXCEEDED")
+                    if attempt.retry_state.attempt_number > 1:
+                        self.stats.retries += 1
+                        span.add_event("retry", {"attempt": attempt.retry_state.attempt_number})
+                    await self._attempt(run, emit)
+        except RetryAttempt as last:
+            outcomes = ", ".join(f"{a.replica_id}:{routing_pb2.AttemptOutcome.Name(a.outcome)}"
+                                 for a in run.attempts)
+            raise ResourceExhausted(f"request {run.request_id!r} spent its retry budget of {run.budget} "
+                                    f"(last: {last}); attempts: {outcomes}", reason="RETRY_BUDGET_SPENT") from None
+
+    async def _acquire(self, run: RequestRun) -> Choice:
+        """Pick a replica, waiting (event-driven) for one to become eligible."""
+        min_version = run.request.min_weight_version if run.request.HasField("min_weight_version") else None
+        started = time.monotonic()
+        limit = self.config.no_replica_wait_s
+        waited = False
+        while True:
+            choice = self.table.pick(run.request_id, session_id=run.request.session_id,
+                                     min_weight_version=min_version, avoid=run.avoid)
+            if choice is not None:
+                self.stats.sticky_hits += int(choice.sticky_hit)
+                self.stats.sticky_migrations += int(choice.sticky_migrated)
+                return choice
+            if not waited:
+                self.stats.no_replica_waits += 1
+                waited = True
+            budget = limit - (time.monotonic() - started)
+            remaining = run.remaining()
+            if remaining is not None and remaining < budget:
+                if remaining <= 0:
+                    raise DeadlineExceeded(f"request {run.request_id!r}: deadline passed while waiting for a "
+                                           "replica", reason="DEADLINE_EXCEEDED")
+                budget = remaining
+            if budget <= 0:
+                raise Unavailable(f"no eligible replica for request {run.request_id!r} within {limit:.1f} s "
+                                  f"({self.table.explain_ineligible(min_version)})", reason="NO_ELIGIBLE_REPLICA")
+            changed = self._table_changed
+            try:
+                await asyncio.wait_for(changed.wait(), timeout=budget)
+            except asyncio.TimeoutError:
+                pass
+
+    def _replica_request(self, run: RequestRun, ticket: Ticket) -> replica_agent_pb2.GenerateRequest:
+        msg = replica_agent_pb2.GenerateRequest(
+            replica_id=ticket.route.replica_id, request_id=run.request_id,
+            prompt_token_ids=run.request.prompt_token_ids, sampling_params=run.request.sampling_params,
+            resume_segments=run.segments)
+        if run.request.HasField("stream_interval"):
+            msg.stream_interval = run.request.stream_interval
+        return msg
+
+    async def _attempt(self, run: RequestRun, emit) -> None:
+        while True:  # re-pick when a removal revoked the ticket before it was sent
+            choice = await self._acquire(run)
+            ticket = choice.ticket
+            if self._before_send is not None:
+                await self._before_send(ticket)
+            if not ticket.revoked:
+                break
+            self.table.release(ticket)
+        route = ticket.route
+        record = routing_pb2.Attempt(replica_id=route.replica_id, weight_version=route.weight_version,
+                                     started_at=_now_ts())
+        run.attempts.append(record)
+        ticket.sent = True
+        remaining = run.remaining()
+        call = self.upstreams.generate(route, self._replica_request(run, ticket), remaining)
+        streamed: list[tuple[int, float, int]] = []  # (token, logprob, version) of this attempt
+        final = None
+        with self.tracer.start_as_current_span("lb.attempt", attributes={
+                "rollmesh.replica_id": route.replica_id, "rollmesh.request_id": run.request_id}) as span:
+            try:
+                try:
+                    async for msg in call:
+                        if msg.token_ids:
+                            self.table.observe_version(route, msg.weight_version)
+                            logprobs = list(msg.logprobs) or [None] * len(msg.token_ids)
+                            streamed += [(t, lp, msg.weight_version) for t, lp in zip(msg.token_ids, logprobs)]
+                            ticket.tokens += len(msg.token_ids)
+                        if msg.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
+                            final = msg
+                            break
+                        if msg.token_ids:
+                            emit(self._chunk(run, msg, route.replica_id))
+                except grpc.aio.AioRpcError as err:
+                    self._attempt_failed(run, record, streamed, route, err)
+                if final is None:
+                    self._attempt_failed(run, record, streamed, route, None)
+                record.tokens = len(streamed)
+                record.weight_version = final.weight_version or record.weight_version
+                span.set_attribute("rollmesh.tokens", len(streamed))
+                span.set_attribute("rollmesh.weight_version", record.weight_version)
+                if final.finish_reason in FINISHED:
+                    self._finish(run, record, final, route.replica_id, emit)
+                    span.set_attribute("rollmesh.outcome", "COMPLETED")
+                    self.table.release(ticket, completed=True)
+                    return
+                span.set_attribute("rollmesh.outcome", "ABORTED")
+                self._aborted(run, record, final, ticket, emit)
+            finally:
+                call.cancel()
+                self.table.release(ticket)
+
+    def _chunk(self, run: RequestRun, msg, replica_id: str) -> loadbalancer_pb2.GenerateResponse:
+        out = loadbalancer_pb2.GenerateResponse(request_id=run.request_id, token_ids=msg.token_ids,
+                                                logprobs=msg.logprobs, weight_version=msg.weight_version,
+                                                replica_id=replica_id)
+        if run.restart_pending:
+            out.restarted, run.restart_pending = True, False
+        return out
+
+    def _finish(self, run: RequestRun, record, final, replica_id: str, emit) -> None:
+        record.outcome = routing_pb2.ATTEMPT_OUTCOME_COMPLETED
+        record.ended_at.GetCurrentTime()
+        out = self._chunk(run, final, replica_id)
+        out.finish_reason = final.finish_reason
+        out.segments.extend(final.segments)
+        out.attempts.extend(run.attempts)
+        completion = sum(len(s.token_ids) for s in final.segments)
+        caller_resumed = sum(len(s.token_ids) for s in run.request.resume_segments)
+        out.usage.CopyFrom(generation_pb2.Usage(prompt_tokens=len(run.request.prompt_token_ids),
+                                                completion_tokens=completion, resumed_tokens=caller_resumed,
+                                                attempts=len(run.attempts)))
+        emit(out)
+        self._remember(run, out)
+
+    def _remember(self, run: RequestRun, final: loadbalancer_pb2.GenerateResponse) -> None:
+        caller_resumed = sum(len(s.token_ids) for s in run.request.resume_segments)
+        record = loadbalancer_pb2.GenerateResponse()
+        record.CopyFrom(final)
+        tokens = [t for s in final.segments for t in s.token_ids][caller_resumed:]
+        logprobs = [lp for s in final.segments for lp in s.logprobs][caller_resumed:]
+        record.ClearField("token_ids")
+        record.ClearField("logprobs")
+        record.token_ids.extend(tokens)
+        record.logprobs.extend(logprobs)
+        self._completed[run.request_id] = record
+        while len(self._completed) > self.config.completed_cache_size:
+            self._completed.popitem(last=False)
+
+    def _restart(self, run: RequestRun, dropped: int) -> None:
+        """Drop an attempt's tokens (partial rollout off): regenerate from the caller's prefix."""
+        self.stats.truncated_dropped += dropped
+        self.stats.regenerations += 1
+        run.segments = list(run.request.resume_segments)
+        run.restart_pending = True
+
+    def _aborted(self, run: RequestRun, record, final, ticket: Ticket, emit) -> None:
+        record.outcome = routing_pb2.ATTEMPT_OUTCOME_ABORTED
+        record.ended_at.GetCurrentTime()
+        record.reason = "moved by rebalance" if ticket.move_requested else "aborted by the replica"
+        if final.token_ids:  # the abort's own last tokens still reach the caller
+            emit(self._chunk(run, final, ticket.route.replica_id))
+        if run.partial_rollout:
+            run.segments = list(final.segments)
+            self.stats.resumes += 1
+        else:
+            self._restart(run, record.tokens)
+        run.avoid = frozenset({ticket.route.replica_id}) if ticket.move_requested else frozenset()
+        raise RetryAttempt(f"aborted on {ticket.route.replica_id}", backoff=False)
+
+    def _attempt_failed(self, run: RequestRun, record, streamed, route, err: grpc.aio.AioRpcError | None) -> None:
+        """An attempt broke off without a final message: keep what arrived, retry with backoff."""
+        record.ended_at.GetCurrentTime()
+        record.tokens = len(streamed)
+        if err is not None and err.code() not in _RETRYABLE_CODES:
+            record.outcome = routing_pb2.ATTEMPT_OUTCOME_FAILED
+            code = err.code()
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise DeadlineExceeded(f"request {run.request_id!r}: deadline passed on {route.replica_id}",
+                                       reason="DEADLINE_EXCEEDED") from None
+            if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
+                raise InvalidArgument(f"replica {route.replica_id} rejected the request: {err.details()}",
+                                      reason="REJECTED_BY_REPLICA") from None
+            raise Internal(f"replica {route.replica_id} failed the request: {code.name}: {err.details()}",
+                           reason="REPLICA_ERROR") from None
+        record.outcome = routing_pb2.ATTEMPT_OUTCOME_UNAVAILABLE
+        record.reason = f"{err.code().name}: {err.details()}" if err is not None else "stream ended early"
+        if streamed:
+            if run.partial_rollout:
+                run.segments += _segments(streamed, route)
+                self.stats.resumes += 1
+            else:
+                self._restart(run, len(streamed))
+        raise RetryAttempt(f"{route.replica_id}: {record.reason}", backoff=True)
+
+    # --------------------------------------------------------------- control
+    async def remove(self, replica_ids: list[str], abort_in_flight: bool) -> tuple[list[str], int, list[str]]:
+        removed, dropped = self.table.remove(replica_ids)
+        in_flight: list[str] = []
+        aborts = []
+        for route in removed:
+            sent = [t.request_id for t in route.tickets.values() if t.sent]
+            in_flight += sent
+            if abort_in_flight and sent:
+                aborts.append(self.upstreams.abort(route, sent))
+        if aborts:
+            await asyncio.gather(*aborts)
+        return [r.replica_id for r in removed], dropped, in_flight
+
+    async def rebalance(self, max_moves: int | None) -> tuple[list[str], dict[str, tuple[int, int]]]:
+        routes = self.table.eligible(None)
+        if len(routes) < 2:
+            raise FailedPrecondition(f"rebalance needs at least two routable replicas, there are {len(routes)}",
+                                     reason="TOO_FEW_REPLICAS")
+        self.table.clear_sticky()
+        before = {r.replica_id: r.in_flight for r in routes}
+        moves = self.table.plan_moves(max_moves)
+        projected = dict(before)
+        by_route: dict[str, list[Ticket]] = {}
+        for ticket in moves:
+            ticket.move_requested = True
+            by_route.setdefault(ticket.route.replica_id, []).append(ticket)
+            projected[ticket.route.replica_id] -= 1
+            target = min((rid for rid in projected if rid != ticket.route.replica_id), key=projected.get)
+            projected[target] += 1
+        await asyncio.gather(*(self.upstreams.abort(ts[0].route, [t.request_id for t in ts])
+                               for ts in by_route.values()))
+        return [t.request_id for t in moves], {rid: (before[rid], projected[rid]) for rid in before}
+
+
+def _segments(streamed: list[tuple[int, float | None, int]], route) -> list[generation_pb2.TokenSegment]:
+    """Token segments (one per weight version) from the tokens of a broken attempt."""
+    out: list[generation_pb2.TokenSegment] = []
+    for token, logprob, version in streamed:
+        if not out or out[-1].weight_version != version:
+            out.append(generation_pb2.TokenSegment(weight_version=version, replica_id=route.replica_id,
+                                                   node_id=route.node_id))
+        out[-1].token_ids.append(token)
+        if logprob is not None:
+            out[-1].logprobs.append(logprob)
+    return out

@@ -1,0 +1,259 @@
+"""The routing table and the routing policy, free of I/O.
+
+Routing picks, among routable replicas that satisfy the request's weight
+version, the one with the fewest in-flight requests; ties are broken round
+robin (a rotating cursor over the tied replicas, in id order), so new
+sessions spread evenly instead of piling onto the first replica. A session sticks to the replica it was
+routed to until that replica carries more than ``sticky_max_load_gap``
+requests above the least loaded eligible one (bounded-load affinity). Removing
+a replica drops its sticky pins at once and revokes the tickets of requests
+that picked it but have not been sent yet.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from mesh_runtime.errors import AlreadyExists, InvalidArgument, NotFound
+from mesh_runtime.net import AddressError, parse_host_port
+
+
+@dataclass
+class Route:
+    """One replica in the table and its routing counters."""
+
+    replica_id: str
+    address: str
+    kind: str = "STANDALONE"
+    weight_version: int = 0
+    node_id: str = ""
+    added_at: float = field(default_factory=time.time)
+    tickets: dict[str, Ticket] = field(default_factory=dict)
+    completed: int = 0
+    failed: int = 0
+    removed: bool = False
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.tickets)
+
+
+@dataclass
+class Ticket:
+    """A request's claim on a route, from pick until the attempt ends."""
+
+    request_id: str
+    route: Route
+    sent: bool = False
+    tokens: int = 0
+    move_requested: bool = False
+
+    @property
+    def revoked(self) -> bool:
+        return self.route.removed
+
+
+@dataclass
+class Choice:
+    """The result of a pick: the ticket and how stickiness played out."""
+
+    ticket: Ticket
+    sticky_hit: bool = False
+    sticky_migrated: bool = False
+
+
+def check_address(address: str, what: str) -> None:
+    try:
+        parse_host_port(address, allow_zero_port=False)
+    except AddressError as err:
+        raise InvalidArgument(f"{what}: {err}", reason="INVALID_ADDRESS") from None
+
+
+class RoutingTable:
+    """Replicas, sticky sessions and tickets; every method is synchronous."""
+
+    def __init__(self, *, sticky_max_load_gap: int, max_sticky_sessions: int, max_version_lag: int | None) -> None:
+        self.sticky_max_load_gap = sticky_max_load_gap
+        self.max_sticky_sessions = max_sticky_sessions
+        self.max_version_lag = max_version_lag
+        self._tie_cursor = itertools.count()
+        self.routes: dict[str, Route] = {}
+        self._sticky: OrderedDict[str, str] = OrderedDict()
+        self._listeners: list[Callable[[], None]] = []
+
+    # ----------------------------------------------------------- membership
+    def on_change(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` whenever replicas are added, removed or updated."""
+        self._listeners.append(listener)
+
+    def _changed(self) -> None:
+        for listener in self._listeners:
+            listener()
+
+    def add(self, endpoints: Iterable[Route]) -> list[Route]:
+        """Add routes; the same id at the same address is a no-op. Validates all first."""
+        endpoints = list(endpoints)
+        seen: set[str] = set()
+        for ep in endpoints:
+            if not ep.replica_id:
+                raise InvalidArgument("replica_id must not be empty", reason="EMPTY_REPLICA_ID")
+            if ep.replica_id in seen:
+                raise InvalidArgument(f"replica {ep.replica_id!r} is listed twice", reason="DUPLICATE_REPLICA")
+            seen.add(ep.replica_id)
+            check_address(ep.address, f"replica {ep.replica_id!r} address")
+            existing = self.routes.get(ep.replica_id)
+            if existing is not None and existing.address != ep.address:
+                raise AlreadyExists(f"replica {ep.replica_id!r} is already routed at {existing.address}; "
+                                    "use UpdateReplicas to change its address", reason="REPLICA_EXISTS")
+        added = []
+        for ep in endpoints:
+            existing = self.routes.get(ep.replica_id)
+            if existing is None:
+                self.routes[ep.replica_id] = ep
+                existing = ep
+            else:
+                existing.weight_version = max(existing.weight_version, ep.weight_version)
+            added.append(existing)
+        self._changed()
+        return added
+
+    def remove(self, replica_ids: Iterable[str]) -> tuple[list[Route], int]:
+        """Remove routes: revoke unsent tickets, drop sticky pins. Returns (removed, pins dropped)."""
+        removed = []
+        for replica_id in replica_ids:
+            route = self.routes.pop(replica_id, None)
+            if route is not None:
+                route.removed = True
+                removed.append(route)
+        gone = {r.replica_id for r in removed}
+        dropped = [s for s, rid in self._sticky.items() if rid in gone]
+        for session in dropped:
+            del self._sticky[session]
+        if removed:
+            self._changed()
+        return removed, len(dropped)
+
+    def update(self, replica_id: str, *, weight_version: int | None = None, address: str | None = None) -> Route:
+        route = self.get(replica_id)
+        if weight_version is not None and weight_version > route.weight_version:
+            route.weight_version = weight_version
+        if address is not None:
+            route.address = address
+        self._changed()
+        return route
+
+    def get(self, replica_id: str) -> Route:
+        route = self.routes.get(replica_id)
+        if route is None:
+            raise NotFound(f"replica {replica_id!r} is not in the routing table", reason="REPLICA_NOT_FOUND",
+                           metadata={"replica_id": replica_id})
+        return route
+
+    def observe_version(self, route: Route, version: int) -> None:
+        """Learn a replica's weight version from its own output."""
+        if version > route.weight_version:
+            route.weight_version = version
+            self._changed()
+
+    # --------------------------------------------------------------- routing
+    @property
+    def newest_version(self) -> int:
+        return max((r.weight_version for r in self.routes.values()), default=0)
+
+    def version_floor(self, min_weight_version: int | None) -> int | None:
+        floors = []
+        if min_weight_version is not None:
+            floors.append(min_weight_version)
+        if self.max_version_lag is not None and self.routes:
+            floors.append(self.newest_version - self.max_version_lag)
+        return max(floors) if floors else None
+
+    def unroutable_reason(self, route: Route, floor: int | None) -> str:
+        if route.removed:
+            return "removed"
+        if floor is not None and route.weight_version < floor:
+            return f"weight_version {route.weight_version} < required {floor}"
+        return ""
+
+    def eligible(self, min_weight_version: int | None) -> list[Route]:
+        floor = self.version_floor(min_weight_version)
+        return [r for r in self.routes.values() if not self.unroutable_reason(r, floor)]
+
+    def explain_ineligible(self, min_weight_version: int | None) -> str:
+        floor = self.version_floor(min_weight_version)
+        if not self.routes:
+            return "the routing table is empty"
+        return "; ".join(f"{r.replica_id}: {self.unroutable_reason(r, floor)}" for r in self.routes.values())
+
+    def pick(self, request_id: str, *, session_id: str = "", min_weight_version: int | None = None,
+             avoid: frozenset[str] = frozenset()) -> Choice | None:
+        """Claim the best eligible route for a request, or ``None`` if there is none."""
+        candidates = self.eligible(min_weight_version)
+        preferred = [r for r in candidates if r.replica_id not in avoid] or candidates
+        if not preferred:
+            return None
+        least = min(r.in_flight for r in preferred)
+        choice_kw = {}
+        chosen = None
+        if session_id:
+            pinned = self.routes.get(self._sticky.get(session_id, ""))
+            if pinned is not None and pinned in preferred:
+                if pinned.in_flight - least <= self.sticky_max_load_gap:
+                    chosen, choice_kw = pinned, {"sticky_hit": True}
+                else:
+                    choice_kw = {"sticky_migrated": True}
+        if chosen is None:
+            tied = sorted((r for r in preferred if r.in_flight == least), key=lambda r: r.replica_id)
+            chosen = tied[next(self._tie_cursor) % len(tied)]
+        if session_id:
+            self._sticky[session_id] = chosen.replica_id
+            self._sticky.move_to_end(session_id)
+            while len(self._sticky) > self.max_sticky_sessions:
+                self._sticky.popitem(last=False)
+        ticket = Ticket(request_id, chosen)
+        chosen.tickets[request_id] = ticket
+        return Choice(ticket, **choice_kw)
+
+    def release(self, ticket: Ticket, *, completed: bool = False, failed: bool = False) -> None:
+        if ticket.route.tickets.get(ticket.request_id) is ticket:
+            del ticket.route.tickets[ticket.request_id]
+        ticket.route.completed += int(completed)
+        ticket.route.failed += int(failed)
+
+    # -------------------------------------------------------------- sessions
+    def sticky_count(self, replica_id: str) -> int:
+        return sum(1 for rid in self._sticky.values() if rid == replica_id)
+
+    def sticky_replica(self, session_id: str) -> str | None:
+        return self._sticky.get(session_id)
+
+    def clear_sticky(self, replica_ids: Iterable[str] = ()) -> int:
+        ids = set(replica_ids)
+        doomed = [s for s, rid in self._sticky.items() if not ids or rid in ids]
+        for session in doomed:
+            del self._sticky[session]
+        return len(doomed)
+
+    # ------------------------------------------------------------- rebalance
+    def plan_moves(self, max_moves: int | None) -> list[Ticket]:
+        """Tickets to move so no eligible replica carries more than its fair share.
+
+        The fair share is ``ceil(total / replicas)``; from each replica above it
+        the sent requests with the fewest tokens so far move (cheapest to redo).
+        """
+        routes = self.eligible(None)
+        total = sum(r.in_flight for r in routes)
+        share = -(-total // len(routes)) if routes else 0
+        moves: list[Ticket] = []
+        for route in sorted(routes, key=lambda r: -r.in_flight):
+            excess = route.in_flight - share
+            if excess <= 0:
+                continue
+            movable = sorted((t for t in route.tickets.values() if t.sent and not t.move_requested),
+                             key=lambda t: t.tokens)
+            moves += movable[:excess]
+        return moves[:max_moves] if max_moves is not None else moves

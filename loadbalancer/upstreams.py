@@ -1,0 +1,57 @@
+"""Channels from the balancer to replica agents, one per agent address."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+from opentelemetry.sdk.trace import TracerProvider
+
+from mesh_runtime.channels import open_channel
+from rollmesh.replica.v1 import replica_agent_pb2, replica_agent_pb2_grpc
+
+from .table import Route
+
+log = logging.getLogger(__name__)
+
+
+class Upstreams:
+    """Stubs of the replica agents the balancer routes to (channels shared per address)."""
+
+    def __init__(self, *, tracer_provider: TracerProvider | None, call_timeout_s: float) -> None:
+        self._tracer_provider = tracer_provider
+        self._call_timeout_s = call_timeout_s
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, replica_agent_pb2_grpc.ReplicaAgentServiceStub] = {}
+
+    def stub(self, address: str) -> replica_agent_pb2_grpc.ReplicaAgentServiceStub:
+        stub = self._stubs.get(address)
+        if stub is None:
+            channel = open_channel(address, tracer_provider=self._tracer_provider)
+            self._channels[address] = channel
+            stub = self._stubs[address] = replica_agent_pb2_grpc.ReplicaAgentServiceStub(channel)
+        return stub
+
+    def generate(self, route: Route, request: replica_agent_pb2.GenerateRequest, timeout_s: float | None):
+        """Start a Generate stream on the route's agent (the call is sent now)."""
+        return self.stub(route.address).Generate(request, timeout=timeout_s)
+
+    async def abort(self, route: Route, request_ids: list[str]) -> list[str]:
+        """Ask the route's agent to abort requests; failures are logged, not raised."""
+        if not request_ids:
+            return []
+        try:
+            reply = await self.stub(route.address).AbortRequests(
+                replica_agent_pb2.AbortRequestsRequest(replica_id=route.replica_id, request_ids=request_ids),
+                timeout=self._call_timeout_s)
+        except grpc.aio.AioRpcError as err:
+            log.warning("abort of %d request(s) on %s failed: %s %s", len(request_ids), route.replica_id,
+                        err.code().name, err.details())
+            return []
+        return list(reply.aborted_request_ids)
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+        self._stubs.clear()

@@ -1,0 +1,217 @@
+"""The load balancer in-process (grpc.aio on port 0) against scripted fake replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import grpc
+import pytest
+
+from loadbalancer.config import LoadBalancerConfig
+from loadbalancer.server import SPEC
+from loadbalancer.service import LoadBalancerServicer
+from mesh_runtime.config import load_config
+from rollmesh.common.v1 import generation_pb2, types_pb2
+from rollmesh.loadbalancer.v1 import loadbalancer_pb2 as pb
+from rollmesh.loadbalancer.v1 import loadbalancer_pb2_grpc, routing_pb2
+from tests.loadbalancer.fake_replica import start_fake
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+async def mesh():
+    servers = []
+
+    async def make(modes: dict[str, str], lb_overrides: dict | None = None, before_send=None, add=True, **fake_kw):
+        fake_server, fake, address = await start_fake(modes, **fake_kw)
+        servers.append(fake_server)
+        config = load_config(LoadBalancerConfig, None, overrides={"listen": "127.0.0.1:0", **(lb_overrides or {})})
+        spec = dataclasses.replace(SPEC, make_servicer=lambda c, t: LoadBalancerServicer(c, t, before_send=before_send))
+        lb, port = await spec.create(config)
+        servers.append(lb)
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        stub = loadbalancer_pb2_grpc.LoadBalancerServiceStub(channel)
+        if add:
+            await stub.AddReplicas(pb.AddReplicasRequest(replicas=[
+                routing_pb2.ReplicaEndpoint(replica_id=r, address=address) for r in modes]))
+        return stub, fake, address
+
+    yield make
+    for server in reversed(servers):
+        await server.stop(0)
+
+
+def request(request_id: str, max_tokens: int = 16, **kw) -> pb.GenerateRequest:
+    return pb.GenerateRequest(request_id=request_id, prompt_token_ids=[1, 2, 3],
+                              sampling_params=generation_pb2.SamplingParams(max_tokens=max_tokens), **kw)
+
+
+async def collect(stub, req, timeout=30) -> tuple[list[int], pb.GenerateResponse]:
+    """The caller's view: tokens (honouring `restarted`) and the last message."""
+    received: list[int] = []
+    last = None
+    async for msg in stub.Generate(req, timeout=timeout):
+        if msg.restarted:
+            received = []
+        received += msg.token_ids
+        last = msg
+    return received, last
+
+
+def expected(max_tokens: int) -> list[int]:
+    return [1000 + i for i in range(max_tokens)]
+
+
+async def test_abort_resumes_elsewhere_with_prefix_and_exact_budget(mesh):
+    stub, fake, _ = await mesh({"a": "normal", "b": "normal"}, delay_s=0.05, step=2)
+    task = asyncio.create_task(collect(stub, request("r1", 20)))
+    await fake.started.wait()
+    victim = fake.seen[0].replica_id
+    await fake.AbortRequests(type("R", (), {"replica_id": victim, "all": True, "request_ids": []})(), None)
+    tokens, last = await task
+    assert tokens == expected(20)
+    assert last.finish_reason == generation_pb2.FINISH_REASON_LENGTH
+    assert [a.outcome for a in last.attempts] == [routing_pb2.ATTEMPT_OUTCOME_ABORTED,
+                                                 routing_pb2.ATTEMPT_OUTCOME_COMPLETED]
+    assert [s.replica_id for s in last.segments][-1] != victim
+    assert sum(len(s.token_ids) for s in last.segments) == 20 == last.usage.completion_tokens
+    assert fake.seen[1].resumed > 0  # the second attempt carried the prefix
+    stats = (await stub.GetStats(pb.GetStatsRequest())).stats
+    assert stats.resumes == 1 and stats.retries == 1 and stats.completed == 1
+
+
+async def test_partial_rollout_off_regenerates_and_flags_the_restart(mesh):
+    stub, fake, _ = await mesh({"a": "normal", "b": "normal"}, delay_s=0.05, step=2)
+    task = asyncio.create_task(collect(stub, request("r2", 12, partial_rollout=False)))
+    await fake.started.wait()
+    await fake.AbortRequests(type("R", (), {"replica_id": "", "all": True, "request_ids": []})(), None)
+    tokens, last = await task
+    assert tokens == expected(12)
+    assert fake.seen[-1].resumed == 0
+    assert len(last.segments) == 1
+    stats = (await stub.GetStats(pb.GetStatsRequest())).stats
+    assert stats.regenerations == 1 and stats.truncated_dropped > 0
+
+
+async def test_pick_then_send_race_never_reaches_a_removed_replica(mesh):
+    gate, picked = asyncio.Event(), asyncio.Queue()
+
+    async def before_send(ticket):
+        if not gate.is_set():
+            await picked.put(ticket.route.replica_id)
+            await gate.wait()
+
+    stub, fake, _ = await mesh({"a": "normal", "b": "normal"}, before_send=before_send)
+    task = asyncio.create_task(collect(stub, request("race", 8)))
+    victim = await picked.get()
+    removed = await stub.RemoveReplicas(pb.RemoveReplicasRequest(replica_ids=[victim]))
+    assert list(removed.removed_replica_ids) == [victim]
+    gate.set()
+    tokens, last = await task
+    assert tokens == expected(8)
+    assert {s.replica_id for s in fake.seen} == ({"a", "b"} - {victim})
+    assert [a.replica_id for a in last.attempts] != [victim]
+
+
+async def test_retry_budget_is_honoured(mesh):
+    stub, fake, _ = await mesh({"a": "abort", "b": "abort"})
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await collect(stub, request("doomed", 8, retry_budget=3))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "retry budget of 3" in info.value.details()
+    assert len(fake.seen) == 4
+
+
+async def test_deadline_is_honoured_and_the_upstream_call_cancelled(mesh):
+    stub, fake, _ = await mesh({"a": "stall"})
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await collect(stub, request("slow", 8), timeout=1.0)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    for _ in range(100):
+        if fake.cancelled:
+            break
+        await asyncio.sleep(0.05)
+    assert fake.cancelled == ["slow"]
+    assert (await stub.GetStatus(pb.GetStatusRequest())).in_flight == 0
+
+
+async def test_empty_pool_waits_for_a_replica_then_succeeds(mesh):
+    stub, fake, address = await mesh({"a": "normal"}, add=False)
+    task = asyncio.create_task(collect(stub, request("patient", 8)))
+    await asyncio.sleep(0.3)
+    assert not task.done()
+    await stub.AddReplicas(pb.AddReplicasRequest(replicas=[routing_pb2.ReplicaEndpoint(replica_id="a", address=address)]))
+    tokens, _ = await task
+    assert tokens == expected(8)
+    assert (await stub.GetStats(pb.GetStatsRequest())).stats.no_replica_waits == 1
+
+
+async def test_empty_pool_fails_with_unavailable_after_the_limit(mesh):
+    stub, _, _ = await mesh({"a": "normal"}, add=False, lb_overrides={"no_replica_wait_s": 0.3})
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await collect(stub, request("lonely", 8))
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "no eligible replica" in info.value.details() and "routing table is empty" in info.value.details()
+
+
+async def test_min_weight_version_routes_only_to_new_enough_replicas(mesh):
+    stub, fake, address = await mesh({"old": "normal", "new": "normal"}, add=False,
+                                     lb_overrides={"no_replica_wait_s": 0.3})
+    await stub.AddReplicas(pb.AddReplicasRequest(replicas=[
+        routing_pb2.ReplicaEndpoint(replica_id="old", address=address, weight_version=1),
+        routing_pb2.ReplicaEndpoint(replica_id="new", address=address, weight_version=2)]))
+    for i in range(4):
+        await collect(stub, request(f"v{i}", 4, min_weight_version=2))
+    assert {s.replica_id for s in fake.seen} == {"new"}
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await collect(stub, request("v9", 4, min_weight_version=3))
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "< required 3" in info.value.details()
+
+
+async def test_exactly_once_per_request_id(mesh):
+    stub, fake, _ = await mesh({"a": "normal"}, delay_s=0.05)
+    first = asyncio.create_task(collect(stub, request("once", 12)))
+    await fake.started.wait()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await collect(stub, request("once", 12))
+    assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    tokens, _ = await first
+    replay, last = await collect(stub, request("once", 12))
+    assert replay == tokens == expected(12) and last.finish_reason == generation_pb2.FINISH_REASON_LENGTH
+    assert len(fake.seen) == 1
+
+
+async def test_bad_input_is_rejected_before_routing(mesh):
+    stub, fake, _ = await mesh({"a": "normal"})
+    bad = [request("", 4), request("x", 0), pb.GenerateRequest(request_id="y", sampling_params={"max_tokens": 4}),
+           request("z", 4, resume_segments=[generation_pb2.TokenSegment(token_ids=[1, 2, 3, 4])])]
+    for req in bad:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(stub, req)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    for call in (stub.RemoveReplicas(pb.RemoveReplicasRequest()),
+                 stub.AddReplicas(pb.AddReplicasRequest(replicas=[routing_pb2.ReplicaEndpoint(replica_id="q",
+                                                                                            address="nohost")]))):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert fake.seen == []
+    assert len((await stub.ListReplicas(pb.ListReplicasRequest())).replicas) == 1
+
+
+async def test_rebalance_moves_only_the_excess_onto_a_new_replica(mesh):
+    stub, fake, address = await mesh({"a": "normal", "b": "normal"}, add=False, delay_s=0.1, step=1)
+    await stub.AddReplicas(pb.AddReplicasRequest(replicas=[routing_pb2.ReplicaEndpoint(replica_id="a", address=address)]))
+    tasks = [asyncio.create_task(collect(stub, request(f"q{i}", 30))) for i in range(6)]
+    while len(fake.seen) < 6:
+        await asyncio.sleep(0.02)
+    await stub.AddReplicas(pb.AddReplicasRequest(replicas=[routing_pb2.ReplicaEndpoint(replica_id="b", address=address)]))
+    reply = await stub.Rebalance(pb.RebalanceRequest())
+    assert len(reply.moved_request_ids) == 3
+    assert {r.replica_id: (r.in_flight_before, r.in_flight_after) for r in reply.replicas} == {"a": (6, 3), "b": (0, 3)}
+    results = await asyncio.gather(*tasks)
+    assert all(tokens == expected(30) for tokens, _ in results)
+    moved = [last for _, last in results if len(last.attempts) == 2]
+    assert len(moved) == 3 and all(last.attempts[1].replica_id == "b" for last in moved)
