@@ -248,16 +248,19 @@ class Balancer:
         record = routing_pb2.Attempt(replica_id=route.replica_id, weight_version=route.weight_version,
                                      started_at=_now_ts())
         run.attempts.append(record)
-        ticket.sent = True
-        remaining = run.remaining()
-        call = self.upstreams.generate(route, self._replica_request(run, ticket), remaining)
-        streamed: list[tuple[int, float, int]] = []  # (token, logprob, version) of this attempt
+        streamed: list[tuple[int, float | None, int]] = []  # (token, logprob, version) of this attempt
         final = None
         with self.tracer.start_as_current_span("lb.attempt", attributes={
                 "rollmesh.replica_id": route.replica_id, "rollmesh.request_id": run.request_id}) as span:
+            # No await between the revocation check above and this send: a removal either
+            # happened before the check (and we re-picked) or sees this request in flight.
+            ticket.sent = True
+            call = self.upstreams.generate(route, self._replica_request(run, ticket), run.remaining())
             try:
                 try:
-                    async for msg in call:
+                    async for msg in call:  # consumed to its end, so the client span closes
+                        if final is not None:
+                            continue
                         if msg.token_ids:
                             self.table.observe_version(route, msg.weight_version)
                             logprobs = list(msg.logprobs) or [None] * len(msg.token_ids)
@@ -265,8 +268,7 @@ class Balancer:
                             ticket.tokens += len(msg.token_ids)
                         if msg.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
                             final = msg
-                            break
-                        if msg.token_ids:
+                        elif msg.token_ids:
                             emit(self._chunk(run, msg, route.replica_id))
                 except grpc.aio.AioRpcError as err:
                     self._attempt_failed(run, record, streamed, route, err)

@@ -31,6 +31,8 @@ from .net import format_host_port, parse_host_port
 
 log = logging.getLogger(__name__)
 
+_MIN_CLEANUP_S = 2.0  # even a zero-grace stop lets cleanups close channels
+
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 
 
@@ -136,7 +138,7 @@ class MeshServer:
             await asyncio.wait(list(self._tasks), timeout=grace)
         for cleanup in reversed(self._cleanups):
             try:
-                await asyncio.wait_for(cleanup(), timeout=grace)
+                await asyncio.wait_for(cleanup(), timeout=max(grace, _MIN_CLEANUP_S))
             except Exception:  # noqa: BLE001 - shutdown continues past a failing cleanup
                 log.exception("cleanup failed during shutdown")
         if self.tracer_provider is not None:

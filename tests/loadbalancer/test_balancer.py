@@ -24,12 +24,13 @@ pytestmark = pytest.mark.timeout(60)
 async def mesh():
     servers = []
 
-    async def make(modes: dict[str, str], lb_overrides: dict | None = None, before_send=None, add=True, **fake_kw):
+    async def make(modes: dict[str, str], lb_overrides: dict | None = None, before_send=None, add=True,
+                   tracer_provider=None, **fake_kw):
         fake_server, fake, address = await start_fake(modes, **fake_kw)
         servers.append(fake_server)
         config = load_config(LoadBalancerConfig, None, overrides={"listen": "127.0.0.1:0", **(lb_overrides or {})})
         spec = dataclasses.replace(SPEC, make_servicer=lambda c, t: LoadBalancerServicer(c, t, before_send=before_send))
-        lb, port = await spec.create(config)
+        lb, port = await spec.create(config, tracer_provider)
         servers.append(lb)
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
         stub = loadbalancer_pb2_grpc.LoadBalancerServiceStub(channel)
@@ -215,3 +216,31 @@ async def test_rebalance_moves_only_the_excess_onto_a_new_replica(mesh):
     assert all(tokens == expected(30) for tokens, _ in results)
     moved = [last for _, last in results if len(last.attempts) == 2]
     assert len(moved) == 3 and all(last.attempts[1].replica_id == "b" for last in moved)
+
+
+async def test_each_request_is_a_span_with_a_child_span_per_attempt(mesh):
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    stub, fake, _ = await mesh({"a": "normal", "b": "normal"}, delay_s=0.05, step=2, tracer_provider=provider)
+    task = asyncio.create_task(collect(stub, request("traced", 12)))
+    await fake.started.wait()
+    await fake.AbortRequests(type("R", (), {"replica_id": "", "all": True, "request_ids": []})(), None)
+    await task
+    spans = exporter.get_finished_spans()
+    request_span = next(s for s in spans if s.name == "lb.generate")
+    attempts = [s for s in spans if s.name == "lb.attempt"]
+    assert request_span.attributes["rollmesh.request_id"] == "traced"
+    assert request_span.attributes["rollmesh.attempts"] == 2
+    assert [a.attributes["rollmesh.outcome"] for a in attempts] == ["ABORTED", "COMPLETED"]
+    assert all(a.parent.span_id == request_span.context.span_id for a in attempts)
+    assert sum(a.attributes["rollmesh.tokens"] for a in attempts) >= 12
+    assert [e.name for e in request_span.events] == ["retry"]
+    server_span = next(s for s in spans if s.name.endswith("LoadBalancerService/Generate"))
+    assert request_span.parent.span_id == server_span.context.span_id
+    upstream = [s for s in spans if s.name.endswith("ReplicaAgentService/Generate")]
+    assert {u.parent.span_id for u in upstream} == {a.context.span_id for a in attempts}
