@@ -1,30 +1,116 @@
-"""gRPC surface of the replica agent: decode -> domain call -> encode."""
+"""gRPC surface of the replica agent: decode -> ReplicaManager call -> encode."""
 
 from __future__ import annotations
 
+from opentelemetry.sdk.trace import TracerProvider
+
 from mesh_runtime.capabilities import pending
-from mesh_runtime.status import StatusReporter, node_name
-from rollmesh.replica.v1 import replica_agent_pb2, replica_agent_pb2_grpc
+from mesh_runtime.errors import InvalidArgument
+from mesh_runtime.status import StatusReporter
+from rollmesh.common.v1 import types_pb2
+from rollmesh.replica.v1 import replica_agent_pb2 as pb
+from rollmesh.replica.v1 import replica_agent_pb2_grpc, replica_pb2
 
+from . import convert
 from .config import ReplicaAgentConfig
+from .node import Node
 
-DESCRIPTOR = replica_agent_pb2.DESCRIPTOR.services_by_name["ReplicaAgentService"]
+DESCRIPTOR = pb.DESCRIPTOR.services_by_name["ReplicaAgentService"]
+PAUSE_MODES = {replica_pb2.PAUSE_MODE_UNSPECIFIED: "wait", replica_pb2.PAUSE_MODE_WAIT: "wait",
+               replica_pb2.PAUSE_MODE_ABORT: "abort"}
 
 
-@pending(DESCRIPTOR, {
-    "lifecycle": ["LaunchReplica", "StopReplica", "ListReplicas", "GetReplica"],
-    "generate": ["Generate", "AbortRequests", "PauseGeneration", "ResumeGeneration"],
-    "sleep": ["Sleep", "WakeUp"],
-    "weights": ["ReceiveWeights", "SendWeights"],
-    "load_reports": ["GetLoadReports"],
-})
+def _seconds(duration, default: float | None) -> float | None:
+    return duration.ToNanoseconds() / 1e9 if duration.ByteSize() else default
+
+
+@pending(DESCRIPTOR, {"weights": ["ReceiveWeights", "SendWeights"]})
 class ReplicaAgentServicer(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
     """Implements ``rollmesh.replica.v1.ReplicaAgentService``."""
 
-    def __init__(self, config: ReplicaAgentConfig) -> None:
-        self.config = config
-        self.status = StatusReporter(config, ["status"])
+    def __init__(self, config: ReplicaAgentConfig, tracer_provider: TracerProvider | None = None) -> None:
+        self.node = Node(config, tracer_provider)
+        self.replicas = self.node.replicas
+        self.status = StatusReporter(config, ["status", "lifecycle", "generate", "sleep", "load_reports"])
 
-    async def GetStatus(self, request, context):  # noqa: N802 - gRPC method name
-        return replica_agent_pb2.GetStatusResponse(status=self.status.status(),
-                                                   node_id=node_name(self.config.node_id))
+    async def attach(self, server) -> None:
+        await self.node.start(server)
+
+    def _proto(self, replica) -> replica_pb2.Replica:
+        return self.node.replica_proto(replica)
+
+    async def GetStatus(self, request, context):  # noqa: N802 - gRPC method names throughout
+        return pb.GetStatusResponse(
+            status=self.status.status(), node_id=self.node.node_id, slots_total=self.replicas.slots_total,
+            slots_free=self.replicas.slots_free, backend=convert.BACKENDS[self.node.config.backend],
+            model=self.node.config.model, replica_count=len(self.replicas.list()))
+
+    async def LaunchReplica(self, request, context):  # noqa: N802
+        if request.kind == types_pb2.REPLICA_KIND_UNSPECIFIED:
+            raise InvalidArgument("kind must be REPLICA_KIND_STANDALONE or REPLICA_KIND_HYBRID",
+                                  reason="INVALID_KIND")
+        replica = await self.node.launch_once(
+            request_id=request.request_id, replica_id=request.replica_id, kind=convert.KIND_NAMES[request.kind],
+            slots=request.slots or 1,
+            memory_fraction=request.memory_fraction if request.HasField("memory_fraction") else None,
+            start_asleep=request.start_asleep, weight_version=request.weight_version)
+        return pb.LaunchReplicaResponse(replica=self._proto(replica))
+
+    async def StopReplica(self, request, context):  # noqa: N802
+        replica = await self.replicas.stop(request.replica_id, force=request.force,
+                                           grace_s=_seconds(request.grace, self.node.config.shutdown_grace_s))
+        return pb.StopReplicaResponse(replica=self._proto(replica))
+
+    async def ListReplicas(self, request, context):  # noqa: N802
+        kinds = [convert.KIND_NAMES[k] for k in request.kinds if k in convert.KIND_NAMES]
+        states = [convert.state_name(s) for s in request.states]
+        return pb.ListReplicasResponse(replicas=[self._proto(r) for r in self.replicas.list(kinds, states)])
+
+    async def GetReplica(self, request, context):  # noqa: N802
+        return pb.GetReplicaResponse(replica=self._proto(self.replicas.get(request.replica_id)))
+
+    async def Generate(self, request, context):  # noqa: N802
+        generation = convert.generation_request(request)
+        interval = request.stream_interval if request.HasField("stream_interval") else 0
+        chunks = self.replicas.generate(request.replica_id, generation)
+        async for chunk in convert.rechunk(chunks, interval):
+            yield convert.chunk_to_proto(chunk)
+
+    async def AbortRequests(self, request, context):  # noqa: N802
+        if not request.request_ids and not request.all:
+            raise InvalidArgument("name request_ids or set all", reason="NOTHING_TO_ABORT")
+        if request.request_ids and request.all:
+            raise InvalidArgument("set either request_ids or all, not both", reason="AMBIGUOUS_ABORT")
+        ids = None if request.all else list(request.request_ids)
+        aborted = await self.replicas.abort(request.replica_id, ids)
+        return pb.AbortRequestsResponse(aborted_request_ids=aborted)
+
+    async def PauseGeneration(self, request, context):  # noqa: N802
+        if request.mode not in PAUSE_MODES:
+            raise InvalidArgument(f"unknown pause mode {request.mode}", reason="INVALID_PAUSE_MODE")
+        aborted = await self.replicas.pause(list(request.replica_ids), mode=PAUSE_MODES[request.mode],
+                                            timeout_s=_seconds(request.timeout, None))
+        replicas = self.replicas.get_many(request.replica_ids)
+        return pb.PauseGenerationResponse(replicas=[self._proto(r) for r in replicas], aborted_request_ids=aborted)
+
+    async def ResumeGeneration(self, request, context):  # noqa: N802
+        replicas = await self.replicas.resume(list(request.replica_ids))
+        return pb.ResumeGenerationResponse(replicas=[self._proto(r) for r in replicas])
+
+    async def Sleep(self, request, context):  # noqa: N802
+        freed = await self.replicas.sleep(request.replica_id, level=int(request.level),
+                                          abort_in_flight=request.abort_in_flight)
+        return pb.SleepResponse(freed_bytes=freed, replica=self._proto(self.replicas.get(request.replica_id)))
+
+    async def WakeUp(self, request, context):  # noqa: N802
+        unknown = [t for t in request.tags if t not in convert.WAKE_TAGS]
+        if unknown:
+            raise InvalidArgument(f"unknown wake tag(s) {unknown}; use WAKE_TAG_WEIGHTS or WAKE_TAG_KV_CACHE",
+                                  reason="INVALID_WAKE_TAG")
+        replica = await self.replicas.wake(request.replica_id, tags={convert.WAKE_TAGS[t] for t in request.tags},
+                                           resume_generation=request.resume_generation)
+        return pb.WakeUpResponse(replica=self._proto(replica))
+
+    async def GetLoadReports(self, request, context):  # noqa: N802
+        replicas = self.replicas.get_many(request.replica_ids)
+        return pb.GetLoadReportsResponse(reports=[self.node.load_report(r) for r in replicas])

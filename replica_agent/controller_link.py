@@ -1,0 +1,89 @@
+"""The agent's side of the controller registry: register, then hold a lease.
+
+The agent registers its node and replicas, then pushes load reports on a
+bidirectional stream at the interval the controller sets (the Envoy
+load-reporting pattern). When the stream breaks (controller restart, network)
+it re-registers by itself, with jittered exponential backoff between tries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+from tenacity import AsyncRetrying, retry_if_exception_type, wait_random_exponential
+
+from rollmesh.common.v1 import load_pb2
+from rollmesh.controller.v1 import controller_pb2_grpc, registry_pb2
+
+log = logging.getLogger(__name__)
+
+
+class LinkLost(Exception):
+    """The registration or the load-report stream ended; register again."""
+
+
+class ControllerLink:
+    """Keeps this node registered with the controller for as long as it runs."""
+
+    def __init__(self, *, channel: grpc.aio.Channel, registration: Callable[[], registry_pb2.RegisterNodeRequest],
+                 reports: Callable[[], list[load_pb2.LoadReport]],
+                 on_rejected: Callable[[list[str]], asyncio.Future | None] | None = None,
+                 call_timeout_s: float = 10.0, max_backoff_s: float = 5.0) -> None:
+        self._stub = controller_pb2_grpc.ControllerServiceStub(channel)
+        self._registration = registration
+        self._reports = reports
+        self._on_rejected = on_rejected
+        self._call_timeout_s = call_timeout_s
+        self._max_backoff_s = max_backoff_s
+        self.interval_s = 1.0
+        self.registrations = 0
+        self.registered = asyncio.Event()
+
+    async def run(self) -> None:
+        """Register and report forever; cancelled at shutdown."""
+        retrying = AsyncRetrying(retry=retry_if_exception_type(LinkLost),
+                                 wait=wait_random_exponential(multiplier=0.2, max=self._max_backoff_s),
+                                 before_sleep=lambda state: log.warning(
+                                     "controller link lost (%s); registering again", state.outcome.exception()))
+        async for attempt in retrying:
+            with attempt:
+                await self._session()
+
+    async def _session(self) -> None:
+        request = self._registration()
+        try:
+            reply = await self._stub.RegisterNode(request, timeout=self._call_timeout_s)
+        except grpc.aio.AioRpcError as err:
+            raise LinkLost(f"RegisterNode failed: {err.code().name}: {err.details()}") from None
+        self.registrations += 1
+        self._set_interval(reply.load_report_interval)
+        if reply.rejected_replica_ids and self._on_rejected is not None:
+            result = self._on_rejected(list(reply.rejected_replica_ids))
+            if result is not None:
+                await result
+        log.info("registered node %s with the controller (%d replicas, report every %.2f s)",
+                 request.node_id, len(request.replicas), self.interval_s)
+        self.registered.set()
+        call = self._stub.StreamLoadReports(self._report_stream(request.node_id))
+        try:
+            async for response in call:
+                self._set_interval(response.load_report_interval)
+        except grpc.aio.AioRpcError as err:
+            raise LinkLost(f"load-report stream ended: {err.code().name}: {err.details()}") from None
+        finally:
+            self.registered.clear()
+            call.cancel()
+        raise LinkLost("load-report stream closed by the controller")
+
+    def _set_interval(self, duration) -> None:
+        seconds = duration.ToNanoseconds() / 1e9
+        if seconds > 0:
+            self.interval_s = seconds
+
+    async def _report_stream(self, node_id: str) -> AsyncIterator[registry_pb2.StreamLoadReportsRequest]:
+        while True:
+            yield registry_pb2.StreamLoadReportsRequest(node_id=node_id, reports=self._reports())
+            await asyncio.sleep(self.interval_s)

@@ -1,0 +1,134 @@
+"""Conversions between the replica agent's protobuf messages and engine types.
+
+Validation of wire input happens here, before anything reaches an engine:
+bad input raises :class:`~mesh_runtime.errors.InvalidArgument` naming the field.
+"""
+
+from __future__ import annotations
+
+from mesh_runtime.errors import InvalidArgument
+from mesh_runtime.generation import check_generation, check_sampling, temperature_of, top_p_of
+from rollmesh.common.v1 import generation_pb2, load_pb2, types_pb2
+from rollmesh.replica.v1 import replica_agent_pb2
+
+from .engines import FinishReason, GenerationChunk, GenerationRequest, LoadSnapshot, SamplingParams, TokenSegment
+
+FINISH_REASONS = {
+    FinishReason.STOP: generation_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: generation_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORTED: generation_pb2.FINISH_REASON_ABORTED,
+}
+KINDS = {"STANDALONE": types_pb2.REPLICA_KIND_STANDALONE, "HYBRID": types_pb2.REPLICA_KIND_HYBRID}
+KIND_NAMES = {v: k for k, v in KINDS.items()}
+BACKENDS = {"torch": types_pb2.ENGINE_BACKEND_TORCH, "vllm": types_pb2.ENGINE_BACKEND_VLLM,
+            "synthetic": types_pb2.ENGINE_BACKEND_SYNTHETIC}
+WAKE_TAGS = {types_pb2.WAKE_TAG_WEIGHTS: "weights", types_pb2.WAKE_TAG_KV_CACHE: "kv_cache"}
+
+
+def sampling_from_proto(sp: generation_pb2.SamplingParams) -> SamplingParams:
+    check_sampling(sp)
+    return SamplingParams(max_tokens=sp.max_tokens, temperature=temperature_of(sp), top_p=top_p_of(sp),
+                          top_k=sp.top_k, seed=sp.seed if sp.HasField("seed") else None,
+                          stop_token_ids=list(sp.stop_token_ids), logprobs=sp.logprobs, ignore_eos=sp.ignore_eos)
+
+
+def segment_from_proto(seg: generation_pb2.TokenSegment) -> TokenSegment:
+    return TokenSegment(token_ids=list(seg.token_ids), logprobs=list(seg.logprobs),
+                        weight_version=seg.weight_version, replica_id=seg.replica_id, node_id=seg.node_id)
+
+
+def segment_to_proto(seg: TokenSegment) -> generation_pb2.TokenSegment:
+    return generation_pb2.TokenSegment(token_ids=seg.token_ids, logprobs=seg.logprobs,
+                                       weight_version=seg.weight_version, replica_id=seg.replica_id,
+                                       node_id=seg.node_id)
+
+
+def generation_request(msg: replica_agent_pb2.GenerateRequest) -> GenerationRequest:
+    """Decode and validate a Generate request (the engine checks model limits)."""
+    check_generation(msg.request_id, msg.prompt_token_ids, msg.sampling_params, msg.resume_segments)
+    if msg.HasField("stream_interval") and msg.stream_interval == 0:
+        raise InvalidArgument("stream_interval must be > 0 when set", reason="INVALID_STREAM_INTERVAL")
+    return GenerationRequest(request_id=msg.request_id, prompt_token_ids=list(msg.prompt_token_ids),
+                             sampling=sampling_from_proto(msg.sampling_params),
+                             resume_segments=[segment_from_proto(s) for s in msg.resume_segments])
+
+
+def chunk_to_proto(chunk: GenerationChunk) -> replica_agent_pb2.GenerateResponse:
+    out = replica_agent_pb2.GenerateResponse(request_id=chunk.request_id, token_ids=chunk.token_ids,
+                                             logprobs=chunk.logprobs, weight_version=chunk.weight_version)
+    if chunk.finish_reason is not None:
+        out.finish_reason = FINISH_REASONS[chunk.finish_reason]
+        out.segments.extend(segment_to_proto(s) for s in chunk.segments)
+        if chunk.usage is not None:
+            out.usage.CopyFrom(generation_pb2.Usage(prompt_tokens=chunk.usage.prompt_tokens,
+                                                    completion_tokens=chunk.usage.completion_tokens,
+                                                    resumed_tokens=chunk.usage.resumed_tokens, attempts=1))
+    return out
+
+
+def load_report(snapshot: LoadSnapshot, **identity) -> load_pb2.LoadReport:
+    """A LoadReport from an engine snapshot; ``identity`` fills id, state, kind, version."""
+    report = load_pb2.LoadReport(
+        running_requests=snapshot.running, waiting_requests=snapshot.waiting,
+        kv_cache_usage=snapshot.kv_cache_usage, max_total_tokens=snapshot.max_total_tokens,
+        used_tokens=snapshot.used_tokens, generation_tokens_per_second=snapshot.tokens_per_second, **identity)
+    report.queue_time_p95.FromNanoseconds(int(snapshot.queue_time_p95_s * 1e9))
+    report.time_to_first_token_p95.FromNanoseconds(int(snapshot.ttft_p95_s * 1e9))
+    report.inter_token_latency_mean.FromNanoseconds(int(snapshot.itl_mean_s * 1e9))
+    report.inter_token_latency_p95.FromNanoseconds(int(snapshot.itl_p95_s * 1e9))
+    report.reported_at.GetCurrentTime()
+    return report
+
+
+def state_enum(name: str) -> int:
+    return types_pb2.ReplicaState.Value(f"REPLICA_STATE_{name}")
+
+
+def state_name(value: int) -> str:
+    return types_pb2.ReplicaState.Name(value).removeprefix("REPLICA_STATE_")
+
+
+def replica_to_proto(replica, *, node_id: str, address: str, backend: str, model: str):
+    """The wire form of a :class:`~replica_agent.replicas.Replica`."""
+    from rollmesh.replica.v1 import replica_pb2  # noqa: PLC0415 - keep the module import light
+
+    msg = replica_pb2.Replica(
+        replica_id=replica.replica_id, node_id=node_id, kind=KINDS[replica.kind], state=state_enum(replica.state),
+        weight_version=replica.weight_version, slots=replica.slots, memory_fraction=replica.memory_fraction,
+        backend=BACKENDS[backend], model=model, address=address, initial=replica.initial,
+        state_reason=replica.reason, in_flight_requests=len(replica.in_flight),
+        sleep_level=types_pb2.SleepLevel.Value(f"SLEEP_LEVEL_{replica.sleep_level}")
+        if replica.state == "SLEEPING" and replica.sleep_level else types_pb2.SLEEP_LEVEL_UNSPECIFIED)
+    msg.launched_at.FromNanoseconds(int(replica.launched_at * 1e9))
+    return msg
+
+
+def rechunk(chunks, interval: int):
+    """Merge engine chunks into messages of at least ``interval`` tokens.
+
+    Tokens of one message always share a weight version; the final chunk is
+    passed through with whatever is still buffered merged in front of it.
+    """
+    async def merged():
+        pending: GenerationChunk | None = None
+        async for chunk in chunks:
+            if pending is not None and (pending.weight_version != chunk.weight_version):
+                yield pending
+                pending = None
+            if pending is None:
+                pending = GenerationChunk(chunk.request_id, list(chunk.token_ids), list(chunk.logprobs),
+                                          chunk.weight_version)
+            else:
+                pending.token_ids += chunk.token_ids
+                pending.logprobs += chunk.logprobs
+            if chunk.finish_reason is not None:
+                pending.finish_reason, pending.usage, pending.segments = (chunk.finish_reason, chunk.usage,
+                                                                          chunk.segments)
+                yield pending
+                return
+            if len(pending.token_ids) >= interval:
+                yield pending
+                pending = None
+        if pending is not None and pending.token_ids:
+            yield pending
+    return merged()

@@ -1,0 +1,122 @@
+"""The ``Engine`` interface: one inference engine per replica.
+
+A replica agent drives its engine only through these methods. Every method
+documents the :mod:`errors` it raises; the agent maps those onto gRPC
+statuses in one place.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator, Iterator, Mapping
+from typing import Any, Literal
+
+from .types import EngineState, GenerationChunk, GenerationRequest, LoadSnapshot, WeightSpec
+
+PauseMode = Literal["wait", "abort"]
+WAKE_TAGS = frozenset({"weights", "kv_cache"})
+
+
+class Engine(abc.ABC):
+    """An asynchronous, continuously batching inference engine.
+
+    All coroutine methods must be called from the event loop that called
+    :meth:`start`.
+    """
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Load the model and start serving (state LOADING -> ACTIVE)."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Abort everything in flight, stop the decode loop and release the
+        model. Idempotent."""
+
+    @abc.abstractmethod
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """Stream the completion of ``request``.
+
+        An async generator: nothing happens until it is first iterated. Chunks
+        carry up to ``stream_interval`` new tokens; the final chunk carries
+        ``finish_reason``, ``usage`` and ``segments``. An abort ends the stream
+        normally with ``FinishReason.ABORTED`` and the partial tokens. The
+        resumed prefix plus new tokens never exceed ``sampling.max_tokens``.
+        Leaving the iteration early aborts the request.
+
+        Raises (on first iteration): ``InvalidRequest``, ``DuplicateRequest``,
+        ``EngineUnavailable`` (loading, paused, asleep, no weights),
+        ``EngineDead``; ``EngineDead`` also mid-stream if the loop fails.
+        """
+
+    @abc.abstractmethod
+    async def abort(self, request_ids: list[str] | None = None) -> list[str]:
+        """Abort the given requests (``None``: all) and return the ids that
+        were in flight. Returns once their streams have received the final
+        ABORTED chunk, which happens no later than the end of the decoding
+        step in progress. Unknown ids are ignored."""
+
+    @abc.abstractmethod
+    async def pause(self, mode: PauseMode = "wait") -> None:
+        """Refuse new generations. ``"wait"`` returns once in-flight requests
+        have finished; ``"abort"`` aborts them first. Raises ``InvalidRequest``
+        for an unknown mode, ``EngineDead`` if closed or dead."""
+
+    @abc.abstractmethod
+    async def resume(self) -> None:
+        """Undo :meth:`pause`. Raises ``EngineDead`` if closed or dead."""
+
+    @abc.abstractmethod
+    async def sleep(self, level: int = 1) -> int:
+        """Release accelerator memory and return the bytes freed.
+
+        In-flight requests are aborted first. Level 1 moves the weights to host
+        memory and drops the KV cache; level 2 discards both (weights must then
+        come from :meth:`load_weights`). Sleeping deeper than the current level
+        frees what is left; sleeping again at the same level frees nothing.
+        Raises ``InvalidRequest`` for another level, ``EngineDead``.
+        """
+
+    @abc.abstractmethod
+    async def wake_up(self, tags: set[str] | None = None) -> None:
+        """Bring back the parts named in ``tags`` (``{"weights", "kv_cache"}``;
+        ``None`` or empty: both). After level 1 the weights return bit for
+        bit; after level 2 they come back uninitialised and the engine awaits
+        :meth:`load_weights`. Raises ``InvalidRequest`` for unknown tags."""
+
+    @abc.abstractmethod
+    def named_weights(self) -> Iterator[tuple[str, Any]]:
+        """Yield ``(hf_name, tensor)`` for every weight, tied ones once.
+        Raises ``EngineUnavailable`` while the weights are not resident."""
+
+    @abc.abstractmethod
+    def weight_spec(self) -> list[WeightSpec]:
+        """Name, dtype name and shape of every weight :meth:`named_weights`
+        yields, available even while asleep."""
+
+    @abc.abstractmethod
+    async def load_weights(self, named_tensors: Mapping[str, Any], version: int) -> None:
+        """Atomically replace weights and set :attr:`weight_version`.
+
+        Names, shapes and dtypes are checked against :meth:`weight_spec`
+        before anything changes: on ``WeightMismatch`` the old weights keep
+        serving. A subset of names is accepted while weights are loaded; the
+        full set is required after a level-2 sleep. In-flight requests
+        continue under the new weights (their segments record the switch).
+        Raises ``WeightMismatch``, ``EngineUnavailable`` (weights asleep),
+        ``EngineDead``.
+        """
+
+    @property
+    @abc.abstractmethod
+    def weight_version(self) -> int:
+        """Version of the weights currently serving (set by ``load_weights``)."""
+
+    @abc.abstractmethod
+    def load_snapshot(self) -> LoadSnapshot:
+        """Current load and recent latency figures."""
+
+    @property
+    @abc.abstractmethod
+    def state(self) -> EngineState:
+        """Coarse lifecycle state."""

@@ -1,0 +1,497 @@
+"""Request lifecycle shared by step-driven engines.
+
+``SteppedEngine`` owns everything that does not depend on how tokens are
+produced: admission into the running batch, streaming chunks, stop/length
+checks, abort, pause, sleep/wake bookkeeping, atomic weight-load sequencing,
+weight-version segments and load metrics. A backend supplies one coroutine,
+:meth:`SteppedEngine._execute_step`, that produces one token for every row of
+the batch, plus hooks for loading and (off)loading weights.
+
+One background task (the decode loop) runs steps back to back while there is
+work. Between steps it admits waiting requests (first-come first-served,
+within ``max_batch_size`` and the ``max_total_tokens`` reservation) and
+retires finished or aborted ones, so requests join and leave the batch at
+iteration granularity.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import collections
+import dataclasses
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
+
+from .base import WAKE_TAGS, Engine, PauseMode
+from .errors import DuplicateRequest, EngineDead, EngineUnavailable, InvalidRequest
+from .metrics import EngineMetrics
+from .request_state import ActiveRequest, StepBatch
+from .types import (
+    EngineState,
+    FinishReason,
+    GenerationChunk,
+    GenerationRequest,
+    LoadSnapshot,
+    TokenSegment,
+    Usage,
+    validate_request,
+)
+
+log = logging.getLogger(__name__)
+
+ABORT_WAIT_S = 60.0
+"""Upper bound on how long ``abort()`` waits for the loop to retire a request."""
+
+
+class SteppedEngine(Engine):
+    """Engine base class driven by a single decode loop of batched steps."""
+
+    def __init__(
+        self,
+        *,
+        replica_id: str = "",
+        node_id: str = "",
+        stream_interval: int = 16,
+        max_batch_size: int = 256,
+        max_total_tokens: int = 65536,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if stream_interval < 1:
+            raise InvalidRequest(f"stream_interval must be >= 1, got {stream_interval}")
+        if max_batch_size < 1:
+            raise InvalidRequest(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.replica_id = replica_id
+        self.node_id = node_id
+        self.stream_interval = stream_interval
+        self.max_batch_size = max_batch_size
+        self.max_total_tokens = max_total_tokens
+        self._clock = clock
+        self._metrics = EngineMetrics(clock)
+        self._requests: dict[str, ActiveRequest] = {}
+        self._waiting: collections.deque[ActiveRequest] = collections.deque()
+        self._running: list[ActiveRequest] = []
+        self._dropped: list[str] = []
+        self._reserved = 0
+        self._work = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._step_lock = asyncio.Lock()
+        self._in_step = False
+        self._loop_task: asyncio.Task[None] | None = None
+        self._started = False
+        self._closed = False
+        self._dead: BaseException | None = None
+        self._paused = False
+        self._weights_resident = True
+        self._weights_loaded = True
+        self._kv_resident = True
+        self._weight_version = 0
+        self.step_count = 0
+        """Decode-loop iterations run so far (a step prefills joiners and decodes the rest)."""
+
+    # ----------------------------------------------------------- backend hooks
+    @abc.abstractmethod
+    async def _load_model(self) -> None:
+        """Build or load the model (called once by ``start``)."""
+
+    @abc.abstractmethod
+    async def _unload_model(self) -> None:
+        """Release the model (called once by ``close``)."""
+
+    @abc.abstractmethod
+    def _request_limits(self) -> dict[str, int | None]:
+        """Keyword limits for :func:`validate_request` (vocab_size, max_model_len)."""
+
+    @abc.abstractmethod
+    def _eos_token_ids(self) -> frozenset[int]:
+        """Token ids that end a generation unless ``ignore_eos`` is set."""
+
+    @abc.abstractmethod
+    async def _execute_step(self, batch: StepBatch) -> list[tuple[int, float]]:
+        """Run one step; return ``(token_id, logprob)`` for ``batch.running``
+        followed by ``batch.admitted``, in order."""
+
+    @abc.abstractmethod
+    async def _reset_batch(self) -> None:
+        """Forget every row of the batch (all requests have been retired)."""
+
+    @abc.abstractmethod
+    async def _release_weights(self, level: int) -> int:
+        """Level 1: move resident weights to host memory. Level 2: discard
+        resident weights and any host copy. Return the bytes freed."""
+
+    @abc.abstractmethod
+    async def _restore_weights(self) -> bool:
+        """Make weights resident again; return True if their contents came
+        back (from a level-1 host copy), False if they are uninitialised."""
+
+    @abc.abstractmethod
+    def _check_weights(self, named_tensors: Mapping[str, Any], require_complete: bool) -> None:
+        """Raise ``WeightMismatch`` unless ``named_tensors`` fit the model."""
+
+    @abc.abstractmethod
+    async def _swap_weights(self, named_tensors: Mapping[str, Any]) -> None:
+        """Install already-checked tensors (called between steps)."""
+
+    def _default_seed(self, request: GenerationRequest) -> int:
+        """Sampling seed of a request that brings none (random by default)."""
+        return secrets.randbits(63)
+
+    # -------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        if self._started:
+            return
+        if self._closed:
+            raise EngineDead("engine is closed")
+        try:
+            await self._load_model()
+        except BaseException as exc:
+            self._dead = exc
+            raise
+        self._started = True
+        self._loop_task = asyncio.create_task(self._decode_loop(), name=f"decode-loop-{self.replica_id}")
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._requests:
+            await self.abort(None)
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except asyncio.CancelledError:
+                pass
+            self._loop_task = None
+        async with self._step_lock:
+            if self._started:
+                await self._reset_batch()
+            await self._unload_model()
+
+    @property
+    def state(self) -> EngineState:
+        if self._dead is not None:
+            return EngineState.DEAD
+        if self._closed:
+            return EngineState.CLOSED
+        if not self._started:
+            return EngineState.LOADING
+        if not (self._weights_resident and self._kv_resident):
+            return EngineState.SLEEPING
+        if not self._weights_loaded:
+            return EngineState.AWAITING_WEIGHTS
+        if self._paused:
+            return EngineState.PAUSED
+        return EngineState.ACTIVE
+
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDead(f"engine failed: {self._dead!r}")
+        if self._closed:
+            raise EngineDead("engine is closed")
+        if not self._started:
+            raise EngineUnavailable("engine is still loading")
+
+    # ------------------------------------------------------------- generation
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        active = self._submit(request)
+        finished = False
+        try:
+            while True:
+                item = await active.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finish_reason is not None
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._abort_nowait(active)
+
+    def _submit(self, request: GenerationRequest) -> ActiveRequest:
+        self._check_alive()
+        validate_request(request, max_total_tokens=self.max_total_tokens, **self._request_limits())
+        if not (self._weights_resident and self._kv_resident):
+            raise EngineUnavailable("engine is asleep")
+        if not self._weights_loaded:
+            raise EngineUnavailable("engine has no weights loaded")
+        if self._paused:
+            raise EngineUnavailable("engine is paused")
+        if request.request_id in self._requests:
+            raise DuplicateRequest(f"request {request.request_id} is already in flight")
+        seed = request.sampling.seed
+        if seed is None:
+            seed = self._default_seed(request)
+        active = ActiveRequest(_private_copy(request), seed, self._clock())
+        self._requests[request.request_id] = active
+        self._waiting.append(active)
+        self._idle.clear()
+        self._work.set()
+        return active
+
+    async def abort(self, request_ids: list[str] | None = None) -> list[str]:
+        if request_ids is None:
+            targets = list(self._requests.values())
+        else:
+            targets = [self._requests[i] for i in request_ids if i in self._requests]
+        for active in targets:
+            self._abort_nowait(active)
+        pending = [a.done.wait() for a in targets if not a.done.is_set()]
+        if pending:
+            try:
+                await asyncio.wait_for(asyncio.gather(*pending), ABORT_WAIT_S)
+            except TimeoutError:
+                log.warning("abort: %d request(s) not retired within %.0f s", len(pending), ABORT_WAIT_S)
+        return [a.request_id for a in targets]
+
+    def _abort_nowait(self, active: ActiveRequest) -> None:
+        """Mark ``active`` aborted; retire it now unless a step is using it."""
+        if active.finish_reason is not None or active.done.is_set():
+            return
+        active.abort_requested = True
+        if active in self._waiting or not self._in_step:
+            self._finish(active, FinishReason.ABORTED)
+
+    # ------------------------------------------------------------ decode loop
+    def _can_admit(self) -> bool:
+        return bool(self._waiting) and self._weights_resident and self._kv_resident and self._weights_loaded
+
+    async def _decode_loop(self) -> None:
+        try:
+            while True:
+                if not (self._running or self._can_admit()):
+                    if self._dropped:
+                        async with self._step_lock:  # free the retired rows' cache now
+                            if not self._running:
+                                self._dropped = []
+                                await self._reset_batch()
+                        continue
+                    self._work.clear()
+                    await self._work.wait()
+                    continue
+                async with self._step_lock:
+                    if not (self._running or self._can_admit()):
+                        continue
+                    rows, batch = self._plan_step()
+                    version = self._weight_version
+                    self._in_step = True
+                    try:
+                        tokens = await self._execute_step(batch)
+                    finally:
+                        self._in_step = False
+                    self.step_count += 1
+                self._apply_step(rows, tokens, version)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any backend failure kills the engine
+            log.exception("decode loop of replica %r failed", self.replica_id)
+            self._fail(exc)
+
+    def _plan_step(self) -> tuple[list[ActiveRequest], StepBatch]:
+        running = list(self._running)
+        admitted: list[ActiveRequest] = []
+        if self._weights_resident and self._kv_resident and self._weights_loaded:
+            now = self._clock()
+            while self._waiting and len(running) + len(admitted) < self.max_batch_size:
+                head = self._waiting[0]
+                if self._reserved + head.reserved_tokens > self.max_total_tokens:
+                    break
+                self._waiting.popleft()
+                self._reserved += head.reserved_tokens
+                head.admitted_at = now
+                self._metrics.record_queue_time(now - head.submitted_at)
+                admitted.append(head)
+        self._running.extend(admitted)
+        dropped, self._dropped = self._dropped, []
+        batch = StepBatch(
+            dropped=dropped,
+            running=[a.row(with_context=False) for a in running],
+            admitted=[a.row(with_context=True) for a in admitted],
+        )
+        return running + admitted, batch
+
+    def _apply_step(self, rows: list[ActiveRequest], tokens: list[tuple[int, float]], version: int) -> None:
+        if len(tokens) != len(rows):
+            raise RuntimeError(f"backend returned {len(tokens)} tokens for {len(rows)} rows")
+        now = self._clock()
+        eos = self._eos_token_ids()
+        emitted = 0
+        for active, (token, logprob) in zip(rows, tokens):
+            if active.finish_reason is not None:
+                continue
+            self._append_token(active, token, logprob, version, now)
+            emitted += 1
+            sp = active.request.sampling
+            reason: FinishReason | None = None
+            if (token in eos and not sp.ignore_eos) or token in sp.stop_token_ids:
+                reason = FinishReason.STOP
+            elif active.completion_tokens >= sp.max_tokens:
+                reason = FinishReason.LENGTH
+            elif active.abort_requested:
+                reason = FinishReason.ABORTED
+            if reason is not None:
+                self._finish(active, reason)
+            elif len(active.pending) >= self.stream_interval:
+                self._flush(active)
+        self._metrics.record_tokens(emitted)
+
+    def _append_token(self, active: ActiveRequest, token: int, logprob: float, version: int, now: float) -> None:
+        want_logprobs = active.request.sampling.logprobs
+        if active.pending and active.pending_version != version:
+            self._flush(active)
+        if not active.segments or active.segments[-1].weight_version != version:
+            active.segments.append(TokenSegment([], [], version, self.replica_id, self.node_id))
+        segment = active.segments[-1]
+        segment.token_ids.append(token)
+        active.generated.append(token)
+        active.pending.append(token)
+        active.pending_version = version
+        if want_logprobs:
+            segment.logprobs.append(logprob)
+            active.pending_logprobs.append(logprob)
+        if active.last_token_at is None:
+            self._metrics.record_ttft(now - active.submitted_at)
+        else:
+            self._metrics.record_itl(now - active.last_token_at)
+        active.last_token_at = now
+
+    def _flush(self, active: ActiveRequest) -> None:
+        if not active.pending:
+            return
+        active.queue.put_nowait(
+            GenerationChunk(active.request_id, active.pending, active.pending_logprobs, active.pending_version or 0)
+        )
+        active.pending, active.pending_logprobs = [], []
+
+    def _finish(self, active: ActiveRequest, reason: FinishReason) -> None:
+        """Send the final chunk and retire ``active`` from every queue."""
+        version = active.pending_version if active.pending else self._weight_version
+        usage = Usage(
+            prompt_tokens=len(active.request.prompt_token_ids),
+            completion_tokens=active.completion_tokens,
+            resumed_tokens=len(active.prefix),
+        )
+        segments = [dataclasses.replace(s) for s in active.request.resume_segments] + active.segments
+        active.queue.put_nowait(
+            GenerationChunk(
+                active.request_id, active.pending, active.pending_logprobs, version, reason, usage, segments
+            )
+        )
+        active.pending, active.pending_logprobs = [], []
+        active.finish_reason = reason
+        self._retire(active)
+
+    def _retire(self, active: ActiveRequest) -> None:
+        self._requests.pop(active.request_id, None)
+        if active in self._running:
+            self._running.remove(active)
+            self._dropped.append(active.request_id)
+            self._reserved -= active.reserved_tokens
+        elif active in self._waiting:
+            self._waiting.remove(active)
+        active.done.set()
+        if not self._requests:
+            self._idle.set()
+
+    def _fail(self, exc: BaseException) -> None:
+        self._dead = exc
+        for active in list(self._requests.values()):
+            active.queue.put_nowait(EngineDead(f"engine failed: {exc!r}"))
+            self._retire(active)
+
+    # ------------------------------------------------------------ pause/sleep
+    async def pause(self, mode: PauseMode = "wait") -> None:
+        if mode not in ("wait", "abort"):
+            raise InvalidRequest(f"pause mode must be 'wait' or 'abort', got {mode!r}")
+        self._check_alive()
+        self._paused = True
+        if mode == "abort":
+            await self.abort(None)
+        else:
+            await self._idle.wait()
+
+    async def resume(self) -> None:
+        self._check_alive()
+        self._paused = False
+        self._work.set()
+
+    async def sleep(self, level: int = 1) -> int:
+        if level not in (1, 2):
+            raise InvalidRequest(f"sleep level must be 1 or 2, got {level!r}")
+        self._check_alive()
+        self._kv_resident = False  # refuses new requests from here on
+        await self.abort(None)
+        async with self._step_lock:
+            await self._reset_batch()
+            freed = await self._release_weights(level)
+            self._weights_resident = False
+            if level == 2:
+                self._weights_loaded = False
+        return freed
+
+    async def wake_up(self, tags: set[str] | None = None) -> None:
+        tags = set(tags) if tags else set(WAKE_TAGS)
+        unknown = tags - WAKE_TAGS
+        if unknown:
+            raise InvalidRequest(f"unknown wake_up tags {sorted(unknown)}; expected a subset of {sorted(WAKE_TAGS)}")
+        self._check_alive()
+        async with self._step_lock:
+            if "weights" in tags and not self._weights_resident:
+                restored = await self._restore_weights()
+                self._weights_resident = True
+                self._weights_loaded = self._weights_loaded and restored
+            if "kv_cache" in tags:
+                self._kv_resident = True
+        self._work.set()
+
+    # ---------------------------------------------------------------- weights
+    async def load_weights(self, named_tensors: Mapping[str, Any], version: int) -> None:
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise InvalidRequest(f"weight version must be an integer, got {version!r}")
+        self._check_alive()
+        async with self._step_lock:
+            if not self._weights_resident:
+                raise EngineUnavailable("weights are asleep; call wake_up({'weights'}) before load_weights")
+            self._check_weights(named_tensors, require_complete=not self._weights_loaded)
+            await self._swap_weights(named_tensors)
+            self._weight_version = version
+            self._weights_loaded = True
+        self._work.set()
+
+    # ---------------------------------------------------------------- metrics
+    def load_snapshot(self) -> LoadSnapshot:
+        used = sum(a.held_tokens for a in self._running)
+        itl_mean, itl_p95 = self._metrics.itl_stats()
+        capacity = max(1, self.max_total_tokens)
+        return LoadSnapshot(
+            running=len(self._running),
+            waiting=len(self._waiting),
+            kv_cache_usage=min(1.0, used / capacity),
+            max_total_tokens=self.max_total_tokens,
+            used_tokens=used,
+            tokens_per_second=self._metrics.tokens_per_second(),
+            queue_time_p95_s=self._metrics.queue_time_p95(),
+            ttft_p95_s=self._metrics.ttft_p95(),
+            itl_mean_s=itl_mean,
+            itl_p95_s=itl_p95,
+        )
+
+
+def _private_copy(request: GenerationRequest) -> GenerationRequest:
+    """A copy the caller cannot change under a running request."""
+    sampling = dataclasses.replace(request.sampling, stop_token_ids=list(request.sampling.stop_token_ids))
+    segments = [dataclasses.replace(s, token_ids=list(s.token_ids), logprobs=list(s.logprobs))
+                for s in request.resume_segments]
+    return dataclasses.replace(request, prompt_token_ids=list(request.prompt_token_ids),
+                               sampling=sampling, resume_segments=segments)

@@ -1,0 +1,81 @@
+"""Per-request state of step-driven engines, and what a backend sees of it.
+
+:class:`ActiveRequest` is the engine-side record of one in-flight request
+(only the event-loop thread touches it). :class:`RowSpec` and
+:class:`StepBatch` are the read-only copies handed to a backend for one step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from .types import FinishReason, GenerationChunk, GenerationRequest, SamplingParams, TokenSegment
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSpec:
+    """What a backend needs to know about one row of a step (a read-only copy)."""
+
+    request_id: str
+    sampling: SamplingParams
+    seed: int
+    """Sampling seed (the request's, or one drawn at submission)."""
+    completion_index: int
+    """Index, within the whole completion (resumed prefix included), of the token this step produces."""
+    context: tuple[int, ...] = ()
+    """Prompt + resumed prefix; only filled for rows joining the batch in this step."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+    """Input of one decode-loop iteration."""
+
+    dropped: list[str]
+    """Rows that left the batch since the last step; release their state first."""
+    running: list[RowSpec]
+    """Rows already in the batch: decode one token each."""
+    admitted: list[RowSpec]
+    """Rows joining now: prefill their context and produce their first token."""
+
+
+class ActiveRequest:
+    """Mutable state of one in-flight request. Only the event-loop thread touches it."""
+
+    def __init__(self, request: GenerationRequest, seed: int, now: float) -> None:
+        self.request = request
+        self.prefix = request.resumed_token_ids()
+        self.seed = seed
+        self.submitted_at = now
+        self.admitted_at: float | None = None
+        self.last_token_at: float | None = None
+        self.queue: asyncio.Queue[GenerationChunk | BaseException] = asyncio.Queue()
+        self.generated: list[int] = []
+        self.segments: list[TokenSegment] = []
+        self.pending: list[int] = []
+        self.pending_logprobs: list[float] = []
+        self.pending_version: int | None = None
+        self.abort_requested = False
+        self.finish_reason: FinishReason | None = None
+        self.done = asyncio.Event()
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.prefix) + len(self.generated)
+
+    @property
+    def reserved_tokens(self) -> int:
+        """Worst-case KV footprint: prompt + max_tokens."""
+        return len(self.request.prompt_token_ids) + self.request.sampling.max_tokens
+
+    @property
+    def held_tokens(self) -> int:
+        return len(self.request.prompt_token_ids) + self.completion_tokens
+
+    def row(self, with_context: bool) -> RowSpec:
+        context = tuple(self.request.prompt_token_ids) + tuple(self.prefix) if with_context else ()
+        return RowSpec(self.request_id, self.request.sampling, self.seed, self.completion_tokens, context)

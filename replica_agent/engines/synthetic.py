@@ -1,0 +1,286 @@
+"""``SyntheticEngine``: a model-free engine for benchmarks and the simulator.
+
+It emits deterministic pseudo-random token ids (from the request seed, or
+the engine seed and the request id) at a configured pace and ends each
+response at a length drawn from a configured distribution, unless
+``max_tokens`` comes first. It shares the request lifecycle of the real
+engines (:class:`~.core.SteppedEngine`): batching, streaming, abort, pause,
+sleep/wake and versioned weight loads behave exactly as the interface says.
+
+Pace model: a step produces one token for every running request and lasts
+``max(1 / tokens_per_second, batch_size / aggregate_tokens_per_second)``
+plus the prefill time of joining requests. Each request therefore sees
+``min(rate, cap / batch_size)`` tokens/s: throughput grows with concurrency
+until the aggregate cap. ``inf`` rates take no time at all.
+
+Time is injectable (``clock`` and ``sleep``; see :class:`VirtualClock`).
+Never the default backend. Does not import torch unless weights are read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import math
+import random
+import time
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from typing import Any
+
+from .core import SteppedEngine
+from .errors import EngineUnavailable, InvalidRequest, WeightMismatch
+from .randomness import mix_seed, uniform
+from .request_state import StepBatch
+from .types import GenerationRequest, WeightSpec
+
+_LENGTH_STREAM = 0x4C454E  # distinct draw index for the response length
+_LOGPROB_SALT = 0x10C9
+
+
+class VirtualClock:
+    """A fake clock for tests: ``sleep`` advances time instantly.
+
+    Pass the instance as ``clock`` and its ``sleep`` as ``sleep``. Suited to
+    one engine per clock (each sleeping coroutine moves time forward).
+    """
+
+    def __init__(self, start: float = 0.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.now += max(0.0, seconds)
+        await asyncio.sleep(0)
+
+
+@dataclasses.dataclass
+class LengthDistribution:
+    """Distribution of natural response lengths (before ``max_tokens`` applies)."""
+
+    kind: str = "fixed"
+    """``"fixed"``, ``"uniform"`` or ``"lognormal"``."""
+    value: int = 128
+    """Length for ``fixed``."""
+    min: int = 1
+    """Inclusive lower bound for ``uniform``."""
+    max: int = 256
+    """Inclusive upper bound for ``uniform``."""
+    mu: float = 5.0
+    """Mean of the underlying normal for ``lognormal``."""
+    sigma: float = 1.0
+    """Standard deviation of the underlying normal for ``lognormal``."""
+    cap: int = 4096
+    """Upper bound applied to ``lognormal`` draws."""
+
+    def validate(self) -> None:
+        if self.kind not in ("fixed", "uniform", "lognormal"):
+            raise InvalidRequest(f"length distribution kind must be fixed, uniform or lognormal, got {self.kind!r}")
+        if self.kind == "fixed" and self.value < 1:
+            raise InvalidRequest(f"fixed response length must be >= 1, got {self.value}")
+        if self.kind == "uniform" and not 1 <= self.min <= self.max:
+            raise InvalidRequest(f"uniform lengths need 1 <= min <= max, got [{self.min}, {self.max}]")
+        if self.kind == "lognormal" and (self.sigma < 0 or self.cap < 1):
+            raise InvalidRequest(f"lognormal lengths need sigma >= 0 and cap >= 1, got {self.sigma}, {self.cap}")
+
+    def sample(self, rng: random.Random) -> int:
+        if self.kind == "fixed":
+            return self.value
+        if self.kind == "uniform":
+            return rng.randint(self.min, self.max)
+        return max(1, min(self.cap, round(rng.lognormvariate(self.mu, self.sigma))))
+
+
+def _default_weight_spec() -> list[WeightSpec]:
+    return [WeightSpec("embed.weight", "float32", (64, 16)), WeightSpec("head.weight", "float32", (16, 64))]
+
+
+@dataclasses.dataclass
+class SyntheticEngineConfig:
+    """Options of :class:`SyntheticEngine` (``create_engine("synthetic", ...)``)."""
+
+    tokens_per_second: float = math.inf
+    """Per-request decode rate; ``inf`` means instant."""
+    aggregate_tokens_per_second: float = math.inf
+    """Cap on the whole batch's decode rate; ``inf`` means no cap."""
+    prefill_tokens_per_second: float = math.inf
+    """Prompt tokens processed per second when a request joins; ``inf`` means free."""
+    lengths: LengthDistribution | dict[str, Any] = dataclasses.field(default_factory=LengthDistribution)
+    """Natural response lengths (a ``LengthDistribution`` or a dict of its fields)."""
+    seed: int = 0
+    """Seeds token ids and lengths of requests that carry no seed of their own."""
+    vocab_size: int = 32000
+    """Token ids are drawn from ``[0, vocab_size)``, never the EOS id except to stop."""
+    eos_token_id: int = 1
+    """Emitted as the last token of a response that ends naturally (FinishReason.STOP)."""
+    max_model_len: int | None = None
+    """Reject requests whose prompt + max_tokens exceed this; ``None``: no limit."""
+    replica_id: str = ""
+    """Recorded in token segments."""
+    node_id: str = ""
+    """Recorded in token segments."""
+    stream_interval: int = 16
+    """New tokens per streamed chunk."""
+    max_batch_size: int = 256
+    """Most requests decoded together."""
+    max_total_tokens: int = 1 << 20
+    """Token capacity used for admission and ``kv_cache_usage``."""
+    weight_spec: list[tuple[str, str, tuple[int, ...]]] = dataclasses.field(default_factory=_default_weight_spec)
+    """Declared weights (name, dtype name, shape) that ``load_weights`` checks against."""
+    weight_version: int = 0
+    """Version reported for the initial weights."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lengths, dict):
+            self.lengths = LengthDistribution(**self.lengths)
+        self.weight_spec = [WeightSpec(n, d, tuple(s)) for n, d, s in self.weight_spec]
+
+    def validate(self) -> None:
+        self.lengths.validate()
+        for name in ("tokens_per_second", "aggregate_tokens_per_second", "prefill_tokens_per_second"):
+            if not getattr(self, name) > 0:
+                raise InvalidRequest(f"synthetic engine: {name} must be > 0 (inf for instant)")
+        if not 0 <= self.eos_token_id < self.vocab_size or self.vocab_size < 2:
+            raise InvalidRequest("synthetic engine: need vocab_size >= 2 and 0 <= eos_token_id < vocab_size")
+
+
+_LAZY = object()  # initial weights, materialised from the seed on first read
+
+
+class SyntheticEngine(SteppedEngine):
+    """Model-free engine with configurable pace and response lengths."""
+
+    def __init__(
+        self,
+        config: SyntheticEngineConfig | None = None,
+        *,
+        clock: Callable[[], float] | None = None,
+        sleep: Callable[[float], Awaitable[None]] | None = None,
+    ) -> None:
+        config = config or SyntheticEngineConfig()
+        config.validate()
+        super().__init__(
+            replica_id=config.replica_id,
+            node_id=config.node_id,
+            stream_interval=config.stream_interval,
+            max_batch_size=config.max_batch_size,
+            max_total_tokens=config.max_total_tokens,
+            clock=clock or time.monotonic,
+        )
+        self.config = config
+        self._sleep = sleep or asyncio.sleep
+        self._weight_version = config.weight_version
+        self._targets: dict[str, int] = {}
+        self._store: Any = _LAZY
+        self._host: Any = None
+
+    def _default_seed(self, request: GenerationRequest) -> int:
+        digest = hashlib.blake2b(request.request_id.encode(), digest_size=8).digest()
+        return mix_seed(self.config.seed, int.from_bytes(digest, "little"))
+
+    def target_length(self, seed: int) -> int:
+        """Natural response length of a request with sampling seed ``seed``."""
+        return self.config.lengths.sample(random.Random(mix_seed(seed, _LENGTH_STREAM)))
+
+    # ------------------------------------------------------------ step hooks
+    async def _load_model(self) -> None:
+        return None
+
+    async def _unload_model(self) -> None:
+        self._store = self._host = None
+
+    def _request_limits(self) -> dict[str, int | None]:
+        return {"vocab_size": self.config.vocab_size, "max_model_len": self.config.max_model_len}
+
+    def _eos_token_ids(self) -> frozenset[int]:
+        return frozenset([self.config.eos_token_id])
+
+    async def _reset_batch(self) -> None:
+        self._targets.clear()
+
+    def _step_duration(self, batch: StepBatch) -> float:
+        rows = len(batch.running) + len(batch.admitted)
+        duration = 1.0 / self.config.tokens_per_second
+        duration = max(duration, rows / self.config.aggregate_tokens_per_second)
+        prompt = sum(len(r.context) for r in batch.admitted)
+        return duration + prompt / self.config.prefill_tokens_per_second
+
+    async def _execute_step(self, batch: StepBatch) -> list[tuple[int, float]]:
+        for rid in batch.dropped:
+            self._targets.pop(rid, None)
+        for row in batch.admitted:
+            self._targets[row.request_id] = self.target_length(row.seed)
+        await self._sleep(self._step_duration(batch))
+        return [self._token(row.request_id, row.seed, row.completion_index, row.sampling.ignore_eos)
+                for row in (*batch.running, *batch.admitted)]
+
+    def _token(self, request_id: str, seed: int, index: int, ignore_eos: bool) -> tuple[int, float]:
+        logprob = -4.0 * uniform(seed ^ _LOGPROB_SALT, index)
+        if not ignore_eos and index + 1 >= self._targets[request_id]:
+            return self.config.eos_token_id, logprob
+        token = mix_seed(seed, index) % (self.config.vocab_size - 1)
+        return (token + 1 if token >= self.config.eos_token_id else token), logprob
+
+    # ---------------------------------------------------------------- weights
+    def weight_spec(self) -> list[WeightSpec]:
+        return list(self.config.weight_spec)
+
+    def _spec_bytes(self) -> int:
+        sizes = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int8": 1, "uint8": 1}
+        return sum(math.prod(s.shape) * sizes.get(s.dtype, 4) for s in self.config.weight_spec)
+
+    def named_weights(self) -> Iterator[tuple[str, Any]]:
+        if not self._weights_resident or not self._weights_loaded or self._store is None:
+            raise EngineUnavailable("weights are not resident or not loaded")
+        if self._store is _LAZY:
+            self._store = self._initial_weights()
+        return iter(list(self._store.items()))
+
+    def _initial_weights(self) -> dict[str, Any]:
+        import torch  # only when someone actually reads synthetic weights
+
+        generator = torch.Generator().manual_seed(self.config.seed)
+        return {
+            s.name: torch.randn(s.shape, generator=generator).to(getattr(torch, s.dtype))
+            for s in self.config.weight_spec
+        }
+
+    def _check_weights(self, named_tensors: Mapping[str, Any], require_complete: bool) -> None:
+        spec = {s.name: s for s in self.config.weight_spec}
+        problems = []
+        for name, tensor in named_tensors.items():
+            if name not in spec:
+                problems.append(f"unknown weight {name!r}")
+                continue
+            shape = tuple(getattr(tensor, "shape", ()))
+            dtype = str(getattr(tensor, "dtype", "")).removeprefix("torch.")
+            if shape != spec[name].shape or dtype != spec[name].dtype:
+                problems.append(f"{name}: {dtype}{list(shape)} != expected {spec[name].dtype}{list(spec[name].shape)}")
+        if require_complete and set(spec) - set(named_tensors):
+            problems.append(f"missing {sorted(set(spec) - set(named_tensors))}; a complete set is required")
+        if problems:
+            raise WeightMismatch("weights do not match the synthetic model: " + "; ".join(problems[:5]))
+
+    async def _swap_weights(self, named_tensors: Mapping[str, Any]) -> None:
+        if self._store is _LAZY:
+            self._store = self._initial_weights()
+        elif self._store is None:
+            self._store = {}
+        self._store.update(named_tensors)
+
+    async def _release_weights(self, level: int) -> int:
+        freed = 0
+        if self._weights_resident:
+            freed = self._spec_bytes()
+            self._host = self._store if level == 1 else None
+            self._store = None
+        elif level == 2 and self._host is not None:
+            freed = self._spec_bytes()
+            self._host = None
+        return freed
+
+    async def _restore_weights(self) -> bool:
+        self._store, self._host = self._host, None
+        return self._store is not None

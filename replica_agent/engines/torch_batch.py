@@ -1,0 +1,147 @@
+"""The running batch of the torch engine: one padded KV cache shared by all rows.
+
+Layout: the cache holds ``[batch, kv_heads, L, head_dim]`` per layer, rows
+left-padded to a common length ``L``; ``mask`` (``[batch, L]``) marks real
+tokens and ``positions`` holds each row's next position id, so RoPE sees the
+same positions a row would see alone. A step:
+
+1. drops retired rows (``index_select`` on the batch dimension) and trims
+   leading columns that became padding for every row;
+2. decodes one token for every row already in the batch (one forward pass
+   with the padding mask and per-row position ids);
+3. prefills joining rows, one forward pass per group of equal context
+   length (so a prefill never contains padding), and merges their caches
+   into the batch by left-padding whichever side is shorter with zeros;
+4. samples one token per row.
+
+Padding only ever appears as masked key/value columns filled with zeros, so
+no query row is ever fully masked and no NaN can leak into the cache.
+
+Not thread-safe: the engine calls it from its single worker thread only.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from .request_state import RowSpec, StepBatch
+from .sampling import sample_tokens
+
+
+class BatchRunner:
+    """Holds the KV cache of the rows in the running batch and steps them."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        self.ids: list[str] = []
+        self.cache: DynamicCache | None = None
+        self.mask: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None
+        self.last_tokens: torch.Tensor | None = None
+
+    def reset(self) -> None:
+        """Forget every row and free the cache."""
+        self.ids = []
+        self.cache = self.mask = self.positions = self.last_tokens = None
+
+    @property
+    def cache_length(self) -> int:
+        return 0 if self.mask is None else int(self.mask.shape[1])
+
+    def step(self, batch: StepBatch) -> list[tuple[int, float]]:
+        """Run one step; results follow ``batch.running + batch.admitted``."""
+        with torch.no_grad():
+            self._drop(batch.dropped)
+            running = {r.request_id: r for r in batch.running}
+            if set(running) != set(self.ids):
+                raise RuntimeError(f"batch out of sync: engine runs {sorted(running)}, cache holds {sorted(self.ids)}")
+            rows = [running[rid] for rid in self.ids]  # the cache's row order
+            parts = [self._decode()] if rows else []
+            for group in _group_by_length(batch.admitted):
+                parts.append(self._prefill(group))
+                rows.extend(group)
+            results = sample_tokens(torch.cat(parts, dim=0), rows)
+            self.last_tokens = torch.tensor([t for t, _ in results], dtype=torch.long, device=self.device)
+            by_id = {r.request_id: res for r, res in zip(rows, results)}
+            return [by_id[r.request_id] for r in (*batch.running, *batch.admitted)]
+
+    # ------------------------------------------------------------- internals
+    def _drop(self, dropped: list[str]) -> None:
+        gone = set(dropped) & set(self.ids)
+        if not gone:
+            return
+        keep = [i for i, rid in enumerate(self.ids) if rid not in gone]
+        if not keep:
+            self.reset()
+            return
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self.ids = [self.ids[i] for i in keep]
+        self.mask = self.mask.index_select(0, index)
+        self.positions = self.positions.index_select(0, index)
+        self.last_tokens = self.last_tokens.index_select(0, index)
+        used = self.mask.any(dim=0).nonzero()
+        start = int(used[0]) if len(used) else self.mask.shape[1]
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(0, index)[:, :, start:]
+            layer.values = layer.values.index_select(0, index)[:, :, start:]
+        self.mask = self.mask[:, start:]
+
+    def _decode(self) -> torch.Tensor:
+        ones = torch.ones((len(self.ids), 1), dtype=self.mask.dtype, device=self.device)
+        mask = torch.cat([self.mask, ones], dim=1)
+        out = self.model(
+            input_ids=self.last_tokens[:, None],
+            attention_mask=mask,
+            position_ids=self.positions[:, None],
+            cache=self.cache,
+            use_cache=True,
+        )
+        self.mask = mask
+        self.positions = self.positions + 1
+        return out.logits[:, -1, :]
+
+    def _prefill(self, rows: list[RowSpec]) -> torch.Tensor:
+        input_ids = torch.tensor([list(r.context) for r in rows], dtype=torch.long, device=self.device)
+        cache = DynamicCache()
+        out = self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
+        n, length = input_ids.shape
+        new_mask = torch.ones((n, length), dtype=torch.long, device=self.device)
+        new_positions = torch.full((n,), length, dtype=torch.long, device=self.device)
+        placeholder = torch.zeros((n,), dtype=torch.long, device=self.device)
+        if self.cache is None:
+            self.cache, self.mask, self.positions = cache, new_mask, new_positions
+            self.last_tokens = placeholder
+        else:
+            self._merge(cache, new_mask)
+            self.positions = torch.cat([self.positions, new_positions])
+            self.last_tokens = torch.cat([self.last_tokens, placeholder])
+        self.ids.extend(r.request_id for r in rows)
+        return out.logits[:, -1, :]
+
+    def _merge(self, cache: DynamicCache, mask: torch.Tensor) -> None:
+        width = max(self.cache_length, mask.shape[1])
+        pad_old = width - self.cache_length
+        pad_new = width - mask.shape[1]
+        for old, new in zip(self.cache.layers, cache.layers):
+            old.keys = torch.cat([_pad_left(old.keys, pad_old), _pad_left(new.keys, pad_new)], dim=0)
+            old.values = torch.cat([_pad_left(old.values, pad_old), _pad_left(new.values, pad_new)], dim=0)
+        self.mask = torch.cat([_pad_left(self.mask, pad_old), _pad_left(mask, pad_new)], dim=0)
+
+
+def _pad_left(t: torch.Tensor, amount: int) -> torch.Tensor:
+    """Zero-pad the sequence dimension (-2 for KV tensors, -1 for masks) on the left."""
+    if amount == 0:
+        return t
+    dim = -2 if t.dim() == 4 else -1
+    shape = list(t.shape)
+    shape[dim] = amount
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+def _group_by_length(rows: list[RowSpec]) -> list[list[RowSpec]]:
+    groups: dict[int, list[RowSpec]] = {}
+    for r in rows:
+        groups.setdefault(len(r.context), []).append(r)
+    return list(groups.values())

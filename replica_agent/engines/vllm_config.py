@@ -1,0 +1,125 @@
+"""Configuration of the vLLM backend and the seam to the ``vllm`` package.
+
+:class:`VllmEngineConfig` holds the options ``create_engine("vllm", ...)``
+accepts and turns them into ``vllm.AsyncEngineArgs`` keyword arguments.
+:class:`VllmApi` bundles the three things the engine takes from vllm (a way
+to build the async engine, ``SamplingParams`` and the DELTA output kind);
+:func:`load_vllm_api` imports them, and tests pass fakes instead, so nothing
+here imports vllm at module import time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .errors import EngineDead, InvalidRequest
+from .vllm_worker import EXTENSION_CLASS
+
+NO_VLLM_MESSAGE = "the vllm backend needs a GPU machine with vllm installed (pip install vllm)"
+_OWN_ENGINE_ARGS = frozenset({"model", "enable_sleep_mode", "worker_extension_cls"})
+
+
+@dataclasses.dataclass
+class VllmEngineConfig:
+    """Options of :class:`VllmEngine` (the keys ``create_engine("vllm", ...)`` accepts)."""
+
+    model_path: str = ""
+    """Local Hugging Face model directory (config.json + *.safetensors); nothing is downloaded."""
+    dtype: str = "auto"
+    """vLLM ``dtype`` argument (``"auto"``, ``"bfloat16"``...); loaded weights must match the served dtype."""
+    seed: int = 0
+    """vLLM ``seed`` argument (engine-wide default sampling seed)."""
+    memory_fraction: float = 0.9
+    """Share of accelerator memory vLLM may use for weights and KV cache (``gpu_memory_utilization``)."""
+    tensor_parallel_size: int = 1
+    """GPUs the model is sharded over (vLLM ``tensor_parallel_size``)."""
+    max_model_len: int | None = None
+    """Context length limit; default: the model's."""
+    max_batch_size: int = 256
+    """Most requests decoded together (vLLM ``max_num_seqs``)."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs (faster start, slower decode)."""
+    replica_id: str = ""
+    """Recorded in every token segment this engine produces."""
+    node_id: str = ""
+    """Recorded in every token segment this engine produces."""
+    stream_interval: int = 16
+    """New tokens per streamed chunk (the final chunk may hold fewer)."""
+    weight_version: int = 0
+    """Version reported for the checkpoint's weights."""
+    recompute_kv_after_weight_update: bool = True
+    """``clear_cache`` of the keep-mode pause around a weight update: True drops
+    the KV cache so in-flight requests recompute it under the new weights;
+    False lets them continue on KV computed by the old weights."""
+    weight_bucket_bytes: int = 512 * 1024 * 1024
+    """Most tensor bytes sent to the workers in one ``collective_rpc`` call."""
+    keep_host_weights: bool = True
+    """Keep references to the tensors given to ``load_weights`` so that
+    ``named_weights`` can export what is served (up to one model of host
+    memory). When False, ``named_weights`` works only until the first update."""
+    engine_args: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Further ``AsyncEngineArgs`` fields (e.g. ``{"enable_prefix_caching": True}``)."""
+
+    def validate(self) -> None:
+        if not self.model_path or not (Path(self.model_path) / "config.json").is_file():
+            raise InvalidRequest(f"vllm engine: model_path {self.model_path!r} is not a directory with a config.json")
+        if not 0.0 < self.memory_fraction <= 1.0:
+            raise InvalidRequest(f"vllm engine: memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        for name in ("tensor_parallel_size", "max_batch_size", "stream_interval", "weight_bucket_bytes"):
+            if getattr(self, name) < 1:
+                raise InvalidRequest(f"vllm engine: {name} must be >= 1, got {getattr(self, name)}")
+        clash = sorted(_OWN_ENGINE_ARGS & set(self.engine_args))
+        if clash:
+            raise InvalidRequest(f"vllm engine: engine_args may not set {clash}; the engine sets them itself")
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``vllm.AsyncEngineArgs``."""
+        kwargs: dict[str, Any] = {
+            "model": self.model_path,
+            "dtype": self.dtype,
+            "seed": self.seed,
+            "gpu_memory_utilization": self.memory_fraction,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "max_num_seqs": self.max_batch_size,
+            "enforce_eager": self.enforce_eager,
+            "enable_sleep_mode": True,
+            "worker_extension_cls": EXTENSION_CLASS,
+        }
+        if self.max_model_len is not None:
+            kwargs["max_model_len"] = self.max_model_len
+        kwargs.update(self.engine_args)
+        return kwargs
+
+
+@dataclasses.dataclass(frozen=True)
+class VllmApi:
+    """The pieces of the ``vllm`` package the engine uses; tests inject fakes."""
+
+    create_client: Callable[[dict[str, Any]], Any]
+    """Builds the started async engine from ``AsyncEngineArgs`` keyword
+    arguments (may return an awaitable)."""
+    sampling_params: Callable[..., Any]
+    """``vllm.SamplingParams``."""
+    delta_output_kind: Any
+    """``vllm.sampling_params.RequestOutputKind.DELTA``."""
+
+
+def load_vllm_api() -> VllmApi:
+    """Import vLLM. Raises :class:`EngineDead` where it is not installed."""
+    try:
+        from vllm import SamplingParams
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.async_llm import AsyncLLM
+    except ImportError as exc:
+        raise EngineDead(f"{NO_VLLM_MESSAGE}: {exc}", reason="VLLM_UNAVAILABLE") from exc
+
+    def create_client(kwargs: dict[str, Any]) -> Any:
+        # Built on the event loop, as vLLM's own API server does: AsyncLLM
+        # starts its output handler on the running loop.
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+
+    return VllmApi(create_client, SamplingParams, RequestOutputKind.DELTA)

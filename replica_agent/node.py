@@ -1,0 +1,156 @@
+"""One inference node: its replicas, its controller lease and its metrics endpoint.
+
+:class:`Node` is what the replica agent's servicer delegates to. At start it
+launches the configured boot replicas, opens the Prometheus endpoint if one
+is configured, and (with a controller address) keeps the node registered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections import OrderedDict
+
+from opentelemetry.sdk.trace import TracerProvider
+
+from mesh_runtime import __version__
+from mesh_runtime.channels import open_channel
+from mesh_runtime.errors import AlreadyExists
+from mesh_runtime.prometheus import Metric, MetricsEndpoint
+from mesh_runtime.server import MeshServer
+from mesh_runtime.status import node_name
+from rollmesh.controller.v1 import registry_pb2
+
+from . import convert
+from .config import ReplicaAgentConfig
+from .engines import create_engine
+from .replicas import Replica, ReplicaManager
+
+log = logging.getLogger(__name__)
+
+_IDEMPOTENCY_KEYS = 1024
+
+
+class Node:
+    """The replica agent's domain object for this node."""
+
+    def __init__(self, config: ReplicaAgentConfig, tracer_provider: TracerProvider | None) -> None:
+        self.config = config
+        self.node_id = node_name(config.node_id)
+        self.tracer_provider = tracer_provider
+        self.address = config.advertise_address or config.listen
+        self.replicas = ReplicaManager(node_id=self.node_id, slots_total=config.slots,
+                                       engine_factory=self._create_engine,
+                                       default_memory_fraction=config.memory_fraction,
+                                       max_waiting_requests=config.max_waiting_requests)
+        self._launch_keys: OrderedDict[str, tuple[tuple, str]] = OrderedDict()
+        self._ids = itertools.count()
+        self.link = None
+        self.metrics: MetricsEndpoint | None = None
+
+    def _create_engine(self, replica_id: str, kind: str, memory_fraction: float, weight_version: int):
+        options = self.config.engine_options_for(kind, replica_id, weight_version, memory_fraction)
+        options["node_id"] = self.node_id
+        return create_engine(self.config.backend, **options)
+
+    def _next_replica_id(self) -> str:
+        while True:
+            candidate = f"{self.node_id}-r{next(self._ids)}"
+            if candidate not in {r.replica_id for r in self.replicas.list()}:
+                return candidate
+
+    async def start(self, server: MeshServer) -> None:
+        """Boot replicas, metrics endpoint and controller link (called once the server is bound)."""
+        if not self.config.advertise_address:
+            self.address = server.address
+        server.add_cleanup(self.replicas.close)
+        for spec in self.config.replicas:
+            await self.replicas.launch(replica_id=spec.replica_id or self._next_replica_id(), kind=spec.kind,
+                                       slots=spec.slots, start_asleep=spec.asleep_at_boot, initial=True)
+        if self.config.metrics_listen:
+            self.metrics = MetricsEndpoint(self.config.metrics_listen, self.prometheus_metrics)
+            log.info("Prometheus metrics on http://%s/metrics", await self.metrics.start())
+            server.add_cleanup(self.metrics.close)
+        if self.config.controller_address:
+            from .controller_link import ControllerLink  # noqa: PLC0415
+
+            channel = open_channel(self.config.controller_address, tracer_provider=self.tracer_provider)
+            server.add_cleanup(channel.close)
+            self.link = ControllerLink(channel=channel, registration=self.registration,
+                                       reports=lambda: [self.load_report(r) for r in self.replicas.list()],
+                                       on_rejected=self._stop_rejected)
+            server.spawn(self.link.run(), name="controller-link")
+
+    async def launch_once(self, *, request_id: str, replica_id: str, **params) -> Replica:
+        """Launch a replica; a repeated ``request_id`` returns the first launch's replica."""
+        key = (replica_id, tuple(sorted(params.items())))
+        if request_id and request_id in self._launch_keys:
+            seen_key, seen_id = self._launch_keys[request_id]
+            if seen_key != key:
+                raise AlreadyExists(f"request_id {request_id!r} was already used for a different launch",
+                                    reason="IDEMPOTENCY_KEY_REUSED")
+            return self.replicas.get(seen_id)
+        replica = await self.replicas.launch(replica_id=replica_id or self._next_replica_id(), **params)
+        if request_id:
+            self._launch_keys[request_id] = (key, replica.replica_id)
+            while len(self._launch_keys) > _IDEMPOTENCY_KEYS:
+                self._launch_keys.popitem(last=False)
+        return replica
+
+    async def _stop_rejected(self, replica_ids: list[str]) -> None:
+        for replica_id in replica_ids:
+            log.warning("controller rejected replica %s (intentionally removed); stopping it", replica_id)
+            await self.replicas.stop(replica_id, grace_s=0.0, force=True)
+
+    def replica_proto(self, replica: Replica):
+        return convert.replica_to_proto(replica, node_id=self.node_id, address=self.address,
+                                        backend=self.config.backend, model=self.config.model)
+
+    def load_report(self, replica: Replica):
+        return convert.load_report(replica.engine.load_snapshot(), replica_id=replica.replica_id,
+                                   node_id=self.node_id, state=convert.state_enum(replica.state),
+                                   kind=convert.KINDS[replica.kind], weight_version=replica.weight_version)
+
+    def registration(self) -> registry_pb2.RegisterNodeRequest:
+        replicas = [registry_pb2.ReplicaRegistration(
+            replica_id=r.replica_id, kind=convert.KINDS[r.kind], state=convert.state_enum(r.state),
+            weight_version=r.weight_version, slots=r.slots, memory_fraction=r.memory_fraction, initial=r.initial)
+            for r in self.replicas.list() if r.state not in ("STOPPED",)]
+        return registry_pb2.RegisterNodeRequest(
+            node_id=self.node_id, address=self.address, slots_total=self.replicas.slots_total,
+            backend=convert.BACKENDS[self.config.backend], model=self.config.model, replicas=replicas,
+            agent_version=__version__)
+
+    def prometheus_metrics(self) -> list[Metric]:
+        families = {
+            "running": Metric("rollmesh_replica_running_requests", "Requests being decoded"),
+            "waiting": Metric("rollmesh_replica_waiting_requests", "Requests waiting to be admitted"),
+            "kv": Metric("rollmesh_replica_kv_cache_usage", "KV-cache (token) usage, 0..1"),
+            "tps": Metric("rollmesh_replica_generation_tokens_per_second", "Completion tokens per second"),
+            "queue": Metric("rollmesh_replica_queue_time_p95_seconds", "95th percentile queue time"),
+            "ttft": Metric("rollmesh_replica_time_to_first_token_p95_seconds", "95th percentile TTFT"),
+            "itl": Metric("rollmesh_replica_inter_token_latency_mean_seconds", "Mean inter-token latency"),
+            "version": Metric("rollmesh_replica_weight_version", "Weight version serving"),
+            "state": Metric("rollmesh_replica_state", "1 for the replica's current state"),
+        }
+        for replica in self.replicas.list():
+            labels = {"replica_id": replica.replica_id, "node_id": self.node_id, "kind": replica.kind}
+            snap = replica.engine.load_snapshot()
+            families["running"].add(snap.running, **labels)
+            families["waiting"].add(snap.waiting, **labels)
+            families["kv"].add(snap.kv_cache_usage, **labels)
+            families["tps"].add(snap.tokens_per_second, **labels)
+            families["queue"].add(snap.queue_time_p95_s, **labels)
+            families["ttft"].add(snap.ttft_p95_s, **labels)
+            families["itl"].add(snap.itl_mean_s, **labels)
+            families["version"].add(replica.weight_version, **labels)
+            families["state"].add(1, state=replica.state, **labels)
+        return list(families.values())
+
+
+async def wait_registered(node: Node, timeout_s: float) -> None:
+    """Wait until the node holds a lease (tests and tools)."""
+    if node.link is None:
+        raise RuntimeError("no controller configured")
+    await asyncio.wait_for(node.link.registered.wait(), timeout_s)

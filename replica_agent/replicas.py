@@ -1,0 +1,354 @@
+"""The engine replicas of one node and every transition they go through.
+
+:class:`ReplicaManager` owns the slots of the node and one :class:`Replica`
+per launched engine. Each replica has exactly one state (the
+``rollmesh.common.v1.ReplicaState`` names): the agent's own phases
+(LAUNCHING, SYNCING, STOPPED, FAILED) take precedence over the engine's
+(LOADING, ACTIVE, PAUSED, SLEEPING). Lifecycle calls on one replica are
+serialised by its lock; while one runs, the replica takes no new requests.
+Engine exceptions are translated to the mesh's domain errors here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass, field
+
+from mesh_runtime import errors
+
+from .engines import (
+    DuplicateRequest,
+    Engine,
+    EngineDead,
+    EngineError,
+    EngineState,
+    EngineUnavailable,
+    GenerationChunk,
+    GenerationRequest,
+    InvalidRequest,
+    WeightMismatch,
+)
+
+log = logging.getLogger(__name__)
+
+SERVING = "ACTIVE"
+_ENGINE_STATES = {
+    EngineState.LOADING: "LOADING", EngineState.ACTIVE: "ACTIVE", EngineState.PAUSED: "PAUSED",
+    EngineState.SLEEPING: "SLEEPING", EngineState.AWAITING_WEIGHTS: "SLEEPING",
+    EngineState.CLOSED: "STOPPED", EngineState.DEAD: "FAILED",
+}
+
+
+def translate(exc: EngineError) -> errors.RollmeshError:
+    """Map an engine error onto the mesh's canonical error."""
+    kind = {InvalidRequest: errors.InvalidArgument, EngineUnavailable: errors.Unavailable,
+            DuplicateRequest: errors.AlreadyExists, WeightMismatch: errors.FailedPrecondition,
+            EngineDead: errors.Internal}.get(type(exc), errors.Internal)
+    return kind(str(exc), reason=getattr(exc, "reason", None))
+
+
+@contextlib.contextmanager
+def engine_errors():
+    try:
+        yield
+    except EngineError as exc:
+        raise translate(exc) from exc
+
+
+@dataclass
+class Replica:
+    """One engine replica on this node."""
+
+    replica_id: str
+    kind: str
+    slots: list[int]
+    memory_fraction: float
+    initial: bool
+    engine: Engine
+    launched_at: float = field(default_factory=time.time)
+    phase: str | None = "LAUNCHING"
+    """The agent's own phase (LAUNCHING, SYNCING, STOPPED, FAILED); None = the engine's state."""
+    reason: str = ""
+    sleep_level: int = 0
+    weights_discarded: bool = False
+    in_flight: set[str] = field(default_factory=set)
+    busy: str = ""
+    """Name of the lifecycle call in progress; new requests are refused meanwhile."""
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def state(self) -> str:
+        if self.phase is not None:
+            return self.phase
+        return _ENGINE_STATES[self.engine.state]
+
+    @property
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    @property
+    def awake(self) -> bool:
+        return self.state in ("ACTIVE", "PAUSED")
+
+
+EngineFactory = Callable[[str, str, float, int], Engine]
+"""(replica_id, kind, memory_fraction, weight_version) -> an engine not started yet."""
+
+
+class ReplicaManager:
+    """Launches, serves, sleeps, wakes and stops the replicas of one node."""
+
+    def __init__(self, *, node_id: str, slots_total: int, engine_factory: EngineFactory,
+                 default_memory_fraction: Callable[[str], float], max_waiting_requests: int) -> None:
+        self.node_id = node_id
+        self.slots_total = slots_total
+        self._factory = engine_factory
+        self._default_fraction = default_memory_fraction
+        self._max_waiting = max_waiting_requests
+        self._replicas: dict[str, Replica] = {}
+        self._slot_owner: dict[int, str] = {}
+        self._launch_lock = asyncio.Lock()
+
+    # ------------------------------------------------------------------ lookup
+    def get(self, replica_id: str) -> Replica:
+        if not replica_id:
+            raise errors.InvalidArgument("replica_id must not be empty", reason="EMPTY_REPLICA_ID")
+        replica = self._replicas.get(replica_id)
+        if replica is None:
+            raise errors.NotFound(f"no replica {replica_id!r} on node {self.node_id!r} "
+                                  f"(it has: {', '.join(sorted(self._replicas)) or 'none'})",
+                                  reason="REPLICA_NOT_FOUND", metadata={"replica_id": replica_id})
+        return replica
+
+    def get_many(self, replica_ids: Iterable[str]) -> list[Replica]:
+        """The named replicas (all when none are named); NOT_FOUND before any change."""
+        ids = list(replica_ids)
+        return [self.get(i) for i in ids] if ids else list(self._replicas.values())
+
+    def list(self, kinds: Iterable[str] = (), states: Iterable[str] = ()) -> list[Replica]:
+        kinds, states = set(kinds), set(states)
+        return [r for r in self._replicas.values()
+                if (not kinds or r.kind in kinds) and (not states or r.state in states)]
+
+    @property
+    def slots_free(self) -> int:
+        return self.slots_total - len(self._slot_owner)
+
+    # --------------------------------------------------------------- lifecycle
+    async def launch(self, *, replica_id: str, kind: str, slots: int, memory_fraction: float | None = None,
+                     start_asleep: bool = False, weight_version: int = 0, initial: bool = False) -> Replica:
+        """Reserve slots, start an engine and (optionally) put it to sleep."""
+        if kind not in ("STANDALONE", "HYBRID"):
+            raise errors.InvalidArgument("kind must be STANDALONE or HYBRID", reason="INVALID_KIND")
+        if slots < 1:
+            raise errors.InvalidArgument(f"slots must be >= 1, got {slots}", reason="INVALID_SLOTS")
+        if memory_fraction is not None and not 0 < memory_fraction <= 1:
+            raise errors.InvalidArgument(f"memory_fraction must be in (0, 1], got {memory_fraction}",
+                                         reason="INVALID_MEMORY_FRACTION")
+        async with self._launch_lock:
+            existing = self._replicas.get(replica_id)
+            if existing is not None and existing.state not in ("STOPPED", "FAILED"):
+                raise errors.AlreadyExists(f"replica {replica_id!r} already exists on this node "
+                                           f"({existing.state})", reason="REPLICA_EXISTS")
+            if slots > self.slots_free:
+                raise errors.ResourceExhausted(f"replica {replica_id!r} needs {slots} slot(s) but node "
+                                               f"{self.node_id!r} has {self.slots_free} of {self.slots_total} free",
+                                               reason="NO_FREE_SLOTS")
+            free = [s for s in range(self.slots_total) if s not in self._slot_owner][:slots]
+            fraction = memory_fraction if memory_fraction is not None else self._default_fraction(kind)
+            with engine_errors():
+                engine = self._factory(replica_id, kind, fraction, weight_version)
+            replica = Replica(replica_id, kind, free, fraction, initial, engine)
+            self._replicas[replica_id] = replica
+            for slot in free:
+                self._slot_owner[slot] = replica_id
+        async with replica.lock:
+            replica.busy = "launch"
+            try:
+                replica.phase = None  # LOADING, from the engine
+                await engine.start()
+                if start_asleep:
+                    await engine.sleep(1)
+                    replica.sleep_level = 1
+            except Exception as exc:
+                self._fail(replica, f"launch failed: {exc}")
+                with contextlib.suppress(Exception):
+                    await engine.close()
+                if isinstance(exc, EngineError):
+                    raise translate(exc) from exc
+                raise errors.Internal(f"replica {replica_id!r} failed to start: {exc}") from exc
+            finally:
+                replica.busy = ""
+        log.info("replica %s (%s) launched on slots %s: %s", replica_id, kind, replica.slots, replica.state)
+        return replica
+
+    def _release_slots(self, replica: Replica) -> None:
+        for slot in replica.slots:
+            if self._slot_owner.get(slot) == replica.replica_id:
+                del self._slot_owner[slot]
+
+    def _fail(self, replica: Replica, reason: str) -> None:
+        replica.phase, replica.reason = "FAILED", reason
+        self._release_slots(replica)
+
+    async def stop(self, replica_id: str, *, grace_s: float, force: bool) -> Replica:
+        """Drain (unless ``force``) for up to ``grace_s``, abort the rest, close, free slots."""
+        replica = self.get(replica_id)
+        if replica.state == "STOPPED":
+            return replica
+        async with replica.lock:
+            replica.busy = "stop"
+            try:
+                if not force and replica.awake and replica.in_flight:
+                    with contextlib.suppress(asyncio.TimeoutError, EngineError):
+                        await asyncio.wait_for(replica.engine.pause("wait"), timeout=grace_s)
+                with contextlib.suppress(EngineError):
+                    await replica.engine.abort(None)
+                await replica.engine.close()
+            finally:
+                replica.busy = ""
+                replica.phase, replica.reason = "STOPPED", "stopped" + (" (forced)" if force else "")
+                self._release_slots(replica)
+        return replica
+
+    async def close(self) -> None:
+        for replica in list(self._replicas.values()):
+            if replica.state != "STOPPED":
+                with contextlib.suppress(Exception):
+                    await self.stop(replica.replica_id, grace_s=0.0, force=True)
+
+    # -------------------------------------------------------------- generation
+    def _refusal(self, replica: Replica) -> str | None:
+        if replica.busy:
+            return f"replica {replica.replica_id!r} is busy ({replica.busy} in progress)"
+        if replica.state != SERVING:
+            why = f" ({replica.reason})" if replica.reason else ""
+            return f"replica {replica.replica_id!r} is {replica.state}{why}, not ACTIVE"
+        return None
+
+    async def generate(self, replica_id: str, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """Stream a generation on one replica; refused with UNAVAILABLE unless it is ACTIVE."""
+        replica = self.get(replica_id)
+        refusal = self._refusal(replica)
+        if refusal:
+            raise errors.Unavailable(refusal, reason="REPLICA_NOT_SERVING",
+                                     metadata={"replica_id": replica_id, "state": replica.state})
+        if request.request_id in replica.in_flight:
+            raise errors.AlreadyExists(f"request {request.request_id!r} is already in flight on replica "
+                                       f"{replica_id!r}", reason="REQUEST_IN_FLIGHT")
+        if replica.engine.load_snapshot().waiting >= self._max_waiting:
+            raise errors.ResourceExhausted(f"replica {replica_id!r} already has {self._max_waiting} waiting "
+                                           "requests", reason="QUEUE_FULL")
+        replica.in_flight.add(request.request_id)
+        try:
+            with engine_errors():
+                async for chunk in replica.engine.generate(request):
+                    yield chunk
+        except errors.Internal:
+            if replica.engine.state == EngineState.DEAD:
+                self._fail(replica, "engine died")
+            raise
+        finally:
+            replica.in_flight.discard(request.request_id)
+
+    async def abort(self, replica_id: str, request_ids: list[str] | None) -> list[str]:
+        """Abort requests on one replica (or every replica when ``replica_id`` is empty)."""
+        targets = [self.get(replica_id)] if replica_id else list(self._replicas.values())
+        aborted: list[str] = []
+        for replica in targets:
+            if replica.state in ("STOPPED", "FAILED"):
+                continue
+            with engine_errors():
+                aborted += await replica.engine.abort(request_ids)
+        return aborted
+
+    async def pause(self, replica_ids: list[str], *, mode: str, timeout_s: float | None) -> list[str]:
+        """Pause replicas; returns the ids of requests aborted (``mode='abort'``)."""
+        replicas = self.get_many(replica_ids)
+        for replica in replicas:
+            if replica.state not in ("ACTIVE", "PAUSED") or replica.busy:
+                raise errors.FailedPrecondition(
+                    f"replica {replica.replica_id!r} is {replica.busy or replica.state}; only ACTIVE or PAUSED "
+                    "replicas can be paused", reason="WRONG_REPLICA_STATE")
+        aborted: list[str] = []
+        for replica in replicas:
+            before = set(replica.in_flight)
+            with engine_errors():
+                try:
+                    await asyncio.wait_for(replica.engine.pause(mode), timeout=timeout_s)
+                except asyncio.TimeoutError:
+                    raise errors.DeadlineExceeded(
+                        f"replica {replica.replica_id!r} still has {len(replica.in_flight)} request(s) in "
+                        f"flight after {timeout_s:.1f} s; it stays PAUSED and they keep running",
+                        reason="DRAIN_TIMEOUT") from None
+            if mode == "abort":
+                aborted += sorted(before)
+        return aborted
+
+    async def resume(self, replica_ids: list[str]) -> list[Replica]:
+        replicas = self.get_many(replica_ids)
+        for replica in replicas:
+            if replica.state not in ("ACTIVE", "PAUSED") or replica.busy:
+                raise errors.FailedPrecondition(
+                    f"replica {replica.replica_id!r} is {replica.busy or replica.state}; wake it up first"
+                    if replica.state == "SLEEPING" else
+                    f"replica {replica.replica_id!r} is {replica.busy or replica.state}; only PAUSED or ACTIVE "
+                    "replicas can be resumed", reason="WRONG_REPLICA_STATE")
+        for replica in replicas:
+            with engine_errors():
+                await replica.engine.resume()
+        return replicas
+
+    async def sleep(self, replica_id: str, *, level: int, abort_in_flight: bool) -> int:
+        """Release the replica's memory (level 1: offload weights; 2: discard); bytes freed."""
+        if level not in (1, 2):
+            raise errors.InvalidArgument("level must be SLEEP_LEVEL_1 or SLEEP_LEVEL_2", reason="INVALID_LEVEL")
+        replica = self.get(replica_id)
+        async with replica.lock:
+            if replica.state not in ("ACTIVE", "PAUSED", "SLEEPING"):
+                raise errors.FailedPrecondition(f"replica {replica_id!r} is {replica.state} and cannot sleep",
+                                                reason="WRONG_REPLICA_STATE")
+            if replica.in_flight and not abort_in_flight:
+                raise errors.FailedPrecondition(
+                    f"replica {replica_id!r} has {len(replica.in_flight)} request(s) in flight; abort them "
+                    "first or set abort_in_flight", reason="REQUESTS_IN_FLIGHT")
+            replica.busy = "sleep"
+            try:
+                with engine_errors():
+                    freed = await replica.engine.sleep(level)
+            finally:
+                replica.busy = ""
+            replica.sleep_level = max(replica.sleep_level, level)
+            replica.weights_discarded = replica.weights_discarded or level == 2
+            return freed
+
+    async def wake(self, replica_id: str, *, tags: set[str], resume_generation: bool) -> Replica:
+        """Restore memory (``tags`` of weights, kv_cache; empty = both); PAUSED unless resumed."""
+        replica = self.get(replica_id)
+        tags = tags or {"weights", "kv_cache"}
+        async with replica.lock:
+            state = replica.state
+            if state not in ("SLEEPING", "PAUSED", "ACTIVE"):
+                raise errors.FailedPrecondition(f"replica {replica_id!r} is {state} and cannot be woken",
+                                                reason="WRONG_REPLICA_STATE")
+            if state != "SLEEPING":
+                return replica
+            if replica.weights_discarded and "weights" in tags:
+                raise errors.FailedPrecondition(
+                    f"replica {replica_id!r} slept at level 2 and has received no weights since; call "
+                    "ReceiveWeights first, or wake WAKE_TAG_KV_CACHE alone", reason="WEIGHTS_DISCARDED")
+            replica.busy = "wake"
+            try:
+                with engine_errors():
+                    await replica.engine.wake_up(tags)
+                    if _ENGINE_STATES[replica.engine.state] == "ACTIVE":
+                        replica.sleep_level = 0
+                        if not resume_generation:
+                            await replica.engine.pause("wait")
+            finally:
+                replica.busy = ""
+        return replica
