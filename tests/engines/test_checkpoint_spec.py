@@ -9,7 +9,12 @@ import torch
 from safetensors.torch import save_file
 
 from replica_agent.engines import WeightSpec
-from replica_agent.engines.checkpoint_spec import CheckpointError, checkpoint_files, checkpoint_spec, read_tensor
+from replica_agent.engines.checkpoint_spec import (
+    CheckpointError,
+    checkpoint_files,
+    checkpoint_spec,
+    read_tensor,
+)
 from replica_agent.engines.vllm_config import VllmEngineConfig
 from replica_agent.engines.vllm_engine import VllmEngine
 
