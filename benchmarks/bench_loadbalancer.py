@@ -1,0 +1,157 @@
+"""Load-balancer benchmarks (run by hand; prints figures).
+
+1. Throughput: 4 synthetic replicas at a realistic pace, >= 256 concurrent requests
+   of 128-512 tokens; completed requests/s through the balancer vs clients spreading
+   the same requests directly over the replicas (target >= 0.95x).
+2. Capacity: instant engines, short requests; the balancer's requests/s and its
+   added p50/p99 latency over calling the replicas directly.
+
+    .venv/bin/python -m benchmarks.bench_loadbalancer [--requests 768] [--concurrency 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+
+from mesh_runtime.launcher import start_server
+from rollmesh.common.v1 import generation_pb2
+from rollmesh.loadbalancer.v1 import loadbalancer_pb2, loadbalancer_pb2_grpc, routing_pb2
+from rollmesh.replica.v1 import replica_agent_pb2, replica_agent_pb2_grpc
+
+AGENT = """node_id: {node}
+slots: 2
+backend: synthetic
+stream_interval: 16
+engine_options: {{tokens_per_second: {rate}, max_batch_size: 512, lengths: {{kind: fixed, value: 100000}}}}
+replicas: [{{replica_id: {node}-0}}, {{replica_id: {node}-1}}]
+"""
+
+
+async def start_cluster(tmp: Path, rate: str):
+    agents = {}
+    for node in ("n0", "n1"):
+        (tmp / f"{node}.yaml").write_text(AGENT.format(node=node, rate=rate))
+        agents[node] = await start_server("replica-agent", ["--config", str(tmp / f"{node}.yaml"),
+                                                            "--listen", "127.0.0.1:0"], log_path=tmp / f"{node}.log")
+    lb = await start_server("lb", ["--listen", "127.0.0.1:0"], log_path=tmp / "lb.log")
+    replicas = [(f"{n}-{i}", a.address) for n, a in agents.items() for i in range(2)]
+    async with grpc.aio.insecure_channel(lb.address) as ch:
+        await loadbalancer_pb2_grpc.LoadBalancerServiceStub(ch).AddReplicas(loadbalancer_pb2.AddReplicasRequest(
+            replicas=[routing_pb2.ReplicaEndpoint(replica_id=r, address=a) for r, a in replicas]))
+    return [lb, *agents.values()], lb.address, replicas
+
+
+async def drive(calls, concurrency: int) -> tuple[float, list[float]]:
+    """Run the call factories with bounded concurrency; (wall seconds, per-call latencies)."""
+    queue = list(calls)
+    latencies: list[float] = []
+
+    async def worker():
+        while queue:
+            call = queue.pop()
+            start = time.perf_counter()
+            await call()
+            latencies.append(time.perf_counter() - start)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return time.perf_counter() - start, latencies
+
+
+def budgets(n: int, low: int, high: int) -> list[int]:
+    rng = random.Random(1)
+    return [rng.randint(low, high) for _ in range(n)]
+
+
+async def via_lb(address: str, sizes: list[int], concurrency: int, tag: str):
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = loadbalancer_pb2_grpc.LoadBalancerServiceStub(ch)
+
+        def call(i: int, size: int):
+            async def run():
+                req = loadbalancer_pb2.GenerateRequest(
+                    request_id=f"{tag}-{i}", prompt_token_ids=[1, 2, 3],
+                    sampling_params=generation_pb2.SamplingParams(max_tokens=size, ignore_eos=True))
+                async for _ in stub.Generate(req, timeout=600):
+                    pass
+            return run
+        return await drive([call(i, s) for i, s in enumerate(sizes)], concurrency)
+
+
+async def direct(replicas, sizes: list[int], concurrency: int, tag: str):
+    channels = {a: grpc.aio.insecure_channel(a) for _, a in replicas}
+    stubs = {a: replica_agent_pb2_grpc.ReplicaAgentServiceStub(c) for a, c in channels.items()}
+    spread = itertools.cycle(replicas)
+
+    def call(i: int, size: int):
+        replica_id, address = next(spread)
+
+        async def run():
+            req = replica_agent_pb2.GenerateRequest(
+                replica_id=replica_id, request_id=f"{tag}-{i}", prompt_token_ids=[1, 2, 3],
+                sampling_params=generation_pb2.SamplingParams(max_tokens=size, ignore_eos=True))
+            async for _ in stubs[address].Generate(req, timeout=600):
+                pass
+        return run
+    try:
+        return await drive([call(i, s) for i, s in enumerate(sizes)], concurrency)
+    finally:
+        for ch in channels.values():
+            await ch.close()
+
+
+def pct(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100)[int(q) - 1] if len(values) > 1 else values[0]
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=768)
+    parser.add_argument("--concurrency", type=int, default=256)
+    parser.add_argument("--rate", type=float, default=200.0, help="tokens/s per request of the synthetic engines")
+    parser.add_argument("--capacity-requests", type=int, default=2000)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmpdir:
+        tmp = Path(tmpdir)
+        procs, lb, replicas = await start_cluster(tmp, str(args.rate))
+        try:
+            sizes = budgets(args.requests, 128, 512)
+            d_wall, _ = await direct(replicas, sizes, args.concurrency, "d")
+            l_wall, _ = await via_lb(lb, sizes, args.concurrency, "l")
+            print(f"throughput ({args.requests} requests of 128-512 tokens, {args.concurrency} concurrent, "
+                  f"{args.rate:.0f} tok/s per request, 4 replicas)")
+            print(f"  direct:        {args.requests / d_wall:8.1f} req/s  ({d_wall:.1f} s)")
+            print(f"  via balancer:  {args.requests / l_wall:8.1f} req/s  ({l_wall:.1f} s)")
+            print(f"  ratio:         {d_wall / l_wall:8.3f}x   (target >= 0.95)")
+        finally:
+            await asyncio.gather(*(p.terminate() for p in procs))
+        procs, lb, replicas = await start_cluster(tmp, ".inf")
+        try:
+            sizes = [16] * args.capacity_requests
+            await via_lb(lb, sizes[:200], 32, "warm")
+            d_wall, d_lat = await direct(replicas, sizes, 64, "cd")
+            l_wall, l_lat = await via_lb(lb, sizes, 64, "cl")
+            print(f"capacity ({args.capacity_requests} requests of 16 tokens, instant engines, 64 concurrent)")
+            print(f"  direct:        {args.capacity_requests / d_wall:8.1f} req/s  p50 {pct(d_lat, 50) * 1e3:6.1f} ms"
+                  f"  p99 {pct(d_lat, 99) * 1e3:6.1f} ms")
+            print(f"  via balancer:  {args.capacity_requests / l_wall:8.1f} req/s  p50 {pct(l_lat, 50) * 1e3:6.1f} ms"
+                  f"  p99 {pct(l_lat, 99) * 1e3:6.1f} ms")
+            seq_d = [await_time for await_time in (await direct(replicas, [16] * 200, 1, "sd"))[1]]
+            seq_l = [await_time for await_time in (await via_lb(lb, [16] * 200, 1, "sl"))[1]]
+            print(f"  added latency at concurrency 1: p50 {(pct(seq_l, 50) - pct(seq_d, 50)) * 1e3:5.2f} ms, "
+                  f"p99 {(pct(seq_l, 99) - pct(seq_d, 99)) * 1e3:5.2f} ms")
+        finally:
+            await asyncio.gather(*(p.terminate() for p in procs))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
