@@ -1,0 +1,171 @@
+"""Lifecycle events and the controller's bounded event log.
+
+``LifecycleEvent`` mirrors ``rollmesh.common.v1.LifecycleEvent`` field by
+field; enum-valued fields hold the proto's full value names as strings
+(``from_state="REPLICA_STATE_ACTIVE"``, ``replica_kind="REPLICA_KIND_HYBRID"``)
+so the gRPC layer maps them with ``Enum.Value(name)``. ``EventType`` members
+carry the same names via ``.proto_name``.
+
+``EventLog`` is pure: it numbers events (1, 2, 3, ... - continuing after
+:meth:`EventLog.load_state_dict`), keeps the newest ``max_events`` of them and
+answers ``since(sequence)`` with the retained events and how many were
+missed. Watchers and streaming are the gRPC layer's business. Anything that
+produces events takes an :data:`EventSink` - ``EventLog.append`` is one.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+
+class EventType(enum.Enum):
+    """What an event is about (``rollmesh.common.v1.EventType`` without the prefix)."""
+
+    REPLICA_STATE_CHANGED = "REPLICA_STATE_CHANGED"
+    CONTROLLER_STATE_CHANGED = "CONTROLLER_STATE_CHANGED"
+    WEIGHT_SYNC_STARTED = "WEIGHT_SYNC_STARTED"
+    WEIGHT_SYNC_COMPLETED = "WEIGHT_SYNC_COMPLETED"
+    WEIGHT_SYNC_SKIPPED = "WEIGHT_SYNC_SKIPPED"
+    WEIGHT_SYNC_FAILED = "WEIGHT_SYNC_FAILED"
+    LEASE_EXPIRED = "LEASE_EXPIRED"
+    NODE_REGISTERED = "NODE_REGISTERED"
+    NODE_DEREGISTERED = "NODE_DEREGISTERED"
+    OPERATION_STATE_CHANGED = "OPERATION_STATE_CHANGED"
+    AUTOSCALER_DECISION = "AUTOSCALER_DECISION"
+    STEP_PHASE = "STEP_PHASE"
+    WAIT_EXPIRED = "WAIT_EXPIRED"
+    GAP = "GAP"
+
+    @property
+    def proto_name(self) -> str:
+        """The full proto enum value name, e.g. ``EVENT_TYPE_STEP_PHASE``."""
+        return f"EVENT_TYPE_{self.value}"
+
+
+@dataclasses.dataclass(frozen=True)
+class LifecycleEvent:
+    """One transition in the mesh (see ``common/v1/events.proto``)."""
+
+    sequence: int
+    time: float
+    """Seconds on the controller's clock."""
+    type: EventType
+    replica_id: str = ""
+    node_id: str = ""
+    replica_kind: str = ""
+    """Full ``ReplicaKind`` value name, or empty."""
+    from_state: str = ""
+    to_state: str = ""
+    reason: str = ""
+    trace_id: str = ""
+    span_id: str = ""
+    global_step: int | None = None
+    weight_version: int | None = None
+    operation_id: str = ""
+    attributes: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    missed_events: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["type"] = self.type.value
+        data["attributes"] = dict(self.attributes)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> LifecycleEvent:
+        fields = dict(data)
+        fields["type"] = EventType(fields["type"])
+        fields["attributes"] = dict(fields.get("attributes") or {})
+        return cls(**fields)
+
+
+class EventSink(Protocol):
+    """Anything that records an event: ``sink(EventType.X, replica_id=..., ...)``."""
+
+    def __call__(self, type: EventType, /, **fields: Any) -> Any: ...
+
+
+Clock = Callable[[], float]
+TraceIds = Callable[[], tuple[str, str]]
+
+
+def _no_trace() -> tuple[str, str]:
+    return "", ""
+
+
+class EventLog:
+    """Numbered, bounded, restorable history of lifecycle events."""
+
+    def __init__(self, clock: Clock, *, max_events: int = 10_000,
+                 trace_ids: TraceIds = _no_trace) -> None:
+        if max_events <= 0:
+            raise ValueError(f"max_events must be > 0, got {max_events}")
+        self._clock = clock
+        self._trace_ids = trace_ids
+        self._events: collections.deque[LifecycleEvent] = collections.deque(maxlen=max_events)
+        self._next_sequence = 1
+
+    @property
+    def last_sequence(self) -> int:
+        """Sequence of the newest event ever appended (0 before the first)."""
+        return self._next_sequence - 1
+
+    @property
+    def first_retained_sequence(self) -> int:
+        """Sequence of the oldest event still held (``last_sequence + 1`` when empty)."""
+        return self._events[0].sequence if self._events else self._next_sequence
+
+    def append(self, type: EventType, /, *, attributes: Mapping[str, object] | None = None,
+               time: float | None = None, **fields: Any) -> LifecycleEvent:
+        """Record an event; time and trace ids default to the clock and the current span."""
+        if not fields.get("trace_id"):
+            fields["trace_id"], fields["span_id"] = self._trace_ids()
+        event = LifecycleEvent(
+            sequence=self._next_sequence, time=self._clock() if time is None else time, type=type,
+            attributes={str(k): _attr(v) for k, v in (attributes or {}).items()}, **fields)
+        self._next_sequence += 1
+        self._events.append(event)
+        return event
+
+    __call__ = append
+
+    def since(self, sequence: int) -> tuple[list[LifecycleEvent], int]:
+        """Events with ``sequence >= sequence`` still retained, and how many of them were dropped.
+
+        ``sequence`` 0 or 1 means "from the beginning". The second value
+        counts events in ``[sequence, first retained)`` that fell out of the
+        bounded history, so a watcher can emit an EVENT_TYPE_GAP for them.
+        """
+        start = max(1, int(sequence))
+        first = self.first_retained_sequence
+        missed = max(0, min(first, self._next_sequence) - start)
+        return [event for event in self._events if event.sequence >= start], missed
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+    def state_dict(self, *, include_events: bool = True) -> dict[str, Any]:
+        """Persisted form: the next sequence number and (optionally) the retained events."""
+        return {"next_sequence": self._next_sequence,
+                "events": [event.to_dict() for event in self._events] if include_events else []}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore; later events continue the numbering after the restored ones."""
+        self._events.clear()
+        for data in state.get("events", []):
+            self._events.append(LifecycleEvent.from_dict(data))
+        restored_next = int(state.get("next_sequence", 1))
+        newest = self._events[-1].sequence + 1 if self._events else 1
+        self._next_sequence = max(restored_next, newest)
+
+
+def _attr(value: object) -> str:
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)

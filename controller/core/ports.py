@@ -1,0 +1,118 @@
+"""Ports: the async interfaces through which the core acts on other servers.
+
+The gRPC layer implements them with real clients and the simulator with
+simulated ones; the core only awaits them, each call bounded by a timeout
+from :class:`~controller.core.config.SchedulingConfig`.
+
+Replica calls take a list of ids and report per-replica failures in a
+:class:`ReplicaCallResult`; the controller issues one call per node,
+concurrently, so a hung or failing agent affects only its own replicas.
+``None`` as a result means "all succeeded". Any exception (including
+``TimeoutError``) fails every replica of that call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+from .replicas import ReplicaRecord
+
+Clock = Callable[[], float]
+"""Seconds on the controller's clock (wall or virtual)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaCallResult:
+    """Outcome of one replica-port call."""
+
+    failed: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """Replica id -> why, for the replicas the call did not succeed on."""
+    aborted_requests: int = 0
+    """For ``abort``: in-flight requests aborted."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaSyncOutcome:
+    """One replica's part in a weight broadcast (``ReplicaSyncResult``)."""
+
+    replica_id: str
+    ok: bool
+    error_message: str = ""
+    duration_s: float = 0.0
+    bytes_received: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightSyncOutcome:
+    """Summary of one weight broadcast (``WeightSyncResult``)."""
+
+    weight_version: int
+    replica_results: tuple[ReplicaSyncOutcome, ...] = ()
+    bytes_sent: int = 0
+    duration_s: float = 0.0
+    sync_id: str = ""
+    source: str = "trainer"
+    skipped_replica_ids: tuple[str, ...] = ()
+    bytes_saved: int = 0
+
+    @property
+    def failed(self) -> dict[str, str]:
+        return {r.replica_id: r.error_message or "weight sync failed"
+                for r in self.replica_results if not r.ok}
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["replica_results"] = [dataclasses.asdict(r) for r in self.replica_results]
+        data["skipped_replica_ids"] = list(self.skipped_replica_ids)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> WeightSyncOutcome:
+        fields = dict(data)
+        fields["replica_results"] = tuple(ReplicaSyncOutcome(**r) for r in data.get("replica_results", ()))
+        fields["skipped_replica_ids"] = tuple(data.get("skipped_replica_ids", ()))
+        return cls(**fields)
+
+
+class RoutingPort(Protocol):
+    """The load balancer's routing table."""
+
+    async def remove_replicas(self, replica_ids: Sequence[str]) -> None: ...
+    async def add_replicas(self, records: Sequence[ReplicaRecord]) -> None: ...
+    async def rebalance(self) -> None: ...
+    async def clear_sticky(self) -> None: ...
+
+
+class ReplicaPort(Protocol):
+    """Replica agents' engine controls."""
+
+    async def abort(self, replica_ids: Sequence[str]) -> ReplicaCallResult | None: ...
+    async def sleep(self, replica_ids: Sequence[str], level: int) -> ReplicaCallResult | None: ...
+    async def wake(self, replica_ids: Sequence[str]) -> ReplicaCallResult | None: ...
+    async def resume(self, replica_ids: Sequence[str]) -> ReplicaCallResult | None: ...
+    async def stop(self, replica_ids: Sequence[str]) -> ReplicaCallResult | None:
+        """Stop engines outright; used on replicas that failed to sleep, to free their memory."""
+        ...
+
+
+class WeightSyncPort(Protocol):
+    """The trainer-to-replica weight broadcast."""
+
+    async def sync(self, replica_ids: Sequence[str], version: int) -> WeightSyncOutcome: ...
+
+    def model_bytes(self) -> int:
+        """Bytes of one full copy of the weights (0 when unknown)."""
+        ...
+
+
+Tracer = Callable[..., AbstractContextManager[Any]]
+"""``tracer(name, **attributes)`` -> context manager around one transition (a span)."""
+
+
+def no_tracer(name: str, **attributes: Any) -> AbstractContextManager[None]:
+    """The default :data:`Tracer`: does nothing."""
+    return contextlib.nullcontext()

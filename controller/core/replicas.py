@@ -1,0 +1,422 @@
+"""Registry of nodes and replicas, with the per-replica state machine and leases.
+
+Every change of a replica's state goes through :meth:`ReplicaRegistry.transition`,
+which checks :data:`ALLOWED_TRANSITIONS` and emits a REPLICA_STATE_CHANGED
+event. The one other writer is node registration, which *records* what an
+agent observes after a restart (the agent is the authority on a process that
+survived the controller); it too emits an event per change, and refuses
+replicas that a scale-in removed on purpose.
+
+Counting follows the reference's ``get_active_server_count()``: a replica
+serves rollout when it is ACTIVE; each replica is one record keyed by id, so
+it is counted once, and a hybrid replica is only ever counted as hybrid.
+
+Leases: a node holds a lease of ``lease_ttl_s`` from registration and from
+each :meth:`ReplicaRegistry.renew`; :meth:`ReplicaRegistry.expire_leases`
+marks the replicas of nodes whose lease ran out FAILED ("lease expired").
+A node whose lease expired must register again. After a restore the
+controller gives every node a fresh lease, so agents have time to reconnect.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from .errors import FailedPreconditionError, InvalidArgumentError, InvalidTransition, NotFoundError
+from .events import Clock, EventSink, EventType
+
+
+class ReplicaKind(enum.Enum):
+    """Which GPU pool a replica runs on (``rollmesh.common.v1.ReplicaKind``)."""
+
+    STANDALONE = "STANDALONE"
+    HYBRID = "HYBRID"
+
+    @property
+    def proto_name(self) -> str:
+        return f"REPLICA_KIND_{self.value}"
+
+
+class ReplicaState(enum.Enum):
+    """Lifecycle state of one replica (``rollmesh.common.v1.ReplicaState``)."""
+
+    LAUNCHING = "LAUNCHING"
+    LOADING = "LOADING"
+    SYNCING = "SYNCING"
+    ACTIVE = "ACTIVE"
+    PAUSED = "PAUSED"
+    DRAINING = "DRAINING"
+    SLEEPING = "SLEEPING"
+    FAILED = "FAILED"
+    STOPPED = "STOPPED"
+    REMOVED = "REMOVED"
+
+    @property
+    def proto_name(self) -> str:
+        return f"REPLICA_STATE_{self.value}"
+
+
+S = ReplicaState
+ALLOWED_TRANSITIONS: dict[ReplicaState, frozenset[ReplicaState]] = {
+    # A new engine must load (and possibly sync) before it may serve.
+    S.LAUNCHING: frozenset({S.LOADING, S.FAILED, S.STOPPED}),
+    S.LOADING: frozenset({S.SYNCING, S.ACTIVE, S.PAUSED, S.SLEEPING, S.FAILED, S.STOPPED}),
+    # After a sync the replica serves, waits paused, or (hybrid sync undone) sleeps again.
+    S.SYNCING: frozenset({S.ACTIVE, S.PAUSED, S.SLEEPING, S.FAILED, S.STOPPED}),
+    # Leaving service always passes DRAINING (removed from routing, requests aborted).
+    S.ACTIVE: frozenset({S.SYNCING, S.PAUSED, S.DRAINING, S.FAILED, S.STOPPED}),
+    S.PAUSED: frozenset({S.ACTIVE, S.SYNCING, S.DRAINING, S.FAILED, S.STOPPED}),
+    S.DRAINING: frozenset({S.SLEEPING, S.ACTIVE, S.FAILED, S.STOPPED}),
+    # Waking goes through PAUSED, so a replica is routed before it is resumed.
+    S.SLEEPING: frozenset({S.SYNCING, S.PAUSED, S.FAILED, S.STOPPED}),
+    S.FAILED: frozenset({S.LAUNCHING, S.STOPPED, S.REMOVED}),
+    S.STOPPED: frozenset({S.LAUNCHING, S.REMOVED}),
+    S.REMOVED: frozenset(),
+}
+TERMINAL_STATES = frozenset({S.FAILED, S.STOPPED, S.REMOVED})
+"""States in which no engine process serves or holds memory on the controller's behalf."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaSpec:
+    """One replica as an agent reports it when registering its node."""
+
+    replica_id: str
+    kind: ReplicaKind
+    state: ReplicaState = S.LAUNCHING
+    weight_version: int = 0
+    slots: tuple[int, ...] = ()
+    memory_fraction: float = 0.0
+    initial: bool = False
+
+
+@dataclasses.dataclass
+class ReplicaRecord:
+    """The controller's record of one replica (``ReplicaRecord`` in registry.proto)."""
+
+    replica_id: str
+    node_id: str
+    address: str
+    kind: ReplicaKind
+    state: ReplicaState
+    weight_version: int = 0
+    slots: tuple[int, ...] = ()
+    memory_fraction: float = 0.0
+    initial: bool = False
+    added_by_operation_id: str = ""
+    intentionally_removed: bool = False
+    state_reason: str = ""
+    model_name: str = "default"
+    lease_expires_at: float | None = None
+    updated_at: float = 0.0
+    last_report: Any = dataclasses.field(default=None, compare=False)
+    """The latest load report, opaque to the core; not persisted."""
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "last_report"}
+        data.update(kind=self.kind.value, state=self.state.value, slots=list(self.slots))
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ReplicaRecord:
+        fields = {k: v for k, v in data.items() if k != "last_report"}
+        fields.update(kind=ReplicaKind(data["kind"]), state=ReplicaState(data["state"]),
+                      slots=tuple(data.get("slots", ())))
+        return cls(**fields)
+
+
+@dataclasses.dataclass
+class NodeRecord:
+    """The controller's record of one registered node."""
+
+    node_id: str
+    address: str
+    slots_total: int = 0
+    backend: str = ""
+    model: str = ""
+    model_name: str = "default"
+    agent_version: str = ""
+    registered_at: float = 0.0
+    lease_expires_at: float = 0.0
+    last_report_at: float | None = None
+    lease_held: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> NodeRecord:
+        return cls(**data)
+
+
+@dataclasses.dataclass(frozen=True)
+class Registration:
+    """Outcome of :meth:`ReplicaRegistry.register_node`."""
+
+    node_id: str
+    accepted: tuple[str, ...]
+    rejected: dict[str, str]
+    """Refused replica id -> why."""
+    lease_expires_at: float
+
+
+def _ignore(*_args: Any, **_kwargs: Any) -> None:
+    return None
+
+
+class ReplicaRegistry:
+    """Nodes, replicas, leases and the replica state machine."""
+
+    def __init__(self, *, clock: Clock, emit: EventSink | None = None, lease_ttl_s: float = 10.0) -> None:
+        if lease_ttl_s <= 0:
+            raise InvalidArgumentError(f"lease_ttl_s must be > 0, got {lease_ttl_s}")
+        self._clock = clock
+        self._emit: EventSink = emit or _ignore
+        self.lease_ttl_s = float(lease_ttl_s)
+        self._nodes: dict[str, NodeRecord] = {}
+        self._replicas: dict[str, ReplicaRecord] = {}
+
+    # --- nodes and leases ---
+
+    def register_node(self, node_id: str, address: str, *, replicas: Sequence[ReplicaSpec] = (),
+                      slots_total: int = 0, backend: str = "", model: str = "",
+                      model_name: str = "default", agent_version: str = "",
+                      now: float | None = None) -> Registration:
+        """Replace the node's record with this registration and take over its replicas."""
+        if not node_id or not address:
+            raise InvalidArgumentError("register_node needs a node_id and an address")
+        now = self._clock() if now is None else now
+        seen = [spec.replica_id for spec in replicas]
+        if len(seen) != len(set(seen)):
+            raise InvalidArgumentError(f"registration of node {node_id!r} repeats a replica id: {seen}")
+        expires = now + self.lease_ttl_s
+        self._nodes[node_id] = NodeRecord(node_id=node_id, address=address, slots_total=slots_total,
+                                          backend=backend, model=model, model_name=model_name or "default",
+                                          agent_version=agent_version, registered_at=now,
+                                          lease_expires_at=expires)
+        accepted: list[str] = []
+        rejected: dict[str, str] = {}
+        for spec in replicas:
+            why = self._refusal(node_id, spec)
+            if why:
+                rejected[spec.replica_id] = why
+                continue
+            self._adopt(node_id, address, model_name or "default", spec, expires, now)
+            accepted.append(spec.replica_id)
+        for record in self.replicas(node_id=node_id):
+            if record.replica_id not in seen and record.state not in TERMINAL_STATES:
+                self.transition(record.replica_id, S.FAILED,
+                                f"missing from the re-registration of node {node_id}")
+        for record in self.replicas(node_id=node_id):
+            record.lease_expires_at = expires
+        self._emit(EventType.NODE_REGISTERED, node_id=node_id, reason="node registered",
+                   attributes={"accepted": len(accepted), "rejected": len(rejected), "address": address})
+        return Registration(node_id, tuple(accepted), rejected, expires)
+
+    def deregister_node(self, node_id: str, reason: str = "") -> list[str]:
+        """Stop the node's replicas and forget the node; returns the replicas stopped."""
+        self.node(node_id)
+        stopped = []
+        for record in self.replicas(node_id=node_id):
+            if record.state not in (S.STOPPED, S.REMOVED):
+                self.transition(record.replica_id, S.STOPPED, reason or f"node {node_id} deregistered")
+                stopped.append(record.replica_id)
+        del self._nodes[node_id]
+        self._emit(EventType.NODE_DEREGISTERED, node_id=node_id, reason=reason or "node deregistered")
+        return stopped
+
+    def renew(self, node_id: str, now: float | None = None) -> float:
+        """Extend the node's lease by ``lease_ttl_s`` from ``now``; returns the new expiry."""
+        node = self.node(node_id)
+        now = self._clock() if now is None else now
+        if not node.lease_held:
+            raise FailedPreconditionError(f"the lease of node {node_id!r} expired at "
+                                          f"{node.lease_expires_at}; register the node again",
+                                          reason="LEASE_EXPIRED")
+        node.lease_expires_at = now + self.lease_ttl_s
+        node.last_report_at = now
+        for record in self.replicas(node_id=node_id):
+            record.lease_expires_at = node.lease_expires_at
+        return node.lease_expires_at
+
+    def expire_leases(self, now: float | None = None) -> list[ReplicaRecord]:
+        """Mark FAILED the live replicas of every node whose lease ran out; returns them."""
+        now = self._clock() if now is None else now
+        failed: list[ReplicaRecord] = []
+        for node in sorted(self._nodes.values(), key=lambda n: n.node_id):
+            if not node.lease_held or node.lease_expires_at > now:
+                continue
+            node.lease_held = False
+            self._emit(EventType.LEASE_EXPIRED, node_id=node.node_id, reason="lease expired",
+                       attributes={"lease_expires_at": node.lease_expires_at})
+            for record in self.replicas(node_id=node.node_id):
+                if record.state not in TERMINAL_STATES:
+                    failed.append(self.transition(record.replica_id, S.FAILED, "lease expired"))
+        return failed
+
+    def node(self, node_id: str) -> NodeRecord:
+        try:
+            return self._nodes[node_id]
+        except KeyError:
+            raise NotFoundError(f"node {node_id!r} is not registered") from None
+
+    def nodes(self) -> list[NodeRecord]:
+        return [self._nodes[key] for key in sorted(self._nodes)]
+
+    # --- replicas ---
+
+    def add_replica(self, spec: ReplicaSpec, *, node_id: str, operation_id: str = "",
+                    reason: str = "") -> ReplicaRecord:
+        """Add a new replica (e.g. a scale-out launch) on a registered node."""
+        node = self.node(node_id)
+        existing = self._replicas.get(spec.replica_id)
+        if existing is not None and existing.state is not S.REMOVED:
+            raise InvalidArgumentError(f"replica {spec.replica_id!r} already exists "
+                                       f"(state {existing.state.value}, node {existing.node_id})")
+        if existing is not None and existing.intentionally_removed:
+            raise InvalidArgumentError(f"replica id {spec.replica_id!r} was removed by a scale-in; "
+                                       f"use a new id")
+        record = ReplicaRecord(replica_id=spec.replica_id, node_id=node_id, address=node.address,
+                               kind=spec.kind, state=spec.state, weight_version=spec.weight_version,
+                               slots=tuple(spec.slots), memory_fraction=spec.memory_fraction,
+                               initial=spec.initial, added_by_operation_id=operation_id,
+                               model_name=node.model_name, lease_expires_at=node.lease_expires_at,
+                               updated_at=self._clock(), state_reason=reason or "added")
+        self._replicas[spec.replica_id] = record
+        self._emit_change(record, "", record.state_reason, operation_id=operation_id)
+        return record
+
+    def transition(self, replica_id: str, to_state: ReplicaState, reason: str = "",
+                   **event_fields: Any) -> ReplicaRecord:
+        """Move a replica to ``to_state`` or raise :class:`InvalidTransition`.
+
+        A move to the state the replica is already in changes nothing and
+        emits nothing. ``event_fields`` (global_step, weight_version,
+        operation_id, attributes) go into the emitted event.
+        """
+        record = self.get(replica_id)
+        if record.state is to_state:
+            return record
+        if to_state not in ALLOWED_TRANSITIONS[record.state]:
+            raise InvalidTransition(replica_id, record.state.proto_name, to_state.proto_name, reason)
+        previous = record.state
+        record.state = to_state
+        record.state_reason = reason
+        record.updated_at = self._clock()
+        self._emit_change(record, previous.proto_name, reason, **event_fields)
+        return record
+
+    def can_transition(self, replica_id: str, to_state: ReplicaState) -> bool:
+        record = self.get(replica_id)
+        return record.state is to_state or to_state in ALLOWED_TRANSITIONS[record.state]
+
+    def mark_removed(self, replica_id: str, reason: str, *, operation_id: str = "") -> ReplicaRecord:
+        """Scale-in removal: REMOVED, and never taken back on re-registration."""
+        record = self.transition(replica_id, S.REMOVED, reason, operation_id=operation_id)
+        record.intentionally_removed = True
+        return record
+
+    def set_weight_version(self, replica_id: str, version: int) -> None:
+        record = self.get(replica_id)
+        record.weight_version = int(version)
+        record.updated_at = self._clock()
+
+    def record_report(self, replica_id: str, report: Any) -> None:
+        """Keep the latest load report of a replica (opaque to the core)."""
+        self.get(replica_id).last_report = report
+
+    def get(self, replica_id: str) -> ReplicaRecord:
+        try:
+            return self._replicas[replica_id]
+        except KeyError:
+            raise NotFoundError(f"replica {replica_id!r} is not in the registry") from None
+
+    def __contains__(self, replica_id: object) -> bool:
+        return replica_id in self._replicas
+
+    def replicas(self, *, kind: ReplicaKind | None = None, states: Iterable[ReplicaState] | None = None,
+                 node_id: str | None = None) -> list[ReplicaRecord]:
+        """Replicas matching every given filter, ordered by id."""
+        wanted = None if states is None else frozenset(states)
+        return [self._replicas[key] for key in sorted(self._replicas)
+                if (kind is None or self._replicas[key].kind is kind)
+                and (wanted is None or self._replicas[key].state in wanted)
+                and (node_id is None or self._replicas[key].node_id == node_id)]
+
+    def active_count(self, kind: ReplicaKind | None = None) -> int:
+        """ACTIVE replicas of ``kind`` (all kinds when None), each counted once."""
+        return sum(1 for r in self._replicas.values()
+                   if r.state is S.ACTIVE and (kind is None or r.kind is kind))
+
+    def get_active_server_count(self) -> int:
+        """Replicas serving rollout now, standalone plus active hybrid (the reference's name)."""
+        return self.active_count()
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        """Replica counts by kind and state, e.g. ``counts()["HYBRID"]["SLEEPING"]``."""
+        table = {kind.value: {state.value: 0 for state in ReplicaState} for kind in ReplicaKind}
+        for record in self._replicas.values():
+            table[record.kind.value][record.state.value] += 1
+        return table
+
+    # --- persistence ---
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"lease_ttl_s": self.lease_ttl_s,
+                "nodes": [node.to_dict() for node in self.nodes()],
+                "replicas": [record.to_dict() for record in self.replicas()]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, clock: Clock, emit: EventSink | None = None,
+                  now: float | None = None) -> ReplicaRegistry:
+        """Restore; every node that held a lease gets a fresh one from ``now``."""
+        registry = cls(clock=clock, emit=emit, lease_ttl_s=data.get("lease_ttl_s", 10.0))
+        now = clock() if now is None else now
+        for node_data in data.get("nodes", []):
+            node = NodeRecord.from_dict(node_data)
+            if node.lease_held:
+                node.lease_expires_at = max(node.lease_expires_at, now + registry.lease_ttl_s)
+            registry._nodes[node.node_id] = node
+        for replica_data in data.get("replicas", []):
+            record = ReplicaRecord.from_dict(replica_data)
+            owner = registry._nodes.get(record.node_id)
+            record.lease_expires_at = owner.lease_expires_at if owner else record.lease_expires_at
+            registry._replicas[record.replica_id] = record
+        return registry
+
+    # --- internals ---
+
+    def _refusal(self, node_id: str, spec: ReplicaSpec) -> str:
+        existing = self._replicas.get(spec.replica_id)
+        if spec.state is S.REMOVED:
+            return "an agent cannot report a replica as REMOVED"
+        if existing is None:
+            return ""
+        if existing.intentionally_removed:
+            return f"removed on purpose ({existing.state_reason or 'scale-in'}); stop it"
+        if existing.node_id != node_id and existing.state not in TERMINAL_STATES:
+            return f"registered on node {existing.node_id} in state {existing.state.value}"
+        return ""
+
+    def _adopt(self, node_id: str, address: str, model_name: str, spec: ReplicaSpec,
+               expires: float, now: float) -> None:
+        existing = self._replicas.get(spec.replica_id)
+        record = ReplicaRecord(
+            replica_id=spec.replica_id, node_id=node_id, address=address, kind=spec.kind,
+            state=spec.state, weight_version=spec.weight_version, slots=tuple(spec.slots),
+            memory_fraction=spec.memory_fraction,
+            initial=spec.initial or (existing.initial if existing else False),
+            added_by_operation_id=existing.added_by_operation_id if existing else "",
+            model_name=model_name, lease_expires_at=expires, updated_at=now,
+            state_reason="registered" if existing is None else "reported by agent on registration")
+        self._replicas[spec.replica_id] = record
+        if existing is None or existing.state is not record.state:
+            self._emit_change(record, existing.state.proto_name if existing else "", record.state_reason)
+
+    def _emit_change(self, record: ReplicaRecord, from_state: str, reason: str, **fields: Any) -> None:
+        self._emit(EventType.REPLICA_STATE_CHANGED, replica_id=record.replica_id, node_id=record.node_id,
+                   replica_kind=record.kind.proto_name, from_state=from_state,
+                   to_state=record.state.proto_name, reason=reason, **fields)

@@ -1,0 +1,170 @@
+"""Types of the step protocol: hybrid state, expected call, report and answers.
+
+They mirror ``rollmesh/controller/v1/scheduling.proto`` (seconds as floats
+instead of ``Duration``), and convert to and from plain dicts so the
+controller can persist the answers it gave for the current step - a retried
+call after a controller restart gets the same answer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping
+from typing import Any
+
+from .errors import InvalidArgumentError
+from .metrics import ConcurrencyPoint
+from .ports import WeightSyncOutcome
+
+
+class HybridState(enum.Enum):
+    """``STANDALONE_ONLY <-> HYBRID_ACTIVE``."""
+
+    STANDALONE_ONLY = "STANDALONE_ONLY"
+    HYBRID_ACTIVE = "HYBRID_ACTIVE"
+
+    @property
+    def proto_name(self) -> str:
+        return f"HYBRID_STATE_{self.value}"
+
+
+class StepCall(enum.Enum):
+    """A call of the step protocol; ``label`` is the RPC name."""
+
+    BEGIN_TRAINING_STEP = "BeginTrainingStep"
+    RELEASE_HYBRID_REPLICAS = "ReleaseHybridReplicas"
+    COMPLETE_TRAINING_STEP = "CompleteTrainingStep"
+
+    @property
+    def label(self) -> str:
+        return self.value
+
+    @property
+    def proto_name(self) -> str:
+        return f"STEP_CALL_{self.name}"
+
+
+@dataclasses.dataclass
+class StepReport:
+    """What the trainer reports at BeginTrainingStep / CompleteTrainingStep (``StepReport``).
+
+    ``required_samples`` and ``trigger_parameter_sync_step`` of 0 mean "use
+    the configured values". ``train_compute_time_s`` None means "derive it
+    from ``timing_raw``".
+    """
+
+    required_samples: int = 0
+    trigger_parameter_sync_step: int = 0
+    total_generated_samples: int = 0
+    expected_samples: int = 0
+    buffer_samples: int = 0
+    step_wait_times: list[float] = dataclasses.field(default_factory=list)
+    step_wait_samples: list[int] = dataclasses.field(default_factory=list)
+    queue_size: int = 0
+    timing_raw: dict[str, float] = dataclasses.field(default_factory=dict)
+    train_compute_time_s: float | None = None
+    train_allocated_time_s: float = 0.0
+    step_generated_samples: int = 0
+    rollout_concurrency: list[ConcurrencyPoint] = dataclasses.field(default_factory=list)
+    samples_consumed: int = 0
+    samples_dropped: int = 0
+
+    def validate(self) -> None:
+        """Raise InvalidArgumentError for negative counts or unequal wait lists."""
+        for name in ("required_samples", "trigger_parameter_sync_step", "total_generated_samples",
+                     "expected_samples", "buffer_samples", "queue_size", "step_generated_samples",
+                     "samples_consumed", "samples_dropped"):
+            if getattr(self, name) < 0:
+                raise InvalidArgumentError(f"report.{name} must be >= 0, got {getattr(self, name)}")
+        if len(self.step_wait_times) != len(self.step_wait_samples):
+            raise InvalidArgumentError(
+                f"report.step_wait_times ({len(self.step_wait_times)} entries) and "
+                f"report.step_wait_samples ({len(self.step_wait_samples)}) must be parallel lists")
+        if any(t < 0 for t in self.step_wait_times) or any(n < 0 for n in self.step_wait_samples):
+            raise InvalidArgumentError("report.step_wait_times and step_wait_samples must be >= 0")
+        if self.train_allocated_time_s < 0 or (self.train_compute_time_s or 0.0) < 0:
+            raise InvalidArgumentError("report train times must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class BeginDecision:
+    """Answer of BeginTrainingStep (policy points 1 and 2)."""
+
+    global_step: int
+    deactivate: bool
+    wait_samples: int
+    wait_timeout_s: float
+    hybrid_state: HybridState
+    next_call: StepCall
+
+
+@dataclasses.dataclass(frozen=True)
+class ReleaseResult:
+    """Answer of ReleaseHybridReplicas (deactivation)."""
+
+    global_step: int
+    released_replica_ids: tuple[str, ...]
+    failed_replica_ids: tuple[str, ...]
+    duration_s: float
+    aborted_requests: int
+    wait_expired: bool
+    hybrid_state: HybridState
+    next_call: StepCall
+
+
+@dataclasses.dataclass(frozen=True)
+class CompleteResult:
+    """Answer of CompleteTrainingStep (sync, points 3-5)."""
+
+    global_step: int
+    standalone_sync: WeightSyncOutcome | None
+    hybrid_activated: bool
+    hybrid_sync_skipped: bool
+    hybrid_sync: WeightSyncOutcome | None
+    bytes_sent: int
+    bytes_saved: int
+    rebalanced: bool
+    deactivate_ratio: float
+    hybrid_state: HybridState
+    next_call: StepCall
+    activation_duration_s: float | None = None
+    failed_replica_ids: tuple[str, ...] = ()
+
+
+_ENUMS = {"hybrid_state": HybridState, "next_call": StepCall}
+_SYNCS = ("standalone_sync", "hybrid_sync")
+
+
+def answer_to_dict(answer: BeginDecision | ReleaseResult | CompleteResult | None) -> dict[str, Any] | None:
+    """Plain-dict form of a step answer (None stays None)."""
+    if answer is None:
+        return None
+    data: dict[str, Any] = {}
+    for field in dataclasses.fields(answer):
+        value = getattr(answer, field.name)
+        if isinstance(value, enum.Enum):
+            value = value.value
+        elif isinstance(value, WeightSyncOutcome):
+            value = value.to_dict()
+        elif isinstance(value, tuple):
+            value = list(value)
+        data[field.name] = value
+    return data
+
+
+def answer_from_dict(cls: type, data: Mapping[str, Any] | None) -> Any:
+    """Inverse of :func:`answer_to_dict` for the answer class ``cls``."""
+    if data is None:
+        return None
+    fields = dict(data)
+    for name, enum_cls in _ENUMS.items():
+        if name in fields:
+            fields[name] = enum_cls(fields[name])
+    for name in _SYNCS:
+        if fields.get(name) is not None:
+            fields[name] = WeightSyncOutcome.from_dict(fields[name])
+    for name in ("released_replica_ids", "failed_replica_ids"):
+        if name in fields:
+            fields[name] = tuple(fields[name])
+    return cls(**fields)

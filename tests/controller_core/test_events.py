@@ -1,0 +1,59 @@
+"""EventLog: numbering, bounded retention, gaps, restore, trace ids."""
+
+from __future__ import annotations
+
+import pytest
+
+from controller.core import EventLog, EventType, LifecycleEvent
+
+from .fakes import FakeClock
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_sequence_increases_and_time_comes_from_the_clock():
+    clock = FakeClock(5.0)
+    log = EventLog(clock)
+    a = log.append(EventType.STEP_PHASE, global_step=1, attributes={"phase": "begin", "ok": True, "x": 0.5})
+    clock.advance(2)
+    b = log(EventType.WAIT_EXPIRED, reason="late")
+    assert (a.sequence, b.sequence) == (1, 2) and (a.time, b.time) == (5.0, 7.0)
+    assert a.attributes == {"phase": "begin", "ok": "true", "x": "0.5"}
+    assert EventType.WAIT_EXPIRED.proto_name == "EVENT_TYPE_WAIT_EXPIRED"
+    assert log.last_sequence == 2
+
+
+def test_bounded_retention_and_gap_counts():
+    log = EventLog(FakeClock(), max_events=3)
+    for i in range(5):
+        log.append(EventType.STEP_PHASE, global_step=i)
+    events, missed = log.since(0)
+    assert [e.sequence for e in events] == [3, 4, 5] and missed == 2
+    events, missed = log.since(2)
+    assert [e.sequence for e in events] == [3, 4, 5] and missed == 1
+    events, missed = log.since(4)
+    assert [e.sequence for e in events] == [4, 5] and missed == 0
+    events, missed = log.since(6)
+    assert events == [] and missed == 0
+
+
+def test_restore_continues_numbering():
+    log = EventLog(FakeClock(), max_events=10)
+    for _ in range(4):
+        log.append(EventType.NODE_REGISTERED, node_id="n1")
+    state = log.state_dict()
+    restored = EventLog(FakeClock())
+    restored.load_state_dict(state)
+    assert restored.append(EventType.NODE_DEREGISTERED).sequence == 5
+    assert [e.sequence for e in restored.since(1)[0]] == [1, 2, 3, 4, 5]
+    bare = EventLog(FakeClock())
+    bare.load_state_dict(log.state_dict(include_events=False))
+    assert bare.append(EventType.GAP).sequence == 5 and bare.since(1)[1] == 4
+
+
+def test_event_dict_round_trip_and_trace_ids():
+    log = EventLog(FakeClock(), trace_ids=lambda: ("a" * 32, "b" * 16))
+    event = log.append(EventType.REPLICA_STATE_CHANGED, replica_id="r1", from_state="REPLICA_STATE_ACTIVE",
+                       to_state="REPLICA_STATE_DRAINING", weight_version=3)
+    assert event.trace_id == "a" * 32 and event.span_id == "b" * 16
+    assert LifecycleEvent.from_dict(event.to_dict()) == event
