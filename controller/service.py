@@ -1,43 +1,211 @@
-"""gRPC surface of the controller: decode -> domain call -> encode."""
+"""gRPC surface of the controller: decode -> Mesh / core call -> encode."""
 
 from __future__ import annotations
 
 from opentelemetry.sdk.trace import TracerProvider
 
 from mesh_runtime.capabilities import pending
+from mesh_runtime.errors import InvalidArgument, NotFound
+from mesh_runtime.prometheus import Metric, MetricsEndpoint
 from mesh_runtime.server import MeshServer
 from mesh_runtime.status import StatusReporter
-from rollmesh.controller.v1 import controller_pb2, controller_pb2_grpc
+from rollmesh.common.v1 import events_pb2
+from rollmesh.controller.v1 import controller_pb2, controller_pb2_grpc, observability_pb2, registry_pb2
+from rollmesh.controller.v1 import scheduling_pb2, weight_sync_pb2
 
+from . import convert
 from .config import ControllerConfig
+from .core.events import EventType
+from .core.replicas import ReplicaKind, ReplicaState
+from .mesh import Mesh
 from .peers import Peers
 
 DESCRIPTOR = controller_pb2.DESCRIPTOR.services_by_name["ControllerService"]
+S = ReplicaState
 
 
 @pending(DESCRIPTOR, {
-    "registry": ["RegisterNode", "DeregisterNode", "StreamLoadReports", "ListNodes", "GetNode",
-                 "ListReplicas", "GetReplica"],
-    "scheduling": ["BeginTrainingStep", "ReleaseHybridReplicas", "CompleteTrainingStep",
-                   "GetSchedulerState"],
-    "weight_sync": ["SyncWeights"],
-    "events": ["WatchEvents"],
-    "metrics": ["GetMetrics"],
-    "scaling": ["ScaleOut", "ScaleIn", "GetOperation", "ListOperations", "CancelOperation",
-                "CancelOperations"],
-    "autoscaler": ["GetAutoscalerStatus", "SetAutoscalerEnabled", "GetAutoscalerConditions",
-                   "ListScaleHistory"],
+    "scaling": ["ScaleOut", "ScaleIn", "GetOperation", "ListOperations", "CancelOperation", "CancelOperations"],
+    "autoscaler": ["GetAutoscalerStatus", "SetAutoscalerEnabled", "GetAutoscalerConditions", "ListScaleHistory"],
 })
 class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
     """Implements ``rollmesh.controller.v1.ControllerService``."""
 
     def __init__(self, config: ControllerConfig, tracer_provider: TracerProvider | None) -> None:
-        self.status = StatusReporter(config, ["status"])
+        self.config = config
+        self.status = StatusReporter(config, ["status", "registry", "scheduling", "weight_sync", "events",
+                                              "metrics"])
         self.peers = Peers(load_balancer_address=config.load_balancer_address,
                            timeout_s=config.peer_timeout_s, tracer_provider=tracer_provider)
+        self.mesh = Mesh(config, tracer_provider)
 
     async def attach(self, server: MeshServer) -> None:
         server.add_cleanup(self.peers.close)
+        server.add_cleanup(self.mesh.close)
+        server.spawn(self.mesh.store.run(), name="state-store")
+        server.spawn(self.mesh.run_leases(), name="leases")
+        if self.config.metrics_listen:
+            endpoint = MetricsEndpoint(self.config.metrics_listen, self._prometheus)
+            await endpoint.start()
+            server.add_cleanup(endpoint.close)
 
-    async def GetStatus(self, request, context):  # noqa: N802 - gRPC method name
-        return controller_pb2.GetStatusResponse(status=self.status.status(), peers=await self.peers.probe())
+    # ---------------------------------------------------------------- status
+    async def GetStatus(self, request, context):  # noqa: N802 - gRPC method names throughout
+        registry = self.mesh.registry
+        return controller_pb2.GetStatusResponse(
+            status=self.status.status(), peers=await self.peers.probe(),
+            hybrid_state=scheduling_pb2.HybridState.Value(self.mesh.scheduler.hybrid_state.proto_name),
+            node_count=len(registry.nodes()),
+            replica_count=len([r for r in registry.replicas() if r.state is not S.REMOVED]),
+            active_replica_count=registry.active_count(), last_event_sequence=self.mesh.events.last_sequence)
+
+    # -------------------------------------------------------------- registry
+    async def RegisterNode(self, request, context):  # noqa: N802
+        registration = await self.mesh.register_node(request)
+        reply = registry_pb2.RegisterNodeResponse(node_id=registration.node_id,
+                                                  accepted_replica_ids=registration.accepted,
+                                                  rejected_replica_ids=list(registration.rejected))
+        reply.lease_ttl.CopyFrom(convert.duration(self.config.lease_ttl_s))
+        reply.load_report_interval.CopyFrom(convert.duration(self.config.load_report_interval_s))
+        return reply
+
+    async def DeregisterNode(self, request, context):  # noqa: N802
+        stopped = self.mesh.registry.deregister_node(request.node_id, request.reason)
+        await self.mesh.routing.remove_replicas(stopped)
+        self.mesh.changed()
+        return registry_pb2.DeregisterNodeResponse(stopped_replica_ids=stopped)
+
+    async def StreamLoadReports(self, request_iterator, context):  # noqa: N802
+        node_id = ""
+        async for message in request_iterator:
+            if not message.node_id or (node_id and message.node_id != node_id):
+                raise InvalidArgument("every message of a load-report stream must carry the same, non-empty "
+                                      "node_id", reason="INVALID_NODE_ID")
+            self.mesh.renew(message.node_id, message.reports)
+            if not node_id:
+                node_id = message.node_id
+                reply = registry_pb2.StreamLoadReportsResponse()
+                reply.load_report_interval.CopyFrom(convert.duration(self.config.load_report_interval_s))
+                reply.lease_ttl.CopyFrom(convert.duration(self.config.lease_ttl_s))
+                yield reply
+
+    async def ListNodes(self, request, context):  # noqa: N802
+        registry = self.mesh.registry
+        return registry_pb2.ListNodesResponse(nodes=[
+            convert.node_record(n, [r.replica_id for r in registry.replicas(node_id=n.node_id)])
+            for n in registry.nodes()])
+
+    async def GetNode(self, request, context):  # noqa: N802
+        registry = self.mesh.registry
+        node = registry.node(request.node_id)
+        replicas = registry.replicas(node_id=node.node_id)
+        return registry_pb2.GetNodeResponse(node=convert.node_record(node, [r.replica_id for r in replicas]),
+                                            replicas=[convert.replica_record(r) for r in replicas])
+
+    async def ListReplicas(self, request, context):  # noqa: N802
+        kinds = {convert.kind_from_proto(k) for k in request.kinds}
+        states = {convert.state_from_proto(s) for s in request.states}
+        records = [r for r in self.mesh.registry.replicas(node_id=request.node_id or None)
+                   if (not kinds or r.kind in kinds) and (not states or r.state in states)
+                   and (not request.model_name or r.model_name == request.model_name)]
+        return registry_pb2.ListReplicasResponse(replicas=[convert.replica_record(r) for r in records])
+
+    async def GetReplica(self, request, context):  # noqa: N802
+        return registry_pb2.GetReplicaResponse(replica=convert.replica_record(self.mesh.registry.get(request.replica_id)))
+
+    # ------------------------------------------------------------ scheduling
+    async def BeginTrainingStep(self, request, context):  # noqa: N802
+        decision = await self.mesh.scheduler.begin_step(request.global_step, convert.step_report(request.report))
+        self.mesh.changed()
+        return convert.begin_response(decision)
+
+    async def ReleaseHybridReplicas(self, request, context):  # noqa: N802
+        result = await self.mesh.scheduler.release_hybrid(request.global_step, request.buffered_samples,
+                                                          convert.seconds(request.waited), request.wait_expired)
+        self.mesh.changed()
+        return convert.release_response(result)
+
+    async def CompleteTrainingStep(self, request, context):  # noqa: N802
+        result = await self.mesh.scheduler.complete_step(request.global_step, request.weight_version,
+                                                         convert.step_report(request.report))
+        self.mesh.changed()
+        return convert.complete_response(result)
+
+    async def GetSchedulerState(self, request, context):  # noqa: N802
+        return convert.scheduler_state(self.mesh.scheduler.scheduler_state())
+
+    async def SyncWeights(self, request, context):  # noqa: N802
+        registry = self.mesh.registry
+        if request.replica_ids:
+            targets = [registry.get(r).replica_id for r in request.replica_ids]
+        else:
+            targets = [r.replica_id for r in registry.replicas(states=[S.ACTIVE, S.PAUSED])
+                       if r.kind is ReplicaKind.STANDALONE or self.mesh.scheduler.is_hybrid_active]
+        version = request.weight_version if request.HasField("weight_version") else \
+            (self.mesh.scheduler.weight_version or 0)
+        self.mesh.emit(EventType.WEIGHT_SYNC_STARTED, weight_version=version, reason="SyncWeights",
+                       attributes={"replicas": len(targets)})
+        with self.mesh._span("weights.broadcast", weight_version=version, replica_ids=targets):
+            outcome = await self.mesh.weights.sync(targets, version)
+        failed = outcome.failed
+        for result in outcome.replica_results:
+            if result.ok:
+                registry.set_weight_version(result.replica_id, version)
+        if failed:
+            await self.mesh.routing.remove_replicas(list(failed))
+            for replica_id, why in failed.items():
+                self.mesh.emit(EventType.WEIGHT_SYNC_FAILED, replica_id=replica_id, weight_version=version,
+                               reason=f"{why}; removed from routing until it holds the current version")
+        self.mesh.emit(EventType.WEIGHT_SYNC_COMPLETED, weight_version=version, reason="SyncWeights",
+                       attributes={"ok": len(targets) - len(failed), "failed": len(failed),
+                                   "bytes_sent": outcome.bytes_sent})
+        self.mesh.changed()
+        return weight_sync_pb2.SyncWeightsResponse(result=convert.sync_result(outcome))
+
+    # -------------------------------------------------------- events/metrics
+    async def WatchEvents(self, request, context):  # noqa: N802
+        if request.from_sequence > self.mesh.events.last_sequence + 1:
+            from mesh_runtime.errors import OutOfRange  # noqa: PLC0415
+
+            raise OutOfRange(f"from_sequence {request.from_sequence} is ahead of the newest event "
+                             f"({self.mesh.events.last_sequence})", reason="SEQUENCE_AHEAD")
+        replica_ids = set(request.replica_ids)
+        types = {events_pb2.EventType.Name(t) for t in request.types}
+
+        def accept(event) -> bool:
+            if event.type is EventType.GAP:
+                return True
+            return ((not replica_ids or not event.replica_id or event.replica_id in replica_ids)
+                    and (not types or event.type.proto_name in types))
+
+        async for event in self.mesh.hub.watch(request.from_sequence, accept, request.include_history):
+            yield observability_pb2.WatchEventsResponse(event=convert.event(event))
+
+    async def GetMetrics(self, request, context):  # noqa: N802
+        metrics = self.mesh.metrics
+        limit = request.limit or 100
+        if request.HasField("cycle"):
+            cycles = [c for c in metrics.closed if c.cycle == request.cycle]
+            if not cycles:
+                raise NotFound(f"no closed sync cycle {request.cycle} (closed: "
+                               f"{[c.cycle for c in metrics.closed][-5:]})", reason="CYCLE_NOT_FOUND")
+        elif request.HasField("from_cycle"):
+            cycles = metrics.cycles(request.from_cycle, limit)
+        else:
+            cycles = metrics.closed[-1:]
+        return observability_pb2.GetMetricsResponse(cycles=[convert.metrics_cycle(c) for c in cycles])
+
+    def _prometheus(self) -> list[Metric]:
+        latest = self.mesh.metrics.closed[-1] if self.mesh.metrics.closed else None
+        out = []
+        if latest is not None:
+            for name, value in latest.values.items():
+                metric = "rollmesh_" + name.replace("/", "_")
+                out.append(Metric(metric, f"{name} of the latest closed sync cycle").add(value))
+        counts = Metric("rollmesh_controller_replicas", "Replicas by kind and state")
+        for record in self.mesh.registry.replicas():
+            counts.add(1, replica_id=record.replica_id, kind=record.kind.value, state=record.state.value)
+        out.append(counts)
+        return out
+
+

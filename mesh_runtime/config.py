@@ -130,6 +130,11 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
             if prefix and err.key and not err.key.startswith(prefix):
                 raise ConfigError(_join(prefix, err.key), err.why) from None
             raise
+        except (ValueError, TypeError, LookupError) as err:
+            raise ConfigError(prefix, str(err)) from None
+        except Exception as err:  # noqa: BLE001 - domain validators (e.g. a core config) raise their own errors
+            field = (getattr(err, "metadata", None) or {}).get("field", "")
+            raise ConfigError(_join(prefix, field) if field else prefix, str(err)) from None
     return obj
 
 

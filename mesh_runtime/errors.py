@@ -155,9 +155,27 @@ def error_info(rpc_error: grpc.RpcError) -> error_details_pb2.ErrorInfo | None:
     return None
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str):
+def canonical(exc: BaseException) -> RollmeshError | None:
+    """The mesh error for ``exc``: itself, or a domain error that names its canonical code.
+
+    Packages that must not import grpc (the controller core) raise exceptions
+    carrying ``code`` (a ``grpc.StatusCode`` name), ``reason`` and ``metadata``.
+    """
     if isinstance(exc, RollmeshError):
-        await context.abort_with_status(to_status(exc))
+        return exc
+    code = getattr(exc, "code", None)
+    if isinstance(code, str) and code in grpc.StatusCode.__members__ and code != "OK":
+        err = RollmeshError(getattr(exc, "message", str(exc)), reason=getattr(exc, "reason", None) or code,
+                            metadata=getattr(exc, "metadata", None))
+        err.code = grpc.StatusCode[code]
+        return err
+    return None
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str):
+    mapped = canonical(exc)
+    if mapped is not None:
+        await context.abort_with_status(to_status(mapped))
     log.exception("unhandled error in %s", method, exc_info=exc)
     await context.abort_with_status(
         to_status(Internal(f"internal error in {method}: {type(exc).__name__}: {exc}")))

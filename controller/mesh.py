@@ -1,0 +1,174 @@
+"""The controller's domain, assembled: core objects, real ports, persistence, events, leases.
+
+:class:`Mesh` is what the servicer delegates to. It builds the I/O-free core
+(registry, event log, dynamic resource controller, cycle metrics) on the wall
+clock, wires it to the other servers through the gRPC ports, persists it in
+the state directory, fans events out to watchers, expires leases, and keeps
+the load balancer's routing table in line with the registry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+
+from mesh_runtime import tracing
+
+from .config import ControllerConfig
+from .core.events import EventLog, EventType
+from .core.hybrid import DynamicResourceController
+from .core.metrics import CycleMetrics
+from .core.replicas import ReplicaKind, ReplicaRegistry, ReplicaState
+from .ports import AgentReplicas, Channels, LoadBalancerRouting, WeightBroadcast
+from .store import StateStore
+from .watchers import EventHub
+
+log = logging.getLogger(__name__)
+S = ReplicaState
+
+
+def _trace_ids() -> tuple[str, str]:
+    ctx = trace.get_current_span().get_span_context()
+    if not ctx.is_valid:
+        return "", ""
+    return format(ctx.trace_id, "032x"), format(ctx.span_id, "016x")
+
+
+class Mesh:
+    """Registry + scheduling + weight sync + events, behind the controller's RPCs."""
+
+    def __init__(self, config: ControllerConfig, tracer_provider: TracerProvider | None) -> None:
+        self.config = config
+        self.clock = time.time
+        self.tracer = tracing.tracer(tracer_provider, "rollmesh.controller")
+        self.store = StateStore(config.state_dir)
+        self.events = EventLog(self.clock, max_events=config.event_retention, trace_ids=_trace_ids)
+        self.hub = EventHub(self.events, config.watcher_queue_size)
+        self.registry = self._restore_registry()
+        self.channels = Channels(tracer_provider)
+        sched = config.async_training
+        self.routing = LoadBalancerRouting(self.channels, config.load_balancer_address, sched.port_timeout_s)
+        self.replica_port = AgentReplicas(self.channels, self.registry, sched.port_timeout_s)
+        self.weights = WeightBroadcast(self.channels, self.registry, self.routing,
+                                       trainer_address=config.trainer_address, timeout_s=sched.weight_sync_timeout_s,
+                                       backend=config.weight_sync_backend,
+                                       bucket_size_bytes=config.weight_bucket_size_bytes)
+        self.metrics = CycleMetrics(hybrid_gpus=config.hybrid_gpus, standalone_gpus=config.standalone_gpus,
+                                    concurrent_samples_per_replica=config.concurrent_samples_per_replica,
+                                    max_required_samples=config.max_required_samples)
+        self.scheduler = DynamicResourceController(
+            sched, registry=self.registry, routing=self.routing, replicas=self.replica_port, weights=self.weights,
+            clock=self.clock, emit=self.emit, tracer=self._span, metrics=self.metrics)
+        for key, source in {"registry": self.registry.to_dict, "events": self.events.state_dict,
+                            "scheduler": self.scheduler.state_dict, "metrics": self.metrics.state_dict}.items():
+            self.store.track(key, source)
+        self._restore_rest()
+
+    # ----------------------------------------------------------- persistence
+    def _restore_registry(self) -> ReplicaRegistry:
+        saved_events = self.store.load("events")
+        if saved_events:
+            self.events.load_state_dict(saved_events)
+        saved = self.store.load("registry")
+        if saved:
+            return ReplicaRegistry.from_dict(saved, clock=self.clock, emit=self.emit)
+        return ReplicaRegistry(clock=self.clock, emit=self.emit, lease_ttl_s=self.config.lease_ttl_s)
+
+    def _restore_rest(self) -> None:
+        saved = self.store.load("scheduler")
+        if saved:
+            self.scheduler.load_state_dict(saved)
+        saved_metrics = self.store.load("metrics")
+        if saved_metrics:
+            self.metrics.load_state_dict(saved_metrics)
+        if saved or saved_metrics:
+            self.emit(EventType.CONTROLLER_STATE_CHANGED, reason="controller restarted; state restored",
+                      to_state=self.scheduler.hybrid_state.proto_name)
+
+    def changed(self) -> None:
+        """Something durable changed: persist it shortly."""
+        self.store.mark()
+
+    # ---------------------------------------------------------------- events
+    def emit(self, type: EventType, /, **fields: Any):
+        event = self.events.append(type, **fields)
+        self.hub.publish(event)
+        self.store.mark("events", "registry")
+        return event
+
+    @contextlib.contextmanager
+    def _span(self, name: str, **attributes: Any):
+        attrs = {f"rollmesh.{k}": (list(v) if isinstance(v, (list, tuple)) else v)
+                 for k, v in attributes.items() if v is not None}
+        with self.tracer.start_as_current_span(name, attributes=attrs) as span:
+            yield span
+
+    # ----------------------------------------------------------- registration
+    async def register_node(self, request) -> Any:
+        from . import convert  # noqa: PLC0415
+
+        if not request.node_id:
+            raise _invalid("node_id must not be empty")
+        if not request.address:
+            raise _invalid("address must be HOST:PORT")
+        if request.slots_total == 0:
+            raise _invalid("slots_total must be > 0")
+        specs = convert.replica_specs(request)
+        if any(not s.replica_id for s in specs):
+            raise _invalid("every replica needs a replica_id")
+        with self._span("registry.register_node", node_id=request.node_id, replicas=len(specs)):
+            registration = self.registry.register_node(
+                request.node_id, request.address, replicas=specs, slots_total=request.slots_total,
+                backend=convert.types_pb2.EngineBackend.Name(request.backend), model=request.model,
+                model_name=request.model_name or "default", agent_version=request.agent_version)
+            await self._route_serving(registration.accepted)
+        self.changed()
+        return registration
+
+    async def _route_serving(self, replica_ids) -> None:
+        """Put newly registered serving replicas into routing (standalone only; hybrids are the scheduler's)."""
+        current = self.scheduler.weight_version
+        records = [self.registry.get(r) for r in replica_ids]
+        routable = [r for r in records if r.state is S.ACTIVE and r.kind is ReplicaKind.STANDALONE
+                    and (current is None or r.weight_version >= current)]
+        if routable:
+            await self.routing.add_replicas(routable)
+
+    def renew(self, node_id: str, reports) -> None:
+        self.registry.renew(node_id)
+        for report in reports:
+            if report.replica_id in self.registry:
+                self.registry.record_report(report.replica_id, report)
+
+    async def expire_leases(self) -> None:
+        failed = self.registry.expire_leases()
+        if failed:
+            ids = [r.replica_id for r in failed]
+            log.warning("lease expired: replicas %s FAILED and removed from routing", ids)
+            with contextlib.suppress(Exception):
+                await self.routing.remove_replicas(ids)
+            self.changed()
+
+    async def run_leases(self) -> None:
+        interval = min(1.0, self.config.lease_ttl_s / 4)
+        while True:
+            await asyncio.sleep(interval)
+            await self.expire_leases()
+
+    async def close(self) -> None:
+        self.store.flush()
+        await self.channels.close()
+
+
+def _invalid(message: str):
+    from mesh_runtime.errors import InvalidArgument  # noqa: PLC0415
+
+    return InvalidArgument(message, reason="INVALID_REGISTRATION")
+
+

@@ -1,0 +1,251 @@
+"""The controller core's ports, implemented over gRPC.
+
+``LoadBalancerRouting`` keeps the balancer's routing table, ``AgentReplicas``
+drives replica agents (one concurrent call per node, each with a deadline;
+failures are reported per replica), and ``WeightBroadcast`` coordinates a
+weight sync: the trainer prepares the version (manifest + rendezvous), then
+the trainer's SendWeights and every node's ReceiveWeights run concurrently
+under one plan, and the replicas' new versions are pushed to the balancer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+
+import grpc
+from opentelemetry.sdk.trace import TracerProvider
+
+from mesh_runtime.channels import open_channel
+from rollmesh.common.v1 import weights_pb2
+from rollmesh.loadbalancer.v1 import loadbalancer_pb2, loadbalancer_pb2_grpc, routing_pb2
+from rollmesh.replica.v1 import replica_agent_pb2, replica_agent_pb2_grpc
+
+from .convert import duration, kind_to_proto
+from .core.ports import ReplicaCallResult, ReplicaSyncOutcome, WeightSyncOutcome
+from .core.replicas import ReplicaRecord, ReplicaRegistry
+
+log = logging.getLogger(__name__)
+
+
+class Channels:
+    """One channel (and stub) per peer address; closed at shutdown."""
+
+    def __init__(self, tracer_provider: TracerProvider | None) -> None:
+        self._tracer_provider = tracer_provider
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self._channels:
+            self._channels[address] = open_channel(address, tracer_provider=self._tracer_provider)
+        return self._channels[address]
+
+    def agent(self, address: str) -> replica_agent_pb2_grpc.ReplicaAgentServiceStub:
+        return replica_agent_pb2_grpc.ReplicaAgentServiceStub(self.channel(address))
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+
+def _why(err: BaseException) -> str:
+    if isinstance(err, grpc.aio.AioRpcError):
+        return f"{err.code().name}: {err.details()}"
+    return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+
+
+class LoadBalancerRouting:
+    """``RoutingPort`` over the balancer's gRPC API (a no-op when none is configured)."""
+
+    def __init__(self, channels: Channels, address: str, timeout_s: float) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._stub = loadbalancer_pb2_grpc.LoadBalancerServiceStub(channels.channel(address)) if address else None
+
+    async def remove_replicas(self, replica_ids: Sequence[str]) -> None:
+        if self._stub and replica_ids:
+            await self._stub.RemoveReplicas(loadbalancer_pb2.RemoveReplicasRequest(replica_ids=list(replica_ids)),
+                                            timeout=self.timeout_s)
+
+    async def add_replicas(self, records: Sequence[ReplicaRecord]) -> None:
+        if self._stub and records:
+            endpoints = [routing_pb2.ReplicaEndpoint(replica_id=r.replica_id, address=r.address,
+                                                     kind=kind_to_proto(r.kind), weight_version=r.weight_version,
+                                                     node_id=r.node_id) for r in records]
+            await self._stub.AddReplicas(loadbalancer_pb2.AddReplicasRequest(replicas=endpoints),
+                                         timeout=self.timeout_s)
+
+    async def update_versions(self, versions: dict[str, int]) -> None:
+        if self._stub and versions:
+            updates = [loadbalancer_pb2.ReplicaUpdate(replica_id=r, weight_version=v) for r, v in versions.items()]
+            try:
+                await self._stub.UpdateReplicas(loadbalancer_pb2.UpdateReplicasRequest(updates=updates),
+                                                timeout=self.timeout_s)
+            except grpc.aio.AioRpcError as err:
+                if err.code() != grpc.StatusCode.NOT_FOUND:  # not routed (e.g. asleep): nothing to update
+                    raise
+
+    async def rebalance(self) -> None:
+        if self._stub:
+            try:
+                await self._stub.Rebalance(loadbalancer_pb2.RebalanceRequest(), timeout=self.timeout_s)
+            except grpc.aio.AioRpcError as err:
+                if err.code() != grpc.StatusCode.FAILED_PRECONDITION:  # fewer than two replicas: nothing to move
+                    raise
+
+    async def clear_sticky(self) -> None:
+        if self._stub:
+            await self._stub.ClearStickySessions(loadbalancer_pb2.ClearStickySessionsRequest(),
+                                                 timeout=self.timeout_s)
+
+
+class AgentReplicas:
+    """``ReplicaPort`` over the replica agents, grouped by node, one call per replica."""
+
+    def __init__(self, channels: Channels, registry: ReplicaRegistry, timeout_s: float) -> None:
+        self.channels = channels
+        self.registry = registry
+        self.timeout_s = timeout_s
+
+    async def _each(self, replica_ids: Sequence[str],
+                    call: Callable[[replica_agent_pb2_grpc.ReplicaAgentServiceStub, str], Awaitable]) -> ReplicaCallResult:
+        failed: dict[str, str] = {}
+        results: list = []
+
+        async def one(replica_id: str) -> None:
+            try:
+                address = self.registry.get(replica_id).address
+                results.append(await asyncio.wait_for(call(self.channels.agent(address), replica_id),
+                                                      self.timeout_s))
+            except Exception as err:  # noqa: BLE001 - reported per replica
+                failed[replica_id] = _why(err)
+
+        await asyncio.gather(*(one(r) for r in replica_ids))
+        aborted = sum(len(getattr(r, "aborted_request_ids", ())) for r in results)
+        return ReplicaCallResult(failed=failed, aborted_requests=aborted)
+
+    async def abort(self, replica_ids: Sequence[str]) -> ReplicaCallResult:
+        return await self._each(replica_ids, lambda stub, r: stub.AbortRequests(
+            replica_agent_pb2.AbortRequestsRequest(replica_id=r, all=True)))
+
+    async def sleep(self, replica_ids: Sequence[str], level: int) -> ReplicaCallResult:
+        return await self._each(replica_ids, lambda stub, r: stub.Sleep(
+            replica_agent_pb2.SleepRequest(replica_id=r, level=level, abort_in_flight=True)))
+
+    async def wake(self, replica_ids: Sequence[str]) -> ReplicaCallResult:
+        return await self._each(replica_ids, lambda stub, r: stub.WakeUp(
+            replica_agent_pb2.WakeUpRequest(replica_id=r)))
+
+    async def resume(self, replica_ids: Sequence[str]) -> ReplicaCallResult:
+        return await self._each(replica_ids, lambda stub, r: stub.ResumeGeneration(
+            replica_agent_pb2.ResumeGenerationRequest(replica_ids=[r])))
+
+    async def stop(self, replica_ids: Sequence[str]) -> ReplicaCallResult:
+        return await self._each(replica_ids, lambda stub, r: stub.StopReplica(
+            replica_agent_pb2.StopReplicaRequest(replica_id=r, force=True)))
+
+
+class WeightBroadcast:
+    """``WeightSyncPort``: trainer rank 0 broadcasts to the replicas over one process group."""
+
+    def __init__(self, channels: Channels, registry: ReplicaRegistry, routing: LoadBalancerRouting, *,
+                 trainer_address: str, timeout_s: float, backend: str = "gloo", bucket_size_bytes: int = 0) -> None:
+        self.channels = channels
+        self.registry = registry
+        self.routing = routing
+        self.trainer_address = trainer_address
+        self.timeout_s = timeout_s
+        self.backend = backend
+        self.bucket_size_bytes = bucket_size_bytes
+        self._model_bytes = 0
+
+    def model_bytes(self) -> int:
+        return self._model_bytes
+
+    def _trainer(self):
+        from rollmesh.trainer.v1 import trainer_agent_pb2_grpc  # noqa: PLC0415
+
+        return trainer_agent_pb2_grpc.TrainerAgentServiceStub(self.channels.channel(self.trainer_address))
+
+    async def sync(self, replica_ids: Sequence[str], version: int) -> WeightSyncOutcome:
+        from rollmesh.trainer.v1 import trainer_agent_pb2  # noqa: PLC0415
+
+        sync_id = f"sync-{version}-{uuid.uuid4().hex[:8]}"
+        if not replica_ids:
+            return WeightSyncOutcome(weight_version=version, sync_id=sync_id)
+        started = time.monotonic()
+        if not self.trainer_address:
+            return self._all_failed(replica_ids, version, sync_id, "no trainer_address configured", started)
+        trainer = self._trainer()
+        try:
+            prepare = trainer_agent_pb2.PrepareWeightSyncRequest(weight_version=version)
+            if self.bucket_size_bytes:
+                prepare.bucket_size_bytes = self.bucket_size_bytes
+            prepared = await trainer.PrepareWeightSync(prepare, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as err:
+            return self._all_failed(replica_ids, version, sync_id, f"trainer PrepareWeightSync: {_why(err)}", started)
+        self._model_bytes = prepared.manifest.total_bytes
+        plan = self._plan(sync_id, prepared, list(replica_ids))
+        by_node: dict[str, list[str]] = {}
+        for replica_id in replica_ids:
+            by_node.setdefault(self.registry.get(replica_id).address, []).append(replica_id)
+        send = trainer.SendWeights(trainer_agent_pb2.SendWeightsRequest(plan=plan), timeout=self.timeout_s)
+        receives = {address: self.channels.agent(address).ReceiveWeights(
+            replica_agent_pb2.ReceiveWeightsRequest(replica_ids=ids, plan=plan, abort_in_flight=True),
+            timeout=self.timeout_s) for address, ids in by_node.items()}
+        outcomes = await asyncio.gather(send, *receives.values(), return_exceptions=True)
+        sent, received = outcomes[0], dict(zip(receives, outcomes[1:]))
+        results: list[ReplicaSyncOutcome] = []
+        for address, ids in by_node.items():
+            reply = received[address]
+            if isinstance(reply, BaseException):
+                results += [ReplicaSyncOutcome(r, False, f"ReceiveWeights on {address}: {_why(reply)}") for r in ids]
+                continue
+            for r in reply.results:
+                ok = r.checksum_ok and r.weight_version == version
+                results.append(ReplicaSyncOutcome(r.replica_id, ok, "" if ok else "checksum mismatch",
+                                                  r.duration.ToNanoseconds() / 1e9, r.bytes_received))
+        bytes_sent = 0
+        if isinstance(sent, BaseException):
+            log.warning("trainer SendWeights for %s failed: %s", sync_id, _why(sent))
+            results = [ReplicaSyncOutcome(r.replica_id, False, r.error_message or f"trainer: {_why(sent)}",
+                                          r.duration_s, r.bytes_received) if not r.ok else r for r in results]
+        else:
+            bytes_sent = sent.bytes_sent
+        await self._push_versions(results, version)
+        return WeightSyncOutcome(weight_version=version, replica_results=tuple(results), bytes_sent=bytes_sent,
+                                 duration_s=time.monotonic() - started, sync_id=sync_id, source=prepared.source)
+
+    def _plan(self, sync_id: str, prepared, replica_ids: list[str]) -> weights_pb2.WeightSyncPlan:
+        members = sorted(replica_ids)
+        group_id = "g-" + hashlib.sha1("\0".join([prepared.source, *members]).encode()).hexdigest()[:12]
+        plan = weights_pb2.WeightSyncPlan(
+            sync_id=sync_id, weight_version=prepared.weight_version, group_id=group_id,
+            rendezvous_host=prepared.rendezvous_host, rendezvous_port=prepared.rendezvous_port,
+            world_size=len(members) + 1, source=prepared.source, manifest=prepared.manifest,
+            backend=weights_pb2.PROCESS_GROUP_BACKEND_NCCL if self.backend == "nccl"
+            else weights_pb2.PROCESS_GROUP_BACKEND_GLOO,
+            members=[weights_pb2.WeightSyncMember(rank=0)] + [
+                weights_pb2.WeightSyncMember(rank=i + 1, replica_id=r, address=self.registry.get(r).address)
+                for i, r in enumerate(members)])
+        plan.timeout.CopyFrom(duration(self.timeout_s))
+        return plan
+
+    async def _push_versions(self, results: list[ReplicaSyncOutcome], version: int) -> None:
+        done = {r.replica_id: version for r in results if r.ok}
+        try:
+            await self.routing.update_versions(done)
+        except grpc.aio.AioRpcError as err:
+            log.warning("could not push weight versions to the load balancer: %s", _why(err))
+
+    @staticmethod
+    def _all_failed(replica_ids, version: int, sync_id: str, why: str, started: float) -> WeightSyncOutcome:
+        return WeightSyncOutcome(weight_version=version, sync_id=sync_id, duration_s=time.monotonic() - started,
+                                 replica_results=tuple(ReplicaSyncOutcome(r, False, why) for r in replica_ids))
+
+
