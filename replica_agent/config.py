@@ -58,6 +58,9 @@ class ReplicaAgentConfig(ServerConfig):
     weight_transfer_timeout_s: float = setting(300.0, help="default timeout of a weight transfer when the "
                                                             "sync plan gives none")
     metrics_listen: str = setting("", help="HOST:PORT for a Prometheus /metrics endpoint; empty = off")
+    weight_transfer: dict[str, Any] = setting(default_factory=dict, help="weight-transfer settings "
+                                              "(bucket_size_bytes, setup_timeout_s, op_timeout_s, ring_size, "
+                                              "topology, checksum_algorithm, gloo_interface, gloo_threads)")
 
     def validate(self) -> None:
         super().validate()

@@ -16,7 +16,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from mesh_runtime import __version__
 from mesh_runtime.channels import open_channel
-from mesh_runtime.errors import AlreadyExists
+from mesh_runtime.errors import AlreadyExists, InvalidArgument
 from mesh_runtime.prometheus import Metric, MetricsEndpoint
 from mesh_runtime.server import MeshServer
 from mesh_runtime.status import node_name
@@ -48,6 +48,7 @@ class Node:
         self._ids = itertools.count()
         self.link = None
         self.metrics: MetricsEndpoint | None = None
+        self._groups = None
 
     def _create_engine(self, replica_id: str, kind: str, memory_fraction: float, weight_version: int):
         options = self.config.engine_options_for(kind, replica_id, weight_version, memory_fraction)
@@ -65,6 +66,7 @@ class Node:
         if not self.config.advertise_address:
             self.address = server.address
         server.add_cleanup(self.replicas.close)
+        server.add_cleanup(self.close_weight_groups)
         for spec in self.config.replicas:
             await self.replicas.launch(replica_id=spec.replica_id or self._next_replica_id(), kind=spec.kind,
                                        slots=spec.slots, start_asleep=spec.asleep_at_boot, initial=True)
@@ -97,6 +99,32 @@ class Node:
             while len(self._launch_keys) > _IDEMPOTENCY_KEYS:
                 self._launch_keys.popitem(last=False)
         return replica
+
+    def _weight_groups(self):
+        if self._groups is None:
+            from .weights import WeightGroups  # noqa: PLC0415 - imports torch, only when weights move
+            from mesh_runtime.weights import WeightTransferConfig  # noqa: PLC0415
+
+            self._groups = WeightGroups(WeightTransferConfig(**self.config.weight_transfer))
+        return self._groups
+
+    async def receive_weights(self, replica_ids: list[str], plan_msg, abort_in_flight: bool):
+        from . import syncing, weights  # noqa: PLC0415
+
+        if not replica_ids:
+            raise InvalidArgument("replica_ids must not be empty", reason="EMPTY_REPLICA_IDS")
+        plan = weights.plan_from_proto(plan_msg, self.config.weight_transfer_timeout_s)
+        return await syncing.receive(self.replicas, self._weight_groups(), replica_ids, plan, abort_in_flight)
+
+    async def send_weights(self, replica_id: str, plan_msg):
+        from . import syncing, weights  # noqa: PLC0415
+
+        plan = weights.plan_from_proto(plan_msg, self.config.weight_transfer_timeout_s)
+        return await syncing.send(self.replicas, self._weight_groups(), replica_id, plan)
+
+    async def close_weight_groups(self) -> None:
+        if self._groups is not None:
+            await asyncio.to_thread(self._groups.close)
 
     async def _stop_rejected(self, replica_ids: list[str]) -> None:
         for replica_id in replica_ids:

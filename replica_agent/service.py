@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from opentelemetry.sdk.trace import TracerProvider
 
-from mesh_runtime.capabilities import pending
 from mesh_runtime.errors import InvalidArgument
 from mesh_runtime.status import StatusReporter
 from rollmesh.common.v1 import types_pb2
@@ -24,14 +23,13 @@ def _seconds(duration, default: float | None) -> float | None:
     return duration.ToNanoseconds() / 1e9 if duration.ByteSize() else default
 
 
-@pending(DESCRIPTOR, {"weights": ["ReceiveWeights", "SendWeights"]})
 class ReplicaAgentServicer(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
     """Implements ``rollmesh.replica.v1.ReplicaAgentService``."""
 
     def __init__(self, config: ReplicaAgentConfig, tracer_provider: TracerProvider | None = None) -> None:
         self.node = Node(config, tracer_provider)
         self.replicas = self.node.replicas
-        self.status = StatusReporter(config, ["status", "lifecycle", "generate", "sleep", "load_reports"])
+        self.status = StatusReporter(config, ["status", "lifecycle", "generate", "sleep", "weights", "load_reports"])
 
     async def attach(self, server) -> None:
         await self.node.start(server)
@@ -114,3 +112,19 @@ class ReplicaAgentServicer(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
     async def GetLoadReports(self, request, context):  # noqa: N802
         replicas = self.replicas.get_many(request.replica_ids)
         return pb.GetLoadReportsResponse(reports=[self.node.load_report(r) for r in replicas])
+
+    async def ReceiveWeights(self, request, context):  # noqa: N802
+        results = await self.node.receive_weights(list(request.replica_ids), request.plan, request.abort_in_flight)
+        out = pb.ReceiveWeightsResponse()
+        for r in results:
+            item = out.results.add(replica_id=r.replica_id, weight_version=r.weight_version,
+                                   checksum_ok=r.checksum_ok, bytes_received=r.bytes_received)
+            item.duration.FromNanoseconds(int(r.duration_s * 1e9))
+        return out
+
+    async def SendWeights(self, request, context):  # noqa: N802
+        sent = await self.node.send_weights(request.replica_id, request.plan)
+        out = pb.SendWeightsResponse(bytes_sent=sent.bytes_sent, checksum=sent.checksum,
+                                     weight_version=sent.weight_version)
+        out.duration.FromNanoseconds(int(sent.duration_s * 1e9))
+        return out

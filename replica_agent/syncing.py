@@ -1,0 +1,141 @@
+"""Receiving and sending weights for the replicas of one node.
+
+A receive moves each listed replica through SYNCING (new requests refused),
+joins the plan's process group as that replica's rank, receives into fresh
+memory, checks the checksum, and only then swaps the weights into the engine
+(atomically: a failed or mismatched transfer leaves the old weights serving).
+A sleeping replica receives into freshly woken weight memory and stays asleep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+
+from mesh_runtime.errors import Aborted, FailedPrecondition
+
+from .replicas import Replica, ReplicaManager, engine_errors
+
+log = logging.getLogger(__name__)
+
+_CANNOT_SYNC = ("LAUNCHING", "LOADING", "FAILED", "STOPPED")
+
+
+@dataclasses.dataclass
+class ReceiveResult:
+    replica_id: str
+    weight_version: int
+    checksum_ok: bool
+    bytes_received: int
+    duration_s: float
+    error: str = ""
+
+
+@dataclasses.dataclass
+class SendResult:
+    bytes_sent: int
+    duration_s: float
+    checksum: str
+    weight_version: int
+
+
+def _check_receivable(replica: Replica, plan, abort_in_flight: bool) -> None:
+    from mesh_runtime.weights import validate_against  # noqa: PLC0415 - torch only when syncing
+
+    if replica.state in _CANNOT_SYNC:
+        raise FailedPrecondition(f"replica {replica.replica_id!r} is {replica.state} and cannot receive weights",
+                                 reason="WRONG_REPLICA_STATE")
+    if replica.busy == "weights":
+        raise Aborted(f"replica {replica.replica_id!r} is already receiving or sending weights",
+                      reason="TRANSFER_IN_PROGRESS")
+    if plan.rank_of(replica.replica_id) in (None, 0):
+        raise FailedPrecondition(f"replica {replica.replica_id!r} has no receiving rank in plan {plan.sync_id}",
+                                 reason="NOT_IN_PLAN")
+    validate_against(plan.manifest, [(s.name, s.dtype, s.shape) for s in replica.engine.weight_spec()])
+    if replica.in_flight and not abort_in_flight:
+        raise FailedPrecondition(f"replica {replica.replica_id!r} has {len(replica.in_flight)} request(s) in "
+                                 "flight; abort them first or set abort_in_flight", reason="REQUESTS_IN_FLIGHT")
+
+
+async def receive(manager: ReplicaManager, groups, replica_ids: list[str], plan,
+                  abort_in_flight: bool) -> list[ReceiveResult]:
+    """Receive ``plan`` into every listed replica concurrently; all are checked before any starts."""
+    replicas = [manager.get(i) for i in replica_ids]
+    recorded = [groups.results.get((plan.sync_id, r.replica_id)) for r in replicas]
+    if all(recorded):
+        return list(recorded)
+    for replica in replicas:
+        _check_receivable(replica, plan, abort_in_flight)
+    return list(await asyncio.gather(*(_receive_one(groups, r, plan) for r in replicas)))
+
+
+async def _receive_one(groups, replica: Replica, plan) -> ReceiveResult:
+    from mesh_runtime.weights import ChecksumMismatch, receive_weights_async  # noqa: PLC0415
+
+    started = time.monotonic()
+    async with replica.lock:
+        weights_asleep = replica.state == "SLEEPING"
+        previous_phase, replica.phase, replica.busy = replica.phase, "SYNCING", "weights"
+        try:
+            if replica.in_flight:
+                with engine_errors():
+                    await replica.engine.abort(None)
+            group = await asyncio.to_thread(groups.cache(replica.replica_id).get, plan.group_id, plan.members,
+                                            plan.rendezvous, plan.backend)
+            try:
+                tensors = await receive_weights_async(group, plan.manifest, timeout=plan.timeout_s)
+            except ChecksumMismatch as err:
+                log.warning("replica %s: %s; keeping weight version %d", replica.replica_id, err,
+                            replica.weight_version)
+                result = ReceiveResult(replica.replica_id, replica.weight_version, False, plan.manifest.total_bytes,
+                                       time.monotonic() - started, str(err))
+                groups.record(plan.sync_id, replica.replica_id, result)
+                return result
+            with engine_errors():
+                if weights_asleep:
+                    await replica.engine.wake_up({"weights"})
+                await replica.engine.load_weights(tensors, plan.weight_version)
+            replica.weights_discarded = False
+        finally:
+            replica.phase, replica.busy = previous_phase, ""
+    result = ReceiveResult(replica.replica_id, plan.weight_version, True, plan.manifest.total_bytes,
+                           time.monotonic() - started)
+    groups.record(plan.sync_id, replica.replica_id, result)
+    log.info("replica %s now serves weight version %d (%d bytes in %.3f s)", replica.replica_id,
+             plan.weight_version, result.bytes_received, result.duration_s)
+    return result
+
+
+async def send(manager: ReplicaManager, groups, replica_id: str, plan) -> SendResult:
+    """Send a replica's weights as rank 0 of ``plan`` (seed-replica sync for new replicas)."""
+    from mesh_runtime.weights import send_weights_async  # noqa: PLC0415
+
+    replica = manager.get(replica_id)
+    if plan.source != replica_id:
+        raise FailedPrecondition(f"plan {plan.sync_id} is sourced from {plan.source!r}, not {replica_id!r}",
+                                 reason="NOT_PLAN_SOURCE")
+    if replica.state not in ("ACTIVE", "PAUSED") or replica.weights_discarded:
+        raise FailedPrecondition(f"replica {replica_id!r} is {replica.state} and holds no servable weights",
+                                 reason="NO_WEIGHTS")
+    if replica.weight_version != plan.weight_version:
+        raise FailedPrecondition(f"replica {replica_id!r} holds weight version {replica.weight_version}, the plan "
+                                 f"asks for {plan.weight_version}", reason="VERSION_MISMATCH")
+    if replica.busy == "weights":
+        raise Aborted(f"replica {replica_id!r} is already sending or receiving weights",
+                      reason="TRANSFER_IN_PROGRESS")
+    started = time.monotonic()
+    replica.busy = "weights"
+    try:
+        cache = groups.cache(replica_id)
+        await asyncio.to_thread(cache.host_rendezvous, *plan.rendezvous)
+        group = await asyncio.to_thread(cache.get, plan.group_id, plan.members, plan.rendezvous, plan.backend)
+        with engine_errors():
+            named = dict(replica.engine.named_weights())
+        sent = await send_weights_async(group, plan.manifest,
+                                        ((e.name, named[e.name]) for e in plan.manifest.tensors),
+                                        timeout=plan.timeout_s)
+    finally:
+        replica.busy = ""
+    return SendResult(sent.bytes, time.monotonic() - started, plan.manifest.checksum, plan.weight_version)

@@ -1,0 +1,49 @@
+"""Weight syncs on the replica side: decode a sync plan, receive or send over a process group.
+
+Each replica is one member of the transfer group (``GroupCache`` per replica,
+member id = replica id; rank 0, the sender, is ``plan.source``). The bytes
+go through the shared bucketed transfer in :mod:`mesh_runtime.weights`, and
+plans and manifests are decoded by :mod:`mesh_runtime.weights.wire`; this
+module keeps the replicas' groups and records results per ``sync_id`` so a
+repeated call returns them instead of transferring twice.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from mesh_runtime.weights import GroupCache, WeightTransferConfig
+from mesh_runtime.weights.wire import (  # noqa: F401 - the plan/manifest wire helpers, shared with the trainer
+    BACKENDS,
+    SyncPlan,
+    manifest_from_proto,
+    manifest_to_proto,
+    plan_from_proto,
+)
+
+_RECORDED_SYNCS = 256
+
+
+class WeightGroups:
+    """Process groups of this node's replicas (one cache per replica) and recorded syncs."""
+
+    def __init__(self, config: WeightTransferConfig) -> None:
+        self.config = config
+        self._caches: dict[str, GroupCache] = {}
+        self.results: OrderedDict[tuple[str, str], object] = OrderedDict()
+
+    def cache(self, member: str) -> GroupCache:
+        cache = self._caches.get(member)
+        if cache is None:
+            cache = self._caches[member] = GroupCache(member, self.config)
+        return cache
+
+    def record(self, sync_id: str, member: str, result: object) -> None:
+        self.results[(sync_id, member)] = result
+        while len(self.results) > _RECORDED_SYNCS:
+            self.results.popitem(last=False)
+
+    def close(self) -> None:
+        for cache in self._caches.values():
+            cache.close()
+        self._caches.clear()

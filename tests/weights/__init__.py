@@ -1,0 +1,1 @@
+"""Tests of the weight-broadcast transfer (mesh_runtime.weights)."""
