@@ -50,7 +50,8 @@ def generation_request(msg: replica_agent_pb2.GenerateRequest) -> GenerationRequ
         raise InvalidArgument("stream_interval must be > 0 when set", reason="INVALID_STREAM_INTERVAL")
     return GenerationRequest(request_id=msg.request_id, prompt_token_ids=list(msg.prompt_token_ids),
                              sampling=sampling_from_proto(msg.sampling_params),
-                             resume_segments=[segment_from_proto(s) for s in msg.resume_segments])
+                             resume_segments=[segment_from_proto(s) for s in msg.resume_segments],
+                             stream_interval=msg.stream_interval if msg.HasField("stream_interval") else None)
 
 
 def chunk_to_proto(chunk: GenerationChunk) -> replica_agent_pb2.GenerateResponse:
@@ -101,34 +102,3 @@ def replica_to_proto(replica, *, node_id: str, address: str, backend: str, model
         if replica.state == "SLEEPING" and replica.sleep_level else types_pb2.SLEEP_LEVEL_UNSPECIFIED)
     msg.launched_at.FromNanoseconds(int(replica.launched_at * 1e9))
     return msg
-
-
-def rechunk(chunks, interval: int):
-    """Merge engine chunks into messages of at least ``interval`` tokens.
-
-    Tokens of one message always share a weight version; the final chunk is
-    passed through with whatever is still buffered merged in front of it.
-    """
-    async def merged():
-        pending: GenerationChunk | None = None
-        async for chunk in chunks:
-            if pending is not None and (pending.weight_version != chunk.weight_version):
-                yield pending
-                pending = None
-            if pending is None:
-                pending = GenerationChunk(chunk.request_id, list(chunk.token_ids), list(chunk.logprobs),
-                                          chunk.weight_version)
-            else:
-                pending.token_ids += chunk.token_ids
-                pending.logprobs += chunk.logprobs
-            if chunk.finish_reason is not None:
-                pending.finish_reason, pending.usage, pending.segments = (chunk.finish_reason, chunk.usage,
-                                                                          chunk.segments)
-                yield pending
-                return
-            if len(pending.token_ids) >= interval:
-                yield pending
-                pending = None
-        if pending is not None and pending.token_ids:
-            yield pending
-    return merged()

@@ -69,9 +69,7 @@ class ReplicaAgentServicer(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
 
     async def Generate(self, request, context):  # noqa: N802
         generation = convert.generation_request(request)
-        interval = request.stream_interval if request.HasField("stream_interval") else 0
-        chunks = self.replicas.generate(request.replica_id, generation)
-        async for chunk in convert.rechunk(chunks, interval):
+        async for chunk in self.replicas.generate(request.replica_id, generation):
             yield convert.chunk_to_proto(chunk)
 
     async def AbortRequests(self, request, context):  # noqa: N802

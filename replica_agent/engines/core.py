@@ -342,7 +342,7 @@ class SteppedEngine(Engine):
                 reason = FinishReason.ABORTED
             if reason is not None:
                 self._finish(active, reason)
-            elif len(active.pending) >= self.stream_interval:
+            elif len(active.pending) >= (active.request.stream_interval or self.stream_interval):
                 self._flush(active)
         self._metrics.record_tokens(emitted)
 

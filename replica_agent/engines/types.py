@@ -92,6 +92,8 @@ class GenerationRequest:
     resume_segments: list[TokenSegment] = dataclasses.field(default_factory=list)
     """Completion tokens already generated elsewhere (e.g. before an abort);
     generation continues after them and counts them against ``max_tokens``."""
+    stream_interval: int | None = None
+    """Tokens per streamed chunk for this request; ``None``: the engine's interval."""
 
     def resumed_token_ids(self) -> list[int]:
         """The resumed completion prefix, in order."""

@@ -269,7 +269,7 @@ class VllmEngine(Engine):
             raise DuplicateRequest(f"request {request.request_id} is already in flight")
         stream = RequestStream(
             request,
-            stream_interval=self.config.stream_interval,
+            stream_interval=request.stream_interval or self.config.stream_interval,
             replica_id=self.replica_id,
             node_id=self.node_id,
             clock=self._clock,

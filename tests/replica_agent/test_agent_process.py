@@ -190,3 +190,13 @@ async def test_prometheus_endpoint_exposes_load(agent, tmp_path):
     body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read().decode())
     assert 'rollmesh_replica_kv_cache_usage{kind="STANDALONE",node_id="node-a",replica_id="s0"}' in body
     assert "# TYPE rollmesh_replica_running_requests gauge" in body
+
+
+async def test_per_request_stream_interval(agent):
+    async with grpc.aio.insecure_channel(agent) as channel:
+        stub = replica_agent_pb2_grpc.ReplicaAgentServiceStub(channel)
+        for interval in (1, 7):
+            messages = await generate(stub, "s0", f"iv{interval}", stream_interval=interval,
+                                      sampling_params=sampling(15, temperature=0, ignore_eos=True))
+            assert [len(m.token_ids) for m in messages[:-1]] == [interval] * (15 // interval - (15 % interval == 0))
+            assert len(tokens(messages)) == 15
