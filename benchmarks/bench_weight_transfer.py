@@ -98,8 +98,8 @@ def worker(rank: int, size: int, port: int, args: argparse.Namespace, results: m
         one_tensor = [("stream", raw)]
         one_manifest = None
         if args.diagnose:
-            one_manifest = broadcast_manifest(group, build_manifest(
-                one_tensor, config.bucket_size_bytes, checksum_algorithm=args.checksum) if rank == 0 else None)
+            built = build_manifest(one_tensor, config.bucket_size_bytes, checksum_algorithm=args.checksum)
+            one_manifest = broadcast_manifest(group, built if rank == 0 else None)
         modes = ["raw"] + [f"ours/{t}" for t in args.topology]
         if args.fresh:
             modes += [f"ours/{t}/fresh" for t in args.topology]
@@ -129,7 +129,7 @@ def worker(rank: int, size: int, port: int, args: argparse.Namespace, results: m
         results.put((rank, {m: t[args.warmup:] for m, t in timings.items()}, manifest.total_bytes))
 
 
-def run(receivers: int, args: argparse.Namespace) -> dict[str, tuple[float, float, float]]:
+def run(receivers: int, args: argparse.Namespace) -> dict[str, tuple[float, float, float, float, int]]:
     """{mode: (median s, best s, cpu utilisation, busiest rank's cpu s, bytes)} for ``receivers``."""
     size = receivers + 1
     ctx = mp.get_context("spawn")

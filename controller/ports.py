@@ -163,6 +163,9 @@ class WeightBroadcast:
         self.backend = backend
         self.bucket_size_bytes = bucket_size_bytes
         self._model_bytes = 0
+        self._generations: dict[tuple[str, ...], int] = {}
+        """Member set -> generation; bumped after a failed sync, because a group that saw a
+        failure is retired on every member and its id cannot be used again."""
 
     def model_bytes(self) -> int:
         return self._model_bytes
@@ -217,13 +220,18 @@ class WeightBroadcast:
                                           r.duration_s, r.bytes_received) if not r.ok else r for r in results]
         else:
             bytes_sent = sent.bytes_sent
+        if isinstance(sent, BaseException) or not all(r.ok for r in results):
+            key = (prepared.source, *sorted(replica_ids))
+            self._generations[key] = self._generations.get(key, 0) + 1
         await self._push_versions(results, version)
         return WeightSyncOutcome(weight_version=version, replica_results=tuple(results), bytes_sent=bytes_sent,
                                  duration_s=time.monotonic() - started, sync_id=sync_id, source=prepared.source)
 
     def _plan(self, sync_id: str, prepared, replica_ids: list[str]) -> weights_pb2.WeightSyncPlan:
         members = sorted(replica_ids)
-        group_id = "g-" + hashlib.sha1("\0".join([prepared.source, *members]).encode()).hexdigest()[:12]
+        key = (prepared.source, *members)
+        digest = hashlib.sha1("\0".join(key).encode()).hexdigest()[:12]
+        group_id = f"g-{digest}-{self._generations.get(key, 0)}"
         plan = weights_pb2.WeightSyncPlan(
             sync_id=sync_id, weight_version=prepared.weight_version, group_id=group_id,
             rendezvous_host=prepared.rendezvous_host, rendezvous_port=prepared.rendezvous_port,

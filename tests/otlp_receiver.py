@@ -18,6 +18,8 @@ class ReceivedSpan:
     span_id: str
     parent_span_id: str
     attributes: dict
+    start_ns: int = 0
+    end_ns: int = 0
 
 
 class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
@@ -35,7 +37,8 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
                 for span in scope.spans:
                     attrs = {a.key: a.value.string_value or a.value.int_value for a in span.attributes}
                     self.spans.append(ReceivedSpan(service, span.name, span.kind, span.trace_id.hex(),
-                                                   span.span_id.hex(), span.parent_span_id.hex(), attrs))
+                                                   span.span_id.hex(), span.parent_span_id.hex(), attrs,
+                                                   span.start_time_unix_nano, span.end_time_unix_nano))
         async with self._changed:
             self._changed.notify_all()
         return trace_service_pb2.ExportTraceServiceResponse()

@@ -30,12 +30,13 @@ algorithms; the receiver hashes each bucket while the next ones arrive:
     against 7 GB/s for CRC-32 and 2.1 GB/s for SHA-256, which matters because
     a 2-receiver gloo broadcast on this machine runs at ~1.8 GiB/s and any
     hashing beyond ~10% of it is visible. Guarantees: any corruption confined
-    to one 8-byte word (so any single corrupted byte) changes ``S1``; rows
-    moved, duplicated, dropped or swapped change ``S2`` unless their sums
-    differ by a multiple of a high power of two. It is not a CRC or a
-    cryptographic hash: several corrupted words whose changes cancel in both
-    sums go unnoticed. It guards against transport and packing faults, not
-    tampering.
+    to one 8-byte word (so any single corrupted byte) changes ``S1``; a
+    swap of rows ``a`` and ``b`` leaves ``S1`` alone but changes ``S2`` by
+    ``2(a-b)(r_b-r_a)``, missed only if that is 0 mod 2^64; a row copied
+    over another changes ``S1`` unless both rows' word sums are equal mod
+    2^64. It is not a CRC or a cryptographic hash: several corrupted words
+    whose changes cancel in both sums go unnoticed. It guards against
+    transport and packing faults, not tampering.
 ``crc32``
     ``zlib.crc32`` on host bytes: detects every corruption within 32
     consecutive bits, misses a random corruption with probability 2^-32.

@@ -20,8 +20,8 @@ Topologies (every member of a transfer must use the same one):
     next bucket arrives, so no member sends or receives more than one copy.
     With links as the bottleneck, time to n receivers is about
     ``T1 * (1 + (n-1) / buckets)``. gloo only. On the 2-core benchmark box
-    it also beats gloo's tree with 2 receivers (0.90-0.92x of a raw
-    broadcast against 0.85x), because the sender sends one copy, not two.
+    it was as fast as gloo's tree or faster (the sender sends one copy, not
+    one per child), and each member's CPU time barely grows with n.
 ``auto`` (default)
     ``chain`` on gloo, ``broadcast`` on NCCL.
 

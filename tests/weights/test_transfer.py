@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import socket
 import threading
 import time
 import traceback
@@ -202,8 +203,6 @@ def _nccl_member(rank: int, port: int, results: mp.Queue) -> None:
 def test_nccl_transfer_between_two_gpus():
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA devices (NCCL refuses two ranks on one GPU)")
-    import socket
-
     with socket.socket() as sock:
         sock.bind((HOST, 0))
         port = sock.getsockname()[1]
