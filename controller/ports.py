@@ -163,6 +163,8 @@ class WeightBroadcast:
         self.backend = backend
         self.bucket_size_bytes = bucket_size_bytes
         self._model_bytes = 0
+        self.stale: set[str] = set()
+        """Replicas taken out of routing because their last sync failed."""
         self._generations: dict[tuple[str, ...], int] = {}
         """Member set -> generation; bumped after a failed sync, because a group that saw a
         failure is retired on every member and its id cannot be used again."""
@@ -245,11 +247,25 @@ class WeightBroadcast:
         return plan
 
     async def _push_versions(self, results: list[ReplicaSyncOutcome], version: int) -> None:
+        """Tell the balancer the new versions; take replicas whose sync failed out of routing.
+
+        A replica that missed a version is stale: it leaves routing until a
+        later sync succeeds, and only then (if it was routed before) comes back.
+        """
         done = {r.replica_id: version for r in results if r.ok}
+        failed = [r.replica_id for r in results if not r.ok]
         try:
+            if failed:
+                await self.routing.remove_replicas(failed)
+                self.stale.update(failed)
             await self.routing.update_versions(done)
+            back = [self.registry.get(r) for r in done
+                    if r in self.stale and self.registry.get(r).state.value == "ACTIVE"]
+            if back:
+                await self.routing.add_replicas(back)
+                self.stale.difference_update(done)
         except grpc.aio.AioRpcError as err:
-            log.warning("could not push weight versions to the load balancer: %s", _why(err))
+            log.warning("could not update the load balancer after sync: %s", _why(err))
 
     @staticmethod
     def _all_failed(replica_ids, version: int, sync_id: str, why: str, started: float) -> WeightSyncOutcome:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from opentelemetry.sdk.trace import TracerProvider
 
 from mesh_runtime.capabilities import pending
@@ -20,6 +22,7 @@ from .core.replicas import ReplicaKind, ReplicaState
 from .mesh import Mesh
 from .peers import Peers
 
+log = logging.getLogger(__name__)
 DESCRIPTOR = controller_pb2.DESCRIPTOR.services_by_name["ControllerService"]
 S = ReplicaState
 
@@ -46,7 +49,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         server.spawn(self.mesh.run_leases(), name="leases")
         if self.config.metrics_listen:
             endpoint = MetricsEndpoint(self.config.metrics_listen, self._prometheus)
-            await endpoint.start()
+            log.info("Prometheus metrics on http://%s/metrics", await endpoint.start())
             server.add_cleanup(endpoint.close)
 
     # ---------------------------------------------------------------- status

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from opentelemetry.sdk.trace import TracerProvider
 
 from mesh_runtime import tracing
@@ -17,6 +19,7 @@ from .config import LoadBalancerConfig
 from .table import Route, RoutingTable, check_address
 from .upstreams import Upstreams
 
+log = logging.getLogger(__name__)
 DESCRIPTOR = pb.DESCRIPTOR.services_by_name["LoadBalancerService"]
 KINDS = {types_pb2.REPLICA_KIND_STANDALONE: "STANDALONE", types_pb2.REPLICA_KIND_HYBRID: "HYBRID",
          types_pb2.REPLICA_KIND_UNSPECIFIED: "STANDALONE"}
@@ -47,7 +50,7 @@ class LoadBalancerServicer(loadbalancer_pb2_grpc.LoadBalancerServiceServicer):
         if self.config.metrics_listen:
             endpoint = MetricsEndpoint(self.config.metrics_listen,
                                        lambda: self.balancer.stats.metrics(self.balancer.in_flight))
-            await endpoint.start()
+            log.info("Prometheus metrics on http://%s/metrics", await endpoint.start())
             server.add_cleanup(endpoint.close)
 
     def _routed(self, route: Route) -> routing_pb2.RoutedReplica:
