@@ -3,8 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
+from typing import Literal
 
-from mesh_runtime.config import ServerConfig, setting
+from mesh_runtime.config import ConfigError, ServerConfig, setting
+from mesh_runtime.net import AddressError, parse_host_port
+from mesh_runtime.weights import WeightTransferConfig
+
+WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def is_model_directory(model: str) -> bool:
+    """Whether ``model`` names a local directory rather than a built-in preset (the replica agent's rule)."""
+    return "/" in model or model.startswith(".")
 
 
 @dataclasses.dataclass
@@ -12,3 +23,56 @@ class TrainerAgentConfig(ServerConfig):
     """Settings of the trainer agent (``--print-default-config`` lists them)."""
 
     listen: str = setting("127.0.0.1:50054", help="HOST:PORT to serve gRPC on; port 0 picks a free port")
+    training_backend: Literal["torch"] = setting(
+        "torch", help="training engine that holds the weights: torch (megatron to come)")
+    model: str = setting("tiny-llama", help="model: a built-in preset name (tiny-llama, tiny-qwen2, "
+                                            "small-llama) or a local Hugging Face directory (config.json + "
+                                            "safetensors); must be what the replicas serve")
+    model_seed: int = setting(0, help="initialisation seed of a preset model (same seed = same weights)")
+    initial_weight_version: int = setting(0, help="weight version of the weights loaded at start, e.g. the "
+                                                  "step of the checkpoint being resumed")
+    adopt_requested_versions: bool = setting(
+        True, help="while no training loop runs here, a PrepareWeightSync for a version newer than the "
+                   "trainer's publishes the current weights under that version (the controller's steps "
+                   "number the versions); false = such a request fails with FAILED_PRECONDITION")
+    weight_dtype: Literal["float32", "bfloat16", "float16"] = setting(
+        "float32", help="dtype the weights are held and broadcast in; must match the replicas' engine dtype "
+                        "(torch engine: float32 on CPU, bfloat16 on CUDA)")
+    device: str = setting("cpu", help="device the weights live on: cpu, cuda or cuda:N")
+    weight_rendezvous: str = setting(
+        "127.0.0.1:0", help="HOST:PORT of the rendezvous store this trainer hosts for weight broadcasts: "
+                            "receivers connect to HOST (it must be reachable from the replica nodes); port "
+                            "0 = a free port picked once at start")
+    weight_transfer_timeout_s: float = setting(300.0, help="default timeout of a weight broadcast when the "
+                                                            "sync plan gives none")
+    weight_transfer: WeightTransferConfig = setting(
+        default_factory=WeightTransferConfig,
+        help="weight-transfer settings; topology, gloo_interface and checksum_algorithm must agree with the "
+             "replicas'")
+
+    def validate(self) -> None:
+        super().validate()
+        try:
+            host, _ = parse_host_port(self.weight_rendezvous)
+        except AddressError as err:
+            raise ConfigError("weight_rendezvous", str(err)) from None
+        if host in ("0.0.0.0", "::"):
+            raise ConfigError("weight_rendezvous", f"HOST is what receivers connect to, so it must be an "
+                                                   f"address they can reach, not the wildcard {host!r}")
+        if not self.model:
+            raise ConfigError("model", "must name a preset or a local Hugging Face directory")
+        if is_model_directory(self.model):
+            if not (Path(self.model) / "config.json").is_file():
+                raise ConfigError("model", f"{self.model!r} is not a directory with a config.json")
+        else:
+            from replica_agent.engines.presets import PRESETS  # noqa: PLC0415 - no transformers import
+
+            if self.model not in PRESETS:
+                raise ConfigError("model", f"unknown preset {self.model!r}; known presets: {sorted(PRESETS)} "
+                                           "(a local directory needs a '/' in its path)")
+        if self.initial_weight_version < 0:
+            raise ConfigError("initial_weight_version", f"must be >= 0, got {self.initial_weight_version}")
+        if self.device != "cpu" and not (self.device == "cuda" or self.device.startswith("cuda:")):
+            raise ConfigError("device", f"must be cpu, cuda or cuda:N, got {self.device!r}")
+        if self.weight_transfer_timeout_s <= 0:
+            raise ConfigError("weight_transfer_timeout_s", f"must be > 0, got {self.weight_transfer_timeout_s}")

@@ -9,7 +9,7 @@ from .config import TrainerAgentConfig
 from .service import DESCRIPTOR, TrainerAgentServicer
 
 SPEC = ServerSpec(name="trainer-agent", config_class=TrainerAgentConfig, env_prefix="ROLLMESH_TRAINER_AGENT", descriptor=DESCRIPTOR,
-                  make_servicer=lambda config, tracer_provider: TrainerAgentServicer(config),
+                  make_servicer=TrainerAgentServicer,
                   add_to_server=trainer_agent_pb2_grpc.add_TrainerAgentServiceServicer_to_server)
 CONFIG_CLASS = SPEC.config_class
 ENV_PREFIX = SPEC.env_prefix

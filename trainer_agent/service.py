@@ -1,26 +1,56 @@
-"""gRPC surface of the trainer agent: decode -> domain call -> encode."""
+"""gRPC surface of the trainer agent: decode -> TrainerNode call -> encode."""
 
 from __future__ import annotations
 
+from opentelemetry.sdk.trace import TracerProvider
+
 from mesh_runtime.capabilities import pending
 from mesh_runtime.status import StatusReporter
-from rollmesh.trainer.v1 import trainer_agent_pb2, trainer_agent_pb2_grpc
+from mesh_runtime.weights.wire import manifest_to_proto, plan_from_proto
+from rollmesh.trainer.v1 import trainer_agent_pb2 as pb
+from rollmesh.trainer.v1 import trainer_agent_pb2_grpc
 
 from .config import TrainerAgentConfig
+from .node import TrainerNode
 
-DESCRIPTOR = trainer_agent_pb2.DESCRIPTOR.services_by_name["TrainerAgentService"]
+DESCRIPTOR = pb.DESCRIPTOR.services_by_name["TrainerAgentService"]
 
 
 @pending(DESCRIPTOR, {
-    "weights": ["SendWeights"],
     "progress": ["GetTrainingProgress"],
     "offload": ["OffloadTrainingState", "OnloadTrainingState"],
 })
 class TrainerAgentServicer(trainer_agent_pb2_grpc.TrainerAgentServiceServicer):
     """Implements ``rollmesh.trainer.v1.TrainerAgentService``."""
 
-    def __init__(self, config: TrainerAgentConfig) -> None:
-        self.status = StatusReporter(config, ["status"])
+    def __init__(self, config: TrainerAgentConfig, tracer_provider: TracerProvider | None = None) -> None:
+        self.node = TrainerNode(config, tracer_provider)
+        self.status = StatusReporter(config, ["status", "weights"])
 
-    async def GetStatus(self, request, context):  # noqa: N802 - gRPC method name
-        return trainer_agent_pb2.GetStatusResponse(status=self.status.status())
+    async def attach(self, server) -> None:
+        await self.node.start(server)
+
+    async def GetStatus(self, request, context):  # noqa: N802 - gRPC method names throughout
+        node = self.node
+        return pb.GetStatusResponse(status=self.status.status(), rank=node.rank, world_size=node.world_size,
+                                    model=node.config.model, training_backend=node.source.backend,
+                                    weight_rendezvous_address=node.broadcaster.rendezvous_address)
+
+    async def PrepareWeightSync(self, request, context):  # noqa: N802
+        broadcaster = self.node.broadcaster
+        prepared = await broadcaster.prepare(
+            request.weight_version,
+            bucket_size_bytes=request.bucket_size_bytes if request.HasField("bucket_size_bytes") else None,
+            checksum_algorithm=request.checksum_algorithm if request.HasField("checksum_algorithm") else None)
+        host, port = broadcaster.rendezvous
+        return pb.PrepareWeightSyncResponse(weight_version=prepared.weight_version,
+                                            manifest=manifest_to_proto(prepared.manifest),
+                                            rendezvous_host=host, rendezvous_port=port, source=self.node.member_id)
+
+    async def SendWeights(self, request, context):  # noqa: N802
+        plan = plan_from_proto(request.plan, self.node.config.weight_transfer_timeout_s)
+        sent = await self.node.broadcaster.send(plan)
+        out = pb.SendWeightsResponse(bytes_sent=sent.bytes_sent, checksum=sent.checksum,
+                                     weight_version=sent.weight_version)
+        out.duration.FromNanoseconds(int(sent.duration_s * 1e9))
+        return out

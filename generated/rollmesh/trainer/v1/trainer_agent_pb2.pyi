@@ -33,18 +33,44 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("status", "rank", "world_size", "model", "training_backend")
+    __slots__ = ("status", "rank", "world_size", "model", "training_backend", "weight_rendezvous_address")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TRAINING_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_RENDEZVOUS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     status: _status_pb2.ServerStatus
     rank: int
     world_size: int
     model: str
     training_backend: str
-    def __init__(self, status: _Optional[_Union[_status_pb2.ServerStatus, _Mapping]] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., model: _Optional[str] = ..., training_backend: _Optional[str] = ...) -> None: ...
+    weight_rendezvous_address: str
+    def __init__(self, status: _Optional[_Union[_status_pb2.ServerStatus, _Mapping]] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., model: _Optional[str] = ..., training_backend: _Optional[str] = ..., weight_rendezvous_address: _Optional[str] = ...) -> None: ...
+
+class PrepareWeightSyncRequest(_message.Message):
+    __slots__ = ("weight_version", "bucket_size_bytes", "checksum_algorithm")
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    weight_version: int
+    bucket_size_bytes: int
+    checksum_algorithm: str
+    def __init__(self, weight_version: _Optional[int] = ..., bucket_size_bytes: _Optional[int] = ..., checksum_algorithm: _Optional[str] = ...) -> None: ...
+
+class PrepareWeightSyncResponse(_message.Message):
+    __slots__ = ("weight_version", "manifest", "rendezvous_host", "rendezvous_port", "source")
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_HOST_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_PORT_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    weight_version: int
+    manifest: _weights_pb2.WeightManifest
+    rendezvous_host: str
+    rendezvous_port: int
+    source: str
+    def __init__(self, weight_version: _Optional[int] = ..., manifest: _Optional[_Union[_weights_pb2.WeightManifest, _Mapping]] = ..., rendezvous_host: _Optional[str] = ..., rendezvous_port: _Optional[int] = ..., source: _Optional[str] = ...) -> None: ...
 
 class SendWeightsRequest(_message.Message):
     __slots__ = ("plan",)

@@ -1,0 +1,288 @@
+"""The trainer's side of a weight sync: prepare one version, then send it as rank 0.
+
+The controller drives a sync in two calls to this trainer:
+
+1. ``PrepareWeightSync`` -> :meth:`WeightBroadcaster.prepare`: a frozen
+   :class:`~.weight_source.WeightSnapshot` of the version, its manifest
+   (:func:`~mesh_runtime.weights.build_manifest`), and the rendezvous store,
+   hosted once at start on the configured ``weight_rendezvous``. The answer is
+   what the controller copies into the plan.
+2. ``SendWeights`` -> :meth:`WeightBroadcaster.send`, concurrently with every
+   receiver's ``ReceiveWeights``: the plan must name this trainer as source
+   and carry the prepared version and manifest; the group comes from the
+   :class:`~mesh_runtime.weights.GroupCache` (built once per member set and
+   group id, then reused) and the bytes go out with
+   :func:`~mesh_runtime.weights.send_weights_async`.
+
+Until a training loop runs here, nothing moves the version on; with
+``adopt_newer_versions`` a prepare for a newer version publishes the current
+weights under it, so the controller's step numbers become the versions.
+
+One broadcast runs at a time. The prepared snapshot stays until a newer
+prepare replaces it (or :meth:`release` drops it), so several syncs of one
+version (standalone replicas, then hybrid ones, then scaled-out ones) reuse
+it without copying or hashing the weights again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections import OrderedDict
+
+from opentelemetry import trace
+from opentelemetry.trace import Tracer
+
+from mesh_runtime.errors import Aborted, DeadlineExceeded, FailedPrecondition, InvalidArgument
+from mesh_runtime.net import format_host_port
+from mesh_runtime.weights import (
+    CHECKSUM_ALGORITHMS,
+    GroupCache,
+    Manifest,
+    TransferTimeout,
+    WeightTransferConfig,
+    build_manifest,
+    send_weights_async,
+)
+from mesh_runtime.weights.wire import SyncPlan
+
+from .weight_source import WeightSnapshot, WeightSource
+
+log = logging.getLogger(__name__)
+
+_RECORDED_SYNCS = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedSync:
+    """A version fixed for broadcasting: its frozen tensors and their manifest."""
+
+    snapshot: WeightSnapshot
+    manifest: Manifest
+
+    @property
+    def weight_version(self) -> int:
+        return self.snapshot.weight_version
+
+    def serves(self, weight_version: int, bucket_size_bytes: int, checksum_algorithm: str) -> bool:
+        return (self.weight_version, self.manifest.bucket_size_bytes, self.manifest.checksum_algorithm) == (
+            weight_version, bucket_size_bytes, checksum_algorithm)
+
+
+@dataclasses.dataclass(frozen=True)
+class SendResult:
+    """What one broadcast sent."""
+
+    bytes_sent: int
+    duration_s: float
+    checksum: str
+    weight_version: int
+    group_reused: bool = False
+    """Whether the process group was already built by an earlier sync to the same member set."""
+
+
+def _first_difference(ours: Manifest, theirs: Manifest) -> str:
+    """Where two manifests part, in a few words (for error messages)."""
+    for what in ("bucket_size_bytes", "total_bytes", "checksum_algorithm", "checksum"):
+        if getattr(ours, what) != getattr(theirs, what):
+            return f"{what} is {getattr(theirs, what)!r}, prepared {getattr(ours, what)!r}"
+    if len(ours.tensors) != len(theirs.tensors):
+        return f"{len(theirs.tensors)} tensors, prepared {len(ours.tensors)}"
+    for mine, other in zip(ours.tensors, theirs.tensors):
+        if mine != other:
+            return f"tensor {other.name!r} differs from prepared {mine.name!r}"
+    return "no difference"
+
+
+class WeightBroadcaster:
+    """Prepares and sends this trainer's weights; owns its rendezvous store and its process groups."""
+
+    def __init__(self, source: WeightSource, *, member_id: str, rendezvous: tuple[str, int],
+                 config: WeightTransferConfig, tracer: Tracer | None = None,
+                 adopt_newer_versions: bool = False) -> None:
+        self.source = source
+        self.member_id = member_id
+        self.adopt_newer_versions = adopt_newer_versions
+        """Prepare publishes the current weights under a requested newer version (no training loop owns them)."""
+        self.config = config
+        self.tracer = tracer
+        self._host, self._port = rendezvous
+        self._cache: GroupCache | None = None
+        self._prepared: PreparedSync | None = None
+        self._prepare_lock = asyncio.Lock()
+        self._active: tuple[str, asyncio.Task] | None = None
+        self._results: OrderedDict[str, SendResult] = OrderedDict()
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Host the rendezvous store (port 0 picks a free port, kept for the life of the process)."""
+        if self._cache is None:
+            self._cache = GroupCache(self.member_id, self.config)
+        self._port = await asyncio.to_thread(self._cache.host_rendezvous, self._host, self._port)
+        log.info("weight broadcasts from %s rendezvous at %s", self.member_id, self.rendezvous_address)
+
+    async def close(self) -> None:
+        """Close every process group and the store. Idempotent."""
+        if self._active is not None:
+            self._active[1].cancel()
+        cache, self._cache = self._cache, None
+        if cache is not None:
+            await asyncio.to_thread(cache.close)
+        self._prepared = None
+
+    @property
+    def rendezvous(self) -> tuple[str, int] | None:
+        """``(host, port)`` receivers connect to; None until :meth:`start`."""
+        return (self._host, self._port) if self._cache is not None and self._port else None
+
+    @property
+    def rendezvous_address(self) -> str:
+        return format_host_port(*self.rendezvous) if self.rendezvous else ""
+
+    @property
+    def groups_built(self) -> int:
+        """Process groups built so far: a sync to a member set already synced builds none."""
+        return self._cache.constructions if self._cache is not None else 0
+
+    @property
+    def prepared(self) -> PreparedSync | None:
+        return self._prepared
+
+    def release(self) -> bool:
+        """Drop the prepared snapshot (e.g. to free accelerator memory) unless a send is running."""
+        if self._active is not None or self._prepared is None:
+            return False
+        self._prepared = None
+        return True
+
+    # -- PrepareWeightSync ---------------------------------------------------------------------
+
+    async def prepare(self, weight_version: int = 0, bucket_size_bytes: int | None = None,
+                      checksum_algorithm: str | None = None) -> PreparedSync:
+        """Fix ``weight_version`` (0 = current) for broadcasting; repeat calls return the same preparation."""
+        bucket = self.config.bucket_size_bytes if bucket_size_bytes is None else bucket_size_bytes
+        algorithm = checksum_algorithm or self.config.checksum_algorithm
+        if weight_version < 0:
+            raise InvalidArgument(f"weight_version must be >= 0 (0 = current), got {weight_version}",
+                                  reason="INVALID_WEIGHT_VERSION")
+        if bucket <= 0:
+            raise InvalidArgument("bucket_size_bytes must be positive when set", reason="INVALID_BUCKET_SIZE")
+        if algorithm not in CHECKSUM_ALGORITHMS:
+            raise InvalidArgument(f"checksum_algorithm {algorithm!r} is not one of {list(CHECKSUM_ALGORITHMS)}",
+                                  reason="INVALID_CHECKSUM_ALGORITHM")
+        cache = self._check_started()
+        async with self._prepare_lock:
+            prepared = self._prepared
+            wanted = weight_version or self.source.weight_version
+            if prepared is not None and prepared.serves(wanted, bucket, algorithm):
+                return prepared
+            if self.adopt_newer_versions and weight_version > self.source.weight_version:
+                log.info("no training loop publishes versions here: the current weights (version %d) become "
+                         "version %d", self.source.weight_version, weight_version)
+                await asyncio.to_thread(self._adopt, weight_version)
+            prepared = await asyncio.to_thread(self._build_prepared, weight_version, bucket, algorithm)
+            # The store is up since start(); asking again is free and restarts nothing.
+            await asyncio.to_thread(cache.host_rendezvous, self._host, self._port)
+            self._prepared = prepared
+        log.info("prepared weight version %d: %d tensors, %d bytes in %d buckets, %s %s",
+                 prepared.weight_version, len(prepared.manifest.tensors), prepared.manifest.total_bytes,
+                 prepared.manifest.num_buckets, algorithm, prepared.manifest.checksum)
+        return prepared
+
+    def _adopt(self, weight_version: int) -> None:
+        with self.source.updating(weight_version):
+            pass  # the weights stay as they are; only their version moves on
+
+    def _build_prepared(self, weight_version: int, bucket: int, algorithm: str) -> PreparedSync:
+        snapshot = self.source.snapshot(weight_version)
+        manifest = build_manifest(snapshot.tensors, bucket, checksum_algorithm=algorithm)
+        return PreparedSync(snapshot, manifest)
+
+    # -- SendWeights ---------------------------------------------------------------------------
+
+    async def send(self, plan: SyncPlan) -> SendResult:
+        """Broadcast the prepared weights as rank 0 of ``plan``; every check runs before any byte moves."""
+        recorded = self._results.get(plan.sync_id)
+        if recorded is not None:
+            return recorded
+        if self._active is not None:
+            sync_id, task = self._active
+            if sync_id == plan.sync_id:
+                return await asyncio.shield(task)
+            raise Aborted(f"weight broadcast {sync_id!r} is in progress; the trainer sends one at a time",
+                          reason="TRANSFER_IN_PROGRESS", metadata={"sync_id": sync_id})
+        cache = self._check_started()
+        prepared = self._check_plan(plan)
+        task = asyncio.ensure_future(self._transfer(cache, plan, prepared))
+        self._active = (plan.sync_id, task)
+        try:
+            return await task  # cancelling this call cancels the transfer
+        finally:
+            self._active = None
+
+    def _check_plan(self, plan: SyncPlan) -> PreparedSync:
+        prepared = self._prepared
+        if plan.source != self.member_id:
+            raise FailedPrecondition(f"plan {plan.sync_id} is sourced from {plan.source!r}; this trainer sends as "
+                                     f"{self.member_id!r} (use the source PrepareWeightSync returned)",
+                                     reason="NOT_PLAN_SOURCE")
+        if prepared is None:
+            raise FailedPrecondition(f"no weights are prepared for plan {plan.sync_id}; call PrepareWeightSync "
+                                     f"for weight version {plan.weight_version} first", reason="NOT_PREPARED")
+        if plan.weight_version != prepared.weight_version:
+            raise FailedPrecondition(f"plan {plan.sync_id} carries weight version {plan.weight_version} but version "
+                                     f"{prepared.weight_version} is prepared; call PrepareWeightSync for "
+                                     f"{plan.weight_version} or build the plan from its answer",
+                                     reason="VERSION_MISMATCH",
+                                     metadata={"prepared_version": prepared.weight_version})
+        if plan.manifest != prepared.manifest:
+            difference = _first_difference(prepared.manifest, plan.manifest)
+            raise FailedPrecondition(f"the manifest of plan {plan.sync_id} is not the one prepared for version "
+                                     f"{prepared.weight_version} ({difference}); copy the manifest "
+                                     "PrepareWeightSync returned", reason="MANIFEST_MISMATCH")
+        if plan.rendezvous[1] != self._port:
+            raise FailedPrecondition(f"plan {plan.sync_id} points receivers at port {plan.rendezvous[1]}, but this "
+                                     f"trainer's rendezvous store listens at {self.rendezvous_address}",
+                                     reason="RENDEZVOUS_MISMATCH")
+        return prepared
+
+    async def _transfer(self, cache: GroupCache, plan: SyncPlan, prepared: PreparedSync) -> SendResult:
+        started = time.monotonic()
+        attributes = {"sync_id": plan.sync_id, "weight_version": plan.weight_version, "group_id": plan.group_id,
+                      "world_size": len(plan.members), "backend": plan.backend,
+                      "bytes": prepared.manifest.total_bytes}
+        span = (self.tracer.start_as_current_span("weights.broadcast", attributes=attributes)
+                if self.tracer is not None else contextlib.nullcontext())
+        with span:
+            try:
+                async with asyncio.timeout(plan.timeout_s):
+                    built_before = self.groups_built
+                    group = await asyncio.to_thread(cache.get, plan.group_id, plan.members,
+                                                    (self._host, self._port), plan.backend)
+                    reused = self.groups_built == built_before
+                    trace.get_current_span().set_attribute("group_reused", reused)
+                    sent = await send_weights_async(group, prepared.manifest, iter(prepared.snapshot.tensors),
+                                                    timeout=plan.timeout_s)
+            except TimeoutError:
+                raise DeadlineExceeded(f"weight broadcast {plan.sync_id} did not finish within its timeout of "
+                                       f"{plan.timeout_s:g} s", reason="WEIGHT_TRANSFER_TIMEOUT") from None
+            except TransferTimeout as err:
+                raise DeadlineExceeded(f"weight broadcast {plan.sync_id}: {err}", reason=err.reason) from err
+        result = SendResult(sent.bytes, time.monotonic() - started, prepared.manifest.checksum, plan.weight_version,
+                            group_reused=reused)
+        self._results[plan.sync_id] = result
+        while len(self._results) > _RECORDED_SYNCS:
+            self._results.popitem(last=False)
+        log.info("sent weight version %d to %d receiver(s) over %s group %s: %d bytes in %.3f s (sync %s)",
+                 plan.weight_version, len(plan.members) - 1, "a reused" if reused else "a new", plan.group_id,
+                 sent.bytes, result.duration_s, plan.sync_id)
+        return result
+
+    def _check_started(self) -> GroupCache:
+        if self._cache is None:
+            raise FailedPrecondition("the trainer agent is not started or is shutting down", reason="NOT_STARTED")
+        return self._cache

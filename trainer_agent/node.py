@@ -1,0 +1,58 @@
+"""One trainer node: its weight source and the weight broadcasts it sends.
+
+:class:`TrainerNode` is what the trainer agent's servicer delegates to. At
+start (once the gRPC server is bound, before it reports SERVING) it loads the
+weights and hosts the rendezvous store of its broadcasts; at shutdown it
+closes the process groups and the store and releases the model. The training
+loop (later) runs here too and publishes its updates through ``source``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from opentelemetry.sdk.trace import TracerProvider
+
+from mesh_runtime import tracing
+from mesh_runtime.net import parse_host_port
+from mesh_runtime.server import MeshServer
+from mesh_runtime.status import node_name
+
+from .broadcast import WeightBroadcaster
+from .config import TrainerAgentConfig
+from .weight_source import create_weight_source
+
+log = logging.getLogger(__name__)
+
+
+def trainer_member_id(node_id: str) -> str:
+    """The trainer's member id in weight-broadcast groups (rank 0, ``plan.source``)."""
+    return f"trainer-{node_id}"
+
+
+class TrainerNode:
+    """The trainer agent's domain object for this node."""
+
+    def __init__(self, config: TrainerAgentConfig, tracer_provider: TracerProvider | None = None) -> None:
+        self.config = config
+        self.node_id = node_name(config.node_id)
+        self.member_id = trainer_member_id(self.node_id)
+        self.rank = 0
+        self.world_size = 1
+        self.source = create_weight_source(config)
+        self.broadcaster = WeightBroadcaster(
+            self.source, member_id=self.member_id, rendezvous=parse_host_port(config.weight_rendezvous),
+            config=config.weight_transfer, tracer=tracing.tracer(tracer_provider, "rollmesh.trainer_agent"),
+            # No training loop runs here yet, so nothing else would ever move the version on.
+            adopt_newer_versions=config.adopt_requested_versions)
+
+    async def start(self, server: MeshServer) -> None:
+        """Load the weights and host the rendezvous store (called once the server is bound)."""
+        server.add_cleanup(self.close)
+        await asyncio.to_thread(self.source.load)
+        await self.broadcaster.start()
+
+    async def close(self) -> None:
+        await self.broadcaster.close()
+        await asyncio.to_thread(self.source.close)
