@@ -47,7 +47,7 @@ class Mesh:
         self.config = config
         self.clock = time.time
         self.tracer = tracing.tracer(tracer_provider, "rollmesh.controller")
-        self.store = StateStore(config.state_dir)
+        self.store = StateStore(config.state_dir, keep_events=config.event_retention)
         self.events = EventLog(self.clock, max_events=config.event_retention, trace_ids=_trace_ids)
         self.hub = EventHub(self.events, config.watcher_queue_size)
         self.registry = self._restore_registry()
@@ -65,7 +65,8 @@ class Mesh:
         self.scheduler = DynamicResourceController(
             sched, registry=self.registry, routing=self.routing, replicas=self.replica_port, weights=self.weights,
             clock=self.clock, emit=self.emit, tracer=self._span, metrics=self.metrics)
-        for key, source in {"registry": self.registry.to_dict, "events": self.events.state_dict,
+        events_counter = lambda: self.events.state_dict(include_events=False)  # noqa: E731
+        for key, source in {"registry": self.registry.to_dict, "events": events_counter,
                             "scheduler": self.scheduler.state_dict, "metrics": self.metrics.state_dict}.items():
             self.store.track(key, source)
         self._restore_rest()
@@ -74,7 +75,9 @@ class Mesh:
     def _restore_registry(self) -> ReplicaRegistry:
         saved_events = self.store.load("events")
         if saved_events:
+            saved_events["events"] = self.store.load_events(self.config.event_retention)
             self.events.load_state_dict(saved_events)
+            self.store.prune_events(self.config.event_retention)
         saved = self.store.load("registry")
         if saved:
             return ReplicaRegistry.from_dict(saved, clock=self.clock, emit=self.emit)
@@ -99,6 +102,7 @@ class Mesh:
     def emit(self, type: EventType, /, **fields: Any):
         event = self.events.append(type, **fields)
         self.hub.publish(event)
+        self.store.append_event(event.sequence, event.to_dict())
         self.store.mark("events", "registry")
         return event
 

@@ -1,6 +1,7 @@
 """The controller's durable state: an embedded SQLite file in its state directory.
 
-State is kept as JSON documents by key (registry, scheduler, events, ...).
+State is kept as JSON documents by key (registry, scheduler, ...) plus an
+append-only table of lifecycle events (each written once).
 Writes are batched: callers mark what changed and :meth:`StateStore.flush`
 writes it in one transaction (a background task flushes shortly after each
 change, and shutdown flushes whatever is left), so a restart finds the
@@ -19,21 +20,26 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-_SCHEMA = "CREATE TABLE IF NOT EXISTS documents (key TEXT PRIMARY KEY, value TEXT NOT NULL)"
+_SCHEMA = ("CREATE TABLE IF NOT EXISTS documents (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+           "CREATE TABLE IF NOT EXISTS events (sequence INTEGER PRIMARY KEY, value TEXT NOT NULL)")
 
 
 class StateStore:
     """JSON documents in ``<state_dir>/controller.sqlite``; ``state_dir=""`` keeps nothing."""
 
-    def __init__(self, state_dir: str) -> None:
+    def __init__(self, state_dir: str, keep_events: int = 10_000) -> None:
         self.path = Path(state_dir) / "controller.sqlite" if state_dir else None
+        self.keep_events = keep_events
+        self._written_since_prune = 0
         self._sources: dict[str, Callable[[], Any]] = {}
         self._dirty: set[str] = set()
+        self._events: list[tuple[int, str]] = []
         self._wakeup = asyncio.Event()
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with self._connect() as db:
-                db.execute(_SCHEMA)
+                for statement in _SCHEMA:
+                    db.execute(statement)
 
     def _connect(self) -> sqlite3.Connection:
         assert self.path is not None
@@ -54,14 +60,48 @@ class StateStore:
         self._dirty.update(keys or self._sources)
         self._wakeup.set()
 
-    def flush(self) -> None:
-        if self.path is None or not self._dirty:
-            self._dirty.clear()
-            return
-        keys, self._dirty = sorted(self._dirty), set()
-        rows = [(key, json.dumps(self._sources[key]())) for key in keys]
+    def append_event(self, sequence: int, event: Any) -> None:
+        """Queue one lifecycle event for the append-only events table."""
+        if self.path is not None:
+            self._events.append((sequence, json.dumps(event)))
+            self._wakeup.set()
+
+    def load_events(self, limit: int) -> list[Any]:
+        """The newest ``limit`` persisted events, oldest first."""
+        if self.path is None:
+            return []
         with self._connect() as db:
-            db.executemany("INSERT OR REPLACE INTO documents (key, value) VALUES (?, ?)", rows)
+            rows = db.execute("SELECT value FROM events ORDER BY sequence DESC LIMIT ?", (limit,)).fetchall()
+        return [json.loads(row[0]) for row in reversed(rows)]
+
+    def _collect(self) -> tuple[list[tuple[str, str]], list[tuple[int, str]]]:
+        """Serialise what changed (on the event loop, so the snapshot is consistent)."""
+        keys, self._dirty = sorted(self._dirty), set()
+        events, self._events = self._events, []
+        if self.path is None:
+            return [], []
+        return [(key, json.dumps(self._sources[key]())) for key in keys], events
+
+    def _write(self, documents: list[tuple[str, str]], events: list[tuple[int, str]]) -> None:
+        if not documents and not events:
+            return
+        with self._connect() as db:
+            db.executemany("INSERT OR REPLACE INTO documents (key, value) VALUES (?, ?)", documents)
+            db.executemany("INSERT OR REPLACE INTO events (sequence, value) VALUES (?, ?)", events)
+        self._written_since_prune += len(events)
+        if self._written_since_prune > self.keep_events:
+            self.prune_events(self.keep_events)
+
+    def flush(self) -> None:
+        """Write everything pending now (shutdown, tests)."""
+        self._write(*self._collect())
+
+    def prune_events(self, keep: int) -> None:
+        """Drop persisted events older than the newest ``keep``."""
+        self._written_since_prune = 0
+        if self.path is not None:
+            with self._connect() as db:
+                db.execute("DELETE FROM events WHERE sequence <= (SELECT MAX(sequence) FROM events) - ?", (keep,))
 
     async def run(self, interval_s: float = 0.1) -> None:
         """Flush shortly after changes, until cancelled (then flush once more)."""
@@ -70,6 +110,7 @@ class StateStore:
                 await self._wakeup.wait()
                 self._wakeup.clear()
                 await asyncio.sleep(interval_s)  # batch the changes of one burst into one write
-                self.flush()
+                documents, events = self._collect()
+                await asyncio.to_thread(self._write, documents, events)  # the disk never blocks the loop
         finally:
             self.flush()
