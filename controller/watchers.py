@@ -14,10 +14,14 @@ from collections.abc import AsyncIterator, Callable
 from .core.events import EventLog, EventType, LifecycleEvent
 
 
+_CATCH_UP = None
+"""Queue marker: the watcher fell behind and must catch up from the log."""
+
+
 class Watcher:
     def __init__(self, accept: Callable[[LifecycleEvent], bool], queue_size: int) -> None:
         self.accept = accept
-        self.queue: asyncio.Queue[LifecycleEvent] = asyncio.Queue(queue_size)
+        self.queue: asyncio.Queue[LifecycleEvent | None] = asyncio.Queue(queue_size)
         self.lagging = False
         self.last_sequence = 0
 
@@ -40,6 +44,7 @@ class EventHub:
                 watcher.lagging = True
                 while not watcher.queue.empty():
                     watcher.queue.get_nowait()
+                watcher.queue.put_nowait(_CATCH_UP)  # wakes a stream waiting on the queue
 
     async def watch(self, from_sequence: int, accept: Callable[[LifecycleEvent], bool],
                     include_history: bool) -> AsyncIterator[LifecycleEvent]:
@@ -60,6 +65,8 @@ class EventHub:
                         yield event
                     continue
                 event = await watcher.queue.get()
+                if event is _CATCH_UP:
+                    continue
                 if event.sequence <= watcher.last_sequence:
                     continue
                 watcher.last_sequence = event.sequence
