@@ -120,3 +120,41 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def state(self) -> EngineState:
         """Coarse lifecycle state."""
+
+
+class LifecycleFlags:
+    """The lifecycle flags every engine keeps, and the :class:`EngineState` they imply.
+
+    Engines set the flags; ``state`` and ``weight_version`` are derived here
+    once, so every backend reports states the same way. Put it before
+    :class:`Engine` in the bases.
+    """
+
+    _dead: BaseException | None = None
+    _closed: bool = False
+    _started: bool = False
+    _weights_resident: bool = True
+    _kv_resident: bool = True
+    _weights_loaded: bool = True
+    _paused: bool = False
+    _weight_version: int = 0
+
+    @property
+    def state(self) -> EngineState:
+        if self._dead is not None:
+            return EngineState.DEAD
+        if self._closed:
+            return EngineState.CLOSED
+        if not self._started:
+            return EngineState.LOADING
+        if not (self._weights_resident and self._kv_resident):
+            return EngineState.SLEEPING
+        if not self._weights_loaded:
+            return EngineState.AWAITING_WEIGHTS
+        if self._paused:
+            return EngineState.PAUSED
+        return EngineState.ACTIVE
+
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version

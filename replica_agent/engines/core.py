@@ -26,7 +26,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
-from .base import WAKE_TAGS, Engine, PauseMode
+from .base import WAKE_TAGS, Engine, LifecycleFlags, PauseMode
 from .errors import DuplicateRequest, EngineDead, EngineUnavailable, InvalidRequest
 from .metrics import EngineMetrics
 from .request_state import ActiveRequest, StepBatch
@@ -47,7 +47,7 @@ ABORT_WAIT_S = 60.0
 """Upper bound on how long ``abort()`` waits for the loop to retire a request."""
 
 
-class SteppedEngine(Engine):
+class SteppedEngine(LifecycleFlags, Engine):
     """Engine base class driven by a single decode loop of batched steps."""
 
     def __init__(
@@ -172,26 +172,6 @@ class SteppedEngine(Engine):
             if self._started:
                 await self._reset_batch()
             await self._unload_model()
-
-    @property
-    def state(self) -> EngineState:
-        if self._dead is not None:
-            return EngineState.DEAD
-        if self._closed:
-            return EngineState.CLOSED
-        if not self._started:
-            return EngineState.LOADING
-        if not (self._weights_resident and self._kv_resident):
-            return EngineState.SLEEPING
-        if not self._weights_loaded:
-            return EngineState.AWAITING_WEIGHTS
-        if self._paused:
-            return EngineState.PAUSED
-        return EngineState.ACTIVE
-
-    @property
-    def weight_version(self) -> int:
-        return self._weight_version
 
     def _check_alive(self) -> None:
         if self._dead is not None:

@@ -45,7 +45,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Any
 
-from .base import WAKE_TAGS, Engine, PauseMode
+from .base import WAKE_TAGS, Engine, LifecycleFlags, PauseMode
 from .checkpoint_spec import checkpoint_files
 from .errors import (
     DuplicateRequest,
@@ -82,7 +82,7 @@ def _is_engine_dead_error(exc: BaseException) -> bool:
     return any(cls.__name__ == "EngineDeadError" for cls in type(exc).__mro__)
 
 
-class VllmEngine(Engine):
+class VllmEngine(LifecycleFlags, Engine):
     """Continuous batching, sleep mode and weight updates delegated to vLLM."""
 
     ABORT_GRACE_S = 2.0
@@ -182,26 +182,6 @@ class VllmEngine(Engine):
                 await asyncio.to_thread(client.shutdown)
             except Exception:  # noqa: BLE001 - closing must not fail
                 log.exception("vllm engine %r: shutdown failed", self.replica_id)
-
-    @property
-    def state(self) -> EngineState:
-        if self._dead is not None:
-            return EngineState.DEAD
-        if self._closed:
-            return EngineState.CLOSED
-        if not self._started:
-            return EngineState.LOADING
-        if not (self._weights_resident and self._kv_resident):
-            return EngineState.SLEEPING
-        if not self._weights_loaded:
-            return EngineState.AWAITING_WEIGHTS
-        if self._paused:
-            return EngineState.PAUSED
-        return EngineState.ACTIVE
-
-    @property
-    def weight_version(self) -> int:
-        return self._weight_version
 
     def _check_alive(self) -> None:
         if self._dead is None and self._client is not None and self._client.errored:
