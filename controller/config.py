@@ -5,8 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from mesh_runtime.config import ConfigError, ServerConfig, setting
-from mesh_runtime.net import AddressError, parse_host_port
+from mesh_runtime.config import ConfigError, ServerConfig, check_addresses, setting
 
 from .core.config import SchedulingConfig
 
@@ -45,13 +44,7 @@ class ControllerConfig(ServerConfig):
 
     def validate(self) -> None:
         super().validate()
-        for key in ("load_balancer_address", "trainer_address", "metrics_listen"):
-            value = getattr(self, key)
-            if value:
-                try:
-                    parse_host_port(value, allow_zero_port=key == "metrics_listen")
-                except AddressError as err:
-                    raise ConfigError(key, str(err)) from None
+        check_addresses(self, "load_balancer_address", "trainer_address", listen_keys=("metrics_listen",))
         positive = {"peer_timeout_s": self.peer_timeout_s, "lease_ttl_s": self.lease_ttl_s,
                     "load_report_interval_s": self.load_report_interval_s,
                     "event_retention": self.event_retention, "watcher_queue_size": self.watcher_queue_size,

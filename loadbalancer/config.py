@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from mesh_runtime.config import ConfigError, ServerConfig, setting
+from mesh_runtime.config import ConfigError, ServerConfig, check_addresses, setting
 from mesh_runtime.net import AddressError, parse_host_port
 
 
@@ -69,8 +69,4 @@ class LoadBalancerConfig(ServerConfig):
         for key in ("no_replica_wait_s", "retry_initial_backoff_s", "retry_max_backoff_s", "upstream_call_timeout_s"):
             if getattr(self, key) <= 0:
                 raise ConfigError(key, f"must be > 0, got {getattr(self, key)}")
-        if self.metrics_listen:
-            try:
-                parse_host_port(self.metrics_listen)
-            except AddressError as err:
-                raise ConfigError("metrics_listen", str(err)) from None
+        check_addresses(self, listen_keys=("metrics_listen",))

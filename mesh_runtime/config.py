@@ -255,3 +255,19 @@ class ServerConfig:
             raise ConfigError("listen", str(err)) from None
         if not 0 < self.shutdown_grace_s <= 600:
             raise ConfigError("shutdown_grace_s", f"must be in (0, 600] seconds, got {self.shutdown_grace_s}")
+
+
+def check_addresses(config: Any, *keys: str, listen_keys: tuple[str, ...] = ()) -> None:
+    """Raise ``ConfigError`` for any non-empty ``keys`` value that is not HOST:PORT.
+
+    Keys in ``listen_keys`` are addresses to bind, where port 0 (pick one) is fine.
+    """
+    from .net import AddressError, parse_host_port  # noqa: PLC0415
+
+    for key in (*keys, *listen_keys):
+        value = getattr(config, key)
+        if value:
+            try:
+                parse_host_port(value, allow_zero_port=key in listen_keys)
+            except AddressError as err:
+                raise ConfigError(key, str(err)) from None

@@ -5,8 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-from mesh_runtime.config import ConfigError, ServerConfig, setting
-from mesh_runtime.net import AddressError, parse_host_port
+from mesh_runtime.config import ConfigError, ServerConfig, check_addresses, setting
 
 Kind = Literal["STANDALONE", "HYBRID"]
 
@@ -64,13 +63,7 @@ class ReplicaAgentConfig(ServerConfig):
 
     def validate(self) -> None:
         super().validate()
-        for key in ("advertise_address", "controller_address", "metrics_listen"):
-            value = getattr(self, key)
-            if value:
-                try:
-                    parse_host_port(value, allow_zero_port=key == "metrics_listen")
-                except AddressError as err:
-                    raise ConfigError(key, str(err)) from None
+        check_addresses(self, "advertise_address", "controller_address", listen_keys=("metrics_listen",))
         if self.slots < 1:
             raise ConfigError("slots", f"must be >= 1, got {self.slots}")
         if self.stream_interval < 1:
