@@ -138,9 +138,12 @@ class Mesh:
     async def _route_serving(self, replica_ids) -> None:
         """Put newly registered serving replicas into routing (standalone only; hybrids are the scheduler's)."""
         current = self.scheduler.weight_version
-        records = [self.registry.get(r) for r in replica_ids]
-        routable = [r for r in records if r.state is S.ACTIVE and r.kind is ReplicaKind.STANDALONE
-                    and (current is None or r.weight_version >= current)]
+        serving = [self.registry.get(r) for r in replica_ids]
+        serving = [r for r in serving if r.state is S.ACTIVE and r.kind is ReplicaKind.STANDALONE]
+        routable = [r for r in serving if current is None or r.weight_version >= current]
+        # A replica behind the current version takes no traffic; the next weight sync
+        # brings it up to date and routes it (it is tracked as stale until then).
+        self.weights.stale.update(r.replica_id for r in serving if r not in routable)
         if routable:
             await self.routing.add_replicas(routable)
 
