@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 
 from opentelemetry.sdk.trace import TracerProvider
 
@@ -44,6 +45,7 @@ class LoadBalancerServicer(loadbalancer_pb2_grpc.LoadBalancerServiceServicer):
         self.balancer = build_balancer(config, tracer_provider, **balancer_kwargs)
         self.table = self.balancer.table
         self.status = StatusReporter(config, ["status", "generate", "replicas", "rebalance", "stats"])
+        self._rebalances: OrderedDict[str, pb.RebalanceResponse] = OrderedDict()
 
     async def attach(self, server) -> None:
         server.add_cleanup(self.balancer.upstreams.close)
@@ -110,9 +112,16 @@ class LoadBalancerServicer(loadbalancer_pb2_grpc.LoadBalancerServiceServicer):
         return pb.ClearStickySessionsResponse(cleared_sessions=self.table.clear_sticky(request.replica_ids))
 
     async def Rebalance(self, request, context):  # noqa: N802
+        if request.request_id and request.request_id in self._rebalances:
+            return self._rebalances[request.request_id]
         moved, counts = await self.balancer.rebalance(request.max_moves if request.HasField("max_moves") else None)
-        return pb.RebalanceResponse(moved_request_ids=moved, replicas=[
+        reply = pb.RebalanceResponse(moved_request_ids=moved, replicas=[
             pb.ReplicaInFlight(replica_id=rid, in_flight_before=b, in_flight_after=a) for rid, (b, a) in counts.items()])
+        if request.request_id:
+            self._rebalances[request.request_id] = reply
+            while len(self._rebalances) > 256:
+                self._rebalances.popitem(last=False)
+        return reply
 
     async def GetStats(self, request, context):  # noqa: N802
         return pb.GetStatsResponse(stats=self.balancer.stats.to_proto(self.balancer.in_flight))

@@ -209,8 +209,9 @@ async def test_rebalance_moves_only_the_excess_onto_a_new_replica(mesh):
     while len(fake.seen) < 6:
         await asyncio.sleep(0.02)
     await stub.AddReplicas(pb.AddReplicasRequest(replicas=[routing_pb2.ReplicaEndpoint(replica_id="b", address=address)]))
-    reply = await stub.Rebalance(pb.RebalanceRequest())
+    reply = await stub.Rebalance(pb.RebalanceRequest(request_id="rb-1"))
     assert len(reply.moved_request_ids) == 3
+    assert await stub.Rebalance(pb.RebalanceRequest(request_id="rb-1")) == reply  # a retry moves nothing more
     assert {r.replica_id: (r.in_flight_before, r.in_flight_after) for r in reply.replicas} == {"a": (6, 3), "b": (0, 3)}
     results = await asyncio.gather(*tasks)
     assert all(tokens == expected(30) for tokens, _ in results)
