@@ -1,0 +1,606 @@
+"""The rollouter of the fully-async driver.
+
+It takes prompts from a data source, submits each prompt ``n`` times (one
+GRPO group) through an injected async ``generate(request) -> result``
+callable (in production a LoadBalancerService client, see
+``lb_client.LoadBalancerGenerate``), and puts each group into the
+:class:`MessageQueue` as a unit once all its ``n`` samples are generated.
+
+Units: every count here is in *samples* (completions, one load-balancer
+request each). ``ppo_mini_batch_size`` is in prompts (verl convention), so::
+
+    required_samples     = ppo_mini_batch_size * require_batches * n
+    expected_samples     = required_samples * trigger_parameter_sync_step
+    buffer_samples       = floor(expected_samples * staleness_threshold)
+    max_required_samples = expected_samples + buffer_samples
+
+Concurrency: at most ``capacity = min(active_replicas * concurrent_samples_per_replica,
+max_required_samples)`` requests are in flight. ``active_replicas`` is an
+injected callable read at every scheduling pass (and every
+``capacity_poll_interval`` seconds, and on ``notify_capacity_changed()``);
+each change is recorded in the rollout history. A capacity drop never
+cancels in-flight requests; it only holds back new ones.
+
+Staleness: a new group is admitted only while ``staleness_samples + n <=
+max_required_samples``. ``reset_staleness(v)`` sets ``staleness_samples`` to
+the samples that already exist for the new window (queued samples plus all
+``n`` samples of every admitted, not yet queued group), so unconsumed and
+in-flight samples count against the new window's budget. With an empty
+queue and nothing in flight, exactly ``max_required_samples`` (rounded down
+to whole groups) are generated per window before the rollouter pauses.
+
+Queue bound: no request is submitted while ``queue.size() >= max_queue_size``.
+Requests already in flight still complete; if their group then overflows
+the queue, the queue drops its oldest group and counts exactly that.
+
+History: ``(t, active_tasks, capacity)`` points, with the injected clock,
+on every submit, completion, drain (completion while paused), cancellation,
+failure and capacity change; ``reset_staleness`` closes the window and
+returns ``dynamic_resource/rollout_resource_utilization`` computed from it
+(section 4.2 of dynamic-resource-scheduling.md) together with
+``fully_async/rollouter/step_generated_samples``.
+
+Failures: a request is retried ``max_retries`` times; when it still fails,
+every in-flight request is cancelled, the queue is failed
+(``MessageQueue.fail``) and ``run()`` raises :class:`RolloutFailed`. A
+failure never looks like a normal end of data (known weakness 16).
+
+Checkpoint: ``state_dict()`` holds every admitted but not yet queued group,
+with the samples of it that already completed; after ``load_state_dict``
+the missing samples are generated again before new prompts are taken
+(known weakness 17).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainer_agent.driver.queue import MessageQueue, RolloutFailed, Sample
+
+STATE_VERSION = 1
+
+UTILIZATION_METRIC = "dynamic_resource/rollout_resource_utilization"
+STEP_GENERATED_METRIC = "fully_async/rollouter/step_generated_samples"
+
+
+class GenerationError(RuntimeError):
+    """A generation result that cannot be used (e.g. aborted); retryable."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    prompt_id: str
+    token_ids: list[int]
+
+
+@dataclass
+class Segment:
+    token_ids: list[int]
+    logprobs: list[float] = field(default_factory=list)
+    weight_version: int = 0
+    replica_id: str = ""
+
+
+@dataclass
+class GenerationRequest:
+    """What the rollouter asks the load balancer for (one completion)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    session_id: str
+    partial_rollout: bool
+    param_version: int
+    max_tokens: int
+    temperature: float | None = None
+    top_p: float | None = None
+    logprobs: bool = True
+    retry_budget: int | None = None
+    min_weight_version: int | None = None
+
+
+@dataclass
+class GenerationResult:
+    segments: list[Segment]
+    finish_reason: str = "stop"  # "stop" | "length" | "aborted"
+
+
+GenerateFn = Callable[[GenerationRequest], Awaitable[GenerationResult]]
+
+
+@dataclass
+class RolloutConfig:
+    n: int
+    ppo_mini_batch_size: int
+    require_batches: int = 1
+    trigger_parameter_sync_step: int = 4
+    staleness_threshold: float = 0.1
+    concurrent_samples_per_replica: int = 16
+    partial_rollout: bool = True
+    max_retries: int = 2
+    retry_backoff_s: float = 0.0
+    max_tokens: int = 1024
+    temperature: float | None = None
+    top_p: float | None = None
+    logprobs: bool = True
+    lb_retry_budget: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("n", "ppo_mini_batch_size", "require_batches", "trigger_parameter_sync_step",
+                     "concurrent_samples_per_replica", "max_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.staleness_threshold < 0:
+            raise ValueError(f"staleness_threshold must be >= 0, got {self.staleness_threshold}")
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+
+    @property
+    def required_samples(self) -> int:
+        return self.ppo_mini_batch_size * self.require_batches * self.n
+
+    @property
+    def expected_samples(self) -> int:
+        return self.required_samples * self.trigger_parameter_sync_step
+
+    @property
+    def buffer_samples(self) -> int:
+        # The epsilon keeps e.g. 40 * 0.1 from flooring to 3.
+        return int(math.floor(self.expected_samples * self.staleness_threshold + 1e-9))
+
+    @property
+    def max_required_samples(self) -> int:
+        return self.expected_samples + self.buffer_samples
+
+
+@dataclass(frozen=True)
+class HistoryPoint:
+    t: float
+    active_tasks: int
+    capacity: int
+    kind: str
+
+
+def rollout_resource_utilization(points: Sequence[HistoryPoint]) -> float:
+    """Section 4.2: sum dt*min(cap, active) / sum dt*cap over the intervals
+    between consecutive points; 0.0 when the capacity-time weight is 0."""
+    num = 0.0
+    den = 0.0
+    for cur, nxt in zip(points, points[1:]):
+        dt = nxt.t - cur.t
+        if dt <= 0 or cur.capacity <= 0:
+            continue
+        num += dt * min(cur.capacity, cur.active_tasks)
+        den += dt * cur.capacity
+    return num / den if den > 0 else 0.0
+
+
+@dataclass
+class _Group:
+    group_id: str
+    prompt: Prompt
+    done: dict[int, Sample] = field(default_factory=dict)
+    in_flight: set[int] = field(default_factory=set)
+
+
+class Rollouter:
+    def __init__(
+        self,
+        config: RolloutConfig,
+        queue: MessageQueue,
+        generate: GenerateFn,
+        prompts: Iterable[Prompt],
+        active_replicas: Callable[[], int],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        param_version: int = 0,
+        is_retryable: Callable[[BaseException], bool] | None = None,
+        capacity_poll_interval: float | None = 1.0,
+    ) -> None:
+        if config.max_required_samples < config.n:
+            raise ValueError(
+                f"max_required_samples {config.max_required_samples} is below the group size {config.n}"
+            )
+        if queue.max_queue_size < config.n:
+            raise ValueError(f"max_queue_size {queue.max_queue_size} is below the group size {config.n}")
+        self.config = config
+        self._queue = queue
+        self._generate = generate
+        self._prompts: Iterator[Prompt] = iter(prompts)
+        self._active_replicas = active_replicas
+        self._clock = clock
+        self._is_retryable = is_retryable or (lambda exc: True)
+        self._poll = capacity_poll_interval
+
+        self._param_version = int(param_version)
+        self._pending: dict[str, _Group] = {}
+        self._active: dict[tuple[str, int], asyncio.Task[None]] = {}
+        self._capacity = 0
+        self._paused: str | None = None
+        self._data_exhausted = False
+        self._lookahead: Prompt | None = None
+        self._failure: BaseException | None = None
+        self._running = False
+        self._wake = asyncio.Event()
+        self._epoch = 0
+
+        self._staleness_samples = 0
+        self._step_generated = 0
+        self._groups_admitted = 0
+        self._prompts_taken = 0
+        self._submitted_total = 0
+        self._completed_total = 0
+        self._groups_enqueued = 0
+        self._dropped_by_queue = 0
+        self._retries_total = 0
+
+        self._history: list[HistoryPoint] = []
+        self._last_window: list[HistoryPoint] = []
+        queue.add_consume_listener(self._wake.set)
+
+    # -- public state --------------------------------------------------
+
+    @property
+    def param_version(self) -> int:
+        return self._param_version
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def active_tasks(self) -> int:
+        return len(self._active)
+
+    @property
+    def paused(self) -> str | None:
+        """Why new requests are held back now: "staleness", "queue_full" or None."""
+        return self._paused
+
+    @property
+    def staleness_samples(self) -> int:
+        return self._staleness_samples
+
+    @property
+    def step_generated_samples(self) -> int:
+        return self._step_generated
+
+    @property
+    def history(self) -> list[HistoryPoint]:
+        """Points of the current window (since the last reset_staleness)."""
+        return list(self._history)
+
+    @property
+    def last_window_history(self) -> list[HistoryPoint]:
+        """Points of the window closed by the last reset_staleness."""
+        return list(self._last_window)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "param_version": self._param_version,
+            "prompts_taken": self._prompts_taken,
+            "groups_admitted": self._groups_admitted,
+            "groups_enqueued": self._groups_enqueued,
+            "pending_groups": len(self._pending),
+            "submitted_samples": self._submitted_total,
+            "completed_samples": self._completed_total,
+            "dropped_by_queue": self._dropped_by_queue,
+            "retries": self._retries_total,
+            "active_tasks": len(self._active),
+            "capacity": self._capacity,
+            "staleness_samples": self._staleness_samples,
+            "step_generated_samples": self._step_generated,
+        }
+
+    # -- control -------------------------------------------------------
+
+    def notify_capacity_changed(self) -> None:
+        """Re-read the active replica count now (records the change)."""
+        self._refresh_capacity()
+        self._wake.set()
+
+    def reset_staleness(self, param_version: int) -> dict[str, float]:
+        """A parameter sync happened: close the history window, return its
+        metrics, and open a new staleness budget for ``param_version``."""
+        self._record("reset")
+        metrics = {
+            UTILIZATION_METRIC: rollout_resource_utilization(self._history),
+            STEP_GENERATED_METRIC: float(self._step_generated),
+        }
+        self._last_window = self._history
+        self._param_version = int(param_version)
+        self._step_generated = 0
+        self._staleness_samples = self._queue.size() + self.config.n * len(self._pending)
+        self._history = []
+        self._record("window_start")
+        self._wake.set()
+        return metrics
+
+    async def run(self) -> dict[str, int]:
+        """Generate until the data source is exhausted and every admitted
+        group is queued; then close the queue and return ``stats()``.
+
+        Raises :class:`RolloutFailed` (after failing the queue) when a
+        generation fails beyond its retries or the data source raises.
+        Cancelling ``run()`` cancels the in-flight requests and keeps their
+        groups pending (see ``state_dict``); the queue is left open.
+        """
+        if self._running:
+            raise RuntimeError("Rollouter.run() is already running")
+        self._running = True
+        self._failure = None
+        self._refresh_capacity()
+        self._record("start")
+        try:
+            while True:
+                self._wake.clear()
+                if self._failure is not None:
+                    raise self._failure
+                self._refresh_capacity()
+                self._fill()
+                if self._data_exhausted and not self._pending:
+                    break
+                await self._wait()
+        except asyncio.CancelledError:
+            await self._cancel_active()
+            raise
+        except Exception as exc:
+            await self._cancel_active()
+            self._queue.fail(exc)
+            raise RolloutFailed(f"rollouter failed: {exc!r}") from exc
+        finally:
+            self._running = False
+            self._paused = None
+        self._queue.close()
+        return self.stats()
+
+    # -- scheduling ----------------------------------------------------
+
+    async def _wait(self) -> None:
+        if self._poll is None:
+            await self._wake.wait()
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), self._poll)
+
+    def _refresh_capacity(self) -> None:
+        replicas = max(0, int(self._active_replicas()))
+        cap = min(replicas * self.config.concurrent_samples_per_replica, self.config.max_required_samples)
+        if cap != self._capacity:
+            self._capacity = cap
+            self._record("capacity")
+
+    def _fill(self) -> None:
+        self._paused = None
+        while True:
+            if self._queue.size() >= self._queue.max_queue_size:
+                self._paused = "queue_full"
+                return
+            if self._budget_exhausted():
+                self._paused = "staleness"
+                return
+            if len(self._active) >= self._capacity:
+                return
+            job = self._next_job()
+            if job is None:
+                return
+            self._submit(*job)
+
+    def _unsubmitted(self) -> tuple[_Group, int] | None:
+        for group in self._pending.values():
+            if len(group.done) + len(group.in_flight) == self.config.n:
+                continue
+            for index in range(self.config.n):
+                if index not in group.done and index not in group.in_flight:
+                    return group, index
+        return None
+
+    def _budget_exhausted(self) -> bool:
+        """No admitted sample is waiting to be submitted and the staleness
+        budget has no room for another group."""
+        return (
+            self._staleness_samples + self.config.n > self.config.max_required_samples
+            and self._unsubmitted() is None
+            and self._peek_prompt() is not None
+        )
+
+    def _peek_prompt(self) -> Prompt | None:
+        """The next prompt without admitting it, so that the end of data is
+        noticed even while the staleness budget is spent. A looked-ahead
+        prompt is not counted in ``prompts_taken``."""
+        if self._lookahead is None and not self._data_exhausted:
+            try:
+                self._lookahead = next(self._prompts)
+            except StopIteration:
+                self._data_exhausted = True
+        return self._lookahead
+
+    def _next_job(self) -> tuple[_Group, int] | None:
+        job = self._unsubmitted()
+        if job is not None:
+            return job
+        prompt = self._peek_prompt()
+        if prompt is None:
+            return None
+        if self._staleness_samples + self.config.n > self.config.max_required_samples:
+            self._paused = "staleness"
+            return None
+        self._lookahead = None
+        self._prompts_taken += 1
+        group_id = f"{prompt.prompt_id}#{self._groups_admitted}"
+        self._groups_admitted += 1
+        self._staleness_samples += self.config.n
+        group = _Group(group_id=group_id, prompt=prompt)
+        self._pending[group_id] = group
+        return group, 0
+
+    def _submit(self, group: _Group, index: int) -> None:
+        cfg = self.config
+        suffix = f"@{self._epoch}" if self._epoch else ""
+        request = GenerationRequest(
+            request_id=f"{group.group_id}/{index}{suffix}",
+            prompt_token_ids=list(group.prompt.token_ids),
+            session_id=group.group_id,
+            partial_rollout=cfg.partial_rollout,
+            param_version=self._param_version,
+            max_tokens=cfg.max_tokens,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            logprobs=cfg.logprobs,
+            retry_budget=cfg.lb_retry_budget,
+        )
+        group.in_flight.add(index)
+        key = (group.group_id, index)
+        self._active[key] = asyncio.create_task(self._run_one(group, index, request), name=f"rollout:{key}")
+        self._submitted_total += 1
+        self._record("submit")
+
+    async def _run_one(self, group: _Group, index: int, request: GenerationRequest) -> None:
+        key = (group.group_id, index)
+        try:
+            result = await self._call_with_retries(request)
+            sample = self._to_sample(group, index, request, result)
+        except asyncio.CancelledError:
+            self._finish_task(key, group, index, "cancel")
+            raise
+        except Exception as exc:
+            self._finish_task(key, group, index, "failed")
+            if self._failure is None:
+                self._failure = exc
+            self._wake.set()
+            return
+        group.done[index] = sample
+        self._completed_total += 1
+        self._step_generated += 1
+        self._finish_task(key, group, index, "drain" if self._paused else "complete")
+        if len(group.done) == self.config.n:
+            del self._pending[group.group_id]
+            samples = [group.done[i] for i in range(self.config.n)]
+            self._dropped_by_queue += self._queue.put_group(samples)
+            self._groups_enqueued += 1
+        self._wake.set()
+
+    def _finish_task(self, key: tuple[str, int], group: _Group, index: int, kind: str) -> None:
+        self._active.pop(key, None)
+        group.in_flight.discard(index)
+        self._record(kind)
+
+    async def _call_with_retries(self, request: GenerationRequest) -> GenerationResult:
+        attempt = 0
+        while True:
+            try:
+                result = await self._generate(request)
+                if result.finish_reason == "aborted":
+                    raise GenerationError(f"generation {request.request_id} was aborted")
+                return result
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if attempt >= self.config.max_retries or not self._is_retryable(exc):
+                    raise
+                attempt += 1
+                self._retries_total += 1
+                if self.config.retry_backoff_s > 0:
+                    await asyncio.sleep(self.config.retry_backoff_s * attempt)
+
+    @staticmethod
+    def _to_sample(group: _Group, index: int, request: GenerationRequest, result: GenerationResult) -> Sample:
+        completion: list[int] = []
+        logprobs: list[float] = []
+        for seg in result.segments:
+            completion.extend(seg.token_ids)
+            logprobs.extend(seg.logprobs)
+        return Sample(
+            group_id=group.group_id,
+            index=index,
+            prompt_ids=list(group.prompt.token_ids),
+            completion_ids=completion,
+            logprobs=logprobs,
+            param_version=request.param_version,
+            weight_versions=[seg.weight_version for seg in result.segments],
+            segment_lengths=[len(seg.token_ids) for seg in result.segments],
+            finish_reason=result.finish_reason,
+        )
+
+    async def _cancel_active(self) -> None:
+        tasks = list(self._active.values())
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        # Tasks cancelled before they ever ran did not clean up after themselves.
+        for key in list(self._active):
+            group = self._pending.get(key[0])
+            self._active.pop(key, None)
+            if group is not None:
+                group.in_flight.discard(key[1])
+            self._record("cancel")
+
+    def _record(self, kind: str) -> None:
+        self._history.append(HistoryPoint(self._clock(), len(self._active), self._capacity, kind))
+
+    # -- checkpoint ----------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-friendly snapshot. ``prompts_taken`` says how many prompts
+        the data source has handed out: resume the data source after them.
+        In-flight requests are saved as not yet generated."""
+        return {
+            "version": STATE_VERSION,
+            "param_version": self._param_version,
+            "epoch": self._epoch,
+            "staleness_samples": self._staleness_samples,
+            "step_generated_samples": self._step_generated,
+            "groups_admitted": self._groups_admitted,
+            "prompts_taken": self._prompts_taken,
+            "totals": {
+                "submitted_samples": self._submitted_total,
+                "completed_samples": self._completed_total,
+                "groups_enqueued": self._groups_enqueued,
+                "dropped_by_queue": self._dropped_by_queue,
+                "retries": self._retries_total,
+            },
+            "pending": [
+                {
+                    "group_id": g.group_id,
+                    "prompt_id": g.prompt.prompt_id,
+                    "prompt_ids": list(g.prompt.token_ids),
+                    "done": [g.done[i].to_dict() for i in sorted(g.done)],
+                }
+                for g in self._pending.values()
+            ],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a snapshot into a rollouter that is not running."""
+        if self._running:
+            raise RuntimeError("cannot load state into a running Rollouter")
+        if int(state.get("version", 0)) != STATE_VERSION:
+            raise ValueError(f"unsupported rollouter state version {state.get('version')!r}")
+        self._param_version = int(state["param_version"])
+        self._epoch = int(state["epoch"]) + 1
+        self._staleness_samples = int(state["staleness_samples"])
+        self._step_generated = int(state["step_generated_samples"])
+        self._groups_admitted = int(state["groups_admitted"])
+        self._prompts_taken = int(state["prompts_taken"])
+        totals = state["totals"]
+        self._submitted_total = int(totals["submitted_samples"])
+        self._completed_total = int(totals["completed_samples"])
+        self._groups_enqueued = int(totals["groups_enqueued"])
+        self._dropped_by_queue = int(totals["dropped_by_queue"])
+        self._retries_total = int(totals["retries"])
+        self._pending = {}
+        for entry in state["pending"]:
+            group = _Group(
+                group_id=str(entry["group_id"]),
+                prompt=Prompt(str(entry["prompt_id"]), [int(t) for t in entry["prompt_ids"]]),
+            )
+            for d in entry["done"]:
+                sample = Sample.from_dict(d)
+                group.done[sample.index] = sample
+            self._pending[group.group_id] = group
