@@ -6,7 +6,6 @@ The core keeps seconds as floats and enums as Python enums; the wire uses
 
 from __future__ import annotations
 
-from typing import Any
 
 from google.protobuf import duration_pb2, struct_pb2, timestamp_pb2
 
@@ -183,6 +182,3 @@ def metrics_cycle(c: ClosedCycle) -> observability_pb2.MetricsCycle:
                                           started_at=timestamp(c.started_at), ended_at=timestamp(c.ended_at),
                                           values=c.values)
 
-
-def jsonable(value: Any) -> Any:
-    return value

@@ -31,7 +31,6 @@ from .errors import DuplicateRequest, EngineDead, EngineUnavailable, InvalidRequ
 from .metrics import EngineMetrics
 from .request_state import ActiveRequest, StepBatch
 from .types import (
-    EngineState,
     FinishReason,
     GenerationChunk,
     GenerationRequest,

@@ -57,7 +57,6 @@ from .errors import (
 from .metrics import EngineMetrics
 from .randomness import mix_seed
 from .types import (
-    EngineState,
     FinishReason,
     GenerationChunk,
     GenerationRequest,

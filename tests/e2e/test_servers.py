@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mesh_runtime.launcher import server_command, start_server
 from mesh_runtime.local_mesh import STATUS_SERVICES, start_local_mesh, stop_all
+from tests.processes import clean_env
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -69,9 +70,7 @@ async def test_server_process_explorable_by_reflection_and_stops_cleanly(name, b
 
 
 def _env() -> dict[str, str]:
-    import os
-
-    return {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "ROLLMESH_"))}
+    return clean_env()
 
 
 def _run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:

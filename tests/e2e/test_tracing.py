@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
-
 import grpc
 import pytest
 
 from mesh_runtime.launcher import start_server
 from rollmesh.controller.v1 import controller_pb2, controller_pb2_grpc
 from tests.otlp_receiver import start_receiver
+from tests.processes import clean_env
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -18,9 +17,7 @@ CLIENT = 3
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "ROLLMESH_"))}
-    env.update(extra)
-    return env
+    return clean_env(**extra)
 
 
 async def test_status_fan_out_is_one_trace_across_controller_and_lb(tmp_path):

@@ -12,7 +12,7 @@ from loadbalancer.config import LoadBalancerConfig
 from loadbalancer.server import SPEC
 from loadbalancer.service import LoadBalancerServicer
 from mesh_runtime.config import load_config
-from rollmesh.common.v1 import generation_pb2, types_pb2
+from rollmesh.common.v1 import generation_pb2
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2 as pb
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2_grpc, routing_pb2
 from tests.loadbalancer.fake_replica import start_fake

@@ -11,7 +11,7 @@ import pytest
 from mesh_runtime.errors import error_info
 from rollmesh.common.v1 import generation_pb2, types_pb2
 from rollmesh.replica.v1 import replica_agent_pb2 as pb
-from rollmesh.replica.v1 import replica_agent_pb2_grpc, replica_pb2
+from rollmesh.replica.v1 import replica_agent_pb2_grpc
 from tests.processes import running_server
 
 pytestmark = pytest.mark.timeout(180)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from . import task
-from .grpo import GrpoConfig, GrpoTrainer, Sample
+from .grpo import GrpoTrainer, Sample
 
 
 @torch.no_grad()
