@@ -54,7 +54,6 @@ the missing samples are generated again before new prompts are taken
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
@@ -365,8 +364,12 @@ class Rollouter:
         if self._poll is None:
             await self._wake.wait()
             return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), self._poll)
+        # asyncio.wait, unlike wait_for on 3.11, never swallows a cancel of this task.
+        waiter = asyncio.ensure_future(self._wake.wait())
+        try:
+            await asyncio.wait({waiter}, timeout=self._poll)
+        finally:
+            waiter.cancel()
 
     def _refresh_capacity(self) -> None:
         replicas = max(0, int(self._active_replicas()))

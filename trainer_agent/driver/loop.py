@@ -1,0 +1,301 @@
+"""The fully-async training loop: rollouter + queue + GRPO trainer + the controller's step protocol.
+
+:class:`FullyAsyncLoop` runs the :class:`~trainer_agent.driver.rollouter.Rollouter`
+as a background task (it keeps generating through the load balancer while the
+trainer trains) and drives ``steps`` training steps. Per global step ``g``:
+
+1. ``BeginTrainingStep(g, report)``; when it answers ``deactivate``, wait until
+   the queue holds ``wait_samples`` (at most ``wait_timeout``), then
+   ``ReleaseHybridReplicas(g, buffered_samples, waited, wait_expired)``;
+2. ``trigger_parameter_sync_step`` times: take ``required_samples`` from the
+   queue (``get_batch``; its wait time and waited-on samples go into
+   ``step_wait_times`` / ``step_wait_samples``) and do one GRPO step (rewards
+   from ``reward_fn`` when the samples carry none, timed as ``reward``);
+   every GRPO step publishes the next weight version to the trainer's
+   weight source;
+3. ``reset_staleness(v)`` on the rollouter with the new version ``v``: it closes
+   the rollout window, whose utilisation metrics and concurrency history go
+   into the report;
+4. ``CompleteTrainingStep(g, v, report)``: the controller broadcasts version
+   ``v`` from the trainer agent (whose weight source must be the trainer's) and
+   may activate the hybrid replicas.
+
+Counts are in samples. ``expected_samples`` is cumulative (``required x
+trigger x g``), ``buffer_samples = floor(expected x staleness_threshold)`` and
+``total_generated_samples`` is the queue's ``generated``, so the controller's
+gap ``expected + buffer - generated`` says whether generation lags.
+``timing_raw["param_sync"]`` carries the previous step's Complete call (the
+sync of this step is not over when its report is sent).
+
+Failures never look like a normal end: a rollouter failure (``RolloutFailed``
+from the queue), an RPC error or a training error propagates from
+:meth:`FullyAsyncLoop.run`, after the rollouter is cancelled. Only when the
+prompt source is exhausted does the loop end early, normally.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import time
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollmesh.controller.v1 import scheduling_pb2
+
+from trainer_agent.driver.queue import MessageQueue, Sample
+from trainer_agent.driver.rollouter import GenerateFn, Prompt, RolloutConfig, Rollouter
+from trainer_agent.training.grpo import GrpoTrainer
+from trainer_agent.training.grpo import Sample as GrpoSample
+
+RewardFn = Callable[[Sequence[int], Sequence[int]], float]
+ReplicaCount = Callable[[], Awaitable[int]]
+STEP_TIMING_KEYS = ("reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor")
+
+
+@dataclass
+class StepRecord:
+    """What one global step did (one entry of :meth:`FullyAsyncLoop.run`'s result)."""
+
+    global_step: int
+    weight_version: int
+    reward_mean: float
+    metrics: dict[str, float]
+    timing_raw: dict[str, float]
+    deactivated: bool
+    released_replica_ids: list[str]
+    waited_s: float
+    wait_expired: bool
+    step_wait_times: list[float]
+    step_wait_samples: list[int]
+    queue_size: int
+    generated: int
+    consumed: int
+    dropped: int
+    step_consumed: int
+    step_dropped: int
+    rollout_metrics: dict[str, float]
+    hybrid_activated: bool
+    hybrid_sync_skipped: bool
+    synced_replica_ids: list[str] = field(default_factory=list)
+
+
+def task_prompts(task: Any, count: int, seed: int, *, repeat: bool = True, **task_kwargs: Any) -> Iterator[Prompt]:
+    """Prompts of a task module (``task.make_prompts(count, seed)``), cycled forever when ``repeat``."""
+    pairs = task.make_prompts(count, seed, **task_kwargs)
+    prompts = [Prompt(f"p{i}", list(prompt)) for i, (prompt, _answer) in enumerate(pairs)]
+    return itertools.cycle(prompts) if repeat else iter(prompts)
+
+
+def lb_replica_count(lb_stub: Any, *, timeout_s: float = 10.0) -> ReplicaCount:
+    """``await count()`` = the replicas the load balancer routes to now."""
+    from rollmesh.loadbalancer.v1 import loadbalancer_pb2
+
+    async def count() -> int:
+        reply = await lb_stub.ListReplicas(loadbalancer_pb2.ListReplicasRequest(), timeout=timeout_s)
+        return len(reply.replicas)
+    return count
+
+
+def _duration(seconds: float):
+    from google.protobuf.duration_pb2 import Duration
+
+    d = Duration()
+    d.FromNanoseconds(int(max(0.0, seconds) * 1e9))
+    return d
+
+
+class FullyAsyncLoop:
+    """Drives ``steps`` fully-async training steps; see the module docstring."""
+
+    def __init__(self, controller: Any, generate: GenerateFn, trainer: GrpoTrainer, config: RolloutConfig,
+                 prompts: Iterable[Prompt], reward_fn: RewardFn, *, replica_count: ReplicaCount,
+                 max_queue_size: int | None = None, first_step: int = 1, rpc_timeout_s: float = 60.0,
+                 sync_timeout_s: float = 300.0, collect_timeout_s: float | None = None,
+                 replica_poll_s: float = 0.5, on_step: Callable[[StepRecord], Awaitable[None]] | None = None
+                 ) -> None:
+        self.controller = controller
+        self.trainer = trainer
+        self.config = config
+        self.reward_fn = reward_fn
+        self.queue = MessageQueue(max_queue_size or 2 * config.max_required_samples)
+        self._replica_count = replica_count
+        self._replicas = 0
+        self.rollouter = Rollouter(config, self.queue, generate, prompts, lambda: self._replicas,
+                                   clock=time.time, param_version=trainer.weight_version,
+                                   capacity_poll_interval=replica_poll_s)
+        self._next_step = first_step
+        self._rpc_timeout = rpc_timeout_s
+        self._sync_timeout = sync_timeout_s
+        self._collect_timeout = collect_timeout_s
+        self._poll_s = replica_poll_s
+        self._on_step = on_step
+        self._last_sync_s = 0.0
+        self.records: list[StepRecord] = []
+
+    # -- running -----------------------------------------------------------------------------------
+
+    async def run(self, steps: int) -> list[StepRecord]:
+        """Run ``steps`` global steps (fewer only if the prompts run out); raise on any failure."""
+        await self._refresh_replicas()
+        rollout = asyncio.create_task(self.rollouter.run(), name="rollouter")
+        poller = asyncio.create_task(self._poll_replicas(), name="replica-poller")
+        try:
+            for _ in range(steps):
+                record = await self._step(self._next_step, rollout)
+                if record is None:
+                    break
+                self._next_step += 1
+                self.records.append(record)
+                if self._on_step is not None:
+                    await self._on_step(record)
+            if rollout.done() and not rollout.cancelled():
+                rollout.result()  # a failure the steps did not see is still a failure
+        finally:
+            poller.cancel()
+            rollout.cancel()
+            await asyncio.gather(poller, rollout, return_exceptions=True)
+        return list(self.records)
+
+    async def _poll_replicas(self) -> None:
+        while True:
+            await asyncio.sleep(self._poll_s)
+            await self._refresh_replicas()
+
+    async def _refresh_replicas(self) -> None:
+        count = int(await self._replica_count())
+        if count != self._replicas:
+            self._replicas = count
+            self.rollouter.notify_capacity_changed()
+
+    async def _checked(self, aw: Awaitable[Any], rollout: asyncio.Task) -> Any:
+        """Await ``aw``; a rollouter that fails meanwhile fails the loop at once."""
+        work = asyncio.ensure_future(aw)
+        done, _ = await asyncio.wait({work, rollout}, return_when=asyncio.FIRST_COMPLETED)
+        if work not in done and rollout.exception() is not None:
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            raise rollout.exception()
+        return await work
+
+    # -- one step ----------------------------------------------------------------------------------
+
+    async def _step(self, gs: int, rollout: asyncio.Task) -> StepRecord | None:
+        cfg, q, ctl = self.config, self.queue, self.controller
+        begin = await self._checked(ctl.BeginTrainingStep(scheduling_pb2.BeginTrainingStepRequest(
+            global_step=gs, report=self._report(gs)), timeout=self._rpc_timeout), rollout)
+        released: list[str] = []
+        waited, expired = 0.0, False
+        if begin.deactivate:
+            waited, expired = await self._checked(
+                self._wait_for(begin.wait_samples, begin.wait_timeout.ToNanoseconds() / 1e9), rollout)
+            release = await self._checked(ctl.ReleaseHybridReplicas(scheduling_pb2.ReleaseHybridReplicasRequest(
+                global_step=gs, buffered_samples=q.size(), waited=_duration(waited), wait_expired=expired),
+                timeout=self._rpc_timeout), rollout)
+            released = list(release.released_replica_ids)
+            await self._refresh_replicas()
+
+        consumed0, dropped0 = q.consumed, q.dropped
+        allocated0 = time.perf_counter()
+        wait_times: list[float] = []
+        wait_samples: list[int] = []
+        timing = {k: 0.0 for k in STEP_TIMING_KEYS}
+        metrics: dict[str, float] = {}
+        rewards: list[float] = []
+        for _ in range(cfg.trigger_parameter_sync_step):
+            batch = await q.get_batch(cfg.required_samples, self._collect_timeout)
+            wait_times.append(batch.waited_s)
+            wait_samples.append(batch.wait_samples)
+            if batch.end_of_data and len(batch.samples) < cfg.required_samples:
+                return None  # the prompts ran out: a normal end
+            if batch.timed_out:
+                raise TimeoutError(f"step {gs}: {len(batch.samples)} of {cfg.required_samples} samples "
+                                   f"after {batch.waited_s:.1f} s")
+            groups = self._groups(batch.samples)
+            started = time.perf_counter()
+            result = await self._checked(asyncio.to_thread(self.trainer.step, groups, reward_fn=self._reward),
+                                         rollout)
+            timing["step"] = timing.get("step", 0.0) + time.perf_counter() - started
+            for key, value in result.timing_raw.items():
+                timing[key] = timing.get(key, 0.0) + value
+            metrics = result.metrics
+            rewards.append(result.metrics["critic/rewards/mean"])
+        allocated = time.perf_counter() - allocated0
+        timing["wait_for_enough_samples"] = sum(wait_times)
+
+        version = self.trainer.weight_version
+        rollout_metrics = self.rollouter.reset_staleness(version)
+        window = self.rollouter.last_window_history
+        report = self._report(gs, timing=timing, wait_times=wait_times, wait_samples=wait_samples)
+        report.train_allocated_time.CopyFrom(_duration(allocated))
+        report.train_compute_time.CopyFrom(_duration(sum(timing[k] for k in STEP_TIMING_KEYS)))
+        report.step_generated_samples = int(rollout_metrics.get("fully_async/rollouter/step_generated_samples", 0))
+        report.samples_consumed = q.consumed - consumed0
+        report.samples_dropped = q.dropped - dropped0
+        for point in window:
+            sample = report.rollout_concurrency.add(active_tasks=point.active_tasks, capacity=point.capacity)
+            sample.time.FromNanoseconds(int(point.t * 1e9))
+
+        sync0 = time.perf_counter()
+        done = await self._checked(ctl.CompleteTrainingStep(scheduling_pb2.CompleteTrainingStepRequest(
+            global_step=gs, weight_version=version, report=report), timeout=self._sync_timeout), rollout)
+        self._last_sync_s = time.perf_counter() - sync0
+        await self._refresh_replicas()
+        timing["param_sync"] = self._last_sync_s
+        synced = [r.replica_id for r in [*done.standalone_sync.replica_results, *done.hybrid_sync.replica_results]
+                  if r.ok]
+        return StepRecord(
+            global_step=gs, weight_version=version, reward_mean=sum(rewards) / len(rewards), metrics=metrics,
+            timing_raw=timing, deactivated=begin.deactivate, released_replica_ids=released, waited_s=waited,
+            wait_expired=expired, step_wait_times=wait_times, step_wait_samples=wait_samples, queue_size=q.size(),
+            generated=q.generated, consumed=q.consumed, dropped=q.dropped, step_consumed=report.samples_consumed,
+            step_dropped=report.samples_dropped, rollout_metrics=rollout_metrics,
+            hybrid_activated=done.hybrid_activated, hybrid_sync_skipped=done.hybrid_sync_skipped,
+            synced_replica_ids=synced)
+
+    async def _wait_for(self, samples: int, timeout_s: float) -> tuple[float, bool]:
+        """Wait until the queue holds ``samples`` (at most ``timeout_s``); ``(waited_s, expired)``."""
+        started = time.monotonic()
+        deadline = started + timeout_s if timeout_s > 0 else math.inf
+        while self.queue.size() < samples:
+            if self.queue.error is not None or self.queue.closed:
+                break
+            if time.monotonic() >= deadline:
+                return time.monotonic() - started, True
+            await asyncio.sleep(0.02)
+        return time.monotonic() - started, False
+
+    def _reward(self, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> float:
+        return float(self.reward_fn(prompt_ids, completion_ids))
+
+    @staticmethod
+    def _groups(samples: Sequence[Sample]) -> list[list[GrpoSample]]:
+        """Samples by group (queue order), as the trainer's samples; empty completions are left out."""
+        groups: dict[str, list[GrpoSample]] = {}
+        for s in samples:
+            if not s.completion_ids:
+                continue
+            groups.setdefault(s.group_id, []).append(GrpoSample(
+                prompt_ids=s.prompt_ids, completion_ids=s.completion_ids, rollout_logprobs=s.logprobs,
+                reward=0.0 if s.reward is None else s.reward))
+        return [g for g in groups.values() if g]
+
+    def _report(self, gs: int, *, timing: dict[str, float] | None = None, wait_times: Sequence[float] = (),
+                wait_samples: Sequence[int] = ()) -> scheduling_pb2.StepReport:
+        cfg, q = self.config, self.queue
+        expected = cfg.required_samples * cfg.trigger_parameter_sync_step * gs
+        report = scheduling_pb2.StepReport(
+            required_samples=cfg.required_samples, trigger_parameter_sync_step=cfg.trigger_parameter_sync_step,
+            total_generated_samples=q.generated, expected_samples=expected,
+            buffer_samples=math.floor(expected * cfg.staleness_threshold + 1e-9),
+            step_wait_samples=list(wait_samples), queue_size=q.size())
+        for t in wait_times:
+            report.step_wait_times.append(_duration(t))
+        for key, value in (timing or {}).items():
+            if key != "param_sync":
+                report.timing_raw[key].CopyFrom(_duration(value))
+        if timing is not None:
+            report.timing_raw["param_sync"].CopyFrom(_duration(self._last_sync_s))
+        return report
