@@ -38,12 +38,11 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         self.config = config
         self.status = StatusReporter(config, ["status", "registry", "scheduling", "weight_sync", "events",
                                               "metrics"])
-        self.peers = Peers(load_balancer_address=config.load_balancer_address,
-                           timeout_s=config.peer_timeout_s, tracer_provider=tracer_provider)
         self.mesh = Mesh(config, tracer_provider)
+        self.peers = Peers(load_balancer_address=config.load_balancer_address,
+                           timeout_s=config.peer_timeout_s, channels=self.mesh.channels)
 
     async def attach(self, server: MeshServer) -> None:
-        server.add_cleanup(self.peers.close)
         server.add_cleanup(self.mesh.close)
         server.spawn(self.mesh.store.run(), name="state-store")
         server.spawn(self.mesh.run_leases(), name="leases")

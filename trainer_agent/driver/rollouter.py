@@ -60,6 +60,8 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from controller.core.metrics import ConcurrencyPoint
+from controller.core.metrics import rollout_resource_utilization as core_rollout_utilization
 from trainer_agent.driver.queue import MessageQueue, RolloutFailed, Sample
 
 STATE_VERSION = 1
@@ -166,17 +168,10 @@ class HistoryPoint:
 
 
 def rollout_resource_utilization(points: Sequence[HistoryPoint]) -> float:
-    """Section 4.2: sum dt*min(cap, active) / sum dt*cap over the intervals
-    between consecutive points; 0.0 when the capacity-time weight is 0."""
-    num = 0.0
-    den = 0.0
-    for cur, nxt in zip(points, points[1:]):
-        dt = nxt.t - cur.t
-        if dt <= 0 or cur.capacity <= 0:
-            continue
-        num += dt * min(cur.capacity, cur.active_tasks)
-        den += dt * cur.capacity
-    return num / den if den > 0 else 0.0
+    """Section 4.2 over the window's points: the controller core's formula (capacities are already clamped)."""
+    history = [ConcurrencyPoint(t=p.t, active_tasks=p.active_tasks, capacity=p.capacity) for p in points]
+    max_capacity = max((p.capacity for p in points), default=0)
+    return core_rollout_utilization(history, concurrent_samples_per_replica=1, max_required_samples=max_capacity)
 
 
 @dataclass
