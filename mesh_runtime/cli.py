@@ -27,6 +27,15 @@ SERVERS = {
     "trainer-agent": "trainer_agent.server",
 }
 
+# Tool subcommand -> module exposing `HELP`, `add_arguments(parser)` and
+# `run(args, env) -> int` (the exit code). Each module is imported only when
+# its subcommand runs, except to build its arguments.
+TOOLS = {
+    "train": "mesh_runtime.train",
+    "simulate": "simulator.cli",
+    "top": "controller.top",
+}
+
 
 class _Parser(argparse.ArgumentParser):
     """An argument parser whose errors are one line and exit code 2."""
@@ -56,6 +65,15 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="print the status of a running server")
     status.add_argument("address", metavar="HOST:PORT")
     status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
+    for name, module_name in TOOLS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            if err.name is None or not module_name.startswith(err.name):
+                raise
+            continue  # that tool is not part of this installation
+        tool = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        module.add_arguments(tool)
     return parser
 
 
@@ -86,6 +104,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = dict(os.environ)  # read once, passed down explicitly
     if args.command in SERVERS:
         return run_server(args.command, args, env)
+    if args.command in TOOLS:
+        return importlib.import_module(TOOLS[args.command]).run(args, env)
     from . import local_mesh  # noqa: PLC0415 - only these commands need it
 
     if args.command == "up":
