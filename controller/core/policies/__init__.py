@@ -7,6 +7,7 @@ in the package name.
 """
 
 from ..context import DynamicScheduleContext
+from .balanced import BalancedDynamicSchedulePolicy
 from .base import DynamicSchedulePolicyBase, StepOutcome
 from .default import DefaultDynamicSchedulePolicy
 from .fixed_ratio import FixedRatioDynamicSchedulePolicy
