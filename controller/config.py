@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Literal
+
+import yaml
 
 from mesh_runtime.config import ConfigError, ServerConfig, check_addresses, setting
 
@@ -39,6 +42,27 @@ class ControllerConfig(ServerConfig):
     concurrent_samples_per_replica: int = setting(16, help="s in section 4: rollout concurrency per replica")
     max_required_samples: int = setting(1024, help="maxReq in section 4: the rollouter's concurrency cap")
     metrics_listen: str = setting("", help="HOST:PORT for a Prometheus /metrics endpoint; empty = off")
+    scale_out_timeout: float = setting(1800.0, help="seconds a scale-out may take when the request gives no "
+                                                    "timeout (the reference's --scale-out-timeout)")
+    scale_out_partial_success_policy: Literal["rollback_all", "keep_partial"] = setting(
+        "rollback_all", help="what a scale-out keeps when some new replicas fail: rollback_all releases every "
+                             "replica it created, keep_partial keeps the ones that came up")
+    scale_in_drain_timeout: float = setting(30.0, help="seconds a scale-in waits for in-flight requests on the "
+                                                       "replicas it removes; then they are aborted and the load "
+                                                       "balancer resumes them elsewhere")
+    scale_in_shutdown_timeout: float = setting(20.0, help="seconds a removed replica may take to stop cleanly "
+                                                          "before it is stopped by force")
+    rollout_num_gpus_per_engine: int = setting(1, help="slots each replica launched by a native scale-out uses")
+    max_replicas_per_model: int = setting(256, help="largest scale target accepted (num_replicas above it is "
+                                                    "INVALID_ARGUMENT)")
+    autoscaler_config: str = setting("", help="YAML file of the autoscaler (the reference's fields); empty = "
+                                              "no autoscaler (the reference's --autoscaler-config)")
+    scale_api_token: str = setting("", secret=True, help="credential that mutating scale RPCs must present as "
+                                                         "metadata 'authorization: Bearer TOKEN'; empty = no "
+                                                         "credential required")
+    scale_api_read_tokens: list[str] = setting(default_factory=list, secret=True,
+                                               help="credentials that are known but may not change the mesh "
+                                                    "(mutating scale RPCs answer PERMISSION_DENIED)")
     async_training: SchedulingConfig = setting(default_factory=SchedulingConfig,
                                                help="dynamic resource scheduling, keys as in the reference")
 
@@ -58,6 +82,15 @@ class ControllerConfig(ServerConfig):
         for key in ("weight_bucket_size_bytes", "hybrid_gpus", "standalone_gpus"):
             if getattr(self, key) < 0:
                 raise ConfigError(key, f"must be >= 0, got {getattr(self, key)}")
+        for key in ("scale_out_timeout", "scale_in_drain_timeout", "scale_in_shutdown_timeout",
+                    "rollout_num_gpus_per_engine", "max_replicas_per_model"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(key, f"must be > 0, got {getattr(self, key)}")
+        if any(not t for t in self.scale_api_read_tokens):
+            raise ConfigError("scale_api_read_tokens", "tokens must not be empty")
+        if self.scale_api_token and self.scale_api_token in self.scale_api_read_tokens:
+            raise ConfigError("scale_api_read_tokens", "must not contain scale_api_token")
+        self.load_autoscaler()
         from .core.errors import CoreError  # noqa: PLC0415
         from .core.policies import resolve_policy  # noqa: PLC0415
 
@@ -65,3 +98,22 @@ class ControllerConfig(ServerConfig):
             resolve_policy(self.async_training.dynamic_schedule_policy)
         except CoreError as err:
             raise ConfigError("async_training.dynamic_schedule_policy", str(err)) from None
+
+    def load_autoscaler(self):
+        """The parsed autoscaler config, or None without ``autoscaler_config``; ConfigError when invalid."""
+        from .core.autoscaler import AutoscalerConfig  # noqa: PLC0415
+
+        if not self.autoscaler_config:
+            return None
+        try:
+            data = yaml.safe_load(Path(self.autoscaler_config).read_text())
+        except OSError as err:
+            raise ConfigError("autoscaler_config", f"cannot read {self.autoscaler_config}: {err.strerror}") from None
+        except yaml.YAMLError as err:
+            raise ConfigError("autoscaler_config", f"{self.autoscaler_config} is not valid YAML: {err}") from None
+        if data is not None and not isinstance(data, dict):
+            raise ConfigError("autoscaler_config", f"{self.autoscaler_config} must hold a mapping")
+        try:
+            return AutoscalerConfig.from_dict(data or {})
+        except (TypeError, ValueError) as err:
+            raise ConfigError("autoscaler_config", f"{self.autoscaler_config}: {err}") from None

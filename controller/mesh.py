@@ -4,7 +4,9 @@
 (registry, event log, dynamic resource controller, cycle metrics) on the wall
 clock, wires it to the other servers through the gRPC ports, persists it in
 the state directory, fans events out to watchers, expires leases, and keeps
-the load balancer's routing table in line with the registry.
+the load balancer's routing table in line with the registry. Scale
+operations (:class:`~controller.scaling.Scaler`) and the autoscaler loop
+(:class:`~controller.autoscaling.AutoscalerLoop`) hang off it too.
 """
 
 from __future__ import annotations
@@ -70,6 +72,14 @@ class Mesh:
                             "scheduler": self.scheduler.state_dict, "metrics": self.metrics.state_dict}.items():
             self.store.track(key, source)
         self._restore_rest()
+        self.transitions = asyncio.Lock()
+        """Held by every change of routing or weights that hybrid steps and scale operations make, so the
+        two never interleave on the same replicas."""
+        from .autoscaling import AutoscalerLoop  # noqa: PLC0415
+        from .scaling import Scaler  # noqa: PLC0415
+
+        self.scaler = Scaler(self)
+        self.autoscaler = AutoscalerLoop(self, config.load_autoscaler())
 
     # ----------------------------------------------------------- persistence
     def _restore_registry(self) -> ReplicaRegistry:
@@ -139,7 +149,8 @@ class Mesh:
         """Put newly registered serving replicas into routing (standalone only; hybrids are the scheduler's)."""
         current = self.scheduler.weight_version
         serving = [self.registry.get(r) for r in replica_ids]
-        serving = [r for r in serving if r.state is S.ACTIVE and r.kind is ReplicaKind.STANDALONE]
+        serving = [r for r in serving if r.state is S.ACTIVE and r.kind is ReplicaKind.STANDALONE
+                   and not self.scaler.blocks_routing(r)]
         routable = [r for r in serving if current is None or r.weight_version >= current]
         # A replica behind the current version takes no traffic; the next weight sync
         # brings it up to date and routes it (it is tracked as stale until then).
@@ -169,6 +180,7 @@ class Mesh:
             await self.expire_leases()
 
     async def close(self) -> None:
+        await self.scaler.close()
         self.store.flush()
         await self.channels.close()
 

@@ -165,6 +165,9 @@ class WeightBroadcast:
         self._model_bytes = 0
         self.stale: set[str] = set()
         """Replicas taken out of routing because their last sync failed."""
+        self.in_progress = 0
+        """Weight syncs running now (a scale-in waits until none is)."""
+        self._idle: asyncio.Event | None = None
         self._generations: dict[tuple[str, ...], int] = {}
         """Member set -> generation; bumped after a failed sync, because a group that saw a
         failure is retired on every member and its id cannot be used again."""
@@ -177,7 +180,24 @@ class WeightBroadcast:
 
         return trainer_agent_pb2_grpc.TrainerAgentServiceStub(self.channels.channel(self.trainer_address))
 
+    async def wait_idle(self) -> None:
+        """Return once no weight sync is running."""
+        while self.in_progress:
+            if self._idle is None:
+                self._idle = asyncio.Event()
+            await self._idle.wait()
+
     async def sync(self, replica_ids: Sequence[str], version: int) -> WeightSyncOutcome:
+        self.in_progress += 1
+        try:
+            return await self._sync(replica_ids, version)
+        finally:
+            self.in_progress -= 1
+            if not self.in_progress and self._idle is not None:
+                self._idle.set()
+                self._idle = None
+
+    async def _sync(self, replica_ids: Sequence[str], version: int) -> WeightSyncOutcome:
         from rollmesh.trainer.v1 import trainer_agent_pb2  # noqa: PLC0415
 
         sync_id = f"sync-{version}-{uuid.uuid4().hex[:8]}"

@@ -6,7 +6,6 @@ import logging
 
 from opentelemetry.sdk.trace import TracerProvider
 
-from mesh_runtime.capabilities import pending
 from mesh_runtime.errors import InvalidArgument, NotFound
 from mesh_runtime.prometheus import Metric, MetricsEndpoint
 from mesh_runtime.server import MeshServer
@@ -21,23 +20,20 @@ from .core.events import EventType
 from .core.replicas import ReplicaKind, ReplicaState
 from .mesh import Mesh
 from .peers import Peers
+from .service_scaling import ScalingRpcs
 
 log = logging.getLogger(__name__)
 DESCRIPTOR = controller_pb2.DESCRIPTOR.services_by_name["ControllerService"]
 S = ReplicaState
 
 
-@pending(DESCRIPTOR, {
-    "scaling": ["ScaleOut", "ScaleIn", "GetOperation", "ListOperations", "CancelOperation", "CancelOperations"],
-    "autoscaler": ["GetAutoscalerStatus", "SetAutoscalerEnabled", "GetAutoscalerConditions", "ListScaleHistory"],
-})
-class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
+class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServicer):
     """Implements ``rollmesh.controller.v1.ControllerService``."""
 
     def __init__(self, config: ControllerConfig, tracer_provider: TracerProvider | None) -> None:
         self.config = config
         self.status = StatusReporter(config, ["status", "registry", "scheduling", "weight_sync", "events",
-                                              "metrics"])
+                                              "metrics", "scaling", "autoscaler"])
         self.mesh = Mesh(config, tracer_provider)
         self.peers = Peers(load_balancer_address=config.load_balancer_address,
                            timeout_s=config.peer_timeout_s, channels=self.mesh.channels)
@@ -46,6 +42,10 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         server.add_cleanup(self.mesh.close)
         server.spawn(self.mesh.store.run(), name="state-store")
         server.spawn(self.mesh.run_leases(), name="leases")
+        server.spawn(self.mesh.scaler.hold_external_leases(), name="external-leases")
+        self.mesh.scaler.recover()
+        if self.mesh.autoscaler.configured:
+            server.spawn(self.mesh.autoscaler.run(), name="autoscaler")
         if self.config.metrics_listen:
             endpoint = MetricsEndpoint(self.config.metrics_listen, self._prometheus)
             log.info("Prometheus metrics on http://%s/metrics", await endpoint.start())
@@ -59,7 +59,8 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
             hybrid_state=scheduling_pb2.HybridState.Value(self.mesh.scheduler.hybrid_state.proto_name),
             node_count=len(registry.nodes()),
             replica_count=len([r for r in registry.replicas() if r.state is not S.REMOVED]),
-            active_replica_count=registry.active_count(), last_event_sequence=self.mesh.events.last_sequence)
+            active_replica_count=registry.active_count(), last_event_sequence=self.mesh.events.last_sequence,
+            running_operation_id=getattr(self.mesh.scaler.book.running(), "operation_id", ""))
 
     # -------------------------------------------------------------- registry
     async def RegisterNode(self, request, context):  # noqa: N802
@@ -122,14 +123,16 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         return convert.begin_response(decision)
 
     async def ReleaseHybridReplicas(self, request, context):  # noqa: N802
-        result = await self.mesh.scheduler.release_hybrid(request.global_step, request.buffered_samples,
-                                                          convert.seconds(request.waited), request.wait_expired)
+        async with self.mesh.transitions:  # never interleaved with a scale operation
+            result = await self.mesh.scheduler.release_hybrid(request.global_step, request.buffered_samples,
+                                                              convert.seconds(request.waited), request.wait_expired)
         self.mesh.changed()
         return convert.release_response(result)
 
     async def CompleteTrainingStep(self, request, context):  # noqa: N802
-        result = await self.mesh.scheduler.complete_step(request.global_step, request.weight_version,
-                                                         convert.step_report(request.report))
+        async with self.mesh.transitions:  # never interleaved with a scale operation
+            result = await self.mesh.scheduler.complete_step(request.global_step, request.weight_version,
+                                                             convert.step_report(request.report))
         self.mesh.changed()
         return convert.complete_response(result)
 
@@ -147,8 +150,9 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
             (self.mesh.scheduler.weight_version or 0)
         self.mesh.emit(EventType.WEIGHT_SYNC_STARTED, weight_version=version, reason="SyncWeights",
                        attributes={"replicas": len(targets)})
-        with self.mesh._span("weights.broadcast", weight_version=version, replica_ids=targets):
-            outcome = await self.mesh.weights.sync(targets, version)
+        async with self.mesh.transitions:
+            with self.mesh._span("weights.broadcast", weight_version=version, replica_ids=targets):
+                outcome = await self.mesh.weights.sync(targets, version)
         failed = outcome.failed
         for result in outcome.replica_results:
             if result.ok:

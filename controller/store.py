@@ -5,7 +5,9 @@ append-only table of lifecycle events (each written once).
 Writes are batched: callers mark what changed and :meth:`StateStore.flush`
 writes it in one transaction (a background task flushes shortly after each
 change, and shutdown flushes whatever is left), so a restart finds the
-registry, the step protocol's position, policy state and event numbering.
+registry, the step protocol's position, policy state, event numbering, scale
+operations and the autoscaler's history. Scale operations also flush at once
+on every state change, so a crash right after one finds it on disk.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import asyncio
 import json
 import logging
 import sqlite3
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,6 +38,11 @@ class StateStore:
         self._dirty: set[str] = set()
         self._events: list[tuple[int, str]] = []
         self._wakeup = asyncio.Event()
+        self._generation = 0
+        self._written: dict[str, int] = {}
+        """Key -> generation of the snapshot last written: an older snapshot never overwrites a newer one
+        (the background writer runs in a thread while :meth:`flush` may write synchronously)."""
+        self._write_lock = threading.Lock()
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with self._connect() as db:
@@ -74,20 +82,25 @@ class StateStore:
             rows = db.execute("SELECT value FROM events ORDER BY sequence DESC LIMIT ?", (limit,)).fetchall()
         return [json.loads(row[0]) for row in reversed(rows)]
 
-    def _collect(self) -> tuple[list[tuple[str, str]], list[tuple[int, str]]]:
+    def _collect(self) -> tuple[int, list[tuple[str, str]], list[tuple[int, str]]]:
         """Serialise what changed (on the event loop, so the snapshot is consistent)."""
         keys, self._dirty = sorted(self._dirty), set()
         events, self._events = self._events, []
+        self._generation += 1
         if self.path is None:
-            return [], []
-        return [(key, json.dumps(self._sources[key]())) for key in keys], events
+            return self._generation, [], []
+        return self._generation, [(key, json.dumps(self._sources[key]())) for key in keys], events
 
-    def _write(self, documents: list[tuple[str, str]], events: list[tuple[int, str]]) -> None:
+    def _write(self, generation: int, documents: list[tuple[str, str]], events: list[tuple[int, str]]) -> None:
         if not documents and not events:
             return
-        with self._connect() as db:
-            db.executemany("INSERT OR REPLACE INTO documents (key, value) VALUES (?, ?)", documents)
-            db.executemany("INSERT OR REPLACE INTO events (sequence, value) VALUES (?, ?)", events)
+        with self._write_lock:
+            documents = [(k, v) for k, v in documents if self._written.get(k, 0) < generation]
+            with self._connect() as db:
+                db.executemany("INSERT OR REPLACE INTO documents (key, value) VALUES (?, ?)", documents)
+                db.executemany("INSERT OR REPLACE INTO events (sequence, value) VALUES (?, ?)", events)
+            for key, _ in documents:
+                self._written[key] = generation
         self._written_since_prune += len(events)
         if self._written_since_prune > self.keep_events:
             self.prune_events(self.keep_events)
@@ -110,7 +123,6 @@ class StateStore:
                 await self._wakeup.wait()
                 self._wakeup.clear()
                 await asyncio.sleep(interval_s)  # batch the changes of one burst into one write
-                documents, events = self._collect()
-                await asyncio.to_thread(self._write, documents, events)  # the disk never blocks the loop
+                await asyncio.to_thread(self._write, *self._collect())  # the disk never blocks the loop
         finally:
             self.flush()

@@ -14,7 +14,9 @@ Rules this module fixes where the reference leaves room:
   triggers). Durations: token_usage_high ``scale_out_policy.condition_duration_secs``
   (30 s), queue_backlog 20 s, queue_latency_high 15 s, ttft_high 15 s,
   token_usage_low and no_queue ``scale_in_policy.condition_duration_secs``
-  (120 s), throughput_stable 60 s.
+  (120 s), throughput_stable 60 s. The fixed durations of the reference can be
+  changed in the ``condition_durations`` section (a rollmesh extension;
+  the defaults are the reference's).
 * **throughput_stable** compares the squared coefficient of variation of
   throughput, ``population variance / mean**2``, over the samples of the last
   60 s against ``throughput_variance_threshold``. It is only met when those
@@ -79,6 +81,16 @@ class ScaleInPolicy:
 
 
 @dataclasses.dataclass
+class ConditionDurations:
+    """rollmesh extension (YAML section ``condition_durations``): the durations the reference fixes."""
+
+    queue_backlog_secs: float = QUEUE_BACKLOG_DURATION_SECS
+    queue_latency_high_secs: float = QUEUE_LATENCY_DURATION_SECS
+    ttft_high_secs: float = TTFT_DURATION_SECS
+    throughput_stable_secs: float = THROUGHPUT_STABLE_WINDOW_SECS
+
+
+@dataclasses.dataclass
 class AutoscalerConfig:
     enabled: bool = True
     min_engines: int = 1
@@ -90,6 +102,7 @@ class AutoscalerConfig:
     condition_window_secs: float = 60.0
     scale_out_policy: ScaleOutPolicy = dataclasses.field(default_factory=ScaleOutPolicy)
     scale_in_policy: ScaleInPolicy = dataclasses.field(default_factory=ScaleInPolicy)
+    condition_durations: ConditionDurations = dataclasses.field(default_factory=ConditionDurations)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> AutoscalerConfig:
@@ -99,7 +112,7 @@ class AutoscalerConfig:
         out = {
             k: v
             for k, v in data.items()
-            if k in names and k not in ("scale_out_policy", "scale_in_policy")
+            if k in names and k not in ("scale_out_policy", "scale_in_policy", "condition_durations")
         }
         so_names = {f.name for f in dataclasses.fields(ScaleOutPolicy)}
         si_names = {f.name for f in dataclasses.fields(ScaleInPolicy)}
@@ -113,10 +126,13 @@ class AutoscalerConfig:
             for k, v in (data.get("scale_in_policy") or {}).items()
             if k in si_names
         }
+        cd_names = {f.name for f in dataclasses.fields(ConditionDurations)}
+        cd = {k: v for k, v in (data.get("condition_durations") or {}).items() if k in cd_names}
         cfg = cls(
             **out,
             scale_out_policy=ScaleOutPolicy(**so),
             scale_in_policy=ScaleInPolicy(**si),
+            condition_durations=ConditionDurations(**cd),
         )
         cfg.validate()
         return cfg
@@ -203,6 +219,10 @@ class AutoscalerConfig:
                 "scale_in_policy.condition_duration_secs",
                 f"must be >= 0, got {si.condition_duration_secs}",
             )
+        for field in dataclasses.fields(ConditionDurations):
+            value = getattr(self.condition_durations, field.name)
+            if not value > 0:
+                fail(f"condition_durations.{field.name}", f"must be > 0, got {value}")
         if si.max_delta < 1:
             fail("scale_in_policy.max_delta", f"must be >= 1, got {si.max_delta}")
         if not 0.0 < si.projected_usage_max <= 1.0:
@@ -291,7 +311,7 @@ class Autoscaler:
         }
 
     def _retention(self) -> float:
-        return max(self.config.condition_window_secs, THROUGHPUT_STABLE_WINDOW_SECS)
+        return max(self.config.condition_window_secs, self.config.condition_durations.throughput_stable_secs)
 
     def _instant(self, s: MetricsSample) -> dict[str, tuple[bool, float, float]]:
         """name -> (holds, value, threshold) for the streak-tracked conditions."""
@@ -334,12 +354,12 @@ class Autoscaler:
         so, si = self.config.scale_out_policy, self.config.scale_in_policy
         return {
             "token_usage_high": so.condition_duration_secs,
-            "queue_backlog": QUEUE_BACKLOG_DURATION_SECS,
-            "queue_latency_high": QUEUE_LATENCY_DURATION_SECS,
-            "ttft_high": TTFT_DURATION_SECS,
+            "queue_backlog": self.config.condition_durations.queue_backlog_secs,
+            "queue_latency_high": self.config.condition_durations.queue_latency_high_secs,
+            "ttft_high": self.config.condition_durations.ttft_high_secs,
             "token_usage_low": si.condition_duration_secs,
             "no_queue": si.condition_duration_secs,
-            "throughput_stable": THROUGHPUT_STABLE_WINDOW_SECS,
+            "throughput_stable": self.config.condition_durations.throughput_stable_secs,
         }[name]
 
     def record_metrics(self, sample: MetricsSample) -> None:
@@ -357,7 +377,9 @@ class Autoscaler:
             elif self._run_start[name] is None:
                 self._run_start[name] = sample.time
         cutoff = sample.time - self._retention()
-        while self._samples and self._samples[0].time < cutoff:
+        # Keep the newest sample at or before the cutoff: it anchors a window that spans the full
+        # duration even when samples do not fall exactly on the window's edge.
+        while len(self._samples) > 1 and self._samples[1].time <= cutoff:
             self._samples.popleft()
 
     def record_scale(self, action: str, now: float) -> None:
@@ -423,13 +445,14 @@ class Autoscaler:
 
     def _throughput_status(self, fresh: bool) -> ConditionStatus:
         thr = self.config.scale_in_policy.throughput_variance_threshold
-        req = THROUGHPUT_STABLE_WINDOW_SECS
+        req = self.config.condition_durations.throughput_stable_secs
         s = self.latest
         if s is None:
             return ConditionStatus(
                 "throughput_stable", SCALE_IN, False, 0.0, req, None, thr
             )
-        window = [x for x in self._samples if x.time >= s.time - req]
+        older = [x for x in self._samples if x.time <= s.time - req]
+        window = older[-1:] + [x for x in self._samples if x.time > s.time - req]
         span = s.time - window[0].time
         cv2 = throughput_cv2([x.throughput for x in window])
         stable = len(window) >= 2 and cv2 < thr

@@ -112,6 +112,8 @@ class ReplicaRecord:
     model_name: str = "default"
     lease_expires_at: float | None = None
     updated_at: float = 0.0
+    added_at: float = 0.0
+    """When the replica first entered the registry (scale-in picks the newest first)."""
     last_report: Any = dataclasses.field(default=None, compare=False)
     """The latest load report, opaque to the core; not persisted."""
 
@@ -143,6 +145,8 @@ class NodeRecord:
     lease_expires_at: float = 0.0
     last_report_at: float | None = None
     lease_held: bool = True
+    external: bool = False
+    """Connected by an external scale-out: the controller polls its load reports to hold the lease."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -284,7 +288,7 @@ class ReplicaRegistry:
                                slots=tuple(spec.slots), memory_fraction=spec.memory_fraction,
                                initial=spec.initial, added_by_operation_id=operation_id,
                                model_name=node.model_name, lease_expires_at=node.lease_expires_at,
-                               updated_at=self._clock(), state_reason=reason or "added")
+                               updated_at=self._clock(), added_at=self._clock(), state_reason=reason or "added")
         self._replicas[spec.replica_id] = record
         self._emit_change(record, "", record.state_reason, operation_id=operation_id)
         return record
@@ -318,6 +322,19 @@ class ReplicaRegistry:
         record = self.transition(replica_id, S.REMOVED, reason, operation_id=operation_id)
         record.intentionally_removed = True
         return record
+
+    def forget_node(self, node_id: str, reason: str) -> list[str]:
+        """Drop a node and every replica record on it (an external connection rolled back)."""
+        self.node(node_id)
+        gone = [r.replica_id for r in self.replicas(node_id=node_id)]
+        for replica_id in gone:
+            record = self._replicas.pop(replica_id)
+            self._emit(EventType.REPLICA_STATE_CHANGED, replica_id=replica_id, node_id=node_id,
+                       replica_kind=record.kind.proto_name, from_state=record.state.proto_name,
+                       to_state=S.REMOVED.proto_name, reason=reason)
+        del self._nodes[node_id]
+        self._emit(EventType.NODE_DEREGISTERED, node_id=node_id, reason=reason)
+        return gone
 
     def set_weight_version(self, replica_id: str, version: int) -> None:
         record = self.get(replica_id)
@@ -408,9 +425,11 @@ class ReplicaRegistry:
             replica_id=spec.replica_id, node_id=node_id, address=address, kind=spec.kind,
             state=spec.state, weight_version=spec.weight_version, slots=tuple(spec.slots),
             memory_fraction=spec.memory_fraction,
-            initial=spec.initial or (existing.initial if existing else False),
+            initial=(spec.initial or (existing.initial if existing else False))
+            and not (existing and existing.added_by_operation_id),
             added_by_operation_id=existing.added_by_operation_id if existing else "",
             model_name=model_name, lease_expires_at=expires, updated_at=now,
+            added_at=existing.added_at if existing else now,
             state_reason="registered" if existing is None else "reported by agent on registration")
         self._replicas[spec.replica_id] = record
         if existing is None or existing.state is not record.state:

@@ -39,7 +39,11 @@ class ControllerServiceStub:
 
     When security is on, every RPC that changes state answers UNAUTHENTICATED
     without valid credentials and PERMISSION_DENIED when the credentials do not
-    allow the call; the RPC comments list these codes as "auth".
+    allow the call; the RPC comments list these codes as "auth". The mutating
+    scale RPCs (ScaleOut, ScaleIn, CancelOperation, CancelOperations,
+    SetAutoscalerEnabled) require the metadata "authorization: Bearer TOKEN"
+    whenever the controller is configured with scale_api_token or
+    scale_api_read_tokens (a read-only token gets PERMISSION_DENIED).
     """
 
     def __init__(self, channel):
@@ -183,7 +187,11 @@ class ControllerServiceServicer:
 
     When security is on, every RPC that changes state answers UNAUTHENTICATED
     without valid credentials and PERMISSION_DENIED when the credentials do not
-    allow the call; the RPC comments list these codes as "auth".
+    allow the call; the RPC comments list these codes as "auth". The mutating
+    scale RPCs (ScaleOut, ScaleIn, CancelOperation, CancelOperations,
+    SetAutoscalerEnabled) require the metadata "authorization: Bearer TOKEN"
+    whenever the controller is configured with scale_api_token or
+    scale_api_read_tokens (a read-only token gets PERMISSION_DENIED).
     """
 
     def GetStatus(self, request, context):
@@ -444,7 +452,8 @@ class ControllerServiceServicer:
         - NOT_FOUND: a listed replica or address is not in the registry.
         - FAILED_PRECONDITION: the target is below the number of protected
         initial replicas, or a listed replica is initial (ErrorInfo reason
-        PROTECTED_REPLICA).
+        PROTECTED_REPLICA), or a listed replica is HYBRID (reason
+        HYBRID_REPLICA: hybrid replicas belong to the scheduler).
         - ABORTED: another scale operation is running; ErrorInfo reason
         SCALE_OPERATION_IN_PROGRESS with its id in metadata "operation_id".
         - ALREADY_EXISTS: request_id was used before with other parameters.
@@ -693,7 +702,11 @@ class ControllerService:
 
     When security is on, every RPC that changes state answers UNAUTHENTICATED
     without valid credentials and PERMISSION_DENIED when the credentials do not
-    allow the call; the RPC comments list these codes as "auth".
+    allow the call; the RPC comments list these codes as "auth". The mutating
+    scale RPCs (ScaleOut, ScaleIn, CancelOperation, CancelOperations,
+    SetAutoscalerEnabled) require the metadata "authorization: Bearer TOKEN"
+    whenever the controller is configured with scale_api_token or
+    scale_api_read_tokens (a read-only token gets PERMISSION_DENIED).
     """
 
     @staticmethod

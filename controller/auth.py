@@ -1,0 +1,41 @@
+"""The credential that mutating scale RPCs require (known weakness 20: an unauthenticated scale API).
+
+With ``scale_api_token`` (or ``scale_api_read_tokens``) configured, ScaleOut,
+ScaleIn, CancelOperation, CancelOperations and SetAutoscalerEnabled need the
+call metadata ``authorization: Bearer TOKEN``: no or an unknown credential ->
+UNAUTHENTICATED; a read-only credential -> PERMISSION_DENIED. Tokens are
+compared in constant time. Read-only RPCs need no credential.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from mesh_runtime.errors import PermissionDenied, Unauthenticated
+
+from .config import ControllerConfig
+
+
+def _same(a: str, b: str) -> bool:
+    return bool(b) and hmac.compare_digest(a.encode(), b.encode())
+
+
+def require_scale_credential(context, config: ControllerConfig, method: str) -> None:
+    """Raise unless the call carries the credential that may change the mesh (no-op when none is configured)."""
+    if not config.scale_api_token and not config.scale_api_read_tokens:
+        return
+    metadata = {k.lower(): v for k, v in (context.invocation_metadata() or ())}
+    value = metadata.get("authorization", "")
+    if not value:
+        raise Unauthenticated(f"{method} changes the mesh and needs a credential: send the metadata "
+                              "'authorization: Bearer TOKEN'", reason="CREDENTIAL_MISSING")
+    scheme, _, token = value.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise Unauthenticated("the authorization metadata must be 'Bearer TOKEN'", reason="MALFORMED_CREDENTIAL")
+    token = token.strip()
+    if _same(token, config.scale_api_token):
+        return
+    if any(_same(token, t) for t in config.scale_api_read_tokens):
+        raise PermissionDenied(f"this credential is read-only and may not call {method}",
+                               reason="READ_ONLY_CREDENTIAL")
+    raise Unauthenticated("the credential is not valid for this controller", reason="INVALID_CREDENTIAL")

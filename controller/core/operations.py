@@ -1,0 +1,259 @@
+"""Scale operations as resources: their states, the allowed transitions and the book that holds them.
+
+A :class:`ScaleOperation` mirrors ``rollmesh.controller.v1.ScaleOperation``
+(the reference's scale-out / scale-in request records). Every state change
+goes through :meth:`OperationBook.transition`, which checks
+:data:`ALLOWED` and emits an OPERATION_STATE_CHANGED event, so the event
+stream holds each operation's exact state sequence.
+
+Scale-out: PENDING -> CREATING (native) | CONNECTING (external) ->
+HEALTH_CHECKING -> WEIGHT_SYNCING -> READY -> ACTIVE, FAILED or CANCELLED
+before ACTIVE. Scale-in: PENDING -> DRAINING -> REMOVING -> COMPLETED,
+FAILED from any of them, CANCELLED only from PENDING. NOOP is recorded at
+creation when there was nothing to do.
+
+The book also answers the two guarantees that need the whole history: which
+operation is running now (one at a time) and which operation a client
+``request_id`` created (idempotent retries). Pure: no I/O, injected clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import uuid
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from .errors import CoreError, FailedPreconditionError, InvalidArgumentError, NotFoundError
+from .events import EventSink, EventType
+
+
+class OperationType(enum.Enum):
+    SCALE_OUT = "SCALE_OUT"
+    SCALE_IN = "SCALE_IN"
+
+    @property
+    def proto_name(self) -> str:
+        return f"OPERATION_TYPE_{self.value}"
+
+
+class OperationState(enum.Enum):
+    PENDING = "PENDING"
+    CREATING = "CREATING"
+    CONNECTING = "CONNECTING"
+    HEALTH_CHECKING = "HEALTH_CHECKING"
+    WEIGHT_SYNCING = "WEIGHT_SYNCING"
+    READY = "READY"
+    ACTIVE = "ACTIVE"
+    DRAINING = "DRAINING"
+    REMOVING = "REMOVING"
+    COMPLETED = "COMPLETED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+    NOOP = "NOOP"
+
+    @property
+    def proto_name(self) -> str:
+        return f"OPERATION_STATE_{self.value}"
+
+
+OS = OperationState
+TERMINAL = frozenset({OS.ACTIVE, OS.COMPLETED, OS.FAILED, OS.CANCELLED, OS.NOOP})
+_OUT_END = frozenset({OS.FAILED, OS.CANCELLED})
+ALLOWED: dict[OperationType, dict[OperationState, frozenset[OperationState]]] = {
+    OperationType.SCALE_OUT: {
+        OS.PENDING: frozenset({OS.CREATING, OS.CONNECTING}) | _OUT_END,
+        OS.CREATING: frozenset({OS.HEALTH_CHECKING}) | _OUT_END,
+        OS.CONNECTING: frozenset({OS.HEALTH_CHECKING}) | _OUT_END,
+        OS.HEALTH_CHECKING: frozenset({OS.WEIGHT_SYNCING}) | _OUT_END,
+        OS.WEIGHT_SYNCING: frozenset({OS.READY}) | _OUT_END,
+        OS.READY: frozenset({OS.ACTIVE}) | _OUT_END,
+    },
+    OperationType.SCALE_IN: {
+        OS.PENDING: frozenset({OS.DRAINING, OS.FAILED, OS.CANCELLED}),
+        OS.DRAINING: frozenset({OS.REMOVING, OS.FAILED}),
+        OS.REMOVING: frozenset({OS.COMPLETED, OS.FAILED}),
+    },
+}
+
+
+def cancellable(op: ScaleOperation) -> bool:
+    """Scale-out before ACTIVE; scale-in only while PENDING."""
+    if op.state in TERMINAL:
+        return False
+    return op.type is OperationType.SCALE_OUT or op.state is OS.PENDING
+
+
+class OperationInProgress(CoreError):
+    """Another scale operation runs; ``metadata['operation_id']`` names it."""
+
+    code = "ABORTED"
+    default_reason = "SCALE_OPERATION_IN_PROGRESS"
+
+
+class RequestIdReused(CoreError):
+    code = "ALREADY_EXISTS"
+    default_reason = "REQUEST_ID_REUSED"
+
+
+@dataclasses.dataclass
+class StateChange:
+    state: OperationState
+    at: float
+    reason: str = ""
+
+
+@dataclasses.dataclass
+class ScaleOperation:
+    """One scale-out or scale-in request and its progress (``ScaleOperation`` in scaling.proto)."""
+
+    operation_id: str
+    type: OperationType
+    state: OperationState
+    model_name: str = "default"
+    num_replicas: int = 0
+    engine_addresses: list[str] = dataclasses.field(default_factory=list)
+    replica_ids: list[str] = dataclasses.field(default_factory=list)
+    failed_replica_ids: list[str] = dataclasses.field(default_factory=list)
+    created_at: float = 0.0
+    updated_at: float = 0.0
+    error_message: str = ""
+    weight_version: int | None = None
+    force: bool = False
+    dry_run: bool = False
+    timeout_s: float = 0.0
+    partial_success_policy: str = "rollback_all"
+    state_history: list[StateChange] = dataclasses.field(default_factory=list)
+    triggered_by: str = "user"
+    request_id: str = ""
+    fingerprint: str = ""
+    """The request's parameters, to tell a retry from a reuse of its request_id."""
+    engines_before: int = 0
+    """Replicas of the model when the operation was accepted (history records)."""
+    launched_replica_ids: list[str] = dataclasses.field(default_factory=list)
+    """Replicas the operation launched itself (a rollback stops them on their agents)."""
+
+    @property
+    def finished(self) -> bool:
+        return self.state in TERMINAL
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data.update(type=self.type.value, state=self.state.value,
+                    state_history=[{"state": c.state.value, "at": c.at, "reason": c.reason}
+                                   for c in self.state_history])
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ScaleOperation:
+        fields = dict(data)
+        fields.update(type=OperationType(data["type"]), state=OperationState(data["state"]),
+                      state_history=[StateChange(OperationState(c["state"]), c["at"], c.get("reason", ""))
+                                     for c in data.get("state_history", [])])
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in fields.items() if k in known})
+
+
+class OperationBook:
+    """Every scale operation by id, newest last; the running one; request-id index."""
+
+    def __init__(self, *, clock: Callable[[], float], emit: EventSink | None = None,
+                 new_id: Callable[[], str] | None = None) -> None:
+        self._clock = clock
+        self._emit = emit or (lambda *a, **k: None)
+        self._new_id = new_id or (lambda: uuid.uuid4().hex)
+        self._ops: dict[str, ScaleOperation] = {}
+
+    def new(self, type: OperationType, *, state: OperationState = OS.PENDING, reason: str = "",
+            store: bool = True, **fields: Any) -> ScaleOperation:
+        """Create an operation in ``state`` (PENDING, or NOOP); stored unless a dry run."""
+        now = self._clock()
+        op = ScaleOperation(operation_id=self._new_id(), type=type, state=state, created_at=now, updated_at=now,
+                            state_history=[StateChange(state, now, reason)], **fields)
+        if store:
+            self._ops[op.operation_id] = op
+            self._emit(EventType.OPERATION_STATE_CHANGED, operation_id=op.operation_id, from_state="",
+                       to_state=state.proto_name, reason=reason,
+                       attributes={"type": type.value, "model_name": op.model_name,
+                                   "triggered_by": op.triggered_by})
+        return op
+
+    def get(self, operation_id: str) -> ScaleOperation:
+        if not operation_id:
+            raise InvalidArgumentError("operation_id must not be empty", reason="EMPTY_OPERATION_ID")
+        try:
+            return self._ops[operation_id]
+        except KeyError:
+            raise NotFoundError(f"no scale operation {operation_id!r}", reason="OPERATION_NOT_FOUND",
+                                metadata={"operation_id": operation_id}) from None
+
+    def __contains__(self, operation_id: object) -> bool:
+        return operation_id in self._ops
+
+    def list(self, *, states: Iterable[OperationState] = (), types: Iterable[OperationType] = (),
+             model_name: str = "") -> list[ScaleOperation]:
+        """Matching operations, newest first."""
+        states, types = set(states), set(types)
+        ops = sorted(self._ops.values(), key=lambda o: (o.created_at, o.operation_id), reverse=True)
+        return [o for o in ops if (not states or o.state in states) and (not types or o.type in types)
+                and (not model_name or o.model_name == model_name)]
+
+    def running(self) -> ScaleOperation | None:
+        """The operation that has not finished yet (there is at most one)."""
+        return next((o for o in self._ops.values() if not o.finished), None)
+
+    def check_idle(self) -> None:
+        """Raise ABORTED naming the running operation, if there is one."""
+        op = self.running()
+        if op is not None:
+            raise OperationInProgress(
+                f"scale operation {op.operation_id} ({op.type.value}, {op.state.value}) is still running; "
+                "wait for it to finish or cancel it, then retry", metadata={"operation_id": op.operation_id})
+
+    def by_request_id(self, request_id: str, fingerprint: str) -> ScaleOperation | None:
+        """The operation a retry of ``request_id`` refers to; ALREADY_EXISTS for other parameters."""
+        if not request_id:
+            return None
+        for op in self._ops.values():
+            if op.request_id == request_id:
+                if op.fingerprint != fingerprint:
+                    raise RequestIdReused(f"request_id {request_id!r} was used by operation {op.operation_id} "
+                                          "with other parameters; use a new request_id",
+                                          metadata={"operation_id": op.operation_id})
+                return op
+        return None
+
+    def transition(self, op: ScaleOperation, to: OperationState, reason: str = "") -> ScaleOperation:
+        if op.state is to:
+            return op
+        if to not in ALLOWED[op.type].get(op.state, frozenset()):
+            raise FailedPreconditionError(
+                f"scale operation {op.operation_id} cannot go from {op.state.value} to {to.value}",
+                reason="INVALID_OPERATION_TRANSITION", metadata={"operation_id": op.operation_id})
+        previous = op.state
+        op.state = to
+        op.updated_at = self._clock()
+        op.state_history.append(StateChange(to, op.updated_at, reason))
+        if to in (OS.FAILED, OS.CANCELLED) and reason and not op.error_message:
+            op.error_message = reason
+        self._emit(EventType.OPERATION_STATE_CHANGED, operation_id=op.operation_id,
+                   from_state=previous.proto_name, to_state=to.proto_name, reason=reason,
+                   weight_version=op.weight_version,
+                   attributes={"type": op.type.value, "replica_ids": ",".join(op.replica_ids),
+                               "failed_replica_ids": ",".join(op.failed_replica_ids)})
+        return op
+
+    def touch(self, op: ScaleOperation) -> None:
+        op.updated_at = self._clock()
+
+    # --- persistence ---
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"operations": [o.to_dict() for o in self.list()]}
+
+    def load_dict(self, data: dict[str, Any]) -> None:
+        self._ops = {}
+        for item in data.get("operations", []):
+            op = ScaleOperation.from_dict(item)
+            self._ops[op.operation_id] = op

@@ -1,0 +1,125 @@
+"""The scaling and autoscaler RPCs of ``ControllerService``: decode -> Scaler / AutoscalerLoop -> encode.
+
+Mutating scale RPCs check the credential first (:mod:`controller.auth`), so a
+refused call changes nothing.
+"""
+
+from __future__ import annotations
+
+from mesh_runtime.errors import FailedPrecondition, InvalidArgument
+from rollmesh.controller.v1 import autoscaler_pb2, scaling_pb2
+
+from . import convert, convert_scaling
+from .auth import require_scale_credential
+from .autoscaling import MODEL
+
+_POLICY_VALUES = set(convert_scaling.POLICY_NAMES) | {scaling_pb2.PARTIAL_SUCCESS_POLICY_UNSPECIFIED}
+
+
+def _timeout(request) -> float | None:
+    return convert.seconds(request.timeout) if request.HasField("timeout") else None
+
+
+def _states(values) -> set:
+    try:
+        return {convert_scaling.state_from_proto(v) for v in values if v}
+    except ValueError:
+        raise InvalidArgument(f"unknown operation state in {list(values)}", reason="INVALID_STATE") from None
+
+
+class ScalingRpcs:
+    """Mixed into ``ControllerServicer``; needs ``self.mesh`` and ``self.config``."""
+
+    async def ScaleOut(self, request, context):  # noqa: N802 - gRPC method names throughout
+        require_scale_credential(context, self.config, "ScaleOut")
+        if request.partial_success_policy not in _POLICY_VALUES:
+            raise InvalidArgument(f"unknown partial_success_policy {request.partial_success_policy}",
+                                  reason="INVALID_POLICY")
+        op, message = await self.mesh.scaler.scale_out(
+            model_name=request.model_name, num_replicas=request.num_replicas,
+            engine_addresses=list(request.engine_addresses), timeout_s=_timeout(request),
+            request_id=request.request_id, dry_run=request.dry_run,
+            policy=convert_scaling.POLICY_NAMES.get(request.partial_success_policy, ""))
+        return scaling_pb2.ScaleOutResponse(operation=convert_scaling.operation(op), message=message)
+
+    async def ScaleIn(self, request, context):  # noqa: N802
+        require_scale_credential(context, self.config, "ScaleIn")
+        op, would_remove, message = await self.mesh.scaler.scale_in(
+            model_name=request.model_name, num_replicas=request.num_replicas, replica_ids=list(request.replica_ids),
+            engine_addresses=list(request.engine_addresses), force=request.force, timeout_s=_timeout(request),
+            dry_run=request.dry_run, request_id=request.request_id)
+        return scaling_pb2.ScaleInResponse(operation=convert_scaling.operation(op), message=message,
+                                           would_remove_replica_ids=would_remove if request.dry_run else [])
+
+    async def GetOperation(self, request, context):  # noqa: N802
+        op = self.mesh.scaler.book.get(request.operation_id)
+        return scaling_pb2.GetOperationResponse(operation=convert_scaling.operation(op))
+
+    async def ListOperations(self, request, context):  # noqa: N802
+        try:
+            types = {convert_scaling.type_from_proto(t) for t in request.types if t}
+        except ValueError:
+            raise InvalidArgument(f"unknown operation type in {list(request.types)}", reason="INVALID_TYPE") from None
+        ops = self.mesh.scaler.book.list(states=_states(request.states), types=types, model_name=request.model_name)
+        return scaling_pb2.ListOperationsResponse(operations=[convert_scaling.operation(o) for o in ops])
+
+    async def CancelOperation(self, request, context):  # noqa: N802
+        require_scale_credential(context, self.config, "CancelOperation")
+        op = await self.mesh.scaler.cancel(request.operation_id)
+        return scaling_pb2.CancelOperationResponse(operation=convert_scaling.operation(op))
+
+    async def CancelOperations(self, request, context):  # noqa: N802
+        require_scale_credential(context, self.config, "CancelOperations")
+        ids = await self.mesh.scaler.cancel_many(_states(request.states), request.dry_run)
+        return scaling_pb2.CancelOperationsResponse(cancelled_operation_ids=ids)
+
+    # ------------------------------------------------------------- autoscaler
+    def _autoscaler_status(self) -> autoscaler_pb2.AutoscalerStatus:
+        loop = self.mesh.autoscaler
+        scaler = self.mesh.scaler
+        msg = autoscaler_pb2.AutoscalerStatus(configured=loop.configured, running=loop.running,
+                                              current_engines=len(scaler.pool(MODEL)),
+                                              pending_operation_ids=sorted(loop.pending))
+        core = loop.core
+        if core is None:
+            return msg
+        msg.enabled, msg.min_engines, msg.max_engines = core.enabled, core.config.min_engines, core.config.max_engines
+        if core.last_scale_time:
+            msg.last_scale_time.CopyFrom(convert.timestamp(core.last_scale_time))
+            msg.last_scale_action = convert_scaling.ACTIONS[core.last_scale_action]
+        last = convert_scaling.decision(core.last_decision, loop.decided_at)
+        if last is not None:
+            msg.last_decision.CopyFrom(last)
+        msg.recent_metrics.CopyFrom(convert_scaling.metrics(core.latest, loop.throughput_variance()))
+        return msg
+
+    def _configured_autoscaler(self):
+        if not self.mesh.autoscaler.configured:
+            raise FailedPrecondition("the controller was started without autoscaler_config "
+                                     "(--autoscaler-config FILE); there is no autoscaler",
+                                     reason="AUTOSCALER_NOT_CONFIGURED")
+        return self.mesh.autoscaler
+
+    async def GetAutoscalerStatus(self, request, context):  # noqa: N802
+        return autoscaler_pb2.GetAutoscalerStatusResponse(status=self._autoscaler_status())
+
+    async def SetAutoscalerEnabled(self, request, context):  # noqa: N802
+        require_scale_credential(context, self.config, "SetAutoscalerEnabled")
+        self._configured_autoscaler().set_enabled(request.enabled)
+        return autoscaler_pb2.SetAutoscalerEnabledResponse(status=self._autoscaler_status())
+
+    async def GetAutoscalerConditions(self, request, context):  # noqa: N802
+        loop = self._configured_autoscaler()
+        now = self.mesh.clock()
+        conditions = loop.core.conditions(now)
+        return autoscaler_pb2.GetAutoscalerConditionsResponse(
+            conditions=[convert_scaling.condition(c) for c in conditions.values()],
+            metrics=convert_scaling.metrics(loop.core.latest, loop.throughput_variance()))
+
+    async def ListScaleHistory(self, request, context):  # noqa: N802
+        if request.action not in convert_scaling.ACTION_NAMES and request.action:
+            raise InvalidArgument(f"unknown action {request.action}", reason="INVALID_ACTION")
+        action = convert_scaling.ACTION_NAMES.get(request.action) if request.action else None
+        records, total = self.mesh.autoscaler.records(action, request.limit or 100)
+        return autoscaler_pb2.ListScaleHistoryResponse(
+            history=[convert_scaling.history_record(h) for h in records], total_count=total)

@@ -1,0 +1,188 @@
+"""A real mesh for the scaling tests: balancer, controller and replica agents as processes, plus probes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from pathlib import Path
+
+import grpc
+
+from rollmesh.common.v1 import events_pb2, generation_pb2
+from rollmesh.controller.v1 import controller_pb2, controller_pb2_grpc, observability_pb2, registry_pb2, scaling_pb2
+from rollmesh.loadbalancer.v1 import loadbalancer_pb2 as lb_pb
+from rollmesh.loadbalancer.v1 import loadbalancer_pb2_grpc
+from rollmesh.replica.v1 import replica_agent_pb2 as agent_pb
+from rollmesh.replica.v1 import replica_agent_pb2_grpc
+from tests.processes import running_server
+
+AGENT = """node_id: {node}
+slots: {slots}
+backend: synthetic
+{controller}
+engine_options: {{tokens_per_second: {tps}, lengths: {{kind: fixed, value: 100000}}{extra}}}
+replicas:
+  - {{replica_id: {node}-s0, kind: STANDALONE}}
+"""
+TERMINAL = {scaling_pb2.OPERATION_STATE_ACTIVE, scaling_pb2.OPERATION_STATE_COMPLETED,
+            scaling_pb2.OPERATION_STATE_FAILED, scaling_pb2.OPERATION_STATE_CANCELLED,
+            scaling_pb2.OPERATION_STATE_NOOP}
+STATE = scaling_pb2.OperationState.Name
+
+
+async def until(predicate, timeout_s: float = 60.0, every_s: float = 0.1):
+    """Poll an async predicate (state owned by other processes) until it returns something truthy."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        value = await predicate()
+        if value:
+            return value
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(every_s)
+
+
+class Procs:
+    """Starts servers as processes (``rollmesh NAME``) and stops them all at the end."""
+
+    def __init__(self, tmp: Path, env: dict[str, str] | None = None) -> None:
+        self.tmp = tmp
+        self.env = env
+        self.stack = contextlib.ExitStack()
+        self.procs: dict[str, tuple] = {}
+
+    def start(self, name: str, role: str, config: str, listen: str = "127.0.0.1:0") -> str:
+        path = self.tmp / f"{name}.yaml"
+        path.write_text(config)
+        cm = running_server(role, ["--config", str(path), "--listen", listen], log_path=self.tmp / f"{name}.log",
+                            env=self.env)
+        address, proc = cm.__enter__()
+        self.procs[name] = (cm, proc)
+        return address
+
+    def agent(self, node: str, *, controller: str = "", slots: int = 3, tps: int = 40, extra: str = "") -> str:
+        return self.start(node, "replica-agent", AGENT.format(
+            node=node, slots=slots, tps=tps, extra=extra,
+            controller=f"controller_address: {controller}" if controller else ""))
+
+    def kill(self, name: str) -> None:
+        cm, proc = self.procs.pop(name)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        with contextlib.suppress(Exception):
+            cm.__exit__(None, None, None)
+
+    def close(self) -> None:
+        for cm, proc in reversed(list(self.procs.values())):
+            with contextlib.suppress(Exception):
+                cm.__exit__(None, None, None)
+        self.procs.clear()
+
+
+def controller_stub(channel) -> controller_pb2_grpc.ControllerServiceStub:
+    return controller_pb2_grpc.ControllerServiceStub(channel)
+
+
+def lb_stub(channel) -> loadbalancer_pb2_grpc.LoadBalancerServiceStub:
+    return loadbalancer_pb2_grpc.LoadBalancerServiceStub(channel)
+
+
+def agent_stub(channel) -> replica_agent_pb2_grpc.ReplicaAgentServiceStub:
+    return replica_agent_pb2_grpc.ReplicaAgentServiceStub(channel)
+
+
+async def routed(bal) -> list[str]:
+    reply = await bal.ListReplicas(lb_pb.ListReplicasRequest())
+    return sorted(r.endpoint.replica_id for r in reply.replicas if r.routable)
+
+
+async def in_flight(bal, replica_id: str) -> int:
+    reply = await bal.ListReplicas(lb_pb.ListReplicasRequest())
+    return next((r.in_flight for r in reply.replicas if r.endpoint.replica_id == replica_id), 0)
+
+
+async def replicas(ctl) -> dict[str, registry_pb2.ReplicaRecord]:
+    return {r.replica_id: r for r in (await ctl.ListReplicas(registry_pb2.ListReplicasRequest())).replicas}
+
+
+async def agent_states(address: str) -> dict[str, int]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        reply = await agent_stub(channel).ListReplicas(agent_pb.ListReplicasRequest())
+    return {r.replica_id: r.state for r in reply.replicas}
+
+
+async def finished(ctl, operation_id: str, timeout_s: float = 90.0) -> scaling_pb2.ScaleOperation:
+    async def done():
+        op = (await ctl.GetOperation(scaling_pb2.GetOperationRequest(operation_id=operation_id))).operation
+        return op if op.state in TERMINAL else None
+    return await until(done, timeout_s)
+
+
+async def in_state(ctl, operation_id: str, state: int, timeout_s: float = 60.0) -> scaling_pb2.ScaleOperation:
+    async def reached():
+        op = (await ctl.GetOperation(scaling_pb2.GetOperationRequest(operation_id=operation_id))).operation
+        assert op.state not in TERMINAL or op.state == state, f"{operation_id} ended {STATE(op.state)}"
+        return op if op.state == state else None
+    return await until(reached, timeout_s)
+
+
+async def event_states(ctl, operation_id: str) -> list[str]:
+    """The operation's state sequence as the event stream recorded it."""
+    newest = (await ctl.GetStatus(controller_pb2.GetStatusRequest())).last_event_sequence
+    call = ctl.WatchEvents(observability_pb2.WatchEventsRequest(include_history=True))
+    out = []
+    try:
+        async for message in call:  # unfiltered, so the newest event (any type) ends the replay
+            event = message.event
+            if event.type == events_pb2.EVENT_TYPE_OPERATION_STATE_CHANGED and event.operation_id == operation_id:
+                out.append(event.to_state.removeprefix("OPERATION_STATE_"))
+            if event.sequence >= newest:
+                break
+    finally:
+        call.cancel()
+    return out
+
+
+async def events_of(ctl, event_type: int) -> list:
+    newest = (await ctl.GetStatus(controller_pb2.GetStatusRequest())).last_event_sequence
+    call = ctl.WatchEvents(observability_pb2.WatchEventsRequest(include_history=True))
+    out = []
+    try:
+        async for message in call:
+            if message.event.type == event_type:
+                out.append(message.event)
+            if message.event.sequence >= newest:
+                break
+    finally:
+        call.cancel()
+    return out
+
+
+async def generate(bal, request_id: str, max_tokens: int, prompt_len: int = 2):
+    req = lb_pb.GenerateRequest(request_id=request_id, prompt_token_ids=[1] * prompt_len,
+                                sampling_params=generation_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    final = None
+    async for msg in bal.Generate(req, timeout=180):
+        final = msg
+    return final
+
+
+async def black_hole() -> tuple[asyncio.AbstractServer, str]:
+    """A TCP listener that accepts and never answers: gRPC calls to it hang until their deadline."""
+    held = []
+
+    async def hold(reader, writer):
+        held.append(writer)
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(3600)
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    return server, f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+def closed_port() -> str:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{sock.getsockname()[1]}"

@@ -1,0 +1,260 @@
+"""Scale RPCs of an in-process controller: bad input, NOOP, dry runs, protection, conflict, credentials.
+
+Nodes are registered by RPC with the replicas an agent would report; no agent
+runs, so every case here must be decided before any agent is called (dry
+runs, refusals, NOOPs) - which is also what makes "nothing changed" checkable.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from controller.server import SPEC
+from mesh_runtime.config import load_config
+from mesh_runtime.errors import error_info
+from rollmesh.common.v1 import types_pb2
+from rollmesh.controller.v1 import autoscaler_pb2, controller_pb2, controller_pb2_grpc, registry_pb2, scaling_pb2
+
+pytestmark = pytest.mark.timeout(60)
+TOKEN = "s3cret-scale"
+READ = "viewer-token"
+
+
+async def start(tmp_path, **overrides):
+    config = load_config(SPEC.config_class, None, overrides={"listen": "127.0.0.1:0",
+                                                             "state_dir": str(tmp_path / "state"), **overrides})
+    server, port = await SPEC.create(config)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    return server, channel, controller_pb2_grpc.ControllerServiceStub(channel)
+
+
+async def register(stub, node: str, slots: int, replicas: list[tuple[str, bool]]):
+    await stub.RegisterNode(registry_pb2.RegisterNodeRequest(
+        node_id=node, address=f"127.0.0.1:{40000 + len(node)}", slots_total=slots, replicas=[
+            registry_pb2.ReplicaRegistration(replica_id=r, kind=types_pb2.REPLICA_KIND_STANDALONE,
+                                             state=types_pb2.REPLICA_STATE_ACTIVE, initial=initial, slots=[i])
+            for i, (r, initial) in enumerate(replicas)]))
+
+
+async def expect(call, code, fragment, reason=None):
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call
+    assert info.value.code() == code, info.value.details()
+    assert fragment in info.value.details(), info.value.details()
+    detail = error_info(info.value)
+    assert detail.domain == "rollmesh"
+    if reason:
+        assert detail.reason == reason
+    return info.value
+
+
+async def test_bad_input_is_refused_with_a_clear_status_and_changes_nothing(tmp_path):
+    server, channel, stub = await start(tmp_path)
+    try:
+        await register(stub, "n", 4, [("n-0", True), ("n-1", False)])
+        bad_out = [
+            (scaling_pb2.ScaleOutRequest(num_replicas=-1), "num_replicas must be >= 0"),
+            (scaling_pb2.ScaleOutRequest(num_replicas=100000), "max_replicas_per_model"),
+            (scaling_pb2.ScaleOutRequest(), "either num_replicas"),
+            (scaling_pb2.ScaleOutRequest(num_replicas=3, engine_addresses=["127.0.0.1:1"]), "not both"),
+            (scaling_pb2.ScaleOutRequest(engine_addresses=["not-an-address"]), "not HOST:PORT"),
+            (scaling_pb2.ScaleOutRequest(engine_addresses=["127.0.0.1:0"]), "not HOST:PORT"),
+            (scaling_pb2.ScaleOutRequest(engine_addresses=["127.0.0.1:5", "127.0.0.1:5"]), "repeats"),
+            (scaling_pb2.ScaleOutRequest(num_replicas=3, timeout={"seconds": -5}), "timeout must be positive"),
+            (scaling_pb2.ScaleOutRequest(num_replicas=3, partial_success_policy=9), "partial_success_policy"),
+        ]
+        for request, fragment in bad_out:
+            await expect(stub.ScaleOut(request), grpc.StatusCode.INVALID_ARGUMENT, fragment)
+        bad_in = [
+            (scaling_pb2.ScaleInRequest(num_replicas=-2), "num_replicas must be >= 0"),
+            (scaling_pb2.ScaleInRequest(), "give num_replicas"),
+            (scaling_pb2.ScaleInRequest(engine_addresses=["::nope"]), "not HOST:PORT"),
+            (scaling_pb2.ScaleInRequest(replica_ids=["a", "a"]), "distinct"),
+        ]
+        for request, fragment in bad_in:
+            await expect(stub.ScaleIn(request), grpc.StatusCode.INVALID_ARGUMENT, fragment)
+        await expect(stub.ScaleIn(scaling_pb2.ScaleInRequest(replica_ids=["ghost"])), grpc.StatusCode.NOT_FOUND,
+                     "ghost")
+        await expect(stub.ScaleIn(scaling_pb2.ScaleInRequest(engine_addresses=["127.0.0.1:9"])),
+                     grpc.StatusCode.NOT_FOUND, "127.0.0.1:9", "ADDRESS_NOT_FOUND")
+        await expect(stub.GetOperation(scaling_pb2.GetOperationRequest(operation_id="nope")),
+                     grpc.StatusCode.NOT_FOUND, "nope", "OPERATION_NOT_FOUND")
+        await expect(stub.GetOperation(scaling_pb2.GetOperationRequest()), grpc.StatusCode.INVALID_ARGUMENT,
+                     "operation_id")
+        await expect(stub.CancelOperation(scaling_pb2.CancelOperationRequest(operation_id="nope")),
+                     grpc.StatusCode.NOT_FOUND, "nope")
+        await expect(stub.CancelOperations(scaling_pb2.CancelOperationsRequest(
+            states=[scaling_pb2.OPERATION_STATE_ACTIVE])), grpc.StatusCode.INVALID_ARGUMENT, "finished states")
+        await expect(stub.ScaleOut(scaling_pb2.ScaleOutRequest(num_replicas=9)), grpc.StatusCode.FAILED_PRECONDITION,
+                     "free slots", "NO_FREE_SLOTS")
+        assert (await stub.ListOperations(scaling_pb2.ListOperationsRequest())).operations == []
+        replicas = (await stub.ListReplicas(registry_pb2.ListReplicasRequest())).replicas
+        assert sorted(r.replica_id for r in replicas) == ["n-0", "n-1"]
+    finally:
+        await channel.close()
+        await server.stop(0)
+
+
+async def test_noop_dry_runs_protection_and_lifo_preview(tmp_path):
+    server, channel, stub = await start(tmp_path)
+    try:
+        await register(stub, "n", 6, [("n-0", True), ("n-1", True), ("n-2", False), ("n-3", False)])
+        noop = (await stub.ScaleOut(scaling_pb2.ScaleOutRequest(num_replicas=4))).operation
+        assert noop.state == scaling_pb2.OPERATION_STATE_NOOP and noop.model_name == "default"
+        stored = (await stub.GetOperation(scaling_pb2.GetOperationRequest(operation_id=noop.operation_id))).operation
+        assert stored.state == scaling_pb2.OPERATION_STATE_NOOP
+        await expect(stub.CancelOperation(scaling_pb2.CancelOperationRequest(operation_id=noop.operation_id)),
+                     grpc.StatusCode.FAILED_PRECONDITION, "NOOP", "OPERATION_NOT_CANCELLABLE")
+
+        preview = await stub.ScaleOut(scaling_pb2.ScaleOutRequest(num_replicas=6, dry_run=True))
+        assert preview.operation.dry_run and preview.operation.state == scaling_pb2.OPERATION_STATE_PENDING
+        await expect(stub.GetOperation(scaling_pb2.GetOperationRequest(operation_id=preview.operation.operation_id)),
+                     grpc.StatusCode.NOT_FOUND, preview.operation.operation_id)
+
+        preview = await stub.ScaleIn(scaling_pb2.ScaleInRequest(num_replicas=3, dry_run=True))
+        assert list(preview.would_remove_replica_ids) == ["n-3"]  # the newest non-initial replica
+        await expect(stub.ScaleIn(scaling_pb2.ScaleInRequest(num_replicas=1)), grpc.StatusCode.FAILED_PRECONDITION,
+                     "protected", "PROTECTED_REPLICA")
+        await expect(stub.ScaleIn(scaling_pb2.ScaleInRequest(replica_ids=["n-0"])),
+                     grpc.StatusCode.FAILED_PRECONDITION, "initial", "PROTECTED_REPLICA")
+        noop_in = (await stub.ScaleIn(scaling_pb2.ScaleInRequest(num_replicas=5))).operation
+        assert noop_in.state == scaling_pb2.OPERATION_STATE_NOOP
+        listed = (await stub.ListOperations(scaling_pb2.ListOperationsRequest(
+            types=[scaling_pb2.OPERATION_TYPE_SCALE_IN]))).operations
+        assert [o.operation_id for o in listed] == [noop_in.operation_id]
+        replicas = (await stub.ListReplicas(registry_pb2.ListReplicasRequest())).replicas
+        assert all(r.state == types_pb2.REPLICA_STATE_ACTIVE for r in replicas) and len(replicas) == 4
+        status = await stub.GetStatus(controller_pb2.GetStatusRequest())
+        assert status.running_operation_id == "" and "scaling" in status.status.capabilities
+    finally:
+        await channel.close()
+        await server.stop(0)
+
+
+async def test_mutating_scale_rpcs_need_the_credential(tmp_path):
+    server, channel, stub = await start(tmp_path, scale_api_token=TOKEN, scale_api_read_tokens=[READ])
+    try:
+        await register(stub, "n", 2, [("n-0", True), ("n-1", False)])
+        request = scaling_pb2.ScaleInRequest(num_replicas=1, dry_run=True)
+        await expect(stub.ScaleIn(request), grpc.StatusCode.UNAUTHENTICATED, "Bearer", "CREDENTIAL_MISSING")
+        await expect(stub.ScaleIn(request, metadata=[("authorization", "Bearer wrong")]),
+                     grpc.StatusCode.UNAUTHENTICATED, "not valid", "INVALID_CREDENTIAL")
+        await expect(stub.ScaleIn(request, metadata=[("authorization", "Basic abc")]),
+                     grpc.StatusCode.UNAUTHENTICATED, "Bearer", "MALFORMED_CREDENTIAL")
+        await expect(stub.ScaleOut(scaling_pb2.ScaleOutRequest(num_replicas=5),
+                                   metadata=[("authorization", f"Bearer {READ}")]),
+                     grpc.StatusCode.PERMISSION_DENIED, "read-only", "READ_ONLY_CREDENTIAL")
+        await expect(stub.CancelOperations(scaling_pb2.CancelOperationsRequest(dry_run=True)),
+                     grpc.StatusCode.UNAUTHENTICATED, "Bearer")
+        await expect(stub.SetAutoscalerEnabled(autoscaler_pb2.SetAutoscalerEnabledRequest(enabled=True),
+                                               metadata=[("authorization", f"Bearer {READ}")]),
+                     grpc.StatusCode.PERMISSION_DENIED, "read-only")
+        assert (await stub.ListOperations(scaling_pb2.ListOperationsRequest())).operations == []  # reads need none
+        reply = await stub.ScaleIn(scaling_pb2.ScaleInRequest(num_replicas=1, dry_run=True),
+                                   metadata=[("authorization", f"Bearer {TOKEN}")])
+        assert list(reply.would_remove_replica_ids) == ["n-1"]
+    finally:
+        await channel.close()
+        await server.stop(0)
+
+
+async def test_autoscaler_rpcs_without_a_config(tmp_path):
+    server, channel, stub = await start(tmp_path)
+    try:
+        status = (await stub.GetAutoscalerStatus(autoscaler_pb2.GetAutoscalerStatusRequest())).status
+        assert not status.configured and not status.enabled and not status.running
+        await expect(stub.SetAutoscalerEnabled(autoscaler_pb2.SetAutoscalerEnabledRequest(enabled=True)),
+                     grpc.StatusCode.FAILED_PRECONDITION, "autoscaler_config", "AUTOSCALER_NOT_CONFIGURED")
+        await expect(stub.GetAutoscalerConditions(autoscaler_pb2.GetAutoscalerConditionsRequest()),
+                     grpc.StatusCode.FAILED_PRECONDITION, "autoscaler")
+        history = await stub.ListScaleHistory(autoscaler_pb2.ListScaleHistoryRequest())
+        assert list(history.history) == [] and history.total_count == 0
+    finally:
+        await channel.close()
+        await server.stop(0)
+
+
+async def test_autoscaler_rpcs_with_a_config(tmp_path):
+    path = tmp_path / "autoscaler.yaml"
+    path.write_text("min_engines: 2\nmax_engines: 8\nscale_out_policy: {token_usage_threshold: 0.8}\n")
+    server, channel, stub = await start(tmp_path, autoscaler_config=str(path))
+    try:
+        status = (await stub.GetAutoscalerStatus(autoscaler_pb2.GetAutoscalerStatusRequest())).status
+        assert status.configured and status.enabled and status.running
+        assert (status.min_engines, status.max_engines) == (2, 8)
+        status = (await stub.SetAutoscalerEnabled(autoscaler_pb2.SetAutoscalerEnabledRequest(enabled=False))).status
+        assert not status.enabled
+        conditions = (await stub.GetAutoscalerConditions(autoscaler_pb2.GetAutoscalerConditionsRequest())).conditions
+        by_name = {c.name: c for c in conditions}
+        assert set(by_name) == {"token_usage_high", "queue_backlog", "queue_latency_high", "ttft_high",
+                                "token_usage_low", "no_queue", "throughput_stable"}
+        assert by_name["token_usage_high"].threshold == pytest.approx(0.8)
+        assert by_name["token_usage_high"].required_for.seconds == 30
+        assert by_name["no_queue"].type == autoscaler_pb2.SCALE_ACTION_SCALE_IN
+        assert not any(c.triggered for c in conditions)
+    finally:
+        await channel.close()
+        await server.stop(0)
+    # disabled is durable
+    server, channel, stub = await start(tmp_path, autoscaler_config=str(path))
+    try:
+        status = (await stub.GetAutoscalerStatus(autoscaler_pb2.GetAutoscalerStatusRequest())).status
+        assert status.configured and not status.enabled
+    finally:
+        await channel.close()
+        await server.stop(0)
+
+
+def test_a_bad_autoscaler_config_is_refused_at_startup(tmp_path):
+    from mesh_runtime.config import ConfigError
+
+    path = tmp_path / "autoscaler.yaml"
+    path.write_text("min_engines: 9\nmax_engines: 2\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(SPEC.config_class, None, overrides={"autoscaler_config": str(path)})
+    assert "autoscaler_config" in str(info.value) and "min_engines" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        load_config(SPEC.config_class, None, overrides={"autoscaler_config": str(tmp_path / "missing.yaml")})
+    assert "cannot read" in str(info.value)
+
+
+async def test_a_native_launch_that_fails_is_rolled_back(tmp_path):
+    import socket
+
+    from rollmesh.common.v1 import events_pb2
+    from rollmesh.controller.v1 import observability_pb2
+    from tests.controller.scaling.helpers import finished
+
+    with socket.socket() as sock:  # a port nothing listens on: the "agent" refuses every call
+        sock.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{sock.getsockname()[1]}"
+    server, channel, stub = await start(tmp_path, async_training={"port_timeout_s": 5})
+    try:
+        await stub.RegisterNode(registry_pb2.RegisterNodeRequest(node_id="gone", address=dead, slots_total=3))
+        op = (await stub.ScaleOut(scaling_pb2.ScaleOutRequest(num_replicas=2))).operation
+        op = await finished(stub, op.operation_id, timeout_s=30)
+        assert op.state == scaling_pb2.OPERATION_STATE_FAILED and "UNAVAILABLE" in op.error_message
+        assert sorted(op.failed_replica_ids) == sorted(op.replica_ids) and len(op.replica_ids) == 2
+        states = [c.state for c in op.state_history]
+        assert states == [scaling_pb2.OPERATION_STATE_PENDING, scaling_pb2.OPERATION_STATE_CREATING,
+                          scaling_pb2.OPERATION_STATE_FAILED]
+        records = {r.replica_id: r for r in (await stub.ListReplicas(registry_pb2.ListReplicasRequest())).replicas}
+        assert all(records[r].state == types_pb2.REPLICA_STATE_REMOVED and records[r].intentionally_removed
+                   for r in op.replica_ids)
+        call = stub.WatchEvents(observability_pb2.WatchEventsRequest(include_history=True))
+        seen = []
+        async for message in call:
+            if message.event.type == events_pb2.EVENT_TYPE_OPERATION_STATE_CHANGED:
+                seen.append(message.event.to_state)
+            if message.event.to_state == "OPERATION_STATE_FAILED":
+                break
+        call.cancel()
+        assert seen == ["OPERATION_STATE_PENDING", "OPERATION_STATE_CREATING", "OPERATION_STATE_FAILED"]
+        # Nothing is left counting toward the target: the same request now fails the same way, not NOOP.
+        again = (await stub.ScaleOut(scaling_pb2.ScaleOutRequest(num_replicas=2))).operation
+        assert again.state == scaling_pb2.OPERATION_STATE_PENDING
+        await finished(stub, again.operation_id, timeout_s=30)
+    finally:
+        await channel.close()
+        await server.stop(0)
