@@ -16,6 +16,9 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
+
+import yaml
 
 from .config import ConfigError, describe, load_config
 
@@ -44,6 +47,22 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+# Flags that set one config key each (the reference's flag names), per server:
+# flag -> (config key, metavar, help). They win over the file and the environment.
+KEY_FLAGS: dict[str, dict[str, tuple[str, str, str]]] = {
+    "controller": {
+        "--autoscaler-config": ("autoscaler_config", "FILE", "autoscaler YAML; the autoscaler is off without it"),
+        "--scale-out-timeout": ("scale_out_timeout", "SECONDS", "default timeout of a scale-out (1800)"),
+        "--scale-out-partial-success-policy": ("scale_out_partial_success_policy", "POLICY",
+                                               "rollback_all (default) or keep_partial"),
+        "--scale-in-drain-timeout": ("scale_in_drain_timeout", "SECONDS",
+                                     "wait for in-flight requests before aborting them (30)"),
+        "--scale-in-shutdown-timeout": ("scale_in_shutdown_timeout", "SECONDS",
+                                        "wait for a removed replica to stop before forcing it (20)"),
+    },
+}
+
+
 def _server_parser(sub: argparse._SubParsersAction, name: str) -> None:
     p = sub.add_parser(name, help=f"run the {name} server", description=f"Run the rollmesh {name} server.")
     p.add_argument("--config", metavar="FILE", help="YAML config file (keys documented by --print-default-config)")
@@ -51,6 +70,8 @@ def _server_parser(sub: argparse._SubParsersAction, name: str) -> None:
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--print-default-config", action="store_true",
                    help="print every config key with its default and meaning, then exit")
+    for flag, (key, metavar, text) in KEY_FLAGS.get(name, {}).items():
+        p.add_argument(flag, dest=f"key_{key}", metavar=metavar, help=f"{text} (config key {key})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,15 +98,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _scalar(text: str) -> Any:
+    """A flag's value read as a YAML scalar (``5`` is a number), as environment overrides are."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    return value if isinstance(value, (int, float, str, bool)) else text
+
+
+def server_config(name: str, args: argparse.Namespace, env: dict[str, str]) -> Any:
+    """The server's config from its file, the environment and its flags; ConfigError names a bad key."""
+    module = importlib.import_module(SERVERS[name])
+    overrides = {"listen": args.listen} if args.listen is not None else {}
+    for key, _, _ in KEY_FLAGS.get(name, {}).values():
+        if (value := getattr(args, f"key_{key}")) is not None:
+            overrides[key] = _scalar(value)
+    return load_config(module.CONFIG_CLASS, args.config, env=env, env_prefix=module.ENV_PREFIX, overrides=overrides)
+
+
 def run_server(name: str, args: argparse.Namespace, env: dict[str, str]) -> int:
     module = importlib.import_module(SERVERS[name])
     if args.print_default_config:
         print(describe(module.CONFIG_CLASS))
         return 0
-    overrides = {"listen": args.listen} if args.listen is not None else {}
     try:
-        config = load_config(module.CONFIG_CLASS, args.config, env=env,
-                             env_prefix=module.ENV_PREFIX, overrides=overrides)
+        config = server_config(name, args, env)
     except ConfigError as err:
         print(f"rollmesh {name}: error: {err}", file=sys.stderr)
         return 2
