@@ -10,6 +10,14 @@ from mesh_runtime.config import ConfigError, ServerConfig, setting
 from mesh_runtime.net import AddressError, parse_host_port
 from mesh_runtime.weights import WeightTransferConfig
 
+from .driver.settings import (
+    ActorRolloutRefSettings,
+    AsyncTrainingSettings,
+    DriverSettings,
+    TaskSettings,
+    check_driver,
+)
+
 WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -49,6 +57,14 @@ class TrainerAgentConfig(ServerConfig):
         default_factory=WeightTransferConfig,
         help="weight-transfer settings; topology, gloo_interface and checksum_algorithm must agree with the "
              "replicas'")
+    driver: DriverSettings = setting(default_factory=DriverSettings,
+                                     help="the fully-async training driver (rank 0): mesh addresses, steps, outputs")
+    async_training: AsyncTrainingSettings = setting(default_factory=AsyncTrainingSettings,
+                                                    help="the reference's async_training keys (trainer side)")
+    actor_rollout_ref: ActorRolloutRefSettings = setting(default_factory=ActorRolloutRefSettings,
+                                                         help="actor (ppo_mini_batch_size, optim.lr) and rollout "
+                                                              "(n, temperature) settings")
+    task: TaskSettings = setting(default_factory=TaskSettings, help="the built-in verifiable task to train on")
 
     def validate(self) -> None:
         super().validate()
@@ -76,3 +92,4 @@ class TrainerAgentConfig(ServerConfig):
             raise ConfigError("device", f"must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.weight_transfer_timeout_s <= 0:
             raise ConfigError("weight_transfer_timeout_s", f"must be > 0, got {self.weight_transfer_timeout_s}")
+        check_driver(self.async_training, self.actor_rollout_ref)

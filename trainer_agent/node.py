@@ -3,8 +3,10 @@
 :class:`TrainerNode` is what the trainer agent's servicer delegates to. At
 start (once the gRPC server is bound, before it reports SERVING) it loads the
 weights and hosts the rendezvous store of its broadcasts; at shutdown it
-closes the process groups and the store and releases the model. The training
-loop (later) runs here too and publishes its updates through ``source``.
+closes the process groups and the store and releases the model. With
+``driver.enabled`` the fully-async training driver
+(:class:`~trainer_agent.driver.runner.TrainingDriver`) runs here as a
+background task of the server and publishes its updates through ``source``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from mesh_runtime.status import node_name
 
 from .broadcast import WeightBroadcaster
 from .config import TrainerAgentConfig
+from .driver.runner import TrainingDriver
 from .weight_source import create_weight_source
 
 log = logging.getLogger(__name__)
@@ -44,14 +47,17 @@ class TrainerNode:
         self.broadcaster = WeightBroadcaster(
             self.source, member_id=self.member_id, rendezvous=parse_host_port(config.weight_rendezvous),
             config=config.weight_transfer, tracer=tracing.tracer(tracer_provider, "rollmesh.trainer_agent"),
-            # No training loop runs here yet, so nothing else would ever move the version on.
-            adopt_newer_versions=config.adopt_requested_versions)
+            # Without a training loop here nothing else would ever move the version on.
+            adopt_newer_versions=config.adopt_requested_versions and not config.driver.enabled)
+        self.driver = TrainingDriver(config, self.source, tracer_provider)
 
     async def start(self, server: MeshServer) -> None:
         """Load the weights and host the rendezvous store (called once the server is bound)."""
         server.add_cleanup(self.close)
         await asyncio.to_thread(self.source.load)
         await self.broadcaster.start()
+        if self.config.driver.enabled:
+            server.spawn(self.driver.run(), name="training-driver")
 
     async def close(self) -> None:
         await self.broadcaster.close()

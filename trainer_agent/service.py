@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from opentelemetry.sdk.trace import TracerProvider
 
-from mesh_runtime.capabilities import pending
 from mesh_runtime.status import StatusReporter
 from mesh_runtime.weights.wire import manifest_to_proto, plan_from_proto
 from rollmesh.trainer.v1 import trainer_agent_pb2 as pb
@@ -16,16 +15,12 @@ from .node import TrainerNode
 DESCRIPTOR = pb.DESCRIPTOR.services_by_name["TrainerAgentService"]
 
 
-@pending(DESCRIPTOR, {
-    "progress": ["GetTrainingProgress"],
-    "offload": ["OffloadTrainingState", "OnloadTrainingState"],
-})
 class TrainerAgentServicer(trainer_agent_pb2_grpc.TrainerAgentServiceServicer):
     """Implements ``rollmesh.trainer.v1.TrainerAgentService``."""
 
     def __init__(self, config: TrainerAgentConfig, tracer_provider: TracerProvider | None = None) -> None:
         self.node = TrainerNode(config, tracer_provider)
-        self.status = StatusReporter(config, ["status", "weights"])
+        self.status = StatusReporter(config, ["status", "weights", "progress", "offload"])
 
     async def attach(self, server) -> None:
         await self.node.start(server)
@@ -53,4 +48,27 @@ class TrainerAgentServicer(trainer_agent_pb2_grpc.TrainerAgentServiceServicer):
         out = pb.SendWeightsResponse(bytes_sent=sent.bytes_sent, checksum=sent.checksum,
                                      weight_version=sent.weight_version)
         out.duration.FromNanoseconds(int(sent.duration_s * 1e9))
+        return out
+
+    async def GetTrainingProgress(self, request, context):  # noqa: N802
+        p = self.node.driver.progress()
+        out = pb.GetTrainingProgressResponse(
+            global_step=p.global_step, weight_version=p.weight_version, param_version=p.param_version,
+            samples_generated=p.samples_generated, samples_consumed=p.samples_consumed,
+            samples_dropped=p.samples_dropped, queue_size=p.queue_size,
+            state=pb.TrainingState.Value(f"TRAINING_STATE_{p.state}"), error_message=p.error_message)
+        if p.last_reward_mean is not None:
+            out.last_reward_mean = p.last_reward_mean
+        return out
+
+    async def OffloadTrainingState(self, request, context):  # noqa: N802
+        moved = await self.node.driver.offload(request.include_optimizer)
+        out = pb.OffloadTrainingStateResponse(bytes_moved=moved.bytes_moved)
+        out.duration.FromNanoseconds(int(moved.duration_s * 1e9))
+        return out
+
+    async def OnloadTrainingState(self, request, context):  # noqa: N802
+        moved = await self.node.driver.onload()
+        out = pb.OnloadTrainingStateResponse(bytes_moved=moved.bytes_moved)
+        out.duration.FromNanoseconds(int(moved.duration_s * 1e9))
         return out

@@ -18,7 +18,10 @@ trainer trains) and drives ``steps`` training steps. Per global step ``g``:
    into the report;
 4. ``CompleteTrainingStep(g, v, report)``: the controller broadcasts version
    ``v`` from the trainer agent (whose weight source must be the trainer's) and
-   may activate the hybrid replicas.
+   may activate the hybrid replicas. Standalone replicas whose part of the
+   broadcast failed are synced again one by one (``SyncWeights``) until they
+   hold ``v`` or the controller no longer lists them as live: one dead
+   receiver must not leave the healthy ones stale and out of routing.
 
 Counts are in samples. ``expected_samples`` is cumulative (``required x
 trigger x g``), ``buffer_samples = floor(expected x staleness_threshold)`` and
@@ -26,6 +29,19 @@ trigger x g``), ``buffer_samples = floor(expected x staleness_threshold)`` and
 gap ``expected + buffer - generated`` says whether generation lags.
 ``timing_raw["param_sync"]`` carries the previous step's Complete call (the
 sync of this step is not over when its report is sent).
+
+Hybrid colocation: with ``offload_during_hybrid`` the trainer's parameters and
+optimizer state are offloaded after a ``CompleteTrainingStep`` that activated
+the hybrid replicas (they now use the trainer's accelerators) and onloaded
+before the next GRPO update (the controller has put them back to sleep by
+then). ``on_phase(name)`` reports ``waiting`` (step protocol and sample
+collection), ``training`` and ``syncing``.
+
+Checkpoint: ``state_dict()`` between steps holds the queued samples, the
+rollouter's admitted groups (with their finished samples; in-flight ones are
+regenerated after a restore), the counters and the next global step, so a
+restart loses no sample (known weakness 17). The model and optimizer are the
+trainer's to save (:mod:`trainer_agent.driver.checkpoint`).
 
 Failures never look like a normal end: a rollouter failure (``RolloutFailed``
 from the queue), an RPC error or a training error propagates from
@@ -43,6 +59,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollmesh.common.v1 import types_pb2
 from rollmesh.controller.v1 import scheduling_pb2
 
 from trainer_agent.driver.queue import MessageQueue, Sample
@@ -52,6 +69,9 @@ from trainer_agent.training.grpo import Sample as GrpoSample
 
 RewardFn = Callable[[Sequence[int], Sequence[int]], float]
 ReplicaCount = Callable[[], Awaitable[int]]
+# ReplicaState values of replicas that no longer take part (FAILED, STOPPED, REMOVED).
+_GONE_STATES = frozenset({types_pb2.REPLICA_STATE_FAILED, types_pb2.REPLICA_STATE_STOPPED,
+                          types_pb2.REPLICA_STATE_REMOVED})
 STEP_TIMING_KEYS = ("reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor")
 
 
@@ -80,6 +100,10 @@ class StepRecord:
     hybrid_activated: bool
     hybrid_sync_skipped: bool
     synced_replica_ids: list[str] = field(default_factory=list)
+    bytes_saved: int = 0
+    offload_s: float = 0.0
+    onload_s: float = 0.0
+    resynced_replica_ids: list[str] = field(default_factory=list)
 
 
 def task_prompts(task: Any, count: int, seed: int, *, repeat: bool = True, **task_kwargs: Any) -> Iterator[Prompt]:
@@ -99,6 +123,18 @@ def lb_replica_count(lb_stub: Any, *, timeout_s: float = 10.0) -> ReplicaCount:
     return count
 
 
+async def _accepts_connections(address: str, timeout_s: float = 2.0) -> bool:
+    """Whether a gRPC server at ``address`` accepts a connection within ``timeout_s``."""
+    import grpc
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        try:
+            await asyncio.wait_for(channel.channel_ready(), timeout_s)
+        except (TimeoutError, grpc.aio.AioRpcError):
+            return False
+    return True
+
+
 def _duration(seconds: float):
     from google.protobuf.duration_pb2 import Duration
 
@@ -114,8 +150,8 @@ class FullyAsyncLoop:
                  prompts: Iterable[Prompt], reward_fn: RewardFn, *, replica_count: ReplicaCount,
                  max_queue_size: int | None = None, first_step: int = 1, rpc_timeout_s: float = 60.0,
                  sync_timeout_s: float = 300.0, collect_timeout_s: float | None = None,
-                 replica_poll_s: float = 0.5, on_step: Callable[[StepRecord], Awaitable[None]] | None = None
-                 ) -> None:
+                 replica_poll_s: float = 0.5, on_step: Callable[[StepRecord], Awaitable[None]] | None = None,
+                 on_phase: Callable[[str], None] | None = None, offload_during_hybrid: bool = False) -> None:
         self.controller = controller
         self.trainer = trainer
         self.config = config
@@ -132,6 +168,8 @@ class FullyAsyncLoop:
         self._collect_timeout = collect_timeout_s
         self._poll_s = replica_poll_s
         self._on_step = on_step
+        self._on_phase = on_phase or (lambda phase: None)
+        self._offload = offload_during_hybrid
         self._last_sync_s = 0.0
         self.records: list[StepRecord] = []
 
@@ -184,6 +222,7 @@ class FullyAsyncLoop:
 
     async def _step(self, gs: int, rollout: asyncio.Task) -> StepRecord | None:
         cfg, q, ctl = self.config, self.queue, self.controller
+        self._on_phase("waiting")
         begin = await self._checked(ctl.BeginTrainingStep(scheduling_pb2.BeginTrainingStepRequest(
             global_step=gs, report=self._report(gs)), timeout=self._rpc_timeout), rollout)
         released: list[str] = []
@@ -204,6 +243,7 @@ class FullyAsyncLoop:
         timing = {k: 0.0 for k in STEP_TIMING_KEYS}
         metrics: dict[str, float] = {}
         rewards: list[float] = []
+        onload_s = 0.0
         for _ in range(cfg.trigger_parameter_sync_step):
             batch = await q.get_batch(cfg.required_samples, self._collect_timeout)
             wait_times.append(batch.waited_s)
@@ -214,6 +254,11 @@ class FullyAsyncLoop:
                 raise TimeoutError(f"step {gs}: {len(batch.samples)} of {cfg.required_samples} samples "
                                    f"after {batch.waited_s:.1f} s")
             groups = self._groups(batch.samples)
+            if self.trainer.offloaded:
+                started = time.perf_counter()
+                await asyncio.to_thread(self.trainer.onload)
+                onload_s += time.perf_counter() - started
+            self._on_phase("training")
             started = time.perf_counter()
             result = await self._checked(asyncio.to_thread(self.trainer.step, groups, reward_fn=self._reward),
                                          rollout)
@@ -222,8 +267,10 @@ class FullyAsyncLoop:
                 timing[key] = timing.get(key, 0.0) + value
             metrics = result.metrics
             rewards.append(result.metrics["critic/rewards/mean"])
+            self._on_phase("waiting")
         allocated = time.perf_counter() - allocated0
-        timing["wait_for_enough_samples"] = sum(wait_times)
+        # The reference's timing_s/wait_for_enough_samples: the wait before the hybrids were released.
+        timing["wait_for_enough_samples"] = waited
 
         version = self.trainer.weight_version
         rollout_metrics = self.rollouter.reset_staleness(version)
@@ -238,14 +285,23 @@ class FullyAsyncLoop:
             sample = report.rollout_concurrency.add(active_tasks=point.active_tasks, capacity=point.capacity)
             sample.time.FromNanoseconds(int(point.t * 1e9))
 
+        self._on_phase("syncing")
         sync0 = time.perf_counter()
         done = await self._checked(ctl.CompleteTrainingStep(scheduling_pb2.CompleteTrainingStepRequest(
             global_step=gs, weight_version=version, report=report), timeout=self._sync_timeout), rollout)
         self._last_sync_s = time.perf_counter() - sync0
         await self._refresh_replicas()
         timing["param_sync"] = self._last_sync_s
+        offload_s = 0.0
+        if done.hybrid_activated and self._offload:
+            started = time.perf_counter()
+            await asyncio.to_thread(self.trainer.offload)
+            offload_s = time.perf_counter() - started
         synced = [r.replica_id for r in [*done.standalone_sync.replica_results, *done.hybrid_sync.replica_results]
                   if r.ok]
+        failed = [r.replica_id for r in done.standalone_sync.replica_results if not r.ok]
+        resynced = await self._checked(self._resync(gs, version, failed), rollout) if failed else []
+        synced += resynced
         return StepRecord(
             global_step=gs, weight_version=version, reward_mean=sum(rewards) / len(rewards), metrics=metrics,
             timing_raw=timing, deactivated=begin.deactivate, released_replica_ids=released, waited_s=waited,
@@ -253,7 +309,62 @@ class FullyAsyncLoop:
             generated=q.generated, consumed=q.consumed, dropped=q.dropped, step_consumed=report.samples_consumed,
             step_dropped=report.samples_dropped, rollout_metrics=rollout_metrics,
             hybrid_activated=done.hybrid_activated, hybrid_sync_skipped=done.hybrid_sync_skipped,
-            synced_replica_ids=synced)
+            synced_replica_ids=synced, bytes_saved=int(done.bytes_saved), offload_s=offload_s, onload_s=onload_s,
+            resynced_replica_ids=resynced)
+
+    # -- checkpoint ----------------------------------------------------------------------------------
+
+    @property
+    def next_step(self) -> int:
+        return self._next_step
+
+    def state_dict(self) -> dict[str, Any]:
+        """Driver state between steps (JSON-friendly); see the module docstring."""
+        return {"version": 1, "next_step": self._next_step, "last_sync_s": self._last_sync_s,
+                "queue": self.queue.state_dict(), "rollouter": self.rollouter.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore before :meth:`run`; the prompt source resumes after the prompts already taken."""
+        if int(state.get("version", 0)) != 1:
+            raise ValueError(f"unsupported driver state version {state.get('version')!r}")
+        self.queue.load_state_dict(state["queue"])
+        self.rollouter.load_state_dict(state["rollouter"], skip_taken_prompts=True)
+        self._next_step = int(state["next_step"])
+        self._last_sync_s = float(state.get("last_sync_s", 0.0))
+
+    async def _resync(self, gs: int, version: int, replica_ids: list[str]) -> list[str]:
+        """Sync standalone replicas whose part of the step's broadcast failed again, one per group.
+
+        One receiver that died (its agent crashed, its lease not yet expired)
+        fails the whole broadcast group, so the healthy replicas miss the
+        version too and leave routing. Syncing each replica on its own brings
+        the healthy ones back. A replica whose agent does not accept a
+        connection is not synced (its broadcast would wait for a receiver that
+        never comes); it is given up once the controller no longer lists it as
+        live (its lease expired), and every replica after ``sync_timeout``.
+        Returns the replicas that now hold ``version``.
+        """
+        from rollmesh.controller.v1 import registry_pb2, weight_sync_pb2
+
+        pending, done, attempt = list(replica_ids), [], 0
+        deadline = time.monotonic() + self._sync_timeout
+        while pending and time.monotonic() < deadline:
+            attempt += 1
+            listed = await self.controller.ListReplicas(registry_pb2.ListReplicasRequest(), timeout=self._rpc_timeout)
+            live = {r.replica_id: r.address for r in listed.replicas if r.state not in _GONE_STATES}
+            pending = [rid for rid in pending if rid in live]
+            for rid in list(pending):
+                if live[rid] and not await _accepts_connections(live[rid]):
+                    continue
+                reply = await self.controller.SyncWeights(weight_sync_pb2.SyncWeightsRequest(
+                    weight_version=version, replica_ids=[rid], request_id=f"resync-{gs}-{rid}-{attempt}"),
+                    timeout=self._sync_timeout)
+                if any(r.ok for r in reply.result.replica_results):
+                    pending.remove(rid)
+                    done.append(rid)
+            if pending:
+                await asyncio.sleep(min(2.0, 0.25 * attempt))
+        return done
 
     async def _wait_for(self, samples: int, timeout_s: float) -> tuple[float, bool]:
         """Wait until the queue holds ``samples`` (at most ``timeout_s``); ``(waited_s, expired)``."""

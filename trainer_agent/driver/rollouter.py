@@ -574,8 +574,13 @@ class Rollouter:
             ],
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a snapshot into a rollouter that is not running."""
+    def load_state_dict(self, state: dict[str, Any], *, skip_taken_prompts: bool = False) -> None:
+        """Restore a snapshot into a rollouter that is not running.
+
+        With ``skip_taken_prompts`` the data source is advanced past the
+        ``prompts_taken`` prompts the snapshot already admitted (for a source
+        that starts from the beginning again, as after a process restart).
+        """
         if self._running:
             raise RuntimeError("cannot load state into a running Rollouter")
         if int(state.get("version", 0)) != STATE_VERSION:
@@ -602,3 +607,9 @@ class Rollouter:
                 sample = Sample.from_dict(d)
                 group.done[sample.index] = sample
             self._pending[group.group_id] = group
+        if skip_taken_prompts:
+            self._lookahead = None
+            for _ in range(self._prompts_taken):
+                if next(self._prompts, None) is None:
+                    self._data_exhausted = True
+                    break

@@ -287,8 +287,20 @@ class GrpoTrainer:
 
     # -- offload / onload -----------------------------------------------------------------------
 
-    def offload(self) -> None:
-        """Move parameters and optimizer state to host storage; the model keeps empty tensors. Idempotent."""
+    def optimizer_state_bytes(self) -> int:
+        """Bytes the optimizer state tensors hold (0 when offloaded or before the first step)."""
+        return sum(v.numel() * v.element_size() for state in self.optimizer.state.values()
+                   for v in state.values() if torch.is_tensor(v))
+
+    def offloaded_bytes(self) -> int:
+        """Bytes held in host storage by :meth:`offload` (0 when onloaded)."""
+        tensors = [*(self._host or {}).values(),
+                   *(v for state in (self._host_optimizer or {}).values() for v in state.values())]
+        return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+
+    def offload(self, include_optimizer: bool = True) -> None:
+        """Move parameters (and the optimizer state unless ``include_optimizer`` is false) to host storage;
+        the model keeps empty tensors. Idempotent."""
         if self._host is not None:
             return
         host: dict[str, torch.Tensor] = {}
@@ -299,7 +311,7 @@ class GrpoTrainer:
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
                 param.grad = None
                 state = self.optimizer.state.get(param)
-                if state:
+                if state and include_optimizer:
                     host_optimizer[name] = {k: _to_host(v) if torch.is_tensor(v) else v for k, v in state.items()}
                     self.optimizer.state[param] = {}
         self._host, self._host_optimizer = host, host_optimizer
@@ -317,6 +329,48 @@ class GrpoTrainer:
                     self.optimizer.state[param] = {k: v.to(self.device) if torch.is_tensor(v) and v.dim() > 0 else v
                                                   for k, v in self._host_optimizer[name].items()}
         self._host = self._host_optimizer = None
+
+    # -- checkpoint -----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Parameters and AdamW state by Hugging Face name, and the weight version (copies; works offloaded)."""
+        params, optimizer = {}, {}
+        with torch.no_grad():
+            for name, param in self._params.items():
+                params[name] = (self._host[name] if self._host is not None else param.data).detach().to("cpu").clone()
+                state = (self._host_optimizer or {}).get(name) or self.optimizer.state.get(param)
+                if state:
+                    optimizer[name] = {k: v.detach().to("cpu").clone() if torch.is_tensor(v) else v
+                                       for k, v in state.items()}
+        return {"weight_version": self.weight_version, "params": params, "optimizer": optimizer}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` bit for bit (onloaded only) and publish its version to the weight source."""
+        self._check_onloaded()
+        params, version = state["params"], int(state["weight_version"])
+        unknown = sorted(set(params) ^ set(self._params))
+        if unknown:
+            raise InvalidArgument(f"checkpoint does not fit the model: {unknown[:5]}", reason="CHECKPOINT_MISMATCH")
+
+        def write() -> None:
+            with torch.no_grad():
+                for name, param in self._params.items():
+                    param.data.copy_(params[name].to(param.device, param.dtype))
+                    saved = state["optimizer"].get(name)
+                    self.optimizer.state[param] = {} if not saved else {
+                        k: v.to(self.device) if torch.is_tensor(v) and v.dim() > 0 else
+                        (v.clone() if torch.is_tensor(v) else v) for k, v in saved.items()}
+
+        source = self.weight_source
+        if source is not None and getattr(source, "module", None) is self.model and version > source.weight_version:
+            with source.updating(version):
+                write()
+        elif source is not None and version > source.weight_version:
+            write()
+            source.set_weights(dict(self.named_weights()), version)
+        else:
+            write()
+        self.weight_version = version
 
     def host_storage(self) -> dict[str, torch.Tensor]:
         """The offloaded parameters by Hugging Face name (empty when onloaded)."""

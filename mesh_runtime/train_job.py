@@ -1,0 +1,311 @@
+"""The main job behind ``rollmesh train``: the whole mesh as local processes, one training run.
+
+Order of events:
+
+1. an in-process OTLP receiver (``spans.jsonl``) that every child exports to;
+2. the load balancer, then the controller (it is told where the trainer agent
+   will listen: a free port picked now), then - in parallel - one replica agent
+   per rollout node (standalone replicas), the trainer node's replica agent
+   (hybrid replicas, started asleep) and the trainer agent, whose rank-0
+   driver waits until every replica registered, then trains;
+3. while it trains: the controller's WatchEvents stream is written to
+   ``events.jsonl`` and each transition printed as it happens; the trainer's
+   GetTrainingProgress drives the progress bar; a replica agent that exits
+   is reported (the mesh carries on), any other server that exits fails the run;
+4. at the end: the metrics of every sync cycle, the scheduler state and the
+   summary go to ``metrics.json``, the servers are stopped (SIGTERM, then
+   SIGKILL after a grace period), the spans are flushed and the resource-time
+   picture is rendered to ``resource_time.png``.
+
+Cancelling :func:`run_job` (Ctrl-C) stops every child the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import grpc
+import yaml
+from google.protobuf import json_format
+
+from .job_config import JobConfig, describe_job, server_configs
+from .launcher import LaunchError, ServerProcess, start_server
+from .span_sink import start_span_sink
+from .train_report import describe_event, format_summary, progress_bar, summarize
+
+FATAL = ("lb", "controller", "trainer-agent")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _event_converter():
+    """The lead's proto -> dict conversion when present (the resource picture's input format)."""
+    try:
+        from .resource_picture import event_dict_from_proto  # noqa: PLC0415
+        return event_dict_from_proto
+    except ImportError:
+        return _event_dict
+
+
+def _event_dict(msg: Any) -> dict[str, Any]:
+    """``LifecycleEvent`` proto -> the dict of ``controller.core.events.LifecycleEvent.to_dict()``."""
+    from rollmesh.common.v1 import events_pb2, types_pb2  # noqa: PLC0415
+
+    return {
+        "sequence": msg.sequence, "time": msg.time.seconds + msg.time.nanos / 1e9,
+        "type": events_pb2.EventType.Name(msg.type).removeprefix("EVENT_TYPE_"),
+        "replica_id": msg.replica_id, "node_id": msg.node_id,
+        "replica_kind": types_pb2.ReplicaKind.Name(msg.replica_kind) if msg.replica_kind else "",
+        "from_state": msg.from_state, "to_state": msg.to_state, "reason": msg.reason,
+        "trace_id": msg.trace_id, "span_id": msg.span_id,
+        "global_step": msg.global_step if msg.HasField("global_step") else None,
+        "weight_version": msg.weight_version if msg.HasField("weight_version") else None,
+        "operation_id": msg.operation_id, "attributes": dict(msg.attributes), "missed_events": msg.missed_events,
+    }
+
+
+class Console:
+    """Transition lines and a progress bar that redraws in place on a terminal."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self.tty = out.isatty()
+        self._bar = ""
+
+    def line(self, text: str) -> None:
+        if self.tty and self._bar:
+            self.out.write("\r\033[K")
+        self.out.write(text + "\n")
+        if self.tty and self._bar:
+            self.out.write(self._bar)
+        self.out.flush()
+
+    def bar(self, text: str, *, step_done: bool) -> None:
+        if self.tty:
+            self._bar = text
+            self.out.write("\r\033[K" + text)
+            self.out.flush()
+        elif step_done:
+            self.line(text)
+
+    def end_bar(self) -> None:
+        if self.tty and self._bar:
+            self.out.write("\n")
+            self.out.flush()
+        self._bar = ""
+
+
+class TrainJob:
+    """One run of the main job; see the module docstring."""
+
+    def __init__(self, job: JobConfig, run_dir: Path, env: dict[str, str], out: TextIO = sys.stdout) -> None:
+        self.job = job
+        self.run_dir = run_dir
+        self.env = env
+        self.console = Console(out)
+        self.processes: dict[str, ServerProcess] = {}
+        self.events: list[dict[str, Any]] = []
+        self._t0 = time.time()
+        self._event_seen = asyncio.Event()
+
+    # -- processes --------------------------------------------------------------------------------
+
+    def _child_env(self, otlp_endpoint: str) -> dict[str, str]:
+        env = dict(self.env)
+        env.setdefault("GLOO_SOCKET_IFNAME", self.job.mesh.gloo_interface)
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            env.setdefault(var, str(self.job.mesh.torch_threads))
+        env["PYTHONUNBUFFERED"] = "1"
+        env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = otlp_endpoint
+        env.setdefault("OTEL_BSP_SCHEDULE_DELAY", "1000")
+        return env
+
+    async def _start(self, name: str, server: str, config: dict[str, Any] | None, env: dict[str, str]) -> None:
+        args = ["--listen", "127.0.0.1:0"]
+        if config is not None:
+            path = self.run_dir / "config" / f"{name}.yaml"
+            path.write_text(yaml.safe_dump(config, sort_keys=False))
+            args = ["--config", str(path)]
+        self.processes[name] = await start_server(server, args, env=env, log_path=self.run_dir / "logs" / f"{name}.log",
+                                                  ready_timeout_s=self.job.mesh.start_timeout_s)
+        self.console.line(f"  started {name:<20} {self.processes[name].address:<22} pid {self.processes[name].pid}")
+
+    async def _start_mesh(self, env: dict[str, str]) -> dict[str, dict]:
+        await self._start("lb", "lb", None, env)
+        trainer_address = f"127.0.0.1:{_free_port()}"
+        lb = self.processes["lb"].address
+        configs = server_configs(self.job, run_dir=self.run_dir, lb=lb, controller="", trainer=trainer_address)
+        await self._start("controller", "controller", configs["controller"], env)
+        configs = server_configs(self.job, run_dir=self.run_dir, lb=lb, controller=self.processes["controller"].address,
+                                 trainer=trainer_address)
+        rest = [n for n in configs if n not in ("controller",)]
+        await asyncio.gather(*(self._start(n, "trainer-agent" if n == "trainer-agent" else "replica-agent",
+                                           configs[n], env) for n in rest))
+        (self.run_dir / "processes.json").write_text(json.dumps(
+            {n: {"pid": p.pid, "address": p.address, "server": p.name, "log": str(p.log_path)}
+             for n, p in self.processes.items()}, indent=2))
+        return configs
+
+    async def _stop_all(self) -> dict[str, int]:
+        order = ["trainer-agent", *[n for n in self.processes if n not in FATAL], "controller", "lb"]
+        codes = {}
+        for group in (order[:1], order[1:-2], order[-2:]):
+            present = [n for n in group if n in self.processes]
+            results = await asyncio.gather(*(self.processes[n].terminate() for n in present))
+            codes.update(dict(zip(present, results)))
+        return codes
+
+    # -- watching ---------------------------------------------------------------------------------
+
+    async def _watch_events(self, channel: grpc.aio.Channel) -> None:
+        from rollmesh.controller.v1 import controller_pb2_grpc, observability_pb2  # noqa: PLC0415
+
+        convert = _event_converter()
+        stub = controller_pb2_grpc.ControllerServiceStub(channel)
+        with (self.run_dir / "events.jsonl").open("w") as out:
+            async for reply in stub.WatchEvents(observability_pb2.WatchEventsRequest(include_history=True)):
+                event = convert(reply.event)
+                self.events.append(event)
+                out.write(json.dumps(event) + "\n")
+                out.flush()
+                self.console.line(describe_event(event, self._t0))
+                self._event_seen.set()
+
+    async def _wait_for_events(self, channel: grpc.aio.Channel, timeout_s: float = 15.0) -> None:
+        """Until the stream delivered the controller's newest event (so events.jsonl is complete)."""
+        from rollmesh.controller.v1 import controller_pb2, controller_pb2_grpc  # noqa: PLC0415
+
+        stub = controller_pb2_grpc.ControllerServiceStub(channel)
+        last = (await stub.GetStatus(controller_pb2.GetStatusRequest(), timeout=10)).last_event_sequence
+        deadline = time.monotonic() + timeout_s
+        while (not self.events or self.events[-1]["sequence"] < last) and time.monotonic() < deadline:
+            self._event_seen.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._event_seen.wait(), 0.5)
+
+    async def _follow_training(self, trainer: grpc.aio.Channel) -> dict[str, Any]:
+        from rollmesh.trainer.v1 import trainer_agent_pb2, trainer_agent_pb2_grpc  # noqa: PLC0415
+
+        stub = trainer_agent_pb2_grpc.TrainerAgentServiceStub(trainer)
+        total = self.job.trainer.total_training_steps
+        shown_step, reported_exits = -1, set()
+        while True:
+            reply = await stub.GetTrainingProgress(trainer_agent_pb2.GetTrainingProgressRequest(), timeout=10)
+            progress = json_format.MessageToDict(reply, preserving_proto_field_name=True,
+                                                 always_print_fields_with_no_presence=True)
+            state = trainer_agent_pb2.TrainingState.Name(reply.state).removeprefix("TRAINING_STATE_")
+            progress["state"] = state
+            reward = reply.last_reward_mean if reply.HasField("last_reward_mean") else None
+            self.console.bar(progress_bar(reply.global_step, total, reward=reward, queue=reply.queue_size,
+                                          state=state), step_done=reply.global_step != shown_step)
+            shown_step = reply.global_step
+            if state in ("FINISHED", "FAILED"):
+                self.console.end_bar()
+                return progress
+            for name, proc in self.processes.items():
+                code = proc.process.returncode
+                if code is not None and name not in reported_exits:
+                    reported_exits.add(name)
+                    if name in FATAL:
+                        raise RuntimeError(f"{name} exited with code {code}; see {proc.log_path}")
+                    self.console.line(f"  {name} exited with code {code}; training continues on the other replicas")
+            await asyncio.sleep(0.3)
+
+    async def _collect_metrics(self, channel: grpc.aio.Channel) -> tuple[list[dict], dict]:
+        from rollmesh.controller.v1 import (  # noqa: PLC0415
+            controller_pb2_grpc,
+            observability_pb2,
+            scheduling_pb2,
+        )
+
+        stub = controller_pb2_grpc.ControllerServiceStub(channel)
+        cycles = []
+        reply = await stub.GetMetrics(observability_pb2.GetMetricsRequest(from_cycle=1, limit=100_000), timeout=10)
+        for c in reply.cycles:
+            cycles.append({"cycle": c.cycle, "global_step": c.global_step, "weight_version": c.weight_version,
+                           "started_at": c.started_at.ToNanoseconds() / 1e9,
+                           "ended_at": c.ended_at.ToNanoseconds() / 1e9 if c.HasField("ended_at") else None,
+                           "values": dict(c.values)})
+        state = await stub.GetSchedulerState(scheduling_pb2.GetSchedulerStateRequest(), timeout=10)
+        return cycles, json_format.MessageToDict(state, preserving_proto_field_name=True)
+
+    # -- the run ----------------------------------------------------------------------------------
+
+    async def run(self) -> int:
+        for sub in ("config", "logs", "trainer"):
+            (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
+        self.console.line(f"rollmesh train: {describe_job(self.job)}")
+        self.console.line(f"run directory: {self.run_dir}")
+        sink_server, sink, endpoint = await start_span_sink(self.run_dir / "spans.jsonl")
+        watcher: asyncio.Task | None = None
+        channels: list[grpc.aio.Channel] = []
+        outcome: dict[str, Any] = {}
+        try:
+            try:
+                await self._start_mesh(self._child_env(endpoint))
+            except LaunchError as err:
+                self.console.line(f"rollmesh train: error: {err}")
+                return 1
+            ctl = grpc.aio.insecure_channel(self.processes["controller"].address)
+            trainer = grpc.aio.insecure_channel(self.processes["trainer-agent"].address)
+            channels += [ctl, trainer]
+            watcher = asyncio.create_task(self._watch_events(ctl), name="watch-events")
+            try:
+                progress = await self._follow_training(trainer)
+            except (RuntimeError, grpc.aio.AioRpcError) as err:
+                self.console.end_bar()
+                detail = f"{err.code().name}: {err.details()}" if isinstance(err, grpc.aio.AioRpcError) else err
+                self.console.line(f"rollmesh train: error: {detail}")
+                return 1
+            await self._wait_for_events(ctl)
+            cycles, scheduler = await self._collect_metrics(ctl)
+            outcome = {"progress": progress, "cycles": cycles, "scheduler": scheduler}
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+                await asyncio.gather(watcher, return_exceptions=True)
+            for channel in channels:
+                await channel.close()
+            codes = await self._stop_all()
+            await sink_server.stop(grace=2)
+            if codes:
+                self.console.line("stopped: " + ", ".join(f"{n} (exit {c})" for n, c in codes.items()))
+        return self._finish(outcome)
+
+    def _finish(self, outcome: dict[str, Any]) -> int:
+        progress = outcome["progress"]
+        steps = [json.loads(line) for line in (self.run_dir / "trainer" / "steps.jsonl").read_text().splitlines()
+                 if line.strip()]
+        step_lines = [s for s in steps if s.get("event") == "step"]
+        summary = summarize(events=self.events, steps=step_lines, cycles=outcome["cycles"], progress=progress,
+                            wall_s=time.time() - self._t0, total_steps=self.job.trainer.total_training_steps)
+        picture = self.run_dir / "resource_time.png"
+        try:
+            from .resource_picture import render_resource_picture  # noqa: PLC0415
+
+            render_resource_picture(self.events, str(picture), title=f"rollmesh train: {self.run_dir.name}")
+            summary["picture"] = str(picture)
+        except ImportError as err:
+            summary["picture"] = f"not rendered: {err}"
+        (self.run_dir / "metrics.json").write_text(json.dumps(
+            {"summary": summary, "cycles": outcome["cycles"], "scheduler": outcome["scheduler"],
+             "progress": progress, "steps": step_lines}, indent=2))
+        self.console.line(format_summary(summary))
+        self.console.line(f"events: {self.run_dir / 'events.jsonl'}  metrics: {self.run_dir / 'metrics.json'}  "
+                          f"spans: {self.run_dir / 'spans.jsonl'}  picture: {summary['picture']}")
+        if progress["state"] != "FINISHED":
+            self.console.line(f"rollmesh train: error: training {progress['state'].lower()}: "
+                              f"{progress.get('error_message', '')}")
+            return 1
+        return 0

@@ -1,0 +1,267 @@
+"""The training driver inside ``rollmesh trainer-agent`` (rank 0).
+
+:class:`TrainingDriver` assembles the fully-async loop from the agent's
+config and runs it as a background task of the server:
+
+1. opens channels to the controller and the load balancer and waits (at most
+   ``driver.start_timeout_s``) until the controller lists
+   ``expected_replicas`` replicas and the balancer routes to
+   ``expected_routed_replicas``;
+2. builds the GRPO trainer on the model the agent's weight source holds (so
+   every update is what the next broadcast sends), the rollouter's config from
+   ``async_training`` / ``actor_rollout_ref`` and the task's prompts;
+3. resumes from ``driver.checkpoint_dir`` when it holds a checkpoint;
+4. runs ``total_training_steps`` global steps; after each one it appends the
+   step to ``<output_dir>/steps.jsonl`` and saves a checkpoint.
+
+``progress()`` answers GetTrainingProgress. A failure anywhere (rollouter,
+controller call, training) ends the run in state ``FAILED`` with the error's
+text, never as a normal end (known weakness 16); the agent keeps serving so
+the failure can be read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from mesh_runtime.channels import open_channel
+from mesh_runtime.errors import FailedPrecondition
+from rollmesh.common.v1 import types_pb2
+from rollmesh.controller.v1 import controller_pb2_grpc, registry_pb2
+from rollmesh.loadbalancer.v1 import loadbalancer_pb2_grpc
+
+from ..training import task as copy_task
+from ..training.grpo import GrpoConfig, GrpoTrainer, parameter_bytes
+from .checkpoint import load_checkpoint, save_checkpoint
+from .lb_client import LoadBalancerGenerate
+from .loop import FullyAsyncLoop, StepRecord, lb_replica_count, task_prompts
+from .rollouter import RolloutConfig
+from .settings import queue_bound
+
+log = logging.getLogger(__name__)
+
+STATES = ("IDLE", "WAITING_FOR_SAMPLES", "TRAINING", "SYNCING_WEIGHTS", "FINISHED", "FAILED")
+_PHASE_STATE = {"waiting": "WAITING_FOR_SAMPLES", "training": "TRAINING", "syncing": "SYNCING_WEIGHTS"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """What GetTrainingProgress reports."""
+
+    global_step: int
+    weight_version: int
+    param_version: int
+    samples_generated: int
+    samples_consumed: int
+    samples_dropped: int
+    queue_size: int
+    last_reward_mean: float | None
+    state: str
+    error_message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Moved:
+    """Result of an offload or onload."""
+
+    bytes_moved: int
+    duration_s: float
+
+
+class TrainingDriver:
+    """Runs the fully-async loop for the trainer agent; see the module docstring."""
+
+    def __init__(self, config: Any, source: Any, tracer_provider: Any = None) -> None:
+        self.config = config
+        self.settings = config.driver
+        self.source = source
+        self._tracer_provider = tracer_provider
+        self.state = "IDLE"
+        self.error_message = ""
+        self.trainer: GrpoTrainer | None = None
+        self.loop: FullyAsyncLoop | None = None
+        self.records: list[StepRecord] = []
+        self.resumed_from_step = 0
+        self._controller: Any = None
+
+    # -- GetTrainingProgress / offload ------------------------------------------------------------
+
+    def progress(self) -> Progress:
+        q = self.loop.queue if self.loop is not None else None
+        last = self.records[-1] if self.records else None
+        return Progress(
+            global_step=last.global_step if last else 0,
+            weight_version=last.weight_version if last else self.source.weight_version,
+            param_version=self.trainer.weight_version if self.trainer else self.source.weight_version,
+            samples_generated=q.generated if q else 0, samples_consumed=q.consumed if q else 0,
+            samples_dropped=q.dropped if q else 0, queue_size=q.size() if q else 0,
+            last_reward_mean=last.reward_mean if last else None, state=self.state,
+            error_message=self.error_message)
+
+    async def offload(self, include_optimizer: bool) -> Moved:
+        trainer = self._idle_trainer("offload")
+        if trainer.offloaded:
+            return Moved(0, 0.0)
+        started = time.perf_counter()
+        moved = parameter_bytes(trainer.model) + (trainer.optimizer_state_bytes() if include_optimizer else 0)
+        await asyncio.to_thread(trainer.offload, include_optimizer=include_optimizer)
+        return Moved(moved, time.perf_counter() - started)
+
+    async def onload(self) -> Moved:
+        trainer = self._idle_trainer("onload")
+        if not trainer.offloaded:
+            return Moved(0, 0.0)
+        started = time.perf_counter()
+        moved = trainer.offloaded_bytes()
+        await asyncio.to_thread(trainer.onload)
+        return Moved(moved, time.perf_counter() - started)
+
+    def _idle_trainer(self, what: str) -> GrpoTrainer:
+        if self.trainer is None:
+            raise FailedPrecondition(f"no training loop runs on this agent yet; nothing to {what}",
+                                     reason="NO_TRAINING_LOOP")
+        if self.state in ("TRAINING", "SYNCING_WEIGHTS"):
+            raise FailedPrecondition(f"a training step is running (state {self.state}); {what} between steps",
+                                     reason="TRAINING_STEP_RUNNING")
+        return self.trainer
+
+    # -- the run ----------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Train; never raises except on cancellation (the outcome is in ``state``)."""
+        try:
+            await self._run()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as err:  # noqa: BLE001 - recorded and reported as FAILED
+            self.state = "FAILED"
+            self.error_message = _describe(err)
+            log.error("training failed: %s", self.error_message, exc_info=err)
+            self._write_line({"event": "failed", "error": self.error_message})
+            return
+        self.state = "FINISHED"
+        log.info("training finished after %d steps", len(self.records))
+        self._write_line({"event": "finished", "steps": len(self.records)})
+
+    async def _run(self) -> None:
+        s = self.settings
+        ctl_channel = open_channel(s.controller_address, tracer_provider=self._tracer_provider)
+        lb_channel = open_channel(s.load_balancer_address, tracer_provider=self._tracer_provider)
+        try:
+            controller = controller_pb2_grpc.ControllerServiceStub(ctl_channel)
+            balancer = loadbalancer_pb2_grpc.LoadBalancerServiceStub(lb_channel)
+            self._controller = controller
+            await self._wait_for_mesh(controller, balancer)
+            self.loop = self._build_loop(controller, balancer)
+            checkpoint = load_checkpoint(s.checkpoint_dir) if s.checkpoint_dir and s.resume else None
+            if checkpoint is not None:
+                self._restore(checkpoint)
+            remaining = s.total_training_steps - (self.loop.next_step - 1)
+            if remaining > 0:
+                await self.loop.run(remaining)
+            if self.trainer is not None and self.trainer.offloaded:
+                await asyncio.to_thread(self.trainer.onload)
+        finally:
+            await ctl_channel.close()
+            await lb_channel.close()
+
+    async def _wait_for_mesh(self, controller: Any, balancer: Any) -> None:
+        s = self.settings
+        count_routed = lb_replica_count(balancer, timeout_s=5.0)
+        deadline = time.monotonic() + s.start_timeout_s
+        last = "nothing answered yet"
+        while True:
+            try:
+                listed = await controller.ListReplicas(registry_pb2.ListReplicasRequest(), timeout=5.0)
+                routed = await count_routed()
+                if len(listed.replicas) >= s.expected_replicas and routed >= s.expected_routed_replicas:
+                    log.info("mesh ready: %d replicas registered, %d routed", len(listed.replicas), routed)
+                    return
+                last = (f"{len(listed.replicas)}/{s.expected_replicas} replicas registered, "
+                        f"{routed}/{s.expected_routed_replicas} routed")
+            except grpc.aio.AioRpcError as err:
+                last = f"{err.code().name}: {err.details()}"
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"the mesh was not ready within {s.start_timeout_s:.0f} s ({last})")
+            await asyncio.sleep(0.2)
+
+    def _build_loop(self, controller: Any, balancer: Any) -> FullyAsyncLoop:
+        s, at, arr, t = self.settings, self.config.async_training, self.config.actor_rollout_ref, self.config.task
+        actor, sampling = arr.actor, arr.rollout
+        prompts = task_prompts(copy_task, t.prompts, t.seed, min_digits=t.min_digits, max_digits=t.max_digits,
+                               radix=t.radix)
+        max_tokens = sampling.response_length or t.max_digits + 1  # the digits, then EOS
+        rollout = RolloutConfig(
+            n=sampling.n, ppo_mini_batch_size=actor.ppo_mini_batch_size, require_batches=at.require_batches,
+            trigger_parameter_sync_step=at.trigger_parameter_sync_step, staleness_threshold=at.staleness_threshold,
+            concurrent_samples_per_replica=at.concurrent_samples_per_replica, partial_rollout=at.partial_rollout,
+            max_tokens=max_tokens, temperature=sampling.temperature)
+        self.trainer = GrpoTrainer.from_weight_source(self.source, GrpoConfig(
+            lr=actor.optim.lr, weight_decay=actor.optim.weight_decay, clip_ratio=actor.clip_ratio))
+        return FullyAsyncLoop(
+            controller, LoadBalancerGenerate(balancer, timeout_s=s.generate_timeout_s), self.trainer, rollout,
+            prompts, copy_task.reward, replica_count=lb_replica_count(balancer),
+            max_queue_size=queue_bound(actor, sampling, at), rpc_timeout_s=s.rpc_timeout_s,
+            sync_timeout_s=s.sync_timeout_s, collect_timeout_s=s.collect_timeout_s, replica_poll_s=s.replica_poll_s,
+            on_step=self._after_step, on_phase=self._phase, offload_during_hybrid=s.offload_during_hybrid)
+
+    def _restore(self, checkpoint: dict) -> None:
+        assert self.trainer is not None and self.loop is not None
+        self.trainer.load_state_dict(checkpoint["trainer"])
+        self.loop.load_state_dict(checkpoint["driver"])
+        self.records = [StepRecord(**r) for r in checkpoint["records"]]
+        self.loop.records = list(self.records)
+        self.resumed_from_step = self.loop.next_step - 1
+        log.info("resumed from the checkpoint of step %d (weight version %d, %d samples queued, %d groups "
+                 "admitted and unfinished)", self.resumed_from_step, self.trainer.weight_version,
+                 self.loop.queue.size(), len(checkpoint["driver"]["rollouter"]["pending"]))
+        self._write_line({"event": "resumed", "global_step": self.resumed_from_step})
+
+    def _phase(self, phase: str) -> None:
+        self.state = _PHASE_STATE[phase]
+
+    async def _after_step(self, record: StepRecord) -> None:
+        assert self.loop is not None and self.trainer is not None
+        self.records.append(record)
+        replicas = await self._controller.ListReplicas(registry_pb2.ListReplicasRequest(),
+                                                       timeout=self.settings.rpc_timeout_s)
+        self._write_line({"event": "step", **dataclasses.asdict(record), "trainer_param_version":
+                          self.trainer.weight_version, "replicas": {
+                              r.replica_id: {"state": types_pb2.ReplicaState.Name(r.state),
+                                             "weight_version": r.weight_version} for r in replicas.replicas}})
+        s = self.settings
+        if s.checkpoint_dir and record.global_step % s.checkpoint_interval == 0:
+            trainer_state = self.trainer.state_dict()
+            driver_state = self.loop.state_dict()
+            records = list(self.records)
+            await asyncio.to_thread(save_checkpoint, s.checkpoint_dir, trainer_state=trainer_state,
+                                    driver_state=driver_state, records=records)
+        log.info("step %d: weight version %d, reward %.3f, queue %d, generated %d consumed %d dropped %d",
+                 record.global_step, record.weight_version, record.reward_mean, record.queue_size,
+                 record.generated, record.consumed, record.dropped)
+
+    def _write_line(self, data: dict) -> None:
+        if not self.settings.output_dir:
+            return
+        path = Path(self.settings.output_dir) / "steps.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as out:
+            out.write(json.dumps(data) + "\n")
+
+
+def _describe(err: BaseException) -> str:
+    if isinstance(err, grpc.aio.AioRpcError):
+        return f"{type(err).__name__}: {err.code().name}: {err.details()}"
+    text = f"{type(err).__name__}: {err}"
+    cause = err.__cause__
+    if cause is not None:
+        text += f" (caused by {_describe(cause)})"
+    return text

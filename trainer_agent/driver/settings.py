@@ -1,0 +1,196 @@
+"""Config sections of the fully-async driver, keyed as in the reference.
+
+The trainer agent's YAML carries them next to its server settings::
+
+    driver:            # rollmesh's: where the mesh is, how long to train, where to write
+    async_training:    # the reference's trainer-side keys (staleness_threshold, ...)
+    actor_rollout_ref: # verl's actor (ppo_mini_batch_size, optim.lr) and rollout (n, ...) keys
+    task:              # the built-in verifiable toy task
+
+Units follow the reference: ``ppo_mini_batch_size`` is in prompts, so one
+collection takes ``required_samples = ppo_mini_batch_size x require_batches x
+rollout.n`` samples; ``max_required_samples = required x
+trigger_parameter_sync_step x (1 + staleness_threshold)`` (rounded down).
+Each dataclass checks its own fields; :func:`check_driver` checks what
+depends on several of them and names every key involved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from mesh_runtime.config import ConfigError, check_addresses, setting
+
+
+@dataclasses.dataclass
+class DriverSettings:
+    """Where the mesh is and what the driver does (rank 0 only)."""
+
+    enabled: bool = setting(False, help="run the fully-async training driver in this agent (rank 0)")
+    controller_address: str = setting("", help="HOST:PORT of the controller whose step protocol the driver calls")
+    load_balancer_address: str = setting("", help="HOST:PORT of the load balancer the rollouter generates through")
+    total_training_steps: int = setting(20, help="global steps to train (each ends with a weight sync)")
+    expected_replicas: int = setting(0, help="wait until the controller lists this many replicas before the "
+                                             "first step (0 = do not wait)")
+    expected_routed_replicas: int = setting(1, help="wait until the load balancer routes to this many replicas "
+                                                    "before the first step (0 for hybrid-only meshes)")
+    start_timeout_s: float = setting(180.0, help="longest wait for the controller and the replicas at start")
+    rpc_timeout_s: float = setting(60.0, help="deadline of BeginTrainingStep / ReleaseHybridReplicas")
+    sync_timeout_s: float = setting(300.0, help="deadline of CompleteTrainingStep (it includes the weight syncs)")
+    collect_timeout_s: float = setting(300.0, help="longest wait for one collection of samples; a step that "
+                                                   "cannot collect its batch fails")
+    generate_timeout_s: float = setting(120.0, help="deadline of one Generate call through the load balancer")
+    replica_poll_s: float = setting(0.5, help="how often the rollouter re-reads the routed replica count")
+    offload_during_hybrid: bool = setting(
+        True, help="offload the trainer's parameters and optimizer state while hybrid replicas are active "
+                   "(after an activation) and onload them before the next training step")
+    output_dir: str = setting("", help="directory for steps.jsonl (one line per global step); empty = none")
+    checkpoint_dir: str = setting("", help="directory of the driver checkpoint (model, optimizer, queued and "
+                                           "in-flight samples, counters); empty = no checkpoints")
+    checkpoint_interval: int = setting(1, help="save a checkpoint every this many global steps")
+    resume: bool = setting(True, help="at start, resume from checkpoint_dir when it holds a checkpoint")
+
+    def validate(self) -> None:
+        check_addresses(self, "controller_address", "load_balancer_address")
+        if self.enabled:
+            for key in ("controller_address", "load_balancer_address"):
+                if not getattr(self, key):
+                    raise ConfigError(key, "is required when the driver is enabled")
+        positive = ("total_training_steps", "start_timeout_s", "rpc_timeout_s", "sync_timeout_s",
+                    "collect_timeout_s", "generate_timeout_s", "replica_poll_s", "checkpoint_interval")
+        for key in positive:
+            if getattr(self, key) <= 0:
+                raise ConfigError(key, f"must be > 0, got {getattr(self, key)}")
+        for key in ("expected_replicas", "expected_routed_replicas"):
+            if getattr(self, key) < 0:
+                raise ConfigError(key, f"must be >= 0, got {getattr(self, key)}")
+
+
+@dataclasses.dataclass
+class AsyncTrainingSettings:
+    """The reference's ``async_training`` keys the trainer side uses."""
+
+    staleness_threshold: float = setting(0.1, help="allowed staleness ratio: buffer_samples = expected x this")
+    trigger_parameter_sync_step: int = setting(4, help="collections (GRPO updates) per weight-sync step")
+    require_batches: int = setting(1, help="ppo_mini_batches per collection")
+    partial_rollout: bool = setting(True, help="requests aborted on one replica resume elsewhere with their "
+                                               "tokens so far (false: they are regenerated)")
+    max_queue_size: int | None = setting(None, help="bound of the message queue in samples; null = "
+                                                    "max_required_samples")
+    concurrent_samples_per_replica: int = setting(16, help="rollout concurrency per routed replica")
+
+    def validate(self) -> None:
+        if self.staleness_threshold < 0:
+            raise ConfigError("staleness_threshold", f"must be >= 0, got {self.staleness_threshold}")
+        for key in ("trigger_parameter_sync_step", "require_batches", "concurrent_samples_per_replica"):
+            if getattr(self, key) < 1:
+                raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")
+        if self.max_queue_size is not None and self.max_queue_size < 1:
+            raise ConfigError("max_queue_size", f"must be >= 1 or null, got {self.max_queue_size}")
+
+
+@dataclasses.dataclass
+class OptimSettings:
+    """``actor_rollout_ref.actor.optim``."""
+
+    lr: float = setting(3e-3, help="AdamW learning rate")
+    weight_decay: float = setting(0.0, help="AdamW weight decay")
+
+    def validate(self) -> None:
+        if not self.lr > 0:
+            raise ConfigError("lr", f"must be > 0, got {self.lr}")
+        if self.weight_decay < 0:
+            raise ConfigError("weight_decay", f"must be >= 0, got {self.weight_decay}")
+
+
+@dataclasses.dataclass
+class ActorSettings:
+    """``actor_rollout_ref.actor``."""
+
+    ppo_mini_batch_size: int = setting(8, help="prompts per ppo_mini_batch (each sampled rollout.n times)")
+    clip_ratio: float = setting(0.2, help="PPO clip of the importance ratio against the rollout logprobs")
+    optim: OptimSettings = setting(default_factory=OptimSettings, help="optimizer settings")
+
+    def validate(self) -> None:
+        if self.ppo_mini_batch_size < 1:
+            raise ConfigError("ppo_mini_batch_size", f"must be >= 1, got {self.ppo_mini_batch_size}")
+        if not 0 < self.clip_ratio < 1:
+            raise ConfigError("clip_ratio", f"must lie in (0, 1), got {self.clip_ratio}")
+
+
+@dataclasses.dataclass
+class RolloutSamplingSettings:
+    """``actor_rollout_ref.rollout`` (sampling side)."""
+
+    n: int = setting(8, help="samples per prompt (the GRPO group size)")
+    temperature: float = setting(1.0, help="sampling temperature (1.0 keeps the logprobs the policy's)")
+    response_length: int = setting(0, help="max completion tokens; 0 = what the task's answers need")
+
+    def validate(self) -> None:
+        if self.n < 2:
+            raise ConfigError("n", f"must be >= 2 (group-normalised advantages need two samples), got {self.n}")
+        if not self.temperature > 0:
+            raise ConfigError("temperature", f"must be > 0, got {self.temperature}")
+        if self.response_length < 0:
+            raise ConfigError("response_length", f"must be >= 0, got {self.response_length}")
+
+
+@dataclasses.dataclass
+class ActorRolloutRefSettings:
+    """``actor_rollout_ref``."""
+
+    actor: ActorSettings = setting(default_factory=ActorSettings, help="the actor (trained policy)")
+    rollout: RolloutSamplingSettings = setting(default_factory=RolloutSamplingSettings, help="sampling")
+
+
+@dataclasses.dataclass
+class TaskSettings:
+    """The built-in verifiable task (:mod:`trainer_agent.training.task`)."""
+
+    name: str = setting("copy", help="built-in task: copy (repeat a digit string, then EOS)")
+    prompts: int = setting(64, help="distinct prompts, cycled for as long as training runs")
+    min_digits: int = setting(1, help="shortest digit string")
+    max_digits: int = setting(1, help="longest digit string")
+    radix: int = setting(10, help="digits drawn from the first radix digit tokens (2..10)")
+    seed: int = setting(0, help="seed of the prompt set")
+
+    def validate(self) -> None:
+        if self.name != "copy":
+            raise ConfigError("name", f"unknown task {self.name!r}; built-in tasks: copy")
+        if self.prompts < 1:
+            raise ConfigError("prompts", f"must be >= 1, got {self.prompts}")
+        if not 1 <= self.min_digits <= self.max_digits:
+            raise ConfigError("max_digits", f"need 1 <= min_digits <= max_digits, got {self.min_digits}, "
+                                            f"{self.max_digits}")
+        if not 2 <= self.radix <= 10:
+            raise ConfigError("radix", f"must lie in [2, 10], got {self.radix}")
+
+
+def required_samples(actor: ActorSettings, rollout: RolloutSamplingSettings, at: AsyncTrainingSettings) -> int:
+    """Samples per collection: ``ppo_mini_batch_size x require_batches x n``."""
+    return actor.ppo_mini_batch_size * at.require_batches * rollout.n
+
+
+def max_required_samples(actor: ActorSettings, rollout: RolloutSamplingSettings, at: AsyncTrainingSettings) -> int:
+    """``expected + floor(expected x staleness_threshold)`` with ``expected = required x trigger``."""
+    expected = required_samples(actor, rollout, at) * at.trigger_parameter_sync_step
+    return expected + int(math.floor(expected * at.staleness_threshold + 1e-9))
+
+
+def queue_bound(actor: ActorSettings, rollout: RolloutSamplingSettings, at: AsyncTrainingSettings) -> int:
+    """``max_queue_size``, or ``max_required_samples`` when it is null."""
+    return at.max_queue_size if at.max_queue_size is not None else max_required_samples(actor, rollout, at)
+
+
+def check_driver(at: AsyncTrainingSettings, arr: ActorRolloutRefSettings, *, prefix: str = "") -> None:
+    """Cross-field checks: a collection and a group must fit the queue bound."""
+    required = required_samples(arr.actor, arr.rollout, at)
+    bound = queue_bound(arr.actor, arr.rollout, at)
+    if required > bound:
+        raise ConfigError(
+            f"{prefix}async_training.max_queue_size",
+            f"one collection needs {required} samples (actor_rollout_ref.actor.ppo_mini_batch_size "
+            f"{arr.actor.ppo_mini_batch_size} x async_training.require_batches {at.require_batches} x "
+            f"actor_rollout_ref.rollout.n {arr.rollout.n}) but the queue holds at most {bound}; raise "
+            "async_training.max_queue_size or lower the batch")
