@@ -294,7 +294,9 @@ class TrainJob:
         try:
             from .resource_picture import render_resource_picture  # noqa: PLC0415
 
-            render_resource_picture(self.events, str(picture), title=f"rollmesh train: {self.run_dir.name}")
+            trainer_row = [{"row": "trainer", **a} for s in step_lines for a in s.get("activities", [])]
+            render_resource_picture(self.events, str(picture), title=f"rollmesh train: {self.run_dir.name}",
+                                    activities=trainer_row)
             summary["picture"] = str(picture)
         except ImportError as err:
             summary["picture"] = f"not rendered: {err}"

@@ -192,6 +192,17 @@ def test_the_run_directory_holds_events_metrics_spans_and_the_picture(hybrid_run
     image = Image.open(d / "resource_time.png")
     rows = json.loads(image.text["rollmesh:rows"])
     assert sorted(rows) == sorted(["s0-0", "s0-1", "h0", "trainer"])
+    # What the picture shows, rebuilt from the run's files: the trainer trained in every step and
+    # the hybrid replica both generated and slept.
+    from mesh_runtime.resource_picture import build_picture, read_events
+
+    steps = [json.loads(line) for line in (d / "trainer" / "steps.jsonl").read_text().splitlines()]
+    steps = [s for s in steps if s.get("event") == "step"]
+    assert all({a["activity"] for a in s["activities"]} >= {"wait", "train", "weight_sync"} for s in steps[1:])
+    pic = build_picture(read_events(str(d / "events.jsonl")),
+                        activities=[{"row": "trainer", **a} for s in steps for a in s["activities"]])
+    assert pic.time_in("trainer", "train") > 0 and pic.time_in("trainer", "weight_sync") > 0
+    assert pic.time_in("h0", "rollout") > 0 and pic.time_in("h0", "sleep") > 0
     spans = [json.loads(line) for line in (d / "spans.jsonl").read_text().splitlines()]
     names = {s["name"] for s in spans}
     assert {"hybrid.deactivate", "hybrid.activate", "weights.broadcast"} <= names, names

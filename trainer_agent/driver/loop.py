@@ -72,6 +72,8 @@ ReplicaCount = Callable[[], Awaitable[int]]
 # ReplicaState values of replicas that no longer take part (FAILED, STOPPED, REMOVED).
 _GONE_STATES = frozenset({types_pb2.REPLICA_STATE_FAILED, types_pb2.REPLICA_STATE_STOPPED,
                           types_pb2.REPLICA_STATE_REMOVED})
+# The loop's phases as activities of the resource-time picture's trainer row.
+_PHASE_ACTIVITY = {"waiting": "wait", "training": "train", "syncing": "weight_sync"}
 STEP_TIMING_KEYS = ("reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor")
 
 
@@ -104,6 +106,9 @@ class StepRecord:
     offload_s: float = 0.0
     onload_s: float = 0.0
     resynced_replica_ids: list[str] = field(default_factory=list)
+    activities: list[dict[str, Any]] = field(default_factory=list)
+    """What the trainer did during the step, on the wall clock: ``{"activity": "wait" | "train" |
+    "weight_sync", "start": epoch seconds, "end": epoch seconds}`` (the resource-time picture's trainer row)."""
 
 
 def task_prompts(task: Any, count: int, seed: int, *, repeat: bool = True, **task_kwargs: Any) -> Iterator[Prompt]:
@@ -168,7 +173,9 @@ class FullyAsyncLoop:
         self._collect_timeout = collect_timeout_s
         self._poll_s = replica_poll_s
         self._on_step = on_step
-        self._on_phase = on_phase or (lambda phase: None)
+        self._notify_phase = on_phase or (lambda phase: None)
+        self._activity: tuple[str, float] | None = None
+        self._activities: list[dict[str, Any]] = []
         self._offload = offload_during_hybrid
         self._last_sync_s = 0.0
         self.records: list[StepRecord] = []
@@ -219,6 +226,24 @@ class FullyAsyncLoop:
         return await work
 
     # -- one step ----------------------------------------------------------------------------------
+
+    def _on_phase(self, phase: str | None) -> None:
+        """Enter ``phase`` (None: leave the current one), closing the previous activity interval."""
+        now = time.time()
+        if self._activity is not None and self._activity[0] != phase:
+            name, since = self._activity
+            self._activities.append({"activity": _PHASE_ACTIVITY[name], "start": since, "end": now})
+        if phase is None:
+            self._activity = None
+            return
+        if self._activity is None or self._activity[0] != phase:
+            self._activity = (phase, now)
+        self._notify_phase(phase)
+
+    def _take_activities(self) -> list[dict[str, Any]]:
+        self._on_phase(None)
+        taken, self._activities = self._activities, []
+        return taken
 
     async def _step(self, gs: int, rollout: asyncio.Task) -> StepRecord | None:
         cfg, q, ctl = self.config, self.queue, self.controller
@@ -310,7 +335,7 @@ class FullyAsyncLoop:
             step_dropped=report.samples_dropped, rollout_metrics=rollout_metrics,
             hybrid_activated=done.hybrid_activated, hybrid_sync_skipped=done.hybrid_sync_skipped,
             synced_replica_ids=synced, bytes_saved=int(done.bytes_saved), offload_s=offload_s, onload_s=onload_s,
-            resynced_replica_ids=resynced)
+            resynced_replica_ids=resynced, activities=self._take_activities())
 
     # -- checkpoint ----------------------------------------------------------------------------------
 
