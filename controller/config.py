@@ -47,6 +47,10 @@ class ControllerConfig(ServerConfig):
     scale_out_partial_success_policy: Literal["rollback_all", "keep_partial"] = setting(
         "rollback_all", help="what a scale-out keeps when some new replicas fail: rollback_all releases every "
                              "replica it created, keep_partial keeps the ones that came up")
+    scale_out_weight_source: Literal["auto", "trainer", "replica"] = setting(
+        "auto", help="where replicas a scale-out adds get the current weight version before they take traffic: "
+                     "trainer (the trainer only), replica (a healthy ACTIVE replica already at that version) or "
+                     "auto (the trainer when configured and it prepares the version, else such a replica)")
     scale_in_drain_timeout: float = setting(30.0, help="seconds a scale-in waits for in-flight requests on the "
                                                        "replicas it removes; then they are aborted and the load "
                                                        "balancer resumes them elsewhere")

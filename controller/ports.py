@@ -3,14 +3,17 @@
 ``LoadBalancerRouting`` keeps the balancer's routing table, ``AgentReplicas``
 drives replica agents (one concurrent call per node, each with a deadline;
 failures are reported per replica), and ``WeightBroadcast`` coordinates a
-weight sync: the trainer prepares the version (manifest + rendezvous), then
-the trainer's SendWeights and every node's ReceiveWeights run concurrently
+weight sync: the source prepares the version (manifest + rendezvous), then
+the source's SendWeights and every node's ReceiveWeights run concurrently
 under one plan, and the replicas' new versions are pushed to the balancer.
+The source is the trainer, or for the replicas a scale-out adds, a healthy
+replica already at the version (seed-replica sync, ``sync_new_replicas``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import time
@@ -150,8 +153,23 @@ class AgentReplicas:
             replica_agent_pb2.StopReplicaRequest(replica_id=r, force=True)))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Source:
+    """Rank 0 of a broadcast: how to prepare a version on it and how to make it send a plan."""
+
+    what: str
+    prepare: Callable[[int], Awaitable]
+    send: Callable[[weights_pb2.WeightSyncPlan], Awaitable]
+    rank0: weights_pb2.WeightSyncMember
+
+
 class WeightBroadcast:
-    """``WeightSyncPort``: trainer rank 0 broadcasts to the replicas over one process group."""
+    """``WeightSyncPort``: rank 0 broadcasts to the replicas over one process group.
+
+    Rank 0 is the trainer (``sync``), or for replicas a scale-out adds, the
+    trainer or a healthy replica already at the version (``sync_new_replicas``,
+    the replica agent's PrepareWeightSync and SendWeights).
+    """
 
     def __init__(self, channels: Channels, registry: ReplicaRegistry, routing: LoadBalancerRouting, *,
                  trainer_address: str, timeout_s: float, backend: str = "gloo", bucket_size_bytes: int = 0) -> None:
@@ -192,34 +210,109 @@ class WeightBroadcast:
         try:
             return await self._sync(replica_ids, version)
         finally:
-            self.in_progress -= 1
-            if not self.in_progress and self._idle is not None:
-                self._idle.set()
-                self._idle = None
+            self._done()
+
+    async def sync_new_replicas(self, replica_ids: Sequence[str], version: int, *, seeds: Sequence[str],
+                                source: str = "auto") -> WeightSyncOutcome:
+        """Bring new replicas to ``version`` from the trainer or from a seed replica already at it.
+
+        ``source``: ``trainer`` (the trainer only), ``replica`` (a seed only) or
+        ``auto`` (the trainer when it is configured and prepares the version,
+        else a seed). Seeds are tried in order until one prepares; a source
+        that cannot prepare has moved no byte, so the next one is safe to try.
+        Once a source has prepared, its outcome is the answer (no retry).
+        """
+        self.in_progress += 1
+        try:
+            started, errors = time.monotonic(), []
+            if source in ("trainer", "auto"):
+                if not self.trainer_address:
+                    errors.append("no trainer_address configured")
+                else:
+                    outcome, prepare_error = await self._broadcast(replica_ids, version, self._trainer_source())
+                    if not prepare_error or source == "trainer":
+                        return outcome
+                    errors.append(prepare_error)
+                    log.warning("weight sync of %s to version %d: trainer not usable (%s); seeding from a replica",
+                                list(replica_ids), version, prepare_error)
+            if source in ("replica", "auto"):
+                if not seeds:
+                    errors.append(f"no healthy replica at weight version {version} to seed from")
+                for seed in seeds:
+                    outcome, prepare_error = await self._broadcast(replica_ids, version, self._replica_source(seed))
+                    if not prepare_error:
+                        return outcome
+                    errors.append(prepare_error)
+            sync_id = f"sync-{version}-{uuid.uuid4().hex[:8]}"
+            return self._all_failed(replica_ids, version, sync_id, "no weight source: " + "; ".join(errors), started)
+        finally:
+            self._done()
+
+    def _done(self) -> None:
+        self.in_progress -= 1
+        if not self.in_progress and self._idle is not None:
+            self._idle.set()
+            self._idle = None
 
     async def _sync(self, replica_ids: Sequence[str], version: int) -> WeightSyncOutcome:
+        if not self.trainer_address:
+            return self._all_failed(replica_ids, version, f"sync-{version}-{uuid.uuid4().hex[:8]}",
+                                    "no trainer_address configured", time.monotonic())
+        outcome, _ = await self._broadcast(replica_ids, version, self._trainer_source())
+        return outcome
+
+    def _trainer_source(self) -> _Source:
         from rollmesh.trainer.v1 import trainer_agent_pb2  # noqa: PLC0415
 
+        trainer = self._trainer()
+
+        def prepare(version: int):
+            request = trainer_agent_pb2.PrepareWeightSyncRequest(weight_version=version)
+            if self.bucket_size_bytes:
+                request.bucket_size_bytes = self.bucket_size_bytes
+            return trainer.PrepareWeightSync(request, timeout=self.timeout_s)
+
+        return _Source("trainer PrepareWeightSync", prepare,
+                       lambda plan: trainer.SendWeights(trainer_agent_pb2.SendWeightsRequest(plan=plan),
+                                                        timeout=self.timeout_s),
+                       weights_pb2.WeightSyncMember(rank=0))
+
+    def _replica_source(self, seed: str) -> _Source:
+        address = self.registry.get(seed).address
+        agent = self.channels.agent(address)
+
+        def prepare(version: int):
+            request = replica_agent_pb2.PrepareWeightSyncRequest(replica_id=seed, weight_version=version)
+            if self.bucket_size_bytes:
+                request.bucket_size_bytes = self.bucket_size_bytes
+            return agent.PrepareWeightSync(request, timeout=self.timeout_s)
+
+        return _Source(f"seed replica {seed} PrepareWeightSync", prepare,
+                       lambda plan: agent.SendWeights(replica_agent_pb2.SendWeightsRequest(replica_id=seed, plan=plan),
+                                                      timeout=self.timeout_s),
+                       weights_pb2.WeightSyncMember(rank=0, replica_id=seed, address=address))
+
+    async def _broadcast(self, replica_ids: Sequence[str], version: int,
+                         source: _Source) -> tuple[WeightSyncOutcome, str]:
+        """One broadcast from ``source``; the outcome and, when the source could not prepare, why."""
         sync_id = f"sync-{version}-{uuid.uuid4().hex[:8]}"
         if not replica_ids:
-            return WeightSyncOutcome(weight_version=version, sync_id=sync_id)
+            return WeightSyncOutcome(weight_version=version, sync_id=sync_id), ""
         started = time.monotonic()
-        if not self.trainer_address:
-            return self._all_failed(replica_ids, version, sync_id, "no trainer_address configured", started)
-        trainer = self._trainer()
         try:
-            prepare = trainer_agent_pb2.PrepareWeightSyncRequest(weight_version=version)
-            if self.bucket_size_bytes:
-                prepare.bucket_size_bytes = self.bucket_size_bytes
-            prepared = await trainer.PrepareWeightSync(prepare, timeout=self.timeout_s)
+            prepared = await source.prepare(version)
         except grpc.aio.AioRpcError as err:
-            return self._all_failed(replica_ids, version, sync_id, f"trainer PrepareWeightSync: {_why(err)}", started)
+            why = f"{source.what}: {_why(err)}"
+            return self._all_failed(replica_ids, version, sync_id, why, started), why
+        if prepared.weight_version != version:
+            why = f"{source.what}: prepared weight version {prepared.weight_version}, not {version}"
+            return self._all_failed(replica_ids, version, sync_id, why, started), why
         self._model_bytes = prepared.manifest.total_bytes
-        plan = self._plan(sync_id, prepared, list(replica_ids))
+        plan = self._plan(sync_id, prepared, list(replica_ids), source.rank0)
         by_node: dict[str, list[str]] = {}
         for replica_id in replica_ids:
             by_node.setdefault(self.registry.get(replica_id).address, []).append(replica_id)
-        send = trainer.SendWeights(trainer_agent_pb2.SendWeightsRequest(plan=plan), timeout=self.timeout_s)
+        send = source.send(plan)
         receives = {address: self.channels.agent(address).ReceiveWeights(
             replica_agent_pb2.ReceiveWeightsRequest(replica_ids=ids, plan=plan, abort_in_flight=True),
             timeout=self.timeout_s) for address, ids in by_node.items()}
@@ -237,8 +330,8 @@ class WeightBroadcast:
                                                   r.duration.ToNanoseconds() / 1e9, r.bytes_received))
         bytes_sent = 0
         if isinstance(sent, BaseException):
-            log.warning("trainer SendWeights for %s failed: %s", sync_id, _why(sent))
-            results = [ReplicaSyncOutcome(r.replica_id, False, r.error_message or f"trainer: {_why(sent)}",
+            log.warning("SendWeights from %s for %s failed: %s", prepared.source, sync_id, _why(sent))
+            results = [ReplicaSyncOutcome(r.replica_id, False, r.error_message or f"{prepared.source}: {_why(sent)}",
                                           r.duration_s, r.bytes_received) if not r.ok else r for r in results]
         else:
             bytes_sent = sent.bytes_sent
@@ -247,9 +340,11 @@ class WeightBroadcast:
             self._generations[key] = self._generations.get(key, 0) + 1
         await self._push_versions(results, version)
         return WeightSyncOutcome(weight_version=version, replica_results=tuple(results), bytes_sent=bytes_sent,
-                                 duration_s=time.monotonic() - started, sync_id=sync_id, source=prepared.source)
+                                 duration_s=time.monotonic() - started, sync_id=sync_id,
+                                 source=prepared.source), ""
 
-    def _plan(self, sync_id: str, prepared, replica_ids: list[str]) -> weights_pb2.WeightSyncPlan:
+    def _plan(self, sync_id: str, prepared, replica_ids: list[str],
+              rank0: weights_pb2.WeightSyncMember) -> weights_pb2.WeightSyncPlan:
         members = sorted(replica_ids)
         key = (prepared.source, *members)
         digest = hashlib.sha1("\0".join(key).encode()).hexdigest()[:12]
@@ -260,7 +355,7 @@ class WeightBroadcast:
             world_size=len(members) + 1, source=prepared.source, manifest=prepared.manifest,
             backend=weights_pb2.PROCESS_GROUP_BACKEND_NCCL if self.backend == "nccl"
             else weights_pb2.PROCESS_GROUP_BACKEND_GLOO,
-            members=[weights_pb2.WeightSyncMember(rank=0)] + [
+            members=[rank0] + [
                 weights_pb2.WeightSyncMember(rank=i + 1, replica_id=r, address=self.registry.get(r).address)
                 for i, r in enumerate(members)])
         plan.timeout.CopyFrom(duration(self.timeout_s))

@@ -4,8 +4,11 @@ Scale-out: CREATING launches STANDALONE replicas on free slots through the
 agents' LaunchReplica (native), or CONNECTING adopts the serving replicas of
 replica agents given by address (external); HEALTH_CHECKING asks each agent
 that its replica is ACTIVE; WEIGHT_SYNCING brings every replica behind the
-current weight version up to it with a trainer broadcast (a replica never
-takes traffic at an older version); READY puts them into the load balancer;
+current weight version up to it (a replica never takes traffic at an older
+version) from the source ``scale_out_weight_source`` names: the trainer, a
+healthy ACTIVE replica already at that version (seed-replica sync through
+the replica agent's PrepareWeightSync/SendWeights), or ``auto`` (the
+trainer when it is configured and prepares the version, else a seed); READY puts them into the load balancer;
 ACTIVE once the balancer routes them. After each stage the partial-success
 policy decides: ``rollback_all`` fails the operation on any failure,
 ``keep_partial`` releases only the failed replicas.
@@ -177,9 +180,12 @@ async def _sync(s, op, alive: list[str]) -> None:
         async with mesh.transitions:
             mesh.emit(EventType.WEIGHT_SYNC_STARTED, weight_version=version, operation_id=op.operation_id,
                       reason=f"scale-out {op.operation_id}", attributes={"replicas": len(behind)})
+            seeds = seed_replicas(s, op, version)
             with mesh._span("weights.broadcast", weight_version=version, replica_ids=behind,
-                            operation_id=op.operation_id):
-                outcome = await mesh.weights.sync(behind, version)
+                            operation_id=op.operation_id, weight_source=s.config.scale_out_weight_source,
+                            seeds=seeds):
+                outcome = await mesh.weights.sync_new_replicas(behind, version, seeds=seeds,
+                                                               source=s.config.scale_out_weight_source)
             for result in outcome.replica_results:
                 if result.ok:
                     registry.set_weight_version(result.replica_id, version)
@@ -188,9 +194,26 @@ async def _sync(s, op, alive: list[str]) -> None:
             kind = EventType.WEIGHT_SYNC_FAILED if failed else EventType.WEIGHT_SYNC_COMPLETED
             mesh.emit(kind, weight_version=version, operation_id=op.operation_id,
                       reason=f"scale-out {op.operation_id}: " + ("; ".join(failed.values()) or "ok"),
-                      attributes={"ok": len(behind) - len(failed), "failed": len(failed)})
+                      attributes={"ok": len(behind) - len(failed), "failed": len(failed),
+                                  "source": outcome.source if len(failed) < len(behind) else "none",
+                                  "sync_id": outcome.sync_id})
     alive = await _settle(s, op, failed, "weight sync")
     op.weight_version = version if version is not None else min(registry.get(r).weight_version for r in alive)
+
+
+def seed_replicas(s, op, version: int) -> list[str]:
+    """Healthy replicas that may seed new ones: ACTIVE, of the model, at ``version``, owned by no operation.
+
+    Standalone ones first (a hybrid replica may be put to sleep by the next step); never one that
+    missed a sync (stale), that a scale-in is removing, or that this operation added.
+    """
+    registry = s.mesh.registry
+    candidates = [r for r in registry.replicas()
+                  if r.model_name == op.model_name and r.state is S.ACTIVE and r.weight_version == version
+                  and r.replica_id not in op.replica_ids and r.replica_id not in s.mesh.weights.stale
+                  and not s.blocks_routing(r)]
+    candidates.sort(key=lambda r: (r.kind is not ReplicaKind.STANDALONE, r.replica_id))
+    return [r.replica_id for r in candidates]
 
 
 async def _route(s, op, alive: list[str]) -> None:

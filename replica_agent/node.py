@@ -122,6 +122,37 @@ class Node:
         plan = weights.plan_from_proto(plan_msg, self.config.weight_transfer_timeout_s)
         return await syncing.send(self.replicas, self._weight_groups(), replica_id, plan)
 
+    async def prepare_weight_sync(self, replica_id: str, *, weight_version: int, bucket_size_bytes: int | None,
+                                  checksum_algorithm: str | None):
+        from mesh_runtime.weights import CHECKSUM_ALGORITHMS  # noqa: PLC0415
+
+        from . import syncing  # noqa: PLC0415
+
+        if not replica_id:
+            raise InvalidArgument("replica_id must name the source replica", reason="EMPTY_REPLICA_ID")
+        if weight_version < 0:
+            raise InvalidArgument(f"weight_version must be >= 0, got {weight_version}", reason="INVALID_VERSION")
+        if bucket_size_bytes is not None and bucket_size_bytes <= 0:
+            raise InvalidArgument("bucket_size_bytes must be positive when set", reason="INVALID_BUCKET_SIZE")
+        if checksum_algorithm is not None and checksum_algorithm not in CHECKSUM_ALGORITHMS:
+            raise InvalidArgument(f"checksum_algorithm must be one of {list(CHECKSUM_ALGORITHMS)}, got "
+                                  f"{checksum_algorithm!r}", reason="INVALID_CHECKSUM_ALGORITHM")
+        groups = self._weight_groups()
+        return await syncing.prepare(
+            self.replicas, groups, replica_id, weight_version=weight_version,
+            bucket_size_bytes=bucket_size_bytes or groups.config.bucket_size_bytes,
+            checksum_algorithm=checksum_algorithm or groups.config.checksum_algorithm,
+            host=self.rendezvous_host())
+
+    def rendezvous_host(self) -> str:
+        """The host other nodes reach this agent's rendezvous stores on (its advertised host)."""
+        import socket  # noqa: PLC0415
+
+        from mesh_runtime.net import parse_host_port  # noqa: PLC0415
+
+        host = parse_host_port(self.address)[0]
+        return socket.getfqdn() if host in ("0.0.0.0", "::", "") else host
+
     async def close_weight_groups(self) -> None:
         if self._groups is not None:
             await asyncio.to_thread(self._groups.close)

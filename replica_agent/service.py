@@ -120,6 +120,18 @@ class ReplicaAgentServicer(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
             item.duration.FromNanoseconds(int(r.duration_s * 1e9))
         return out
 
+    async def PrepareWeightSync(self, request, context):  # noqa: N802
+        from mesh_runtime.weights.wire import manifest_to_proto  # noqa: PLC0415
+
+        prepared = await self.node.prepare_weight_sync(
+            request.replica_id, weight_version=request.weight_version,
+            bucket_size_bytes=request.bucket_size_bytes if request.HasField("bucket_size_bytes") else None,
+            checksum_algorithm=request.checksum_algorithm if request.HasField("checksum_algorithm") else None)
+        return pb.PrepareWeightSyncResponse(
+            weight_version=prepared.weight_version, manifest=manifest_to_proto(prepared.manifest),
+            rendezvous_host=prepared.rendezvous[0], rendezvous_port=prepared.rendezvous[1],
+            source=prepared.replica_id)
+
     async def SendWeights(self, request, context):  # noqa: N802
         sent = await self.node.send_weights(request.replica_id, request.plan)
         out = pb.SendWeightsResponse(bytes_sent=sent.bytes_sent, checksum=sent.checksum,

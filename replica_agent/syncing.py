@@ -98,6 +98,7 @@ async def _receive_one(groups, replica: Replica, plan) -> ReceiveResult:
                     await replica.engine.wake_up({"weights"})
                 await replica.engine.load_weights(tensors, plan.weight_version)
             replica.weights_discarded = False
+            groups.forget(replica.replica_id)  # its preparation as a source described the old weights
         finally:
             replica.phase, replica.busy = previous_phase, ""
     result = ReceiveResult(replica.replica_id, plan.weight_version, True, plan.manifest.total_bytes,
@@ -108,6 +109,58 @@ async def _receive_one(groups, replica: Replica, plan) -> ReceiveResult:
     return result
 
 
+@dataclasses.dataclass(frozen=True)
+class PreparedSource:
+    """A replica's weights laid out as the source of a seed-replica sync."""
+
+    replica_id: str
+    weight_version: int
+    manifest: object
+    rendezvous: tuple[str, int]
+
+
+def _check_servable(replica: Replica) -> None:
+    if replica.state not in ("ACTIVE", "PAUSED") or replica.weights_discarded:
+        raise FailedPrecondition(f"replica {replica.replica_id!r} is {replica.state} and holds no servable weights",
+                                 reason="NO_WEIGHTS")
+
+
+async def prepare(manager: ReplicaManager, groups, replica_id: str, *, weight_version: int, bucket_size_bytes: int,
+                  checksum_algorithm: str, host: str) -> PreparedSource:
+    """Lay a replica's current weights out in a manifest and host its rendezvous store on ``host``.
+
+    A repeat with the same version, bucket size and algorithm returns the recorded
+    preparation without hashing the weights again (while the replica still holds that version).
+    """
+    from mesh_runtime.weights import build_manifest  # noqa: PLC0415 - torch only when syncing
+
+    replica = manager.get(replica_id)
+    _check_servable(replica)
+    if weight_version and replica.weight_version != weight_version:
+        raise FailedPrecondition(f"replica {replica_id!r} holds weight version {replica.weight_version}, not the "
+                                 f"requested {weight_version}", reason="VERSION_MISMATCH")
+    if replica.busy == "weights":
+        raise Aborted(f"replica {replica_id!r} is sending or receiving weights", reason="TRANSFER_IN_PROGRESS")
+    key = (replica.weight_version, bucket_size_bytes, checksum_algorithm)
+    recorded = groups.prepared.get(replica_id)
+    if recorded is not None and recorded[0] == key:
+        return recorded[1]
+    async with replica.lock:  # no weight load swaps the tensors while they are hashed
+        _check_servable(replica)
+        version = replica.weight_version
+        with engine_errors():
+            named = list(replica.engine.named_weights())
+        manifest = await asyncio.to_thread(build_manifest, named, bucket_size_bytes,
+                                           checksum_algorithm=checksum_algorithm)
+    port = await asyncio.to_thread(groups.cache(replica_id).host_rendezvous, host, groups.ports.get(replica_id, 0))
+    groups.ports[replica_id] = port
+    prepared = PreparedSource(replica_id, version, manifest, (host, port))
+    groups.prepared[replica_id] = ((version, bucket_size_bytes, checksum_algorithm), prepared)
+    log.info("replica %s prepared weight version %d as a sync source (%d bytes, %s %s)", replica_id, version,
+             manifest.total_bytes, checksum_algorithm, manifest.checksum)
+    return prepared
+
+
 async def send(manager: ReplicaManager, groups, replica_id: str, plan) -> SendResult:
     """Send a replica's weights as rank 0 of ``plan`` (seed-replica sync for new replicas)."""
     from mesh_runtime.weights import send_weights_async  # noqa: PLC0415
@@ -116,9 +169,7 @@ async def send(manager: ReplicaManager, groups, replica_id: str, plan) -> SendRe
     if plan.source != replica_id:
         raise FailedPrecondition(f"plan {plan.sync_id} is sourced from {plan.source!r}, not {replica_id!r}",
                                  reason="NOT_PLAN_SOURCE")
-    if replica.state not in ("ACTIVE", "PAUSED") or replica.weights_discarded:
-        raise FailedPrecondition(f"replica {replica_id!r} is {replica.state} and holds no servable weights",
-                                 reason="NO_WEIGHTS")
+    _check_servable(replica)
     if replica.weight_version != plan.weight_version:
         raise FailedPrecondition(f"replica {replica_id!r} holds weight version {replica.weight_version}, the plan "
                                  f"asks for {plan.weight_version}", reason="VERSION_MISMATCH")

@@ -31,6 +31,10 @@ class WeightGroups:
         self.config = config
         self._caches: dict[str, GroupCache] = {}
         self.results: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self.ports: dict[str, int] = {}
+        """Replica id -> port of the rendezvous store it hosts as a sync source (kept for its life)."""
+        self.prepared: dict[str, tuple[tuple, object]] = {}
+        """Replica id -> ((version, bucket size, algorithm), its last preparation as a source)."""
 
     def cache(self, member: str) -> GroupCache:
         cache = self._caches.get(member)
@@ -43,7 +47,13 @@ class WeightGroups:
         while len(self.results) > _RECORDED_SYNCS:
             self.results.popitem(last=False)
 
+    def forget(self, member: str) -> None:
+        """Drop a replica's preparation (its weights changed or it stopped)."""
+        self.prepared.pop(member, None)
+
     def close(self) -> None:
         for cache in self._caches.values():
             cache.close()
         self._caches.clear()
+        self.ports.clear()
+        self.prepared.clear()

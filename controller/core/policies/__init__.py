@@ -15,6 +15,7 @@ from .registry import create_policy, register_policy, registered_policies, resol
 from .static import StaticFullyAsyncPolicy
 
 __all__ = [
+    "BalancedDynamicSchedulePolicy",
     "DefaultDynamicSchedulePolicy",
     "DynamicScheduleContext",
     "DynamicSchedulePolicyBase",

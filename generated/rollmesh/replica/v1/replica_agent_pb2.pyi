@@ -247,6 +247,32 @@ class ReceiveWeightsResponse(_message.Message):
     results: _containers.RepeatedCompositeFieldContainer[ReplicaWeightsResult]
     def __init__(self, results: _Optional[_Iterable[_Union[ReplicaWeightsResult, _Mapping]]] = ...) -> None: ...
 
+class PrepareWeightSyncRequest(_message.Message):
+    __slots__ = ("replica_id", "weight_version", "bucket_size_bytes", "checksum_algorithm")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    weight_version: int
+    bucket_size_bytes: int
+    checksum_algorithm: str
+    def __init__(self, replica_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., bucket_size_bytes: _Optional[int] = ..., checksum_algorithm: _Optional[str] = ...) -> None: ...
+
+class PrepareWeightSyncResponse(_message.Message):
+    __slots__ = ("weight_version", "manifest", "rendezvous_host", "rendezvous_port", "source")
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_HOST_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_PORT_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    weight_version: int
+    manifest: _weights_pb2.WeightManifest
+    rendezvous_host: str
+    rendezvous_port: int
+    source: str
+    def __init__(self, weight_version: _Optional[int] = ..., manifest: _Optional[_Union[_weights_pb2.WeightManifest, _Mapping]] = ..., rendezvous_host: _Optional[str] = ..., rendezvous_port: _Optional[int] = ..., source: _Optional[str] = ...) -> None: ...
+
 class SendWeightsRequest(_message.Message):
     __slots__ = ("replica_id", "plan")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]

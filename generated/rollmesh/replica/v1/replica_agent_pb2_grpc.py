@@ -100,6 +100,11 @@ class ReplicaAgentServiceStub:
                 request_serializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.ReceiveWeightsRequest.SerializeToString,
                 response_deserializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.ReceiveWeightsResponse.FromString,
                 _registered_method=True)
+        self.PrepareWeightSync = channel.unary_unary(
+                '/rollmesh.replica.v1.ReplicaAgentService/PrepareWeightSync',
+                request_serializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.PrepareWeightSyncRequest.SerializeToString,
+                response_deserializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.PrepareWeightSyncResponse.FromString,
+                _registered_method=True)
         self.SendWeights = channel.unary_unary(
                 '/rollmesh.replica.v1.ReplicaAgentService/SendWeights',
                 request_serializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.SendWeightsRequest.SerializeToString,
@@ -323,6 +328,35 @@ class ReplicaAgentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrepareWeightSync(self, request, context):
+        """Prepares a replica's current weights as the source of a seed-replica
+        sync (the replica-agent counterpart of the trainer's PrepareWeightSync):
+        the agent lays the replica's weights out in a manifest with its checksum
+        and makes sure the replica's rendezvous store is listening. The answer
+        holds everything the controller needs to build the WeightSyncPlan: the
+        version, the manifest, the rendezvous address and the source member id
+        (the replica_id). The replica keeps serving. Preparing again with the
+        same version, bucket size and checksum algorithm returns the same
+        manifest and rendezvous address, so the call is safe to repeat. The
+        manifest describes the weights at the time of the call; if they change
+        before SendWeights (a newer version arrives), SendWeights refuses the
+        stale version and receivers would reject mismatched bytes by checksum.
+        Capability: weights.
+
+        Errors:
+        - INVALID_ARGUMENT: replica_id is empty, weight_version is negative,
+        bucket_size_bytes is 0, or checksum_algorithm is not one the agent
+        knows.
+        - NOT_FOUND: no replica with replica_id on this node.
+        - FAILED_PRECONDITION: the replica holds no servable weights (not
+        ACTIVE or PAUSED, or its weights were discarded), or weight_version is
+        set and differs from the version the replica holds.
+        - ABORTED: a weight transfer is in progress on the replica.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SendWeights(self, request, context):
         """Sends a replica's current weights to other replicas (seed-replica sync
         for scaled-out replicas). The replica must be rank 0 of the plan and
@@ -415,6 +449,11 @@ def add_ReplicaAgentServiceServicer_to_server(servicer, server):
                     servicer.ReceiveWeights,
                     request_deserializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.ReceiveWeightsRequest.FromString,
                     response_serializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.ReceiveWeightsResponse.SerializeToString,
+            ),
+            'PrepareWeightSync': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareWeightSync,
+                    request_deserializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.PrepareWeightSyncRequest.FromString,
+                    response_serializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.PrepareWeightSyncResponse.SerializeToString,
             ),
             'SendWeights': grpc.unary_unary_rpc_method_handler(
                     servicer.SendWeights,
@@ -757,6 +796,33 @@ class ReplicaAgentService:
             '/rollmesh.replica.v1.ReplicaAgentService/ReceiveWeights',
             rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.ReceiveWeightsRequest.SerializeToString,
             rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.ReceiveWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareWeightSync(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollmesh.replica.v1.ReplicaAgentService/PrepareWeightSync',
+            rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.PrepareWeightSyncRequest.SerializeToString,
+            rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.PrepareWeightSyncResponse.FromString,
             options,
             channel_credentials,
             insecure,
