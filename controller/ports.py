@@ -205,10 +205,12 @@ class WeightBroadcast:
                 self._idle = asyncio.Event()
             await self._idle.wait()
 
-    async def sync(self, replica_ids: Sequence[str], version: int) -> WeightSyncOutcome:
+    async def sync(self, replica_ids: Sequence[str], version: int, *,
+                   timeout_s: float | None = None) -> WeightSyncOutcome:
+        """Broadcast ``version`` from the trainer; ``timeout_s`` overrides the configured bound."""
         self.in_progress += 1
         try:
-            return await self._sync(replica_ids, version)
+            return await self._sync(replica_ids, version, timeout_s or self.timeout_s)
         finally:
             self._done()
 
@@ -254,14 +256,14 @@ class WeightBroadcast:
             self._idle.set()
             self._idle = None
 
-    async def _sync(self, replica_ids: Sequence[str], version: int) -> WeightSyncOutcome:
+    async def _sync(self, replica_ids: Sequence[str], version: int, timeout_s: float) -> WeightSyncOutcome:
         if not self.trainer_address:
             return self._all_failed(replica_ids, version, f"sync-{version}-{uuid.uuid4().hex[:8]}",
                                     "no trainer_address configured", time.monotonic())
-        outcome, _ = await self._broadcast(replica_ids, version, self._trainer_source())
+        outcome, _ = await self._broadcast(replica_ids, version, self._trainer_source(timeout_s), timeout_s)
         return outcome
 
-    def _trainer_source(self) -> _Source:
+    def _trainer_source(self, timeout_s: float | None = None) -> _Source:
         from rollmesh.trainer.v1 import trainer_agent_pb2  # noqa: PLC0415
 
         trainer = self._trainer()
@@ -270,11 +272,12 @@ class WeightBroadcast:
             request = trainer_agent_pb2.PrepareWeightSyncRequest(weight_version=version)
             if self.bucket_size_bytes:
                 request.bucket_size_bytes = self.bucket_size_bytes
-            return trainer.PrepareWeightSync(request, timeout=self.timeout_s)
+            return trainer.PrepareWeightSync(request, timeout=timeout)
 
+        timeout = timeout_s or self.timeout_s
         return _Source("trainer PrepareWeightSync", prepare,
                        lambda plan: trainer.SendWeights(trainer_agent_pb2.SendWeightsRequest(plan=plan),
-                                                        timeout=self.timeout_s),
+                                                        timeout=timeout),
                        weights_pb2.WeightSyncMember(rank=0))
 
     def _replica_source(self, seed: str) -> _Source:
@@ -292,59 +295,125 @@ class WeightBroadcast:
                                                       timeout=self.timeout_s),
                        weights_pb2.WeightSyncMember(rank=0, replica_id=seed, address=address))
 
-    async def _broadcast(self, replica_ids: Sequence[str], version: int,
-                         source: _Source) -> tuple[WeightSyncOutcome, str]:
-        """One broadcast from ``source``; the outcome and, when the source could not prepare, why."""
+    async def _broadcast(self, replica_ids: Sequence[str], version: int, source: _Source,
+                         timeout_s: float | None = None) -> tuple[WeightSyncOutcome, str]:
+        """One broadcast from ``source``; the outcome and, when the source could not prepare, why.
+
+        A group needs every member: when a node's agent cannot be reached, the
+        others would only wait out the rendezvous. So the first UNAVAILABLE
+        ReceiveWeights abandons the attempt at once (the sender and the other
+        receivers are cancelled), and the sync is run once more, under a new
+        group, without the unreachable nodes; their replicas fail and leave
+        routing until a later sync reaches them.
+        """
+        timeout_s = timeout_s or self.timeout_s
+        started = time.monotonic()
+        outcome, why, unreachable = await self._attempt(replica_ids, version, source, timeout_s)
+        if unreachable and not why:
+            lost = [r for r in replica_ids if self.registry.get(r).address in unreachable]
+            rest = [r for r in replica_ids if r not in lost]
+            if rest:
+                log.warning("weight sync to version %d: agent(s) %s unreachable; syncing the %d other replica(s) "
+                            "without them", version, sorted(unreachable), len(rest))
+                retry, why, _ = await self._attempt(rest, version, source, timeout_s)
+                failed = [r for r in outcome.replica_results if r.replica_id in lost]
+                outcome = dataclasses.replace(retry, replica_results=(*failed, *retry.replica_results),
+                                              duration_s=time.monotonic() - started)
+        if not why:  # a source that could not prepare moved nothing: the caller may try another
+            await self._push_versions(list(outcome.replica_results), version)
+        return outcome, why
+
+    async def _attempt(self, replica_ids: Sequence[str], version: int, source: _Source,
+                       timeout_s: float) -> tuple[WeightSyncOutcome, str, set[str]]:
+        """One plan: prepare, then send and receive concurrently.
+
+        Returns the outcome, why the source could not prepare (or ""), and the
+        agent addresses that could not be reached.
+        """
         sync_id = f"sync-{version}-{uuid.uuid4().hex[:8]}"
         if not replica_ids:
-            return WeightSyncOutcome(weight_version=version, sync_id=sync_id), ""
+            return WeightSyncOutcome(weight_version=version, sync_id=sync_id), "", set()
         started = time.monotonic()
         try:
             prepared = await source.prepare(version)
         except grpc.aio.AioRpcError as err:
             why = f"{source.what}: {_why(err)}"
-            return self._all_failed(replica_ids, version, sync_id, why, started), why
+            return self._all_failed(replica_ids, version, sync_id, why, started), why, set()
         if prepared.weight_version != version:
             why = f"{source.what}: prepared weight version {prepared.weight_version}, not {version}"
-            return self._all_failed(replica_ids, version, sync_id, why, started), why
+            return self._all_failed(replica_ids, version, sync_id, why, started), why, set()
         self._model_bytes = prepared.manifest.total_bytes
-        plan = self._plan(sync_id, prepared, list(replica_ids), source.rank0)
+        plan = self._plan(sync_id, prepared, list(replica_ids), source.rank0, timeout_s)
         by_node: dict[str, list[str]] = {}
         for replica_id in replica_ids:
             by_node.setdefault(self.registry.get(replica_id).address, []).append(replica_id)
-        send = source.send(plan)
-        receives = {address: self.channels.agent(address).ReceiveWeights(
+        send = asyncio.ensure_future(source.send(plan))
+        receives = {address: asyncio.ensure_future(self.channels.agent(address).ReceiveWeights(
             replica_agent_pb2.ReceiveWeightsRequest(replica_ids=ids, plan=plan, abort_in_flight=True),
-            timeout=self.timeout_s) for address, ids in by_node.items()}
-        outcomes = await asyncio.gather(send, *receives.values(), return_exceptions=True)
-        sent, received = outcomes[0], dict(zip(receives, outcomes[1:]))
+            timeout=timeout_s)) for address, ids in by_node.items()}
+        unreachable = await self._until_done_or_unreachable(send, receives)
+        abandoned = (f"weight group abandoned: the agent(s) at {', '.join(sorted(unreachable))} could not be "
+                     f"reached" if unreachable else "")
         results: list[ReplicaSyncOutcome] = []
         for address, ids in by_node.items():
-            reply = received[address]
-            if isinstance(reply, BaseException):
-                results += [ReplicaSyncOutcome(r, False, f"ReceiveWeights on {address}: {_why(reply)}") for r in ids]
+            task = receives[address]
+            if task.cancelled():
+                results += [ReplicaSyncOutcome(r, False, abandoned) for r in ids]
                 continue
-            for r in reply.results:
+            if task.exception() is not None:
+                why = f"ReceiveWeights on {address}: {_why(task.exception())}"
+                results += [ReplicaSyncOutcome(r, False, why) for r in ids]
+                continue
+            for r in task.result().results:
                 ok = r.checksum_ok and r.weight_version == version
                 results.append(ReplicaSyncOutcome(r.replica_id, ok, "" if ok else "checksum mismatch",
                                                   r.duration.ToNanoseconds() / 1e9, r.bytes_received))
         bytes_sent = 0
-        if isinstance(sent, BaseException):
-            log.warning("SendWeights from %s for %s failed: %s", prepared.source, sync_id, _why(sent))
-            results = [ReplicaSyncOutcome(r.replica_id, False, r.error_message or f"{prepared.source}: {_why(sent)}",
-                                          r.duration_s, r.bytes_received) if not r.ok else r for r in results]
+        sent_error = ("abandoned" if send.cancelled() else send.exception())
+        if sent_error is not None:
+            if not send.cancelled():
+                log.warning("SendWeights from %s for %s failed: %s", prepared.source, sync_id, _why(sent_error))
+            cause = abandoned if send.cancelled() else f"{prepared.source}: {_why(sent_error)}"
+            results = [ReplicaSyncOutcome(r.replica_id, False, r.error_message or cause, r.duration_s,
+                                          r.bytes_received) if not r.ok else r for r in results]
         else:
-            bytes_sent = sent.bytes_sent
-        if isinstance(sent, BaseException) or not all(r.ok for r in results):
+            bytes_sent = send.result().bytes_sent
+        if sent_error is not None or not all(r.ok for r in results):
             key = (prepared.source, *sorted(replica_ids))
             self._generations[key] = self._generations.get(key, 0) + 1
-        await self._push_versions(results, version)
         return WeightSyncOutcome(weight_version=version, replica_results=tuple(results), bytes_sent=bytes_sent,
                                  duration_s=time.monotonic() - started, sync_id=sync_id,
-                                 source=prepared.source), ""
+                                 source=prepared.source), "", unreachable
 
-    def _plan(self, sync_id: str, prepared, replica_ids: list[str],
-              rank0: weights_pb2.WeightSyncMember) -> weights_pb2.WeightSyncPlan:
+    @staticmethod
+    async def _until_done_or_unreachable(send: asyncio.Future, receives: dict[str, asyncio.Future]) -> set[str]:
+        """Wait for every call; cancel the rest once the group cannot form. Returns unreachable addresses.
+
+        The group cannot form when a receiver's agent is unreachable (UNAVAILABLE)
+        or when the sender failed: nobody is left to send the bytes.
+        """
+        pending: set[asyncio.Future] = {send, *receives.values()}
+        unreachable: set[str] = set()
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                unreachable |= {address for address, task in receives.items() if task in done
+                                and not task.cancelled() and isinstance(task.exception(), grpc.aio.AioRpcError)
+                                and task.exception().code() == grpc.StatusCode.UNAVAILABLE}
+                sender_failed = send in done and (send.cancelled() or send.exception() is not None)
+                if (unreachable or sender_failed) and pending:
+                    for task in pending:
+                        task.cancel()
+                    await asyncio.gather(*pending, return_exceptions=True)
+                    pending = set()
+        except asyncio.CancelledError:
+            for task in (send, *receives.values()):
+                task.cancel()
+            raise
+        return unreachable
+
+    def _plan(self, sync_id: str, prepared, replica_ids: list[str], rank0: weights_pb2.WeightSyncMember,
+              timeout_s: float) -> weights_pb2.WeightSyncPlan:
         members = sorted(replica_ids)
         key = (prepared.source, *members)
         digest = hashlib.sha1("\0".join(key).encode()).hexdigest()[:12]
@@ -358,7 +427,7 @@ class WeightBroadcast:
             members=[rank0] + [
                 weights_pb2.WeightSyncMember(rank=i + 1, replica_id=r, address=self.registry.get(r).address)
                 for i, r in enumerate(members)])
-        plan.timeout.CopyFrom(duration(self.timeout_s))
+        plan.timeout.CopyFrom(duration(timeout_s))
         return plan
 
     async def _push_versions(self, results: list[ReplicaSyncOutcome], version: int) -> None:

@@ -6,7 +6,7 @@ import logging
 
 from opentelemetry.sdk.trace import TracerProvider
 
-from mesh_runtime.errors import InvalidArgument, NotFound
+from mesh_runtime.errors import FailedPrecondition, InvalidArgument, NotFound
 from mesh_runtime.prometheus import Metric, MetricsEndpoint
 from mesh_runtime.server import MeshServer
 from mesh_runtime.status import StatusReporter
@@ -141,8 +141,23 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
 
     async def SyncWeights(self, request, context):  # noqa: N802
         registry = self.mesh.registry
+        if request.HasField("weight_version") and request.weight_version < 0:
+            raise InvalidArgument(f"weight_version must be >= 0, got {request.weight_version}",
+                                  reason="BAD_WEIGHT_VERSION")
+        timeout_s = None
+        if request.HasField("timeout"):
+            timeout_s = request.timeout.ToNanoseconds() / 1e9
+            if timeout_s <= 0:
+                raise InvalidArgument(f"timeout must be positive, got {timeout_s:g} s", reason="BAD_TIMEOUT")
+        if len(set(request.replica_ids)) != len(request.replica_ids):
+            raise InvalidArgument("replica_ids lists a replica more than once", reason="DUPLICATE_REPLICA")
         if request.replica_ids:
             targets = [registry.get(r).replica_id for r in request.replica_ids]
+            cannot = [f"{r} ({registry.get(r).state.value})" for r in targets
+                      if registry.get(r).state not in (S.ACTIVE, S.PAUSED, S.SLEEPING)]
+            if cannot:
+                raise FailedPrecondition(f"only ACTIVE, PAUSED or SLEEPING replicas can receive weights: "
+                                         f"{', '.join(cannot)}", reason="WRONG_REPLICA_STATE")
         else:
             targets = [r.replica_id for r in registry.replicas(states=[S.ACTIVE, S.PAUSED])
                        if r.kind is ReplicaKind.STANDALONE or self.mesh.scheduler.is_hybrid_active]
@@ -152,7 +167,7 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
                        attributes={"replicas": len(targets)})
         async with self.mesh.transitions:
             with self.mesh._span("weights.broadcast", weight_version=version, replica_ids=targets):
-                outcome = await self.mesh.weights.sync(targets, version)
+                outcome = await self.mesh.weights.sync(targets, version, timeout_s=timeout_s)
         failed = outcome.failed
         for result in outcome.replica_results:
             if result.ok:

@@ -6,13 +6,14 @@ import asyncio
 
 import grpc
 import pytest
+from google.protobuf.duration_pb2 import Duration
 
 from controller.core.events import EventLog, EventType
 from controller.server import SPEC
 from controller.watchers import EventHub
 from mesh_runtime.config import load_config
 from mesh_runtime.errors import error_info
-from rollmesh.controller.v1 import controller_pb2_grpc, registry_pb2, scheduling_pb2
+from rollmesh.controller.v1 import controller_pb2_grpc, registry_pb2, scheduling_pb2, weight_sync_pb2
 from tests.processes import clean_env
 
 pytestmark = pytest.mark.timeout(60)
@@ -38,6 +39,12 @@ async def test_bad_input_gets_clear_statuses_and_changes_nothing(tmp_path):
              grpc.StatusCode.INVALID_ARGUMENT, "slots_total"),
             (stub.CompleteTrainingStep(scheduling_pb2.CompleteTrainingStepRequest(global_step=1, weight_version=1)),
              grpc.StatusCode.FAILED_PRECONDITION, "BeginTrainingStep"),
+            (stub.SyncWeights(weight_sync_pb2.SyncWeightsRequest(weight_version=-1)),
+             grpc.StatusCode.INVALID_ARGUMENT, "weight_version"),
+            (stub.SyncWeights(weight_sync_pb2.SyncWeightsRequest(timeout=Duration(seconds=-2))),
+             grpc.StatusCode.INVALID_ARGUMENT, "timeout must be positive"),
+            (stub.SyncWeights(weight_sync_pb2.SyncWeightsRequest(replica_ids=["ghost"])),
+             grpc.StatusCode.NOT_FOUND, "ghost"),
         ]
         for call, code, fragment in cases:
             with pytest.raises(grpc.aio.AioRpcError) as info:
