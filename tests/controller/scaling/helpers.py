@@ -186,3 +186,9 @@ def closed_port() -> str:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+async def versions(bal) -> dict[str, int]:
+    """replica id -> the weight version the load balancer routes it at."""
+    reply = await bal.ListReplicas(lb_pb.ListReplicasRequest())
+    return {r.endpoint.replica_id: r.endpoint.weight_version for r in reply.replicas}

@@ -18,11 +18,10 @@ import asyncio
 
 import grpc
 import pytest
-
 from rollmesh.common.v1 import events_pb2
 from rollmesh.controller.v1 import scaling_pb2, weight_sync_pb2
-from rollmesh.loadbalancer.v1 import loadbalancer_pb2 as lb_pb
 from rollmesh.replica.v1 import replica_agent_pb2 as agent_pb
+
 from tests.controller.scaling.helpers import (
     Procs,
     agent_stub,
@@ -32,6 +31,7 @@ from tests.controller.scaling.helpers import (
     finished,
     lb_stub,
     until,
+    versions,
 )
 from tests.processes import clean_env
 
@@ -49,11 +49,6 @@ lease_ttl_s: 10
 load_report_interval_s: 0.2
 async_training: {{weight_sync_timeout_s: 60}}
 """
-
-
-async def versions(bal) -> dict[str, int]:
-    reply = await bal.ListReplicas(lb_pb.ListReplicasRequest())
-    return {r.endpoint.replica_id: r.endpoint.weight_version for r in reply.replicas}
 
 
 async def weights_of(agent: str, replica_id: str) -> tuple[int, str]:

@@ -13,11 +13,19 @@ import asyncio
 
 import grpc
 import pytest
-
 from rollmesh.common.v1 import events_pb2
 from rollmesh.controller.v1 import scaling_pb2, weight_sync_pb2
-from rollmesh.loadbalancer.v1 import loadbalancer_pb2 as lb_pb
-from tests.controller.scaling.helpers import Procs, controller_stub, event_states, events_of, finished, lb_stub, until
+
+from tests.controller.scaling.helpers import (
+    Procs,
+    controller_stub,
+    event_states,
+    events_of,
+    finished,
+    lb_stub,
+    until,
+    versions,
+)
 from tests.processes import clean_env
 
 pytestmark = pytest.mark.timeout(300)
@@ -33,11 +41,6 @@ lease_ttl_s: 10
 load_report_interval_s: 0.2
 async_training: {{weight_sync_timeout_s: 60}}
 """
-
-
-async def versions(bal) -> dict[str, int]:
-    reply = await bal.ListReplicas(lb_pb.ListReplicasRequest())
-    return {r.endpoint.replica_id: r.endpoint.weight_version for r in reply.replicas}
 
 
 async def test_new_replicas_are_synced_to_the_current_version_before_routing(tmp_path):
