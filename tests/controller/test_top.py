@@ -30,7 +30,9 @@ replicas:
 @pytest.fixture(scope="module")
 def controller(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("top")
-    (tmp / "controller.yaml").write_text(f"state_dir: {tmp / 'state'}\nload_report_interval_s: 0.2\n")
+    (tmp / "autoscaler.yaml").write_text("enabled: false\nmin_engines: 1\nmax_engines: 3\n")
+    (tmp / "controller.yaml").write_text(f"state_dir: {tmp / 'state'}\nload_report_interval_s: 0.2\n"
+                                         f"autoscaler_config: {tmp / 'autoscaler.yaml'}\n")
     with running_server("controller", ["--config", str(tmp / "controller.yaml"), "--listen", "127.0.0.1:0"],
                         log_path=tmp / "controller.log") as (address, _):
         (tmp / "agent.yaml").write_text(AGENT.format(controller=address))
@@ -65,8 +67,12 @@ def test_once_prints_replicas_scheduler_and_sections(controller):
     assert s0.split()[1:3] == ["standalone", "ACTIVE"]
     assert h0.split()[1:3] == ["hybrid", "SLEEPING"]
     assert any(line.startswith("scheduler ") for line in lines)
-    assert any(line.startswith("autoscaler:") for line in lines)
-    assert "recent operations:" in lines
+    auto = lines.index(next(line for line in lines if line.startswith("autoscaler:")))
+    assert lines[auto].startswith("autoscaler: disabled   engines 1 (min 1, max 3)")
+    block = lines[auto + 1:lines.index("", auto)]
+    conditions = [line[4:].split()[0] for line in block if line[:4] in ("    ", "  * ")]
+    assert len(conditions) >= 4, lines  # the reference's scale-out and scale-in conditions
+    assert "recent operations:" in lines and "  (none)" in lines
 
 
 def test_pseudo_terminal_shows_replicas_refreshes_and_quits_on_q(controller):
