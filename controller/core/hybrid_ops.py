@@ -32,6 +32,8 @@ from .events import EventSink, EventType
 from .ports import Clock, ReplicaCallResult, ReplicaPort, RoutingPort, Tracer, WeightSyncOutcome, WeightSyncPort
 from .replicas import ReplicaRecord, ReplicaRegistry, ReplicaState
 
+_LOST = frozenset({ReplicaState.FAILED, ReplicaState.STOPPED, ReplicaState.REMOVED})
+
 S = ReplicaState
 
 
@@ -283,5 +285,18 @@ class HybridOperations:
                       else "; stopped to free its memory")
             self._move(rid, S.FAILED, reason + routing_note + suffix, global_step)
 
-    def _move(self, rid: str, state: ReplicaState, reason: str, global_step: int | None) -> ReplicaRecord:
+    def _move(self, rid: str, state: ReplicaState, reason: str, global_step: int | None) -> ReplicaRecord | None:
+        """Transition ``rid``, unless the replica was lost while this operation awaited.
+
+        Operations await agents and the balancer between transitions; meanwhile a
+        lease may expire (FAILED), a scale-in may remove the replica (REMOVED,
+        STOPPED) or its node may be forgotten. That outcome stands: the
+        operation does not drag the replica back into its own sequence. Any
+        other transition the state machine refuses is a bug and still raises.
+        """
+        if rid not in self.registry:
+            return None
+        record = self.registry.get(rid)
+        if record.state in _LOST and not self.registry.can_transition(rid, state):
+            return record
         return self.registry.transition(rid, state, reason, global_step=global_step)

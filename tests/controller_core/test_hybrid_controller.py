@@ -231,6 +231,29 @@ async def test_weight_sync_failures(mesh):
     assert failed_events == {"s2", "h2"}
 
 
+async def test_a_replica_lost_during_a_sync_stays_lost_and_the_step_completes(mesh):
+    """A lease that expires while the broadcast runs marks the replica FAILED; the sync does not revive it."""
+    ctrl = mesh.controller()
+    await ctrl.begin_step(1, report(**AHEAD))
+    original = mesh.weights.sync
+
+    async def sync_while_s2_dies(replica_ids, version):
+        if "s2" in replica_ids:
+            mesh.registry.transition("s2", S.FAILED, "lease expired")
+            mesh.weights.fail = {"s2": "ReceiveWeights on s0:1: UNAVAILABLE"}
+        return await original(replica_ids, version)
+
+    mesh.weights.sync = sync_while_s2_dies
+    done = await ctrl.complete_step(1, 1, report(**AHEAD))
+    assert done.standalone_sync is not None
+    assert mesh.state("s1") is S.ACTIVE and mesh.registry.get("s1").weight_version == 1
+    assert mesh.state("s2") is S.FAILED and mesh.registry.get("s2").state_reason == "lease expired"
+    assert ctrl.next_call is StepCall.BEGIN_TRAINING_STEP
+    # an invalid transition of a replica the operation still owns is a bug and still raises
+    with pytest.raises(Exception, match="cannot go from"):
+        ctrl.ops._move("s1", S.SLEEPING, "nonsense", 1)
+
+
 async def test_wait_expiry_is_reported(mesh):
     ctrl = mesh.controller(deactivate_wait_timeout_s=45.0)
     await activate_in_step_1(mesh, ctrl)
