@@ -15,7 +15,8 @@ Top-level sections (see ``examples/quickstart.yaml``)::
 the combinations that cannot work - no replica at all, a collection larger
 than the queue bound, more than one trainer node - and raises
 :class:`~mesh_runtime.config.ConfigError` naming the keys, before anything
-starts. :func:`server_configs` derives the controller's, the balancer's, each
+starts. :func:`resume_problem` says why a config cannot continue a checkpoint
+(``rollmesh train --resume``). :func:`server_configs` derives the controller's, the balancer's, each
 replica agent's and the trainer agent's config as plain dicts. This module
 imports no torch.
 """
@@ -296,3 +297,38 @@ def describe_job(job: JobConfig) -> str:
             f"{job.required_samples} samples; buffer {math.floor(expected * at.staleness_threshold + 1e-9)}, "
             f"queue bound {job.max_queue_size}; policy {at.dynamic_schedule_policy}"
             f"{'' if at.use_dynamic_resource_scheduling else ' (dynamic scheduling off)'}")
+
+
+def resume_problem(job: JobConfig, info: Any, run_dir: Path) -> str | None:
+    """Why ``job`` cannot continue the checkpoint ``info`` (a ``CheckpointInfo``, None = none); None if it can.
+
+    What must match is what the checkpoint's contents depend on: the model
+    preset (its parameters), the task (the queued samples, the unfinished
+    groups and the prompt position are of its prompts) and ``rollout.n`` (the
+    groups' size). Anything else (learning rate, staleness, replicas, seed:
+    the weights come from the checkpoint) may change between the two parts.
+    """
+    if info is None:
+        return (f"{run_dir} holds no checkpoint ({run_dir / 'checkpoint' / 'driver.pt'} is missing); nothing to "
+                f"resume (start a new run with another --run-dir)")
+    if not job.trainer.checkpoint:
+        return "trainer.checkpoint is false; a resumed run reads and extends the checkpoint, set it to true"
+    saved = info.job
+    if saved.get("model") not in (None, job.model):
+        return (f"model {job.model!r} differs from the checkpoint's {saved['model']!r}; the checkpoint's weights "
+                f"fit only its model")
+    task = dataclasses.asdict(job.task)
+    changed = [f"task.{k} {task[k]!r} (checkpoint: {v!r})" for k, v in (saved.get("task") or {}).items()
+               if k in task and task[k] != v]
+    if changed:
+        return (f"{', '.join(changed)} differ from the checkpoint's task; its queued samples, unfinished groups "
+                f"and prompt position belong to that task")
+    n = job.actor_rollout_ref.rollout.n
+    if saved.get("rollout_n") not in (None, n):
+        return (f"actor_rollout_ref.rollout.n {n} differs from the checkpoint's {saved['rollout_n']}; its queued "
+                f"and unfinished groups have {saved['rollout_n']} samples each")
+    total = job.trainer.total_training_steps
+    if info.global_step >= total:
+        return (f"{run_dir} already reached step {info.global_step} of trainer.total_training_steps {total}; "
+                f"pass --steps N with N > {info.global_step} to train further")
+    return None

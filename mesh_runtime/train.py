@@ -1,5 +1,16 @@
 """``rollmesh train --config FILE``: fully-async RL training on a local mesh, end to end.
 
+``rollmesh train --config FILE --resume RUN_DIR`` continues an interrupted
+(Ctrl-C) or finished-early run in place, from ``RUN_DIR/checkpoint``, up to
+``trainer.total_training_steps`` (or ``--steps``): the trainer's model, AdamW
+state, queued samples, unfinished groups and counters come back, every
+replica is brought to the checkpoint's weight version before anything is
+generated, and the run directory's files are appended to (see
+:mod:`mesh_runtime.train_job`). It is refused (exit 2, one line) when
+``RUN_DIR`` has no checkpoint, when the config's model, task or group size
+differ from the checkpoint's, or when the run already reached the requested
+steps. Without ``--resume`` a run directory holding an earlier run is refused.
+
 The module stays import-light (``rollmesh --help`` imports it to build the
 parser); the job itself lives in :mod:`mesh_runtime.train_job`. A config that
 cannot work is rejected before any process starts, with exit code 2 and the
@@ -23,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="job YAML (see examples/quickstart.yaml; keys as in the reference)")
     parser.add_argument("--run-dir", metavar="DIR",
                         help="directory for events, metrics, spans, logs and the picture (default: runs/<config name>-<time>)")
+    parser.add_argument("--resume", metavar="RUN_DIR",
+                        help="continue the interrupted or finished-early run in RUN_DIR from its checkpoint, "
+                             "appending to its files (the config's model and task must be the checkpoint's)")
     parser.add_argument("--steps", type=int, metavar="N", help="override trainer.total_training_steps")
     parser.add_argument("--seed", type=int, metavar="N", help="override seed (model initialisation)")
 
@@ -41,19 +55,45 @@ def run(args: argparse.Namespace, env: dict[str, str]) -> int:
     except ConfigError as err:
         print(f"rollmesh train: error: {err}", file=sys.stderr)
         return 2
+    if args.resume is not None:
+        return _resume(args, job, env)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     run_dir = Path(args.run_dir or Path("runs") / f"{Path(args.config).stem}-{stamp}")
     if (run_dir / "checkpoint").exists() or (run_dir / "events.jsonl").exists():
-        print(f"rollmesh train: error: run directory {run_dir} holds an earlier run; pass a new --run-dir "
-              "or remove it", file=sys.stderr)
+        print(f"rollmesh train: error: run directory {run_dir} holds an earlier run; pass a new --run-dir, "
+              f"remove it, or continue it with --resume {run_dir}", file=sys.stderr)
         return 2
     return asyncio.run(_main(job, run_dir, env))
 
 
-async def _main(job, run_dir: Path, env: dict[str, str]) -> int:
+def _resume(args: argparse.Namespace, job, env: dict[str, str]) -> int:
+    from .job_config import resume_problem  # noqa: PLC0415
+
+    run_dir = Path(args.resume)
+    if args.run_dir is not None and Path(args.run_dir).resolve() != run_dir.resolve():
+        print(f"rollmesh train: error: --run-dir {args.run_dir} and --resume {args.resume} name different "
+              "directories; a resumed run continues in RUN_DIR", file=sys.stderr)
+        return 2
+    info = None
+    if (run_dir / "checkpoint").is_dir():
+        from trainer_agent.driver.checkpoint import checkpoint_info  # noqa: PLC0415 - imports torch
+
+        try:
+            info = checkpoint_info(run_dir / "checkpoint")
+        except ValueError as err:
+            print(f"rollmesh train: error: {err}", file=sys.stderr)
+            return 2
+    problem = resume_problem(job, info, run_dir)
+    if problem is not None:
+        print(f"rollmesh train: error: cannot resume: {problem}", file=sys.stderr)
+        return 2
+    return asyncio.run(_main(job, run_dir, env, resume=info))
+
+
+async def _main(job, run_dir: Path, env: dict[str, str], resume=None) -> int:
     from .train_job import TrainJob  # noqa: PLC0415
 
-    task = asyncio.create_task(TrainJob(job, run_dir, env).run())
+    task = asyncio.create_task(TrainJob(job, run_dir, env, resume=resume).run())
     loop = asyncio.get_running_loop()
     interrupted = False
 

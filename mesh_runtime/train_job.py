@@ -18,6 +18,19 @@ Order of events:
    picture is rendered to ``resource_time.png``.
 
 Cancelling :func:`run_job` (Ctrl-C) stops every child the same way.
+
+Resuming (``rollmesh train --resume RUN_DIR``, ``resume`` given): the same
+mesh starts afresh in the same run directory; the trainer agent resumes from
+``<run_dir>/checkpoint`` (``driver.resume``) and brings every replica to the
+checkpoint's weight version before it generates. Files are appended, never
+rewritten: ``events.jsonl`` gets the new controller's events, each marked
+``"resumed_at_step": k`` (their ``sequence`` starts at 1 again),
+``trainer/steps.jsonl`` and ``spans.jsonl`` their new lines, the logs their
+new output. ``metrics.json`` and ``resource_time.png`` of an earlier part
+that finished are kept as ``metrics.until-step-K.json`` and
+``resource_time.until-step-K.png``; the new ones cover the whole run for
+steps, rewards and sample counts, and the resumed part for transitions,
+cycles and the picture (see :mod:`mesh_runtime.train_report`).
 """
 
 from __future__ import annotations
@@ -38,7 +51,7 @@ from google.protobuf import json_format
 from .job_config import JobConfig, describe_job, server_configs
 from .launcher import LaunchError, ServerProcess, start_server
 from .span_sink import start_span_sink
-from .train_report import describe_event, format_summary, progress_bar, summarize
+from .train_report import describe_event, effective_steps, format_summary, progress_bar, summarize
 
 FATAL = ("lb", "controller", "trainer-agent")
 
@@ -109,8 +122,11 @@ class Console:
 class TrainJob:
     """One run of the main job; see the module docstring."""
 
-    def __init__(self, job: JobConfig, run_dir: Path, env: dict[str, str], out: TextIO = sys.stdout) -> None:
+    def __init__(self, job: JobConfig, run_dir: Path, env: dict[str, str], out: TextIO = sys.stdout,
+                 resume: Any = None) -> None:
+        """``resume``: the :class:`~trainer_agent.driver.checkpoint.CheckpointInfo` being resumed, or None."""
         self.job = job
+        self.resume = resume
         self.run_dir = run_dir
         self.env = env
         self.console = Console(out)
@@ -173,9 +189,11 @@ class TrainJob:
 
         convert = _event_converter()
         stub = controller_pb2_grpc.ControllerServiceStub(channel)
-        with (self.run_dir / "events.jsonl").open("w") as out:
+        with (self.run_dir / "events.jsonl").open("a" if self.resume is not None else "w") as out:
             async for reply in stub.WatchEvents(observability_pb2.WatchEventsRequest(include_history=True)):
                 event = convert(reply.event)
+                if self.resume is not None:
+                    event["resumed_at_step"] = self.resume.global_step
                 self.events.append(event)
                 out.write(json.dumps(event) + "\n")
                 out.flush()
@@ -247,6 +265,15 @@ class TrainJob:
             (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
         self.console.line(f"rollmesh train: {describe_job(self.job)}")
         self.console.line(f"run directory: {self.run_dir}")
+        if self.resume is not None:
+            r = self.resume
+            for name, suffix in (("metrics", ".json"), ("resource_time", ".png")):
+                earlier = self.run_dir / f"{name}{suffix}"
+                if earlier.exists():
+                    earlier.replace(self.run_dir / f"{name}.until-step-{r.global_step}{suffix}")
+            self.console.line(f"resuming after step {r.global_step} (weight version {r.weight_version}; "
+                              f"{r.queue_size} samples queued, {r.pending_groups} groups unfinished; generated "
+                              f"{r.generated}, consumed {r.consumed}, dropped {r.dropped})")
         sink_server, sink, endpoint = await start_span_sink(self.run_dir / "spans.jsonl")
         watcher: asyncio.Task | None = None
         channels: list[grpc.aio.Channel] = []
@@ -287,16 +314,20 @@ class TrainJob:
         progress = outcome["progress"]
         steps = [json.loads(line) for line in (self.run_dir / "trainer" / "steps.jsonl").read_text().splitlines()
                  if line.strip()]
-        step_lines = [s for s in steps if s.get("event") == "step"]
+        step_lines = effective_steps(steps)
+        resumed_at = self.resume.global_step if self.resume is not None else None
         summary = summarize(events=self.events, steps=step_lines, cycles=outcome["cycles"], progress=progress,
-                            wall_s=time.time() - self._t0, total_steps=self.job.trainer.total_training_steps)
+                            wall_s=time.time() - self._t0, total_steps=self.job.trainer.total_training_steps,
+                            resumed_at_step=resumed_at)
         picture = self.run_dir / "resource_time.png"
         try:
             from .resource_picture import render_resource_picture  # noqa: PLC0415
 
-            trainer_row = [{"row": "trainer", **a} for s in step_lines for a in s.get("activities", [])]
-            render_resource_picture(self.events, str(picture), title=f"rollmesh train: {self.run_dir.name}",
-                                    activities=trainer_row)
+            shown = [s for s in step_lines if resumed_at is None or s["global_step"] > resumed_at]
+            trainer_row = [{"row": "trainer", **a} for s in shown for a in s.get("activities", [])]
+            title = f"rollmesh train: {self.run_dir.name}" + (
+                "" if resumed_at is None else f" (since resume at step {resumed_at})")
+            render_resource_picture(self.events, str(picture), title=title, activities=trainer_row)
             summary["picture"] = str(picture)
         except ImportError as err:
             summary["picture"] = f"not rendered: {err}"

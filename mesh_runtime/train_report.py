@@ -6,6 +6,15 @@ Pure functions over plain data: lifecycle events as
 controller's metrics cycles (GetMetrics) and the trainer's final progress.
 Every count in the summary is computed here from those records, so a test
 can recompute it by hand from the run directory.
+
+A resumed run (``rollmesh train --resume``) appends to the same files:
+``steps.jsonl`` gets a ``resumed`` line (the checkpoint's step ``k``, which
+supersedes any step line above ``k`` the interrupted run wrote after its last
+checkpoint; :func:`effective_steps` applies it) and the steps after it. The
+summary's steps and rewards cover the whole run from step 1; its sample
+counts are the trainer's, continuous with the checkpoint's; its transitions
+and metrics cover only the resumed part (the controller of the new mesh
+starts afresh), and the table says so ("only since resume at step k").
 """
 
 from __future__ import annotations
@@ -98,12 +107,34 @@ def reward_summary(steps: Sequence[Mapping[str, Any]], window: int = 3) -> dict[
             "last_mean": sum(rewards[-k:]) / k, "window": k, "max": max(rewards)}
 
 
+def effective_steps(lines: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The step lines of ``steps.jsonl`` that stand, in order, across resumes.
+
+    A ``resumed`` line with ``global_step`` k drops the step lines above k
+    written before it (the interrupted run got past its last checkpoint):
+    the resumed run does those steps again.
+    """
+    steps: list[Mapping[str, Any]] = []
+    for line in lines:
+        if line.get("event") == "resumed":
+            steps = [s for s in steps if int(s["global_step"]) <= int(line["global_step"])]
+        elif line.get("event") == "step":
+            steps.append(line)
+    return steps
+
+
 def summarize(*, events: Sequence[Mapping[str, Any]], steps: Sequence[Mapping[str, Any]],
               cycles: Sequence[Mapping[str, Any]], progress: Mapping[str, Any], wall_s: float,
-              total_steps: int) -> dict[str, Any]:
-    """The run's summary (what ``metrics.json`` holds under ``summary``)."""
+              total_steps: int, resumed_at_step: int | None = None) -> dict[str, Any]:
+    """The run's summary (what ``metrics.json`` holds under ``summary``).
+
+    ``resumed_at_step``: the checkpoint step this invocation resumed from
+    (None for a fresh run); ``events`` and ``cycles`` are then this
+    invocation's only, while ``steps`` are the whole run's.
+    """
     return {
         "wall_s": wall_s, "steps": len(steps), "total_training_steps": total_steps,
+        "resumed_at_step": resumed_at_step,
         "reward": reward_summary(steps),
         "samples": {k: int(progress.get(k, 0)) for k in ("samples_generated", "samples_consumed",
                                                           "samples_dropped", "queue_size")},
@@ -117,8 +148,9 @@ def summarize(*, events: Sequence[Mapping[str, Any]], steps: Sequence[Mapping[st
 def format_summary(summary: Mapping[str, Any]) -> str:
     """The table printed at the end of a run."""
     r, s, t = summary["reward"], summary["samples"], summary["transitions"]
+    resumed = summary.get("resumed_at_step")
     rows: list[tuple[str, str]] = [
-        ("wall time", f"{summary['wall_s']:.1f} s"),
+        ("wall time" if resumed is None else "wall time since resume", f"{summary['wall_s']:.1f} s"),
         ("steps", f"{summary['steps']} / {summary['total_training_steps']} (final weight version "
                   f"{summary['final_weight_version']})"),
     ]
@@ -130,6 +162,10 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         ("samples consumed", str(s["samples_consumed"])),
         ("samples dropped", str(s["samples_dropped"])),
         ("samples left in queue", str(s["queue_size"])),
+    ]
+    if resumed is not None:
+        rows.append(("rows below count", f"only since resume at step {resumed} (a new mesh, a new event log)"))
+    rows += [
         ("hybrid activations", str(t["activations"])),
         ("hybrid deactivations", str(t["deactivations"])),
         ("weight syncs", f"{t['weight_syncs']} ({t['weight_sync_bytes']:,} bytes)"),

@@ -7,7 +7,10 @@ intact. It holds:
 - ``trainer``: :meth:`GrpoTrainer.state_dict` (parameters, AdamW state, weight version);
 - ``driver``: :meth:`FullyAsyncLoop.state_dict` (queued samples, admitted groups
   with their finished samples, counters, the next global step);
-- ``records``: the steps done so far, as dicts.
+- ``records``: the steps done so far, as dicts;
+- ``job``: what the checkpoint was trained on (model preset, task, group size),
+  so ``rollmesh train --resume`` can refuse a config that cannot continue it
+  before anything starts (:func:`checkpoint_info` reads it back).
 
 Restoring all three together is what keeps a restart from silently losing
 the samples in flight (known weakness 17): queued samples are trained on,
@@ -33,12 +36,13 @@ def checkpoint_path(directory: str | Path) -> Path:
 
 
 def save_checkpoint(directory: str | Path, *, trainer_state: dict, driver_state: dict,
-                    records: list[Any]) -> Path:
+                    records: list[Any], job: dict[str, Any] | None = None) -> Path:
     """Write the checkpoint atomically; returns its path."""
     path = checkpoint_path(directory)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"format": FORMAT_VERSION, "trainer": trainer_state, "driver": driver_state,
-               "records": [dataclasses.asdict(r) if dataclasses.is_dataclass(r) else dict(r) for r in records]}
+               "records": [dataclasses.asdict(r) if dataclasses.is_dataclass(r) else dict(r) for r in records],
+               "job": dict(job or {})}
     tmp = path.with_suffix(".pt.tmp")
     torch.save(payload, tmp)
     os.replace(tmp, path)
@@ -54,3 +58,38 @@ def load_checkpoint(directory: str | Path) -> dict | None:
     if int(payload.get("format", 0)) != FORMAT_VERSION:
         raise ValueError(f"{path}: unsupported checkpoint format {payload.get('format')!r}")
     return payload
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointInfo:
+    """What a checkpoint says about the run it belongs to (without the tensors' meaning)."""
+
+    global_step: int
+    """The last global step the checkpoint holds (the resumed run starts at the next one)."""
+    weight_version: int
+    queue_size: int
+    pending_groups: int
+    generated: int
+    consumed: int
+    dropped: int
+    job: dict[str, Any]
+    """``model``, ``task`` and ``rollout_n`` of the run that wrote it; empty for older checkpoints."""
+
+
+def checkpoint_info(directory: str | Path) -> CheckpointInfo | None:
+    """Summary of the checkpoint in ``directory``; None when there is none. Raises ValueError when unreadable."""
+    try:
+        payload = load_checkpoint(directory)
+    except ValueError:
+        raise
+    except Exception as err:  # noqa: BLE001 - a torn or foreign file: say so, with the cause
+        raise ValueError(f"{checkpoint_path(directory)}: not a readable checkpoint ({type(err).__name__}: {err})") \
+            from err
+    if payload is None:
+        return None
+    driver, queue = payload["driver"], payload["driver"]["queue"]
+    return CheckpointInfo(
+        global_step=int(driver["next_step"]) - 1, weight_version=int(payload["trainer"]["weight_version"]),
+        queue_size=len(queue["samples"]), pending_groups=len(driver["rollouter"]["pending"]),
+        generated=int(queue["generated"]), consumed=int(queue["consumed"]), dropped=int(queue["dropped"]),
+        job=dict(payload.get("job") or {}))

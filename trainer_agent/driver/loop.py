@@ -43,6 +43,15 @@ regenerated after a restore), the counters and the next global step, so a
 restart loses no sample (known weakness 17). The model and optimizer are the
 trainer's to save (:mod:`trainer_agent.driver.checkpoint`).
 
+Resume across processes: after :meth:`load_state_dict` the trainer holds
+the checkpointed weight version ``v`` while fresh replica processes hold the
+model's initial weights (version 0). :meth:`bring_replicas_to` syncs every
+replica behind ``v`` through the controller's ``SyncWeights`` (standalone
+replicas and sleeping hybrid ones) before :meth:`run` starts the rollouter, so
+nothing of the resumed run is generated with old weights. The controller of
+the new mesh starts with no step history, so ``BeginTrainingStep(k + 1)`` and
+``CompleteTrainingStep(k + 1, v + 1)`` are accepted as its first step.
+
 Failures never look like a normal end: a rollouter failure (``RolloutFailed``
 from the queue), an RPC error or a training error propagates from
 :meth:`FullyAsyncLoop.run`, after the rollouter is cancelled. Only when the
@@ -72,6 +81,9 @@ ReplicaCount = Callable[[], Awaitable[int]]
 # ReplicaState values of replicas that no longer take part (FAILED, STOPPED, REMOVED).
 _GONE_STATES = frozenset({types_pb2.REPLICA_STATE_FAILED, types_pb2.REPLICA_STATE_STOPPED,
                           types_pb2.REPLICA_STATE_REMOVED})
+# ReplicaState values in which the controller's SyncWeights accepts a replica.
+_SYNCABLE_STATES = frozenset({types_pb2.REPLICA_STATE_ACTIVE, types_pb2.REPLICA_STATE_PAUSED,
+                              types_pb2.REPLICA_STATE_SLEEPING})
 # The loop's phases as activities of the resource-time picture's trainer row.
 _PHASE_ACTIVITY = {"waiting": "wait", "training": "train", "syncing": "weight_sync"}
 STEP_TIMING_KEYS = ("reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor")
@@ -356,6 +368,39 @@ class FullyAsyncLoop:
         self.rollouter.load_state_dict(state["rollouter"], skip_taken_prompts=True)
         self._next_step = int(state["next_step"])
         self._last_sync_s = float(state.get("last_sync_s", 0.0))
+
+    async def bring_replicas_to(self, version: int) -> dict[str, int]:
+        """Before the first step of a resumed run: every live replica to the trainer's ``version``.
+
+        One ``SyncWeights`` for the replicas behind ``version`` (standalone and
+        sleeping hybrid ones), then the standalone replicas whose part failed
+        one by one (:meth:`_resync`). Raises ``RuntimeError`` when a live
+        standalone replica still does not hold ``version`` (it would generate
+        with weights the trainer no longer has). Returns every listed
+        replica's weight version afterwards.
+        """
+        from rollmesh.controller.v1 import registry_pb2, weight_sync_pb2
+
+        listed = await self.controller.ListReplicas(registry_pb2.ListReplicasRequest(), timeout=self._rpc_timeout)
+        behind = [r for r in listed.replicas if r.state in _SYNCABLE_STATES and r.weight_version < version]
+        if behind:
+            reply = await self.controller.SyncWeights(weight_sync_pb2.SyncWeightsRequest(
+                weight_version=version, replica_ids=[r.replica_id for r in behind],
+                request_id=f"resume-{self._next_step}-{version}"), timeout=self._sync_timeout)
+            failed = {r.replica_id for r in reply.result.replica_results if not r.ok}
+            standalone = [r.replica_id for r in behind if r.replica_id in failed
+                          and r.kind == types_pb2.REPLICA_KIND_STANDALONE]
+            if standalone:
+                await self._resync(self._next_step - 1, version, standalone)
+            listed = await self.controller.ListReplicas(registry_pb2.ListReplicasRequest(),
+                                                        timeout=self._rpc_timeout)
+        stale = sorted(f"{r.replica_id} (version {r.weight_version})" for r in listed.replicas
+                       if r.kind == types_pb2.REPLICA_KIND_STANDALONE and r.state not in _GONE_STATES
+                       and r.weight_version < version)
+        if stale:
+            raise RuntimeError(f"standalone replicas {', '.join(stale)} could not be brought to the checkpoint's "
+                               f"weight version {version}")
+        return {r.replica_id: r.weight_version for r in listed.replicas}
 
     async def _resync(self, gs: int, version: int, replica_ids: list[str]) -> list[str]:
         """Sync standalone replicas whose part of the step's broadcast failed again, one per group.

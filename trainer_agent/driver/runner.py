@@ -10,9 +10,16 @@ config and runs it as a background task of the server:
 2. builds the GRPO trainer on the model the agent's weight source holds (so
    every update is what the next broadcast sends), the rollouter's config from
    ``async_training`` / ``actor_rollout_ref`` and the task's prompts;
-3. resumes from ``driver.checkpoint_dir`` when it holds a checkpoint;
-4. runs ``total_training_steps`` global steps; after each one it appends the
-   step to ``<output_dir>/steps.jsonl`` and saves a checkpoint.
+3. resumes from ``driver.checkpoint_dir`` when it holds a checkpoint (the
+   model, AdamW state, queued samples, unfinished groups and counters; a
+   ``resumed`` line in ``steps.jsonl``) and, when the restored weight
+   version is above 0, brings every replica to it through the controller's
+   ``SyncWeights`` before the rollouter starts (a ``replicas_synced`` line):
+   fresh replica processes hold the initial weights;
+4. runs the steps left up to ``total_training_steps``; after each one it
+   appends the step to ``<output_dir>/steps.jsonl`` and saves a checkpoint
+   (the step line is written first, so a run stopped in between resumes at
+   that step again and its ``resumed`` line supersedes the later lines).
 
 ``progress()`` answers GetTrainingProgress. A failure anywhere (rollouter,
 controller call, training) ends the run in state ``FAILED`` with the error's
@@ -164,6 +171,8 @@ class TrainingDriver:
             checkpoint = load_checkpoint(s.checkpoint_dir) if s.checkpoint_dir and s.resume else None
             if checkpoint is not None:
                 self._restore(checkpoint)
+                if self.trainer is not None and self.trainer.weight_version > 0:
+                    await self._sync_replicas_after_restore()
             remaining = s.total_training_steps - (self.loop.next_step - 1)
             if remaining > 0:
                 await self.loop.run(remaining)
@@ -223,7 +232,21 @@ class TrainingDriver:
         log.info("resumed from the checkpoint of step %d (weight version %d, %d samples queued, %d groups "
                  "admitted and unfinished)", self.resumed_from_step, self.trainer.weight_version,
                  self.loop.queue.size(), len(checkpoint["driver"]["rollouter"]["pending"]))
-        self._write_line({"event": "resumed", "global_step": self.resumed_from_step})
+        q = self.loop.queue
+        self._write_line({"event": "resumed", "global_step": self.resumed_from_step,
+                          "weight_version": self.trainer.weight_version, "queue_size": q.size(),
+                          "pending_groups": len(checkpoint["driver"]["rollouter"]["pending"]),
+                          "generated": q.generated, "consumed": q.consumed, "dropped": q.dropped,
+                          "time": time.time()})
+
+    async def _sync_replicas_after_restore(self) -> None:
+        assert self.trainer is not None and self.loop is not None
+        self.state = "SYNCING_WEIGHTS"
+        version = self.trainer.weight_version
+        versions = await self.loop.bring_replicas_to(version)
+        log.info("replicas brought to the checkpoint's weight version %d: %s", version, versions)
+        self._write_line({"event": "replicas_synced", "global_step": self.resumed_from_step,
+                          "weight_version": version, "replicas": versions, "time": time.time()})
 
     def _phase(self, phase: str) -> None:
         self.state = _PHASE_STATE[phase]
@@ -243,10 +266,15 @@ class TrainingDriver:
             driver_state = self.loop.state_dict()
             records = list(self.records)
             await asyncio.to_thread(save_checkpoint, s.checkpoint_dir, trainer_state=trainer_state,
-                                    driver_state=driver_state, records=records)
+                                    driver_state=driver_state, records=records, job=self._job_identity())
         log.info("step %d: weight version %d, reward %.3f, queue %d, generated %d consumed %d dropped %d",
                  record.global_step, record.weight_version, record.reward_mean, record.queue_size,
                  record.generated, record.consumed, record.dropped)
+
+    def _job_identity(self) -> dict[str, Any]:
+        """What a resumed run must share with this one (``rollmesh train --resume`` checks it)."""
+        return {"model": self.config.model, "task": dataclasses.asdict(self.config.task),
+                "rollout_n": self.config.actor_rollout_ref.rollout.n}
 
     def _write_line(self, data: dict) -> None:
         if not self.settings.output_dir:
