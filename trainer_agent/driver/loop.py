@@ -62,11 +62,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import grpc
 
 from rollmesh.common.v1 import types_pb2
 from rollmesh.controller.v1 import scheduling_pb2
@@ -75,6 +78,8 @@ from trainer_agent.driver.queue import MessageQueue, Sample
 from trainer_agent.driver.rollouter import GenerateFn, Prompt, RolloutConfig, Rollouter
 from trainer_agent.training.grpo import GrpoTrainer
 from trainer_agent.training.grpo import Sample as GrpoSample
+
+log = logging.getLogger(__name__)
 
 RewardFn = Callable[[Sequence[int], Sequence[int]], float]
 ReplicaCount = Callable[[], Awaitable[int]]
@@ -426,9 +431,17 @@ class FullyAsyncLoop:
             for rid in list(pending):
                 if live[rid] and not await _accepts_connections(live[rid]):
                     continue
-                reply = await self.controller.SyncWeights(weight_sync_pb2.SyncWeightsRequest(
-                    weight_version=version, replica_ids=[rid], request_id=f"resync-{gs}-{rid}-{attempt}"),
-                    timeout=self._sync_timeout)
+                try:
+                    reply = await self.controller.SyncWeights(weight_sync_pb2.SyncWeightsRequest(
+                        weight_version=version, replica_ids=[rid], request_id=f"resync-{gs}-{rid}-{attempt}"),
+                        timeout=self._sync_timeout)
+                except grpc.aio.AioRpcError as err:
+                    if err.code() not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
+                        raise
+                    # lost since it was listed (lease expired, removed): the controller keeps it out of routing
+                    log.info("step %d: %s is no longer syncable (%s); not resyncing it", gs, rid, err.details())
+                    pending.remove(rid)
+                    continue
                 if any(r.ok for r in reply.result.replica_results):
                     pending.remove(rid)
                     done.append(rid)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import grpc
 import pytest
 from rollmesh.common.v1 import types_pb2
 from rollmesh.controller.v1 import registry_pb2, scheduling_pb2, weight_sync_pb2
@@ -69,3 +70,32 @@ async def test_healthy_replicas_get_the_version_and_dead_ones_are_given_up():
     # until the rendezvous timed out) and is given up once its lease expired.
     assert controller.sync_calls == [["s-ok"]]
     assert controller.lists >= 2
+
+
+class _LostBetweenListAndSync(_Controller):
+    """s-lost is listed ACTIVE (its agent accepts connections) but is FAILED by the time SyncWeights runs."""
+
+    async def ListReplicas(self, request, timeout=None):  # noqa: N802
+        self.lists += 1
+        return registry_pb2.ListReplicasResponse(replicas=[
+            registry_pb2.ReplicaRecord(replica_id="s-ok", state=types_pb2.REPLICA_STATE_ACTIVE),
+            registry_pb2.ReplicaRecord(replica_id="s-dead", state=types_pb2.REPLICA_STATE_ACTIVE)])
+
+    async def SyncWeights(self, request, timeout=None):  # noqa: N802
+        if request.replica_ids == ["s-dead"]:
+            self.sync_calls.append(list(request.replica_ids))
+            raise grpc.aio.AioRpcError(grpc.StatusCode.FAILED_PRECONDITION, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       "only ACTIVE, PAUSED or SLEEPING replicas can receive weights: s-dead (FAILED)")
+        return await super().SyncWeights(request, timeout)
+
+
+async def test_a_replica_lost_between_listing_and_syncing_is_given_up_not_fatal():
+    source = TorchWeightSource("tiny-llama", seed=1)
+    source.load()
+    controller = _LostBetweenListAndSync()
+    loop = FullyAsyncLoop(controller, _generate, GrpoTrainer.from_weight_source(source),
+                          RolloutConfig(n=2, ppo_mini_batch_size=1, trigger_parameter_sync_step=1, max_tokens=2),
+                          task_prompts(task, 4, 1), task.reward, replica_count=_one, collect_timeout_s=10)
+    [record] = await loop.run(1)
+    assert record.resynced_replica_ids == ["s-ok"]
+    assert sorted(map(tuple, controller.sync_calls)) == [("s-dead",), ("s-ok",)]
