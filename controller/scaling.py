@@ -340,18 +340,32 @@ class Scaler:
                 self._spawn(op, scale_runs.resume_in, scale_runs.restore_in)
 
     async def hold_external_leases(self) -> None:
-        """Nodes connected by an external scale-out push no reports: poll them and renew their lease."""
+        """Nodes connected by an external scale-out push no reports: poll them and renew their lease.
+
+        The nodes are polled concurrently, so one slow agent does not starve
+        the others' leases. A node may be forgotten (rolled back, scaled in)
+        while its poll is in flight; that poll's answer is then dropped. The
+        loop itself never ends on one node's error.
+        """
         while True:
             await asyncio.sleep(self.config.load_report_interval_s)
-            for node in self.mesh.registry.nodes():
-                if node.external and node.lease_held:
-                    try:
-                        reports = await self.calls.load_reports(node.address)
-                    except Exception as err:  # noqa: BLE001 - the lease then runs out on its own
-                        log.debug("external node %s did not report: %s", node.node_id, err)
-                        continue
-                    if node.lease_held:
-                        self.mesh.renew(node.node_id, reports)
+            nodes = [n for n in self.mesh.registry.nodes() if n.external and n.lease_held]
+            if nodes:
+                await asyncio.gather(*(self._poll_external(n.node_id, n.address) for n in nodes))
+
+    async def _poll_external(self, node_id: str, address: str) -> None:
+        try:
+            reports = await self.calls.load_reports(address)
+        except Exception as err:  # noqa: BLE001 - the lease then runs out on its own
+            log.debug("external node %s did not report: %s", node_id, err)
+            return
+        node = next((n for n in self.mesh.registry.nodes() if n.node_id == node_id), None)
+        if node is None or not node.lease_held or node.address != address:
+            return  # forgotten, expired or replaced while the poll was in flight
+        try:
+            self.mesh.renew(node_id, reports)
+        except Exception as err:  # noqa: BLE001 - a bad report must not end the loop for every node
+            log.warning("external node %s: its load reports could not renew the lease: %s", node_id, err)
 
     async def close(self) -> None:
         self._closing = True
