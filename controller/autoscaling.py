@@ -103,7 +103,11 @@ class AutoscalerLoop:
             while True:
                 await asyncio.sleep(min(cfg.metrics_interval_secs, cfg.evaluation_interval_secs))
                 now = self.mesh.clock()
-                self.core.record_metrics(self.collect(now))
+                try:
+                    self.core.record_metrics(self.collect(now))
+                except Exception:  # noqa: BLE001 - one bad sample must not stop the loop
+                    log.exception("autoscaler: collecting engine metrics failed")
+                    continue
                 if loop.time() >= next_evaluation:
                     next_evaluation = loop.time() + cfg.evaluation_interval_secs
                     try:

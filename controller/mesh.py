@@ -177,7 +177,10 @@ class Mesh:
         interval = min(1.0, self.config.lease_ttl_s / 4)
         while True:
             await asyncio.sleep(interval)
-            await self.expire_leases()
+            try:
+                await self.expire_leases()
+            except Exception:  # noqa: BLE001 - leases must keep being checked after one bad round
+                log.exception("checking leases failed; trying again in %.2f s", interval)
 
     async def close(self) -> None:
         await self.scaler.close()
