@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from mesh_runtime.cli import main as cli_main
+from tests.e2e.job_configs import job_config
 from tests.processes import clean_env
 
 pytestmark = pytest.mark.timeout(420)
@@ -31,19 +31,6 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS = 16
 REQUIRED = 8 * 8  # ppo_mini_batch_size x require_batches x rollout.n in both example configs
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-
-
-def _config(tmp: Path, example: str, **changes) -> Path:
-    data = yaml.safe_load((ROOT / "examples" / example).read_text())
-    for dotted, value in changes.items():
-        node = data
-        *parents, leaf = dotted.split(".")
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = value
-    path = tmp / example
-    path.write_text(yaml.safe_dump(data))
-    return path
 
 
 def _train(config: Path, run_dir: Path) -> subprocess.Popen:
@@ -76,7 +63,7 @@ class Run:
 @pytest.fixture(scope="module")
 def hybrid_run(tmp_path_factory) -> Run:
     tmp = tmp_path_factory.mktemp("train-hybrid")
-    config = _config(tmp, "quickstart.yaml", **{"trainer.total_training_steps": STEPS})
+    config = job_config(tmp, "quickstart.yaml", **{"trainer.total_training_steps": STEPS})
     code, out = _finish(_train(config, tmp / "run"))
     return Run(tmp / "run", code, out)
 
@@ -84,7 +71,7 @@ def hybrid_run(tmp_path_factory) -> Run:
 @pytest.fixture(scope="module")
 def skip_run_with_a_kill(tmp_path_factory) -> tuple[Run, str]:
     tmp = tmp_path_factory.mktemp("train-skip")
-    config = _config(tmp, "hybrid_skips.yaml", **{"trainer.total_training_steps": STEPS})
+    config = job_config(tmp, "hybrid_skips.yaml", **{"trainer.total_training_steps": STEPS})
     run_dir = tmp / "run"
     proc = _train(config, run_dir)
     events_file = run_dir / "events.jsonl"
@@ -249,7 +236,7 @@ def test_killing_a_replica_agent_loses_nothing_and_training_finishes(skip_run_wi
     ({"async_training.staleness_treshold": 0.1}, ["async_training.staleness_treshold", "did you mean"]),
 ])
 def test_a_config_that_cannot_work_is_rejected_before_anything_starts(tmp_path, capsys, changes, keys):
-    config = _config(tmp_path, "quickstart.yaml", **changes)
+    config = job_config(tmp_path, "quickstart.yaml", **changes)
     run_dir = tmp_path / "run"
     assert cli_main(["train", "--config", str(config), "--run-dir", str(run_dir)]) == 2
     err = capsys.readouterr().err
@@ -271,7 +258,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_ctrl_c_stops_every_process_cleanly(tmp_path):
-    config = _config(tmp_path, "quickstart.yaml", **{"trainer.total_training_steps": 500})
+    config = job_config(tmp_path, "quickstart.yaml", **{"trainer.total_training_steps": 500})
     run_dir = tmp_path / "run"
     proc = _train(config, run_dir)
     steps_file = run_dir / "trainer" / "steps.jsonl"

@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from mesh_runtime.cli import main as cli_main
+from tests.e2e.job_configs import job_config
 from tests.processes import clean_env
 
 pytestmark = pytest.mark.timeout(420)
@@ -35,19 +35,6 @@ INTERRUPT_AFTER = 2  # N: SIGINT once the trainer reported this step
 TARGET = 5  # steps of the resumed run's config
 REQUIRED = 8 * 8  # ppo_mini_batch_size x require_batches x rollout.n in the quick start
 STANDALONE = ("s0-0", "s0-1")
-
-
-def _config(tmp: Path, name: str, **changes) -> Path:
-    data = yaml.safe_load((ROOT / "examples" / "quickstart.yaml").read_text())
-    for dotted, value in changes.items():
-        node = data
-        *parents, leaf = dotted.split(".")
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = value
-    path = tmp / name
-    path.write_text(yaml.safe_dump(data))
-    return path
 
 
 def _train(*args: str) -> subprocess.Popen:
@@ -92,7 +79,7 @@ class Resumed:
         from trainer_agent.driver.checkpoint import checkpoint_info
 
         self.tmp, self.dir = tmp, tmp / "run"
-        self.config = _config(tmp, "long.yaml", **{"trainer.total_training_steps": 200})
+        self.config = job_config(tmp, "quickstart.yaml", "long.yaml", **{"trainer.total_training_steps": 200})
         proc = _train("--config", str(self.config), "--run-dir", str(self.dir))
         steps_file = self.dir / "trainer" / "steps.jsonl"
         deadline = time.monotonic() + 240
@@ -108,7 +95,8 @@ class Resumed:
         self.first_step_lines = _lines(steps_file)
         self.checkpoint = checkpoint_info(self.dir / "checkpoint")
 
-        self.resume_config = _config(tmp, "resume.yaml", **{"trainer.total_training_steps": TARGET})
+        self.resume_config = job_config(tmp, "quickstart.yaml", "resume.yaml",
+                                        **{"trainer.total_training_steps": TARGET})
         self.code, self.output = _finish(_train("--config", str(self.resume_config), "--resume", str(self.dir)))
         self.events = _lines(self.dir / "events.jsonl")
         self.step_lines = _lines(steps_file)
@@ -218,7 +206,8 @@ def test_resuming_again_is_refused_once_the_steps_are_reached(run, capsys):
     ({"actor_rollout_ref.rollout.n": 4}, "actor_rollout_ref.rollout.n 4"),
 ])
 def test_a_config_that_cannot_continue_the_checkpoint_is_refused(run, capsys, changes, named):
-    config = _config(run.tmp, "changed.yaml", **{"trainer.total_training_steps": TARGET + 5, **changes})
+    config = job_config(run.tmp, "quickstart.yaml", "changed.yaml",
+                        **{"trainer.total_training_steps": TARGET + 5, **changes})
     before = (run.dir / "trainer" / "steps.jsonl").read_text()
     assert cli_main(["train", "--config", str(config), "--resume", str(run.dir)]) == 2
     err = capsys.readouterr().err.strip()
@@ -227,7 +216,7 @@ def test_a_config_that_cannot_continue_the_checkpoint_is_refused(run, capsys, ch
 
 
 def test_a_directory_without_a_checkpoint_is_refused(tmp_path, capsys):
-    config = _config(tmp_path, "q.yaml")
+    config = job_config(tmp_path, "quickstart.yaml", "q.yaml")
     (tmp_path / "empty").mkdir()
     assert cli_main(["train", "--config", str(config), "--resume", str(tmp_path / "empty")]) == 2
     err = capsys.readouterr().err.strip()

@@ -1,0 +1,23 @@
+"""Job configs for the ``rollmesh train`` end-to-end tests: an example with some keys changed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def job_config(tmp: Path, example: str, name: str | None = None, **changes) -> Path:
+    """Write ``examples/<example>`` with dotted-key ``changes`` applied to ``tmp/<name or example>``."""
+    data = yaml.safe_load((EXAMPLES / example).read_text())
+    for dotted, value in changes.items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    path = tmp / (name or example)
+    path.write_text(yaml.safe_dump(data))
+    return path
