@@ -410,10 +410,11 @@ class FullyAsyncLoop:
     async def _resync(self, gs: int, version: int, replica_ids: list[str]) -> list[str]:
         """Sync standalone replicas whose part of the step's broadcast failed again, one per group.
 
-        One receiver that died (its agent crashed, its lease not yet expired)
-        fails the whole broadcast group, so the healthy replicas miss the
-        version too and leave routing. Syncing each replica on its own brings
-        the healthy ones back. A replica whose agent does not accept a
+        The controller already reruns a broadcast without agents it cannot
+        reach; what is left for this pass is a receiver that joined and then
+        died mid-transfer (its lease not yet expired), which fails the whole
+        group, so the healthy replicas miss the version too and leave routing.
+        Syncing each replica on its own brings the healthy ones back. A replica whose agent does not accept a
         connection is not synced (its broadcast would wait for a receiver that
         never comes); it is given up once the controller no longer lists it as
         live (its lease expired), and every replica after ``sync_timeout``.
