@@ -136,7 +136,8 @@ def sync_result(o: WeightSyncOutcome | None) -> weight_sync_pb2.WeightSyncResult
 def complete_response(c: CompleteResult) -> scheduling_pb2.CompleteTrainingStepResponse:
     msg = scheduling_pb2.CompleteTrainingStepResponse(
         hybrid_activated=c.hybrid_activated, hybrid_sync_skipped=c.hybrid_sync_skipped, bytes_sent=c.bytes_sent,
-        bytes_saved=c.bytes_saved, rebalanced=c.rebalanced, deactivate_ratio=c.deactivate_ratio or 0.0,
+        bytes_saved=c.bytes_saved, rebalanced=c.rebalanced, rebalanced_requests=c.rebalanced_requests,
+        deactivate_ratio=c.deactivate_ratio or 0.0,
         hybrid_state=_hybrid(c.hybrid_state), next_call=_call(c.next_call))
     for name in ("standalone_sync", "hybrid_sync"):
         result = sync_result(getattr(c, name))

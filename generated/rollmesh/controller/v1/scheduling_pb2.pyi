@@ -71,7 +71,7 @@ class StepReport(_message.Message):
     trigger_parameter_sync_step: int
     total_generated_samples: int
     expected_samples: int
-    buffer_samples: int
+    buffer_samples: float
     step_wait_times: _containers.RepeatedCompositeFieldContainer[_duration_pb2.Duration]
     step_wait_samples: _containers.RepeatedScalarFieldContainer[int]
     queue_size: int
@@ -82,7 +82,7 @@ class StepReport(_message.Message):
     rollout_concurrency: _containers.RepeatedCompositeFieldContainer[ConcurrencySample]
     samples_consumed: int
     samples_dropped: int
-    def __init__(self, required_samples: _Optional[int] = ..., trigger_parameter_sync_step: _Optional[int] = ..., total_generated_samples: _Optional[int] = ..., expected_samples: _Optional[int] = ..., buffer_samples: _Optional[int] = ..., step_wait_times: _Optional[_Iterable[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]]] = ..., step_wait_samples: _Optional[_Iterable[int]] = ..., queue_size: _Optional[int] = ..., timing_raw: _Optional[_Mapping[str, _duration_pb2.Duration]] = ..., train_compute_time: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., train_allocated_time: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., step_generated_samples: _Optional[int] = ..., rollout_concurrency: _Optional[_Iterable[_Union[ConcurrencySample, _Mapping]]] = ..., samples_consumed: _Optional[int] = ..., samples_dropped: _Optional[int] = ...) -> None: ...
+    def __init__(self, required_samples: _Optional[int] = ..., trigger_parameter_sync_step: _Optional[int] = ..., total_generated_samples: _Optional[int] = ..., expected_samples: _Optional[int] = ..., buffer_samples: _Optional[float] = ..., step_wait_times: _Optional[_Iterable[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]]] = ..., step_wait_samples: _Optional[_Iterable[int]] = ..., queue_size: _Optional[int] = ..., timing_raw: _Optional[_Mapping[str, _duration_pb2.Duration]] = ..., train_compute_time: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., train_allocated_time: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., step_generated_samples: _Optional[int] = ..., rollout_concurrency: _Optional[_Iterable[_Union[ConcurrencySample, _Mapping]]] = ..., samples_consumed: _Optional[int] = ..., samples_dropped: _Optional[int] = ...) -> None: ...
 
 class BeginTrainingStepRequest(_message.Message):
     __slots__ = ("global_step", "report")
@@ -145,7 +145,7 @@ class CompleteTrainingStepRequest(_message.Message):
     def __init__(self, global_step: _Optional[int] = ..., weight_version: _Optional[int] = ..., report: _Optional[_Union[StepReport, _Mapping]] = ...) -> None: ...
 
 class CompleteTrainingStepResponse(_message.Message):
-    __slots__ = ("standalone_sync", "hybrid_activated", "hybrid_sync_skipped", "hybrid_sync", "bytes_sent", "bytes_saved", "rebalanced", "deactivate_ratio", "hybrid_state", "next_call", "activation_duration")
+    __slots__ = ("standalone_sync", "hybrid_activated", "hybrid_sync_skipped", "hybrid_sync", "bytes_sent", "bytes_saved", "rebalanced", "deactivate_ratio", "hybrid_state", "next_call", "activation_duration", "rebalanced_requests")
     STANDALONE_SYNC_FIELD_NUMBER: _ClassVar[int]
     HYBRID_ACTIVATED_FIELD_NUMBER: _ClassVar[int]
     HYBRID_SYNC_SKIPPED_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +157,7 @@ class CompleteTrainingStepResponse(_message.Message):
     HYBRID_STATE_FIELD_NUMBER: _ClassVar[int]
     NEXT_CALL_FIELD_NUMBER: _ClassVar[int]
     ACTIVATION_DURATION_FIELD_NUMBER: _ClassVar[int]
+    REBALANCED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     standalone_sync: _weight_sync_pb2.WeightSyncResult
     hybrid_activated: bool
     hybrid_sync_skipped: bool
@@ -168,7 +169,8 @@ class CompleteTrainingStepResponse(_message.Message):
     hybrid_state: HybridState
     next_call: StepCall
     activation_duration: _duration_pb2.Duration
-    def __init__(self, standalone_sync: _Optional[_Union[_weight_sync_pb2.WeightSyncResult, _Mapping]] = ..., hybrid_activated: _Optional[bool] = ..., hybrid_sync_skipped: _Optional[bool] = ..., hybrid_sync: _Optional[_Union[_weight_sync_pb2.WeightSyncResult, _Mapping]] = ..., bytes_sent: _Optional[int] = ..., bytes_saved: _Optional[int] = ..., rebalanced: _Optional[bool] = ..., deactivate_ratio: _Optional[float] = ..., hybrid_state: _Optional[_Union[HybridState, str]] = ..., next_call: _Optional[_Union[StepCall, str]] = ..., activation_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    rebalanced_requests: int
+    def __init__(self, standalone_sync: _Optional[_Union[_weight_sync_pb2.WeightSyncResult, _Mapping]] = ..., hybrid_activated: _Optional[bool] = ..., hybrid_sync_skipped: _Optional[bool] = ..., hybrid_sync: _Optional[_Union[_weight_sync_pb2.WeightSyncResult, _Mapping]] = ..., bytes_sent: _Optional[int] = ..., bytes_saved: _Optional[int] = ..., rebalanced: _Optional[bool] = ..., deactivate_ratio: _Optional[float] = ..., hybrid_state: _Optional[_Union[HybridState, str]] = ..., next_call: _Optional[_Union[StepCall, str]] = ..., activation_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., rebalanced_requests: _Optional[int] = ...) -> None: ...
 
 class GetSchedulerStateRequest(_message.Message):
     __slots__ = ()
