@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from .config import ConfigError, describe, load_config
+from .config import ConfigError, config_notes, describe, load_config
 
 # Subcommand -> module exposing CONFIG_CLASS, ENV_PREFIX and `async serve(config, env)`.
 SERVERS = {
@@ -117,6 +117,12 @@ def server_config(name: str, args: argparse.Namespace, env: dict[str, str]) -> A
     return load_config(module.CONFIG_CLASS, args.config, env=env, env_prefix=module.ENV_PREFIX, overrides=overrides)
 
 
+def print_config_notes(name: str, config: Any, stream: Any = None) -> None:
+    """One line per config section about keys accepted without effect here (verl's ``async_training`` keys)."""
+    for note in config_notes(config):
+        print(f"rollmesh {name}: {note}", file=stream or sys.stderr, flush=True)
+
+
 def run_server(name: str, args: argparse.Namespace, env: dict[str, str]) -> int:
     module = importlib.import_module(SERVERS[name])
     if args.print_default_config:
@@ -129,6 +135,7 @@ def run_server(name: str, args: argparse.Namespace, env: dict[str, str]) -> int:
         return 2
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
+    print_config_notes(name, config)
     try:
         asyncio.run(module.serve(config, env))
     except OSError as err:

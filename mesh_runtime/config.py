@@ -4,7 +4,10 @@ Every config is a dataclass whose fields are declared with :func:`setting`
 (default + one line of help). :func:`load_config` reads the YAML file once,
 applies ``<PREFIX>__<KEY>[__<SUBKEY>]`` environment overrides and explicit
 overrides (command-line flags), checks every value against the field's type,
-rejects unknown keys, and runs each dataclass's ``validate()``. Every problem
+rejects unknown keys, and runs each dataclass's ``validate()``. A dataclass
+with ``accepts_verl_async_training = True`` (the ``async_training`` sections)
+also accepts every key of verl's block and reports the ones it does not act
+on (:func:`config_notes`, :mod:`mesh_runtime.verl_config`). Every problem
 is a :class:`ConfigError` that names the key and says what is wrong.
 """
 
@@ -109,6 +112,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
 def _build(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    notes: list[str] = []
+    if getattr(cls, "accepts_verl_async_training", False):
+        from .verl_config import split_async_training  # noqa: PLC0415
+
+        data, notes = split_async_training(data, prefix, fields)
     for key in data:
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1)
@@ -122,6 +130,8 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
         elif field.default is _MISSING and field.default_factory is _MISSING:
             raise ConfigError(key, "is required")
     obj = cls(**kwargs)
+    if notes:
+        object.__setattr__(obj, "_config_notes", notes)
     validate = getattr(obj, "validate", None)
     if callable(validate):
         try:
@@ -190,6 +200,16 @@ def load_config(cls: type, path: str | Path | None = None, *,
     for dotted, value in (overrides or {}).items():
         _set_path(data, dotted.split("."), value)
     return _build(cls, data)
+
+
+def config_notes(cfg: Any) -> list[str]:
+    """Lines to print at start about keys accepted without effect (e.g. verl's ``async_training`` keys)."""
+    notes = list(getattr(cfg, "_config_notes", ()))
+    for field in dataclasses.fields(cfg):
+        value = getattr(cfg, field.name)
+        if dataclasses.is_dataclass(value):
+            notes.extend(config_notes(value))
+    return notes
 
 
 def summary(cfg: Any) -> dict[str, Any]:

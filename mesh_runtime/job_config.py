@@ -3,8 +3,8 @@
 Top-level sections (see ``examples/quickstart.yaml``)::
 
     model, seed, task            # what is trained, on which built-in task
-    async_training               # the reference's section 2 keys, plus max_queue_size,
-                                 # concurrent_samples_per_replica and the controller's timeouts
+    async_training               # verl's block as is (keys rollmesh does not act on are reported),
+                                 # plus max_queue_size and the controller's timeouts
     actor_rollout_ref            # actor.ppo_mini_batch_size, actor.optim.lr, rollout.n,
                                  # rollout.gpu_memory_utilization, rollout.standalone_gpu_memory_utilization
     rollout                      # nnodes, n_gpus_per_node: the standalone rollout nodes
@@ -24,11 +24,12 @@ imports no torch.
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+from mesh_runtime import samples
 from mesh_runtime.config import ConfigError, load_config, setting
+from mesh_runtime.verl_config import DEACTIVATE_WAIT_TIMEOUT_S, WEIGHT_SYNC_TIMEOUT_S
 from trainer_agent.driver.settings import (
     ActorSettings,
     TaskSettings,
@@ -41,7 +42,9 @@ from trainer_agent.driver.settings import (
 
 @dataclasses.dataclass
 class JobAsyncTraining:
-    """``async_training``: the reference's keys, for the controller and the trainer alike."""
+    """``async_training``: verl's keys, for the controller and the trainer alike (any verl key is accepted)."""
+
+    accepts_verl_async_training: ClassVar[bool] = True
 
     use_dynamic_resource_scheduling: bool = setting(False, help="master switch: hybrid replicas on the trainer "
                                                                 "node join rollout while the trainer waits")
@@ -51,14 +54,16 @@ class JobAsyncTraining:
                                                                  "trigger_parameter_sync_step samples are buffered")
     dynamic_schedule_enable_rebalance: bool = setting(True, help="rebalance in-flight requests after activation")
     dynamic_schedule_policy_params: dict[str, Any] = setting(default_factory=dict, help="extra policy parameters")
-    staleness_threshold: float = setting(0.1, help="buffer_samples = expected_samples x staleness_threshold")
+    staleness_threshold: float = setting(0.1, help="buffer_samples = step_required_samples x staleness_threshold")
     trigger_parameter_sync_step: int = setting(4, help="collections per weight-sync step")
     require_batches: int = setting(1, help="ppo_mini_batches per collection")
     partial_rollout: bool = setting(True, help="aborted requests resume elsewhere with their tokens")
-    max_queue_size: int | None = setting(None, help="message queue bound in samples; null = max_required_samples")
-    concurrent_samples_per_replica: int = setting(16, help="rollout concurrency per routed replica")
-    deactivate_wait_timeout_s: float = setting(60.0, help="longest wait for buffered samples before deactivation")
-    weight_sync_timeout_s: float = setting(120.0, help="deadline of one weight broadcast")
+    max_queue_size: int | None = setting(None, help="message queue bound in samples (prompts); null = "
+                                                    "max_required_samples")
+    concurrent_samples_per_replica: int = setting(16, help="generation requests in flight per routed replica")
+    deactivate_wait_timeout_s: float = setting(DEACTIVATE_WAIT_TIMEOUT_S,
+                                               help="longest wait for buffered samples before deactivation")
+    weight_sync_timeout_s: float = setting(WEIGHT_SYNC_TIMEOUT_S, help="deadline of one weight broadcast")
     sleep_level: int = setting(1, help="1 offloads hybrid weights when asleep, 2 discards them")
 
     def validate(self) -> None:
@@ -78,12 +83,12 @@ class JobAsyncTraining:
             raise ConfigError("concurrent_samples_per_replica", f"must be >= 1, got "
                                                                 f"{self.concurrent_samples_per_replica}")
 
-    def _scheduling_fields(self, ppo_mini_batch_samples: int) -> dict[str, Any]:
+    def _scheduling_fields(self, ppo_mini_batch_size: int) -> dict[str, Any]:
         keys = ("use_dynamic_resource_scheduling", "dynamic_schedule_policy", "dynamic_schedule_deactivate_ratio",
                 "dynamic_schedule_enable_rebalance", "dynamic_schedule_policy_params", "staleness_threshold",
                 "trigger_parameter_sync_step", "require_batches", "deactivate_wait_timeout_s",
                 "weight_sync_timeout_s", "sleep_level")
-        return {**{k: getattr(self, k) for k in keys}, "ppo_mini_batch_size": ppo_mini_batch_samples}
+        return {**{k: getattr(self, k) for k in keys}, "ppo_mini_batch_size": ppo_mini_batch_size}
 
 
 @dataclasses.dataclass
@@ -211,16 +216,15 @@ class JobConfig:
 
     @property
     def required_samples(self) -> int:
-        return required_samples(self.actor_rollout_ref.actor, self.actor_rollout_ref.rollout, self.async_training)
+        return required_samples(self.actor_rollout_ref.actor, self.async_training)  # type: ignore[arg-type]
 
     @property
     def max_required_samples(self) -> int:
-        return max_required_samples(self.actor_rollout_ref.actor, self.actor_rollout_ref.rollout,
-                                    self.async_training)
+        return max_required_samples(self.actor_rollout_ref.actor, self.async_training)  # type: ignore[arg-type]
 
     @property
     def max_queue_size(self) -> int:
-        return queue_bound(self.actor_rollout_ref.actor, self.actor_rollout_ref.rollout, self.async_training)
+        return queue_bound(self.actor_rollout_ref.actor, self.async_training)  # type: ignore[arg-type]
 
 
 def load_job_config(path: str | Path, overrides: dict[str, Any] | None = None) -> JobConfig:
@@ -243,8 +247,9 @@ def server_configs(job: JobConfig, *, run_dir: Path, lb: str, controller: str, t
         "hybrid_gpus": job.trainer.nnodes * job.trainer.n_gpus_per_node,
         "standalone_gpus": job.standalone_replicas,
         "concurrent_samples_per_replica": at.concurrent_samples_per_replica,
-        "max_required_samples": job.max_required_samples,
-        "async_training": {**at._scheduling_fields(job.required_samples // at.require_batches),
+        # maxReq of section 4 in the rollouter's concurrency unit: generation requests (one response each)
+        "max_required_samples": job.max_required_samples * arr.rollout.n,
+        "async_training": {**at._scheduling_fields(arr.actor.ppo_mini_batch_size),
                            "only_hybrid": job.standalone_replicas == 0},
     }
     agent_common = {
@@ -291,10 +296,12 @@ def server_configs(job: JobConfig, *, run_dir: Path, lb: str, controller: str, t
 def describe_job(job: JobConfig) -> str:
     """One line: the mesh this config starts and the batch arithmetic."""
     at = job.async_training
-    expected = job.required_samples * at.trigger_parameter_sync_step
+    step_required = samples.step_required_samples(job.required_samples, at.trigger_parameter_sync_step)
+    buffer = samples.buffer_samples(step_required, at.staleness_threshold)
     return (f"{job.standalone_replicas} standalone + {job.hybrid_replicas} hybrid replica(s); "
             f"{job.trainer.total_training_steps} steps x {at.trigger_parameter_sync_step} collection(s) of "
-            f"{job.required_samples} samples; buffer {math.floor(expected * at.staleness_threshold + 1e-9)}, "
+            f"{job.required_samples} samples (prompts, x {job.actor_rollout_ref.rollout.n} responses); "
+            f"buffer {buffer:g}, "
             f"queue bound {job.max_queue_size}; policy {at.dynamic_schedule_policy}"
             f"{'' if at.use_dynamic_resource_scheduling else ' (dynamic scheduling off)'}")
 

@@ -218,7 +218,7 @@ class TrainingDriver:
         return FullyAsyncLoop(
             controller, LoadBalancerGenerate(balancer, timeout_s=s.generate_timeout_s), self.trainer, rollout,
             prompts, copy_task.reward, replica_count=lb_replica_count(balancer),
-            max_queue_size=queue_bound(actor, sampling, at), rpc_timeout_s=s.rpc_timeout_s,
+            max_queue_size=queue_bound(actor, at), rpc_timeout_s=s.rpc_timeout_s,
             sync_timeout_s=s.sync_timeout_s, collect_timeout_s=s.collect_timeout_s, replica_poll_s=s.replica_poll_s,
             on_step=self._after_step, on_phase=self._phase, offload_during_hybrid=s.offload_during_hybrid)
 

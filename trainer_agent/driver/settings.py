@@ -7,10 +7,13 @@ The trainer agent's YAML carries them next to its server settings::
     actor_rollout_ref: # verl's actor (ppo_mini_batch_size, optim.lr) and rollout (n, ...) keys
     task:              # the built-in verifiable toy task
 
-Units follow the reference: ``ppo_mini_batch_size`` is in prompts, so one
-collection takes ``required_samples = ppo_mini_batch_size x require_batches x
-rollout.n`` samples; ``max_required_samples = required x
-trigger_parameter_sync_step x (1 + staleness_threshold)`` (rounded down).
+Units follow verl (:mod:`mesh_runtime.samples`): a sample is one prompt with
+its ``rollout.n`` responses and ``ppo_mini_batch_size`` is in prompts, so one
+collection takes ``required_samples = ppo_mini_batch_size x require_batches``
+samples (``x rollout.n`` responses); ``max_required_samples = int(required x
+(staleness_threshold + 1) x trigger_parameter_sync_step)``. The
+``async_training`` section accepts verl's whole block
+(:mod:`mesh_runtime.verl_config`).
 Each dataclass checks its own fields; :func:`check_driver` checks what
 depends on several of them and names every key involved.
 """
@@ -18,8 +21,9 @@ depends on several of them and names every key involved.
 from __future__ import annotations
 
 import dataclasses
-import math
+from typing import ClassVar
 
+from mesh_runtime import samples
 from mesh_runtime.config import ConfigError, check_addresses, setting
 
 
@@ -69,16 +73,19 @@ class DriverSettings:
 
 @dataclasses.dataclass
 class AsyncTrainingSettings:
-    """The reference's ``async_training`` keys the trainer side uses."""
+    """verl's ``async_training`` keys the trainer side uses (any other verl key is accepted and reported)."""
 
-    staleness_threshold: float = setting(0.1, help="allowed staleness ratio: buffer_samples = expected x this")
+    accepts_verl_async_training: ClassVar[bool] = True
+
+    staleness_threshold: float = setting(0.1, help="allowed staleness ratio: buffer_samples = "
+                                                   "step_required_samples x this")
     trigger_parameter_sync_step: int = setting(4, help="collections (GRPO updates) per weight-sync step")
     require_batches: int = setting(1, help="ppo_mini_batches per collection")
     partial_rollout: bool = setting(True, help="requests aborted on one replica resume elsewhere with their "
                                                "tokens so far (false: they are regenerated)")
-    max_queue_size: int | None = setting(None, help="bound of the message queue in samples; null = "
+    max_queue_size: int | None = setting(None, help="bound of the message queue in samples (prompts); null = "
                                                     "max_required_samples")
-    concurrent_samples_per_replica: int = setting(16, help="rollout concurrency per routed replica")
+    concurrent_samples_per_replica: int = setting(16, help="generation requests in flight per routed replica")
 
     def validate(self) -> None:
         if self.staleness_threshold < 0:
@@ -167,30 +174,29 @@ class TaskSettings:
             raise ConfigError("radix", f"must lie in [2, 10], got {self.radix}")
 
 
-def required_samples(actor: ActorSettings, rollout: RolloutSamplingSettings, at: AsyncTrainingSettings) -> int:
-    """Samples per collection: ``ppo_mini_batch_size x require_batches x n``."""
-    return actor.ppo_mini_batch_size * at.require_batches * rollout.n
+def required_samples(actor: ActorSettings, at: AsyncTrainingSettings) -> int:
+    """Samples (prompts) per collection: ``ppo_mini_batch_size x require_batches``."""
+    return samples.required_samples(actor.ppo_mini_batch_size, at.require_batches)
 
 
-def max_required_samples(actor: ActorSettings, rollout: RolloutSamplingSettings, at: AsyncTrainingSettings) -> int:
-    """``expected + floor(expected x staleness_threshold)`` with ``expected = required x trigger``."""
-    expected = required_samples(actor, rollout, at) * at.trigger_parameter_sync_step
-    return expected + int(math.floor(expected * at.staleness_threshold + 1e-9))
+def max_required_samples(actor: ActorSettings, at: AsyncTrainingSettings) -> int:
+    """verl's ``int(required x (staleness_threshold + 1) x trigger_parameter_sync_step)``, in prompts."""
+    return samples.max_required_samples(required_samples(actor, at), at.staleness_threshold,
+                                        at.trigger_parameter_sync_step)
 
 
-def queue_bound(actor: ActorSettings, rollout: RolloutSamplingSettings, at: AsyncTrainingSettings) -> int:
-    """``max_queue_size``, or ``max_required_samples`` when it is null."""
-    return at.max_queue_size if at.max_queue_size is not None else max_required_samples(actor, rollout, at)
+def queue_bound(actor: ActorSettings, at: AsyncTrainingSettings) -> int:
+    """``max_queue_size``, or ``max_required_samples`` when it is null (prompts)."""
+    return at.max_queue_size if at.max_queue_size is not None else max_required_samples(actor, at)
 
 
 def check_driver(at: AsyncTrainingSettings, arr: ActorRolloutRefSettings, *, prefix: str = "") -> None:
     """Cross-field checks: a collection and a group must fit the queue bound."""
-    required = required_samples(arr.actor, arr.rollout, at)
-    bound = queue_bound(arr.actor, arr.rollout, at)
+    required = required_samples(arr.actor, at)
+    bound = queue_bound(arr.actor, at)
     if required > bound:
         raise ConfigError(
             f"{prefix}async_training.max_queue_size",
             f"one collection needs {required} samples (actor_rollout_ref.actor.ppo_mini_batch_size "
-            f"{arr.actor.ppo_mini_batch_size} x async_training.require_batches {at.require_batches} x "
-            f"actor_rollout_ref.rollout.n {arr.rollout.n}) but the queue holds at most {bound}; raise "
-            "async_training.max_queue_size or lower the batch")
+            f"{arr.actor.ppo_mini_batch_size} x async_training.require_batches {at.require_batches}, prompts) "
+            f"but the queue holds at most {bound}; raise async_training.max_queue_size or lower the batch")
