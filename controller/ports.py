@@ -93,13 +93,16 @@ class LoadBalancerRouting:
                 if err.code() != grpc.StatusCode.NOT_FOUND:  # not routed (e.g. asleep): nothing to update
                     raise
 
-    async def rebalance(self) -> None:
-        if self._stub:
-            try:
-                await self._stub.Rebalance(loadbalancer_pb2.RebalanceRequest(), timeout=self.timeout_s)
-            except grpc.aio.AioRpcError as err:
-                if err.code() != grpc.StatusCode.FAILED_PRECONDITION:  # fewer than two replicas: nothing to move
-                    raise
+    async def rebalance(self) -> int | None:
+        if not self._stub:
+            return None
+        try:
+            reply = await self._stub.Rebalance(loadbalancer_pb2.RebalanceRequest(), timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as err:
+            if err.code() != grpc.StatusCode.FAILED_PRECONDITION:  # fewer than two replicas: nothing to move
+                raise
+            return 0
+        return len(reply.moved_request_ids)
 
     async def clear_sticky(self) -> None:
         if self._stub:

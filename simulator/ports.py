@@ -42,10 +42,11 @@ class SimRouting:
         await asyncio.sleep(self.cost)
         self.world.set_routed(ids, True)
 
-    async def rebalance(self) -> None:
+    async def rebalance(self) -> int:
         self.calls.append((self.world.now, "rebalance", ()))
-        self.world.rebalance()
+        moved = self.world.rebalance()
         await asyncio.sleep(self.cost)
+        return moved
 
     async def clear_sticky(self) -> None:
         self.calls.append((self.world.now, "clear_sticky", ()))

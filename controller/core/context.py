@@ -1,14 +1,20 @@
 """``DynamicScheduleContext``: what a scheduling policy sees at each step.
 
-The fields and their meaning are exactly those of the reference's
-``DynamicScheduleContext`` (section 6, step 4 of
-``dynamic-resource-scheduling.md``), so a policy written against the
-reference's documented API runs unchanged. ``step_required_samples`` is
-derived (``required_samples x trigger_parameter_sync_step``) and therefore a
-read-only property that can never disagree with its inputs.
+The fields, their names and their meaning are those of verl's
+``DynamicScheduleContext`` (``dynamic_schedule/base.py``) and of the
+reference's table (section 6, step 4), so a policy written against either
+runs unchanged. ``step_required_samples`` is derived (``required_samples x
+trigger_parameter_sync_step``) and therefore a read-only property that can
+never disagree with its inputs.
 
-The controller fills the context from the trainer's step reports and from its
-own measurements (the two ``last_*_duration_s`` fields).
+Counts are in samples of one prompt each (with its ``rollout.n`` responses),
+as in verl; see :mod:`mesh_runtime.samples`. The controller fills the context
+as verl's ``FullyAsyncTrainer`` does: the counters from the trainer's step
+reports (``buffer_samples = step_required_samples x staleness_threshold``, a
+float, constant over the run), and the two switch durations from its own
+measurements, *accumulated* over a sync cycle (every deactivation and
+activation of the cycle adds to them) and reset to 0 after
+``update_after_step`` has seen them.
 """
 
 from __future__ import annotations
@@ -29,8 +35,8 @@ class DynamicScheduleContext:
     """Cumulative rollout samples since training began."""
     expected_samples: int = 0
     """Theoretical samples needed up to the current sync step."""
-    buffer_samples: int = 0
-    """Allowed buffer headroom (``expected_samples x staleness_threshold``)."""
+    buffer_samples: float = 0.0
+    """Allowed buffer headroom (``step_required_samples x staleness_threshold``, as verl's trainer)."""
     step_wait_times: list[float] = dataclasses.field(default_factory=list)
     """Per-collection wait times within the latest step, in seconds."""
     step_wait_samples: list[int] = dataclasses.field(default_factory=list)
@@ -38,9 +44,11 @@ class DynamicScheduleContext:
     only_hybrid: bool = False
     """True when there are no standalone replicas."""
     last_activate_duration_s: float = 0.0
-    """Duration of the last activation (weight sync + onload), seconds."""
+    """Activation time of the current cycle (weight sync + onload + rebalance), seconds; reset after
+    ``update_after_step``."""
     last_deactivate_duration_s: float = 0.0
-    """Duration of the last deactivation (offload), seconds."""
+    """Deactivation time of the current cycle (remove + abort + offload), seconds; reset after
+    ``update_after_step``."""
 
     @property
     def step_required_samples(self) -> int:
@@ -61,4 +69,5 @@ class DynamicScheduleContext:
         ctx = cls(**{key: value for key, value in data.items() if key in names})
         ctx.step_wait_times = [float(v) for v in ctx.step_wait_times]
         ctx.step_wait_samples = [int(v) for v in ctx.step_wait_samples]
+        ctx.buffer_samples = float(ctx.buffer_samples)
         return ctx

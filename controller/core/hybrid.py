@@ -18,16 +18,25 @@ repeated call for the current step returns the recorded answer):
       stayed active) - always, when the version is new to them;
    c. the metrics cycle closes if ``weight_version`` is new (a cycle is the
       reports between two parameter syncs);
-   d. ``policy.observe_step(outcome)`` - the policy learns whether this step
-      deactivated (i.e. used its ratio), the wait, and the switch durations;
-      estimates (per-sample time, switch cost) are refreshed here, every step;
+   d. ``policy.observe_step(outcome)`` (an optional rollmesh hook) - the
+      policy learns whether this step deactivated (i.e. used its ratio) and
+      the wait; estimates (per-sample time) are refreshed here, every step;
    e. point 3 ``should_activate_after_step`` - on the estimates from (d) and
       the ratio from before this step's update;
    f. if activating: hybrid weight sync -> wake -> add -> resume, then point 4
       ``request_rebalance`` (only when ``dynamic_schedule_enable_rebalance``;
-      a truthy answer triggers clear-sticky + rebalance). Otherwise the hybrid
+      a truthy answer, or a call of ``self._rollouter.rebalance_requests``
+      the verl way, triggers clear-sticky + rebalance). Otherwise the hybrid
       weight sync is skipped and its bytes counted as saved (WEIGHT_SYNC_SKIPPED);
-   g. point 5 ``update_after_step`` - the ratio for the next step.
+   g. point 5 ``update_after_step`` - the ratio for the next step; then the
+      context's switch durations are reset to 0.
+
+The context's ``last_deactivate_duration_s`` / ``last_activate_duration_s``
+are accumulated over the cycle, as verl's trainer does: every release adds
+its duration, every activation its duration plus that of the rebalance that
+follows it; ``update_after_step`` sees the cycle's totals, then both reset.
+Any class with the reference's three required methods is a policy; optional
+methods are detected (:class:`~controller.core.policies.PolicyHandle`).
 
 With ``use_dynamic_resource_scheduling`` off the policy is never consulted:
 hybrid replicas that are somehow serving are released without a wait and
@@ -53,7 +62,7 @@ from .errors import InvalidArgumentError, OutOfOrder
 from .events import EventSink, EventType
 from .hybrid_ops import HybridOperations
 from .metrics import CycleMetrics
-from .policies import DynamicSchedulePolicyBase, StepOutcome, create_policy
+from .policies import DynamicSchedulePolicyBase, PolicyHandle, StepOutcome, create_policy
 from .ports import Clock, ReplicaPort, RoutingPort, Tracer, WeightSyncOutcome, WeightSyncPort, no_tracer
 from .replicas import ReplicaKind, ReplicaRegistry, ReplicaState
 from .steps import (
@@ -118,6 +127,7 @@ class DynamicResourceController:
         self.policy = policy or create_policy(
             config.dynamic_schedule_policy, deactivate_ratio=config.dynamic_schedule_deactivate_ratio,
             only_hybrid=config.only_hybrid, **config.dynamic_schedule_policy_params)
+        self._policy = PolicyHandle(self.policy)
         self.ops = HybridOperations(config, registry=registry, routing=routing, replicas=replicas,
                                     weights=weights, clock=clock, emit=self.emit, tracer=self.tracer)
         self.ctx = DynamicScheduleContext(required_samples=config.required_samples,
@@ -131,6 +141,7 @@ class DynamicResourceController:
         self.activations = 0
         self.deactivations = 0
         self.bytes_saved_total = 0
+        self._last_activation_s = 0.0            # duration of the latest activation (for StepOutcome)
         self._begin: BeginDecision | None = None
         self._release: ReleaseResult | None = None
         self._complete: CompleteResult | None = None
@@ -165,9 +176,9 @@ class DynamicResourceController:
                 active = self.is_hybrid_active
                 deactivate, wait = active, 0
                 if self.enabled:
-                    deactivate = bool(self.policy.should_deactivate(global_step, active, self.ctx)) and active
+                    deactivate = self._policy.should_deactivate(global_step, active, self.ctx) and active
                     if deactivate:
-                        wait = max(0, int(self.policy.deactivate_wait_samples(self.ctx)))
+                        wait = self._policy.deactivate_wait_samples(self.ctx)
             self.current_step = global_step
             self._base_version = self.weight_version
             self._release = self._complete = None
@@ -199,9 +210,9 @@ class DynamicResourceController:
                                  f"{wait_samples} samples buffered; releasing hybrid replicas anyway",
                           attributes={"buffered_samples": buffered_samples, "wait_samples": wait_samples,
                                       "waited_s": waited_s})
-            activate_duration = self.ctx.last_activate_duration_s
+            activate_duration = self._last_activation_s
             result = await self.ops.deactivate(self._serving_hybrid(), global_step=global_step)
-            self.ctx.last_deactivate_duration_s = result.duration_s
+            self.ctx.last_deactivate_duration_s += result.duration_s
             self.deactivations += 1
             self._set_state(HybridState.STANDALONE_ONLY, f"hybrid replicas released for step {global_step}",
                             global_step)
@@ -239,11 +250,12 @@ class DynamicResourceController:
             self.weight_version = weight_version
             self._feed_metrics(report, global_step, weight_version, new_version)
             if self.enabled:
-                self.policy.observe_step(global_step, self._outcome, self.ctx)
+                self._policy.observe_step(global_step, self._outcome, self.ctx)
             active = self.is_hybrid_active
-            wants = bool(self.enabled and self.policy.should_activate_after_step(global_step, active, self.ctx))
+            wants = bool(self.enabled and self._policy.should_activate_after_step(global_step, active, self.ctx))
             sleeping = [r.replica_id for r in self.registry.replicas(kind=ReplicaKind.HYBRID, states=[S.SLEEPING])]
             activated = rebalanced = skipped = False
+            moved = 0
             hybrid_sync: WeightSyncOutcome | None = None
             activation_duration: float | None = None
             bytes_saved = 0
@@ -254,12 +266,16 @@ class DynamicResourceController:
                 if act.activated:
                     activated = True
                     self.activations += 1
-                    self.ctx.last_activate_duration_s = act.duration_s
                     self._set_state(HybridState.HYBRID_ACTIVE, f"hybrid replicas activated after step "
                                                                f"{global_step}", global_step)
-                    if (self.config.dynamic_schedule_enable_rebalance
-                            and self.policy.request_rebalance(global_step, self.ctx)):
-                        rebalanced = await self.ops.rebalance(global_step)
+                    started = self.clock()
+                    if self.config.dynamic_schedule_enable_rebalance:
+                        wanted, how = self._policy.request_rebalance(global_step, self.ctx)
+                        if wanted:
+                            count = await self.ops.rebalance(global_step, requested=how)
+                            rebalanced, moved = count is not None, count or 0
+                    self._last_activation_s = act.duration_s + (self.clock() - started)
+                    self.ctx.last_activate_duration_s += self._last_activation_s
             elif new_version and not active and (behind := self._behind(sleeping, weight_version)):
                 skipped = True
                 bytes_saved = self.weights.model_bytes() * len(behind)
@@ -269,15 +285,18 @@ class DynamicResourceController:
                           attributes={"bytes_saved": bytes_saved, "replicas": len(behind),
                                       "replica_ids": ",".join(behind)})
             if self.enabled:
-                self.policy.update_after_step(global_step, self.ctx)
+                self._policy.update_after_step(global_step, self.ctx)
+            # verl resets the cycle's switch timing once update_after_step has consumed it
+            self.ctx.last_activate_duration_s = self.ctx.last_deactivate_duration_s = 0.0
             self.last_completed_step = global_step
             self.next_call = StepCall.BEGIN_TRAINING_STEP
             bytes_sent = sum(s.bytes_sent for s in (standalone_sync, hybrid_sync) if s is not None)
             self._complete = CompleteResult(
                 global_step, standalone_sync, activated, skipped, hybrid_sync, bytes_sent, bytes_saved, rebalanced,
-                self._ratio() or 0.0, self.hybrid_state, self.next_call, activation_duration, failed)
+                self._ratio() or 0.0, self.hybrid_state, self.next_call, activation_duration, failed, moved)
             self._phase(global_step, "complete", activated=activated, hybrid_sync_skipped=skipped,
-                        bytes_saved=bytes_saved, rebalanced=rebalanced, deactivate_ratio=self._ratio())
+                        bytes_saved=bytes_saved, rebalanced=rebalanced, rebalanced_requests=moved,
+                        deactivate_ratio=self._ratio())
             return self._complete
 
     async def release_out_of_band(self, reason: str) -> ReleaseResult | None:
@@ -292,7 +311,7 @@ class DynamicResourceController:
             if not self.is_hybrid_active:
                 return None
             result = await self.ops.deactivate(self._serving_hybrid(), global_step=None)
-            self.ctx.last_deactivate_duration_s = result.duration_s
+            self.ctx.last_deactivate_duration_s += result.duration_s
             self.deactivations += 1
             self._set_state(HybridState.STANDALONE_ONLY, f"released outside a step: {reason}", None)
             step = self.last_completed_step if self.last_completed_step is not None else 0
@@ -304,10 +323,10 @@ class DynamicResourceController:
     def scheduler_state(self) -> SchedulerState:
         hybrid_ids = tuple(r.replica_id for r in self.registry.replicas(kind=ReplicaKind.HYBRID)
                            if r.state is not S.REMOVED)
-        cost = getattr(self.policy, "switch_cost_s", None)
-        per_sample = getattr(self.policy, "per_sample_time_s", None)
+        cost = self._policy.attribute("switch_cost_s")
+        per_sample = self._policy.attribute("per_sample_time_s")
         return SchedulerState(
-            self.enabled, self.hybrid_state, self.config.dynamic_schedule_policy, self.policy.parameters(),
+            self.enabled, self.hybrid_state, self.config.dynamic_schedule_policy, self._policy.parameters(),
             self._ratio(), cost, per_sample, self.next_call, self.current_step, self.activations,
             self.deactivations, self.config.only_hybrid, self.config.dynamic_schedule_enable_rebalance,
             self.ctx.last_activate_duration_s, self.ctx.last_deactivate_duration_s, hybrid_ids,
@@ -322,7 +341,8 @@ class DynamicResourceController:
                 "ctx": self.ctx.to_dict(), "outcome": self._outcome.to_dict(),
                 "base_version": self._base_version, "fed_step": self._fed_step,
                 "begin": answer_to_dict(self._begin), "release": answer_to_dict(self._release),
-                "complete": answer_to_dict(self._complete), "policy": self.policy.state_dict()}
+                "complete": answer_to_dict(self._complete), "policy": self._policy.state_dict(),
+                "last_activation_s": self._last_activation_s}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.hybrid_state = HybridState(state["hybrid_state"])
@@ -340,7 +360,8 @@ class DynamicResourceController:
         self._begin = answer_from_dict(BeginDecision, state["begin"])
         self._release = answer_from_dict(ReleaseResult, state["release"])
         self._complete = answer_from_dict(CompleteResult, state["complete"])
-        self.policy.load_state_dict(state.get("policy", {}))
+        self._policy.load_state_dict(state.get("policy", {}))
+        self._last_activation_s = float(state.get("last_activation_s", 0.0))
 
     # --- internals ---
 
@@ -363,7 +384,7 @@ class DynamicResourceController:
                                            or self.config.trigger_parameter_sync_step)
         ctx.total_generated_samples = report.total_generated_samples
         ctx.expected_samples = report.expected_samples
-        ctx.buffer_samples = report.buffer_samples
+        ctx.buffer_samples = float(report.buffer_samples)
         ctx.step_wait_times = [float(t) for t in report.step_wait_times]
         ctx.step_wait_samples = [int(n) for n in report.step_wait_samples]
         ctx.only_hybrid = self.config.only_hybrid
@@ -406,7 +427,7 @@ class DynamicResourceController:
                   reason=reason, global_step=global_step)
 
     def _ratio(self) -> float | None:
-        ratio = getattr(self.policy, "deactivate_ratio", None)
+        ratio = self._policy.attribute("deactivate_ratio")
         return None if ratio is None else float(ratio)
 
     def _phase(self, global_step: int, phase: str, **attributes: Any) -> None:

@@ -226,18 +226,27 @@ class HybridOperations:
 
     # --- rebalance ---
 
-    async def rebalance(self, global_step: int | None) -> bool:
-        """clear sticky sessions -> rebalance; a failure is reported, never raised."""
-        with self.tracer("hybrid.rebalance", global_step=global_step):
+    async def rebalance(self, global_step: int | None, *, requested: str = "returned") -> int | None:
+        """clear sticky sessions -> rebalance; the requests moved, or None when it failed (reported, not raised).
+
+        ``requested`` says how the policy asked: ``"returned"`` (a truthy
+        ``request_rebalance``) or ``"rollouter"`` (verl's
+        ``self._rollouter.rebalance_requests.remote()``).
+        """
+        with self.tracer("hybrid.rebalance", global_step=global_step, requested=requested):
             try:
                 await self._bounded(self.routing.clear_sticky())
-                await self._bounded(self.routing.rebalance())
+                moved = await self._bounded(self.routing.rebalance())
             except Exception as err:  # noqa: BLE001
                 self.emit(EventType.STEP_PHASE, global_step=global_step,
                           reason=f"rebalance after activation failed: {_describe(err)}",
-                          attributes={"phase": "rebalance", "ok": False})
-                return False
-        return True
+                          attributes={"phase": "rebalance", "ok": False, "requested": requested})
+                return None
+        moved = int(moved or 0)
+        self.emit(EventType.STEP_PHASE, global_step=global_step,
+                  reason=f"rebalance after activation moved {moved} request(s)",
+                  attributes={"phase": "rebalance", "ok": True, "moved_requests": moved, "requested": requested})
+        return moved
 
     # --- helpers ---
 

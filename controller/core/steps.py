@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -58,7 +59,7 @@ class StepReport:
     trigger_parameter_sync_step: int = 0
     total_generated_samples: int = 0
     expected_samples: int = 0
-    buffer_samples: int = 0
+    buffer_samples: float = 0.0
     step_wait_times: list[float] = dataclasses.field(default_factory=list)
     step_wait_samples: list[int] = dataclasses.field(default_factory=list)
     queue_size: int = 0
@@ -77,6 +78,8 @@ class StepReport:
                      "samples_consumed", "samples_dropped"):
             if getattr(self, name) < 0:
                 raise InvalidArgumentError(f"report.{name} must be >= 0, got {getattr(self, name)}")
+        if not math.isfinite(self.buffer_samples):
+            raise InvalidArgumentError(f"report.buffer_samples must be a finite number, got {self.buffer_samples}")
         if len(self.step_wait_times) != len(self.step_wait_samples):
             raise InvalidArgumentError(
                 f"report.step_wait_times ({len(self.step_wait_times)} entries) and "
@@ -130,6 +133,8 @@ class CompleteResult:
     next_call: StepCall
     activation_duration_s: float | None = None
     failed_replica_ids: tuple[str, ...] = ()
+    rebalanced_requests: int = 0
+    """In-flight requests the rebalance after the activation moved to another replica."""
 
 
 _ENUMS = {"hybrid_state": HybridState, "next_call": StepCall}

@@ -70,13 +70,14 @@ def test_adaptive_ratio_hand_computed_sequence():
     assert p.deactivate_wait_samples(ctx()) == 54
 
 
-def test_wait_threshold_formula_and_no_float_drift():
+def test_wait_threshold_is_verls_int_of_step_required_times_ratio():
     p = DefaultDynamicSchedulePolicy(deactivate_ratio=0.3)
     assert p.deactivate_wait_samples(ctx(required_samples=100, trigger_parameter_sync_step=1)) == 30
+    assert p.deactivate_wait_samples(ctx()) == int(128 * 0.3) == 38        # step_required 128 x 0.3 = 38.4
     run_cycle(p, 1, used=True, wait_samples=[])           # 0.28
-    run_cycle(p, 2, used=True, wait_samples=[1])          # +0.02 -> 0.3 exactly, not 0.29999999999999993
-    assert p.deactivate_ratio == 0.3
-    assert p.deactivate_wait_samples(ctx(required_samples=100, trigger_parameter_sync_step=1)) == 30
+    run_cycle(p, 2, used=True, wait_samples=[1])          # +0.02 (1/128 clipped up)
+    assert p.deactivate_ratio == pytest.approx(0.3)
+    assert p.deactivate_wait_samples(ctx()) == int(128 * p.deactivate_ratio)
 
 
 def test_ratio_clamped_at_both_ends():
@@ -115,43 +116,46 @@ def test_no_adaptation_without_use_even_over_many_idle_cycles():
     assert "skipped" in p.last_adaptation
 
 
-def test_adaptation_disabled_when_only_hybrid():
+def test_only_hybrid_forces_ratio_one_and_disables_adaptation():
     p = DefaultDynamicSchedulePolicy(deactivate_ratio=0.3, only_hybrid=True)
+    assert p.deactivate_ratio == 1.0                      # verl: "only_hybrid=True: forcing deactivate_ratio=1.0"
     run_cycle(p, 1, used=True, wait_samples=[40])
     run_cycle(p, 2, used=True)
-    assert p.deactivate_ratio == 0.3
+    assert p.deactivate_ratio == 1.0 and p.deactivate_wait_samples(ctx()) == 128
+    assert p.switch_cost_history == []
 
 
 # --- default: activation gate ---
 
 def test_gate_without_history_uses_10s_cost_and_1000s_per_sample():
-    p = DefaultDynamicSchedulePolicy()
+    p = DefaultDynamicSchedulePolicy()                    # ratio 0.3: threshold 0.3 x 128 = 38.4
     assert p.switch_cost_s == 10.0 and p.per_sample_time_s == 1000.0
-    c = ctx(expected_samples=100, buffer_samples=10, total_generated_samples=109)   # gap 1
-    assert p.should_activate_after_step(1, False, c) is True     # 1 * 1000 > 10
-    c = ctx(expected_samples=100, buffer_samples=10, total_generated_samples=110)   # gap 0
+    c = ctx(expected_samples=100, buffer_samples=10, total_generated_samples=138)   # gap 38.4 - 38 = 0.4
+    assert p.should_activate_after_step(1, False, c) is True     # 0.4 * 1000 > 10
+    c = ctx(expected_samples=100, buffer_samples=10, total_generated_samples=139)   # gap -0.6
     assert p.should_activate_after_step(2, False, c) is False
-    c = ctx(expected_samples=100, buffer_samples=10, total_generated_samples=150)   # gap -40
-    assert p.should_activate_after_step(3, False, c) is False
+    c = ctx(expected_samples=100, buffer_samples=0, total_generated_samples=50)     # gap 88.4: buffer unused
+    assert p.should_activate_after_step(3, False, c) is True
 
 
 def test_gate_with_rate_signal_and_rolling_three_average():
-    p = DefaultDynamicSchedulePolicy()
+    p = DefaultDynamicSchedulePolicy(deactivate_ratio=0.25)   # threshold 0.25 x 128 = 32
     waits = {"step_wait_times": [2.0, 1.0], "step_wait_samples": [30, 20]}   # 3 s / 50 = 0.06 s per sample
-    c = ctx(expected_samples=100, buffer_samples=10, total_generated_samples=100, **waits)  # gap 10
+    c = ctx(expected_samples=100, total_generated_samples=122, **waits)       # gap 32 - 22 = 10
     p.observe_step(1, StepOutcome(global_step=1), c)
     assert p.per_sample_time_s == pytest.approx(0.06)
     assert p.should_activate_after_step(1, False, c) is False     # 10 * 0.06 = 0.6 < 10
-    c = ctx(expected_samples=300, buffer_samples=30, total_generated_samples=100)  # gap 230 -> 13.8 s
+    c = ctx(expected_samples=300, total_generated_samples=100)    # gap 232 -> 13.92 s
     assert p.should_activate_after_step(2, False, c) is True      # estimate kept: no signal this step
-    for step, (act, deact) in enumerate([(2.0, 1.0), (4.0, 2.0), (5.0, 4.0), (1.0, 2.0)], start=3):
-        p.observe_step(step, StepOutcome(global_step=step, deactivated=True, activate_duration_s=act,
-                                         deactivate_duration_s=deact), ctx())
+    # verl: update_after_step records last_activate + last_deactivate (the cycle's sums) when > 0
+    for step, (act, deact) in enumerate([(2.0, 1.0), (0.0, 0.0), (4.0, 2.0), (5.0, 4.0), (1.0, 2.0)], start=3):
+        p.update_after_step(step, ctx(last_activate_duration_s=act, last_deactivate_duration_s=deact))
     assert p.switch_cost_history == [6.0, 9.0, 3.0]
     assert p.switch_cost_s == pytest.approx(6.0)                  # mean of the last 3
-    gap_100 = ctx(expected_samples=100, total_generated_samples=0)  # 100 * 0.06 = 6.0, not > 6
+    assert p.deactivate_ratio == 0.25                             # ratio not used on those cycles
+    gap_100 = ctx(expected_samples=68, total_generated_samples=0)   # gap 100: 100 * 0.06 = 6.0, not > 6
     assert p.should_activate_after_step(10, False, gap_100) is False
-    gap_101 = ctx(expected_samples=101, total_generated_samples=0)  # 6.06 > 6
+    gap_101 = ctx(expected_samples=69, total_generated_samples=0)   # 6.06 > 6
     assert p.should_activate_after_step(11, False, gap_101) is True
 
 
@@ -172,11 +176,10 @@ def test_gate_refreshes_rate_when_driven_with_reference_calls_only():
     assert p.per_sample_time_s == pytest.approx(0.01)
 
 
-def test_only_hybrid_gate_is_the_gap_alone():
+def test_only_hybrid_always_activates():
     p = DefaultDynamicSchedulePolicy(only_hybrid=True)
-    c = ctx(expected_samples=10, total_generated_samples=9, step_wait_times=[0.1], step_wait_samples=[100])
-    assert p.should_activate_after_step(1, False, c) is True
-    assert p.should_activate_after_step(2, False, ctx(expected_samples=9, total_generated_samples=9)) is False
+    assert p.should_activate_after_step(1, False, ctx(expected_samples=10, total_generated_samples=9)) is True
+    assert p.should_activate_after_step(2, False, ctx(expected_samples=9, total_generated_samples=10**6)) is True
 
 
 def test_default_deactivates_whenever_active_and_requests_rebalance():
@@ -188,14 +191,14 @@ def test_default_deactivates_whenever_active_and_requests_rebalance():
 
 def test_default_state_dict_round_trip():
     p = DefaultDynamicSchedulePolicy()
-    run_cycle(p, 1, used=True, wait_samples=[10], wait_times=[5.0])
-    p.observe_step(2, StepOutcome(global_step=2, deactivated=True, activate_duration_s=3,
-                                  deactivate_duration_s=1), ctx())
+    run_cycle(p, 1, used=True, wait_samples=[10], wait_times=[5.0])   # ratio 0.3 + 10/128
+    p.update_after_step(2, ctx(last_activate_duration_s=3, last_deactivate_duration_s=1))
     q = DefaultDynamicSchedulePolicy()
     q.load_state_dict(p.state_dict())
     assert q.state_dict() == p.state_dict()
-    # per-sample 5 s / 10 = 0.5; switch-cost history [0 + 0, 3 + 1] -> mean 2
-    assert (q.deactivate_ratio, q.per_sample_time_s, q.switch_cost_s) == (p.deactivate_ratio, 0.5, 2.0)
+    # per-sample 5 s / 10 = 0.5; switch-cost history [3 + 1] -> mean 4
+    assert (q.deactivate_ratio, q.per_sample_time_s, q.switch_cost_s) == (p.deactivate_ratio, 0.5, 4.0)
+    assert p.deactivate_ratio == pytest.approx(0.3 + 10 / 128)
 
 
 # --- static and fixed ratio ---
@@ -218,12 +221,15 @@ def test_fixed_ratio_is_registered_by_default_and_never_adapts():
     for step in range(1, 5):
         run_cycle(p, step, used=True, wait_samples=[64] if step % 2 else [])
     assert p.deactivate_ratio == 0.6
-    assert p.deactivate_wait_samples(ctx()) == int(0.6 * 32 * 4)
-    # pure gap check: a tiny gap with a fast rate and a big switch cost still activates
-    c = ctx(expected_samples=10, total_generated_samples=9, step_wait_times=[0.001], step_wait_samples=[100])
+    assert p.deactivate_wait_samples(ctx()) == int(128 * 0.6) == 76
+    # verl's pure check: generated - expected < ratio x step_required (76.8); no cost gate
+    c = ctx(expected_samples=10, total_generated_samples=86, step_wait_times=[0.001], step_wait_samples=[100])
     p.observe_step(9, StepOutcome(global_step=9, deactivated=True, deactivate_duration_s=500), c)
-    assert p.should_activate_after_step(9, False, c) is True
-    assert p.should_activate_after_step(10, False, ctx(expected_samples=9, total_generated_samples=9)) is False
+    assert p.should_activate_after_step(9, False, c) is True          # surplus 76 < 76.8
+    assert p.should_activate_after_step(10, False, ctx(expected_samples=10, total_generated_samples=87)) is False
+    only = create_policy("fixed_ratio", deactivate_ratio=0.6, only_hybrid=True)
+    assert only.deactivate_ratio == 1.0
+    assert only.should_activate_after_step(1, False, ctx(total_generated_samples=10**6)) is True
 
 
 # --- registry and import paths ---
@@ -240,7 +246,8 @@ def test_registry_resolves_names_and_import_paths():
     ("nope", r"unknown dynamic_schedule_policy 'nope'; registered policies: .*default.*fixed_ratio"),
     ("no_such_pkg.mod:Cls", r"cannot import module 'no_such_pkg.mod' of dynamic_schedule_policy"),
     ("tests.controller_core.custom_policy_module:Missing", r"has no attribute 'Missing'"),
-    ("tests.controller_core.custom_policy_module:NotAPolicy", r"not a subclass of DynamicSchedulePolicyBase"),
+    ("tests.controller_core.custom_policy_module:NotAPolicy",
+     r"is not a scheduling policy: it lacks should_deactivate, deactivate_wait_samples, should_activate_after_step"),
     (":Cls", r"not of the form 'package.module:Class'"),
     ("", r"must be a policy name"),
 ])
@@ -264,8 +271,10 @@ def test_register_policy_rejects_conflicts_and_non_policies():
         class Second(StaticFullyAsyncPolicy):
             pass
 
-    with pytest.raises(PolicyError, match="needs a DynamicSchedulePolicyBase subclass"):
+    with pytest.raises(PolicyError, match="is not a scheduling policy: it lacks should_deactivate"):
         register_policy("not_a_policy")(object)
+    with pytest.raises(PolicyError, match="is 3, not a class"):
+        register_policy("not_a_class")(3)
     assert issubclass(resolve_policy("test_only_policy"), DynamicSchedulePolicyBase)
 
 

@@ -2,11 +2,12 @@
 
 The reference's key optimisation is that hybrid replicas "skip rollout
 entirely" when standalone capacity is sufficient. ``default`` decides that
-with the gap ``expected + buffer - generated``, but the buffer is cumulative
-(``expected x staleness_threshold``), so after a few steps the gap is positive
-on almost every step and the hybrids are activated - and pay a full switch
-(hybrid weight sync, wake, later abort and sleep) - even on workloads where
-the standalone replicas alone would have fed the trainer.
+with verl's gap ``ratio x step_required - (generated - expected)``: it asks
+whether the surplus left in the queue covers the next deactivation wait, not
+whether the standalone replicas will produce the next cycle's samples in time,
+so the hybrids are activated - and pay a full switch (hybrid weight sync, wake,
+later abort and sleep) - on workloads where the standalone replicas alone
+would have fed the trainer.
 
 ``balanced`` keeps ``default``'s adaptive deactivation threshold (the same
 ratio rule, bounds and cost/benefit gate) and adds a supply estimate to the

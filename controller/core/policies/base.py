@@ -1,9 +1,11 @@
-"""The scheduling-policy interface and the per-step outcome the controller reports.
+"""rollmesh's policy base class and the per-step outcome the controller reports.
 
-``DynamicSchedulePolicyBase`` has exactly the reference's five methods with
-the reference's signatures, so a policy class written against the reference's
-documented API (section 6) subclasses it unchanged. rollmesh adds three
-optional hooks with harmless defaults, which such classes simply inherit:
+``DynamicSchedulePolicyBase`` has the reference's five methods with the
+reference's (and verl's) signatures. Deriving from it is optional: the
+controller accepts any class with the three required methods, verl's own
+classes included (see :mod:`.handle`). rollmesh adds three optional hooks
+with harmless defaults, which subclasses simply inherit and other classes
+may leave out:
 
 * ``observe_step(global_steps, outcome, ctx)`` - the controller tells the
   policy what really happened this step (was there a deactivation, did it wait
@@ -15,9 +17,10 @@ optional hooks with harmless defaults, which such classes simply inherit:
   controller restarts.
 * ``parameters()`` - the policy's parameters, for GetSchedulerState.
 
-``request_rebalance`` returns ``True`` to ask the controller for a rebalance
-(the reference's default policy performs one); the base default returns
-``None``, meaning no rebalance, as the reference's base does nothing.
+``request_rebalance`` returns ``True`` to ask the controller for a rebalance;
+the base default returns ``None``, meaning no rebalance, as verl's base does
+nothing. (A verl-style policy asks through ``self._rollouter`` instead; both
+work, see :mod:`.handle`.)
 """
 
 from __future__ import annotations
@@ -91,7 +94,8 @@ class DynamicSchedulePolicyBase(abc.ABC):
         """Update internal state after the step; the default does nothing."""
         return
 
-    def request_rebalance(self, global_steps: int, ctx: DynamicScheduleContext) -> bool | None:
+    def request_rebalance(self, global_steps: int, ctx: DynamicScheduleContext,
+                          reset_prefix_cache: bool = True) -> bool | None:
         """Return True to have requests redistributed after an activation; default: no."""
         return None
 

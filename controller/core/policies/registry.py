@@ -1,24 +1,31 @@
 """Policy registry: ``register_policy``, name / import-path resolution, ``create_policy``.
 
 ``dynamic_schedule_policy`` is either a registered name (``"default"``,
-``"static_fully_async"``, ``"fixed_ratio"`` or one added with
-``@register_policy``) or an import path ``package.module:ClassName``; the
-latter needs no registration step at all. Anything unusable raises
+``"static_fully_async"``, ``"fixed_ratio"``, ``"balanced"``,
+``"reference_example"`` or one added with ``@register_policy``) or an import
+path ``package.module:ClassName``; the latter needs no registration step at
+all, which is how verl's own classes are loaded, e.g.
+``verl.experimental.fully_async_policy.dynamic_schedule.default_policy:DefaultDynamicSchedulePolicy``.
+
+A policy is any class with the reference's three required methods (see
+:mod:`.handle`); it need not derive from rollmesh's base class. Modules are
+imported through :func:`~.verl_compat.import_policy_module`, so a module that
+does ``import ray`` loads without Ray installed. Anything unusable raises
 :class:`~controller.core.errors.PolicyError` naming the offending value.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ..errors import PolicyError
-from .base import DynamicSchedulePolicyBase
+from .handle import check_policy_class
+from .verl_compat import bind_ray, import_policy_module
 
-_REGISTRY: dict[str, type[DynamicSchedulePolicyBase]] = {}
+_REGISTRY: dict[str, type] = {}
 
-P = TypeVar("P", bound=type[DynamicSchedulePolicyBase])
+P = TypeVar("P", bound=type)
 
 
 def register_policy(name: str) -> Callable[[P], P]:
@@ -31,9 +38,7 @@ def register_policy(name: str) -> Callable[[P], P]:
         raise PolicyError(f"policy name must be a non-empty string without ':', got {name!r}")
 
     def decorate(cls: P) -> P:
-        if not (isinstance(cls, type) and issubclass(cls, DynamicSchedulePolicyBase)):
-            raise PolicyError(f"@register_policy({name!r}) needs a DynamicSchedulePolicyBase "
-                              f"subclass, got {cls!r}")
+        check_policy_class(cls, f"@register_policy({name!r})")
         taken = _REGISTRY.get(name)
         if taken is not None and _qualified(taken) != _qualified(cls):
             raise PolicyError(f"policy name {name!r} is already registered for {_qualified(taken)}; "
@@ -44,19 +49,21 @@ def register_policy(name: str) -> Callable[[P], P]:
     return decorate
 
 
-def registered_policies() -> dict[str, type[DynamicSchedulePolicyBase]]:
+def registered_policies() -> dict[str, type]:
     """A copy of the name -> class registry."""
     return dict(_REGISTRY)
 
 
-def resolve_policy(value: str) -> type[DynamicSchedulePolicyBase]:
+def resolve_policy(value: str) -> type:
     """The policy class for a registered name or a ``package.module:Class`` path."""
     if not isinstance(value, str) or not value.strip():
         raise PolicyError(f"dynamic_schedule_policy must be a policy name or 'package.module:Class', "
                           f"got {value!r}")
     if ":" not in value:
         try:
-            return _REGISTRY[value]
+            cls = _REGISTRY[value]
+            bind_ray(cls)
+            return cls
         except KeyError:
             known = ", ".join(sorted(_REGISTRY)) or "none"
             raise PolicyError(f"unknown dynamic_schedule_policy {value!r}; registered policies: {known}; "
@@ -65,7 +72,7 @@ def resolve_policy(value: str) -> type[DynamicSchedulePolicyBase]:
     if not module_name or not class_name:
         raise PolicyError(f"dynamic_schedule_policy {value!r} is not of the form 'package.module:Class'")
     try:
-        module = importlib.import_module(module_name)
+        module = import_policy_module(module_name)
     except Exception as err:
         raise PolicyError(f"cannot import module {module_name!r} of dynamic_schedule_policy {value!r}: "
                           f"{type(err).__name__}: {err}") from err
@@ -73,17 +80,16 @@ def resolve_policy(value: str) -> type[DynamicSchedulePolicyBase]:
     if cls is None:
         raise PolicyError(f"module {module_name!r} has no attribute {class_name!r} "
                           f"(dynamic_schedule_policy {value!r})")
-    if not (isinstance(cls, type) and issubclass(cls, DynamicSchedulePolicyBase)):
-        raise PolicyError(f"dynamic_schedule_policy {value!r} is {cls!r}, not a subclass of "
-                          f"DynamicSchedulePolicyBase")
+    check_policy_class(cls, f"dynamic_schedule_policy {value!r}")
+    bind_ray(cls)
     return cls
 
 
 def create_policy(name: str, deactivate_ratio: float = 0.3, only_hybrid: bool = False,
-                  **params: Any) -> DynamicSchedulePolicyBase:
+                  **params: Any) -> Any:
     """Instantiate the policy ``name`` as ``cls(deactivate_ratio=..., only_hybrid=..., **params)``."""
     cls = resolve_policy(name)
-    factory: Callable[..., DynamicSchedulePolicyBase] = cls   # subclasses take the reference's arguments
+    factory: Callable[..., Any] = cls   # policies take the reference's (and verl's build_policy) arguments
     try:
         policy = factory(deactivate_ratio=deactivate_ratio, only_hybrid=only_hybrid, **params)
     except PolicyError:

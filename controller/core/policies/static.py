@@ -20,9 +20,9 @@ class StaticFullyAsyncPolicy(DynamicSchedulePolicyBase):
     """Deactivate immediately whenever active; never activate."""
 
     def __init__(self, deactivate_ratio: float = 0.3, only_hybrid: bool = False) -> None:
-        # Kept for reporting only; this policy never waits.
-        self.deactivate_ratio = float(deactivate_ratio)
+        # Kept for reporting only; this policy never waits. verl forces 1.0 with only_hybrid.
         self.only_hybrid = bool(only_hybrid)
+        self.deactivate_ratio = 1.0 if self.only_hybrid else float(deactivate_ratio)
 
     def should_deactivate(self, global_steps: int, is_hybrid_active: bool,
                           ctx: DynamicScheduleContext) -> bool:
