@@ -17,18 +17,24 @@ virtual clock. Per global step ``g``:
    ``complete_step(g, g, report)``: the core syncs weights, feeds the metrics
    and runs policy points 3-5, possibly activating the hybrid replicas.
 
-The report carries what the real trainer agent reports: cumulative
-``expected_samples = required x trigger x g``, ``buffer_samples =
-floor(expected x staleness_threshold)``, the queue's ``generated`` count,
-timings and the rollout concurrency history.
+The report carries what the real trainer agent reports, in verl's unit (a
+sample is one prompt with its ``n`` responses): cumulative
+``expected_samples = required x trigger x g``, ``buffer_samples = required x
+trigger x staleness_threshold``, the queue's ``generated`` count, timings and
+the rollout concurrency history.
+
+Only-hybrid (colocated) runs - ``rollout_gpus: 0`` with ``dynamic: true`` -
+set the policy's ``only_hybrid`` and start with the hybrid replicas serving:
+nothing else could generate the first step's samples.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import math
 from typing import Any
+
+from mesh_runtime import samples
 
 from controller.core import (
     CycleMetrics,
@@ -77,6 +83,8 @@ class StepRecord:
     activated: bool
     hybrid_sync_skipped: bool
     deactivate_ratio: float | None
+    rebalanced: bool
+    rebalanced_requests: int
     mq_size: int
     generated: int
     train_utilization: float
@@ -110,7 +118,7 @@ class RunResult:
     activations: int
     deactivations: int
     queue_cap: int
-    """The most samples that can stay queued after a step: ``floor(step_samples x staleness_threshold)``."""
+    """The most samples that can stay queued after a step: ``int(step_samples x staleness_threshold)``."""
     controller: DynamicResourceController | None = dataclasses.field(default=None, repr=False)
     calls: list[tuple[float, str, tuple[str, ...]]] = dataclasses.field(default_factory=list, repr=False)
 
@@ -144,15 +152,17 @@ def build_world(scenario: Scenario, spec: RunSpec, seed: int) -> tuple[World, Re
     pools = [("r", spec.rollout_gpus, ReplicaKind.STANDALONE)]
     if spec.dynamic:
         pools.append(("t", spec.train_gpus, ReplicaKind.HYBRID))
+    only_hybrid = spec.dynamic and spec.rollout_gpus == 0
     for prefix, gpus, kind in pools:
         nodes: dict[str, list[ReplicaSpec]] = {}
         for index in range(gpus // per_replica):
             node = f"{prefix}node{index * per_replica // per_node}"
             rid = f"{'hybrid' if kind is ReplicaKind.HYBRID else 'standalone'}-{index}"
             hybrid = kind is ReplicaKind.HYBRID
-            state = ReplicaState.SLEEPING if hybrid else ReplicaState.ACTIVE
+            serving = not hybrid or only_hybrid
+            state = ReplicaState.ACTIVE if serving else ReplicaState.SLEEPING
             nodes.setdefault(node, []).append(ReplicaSpec(rid, kind, state, initial=not hybrid))
-            world.add_replica(rid, node, hybrid=hybrid, routed=not hybrid)
+            world.add_replica(rid, node, hybrid=hybrid, routed=serving)
         for node, replicas in nodes.items():
             registry.register_node(node, f"{node}.sim:0", replicas=replicas)
     return world, registry, events
@@ -162,7 +172,7 @@ def scheduling_config(scenario: Scenario, spec: RunSpec, policy: str | None) -> 
     w = scenario.workload
     fields = dict(scenario.scheduling)
     fields.update(use_dynamic_resource_scheduling=spec.dynamic, only_hybrid=spec.dynamic and spec.rollout_gpus == 0,
-                  ppo_mini_batch_size=w.ppo_mini_batch_size * w.n)
+                  ppo_mini_batch_size=w.ppo_mini_batch_size)
     if policy is not None:
         fields["dynamic_schedule_policy"] = policy
     elif spec.policy is not None:
@@ -183,7 +193,7 @@ def simulate_run(scenario: Scenario, spec: RunSpec, *, steps: int | None = None,
     w = scenario.workload
     metrics = CycleMetrics(hybrid_gpus=spec.train_gpus, standalone_gpus=spec.rollout_gpus,
                            concurrent_samples_per_replica=scenario.engine.concurrent_samples_per_replica,
-                           max_required_samples=w.max_required_samples)
+                           max_required_samples=w.max_required_completions)
     config = scheduling_config(scenario, spec, policy)
     try:
         controller = DynamicResourceController(config, registry=registry, routing=routing, replicas=replicas,
@@ -198,7 +208,7 @@ def simulate_run(scenario: Scenario, spec: RunSpec, *, steps: int | None = None,
                      steps=records, total_time_s=records[-1].end_s if records else 0.0,
                      generated=world.generated, consumed=world.consumed, dropped=world.dropped,
                      activations=controller.activations, deactivations=controller.deactivations,
-                     queue_cap=w.buffer_samples, controller=controller, calls=calls)
+                     queue_cap=int(w.buffer_samples), controller=controller, calls=calls)
 
 
 class SimTrainer:
@@ -211,19 +221,23 @@ class SimTrainer:
         self.w = scenario.workload
         self.last_sync_s = 0.0
 
+    def queued(self) -> int:
+        """Samples (prompt groups) in the queue; the world queues whole groups."""
+        return self.world.queue_size // self.w.n
+
     def report(self, step: int, **extra: Any) -> StepReport:
         w, world = self.w, self.world
-        expected = w.step_samples * step
         return StepReport(required_samples=w.required_samples,
                           trigger_parameter_sync_step=w.trigger_parameter_sync_step,
-                          total_generated_samples=world.generated, expected_samples=expected,
-                          buffer_samples=int(math.floor(expected * w.staleness_threshold + 1e-9)),
-                          queue_size=world.queue_size, **extra)
+                          total_generated_samples=world.generated // w.n,
+                          expected_samples=samples.expected_samples(w.step_samples, step),
+                          buffer_samples=w.buffer_samples, queue_size=self.queued(), **extra)
 
-    async def wait_for(self, samples: int, timeout_s: float) -> tuple[float, bool]:
+    async def wait_for(self, count: int, timeout_s: float) -> tuple[float, bool]:
+        """Wait until the queue holds ``count`` samples (groups)."""
         start = self.world.now
         try:
-            await asyncio.wait_for(self.world.wait_queue(samples), timeout_s)
+            await asyncio.wait_for(self.world.wait_queue(count * self.w.n), timeout_s)
         except TimeoutError:
             return self.world.now - start, True
         return self.world.now - start, False
@@ -240,7 +254,7 @@ class SimTrainer:
         if begin.deactivate:
             waited, expired = await self.wait_for(begin.wait_samples, begin.wait_timeout_s)
             t0 = world.now
-            released = await ctl.release_hybrid(g, world.queue_size, waited, expired)
+            released = await ctl.release_hybrid(g, self.queued(), waited, expired)
             release_s, aborted = world.now - t0, released.aborted_requests
         alloc0 = world.now
         wait_times: list[float] = []
@@ -248,11 +262,11 @@ class SimTrainer:
         timing = {key: 0.0 for key, _ in COMPUTE_SPLIT}
         timing["step"] = 0.0
         for _ in range(w.trigger_parameter_sync_step):
-            size0, t0 = world.queue_size, world.now
-            await world.wait_queue(w.required_samples)
+            size0, t0 = self.queued(), world.now
+            await world.wait_queue(w.required_completions)
             wait_times.append(world.now - t0)
-            wait_samples.append(max(0, w.required_samples - size0))
-            tokens = world.take(w.required_samples)
+            wait_samples.append(samples.wait_samples(w.required_samples, size0))
+            tokens = world.take(w.required_completions)
             compute = train_time_s(self.scenario, tokens, self.spec.train_gpus)
             await asyncio.sleep(compute)
             timing["step"] += compute
@@ -278,6 +292,7 @@ class SimTrainer:
             stalled_samples=sum(wait_samples),
             train_s=train_s, complete_s=self.last_sync_s, activated=done.hybrid_activated,
             hybrid_sync_skipped=done.hybrid_sync_skipped, deactivate_ratio=done.deactivate_ratio,
+            rebalanced=done.rebalanced, rebalanced_requests=done.rebalanced_requests,
             mq_size=int(cycle.get(MQ_SIZE, mq_size)), generated=world.generated,
             train_utilization=cycle.get(TRAIN_UTILIZATION, 0.0),
             rollout_utilization=cycle.get(ROLLOUT_UTILIZATION, 0.0),

@@ -8,9 +8,10 @@ is allowed. ``scheduling`` holds the reference's parameter names (section 2
 of ``dynamic-resource-scheduling.md``) and is validated by the controller
 core's own :class:`~controller.core.config.SchedulingConfig`.
 
-Units: counts are samples (one completion each) unless said otherwise;
-``ppo_mini_batch_size`` is in prompts (verl), so ``required_samples =
-ppo_mini_batch_size x require_batches x n``.
+Units: as in verl (:mod:`mesh_runtime.samples`), a sample is one prompt with
+its ``n`` responses and ``ppo_mini_batch_size`` is in prompts, so
+``required_samples = ppo_mini_batch_size x require_batches``; the simulated
+engines and queue work per completion (``*_completions`` = samples x ``n``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from mesh_runtime import samples
 
 SCENARIO_DIR = Path(__file__).resolve().parent.parent / "examples" / "scenarios"
 
@@ -61,27 +64,43 @@ class Workload:
     prompt_tokens: int = 512
     response_lengths: ResponseLengths = ResponseLengths()
     max_queue_size: int = 0
-    """Bound of the message queue; 0 means ``2 x max_required_samples`` as the trainer agent uses."""
+    """Bound of the message queue in samples (prompts); 0 means ``2 x max_required_samples``."""
 
     @property
     def required_samples(self) -> int:
-        return self.ppo_mini_batch_size * self.require_batches * self.n
+        """Samples (prompts) per collection."""
+        return samples.required_samples(self.ppo_mini_batch_size, self.require_batches)
 
     @property
     def step_samples(self) -> int:
-        return self.required_samples * self.trigger_parameter_sync_step
+        """Samples (prompts) per weight-sync cycle."""
+        return samples.step_required_samples(self.required_samples, self.trigger_parameter_sync_step)
 
     @property
-    def buffer_samples(self) -> int:
-        return int(math.floor(self.step_samples * self.staleness_threshold + 1e-9))
+    def buffer_samples(self) -> float:
+        return samples.buffer_samples(self.step_samples, self.staleness_threshold)
 
     @property
     def max_required_samples(self) -> int:
-        return self.step_samples + self.buffer_samples
+        return samples.max_required_samples(self.required_samples, self.staleness_threshold,
+                                            self.trigger_parameter_sync_step)
+
+    @property
+    def required_completions(self) -> int:
+        return self.required_samples * self.n
+
+    @property
+    def step_completions(self) -> int:
+        return self.step_samples * self.n
+
+    @property
+    def max_required_completions(self) -> int:
+        return self.max_required_samples * self.n
 
     @property
     def queue_bound(self) -> int:
-        return self.max_queue_size or 2 * self.max_required_samples
+        """The queue bound in completions."""
+        return (self.max_queue_size or 2 * self.max_required_samples) * self.n
 
 
 @dataclasses.dataclass(frozen=True)
@@ -386,10 +405,10 @@ def _parse_run(item: Any, field: str, total: int, per_node: int, per_replica: in
         value = getattr(spec, key)
         _check(f"{field}.{key}", value % per_replica == 0,
                f"must be a multiple of engine.gpus_per_replica ({per_replica})", value)
-    if spec.rollout_gpus == 0:
-        raise ScenarioError(f"{field}.rollout_gpus", "must be > 0: a static run needs rollout GPUs, and colocated "
-                            "mode (hybrids only) is not simulated - once the hybrids are released for training "
-                            "nothing would generate the rest of the step")
+    if spec.rollout_gpus == 0 and not spec.dynamic:
+        raise ScenarioError(f"{field}.rollout_gpus", "must be > 0 for a static run (dynamic: false): without "
+                            "rollout GPUs nothing generates; rollout_gpus: 0 is the only-hybrid (colocated) mode "
+                            "and needs dynamic: true")
     if spec.policy is not None:
         if not isinstance(spec.policy, str):
             raise ScenarioError(f"{field}.policy", f"must be a string, got {spec.policy!r}")

@@ -48,7 +48,7 @@ class LengthTrace:
         self._rng = random.Random(seed)
         r = workload.response_lengths
         self._median, self._sigma, self._max = r.median, r.sigma, r.max_tokens
-        self._growth = r.growth_per_step / workload.step_samples
+        self._growth = r.growth_per_step / workload.step_completions
         self._lengths: list[int] = []
 
     CHUNK = 4096
@@ -119,7 +119,7 @@ class World:
         self._orphans: list[tuple[int, float]] = []   # aborted with nowhere to go: (request, work)
         # rollouter
         self.n = workload.n
-        self.max_required = workload.max_required_samples
+        self.max_required = workload.max_required_completions
         self.s = engine.concurrent_samples_per_replica
         self.capacity = 0
         self.active = 0
@@ -356,13 +356,13 @@ class World:
     def _sample_done(self, req: int) -> None:
         group = self._req_group[req]
         self.active -= 1
-        self.step_generated += 1
         self._group_tokens[group] += self._req_len[req] + self.workload.prompt_tokens
         left = self._group_left[group] - 1
         if left:
             self._group_left[group] = left
         else:
             del self._group_left[group]
+            self.step_generated += 1  # verl's step_generated_samples: fully generated samples (groups)
             self._enqueue(self._group_tokens.pop(group))
         self._record()
 

@@ -229,8 +229,8 @@ def test_killing_a_replica_agent_loses_nothing_and_training_finishes(skip_run_wi
 @pytest.mark.parametrize("changes, keys", [
     ({"rollout.nnodes": 0, "async_training.use_dynamic_resource_scheduling": False},
      ["rollout.nnodes", "rollout.n_gpus_per_node", "async_training.use_dynamic_resource_scheduling"]),
-    ({"async_training.max_queue_size": 16},
-     ["async_training.max_queue_size", "actor_rollout_ref.actor.ppo_mini_batch_size", "actor_rollout_ref.rollout.n"]),
+    ({"async_training.max_queue_size": 7},     # one collection: 8 prompts (samples), as in verl
+     ["async_training.max_queue_size", "actor_rollout_ref.actor.ppo_mini_batch_size", "async_training.require_batches"]),
     ({"trainer.nnodes": 2}, ["trainer.nnodes"]),
     ({"async_training.dynamic_schedule_policy": "nope"}, ["async_training.dynamic_schedule_policy"]),
     ({"async_training.staleness_treshold": 0.1}, ["async_training.staleness_treshold", "did you mean"]),

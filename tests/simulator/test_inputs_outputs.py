@@ -40,7 +40,7 @@ def _raw(tiny):
     (lambda r: r["scheduling"].update(dynamic_schedule_deactivate_ratio=1.5),
      "scheduling.dynamic_schedule_deactivate_ratio", "must be in [0, 1]"),
     (lambda r: r["workload"].update(bogus=1), "workload.bogus", "unknown field"),
-    (lambda r: r["runs"][1].update(rollout_gpus=0), "runs[1].rollout_gpus", "colocated mode"),
+    (lambda r: r["runs"][0].update(rollout_gpus=0), "runs[0].rollout_gpus", "needs dynamic: true"),
     (lambda r: r["engine"].update(hybrid_throughput_factor=0), "engine.hybrid_throughput_factor", "(0, 4]"),
     (lambda r: r["scheduling"].update(staleness_threshold=0.1), "scheduling.staleness_threshold",
      "disagrees with workload.staleness_threshold"),
@@ -144,12 +144,16 @@ def test_balanced_is_registered_and_keeps_hybrids_asleep_when_standalone_keeps_u
                                   deactivate_duration_s=2.0, activate_duration_s=3.0), ctx)
     # generated at release = 120 + 640 - 128 = 632, so standalone made 68 while training: 60 + 68 < 1.3 x 128
     assert p.should_activate_after_step(5, False, ctx) is True
-    ctx.total_generated_samples = 640 + 100          # queued 100, standalone 148: 248 >= 166.4 -> stay asleep
+    # queued 70, released with 40 buffered: generated at release 40 + 640 - 128 = 552, standalone 158;
+    # 70 + 158 = 228 >= 166.4 -> stay asleep, although default (verl's gap 0.6 x 128 - 70 = 6.8 > 0) activates
+    ctx.total_generated_samples = 640 + 70
     p2 = BalancedDynamicSchedulePolicy(deactivate_ratio=0.6)
-    p2.observe_step(5, StepOutcome(5, deactivated=True, buffered_samples=80, waited_s=3.0), ctx)
+    p2.observe_step(5, StepOutcome(5, deactivated=True, buffered_samples=40, waited_s=3.0), ctx)
     assert p2.should_activate_after_step(5, False, ctx) is False
     assert DefaultDynamicSchedulePolicy_activates(ctx)
     # a step without hybrids: activate only when the trainer waited longer than a switch (10 s default)
+    # (queued 40: default's gap 36.8 x 0.5 s per sample = 18.4 s > 10 s, so default wants to activate)
+    ctx.total_generated_samples = 640 + 40
     p3 = BalancedDynamicSchedulePolicy(deactivate_ratio=0.6)
     ctx.step_wait_times, ctx.step_wait_samples = [4.0, 0.0, 0.0, 0.0], [8, 0, 0, 0]
     p3.observe_step(6, StepOutcome(6), ctx)
@@ -170,12 +174,15 @@ def DefaultDynamicSchedulePolicy_activates(ctx):
     return DefaultDynamicSchedulePolicy(deactivate_ratio=0.6).should_activate_after_step(5, False, ctx)
 
 
-def test_balanced_beats_default_where_standalone_suffices(tiny):
+def test_balanced_never_switches_more_than_default_where_standalone_suffices(tiny):
+    # With verl's gap (ratio x step_required - surplus) default itself stays asleep once the queue's surplus
+    # covers the deactivation wait, so on a slow trainer both activate as rarely; balanced must not do worse.
     varied, spec = workload_scenario(tiny, SweepWorkload("slow", {"trainer.gpu_seconds_per_mtoken": 400}))
     default = simulate_run(varied, spec, steps=12, policy="default")
     balanced = simulate_run(varied, spec, steps=12, policy="balanced")
-    assert balanced.activations < default.activations
-    assert balanced.total_time_s < default.total_time_s
+    assert balanced.activations <= default.activations
+    assert default.activations <= 2                  # verl's default: no activation on every step any more
+    assert balanced.total_time_s <= default.total_time_s
     # where the trainer outruns the standalone pool it stays within 2% of default
     base, spec = workload_scenario(tiny, SweepWorkload("base", {}))
     default = simulate_run(base, spec, steps=12, policy="default")

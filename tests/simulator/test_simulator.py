@@ -101,6 +101,8 @@ def test_policy_by_name_and_by_import_path_run_through_the_core(tiny):
         assert type(result.controller.policy).__name__ != "RecordingDefault"
         if policy == "static_fully_async":
             assert result.activations == 0
+        elif policy == "balanced":     # verl's cost gate keeps tiny's hybrids asleep; the gap was computed
+            assert result.controller.policy.last_gap is not None
         else:
             assert result.activations >= 1
 

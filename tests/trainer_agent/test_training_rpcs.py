@@ -90,7 +90,7 @@ async def test_a_driver_that_cannot_reach_the_mesh_reports_failed_not_finished()
     ({"async_training": {"staleness_threshold": -1}}, "async_training.staleness_threshold"),
     ({"actor_rollout_ref": {"rollout": {"n": 1}}}, "actor_rollout_ref.rollout.n"),
     ({"actor_rollout_ref": {"actor": {"optim": {"lr": 0}}}}, "actor_rollout_ref.actor.optim.lr"),
-    ({"async_training": {"max_queue_size": 8}}, "async_training.max_queue_size"),
+    ({"async_training": {"max_queue_size": 7}}, "async_training.max_queue_size"),   # one collection: 8 prompts
     ({"task": {"radix": 11}}, "task.radix"),
 ])
 def test_driver_settings_are_checked_naming_the_key(overrides, key):

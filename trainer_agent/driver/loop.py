@@ -23,10 +23,15 @@ trainer trains) and drives ``steps`` training steps. Per global step ``g``:
    hold ``v`` or the controller no longer lists them as live: one dead
    receiver must not leave the healthy ones stale and out of routing.
 
-Counts are in samples. ``expected_samples`` is cumulative (``required x
-trigger x g``), ``buffer_samples = floor(expected x staleness_threshold)`` and
-``total_generated_samples`` is the queue's ``generated``, so the controller's
-gap ``expected + buffer - generated`` says whether generation lags.
+Counts in the step protocol are in samples of one prompt each (with its
+``n`` responses), as in verl (:mod:`mesh_runtime.samples`): ``required_samples
+= ppo_mini_batch_size x require_batches``, ``expected_samples`` is cumulative
+(``required x trigger x g``), ``buffer_samples = required x trigger x
+staleness_threshold`` (constant), ``total_generated_samples``, ``queue_size``
+and ``step_wait_samples`` are the queue's group counts; the controller's
+``wait_samples`` is a group count too. The queue itself counts completions
+(exactly ``n`` per group); :class:`StepRecord`'s queue counters
+(``queue_size``, ``generated``, ``consumed``, ``dropped``) are completions.
 ``timing_raw["param_sync"]`` carries the previous step's Complete call (the
 sync of this step is not over when its report is sent).
 
@@ -74,6 +79,7 @@ import grpc
 from rollmesh.common.v1 import types_pb2
 from rollmesh.controller.v1 import scheduling_pb2
 
+from mesh_runtime import samples
 from trainer_agent.driver.queue import MessageQueue, Sample
 from trainer_agent.driver.rollouter import GenerateFn, Prompt, RolloutConfig, Rollouter
 from trainer_agent.training.grpo import GrpoTrainer
@@ -178,7 +184,8 @@ class FullyAsyncLoop:
         self.trainer = trainer
         self.config = config
         self.reward_fn = reward_fn
-        self.queue = MessageQueue(max_queue_size or 2 * config.max_required_samples)
+        # the bound is in samples (prompt groups); the queue counts completions
+        self.queue = MessageQueue((max_queue_size or 2 * config.max_required_samples) * config.n)
         self._replica_count = replica_count
         self._replicas = 0
         self.rollouter = Rollouter(config, self.queue, generate, prompts, lambda: self._replicas,
@@ -273,7 +280,7 @@ class FullyAsyncLoop:
             waited, expired = await self._checked(
                 self._wait_for(begin.wait_samples, begin.wait_timeout.ToNanoseconds() / 1e9), rollout)
             release = await self._checked(ctl.ReleaseHybridReplicas(scheduling_pb2.ReleaseHybridReplicasRequest(
-                global_step=gs, buffered_samples=q.size(), waited=_duration(waited), wait_expired=expired),
+                global_step=gs, buffered_samples=self._queued(), waited=_duration(waited), wait_expired=expired),
                 timeout=self._rpc_timeout), rollout)
             released = list(release.released_replica_ids)
             await self._refresh_replicas()
@@ -287,14 +294,14 @@ class FullyAsyncLoop:
         rewards: list[float] = []
         onload_s = 0.0
         for _ in range(cfg.trigger_parameter_sync_step):
-            batch = await q.get_batch(cfg.required_samples, self._collect_timeout)
+            batch = await q.get_batch(cfg.required_completions, self._collect_timeout)
             wait_times.append(batch.waited_s)
-            wait_samples.append(batch.wait_samples)
-            if batch.end_of_data and len(batch.samples) < cfg.required_samples:
+            wait_samples.append(batch.wait_samples // cfg.n)  # whole groups: exact
+            if batch.end_of_data and len(batch.samples) < cfg.required_completions:
                 return None  # the prompts ran out: a normal end
             if batch.timed_out:
-                raise TimeoutError(f"step {gs}: {len(batch.samples)} of {cfg.required_samples} samples "
-                                   f"after {batch.waited_s:.1f} s")
+                raise TimeoutError(f"step {gs}: {len(batch.samples)} of {cfg.required_completions} responses "
+                                   f"({cfg.required_samples} samples of {cfg.n}) after {batch.waited_s:.1f} s")
             groups = self._groups(batch.samples)
             if self.trainer.offloaded:
                 started = time.perf_counter()
@@ -321,8 +328,8 @@ class FullyAsyncLoop:
         report.train_allocated_time.CopyFrom(_duration(allocated))
         report.train_compute_time.CopyFrom(_duration(sum(timing[k] for k in STEP_TIMING_KEYS)))
         report.step_generated_samples = int(rollout_metrics.get("fully_async/rollouter/step_generated_samples", 0))
-        report.samples_consumed = q.consumed - consumed0
-        report.samples_dropped = q.dropped - dropped0
+        report.samples_consumed = (q.consumed - consumed0) // cfg.n
+        report.samples_dropped = (q.dropped - dropped0) // cfg.n
         for point in window:
             sample = report.rollout_concurrency.add(active_tasks=point.active_tasks, capacity=point.capacity)
             sample.time.FromNanoseconds(int(point.t * 1e9))
@@ -348,8 +355,8 @@ class FullyAsyncLoop:
             global_step=gs, weight_version=version, reward_mean=sum(rewards) / len(rewards), metrics=metrics,
             timing_raw=timing, deactivated=begin.deactivate, released_replica_ids=released, waited_s=waited,
             wait_expired=expired, step_wait_times=wait_times, step_wait_samples=wait_samples, queue_size=q.size(),
-            generated=q.generated, consumed=q.consumed, dropped=q.dropped, step_consumed=report.samples_consumed,
-            step_dropped=report.samples_dropped, rollout_metrics=rollout_metrics,
+            generated=q.generated, consumed=q.consumed, dropped=q.dropped,
+            step_consumed=q.consumed - consumed0, step_dropped=q.dropped - dropped0, rollout_metrics=rollout_metrics,
             hybrid_activated=done.hybrid_activated, hybrid_sync_skipped=done.hybrid_sync_skipped,
             synced_replica_ids=synced, bytes_saved=int(done.bytes_saved), offload_s=offload_s, onload_s=onload_s,
             resynced_replica_ids=resynced, activities=self._take_activities())
@@ -450,11 +457,15 @@ class FullyAsyncLoop:
                 await asyncio.sleep(min(2.0, 0.25 * attempt))
         return done
 
-    async def _wait_for(self, samples: int, timeout_s: float) -> tuple[float, bool]:
-        """Wait until the queue holds ``samples`` (at most ``timeout_s``); ``(waited_s, expired)``."""
+    def _queued(self) -> int:
+        """Samples (prompt groups) in the queue; it holds whole groups only."""
+        return self.queue.size() // self.config.n
+
+    async def _wait_for(self, count: int, timeout_s: float) -> tuple[float, bool]:
+        """Wait until the queue holds ``count`` groups (at most ``timeout_s``); ``(waited_s, expired)``."""
         started = time.monotonic()
         deadline = started + timeout_s if timeout_s > 0 else math.inf
-        while self.queue.size() < samples:
+        while self._queued() < count:
             if self.queue.error is not None or self.queue.closed:
                 break
             if time.monotonic() >= deadline:
@@ -480,12 +491,11 @@ class FullyAsyncLoop:
     def _report(self, gs: int, *, timing: dict[str, float] | None = None, wait_times: Sequence[float] = (),
                 wait_samples: Sequence[int] = ()) -> scheduling_pb2.StepReport:
         cfg, q = self.config, self.queue
-        expected = cfg.required_samples * cfg.trigger_parameter_sync_step * gs
         report = scheduling_pb2.StepReport(
             required_samples=cfg.required_samples, trigger_parameter_sync_step=cfg.trigger_parameter_sync_step,
-            total_generated_samples=q.generated, expected_samples=expected,
-            buffer_samples=math.floor(expected * cfg.staleness_threshold + 1e-9),
-            step_wait_samples=list(wait_samples), queue_size=q.size())
+            total_generated_samples=q.generated // cfg.n,
+            expected_samples=samples.expected_samples(cfg.step_required_samples, gs),
+            buffer_samples=cfg.buffer_samples, step_wait_samples=list(wait_samples), queue_size=self._queued())
         for t in wait_times:
             report.step_wait_times.append(_duration(t))
         for key, value in (timing or {}).items():

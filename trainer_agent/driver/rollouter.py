@@ -6,28 +6,37 @@ callable (in production a LoadBalancerService client, see
 ``lb_client.LoadBalancerGenerate``), and puts each group into the
 :class:`MessageQueue` as a unit once all its ``n`` samples are generated.
 
-Units: every count here is in *samples* (completions, one load-balancer
-request each). ``ppo_mini_batch_size`` is in prompts (verl convention), so::
+Units: a *sample* is one prompt with its ``n`` responses, as in verl
+(:mod:`mesh_runtime.samples`), and ``ppo_mini_batch_size`` is in prompts::
 
-    required_samples     = ppo_mini_batch_size * require_batches * n
-    expected_samples     = required_samples * trigger_parameter_sync_step
-    buffer_samples       = floor(expected_samples * staleness_threshold)
-    max_required_samples = expected_samples + buffer_samples
+    required_samples      = ppo_mini_batch_size * require_batches
+    step_required_samples = required_samples * trigger_parameter_sync_step
+    buffer_samples        = step_required_samples * staleness_threshold
+    max_required_samples  = int(required_samples * (staleness_threshold + 1) * trigger_parameter_sync_step)
+
+Inside the rollouter and the queue the bookkeeping is per *completion* (one
+load-balancer request, one response): ``required_completions`` and
+``max_required_completions`` are the sample counts times ``n``, and since
+groups enter and leave the queue whole, every completion count is exactly
+``n`` times a sample count. ``step_generated_samples`` counts samples
+(finished groups), as verl's rollouter does.
 
 Concurrency: at most ``capacity = min(active_replicas * concurrent_samples_per_replica,
-max_required_samples)`` requests are in flight. ``active_replicas`` is an
+max_required_completions)`` requests are in flight (rollmesh routes each
+response separately, so its concurrency unit is the request; verl counts
+prompts). ``active_replicas`` is an
 injected callable read at every scheduling pass (and every
 ``capacity_poll_interval`` seconds, and on ``notify_capacity_changed()``);
 each change is recorded in the rollout history. A capacity drop never
 cancels in-flight requests; it only holds back new ones.
 
 Staleness: a new group is admitted only while ``staleness_samples + n <=
-max_required_samples``. ``reset_staleness(v)`` sets ``staleness_samples`` to
+max_required_completions`` (``staleness_samples`` counts completions). ``reset_staleness(v)`` sets ``staleness_samples`` to
 the samples that already exist for the new window (queued samples plus all
 ``n`` samples of every admitted, not yet queued group), so unconsumed and
 in-flight samples count against the new window's budget. With an empty
-queue and nothing in flight, exactly ``max_required_samples`` (rounded down
-to whole groups) are generated per window before the rollouter pauses.
+queue and nothing in flight, exactly ``max_required_samples`` groups are
+generated per window before the rollouter pauses.
 
 Queue bound: no request is submitted while ``queue.size() >= max_queue_size``.
 Requests already in flight still complete; if their group then overflows
@@ -54,7 +63,6 @@ the missing samples are generated again before new prompts are taken
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -62,6 +70,7 @@ from typing import Any
 
 from controller.core.metrics import ConcurrencyPoint
 from controller.core.metrics import rollout_resource_utilization as core_rollout_utilization
+from mesh_runtime import samples
 from trainer_agent.driver.queue import MessageQueue, RolloutFailed, Sample
 
 STATE_VERSION = 1
@@ -143,20 +152,31 @@ class RolloutConfig:
 
     @property
     def required_samples(self) -> int:
-        return self.ppo_mini_batch_size * self.require_batches * self.n
+        """Samples (prompts) per collection."""
+        return samples.required_samples(self.ppo_mini_batch_size, self.require_batches)
 
     @property
-    def expected_samples(self) -> int:
-        return self.required_samples * self.trigger_parameter_sync_step
+    def step_required_samples(self) -> int:
+        """Samples (prompts) per weight-sync cycle."""
+        return samples.step_required_samples(self.required_samples, self.trigger_parameter_sync_step)
 
     @property
-    def buffer_samples(self) -> int:
-        # The epsilon keeps e.g. 40 * 0.1 from flooring to 3.
-        return int(math.floor(self.expected_samples * self.staleness_threshold + 1e-9))
+    def buffer_samples(self) -> float:
+        return samples.buffer_samples(self.step_required_samples, self.staleness_threshold)
 
     @property
     def max_required_samples(self) -> int:
-        return self.expected_samples + self.buffer_samples
+        """Samples (prompts) per parameter version: the staleness budget."""
+        return samples.max_required_samples(self.required_samples, self.staleness_threshold,
+                                            self.trigger_parameter_sync_step)
+
+    @property
+    def required_completions(self) -> int:
+        return self.required_samples * self.n
+
+    @property
+    def max_required_completions(self) -> int:
+        return self.max_required_samples * self.n
 
 
 @dataclass(frozen=True)
@@ -196,9 +216,9 @@ class Rollouter:
         is_retryable: Callable[[BaseException], bool] | None = None,
         capacity_poll_interval: float | None = 1.0,
     ) -> None:
-        if config.max_required_samples < config.n:
+        if config.max_required_samples < 1:
             raise ValueError(
-                f"max_required_samples {config.max_required_samples} is below the group size {config.n}"
+                f"max_required_samples {config.max_required_samples} is below one sample (prompt group)"
             )
         if queue.max_queue_size < config.n:
             raise ValueError(f"max_queue_size {queue.max_queue_size} is below the group size {config.n}")
@@ -368,7 +388,7 @@ class Rollouter:
 
     def _refresh_capacity(self) -> None:
         replicas = max(0, int(self._active_replicas()))
-        cap = min(replicas * self.config.concurrent_samples_per_replica, self.config.max_required_samples)
+        cap = min(replicas * self.config.concurrent_samples_per_replica, self.config.max_required_completions)
         if cap != self._capacity:
             self._capacity = cap
             self._record("capacity")
@@ -402,7 +422,7 @@ class Rollouter:
         """No admitted sample is waiting to be submitted and the staleness
         budget has no room for another group."""
         return (
-            self._staleness_samples + self.config.n > self.config.max_required_samples
+            self._staleness_samples + self.config.n > self.config.max_required_completions
             and self._unsubmitted() is None
             and self._peek_prompt() is not None
         )
@@ -425,7 +445,7 @@ class Rollouter:
         prompt = self._peek_prompt()
         if prompt is None:
             return None
-        if self._staleness_samples + self.config.n > self.config.max_required_samples:
+        if self._staleness_samples + self.config.n > self.config.max_required_completions:
             self._paused = "staleness"
             return None
         self._lookahead = None
@@ -474,13 +494,13 @@ class Rollouter:
             return
         group.done[index] = sample
         self._completed_total += 1
-        self._step_generated += 1
         self._finish_task(key, group, index, "drain" if self._paused else "complete")
         if len(group.done) == self.config.n:
             del self._pending[group.group_id]
-            samples = [group.done[i] for i in range(self.config.n)]
-            self._dropped_by_queue += self._queue.put_group(samples)
+            finished = [group.done[i] for i in range(self.config.n)]
+            self._dropped_by_queue += self._queue.put_group(finished)
             self._groups_enqueued += 1
+            self._step_generated += 1  # verl's step_generated_samples: fully generated samples (groups)
         self._wake.set()
 
     def _finish_task(self, key: tuple[str, int], group: _Group, index: int, kind: str) -> None:

@@ -136,7 +136,7 @@ async def test_a_restart_keeps_queued_and_half_finished_samples():
 
     assert [r.global_step for r in records] == [3, 4] and [r.weight_version for r in records] == [3, 4]
     last = records[-1]
-    assert last.consumed == 4 * ROLLOUT.required_samples
+    assert last.consumed == 4 * ROLLOUT.required_completions   # the queue counts completions
     assert last.generated == last.consumed + last.dropped + last.queue_size
     assert last.dropped == 0
     # Half-finished groups asked only for their missing samples; their finished ones were kept.

@@ -72,13 +72,14 @@ async def drain(r: Rollouter, gen: FakeGenerate, q: MessageQueue) -> None:
         await until(lambda: gen.in_flight == r.active_tasks)
 
 
-def test_config_sample_arithmetic() -> None:
+def test_config_sample_arithmetic_is_verls_in_prompts() -> None:
     cfg = RolloutConfig(n=4, ppo_mini_batch_size=8, require_batches=2, trigger_parameter_sync_step=4,
                         staleness_threshold=0.1)
-    assert cfg.required_samples == 64
-    assert cfg.expected_samples == 256
-    assert cfg.buffer_samples == 25
-    assert cfg.max_required_samples == 281
+    assert cfg.required_samples == 16                     # ppo_mini_batch_size x require_batches, prompts
+    assert cfg.step_required_samples == 64
+    assert cfg.buffer_samples == pytest.approx(6.4)       # 64 x 0.1, a float, not floored
+    assert cfg.max_required_samples == 70                 # int(16 x 1.1 x 4) = int(70.4)
+    assert (cfg.required_completions, cfg.max_required_completions) == (64, 280)   # x n responses
 
 
 async def test_groups_enter_the_queue_as_a_unit_with_request_fields() -> None:
@@ -103,9 +104,9 @@ async def test_groups_enter_the_queue_as_a_unit_with_request_fields() -> None:
 
 
 async def test_staleness_pause_and_resume_on_reset() -> None:
-    # required=2, expected=4, buffer=2 -> 6 samples (3 groups) per window.
+    # required=1 prompt, step_required=2, max_required=int(1 x 1.5 x 2)=3 groups = 6 completions per window.
     r, q, gen, _, _ = make(n=2, mini=1, trigger=2, staleness=0.5)
-    assert r.config.max_required_samples == 6
+    assert r.config.max_required_samples == 3 and r.config.max_required_completions == 6
     run = asyncio.create_task(r.run())
     await until(lambda: gen.in_flight == 6)
     await drain(r, gen, q)
@@ -113,12 +114,12 @@ async def test_staleness_pause_and_resume_on_reset() -> None:
     assert len(gen.calls) == 6
     # Completions while paused are recorded as drains.
     assert [p.kind for p in r.history].count("drain") == 6
-    assert q.size() == 6 and r.step_generated_samples == 6
+    assert q.size() == 6 and r.step_generated_samples == 3     # groups, as verl counts samples
 
     # Consume everything, then reset: a fresh budget of 6 at version 1.
     await q.get_batch(6, timeout=0)
     metrics = r.reset_staleness(1)
-    assert metrics[STEP_GENERATED_METRIC] == 6
+    assert metrics[STEP_GENERATED_METRIC] == 3
     assert r.step_generated_samples == 0
     await until(lambda: gen.in_flight == 6)
     assert {c.param_version for c in gen.calls[6:]} == {1}
@@ -189,7 +190,7 @@ async def test_concurrency_follows_active_replicas_and_history_records_capacity(
     # Capacity is capped by max_required_samples.
     reps.count = 1000
     r.notify_capacity_changed()
-    assert r.capacity == r.config.max_required_samples == 50
+    assert r.capacity == r.config.max_required_completions == r.config.max_required_samples * r.config.n
     run.cancel()
     with pytest.raises(asyncio.CancelledError):
         await run
