@@ -19,7 +19,7 @@ from pathlib import Path
 
 import grpc
 
-from mesh_runtime.launcher import start_server
+from launcher.processes import start_server
 from rollmesh.common.v1 import generation_pb2
 from rollmesh.controller.v1 import controller_pb2_grpc, registry_pb2, scheduling_pb2
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2 as lb_pb

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import grpc
 
-from mesh_runtime.launcher import start_server
+from launcher.processes import start_server
 from rollmesh.common.v1 import generation_pb2
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2, loadbalancer_pb2_grpc, routing_pb2
 from rollmesh.replica.v1 import replica_agent_pb2, replica_agent_pb2_grpc

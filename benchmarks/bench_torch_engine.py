@@ -20,7 +20,7 @@ import time
 import torch
 
 from replica_agent.engines import GenerationRequest, SamplingParams, create_engine
-from replica_agent.engines.presets import PRESETS, build_preset_model
+from modeling.presets import PRESETS, build_preset_model
 
 
 def prompts(n: int, length: int, vocab: int) -> list[list[int]]:

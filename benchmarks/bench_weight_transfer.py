@@ -66,7 +66,7 @@ def free_port() -> int:
 def worker(rank: int, size: int, port: int, args: argparse.Namespace, results: mp.Queue) -> None:
     import torch
 
-    from mesh_runtime.weights import (
+    from weight_transfer import (
         GroupCache,
         WeightTransferConfig,
         broadcast_manifest,

@@ -1,10 +1,10 @@
-"""The ``rollmesh`` command: one subcommand per server, plus local-mesh helpers.
+"""The ``rollmesh`` command: one subcommand per server, plus the tools.
 
 ``rollmesh controller|lb|replica-agent|trainer-agent [--config FILE] [--listen HOST:PORT]``
 runs one server in this process. A bad flag or config value exits with code 2
-and one line that names the bad key and why. ``rollmesh up`` starts all four
-servers locally as separate processes; ``rollmesh status ADDRESS`` prints a
-server's status.
+and one line that names the bad key and why. Tools (``train``, ``up``,
+``status``, ``simulate``, ``top``) are modules found by name, so this plumbing
+imports neither the launcher nor any server.
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ SERVERS = {
 # `run(args, env) -> int` (the exit code). Each module is imported only when
 # its subcommand runs, except to build its arguments.
 TOOLS = {
-    "train": "mesh_runtime.train",
+    "train": "launcher.train",
+    "up": "launcher.up",
+    "status": "launcher.status",
     "simulate": "simulator.cli",
     "top": "controller.top",
 }
@@ -79,13 +81,6 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name in SERVERS:
         _server_parser(sub, name)
-    up = sub.add_parser("up", help="start the four servers locally and print their status")
-    up.add_argument("--run-dir", default="runs/up", help="directory for the servers' logs")
-    up.add_argument("--exit-after-status", action="store_true",
-                    help="stop the servers after printing their status instead of waiting for Ctrl-C")
-    status = sub.add_parser("status", help="print the status of a running server")
-    status.add_argument("address", metavar="HOST:PORT")
-    status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
     for name, module_name in TOOLS.items():
         try:
             module = importlib.import_module(module_name)
@@ -151,12 +146,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_server(args.command, args, env)
     if args.command in TOOLS:
         return importlib.import_module(TOOLS[args.command]).run(args, env)
-    from . import local_mesh  # noqa: PLC0415 - only these commands need it
-
-    if args.command == "up":
-        return asyncio.run(local_mesh.up(args.run_dir, exit_after_status=args.exit_after_status, env=env))
-    if args.command == "status":
-        return asyncio.run(local_mesh.print_status(args.address, timeout_s=args.timeout))
     return 2
 
 

@@ -103,7 +103,7 @@ class Node:
     def _weight_groups(self):
         if self._groups is None:
             from .weights import WeightGroups  # noqa: PLC0415 - imports torch, only when weights move
-            from mesh_runtime.weights import WeightTransferConfig  # noqa: PLC0415
+            from weight_transfer import WeightTransferConfig  # noqa: PLC0415
 
             self._groups = WeightGroups(WeightTransferConfig(**self.config.weight_transfer))
         return self._groups
@@ -124,7 +124,7 @@ class Node:
 
     async def prepare_weight_sync(self, replica_id: str, *, weight_version: int, bucket_size_bytes: int | None,
                                   checksum_algorithm: str | None):
-        from mesh_runtime.weights import CHECKSUM_ALGORITHMS  # noqa: PLC0415
+        from weight_transfer import CHECKSUM_ALGORITHMS  # noqa: PLC0415
 
         from . import syncing  # noqa: PLC0415
 

@@ -121,7 +121,7 @@ class ReplicaAgentServicer(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
         return out
 
     async def PrepareWeightSync(self, request, context):  # noqa: N802
-        from mesh_runtime.weights.wire import manifest_to_proto  # noqa: PLC0415
+        from weight_transfer.wire import manifest_to_proto  # noqa: PLC0415
 
         prepared = await self.node.prepare_weight_sync(
             request.replica_id, weight_version=request.weight_version,

@@ -42,7 +42,7 @@ class SendResult:
 
 
 def _check_receivable(replica: Replica, plan, abort_in_flight: bool) -> None:
-    from mesh_runtime.weights import validate_against  # noqa: PLC0415 - torch only when syncing
+    from weight_transfer import validate_against  # noqa: PLC0415 - torch only when syncing
 
     if replica.state in _CANNOT_SYNC:
         raise FailedPrecondition(f"replica {replica.replica_id!r} is {replica.state} and cannot receive weights",
@@ -72,7 +72,7 @@ async def receive(manager: ReplicaManager, groups, replica_ids: list[str], plan,
 
 
 async def _receive_one(groups, replica: Replica, plan) -> ReceiveResult:
-    from mesh_runtime.weights import ChecksumMismatch, receive_weights_async  # noqa: PLC0415
+    from weight_transfer import ChecksumMismatch, receive_weights_async  # noqa: PLC0415
 
     started = time.monotonic()
     async with replica.lock:
@@ -132,7 +132,7 @@ async def prepare(manager: ReplicaManager, groups, replica_id: str, *, weight_ve
     A repeat with the same version, bucket size and algorithm returns the recorded
     preparation without hashing the weights again (while the replica still holds that version).
     """
-    from mesh_runtime.weights import build_manifest  # noqa: PLC0415 - torch only when syncing
+    from weight_transfer import build_manifest  # noqa: PLC0415 - torch only when syncing
 
     replica = manager.get(replica_id)
     _check_servable(replica)
@@ -163,7 +163,7 @@ async def prepare(manager: ReplicaManager, groups, replica_id: str, *, weight_ve
 
 async def send(manager: ReplicaManager, groups, replica_id: str, plan) -> SendResult:
     """Send a replica's weights as rank 0 of ``plan`` (seed-replica sync for new replicas)."""
-    from mesh_runtime.weights import send_weights_async  # noqa: PLC0415
+    from weight_transfer import send_weights_async  # noqa: PLC0415
 
     replica = manager.get(replica_id)
     if plan.source != replica_id:

@@ -2,8 +2,8 @@
 
 Each replica is one member of the transfer group (``GroupCache`` per replica,
 member id = replica id; rank 0, the sender, is ``plan.source``). The bytes
-go through the shared bucketed transfer in :mod:`mesh_runtime.weights`, and
-plans and manifests are decoded by :mod:`mesh_runtime.weights.wire`; this
+go through the shared bucketed transfer in :mod:`weight_transfer`, and
+plans and manifests are decoded by :mod:`weight_transfer.wire`; this
 module keeps the replicas' groups and records results per ``sync_id`` so a
 repeated call returns them instead of transferring twice.
 """
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from mesh_runtime.weights import GroupCache, WeightTransferConfig
-from mesh_runtime.weights.wire import (  # noqa: F401 - the plan/manifest wire helpers, shared with the trainer
+from weight_transfer import GroupCache, WeightTransferConfig
+from weight_transfer.wire import (  # noqa: F401 - the plan/manifest wire helpers, shared with the trainer
     BACKENDS,
     SyncPlan,
     manifest_from_proto,

@@ -36,7 +36,7 @@ import math
 import random
 from collections import deque
 
-from controller.core.metrics import ConcurrencyPoint, rollout_resource_utilization
+from mesh_runtime.rollout_metrics import ConcurrencyPoint, rollout_resource_utilization
 
 from .scenario import Engine, Workload
 

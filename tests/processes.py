@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from mesh_runtime.launcher import READY_LINE, server_command
+from launcher.processes import READY_LINE, server_command
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""The gRPC/Protobuf contracts: lint-clean, documented, generated fresh, importable.
+"""The gRPC/Protobuf contracts: lint-clean, documented, not breaking the frozen contract, generated fresh.
 
 These tests guard the contracts under proto/ and the committed code under
 generated/. The ones that run buf skip (not fail) when node_modules/.bin/buf
@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ from google.protobuf import descriptor_pb2
 ROOT = Path(__file__).resolve().parents[1]
 BUF = ROOT / "node_modules" / ".bin" / "buf"
 GENERATED = ROOT / "generated"
+BASELINE = ROOT / "proto" / "baseline.binpb"
 
 if importlib.util.find_spec("rollmesh") is None:  # not pip-installed: use the checkout
     sys.path.insert(0, str(GENERATED))
@@ -127,6 +129,27 @@ def test_buf_lint_is_clean(buf):
 def test_protos_are_buf_formatted(buf):
     proc = run(buf, "format", "--diff", "--exit-code")
     assert proc.returncode == 0, f"run `{BUF.relative_to(ROOT)} format -w`:\n{proc.stdout}"
+
+
+@pytest.mark.timeout(60)
+def test_no_breaking_change_against_the_frozen_contract(buf):
+    proc = run(buf, "breaking", "--against", str(BASELINE))
+    assert proc.returncode == 0, (
+        "the contracts break clients of the frozen contract (proto/baseline.binpb):\n" + proc.stdout + proc.stderr
+        + "\nif the break is deliberate, run scripts/gen-protos --freeze and say so in the commit")
+
+
+@pytest.mark.timeout(60)
+def test_the_breaking_check_catches_a_changed_field(buf, tmp_path):
+    shutil.copytree(ROOT / "proto", tmp_path / "proto")
+    shutil.copy(ROOT / "buf.yaml", tmp_path / "buf.yaml")
+    changed = tmp_path / "proto" / "rollmesh" / "controller" / "v1" / "scheduling.proto"
+    text = changed.read_text()
+    assert "int64 expected_samples = 4;" in text
+    changed.write_text(text.replace("int64 expected_samples = 4;", "string expected_samples = 4;"))
+    proc = subprocess.run([buf, "breaking", "--against", str(BASELINE)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert proc.returncode != 0 and "expected_samples" in proc.stdout + proc.stderr
 
 
 @pytest.mark.timeout(180)

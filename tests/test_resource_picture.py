@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from mesh_runtime.resource_picture import TRAINER_ROW, build_picture, event_dict_from_proto, render_resource_picture
+from launcher.resource_picture import TRAINER_ROW, build_picture, event_dict_from_proto, render_resource_picture
 
 SA, HY = "REPLICA_KIND_STANDALONE", "REPLICA_KIND_HYBRID"
 

@@ -4,15 +4,15 @@ The controller drives a sync in two calls to this trainer:
 
 1. ``PrepareWeightSync`` -> :meth:`WeightBroadcaster.prepare`: a frozen
    :class:`~.weight_source.WeightSnapshot` of the version, its manifest
-   (:func:`~mesh_runtime.weights.build_manifest`), and the rendezvous store,
+   (:func:`~weight_transfer.build_manifest`), and the rendezvous store,
    hosted once at start on the configured ``weight_rendezvous``. The answer is
    what the controller copies into the plan.
 2. ``SendWeights`` -> :meth:`WeightBroadcaster.send`, concurrently with every
    receiver's ``ReceiveWeights``: the plan must name this trainer as source
    and carry the prepared version and manifest; the group comes from the
-   :class:`~mesh_runtime.weights.GroupCache` (built once per member set and
+   :class:`~weight_transfer.GroupCache` (built once per member set and
    group id, then reused) and the bytes go out with
-   :func:`~mesh_runtime.weights.send_weights_async`.
+   :func:`~weight_transfer.send_weights_async`.
 
 Until a training loop runs here, nothing moves the version on; with
 ``adopt_newer_versions`` a prepare for a newer version publishes the current
@@ -38,7 +38,7 @@ from opentelemetry.trace import Tracer
 
 from mesh_runtime.errors import Aborted, DeadlineExceeded, FailedPrecondition, InvalidArgument
 from mesh_runtime.net import format_host_port
-from mesh_runtime.weights import (
+from weight_transfer import (
     CHECKSUM_ALGORITHMS,
     GroupCache,
     Manifest,
@@ -47,7 +47,7 @@ from mesh_runtime.weights import (
     build_manifest,
     send_weights_async,
 )
-from mesh_runtime.weights.wire import SyncPlan
+from weight_transfer.wire import SyncPlan
 
 from .weight_source import WeightSnapshot, WeightSource
 

@@ -8,7 +8,7 @@ from typing import Literal
 
 from mesh_runtime.config import ConfigError, ServerConfig, setting
 from mesh_runtime.net import AddressError, parse_host_port
-from mesh_runtime.weights import WeightTransferConfig
+from weight_transfer import WeightTransferConfig
 
 from .driver.settings import (
     ActorRolloutRefSettings,
@@ -81,7 +81,7 @@ class TrainerAgentConfig(ServerConfig):
             if not (Path(self.model) / "config.json").is_file():
                 raise ConfigError("model", f"{self.model!r} is not a directory with a config.json")
         else:
-            from replica_agent.engines.presets import PRESETS  # noqa: PLC0415 - no transformers import
+            from modeling.presets import PRESETS  # noqa: PLC0415 - no transformers import
 
             if self.model not in PRESETS:
                 raise ConfigError("model", f"unknown preset {self.model!r}; known presets: {sorted(PRESETS)} "

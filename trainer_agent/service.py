@@ -5,7 +5,7 @@ from __future__ import annotations
 from opentelemetry.sdk.trace import TracerProvider
 
 from mesh_runtime.status import StatusReporter
-from mesh_runtime.weights.wire import manifest_to_proto, plan_from_proto
+from weight_transfer.wire import manifest_to_proto, plan_from_proto
 from rollmesh.trainer.v1 import trainer_agent_pb2 as pb
 from rollmesh.trainer.v1 import trainer_agent_pb2_grpc
 

@@ -15,7 +15,7 @@ Who calls what:
   stays unchanged however the loop moves on, and sends it.
 
 :class:`TorchWeightSource` is today's backend: a transformers model built from
-a replica preset (:func:`replica_agent.engines.presets.build_preset_model`) or
+a replica preset (:func:`modeling.presets.build_preset_model`) or
 loaded from a local Hugging Face directory. A megatron-core backend implements
 the same primitives (``_load``, ``_named_tensors``, ``_write``, ``_close``)
 and converts its sharded parameters to Hugging Face names in ``_named_tensors``.
@@ -33,7 +33,7 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from mesh_runtime.errors import FailedPrecondition, InvalidArgument
-from replica_agent.engines.types import WeightSpec
+from weight_transfer.spec import WeightSpec
 
 from .config import TrainerAgentConfig, is_model_directory
 
@@ -214,7 +214,7 @@ class TorchWeightSource(WeightSource):
 
             module = AutoModelForCausalLM.from_pretrained(self.model, local_files_only=True, dtype=self.dtype)
         else:
-            from replica_agent.engines.presets import build_preset_model  # noqa: PLC0415
+            from modeling.presets import build_preset_model  # noqa: PLC0415
 
             module = build_preset_model(self.model, self.seed, self.dtype)
         self.module = module.to(self.device)

@@ -40,6 +40,14 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from mesh_runtime.rollout_metrics import (  # noqa: F401 - section 4.2, shared with the trainer's rollouter
+    ConcurrencyPoint,
+    _capacity_unknown,
+    interval_capacities,
+    rollout_idle_ratio,
+    rollout_resource_utilization,
+)
+
 TRAIN_COMPUTE_KEYS = ("reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor")
 
 TRAIN_UTILIZATION = "dynamic_resource/train_resource_utilization"
@@ -60,28 +68,6 @@ class MicroStep:
     allocated_s: float
 
 
-@dataclasses.dataclass(frozen=True)
-class ConcurrencyPoint:
-    """From ``t`` until the next point, ``active_tasks`` ran against a capacity.
-
-    Give either ``servers`` (then ``cap = min(servers * s, maxReq)``) or an
-    already computed ``capacity`` (still clamped to ``maxReq``).
-    """
-
-    t: float
-    active_tasks: int
-    servers: int | None = None
-    capacity: int | None = None
-    placeholder: bool = False
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-def _capacity_unknown(point: ConcurrencyPoint) -> bool:
-    return (point.capacity == 0) if point.capacity is not None else not point.servers
-
-
 def train_compute_time_s(timing_raw: Mapping[str, float]) -> float:
     """``compute_i``: the training-compute keys of one micro-step; missing keys are 0."""
     return float(sum(float(timing_raw.get(key, 0.0)) for key in TRAIN_COMPUTE_KEYS))
@@ -99,63 +85,6 @@ def train_resource_utilization(micro_steps: Iterable[MicroStep]) -> float:
     if allocated <= 0:
         return 0.0
     return sum(train_compute_time_s(step.timing_raw) for step in steps) / allocated
-
-
-def _as_point(point: ConcurrencyPoint | Sequence[float]) -> ConcurrencyPoint:
-    if isinstance(point, ConcurrencyPoint):
-        return point
-    t, active, servers = point
-    return ConcurrencyPoint(t=float(t), active_tasks=int(active), servers=int(servers))
-
-
-def interval_capacities(history: Sequence[ConcurrencyPoint], concurrent_samples_per_replica: int,
-                        max_required_samples: int) -> list[int]:
-    """``cap_k`` of each point, with placeholder seeds corrected to the first real capacity."""
-    caps = []
-    for point in history:
-        if point.capacity is not None:
-            cap = point.capacity
-        else:
-            cap = (point.servers or 0) * concurrent_samples_per_replica
-        caps.append(max(0, min(cap, max_required_samples)))
-    real = None
-    for index in range(len(history) - 1, -1, -1):
-        if history[index].placeholder:
-            caps[index] = real if real is not None else 0
-        else:
-            real = caps[index]
-    return caps
-
-
-def rollout_resource_utilization(history: Sequence[ConcurrencyPoint | Sequence[float]],
-                                 concurrent_samples_per_replica: int, max_required_samples: int) -> float:
-    """Capacity-time weighted share of capacity in use over the window (see module doc)."""
-    points = [_as_point(p) for p in history]
-    caps = interval_capacities(points, concurrent_samples_per_replica, max_required_samples)
-    used = weight = 0.0
-    for k in range(len(points) - 1):
-        dt = points[k + 1].t - points[k].t
-        if dt < 0:
-            raise ValueError(f"concurrency history goes back in time at point {k + 1}: "
-                             f"{points[k].t} -> {points[k + 1].t}")
-        if caps[k] == 0 or dt == 0:
-            continue
-        used += dt * min(caps[k], max(0, points[k].active_tasks))
-        weight += dt * caps[k]
-    return used / weight if weight > 0 else 0.0
-
-
-def rollout_idle_ratio(history: Sequence[ConcurrencyPoint | Sequence[float]]) -> float:
-    """Share of the window in which no rollout task was active, over all idle windows."""
-    points = [_as_point(p) for p in history]
-    if len(points) < 2:
-        return 0.0
-    span = points[-1].t - points[0].t
-    if span <= 0:
-        return 0.0
-    idle = sum(points[k + 1].t - points[k].t for k in range(len(points) - 1)
-               if points[k].active_tasks <= 0)
-    return idle / span
 
 
 def hybrid_rollout_fraction(wait_s: float, step_s: float) -> float:

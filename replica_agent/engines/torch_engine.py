@@ -24,7 +24,7 @@ import torch
 
 from .core import SteppedEngine
 from .errors import EngineError, EngineUnavailable, InvalidRequest
-from .presets import PRESETS, build_preset_model
+from modeling.presets import PRESETS, build_preset_model
 from .request_state import StepBatch
 from .torch_batch import BatchRunner
 from .torch_weights import ModelWeights

@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import NamedTuple
+
+from weight_transfer.spec import WeightSpec  # noqa: F401 - defined once there; engines import it from here
 
 from .errors import InvalidRequest
 
@@ -151,15 +152,6 @@ class LoadSnapshot:
     itl_mean_s: float
     """Mean inter-token latency within a request."""
     itl_p95_s: float
-
-
-class WeightSpec(NamedTuple):
-    """Name (Hugging Face naming), dtype name (``"float32"``, ``"bfloat16"``...)
-    and shape of one weight tensor."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
 
 
 def _is_int(value: object) -> bool:

@@ -12,8 +12,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from mesh_runtime.launcher import server_command, start_server
-from mesh_runtime.local_mesh import STATUS_SERVICES, start_local_mesh, stop_all
+from launcher.processes import server_command, start_server
+from launcher.local_mesh import STATUS_SERVICES, start_local_mesh, stop_all
 from tests.processes import clean_env
 
 pytestmark = [pytest.mark.timeout(120)]

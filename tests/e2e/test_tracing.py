@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from mesh_runtime.launcher import start_server
+from launcher.processes import start_server
 from rollmesh.controller.v1 import controller_pb2, controller_pb2_grpc
 from tests.otlp_receiver import start_receiver
 from tests.processes import clean_env

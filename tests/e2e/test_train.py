@@ -181,7 +181,7 @@ def test_the_run_directory_holds_events_metrics_spans_and_the_picture(hybrid_run
     assert sorted(rows) == sorted(["s0-0", "s0-1", "h0", "trainer"])
     # What the picture shows, rebuilt from the run's files: the trainer trained in every step and
     # the hybrid replica both generated and slept.
-    from mesh_runtime.resource_picture import build_picture, read_events
+    from launcher.resource_picture import build_picture, read_events
 
     steps = [json.loads(line) for line in (d / "trainer" / "steps.jsonl").read_text().splitlines()]
     steps = [s for s in steps if s.get("event") == "step"]

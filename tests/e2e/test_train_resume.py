@@ -137,7 +137,7 @@ def test_the_resumed_run_finishes_and_its_steps_continue_without_gap_or_repeat(r
     assert new[-1] == {"event": "finished", "steps": TARGET}
     # The whole run, as the summary counts it: steps 1..TARGET once each (a step the interrupted run
     # finished after its last checkpoint, if any, is done again and its first line superseded).
-    from mesh_runtime.train_report import effective_steps
+    from launcher.train_report import effective_steps
 
     steps = effective_steps(run.step_lines)
     assert [s["global_step"] for s in steps] == list(range(1, TARGET + 1))
@@ -225,7 +225,7 @@ def test_a_directory_without_a_checkpoint_is_refused(tmp_path, capsys):
 
 def test_a_resumed_line_supersedes_the_steps_done_after_the_checkpoint():
     """A run stopped between a step's line and its checkpoint resumes at that step again; its first line goes."""
-    from mesh_runtime.train_report import effective_steps
+    from launcher.train_report import effective_steps
 
     lines = [{"event": "step", "global_step": 1, "reward_mean": 0.1}, {"event": "step", "global_step": 2},
              {"event": "step", "global_step": 3, "reward_mean": 0.5},  # checkpoint of step 3 never written

@@ -17,7 +17,7 @@ from replica_agent.engines import (
     SamplingParams,
     TokenSegment,
 )
-from replica_agent.engines.presets import save_preset
+from modeling.presets import save_preset
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -252,7 +252,7 @@ async def test_greedy_output_matches_hugging_face_generate(torch_engine, collect
     """The padded continuous batch computes what plain ``model.generate`` does."""
     import torch
 
-    from replica_agent.engines.presets import build_preset_model
+    from modeling.presets import build_preset_model
 
     reference_model = build_preset_model("tiny-llama", seed=0).eval()
     requests = [greedy(f"hf{i}", i, max_tokens=20) for i in range(5)]  # prompt lengths 3..7

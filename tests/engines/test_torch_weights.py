@@ -17,7 +17,7 @@ from replica_agent.engines import (
     SamplingParams,
     WeightMismatch,
 )
-from replica_agent.engines.presets import build_preset_model
+from modeling.presets import build_preset_model
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -14,8 +14,8 @@ import sys
 
 import torch
 
-from mesh_runtime.weights import GroupCache, WeightTransferConfig, build_manifest, send_weights
-from replica_agent.engines.presets import build_preset_model
+from weight_transfer import GroupCache, WeightTransferConfig, build_manifest, send_weights
+from modeling.presets import build_preset_model
 
 
 def greedy(model, prompt: list[int], n: int) -> list[int]:

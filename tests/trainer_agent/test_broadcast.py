@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from mesh_runtime.errors import Aborted, DeadlineExceeded, FailedPrecondition, InvalidArgument
-from mesh_runtime.weights import GroupCache, WeightTransferConfig, build_manifest, receive_weights
-from mesh_runtime.weights.wire import SyncPlan
+from weight_transfer import GroupCache, WeightTransferConfig, build_manifest, receive_weights
+from weight_transfer.wire import SyncPlan
 from trainer_agent.broadcast import WeightBroadcaster
 from trainer_agent.weight_source import TorchWeightSource
 

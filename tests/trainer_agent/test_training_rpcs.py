@@ -11,7 +11,7 @@ from rollmesh.trainer.v1 import trainer_agent_pb2_grpc
 
 from mesh_runtime.config import ConfigError, load_config
 from mesh_runtime.errors import error_info
-from mesh_runtime.weights import WeightTransferConfig
+from weight_transfer import WeightTransferConfig
 from trainer_agent.config import TrainerAgentConfig
 from trainer_agent.driver.settings import DriverSettings
 from trainer_agent.server import SPEC

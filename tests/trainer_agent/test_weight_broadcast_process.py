@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from mesh_runtime.errors import error_info
-from replica_agent.engines.presets import build_preset_model
+from modeling.presets import build_preset_model
 from rollmesh.common.v1 import generation_pb2, weights_pb2
 from rollmesh.replica.v1 import replica_agent_pb2 as replica_pb
 from rollmesh.replica.v1 import replica_agent_pb2_grpc

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mesh_runtime.errors import FailedPrecondition, InvalidArgument
-from replica_agent.engines.presets import build_preset_model, save_preset
+from modeling.presets import build_preset_model, save_preset
 from replica_agent.engines.torch_weights import ModelWeights
 from trainer_agent.weight_source import TorchWeightSource
 

@@ -1,1 +1,1 @@
-"""Tests of the weight-broadcast transfer (mesh_runtime.weights)."""
+"""Tests of the weight-broadcast transfer (weight_transfer)."""

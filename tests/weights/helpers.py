@@ -10,7 +10,7 @@ import traceback
 
 import torch
 
-from mesh_runtime.weights import (
+from weight_transfer import (
     GroupCache,
     Manifest,
     WeightTransferConfig,

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from mesh_runtime.config import ConfigError
-from mesh_runtime.weights import (
+from weight_transfer import (
     GroupCache,
     GroupClosed,
     TransferTimeout,

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from mesh_runtime.weights import (
+from weight_transfer import (
     ALIGNMENT,
     CHECKSUM_ALGORITHMS,
     InvalidManifest,
@@ -17,7 +17,7 @@ from mesh_runtime.weights import (
     build_manifest,
     validate_against,
 )
-from mesh_runtime.weights.manifest import StreamHasher, views_of
+from weight_transfer.manifest import StreamHasher, views_of
 
 from .helpers import BUCKET, expected_spec, model_tensors
 

@@ -12,7 +12,7 @@ import traceback
 import pytest
 import torch
 
-from mesh_runtime.weights import (
+from weight_transfer import (
     ChecksumMismatch,
     GroupBusy,
     GroupCache,

@@ -68,9 +68,9 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from controller.core.metrics import ConcurrencyPoint
-from controller.core.metrics import rollout_resource_utilization as core_rollout_utilization
 from mesh_runtime import samples
+from mesh_runtime.rollout_metrics import ConcurrencyPoint
+from mesh_runtime.rollout_metrics import rollout_resource_utilization as core_rollout_utilization
 from trainer_agent.driver.queue import MessageQueue, RolloutFailed, Sample
 
 STATE_VERSION = 1
@@ -188,7 +188,7 @@ class HistoryPoint:
 
 
 def rollout_resource_utilization(points: Sequence[HistoryPoint]) -> float:
-    """Section 4.2 over the window's points: the controller core's formula (capacities are already clamped)."""
+    """Section 4.2 over the window's points: the shared formula (capacities are already clamped)."""
     history = [ConcurrencyPoint(t=p.t, active_tasks=p.active_tasks, capacity=p.capacity) for p in points]
     max_capacity = max((p.capacity for p in points), default=0)
     return core_rollout_utilization(history, concurrent_samples_per_replica=1, max_required_samples=max_capacity)

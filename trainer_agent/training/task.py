@@ -1,7 +1,7 @@
 """A built-in, verifiable toy task for the trainer: copy a short digit string.
 
 The task lives on the replica presets' small vocabulary (256 ids,
-:mod:`replica_agent.engines.presets`), so a randomly initialised tiny model can
+:mod:`modeling.presets`), so a randomly initialised tiny model can
 learn it with a few GRPO steps on CPU; tests and smoke runs use it to check
 that reward actually rises.
 

@@ -17,7 +17,7 @@ from rollmesh.common.v1 import types_pb2
 from rollmesh.controller.v1 import controller_pb2_grpc, registry_pb2
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2_grpc
 
-from mesh_runtime.weights import WeightTransferConfig
+from weight_transfer import WeightTransferConfig
 from tests.processes import clean_env, running_server
 from trainer_agent.config import TrainerAgentConfig
 from trainer_agent.driver.lb_client import LoadBalancerGenerate

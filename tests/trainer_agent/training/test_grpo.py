@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mesh_runtime.errors import FailedPrecondition, InvalidArgument
-from replica_agent.engines.presets import build_preset_model
+from modeling.presets import build_preset_model
 from trainer_agent.training import task
 from trainer_agent.training.grpo import (GrpoConfig, GrpoTrainer, Sample, clipped_policy_loss, completion_logprobs,
                                          group_advantages, parameter_bytes)

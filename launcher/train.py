@@ -6,13 +6,13 @@
 state, queued samples, unfinished groups and counters come back, every
 replica is brought to the checkpoint's weight version before anything is
 generated, and the run directory's files are appended to (see
-:mod:`mesh_runtime.train_job`). It is refused (exit 2, one line) when
+:mod:`launcher.train_job`). It is refused (exit 2, one line) when
 ``RUN_DIR`` has no checkpoint, when the config's model, task or group size
 differ from the checkpoint's, or when the run already reached the requested
 steps. Without ``--resume`` a run directory holding an earlier run is refused.
 
 The module stays import-light (``rollmesh --help`` imports it to build the
-parser); the job itself lives in :mod:`mesh_runtime.train_job`. A config that
+parser); the job itself lives in :mod:`launcher.train_job`. A config that
 cannot work is rejected before any process starts, with exit code 2 and the
 keys named.
 """
@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, env: dict[str, str]) -> int:
-    from .config import ConfigError  # noqa: PLC0415
+    from mesh_runtime.config import ConfigError  # noqa: PLC0415
     from .job_config import load_job_config  # noqa: PLC0415
 
     overrides: dict = {}
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace, env: dict[str, str]) -> int:
     except ConfigError as err:
         print(f"rollmesh train: error: {err}", file=sys.stderr)
         return 2
-    from .cli import print_config_notes  # noqa: PLC0415
+    from mesh_runtime.cli import print_config_notes  # noqa: PLC0415
 
     print_config_notes("train", job, sys.stdout)
     if args.resume is not None:

@@ -27,7 +27,7 @@ Topologies (every member of a transfer must use the same one):
 
 Every blocking step is bounded by the group's ``op_timeout`` (or the
 ``timeout`` argument). Any failure other than a checksum mismatch marks the
-group broken (see :mod:`mesh_runtime.weights.groups`).
+group broken (see :mod:`weight_transfer.groups`).
 
 These functions block; servers run them with :func:`asyncio.to_thread`, or
 call the ``*_async`` wrappers, which also turn cancellation of the awaiting

@@ -19,7 +19,7 @@ import grpc
 from google.protobuf import json_format
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from .launcher import LaunchError, ServerProcess, start_server
+from .processes import LaunchError, ServerProcess, start_server
 
 # Full service name -> module holding its generated stub and messages.
 STATUS_SERVICES = {

@@ -18,7 +18,7 @@ from rollmesh.common.v1 import weights_pb2
 from .manifest import Manifest, TensorEntry
 
 BACKENDS = {weights_pb2.PROCESS_GROUP_BACKEND_GLOO: "gloo", weights_pb2.PROCESS_GROUP_BACKEND_NCCL: "nccl"}
-"""``ProcessGroupBackend`` value -> backend name used by :class:`~mesh_runtime.weights.GroupCache`."""
+"""``ProcessGroupBackend`` value -> backend name used by :class:`~weight_transfer.GroupCache`."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +41,7 @@ class SyncPlan:
 
 
 def manifest_from_proto(msg: weights_pb2.WeightManifest) -> Manifest:
-    """Decode a manifest and check its layout (:class:`~mesh_runtime.weights.InvalidManifest` if impossible)."""
+    """Decode a manifest and check its layout (:class:`~weight_transfer.InvalidManifest` if impossible)."""
     manifest = Manifest(tensors=[TensorEntry(name=t.name, dtype=t.dtype, shape=tuple(t.shape),
                                              bucket_index=t.bucket_index, offset_bytes=t.offset_bytes,
                                              nbytes=t.nbytes) for t in msg.tensors],

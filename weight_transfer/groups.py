@@ -63,7 +63,7 @@ class WeightTransferConfig:
                                          "relays each bucket to rank r+1; gloo only) or 'auto' (chain "
                                          "on gloo, broadcast on NCCL); all members must agree")
     checksum_algorithm: str = setting("wsum64", help="'wsum64' (fastest, runs on the GPU), 'crc32' or "
-                                                     "'sha256'; see mesh_runtime.weights.manifest")
+                                                     "'sha256'; see weight_transfer.manifest")
     gloo_interface: str = setting("", help="network interface gloo binds to, e.g. 'lo' on loopback; "
                                            "empty = gloo's default device")
     gloo_threads: int = setting(2, help="gloo worker threads per group (collectives in flight at once)")

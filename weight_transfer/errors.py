@@ -18,7 +18,7 @@ error                     canonical code        reason
 ========================  ====================  ===========================
 
 The UNAVAILABLE ones are worth retrying as a new sync (with a new group id:
-see :mod:`mesh_runtime.weights.groups`); the others are not.
+see :mod:`weight_transfer.groups`); the others are not.
 """
 
 from __future__ import annotations

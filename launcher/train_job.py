@@ -30,7 +30,7 @@ new output. ``metrics.json`` and ``resource_time.png`` of an earlier part
 that finished are kept as ``metrics.until-step-K.json`` and
 ``resource_time.until-step-K.png``; the new ones cover the whole run for
 steps, rewards and sample counts, and the resumed part for transitions,
-cycles and the picture (see :mod:`mesh_runtime.train_report`).
+cycles and the picture (see :mod:`launcher.train_report`).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ import yaml
 from google.protobuf import json_format
 
 from .job_config import JobConfig, describe_job, server_configs
-from .launcher import LaunchError, ServerProcess, start_server
+from .processes import LaunchError, ServerProcess, start_server
 from .span_sink import start_span_sink
 from .train_report import describe_event, effective_steps, format_summary, progress_bar, summarize
 

@@ -1,0 +1,109 @@
+"""The package boundaries of DESIGN.md and CONVENTIONS.md (rule 12), checked on every import statement.
+
+- servers (controller, loadbalancer, replica_agent, trainer_agent) never import each other;
+- the shared runtime (mesh_runtime) imports no server, no tool and nothing that needs torch;
+- the shared model packages (weight_transfer, modeling) import no server and no tool;
+- the controller and the load balancer import nothing that needs torch (they run no model);
+- the simulator uses the controller core only; the launcher is the one package above several servers.
+
+Every ``import`` / ``from ... import`` counts, also inside functions: a lazy import is still a
+dependency. A second check imports the runtime and the two model-free servers in a fresh
+interpreter and asserts torch and transformers were not loaded.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVERS = {"controller", "loadbalancer", "replica_agent", "trainer_agent"}
+RUNTIME = {"mesh_runtime"}
+MODEL_SHARED = {"weight_transfer", "modeling"}
+TOOLS = {"simulator", "launcher"}
+TORCH = {"torch", "transformers", "safetensors"} | MODEL_SHARED
+OURS = SERVERS | RUNTIME | MODEL_SHARED | TOOLS
+
+ALLOWED: dict[str, set[str]] = {
+    "mesh_runtime": RUNTIME,
+    "weight_transfer": RUNTIME | {"weight_transfer"},
+    "modeling": RUNTIME | {"modeling"},
+    "controller": RUNTIME | {"controller"},
+    "loadbalancer": RUNTIME | {"loadbalancer"},
+    "replica_agent": RUNTIME | MODEL_SHARED | {"replica_agent"},
+    "trainer_agent": RUNTIME | MODEL_SHARED | {"trainer_agent"},
+    "simulator": RUNTIME | {"simulator", "controller"},
+    "launcher": OURS,
+}
+"""Top-level packages of ours each package may import."""
+
+NO_TORCH = {"mesh_runtime", "controller", "loadbalancer", "simulator"}
+
+
+def _imports(path: Path, package: str) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    module_parts = path.relative_to(ROOT).with_suffix("").parts
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.extend((node.lineno, alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: drop the module's own name, then one package per extra dot
+                base = module_parts[:len(module_parts) - node.level]
+                name = ".".join([*base, node.module] if node.module else base)
+            else:
+                name = node.module or ""
+            found.append((node.lineno, name))
+    return found
+
+
+def _violations() -> list[str]:
+    problems = []
+    for package, allowed in ALLOWED.items():
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for line, name in _imports(path, package):
+                top = name.split(".")[0]
+                where = f"{path.relative_to(ROOT)}:{line} imports {name}"
+                if top in OURS and top not in allowed:
+                    problems.append(f"{where} ({package} may import {', '.join(sorted(allowed))})")
+                if package in NO_TORCH and top in TORCH:
+                    problems.append(f"{where} ({package} must not need torch)")
+    return problems
+
+
+def test_every_package_imports_only_what_its_layer_allows():
+    assert _violations() == []
+
+
+def test_the_checker_sees_relative_and_lazy_imports(tmp_path, monkeypatch):
+    for package in ALLOWED:
+        (tmp_path / package).mkdir()
+    (tmp_path / "loadbalancer" / "bad.py").write_text(
+        "def f():\n    from replica_agent.engines import types\n    import torch\n")
+    (tmp_path / "mesh_runtime" / "sub").mkdir()
+    (tmp_path / "mesh_runtime" / "sub" / "x.py").write_text("from ...controller import core\nfrom .. import config\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    problems = _violations()
+    assert any("bad.py:2 imports replica_agent.engines" in p for p in problems)
+    assert any("bad.py:3 imports torch (loadbalancer must not need torch)" in p for p in problems)
+    assert any("x.py:1 imports controller (" in p for p in problems)            # resolved relative import
+    assert not any("imports mesh_runtime" in p for p in problems)               # ".." stays in the runtime
+    assert len(problems) == 3
+
+
+def test_the_runtime_and_the_model_free_servers_load_without_torch():
+    modules = sorted({f"mesh_runtime.{p.stem}" for p in (ROOT / "mesh_runtime").glob("*.py") if p.stem != "__init__"})
+    modules += ["controller.server", "controller.top", "loadbalancer.server", "simulator.cli"]
+    code = ("import importlib, sys\n"
+            f"for name in {modules!r}:\n    importlib.import_module(name)\n"
+            "loaded = sorted(m for m in ('torch', 'transformers', 'weight_transfer', 'modeling') if m in sys.modules)\n"
+            "print(','.join(loaded))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=90)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "", f"loaded without need: {result.stdout.strip()}"
