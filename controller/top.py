@@ -199,9 +199,9 @@ def _interactive(stub: Any, address: str, interval_s: float, timeout_s: float) -
 def run(args: argparse.Namespace, env: dict[str, str]) -> int:
     import sys  # noqa: PLC0415
 
-    import grpc  # noqa: PLC0415
     from rollmesh.controller.v1 import controller_pb2_grpc  # noqa: PLC0415
 
+    from mesh_runtime.channels import open_sync_channel  # noqa: PLC0415
     from mesh_runtime.net import parse_host_port  # noqa: PLC0415
 
     try:
@@ -209,7 +209,8 @@ def run(args: argparse.Namespace, env: dict[str, str]) -> int:
     except ValueError as err:
         print(f"rollmesh top: error: address: {err}", file=sys.stderr)
         return 2
-    with grpc.insecure_channel(args.address) as channel:
+    # no channel retries: top polls again every interval, and shows an unreachable controller at once
+    with open_sync_channel(args.address) as channel:
         stub = controller_pb2_grpc.ControllerServiceStub(channel)
         if args.once or not sys.stdout.isatty():
             print("\n".join(render(fetch(stub, args.address, args.timeout), width=160)))

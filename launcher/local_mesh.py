@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 
 import grpc
+
+from mesh_runtime.channels import open_channel, read_methods
 from google.protobuf import json_format
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -42,7 +44,7 @@ async def list_services(channel: grpc.aio.Channel, timeout_s: float) -> list[str
 
 async def fetch_status(address: str, timeout_s: float = 5.0):
     """``(service name, GetStatusResponse)`` of the rollmesh server at ``address``."""
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with open_channel(address, idempotent=read_methods()) as channel:
         names = await list_services(channel, timeout_s)
         service = next((n for n in names if n in STATUS_SERVICES), None)
         if service is None:

@@ -45,6 +45,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import grpc
+
+from mesh_runtime.channels import open_channel, read_methods
 import yaml
 from google.protobuf import json_format
 
@@ -284,8 +286,8 @@ class TrainJob:
             except LaunchError as err:
                 self.console.line(f"rollmesh train: error: {err}")
                 return 1
-            ctl = grpc.aio.insecure_channel(self.processes["controller"].address)
-            trainer = grpc.aio.insecure_channel(self.processes["trainer-agent"].address)
+            ctl = open_channel(self.processes["controller"].address, idempotent=read_methods())
+            trainer = open_channel(self.processes["trainer-agent"].address, idempotent=read_methods())
             channels += [ctl, trainer]
             watcher = asyncio.create_task(self._watch_events(ctl), name="watch-events")
             try:

@@ -1,13 +1,19 @@
-"""Client channels between rollmesh servers.
+"""Client channels between rollmesh servers, and from the launcher and the CLI: the one channel factory.
 
-Every channel carries the tracing interceptors (W3C context in metadata) and a
+Every channel carries the same options (message size, keepalive) and a
 service config whose ``retryPolicy`` retries only the methods the caller names
-as idempotent, and only on ``UNAVAILABLE``. Application-level retries (tenacity)
-must never be stacked on those methods.
+as idempotent, and only on ``UNAVAILABLE``. :data:`READ_METHODS` is that set
+for reads: every unary ``Get*`` / ``List*`` method of rollmesh's four
+services, read once from the generated descriptors. Application-level
+retries (tenacity) must never be stacked on the methods a channel retries.
+:func:`open_channel` (``grpc.aio``) also carries the tracing interceptors (W3C
+context in metadata); :func:`open_sync_channel` is the blocking variant for
+tools that have no event loop (``rollmesh top``).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 
@@ -15,6 +21,25 @@ import grpc
 from opentelemetry.sdk.trace import TracerProvider
 
 from . import tracing
+
+_SERVICE_MODULES = ("rollmesh.controller.v1.controller_pb2", "rollmesh.loadbalancer.v1.loadbalancer_pb2",
+                    "rollmesh.replica.v1.replica_agent_pb2", "rollmesh.trainer.v1.trainer_agent_pb2")
+
+
+@functools.cache
+def read_methods() -> tuple[tuple[str, str], ...]:
+    """``(service full name, method)`` of every unary Get*/List* RPC: reads, safe to retry on UNAVAILABLE."""
+    import importlib  # noqa: PLC0415
+
+    found = []
+    for module_name in _SERVICE_MODULES:
+        module = importlib.import_module(module_name)
+        for service in module.DESCRIPTOR.services_by_name.values():
+            for method in service.methods:
+                unary = not method.client_streaming and not method.server_streaming
+                if unary and method.name.startswith(("Get", "List")):
+                    found.append((service.full_name, method.name))
+    return tuple(sorted(found))
 
 
 def retry_service_config(idempotent: Sequence[tuple[str, str]], *, max_attempts: int = 4,
@@ -33,11 +58,10 @@ def retry_service_config(idempotent: Sequence[tuple[str, str]], *, max_attempts:
     return json.dumps({"methodConfig": [{"name": names, "retryPolicy": policy}]})
 
 
-def open_channel(address: str, *, tracer_provider: TracerProvider | None,
-                 idempotent: Sequence[tuple[str, str]] = (),
-                 max_message_bytes: int = 64 * 1024 * 1024) -> grpc.aio.Channel:
-    """An insecure ``grpc.aio`` channel to ``address`` with tracing and retries."""
-    options = [
+def channel_options(idempotent: Sequence[tuple[str, str]] = (),
+                    max_message_bytes: int = 64 * 1024 * 1024) -> list[tuple[str, object]]:
+    """The options every rollmesh channel is opened with."""
+    return [
         ("grpc.enable_retries", 1),
         ("grpc.service_config", retry_service_config(idempotent)),
         ("grpc.max_send_message_length", max_message_bytes),
@@ -45,5 +69,17 @@ def open_channel(address: str, *, tracer_provider: TracerProvider | None,
         ("grpc.keepalive_time_ms", 20_000),
         ("grpc.keepalive_timeout_ms", 10_000),
     ]
-    return grpc.aio.insecure_channel(address, options=options,
+
+
+def open_channel(address: str, *, tracer_provider: TracerProvider | None = None,
+                 idempotent: Sequence[tuple[str, str]] = (),
+                 max_message_bytes: int = 64 * 1024 * 1024) -> grpc.aio.Channel:
+    """An insecure ``grpc.aio`` channel to ``address`` with tracing and retries of ``idempotent`` methods."""
+    return grpc.aio.insecure_channel(address, options=channel_options(idempotent, max_message_bytes),
                                      interceptors=tracing.client_interceptors(tracer_provider))
+
+
+def open_sync_channel(address: str, *, idempotent: Sequence[tuple[str, str]] = (),
+                      max_message_bytes: int = 64 * 1024 * 1024) -> grpc.Channel:
+    """The blocking variant of :func:`open_channel` (no tracing: tools without an event loop)."""
+    return grpc.insecure_channel(address, options=channel_options(idempotent, max_message_bytes))

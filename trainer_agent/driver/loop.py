@@ -80,6 +80,7 @@ from rollmesh.common.v1 import types_pb2
 from rollmesh.controller.v1 import scheduling_pb2
 
 from mesh_runtime import samples
+from mesh_runtime.channels import open_channel
 from trainer_agent.driver.queue import MessageQueue, Sample
 from trainer_agent.driver.rollouter import GenerateFn, Prompt, RolloutConfig, Rollouter
 from trainer_agent.training.grpo import GrpoTrainer
@@ -153,9 +154,7 @@ def lb_replica_count(lb_stub: Any, *, timeout_s: float = 10.0) -> ReplicaCount:
 
 async def _accepts_connections(address: str, timeout_s: float = 2.0) -> bool:
     """Whether a gRPC server at ``address`` accepts a connection within ``timeout_s``."""
-    import grpc
-
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with open_channel(address) as channel:
         try:
             await asyncio.wait_for(channel.channel_ready(), timeout_s)
         except (TimeoutError, grpc.aio.AioRpcError):

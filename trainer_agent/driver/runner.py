@@ -39,7 +39,7 @@ from typing import Any
 
 import grpc
 
-from mesh_runtime.channels import open_channel
+from mesh_runtime.channels import open_channel, read_methods
 from mesh_runtime.errors import FailedPrecondition
 from rollmesh.common.v1 import types_pb2
 from rollmesh.controller.v1 import controller_pb2_grpc, registry_pb2
@@ -160,8 +160,10 @@ class TrainingDriver:
 
     async def _run(self) -> None:
         s = self.settings
-        ctl_channel = open_channel(s.controller_address, tracer_provider=self._tracer_provider)
-        lb_channel = open_channel(s.load_balancer_address, tracer_provider=self._tracer_provider)
+        ctl_channel = open_channel(s.controller_address, tracer_provider=self._tracer_provider,
+                                   idempotent=read_methods())
+        lb_channel = open_channel(s.load_balancer_address, tracer_provider=self._tracer_provider,
+                                  idempotent=read_methods())
         try:
             controller = controller_pb2_grpc.ControllerServiceStub(ctl_channel)
             balancer = loadbalancer_pb2_grpc.LoadBalancerServiceStub(lb_channel)
