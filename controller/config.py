@@ -105,7 +105,7 @@ class ControllerConfig(ServerConfig):
 
     def load_autoscaler(self):
         """The parsed autoscaler config, or None without ``autoscaler_config``; ConfigError when invalid."""
-        from .core.autoscaler import AutoscalerConfig  # noqa: PLC0415
+        from .scaling.autoscaler import AutoscalerConfig  # noqa: PLC0415
 
         if not self.autoscaler_config:
             return None

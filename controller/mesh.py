@@ -6,7 +6,7 @@ clock, wires it to the other servers through the gRPC ports, persists it in
 the state directory, fans events out to watchers, expires leases, and keeps
 the load balancer's routing table in line with the registry. Scale
 operations (:class:`~controller.scaling.Scaler`) and the autoscaler loop
-(:class:`~controller.autoscaling.AutoscalerLoop`) hang off it too.
+(:class:`~controller.scaling.autoscaler_loop.AutoscalerLoop`) hang off it too.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from .core.events import EventLog, EventType
 from .core.hybrid import DynamicResourceController
 from .core.metrics import CycleMetrics
 from .core.replicas import ReplicaKind, ReplicaRegistry, ReplicaState
-from .ports import AgentReplicas, Channels, LoadBalancerRouting, WeightBroadcast
+from .ports import AgentReplicas, Channels, LoadBalancerRouting
+from .weight_sync import WeightBroadcast
 from .store import StateStore
 from .watchers import EventHub
 
@@ -75,8 +76,8 @@ class Mesh:
         self.transitions = asyncio.Lock()
         """Held by every change of routing or weights that hybrid steps and scale operations make, so the
         two never interleave on the same replicas."""
-        from .autoscaling import AutoscalerLoop  # noqa: PLC0415
-        from .scaling import Scaler  # noqa: PLC0415
+        from .scaling.autoscaler_loop import AutoscalerLoop  # noqa: PLC0415
+        from .scaling.scaler import Scaler  # noqa: PLC0415
 
         self.scaler = Scaler(self)
         self.autoscaler = AutoscalerLoop(self, config.load_autoscaler())

@@ -20,7 +20,7 @@ from .core.events import EventType
 from .core.replicas import ReplicaKind, ReplicaState
 from .mesh import Mesh
 from .peers import Peers
-from .service_scaling import ScalingRpcs
+from .scaling.service import ScalingRpcs
 
 log = logging.getLogger(__name__)
 DESCRIPTOR = controller_pb2.DESCRIPTOR.services_by_name["ControllerService"]

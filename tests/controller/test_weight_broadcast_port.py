@@ -6,7 +6,8 @@ import pytest
 
 from controller.core.ports import ReplicaSyncOutcome
 from controller.core.replicas import ReplicaKind, ReplicaRegistry, ReplicaSpec, ReplicaState
-from controller.ports import Channels, WeightBroadcast
+from controller.ports import Channels
+from controller.weight_sync import WeightBroadcast
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -12,8 +12,8 @@ import grpc
 import pytest
 
 from controller.core.replicas import ReplicaKind, ReplicaRegistry, ReplicaSpec, ReplicaState
-from controller.ports import WeightBroadcast
-from controller.scale_runs import seed_replicas
+from controller.weight_sync import WeightBroadcast
+from controller.scaling.runs import seed_replicas
 from rollmesh.common.v1 import weights_pb2
 from rollmesh.replica.v1 import replica_agent_pb2 as agent_pb
 from rollmesh.trainer.v1 import trainer_agent_pb2 as trainer_pb

@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from controller.core.replicas import ReplicaKind, ReplicaRegistry, ReplicaSpec, ReplicaState
-from controller.ports import WeightBroadcast
+from controller.weight_sync import WeightBroadcast
 from rollmesh.common.v1 import weights_pb2
 from rollmesh.replica.v1 import replica_agent_pb2 as agent_pb
 from rollmesh.trainer.v1 import trainer_agent_pb2 as trainer_pb

@@ -1,4 +1,4 @@
-"""Hand-computed sequences for the autoscaler decision core (controller/core/autoscaler.py)."""
+"""Hand-computed sequences for the autoscaler decision core (controller/scaling/autoscaler.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from controller.core.autoscaler import (
+from controller.scaling.autoscaler import (
     Autoscaler,
     AutoscalerConfig,
     MetricsSample,

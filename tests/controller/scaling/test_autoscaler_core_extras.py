@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from controller.core.autoscaler import Autoscaler, AutoscalerConfig, MetricsSample
+from controller.scaling.autoscaler import Autoscaler, AutoscalerConfig, MetricsSample
 
 
 def idle(t: float, tp: float = 100.0) -> MetricsSample:

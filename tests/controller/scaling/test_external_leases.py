@@ -8,7 +8,7 @@ import types
 import pytest
 
 from controller.core.replicas import ReplicaKind, ReplicaRegistry, ReplicaSpec, ReplicaState
-from controller.scaling import Scaler
+from controller.scaling.scaler import Scaler
 
 pytestmark = pytest.mark.timeout(30)
 

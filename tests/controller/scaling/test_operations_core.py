@@ -6,7 +6,7 @@ import pytest
 
 from controller.core.errors import CoreError, FailedPreconditionError, InvalidArgumentError, NotFoundError
 from controller.core.events import EventLog, EventType
-from controller.core.operations import (
+from controller.scaling.operations import (
     OperationBook, OperationInProgress, OperationState, OperationType, RequestIdReused, cancellable)
 
 OS = OperationState

@@ -25,8 +25,8 @@ import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from .errors import CoreError, FailedPreconditionError, InvalidArgumentError, NotFoundError
-from .events import EventSink, EventType
+from ..core.errors import CoreError, FailedPreconditionError, InvalidArgumentError, NotFoundError
+from ..core.events import EventSink, EventType
 
 
 class OperationType(enum.Enum):

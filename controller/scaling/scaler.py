@@ -31,10 +31,10 @@ from typing import Any
 from mesh_runtime.errors import FailedPrecondition, InvalidArgument, NotFound
 from mesh_runtime.net import AddressError, parse_host_port
 
-from . import scale_runs
-from .agents import AgentCalls
-from .core.operations import TERMINAL, OperationBook, OperationState, OperationType, ScaleOperation, cancellable
-from .core.replicas import TERMINAL_STATES, ReplicaKind, ReplicaRecord
+from . import runs as scale_runs
+from ..agents import AgentCalls
+from .operations import TERMINAL, OperationBook, OperationState, OperationType, ScaleOperation, cancellable
+from ..core.replicas import TERMINAL_STATES, ReplicaKind, ReplicaRecord
 
 log = logging.getLogger(__name__)
 OS = OperationState

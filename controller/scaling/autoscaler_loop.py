@@ -2,7 +2,7 @@
 
 Every ``metrics_interval_secs`` it aggregates the latest load reports of the
 model's ACTIVE replicas (reports whose node renewed its lease recently) into
-a :class:`~controller.core.autoscaler.MetricsSample`: mean KV-cache usage
+a :class:`~controller.scaling.autoscaler.MetricsSample`: mean KV-cache usage
 (token_usage), summed waiting requests (num_queue_reqs), the highest queue
 time and TTFT p95, summed generation throughput. Every
 ``evaluation_interval_secs`` the pure core decides; each decision is an
@@ -20,10 +20,10 @@ import asyncio
 import logging
 from typing import Any
 
-from .core.autoscaler import NONE, SCALE_IN, SCALE_OUT, Autoscaler, AutoscalerConfig, MetricsSample, throughput_cv2
-from .core.events import EventType
-from .core.operations import OperationType, ScaleOperation
-from .core.replicas import ReplicaState
+from .autoscaler import NONE, SCALE_IN, SCALE_OUT, Autoscaler, AutoscalerConfig, MetricsSample, throughput_cv2
+from ..core.events import EventType
+from .operations import OperationType, ScaleOperation
+from ..core.replicas import ReplicaState
 
 log = logging.getLogger(__name__)
 MODEL = "default"

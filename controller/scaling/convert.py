@@ -6,9 +6,9 @@ from typing import Any
 
 from rollmesh.controller.v1 import autoscaler_pb2, scaling_pb2
 
-from .convert import duration, timestamp
-from .core.autoscaler import SCALE_IN, SCALE_OUT, ConditionStatus, Decision, MetricsSample
-from .core.operations import OperationState, OperationType, ScaleOperation
+from ..convert import duration, timestamp
+from .autoscaler import SCALE_IN, SCALE_OUT, ConditionStatus, Decision, MetricsSample
+from .operations import OperationState, OperationType, ScaleOperation
 
 POLICY_NAMES = {scaling_pb2.PARTIAL_SUCCESS_POLICY_ROLLBACK_ALL: "rollback_all",
                 scaling_pb2.PARTIAL_SUCCESS_POLICY_KEEP_PARTIAL: "keep_partial"}

@@ -9,9 +9,10 @@ from __future__ import annotations
 from mesh_runtime.errors import FailedPrecondition, InvalidArgument
 from rollmesh.controller.v1 import autoscaler_pb2, scaling_pb2
 
-from . import convert, convert_scaling
-from .auth import require_scale_credential
-from .autoscaling import MODEL
+from .. import convert
+from . import convert as convert_scaling
+from ..auth import require_scale_credential
+from .autoscaler_loop import MODEL
 
 _POLICY_VALUES = set(convert_scaling.POLICY_NAMES) | {scaling_pb2.PARTIAL_SUCCESS_POLICY_UNSPECIFIED}
 
