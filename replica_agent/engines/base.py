@@ -8,9 +8,11 @@ statuses in one place.
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator, Iterator, Mapping
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Any, Literal
 
+from .errors import EngineDead, EngineUnavailable
 from .types import EngineState, GenerationChunk, GenerationRequest, LoadSnapshot, WeightSpec
 
 PauseMode = Literal["wait", "abort"]
@@ -123,10 +125,12 @@ class Engine(abc.ABC):
 
 
 class LifecycleFlags:
-    """The lifecycle flags every engine keeps, and the :class:`EngineState` they imply.
+    """The lifecycle flags every engine keeps, what they imply, and the request plumbing every engine shares.
 
     Engines set the flags; ``state`` and ``weight_version`` are derived here
-    once, so every backend reports states the same way. Put it before
+    once, so every backend reports states the same way, and the checks that
+    refuse work (:meth:`_check_alive`, :meth:`_check_serving`) and the chunk
+    stream of one request (:meth:`_chunks`) are written once. Put it before
     :class:`Engine` in the bases.
     """
 
@@ -158,3 +162,45 @@ class LifecycleFlags:
     @property
     def weight_version(self) -> int:
         return self._weight_version
+
+    def _check_alive(self) -> None:
+        """Raise ``EngineDead`` (failed or closed) or ``EngineUnavailable`` (still loading)."""
+        if self._dead is not None:
+            raise EngineDead(f"engine failed: {self._dead!r}")
+        if self._closed:
+            raise EngineDead("engine is closed")
+        if not self._started:
+            raise EngineUnavailable("engine is still loading")
+
+    def _check_serving(self) -> None:
+        """Raise ``EngineUnavailable`` unless the engine takes new requests (awake, weights loaded, not paused)."""
+        if not (self._weights_resident and self._kv_resident):
+            raise EngineUnavailable("engine is asleep")
+        if not self._weights_loaded:
+            raise EngineUnavailable("engine has no weights loaded")
+        if self._paused:
+            raise EngineUnavailable("engine is paused")
+
+    @staticmethod
+    async def _chunks(queue: asyncio.Queue, abandon: Callable[[], None]) -> AsyncIterator[GenerationChunk]:
+        """A request's chunks from ``queue`` up to the final one; an exception put there is raised.
+
+        Leaving before the final chunk (the caller stopped iterating, or was
+        cancelled) calls ``abandon`` - the engine aborts the request. Callers
+        that re-yield must ``aclose()`` this iterator in a ``finally`` so the
+        abort happens at once, not when the iterator is garbage-collected.
+        """
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finish_reason is not None
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                abandon()

@@ -172,41 +172,20 @@ class SteppedEngine(LifecycleFlags, Engine):
                 await self._reset_batch()
             await self._unload_model()
 
-    def _check_alive(self) -> None:
-        if self._dead is not None:
-            raise EngineDead(f"engine failed: {self._dead!r}")
-        if self._closed:
-            raise EngineDead("engine is closed")
-        if not self._started:
-            raise EngineUnavailable("engine is still loading")
-
     # ------------------------------------------------------------- generation
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         active = self._submit(request)
-        finished = False
+        chunks = self._chunks(active.queue, lambda: self._abort_nowait(active))
         try:
-            while True:
-                item = await active.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finish_reason is not None
-                yield item
-                if finished:
-                    return
+            async for chunk in chunks:
+                yield chunk
         finally:
-            if not finished:
-                self._abort_nowait(active)
+            await chunks.aclose()
 
     def _submit(self, request: GenerationRequest) -> ActiveRequest:
         self._check_alive()
         validate_request(request, max_total_tokens=self.max_total_tokens, **self._request_limits())
-        if not (self._weights_resident and self._kv_resident):
-            raise EngineUnavailable("engine is asleep")
-        if not self._weights_loaded:
-            raise EngineUnavailable("engine has no weights loaded")
-        if self._paused:
-            raise EngineUnavailable("engine is paused")
+        self._check_serving()
         if request.request_id in self._requests:
             raise DuplicateRequest(f"request {request.request_id} is already in flight")
         seed = request.sampling.seed

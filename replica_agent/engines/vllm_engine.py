@@ -185,12 +185,7 @@ class VllmEngine(LifecycleFlags, Engine):
     def _check_alive(self) -> None:
         if self._dead is None and self._client is not None and self._client.errored:
             self._mark_dead(RuntimeError("the vllm engine core died"))
-        if self._dead is not None:
-            raise EngineDead(f"engine failed: {self._dead!r}")
-        if self._closed:
-            raise EngineDead("engine is closed")
-        if not self._started:
-            raise EngineUnavailable("engine is still loading")
+        super()._check_alive()
 
     def _mark_dead(self, exc: BaseException) -> None:
         if self._dead is None:
@@ -215,20 +210,17 @@ class VllmEngine(LifecycleFlags, Engine):
     # ------------------------------------------------------------- generation
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         stream = self._submit(request)
-        finished = False
-        try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finish_reason is not None
-                yield item
-                if finished:
-                    return
-        finally:
-            if not finished and not stream.done.is_set():
+
+        def abandon() -> None:
+            if not stream.done.is_set():
                 self._spawn(self.abort([stream.request_id]))
+
+        chunks = self._chunks(stream.queue, abandon)
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            await chunks.aclose()
 
     def _submit(self, request: GenerationRequest) -> RequestStream:
         self._check_alive()
@@ -237,12 +229,7 @@ class VllmEngine(LifecycleFlags, Engine):
             raise InvalidRequest(
                 f"the vllm backend accepts temperature <= {MAX_VLLM_TEMPERATURE}, got {request.sampling.temperature}"
             )
-        if not (self._weights_resident and self._kv_resident):
-            raise EngineUnavailable("engine is asleep")
-        if not self._weights_loaded:
-            raise EngineUnavailable("engine has no weights loaded")
-        if self._paused:
-            raise EngineUnavailable("engine is paused")
+        self._check_serving()
         previous = self._requests.get(request.request_id)
         if previous is not None and not previous.done.is_set():
             raise DuplicateRequest(f"request {request.request_id} is already in flight")
