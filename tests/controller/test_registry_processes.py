@@ -13,6 +13,7 @@ from rollmesh.controller.v1 import controller_pb2_grpc, observability_pb2, regis
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2 as lb_pb
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2_grpc
 from tests.processes import running_server
+from tests.waiting import wait_until as wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -25,18 +26,6 @@ replicas:
   - {{replica_id: {node}-s0, kind: STANDALONE}}
   - {{replica_id: {node}-h0, kind: HYBRID}}
 """
-
-
-async def wait_for(predicate, timeout_s: float = 30.0, every_s: float = 0.1):
-    """Poll an async predicate (state owned by other processes) until it holds."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while True:
-        value = await predicate()
-        if value:
-            return value
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(every_s)
 
 
 async def test_lease_loss_fails_replicas_resumes_requests_and_survives_a_controller_restart(tmp_path):

@@ -20,6 +20,7 @@ from rollmesh.loadbalancer.v1 import loadbalancer_pb2_grpc
 from rollmesh.loadbalancer.v1 import routing_pb2 as lb_routing
 from tests.otlp_receiver import start_receiver
 from tests.processes import clean_env, running_server
+from tests.waiting import wait_until as until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -43,13 +44,6 @@ async_training:
   ppo_mini_batch_size: 8
   weight_sync_timeout_s: 60
 """
-
-
-async def until(predicate, timeout_s: float = 30.0):
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not await predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.1)
 
 
 async def routed_versions(bal) -> dict[str, int]:

@@ -16,6 +16,7 @@ from rollmesh.loadbalancer.v1 import loadbalancer_pb2_grpc
 from rollmesh.replica.v1 import replica_agent_pb2 as agent_pb
 from rollmesh.replica.v1 import replica_agent_pb2_grpc
 from tests.processes import running_server
+from tests.waiting import wait_until as until  # noqa: F401 - re-exported to the scaling tests
 
 AGENT = """node_id: {node}
 slots: {slots}
@@ -29,17 +30,6 @@ TERMINAL = {scaling_pb2.OPERATION_STATE_ACTIVE, scaling_pb2.OPERATION_STATE_COMP
             scaling_pb2.OPERATION_STATE_FAILED, scaling_pb2.OPERATION_STATE_CANCELLED,
             scaling_pb2.OPERATION_STATE_NOOP}
 STATE = scaling_pb2.OperationState.Name
-
-
-async def until(predicate, timeout_s: float = 60.0, every_s: float = 0.1):
-    """Poll an async predicate (state owned by other processes) until it returns something truthy."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while True:
-        value = await predicate()
-        if value:
-            return value
-        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
-        await asyncio.sleep(every_s)
 
 
 class Procs:

@@ -31,6 +31,7 @@ from trainer_agent.driver.rollouter import RolloutConfig
 from trainer_agent.server import SPEC
 from trainer_agent.training import task
 from trainer_agent.training.grpo import GrpoConfig, GrpoTrainer
+from tests.waiting import wait_until as until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -60,13 +61,6 @@ async_training:
   ppo_mini_batch_size: {required}
   weight_sync_timeout_s: 60
 """
-
-
-async def until(predicate, timeout_s: float = 60.0):
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not await predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.1)
 
 
 async def test_fully_async_loop_runs_the_step_protocol_and_syncs_the_trained_weights(tmp_path, monkeypatch):
