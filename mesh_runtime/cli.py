@@ -131,8 +131,13 @@ def run_server(name: str, args: argparse.Namespace, env: dict[str, str]) -> int:
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
     print_config_notes(name, config)
+    from .server import PortInUse  # noqa: PLC0415
+
     try:
         asyncio.run(module.serve(config, env))
+    except PortInUse as err:  # a usage error, like a bad flag: exit 2 naming the address
+        print(f"rollmesh {name}: error: {err}", file=sys.stderr)
+        return 2
     except OSError as err:
         print(f"rollmesh {name}: error: {err}", file=sys.stderr)
         return 1

@@ -1,8 +1,11 @@
 """The bootstrap every rollmesh server shares.
 
 :class:`MeshServer` owns one ``grpc.aio`` server with the project's services
-plus ``grpc.health.v1`` and server reflection, the tracing and error-mapping
-interceptors, background tasks, and an orderly, idempotent shutdown:
+plus ``grpc.health.v1`` and server reflection, the request-decoding, tracing
+and error-mapping interceptors, background tasks, and an orderly, idempotent
+shutdown. One server per port: ``SO_REUSEPORT`` is off (gRPC turns it on by
+default, which lets a second process bind the same port and take half the
+traffic), so a port in use fails with :class:`PortInUse`. The shutdown:
 health NOT_SERVING -> stop accepting and drain in-flight RPCs within the grace
 period -> cancel background tasks -> run cleanups (close channels) -> flush spans.
 :func:`serve_until_signalled` runs a server until SIGTERM or SIGINT.
@@ -26,6 +29,7 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry.sdk.trace import TracerProvider
 
 from . import tracing
+from .decoding import RequestDecodingInterceptor
 from .errors import ErrorMappingInterceptor
 from .net import format_host_port, parse_host_port
 
@@ -34,6 +38,13 @@ log = logging.getLogger(__name__)
 _MIN_CLEANUP_S = 2.0  # even a zero-grace stop lets cleanups close channels
 
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+
+SERVER_OPTIONS = [("grpc.so_reuseport", 0)]
+"""Options of every rollmesh gRPC server: one server per port."""
+
+
+class PortInUse(OSError):
+    """The listen address is taken (another server, or anything else, is bound to it)."""
 
 
 @dataclass(frozen=True)
@@ -59,8 +70,8 @@ class MeshServer:
         self.shutdown_grace_s = shutdown_grace_s
         self.started_at = time.time()
         self._started_monotonic = time.monotonic()
-        self._interceptors = [tracing.server_interceptor(tracer_provider), ErrorMappingInterceptor(),
-                              *interceptors]
+        self._interceptors = [RequestDecodingInterceptor(), tracing.server_interceptor(tracer_provider),
+                              ErrorMappingInterceptor(), *interceptors]
         self._server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
         self._tasks: set[asyncio.Task] = set()
@@ -81,15 +92,19 @@ class MeshServer:
 
     async def start(self) -> int:
         """Bind, start serving and mark every service SERVING; returns the port."""
-        server = grpc.aio.server(interceptors=self._interceptors)
+        server = grpc.aio.server(interceptors=self._interceptors, options=SERVER_OPTIONS)
         for binding in self.services:
             binding.add_to_server(binding.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         names = [b.full_name for b in self.services] + [HEALTH_SERVICE, reflection.SERVICE_NAME]
         reflection.enable_server_reflection(names, server)
-        port = server.add_insecure_port(self.listen)
+        try:
+            port = server.add_insecure_port(self.listen)
+        except RuntimeError as err:  # grpc raises RuntimeError("Failed to bind to address ...")
+            raise PortInUse(f"cannot listen on {self.listen}: the address is in use or not available "
+                            f"({err})") from None
         if port == 0:
-            raise OSError(f"could not bind {self.listen}")
+            raise PortInUse(f"cannot listen on {self.listen}: the address is in use or not available")
         self._server = server
         self.port = port
         await server.start()

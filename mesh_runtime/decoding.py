@@ -1,0 +1,152 @@
+"""Request decoding, written once for every server: malformed input is INVALID_ARGUMENT, never UNKNOWN.
+
+:class:`RequestDecodingInterceptor` is the outermost interceptor of every
+rollmesh server. It hands gRPC a handler that receives the request's raw
+bytes, decodes them itself with the method's own deserializer and, before the
+servicer sees anything:
+
+* bytes that do not parse as the request message -> ``INVALID_ARGUMENT``
+  (reason ``MALFORMED_REQUEST``) naming the message type. gRPC Python would
+  otherwise answer ``UNKNOWN: Unexpected DecodeError``;
+* an enum field (at any depth, repeated or in a map) holding a number its enum
+  does not define -> ``INVALID_ARGUMENT`` (reason ``UNKNOWN_ENUM_VALUE``)
+  naming the field path and the enum. proto3 keeps such numbers, and a
+  servicer converting them would raise ``KeyError`` / ``ValueError``, i.e.
+  ``INTERNAL``.
+
+Client-streaming requests are decoded message by message; a bad one ends the
+call with the same status. Nothing reaches a servicer, so nothing changes state.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
+
+from .errors import InvalidArgument, to_status
+
+_MAX_QUOTE = 100
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= _MAX_QUOTE else text[:_MAX_QUOTE] + "..."
+
+
+def _type_name(deserializer: Callable[[bytes], Any]) -> str:
+    cls = getattr(deserializer, "__self__", None)
+    descriptor = getattr(cls, "DESCRIPTOR", None)
+    return getattr(descriptor, "full_name", "the request message")
+
+
+def unknown_enum_value(message: Message, path: str = "") -> str | None:
+    """``"field.path: 99 is not a value of pkg.Enum"`` for the first unknown enum number, else None."""
+    for field, value in message.ListFields():
+        name = f"{path}.{field.name}" if path else field.name
+        if field.type == FieldDescriptor.TYPE_ENUM:
+            values = value if field.is_repeated else [value]
+            for index, number in enumerate(values):
+                if number not in field.enum_type.values_by_number:
+                    where = f"{name}[{index}]" if field.is_repeated else name
+                    known = ", ".join(v.name for v in field.enum_type.values)
+                    return f"{where}: {number} is not a value of {field.enum_type.full_name} ({_short(known)})"
+        elif field.type == FieldDescriptor.TYPE_MESSAGE:
+            if field.message_type.GetOptions().map_entry:
+                value_field = field.message_type.fields_by_name["value"]
+                if value_field.type == FieldDescriptor.TYPE_MESSAGE:
+                    items = [(f"{name}[{_short(str(k))!r}]", v) for k, v in value.items()]
+                elif value_field.type == FieldDescriptor.TYPE_ENUM:
+                    for key, number in value.items():
+                        if number not in value_field.enum_type.values_by_number:
+                            return (f"{name}[{_short(str(key))!r}]: {number} is not a value of "
+                                    f"{value_field.enum_type.full_name}")
+                    items = []
+                else:
+                    items = []
+            elif field.is_repeated:
+                items = [(f"{name}[{i}]", v) for i, v in enumerate(value)]
+            else:
+                items = [(name, value)]
+            for sub_path, sub in items:
+                problem = unknown_enum_value(sub, sub_path)
+                if problem:
+                    return problem
+    return None
+
+
+def decode(deserializer: Callable[[bytes], Any], data: bytes, method: str) -> Any:
+    """The request message, or :class:`InvalidArgument` saying why the bytes are not one."""
+    try:
+        message = deserializer(data)
+    except Exception as err:  # noqa: BLE001 - DecodeError, or whatever a custom deserializer raises
+        raise InvalidArgument(f"{method}: the request is not a valid {_type_name(deserializer)} "
+                              f"({_short(str(err)) or type(err).__name__}); nothing was changed",
+                              reason="MALFORMED_REQUEST") from None
+    if isinstance(message, Message):
+        problem = unknown_enum_value(message)
+        if problem:
+            raise InvalidArgument(f"{method}: {problem}; nothing was changed", reason="UNKNOWN_ENUM_VALUE",
+                                  metadata={"field": problem.split(":", 1)[0]})
+    return message
+
+
+class RequestDecodingInterceptor(grpc.aio.ServerInterceptor):
+    """Decodes and checks every request before any other interceptor or servicer sees it."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        method, deserializer = handler_call_details.method, handler.request_deserializer
+        if handler.unary_unary or handler.unary_stream:
+            inner = handler.unary_unary or handler.unary_stream
+            behavior = _unary_request(inner, deserializer, method)
+            factory = (grpc.unary_unary_rpc_method_handler if handler.unary_unary
+                       else grpc.unary_stream_rpc_method_handler)
+        else:
+            inner = handler.stream_unary or handler.stream_stream
+            behavior = _streaming_request(inner, deserializer, method)
+            factory = (grpc.stream_unary_rpc_method_handler if handler.stream_unary
+                       else grpc.stream_stream_rpc_method_handler)
+        return factory(behavior, None, handler.response_serializer)
+
+
+def _unary_request(inner: Callable, deserializer: Callable, method: str) -> Callable:
+    if inspect.isasyncgenfunction(inner):
+        async def stream_behavior(data: bytes, context):
+            request = await _decode_or_abort(deserializer, data, method, context)
+            async for item in inner(request, context):
+                yield item
+        return stream_behavior
+
+    async def behavior(data: bytes, context):
+        request = await _decode_or_abort(deserializer, data, method, context)
+        return await inner(request, context)
+    return behavior
+
+
+def _streaming_request(inner: Callable, deserializer: Callable, method: str) -> Callable:
+    async def messages(raw: AsyncIterator[bytes]) -> AsyncIterator[Any]:
+        async for data in raw:
+            yield decode(deserializer, data, method)   # raised inside the servicer's loop: mapped there
+
+    if inspect.isasyncgenfunction(inner):
+        async def stream_behavior(raw, context):
+            async for item in inner(messages(raw), context):
+                yield item
+        return stream_behavior
+
+    async def behavior(raw, context):
+        return await inner(messages(raw), context)
+    return behavior
+
+
+async def _decode_or_abort(deserializer: Callable, data: bytes, method: str, context) -> Any:
+    try:
+        return decode(deserializer, data, method)
+    except InvalidArgument as err:
+        await context.abort_with_status(to_status(err))
