@@ -126,17 +126,27 @@ class Mesh:
 
     # ----------------------------------------------------------- registration
     async def register_node(self, request) -> Any:
+        from mesh_runtime.validate import check_address, check_id, check_number, quote  # noqa: PLC0415
+
         from . import convert  # noqa: PLC0415
 
-        if not request.node_id:
-            raise _invalid("node_id must not be empty")
-        if not request.address:
-            raise _invalid("address must be HOST:PORT")
+        check_id(request.node_id, "node_id")
+        check_address(request.address, "address")
         if request.slots_total == 0:
             raise _invalid("slots_total must be > 0")
+        seen: set[str] = set()
+        for index, replica in enumerate(request.replicas):   # everything is checked before anything changes
+            where = f"replicas[{index}]"
+            check_id(replica.replica_id, f"{where}.replica_id")
+            if replica.replica_id in seen:
+                raise _invalid(f"{where}.replica_id {quote(replica.replica_id)} appears twice")
+            seen.add(replica.replica_id)
+            check_number(replica.memory_fraction, f"{where}.memory_fraction", low=0.0, high=1.0)
+            for slot in replica.slots:
+                if slot >= request.slots_total:
+                    raise _invalid(f"{where}.slots: slot {slot} does not exist on a node with slots_total "
+                                   f"{request.slots_total} (slots are 0..{request.slots_total - 1})")
         specs = convert.replica_specs(request)
-        if any(not s.replica_id for s in specs):
-            raise _invalid("every replica needs a replica_id")
         with self._span("registry.register_node", node_id=request.node_id, replicas=len(specs)):
             registration = self.registry.register_node(
                 request.node_id, request.address, replicas=specs, slots_total=request.slots_total,

@@ -118,6 +118,10 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
 
     # ------------------------------------------------------------ scheduling
     async def BeginTrainingStep(self, request, context):  # noqa: N802
+        if not request.HasField("report"):
+            raise InvalidArgument("report is required: the step report (required_samples, expected_samples, "
+                                  "buffer_samples, total_generated_samples, ...) the policies decide on",
+                                  reason="MISSING_REPORT")
         decision = await self.mesh.scheduler.begin_step(request.global_step, convert.step_report(request.report))
         self.mesh.changed()
         return convert.begin_response(decision)

@@ -11,13 +11,14 @@ from mesh_runtime import tracing
 from mesh_runtime.errors import InvalidArgument
 from mesh_runtime.prometheus import MetricsEndpoint
 from mesh_runtime.status import StatusReporter
+from mesh_runtime.validate import check_address, check_id
 from rollmesh.common.v1 import types_pb2
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2 as pb
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2_grpc, routing_pb2
 
 from .balancer import Balancer
 from .config import LoadBalancerConfig
-from .table import Route, RoutingTable, check_address
+from .table import Route, RoutingTable
 from .upstreams import Upstreams
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,11 @@ class LoadBalancerServicer(loadbalancer_pb2_grpc.LoadBalancerServiceServicer):
             yield message
 
     async def AddReplicas(self, request, context):  # noqa: N802
+        for index, e in enumerate(request.replicas):   # validate everything before changing anything
+            check_id(e.replica_id, f"replicas[{index}].replica_id")
+            if e.node_id:
+                check_id(e.node_id, f"replicas[{index}].node_id")
+            check_address(e.address, f"replicas[{index}].address")
         routes = [Route(e.replica_id, e.address, KINDS[e.kind], e.weight_version, e.node_id)
                   for e in request.replicas]
         added = self.table.add(routes)

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from mesh_runtime.errors import AlreadyExists, InvalidArgument, NotFound
-from mesh_runtime.net import AddressError, parse_host_port
+from mesh_runtime.validate import check_address
 
 
 @dataclass
@@ -64,13 +64,6 @@ class Choice:
     ticket: Ticket
     sticky_hit: bool = False
     sticky_migrated: bool = False
-
-
-def check_address(address: str, what: str) -> None:
-    try:
-        parse_host_port(address, allow_zero_port=False)
-    except AddressError as err:
-        raise InvalidArgument(f"{what}: {err}", reason="INVALID_ADDRESS") from None
 
 
 class RoutingTable:

@@ -131,13 +131,23 @@ class Internal(RollmeshError):
     default_reason = "INTERNAL"
 
 
+MAX_MESSAGE = 2000
+"""Longest error message sent; longer ones are cut (their bad values would otherwise travel whole)."""
+MAX_METADATA_VALUE = 200
+"""Longest ErrorInfo metadata value sent, so a status never outgrows gRPC's header limit."""
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def to_status(err: RollmeshError) -> grpc.Status:
-    """Encode a domain error as a ``grpc.Status`` carrying an ``ErrorInfo``."""
-    info = error_details_pb2.ErrorInfo(reason=err.reason, domain=ERROR_DOMAIN,
-                                       metadata=err.metadata)
+    """Encode a domain error as a ``grpc.Status`` carrying an ``ErrorInfo`` (sizes bounded)."""
+    metadata = {key[:MAX_METADATA_VALUE]: _cut(value, MAX_METADATA_VALUE) for key, value in err.metadata.items()}
+    info = error_details_pb2.ErrorInfo(reason=err.reason, domain=ERROR_DOMAIN, metadata=metadata)
     detail = any_pb2.Any()
     detail.Pack(info)
-    proto = status_pb2.Status(code=err.code.value[0], message=err.message,
+    proto = status_pb2.Status(code=err.code.value[0], message=_cut(err.message, MAX_MESSAGE),
                               details=[detail])
     return rpc_status.to_status(proto)
 

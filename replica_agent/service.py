@@ -6,6 +6,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from mesh_runtime.errors import InvalidArgument
 from mesh_runtime.status import StatusReporter
+from mesh_runtime.validate import check_id, check_number
 from rollmesh.common.v1 import types_pb2
 from rollmesh.replica.v1 import replica_agent_pb2 as pb
 from rollmesh.replica.v1 import replica_agent_pb2_grpc, replica_pb2
@@ -44,9 +45,12 @@ class ReplicaAgentServicer(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
             model=self.node.config.model, replica_count=len(self.replicas.list()))
 
     async def LaunchReplica(self, request, context):  # noqa: N802
+        check_id(request.replica_id, "replica_id")
         if request.kind == types_pb2.REPLICA_KIND_UNSPECIFIED:
             raise InvalidArgument("kind must be REPLICA_KIND_STANDALONE or REPLICA_KIND_HYBRID",
                                   reason="INVALID_KIND")
+        if request.HasField("memory_fraction"):
+            check_number(request.memory_fraction, "memory_fraction", low=0.0, high=1.0)
         replica = await self.node.launch_once(
             request_id=request.request_id, replica_id=request.replica_id, kind=convert.KIND_NAMES[request.kind],
             slots=request.slots or 1,

@@ -162,6 +162,8 @@ class DynamicResourceController:
 
     async def begin_step(self, global_step: int, report: StepReport) -> BeginDecision:
         """Call 1: decide whether (and after how many buffered samples) to release hybrids."""
+        if global_step < 1:
+            raise InvalidArgumentError(f"global_step must be >= 1 (steps count from 1), got {global_step}")
         async with self._lock:
             if global_step == self.current_step and self._begin is not None:
                 return self._begin

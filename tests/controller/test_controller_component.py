@@ -61,7 +61,8 @@ async def test_bad_input_gets_clear_statuses_and_changes_nothing(tmp_path):
 async def test_step_protocol_position_survives_a_restart(tmp_path):
     server, channel = await start(tmp_path)
     stub = controller_pb2_grpc.ControllerServiceStub(channel)
-    begin = await stub.BeginTrainingStep(scheduling_pb2.BeginTrainingStepRequest(global_step=7))
+    begin = await stub.BeginTrainingStep(scheduling_pb2.BeginTrainingStepRequest(
+        global_step=7, report=scheduling_pb2.StepReport()))
     await channel.close()
     await server.stop(0)
     server, channel = await start(tmp_path)
@@ -70,7 +71,8 @@ async def test_step_protocol_position_survives_a_restart(tmp_path):
         state = await stub.GetSchedulerState(scheduling_pb2.GetSchedulerStateRequest())
         assert state.last_global_step == 7
         assert state.next_call == scheduling_pb2.STEP_CALL_COMPLETE_TRAINING_STEP
-        again = await stub.BeginTrainingStep(scheduling_pb2.BeginTrainingStepRequest(global_step=7))
+        again = await stub.BeginTrainingStep(scheduling_pb2.BeginTrainingStepRequest(
+            global_step=7, report=scheduling_pb2.StepReport()))
         assert again == begin  # the recorded answer, not a second decision
     finally:
         await channel.close()

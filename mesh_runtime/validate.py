@@ -1,0 +1,58 @@
+"""Input checks every server applies the same way: ids, addresses, numbers; errors quote a short prefix.
+
+Each check raises :class:`~mesh_runtime.errors.InvalidArgument` naming the
+field and what is allowed, quoting at most :data:`QUOTE_LIMIT` characters of
+the bad value, and changes nothing. Ids are what the mesh names nodes and
+replicas by: 1 to :data:`ID_MAX_LENGTH` characters, starting with a letter or
+digit, then letters, digits and ``. _ - : / @ #``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from .errors import InvalidArgument
+from .net import AddressError, parse_host_port
+
+ID_MAX_LENGTH = 128
+ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@#-]*")
+QUOTE_LIMIT = 100
+
+
+def quote(value: object, limit: int = QUOTE_LIMIT) -> str:
+    """``repr`` of ``value``, cut to ``limit`` characters with the full length said when longer."""
+    text = str(value)
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} characters)"
+
+
+def check_id(value: str, field: str) -> None:
+    """A node, replica or operation id: see the module docstring."""
+    if not value:
+        raise InvalidArgument(f"{field} must not be empty", reason="INVALID_ID", metadata={"field": field})
+    if len(value) > ID_MAX_LENGTH or not ID_PATTERN.fullmatch(value):
+        raise InvalidArgument(f"{field} must be 1-{ID_MAX_LENGTH} characters: a letter or digit, then letters, "
+                              f"digits and . _ - : / @ #; got {quote(value)}", reason="INVALID_ID",
+                              metadata={"field": field})
+
+
+def check_address(value: str, field: str) -> None:
+    """``HOST:PORT`` with a port in 1..65535."""
+    try:
+        parse_host_port(value, allow_zero_port=False)
+    except (AddressError, ValueError) as err:
+        raise InvalidArgument(f"{field} must be HOST:PORT, got {quote(value)} ({err})", reason="INVALID_ADDRESS",
+                              metadata={"field": field}) from None
+
+
+def check_number(value: float, field: str, *, low: float | None = None, high: float | None = None) -> None:
+    """A finite number in ``[low, high]`` (either bound optional)."""
+    if not math.isfinite(value):
+        raise InvalidArgument(f"{field} must be a finite number, got {value}", reason="INVALID_NUMBER",
+                              metadata={"field": field})
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise InvalidArgument(f"{field} must be in [{'-inf' if low is None else low}, "
+                              f"{'inf' if high is None else high}], got {value}", reason="INVALID_NUMBER",
+                              metadata={"field": field})
