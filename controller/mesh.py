@@ -106,8 +106,12 @@ class Mesh:
                       to_state=self.scheduler.hybrid_state.proto_name)
 
     def changed(self) -> None:
-        """Something durable changed: persist it shortly."""
+        """Something durable changed in the background: persist it shortly."""
         self.store.mark()
+
+    async def commit(self) -> None:
+        """Something an RPC is about to acknowledge changed: persist it now, before the reply."""
+        await self.store.commit()
 
     # ---------------------------------------------------------------- events
     def emit(self, type: EventType, /, **fields: Any):
@@ -153,7 +157,7 @@ class Mesh:
                 backend=convert.types_pb2.EngineBackend.Name(request.backend), model=request.model,
                 model_name=request.model_name or "default", agent_version=request.agent_version)
             await self._route_serving(registration.accepted)
-        self.changed()
+        await self.commit()
         return registration
 
     async def _route_serving(self, replica_ids) -> None:

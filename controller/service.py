@@ -75,7 +75,7 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
     async def DeregisterNode(self, request, context):  # noqa: N802
         stopped = self.mesh.registry.deregister_node(request.node_id, request.reason)
         await self.mesh.routing.remove_replicas(stopped)
-        self.mesh.changed()
+        await self.mesh.commit()
         return registry_pb2.DeregisterNodeResponse(stopped_replica_ids=stopped)
 
     async def StreamLoadReports(self, request_iterator, context):  # noqa: N802
@@ -123,21 +123,21 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
                                   "buffer_samples, total_generated_samples, ...) the policies decide on",
                                   reason="MISSING_REPORT")
         decision = await self.mesh.scheduler.begin_step(request.global_step, convert.step_report(request.report))
-        self.mesh.changed()
+        await self.mesh.commit()   # durable before acknowledged
         return convert.begin_response(decision)
 
     async def ReleaseHybridReplicas(self, request, context):  # noqa: N802
         async with self.mesh.transitions:  # never interleaved with a scale operation
             result = await self.mesh.scheduler.release_hybrid(request.global_step, request.buffered_samples,
                                                               convert.seconds(request.waited), request.wait_expired)
-        self.mesh.changed()
+        await self.mesh.commit()
         return convert.release_response(result)
 
     async def CompleteTrainingStep(self, request, context):  # noqa: N802
         async with self.mesh.transitions:  # never interleaved with a scale operation
             result = await self.mesh.scheduler.complete_step(request.global_step, request.weight_version,
                                                              convert.step_report(request.report))
-        self.mesh.changed()
+        await self.mesh.commit()
         return convert.complete_response(result)
 
     async def GetSchedulerState(self, request, context):  # noqa: N802
@@ -184,7 +184,7 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
         self.mesh.emit(EventType.WEIGHT_SYNC_COMPLETED, weight_version=version, reason="SyncWeights",
                        attributes={"ok": len(targets) - len(failed), "failed": len(failed),
                                    "bytes_sent": outcome.bytes_sent})
-        self.mesh.changed()
+        await self.mesh.commit()
         return weight_sync_pb2.SyncWeightsResponse(result=convert.sync_result(outcome))
 
     # -------------------------------------------------------- events/metrics

@@ -6,8 +6,10 @@ Writes are batched: callers mark what changed and :meth:`StateStore.flush`
 writes it in one transaction (a background task flushes shortly after each
 change, and shutdown flushes whatever is left), so a restart finds the
 registry, the step protocol's position, policy state, event numbering, scale
-operations and the autoscaler's history. Scale operations also flush at once
-on every state change, so a crash right after one finds it on disk.
+operations and the autoscaler's history. What an RPC acknowledges is written
+before the reply (:meth:`StateStore.commit`): the step protocol, node
+registration and deregistration, weight syncs; scale operations flush at once
+on every state change. Background changes (lease renewals) are batched.
 """
 
 from __future__ import annotations
@@ -108,6 +110,17 @@ class StateStore:
     def flush(self) -> None:
         """Write everything pending now (shutdown, tests)."""
         self._write(*self._collect())
+
+    async def commit(self, *keys: str) -> None:
+        """Write what changed (``keys``, or every tracked document) and return once it is on disk.
+
+        Durable before acknowledged: an RPC that changed state awaits this before
+        it replies, so a kill -9 right after the reply finds the acknowledged
+        state on restart. The write runs in a thread; the snapshot is taken on
+        the event loop, so it is consistent.
+        """
+        self.mark(*keys)
+        await asyncio.to_thread(self._write, *self._collect())
 
     def prune_events(self, keep: int) -> None:
         """Drop persisted events older than the newest ``keep``."""

@@ -75,6 +75,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
 
 from rollmesh.common.v1 import types_pb2
 from rollmesh.controller.v1 import scheduling_pb2
@@ -160,6 +161,33 @@ async def _accepts_connections(address: str, timeout_s: float = 2.0) -> bool:
         except (TimeoutError, grpc.aio.AioRpcError):
             return False
     return True
+
+
+async def step_call(method: Callable[..., Awaitable[Any]], request: Any, *, timeout_s: float,
+                    backoff_s: float = 0.2, max_backoff_s: float = 2.0) -> Any:
+    """One call of the step protocol, retried on ``UNAVAILABLE`` until ``timeout_s`` has passed.
+
+    The controller answers a repeated call for the current step with the
+    answer it recorded (and stored before replying), so a retry after a
+    controller restart is safe. Bounded exponential backoff; the last
+    attempt's deadline is what remains of ``timeout_s``. Any other status is
+    raised at once.
+    """
+    deadline = time.monotonic() + timeout_s
+
+    def retryable(err: BaseException) -> bool:
+        return isinstance(err, grpc.aio.AioRpcError) and err.code() is grpc.StatusCode.UNAVAILABLE
+
+    retrying = AsyncRetrying(retry=retry_if_exception(retryable), reraise=True,
+                             stop=stop_after_delay(timeout_s),
+                             wait=wait_exponential(multiplier=backoff_s, max=max_backoff_s),
+                             before_sleep=lambda state: log.warning(
+                                 "step protocol: the controller is unavailable (%s); retrying",
+                                 state.outcome.exception().details() if state.outcome else "?"))
+    async for attempt in retrying:
+        with attempt:
+            return await method(request, timeout=max(0.5, deadline - time.monotonic()))
+    raise AssertionError("unreachable")  # pragma: no cover - reraise=True ends the loop with the error
 
 
 def _duration(seconds: float):
@@ -271,16 +299,17 @@ class FullyAsyncLoop:
     async def _step(self, gs: int, rollout: asyncio.Task) -> StepRecord | None:
         cfg, q, ctl = self.config, self.queue, self.controller
         self._on_phase("waiting")
-        begin = await self._checked(ctl.BeginTrainingStep(scheduling_pb2.BeginTrainingStepRequest(
-            global_step=gs, report=self._report(gs)), timeout=self._rpc_timeout), rollout)
+        begin = await self._checked(step_call(ctl.BeginTrainingStep, scheduling_pb2.BeginTrainingStepRequest(
+            global_step=gs, report=self._report(gs)), timeout_s=self._rpc_timeout), rollout)
         released: list[str] = []
         waited, expired = 0.0, False
         if begin.deactivate:
             waited, expired = await self._checked(
                 self._wait_for(begin.wait_samples, begin.wait_timeout.ToNanoseconds() / 1e9), rollout)
-            release = await self._checked(ctl.ReleaseHybridReplicas(scheduling_pb2.ReleaseHybridReplicasRequest(
-                global_step=gs, buffered_samples=self._queued(), waited=_duration(waited), wait_expired=expired),
-                timeout=self._rpc_timeout), rollout)
+            release = await self._checked(step_call(
+                ctl.ReleaseHybridReplicas, scheduling_pb2.ReleaseHybridReplicasRequest(
+                    global_step=gs, buffered_samples=self._queued(), waited=_duration(waited),
+                    wait_expired=expired), timeout_s=self._rpc_timeout), rollout)
             released = list(release.released_replica_ids)
             await self._refresh_replicas()
 
@@ -335,8 +364,8 @@ class FullyAsyncLoop:
 
         self._on_phase("syncing")
         sync0 = time.perf_counter()
-        done = await self._checked(ctl.CompleteTrainingStep(scheduling_pb2.CompleteTrainingStepRequest(
-            global_step=gs, weight_version=version, report=report), timeout=self._sync_timeout), rollout)
+        done = await self._checked(step_call(ctl.CompleteTrainingStep, scheduling_pb2.CompleteTrainingStepRequest(
+            global_step=gs, weight_version=version, report=report), timeout_s=self._sync_timeout), rollout)
         self._last_sync_s = time.perf_counter() - sync0
         await self._refresh_replicas()
         timing["param_sync"] = self._last_sync_s
