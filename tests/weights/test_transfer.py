@@ -103,13 +103,14 @@ def test_a_sender_that_dies_mid_sync_ends_the_receivers_with_a_clear_error():
     with SpawnedSender(SenderPlan(members=members, exit_after_group=True)) as sender:
         port, manifest = sender.ready()
         started = time.monotonic()
-        results = receive_in_threads(members, port, manifest, setup_timeout_s=10.0, op_timeout_s=60.0)
+        results = receive_in_threads(members, port, manifest, setup_timeout_s=10.0, op_timeout_s=15.0)
         elapsed = time.monotonic() - started
     for member in members[1:]:
-        # Depending on how far the receivers got when it died: lost mid-transfer,
-        # or group creation cut short (which the setup timeout bounds).
+        # Depending on how far the receivers got when it died: lost mid-transfer (PeerLost, at once),
+        # group creation cut short (bounded by the setup timeout), or - rarely - gloo not seeing the
+        # dead peer's sockets close, when the operation timeout ends the wait (TransferTimeout).
         assert isinstance(results[member], PeerLost | TransferTimeout), results[member]
-    assert elapsed < 25
+    assert elapsed < 25   # every outcome is a clear error within the setup / operation timeouts
 
 
 @pytest.mark.timeout(60)
