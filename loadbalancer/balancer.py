@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -38,6 +37,7 @@ from rollmesh.common.v1 import generation_pb2
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2, routing_pb2
 from rollmesh.replica.v1 import replica_agent_pb2
 
+from .completed import CompletedCache
 from .config import LoadBalancerConfig
 from .stats import Stats
 from .table import Choice, RoutingTable, Ticket
@@ -98,7 +98,8 @@ class Balancer:
         self.stats = stats or Stats()
         self._before_send = before_send
         self._running: dict[str, RequestRun] = {}
-        self._completed: OrderedDict[str, loadbalancer_pb2.GenerateResponse] = OrderedDict()
+        self.completed = CompletedCache(max_entries=config.completed_cache_size,
+                                        max_bytes=config.completed_cache_bytes, ttl_s=config.completed_cache_ttl_s)
         self._table_changed = asyncio.Event()
         table.on_change(self._notify)
 
@@ -120,8 +121,9 @@ class Balancer:
             raise InvalidArgument("stream_interval must be > 0 when set", reason="INVALID_STREAM_INTERVAL")
         if request.request_id in self._running:
             raise AlreadyExists(f"request {request.request_id!r} is already in flight", reason="REQUEST_IN_FLIGHT")
-        if request.request_id in self._completed:
-            yield self._completed[request.request_id]
+        record = self.completed.get(request.request_id)
+        if record is not None:
+            yield record
             return
         run = RequestRun(
             request=request,
@@ -322,9 +324,7 @@ class Balancer:
         record.ClearField("logprobs")
         record.token_ids.extend(tokens)
         record.logprobs.extend(logprobs)
-        self._completed[run.request_id] = record
-        while len(self._completed) > self.config.completed_cache_size:
-            self._completed.popitem(last=False)
+        self.completed.put(run.request_id, record)
 
     def _restart(self, run: RequestRun, dropped: int) -> None:
         """Drop an attempt's tokens (partial rollout off): regenerate from the caller's prefix."""

@@ -51,6 +51,10 @@ class LoadBalancerConfig(ServerConfig):
     upstream_call_timeout_s: float = setting(10.0, help="deadline of control calls to replica agents (abort)")
     completed_cache_size: int = setting(10_000, help="completed requests remembered, so a repeated request_id "
                                                      "is answered from the record instead of generated twice")
+    completed_cache_bytes: int = setting(64 * 1024 * 1024, help="bound of the completed-request records in bytes "
+                                                                "(their tokens); the oldest go first")
+    completed_cache_ttl_s: float = setting(600.0, help="completed-request records older than this are dropped; a "
+                                                       "repeat after that is generated again")
     metrics_listen: str = setting("", help="HOST:PORT for a Prometheus /metrics endpoint; empty = off")
 
     def validate(self) -> None:
@@ -58,7 +62,8 @@ class LoadBalancerConfig(ServerConfig):
         ids = [r.replica_id for r in self.replicas]
         if len(ids) != len(set(ids)):
             raise ConfigError("replicas", "replica ids must be unique")
-        positive = ("sticky_max_load_gap", "max_sticky_sessions", "completed_cache_size")
+        positive = ("sticky_max_load_gap", "max_sticky_sessions", "completed_cache_size", "completed_cache_bytes",
+                    "completed_cache_ttl_s")
         for key in positive:
             if getattr(self, key) < 1:
                 raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")

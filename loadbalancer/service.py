@@ -52,7 +52,8 @@ class LoadBalancerServicer(loadbalancer_pb2_grpc.LoadBalancerServiceServicer):
         server.add_cleanup(self.balancer.upstreams.close)
         if self.config.metrics_listen:
             endpoint = MetricsEndpoint(self.config.metrics_listen,
-                                       lambda: self.balancer.stats.metrics(self.balancer.in_flight))
+                                       lambda: self.balancer.stats.metrics(self.balancer.in_flight,
+                                                                           self.balancer.completed))
             log.info("Prometheus metrics on http://%s/metrics", await endpoint.start())
             server.add_cleanup(endpoint.close)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Any
 
 from mesh_runtime.prometheus import Metric
 from rollmesh.loadbalancer.v1 import routing_pb2
@@ -31,8 +32,13 @@ class Stats:
         msg.since.FromNanoseconds(int(self.since * 1e9))
         return msg
 
-    def metrics(self, in_flight: int) -> list[Metric]:
+    def metrics(self, in_flight: int, completed: Any = None) -> list[Metric]:
         out = [Metric(f"rollmesh_lb_{name}_total", f"Load balancer counter {name}", "counter").add(value)
                for name, value in dataclasses.asdict(self).items() if name != "since"]
         out.append(Metric("rollmesh_lb_in_flight", "Requests in flight through the balancer").add(in_flight))
+        if completed is not None:
+            out.append(Metric("rollmesh_lb_completed_cache_entries",
+                              "Completed-request records kept for repeated request ids").add(completed.entries))
+            out.append(Metric("rollmesh_lb_completed_cache_bytes",
+                              "Serialized size of the completed-request records").add(completed.bytes))
         return out
