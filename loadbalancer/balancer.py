@@ -75,6 +75,9 @@ class RequestRun:
     segments: list[generation_pb2.TokenSegment] = field(default_factory=list)
     attempts: list[routing_pb2.Attempt] = field(default_factory=list)
     avoid: frozenset[str] = frozenset()
+    failed_on: frozenset[str] = frozenset()
+    """Replicas an attempt of this request failed on (UNAVAILABLE, broken stream): later attempts avoid them
+    while another eligible replica exists."""
     restart_pending: bool = False
 
     @property
@@ -344,7 +347,8 @@ class Balancer:
             self.stats.resumes += 1
         else:
             self._restart(run, record.tokens)
-        run.avoid = frozenset({ticket.route.replica_id}) if ticket.move_requested else frozenset()
+        moved = frozenset({ticket.route.replica_id}) if ticket.move_requested else frozenset()
+        run.avoid = moved | run.failed_on
         raise RetryAttempt(f"aborted on {ticket.route.replica_id}", backoff=False)
 
     def _attempt_failed(self, run: RequestRun, record, streamed, route, err: grpc.aio.AioRpcError | None) -> None:
@@ -364,6 +368,8 @@ class Balancer:
                            reason="REPLICA_ERROR") from None
         record.outcome = routing_pb2.ATTEMPT_OUTCOME_UNAVAILABLE
         record.reason = f"{err.code().name}: {err.details()}" if err is not None else "stream ended early"
+        run.failed_on = run.failed_on | {route.replica_id}   # never back to it while another one is eligible
+        run.avoid = run.avoid | run.failed_on
         if streamed:
             if run.partial_rollout:
                 run.segments += _segments(streamed, route)

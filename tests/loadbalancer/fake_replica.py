@@ -45,6 +45,8 @@ class FakeReplicas(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no replica {request.replica_id}")
         segments = list(request.resume_segments)
         mine = generation_pb2.TokenSegment(weight_version=self.version, replica_id=request.replica_id)
+        if mode == "down":   # what a dead or unreachable replica looks like to the balancer
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"replica {request.replica_id} is down")
         if mode == "abort":
             yield pb.GenerateResponse(request_id=request.request_id, finish_reason=generation_pb2.FINISH_REASON_ABORTED,
                                       segments=segments)

@@ -245,3 +245,20 @@ async def test_each_request_is_a_span_with_a_child_span_per_attempt(mesh):
     assert request_span.parent.span_id == server_span.context.span_id
     upstream = [s for s in spans if s.name.endswith("ReplicaAgentService/Generate")]
     assert {u.parent.span_id for u in upstream} == {a.context.span_id for a in attempts}
+
+
+async def test_a_retry_never_goes_back_to_a_replica_that_just_failed_it(mesh):
+    # The convergence issue's defect 2: a dead replica has 0 in flight, so least-loaded routing picked it on
+    # every retry while the healthy replicas were busy, until the retry budget was spent.
+    stub, fake, _ = await mesh({"dead": "down", "ok": "ok"}, step=1, delay_s=0.05)
+    busy = [asyncio.ensure_future(collect(stub, request(f"busy{i}", 40, retry_budget=20))) for i in range(2)]
+    deadline = asyncio.get_running_loop().time() + 10
+    while sum(1 for s in fake.seen if s.replica_id == "ok") < 2:   # both are generating on "ok" now
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.01)
+    tokens, last = await collect(stub, request("probe", 4, retry_budget=3))
+    assert len(tokens) == 4 and last.finish_reason == generation_pb2.FINISH_REASON_LENGTH
+    attempts = [s.replica_id for s in fake.seen if s.request_id == "probe"]
+    assert attempts == ["dead", "ok"], attempts                    # one try on the dead one, then elsewhere
+    for done in await asyncio.gather(*busy):
+        assert len(done[0]) == 40
