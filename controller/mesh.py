@@ -183,9 +183,10 @@ class Mesh:
         failed = self.registry.expire_leases()
         if failed:
             ids = [r.replica_id for r in failed]
-            log.warning("lease expired: replicas %s FAILED and removed from routing", ids)
-            with contextlib.suppress(Exception):
-                await self.routing.remove_replicas(ids)
+            log.warning("lease expired: replicas %s FAILED, removed from routing; their requests resume elsewhere",
+                        ids)
+            with contextlib.suppress(Exception):   # the agent may be frozen: the balancer cuts its attempts there
+                await self.routing.remove_replicas(ids, abort_in_flight=True)
             self.changed()
 
     async def run_leases(self) -> None:

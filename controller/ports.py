@@ -61,10 +61,10 @@ class LoadBalancerRouting:
         self.timeout_s = timeout_s
         self._stub = loadbalancer_pb2_grpc.LoadBalancerServiceStub(channels.channel(address)) if address else None
 
-    async def remove_replicas(self, replica_ids: Sequence[str]) -> None:
+    async def remove_replicas(self, replica_ids: Sequence[str], *, abort_in_flight: bool = False) -> None:
         if self._stub and replica_ids:
-            await self._stub.RemoveReplicas(loadbalancer_pb2.RemoveReplicasRequest(replica_ids=list(replica_ids)),
-                                            timeout=self.timeout_s)
+            await self._stub.RemoveReplicas(loadbalancer_pb2.RemoveReplicasRequest(
+                replica_ids=list(replica_ids), abort_in_flight=abort_in_flight), timeout=self.timeout_s)
 
     async def add_replicas(self, records: Sequence[ReplicaRecord]) -> None:
         if self._stub and records:

@@ -50,6 +50,10 @@ _RETRYABLE_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUS
 _DONE = object()
 
 
+class AttemptCut(Exception):
+    """The balancer ended an attempt itself: no message for stall_timeout_s, or its replica lost its lease."""
+
+
 class RetryAttempt(Exception):
     """An attempt ended without a result; the request goes on elsewhere."""
 
@@ -260,10 +264,11 @@ class Balancer:
             # No await between the revocation check above and this send: a removal either
             # happened before the check (and we re-picked) or sees this request in flight.
             ticket.sent = True
+            ticket.cut_event = asyncio.Event()
             call = self.upstreams.generate(route, self._replica_request(run, ticket), run.remaining())
             try:
                 try:
-                    async for msg in call:  # consumed to its end, so the client span closes
+                    async for msg in self._messages(call, ticket):  # to its end, so the client span closes
                         if final is not None:
                             continue
                         if msg.token_ids:
@@ -277,6 +282,8 @@ class Balancer:
                             emit(self._chunk(run, msg, route.replica_id))
                 except grpc.aio.AioRpcError as err:
                     self._attempt_failed(run, record, streamed, route, err)
+                except AttemptCut as cut:
+                    self._attempt_failed(run, record, streamed, route, None, why=str(cut))
                 if final is None:
                     self._attempt_failed(run, record, streamed, route, None)
                 record.tokens = len(streamed)
@@ -293,6 +300,34 @@ class Balancer:
             finally:
                 call.cancel()
                 self.table.release(ticket)
+
+    async def _messages(self, call, ticket: Ticket) -> AsyncIterator[replica_agent_pb2.GenerateResponse]:
+        """The attempt's messages; raises :class:`AttemptCut` when none comes for ``stall_timeout_s`` or
+        the balancer cut the attempt (its replica lost its lease)."""
+        stream = call.__aiter__()
+        stall_s = self.config.stall_timeout_s
+        cut = ticket.cut_event
+        assert cut is not None
+        while True:
+            if cut.is_set():
+                raise AttemptCut(ticket.cut_reason)
+            read = asyncio.ensure_future(stream.__anext__())
+            cut_wait = asyncio.ensure_future(cut.wait())
+            try:
+                done, _ = await asyncio.wait({read, cut_wait}, timeout=stall_s, return_when=asyncio.FIRST_COMPLETED)
+            except BaseException:
+                read.cancel()
+                raise
+            finally:
+                cut_wait.cancel()
+            if read in done:
+                try:
+                    yield read.result()
+                except StopAsyncIteration:
+                    return
+                continue
+            read.cancel()
+            raise AttemptCut(ticket.cut_reason or f"no message for {stall_s:g} s (stall_timeout_s)")
 
     def _chunk(self, run: RequestRun, msg, replica_id: str) -> loadbalancer_pb2.GenerateResponse:
         out = loadbalancer_pb2.GenerateResponse(request_id=run.request_id, token_ids=msg.token_ids,
@@ -351,8 +386,9 @@ class Balancer:
         run.avoid = moved | run.failed_on
         raise RetryAttempt(f"aborted on {ticket.route.replica_id}", backoff=False)
 
-    def _attempt_failed(self, run: RequestRun, record, streamed, route, err: grpc.aio.AioRpcError | None) -> None:
-        """An attempt broke off without a final message: keep what arrived, retry with backoff."""
+    def _attempt_failed(self, run: RequestRun, record, streamed, route, err: grpc.aio.AioRpcError | None,
+                        why: str = "") -> None:
+        """An attempt broke off without a final message (or was cut): keep what arrived, retry with backoff."""
         record.ended_at.GetCurrentTime()
         record.tokens = len(streamed)
         if err is not None and err.code() not in _RETRYABLE_CODES:
@@ -367,7 +403,8 @@ class Balancer:
             raise Internal(f"replica {route.replica_id} failed the request: {code.name}: {err.details()}",
                            reason="REPLICA_ERROR") from None
         record.outcome = routing_pb2.ATTEMPT_OUTCOME_UNAVAILABLE
-        record.reason = f"{err.code().name}: {err.details()}" if err is not None else "stream ended early"
+        record.reason = (f"{err.code().name}: {err.details()}" if err is not None
+                         else why or "stream ended early")
         run.failed_on = run.failed_on | {route.replica_id}   # never back to it while another one is eligible
         run.avoid = run.avoid | run.failed_on
         if streamed:
@@ -384,10 +421,12 @@ class Balancer:
         in_flight: list[str] = []
         aborts = []
         for route in removed:
-            sent = [t.request_id for t in route.tickets.values() if t.sent]
-            in_flight += sent
+            sent = [t for t in route.tickets.values() if t.sent]
+            in_flight += [t.request_id for t in sent]
             if abort_in_flight and sent:
-                aborts.append(self.upstreams.abort(route, sent))
+                for ticket in sent:   # resume elsewhere now, whether or not the agent still answers
+                    ticket.cut(f"{route.replica_id} was removed from routing with abort")
+                aborts.append(self.upstreams.abort(route, [t.request_id for t in sent]))
         if aborts:
             await asyncio.gather(*aborts)
         return [r.replica_id for r in removed], dropped, in_flight

@@ -43,6 +43,10 @@ class LoadBalancerConfig(ServerConfig):
                                          "failures both count); a request can override it")
     partial_rollout: bool = setting(True, help="default for requests that do not say: resume an aborted "
                                                "request with its generated prefix (true) or regenerate (false)")
+    stall_timeout_s: float = setting(120.0, help="an attempt that receives nothing for this long (a frozen or "
+                                                 "silent replica) is cut and resumed elsewhere with its tokens "
+                                                 "so far; longer than any normal gap (queueing, a paused "
+                                                 "engine during a weight sync)")
     no_replica_wait_s: float = setting(60.0, help="how long a request waits for an eligible replica before it "
                                                   "fails with UNAVAILABLE")
     retry_initial_backoff_s: float = setting(0.05, help="first backoff before retrying after an UNAVAILABLE "
@@ -71,7 +75,8 @@ class LoadBalancerConfig(ServerConfig):
             raise ConfigError("max_version_lag", f"must be >= 0 or null, got {self.max_version_lag}")
         if self.retry_budget < 0:
             raise ConfigError("retry_budget", f"must be >= 0, got {self.retry_budget}")
-        for key in ("no_replica_wait_s", "retry_initial_backoff_s", "retry_max_backoff_s", "upstream_call_timeout_s"):
+        for key in ("no_replica_wait_s", "retry_initial_backoff_s", "retry_max_backoff_s", "upstream_call_timeout_s",
+                    "stall_timeout_s"):
             if getattr(self, key) <= 0:
                 raise ConfigError(key, f"must be > 0, got {getattr(self, key)}")
         check_addresses(self, listen_keys=("metrics_listen",))

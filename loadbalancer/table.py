@@ -12,6 +12,7 @@ that picked it but have not been sent yet.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 from collections import OrderedDict
@@ -51,6 +52,15 @@ class Ticket:
     sent: bool = False
     tokens: int = 0
     move_requested: bool = False
+    cut_reason: str = ""
+    """Why the balancer cut this attempt (its replica lost its lease); set by :meth:`cut`."""
+    cut_event: asyncio.Event | None = None
+
+    def cut(self, reason: str) -> None:
+        """End the attempt locally: its stream is dropped and the request resumes elsewhere."""
+        self.cut_reason = reason
+        if self.cut_event is not None:
+            self.cut_event.set()
 
     @property
     def revoked(self) -> bool:

@@ -81,7 +81,10 @@ class WeightSyncOutcome:
 class RoutingPort(Protocol):
     """The load balancer's routing table."""
 
-    async def remove_replicas(self, replica_ids: Sequence[str]) -> None: ...
+    async def remove_replicas(self, replica_ids: Sequence[str], *, abort_in_flight: bool = False) -> None:
+        """Take replicas out of routing; ``abort_in_flight`` also ends their open requests there, which then
+        resume elsewhere (a replica that lost its lease may be frozen and never finish them)."""
+        ...
     async def add_replicas(self, records: Sequence[ReplicaRecord]) -> None: ...
     async def rebalance(self) -> int | None:
         """Move in-flight requests toward less loaded replicas; the number moved (None: unknown)."""

@@ -262,3 +262,39 @@ async def test_a_retry_never_goes_back_to_a_replica_that_just_failed_it(mesh):
     assert attempts == ["dead", "ok"], attempts                    # one try on the dead one, then elsewhere
     for done in await asyncio.gather(*busy):
         assert len(done[0]) == 40
+
+
+async def test_an_attempt_that_makes_no_progress_is_resumed_elsewhere(mesh):
+    # defect 3 (independent of leases): a frozen replica's requests waited there; now stall_timeout_s cuts them
+    stub, fake, _ = await mesh({"frozen": "stall", "ok": "ok"}, lb_overrides={"stall_timeout_s": 0.5})
+    loop = asyncio.get_running_loop()
+    for i in range(2):   # round robin: one of the two starts on the frozen replica
+        started = loop.time()
+        tokens, last = await collect(stub, request(f"s{i}", 8), timeout=20)
+        assert len(tokens) == 8 and loop.time() - started < 5
+    cut = [a for i in range(2) for a in (await _attempts(stub, f"s{i}")) if a.replica_id == "frozen"]
+    assert cut and all("no message for 0.5 s (stall_timeout_s)" in a.reason for a in cut)
+
+
+async def test_removal_with_abort_cuts_the_attempts_on_a_frozen_replica_at_once(mesh):
+    # what the controller does when a lease expires: the agent may be frozen and never answer its abort
+    stub, fake, address = await mesh({"frozen": "stall", "ok": "ok"}, add=False, lb_overrides={"stall_timeout_s": 600})
+    await stub.AddReplicas(pb.AddReplicasRequest(replicas=[routing_pb2.ReplicaEndpoint(replica_id="frozen",
+                                                                                         address=address)]))
+    pending = asyncio.ensure_future(collect(stub, request("held", 8), timeout=30))
+    await asyncio.wait_for(fake.started.wait(), 10)
+    await stub.AddReplicas(pb.AddReplicasRequest(replicas=[routing_pb2.ReplicaEndpoint(replica_id="ok",
+                                                                                         address=address)]))
+    removed = await stub.RemoveReplicas(pb.RemoveReplicasRequest(replica_ids=["frozen"], abort_in_flight=True))
+    assert list(removed.in_flight_request_ids) == ["held"]
+    tokens, last = await asyncio.wait_for(pending, 10)
+    assert len(tokens) == 8 and [a.replica_id for a in last.attempts] == ["frozen", "ok"]
+    assert "removed from routing with abort" in last.attempts[0].reason
+
+
+async def _attempts(stub, request_id):
+    """The attempts of a completed request (answered from the balancer's record of it)."""
+    last = None
+    async for msg in stub.Generate(request(request_id, 8), timeout=10):
+        last = msg
+    return list(last.attempts)
