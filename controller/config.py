@@ -26,6 +26,9 @@ class ControllerConfig(ServerConfig):
                                               "to probe a peer in GetStatus")
     state_dir: str = setting("", help="directory of the controller's durable state (SQLite); empty = keep "
                                       "nothing across restarts")
+    reconcile_interval_s: float = setting(2.0, help="how often the controller makes the balancer's routing table "
+                                                    "equal to the registry again (a restarted balancer, a stray "
+                                                    "RemoveReplicas or AddReplicas heal within one interval)")
     lease_ttl_s: float = setting(10.0, help="a node whose agent sends no load report for this long loses its "
                                             "lease: its replicas go FAILED and leave routing")
     load_report_interval_s: float = setting(1.0, help="how often agents push load reports (sent to them)")
@@ -74,6 +77,7 @@ class ControllerConfig(ServerConfig):
         super().validate()
         check_addresses(self, "load_balancer_address", "trainer_address", listen_keys=("metrics_listen",))
         positive = {"peer_timeout_s": self.peer_timeout_s, "lease_ttl_s": self.lease_ttl_s,
+                    "reconcile_interval_s": self.reconcile_interval_s,
                     "load_report_interval_s": self.load_report_interval_s,
                     "event_retention": self.event_retention, "watcher_queue_size": self.watcher_queue_size,
                     "concurrent_samples_per_replica": self.concurrent_samples_per_replica,

@@ -17,6 +17,7 @@ import logging
 import time
 from typing import Any
 
+import grpc
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
@@ -34,6 +35,8 @@ from .watchers import EventHub
 
 log = logging.getLogger(__name__)
 S = ReplicaState
+_CANNOT_SERVE = frozenset({S.FAILED, S.STOPPED, S.REMOVED, S.SLEEPING, S.DRAINING, S.LAUNCHING, S.LOADING})
+"""States in which a replica must not be in the balancer's table."""
 
 
 def _trace_ids() -> tuple[str, str]:
@@ -172,6 +175,58 @@ class Mesh:
         self.weights.stale.update(r.replica_id for r in serving if r not in routable)
         if routable:
             await self.routing.add_replicas(routable)
+
+    def desired_routes(self) -> set[str]:
+        """The replicas the balancer must route to: what the controller would put there itself."""
+        current = self.scheduler.weight_version
+        wanted: set[str] = set()
+        for r in self.registry.replicas(states=[S.ACTIVE]):
+            if self.scaler.blocks_routing(r) or r.replica_id in self.weights.stale:
+                continue
+            if r.kind is ReplicaKind.STANDALONE and (current is None or r.weight_version >= current):
+                wanted.add(r.replica_id)
+            elif r.kind is ReplicaKind.HYBRID and self.scheduler.is_hybrid_active:
+                wanted.add(r.replica_id)
+        return wanted
+
+    async def reconcile_routing(self) -> tuple[list[str], list[str]]:
+        """One level-triggered round: make the balancer's table match the registry; ``(added, removed)``.
+
+        Runs only while no transition holds ``transitions`` (a step, a sync or a
+        scale operation owns routing while it runs) and under that lock. Adds
+        the desired replicas the balancer lacks (a restarted balancer, a stray
+        RemoveReplicas); removes only replicas the registry does not know or
+        that cannot serve (failed, stopped, removed, asleep, draining, still
+        launching) - never an ambiguous one.
+        """
+        if self.transitions.locked():
+            return [], []
+        async with self.transitions:
+            actual = await self.routing.routed_ids()
+            if actual is None:
+                return [], []
+            wanted = self.desired_routes()
+            missing = sorted(wanted - actual)
+            extra = sorted(r for r in actual - wanted
+                           if r not in self.registry or self.registry.get(r).state in _CANNOT_SERVE)
+            if missing:
+                await self.routing.add_replicas([self.registry.get(r) for r in missing])
+            if extra:
+                await self.routing.remove_replicas(extra, abort_in_flight=True)
+        if missing or extra:
+            log.warning("routing reconciled: re-added %s, removed %s", missing or "none", extra or "none")
+        return missing, extra
+
+    async def run_reconcile(self) -> None:
+        """Reconcile the balancer's routing every ``reconcile_interval_s`` until cancelled."""
+        while True:
+            await asyncio.sleep(self.config.reconcile_interval_s)
+            try:
+                await self.reconcile_routing()
+            except grpc.aio.AioRpcError as err:   # the balancer is down or restarting: the next round heals it
+                log.info("routing reconcile: balancer unavailable (%s)", err.code().name)
+            except Exception:  # noqa: BLE001 - one failed round must not end the loop
+                log.exception("routing reconcile round failed")
 
     def renew(self, node_id: str, reports) -> None:
         self.registry.renew(node_id)

@@ -66,6 +66,13 @@ class LoadBalancerRouting:
             await self._stub.RemoveReplicas(loadbalancer_pb2.RemoveReplicasRequest(
                 replica_ids=list(replica_ids), abort_in_flight=abort_in_flight), timeout=self.timeout_s)
 
+    async def routed_ids(self) -> set[str] | None:
+        """The replica ids in the balancer's table now (None without a balancer)."""
+        if not self._stub:
+            return None
+        reply = await self._stub.ListReplicas(loadbalancer_pb2.ListReplicasRequest(), timeout=self.timeout_s)
+        return {r.endpoint.replica_id for r in reply.replicas}
+
     async def add_replicas(self, records: Sequence[ReplicaRecord]) -> None:
         if self._stub and records:
             endpoints = [routing_pb2.ReplicaEndpoint(replica_id=r.replica_id, address=r.address,

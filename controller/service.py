@@ -42,6 +42,7 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
         server.add_cleanup(self.mesh.close)
         server.spawn(self.mesh.store.run(), name="state-store")
         server.spawn(self.mesh.run_leases(), name="leases")
+        server.spawn(self.mesh.run_reconcile(), name="routing-reconcile")
         server.spawn(self.mesh.scaler.hold_external_leases(), name="external-leases")
         self.mesh.scaler.recover()
         if self.mesh.autoscaler.configured:
