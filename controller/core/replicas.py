@@ -182,6 +182,25 @@ class ReplicaRegistry:
         self.lease_ttl_s = float(lease_ttl_s)
         self._nodes: dict[str, NodeRecord] = {}
         self._replicas: dict[str, ReplicaRecord] = {}
+        self._by_node: dict[str, set[str]] = {}
+        """node id -> its replica ids: a lease renewal or a per-node lookup touches only that node's replicas."""
+
+    def _put(self, record: ReplicaRecord) -> None:
+        """Store ``record`` and keep the per-node index in line (a replica may move to another node)."""
+        previous = self._replicas.get(record.replica_id)
+        if previous is not None and previous.node_id != record.node_id:
+            self._by_node.get(previous.node_id, set()).discard(record.replica_id)
+        self._replicas[record.replica_id] = record
+        self._by_node.setdefault(record.node_id, set()).add(record.replica_id)
+
+    def _pop(self, replica_id: str) -> ReplicaRecord:
+        record = self._replicas.pop(replica_id)
+        ids = self._by_node.get(record.node_id)
+        if ids is not None:
+            ids.discard(replica_id)
+            if not ids:
+                del self._by_node[record.node_id]
+        return record
 
     # --- nodes and leases ---
 
@@ -289,7 +308,7 @@ class ReplicaRegistry:
                                initial=spec.initial, added_by_operation_id=operation_id,
                                model_name=node.model_name, lease_expires_at=node.lease_expires_at,
                                updated_at=self._clock(), added_at=self._clock(), state_reason=reason or "added")
-        self._replicas[spec.replica_id] = record
+        self._put(record)
         self._emit_change(record, "", record.state_reason, operation_id=operation_id)
         return record
 
@@ -328,7 +347,7 @@ class ReplicaRegistry:
         self.node(node_id)
         gone = [r.replica_id for r in self.replicas(node_id=node_id)]
         for replica_id in gone:
-            record = self._replicas.pop(replica_id)
+            record = self._pop(replica_id)
             self._emit(EventType.REPLICA_STATE_CHANGED, replica_id=replica_id, node_id=node_id,
                        replica_kind=record.kind.proto_name, from_state=record.state.proto_name,
                        to_state=S.REMOVED.proto_name, reason=reason)
@@ -356,12 +375,12 @@ class ReplicaRegistry:
 
     def replicas(self, *, kind: ReplicaKind | None = None, states: Iterable[ReplicaState] | None = None,
                  node_id: str | None = None) -> list[ReplicaRecord]:
-        """Replicas matching every given filter, ordered by id."""
+        """Replicas matching every given filter, ordered by id (with ``node_id``: only that node's are looked at)."""
         wanted = None if states is None else frozenset(states)
-        return [self._replicas[key] for key in sorted(self._replicas)
+        keys = sorted(self._replicas) if node_id is None else sorted(self._by_node.get(node_id, ()))
+        return [self._replicas[key] for key in keys
                 if (kind is None or self._replicas[key].kind is kind)
-                and (wanted is None or self._replicas[key].state in wanted)
-                and (node_id is None or self._replicas[key].node_id == node_id)]
+                and (wanted is None or self._replicas[key].state in wanted)]
 
     def active_count(self, kind: ReplicaKind | None = None) -> int:
         """ACTIVE replicas of ``kind`` (all kinds when None), each counted once."""
@@ -401,7 +420,7 @@ class ReplicaRegistry:
             record = ReplicaRecord.from_dict(replica_data)
             owner = registry._nodes.get(record.node_id)
             record.lease_expires_at = owner.lease_expires_at if owner else record.lease_expires_at
-            registry._replicas[record.replica_id] = record
+            registry._put(record)
         return registry
 
     # --- internals ---
@@ -431,7 +450,7 @@ class ReplicaRegistry:
             model_name=model_name, lease_expires_at=expires, updated_at=now,
             added_at=existing.added_at if existing else now,
             state_reason="registered" if existing is None else "reported by agent on registration")
-        self._replicas[spec.replica_id] = record
+        self._put(record)
         if existing is None or existing.state is not record.state:
             self._emit_change(record, existing.state.proto_name if existing else "", record.state_reason)
 

@@ -251,3 +251,47 @@ TestRegistryMachine = RegistryMachine.TestCase
 
 def test_terminal_states_hold_no_engine():
     assert TERMINAL_STATES == {S.FAILED, S.STOPPED, S.REMOVED}
+
+
+class _CountingDict(dict):
+    """A dict that counts how many of its values are looked at (the registry's replica table)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.lookups = 0
+
+    def __getitem__(self, key):
+        self.lookups += 1
+        return super().__getitem__(key)
+
+    def __iter__(self):
+        self.lookups += len(self)
+        return super().__iter__()
+
+
+def test_a_lease_renewal_touches_only_the_nodes_replicas():
+    # the fleet-scale issue: a renewal filtered and sorted every replica of the fleet (quadratic overall)
+    registry = ReplicaRegistry(clock=lambda: 0.0, lease_ttl_s=30)
+    for n in range(500):
+        registry.register_node(f"n{n}", f"h{n}:1", replicas=[
+            ReplicaSpec(f"n{n}-r{i}", ReplicaKind.STANDALONE, ReplicaState.ACTIVE) for i in range(8)])
+    registry._replicas = _CountingDict(registry._replicas)
+    registry.renew("n250")
+    assert registry._replicas.lookups <= 8
+    assert [r.replica_id for r in registry.replicas(node_id="n7")] == [f"n7-r{i}" for i in range(8)]
+    assert registry._replicas.lookups <= 16
+
+
+def test_the_node_index_follows_moves_forgets_and_restores():
+    registry = ReplicaRegistry(clock=lambda: 0.0, lease_ttl_s=30)
+    registry.register_node("a", "a:1", replicas=[ReplicaSpec("r1", ReplicaKind.STANDALONE, ReplicaState.ACTIVE)])
+    registry.register_node("b", "b:1")
+    registry.transition("r1", ReplicaState.FAILED, "test")
+    registry.register_node("b", "b:1", replicas=[ReplicaSpec("r1", ReplicaKind.STANDALONE, ReplicaState.ACTIVE)])
+    assert [r.replica_id for r in registry.replicas(node_id="b")] == ["r1"]
+    assert registry.replicas(node_id="a") == []                      # moved, not listed twice
+    registry.forget_node("b", "rolled back")
+    assert registry.replicas(node_id="b") == [] and "r1" not in registry
+    registry.register_node("c", "c:1", replicas=[ReplicaSpec("r2", ReplicaKind.HYBRID, ReplicaState.SLEEPING)])
+    restored = ReplicaRegistry.from_dict(registry.to_dict(), clock=lambda: 0.0)
+    assert [r.replica_id for r in restored.replicas(node_id="c")] == ["r2"]
