@@ -228,11 +228,13 @@ class Mesh:
             except Exception:  # noqa: BLE001 - one failed round must not end the loop
                 log.exception("routing reconcile round failed")
 
-    def renew(self, node_id: str, reports) -> None:
-        self.registry.renew(node_id)
+    def renew(self, node_id: str, reports) -> float:
+        """Renew the node's lease with one load report; returns when the lease now expires."""
+        expires = self.registry.renew(node_id)
         for report in reports:
             if report.replica_id in self.registry:
                 self.registry.record_report(report.replica_id, report)
+        return expires
 
     async def expire_leases(self) -> None:
         failed = self.registry.expire_leases()

@@ -85,12 +85,13 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
             if not message.node_id or (node_id and message.node_id != node_id):
                 raise InvalidArgument("every message of a load-report stream must carry the same, non-empty "
                                       "node_id", reason="INVALID_NODE_ID")
-            self.mesh.renew(message.node_id, message.reports)
+            expires = self.mesh.renew(message.node_id, message.reports)
             if not node_id:
                 node_id = message.node_id
                 reply = registry_pb2.StreamLoadReportsResponse()
                 reply.load_report_interval.CopyFrom(convert.duration(self.config.load_report_interval_s))
                 reply.lease_ttl.CopyFrom(convert.duration(self.config.lease_ttl_s))
+                reply.lease_expires_at.CopyFrom(convert.timestamp(expires))
                 yield reply
 
     async def ListNodes(self, request, context):  # noqa: N802
