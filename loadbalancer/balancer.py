@@ -245,6 +245,10 @@ class Balancer:
         return msg
 
     async def _attempt(self, run: RequestRun, emit) -> None:
+        if self._budget_spent(run):
+            # an attempt streamed the whole budget, then broke before its final message: the request is done
+            self._complete_from_segments(run, emit)
+            return
         while True:  # re-pick when a removal revoked the ticket before it was sent
             choice = await self._acquire(run)
             ticket = choice.ticket
@@ -336,6 +340,19 @@ class Balancer:
         if run.restart_pending:
             out.restarted, run.restart_pending = True, False
         return out
+
+    @staticmethod
+    def _budget_spent(run: RequestRun) -> bool:
+        held = sum(len(s.token_ids) for s in run.segments)
+        return run.partial_rollout and held > 0 and held >= run.request.sampling_params.max_tokens
+
+    def _complete_from_segments(self, run: RequestRun, emit) -> None:
+        """Finish with FINISH_REASON_LENGTH from the tokens already held (no further attempt can add any)."""
+        last = run.segments[-1]
+        final = replica_agent_pb2.GenerateResponse(request_id=run.request_id, weight_version=last.weight_version,
+                                                   finish_reason=generation_pb2.FINISH_REASON_LENGTH,
+                                                   segments=run.segments)
+        self._finish(run, routing_pb2.Attempt(), final, last.replica_id, emit)
 
     def _finish(self, run: RequestRun, record, final, replica_id: str, emit) -> None:
         record.outcome = routing_pb2.ATTEMPT_OUTCOME_COMPLETED

@@ -69,6 +69,9 @@ class FakeReplicas(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
                 mine.token_ids.extend(tokens)
                 done = position >= budget
                 msg = pb.GenerateResponse(request_id=request.request_id, token_ids=tokens, weight_version=self.version)
+                if done and mode == "vanish":   # every token sent, then the replica dies before its final message
+                    yield msg
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "replica died")
                 if done:
                     msg.finish_reason = generation_pb2.FINISH_REASON_LENGTH
                     msg.segments.extend(segments + [mine])

@@ -298,3 +298,15 @@ async def _attempts(stub, request_id):
     async for msg in stub.Generate(request(request_id, 8), timeout=10):
         last = msg
     return list(last.attempts)
+
+
+async def test_a_request_whose_whole_budget_arrived_before_its_replica_died_completes(mesh):
+    # found by the chaos test: the resume sent another attempt whose prefix already spent max_tokens, and the
+    # replica rejected it (INVALID_ARGUMENT); the request is complete with the tokens it holds
+    stub, fake, _ = await mesh({"v": "vanish", "ok": "ok"})
+    for i in range(2):   # round robin: one of the two starts on the vanishing replica
+        tokens, last = await collect(stub, request(f"full{i}", 8))
+        assert tokens == [1000 + k for k in range(8)]
+        assert last.finish_reason == generation_pb2.FINISH_REASON_LENGTH and last.usage.completion_tokens == 8
+    vanished = [s for s in fake.seen if s.replica_id == "v"]
+    assert vanished and all(sum(1 for s in fake.seen if s.request_id == v.request_id) == 1 for v in vanished)
