@@ -310,28 +310,27 @@ class Balancer:
         the balancer cut the attempt (its replica lost its lease)."""
         stream = call.__aiter__()
         stall_s = self.config.stall_timeout_s
-        cut = ticket.cut_event
-        assert cut is not None
-        while True:
-            if cut.is_set():
-                raise AttemptCut(ticket.cut_reason)
-            read = asyncio.ensure_future(stream.__anext__())
-            cut_wait = asyncio.ensure_future(cut.wait())
-            try:
-                done, _ = await asyncio.wait({read, cut_wait}, timeout=stall_s, return_when=asyncio.FIRST_COMPLETED)
-            except BaseException:
-                read.cancel()
-                raise
-            finally:
-                cut_wait.cancel()
-            if read in done:
+        assert ticket.cut_event is not None
+        cut_wait = asyncio.ensure_future(ticket.cut_event.wait())   # one per attempt, not per message
+        try:
+            while not cut_wait.done():
+                read = asyncio.ensure_future(stream.__anext__())
+                try:
+                    done, _ = await asyncio.wait({read, cut_wait}, timeout=stall_s,
+                                                 return_when=asyncio.FIRST_COMPLETED)
+                except BaseException:
+                    read.cancel()
+                    raise
+                if read not in done:
+                    read.cancel()
+                    break
                 try:
                     yield read.result()
                 except StopAsyncIteration:
                     return
-                continue
-            read.cancel()
-            raise AttemptCut(ticket.cut_reason or f"no message for {stall_s:g} s (stall_timeout_s)")
+        finally:
+            cut_wait.cancel()
+        raise AttemptCut(ticket.cut_reason or f"no message for {stall_s:g} s (stall_timeout_s)")
 
     def _chunk(self, run: RequestRun, msg, replica_id: str) -> loadbalancer_pb2.GenerateResponse:
         out = loadbalancer_pb2.GenerateResponse(request_id=run.request_id, token_ids=msg.token_ids,

@@ -57,3 +57,51 @@ def max_required_samples(required: int, staleness_threshold: float, trigger_para
 def wait_samples(required: int, queue_size_at_start: int) -> int:
     """Samples of one collection that really had to be waited on: ``max(0, required - queue size at start)``."""
     return max(0, int(required) - int(queue_size_at_start))
+
+
+class SampleArithmetic:
+    """The formulas above as properties, for any config with verl's five fields.
+
+    Mixed into the rollouter's ``RolloutConfig`` and the simulator's
+    ``Workload``: they need ``ppo_mini_batch_size``, ``require_batches``,
+    ``trigger_parameter_sync_step``, ``staleness_threshold`` and ``n``. The
+    ``*_completions`` counts are the sample counts times ``n`` (one response each).
+    """
+
+    ppo_mini_batch_size: int
+    require_batches: int
+    trigger_parameter_sync_step: int
+    staleness_threshold: float
+    n: int
+
+    @property
+    def required_samples(self) -> int:
+        """Samples (prompts) per collection."""
+        return required_samples(self.ppo_mini_batch_size, self.require_batches)
+
+    @property
+    def step_required_samples(self) -> int:
+        """Samples (prompts) per weight-sync cycle."""
+        return step_required_samples(self.required_samples, self.trigger_parameter_sync_step)
+
+    @property
+    def buffer_samples(self) -> float:
+        return buffer_samples(self.step_required_samples, self.staleness_threshold)
+
+    @property
+    def max_required_samples(self) -> int:
+        """Samples (prompts) per parameter version: the staleness budget."""
+        return max_required_samples(self.required_samples, self.staleness_threshold,
+                                    self.trigger_parameter_sync_step)
+
+    @property
+    def required_completions(self) -> int:
+        return self.required_samples * self.n
+
+    @property
+    def step_completions(self) -> int:
+        return self.step_required_samples * self.n
+
+    @property
+    def max_required_completions(self) -> int:
+        return self.max_required_samples * self.n

@@ -67,7 +67,7 @@ def split_async_training(data: Mapping[str, Any], prefix: str,
     """
     from .config import ConfigError  # noqa: PLC0415 - config imports this module lazily too
 
-    honoured = own = set(fields)
+    own = set(fields)
     known = own | set(HONOURED_BY) | set(NO_EFFECT)
     kept: dict[str, Any] = {}
     elsewhere: list[str] = []
@@ -75,7 +75,7 @@ def split_async_training(data: Mapping[str, Any], prefix: str,
     unknown: list[str] = []
     for key, value in data.items():
         name = str(key)
-        if name in honoured or name in own:
+        if name in own:
             kept[name] = value
         elif name in HONOURED_BY:
             elsewhere.append(f"{name} (the {HONOURED_BY[name]})")

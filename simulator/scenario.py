@@ -51,7 +51,7 @@ class ResponseLengths:
 
 
 @dataclasses.dataclass(frozen=True)
-class Workload:
+class Workload(samples.SampleArithmetic):
     """The RL job: batch geometry (reference names) and response lengths."""
 
     n: int = 8
@@ -67,35 +67,9 @@ class Workload:
     """Bound of the message queue in samples (prompts); 0 means ``2 x max_required_samples``."""
 
     @property
-    def required_samples(self) -> int:
-        """Samples (prompts) per collection."""
-        return samples.required_samples(self.ppo_mini_batch_size, self.require_batches)
-
-    @property
     def step_samples(self) -> int:
-        """Samples (prompts) per weight-sync cycle."""
-        return samples.step_required_samples(self.required_samples, self.trigger_parameter_sync_step)
-
-    @property
-    def buffer_samples(self) -> float:
-        return samples.buffer_samples(self.step_samples, self.staleness_threshold)
-
-    @property
-    def max_required_samples(self) -> int:
-        return samples.max_required_samples(self.required_samples, self.staleness_threshold,
-                                            self.trigger_parameter_sync_step)
-
-    @property
-    def required_completions(self) -> int:
-        return self.required_samples * self.n
-
-    @property
-    def step_completions(self) -> int:
-        return self.step_samples * self.n
-
-    @property
-    def max_required_completions(self) -> int:
-        return self.max_required_samples * self.n
+        """Samples (prompts) per weight-sync cycle (the simulator's name for ``step_required_samples``)."""
+        return self.step_required_samples
 
     @property
     def queue_bound(self) -> int:

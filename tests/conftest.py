@@ -1,4 +1,4 @@
-"""Shared fixtures: paths to the tools the tests drive."""
+"""Shared fixtures: paths to the tools the tests drive, and a verl-shaped checkout on sys.path."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+
+from tests import verl_shaped
 
 ROOT = Path(__file__).resolve().parent.parent
 BUF = ROOT / "node_modules" / ".bin" / "buf"
@@ -24,3 +26,13 @@ def node() -> str:
     if path is None or not (ROOT / "node_modules" / "@grpc" / "grpc-js").exists():
         pytest.skip("node or node_modules/@grpc/grpc-js is missing: run scripts/install")
     return path
+
+
+@pytest.fixture
+def verl_root(tmp_path, monkeypatch):
+    """A verl-shaped package (``tests/verl_shaped.py``) written to a temporary checkout on ``sys.path``."""
+    root = verl_shaped.write_verl_package(tmp_path / "verl-checkout")
+    monkeypatch.syspath_prepend(str(root))
+    verl_shaped.forget_verl_modules()
+    yield root
+    verl_shaped.forget_verl_modules()

@@ -46,7 +46,7 @@ ALLOWED: dict[str, set[str]] = {
 NO_TORCH = {"mesh_runtime", "controller", "loadbalancer", "simulator"}
 
 
-def _imports(path: Path, package: str) -> list[tuple[int, str]]:
+def _imports(path: Path) -> list[tuple[int, str]]:
     tree = ast.parse(path.read_text(), filename=str(path))
     module_parts = path.relative_to(ROOT).with_suffix("").parts
     found: list[tuple[int, str]] = []
@@ -67,7 +67,7 @@ def _violations() -> list[str]:
     problems = []
     for package, allowed in ALLOWED.items():
         for path in sorted((ROOT / package).rglob("*.py")):
-            for line, name in _imports(path, package):
+            for line, name in _imports(path):
                 top = name.split(".")[0]
                 where = f"{path.relative_to(ROOT)}:{line} imports {name}"
                 if top in OURS and top not in allowed:

@@ -27,15 +27,6 @@ from .conftest import LAGGING, build_mesh, report
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture
-def verl_root(tmp_path, monkeypatch):
-    root = verl_shaped.write_verl_package(tmp_path / "verl-checkout")
-    monkeypatch.syspath_prepend(str(root))
-    verl_shaped.forget_verl_modules()
-    yield root
-    verl_shaped.forget_verl_modules()
-
-
 def test_ray_is_not_installed_here():
     # the conformance below runs without Ray; if this ever changes, the stand-in path is untested
     assert importlib.util.find_spec("ray") is None
@@ -85,12 +76,11 @@ def test_ray_shim_delegates_to_a_real_ray_when_one_is_installed(verl_root, tmp_p
     assert shim.remote == "real remote"
 
 
-async def test_verl_default_runs_in_the_controller_core_with_rebalance():
+async def test_verl_default_runs_in_the_controller_core_with_rebalance(verl_root):
     mesh = build_mesh()
-    with _verl_on_path():
-        ctrl = mesh.controller(dynamic_schedule_policy=verl_shaped.DEFAULT)
-        await ctrl.begin_step(1, report(**LAGGING))
-        done = await ctrl.complete_step(1, 1, report(**LAGGING))
+    ctrl = mesh.controller(dynamic_schedule_policy=verl_shaped.DEFAULT)
+    await ctrl.begin_step(1, report(**LAGGING))
+    done = await ctrl.complete_step(1, 1, report(**LAGGING))
     assert done.hybrid_activated and done.rebalanced
     assert mesh.ops(1) == ["sync", "wake", "add", "resume", "clear_sticky", "rebalance"]
     phases = [e for e in mesh.events_of(EventType.STEP_PHASE) if e.attributes.get("phase") == "rebalance"]
@@ -106,12 +96,11 @@ async def test_verl_default_runs_in_the_controller_core_with_rebalance():
     assert state.policy_parameters["only_hybrid"] is False and state.deactivate_ratio is not None
 
 
-async def test_reference_example_activates_without_rebalance():
+async def test_reference_example_activates_without_rebalance(verl_root):
     mesh = build_mesh()
-    with _verl_on_path():
-        ctrl = mesh.controller(dynamic_schedule_policy=verl_shaped.MY_POLICY)
-        await ctrl.begin_step(1, report(**LAGGING))
-        done = await ctrl.complete_step(1, 1, report(**LAGGING))
+    ctrl = mesh.controller(dynamic_schedule_policy=verl_shaped.MY_POLICY)
+    await ctrl.begin_step(1, report(**LAGGING))
+    done = await ctrl.complete_step(1, 1, report(**LAGGING))
     assert done.hybrid_activated and not done.rebalanced
     assert "rebalance" not in mesh.ops(1)
 
@@ -237,22 +226,3 @@ async def test_switch_durations_accumulate_within_a_cycle_and_reset_after_update
     await ctrl.complete_step(2, 2, report(**LAGGING))            # lagging: activation again, + 7 s
     assert seen == [(1, pytest.approx(7.0), 0.0), (2, pytest.approx(7.0), pytest.approx(5.5))]
     assert (ctrl.ctx.last_activate_duration_s, ctrl.ctx.last_deactivate_duration_s) == (0.0, 0.0)
-
-
-class _verl_on_path:
-    """Context manager: a fresh verl-shaped package on sys.path (for tests without the fixture)."""
-
-    def __enter__(self):
-        import tempfile
-        from pathlib import Path
-
-        self._dir = tempfile.TemporaryDirectory()
-        root = verl_shaped.write_verl_package(Path(self._dir.name))
-        sys.path.insert(0, str(root))
-        verl_shaped.forget_verl_modules()
-        return root
-
-    def __exit__(self, *exc):
-        sys.path.remove(str(self._dir.name))
-        verl_shaped.forget_verl_modules()
-        self._dir.cleanup()

@@ -20,15 +20,6 @@ def tiny():
     return load_scenario("tiny")
 
 
-@pytest.fixture
-def verl_root(tmp_path, monkeypatch):
-    root = verl_shaped.write_verl_package(tmp_path / "verl-checkout")
-    monkeypatch.syspath_prepend(str(root))
-    verl_shaped.forget_verl_modules()
-    yield root
-    verl_shaped.forget_verl_modules()
-
-
 def colocated(tiny):
     """tiny with one more run: all 8 GPUs train, hybrids only (verl's rollout.nnodes = 0)."""
     raw = copy.deepcopy(dict(tiny.raw))

@@ -76,7 +76,7 @@ GenerateFn = Callable[[GenerationRequest], Awaitable[GenerationResult]]
 
 
 @dataclass
-class RolloutConfig:
+class RolloutConfig(samples.SampleArithmetic):
     n: int
     ppo_mini_batch_size: int
     require_batches: int = 1
@@ -102,33 +102,6 @@ class RolloutConfig:
         if self.max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
 
-    @property
-    def required_samples(self) -> int:
-        """Samples (prompts) per collection."""
-        return samples.required_samples(self.ppo_mini_batch_size, self.require_batches)
-
-    @property
-    def step_required_samples(self) -> int:
-        """Samples (prompts) per weight-sync cycle."""
-        return samples.step_required_samples(self.required_samples, self.trigger_parameter_sync_step)
-
-    @property
-    def buffer_samples(self) -> float:
-        return samples.buffer_samples(self.step_required_samples, self.staleness_threshold)
-
-    @property
-    def max_required_samples(self) -> int:
-        """Samples (prompts) per parameter version: the staleness budget."""
-        return samples.max_required_samples(self.required_samples, self.staleness_threshold,
-                                            self.trigger_parameter_sync_step)
-
-    @property
-    def required_completions(self) -> int:
-        return self.required_samples * self.n
-
-    @property
-    def max_required_completions(self) -> int:
-        return self.max_required_samples * self.n
 
 
 @dataclass(frozen=True)
