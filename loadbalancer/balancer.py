@@ -51,7 +51,12 @@ _DONE = object()
 
 
 class AttemptCut(Exception):
-    """The balancer ended an attempt itself: no message for stall_timeout_s, or its replica lost its lease."""
+    """The balancer ended an attempt itself: no message for stall_timeout_s, or its replica was removed
+    from routing with abort (a move, like a replica-side abort: recorded ABORTED, resumed at once)."""
+
+    def __init__(self, why: str, *, removed: bool) -> None:
+        super().__init__(why)
+        self.removed = removed
 
 
 class RetryAttempt(Exception):
@@ -287,6 +292,8 @@ class Balancer:
                 except grpc.aio.AioRpcError as err:
                     self._attempt_failed(run, record, streamed, route, err)
                 except AttemptCut as cut:
+                    if cut.removed:
+                        self._attempt_moved(run, record, streamed, route, str(cut))
                     self._attempt_failed(run, record, streamed, route, None, why=str(cut))
                 if final is None:
                     self._attempt_failed(run, record, streamed, route, None)
@@ -330,7 +337,9 @@ class Balancer:
                     return
         finally:
             cut_wait.cancel()
-        raise AttemptCut(ticket.cut_reason or f"no message for {stall_s:g} s (stall_timeout_s)")
+        if cut_wait.done():
+            raise AttemptCut(ticket.cut_reason, removed=True)
+        raise AttemptCut(f"no message for {stall_s:g} s (stall_timeout_s)", removed=False)
 
     def _chunk(self, run: RequestRun, msg, replica_id: str) -> loadbalancer_pb2.GenerateResponse:
         out = loadbalancer_pb2.GenerateResponse(request_id=run.request_id, token_ids=msg.token_ids,
@@ -402,6 +411,25 @@ class Balancer:
         run.avoid = moved | run.failed_on
         raise RetryAttempt(f"aborted on {ticket.route.replica_id}", backoff=False)
 
+    def _keep(self, run: RequestRun, streamed, route) -> None:
+        """What a broken-off attempt streamed: resumed from (partial rollout) or dropped for a regeneration."""
+        if streamed:
+            if run.partial_rollout:
+                run.segments += _segments(streamed, route)
+                self.stats.resumes += 1
+            else:
+                self._restart(run, len(streamed))
+
+    def _attempt_moved(self, run: RequestRun, record, streamed, route, why: str) -> None:
+        """The control plane removed the attempt's replica with abort: keep what arrived, go on elsewhere now."""
+        record.outcome = routing_pb2.ATTEMPT_OUTCOME_ABORTED
+        record.ended_at.GetCurrentTime()
+        record.tokens = len(streamed)
+        record.reason = why
+        self._keep(run, streamed, route)
+        run.avoid = frozenset({route.replica_id}) | run.failed_on
+        raise RetryAttempt(f"{route.replica_id}: {why}", backoff=False)
+
     def _attempt_failed(self, run: RequestRun, record, streamed, route, err: grpc.aio.AioRpcError | None,
                         why: str = "") -> None:
         """An attempt broke off without a final message (or was cut): keep what arrived, retry with backoff."""
@@ -423,12 +451,7 @@ class Balancer:
                          else why or "stream ended early")
         run.failed_on = run.failed_on | {route.replica_id}   # never back to it while another one is eligible
         run.avoid = run.avoid | run.failed_on
-        if streamed:
-            if run.partial_rollout:
-                run.segments += _segments(streamed, route)
-                self.stats.resumes += 1
-            else:
-                self._restart(run, len(streamed))
+        self._keep(run, streamed, route)
         raise RetryAttempt(f"{route.replica_id}: {record.reason}", backoff=True)
 
     # --------------------------------------------------------------- control

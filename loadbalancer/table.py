@@ -53,7 +53,7 @@ class Ticket:
     tokens: int = 0
     move_requested: bool = False
     cut_reason: str = ""
-    """Why the balancer cut this attempt (its replica lost its lease); set by :meth:`cut`."""
+    """Why the balancer cut this attempt (its replica was removed with abort); set by :meth:`cut`."""
     cut_event: asyncio.Event | None = None
 
     def cut(self, reason: str) -> None:

@@ -290,6 +290,7 @@ async def test_removal_with_abort_cuts_the_attempts_on_a_frozen_replica_at_once(
     tokens, last = await asyncio.wait_for(pending, 10)
     assert len(tokens) == 8 and [a.replica_id for a in last.attempts] == ["frozen", "ok"]
     assert "removed from routing with abort" in last.attempts[0].reason
+    assert last.attempts[0].outcome == routing_pb2.ATTEMPT_OUTCOME_ABORTED   # a move, not a failure
 
 
 async def _attempts(stub, request_id):
