@@ -290,11 +290,13 @@ class Balancer:
                         elif msg.token_ids:
                             emit(self._chunk(run, msg, route.replica_id))
                 except grpc.aio.AioRpcError as err:
-                    self._attempt_failed(run, record, streamed, route, err)
+                    if final is None:   # once the final message is in, how the stream ends does not matter
+                        self._attempt_failed(run, record, streamed, route, err)
                 except AttemptCut as cut:
-                    if cut.removed:
+                    if final is None and cut.removed:
                         self._attempt_moved(run, record, streamed, route, str(cut))
-                    self._attempt_failed(run, record, streamed, route, None, why=str(cut))
+                    if final is None:
+                        self._attempt_failed(run, record, streamed, route, None, why=str(cut))
                 if final is None:
                     self._attempt_failed(run, record, streamed, route, None)
                 record.tokens = len(streamed)

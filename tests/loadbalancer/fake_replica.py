@@ -4,7 +4,9 @@ Token ``i`` of every completion is ``1000 + i``, so a completion stitched
 together from resumed attempts can be checked against ``range(max_tokens)``.
 Each replica hosted by a fake has a mode: ``normal`` (streams ``step``
 tokens per message, waiting on a gate between messages when ``gated``),
-``abort`` (aborts at once) or ``stall`` (never answers).
+``abort`` (aborts at once), ``stall`` (never answers), ``vanish`` (dies right
+after its last token) or ``linger`` (its abort reply carries the next tokens,
+then the stream stays open: a replica that hangs after its final message).
 """
 
 from __future__ import annotations
@@ -59,6 +61,13 @@ class FakeReplicas(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
                 await asyncio.Event().wait()
             position, budget = resumed, request.sampling_params.max_tokens
             while position < budget:
+                if abort.is_set() and mode == "linger":
+                    last = [1000 + i for i in range(position, min(budget, position + self.step))]
+                    mine.token_ids.extend(last)
+                    yield pb.GenerateResponse(request_id=request.request_id, weight_version=self.version,
+                                              token_ids=last, finish_reason=generation_pb2.FINISH_REASON_ABORTED,
+                                              segments=segments + [mine])
+                    await asyncio.Event().wait()
                 if abort.is_set():
                     yield pb.GenerateResponse(request_id=request.request_id, weight_version=self.version,
                                               finish_reason=generation_pb2.FINISH_REASON_ABORTED,

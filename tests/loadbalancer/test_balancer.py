@@ -15,6 +15,7 @@ from mesh_runtime.config import load_config
 from rollmesh.common.v1 import generation_pb2
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2 as pb
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2_grpc, routing_pb2
+from rollmesh.replica.v1 import replica_agent_pb2 as replica_pb
 from tests.loadbalancer.fake_replica import start_fake
 
 pytestmark = pytest.mark.timeout(60)
@@ -291,6 +292,26 @@ async def test_removal_with_abort_cuts_the_attempts_on_a_frozen_replica_at_once(
     assert len(tokens) == 8 and [a.replica_id for a in last.attempts] == ["frozen", "ok"]
     assert "removed from routing with abort" in last.attempts[0].reason
     assert last.attempts[0].outcome == routing_pb2.ATTEMPT_OUTCOME_ABORTED   # a move, not a failure
+
+
+async def test_a_final_message_counts_even_when_the_stream_is_cut_after_it(mesh):
+    # the replica's abort reply (with its last tokens) arrived, then its stream hung and a removal cut it:
+    # the caller gets those tokens and the request resumes after them, not before
+    stub, fake, address = await mesh({"hang": "linger", "ok": "ok"}, add=False, delay_s=0.05,
+                                     lb_overrides={"stall_timeout_s": 600})
+    await stub.AddReplicas(pb.AddReplicasRequest(replicas=[routing_pb2.ReplicaEndpoint(replica_id="hang",
+                                                                                         address=address)]))
+    pending = asyncio.ensure_future(collect(stub, request("late", 40), timeout=30))
+    await asyncio.wait_for(fake.started.wait(), 10)
+    await stub.AddReplicas(pb.AddReplicasRequest(replicas=[routing_pb2.ReplicaEndpoint(replica_id="ok",
+                                                                                         address=address)]))
+    await fake.AbortRequests(replica_pb.AbortRequestsRequest(replica_id="hang", request_ids=["late"]), None)
+    await asyncio.sleep(0.3)   # the abort reply is in; the stream stays open
+    await stub.RemoveReplicas(pb.RemoveReplicasRequest(replica_ids=["hang"], abort_in_flight=True))
+    tokens, last = await asyncio.wait_for(pending, 10)
+    assert tokens == [1000 + i for i in range(40)]
+    assert [t for s in last.segments for t in s.token_ids] == tokens
+    assert [a.replica_id for a in last.attempts] == ["hang", "ok"]
 
 
 async def _attempts(stub, request_id):
