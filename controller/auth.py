@@ -5,6 +5,11 @@ ScaleIn, CancelOperation, CancelOperations and SetAutoscalerEnabled need the
 call metadata ``authorization: Bearer TOKEN``: no or an unknown credential ->
 UNAUTHENTICATED; a read-only credential -> PERMISSION_DENIED. Tokens are
 compared in constant time. Read-only RPCs need no credential.
+
+On a server with mutual TLS (:mod:`mesh_runtime.authorization`), an operator
+certificate allows these RPCs without a token, and the token lets a caller
+with any other mesh certificate call them; a replica agent acts only for the
+node its certificate names (:func:`require_own_node`).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import hmac
 
 from mesh_runtime.errors import PermissionDenied, Unauthenticated
+from mesh_runtime.identity import current_identity
 
 from .config import ControllerConfig
 
@@ -20,8 +26,28 @@ def _same(a: str, b: str) -> bool:
     return bool(b) and hmac.compare_digest(a.encode(), b.encode())
 
 
+def has_scale_token(context, config: ControllerConfig) -> bool:
+    """Whether the call carries ``scale_api_token`` as a bearer token (the operator's alternative to an
+    operator certificate on a server with mutual TLS)."""
+    metadata = {k.lower(): v for k, v in (context.invocation_metadata() or ())}
+    scheme, _, token = metadata.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and _same(token.strip(), config.scale_api_token)
+
+
+def require_own_node(node_id: str, method: str) -> None:
+    """A replica agent may register, report and deregister only the node its certificate names."""
+    identity = current_identity()
+    if identity is not None and identity.role == "replica-agent" and identity.name != node_id:
+        raise PermissionDenied(f"{method}: {identity} may act only for node {identity.name!r}, "
+                               f"not {node_id[:64]!r}", reason="NOT_YOUR_NODE")
+
+
 def require_scale_credential(context, config: ControllerConfig, method: str) -> None:
-    """Raise unless the call carries the credential that may change the mesh (no-op when none is configured)."""
+    """Raise unless the call carries the credential that may change the mesh (no-op when none is configured,
+    and for a caller whose certificate says it is an operator)."""
+    identity = current_identity()
+    if identity is not None and identity.role == "operator":
+        return
     if not config.scale_api_token and not config.scale_api_read_tokens:
         return
     metadata = {k.lower(): v for k, v in (context.invocation_metadata() or ())}

@@ -57,7 +57,7 @@ class Mesh:
         self.events = EventLog(self.clock, max_events=config.event_retention, trace_ids=_trace_ids)
         self.hub = EventHub(self.events, config.watcher_queue_size)
         self.registry = self._restore_registry()
-        self.channels = Channels(tracer_provider)
+        self.channels = Channels(tracer_provider, tls=config.tls)
         sched = config.async_training
         self.routing = LoadBalancerRouting(self.channels, config.load_balancer_address, sched.port_timeout_s)
         self.replica_port = AgentReplicas(self.channels, self.registry, sched.port_timeout_s)

@@ -17,6 +17,7 @@ import grpc
 from opentelemetry.sdk.trace import TracerProvider
 
 from mesh_runtime.channels import open_channel
+from mesh_runtime.config import TlsConfig
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2, loadbalancer_pb2_grpc, routing_pb2
 from rollmesh.replica.v1 import replica_agent_pb2, replica_agent_pb2_grpc
 
@@ -29,13 +30,14 @@ from .core.replicas import ReplicaRecord, ReplicaRegistry
 class Channels:
     """One channel (and stub) per peer address; closed at shutdown."""
 
-    def __init__(self, tracer_provider: TracerProvider | None) -> None:
+    def __init__(self, tracer_provider: TracerProvider | None, *, tls: TlsConfig | None = None) -> None:
         self._tracer_provider = tracer_provider
+        self._tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = open_channel(address, tracer_provider=self._tracer_provider)
+            self._channels[address] = open_channel(address, tls=self._tls, tracer_provider=self._tracer_provider)
         return self._channels[address]
 
     def agent(self, address: str) -> replica_agent_pb2_grpc.ReplicaAgentServiceStub:

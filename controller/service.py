@@ -15,6 +15,7 @@ from rollmesh.controller.v1 import controller_pb2, controller_pb2_grpc, observab
 from rollmesh.controller.v1 import scheduling_pb2, weight_sync_pb2
 
 from . import convert
+from .auth import has_scale_token, require_own_node
 from .config import ControllerConfig
 from .core.events import EventType
 from .core.replicas import ReplicaKind, ReplicaState
@@ -64,7 +65,12 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
             running_operation_id=getattr(self.mesh.scaler.book.running(), "operation_id", ""))
 
     # -------------------------------------------------------------- registry
+    def token_check(self, context) -> bool:
+        """The operator bearer-token alternative of the authorization table (ScaleOut, ScaleIn, ...)."""
+        return has_scale_token(context, self.config)
+
     async def RegisterNode(self, request, context):  # noqa: N802
+        require_own_node(request.node_id, "RegisterNode")
         registration = await self.mesh.register_node(request)
         reply = registry_pb2.RegisterNodeResponse(node_id=registration.node_id,
                                                   accepted_replica_ids=registration.accepted,
@@ -74,6 +80,7 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
         return reply
 
     async def DeregisterNode(self, request, context):  # noqa: N802
+        require_own_node(request.node_id, "DeregisterNode")
         stopped = self.mesh.registry.deregister_node(request.node_id, request.reason)
         await self.mesh.routing.remove_replicas(stopped)
         await self.mesh.commit()
@@ -85,6 +92,8 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
             if not message.node_id or (node_id and message.node_id != node_id):
                 raise InvalidArgument("every message of a load-report stream must carry the same, non-empty "
                                       "node_id", reason="INVALID_NODE_ID")
+            if not node_id:
+                require_own_node(message.node_id, "StreamLoadReports")
             expires = self.mesh.renew(message.node_id, message.reports)
             if not node_id:
                 node_id = message.node_id

@@ -32,7 +32,8 @@ def build_balancer(config: LoadBalancerConfig, tracer_provider: TracerProvider |
     table = RoutingTable(sticky_max_load_gap=config.sticky_max_load_gap,
                          max_sticky_sessions=config.max_sticky_sessions, max_version_lag=config.max_version_lag)
     table.add(Route(r.replica_id, r.address, r.kind, r.weight_version) for r in config.replicas)
-    upstreams = Upstreams(tracer_provider=tracer_provider, call_timeout_s=config.upstream_call_timeout_s)
+    upstreams = Upstreams(tracer_provider=tracer_provider, call_timeout_s=config.upstream_call_timeout_s,
+                          tls=config.tls)
     return Balancer(config, table, upstreams, tracer=tracing.tracer(tracer_provider, "rollmesh.loadbalancer"),
                     **kwargs)
 

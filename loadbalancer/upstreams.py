@@ -8,6 +8,7 @@ import grpc
 from opentelemetry.sdk.trace import TracerProvider
 
 from mesh_runtime.channels import open_channel
+from mesh_runtime.config import TlsConfig
 from rollmesh.replica.v1 import replica_agent_pb2, replica_agent_pb2_grpc
 
 from .table import Route
@@ -18,8 +19,10 @@ log = logging.getLogger(__name__)
 class Upstreams:
     """Stubs of the replica agents the balancer routes to (channels shared per address)."""
 
-    def __init__(self, *, tracer_provider: TracerProvider | None, call_timeout_s: float) -> None:
+    def __init__(self, *, tracer_provider: TracerProvider | None, call_timeout_s: float,
+                 tls: TlsConfig | None = None) -> None:
         self._tracer_provider = tracer_provider
+        self._tls = tls
         self._call_timeout_s = call_timeout_s
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, replica_agent_pb2_grpc.ReplicaAgentServiceStub] = {}
@@ -27,7 +30,7 @@ class Upstreams:
     def stub(self, address: str) -> replica_agent_pb2_grpc.ReplicaAgentServiceStub:
         stub = self._stubs.get(address)
         if stub is None:
-            channel = open_channel(address, tracer_provider=self._tracer_provider)
+            channel = open_channel(address, tls=self._tls, tracer_provider=self._tracer_provider)
             self._channels[address] = channel
             stub = self._stubs[address] = replica_agent_pb2_grpc.ReplicaAgentServiceStub(channel)
         return stub

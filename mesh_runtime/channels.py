@@ -8,7 +8,9 @@ services, read once from the generated descriptors. Application-level
 retries (tenacity) must never be stacked on the methods a channel retries.
 :func:`open_channel` (``grpc.aio``) also carries the tracing interceptors (W3C
 context in metadata); :func:`open_sync_channel` is the blocking variant for
-tools that have no event loop (``rollmesh top``).
+tools that have no event loop (``rollmesh top``). Given a ``tls`` config,
+both present its certificate and verify the server's against its CA
+(mutual TLS, :mod:`mesh_runtime.tls`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import grpc
 from opentelemetry.sdk.trace import TracerProvider
 
 from . import tracing
+from .config import TlsConfig
+from .tls import channel_credentials
 
 _SERVICE_MODULES = ("rollmesh.controller.v1.controller_pb2", "rollmesh.loadbalancer.v1.loadbalancer_pb2",
                     "rollmesh.replica.v1.replica_agent_pb2", "rollmesh.trainer.v1.trainer_agent_pb2")
@@ -71,15 +75,23 @@ def channel_options(idempotent: Sequence[tuple[str, str]] = (),
     ]
 
 
-def open_channel(address: str, *, tracer_provider: TracerProvider | None = None,
+def open_channel(address: str, *, tls: TlsConfig | None = None, tracer_provider: TracerProvider | None = None,
                  idempotent: Sequence[tuple[str, str]] = (),
                  max_message_bytes: int = 64 * 1024 * 1024) -> grpc.aio.Channel:
-    """An insecure ``grpc.aio`` channel to ``address`` with tracing and retries of ``idempotent`` methods."""
-    return grpc.aio.insecure_channel(address, options=channel_options(idempotent, max_message_bytes),
-                                     interceptors=tracing.client_interceptors(tracer_provider))
+    """A ``grpc.aio`` channel to ``address`` with tracing and retries of ``idempotent`` methods: mutual
+    TLS presenting ``tls.cert`` when ``tls`` is given, plaintext otherwise."""
+    options = channel_options(idempotent, max_message_bytes)
+    interceptors = tracing.client_interceptors(tracer_provider)
+    if tls is not None:
+        return grpc.aio.secure_channel(address, channel_credentials(tls), options=options,
+                                       interceptors=interceptors)
+    return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
 
 
-def open_sync_channel(address: str, *, idempotent: Sequence[tuple[str, str]] = (),
+def open_sync_channel(address: str, *, tls: TlsConfig | None = None, idempotent: Sequence[tuple[str, str]] = (),
                       max_message_bytes: int = 64 * 1024 * 1024) -> grpc.Channel:
     """The blocking variant of :func:`open_channel` (no tracing: tools without an event loop)."""
-    return grpc.insecure_channel(address, options=channel_options(idempotent, max_message_bytes))
+    options = channel_options(idempotent, max_message_bytes)
+    if tls is not None:
+        return grpc.secure_channel(address, channel_credentials(tls), options=options)
+    return grpc.insecure_channel(address, options=options)

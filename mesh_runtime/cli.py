@@ -39,6 +39,7 @@ TOOLS = {
     "status": "launcher.status",
     "simulate": "simulator.cli",
     "top": "controller.top",
+    "certs": "mesh_runtime.certs",
 }
 
 
@@ -70,6 +71,9 @@ def _server_parser(sub: argparse._SubParsersAction, name: str) -> None:
     p.add_argument("--config", metavar="FILE", help="YAML config file (keys documented by --print-default-config)")
     p.add_argument("--listen", metavar="HOST:PORT", help="address to serve on; port 0 picks a free port")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--insecure", action="store_true",
+                   help="serve plaintext on a non-loopback listen address (config key insecure); "
+                        "without tls such an address is refused")
     p.add_argument("--print-default-config", action="store_true",
                    help="print every config key with its default and meaning, then exit")
     for flag, (key, metavar, text) in KEY_FLAGS.get(name, {}).items():
@@ -105,7 +109,9 @@ def _scalar(text: str) -> Any:
 def server_config(name: str, args: argparse.Namespace, env: dict[str, str]) -> Any:
     """The server's config from its file, the environment and its flags; ConfigError names a bad key."""
     module = importlib.import_module(SERVERS[name])
-    overrides = {"listen": args.listen} if args.listen is not None else {}
+    overrides: dict[str, Any] = {"listen": args.listen} if args.listen is not None else {}
+    if args.insecure:
+        overrides["insecure"] = True
     for key, _, _ in KEY_FLAGS.get(name, {}).values():
         if (value := getattr(args, f"key_{key}")) is not None:
             overrides[key] = _scalar(value)

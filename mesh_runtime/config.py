@@ -256,6 +256,26 @@ def describe(cls: type, indent: int = 0) -> str:
     return "\n".join(lines)
 
 
+@dataclasses.dataclass(frozen=True)
+class TlsConfig:
+    """PEM files of one process's mesh identity (mutual TLS, :mod:`mesh_runtime.tls`)."""
+
+    cert: str = setting(help="PEM certificate of this process (rollmesh certs create)")
+    key: str = setting(help="PEM private key of cert")
+    ca: str = setting(help="PEM CA bundle that peers' certificates must chain to")
+
+    def validate(self) -> None:
+        for name in ("cert", "key", "ca"):
+            path = getattr(self, name)
+            if not path:
+                raise ConfigError(name, "is required")
+            if not Path(path).is_file():
+                raise ConfigError(name, f"no such file: {path[:200]}")
+        from .tls import read_identity  # noqa: PLC0415
+
+        read_identity(self)   # a certificate without a rollmesh identity is refused at start
+
+
 @dataclasses.dataclass
 class ServerConfig:
     """Settings every rollmesh server has. Server configs subclass this."""
@@ -265,14 +285,31 @@ class ServerConfig:
     node_id: str = setting("", help="name of this node in status, events and traces; empty = the host name")
     shutdown_grace_s: float = setting(10.0, help="seconds in-flight RPCs may take to finish after "
                                                  "SIGTERM/SIGINT before they are cancelled")
+    tls: TlsConfig | None = setting(None, help="mutual TLS: {cert, key, ca} PEM paths; required to listen on a "
+                                               "non-loopback address (unless insecure)")
+    insecure: bool = setting(False, help="serve plaintext on a non-loopback address (flag --insecure); "
+                                         "warned at every start and shown in GetStatus")
+    health_listen: str = setting("", help="HOST:PORT of a plaintext listener serving only grpc.health.v1 "
+                                          "(for probes that speak no TLS); empty = off")
 
     def validate(self) -> None:
-        from .net import AddressError, parse_host_port  # noqa: PLC0415 - avoid an import cycle at load
+        from .net import AddressError, is_loopback, parse_host_port  # noqa: PLC0415 - import cycle at load
 
         try:
-            parse_host_port(self.listen)
+            host, _ = parse_host_port(self.listen)
         except AddressError as err:
             raise ConfigError("listen", str(err)) from None
+        if self.tls is None and not self.insecure and not is_loopback(host):
+            raise ConfigError("tls", f"listen {self.listen[:64]} is not a loopback address and no tls is "
+                                     "configured: give tls {cert, key, ca} (rollmesh certs create) or start "
+                                     "with --insecure to serve plaintext")
+        if self.health_listen:
+            try:
+                parse_host_port(self.health_listen)
+            except AddressError as err:
+                raise ConfigError("health_listen", str(err)) from None
+            if self.health_listen == self.listen and not self.listen.endswith(":0"):
+                raise ConfigError("health_listen", "must differ from listen")
         if not 0 < self.shutdown_grace_s <= 600:
             raise ConfigError("shutdown_grace_s", f"must be in (0, 600] seconds, got {self.shutdown_grace_s}")
 

@@ -8,7 +8,6 @@ Anything else that escapes a handler becomes ``INTERNAL`` and is logged.
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections.abc import Callable, Mapping
 
@@ -16,6 +15,8 @@ import grpc
 from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
+
+from .handlers import rewrap
 
 log = logging.getLogger(__name__)
 
@@ -222,20 +223,4 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         method = handler_call_details.method
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(handler.unary_unary, method),
-                handler.request_deserializer, handler.response_serializer)
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(
-                _wrap_unary(handler.stream_unary, method),
-                handler.request_deserializer, handler.response_serializer)
-        streaming = handler.unary_stream or handler.stream_stream
-        if not inspect.isasyncgenfunction(streaming):
-            # Handlers that write with context.write() are coroutines.
-            wrapped = _wrap_unary(streaming, method)
-        else:
-            wrapped = _wrap_streaming(streaming, method)
-        factory = (grpc.unary_stream_rpc_method_handler if handler.unary_stream
-                   else grpc.stream_stream_rpc_method_handler)
-        return factory(wrapped, handler.request_deserializer, handler.response_serializer)
+        return rewrap(handler, lambda b: _wrap_unary(b, method), lambda b: _wrap_streaming(b, method))

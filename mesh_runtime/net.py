@@ -46,3 +46,13 @@ def format_host_port(host: str, port: int) -> str:
     except ValueError:
         pass
     return f"{host}:{port}"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an IP address or ``localhost``) is reachable only from this machine."""
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

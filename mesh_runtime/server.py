@@ -29,9 +29,12 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry.sdk.trace import TracerProvider
 
 from . import tracing
+from .authorization import AuthorizationInterceptor, TokenCheck
+from .config import TlsConfig
 from .decoding import RequestDecodingInterceptor
 from .errors import ErrorMappingInterceptor
-from .net import format_host_port, parse_host_port
+from .net import format_host_port, is_loopback, parse_host_port
+from .tls import read_identity, server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -62,17 +65,26 @@ class MeshServer:
     def __init__(self, *, server_name: str, listen: str, services: Sequence[ServiceBinding],
                  tracer_provider: TracerProvider | None = None,
                  shutdown_grace_s: float = 10.0,
-                 interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
+                 interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+                 tls: TlsConfig | None = None, insecure: bool = False, health_listen: str = "",
+                 token_check: TokenCheck | None = None) -> None:
         self.server_name = server_name
         self.listen = listen
+        self.tls = tls
+        self.insecure = insecure
+        self.health_listen = health_listen
+        self.identity = read_identity(tls) if tls is not None else None
         self.services = list(services)
         self.tracer_provider = tracer_provider
         self.shutdown_grace_s = shutdown_grace_s
         self.started_at = time.time()
         self._started_monotonic = time.monotonic()
+        authorization = [AuthorizationInterceptor(token_check)] if tls is not None else []
         self._interceptors = [RequestDecodingInterceptor(), tracing.server_interceptor(tracer_provider),
-                              ErrorMappingInterceptor(), *interceptors]
+                              ErrorMappingInterceptor(), *authorization, *interceptors]
         self._server: grpc.aio.Server | None = None
+        self._health_server: grpc.aio.Server | None = None
+        self.health_port: int | None = None
         self._health = health.aio.HealthServicer()
         self._tasks: set[asyncio.Task] = set()
         self._cleanups: list[Callable[[], Awaitable[None]]] = []
@@ -87,6 +99,14 @@ class MeshServer:
         host, _ = parse_host_port(self.listen)
         return format_host_port(host, self.port or 0)
 
+    @property
+    def transport_security(self) -> str:
+        """``mutual_tls``, ``plaintext_loopback`` or ``plaintext_insecure``."""
+        if self.tls is not None:
+            return "mutual_tls"
+        return "plaintext_insecure" if self.insecure and not is_loopback(parse_host_port(self.listen)[0]) \
+            else "plaintext_loopback"
+
     def uptime_s(self) -> float:
         return time.monotonic() - self._started_monotonic
 
@@ -98,13 +118,15 @@ class MeshServer:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         names = [b.full_name for b in self.services] + [HEALTH_SERVICE, reflection.SERVICE_NAME]
         reflection.enable_server_reflection(names, server)
-        try:
-            port = server.add_insecure_port(self.listen)
-        except RuntimeError as err:  # grpc raises RuntimeError("Failed to bind to address ...")
-            raise PortInUse(f"cannot listen on {self.listen}: the address is in use or not available "
-                            f"({err})") from None
-        if port == 0:
-            raise PortInUse(f"cannot listen on {self.listen}: the address is in use or not available")
+        if self.tls is None and self.transport_security == "plaintext_insecure":
+            log.warning("%s serves PLAINTEXT on %s (--insecure): anyone who reaches it can call every RPC; "
+                        "configure tls (rollmesh certs) instead", self.server_name, self.listen)
+        port = _bind(server, self.listen, server_credentials(self.tls) if self.tls is not None else None)
+        if self.health_listen:
+            self._health_server = grpc.aio.server(options=SERVER_OPTIONS)
+            health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_server)
+            self.health_port = _bind(self._health_server, self.health_listen, None)
+            await self._health_server.start()
         self._server = server
         self.port = port
         await server.start()
@@ -114,6 +136,10 @@ class MeshServer:
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.ready = True
         return port
+
+    def health_address(self) -> str:
+        host, _ = parse_host_port(self.health_listen)
+        return format_host_port(host, self.health_port or 0)
 
     def on_start(self, hook: Callable[[MeshServer], Awaitable[None]]) -> None:
         """Run ``hook(server)`` after binding, before the server reports SERVING."""
@@ -147,6 +173,8 @@ class MeshServer:
         await self._health.enter_graceful_shutdown()
         if self._server is not None:
             await self._server.stop(grace)
+        if self._health_server is not None:
+            await self._health_server.stop(0)
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
@@ -164,6 +192,17 @@ class MeshServer:
             await self._server.wait_for_termination()
 
 
+def _bind(server: grpc.aio.Server, listen: str, credentials: grpc.ServerCredentials | None) -> int:
+    try:
+        port = (server.add_secure_port(listen, credentials) if credentials is not None
+                else server.add_insecure_port(listen))
+    except RuntimeError as err:  # grpc raises RuntimeError("Failed to bind to address ...")
+        raise PortInUse(f"cannot listen on {listen}: the address is in use or not available ({err})") from None
+    if port == 0:
+        raise PortInUse(f"cannot listen on {listen}: the address is in use or not available")
+    return port
+
+
 async def serve_until_signalled(server: MeshServer, *, on_ready: Callable[[MeshServer], None] | None = None) -> None:
     """Start ``server``, announce readiness, and stop it cleanly on SIGTERM/SIGINT."""
     stop = asyncio.Event()
@@ -174,6 +213,8 @@ async def serve_until_signalled(server: MeshServer, *, on_ready: Callable[[MeshS
         await server.start()
         if on_ready is not None:
             on_ready(server)
+        log.info("%s: transport %s%s", server.server_name, server.transport_security,
+                 f", identity {server.identity}" if server.identity else "")
         print(f"rollmesh {server.server_name} listening on {server.address}", flush=True)
         await stop.wait()
         log.info("%s: shutdown requested", server.server_name)
@@ -216,7 +257,9 @@ class ServerSpec:
         servicer = self.make_servicer(config, tracer_provider)
         server = MeshServer(server_name=self.name, listen=config.listen,
                             services=[ServiceBinding(self.descriptor.full_name, servicer, self.add_to_server)],
-                            tracer_provider=tracer_provider, shutdown_grace_s=config.shutdown_grace_s)
+                            tracer_provider=tracer_provider, shutdown_grace_s=config.shutdown_grace_s,
+                            tls=config.tls, insecure=config.insecure, health_listen=config.health_listen,
+                            token_check=getattr(servicer, "token_check", None))
         servicer.status.bind(server)
         attach = getattr(servicer, "attach", None)
         if attach is not None:

@@ -19,13 +19,20 @@ def node_name(configured: str) -> str:
     return configured or socket.gethostname()
 
 
+_SECURITY = {"mutual_tls": status_pb2.TRANSPORT_SECURITY_MUTUAL_TLS,
+             "plaintext_loopback": status_pb2.TRANSPORT_SECURITY_PLAINTEXT_LOOPBACK,
+             "plaintext_insecure": status_pb2.TRANSPORT_SECURITY_PLAINTEXT_INSECURE}
+
+
 def build_status(server: MeshServer, config: Any, capabilities: Iterable[str]) -> status_pb2.ServerStatus:
     """Status of a running server: identity, readiness, uptime, effective config."""
     status = status_pb2.ServerStatus(
         server_name=server.server_name, version=__version__,
         node_id=node_name(getattr(config, "node_id", "")),
         listen_address=server.address if server.port else server.listen,
-        ready=server.ready, capabilities=sorted(capabilities))
+        ready=server.ready, capabilities=sorted(capabilities),
+        transport_security=_SECURITY[server.transport_security],
+        identity=server.identity.uri if server.identity else "")
     status.started_at.FromNanoseconds(int(server.started_at * 1e9))
     status.uptime.FromNanoseconds(int(server.uptime_s() * 1e9))
     struct = struct_pb2.Struct()

@@ -77,7 +77,8 @@ class Node:
         if self.config.controller_address:
             from .controller_link import ControllerLink  # noqa: PLC0415
 
-            channel = open_channel(self.config.controller_address, tracer_provider=self.tracer_provider)
+            channel = open_channel(self.config.controller_address, tls=self.config.tls,
+                                   tracer_provider=self.tracer_provider)
             server.add_cleanup(channel.close)
             self.link = ControllerLink(channel=channel, registration=self.registration,
                                        reports=lambda: [self.load_report(r) for r in self.replicas.list()],

@@ -36,3 +36,11 @@ def verl_root(tmp_path, monkeypatch):
     verl_shaped.forget_verl_modules()
     yield root
     verl_shaped.forget_verl_modules()
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory):
+    """A throwaway mesh CA with a certificate ``<role>-n0`` for every role (tests/security/pki.py)."""
+    from tests.security.pki import make_pki
+
+    return make_pki(tmp_path_factory.mktemp("pki"))

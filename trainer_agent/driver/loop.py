@@ -66,6 +66,7 @@ prompt source is exhausted does the loop end early, normally.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import math
@@ -81,7 +82,7 @@ from rollmesh.common.v1 import types_pb2
 from rollmesh.controller.v1 import scheduling_pb2
 
 from mesh_runtime import samples
-from mesh_runtime.channels import open_channel
+from mesh_runtime.net import AddressError, parse_host_port
 from trainer_agent.driver.queue import MessageQueue, Sample
 from trainer_agent.driver.rollouter import GenerateFn, Prompt, RolloutConfig, Rollouter
 from trainer_agent.training.grpo import GrpoTrainer
@@ -154,12 +155,15 @@ def lb_replica_count(lb_stub: Any, *, timeout_s: float = 10.0) -> ReplicaCount:
 
 
 async def _accepts_connections(address: str, timeout_s: float = 2.0) -> bool:
-    """Whether a gRPC server at ``address`` accepts a connection within ``timeout_s``."""
-    async with open_channel(address) as channel:
-        try:
-            await asyncio.wait_for(channel.channel_ready(), timeout_s)
-        except (TimeoutError, grpc.aio.AioRpcError):
-            return False
+    """Whether the server at ``address`` accepts a TCP connection within ``timeout_s`` (plaintext or TLS)."""
+    try:
+        host, port = parse_host_port(address)
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
+    except (TimeoutError, OSError, AddressError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
     return True
 
 

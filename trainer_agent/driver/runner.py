@@ -160,9 +160,10 @@ class TrainingDriver:
 
     async def _run(self) -> None:
         s = self.settings
-        ctl_channel = open_channel(s.controller_address, tracer_provider=self._tracer_provider,
+        tls = getattr(self.config, "tls", None)   # the agent's own identity (role trainer-agent)
+        ctl_channel = open_channel(s.controller_address, tls=tls, tracer_provider=self._tracer_provider,
                                    idempotent=read_methods())
-        lb_channel = open_channel(s.load_balancer_address, tracer_provider=self._tracer_provider,
+        lb_channel = open_channel(s.load_balancer_address, tls=tls, tracer_provider=self._tracer_provider,
                                   idempotent=read_methods())
         try:
             controller = controller_pb2_grpc.ControllerServiceStub(ctl_channel)

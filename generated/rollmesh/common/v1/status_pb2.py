@@ -27,13 +27,15 @@ from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1frollmesh/common/v1/status.proto\x12\x12rollmesh.common.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xe2\x02\n\x0cServerStatus\x12\x1f\n\x0bserver_name\x18\x01 \x01(\tR\nserverName\x12\x18\n\x07version\x18\x02 \x01(\tR\x07version\x12\x17\n\x07node_id\x18\x03 \x01(\tR\x06nodeId\x12%\n\x0elisten_address\x18\x04 \x01(\tR\rlistenAddress\x12\x39\n\nstarted_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.TimestampR\tstartedAt\x12\x31\n\x06uptime\x18\x06 \x01(\x0b\x32\x19.google.protobuf.DurationR\x06uptime\x12\x14\n\x05ready\x18\x07 \x01(\x08R\x05ready\x12/\n\x06\x63onfig\x18\x08 \x01(\x0b\x32\x17.google.protobuf.StructR\x06\x63onfig\x12\"\n\x0c\x63\x61pabilities\x18\t \x03(\tR\x0c\x63\x61pabilitiesb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1frollmesh/common/v1/status.proto\x12\x12rollmesh.common.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xd4\x03\n\x0cServerStatus\x12\x1f\n\x0bserver_name\x18\x01 \x01(\tR\nserverName\x12\x18\n\x07version\x18\x02 \x01(\tR\x07version\x12\x17\n\x07node_id\x18\x03 \x01(\tR\x06nodeId\x12%\n\x0elisten_address\x18\x04 \x01(\tR\rlistenAddress\x12\x39\n\nstarted_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.TimestampR\tstartedAt\x12\x31\n\x06uptime\x18\x06 \x01(\x0b\x32\x19.google.protobuf.DurationR\x06uptime\x12\x14\n\x05ready\x18\x07 \x01(\x08R\x05ready\x12/\n\x06\x63onfig\x18\x08 \x01(\x0b\x32\x17.google.protobuf.StructR\x06\x63onfig\x12\"\n\x0c\x63\x61pabilities\x18\t \x03(\tR\x0c\x63\x61pabilities\x12T\n\x12transport_security\x18\n \x01(\x0e\x32%.rollmesh.common.v1.TransportSecurityR\x11transportSecurity\x12\x1a\n\x08identity\x18\x0b \x01(\tR\x08identity*\xb0\x01\n\x11TransportSecurity\x12\"\n\x1eTRANSPORT_SECURITY_UNSPECIFIED\x10\x00\x12!\n\x1dTRANSPORT_SECURITY_MUTUAL_TLS\x10\x01\x12)\n%TRANSPORT_SECURITY_PLAINTEXT_LOOPBACK\x10\x02\x12)\n%TRANSPORT_SECURITY_PLAINTEXT_INSECURE\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rollmesh.common.v1.status_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_TRANSPORTSECURITY']._serialized_start=622
+  _globals['_TRANSPORTSECURITY']._serialized_end=798
   _globals['_SERVERSTATUS']._serialized_start=151
-  _globals['_SERVERSTATUS']._serialized_end=505
+  _globals['_SERVERSTATUS']._serialized_end=619
 # @@protoc_insertion_point(module_scope)

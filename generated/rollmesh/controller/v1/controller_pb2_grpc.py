@@ -37,13 +37,18 @@ class ControllerServiceStub:
     Capabilities (see ServerStatus.capabilities): "registry", "scheduling",
     "weight_sync", "events", "metrics", "scaling", "autoscaler".
 
-    When security is on, every RPC that changes state answers UNAUTHENTICATED
-    without valid credentials and PERMISSION_DENIED when the credentials do not
-    allow the call; the RPC comments list these codes as "auth". The mutating
-    scale RPCs (ScaleOut, ScaleIn, CancelOperation, CancelOperations,
-    SetAutoscalerEnabled) require the metadata "authorization: Bearer TOKEN"
-    whenever the controller is configured with scale_api_token or
-    scale_api_read_tokens (a read-only token gets PERMISSION_DENIED).
+    Security: on a server with mutual TLS every caller presents a certificate
+    from the mesh's CA that names its role (spiffe://rollmesh/<role>/<name>);
+    each RPC's "Authorization:" line says which roles may call it. Any other
+    role gets PERMISSION_DENIED (ErrorInfo reason ROLE_NOT_ALLOWED) before
+    anything runs; a certificate without a rollmesh identity gets
+    UNAUTHENTICATED. Plaintext on a loopback address authorizes nothing.
+    The operator RPCs (ScaleOut, ScaleIn, CancelOperation, CancelOperations,
+    SetAutoscalerEnabled) also accept the metadata "authorization: Bearer
+    TOKEN" with the controller's scale_api_token from any mesh certificate,
+    and require it from every caller without an operator certificate whenever
+    scale_api_token or scale_api_read_tokens is configured (a read-only token
+    gets PERMISSION_DENIED). The RPC comments list these codes as "auth".
     """
 
     def __init__(self, channel):
@@ -185,13 +190,18 @@ class ControllerServiceServicer:
     Capabilities (see ServerStatus.capabilities): "registry", "scheduling",
     "weight_sync", "events", "metrics", "scaling", "autoscaler".
 
-    When security is on, every RPC that changes state answers UNAUTHENTICATED
-    without valid credentials and PERMISSION_DENIED when the credentials do not
-    allow the call; the RPC comments list these codes as "auth". The mutating
-    scale RPCs (ScaleOut, ScaleIn, CancelOperation, CancelOperations,
-    SetAutoscalerEnabled) require the metadata "authorization: Bearer TOKEN"
-    whenever the controller is configured with scale_api_token or
-    scale_api_read_tokens (a read-only token gets PERMISSION_DENIED).
+    Security: on a server with mutual TLS every caller presents a certificate
+    from the mesh's CA that names its role (spiffe://rollmesh/<role>/<name>);
+    each RPC's "Authorization:" line says which roles may call it. Any other
+    role gets PERMISSION_DENIED (ErrorInfo reason ROLE_NOT_ALLOWED) before
+    anything runs; a certificate without a rollmesh identity gets
+    UNAUTHENTICATED. Plaintext on a loopback address authorizes nothing.
+    The operator RPCs (ScaleOut, ScaleIn, CancelOperation, CancelOperations,
+    SetAutoscalerEnabled) also accept the metadata "authorization: Bearer
+    TOKEN" with the controller's scale_api_token from any mesh certificate,
+    and require it from every caller without an operator certificate whenever
+    scale_api_token or scale_api_read_tokens is configured (a read-only token
+    gets PERMISSION_DENIED). The RPC comments list these codes as "auth".
     """
 
     def GetStatus(self, request, context):
@@ -199,6 +209,8 @@ class ControllerServiceServicer:
 
         Errors: none of its own; UNAVAILABLE only as a transport error
         (controller unreachable or shutting down).
+
+        Authorization: any authenticated identity.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -216,6 +228,9 @@ class ControllerServiceServicer:
         kind is unspecified.
         - ALREADY_EXISTS: a listed replica_id is registered on another node.
         - UNAUTHENTICATED, PERMISSION_DENIED: auth.
+
+        Authorization: replica-agent; only the node named in the caller's
+        certificate.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -228,6 +243,9 @@ class ControllerServiceServicer:
         Errors:
         - NOT_FOUND: node_id is not registered.
         - UNAUTHENTICATED, PERMISSION_DENIED: auth.
+
+        Authorization: replica-agent, operator; a replica agent only the node
+        named in its certificate.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -248,6 +266,9 @@ class ControllerServiceServicer:
         call RegisterNode and open a new stream.
         - UNAVAILABLE: the controller is shutting down; reconnect.
         - UNAUTHENTICATED, PERMISSION_DENIED: auth.
+
+        Authorization: replica-agent; only the node named in the caller's
+        certificate.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -257,6 +278,8 @@ class ControllerServiceServicer:
         """Lists the registered nodes. Capability: registry.
 
         Errors: none of its own.
+
+        Authorization: any authenticated identity.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -267,6 +290,8 @@ class ControllerServiceServicer:
 
         Errors:
         - NOT_FOUND: node_id is not registered.
+
+        Authorization: any authenticated identity.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -276,6 +301,8 @@ class ControllerServiceServicer:
         """Lists replicas, optionally filtered. Capability: registry.
 
         Errors: none of its own; an empty filter matches every replica.
+
+        Authorization: any authenticated identity.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -286,6 +313,8 @@ class ControllerServiceServicer:
 
         Errors:
         - NOT_FOUND: replica_id is not in the registry.
+
+        Authorization: any authenticated identity.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -305,6 +334,8 @@ class ControllerServiceServicer:
         - FAILED_PRECONDITION: the controller expects another call first; the
         message names it (see GetSchedulerState.next_call).
         - UNAUTHENTICATED, PERMISSION_DENIED: auth.
+
+        Authorization: trainer-agent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -326,6 +357,8 @@ class ControllerServiceServicer:
         - UNAVAILABLE: the load balancer could not be reached to stop routing;
         nothing was slept and the call can be retried.
         - UNAUTHENTICATED, PERMISSION_DENIED: auth.
+
+        Authorization: trainer-agent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -351,6 +384,8 @@ class ControllerServiceServicer:
         - DEADLINE_EXCEEDED: the standalone broadcast did not finish within the
         weight-sync timeout; replicas keep their previous version.
         - UNAUTHENTICATED, PERMISSION_DENIED: auth.
+
+        Authorization: trainer-agent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -361,6 +396,8 @@ class ControllerServiceServicer:
         Capability: scheduling.
 
         Errors: none of its own.
+
+        Authorization: any authenticated identity.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -382,6 +419,8 @@ class ControllerServiceServicer:
         - UNAVAILABLE: the trainer agent could not be reached.
         - DEADLINE_EXCEEDED: the sender did not finish within timeout.
         - UNAUTHENTICATED, PERMISSION_DENIED: auth.
+
+        Authorization: trainer-agent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -401,6 +440,8 @@ class ControllerServiceServicer:
         sequence received.
         - UNAVAILABLE: the controller is shutting down; resume elsewhere or
         later.
+
+        Authorization: any authenticated identity.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -413,6 +454,8 @@ class ControllerServiceServicer:
         - INVALID_ARGUMENT: both cycle and from_cycle are set.
         - NOT_FOUND: cycle is set and that cycle is unknown or no longer
         retained.
+
+        Authorization: any authenticated identity.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -435,6 +478,8 @@ class ControllerServiceServicer:
         - FAILED_PRECONDITION: native mode is asked for but no node has free
         slots for the model.
         - UNAUTHENTICATED, PERMISSION_DENIED: auth.
+
+        Authorization: operator (or the operator bearer token).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -458,6 +503,8 @@ class ControllerServiceServicer:
         SCALE_OPERATION_IN_PROGRESS with its id in metadata "operation_id".
         - ALREADY_EXISTS: request_id was used before with other parameters.
         - UNAUTHENTICATED, PERMISSION_DENIED: auth.
+
+        Authorization: operator (or the operator bearer token).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -468,6 +515,8 @@ class ControllerServiceServicer:
 
         Errors:
         - NOT_FOUND: no operation with operation_id.
+
+        Authorization: any authenticated identity.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -477,6 +526,8 @@ class ControllerServiceServicer:
         """Lists scale operations, optionally filtered. Capability: scaling.
 
         Errors: none of its own; an empty filter matches every operation.
+
+        Authorization: any authenticated identity.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -494,6 +545,8 @@ class ControllerServiceServicer:
         cancelled (finished, or a scale-in past PENDING); the message names
         the state.
         - UNAUTHENTICATED, PERMISSION_DENIED: auth.
+
+        Authorization: operator (or the operator bearer token).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -507,6 +560,8 @@ class ControllerServiceServicer:
         Errors:
         - INVALID_ARGUMENT: states lists only terminal states.
         - UNAUTHENTICATED, PERMISSION_DENIED: auth.
+
+        Authorization: operator (or the operator bearer token).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -517,6 +572,8 @@ class ControllerServiceServicer:
 
         Errors: none of its own (configured is false when the controller was
         started without --autoscaler-config).
+
+        Authorization: any authenticated identity.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -530,6 +587,8 @@ class ControllerServiceServicer:
         - FAILED_PRECONDITION: the controller was started without
         --autoscaler-config, so there is nothing to enable.
         - UNAUTHENTICATED, PERMISSION_DENIED: auth.
+
+        Authorization: operator (or the operator bearer token).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -542,6 +601,8 @@ class ControllerServiceServicer:
         Errors:
         - FAILED_PRECONDITION: the controller was started without
         --autoscaler-config.
+
+        Authorization: any authenticated identity.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -553,6 +614,8 @@ class ControllerServiceServicer:
 
         Errors: none of its own; the list is empty when the autoscaler never
         acted.
+
+        Authorization: any authenticated identity.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -700,13 +763,18 @@ class ControllerService:
     Capabilities (see ServerStatus.capabilities): "registry", "scheduling",
     "weight_sync", "events", "metrics", "scaling", "autoscaler".
 
-    When security is on, every RPC that changes state answers UNAUTHENTICATED
-    without valid credentials and PERMISSION_DENIED when the credentials do not
-    allow the call; the RPC comments list these codes as "auth". The mutating
-    scale RPCs (ScaleOut, ScaleIn, CancelOperation, CancelOperations,
-    SetAutoscalerEnabled) require the metadata "authorization: Bearer TOKEN"
-    whenever the controller is configured with scale_api_token or
-    scale_api_read_tokens (a read-only token gets PERMISSION_DENIED).
+    Security: on a server with mutual TLS every caller presents a certificate
+    from the mesh's CA that names its role (spiffe://rollmesh/<role>/<name>);
+    each RPC's "Authorization:" line says which roles may call it. Any other
+    role gets PERMISSION_DENIED (ErrorInfo reason ROLE_NOT_ALLOWED) before
+    anything runs; a certificate without a rollmesh identity gets
+    UNAUTHENTICATED. Plaintext on a loopback address authorizes nothing.
+    The operator RPCs (ScaleOut, ScaleIn, CancelOperation, CancelOperations,
+    SetAutoscalerEnabled) also accept the metadata "authorization: Bearer
+    TOKEN" with the controller's scale_api_token from any mesh certificate,
+    and require it from every caller without an operator certificate whenever
+    scale_api_token or scale_api_read_tokens is configured (a read-only token
+    gets PERMISSION_DENIED). The RPC comments list these codes as "auth".
     """
 
     @staticmethod

@@ -31,6 +31,13 @@ class LoadBalancerServiceStub:
 
     Capabilities (see ServerStatus.capabilities): "generate", "replicas",
     "rebalance", "stats".
+
+    Security: on a server with mutual TLS every caller presents a certificate
+    from the mesh's CA that names its role (spiffe://rollmesh/<role>/<name>);
+    each RPC's "Authorization:" line says which roles may call it. Any other
+    role gets PERMISSION_DENIED (ErrorInfo reason ROLE_NOT_ALLOWED) before
+    anything runs; a certificate without a rollmesh identity gets
+    UNAUTHENTICATED. Plaintext on a loopback address authorizes nothing.
     """
 
     def __init__(self, channel):
@@ -92,6 +99,13 @@ class LoadBalancerServiceServicer:
 
     Capabilities (see ServerStatus.capabilities): "generate", "replicas",
     "rebalance", "stats".
+
+    Security: on a server with mutual TLS every caller presents a certificate
+    from the mesh's CA that names its role (spiffe://rollmesh/<role>/<name>);
+    each RPC's "Authorization:" line says which roles may call it. Any other
+    role gets PERMISSION_DENIED (ErrorInfo reason ROLE_NOT_ALLOWED) before
+    anything runs; a certificate without a rollmesh identity gets
+    UNAUTHENTICATED. Plaintext on a loopback address authorizes nothing.
     """
 
     def GetStatus(self, request, context):
@@ -99,6 +113,8 @@ class LoadBalancerServiceServicer:
 
         Errors: none of its own; UNAVAILABLE only as a transport error
         (balancer unreachable or shutting down).
+
+        Authorization: any authenticated identity.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -127,6 +143,8 @@ class LoadBalancerServiceServicer:
         - DEADLINE_EXCEEDED: the call's deadline passed while waiting for a
         replica or retrying.
         - CANCELLED: the caller cancelled the call.
+
+        Authorization: trainer-agent, client, operator.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -141,6 +159,8 @@ class LoadBalancerServiceServicer:
         an address is not "host:port" (nothing is added).
         - ALREADY_EXISTS: a replica_id is already in the table with a different
         address (use UpdateReplicas); nothing is added.
+
+        Authorization: controller.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -155,6 +175,8 @@ class LoadBalancerServiceServicer:
 
         Errors:
         - INVALID_ARGUMENT: replica_ids is empty.
+
+        Authorization: controller.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -169,6 +191,8 @@ class LoadBalancerServiceServicer:
         - INVALID_ARGUMENT: an update has an empty replica_id or an address that
         is not "host:port" (nothing is updated).
         - NOT_FOUND: a replica_id is not in the table (nothing is updated).
+
+        Authorization: controller.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -179,6 +203,8 @@ class LoadBalancerServiceServicer:
         Capability: replicas.
 
         Errors: none of its own; an empty filter matches every replica.
+
+        Authorization: any authenticated identity.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -189,6 +215,8 @@ class LoadBalancerServiceServicer:
         again. Capability: rebalance.
 
         Errors: none of its own; unknown replica ids are ignored.
+
+        Authorization: controller.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -202,6 +230,8 @@ class LoadBalancerServiceServicer:
 
         Errors:
         - FAILED_PRECONDITION: fewer than two routable replicas; nothing moved.
+
+        Authorization: controller.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -211,6 +241,8 @@ class LoadBalancerServiceServicer:
         """Returns the balancer's counters. Capability: stats.
 
         Errors: none of its own.
+
+        Authorization: any authenticated identity.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -278,6 +310,13 @@ class LoadBalancerService:
 
     Capabilities (see ServerStatus.capabilities): "generate", "replicas",
     "rebalance", "stats".
+
+    Security: on a server with mutual TLS every caller presents a certificate
+    from the mesh's CA that names its role (spiffe://rollmesh/<role>/<name>);
+    each RPC's "Authorization:" line says which roles may call it. Any other
+    role gets PERMISSION_DENIED (ErrorInfo reason ROLE_NOT_ALLOWED) before
+    anything runs; a certificate without a rollmesh identity gets
+    UNAUTHENTICATED. Plaintext on a loopback address authorizes nothing.
     """
 
     @staticmethod

@@ -32,6 +32,13 @@ class ReplicaAgentServiceStub:
 
     Capabilities (see ServerStatus.capabilities): "lifecycle", "generate",
     "sleep", "weights", "load_reports".
+
+    Security: on a server with mutual TLS every caller presents a certificate
+    from the mesh's CA that names its role (spiffe://rollmesh/<role>/<name>);
+    each RPC's "Authorization:" line says which roles may call it. Any other
+    role gets PERMISSION_DENIED (ErrorInfo reason ROLE_NOT_ALLOWED) before
+    anything runs; a certificate without a rollmesh identity gets
+    UNAUTHENTICATED. Plaintext on a loopback address authorizes nothing.
     """
 
     def __init__(self, channel):
@@ -124,6 +131,13 @@ class ReplicaAgentServiceServicer:
 
     Capabilities (see ServerStatus.capabilities): "lifecycle", "generate",
     "sleep", "weights", "load_reports".
+
+    Security: on a server with mutual TLS every caller presents a certificate
+    from the mesh's CA that names its role (spiffe://rollmesh/<role>/<name>);
+    each RPC's "Authorization:" line says which roles may call it. Any other
+    role gets PERMISSION_DENIED (ErrorInfo reason ROLE_NOT_ALLOWED) before
+    anything runs; a certificate without a rollmesh identity gets
+    UNAUTHENTICATED. Plaintext on a loopback address authorizes nothing.
     """
 
     def GetStatus(self, request, context):
@@ -131,6 +145,8 @@ class ReplicaAgentServiceServicer:
 
         Errors: none of its own; UNAVAILABLE only as a transport error (agent
         unreachable or shutting down).
+
+        Authorization: any authenticated identity.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -150,6 +166,8 @@ class ReplicaAgentServiceServicer:
         - DEADLINE_EXCEEDED: the engine did not finish loading before the call's
         deadline; the replica is stopped again.
         - INTERNAL: the engine failed to start; the message carries its error.
+
+        Authorization: controller.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -162,6 +180,8 @@ class ReplicaAgentServiceServicer:
 
         Errors:
         - NOT_FOUND: no replica with replica_id on this node.
+
+        Authorization: controller.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -172,6 +192,8 @@ class ReplicaAgentServiceServicer:
         lifecycle.
 
         Errors: none of its own; an empty filter matches every replica.
+
+        Authorization: any authenticated identity.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -182,6 +204,8 @@ class ReplicaAgentServiceServicer:
 
         Errors:
         - NOT_FOUND: no replica with replica_id on this node.
+
+        Authorization: any authenticated identity.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -211,6 +235,8 @@ class ReplicaAgentServiceServicer:
         limit; the balancer retries elsewhere.
         - INTERNAL: the engine failed mid-request; the tokens streamed before
         the error are valid and can be resumed elsewhere.
+
+        Authorization: lb.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -226,6 +252,8 @@ class ReplicaAgentServiceServicer:
         - INVALID_ARGUMENT: request_ids is empty and all is false, or
         request_ids is not empty and all is true.
         - NOT_FOUND: replica_id is set and no such replica is on this node.
+
+        Authorization: controller, lb.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -243,6 +271,8 @@ class ReplicaAgentServiceServicer:
         - DEADLINE_EXCEEDED: with PAUSE_MODE_WAIT, in-flight requests did not
         finish within timeout. The replicas stay PAUSED and the requests keep
         running.
+
+        Authorization: controller.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -256,6 +286,8 @@ class ReplicaAgentServiceServicer:
         - NOT_FOUND: a listed replica is not on this node (nothing is resumed).
         - FAILED_PRECONDITION: a listed replica is neither PAUSED nor ACTIVE
         (e.g. still SLEEPING: wake it up first); nothing is resumed.
+
+        Authorization: controller.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -274,6 +306,8 @@ class ReplicaAgentServiceServicer:
         - FAILED_PRECONDITION: requests are in flight and abort_in_flight is
         false (the message gives their number), or the replica is in a state
         that cannot sleep (LAUNCHING, LOADING, SYNCING, FAILED, STOPPED).
+
+        Authorization: controller.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -294,6 +328,8 @@ class ReplicaAgentServiceServicer:
         - FAILED_PRECONDITION: the replica is not SLEEPING, PAUSED or ACTIVE.
         - RESOURCE_EXHAUSTED: the accelerator has too little free memory (the
         training engine still holds it); nothing is woken.
+
+        Authorization: controller.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -323,6 +359,8 @@ class ReplicaAgentServiceServicer:
         - ABORTED: another weight transfer is in progress on a listed replica.
         - DEADLINE_EXCEEDED: the rendezvous or the transfer did not finish within
         plan.timeout; the old weights keep serving.
+
+        Authorization: controller.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -352,6 +390,8 @@ class ReplicaAgentServiceServicer:
         ACTIVE or PAUSED, or its weights were discarded), or weight_version is
         set and differs from the version the replica holds.
         - ABORTED: a weight transfer is in progress on the replica.
+
+        Authorization: controller.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -371,6 +411,8 @@ class ReplicaAgentServiceServicer:
         its weight_version differs from plan.weight_version.
         - ABORTED: another weight transfer is in progress on the replica.
         - DEADLINE_EXCEEDED: the transfer did not finish within plan.timeout.
+
+        Authorization: controller.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -382,6 +424,8 @@ class ReplicaAgentServiceServicer:
 
         Errors:
         - NOT_FOUND: a listed replica is not on this node.
+
+        Authorization: any authenticated identity.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -480,6 +524,13 @@ class ReplicaAgentService:
 
     Capabilities (see ServerStatus.capabilities): "lifecycle", "generate",
     "sleep", "weights", "load_reports".
+
+    Security: on a server with mutual TLS every caller presents a certificate
+    from the mesh's CA that names its role (spiffe://rollmesh/<role>/<name>);
+    each RPC's "Authorization:" line says which roles may call it. Any other
+    role gets PERMISSION_DENIED (ErrorInfo reason ROLE_NOT_ALLOWED) before
+    anything runs; a certificate without a rollmesh identity gets
+    UNAUTHENTICATED. Plaintext on a loopback address authorizes nothing.
     """
 
     @staticmethod

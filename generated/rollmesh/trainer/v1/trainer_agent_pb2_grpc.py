@@ -32,6 +32,13 @@ class TrainerAgentServiceStub:
 
     Capabilities (see ServerStatus.capabilities): "weights", "progress",
     "offload".
+
+    Security: on a server with mutual TLS every caller presents a certificate
+    from the mesh's CA that names its role (spiffe://rollmesh/<role>/<name>);
+    each RPC's "Authorization:" line says which roles may call it. Any other
+    role gets PERMISSION_DENIED (ErrorInfo reason ROLE_NOT_ALLOWED) before
+    anything runs; a certificate without a rollmesh identity gets
+    UNAUTHENTICATED. Plaintext on a loopback address authorizes nothing.
     """
 
     def __init__(self, channel):
@@ -79,6 +86,13 @@ class TrainerAgentServiceServicer:
 
     Capabilities (see ServerStatus.capabilities): "weights", "progress",
     "offload".
+
+    Security: on a server with mutual TLS every caller presents a certificate
+    from the mesh's CA that names its role (spiffe://rollmesh/<role>/<name>);
+    each RPC's "Authorization:" line says which roles may call it. Any other
+    role gets PERMISSION_DENIED (ErrorInfo reason ROLE_NOT_ALLOWED) before
+    anything runs; a certificate without a rollmesh identity gets
+    UNAUTHENTICATED. Plaintext on a loopback address authorizes nothing.
     """
 
     def GetStatus(self, request, context):
@@ -86,6 +100,8 @@ class TrainerAgentServiceServicer:
 
         Errors: none of its own; UNAVAILABLE only as a transport error (agent
         unreachable or shutting down).
+
+        Authorization: any authenticated identity.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -114,6 +130,8 @@ class TrainerAgentServiceServicer:
         is loaded yet, or the trainer does not hold weight_version: it is
         older than the trainer's current param_version (older versions are
         not kept), or newer and not adopted (see above).
+
+        Authorization: controller.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -146,6 +164,8 @@ class TrainerAgentServiceServicer:
         plan.timeout.
         - UNAVAILABLE: a receiver dropped out during the transfer; retry as a
         new sync under a new group_id.
+
+        Authorization: controller.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -157,6 +177,8 @@ class TrainerAgentServiceServicer:
         Errors:
         - FAILED_PRECONDITION: this agent is not the trainer's rank 0 (only rank
         0 runs the driver).
+
+        Authorization: any authenticated identity.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -171,6 +193,8 @@ class TrainerAgentServiceServicer:
         Errors:
         - FAILED_PRECONDITION: a training step is running (state TRAINING or
         SYNCING_WEIGHTS); offload between steps.
+
+        Authorization: controller.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -183,6 +207,8 @@ class TrainerAgentServiceServicer:
         Errors:
         - RESOURCE_EXHAUSTED: the accelerators have too little free memory
         (hybrid replicas still hold it); nothing is moved.
+
+        Authorization: controller.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -236,6 +262,13 @@ class TrainerAgentService:
 
     Capabilities (see ServerStatus.capabilities): "weights", "progress",
     "offload".
+
+    Security: on a server with mutual TLS every caller presents a certificate
+    from the mesh's CA that names its role (spiffe://rollmesh/<role>/<name>);
+    each RPC's "Authorization:" line says which roles may call it. Any other
+    role gets PERMISSION_DENIED (ErrorInfo reason ROLE_NOT_ALLOWED) before
+    anything runs; a certificate without a rollmesh identity gets
+    UNAUTHENTICATED. Plaintext on a loopback address authorizes nothing.
     """
 
     @staticmethod

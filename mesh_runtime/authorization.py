@@ -1,0 +1,170 @@
+"""Who may call what: the one authorization table of every rollmesh RPC, and the interceptor enforcing it.
+
+On a server with mutual TLS every call carries the caller's verified identity
+(:mod:`mesh_runtime.identity`). :data:`RULES` names, for every RPC of every
+rollmesh service, the roles allowed to call it; :class:`AuthorizationInterceptor`
+looks the method up before the handler runs: a wrong role is
+``PERMISSION_DENIED`` naming the roles required, a certificate without a
+rollmesh identity is ``UNAUTHENTICATED``, and an RPC missing from the table is
+refused (a new RPC without a rule cannot be called, and the suite's table test
+fails). Nothing runs, so nothing changes. Rules that depend on the request
+(an agent registers only the node its certificate names) are checked by the
+servicer with :func:`~mesh_runtime.identity.current_identity`; the table says
+so in ``scope``. The proto comments quote :func:`describe` for each RPC.
+
+Operator mutations also accept the controller's bearer token
+(``scale_api_token``, metadata ``authorization: Bearer TOKEN``) from any
+authenticated identity, for humans with a plain client certificate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from .errors import PermissionDenied, Unauthenticated
+from .handlers import rewrap
+from .identity import ROLES, Identity, peer_identity, set_current_identity
+
+ANY = frozenset(ROLES)
+"""Every authenticated identity (reads, health, reflection)."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    roles: frozenset[str]
+    scope: str = ""
+    """What the servicer checks on top of the role (empty: nothing)."""
+    token_alternative: bool = False
+    """A valid operator bearer token also allows the call."""
+
+    def describe(self) -> str:
+        who = "any authenticated identity" if self.roles == ANY else ", ".join(r for r in ROLES if r in self.roles)
+        extra = " (or the operator bearer token)" if self.token_alternative else ""
+        return f"{who}{extra}" + (f"; {self.scope}" if self.scope else "")
+
+
+def _r(*roles: str, scope: str = "", token: bool = False) -> Rule:
+    unknown = set(roles) - set(ROLES)
+    assert not unknown, unknown
+    return Rule(frozenset(roles), scope, token)
+
+
+READ = Rule(ANY)
+OPERATOR = _r("operator", token=True)
+FROM_CONTROLLER = _r("controller")
+TRAINER = _r("trainer-agent")
+
+CONTROLLER_SERVICE = "rollmesh.controller.v1.ControllerService"
+LB_SERVICE = "rollmesh.loadbalancer.v1.LoadBalancerService"
+REPLICA_SERVICE = "rollmesh.replica.v1.ReplicaAgentService"
+TRAINER_SERVICE = "rollmesh.trainer.v1.TrainerAgentService"
+
+RULES: dict[str, dict[str, Rule]] = {
+    CONTROLLER_SERVICE: {
+        "GetStatus": READ, "ListNodes": READ, "GetNode": READ, "ListReplicas": READ, "GetReplica": READ,
+        "GetSchedulerState": READ, "WatchEvents": READ, "GetMetrics": READ, "GetOperation": READ,
+        "ListOperations": READ, "GetAutoscalerStatus": READ, "GetAutoscalerConditions": READ,
+        "ListScaleHistory": READ,
+        "RegisterNode": _r("replica-agent", scope="only the node named in the caller's certificate"),
+        "StreamLoadReports": _r("replica-agent", scope="only the node named in the caller's certificate"),
+        "DeregisterNode": _r("replica-agent", "operator",
+                             scope="a replica agent only the node named in its certificate"),
+        "BeginTrainingStep": TRAINER, "ReleaseHybridReplicas": TRAINER, "CompleteTrainingStep": TRAINER,
+        "SyncWeights": TRAINER,
+        "ScaleOut": OPERATOR, "ScaleIn": OPERATOR, "CancelOperation": OPERATOR, "CancelOperations": OPERATOR,
+        "SetAutoscalerEnabled": OPERATOR,
+    },
+    LB_SERVICE: {
+        "GetStatus": READ, "ListReplicas": READ, "GetStats": READ,
+        "Generate": _r("client", "trainer-agent", "operator"),
+        "AddReplicas": FROM_CONTROLLER, "RemoveReplicas": FROM_CONTROLLER, "UpdateReplicas": FROM_CONTROLLER,
+        "ClearStickySessions": FROM_CONTROLLER, "Rebalance": FROM_CONTROLLER,
+    },
+    REPLICA_SERVICE: {
+        "GetStatus": READ, "ListReplicas": READ, "GetReplica": READ, "GetLoadReports": READ,
+        "Generate": _r("lb"),
+        "AbortRequests": _r("controller", "lb"),
+        "LaunchReplica": FROM_CONTROLLER, "StopReplica": FROM_CONTROLLER, "PauseGeneration": FROM_CONTROLLER,
+        "ResumeGeneration": FROM_CONTROLLER, "Sleep": FROM_CONTROLLER, "WakeUp": FROM_CONTROLLER,
+        "ReceiveWeights": FROM_CONTROLLER, "PrepareWeightSync": FROM_CONTROLLER, "SendWeights": FROM_CONTROLLER,
+    },
+    TRAINER_SERVICE: {
+        "GetStatus": READ, "GetTrainingProgress": READ,
+        "PrepareWeightSync": FROM_CONTROLLER, "SendWeights": FROM_CONTROLLER,
+        "OffloadTrainingState": FROM_CONTROLLER, "OnloadTrainingState": FROM_CONTROLLER,
+    },
+    # served by every server
+    "grpc.health.v1.Health": {"Check": READ, "Watch": READ, "List": READ},
+    "grpc.reflection.v1alpha.ServerReflection": {"ServerReflectionInfo": READ},
+    "grpc.reflection.v1.ServerReflection": {"ServerReflectionInfo": READ},
+}
+
+
+def rule_for(full_method: str) -> Rule | None:
+    """The rule of ``/package.Service/Method`` (None: no rule, the call is refused)."""
+    service, _, method = full_method.lstrip("/").partition("/")
+    return RULES.get(service, {}).get(method)
+
+
+def describe(service: str, method: str) -> str:
+    """The rule's text as the proto comments quote it (``Authorization: ...``)."""
+    return RULES[service][method].describe()
+
+
+TokenCheck = Callable[[grpc.aio.ServicerContext], bool]
+"""Whether a call carries a valid operator bearer token."""
+
+
+def authorize(full_method: str, auth_context: dict, token_ok: Callable[[], bool] | None = None) -> Identity:
+    """The caller's identity if it may call ``full_method``; raises otherwise."""
+    method = full_method.rsplit("/", 1)[-1]
+    identity = peer_identity(auth_context)
+    if identity is None:
+        raise Unauthenticated(f"{method}: the client certificate names no rollmesh identity (a URI SAN "
+                              "spiffe://rollmesh/<role>/<name>; see rollmesh certs create)",
+                              reason="NO_IDENTITY")
+    rule = rule_for(full_method)
+    if rule is None:
+        raise PermissionDenied(f"{full_method[:120]} has no authorization rule; nobody may call it",
+                               reason="NO_RULE")
+    if identity.role in rule.roles:
+        return identity
+    if rule.token_alternative and token_ok is not None and token_ok():
+        return identity
+    raise PermissionDenied(f"{method} needs the role {rule.describe()}; the caller is {identity}",
+                           reason="ROLE_NOT_ALLOWED", metadata={"caller": identity.uri})
+
+
+class AuthorizationInterceptor(grpc.aio.ServerInterceptor):
+    """Enforces :data:`RULES` on a server with mutual TLS; errors are mapped by the error interceptor."""
+
+    def __init__(self, token_check: TokenCheck | None = None) -> None:
+        self._token_check = token_check
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        full_method = handler_call_details.method
+
+        def check(context) -> None:
+            token_ok = (lambda: self._token_check(context)) if self._token_check is not None else None
+            set_current_identity(authorize(full_method, context.auth_context(), token_ok))
+
+        def unary(behavior):
+            async def wrapper(request_or_iterator, context):
+                check(context)
+                return await behavior(request_or_iterator, context)
+            return wrapper
+
+        def streaming(behavior):
+            async def wrapper(request_or_iterator, context):
+                check(context)
+                async for item in behavior(request_or_iterator, context):
+                    yield item
+            return wrapper
+
+        return rewrap(handler, unary, streaming)
