@@ -28,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--interval", type=_positive, default=2.0, help="seconds between refreshes (default 2)")
     parser.add_argument("--timeout", type=_positive, default=3.0, help="seconds to wait for each RPC (default 3)")
     parser.add_argument("--once", action="store_true", help="print one frame as plain text and exit")
+    from mesh_runtime.tls import add_client_arguments  # noqa: PLC0415
+
+    add_client_arguments(parser)
 
 
 def _positive(text: str) -> float:
@@ -204,13 +207,20 @@ def run(args: argparse.Namespace, env: dict[str, str]) -> int:
     from mesh_runtime.channels import open_sync_channel  # noqa: PLC0415
     from mesh_runtime.net import parse_host_port  # noqa: PLC0415
 
+    from mesh_runtime.tls import client_tls  # noqa: PLC0415
+
     try:
         parse_host_port(args.address, allow_zero_port=False)
     except ValueError as err:
         print(f"rollmesh top: error: address: {err}", file=sys.stderr)
         return 2
+    try:
+        tls = client_tls(args)
+    except ValueError as err:
+        print(f"rollmesh top: error: {err}", file=sys.stderr)
+        return 2
     # no channel retries: top polls again every interval, and shows an unreachable controller at once
-    with open_sync_channel(args.address) as channel:
+    with open_sync_channel(args.address, tls=tls) as channel:
         stub = controller_pb2_grpc.ControllerServiceStub(channel)
         if args.once or not sys.stdout.isatty():
             print("\n".join(render(fetch(stub, args.address, args.timeout), width=160)))

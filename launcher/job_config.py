@@ -165,6 +165,8 @@ class JobMesh:
     start_timeout_s: float = setting(180.0, help="longest wait for every server and replica to come up")
     gloo_interface: str = setting("lo", help="network interface of the gloo weight broadcasts")
     torch_threads: int = setting(1, help="OMP/MKL threads per process (CPU machines have few cores)")
+    tls: bool = setting(True, help="mutual TLS between the processes, with a CA made in the run directory "
+                                   "(pki/); false = plaintext on loopback")
 
     def validate(self) -> None:
         for key in ("lease_ttl_s", "load_report_interval_s", "start_timeout_s"):

@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 
 from mesh_runtime.channels import open_channel, read_methods
+from mesh_runtime.config import TlsConfig
 from google.protobuf import json_format
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -42,9 +43,9 @@ async def list_services(channel: grpc.aio.Channel, timeout_s: float) -> list[str
     return []
 
 
-async def fetch_status(address: str, timeout_s: float = 5.0):
+async def fetch_status(address: str, timeout_s: float = 5.0, tls: TlsConfig | None = None):
     """``(service name, GetStatusResponse)`` of the rollmesh server at ``address``."""
-    async with open_channel(address, idempotent=read_methods()) as channel:
+    async with open_channel(address, tls=tls, idempotent=read_methods()) as channel:
         names = await list_services(channel, timeout_s)
         service = next((n for n in names if n in STATUS_SERVICES), None)
         if service is None:
@@ -56,9 +57,9 @@ async def fetch_status(address: str, timeout_s: float = 5.0):
         return service, await stub.GetStatus(messages.GetStatusRequest(), timeout=timeout_s)
 
 
-async def print_status(address: str, timeout_s: float) -> int:
+async def print_status(address: str, timeout_s: float, tls: TlsConfig | None = None) -> int:
     try:
-        service, response = await fetch_status(address, timeout_s)
+        service, response = await fetch_status(address, timeout_s, tls)
     except (grpc.RpcError, LookupError) as err:
         detail = err.details() if isinstance(err, grpc.aio.AioRpcError) else str(err)
         print(f"rollmesh status: error: {address}: {detail}", file=sys.stderr)

@@ -46,7 +46,9 @@ from typing import Any, TextIO
 
 import grpc
 
+from mesh_runtime import certs
 from mesh_runtime.channels import open_channel, read_methods
+from mesh_runtime.config import TlsConfig
 import yaml
 from google.protobuf import json_format
 
@@ -159,14 +161,42 @@ class TrainJob:
                                                   ready_timeout_s=self.job.mesh.start_timeout_s)
         self.console.line(f"  started {name:<20} {self.processes[name].address:<22} pid {self.processes[name].pid}")
 
+    def _tls(self, role: str, name: str) -> dict[str, str] | None:
+        """The ``tls`` section of ``spiffe://rollmesh/<role>/<name>`` (made in ``pki/``), or None without TLS."""
+        if not self.job.mesh.tls:
+            return None
+        pki = self.run_dir / "pki"
+        if not (pki / certs.CA_CERT).exists():
+            certs.create_ca(pki, common_name="rollmesh train CA")
+        cert, key = pki / f"{role}-{name}.pem", pki / f"{role}-{name}.key"
+        if not cert.exists():
+            cert, key = certs.create_cert(pki, role, name, hosts=["127.0.0.1", "localhost"], days=30)
+        return {"cert": str(cert), "key": str(key), "ca": str(pki / certs.CA_CERT)}
+
+    def _client_tls(self) -> TlsConfig | None:
+        """The launcher's own identity (an operator) for its channels into the mesh."""
+        section = self._tls("operator", "rollmesh-train")
+        return TlsConfig(**section) if section is not None else None
+
+    def _with_tls(self, name: str, config: dict[str, Any]) -> dict[str, Any]:
+        if name in ("controller", "lb"):
+            role, identity = name, name
+        elif name == "trainer-agent":
+            role, identity = "trainer-agent", config["node_id"]
+        else:
+            role, identity = "replica-agent", config["node_id"]
+        section = self._tls(role, identity)
+        return {**config, "tls": section} if section is not None else config
+
     async def _start_mesh(self, env: dict[str, str]) -> dict[str, dict]:
-        await self._start("lb", "lb", None, env)
+        await self._start("lb", "lb", self._with_tls("lb", {"listen": "127.0.0.1:0"}), env)
         trainer_address = f"127.0.0.1:{_free_port()}"
         lb = self.processes["lb"].address
         configs = server_configs(self.job, run_dir=self.run_dir, lb=lb, controller="", trainer=trainer_address)
-        await self._start("controller", "controller", configs["controller"], env)
+        await self._start("controller", "controller", self._with_tls("controller", configs["controller"]), env)
         configs = server_configs(self.job, run_dir=self.run_dir, lb=lb, controller=self.processes["controller"].address,
                                  trainer=trainer_address)
+        configs = {n: self._with_tls(n, c) for n, c in configs.items()}
         rest = [n for n in configs if n not in ("controller",)]
         await asyncio.gather(*(self._start(n, "trainer-agent" if n == "trainer-agent" else "replica-agent",
                                            configs[n], env) for n in rest))
@@ -286,8 +316,9 @@ class TrainJob:
             except LaunchError as err:
                 self.console.line(f"rollmesh train: error: {err}")
                 return 1
-            ctl = open_channel(self.processes["controller"].address, idempotent=read_methods())
-            trainer = open_channel(self.processes["trainer-agent"].address, idempotent=read_methods())
+            tls = self._client_tls()
+            ctl = open_channel(self.processes["controller"].address, tls=tls, idempotent=read_methods())
+            trainer = open_channel(self.processes["trainer-agent"].address, tls=tls, idempotent=read_methods())
             channels += [ctl, trainer]
             watcher = asyncio.create_task(self._watch_events(ctl), name="watch-events")
             try:

@@ -90,3 +90,23 @@ def channel_credentials(tls: TlsConfig) -> grpc.ChannelCredentials:
     """Client credentials presenting ``tls.cert`` and trusting ``tls.ca`` (files read now)."""
     cert, key, ca = _files(tls)
     return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+
+def add_client_arguments(parser) -> None:
+    """``--cacert/--cert/--key``: the mutual-TLS identity a tool presents (grpcurl's and buf curl's names)."""
+    parser.add_argument("--cacert", metavar="PEM", help="CA the server's certificate must chain to")
+    parser.add_argument("--cert", metavar="PEM", help="this tool's certificate (e.g. an operator-readonly one)")
+    parser.add_argument("--key", metavar="PEM", help="private key of --cert")
+
+
+def client_tls(args) -> TlsConfig | None:
+    """The TlsConfig the three flags give (None when none is given); ConfigError when only some are."""
+    given = {name: getattr(args, name, None) for name in ("cacert", "cert", "key")}
+    if not any(given.values()):
+        return None
+    missing = [f"--{name}" for name, value in given.items() if not value]
+    if missing:
+        raise ConfigError("", f"mutual TLS needs --cacert, --cert and --key together; missing {', '.join(missing)}")
+    tls = TlsConfig(cert=given["cert"], key=given["key"], ca=given["cacert"])
+    tls.validate()
+    return tls

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from mesh_runtime.cli import main as cli_main
 from tests.e2e.job_configs import job_config
@@ -195,6 +196,18 @@ def test_the_run_directory_holds_events_metrics_spans_and_the_picture(hybrid_run
     assert {"hybrid.deactivate", "hybrid.activate", "weights.broadcast"} <= names, names
     assert (d / "checkpoint" / "driver.pt").is_file()
     assert "stopped: " in hybrid_run.output and "(exit 0)" in hybrid_run.output
+
+
+def test_the_mesh_runs_with_mutual_tls_and_no_call_is_refused(hybrid_run):
+    d = hybrid_run.dir
+    assert (d / "pki" / "ca.pem").is_file()
+    logs = {p.stem: p.read_text() for p in (d / "logs").glob("*.log")}
+    assert len(logs) == 5   # lb, controller, trainer agent, rollout-0, trainer-0-replicas
+    for name, text in logs.items():
+        assert "transport mutual_tls, identity spiffe://rollmesh/" in text, name
+        assert "ROLE_NOT_ALLOWED" not in text and "needs the role" not in text, name
+    configs = [yaml.safe_load(p.read_text()) for p in (d / "config").glob("*.yaml")]
+    assert configs and all(Path(c["tls"]["cert"]).parent == d / "pki" for c in configs)
 
 
 # -- run B: the hybrid replica skips rollout; a replica agent is killed mid-run ------------------------
