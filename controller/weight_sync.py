@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import hashlib
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -243,7 +244,8 @@ class WeightBroadcast:
                 continue
             for r in task.result().results:
                 ok = r.checksum_ok and r.weight_version == version
-                results.append(ReplicaSyncOutcome(r.replica_id, ok, "" if ok else "checksum mismatch",
+                why = "" if ok else (r.error_message or "checksum mismatch")
+                results.append(ReplicaSyncOutcome(r.replica_id, ok, why,
                                                   r.duration.ToNanoseconds() / 1e9, r.bytes_received))
         bytes_sent = 0
         sent_error = ("abandoned" if send.cancelled() else send.exception())
@@ -299,6 +301,7 @@ class WeightBroadcast:
             sync_id=sync_id, weight_version=prepared.weight_version, group_id=group_id,
             rendezvous_host=prepared.rendezvous_host, rendezvous_port=prepared.rendezvous_port,
             world_size=len(members) + 1, source=prepared.source, manifest=prepared.manifest,
+            sync_key=secrets.token_bytes(32),   # per sync: keys the rendezvous and the sender's manifest tag
             backend=weights_pb2.PROCESS_GROUP_BACKEND_NCCL if self.backend == "nccl"
             else weights_pb2.PROCESS_GROUP_BACKEND_GLOO,
             members=[rank0] + [

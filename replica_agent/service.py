@@ -120,7 +120,8 @@ class ReplicaAgentServicer(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
         out = pb.ReceiveWeightsResponse()
         for r in results:
             item = out.results.add(replica_id=r.replica_id, weight_version=r.weight_version,
-                                   checksum_ok=r.checksum_ok, bytes_received=r.bytes_received)
+                                   checksum_ok=r.checksum_ok, bytes_received=r.bytes_received,
+                                   error_message=r.error)
             item.duration.FromNanoseconds(int(r.duration_s * 1e9))
         return out
 

@@ -72,7 +72,7 @@ async def receive(manager: ReplicaManager, groups, replica_ids: list[str], plan,
 
 
 async def _receive_one(groups, replica: Replica, plan) -> ReceiveResult:
-    from weight_transfer import ChecksumMismatch, receive_weights_async  # noqa: PLC0415
+    from weight_transfer import VerificationFailed, receive_weights_async  # noqa: PLC0415
 
     started = time.monotonic()
     async with replica.lock:
@@ -83,10 +83,10 @@ async def _receive_one(groups, replica: Replica, plan) -> ReceiveResult:
                 with engine_errors():
                     await replica.engine.abort(None)
             group = await asyncio.to_thread(groups.cache(replica.replica_id).get, plan.group_id, plan.members,
-                                            plan.rendezvous, plan.backend)
+                                            plan.rendezvous, plan.backend, plan.sync_key)
             try:
-                tensors = await receive_weights_async(group, plan.manifest, timeout=plan.timeout_s)
-            except ChecksumMismatch as err:
+                tensors = await receive_weights_async(group, plan.manifest, timeout=plan.timeout_s, key=plan.sync_key)
+            except VerificationFailed as err:   # a bad checksum, or not from the sender the controller chose
                 log.warning("replica %s: %s; keeping weight version %d", replica.replica_id, err,
                             replica.weight_version)
                 result = ReceiveResult(replica.replica_id, replica.weight_version, False, plan.manifest.total_bytes,
@@ -181,12 +181,13 @@ async def send(manager: ReplicaManager, groups, replica_id: str, plan) -> SendRe
     try:
         cache = groups.cache(replica_id)
         await asyncio.to_thread(cache.host_rendezvous, *plan.rendezvous)
-        group = await asyncio.to_thread(cache.get, plan.group_id, plan.members, plan.rendezvous, plan.backend)
+        group = await asyncio.to_thread(cache.get, plan.group_id, plan.members, plan.rendezvous, plan.backend,
+                                        plan.sync_key)
         with engine_errors():
             named = dict(replica.engine.named_weights())
         sent = await send_weights_async(group, plan.manifest,
                                         ((e.name, named[e.name]) for e in plan.manifest.tensors),
-                                        timeout=plan.timeout_s)
+                                        timeout=plan.timeout_s, key=plan.sync_key)
     finally:
         replica.busy = ""
     return SendResult(sent.bytes, time.monotonic() - started, plan.manifest.checksum, plan.weight_version)

@@ -262,11 +262,11 @@ class WeightBroadcaster:
                 async with asyncio.timeout(plan.timeout_s):
                     built_before = self.groups_built
                     group = await asyncio.to_thread(cache.get, plan.group_id, plan.members,
-                                                    (self._host, self._port), plan.backend)
+                                                    (self._host, self._port), plan.backend, plan.sync_key)
                     reused = self.groups_built == built_before
                     trace.get_current_span().set_attribute("group_reused", reused)
                     sent = await send_weights_async(group, prepared.manifest, iter(prepared.snapshot.tensors),
-                                                    timeout=plan.timeout_s)
+                                                    timeout=plan.timeout_s, key=plan.sync_key)
             except TimeoutError:
                 raise DeadlineExceeded(f"weight broadcast {plan.sync_id} did not finish within its timeout of "
                                        f"{plan.timeout_s:g} s", reason="WEIGHT_TRANSFER_TIMEOUT") from None

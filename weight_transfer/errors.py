@@ -11,13 +11,15 @@ error                     canonical code        reason
 ``ManifestMismatch``      FAILED_PRECONDITION   WEIGHT_MANIFEST_MISMATCH
 ``GroupClosed``           FAILED_PRECONDITION   WEIGHT_GROUP_CLOSED
 ``ChecksumMismatch``      UNAVAILABLE           WEIGHT_CHECKSUM_MISMATCH
+``NotAuthentic``          UNAVAILABLE           WEIGHTS_NOT_AUTHENTIC
 ``TransferTimeout``       UNAVAILABLE           WEIGHT_TRANSFER_TIMEOUT
 ``PeerLost``              UNAVAILABLE           WEIGHT_PEER_LOST
 ``TransferCancelled``     ABORTED               WEIGHT_TRANSFER_CANCELLED
 ``GroupBusy``             ABORTED               WEIGHT_GROUP_BUSY
 ========================  ====================  ===========================
 
-The UNAVAILABLE ones are worth retrying as a new sync (with a new group id:
+``ChecksumMismatch`` and ``NotAuthentic`` are both ``VerificationFailed``:
+the bytes arrived but must not be used. The UNAVAILABLE ones are worth retrying as a new sync (with a new group id:
 see :mod:`weight_transfer.groups`); the others are not.
 """
 
@@ -63,7 +65,20 @@ class GroupClosed(WeightTransferError, FailedPrecondition):
     default_reason = "WEIGHT_GROUP_CLOSED"
 
 
-class ChecksumMismatch(WeightTransferError, Unavailable):
+class VerificationFailed(WeightTransferError, Unavailable):
+    """The received weights are not the ones the plan describes; nothing received may be used."""
+
+    default_reason = "WEIGHT_VERIFICATION_FAILED"
+
+
+class NotAuthentic(VerificationFailed):
+    """An authenticated broadcast failed its check: the sender's manifest tag does not match the plan's key and
+    manifest, or a bucket's bytes do not hash to the manifest's digest of that bucket."""
+
+    default_reason = "WEIGHTS_NOT_AUTHENTIC"
+
+
+class ChecksumMismatch(VerificationFailed):
     """The received bytes do not hash to the manifest's checksum."""
 
     default_reason = "WEIGHT_CHECKSUM_MISMATCH"

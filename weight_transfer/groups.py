@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import hashlib
+import hmac
 import logging
 import socket
 import threading
@@ -94,9 +95,13 @@ class GroupKey:
     members: tuple[str, ...]
     backend: str
 
-    def store_prefix(self) -> str:
+    def store_prefix(self, secret: bytes = b"") -> str:
+        """The rendezvous keys' prefix; with the plan's ``secret`` it also holds a tag of the secret, so a
+        process without it cannot find the group's keys, let alone claim a rank."""
         digest = hashlib.sha1("\0".join(self.members).encode()).hexdigest()[:16]
-        return f"rollmesh/weights/{self.group_id}/{self.backend}/{digest}/"
+        keyed = hmac.new(secret, b"rollmesh rendezvous\0" + self.group_id.encode(), hashlib.sha256).hexdigest()[:32] \
+            if secret else "open"
+        return f"rollmesh/weights/{self.group_id}/{self.backend}/{digest}/{keyed}/"
 
 
 class TransferGroup:
@@ -307,10 +312,12 @@ class GroupCache:
     # -- groups ----------------------------------------------------------------------------
 
     def get(self, group_id: str, members: Sequence[str], rendezvous: tuple[str, int],
-            backend: str = "gloo") -> TransferGroup:
+            backend: str = "gloo", secret: bytes = b"") -> TransferGroup:
         """The group of ``members`` (sender first) named ``group_id``, built on first use.
 
-        ``rendezvous`` is the sender's store address. Blocks until every member
+        ``rendezvous`` is the sender's store address; ``secret`` (the plan's
+        sync key) keys the rendezvous when the group is built (every member must
+        pass the same one; a cached group is reused as is). Blocks until every member
         has joined or ``setup_timeout_s`` passes (:class:`TransferTimeout`).
         Raises :class:`GroupClosed` for a retired key, ``ValueError`` if this
         member is not in ``members`` or the backend is unknown.
@@ -335,7 +342,7 @@ class GroupCache:
                     raise GroupClosed(f"weight group {group_id!r} with members {list(key.members)} "
                                       f"was closed or broke; use a new group id")
             if group is None:
-                group = self._build(key, rendezvous)
+                group = self._build(key, rendezvous, secret)
                 with self._lock:
                     if self._closed:
                         group.close()
@@ -379,7 +386,7 @@ class GroupCache:
     def _setup_timeout(self) -> datetime.timedelta:
         return datetime.timedelta(seconds=self.config.setup_timeout_s)
 
-    def _build(self, key: GroupKey, rendezvous: tuple[str, int]) -> TransferGroup:
+    def _build(self, key: GroupKey, rendezvous: tuple[str, int], secret: bytes = b"") -> TransferGroup:
         deadline = time.monotonic() + self.config.setup_timeout_s
         rank = key.members.index(self.self_id)
         what = f"creating weight group {key.group_id!r} (rank {rank} of {len(key.members)})"
@@ -389,7 +396,7 @@ class GroupCache:
             # member dying halfway through gloo's pair connection can leave the
             # constructor waiting well past them).
             grace = 1.0 + 0.1 * self.config.setup_timeout_s
-            return _call_with_deadline(lambda: self._construct(key, rendezvous, rank, deadline),
+            return _call_with_deadline(lambda: self._construct(key, rendezvous, rank, deadline, secret),
                                        deadline + grace, what)
         except Exception as err:
             if rank != 0:
@@ -400,14 +407,14 @@ class GroupCache:
             raise translate_error(err, what) from err  # torch.distributed / gloo / NCCL errors
 
     def _construct(self, key: GroupKey, rendezvous: tuple[str, int], rank: int,
-                   deadline: float) -> TransferGroup:
+                   deadline: float, secret: bytes = b"") -> TransferGroup:
         host, port = rendezvous
         base = self._store_for(host, port, rank == 0, deadline)
         # Own connection per construction: a blocking wait on a shared client
         # would stall every other construction in this process.
         conn = base.clone()
         conn.set_timeout(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
-        store = dist.PrefixStore(key.store_prefix(), conn)
+        store = dist.PrefixStore(key.store_prefix(secret), conn)
         op_timeout = datetime.timedelta(seconds=self.config.op_timeout_s)
         if key.backend == "gloo":
             pg, device = self._build_gloo(store, rank, len(key.members), op_timeout, deadline)

@@ -42,12 +42,27 @@ algorithms; the receiver hashes each bucket while the next ones arrive:
     consecutive bits, misses a random corruption with probability 2^-32.
 ``sha256``
     ``hashlib.sha256`` on host bytes, where collision resistance matters.
+
+Bucket digests and the manifest tag
+-----------------------------------
+``bucket_digests`` holds the SHA-256 of each bucket's bytes, computed once
+when the manifest is built (the sender's PrepareWeightSync). An
+authenticated broadcast (a plan with a ``sync_key``) begins with the
+sender's *manifest tag*, HMAC-SHA256 under the per-sync key of the
+manifest's canonical JSON (every bucket digest included,
+:func:`manifest_tag`); each receiver compares it with the tag of the
+manifest in its own plan (which came from the controller over mutual TLS)
+and checks every bucket against its digest before anything is swapped in.
+The key proves the sender is the one the controller chose; the digests,
+being collision resistant, bind every byte to the manifest.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import hmac
+import json
 import math
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
@@ -106,9 +121,12 @@ class Manifest:
     total_bytes: int
     checksum: str
     checksum_algorithm: str = DEFAULT_CHECKSUM
+    bucket_digests: tuple[str, ...] = ()
+    """SHA-256 hex of each bucket's bytes, in bucket order (empty: not computed)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tensors", tuple(self.tensors))
+        object.__setattr__(self, "bucket_digests", tuple(self.bucket_digests))
 
     @property
     def num_buckets(self) -> int:
@@ -136,6 +154,7 @@ class Manifest:
             "total_bytes": self.total_bytes,
             "checksum": self.checksum,
             "checksum_algorithm": self.checksum_algorithm,
+            "bucket_digests": list(self.bucket_digests),
         }
 
     @classmethod
@@ -149,7 +168,8 @@ class Manifest:
                        for t in data["tensors"]]
             manifest = cls(tensors=entries, bucket_size_bytes=int(data["bucket_size_bytes"]),
                            total_bytes=int(data["total_bytes"]), checksum=data["checksum"],
-                           checksum_algorithm=data.get("checksum_algorithm", DEFAULT_CHECKSUM))
+                           checksum_algorithm=data.get("checksum_algorithm", DEFAULT_CHECKSUM),
+                           bucket_digests=tuple(str(d) for d in data.get("bucket_digests", ())))
         except (KeyError, TypeError, ValueError) as err:
             raise InvalidManifest(f"malformed manifest dict: {err!r}") from None
         manifest.check_layout()
@@ -195,6 +215,62 @@ class Manifest:
             if start + e.nbytes > self.total_bytes:
                 raise InvalidManifest(f"{where} run past total_bytes {self.total_bytes}")
             end_of_previous = start + e.nbytes
+        if self.bucket_digests:
+            if len(self.bucket_digests) != self.num_buckets:
+                raise InvalidManifest(f"{len(self.bucket_digests)} bucket digests for {self.num_buckets} buckets")
+            bad = next((d for d in self.bucket_digests if len(d) != 64 or not _is_hex(d)), None)
+            if bad is not None:
+                raise InvalidManifest(f"bucket digest {bad[:16]!r} is not a SHA-256 hex digest")
+
+
+def _is_hex(text: str) -> bool:
+    try:
+        int(text, 16)
+    except ValueError:
+        return False
+    return True
+
+
+def manifest_tag(key: bytes, manifest: Manifest) -> bytes:
+    """HMAC-SHA256 under ``key`` of the manifest's canonical JSON (bucket digests included): 32 bytes."""
+    canonical = json.dumps(manifest.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+    return hmac.new(key, b"rollmesh weight manifest v1\0" + canonical, hashlib.sha256).digest()
+
+
+class BucketDigests:
+    """SHA-256 of each ``bucket_size``-byte window of a stream fed in order (bytes or 1-D uint8 tensors)."""
+
+    def __init__(self, bucket_size: int) -> None:
+        self._size = bucket_size
+        self._hash = hashlib.sha256()
+        self._filled = 0
+        self.digests: list[str] = []
+
+    def update(self, data: torch.Tensor | bytes) -> None:
+        view = memoryview(data.cpu().numpy() if isinstance(data, torch.Tensor) else data).cast("B")
+        pos = 0
+        while pos < len(view):
+            take = min(self._size - self._filled, len(view) - pos)
+            self._hash.update(view[pos:pos + take])   # hashlib releases the GIL on large updates
+            self._filled += take
+            pos += take
+            if self._filled == self._size:
+                self._close()
+
+    def _close(self) -> None:
+        self.digests.append(self._hash.hexdigest())
+        self._hash = hashlib.sha256()
+        self._filled = 0
+
+    def finish(self) -> tuple[str, ...]:
+        if self._filled:
+            self._close()
+        return tuple(self.digests)
+
+
+def bucket_digest(data: torch.Tensor) -> str:
+    """SHA-256 hex of one bucket's bytes (a 1-D uint8 tensor)."""
+    return hashlib.sha256(memoryview(data.cpu().numpy()).cast("B")).hexdigest()
 
 
 def validate_against(manifest: Manifest,
@@ -340,13 +416,15 @@ def build_manifest(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_siz
                    checksum_algorithm: str = DEFAULT_CHECKSUM) -> Manifest:
     """Lay ``named_tensors`` out in buckets (see the module docstring) and checksum their bytes.
 
-    Reads every tensor once (device tensors are copied to host to hash them).
+    Reads every tensor once (device tensors are copied to host to hash them) for the checksum and the
+    SHA-256 of every bucket.
     Raises :class:`InvalidManifest` for a repeated or empty name or a
     non-positive bucket size.
     """
     if bucket_size_bytes <= 0:
         raise InvalidManifest(f"bucket_size_bytes must be positive, got {bucket_size_bytes}")
     hasher = StreamHasher(checksum_algorithm)
+    digests = BucketDigests(bucket_size_bytes)
     entries: list[TensorEntry] = []
     names: set[str] = set()
     cursor = 0
@@ -358,14 +436,18 @@ def build_manifest(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_siz
         start = _align_up(cursor, ALIGNMENT) if nbytes else cursor
         if start > cursor:
             hasher.update(bytes(start - cursor))
+            digests.update(bytes(start - cursor))
         bucket_index, offset = divmod(start, bucket_size_bytes)
         entries.append(TensorEntry(name=name, dtype=dtype_name(tensor.dtype), shape=tuple(tensor.shape),
                                    bucket_index=bucket_index, offset_bytes=offset, nbytes=nbytes))
         if nbytes:
-            hasher.update(tensor_bytes(tensor))
+            data = tensor_bytes(tensor)
+            hasher.update(data)
+            digests.update(data)
         cursor = start + nbytes
     return Manifest(tensors=entries, bucket_size_bytes=bucket_size_bytes, total_bytes=cursor,
-                    checksum=hasher.hexdigest(), checksum_algorithm=checksum_algorithm)
+                    checksum=hasher.hexdigest(), checksum_algorithm=checksum_algorithm,
+                    bucket_digests=digests.finish())
 
 
 def views_of(manifest: Manifest, flat: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -25,6 +25,13 @@ Topologies (every member of a transfer must use the same one):
 ``auto`` (default)
     ``chain`` on gloo, ``broadcast`` on NCCL.
 
+Authenticated broadcasts (``key``, the plan's per-sync secret): before any
+bucket, the sender sends its manifest tag (:func:`~.manifest.manifest_tag`);
+each receiver compares it with the tag of its own manifest and checks every
+bucket against the manifest's SHA-256 bucket digest as it arrives. A failed
+check still receives (and forwards) the whole stream, so the group stays in
+step, and then raises :class:`NotAuthentic`: the caller swaps nothing in.
+
 Every blocking step is bounded by the group's ``op_timeout`` (or the
 ``timeout`` argument). Any failure other than a checksum mismatch marks the
 group broken (see :mod:`weight_transfer.groups`).
@@ -42,6 +49,7 @@ import asyncio
 import collections
 import dataclasses
 import datetime
+import hmac
 import json
 import threading
 import time
@@ -49,13 +57,17 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from .errors import ChecksumMismatch, GroupClosed, ManifestMismatch, TransferCancelled
+from .errors import ChecksumMismatch, GroupClosed, ManifestMismatch, NotAuthentic, TransferCancelled
 from .groups import TransferGroup, translate_error
-from .manifest import Manifest, StreamHasher, dtype_name, tensor_bytes, views_of
+from .manifest import Manifest, StreamHasher, bucket_digest, dtype_name, manifest_tag, tensor_bytes, views_of
 
 TOPOLOGIES = ("auto", "broadcast", "chain")
 
 BucketHook = Callable[[int, torch.Tensor], None]
+
+_TAG_INDEX = 1 << 24
+"""The point-to-point tag of the manifest-tag message (buckets use their index)."""
+TAG_BYTES = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,7 +234,7 @@ def send_weights(group: TransferGroup, manifest: Manifest,
                  named_tensors: Iterable[tuple[str, torch.Tensor]], *,
                  topology: str | None = None, ring_size: int | None = None, timeout: float | None = None,
                  cancel: threading.Event | None = None,
-                 bucket_hook: BucketHook | None = None) -> SendResult:
+                 bucket_hook: BucketHook | None = None, key: bytes = b"") -> SendResult:
     """Rank 0: send ``named_tensors`` (in manifest order) to every other member.
 
     ``named_tensors`` may be a generator; it is read once, in step with the
@@ -232,7 +244,8 @@ def send_weights(group: TransferGroup, manifest: Manifest,
     config); ``timeout`` (seconds) overrides the group's per-bucket timeout.
     ``bucket_hook(index, packed_bucket)`` runs after a bucket is packed and
     before it is sent (tests use it to corrupt a byte; it disables the
-    no-copy path).
+    no-copy path). With ``key`` the broadcast is authenticated: the manifest
+    tag goes first (receivers need the same key and bucket digests).
 
     Raises :class:`ManifestMismatch` if the tensors differ from the manifest,
     :class:`TransferTimeout` / :class:`PeerLost` if a receiver fails,
@@ -253,6 +266,9 @@ def send_weights(group: TransferGroup, manifest: Manifest,
                                      min(manifest.bucket_size_bytes, manifest.total_bytes))
         in_flight: collections.deque = collections.deque()
         try:
+            if key:
+                tag = torch.frombuffer(bytearray(manifest_tag(key, manifest)), dtype=torch.uint8).to(group.device)
+                _wait_all(link, _TAG_INDEX, link.send(_TAG_INDEX, tag))
             for index in range(count):
                 _check_cancel(cancel)
                 if len(in_flight) == len(ring):
@@ -285,7 +301,7 @@ def _wait_all(link: _Link, index: int, works: list) -> None:
 def receive_weights(group: TransferGroup, manifest: Manifest, *, topology: str | None = None,
                     timeout: float | None = None, verify: bool = True, window: int = 4,
                     out: torch.Tensor | None = None,
-                    cancel: threading.Event | None = None) -> dict[str, torch.Tensor]:
+                    cancel: threading.Event | None = None, key: bytes = b"") -> dict[str, torch.Tensor]:
     """Other ranks: receive the weights ``manifest`` describes; return them by name.
 
     The tensors have the manifest's dtypes and shapes and are views into one
@@ -296,11 +312,18 @@ def receive_weights(group: TransferGroup, manifest: Manifest, *, topology: str |
     ``window`` buckets are posted ahead of the one being waited for;
     ``topology`` defaults to the group's. With ``verify`` the stream is
     hashed as it arrives and :class:`ChecksumMismatch` raised if it differs
-    from ``manifest.checksum``; other errors as for :func:`send_weights`.
+    from ``manifest.checksum``. With ``key`` (an authenticated broadcast) the
+    sender's manifest tag and every bucket's SHA-256 digest are checked instead,
+    whatever ``verify`` says, and :class:`NotAuthentic` raised on a failure
+    (after the whole stream has passed, so the group stays usable). Other
+    errors as for :func:`send_weights`.
     """
     if group.rank == 0:
         raise ValueError("rank 0 is the sender; it cannot receive")
     manifest.check_layout()  # views into the buffer must stay inside it and aligned
+    if key and not manifest.bucket_digests:
+        raise NotAuthentic("an authenticated weight broadcast needs a manifest with bucket digests; "
+                           "this one has none (a sender that predates them?)")
     if window < 1:
         raise ValueError(f"window must be at least 1, got {window}")
     with group.claim():
@@ -313,12 +336,23 @@ def receive_weights(group: TransferGroup, manifest: Manifest, *, topology: str |
                              f"bytes on {group.device}")
         else:
             flat = out[:manifest.total_bytes]
-        hasher = StreamHasher(manifest.checksum_algorithm) if verify else None
+        hasher = StreamHasher(manifest.checksum_algorithm) if verify and not key else None
         count = manifest.num_buckets
         posted: collections.deque = collections.deque()
         forwards: collections.deque = collections.deque()
         next_to_post = 0
+        problem = ""
         try:
+            if key:
+                tag = torch.empty(TAG_BYTES, dtype=torch.uint8, device=group.device)
+                link.wait(link.receive(_TAG_INDEX, tag), "receiving the manifest tag")
+                forward = link.forward(_TAG_INDEX, tag)
+                if forward is not None:
+                    forwards.append((_TAG_INDEX, [forward]))
+                    forward = None
+                if not hmac.compare_digest(bytes(tag.cpu().numpy()), manifest_tag(key, manifest)):
+                    problem = ("the sender's manifest tag does not match this plan's key and manifest: the sender "
+                               "is not the one the controller chose, or the manifests differ")
             for index in range(count):
                 _check_cancel(cancel)
                 while next_to_post < count and len(posted) < window:
@@ -335,12 +369,16 @@ def receive_weights(group: TransferGroup, manifest: Manifest, *, topology: str |
                         _wait_all(link, *forwards.popleft())
                 if hasher is not None:
                     hasher.update(flat[start:stop])
+                if key and not problem and bucket_digest(flat[start:stop]) != manifest.bucket_digests[index]:
+                    problem = f"bucket {index} of {count} does not match its SHA-256 digest in the manifest"
             while forwards:
                 _wait_all(link, *forwards.popleft())
         except BaseException:
             posted.clear()  # pending work objects would keep the connections open
             forwards.clear()
             raise
+    if problem:
+        raise NotAuthentic(f"weights not authentic: {problem}")
     if hasher is not None and hasher.hexdigest() != manifest.checksum:
         raise ChecksumMismatch(manifest.checksum, hasher.hexdigest(), manifest.checksum_algorithm)
     return views_of(manifest, flat)

@@ -35,6 +35,8 @@ class SyncPlan:
     source: str
     members: tuple[str, ...]
     """Member ids by rank: ``members[0]`` is the sender (``source``), the rest are replica ids."""
+    sync_key: bytes = dataclasses.field(default=b"", repr=False)
+    """The per-sync secret (empty: unauthenticated); never printed."""
 
     def rank_of(self, member: str) -> int | None:
         return self.members.index(member) if member in self.members else None
@@ -46,7 +48,8 @@ def manifest_from_proto(msg: weights_pb2.WeightManifest) -> Manifest:
                                              bucket_index=t.bucket_index, offset_bytes=t.offset_bytes,
                                              nbytes=t.nbytes) for t in msg.tensors],
                         bucket_size_bytes=msg.bucket_size_bytes, total_bytes=msg.total_bytes,
-                        checksum=msg.checksum, checksum_algorithm=msg.checksum_algorithm)
+                        checksum=msg.checksum, checksum_algorithm=msg.checksum_algorithm,
+                        bucket_digests=tuple(msg.bucket_digests))
     manifest.check_layout()
     return manifest
 
@@ -56,7 +59,8 @@ def manifest_to_proto(manifest: Manifest) -> weights_pb2.WeightManifest:
         tensors=[weights_pb2.TensorSpec(name=e.name, dtype=e.dtype, shape=e.shape, bucket_index=e.bucket_index,
                                         offset_bytes=e.offset_bytes, nbytes=e.nbytes) for e in manifest.tensors],
         bucket_size_bytes=manifest.bucket_size_bytes, total_bytes=manifest.total_bytes,
-        checksum=manifest.checksum, checksum_algorithm=manifest.checksum_algorithm)
+        checksum=manifest.checksum, checksum_algorithm=manifest.checksum_algorithm,
+        bucket_digests=list(manifest.bucket_digests))
 
 
 def plan_from_proto(msg: weights_pb2.WeightSyncPlan, default_timeout_s: float) -> SyncPlan:
@@ -85,10 +89,12 @@ def plan_from_proto(msg: weights_pb2.WeightSyncPlan, default_timeout_s: float) -
         raise bad("every receiving member needs a distinct replica_id, different from the source")
     if not msg.group_id:
         raise bad("group_id is empty")
+    if msg.sync_key and len(msg.sync_key) != 32:
+        raise bad(f"sync_key must be 32 bytes, got {len(msg.sync_key)}")
     timeout = msg.timeout.ToNanoseconds() / 1e9 if msg.timeout.ByteSize() else default_timeout_s
     if timeout <= 0:
         raise bad(f"timeout must be positive, got {timeout} s")
     return SyncPlan(sync_id=msg.sync_id, weight_version=msg.weight_version, group_id=msg.group_id,
                     rendezvous=(msg.rendezvous_host, msg.rendezvous_port), backend=BACKENDS[msg.backend],
                     manifest=manifest_from_proto(msg.manifest), timeout_s=timeout, source=members[0],
-                    members=tuple(members))
+                    members=tuple(members), sync_key=bytes(msg.sync_key))

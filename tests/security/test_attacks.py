@@ -177,3 +177,38 @@ async def test_plaintext_reaches_no_server(mesh):
                 await controller_pb2_grpc.ControllerServiceStub(ch).GetStatus(controller_pb2.GetStatusRequest(),
                                                                               timeout=5)
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE, name
+
+
+async def test_a_forged_manifest_is_not_swapped_in_even_from_the_controllers_own_channel(pki, mesh):
+    # the replica gets a plan whose manifest is not the one the sender signs (a forged or swapped plan):
+    # the sender's manifest tag does not match, the replica keeps serving its weights and says why
+    import asyncio
+    import os
+
+    from rollmesh.trainer.v1 import trainer_agent_pb2, trainer_agent_pb2_grpc
+
+    before, _ = await _replica(pki, mesh)
+    async with _as(pki, "controller", mesh["trainer"]) as tch, _as(pki, "controller", mesh["agent"]) as ach:
+        trainer = trainer_agent_pb2_grpc.TrainerAgentServiceStub(tch)
+        agent = replica_agent_pb2_grpc.ReplicaAgentServiceStub(ach)
+        prepared = await trainer.PrepareWeightSync(trainer_agent_pb2.PrepareWeightSyncRequest(weight_version=77),
+                                                   timeout=60)
+        genuine = weights_pb2.WeightSyncPlan(
+            sync_id="forged-1", weight_version=77, group_id="g-forged", rendezvous_host=prepared.rendezvous_host,
+            rendezvous_port=prepared.rendezvous_port, world_size=2, backend=weights_pb2.PROCESS_GROUP_BACKEND_GLOO,
+            manifest=prepared.manifest, source=prepared.source, sync_key=os.urandom(32),
+            members=[weights_pb2.WeightSyncMember(rank=0),
+                     weights_pb2.WeightSyncMember(rank=1, replica_id="s0", address=mesh["agent"])])
+        genuine.timeout.FromSeconds(60)
+        forged = weights_pb2.WeightSyncPlan()
+        forged.CopyFrom(genuine)
+        forged.manifest.bucket_digests[0] = "0" * 64
+        sent, received = await asyncio.gather(
+            trainer.SendWeights(trainer_agent_pb2.SendWeightsRequest(plan=genuine), timeout=90),
+            agent.ReceiveWeights(ra_pb.ReceiveWeightsRequest(replica_ids=["s0"], plan=forged), timeout=90))
+    result = received.results[0]
+    assert not result.checksum_ok and result.weight_version == before.weight_version
+    assert "not authentic" in result.error_message and "manifest tag" in result.error_message
+    after, _ = await _replica(pki, mesh)
+    assert after.weight_version == before.weight_version
+    assert (await _generate(pki, mesh, "after-forged")).weight_version == before.weight_version

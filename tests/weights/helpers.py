@@ -62,6 +62,10 @@ class SenderPlan:
     corrupt_bucket: int | None = None
     exit_after_group: bool = False
     wrong_tensor: bool = False
+    key: bytes = b""
+    """The plan's sync key: keys the rendezvous and authenticates the broadcast (empty: neither)."""
+    rounds: int = 1
+    """Transfers to send on the one group."""
     config_overrides: dict = dataclasses.field(default_factory=dict)
 
 
@@ -79,17 +83,19 @@ def run_sender(plan: SenderPlan, to_test: mp.Queue, from_test: mp.Queue) -> None
                 def hook(index: int, packed: torch.Tensor) -> None:
                     if index == plan.corrupt_bucket:
                         packed[17] ^= 0x10
-            group = cache.get(plan.group_id, plan.members, (HOST, port))
+            group = cache.get(plan.group_id, plan.members, (HOST, port), "gloo", plan.key)
             if plan.exit_after_group:
                 os._exit(3)  # a peer that dies without a word
             sent = tensors
             if plan.wrong_tensor:
                 sent = [(n, torch.zeros(1) if n == "layers.0.mask" else t) for n, t in tensors]
-            try:
-                result = send_weights(group, manifest, sent, topology=plan.topology, bucket_hook=hook)
-                to_test.put(("sent", result.bytes, result.buckets))
-            except Exception as err:  # reported to the test
-                to_test.put(("send_error", type(err).__name__, str(err)))
+            for _ in range(plan.rounds):
+                try:
+                    result = send_weights(group, manifest, sent, topology=plan.topology, bucket_hook=hook,
+                                          key=plan.key)
+                    to_test.put(("sent", result.bytes, result.buckets))
+                except Exception as err:  # reported to the test
+                    to_test.put(("send_error", type(err).__name__, str(err)))
             from_test.get(timeout=60)  # keep the group alive until the test is done with it
     except Exception:
         to_test.put(("crash", traceback.format_exc()))
@@ -126,21 +132,26 @@ class SpawnedSender:
             self.process.join(timeout=10)
 
 
-def receive_in_threads(members: list[str], port: int, manifest: Manifest, *, group_id: str = "g",
-                       topology: str = "auto", **config_overrides) -> dict[str, object]:
+def receive_in_threads(members: list[str], port: int, manifest: Manifest | list[Manifest], *, group_id: str = "g",
+                       topology: str = "auto", key: bytes = b"", rounds: int = 1,
+                       **config_overrides) -> dict[str, object]:
     """Run every non-sender member's ``receive_weights`` in its own thread (own GroupCache).
 
-    Returns {member: dict of tensors, or the exception it raised}.
+    ``key`` is the plan's sync key. With ``rounds`` > 1 each member receives that many transfers on the
+    same group (``manifest`` may then be a list, one per round) and the results are lists. Returns {member: dict of tensors, or the exception it raised}.
     """
     results: dict[str, object] = {}
 
     def receive(member: str) -> None:
         with GroupCache(member, config(**config_overrides)) as cache:
-            try:
-                group = cache.get(group_id, members, (HOST, port))
-                results[member] = receive_weights(group, manifest, topology=topology)
-            except Exception as err:
-                results[member] = err
+            got: list[object] = []
+            for round_manifest in (manifest if isinstance(manifest, list) else [manifest] * rounds):
+                try:
+                    group = cache.get(group_id, members, (HOST, port), "gloo", key)
+                    got.append(receive_weights(group, round_manifest, topology=topology, key=key))
+                except Exception as err:
+                    got.append(err)
+            results[member] = got[0] if rounds == 1 else got
 
     threads = [threading.Thread(target=receive, args=(m,), daemon=True) for m in members[1:]]
     for thread in threads:

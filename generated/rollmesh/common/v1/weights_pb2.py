@@ -25,21 +25,21 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n rollmesh/common/v1/weights.proto\x12\x12rollmesh.common.v1\x1a\x1egoogle/protobuf/duration.proto\"\xaa\x01\n\nTensorSpec\x12\x12\n\x04name\x18\x01 \x01(\tR\x04name\x12\x14\n\x05\x64type\x18\x02 \x01(\tR\x05\x64type\x12\x14\n\x05shape\x18\x03 \x03(\x03R\x05shape\x12!\n\x0c\x62ucket_index\x18\x04 \x01(\rR\x0b\x62ucketIndex\x12!\n\x0coffset_bytes\x18\x05 \x01(\x04R\x0boffsetBytes\x12\x16\n\x06nbytes\x18\x06 \x01(\x04R\x06nbytes\"\xe2\x01\n\x0eWeightManifest\x12\x38\n\x07tensors\x18\x01 \x03(\x0b\x32\x1e.rollmesh.common.v1.TensorSpecR\x07tensors\x12*\n\x11\x62ucket_size_bytes\x18\x02 \x01(\x04R\x0f\x62ucketSizeBytes\x12\x1f\n\x0btotal_bytes\x18\x03 \x01(\x04R\ntotalBytes\x12\x1a\n\x08\x63hecksum\x18\x04 \x01(\tR\x08\x63hecksum\x12-\n\x12\x63hecksum_algorithm\x18\x05 \x01(\tR\x11\x63hecksumAlgorithm\"_\n\x10WeightSyncMember\x12\x12\n\x04rank\x18\x01 \x01(\rR\x04rank\x12\x1d\n\nreplica_id\x18\x02 \x01(\tR\treplicaId\x12\x18\n\x07\x61\x64\x64ress\x18\x03 \x01(\tR\x07\x61\x64\x64ress\"\xec\x03\n\x0eWeightSyncPlan\x12\x17\n\x07sync_id\x18\x01 \x01(\tR\x06syncId\x12%\n\x0eweight_version\x18\x02 \x01(\x03R\rweightVersion\x12\x19\n\x08group_id\x18\x03 \x01(\tR\x07groupId\x12\'\n\x0frendezvous_host\x18\x04 \x01(\tR\x0erendezvousHost\x12\'\n\x0frendezvous_port\x18\x05 \x01(\rR\x0erendezvousPort\x12\x1d\n\nworld_size\x18\x06 \x01(\rR\tworldSize\x12\x41\n\x07\x62\x61\x63kend\x18\x07 \x01(\x0e\x32\'.rollmesh.common.v1.ProcessGroupBackendR\x07\x62\x61\x63kend\x12>\n\x08manifest\x18\x08 \x01(\x0b\x32\".rollmesh.common.v1.WeightManifestR\x08manifest\x12\x33\n\x07timeout\x18\t \x01(\x0b\x32\x19.google.protobuf.DurationR\x07timeout\x12\x16\n\x06source\x18\n \x01(\tR\x06source\x12>\n\x07members\x18\x0b \x03(\x0b\x32$.rollmesh.common.v1.WeightSyncMemberR\x07members*|\n\x13ProcessGroupBackend\x12%\n!PROCESS_GROUP_BACKEND_UNSPECIFIED\x10\x00\x12\x1e\n\x1aPROCESS_GROUP_BACKEND_GLOO\x10\x01\x12\x1e\n\x1aPROCESS_GROUP_BACKEND_NCCL\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n rollmesh/common/v1/weights.proto\x12\x12rollmesh.common.v1\x1a\x1egoogle/protobuf/duration.proto\"\xaa\x01\n\nTensorSpec\x12\x12\n\x04name\x18\x01 \x01(\tR\x04name\x12\x14\n\x05\x64type\x18\x02 \x01(\tR\x05\x64type\x12\x14\n\x05shape\x18\x03 \x03(\x03R\x05shape\x12!\n\x0c\x62ucket_index\x18\x04 \x01(\rR\x0b\x62ucketIndex\x12!\n\x0coffset_bytes\x18\x05 \x01(\x04R\x0boffsetBytes\x12\x16\n\x06nbytes\x18\x06 \x01(\x04R\x06nbytes\"\x89\x02\n\x0eWeightManifest\x12\x38\n\x07tensors\x18\x01 \x03(\x0b\x32\x1e.rollmesh.common.v1.TensorSpecR\x07tensors\x12*\n\x11\x62ucket_size_bytes\x18\x02 \x01(\x04R\x0f\x62ucketSizeBytes\x12\x1f\n\x0btotal_bytes\x18\x03 \x01(\x04R\ntotalBytes\x12\x1a\n\x08\x63hecksum\x18\x04 \x01(\tR\x08\x63hecksum\x12-\n\x12\x63hecksum_algorithm\x18\x05 \x01(\tR\x11\x63hecksumAlgorithm\x12%\n\x0e\x62ucket_digests\x18\x06 \x03(\tR\rbucketDigests\"_\n\x10WeightSyncMember\x12\x12\n\x04rank\x18\x01 \x01(\rR\x04rank\x12\x1d\n\nreplica_id\x18\x02 \x01(\tR\treplicaId\x12\x18\n\x07\x61\x64\x64ress\x18\x03 \x01(\tR\x07\x61\x64\x64ress\"\x87\x04\n\x0eWeightSyncPlan\x12\x17\n\x07sync_id\x18\x01 \x01(\tR\x06syncId\x12%\n\x0eweight_version\x18\x02 \x01(\x03R\rweightVersion\x12\x19\n\x08group_id\x18\x03 \x01(\tR\x07groupId\x12\'\n\x0frendezvous_host\x18\x04 \x01(\tR\x0erendezvousHost\x12\'\n\x0frendezvous_port\x18\x05 \x01(\rR\x0erendezvousPort\x12\x1d\n\nworld_size\x18\x06 \x01(\rR\tworldSize\x12\x41\n\x07\x62\x61\x63kend\x18\x07 \x01(\x0e\x32\'.rollmesh.common.v1.ProcessGroupBackendR\x07\x62\x61\x63kend\x12>\n\x08manifest\x18\x08 \x01(\x0b\x32\".rollmesh.common.v1.WeightManifestR\x08manifest\x12\x33\n\x07timeout\x18\t \x01(\x0b\x32\x19.google.protobuf.DurationR\x07timeout\x12\x16\n\x06source\x18\n \x01(\tR\x06source\x12>\n\x07members\x18\x0b \x03(\x0b\x32$.rollmesh.common.v1.WeightSyncMemberR\x07members\x12\x19\n\x08sync_key\x18\x0c \x01(\x0cR\x07syncKey*|\n\x13ProcessGroupBackend\x12%\n!PROCESS_GROUP_BACKEND_UNSPECIFIED\x10\x00\x12\x1e\n\x1aPROCESS_GROUP_BACKEND_GLOO\x10\x01\x12\x1e\n\x1aPROCESS_GROUP_BACKEND_NCCL\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rollmesh.common.v1.weights_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PROCESSGROUPBACKEND']._serialized_start=1082
-  _globals['_PROCESSGROUPBACKEND']._serialized_end=1206
+  _globals['_PROCESSGROUPBACKEND']._serialized_start=1148
+  _globals['_PROCESSGROUPBACKEND']._serialized_end=1272
   _globals['_TENSORSPEC']._serialized_start=89
   _globals['_TENSORSPEC']._serialized_end=259
   _globals['_WEIGHTMANIFEST']._serialized_start=262
-  _globals['_WEIGHTMANIFEST']._serialized_end=488
-  _globals['_WEIGHTSYNCMEMBER']._serialized_start=490
-  _globals['_WEIGHTSYNCMEMBER']._serialized_end=585
-  _globals['_WEIGHTSYNCPLAN']._serialized_start=588
-  _globals['_WEIGHTSYNCPLAN']._serialized_end=1080
+  _globals['_WEIGHTMANIFEST']._serialized_end=527
+  _globals['_WEIGHTSYNCMEMBER']._serialized_start=529
+  _globals['_WEIGHTSYNCMEMBER']._serialized_end=624
+  _globals['_WEIGHTSYNCPLAN']._serialized_start=627
+  _globals['_WEIGHTSYNCPLAN']._serialized_end=1146
 # @@protoc_insertion_point(module_scope)

@@ -36,18 +36,20 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., bucket_index: _Optional[int] = ..., offset_bytes: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class WeightManifest(_message.Message):
-    __slots__ = ("tensors", "bucket_size_bytes", "total_bytes", "checksum", "checksum_algorithm")
+    __slots__ = ("tensors", "bucket_size_bytes", "total_bytes", "checksum", "checksum_algorithm", "bucket_digests")
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     BUCKET_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     bucket_size_bytes: int
     total_bytes: int
     checksum: str
     checksum_algorithm: str
-    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., bucket_size_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., checksum: _Optional[str] = ..., checksum_algorithm: _Optional[str] = ...) -> None: ...
+    bucket_digests: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., bucket_size_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., checksum: _Optional[str] = ..., checksum_algorithm: _Optional[str] = ..., bucket_digests: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WeightSyncMember(_message.Message):
     __slots__ = ("rank", "replica_id", "address")
@@ -60,7 +62,7 @@ class WeightSyncMember(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., replica_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class WeightSyncPlan(_message.Message):
-    __slots__ = ("sync_id", "weight_version", "group_id", "rendezvous_host", "rendezvous_port", "world_size", "backend", "manifest", "timeout", "source", "members")
+    __slots__ = ("sync_id", "weight_version", "group_id", "rendezvous_host", "rendezvous_port", "world_size", "backend", "manifest", "timeout", "source", "members", "sync_key")
     SYNC_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +74,7 @@ class WeightSyncPlan(_message.Message):
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    SYNC_KEY_FIELD_NUMBER: _ClassVar[int]
     sync_id: str
     weight_version: int
     group_id: str
@@ -83,4 +86,5 @@ class WeightSyncPlan(_message.Message):
     timeout: _duration_pb2.Duration
     source: str
     members: _containers.RepeatedCompositeFieldContainer[WeightSyncMember]
-    def __init__(self, sync_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., group_id: _Optional[str] = ..., rendezvous_host: _Optional[str] = ..., rendezvous_port: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[_Union[ProcessGroupBackend, str]] = ..., manifest: _Optional[_Union[WeightManifest, _Mapping]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., source: _Optional[str] = ..., members: _Optional[_Iterable[_Union[WeightSyncMember, _Mapping]]] = ...) -> None: ...
+    sync_key: bytes
+    def __init__(self, sync_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., group_id: _Optional[str] = ..., rendezvous_host: _Optional[str] = ..., rendezvous_port: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[_Union[ProcessGroupBackend, str]] = ..., manifest: _Optional[_Union[WeightManifest, _Mapping]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., source: _Optional[str] = ..., members: _Optional[_Iterable[_Union[WeightSyncMember, _Mapping]]] = ..., sync_key: _Optional[bytes] = ...) -> None: ...

@@ -228,18 +228,20 @@ class ReceiveWeightsRequest(_message.Message):
     def __init__(self, replica_ids: _Optional[_Iterable[str]] = ..., plan: _Optional[_Union[_weights_pb2.WeightSyncPlan, _Mapping]] = ..., abort_in_flight: _Optional[bool] = ...) -> None: ...
 
 class ReplicaWeightsResult(_message.Message):
-    __slots__ = ("replica_id", "weight_version", "checksum_ok", "bytes_received", "duration")
+    __slots__ = ("replica_id", "weight_version", "checksum_ok", "bytes_received", "duration", "error_message")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_OK_FIELD_NUMBER: _ClassVar[int]
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     DURATION_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     weight_version: int
     checksum_ok: bool
     bytes_received: int
     duration: _duration_pb2.Duration
-    def __init__(self, replica_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., checksum_ok: _Optional[bool] = ..., bytes_received: _Optional[int] = ..., duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    error_message: str
+    def __init__(self, replica_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., checksum_ok: _Optional[bool] = ..., bytes_received: _Optional[int] = ..., duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., error_message: _Optional[str] = ...) -> None: ...
 
 class ReceiveWeightsResponse(_message.Message):
     __slots__ = ("results",)
