@@ -5,8 +5,11 @@
    the same requests directly over the replicas (target >= 0.95x).
 2. Capacity: instant engines, short requests; the balancer's requests/s and its
    added p50/p99 latency over calling the replicas directly.
+3. Mutual TLS: run 1 through the balancer again with every hop (client -> balancer ->
+   replica agents) on mutual TLS, against plaintext (target >= 0.95x), and the p50
+   latency mutual TLS adds to one short request at concurrency 1.
 
-    .venv/bin/python -m benchmarks.bench_loadbalancer [--requests 768] [--concurrency 256]
+    .venv/bin/python -m benchmarks.bench_loadbalancer [--requests 768] [--concurrency 256] [--only-tls]
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ from pathlib import Path
 import grpc
 
 from launcher.processes import start_server
+from mesh_runtime import certs
+from mesh_runtime.channels import open_channel
+from mesh_runtime.config import TlsConfig
 from rollmesh.common.v1 import generation_pb2
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2, loadbalancer_pb2_grpc, routing_pb2
 from rollmesh.replica.v1 import replica_agent_pb2, replica_agent_pb2_grpc
@@ -36,15 +42,32 @@ replicas: [{{replica_id: {node}-0}}, {{replica_id: {node}-1}}]
 """
 
 
-async def start_cluster(tmp: Path, rate: str):
+def _tls_yaml(pki: Path | None, role: str, name: str) -> str:
+    if pki is None:
+        return ""
+    if not (pki / f"{role}-{name}.pem").exists():
+        certs.create_cert(pki, role, name)
+    return f"tls: {{cert: {pki}/{role}-{name}.pem, key: {pki}/{role}-{name}.key, ca: {pki}/ca.pem}}\n"
+
+
+def _client_tls(pki: Path | None, role: str = "client") -> TlsConfig | None:
+    if pki is None:
+        return None
+    _tls_yaml(pki, role, "bench")
+    return TlsConfig(cert=str(pki / f"{role}-bench.pem"), key=str(pki / f"{role}-bench.key"), ca=str(pki / "ca.pem"))
+
+
+async def start_cluster(tmp: Path, rate: str, pki: Path | None = None):
     agents = {}
     for node in ("n0", "n1"):
-        (tmp / f"{node}.yaml").write_text(AGENT.format(node=node, rate=rate))
+        (tmp / f"{node}.yaml").write_text(AGENT.format(node=node, rate=rate) + _tls_yaml(pki, "replica-agent", node))
         agents[node] = await start_server("replica-agent", ["--config", str(tmp / f"{node}.yaml"),
                                                             "--listen", "127.0.0.1:0"], log_path=tmp / f"{node}.log")
-    lb = await start_server("lb", ["--listen", "127.0.0.1:0"], log_path=tmp / "lb.log")
+    (tmp / "lb.yaml").write_text(_tls_yaml(pki, "lb", "lb") or "{}\n")
+    lb = await start_server("lb", ["--config", str(tmp / "lb.yaml"), "--listen", "127.0.0.1:0"],
+                            log_path=tmp / "lb.log")
     replicas = [(f"{n}-{i}", a.address) for n, a in agents.items() for i in range(2)]
-    async with grpc.aio.insecure_channel(lb.address) as ch:
+    async with open_channel(lb.address, tls=_client_tls(pki, "controller")) as ch:
         await loadbalancer_pb2_grpc.LoadBalancerServiceStub(ch).AddReplicas(loadbalancer_pb2.AddReplicasRequest(
             replicas=[routing_pb2.ReplicaEndpoint(replica_id=r, address=a) for r, a in replicas]))
     return [lb, *agents.values()], lb.address, replicas
@@ -72,8 +95,8 @@ def budgets(n: int, low: int, high: int) -> list[int]:
     return [rng.randint(low, high) for _ in range(n)]
 
 
-async def via_lb(address: str, sizes: list[int], concurrency: int, tag: str):
-    async with grpc.aio.insecure_channel(address) as ch:
+async def via_lb(address: str, sizes: list[int], concurrency: int, tag: str, tls: TlsConfig | None = None):
+    async with open_channel(address, tls=tls) as ch:
         stub = loadbalancer_pb2_grpc.LoadBalancerServiceStub(ch)
 
         def call(i: int, size: int):
@@ -119,38 +142,68 @@ async def main() -> None:
     parser.add_argument("--concurrency", type=int, default=256)
     parser.add_argument("--rate", type=float, default=200.0, help="tokens/s per request of the synthetic engines")
     parser.add_argument("--capacity-requests", type=int, default=2000)
+    parser.add_argument("--only-tls", action="store_true", help="run only the mutual-TLS comparison")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmpdir:
         tmp = Path(tmpdir)
-        procs, lb, replicas = await start_cluster(tmp, str(args.rate))
+        if not args.only_tls:
+            await plain_runs(tmp, args)
+        await tls_runs(tmp, args)
+
+
+async def tls_runs(tmp: Path, args) -> None:
+    pki = tmp / "pki"
+    certs.create_ca(pki)
+    sizes = budgets(args.requests, 128, 512)
+    walls, seq = {}, {}
+    for mode, where in (("plaintext", None), ("mutual TLS", pki)):
+        procs, lb, _ = await start_cluster(tmp, str(args.rate), where)
         try:
-            sizes = budgets(args.requests, 128, 512)
-            d_wall, _ = await direct(replicas, sizes, args.concurrency, "d")
-            l_wall, _ = await via_lb(lb, sizes, args.concurrency, "l")
-            print(f"throughput ({args.requests} requests of 128-512 tokens, {args.concurrency} concurrent, "
-                  f"{args.rate:.0f} tok/s per request, 4 replicas)")
-            print(f"  direct:        {args.requests / d_wall:8.1f} req/s  ({d_wall:.1f} s)")
-            print(f"  via balancer:  {args.requests / l_wall:8.1f} req/s  ({l_wall:.1f} s)")
-            print(f"  ratio:         {d_wall / l_wall:8.3f}x   (target >= 0.95)")
+            tls = _client_tls(where)
+            await via_lb(lb, [16] * 100, 32, f"warm-{mode}", tls)
+            walls[mode], _ = await via_lb(lb, sizes, args.concurrency, f"t-{mode}", tls)
+            seq[mode] = (await via_lb(lb, [16] * 300, 1, f"s-{mode}", tls))[1]
         finally:
             await asyncio.gather(*(p.terminate() for p in procs))
-        procs, lb, replicas = await start_cluster(tmp, ".inf")
-        try:
-            sizes = [16] * args.capacity_requests
-            await via_lb(lb, sizes[:200], 32, "warm")
-            d_wall, d_lat = await direct(replicas, sizes, 64, "cd")
-            l_wall, l_lat = await via_lb(lb, sizes, 64, "cl")
-            print(f"capacity ({args.capacity_requests} requests of 16 tokens, instant engines, 64 concurrent)")
-            print(f"  direct:        {args.capacity_requests / d_wall:8.1f} req/s  p50 {pct(d_lat, 50) * 1e3:6.1f} ms"
-                  f"  p99 {pct(d_lat, 99) * 1e3:6.1f} ms")
-            print(f"  via balancer:  {args.capacity_requests / l_wall:8.1f} req/s  p50 {pct(l_lat, 50) * 1e3:6.1f} ms"
-                  f"  p99 {pct(l_lat, 99) * 1e3:6.1f} ms")
-            seq_d = [await_time for await_time in (await direct(replicas, [16] * 200, 1, "sd"))[1]]
-            seq_l = [await_time for await_time in (await via_lb(lb, [16] * 200, 1, "sl"))[1]]
-            print(f"  added latency at concurrency 1: p50 {(pct(seq_l, 50) - pct(seq_d, 50)) * 1e3:5.2f} ms, "
-                  f"p99 {(pct(seq_l, 99) - pct(seq_d, 99)) * 1e3:5.2f} ms")
-        finally:
-            await asyncio.gather(*(p.terminate() for p in procs))
+    print(f"mutual TLS on every hop ({args.requests} requests of 128-512 tokens, {args.concurrency} concurrent, "
+          f"{args.rate:.0f} tok/s per request)")
+    for mode, wall in walls.items():
+        print(f"  {mode:<12}   {args.requests / wall:8.1f} req/s  ({wall:.1f} s)   "
+              f"one 16-token request: p50 {pct(seq[mode], 50) * 1e3:6.2f} ms")
+    print(f"  ratio:         {walls['plaintext'] / walls['mutual TLS']:8.3f}x   (target >= 0.95)")
+    print(f"  added p50 at concurrency 1: {(pct(seq['mutual TLS'], 50) - pct(seq['plaintext'], 50)) * 1e3:5.2f} ms")
+
+
+async def plain_runs(tmp: Path, args) -> None:
+    procs, lb, replicas = await start_cluster(tmp, str(args.rate))
+    try:
+        sizes = budgets(args.requests, 128, 512)
+        d_wall, _ = await direct(replicas, sizes, args.concurrency, "d")
+        l_wall, _ = await via_lb(lb, sizes, args.concurrency, "l")
+        print(f"throughput ({args.requests} requests of 128-512 tokens, {args.concurrency} concurrent, "
+              f"{args.rate:.0f} tok/s per request, 4 replicas)")
+        print(f"  direct:        {args.requests / d_wall:8.1f} req/s  ({d_wall:.1f} s)")
+        print(f"  via balancer:  {args.requests / l_wall:8.1f} req/s  ({l_wall:.1f} s)")
+        print(f"  ratio:         {d_wall / l_wall:8.3f}x   (target >= 0.95)")
+    finally:
+        await asyncio.gather(*(p.terminate() for p in procs))
+    procs, lb, replicas = await start_cluster(tmp, ".inf")
+    try:
+        sizes = [16] * args.capacity_requests
+        await via_lb(lb, sizes[:200], 32, "warm")
+        d_wall, d_lat = await direct(replicas, sizes, 64, "cd")
+        l_wall, l_lat = await via_lb(lb, sizes, 64, "cl")
+        print(f"capacity ({args.capacity_requests} requests of 16 tokens, instant engines, 64 concurrent)")
+        print(f"  direct:        {args.capacity_requests / d_wall:8.1f} req/s  p50 {pct(d_lat, 50) * 1e3:6.1f} ms"
+              f"  p99 {pct(d_lat, 99) * 1e3:6.1f} ms")
+        print(f"  via balancer:  {args.capacity_requests / l_wall:8.1f} req/s  p50 {pct(l_lat, 50) * 1e3:6.1f} ms"
+              f"  p99 {pct(l_lat, 99) * 1e3:6.1f} ms")
+        seq_d = [await_time for await_time in (await direct(replicas, [16] * 200, 1, "sd"))[1]]
+        seq_l = [await_time for await_time in (await via_lb(lb, [16] * 200, 1, "sl"))[1]]
+        print(f"  added latency at concurrency 1: p50 {(pct(seq_l, 50) - pct(seq_d, 50)) * 1e3:5.2f} ms, "
+              f"p99 {(pct(seq_l, 99) - pct(seq_d, 99)) * 1e3:5.2f} ms")
+    finally:
+        await asyncio.gather(*(p.terminate() for p in procs))
 
 
 if __name__ == "__main__":

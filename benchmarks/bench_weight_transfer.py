@@ -15,6 +15,10 @@ loopback, forms one gloo group, and then, in every iteration and in turn, times
   as a replica that copies received weights into its model does;
 - ``ours/<topology>/fresh`` (with ``--fresh``): the same into a newly
   allocated buffer, which adds the page faults of fresh memory;
+- ``ours/<topology>/signed`` (with ``--signed``): an authenticated broadcast
+  (a plan's sync key: the sender's manifest tag first, every bucket checked
+  against its SHA-256 digest instead of the checksum), the secure mesh's
+  default; compare it with ``ours/<topology>`` (target >= 0.95x);
 - with ``--diagnose``, where the time goes: ``ours/<topology>/no-verify``
   skips the receivers' checksum, ``ours/<topology>/no-pack`` sends the same
   bytes as one tensor, so every bucket goes out as a view without packing.
@@ -31,6 +35,7 @@ per member.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import multiprocessing as mp
 import socket
 import statistics
@@ -103,6 +108,9 @@ def worker(rank: int, size: int, port: int, args: argparse.Namespace, results: m
         modes = ["raw"] + [f"ours/{t}" for t in args.topology]
         if args.fresh:
             modes += [f"ours/{t}/fresh" for t in args.topology]
+        if args.signed:
+            modes += [f"ours/{t}/signed" for t in args.topology]
+        key = hashlib.sha256(b"rollmesh benchmark sync key").digest()   # every member holds the plan's key
         if args.diagnose:
             modes += [f"ours/{t}/{v}" for t in args.topology for v in ("no-verify", "no-pack")]
         timings: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
@@ -116,13 +124,14 @@ def worker(rank: int, size: int, port: int, args: argparse.Namespace, results: m
                     topology = mode.split("/")[1]
                     sent, described = (one_tensor, one_manifest) if mode.endswith("/no-pack") else (
                         tensors if rank == 0 else None, manifest)
+                    signed = key if mode.endswith("/signed") else b""
                     if rank == 0:
-                        send_weights(group, described, sent, topology=topology, ring_size=args.ring)
+                        send_weights(group, described, sent, topology=topology, ring_size=args.ring, key=signed)
                     else:
                         received = receive_weights(group, described, topology=topology,
                                                    out=None if mode.endswith("/fresh") else staging,
                                                    verify=not mode.endswith("/no-verify"),
-                                                   window=args.window)
+                                                   window=args.window, key=signed)
                         del received
                 pg.barrier().wait()
                 timings[mode].append((time.perf_counter() - wall, time.process_time() - cpu))
@@ -168,6 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--checksum", default="wsum64", help="wsum64, crc32 or sha256")
     parser.add_argument("--fresh", action="store_true", help="also time receiving into fresh buffers")
     parser.add_argument("--diagnose", action="store_true", help="also time without checksum / packing")
+    parser.add_argument("--signed", action="store_true", help="also time authenticated broadcasts (sync key)")
     args = parser.parse_args(argv)
     args.topology = args.topology.split(",")
     counts = [int(n) for n in args.receivers.split(",")]

@@ -3,7 +3,9 @@
 // Usage: node status_client.js SERVICE=HOST:PORT [SERVICE=HOST:PORT ...]
 // SERVICE is a full service name such as rollmesh.loadbalancer.v1.LoadBalancerService.
 // Prints one JSON line per server: {"service", "address", "status"} or {"service", "error"}.
+// With ROLLMESH_TLS_CA, ROLLMESH_TLS_CERT and ROLLMESH_TLS_KEY (PEM paths) it speaks mutual TLS.
 "use strict";
+const fs = require("fs");
 const path = require("path");
 const grpc = require("@grpc/grpc-js");
 const protoLoader = require("@grpc/proto-loader");
@@ -24,11 +26,17 @@ function lookup(fullName) {
   return fullName.split(".").reduce((node, part) => node && node[part], api);
 }
 
+function credentials() {
+  const { ROLLMESH_TLS_CA: ca, ROLLMESH_TLS_CERT: cert, ROLLMESH_TLS_KEY: key } = process.env;
+  if (!ca && !cert && !key) return grpc.credentials.createInsecure();
+  return grpc.credentials.createSsl(fs.readFileSync(ca), fs.readFileSync(key), fs.readFileSync(cert));
+}
+
 function callStatus(service, address) {
   return new Promise((resolve) => {
     const Client = lookup(service);
     if (!Client) return resolve({ service, address, error: `unknown service ${service}` });
-    const client = new Client(address, grpc.credentials.createInsecure());
+    const client = new Client(address, credentials());
     const deadline = new Date(Date.now() + 10000);
     client.GetStatus({}, { deadline }, (err, response) => {
       client.close();

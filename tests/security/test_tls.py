@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import json
 import os
 import shutil
 import socket
 import ssl
+import subprocess
 
 import grpc
 import pytest
@@ -171,5 +173,43 @@ async def test_the_health_listener_serves_plaintext_health_and_nothing_else(pki)
             assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             assert await _refused(channel) == grpc.StatusCode.UNAVAILABLE   # the main port stays TLS-only
+    finally:
+        await server.stop(0)
+
+
+async def test_the_node_client_and_buf_curl_speak_mutual_tls_with_reflection(pki, node, buf):
+    server, port = await _lb(pki)
+    client = pki.tls("operator-readonly")
+    try:
+        env = {**os.environ, "ROLLMESH_TLS_CA": client.ca, "ROLLMESH_TLS_CERT": client.cert,
+               "ROLLMESH_TLS_KEY": client.key}
+        result = await asyncio.to_thread(subprocess.run, [node, "tests/node/status_client.js",
+                                                          f"rollmesh.loadbalancer.v1.LoadBalancerService=127.0.0.1:{port}"],
+                                         capture_output=True, text=True, timeout=60, env=env)
+        assert result.returncode == 0, result.stdout + result.stderr
+        status = json.loads(result.stdout)["status"]
+        assert status["transportSecurity"] == "TRANSPORT_SECURITY_MUTUAL_TLS"
+        flags = ["--protocol", "grpc", "--cacert", client.ca, "--cert", client.cert, "--key", client.key]
+        listed = await asyncio.to_thread(subprocess.run, [str(buf), "curl", *flags, "--list-services",
+                                                          f"https://127.0.0.1:{port}"],
+                                         capture_output=True, text=True, timeout=60)
+        assert listed.returncode == 0, listed.stderr
+        assert "rollmesh.loadbalancer.v1.LoadBalancerService" in listed.stdout.split()
+        called = await asyncio.to_thread(subprocess.run, [str(buf), "curl", *flags, "-d", "{}",
+                                                          f"https://127.0.0.1:{port}/rollmesh.loadbalancer.v1."
+                                                          "LoadBalancerService/GetStatus"],
+                                         capture_output=True, text=True, timeout=60)
+        assert called.returncode == 0, called.stderr
+        assert json.loads(called.stdout)["status"]["identity"] == "spiffe://rollmesh/lb/n0"
+        denied = await asyncio.to_thread(subprocess.run, [str(buf), "curl", *flags, "-d", '{"replicaIds": ["x"]}',
+                                                          f"https://127.0.0.1:{port}/rollmesh.loadbalancer.v1."
+                                                          "LoadBalancerService/RemoveReplicas"],
+                                         capture_output=True, text=True, timeout=60)
+        assert denied.returncode != 0 and "permission_denied" in denied.stderr.lower()
+        plain = await asyncio.to_thread(subprocess.run, [str(buf), "curl", "--protocol", "grpc",
+                                                         "--http2-prior-knowledge", "--list-services",
+                                                         f"http://127.0.0.1:{port}"],
+                                        capture_output=True, text=True, timeout=60)
+        assert plain.returncode != 0   # plaintext is refused
     finally:
         await server.stop(0)
