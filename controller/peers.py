@@ -16,17 +16,16 @@ class Peers:
     def __init__(self, *, load_balancer_address: str, timeout_s: float, channels: Channels) -> None:
         self.timeout_s = timeout_s
         self.load_balancer_address = load_balancer_address
-        self.load_balancer = (loadbalancer_pb2_grpc.LoadBalancerServiceStub(channels.channel(load_balancer_address))
-                              if load_balancer_address else None)
+        self._channels = channels
 
     async def probe(self) -> list[controller_pb2.PeerStatus]:
         """Ask each configured peer for its status, each call bounded by ``timeout_s``."""
         peers = []
-        if self.load_balancer is not None:
+        if self.load_balancer_address:
             peer = controller_pb2.PeerStatus(role="lb", address=self.load_balancer_address)
+            stub = loadbalancer_pb2_grpc.LoadBalancerServiceStub(self._channels.channel(self.load_balancer_address))
             try:
-                reply = await self.load_balancer.GetStatus(loadbalancer_pb2.GetStatusRequest(),
-                                                           timeout=self.timeout_s)
+                reply = await stub.GetStatus(loadbalancer_pb2.GetStatusRequest(), timeout=self.timeout_s)
             except grpc.aio.AioRpcError as err:
                 peer.reachable = False
                 peer.error = f"{err.code().name}: {err.details()}"

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import grpc
 from opentelemetry.sdk.trace import TracerProvider
 
-from mesh_runtime.channels import open_channel
+from mesh_runtime.channels import ChannelPool
 from mesh_runtime.config import TlsConfig
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2, loadbalancer_pb2_grpc, routing_pb2
 from rollmesh.replica.v1 import replica_agent_pb2, replica_agent_pb2_grpc
@@ -28,25 +28,19 @@ from .core.replicas import ReplicaRecord, ReplicaRegistry
 
 
 class Channels:
-    """One channel (and stub) per peer address; closed at shutdown."""
+    """One channel (and stub) per peer address, renewed after a certificate rotation; closed at shutdown."""
 
     def __init__(self, tracer_provider: TracerProvider | None, *, tls: TlsConfig | None = None) -> None:
-        self._tracer_provider = tracer_provider
-        self._tls = tls
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._pool = ChannelPool(tls=tls, tracer_provider=tracer_provider)
 
     def channel(self, address: str) -> grpc.aio.Channel:
-        if address not in self._channels:
-            self._channels[address] = open_channel(address, tls=self._tls, tracer_provider=self._tracer_provider)
-        return self._channels[address]
+        return self._pool.get(address)
 
     def agent(self, address: str) -> replica_agent_pb2_grpc.ReplicaAgentServiceStub:
         return replica_agent_pb2_grpc.ReplicaAgentServiceStub(self.channel(address))
 
     async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close()
-        self._channels.clear()
+        await self._pool.close()
 
 
 def _why(err: BaseException) -> str:

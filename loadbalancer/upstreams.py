@@ -7,7 +7,7 @@ import logging
 import grpc
 from opentelemetry.sdk.trace import TracerProvider
 
-from mesh_runtime.channels import open_channel
+from mesh_runtime.channels import ChannelPool
 from mesh_runtime.config import TlsConfig
 from rollmesh.replica.v1 import replica_agent_pb2, replica_agent_pb2_grpc
 
@@ -21,19 +21,16 @@ class Upstreams:
 
     def __init__(self, *, tracer_provider: TracerProvider | None, call_timeout_s: float,
                  tls: TlsConfig | None = None) -> None:
-        self._tracer_provider = tracer_provider
-        self._tls = tls
+        self._pool = ChannelPool(tls=tls, tracer_provider=tracer_provider)
         self._call_timeout_s = call_timeout_s
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self._stubs: dict[str, replica_agent_pb2_grpc.ReplicaAgentServiceStub] = {}
+        self._stubs: dict[str, tuple[grpc.aio.Channel, replica_agent_pb2_grpc.ReplicaAgentServiceStub]] = {}
 
     def stub(self, address: str) -> replica_agent_pb2_grpc.ReplicaAgentServiceStub:
-        stub = self._stubs.get(address)
-        if stub is None:
-            channel = open_channel(address, tls=self._tls, tracer_provider=self._tracer_provider)
-            self._channels[address] = channel
-            stub = self._stubs[address] = replica_agent_pb2_grpc.ReplicaAgentServiceStub(channel)
-        return stub
+        channel = self._pool.get(address)   # a new one after a certificate rotation
+        cached = self._stubs.get(address)
+        if cached is None or cached[0] is not channel:
+            cached = self._stubs[address] = (channel, replica_agent_pb2_grpc.ReplicaAgentServiceStub(channel))
+        return cached[1]
 
     def generate(self, route: Route, request: replica_agent_pb2.GenerateRequest, timeout_s: float | None):
         """Start a Generate stream on the route's agent (the call is sent now)."""
@@ -54,7 +51,5 @@ class Upstreams:
         return list(reply.aborted_request_ids)
 
     async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close()
-        self._channels.clear()
+        await self._pool.close()
         self._stubs.clear()

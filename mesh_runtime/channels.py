@@ -15,8 +15,10 @@ both present its certificate and verify the server's against its CA
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
+import time
 from collections.abc import Sequence
 
 import grpc
@@ -24,7 +26,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from . import tracing
 from .config import TlsConfig
-from .tls import channel_credentials
+from .tls import channel_credentials, tls_stamp
 
 _SERVICE_MODULES = ("rollmesh.controller.v1.controller_pb2", "rollmesh.loadbalancer.v1.loadbalancer_pb2",
                     "rollmesh.replica.v1.replica_agent_pb2", "rollmesh.trainer.v1.trainer_agent_pb2")
@@ -95,3 +97,62 @@ def open_sync_channel(address: str, *, tls: TlsConfig | None = None, idempotent:
     if tls is not None:
         return grpc.secure_channel(address, channel_credentials(tls), options=options)
     return grpc.insecure_channel(address, options=options)
+
+
+class ChannelPool:
+    """One channel per peer address, for a server's outgoing calls; closed with :meth:`close`.
+
+    With ``tls``, the certificate files are checked (at most once a second)
+    and a channel opened before they changed is replaced on its next use, so
+    a rotated certificate reaches every peer without a restart. The replaced
+    channel is closed once its calls had ``retire_grace_s`` to finish.
+    """
+
+    def __init__(self, *, tls: TlsConfig | None = None, tracer_provider: TracerProvider | None = None,
+                 idempotent: Sequence[tuple[str, str]] = (), retire_grace_s: float = 600.0) -> None:
+        self._tls = tls
+        self._tracer_provider = tracer_provider
+        self._idempotent = tuple(idempotent)
+        self._retire_grace_s = retire_grace_s
+        self._channels: dict[str, tuple[grpc.aio.Channel, tuple]] = {}
+        self._retiring: set[asyncio.Task] = set()
+        self._stamp: tuple = tls_stamp(tls)
+        self._checked = time.monotonic()
+
+    def get(self, address: str) -> grpc.aio.Channel:
+        self._refresh_stamp()
+        entry = self._channels.get(address)
+        if entry is not None and entry[1] == self._stamp:
+            return entry[0]
+        if entry is not None:
+            self._retire(entry[0])
+        channel = open_channel(address, tls=self._tls, tracer_provider=self._tracer_provider,
+                               idempotent=self._idempotent)
+        self._channels[address] = (channel, self._stamp)
+        return channel
+
+    def _refresh_stamp(self) -> None:
+        if self._tls is None or time.monotonic() - self._checked < 1.0:
+            return
+        self._checked = time.monotonic()
+        stamp = tls_stamp(self._tls)
+        if None not in stamp:   # a file missing mid-rotation: keep the channels until it is back
+            self._stamp = stamp
+
+    def _retire(self, channel: grpc.aio.Channel) -> None:
+        async def close_later() -> None:
+            await asyncio.sleep(self._retire_grace_s)
+            await channel.close()
+        try:
+            task = asyncio.get_running_loop().create_task(close_later())
+        except RuntimeError:   # no loop running (tests that build a pool outside one): nothing is in flight
+            return
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    async def close(self) -> None:
+        for task in list(self._retiring):
+            task.cancel()
+        for channel, _ in self._channels.values():
+            await channel.close()
+        self._channels.clear()

@@ -41,18 +41,28 @@ def read_identity(tls: TlsConfig):
     return identity
 
 
+def tls_stamp(tls: TlsConfig | None) -> tuple:
+    """What changes when any of the three files is replaced or rewritten (empty without TLS)."""
+    if tls is None:
+        return ()
+    stamp = []
+    for path in (tls.cert, tls.key, tls.ca):
+        try:
+            st = os.stat(path)
+            stamp.append((st.st_mtime_ns, st.st_size, st.st_ino))
+        except OSError:
+            stamp.append(None)
+    return tuple(stamp)
+
+
 class _Reloader:
     """Hands gRPC a new server certificate configuration when the files changed since the last one."""
 
     def __init__(self, tls: TlsConfig) -> None:
         self.tls = tls
         self._lock = threading.Lock()
-        self._stamp = self._stat()
+        self._stamp = tls_stamp(tls)
         self.reloads = 0
-
-    def _stat(self) -> tuple:
-        return tuple((os.stat(p).st_mtime_ns, os.stat(p).st_size, os.stat(p).st_ino)
-                     for p in (self.tls.cert, self.tls.key, self.tls.ca))
 
     def configuration(self) -> grpc.ServerCertificateConfiguration:
         cert, key, ca = _files(self.tls)
@@ -61,8 +71,8 @@ class _Reloader:
     def __call__(self) -> grpc.ServerCertificateConfiguration | None:
         with self._lock:
             try:
-                stamp = self._stat()
-                if stamp == self._stamp:
+                stamp = tls_stamp(self.tls)
+                if stamp == self._stamp or None in stamp:
                     return None
                 config = self.configuration()
             except (OSError, ValueError) as err:   # mid-rotation or unreadable: keep serving the old one

@@ -28,11 +28,15 @@ class LinkLost(Exception):
 class ControllerLink:
     """Keeps this node registered with the controller for as long as it runs."""
 
-    def __init__(self, *, channel: grpc.aio.Channel, registration: Callable[[], registry_pb2.RegisterNodeRequest],
+    def __init__(self, *, channel: grpc.aio.Channel | Callable[[], grpc.aio.Channel],
+                 registration: Callable[[], registry_pb2.RegisterNodeRequest],
                  reports: Callable[[], list[load_pb2.LoadReport]],
                  on_rejected: Callable[[list[str]], asyncio.Future | None] | None = None,
                  call_timeout_s: float = 10.0, max_backoff_s: float = 5.0) -> None:
-        self._stub = controller_pb2_grpc.ControllerServiceStub(channel)
+        # a callable gives the channel of each (re)registration: a new one after a certificate rotation
+        self._channel = channel if not isinstance(channel, grpc.aio.Channel) else (lambda: channel)
+        self._stub_channel = self._channel()
+        self._stub = controller_pb2_grpc.ControllerServiceStub(self._stub_channel)
         self._registration = registration
         self._reports = reports
         self._on_rejected = on_rejected
@@ -53,6 +57,9 @@ class ControllerLink:
                 await self._session()
 
     async def _session(self) -> None:
+        channel = self._channel()
+        if channel is not self._stub_channel:
+            self._stub_channel, self._stub = channel, controller_pb2_grpc.ControllerServiceStub(channel)
         request = self._registration()
         try:
             reply = await self._stub.RegisterNode(request, timeout=self._call_timeout_s)

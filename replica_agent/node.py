@@ -15,7 +15,7 @@ from collections import OrderedDict
 from opentelemetry.sdk.trace import TracerProvider
 
 from mesh_runtime import __version__
-from mesh_runtime.channels import open_channel
+from mesh_runtime.channels import ChannelPool
 from mesh_runtime.errors import AlreadyExists, InvalidArgument
 from mesh_runtime.prometheus import Metric, MetricsEndpoint
 from mesh_runtime.server import MeshServer
@@ -77,10 +77,10 @@ class Node:
         if self.config.controller_address:
             from .controller_link import ControllerLink  # noqa: PLC0415
 
-            channel = open_channel(self.config.controller_address, tls=self.config.tls,
-                                   tracer_provider=self.tracer_provider)
-            server.add_cleanup(channel.close)
-            self.link = ControllerLink(channel=channel, registration=self.registration,
+            pool = ChannelPool(tls=self.config.tls, tracer_provider=self.tracer_provider)
+            server.add_cleanup(pool.close)
+            address = self.config.controller_address
+            self.link = ControllerLink(channel=lambda: pool.get(address), registration=self.registration,
                                        reports=lambda: [self.load_report(r) for r in self.replicas.list()],
                                        on_rejected=self._stop_rejected)
             server.spawn(self.link.run(), name="controller-link")

@@ -28,7 +28,7 @@ Topologies (every member of a transfer must use the same one):
 Authenticated broadcasts (``key``, the plan's per-sync secret): before any
 bucket, the sender sends its manifest tag (:func:`~.manifest.manifest_tag`);
 each receiver compares it with the tag of its own manifest and checks every
-bucket against the manifest's SHA-256 bucket digest as it arrives. A failed
+bucket against the manifest's BLAKE3 bucket digest as it arrives. A failed
 check still receives (and forwards) the whole stream, so the group stays in
 step, and then raises :class:`NotAuthentic`: the caller swaps nothing in.
 
@@ -313,7 +313,7 @@ def receive_weights(group: TransferGroup, manifest: Manifest, *, topology: str |
     ``topology`` defaults to the group's. With ``verify`` the stream is
     hashed as it arrives and :class:`ChecksumMismatch` raised if it differs
     from ``manifest.checksum``. With ``key`` (an authenticated broadcast) the
-    sender's manifest tag and every bucket's SHA-256 digest are checked instead,
+    sender's manifest tag and every bucket's BLAKE3 digest are checked instead,
     whatever ``verify`` says, and :class:`NotAuthentic` raised on a failure
     (after the whole stream has passed, so the group stays usable). Other
     errors as for :func:`send_weights`.
@@ -370,7 +370,7 @@ def receive_weights(group: TransferGroup, manifest: Manifest, *, topology: str |
                 if hasher is not None:
                     hasher.update(flat[start:stop])
                 if key and not problem and bucket_digest(flat[start:stop]) != manifest.bucket_digests[index]:
-                    problem = f"bucket {index} of {count} does not match its SHA-256 digest in the manifest"
+                    problem = f"bucket {index} of {count} does not match its BLAKE3 digest in the manifest"
             while forwards:
                 _wait_all(link, *forwards.popleft())
         except BaseException:

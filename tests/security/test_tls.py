@@ -213,3 +213,37 @@ async def test_the_node_client_and_buf_curl_speak_mutual_tls_with_reflection(pki
         assert plain.returncode != 0   # plaintext is refused
     finally:
         await server.stop(0)
+
+
+async def test_a_channel_pool_picks_up_a_rotated_client_certificate(pki, tmp_path):
+    # the pool's owner rotates its certificate (here from the client role to the controller's): calls made
+    # after the rotation carry the new identity, without a restart
+    from mesh_runtime.channels import ChannelPool
+
+    files = tmp_path / "me"
+    files.mkdir()
+    for suffix in ("pem", "key"):
+        shutil.copy(pki.root / f"client-n0.{suffix}", files / f"me.{suffix}")
+    mine = TlsConfig(cert=str(files / "me.pem"), key=str(files / "me.key"), ca=str(pki.ca))
+    server, port = await _lb(pki)
+    pool = ChannelPool(tls=mine)
+    remove = pb.RemoveReplicasRequest(replica_ids=["nobody"])
+    try:
+        first = pool.get(f"127.0.0.1:{port}")
+        assert pool.get(f"127.0.0.1:{port}") is first   # one channel per address
+        stub = loadbalancer_pb2_grpc.LoadBalancerServiceStub(first)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.RemoveReplicas(remove, timeout=5)
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        cert, key = certs.create_cert(tmp_path / "new", "controller", "rotated", ca_dir=pki.root)
+        os.replace(key, files / "me.key")
+        os.replace(cert, files / "me.pem")
+        await asyncio.sleep(1.1)   # the pool looks at the files at most once a second
+        fresh = pool.get(f"127.0.0.1:{port}")
+        assert fresh is not first
+        reply = await loadbalancer_pb2_grpc.LoadBalancerServiceStub(fresh).RemoveReplicas(remove, timeout=5)
+        assert list(reply.removed_replica_ids) == []
+        await _status(first)   # the channel from before the rotation still works until it is retired
+    finally:
+        await pool.close()
+        await server.stop(0)

@@ -1,5 +1,5 @@
 """Authenticated broadcasts: the plan's sync key keys the rendezvous and the sender's manifest tag,
-and every bucket is checked against its SHA-256 digest before the weights may be used."""
+and every bucket is checked against its BLAKE3 digest before the weights may be used."""
 
 from __future__ import annotations
 
