@@ -57,6 +57,8 @@ class Mesh:
         self.events = EventLog(self.clock, max_events=config.event_retention, trace_ids=_trace_ids)
         self.hub = EventHub(self.events, config.watcher_queue_size)
         self.registry = self._restore_registry()
+        self._ejections_seen: dict[str, int] = {}
+        """Ejections per replica the balancer reported in the last reconcile round."""
         self.channels = Channels(tracer_provider, tls=config.tls)
         sched = config.async_training
         self.routing = LoadBalancerRouting(self.channels, config.load_balancer_address, sched.port_timeout_s)
@@ -202,9 +204,11 @@ class Mesh:
         if self.transitions.locked():
             return [], []
         async with self.transitions:
-            actual = await self.routing.routed_ids()
-            if actual is None:
+            routed = await self.routing.routed()
+            if routed is None:
                 return [], []
+            self._report_ejections(routed)
+            actual = set(routed)
             wanted = self.desired_routes()
             missing = sorted(wanted - actual)
             extra = sorted(r for r in actual - wanted
@@ -216,6 +220,17 @@ class Mesh:
         if missing or extra:
             log.warning("routing reconciled: re-added %s, removed %s", missing or "none", extra or "none")
         return missing, extra
+
+    def _report_ejections(self, routed) -> None:
+        """An event for each replica the balancer ejected since the last round (outlier detection)."""
+        seen = self._ejections_seen
+        for replica_id, route in routed.items():
+            if route.ejections > seen.get(replica_id, 0):
+                self.emit(EventType.REPLICA_EJECTED, replica_id=replica_id,
+                          node_id=route.endpoint.node_id, reason=f"balancer: {route.unroutable_reason}",
+                          attributes={"ejections": str(route.ejections),
+                                      "consecutive_failures": str(route.consecutive_failures)})
+        self._ejections_seen = {r: route.ejections for r, route in routed.items() if route.ejections}
 
     async def run_reconcile(self) -> None:
         """Reconcile the balancer's routing every ``reconcile_interval_s`` until cancelled."""

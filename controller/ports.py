@@ -64,10 +64,15 @@ class LoadBalancerRouting:
 
     async def routed_ids(self) -> set[str] | None:
         """The replica ids in the balancer's table now (None without a balancer)."""
+        routed = await self.routed()
+        return None if routed is None else set(routed)
+
+    async def routed(self) -> dict[str, routing_pb2.RoutedReplica] | None:
+        """The balancer's table now, by replica id (None without a balancer)."""
         if not self._stub:
             return None
         reply = await self._stub.ListReplicas(loadbalancer_pb2.ListReplicasRequest(), timeout=self.timeout_s)
-        return {r.endpoint.replica_id for r in reply.replicas}
+        return {r.endpoint.replica_id: r for r in reply.replicas}
 
     async def add_replicas(self, records: Sequence[ReplicaRecord]) -> None:
         if self._stub and records:

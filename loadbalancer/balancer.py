@@ -13,6 +13,7 @@ recently completed one is answered from its record.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -47,6 +48,7 @@ FINISHED = (generation_pb2.FINISH_REASON_STOP, generation_pb2.FINISH_REASON_LENG
 _RETRYABLE_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL,
                     grpc.StatusCode.UNKNOWN, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS,
                     grpc.StatusCode.CANCELLED, grpc.StatusCode.FAILED_PRECONDITION}
+log = logging.getLogger(__name__)
 _DONE = object()
 
 
@@ -235,8 +237,9 @@ class Balancer:
                 raise Unavailable(f"no eligible replica for request {run.request_id!r} within {limit:.1f} s "
                                   f"({self.table.explain_ineligible(min_version)})", reason="NO_ELIGIBLE_REPLICA")
             changed = self._table_changed
+            ejection_ends = self.table.next_ejection_end()   # an ejected replica comes back without a table change
             try:
-                await asyncio.wait_for(changed.wait(), timeout=budget)
+                await asyncio.wait_for(changed.wait(), timeout=min(budget, (ejection_ends or budget) + 0.01))
             except asyncio.TimeoutError:
                 pass
 
@@ -299,6 +302,7 @@ class Balancer:
                         self._attempt_failed(run, record, streamed, route, None, why=str(cut))
                 if final is None:
                     self._attempt_failed(run, record, streamed, route, None)
+                self.table.answered(route)
                 record.tokens = len(streamed)
                 record.weight_version = final.weight_version or record.weight_version
                 span.set_attribute("rollmesh.tokens", len(streamed))
@@ -451,6 +455,13 @@ class Balancer:
         record.outcome = routing_pb2.ATTEMPT_OUTCOME_UNAVAILABLE
         record.reason = (f"{err.code().name}: {err.details()}" if err is not None
                          else why or "stream ended early")
+        if self.table.unreachable(route, record.reason):
+            self.stats.outlier_ejections += 1
+            log.warning("replica %s ejected from picks for %.1f s: %s", route.replica_id,
+                        route.ejected_until - self.table.clock(), route.ejected_reason)
+            trace.get_current_span().add_event("outlier.ejected", {
+                "rollmesh.replica_id": route.replica_id, "rollmesh.reason": route.ejected_reason,
+                "rollmesh.ejections": route.ejections})
         run.failed_on = run.failed_on | {route.replica_id}   # never back to it while another one is eligible
         run.avoid = run.avoid | run.failed_on
         self._keep(run, streamed, route)

@@ -27,6 +27,27 @@ class StaticReplica:
             raise ConfigError("address", str(err)) from None
 
 
+@dataclasses.dataclass(frozen=True)
+class OutlierDetectionConfig:
+    """``outlier_detection``: take replicas that keep failing out of picks (Envoy's outlier detection)."""
+
+    consecutive_failures: int = setting(3, help="attempts in a row that cannot reach a replica (UNAVAILABLE, a "
+                                                "broken or stalled stream) before it is ejected from picks")
+    base_ejection_s: float = setting(5.0, help="first ejection's length; the n-th in a row lasts n times this")
+    max_ejection_s: float = setting(300.0, help="longest ejection")
+    max_ejection_percent: float = setting(50.0, help="at most this share of the replicas is ejected at once "
+                                                     "(at least one, never the last routable one)")
+
+    def validate(self) -> None:
+        if self.consecutive_failures < 1:
+            raise ConfigError("consecutive_failures", f"must be >= 1, got {self.consecutive_failures}")
+        if not 0 < self.base_ejection_s <= self.max_ejection_s:
+            raise ConfigError("base_ejection_s", f"must be > 0 and <= max_ejection_s ({self.max_ejection_s}), "
+                                                 f"got {self.base_ejection_s}")
+        if not 0 <= self.max_ejection_percent <= 100:
+            raise ConfigError("max_ejection_percent", f"must be in [0, 100], got {self.max_ejection_percent}")
+
+
 @dataclasses.dataclass
 class LoadBalancerConfig(ServerConfig):
     """Settings of the load balancer (``--print-default-config`` lists them)."""
@@ -47,6 +68,8 @@ class LoadBalancerConfig(ServerConfig):
                                                  "silent replica) is cut and resumed elsewhere with its tokens "
                                                  "so far; longer than any normal gap (queueing, a paused "
                                                  "engine during a weight sync)")
+    outlier_detection: OutlierDetectionConfig = setting(default_factory=OutlierDetectionConfig,
+                                                        help="ejection of replicas that keep failing")
     no_replica_wait_s: float = setting(60.0, help="how long a request waits for an eligible replica before it "
                                                   "fails with UNAVAILABLE")
     retry_initial_backoff_s: float = setting(0.05, help="first backoff before retrying after an UNAVAILABLE "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 
 from opentelemetry.sdk.trace import TracerProvider
@@ -18,7 +19,7 @@ from rollmesh.loadbalancer.v1 import loadbalancer_pb2_grpc, routing_pb2
 
 from .balancer import Balancer
 from .config import LoadBalancerConfig
-from .table import Route, RoutingTable
+from .table import OutlierDetection, Route, RoutingTable
 from .upstreams import Upstreams
 
 log = logging.getLogger(__name__)
@@ -29,8 +30,11 @@ KIND_VALUES = {"STANDALONE": types_pb2.REPLICA_KIND_STANDALONE, "HYBRID": types_
 
 
 def build_balancer(config: LoadBalancerConfig, tracer_provider: TracerProvider | None, **kwargs) -> Balancer:
+    od = config.outlier_detection
     table = RoutingTable(sticky_max_load_gap=config.sticky_max_load_gap,
-                         max_sticky_sessions=config.max_sticky_sessions, max_version_lag=config.max_version_lag)
+                         max_sticky_sessions=config.max_sticky_sessions, max_version_lag=config.max_version_lag,
+                         outlier=OutlierDetection(od.consecutive_failures, od.base_ejection_s, od.max_ejection_s,
+                                                  od.max_ejection_percent))
     table.add(Route(r.replica_id, r.address, r.kind, r.weight_version) for r in config.replicas)
     upstreams = Upstreams(tracer_provider=tracer_provider, call_timeout_s=config.upstream_call_timeout_s,
                           tls=config.tls)
@@ -66,8 +70,12 @@ class LoadBalancerServicer(loadbalancer_pb2_grpc.LoadBalancerServiceServicer):
                                                  kind=KIND_VALUES[route.kind], weight_version=route.weight_version,
                                                  node_id=route.node_id),
             in_flight=route.in_flight, sticky_sessions=self.table.sticky_count(route.replica_id),
-            completed=route.completed, failed=route.failed, routable=not reason, unroutable_reason=reason)
+            completed=route.completed, failed=route.failed, routable=not reason, unroutable_reason=reason,
+            consecutive_failures=route.consecutive_failures, ejections=route.ejections)
         msg.added_at.FromNanoseconds(int(route.added_at * 1e9))
+        left = route.ejected_until - self.table.clock()
+        if left > 0:
+            msg.ejected_until.FromNanoseconds(int((time.time() + left) * 1e9))
         return msg
 
     async def GetStatus(self, request, context):  # noqa: N802 - gRPC method names throughout

@@ -24,6 +24,7 @@ class Stats:
     sticky_hits: int = 0
     sticky_migrations: int = 0
     no_replica_waits: int = 0
+    outlier_ejections: int = 0
     since: float = dataclasses.field(default_factory=time.time)
 
     def to_proto(self, in_flight: int) -> routing_pb2.LoadBalancerStats:

@@ -37,6 +37,13 @@ class Route:
     completed: int = 0
     failed: int = 0
     removed: bool = False
+    consecutive_failures: int = 0
+    """Attempts in a row that failed to reach the replica (UNAVAILABLE, a broken or stalled stream)."""
+    ejections: int = 0
+    """Ejections since the replica last answered; each one lasts longer (outlier detection)."""
+    ejected_until: float = 0.0
+    """``time.monotonic()`` until which the replica is out of picks (0: not ejected)."""
+    ejected_reason: str = ""
 
     @property
     def in_flight(self) -> int:
@@ -67,6 +74,16 @@ class Ticket:
         return self.route.removed
 
 
+@dataclass(frozen=True)
+class OutlierDetection:
+    """Envoy-style ejection of replicas that keep failing (see the balancer config's ``outlier_detection``)."""
+
+    consecutive_failures: int = 3
+    base_ejection_s: float = 5.0
+    max_ejection_s: float = 300.0
+    max_ejection_percent: float = 50.0
+
+
 @dataclass
 class Choice:
     """The result of a pick: the ticket and how stickiness played out."""
@@ -79,10 +96,13 @@ class Choice:
 class RoutingTable:
     """Replicas, sticky sessions and tickets; every method is synchronous."""
 
-    def __init__(self, *, sticky_max_load_gap: int, max_sticky_sessions: int, max_version_lag: int | None) -> None:
+    def __init__(self, *, sticky_max_load_gap: int, max_sticky_sessions: int, max_version_lag: int | None,
+                 outlier: OutlierDetection | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.sticky_max_load_gap = sticky_max_load_gap
         self.max_sticky_sessions = max_sticky_sessions
         self.max_version_lag = max_version_lag
+        self.outlier = outlier or OutlierDetection()
+        self.clock = clock
         self._tie_cursor = itertools.count()
         self.routes: dict[str, Route] = {}
         self._sticky: OrderedDict[str, str] = OrderedDict()
@@ -178,6 +198,10 @@ class RoutingTable:
     def unroutable_reason(self, route: Route, floor: int | None) -> str:
         if route.removed:
             return "removed"
+        if route.ejected_until:
+            left = route.ejected_until - self.clock()
+            if left > 0:
+                return f"ejected for {left:.1f} s more: {route.ejected_reason}"
         if floor is not None and route.weight_version < floor:
             return f"weight_version {route.weight_version} < required {floor}"
         return ""
@@ -220,6 +244,47 @@ class RoutingTable:
         ticket = Ticket(request_id, chosen)
         chosen.tickets[request_id] = ticket
         return Choice(ticket, **choice_kw)
+
+    # ------------------------------------------------------ outlier detection
+    def next_ejection_end(self) -> float | None:
+        """Seconds until the soonest ejection ends (None: nothing is ejected)."""
+        now = self.clock()
+        ends = [r.ejected_until - now for r in self.routes.values() if r.ejected_until > now]
+        return min(ends) if ends else None
+
+    def answered(self, route: Route) -> None:
+        """The replica answered an attempt (tokens or a final message): it is healthy again."""
+        route.consecutive_failures = 0
+        route.ejections = 0
+        route.ejected_until = 0.0
+
+    def unreachable(self, route: Route, why: str) -> bool:
+        """An attempt could not reach the replica; returns True when this ejected it.
+
+        After ``consecutive_failures`` in a row the replica leaves picks for
+        ``base_ejection_s`` x the number of its ejections (at most
+        ``max_ejection_s``), unless that would eject more than
+        ``max_ejection_percent`` of the table (always leaving one replica).
+        When an ejection ends the replica gets one attempt: a failure ejects
+        it again at once, for longer; an answer clears it.
+        """
+        route.consecutive_failures += 1
+        od = self.outlier
+        if route.removed or route.consecutive_failures < od.consecutive_failures:
+            return False
+        now = self.clock()
+        if route.ejected_until > now:
+            return False
+        ejected = sum(1 for r in self.routes.values() if r.ejected_until > now)
+        allowed = max(1, int(len(self.routes) * od.max_ejection_percent / 100))
+        if ejected >= min(allowed, len(self.routes) - 1):
+            return False
+        route.ejections += 1
+        route.ejected_until = now + min(od.base_ejection_s * route.ejections, od.max_ejection_s)
+        route.ejected_reason = f"{route.consecutive_failures} consecutive failures, last: {why[:120]}"
+        route.consecutive_failures = od.consecutive_failures - 1   # one more failure after it ends re-ejects
+        self._changed()
+        return True
 
     def release(self, ticket: Ticket, *, completed: bool = False, failed: bool = False) -> None:
         if ticket.route.tickets.get(ticket.request_id) is ticket:

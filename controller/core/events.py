@@ -39,6 +39,7 @@ class EventType(enum.Enum):
     STEP_PHASE = "STEP_PHASE"
     WAIT_EXPIRED = "WAIT_EXPIRED"
     GAP = "GAP"
+    REPLICA_EJECTED = "REPLICA_EJECTED"
 
     @property
     def proto_name(self) -> str:

@@ -332,3 +332,24 @@ async def test_a_request_whose_whole_budget_arrived_before_its_replica_died_comp
         assert last.finish_reason == generation_pb2.FINISH_REASON_LENGTH and last.usage.completion_tokens == 8
     vanished = [s for s in fake.seen if s.replica_id == "v"]
     assert vanished and all(sum(1 for s in fake.seen if s.request_id == v.request_id) == 1 for v in vanished)
+
+
+async def test_a_replica_that_keeps_failing_is_ejected_until_it_answers_again(mesh):
+    stub, fake, _ = await mesh({"dead": "down", "ok": "ok"}, lb_overrides={
+        "outlier_detection": {"consecutive_failures": 2, "base_ejection_s": 1.0}})
+    for i in range(6):   # least-loaded ties alternate: the dead one gets tried until it is ejected
+        tokens, _ = await collect(stub, request(f"e{i}", 4), timeout=20)
+        assert len(tokens) == 4
+    assert sum(1 for s in fake.seen if s.replica_id == "dead") == 2   # then it was out of picks
+    routed = {r.endpoint.replica_id: r for r in (await stub.ListReplicas(pb.ListReplicasRequest())).replicas}
+    dead = routed["dead"]
+    assert not dead.routable and "ejected for" in dead.unroutable_reason and "2 consecutive failures" in \
+        dead.unroutable_reason and dead.ejections == 1 and dead.HasField("ejected_until")
+    assert routed["ok"].routable
+    assert (await stub.GetStats(pb.GetStatsRequest())).stats.outlier_ejections == 1
+    fake.modes["dead"] = "ok"   # it recovers; after its ejection it gets a try and is healthy again
+    await asyncio.sleep(1.1)
+    for i in range(4):
+        await collect(stub, request(f"back{i}", 4), timeout=20)
+    back = {r.endpoint.replica_id: r for r in (await stub.ListReplicas(pb.ListReplicasRequest())).replicas}["dead"]
+    assert back.routable and back.consecutive_failures == 0 and back.ejections == 0 and back.completed >= 1

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from loadbalancer.table import Route, RoutingTable
+from loadbalancer.table import OutlierDetection, Route, RoutingTable
 from mesh_runtime.errors import AlreadyExists, InvalidArgument, NotFound
 
 pytestmark = pytest.mark.timeout(30)
@@ -91,3 +91,59 @@ def test_rebalance_plan_moves_only_the_excess_cheapest_first():
     moves = t.plan_moves(None)
     assert [m.request_id for m in moves] == ["q0", "q1", "q2", "q3"]  # share = 2; fewest tokens first
     assert [m.request_id for m in t.plan_moves(1)] == ["q0"]
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def outlier_table(n: int = 4, **od) -> tuple[RoutingTable, _Clock]:
+    clock = _Clock()
+    t = RoutingTable(sticky_max_load_gap=2, max_sticky_sessions=1000, max_version_lag=None,
+                     outlier=OutlierDetection(**{"consecutive_failures": 3, "base_ejection_s": 5.0, **od}),
+                     clock=clock)
+    t.add(Route(f"r{i}", f"127.0.0.1:{1000 + i}") for i in range(n))
+    return t, clock
+
+
+def test_consecutive_failures_eject_a_replica_for_longer_each_time_until_it_answers():
+    t, clock = outlier_table()
+    r0 = t.get("r0")
+    assert not t.unreachable(r0, "UNAVAILABLE: refused") and not t.unreachable(r0, "UNAVAILABLE: refused")
+    assert t.unreachable(r0, "UNAVAILABLE: refused")                      # the third in a row ejects
+    assert "ejected for 5.0 s more: 3 consecutive failures" in t.unroutable_reason(r0, None)
+    assert r0 not in t.eligible(None) and t.next_ejection_end() == pytest.approx(5.0)
+    clock.now += 5.1
+    assert r0 in t.eligible(None)                                          # one try after the ejection
+    assert t.unreachable(r0, "UNAVAILABLE: refused")                      # ... fails: at once again, for 10 s
+    assert t.next_ejection_end() == pytest.approx(10.0)
+    clock.now += 10.1
+    t.answered(r0)                                                         # it answers: all forgotten
+    assert (r0.consecutive_failures, r0.ejections) == (0, 0) and r0 in t.eligible(None)
+    assert not t.unreachable(r0, "x")
+
+
+def test_a_success_between_failures_resets_the_count():
+    t, _ = outlier_table()
+    r0 = t.get("r0")
+    t.unreachable(r0, "x")
+    t.unreachable(r0, "x")
+    t.answered(r0)
+    assert not t.unreachable(r0, "x") and not t.unreachable(r0, "x") and r0 in t.eligible(None)
+
+
+def test_ejection_is_capped_and_never_takes_the_last_replica():
+    t, _ = outlier_table(4, max_ejection_percent=50)
+    for rid in ("r0", "r1", "r2"):
+        for _ in range(3):
+            t.unreachable(t.get(rid), "x")
+    assert [r.replica_id for r in t.eligible(None)] == ["r2", "r3"]       # 50% of 4: two ejected at most
+    t2, _ = outlier_table(2, max_ejection_percent=100)
+    for rid in ("r0", "r1"):
+        for _ in range(3):
+            t2.unreachable(t2.get(rid), "x")
+    assert [r.replica_id for r in t2.eligible(None)] == ["r1"]            # one always stays

@@ -38,7 +38,7 @@ class ReplicaEndpoint(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., kind: _Optional[_Union[_types_pb2.ReplicaKind, str]] = ..., weight_version: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class RoutedReplica(_message.Message):
-    __slots__ = ("endpoint", "in_flight", "sticky_sessions", "completed", "failed", "routable", "unroutable_reason", "added_at")
+    __slots__ = ("endpoint", "in_flight", "sticky_sessions", "completed", "failed", "routable", "unroutable_reason", "added_at", "consecutive_failures", "ejected_until", "ejections")
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     STICKY_SESSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,9 @@ class RoutedReplica(_message.Message):
     ROUTABLE_FIELD_NUMBER: _ClassVar[int]
     UNROUTABLE_REASON_FIELD_NUMBER: _ClassVar[int]
     ADDED_AT_FIELD_NUMBER: _ClassVar[int]
+    CONSECUTIVE_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    EJECTED_UNTIL_FIELD_NUMBER: _ClassVar[int]
+    EJECTIONS_FIELD_NUMBER: _ClassVar[int]
     endpoint: ReplicaEndpoint
     in_flight: int
     sticky_sessions: int
@@ -55,7 +58,10 @@ class RoutedReplica(_message.Message):
     routable: bool
     unroutable_reason: str
     added_at: _timestamp_pb2.Timestamp
-    def __init__(self, endpoint: _Optional[_Union[ReplicaEndpoint, _Mapping]] = ..., in_flight: _Optional[int] = ..., sticky_sessions: _Optional[int] = ..., completed: _Optional[int] = ..., failed: _Optional[int] = ..., routable: _Optional[bool] = ..., unroutable_reason: _Optional[str] = ..., added_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    consecutive_failures: int
+    ejected_until: _timestamp_pb2.Timestamp
+    ejections: int
+    def __init__(self, endpoint: _Optional[_Union[ReplicaEndpoint, _Mapping]] = ..., in_flight: _Optional[int] = ..., sticky_sessions: _Optional[int] = ..., completed: _Optional[int] = ..., failed: _Optional[int] = ..., routable: _Optional[bool] = ..., unroutable_reason: _Optional[str] = ..., added_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., consecutive_failures: _Optional[int] = ..., ejected_until: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., ejections: _Optional[int] = ...) -> None: ...
 
 class Attempt(_message.Message):
     __slots__ = ("replica_id", "weight_version", "tokens", "outcome", "started_at", "ended_at", "reason")
@@ -76,7 +82,7 @@ class Attempt(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., tokens: _Optional[int] = ..., outcome: _Optional[_Union[AttemptOutcome, str]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., ended_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class LoadBalancerStats(_message.Message):
-    __slots__ = ("requests_total", "completed", "failed", "in_flight", "retries", "resumes", "regenerations", "truncated_dropped", "sticky_hits", "sticky_migrations", "no_replica_waits", "since")
+    __slots__ = ("requests_total", "completed", "failed", "in_flight", "retries", "resumes", "regenerations", "truncated_dropped", "sticky_hits", "sticky_migrations", "no_replica_waits", "since", "outlier_ejections")
     REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     COMPLETED_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +95,7 @@ class LoadBalancerStats(_message.Message):
     STICKY_MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     NO_REPLICA_WAITS_FIELD_NUMBER: _ClassVar[int]
     SINCE_FIELD_NUMBER: _ClassVar[int]
+    OUTLIER_EJECTIONS_FIELD_NUMBER: _ClassVar[int]
     requests_total: int
     completed: int
     failed: int
@@ -101,4 +108,5 @@ class LoadBalancerStats(_message.Message):
     sticky_migrations: int
     no_replica_waits: int
     since: _timestamp_pb2.Timestamp
-    def __init__(self, requests_total: _Optional[int] = ..., completed: _Optional[int] = ..., failed: _Optional[int] = ..., in_flight: _Optional[int] = ..., retries: _Optional[int] = ..., resumes: _Optional[int] = ..., regenerations: _Optional[int] = ..., truncated_dropped: _Optional[int] = ..., sticky_hits: _Optional[int] = ..., sticky_migrations: _Optional[int] = ..., no_replica_waits: _Optional[int] = ..., since: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    outlier_ejections: int
+    def __init__(self, requests_total: _Optional[int] = ..., completed: _Optional[int] = ..., failed: _Optional[int] = ..., in_flight: _Optional[int] = ..., retries: _Optional[int] = ..., resumes: _Optional[int] = ..., regenerations: _Optional[int] = ..., truncated_dropped: _Optional[int] = ..., sticky_hits: _Optional[int] = ..., sticky_migrations: _Optional[int] = ..., no_replica_waits: _Optional[int] = ..., since: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., outlier_ejections: _Optional[int] = ...) -> None: ...
