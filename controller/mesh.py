@@ -22,12 +22,13 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
 from mesh_runtime import tracing
+from rollmesh.common.v1 import types_pb2
 
 from .config import ControllerConfig
 from .core.events import EventLog, EventType
 from .core.hybrid import DynamicResourceController
 from .core.metrics import CycleMetrics
-from .core.replicas import ReplicaKind, ReplicaRegistry, ReplicaState
+from .core.replicas import TERMINAL_STATES, ReplicaKind, ReplicaRegistry, ReplicaState
 from .ports import AgentReplicas, Channels, LoadBalancerRouting
 from .weight_sync import WeightBroadcast
 from .store import StateStore
@@ -35,6 +36,9 @@ from .watchers import EventHub
 
 log = logging.getLogger(__name__)
 S = ReplicaState
+_NOT_HOSTED = frozenset({types_pb2.REPLICA_STATE_STOPPED, types_pb2.REPLICA_STATE_FAILED,
+                         types_pb2.REPLICA_STATE_REMOVED})
+"""Load-report states of a replica its agent no longer runs."""
 _CANNOT_SERVE = frozenset({S.FAILED, S.STOPPED, S.REMOVED, S.SLEEPING, S.DRAINING, S.LAUNCHING, S.LOADING})
 """States in which a replica must not be in the balancer's table."""
 
@@ -59,6 +63,10 @@ class Mesh:
         self.registry = self._restore_registry()
         self._ejections_seen: dict[str, int] = {}
         """Ejections per replica the balancer reported in the last reconcile round."""
+        self._missing_reports: dict[str, int] = {}
+        """Load reports in a row that lacked a live replica of their node."""
+        self._leftover_stops: dict[str, float] = {}
+        self._background: set[asyncio.Future] = set()
         self.channels = Channels(tracer_provider, tls=config.tls)
         sched = config.async_training
         self.routing = LoadBalancerRouting(self.channels, config.load_balancer_address, sched.port_timeout_s)
@@ -243,13 +251,59 @@ class Mesh:
             except Exception:  # noqa: BLE001 - one failed round must not end the loop
                 log.exception("routing reconcile round failed")
 
-    def renew(self, node_id: str, reports) -> float:
-        """Renew the node's lease with one load report; returns when the lease now expires."""
+    def renew(self, node_id: str, reports) -> tuple[float, bool]:
+        """Renew the node's lease with one load report and reconcile its replicas with what the agent hosts.
+
+        A load-report message lists every replica the agent hosts. A replica
+        the registry holds live on this node but that is missing from two
+        reports in a row is FAILED (the agent lost it: an engine crash, an agent
+        restarted without it) and so leaves routing at the next reconcile round.
+        A reported replica the registry does not hold, or holds FAILED, makes
+        the answer ``True``: the agent must register again, which adopts it
+        (the controller lost its state, or failed it during a freeze); one the
+        controller stopped or removed is stopped on the agent again. Returns
+        ``(lease expiry, register again)``.
+        """
         expires = self.registry.renew(node_id)
+        reported: set[str] = set()
+        register_again = False
         for report in reports:
-            if report.replica_id in self.registry:
-                self.registry.record_report(report.replica_id, report)
-        return expires
+            serving = report.state not in _NOT_HOSTED   # a stopped replica stays in its agent's reports a while
+            if serving:
+                reported.add(report.replica_id)
+            record = self.registry.get(report.replica_id) if report.replica_id in self.registry else None
+            if record is None or record.node_id != node_id or record.state is S.FAILED:
+                register_again = register_again or serving
+                continue
+            if record.state in (S.STOPPED, S.REMOVED):
+                if serving:
+                    self._stop_leftover(record)
+                continue
+            self.registry.record_report(report.replica_id, report)
+        for record in self.registry.replicas(node_id=node_id):
+            if record.state in TERMINAL_STATES or record.state in (S.LAUNCHING, S.LOADING) \
+                    or record.replica_id in reported:   # the controller is bringing it up: not yet the agent's
+                self._missing_reports.pop(record.replica_id, None)
+                continue
+            misses = self._missing_reports[record.replica_id] = self._missing_reports.get(record.replica_id, 0) + 1
+            if misses >= 2:
+                del self._missing_reports[record.replica_id]
+                self.registry.transition(record.replica_id, S.FAILED,
+                                         f"node {node_id}'s agent no longer hosts it (missing from its load reports)")
+                self.store.mark("registry")
+        return expires, register_again
+
+    def _stop_leftover(self, record) -> None:
+        """A replica the controller stopped or removed still runs on its agent: stop it again (once a minute)."""
+        now = time.monotonic()
+        if now - self._leftover_stops.get(record.replica_id, -1e9) < 60.0:
+            return
+        self._leftover_stops[record.replica_id] = now
+        log.warning("replica %s is %s but its agent still hosts it: stopping it there", record.replica_id,
+                    record.state.value)
+        task = asyncio.ensure_future(self.replica_port.stop([record.replica_id]))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def expire_leases(self) -> None:
         failed = self.registry.expire_leases()

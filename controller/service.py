@@ -94,10 +94,10 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
                                       "node_id", reason="INVALID_NODE_ID")
             if not node_id:
                 require_own_node(message.node_id, "StreamLoadReports")
-            expires = self.mesh.renew(message.node_id, message.reports)
-            if not node_id:
+            expires, register_again = self.mesh.renew(message.node_id, message.reports)
+            if not node_id or register_again:
                 node_id = message.node_id
-                reply = registry_pb2.StreamLoadReportsResponse()
+                reply = registry_pb2.StreamLoadReportsResponse(register_again=register_again)
                 reply.load_report_interval.CopyFrom(convert.duration(self.config.load_report_interval_s))
                 reply.lease_ttl.CopyFrom(convert.duration(self.config.lease_ttl_s))
                 reply.lease_expires_at.CopyFrom(convert.timestamp(expires))

@@ -78,6 +78,8 @@ class ControllerLink:
         try:
             async for response in call:
                 self._set_interval(response.load_report_interval)
+                if response.register_again:
+                    raise LinkLost("the controller does not hold every replica this node hosts; registering again")
         except grpc.aio.AioRpcError as err:
             raise LinkLost(f"load-report stream ended: {err.code().name}: {err.details()}") from None
         finally:

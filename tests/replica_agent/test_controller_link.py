@@ -17,10 +17,11 @@ pytestmark = pytest.mark.timeout(90)
 class FakeController(controller_pb2_grpc.ControllerServiceServicer):
     """Records registrations and load reports; asks for reports every 0.1 s."""
 
-    def __init__(self, reject: tuple[str, ...] = ()) -> None:
+    def __init__(self, reject: tuple[str, ...] = (), register_again_at: int | None = None) -> None:
         self.registrations: list[registry_pb2.RegisterNodeRequest] = []
         self.reports: list[registry_pb2.StreamLoadReportsRequest] = []
         self.reject = reject
+        self.register_again_at = register_again_at
         self.changed = asyncio.Event()
 
     async def RegisterNode(self, request, context):  # noqa: N802
@@ -41,6 +42,8 @@ class FakeController(controller_pb2_grpc.ControllerServiceServicer):
                 reply = registry_pb2.StreamLoadReportsResponse()
                 reply.load_report_interval.FromMilliseconds(100)
                 yield reply
+            if len(self.reports) == self.register_again_at:
+                yield registry_pb2.StreamLoadReportsResponse(register_again=True)
 
     async def wait_until(self, predicate, timeout=30.0):
         async def loop():
@@ -94,3 +97,21 @@ replicas:
             assert "gone" not in {r.replica_id for r in fake2.registrations[0].replicas}
         finally:
             await server.stop(0)
+
+
+async def test_agent_registers_again_when_the_controller_asks(tmp_path):
+    server, fake, port = await start_fake(register_again_at=3)
+    (tmp_path / "agent.yaml").write_text(f"""
+node_id: asked
+slots: 1
+backend: synthetic
+controller_address: 127.0.0.1:{port}
+replicas: [{{replica_id: s0, kind: STANDALONE}}]
+""")
+    try:
+        with running_server("replica-agent", ["--config", str(tmp_path / "agent.yaml"), "--listen", "127.0.0.1:0"],
+                            log_path=tmp_path / "agent.log"):
+            await fake.wait_until(lambda: len(fake.registrations) >= 2 and len(fake.reports) >= 5)
+            assert [r.replicas[0].replica_id for r in fake.registrations[:2]] == ["s0", "s0"]
+    finally:
+        await server.stop(0)

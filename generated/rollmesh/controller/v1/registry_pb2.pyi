@@ -151,14 +151,16 @@ class StreamLoadReportsRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., reports: _Optional[_Iterable[_Union[_load_pb2.LoadReport, _Mapping]]] = ...) -> None: ...
 
 class StreamLoadReportsResponse(_message.Message):
-    __slots__ = ("load_report_interval", "lease_ttl", "lease_expires_at")
+    __slots__ = ("load_report_interval", "lease_ttl", "lease_expires_at", "register_again")
     LOAD_REPORT_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    REGISTER_AGAIN_FIELD_NUMBER: _ClassVar[int]
     load_report_interval: _duration_pb2.Duration
     lease_ttl: _duration_pb2.Duration
     lease_expires_at: _timestamp_pb2.Timestamp
-    def __init__(self, load_report_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., lease_ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., lease_expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    register_again: bool
+    def __init__(self, load_report_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., lease_ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., lease_expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., register_again: _Optional[bool] = ...) -> None: ...
 
 class ListNodesRequest(_message.Message):
     __slots__ = ()
