@@ -129,7 +129,8 @@ async def balancer_restart(tmp: Path, args) -> None:
             await mesh.start_lb()
             times.append(await mesh.wait_routed(2, 60))
         print(f"balancer restart -> routing restored: median {statistics.median(times):.2f} s, "
-              f"max {max(times):.2f} s over {len(times)} restarts (reconcile_interval_s 2)")
+              f"max {max(times):.2f} s over {len(times)} restarts (reconcile_interval_s 2): "
+              f"{', '.join(f'{t:.2f}' for t in times)}")
     finally:
         await mesh.stop()
 
