@@ -46,7 +46,7 @@ from typing import Any, TextIO
 
 import grpc
 
-from mesh_runtime import certs
+from mesh_runtime import certs, tracing
 from mesh_runtime.channels import open_channel, read_methods
 from mesh_runtime.config import TlsConfig
 import yaml
@@ -147,7 +147,7 @@ class TrainJob:
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             env.setdefault(var, str(self.job.mesh.torch_threads))
         env["PYTHONUNBUFFERED"] = "1"
-        env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = otlp_endpoint
+        env[tracing.SINK_VARIABLE] = otlp_endpoint   # the run's own sink, beside any OTEL_* endpoint of the user
         env.setdefault("OTEL_BSP_SCHEDULE_DELAY", "1000")
         return env
 

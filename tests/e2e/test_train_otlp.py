@@ -1,0 +1,38 @@
+"""``rollmesh train`` sends its spans to the user's OTLP collector as well as to the run directory."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.job_configs import job_config
+from tests.otlp_receiver import start_receiver
+from tests.processes import clean_env
+
+pytestmark = pytest.mark.timeout(300)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+async def test_the_users_collector_receives_every_servers_spans_and_so_does_the_run_directory(tmp_path):
+    server, receiver, port = await start_receiver()
+    config = job_config(tmp_path, "quickstart.yaml", **{"trainer.total_training_steps": 3})
+    env = clean_env(GLOO_SOCKET_IFNAME="lo", OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{port}",
+                    OTEL_EXPORTER_OTLP_INSECURE="true", OTEL_BSP_SCHEDULE_DELAY="200")
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "mesh_runtime.cli", "train", "--config", str(config), "--run-dir",
+            str(tmp_path / "run"), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env, cwd=ROOT)
+        out, _ = await asyncio.wait_for(proc.communicate(), 240)
+        assert proc.returncode == 0, out.decode()[-3000:]
+        services = {"rollmesh-controller", "rollmesh-lb", "rollmesh-replica-agent", "rollmesh-trainer-agent"}
+        await receiver.wait_for(lambda spans: services <= {s.service for s in spans}, 30)
+        in_run = [json.loads(line) for line in (tmp_path / "run" / "spans.jsonl").read_text().splitlines()]
+        assert in_run and {s["name"] for s in in_run} >= {"weights.broadcast"}
+        users = {s.trace_id for s in receiver.spans}
+        assert users & {s["trace_id"] for s in in_run}   # the same traces in both places
+    finally:
+        await server.stop(0)
