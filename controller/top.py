@@ -3,10 +3,12 @@
 Shows the replicas (state, kind, weight version, load), the hybrid
 scheduler, the autoscaler's conditions and the recent scale operations,
 refreshing every ``--interval`` seconds; ``q`` quits and ``r`` refreshes now.
-``--once`` prints one frame as plain text and exits, for scripts.
+``--once`` prints one frame as plain text and exits, for scripts: 0 when the
+controller answered, 1 when it could not be reached.
 
-It only reads: every call is one of the controller's read-only RPCs, so no
-credential is needed. A controller that is down or an RPC that fails shows
+It only reads: every call is one of the controller's read-only RPCs, so an
+``operator-readonly`` certificate is enough on a secure mesh (``--cacert``,
+``--cert``, ``--key``). A controller that is down or an RPC that fails shows
 as a line saying so; the monitor keeps refreshing until it answers again.
 """
 
@@ -223,8 +225,9 @@ def run(args: argparse.Namespace, env: dict[str, str]) -> int:
     with open_sync_channel(args.address, tls=tls) as channel:
         stub = controller_pb2_grpc.ControllerServiceStub(channel)
         if args.once or not sys.stdout.isatty():
-            print("\n".join(render(fetch(stub, args.address, args.timeout), width=160)))
-            return 0
+            snap = fetch(stub, args.address, args.timeout)
+            print("\n".join(render(snap, width=160)))
+            return 0 if snap.status is not None else 1   # a script can tell an unreachable controller
         try:
             _interactive(stub, args.address, args.interval, args.timeout)
         except KeyboardInterrupt:

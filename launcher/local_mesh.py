@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
+import json
 import signal
 import sys
 from pathlib import Path
@@ -57,15 +58,57 @@ async def fetch_status(address: str, timeout_s: float = 5.0, tls: TlsConfig | No
         return service, await stub.GetStatus(messages.GetStatusRequest(), timeout=timeout_s)
 
 
-async def print_status(address: str, timeout_s: float, tls: TlsConfig | None = None) -> int:
+async def print_status(address: str, timeout_s: float, tls: TlsConfig | None = None, *,
+                       as_json: bool = False) -> int:
     try:
         service, response = await fetch_status(address, timeout_s, tls)
     except (grpc.RpcError, LookupError) as err:
         detail = err.details() if isinstance(err, grpc.aio.AioRpcError) else str(err)
         print(f"rollmesh status: error: {address}: {detail}", file=sys.stderr)
         return 1
-    print(json_format.MessageToJson(response, indent=2))
+    if as_json:
+        print(json.dumps(_integral(json_format.MessageToDict(response)), indent=2))
+    else:
+        print("\n".join(status_summary(service, response)))
     return 0
+
+
+def _integral(value):
+    """JSON numbers that are whole as integers (a Struct holds every number as a double)."""
+    if isinstance(value, dict):
+        return {k: _integral(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_integral(v) for v in value]
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def status_summary(service: str, response) -> list[str]:
+    """A few readable lines: who answered, how it is reached, what it holds."""
+    from rollmesh.common.v1 import status_pb2  # noqa: PLC0415
+
+    st = response.status
+    security = status_pb2.TransportSecurity.Name(st.transport_security).removeprefix("TRANSPORT_SECURITY_")
+    uptime = st.uptime.seconds + st.uptime.nanos / 1e9
+    lines = [f"{st.server_name} {st.version} on node {st.node_id or '?'}, listening on {st.listen_address}",
+             f"  ready: {'yes' if st.ready else 'no'}   transport: {security.lower()}"
+             f"{'   identity: ' + st.identity if st.identity else ''}   up {uptime:.0f} s",
+             f"  capabilities: {', '.join(st.capabilities) or '-'}"]
+    fields = {f.name: (f.enum_type.values_by_number[getattr(response, f.name)].name if f.enum_type
+                       else getattr(response, f.name))
+              for f in response.DESCRIPTOR.fields
+              if f.name != "status" and f.type != f.TYPE_MESSAGE and not f.is_repeated}
+    if fields:
+        lines.append("  " + "   ".join(f"{k.replace('_', ' ')}: {_readable(v)}" for k, v in fields.items()))
+    lines.append(f"  ({service}; --json for everything, the effective config included)")
+    return lines
+
+
+def _readable(value) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return str(value) if value != "" else "-"
 
 
 ORDER = ("lb", "controller", "replica-agent", "trainer-agent")

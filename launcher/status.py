@@ -1,4 +1,8 @@
-"""``rollmesh status ADDRESS``: print a running server's status (a tool subcommand)."""
+"""``rollmesh status HOST[:PORT]``: print a running server's status (a tool subcommand).
+
+A readable summary by default (identity, readiness, transport, uptime, what it
+holds); ``--json`` prints the whole ``GetStatus`` answer, integers as integers.
+"""
 
 from __future__ import annotations
 
@@ -11,9 +15,15 @@ from mesh_runtime.tls import add_client_arguments, client_tls
 HELP = "print the status of a running server"
 
 
+DEFAULT_PORT = 50051
+"""The port of a bare host: the controller's default listen port."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("address", metavar="HOST:PORT")
+    parser.add_argument("address", metavar="HOST[:PORT]", help=f"a server; a bare host means port {DEFAULT_PORT} "
+                                                              "(the controller's default)")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
+    parser.add_argument("--json", action="store_true", help="print the whole GetStatus answer as JSON")
     add_client_arguments(parser)
 
 
@@ -24,7 +34,24 @@ def run(args: argparse.Namespace, env: dict[str, str]) -> int:
 
     try:
         tls = client_tls(args)
-    except ConfigError as err:
+        address = with_default_port(args.address)
+    except (ConfigError, ValueError) as err:
         print(f"rollmesh status: error: {err}", file=sys.stderr)
         return 2
-    return asyncio.run(print_status(args.address, timeout_s=args.timeout, tls=tls))
+    if address != args.address:
+        print(f"rollmesh status: no port given; using {address} (the controller's default port)", file=sys.stderr)
+    return asyncio.run(print_status(address, timeout_s=args.timeout, tls=tls, as_json=args.json))
+
+
+def with_default_port(address: str) -> str:
+    """``address`` with :data:`DEFAULT_PORT` when it names a host only; ValueError when it is no address."""
+    from mesh_runtime.net import AddressError, parse_host_port  # noqa: PLC0415
+
+    text = address.strip()
+    bare = ":" not in text or (text.startswith("[") and text.endswith("]"))
+    candidate = f"{text}:{DEFAULT_PORT}" if bare and text else text
+    try:
+        parse_host_port(candidate, allow_zero_port=False)
+    except AddressError as err:
+        raise ValueError(f"address: {err}") from None
+    return candidate

@@ -115,7 +115,7 @@ def test_unreachable_controller_is_shown_not_raised():
     lines = render(Snapshot(address="127.0.0.1:1", taken_at=0.0, errors={"status": "UNAVAILABLE: refused"}))
     assert lines[1] == "controller unreachable: UNAVAILABLE: refused"
     result = _top("127.0.0.1:1", "--once", "--timeout", "0.5")
-    assert result.returncode == 0
+    assert result.returncode == 1
     assert "controller unreachable: UNAVAILABLE" in result.stdout
 
 
