@@ -7,7 +7,7 @@ import logging
 from opentelemetry.sdk.trace import TracerProvider
 
 from mesh_runtime.errors import FailedPrecondition, InvalidArgument, NotFound
-from mesh_runtime.prometheus import Metric, MetricsEndpoint
+from mesh_runtime.metrics import MetricsEndpoint, ServerMetrics
 from mesh_runtime.server import MeshServer
 from mesh_runtime.status import StatusReporter
 from rollmesh.common.v1 import events_pb2
@@ -21,6 +21,7 @@ from .core.events import EventType
 from .core.replicas import ReplicaKind, ReplicaState
 from .mesh import Mesh
 from .peers import Peers
+from .prometheus import ControllerMetrics
 from .scaling.service import ScalingRpcs
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,8 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
         self.status = StatusReporter(config, ["status", "registry", "scheduling", "weight_sync", "events",
                                               "metrics", "scaling", "autoscaler"])
         self.mesh = Mesh(config, tracer_provider)
+        self.metrics = ServerMetrics()
+        self.prometheus = ControllerMetrics(self.mesh, self.metrics)
         self.peers = Peers(load_balancer_address=config.load_balancer_address,
                            timeout_s=config.peer_timeout_s, channels=self.mesh.channels)
 
@@ -49,7 +52,7 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
         if self.mesh.autoscaler.configured:
             server.spawn(self.mesh.autoscaler.run(), name="autoscaler")
         if self.config.metrics_listen:
-            endpoint = MetricsEndpoint(self.config.metrics_listen, self._prometheus)
+            endpoint = MetricsEndpoint(self.config.metrics_listen, self.metrics)
             log.info("Prometheus metrics on http://%s/metrics", await endpoint.start())
             server.add_cleanup(endpoint.close)
 
@@ -230,18 +233,3 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
         else:
             cycles = metrics.closed[-1:]
         return observability_pb2.GetMetricsResponse(cycles=[convert.metrics_cycle(c) for c in cycles])
-
-    def _prometheus(self) -> list[Metric]:
-        latest = self.mesh.metrics.closed[-1] if self.mesh.metrics.closed else None
-        out = []
-        if latest is not None:
-            for name, value in latest.values.items():
-                metric = "rollmesh_" + name.replace("/", "_")
-                out.append(Metric(metric, f"{name} of the latest closed sync cycle").add(value))
-        counts = Metric("rollmesh_controller_replicas", "Replicas by kind and state")
-        for record in self.mesh.registry.replicas():
-            counts.add(1, replica_id=record.replica_id, kind=record.kind.value, state=record.state.value)
-        out.append(counts)
-        return out
-
-

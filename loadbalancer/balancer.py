@@ -34,6 +34,7 @@ from mesh_runtime.errors import (
     Unavailable,
 )
 from mesh_runtime.generation import check_generation
+from mesh_runtime.metrics import ServerMetrics
 from rollmesh.common.v1 import generation_pb2
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2, routing_pb2
 from rollmesh.replica.v1 import replica_agent_pb2
@@ -50,6 +51,20 @@ _RETRYABLE_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUS
                     grpc.StatusCode.CANCELLED, grpc.StatusCode.FAILED_PRECONDITION}
 log = logging.getLogger(__name__)
 _DONE = object()
+
+
+class _Timing:
+    """The balancer's histograms (what takes time); its counters are :class:`Stats`."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.request = metrics.histogram("rollmesh_lb_request_duration_seconds",
+                                         "Time from a generation request's arrival to its last message, by outcome",
+                                         ("outcome",))
+        self.ttft = metrics.histogram("rollmesh_lb_time_to_first_token_seconds",
+                                      "Time from a generation request's arrival to its first token to the caller")
+        self.attempt = metrics.histogram("rollmesh_lb_attempt_duration_seconds",
+                                         "Duration of one replica attempt of a request, by how it ended "
+                                         "(completed, aborted, unavailable, failed)", ("outcome",))
 
 
 class AttemptCut(Exception):
@@ -104,8 +119,10 @@ class Balancer:
 
     def __init__(self, config: LoadBalancerConfig, table: RoutingTable, upstreams: Upstreams, *,
                  tracer: trace.Tracer, stats: Stats | None = None,
-                 before_send: Callable[[Ticket], Awaitable[None]] | None = None) -> None:
+                 before_send: Callable[[Ticket], Awaitable[None]] | None = None,
+                 metrics: ServerMetrics | None = None) -> None:
         self.config = config
+        self._timing = _Timing(metrics) if metrics is not None else None
         self.table = table
         self.upstreams = upstreams
         self.tracer = tracer
@@ -150,11 +167,14 @@ class Balancer:
         self.stats.requests_total += 1
         queue: asyncio.Queue = asyncio.Queue()
         task = asyncio.get_running_loop().create_task(self._produce(run, queue))
-        ok = False
+        ok, started, first_token = False, time.perf_counter(), True
         try:
             while (item := await queue.get()) is not _DONE:
                 if isinstance(item, BaseException):
                     raise item
+                if first_token and item.token_ids and self._timing is not None:
+                    first_token = False
+                    self._timing.ttft.observe(time.perf_counter() - started)
                 yield item
             ok = True
         finally:
@@ -164,6 +184,8 @@ class Balancer:
                 self.stats.completed += 1
             else:
                 self.stats.failed += 1
+            if self._timing is not None:
+                self._timing.request.labels("completed" if ok else "failed").observe(time.perf_counter() - started)
 
     async def _produce(self, run: RequestRun, queue: asyncio.Queue) -> None:
         try:
@@ -269,6 +291,7 @@ class Balancer:
         record = routing_pb2.Attempt(replica_id=route.replica_id, weight_version=route.weight_version,
                                      started_at=_now_ts())
         run.attempts.append(record)
+        attempt_started = time.perf_counter()
         streamed: list[tuple[int, float | None, int]] = []  # (token, logprob, version) of this attempt
         final = None
         with self.tracer.start_as_current_span("lb.attempt", attributes={
@@ -317,6 +340,9 @@ class Balancer:
             finally:
                 call.cancel()
                 self.table.release(ticket)
+                if self._timing is not None:
+                    outcome = routing_pb2.AttemptOutcome.Name(record.outcome).removeprefix("ATTEMPT_OUTCOME_").lower()
+                    self._timing.attempt.labels(outcome).observe(time.perf_counter() - attempt_started)
 
     async def _messages(self, call, ticket: Ticket) -> AsyncIterator[replica_agent_pb2.GenerateResponse]:
         """The attempt's messages; raises :class:`AttemptCut` when none comes for ``stall_timeout_s`` or

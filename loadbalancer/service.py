@@ -10,7 +10,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from mesh_runtime import tracing
 from mesh_runtime.errors import InvalidArgument
-from mesh_runtime.prometheus import MetricsEndpoint
+from mesh_runtime.metrics import MetricsEndpoint, ServerMetrics
 from mesh_runtime.status import StatusReporter
 from mesh_runtime.validate import check_address, check_id
 from rollmesh.common.v1 import types_pb2
@@ -48,17 +48,19 @@ class LoadBalancerServicer(loadbalancer_pb2_grpc.LoadBalancerServiceServicer):
     def __init__(self, config: LoadBalancerConfig, tracer_provider: TracerProvider | None = None,
                  **balancer_kwargs) -> None:
         self.config = config
-        self.balancer = build_balancer(config, tracer_provider, **balancer_kwargs)
+        self.metrics = ServerMetrics()
+        self.balancer = build_balancer(config, tracer_provider, metrics=self.metrics, **balancer_kwargs)
         self.table = self.balancer.table
+        self.metrics.on_scrape(lambda: self.balancer.stats.families(
+            self.balancer.in_flight, self.balancer.completed,
+            [not self.table.unroutable_reason(r, self.table.version_floor(None)) for r in self.table.routes.values()]))
         self.status = StatusReporter(config, ["status", "generate", "replicas", "rebalance", "stats"])
         self._rebalances: OrderedDict[str, pb.RebalanceResponse] = OrderedDict()
 
     async def attach(self, server) -> None:
         server.add_cleanup(self.balancer.upstreams.close)
         if self.config.metrics_listen:
-            endpoint = MetricsEndpoint(self.config.metrics_listen,
-                                       lambda: self.balancer.stats.metrics(self.balancer.in_flight,
-                                                                           self.balancer.completed))
+            endpoint = MetricsEndpoint(self.config.metrics_listen, self.metrics)
             log.info("Prometheus metrics on http://%s/metrics", await endpoint.start())
             server.add_cleanup(endpoint.close)
 

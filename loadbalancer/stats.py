@@ -6,7 +6,7 @@ import dataclasses
 import time
 from typing import Any
 
-from mesh_runtime.prometheus import Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from rollmesh.loadbalancer.v1 import routing_pb2
 
 
@@ -33,13 +33,42 @@ class Stats:
         msg.since.FromNanoseconds(int(self.since * 1e9))
         return msg
 
-    def metrics(self, in_flight: int, completed: Any = None) -> list[Metric]:
-        out = [Metric(f"rollmesh_lb_{name}_total", f"Load balancer counter {name}", "counter").add(value)
-               for name, value in dataclasses.asdict(self).items() if name != "since"]
-        out.append(Metric("rollmesh_lb_in_flight", "Requests in flight through the balancer").add(in_flight))
+    def families(self, in_flight: int, completed: Any = None, routes: Any = None) -> list:
+        """The counters as Prometheus families, plus the gauges of what the balancer holds now."""
+        out = []
+        for field_name, (name, text) in COUNTERS.items():
+            family = CounterMetricFamily(name, text)
+            family.add_metric([], getattr(self, field_name))
+            out.append(family)
+        out.append(GaugeMetricFamily("rollmesh_lb_requests_in_flight", "Requests in flight through the balancer",
+                                     value=in_flight))
         if completed is not None:
-            out.append(Metric("rollmesh_lb_completed_cache_entries",
-                              "Completed-request records kept for repeated request ids").add(completed.entries))
-            out.append(Metric("rollmesh_lb_completed_cache_bytes",
-                              "Serialized size of the completed-request records").add(completed.bytes))
+            out.append(GaugeMetricFamily("rollmesh_lb_completed_cache_entries",
+                                         "Completed-request records kept to answer repeated request ids",
+                                         value=completed.entries))
+            out.append(GaugeMetricFamily("rollmesh_lb_completed_cache_bytes",
+                                         "Serialized size of the completed-request records", value=completed.bytes))
+        if routes is not None:
+            family = GaugeMetricFamily("rollmesh_lb_replicas", "Replicas in the routing table, by routability",
+                                       labels=["routable"])
+            routable = sum(1 for ok in routes if ok)
+            family.add_metric(["true"], routable)
+            family.add_metric(["false"], len(routes) - routable)
+            out.append(family)
         return out
+
+
+COUNTERS = {
+    "requests_total": ("rollmesh_lb_requests", "Generation requests received (a repeated completed id included)"),
+    "completed": ("rollmesh_lb_requests_completed", "Generation requests that ended with a result"),
+    "failed": ("rollmesh_lb_requests_failed", "Generation requests that ended with an error"),
+    "retries": ("rollmesh_lb_retries", "Attempts after a request's first (aborts and failures alike)"),
+    "resumes": ("rollmesh_lb_resumes", "Attempts that continued a request from the tokens it already had"),
+    "regenerations": ("rollmesh_lb_regenerations", "Requests started over without their tokens (partial_rollout off)"),
+    "truncated_dropped": ("rollmesh_lb_dropped_tokens", "Tokens dropped by regenerations"),
+    "sticky_hits": ("rollmesh_lb_sticky_hits", "Requests routed to their session's replica"),
+    "sticky_migrations": ("rollmesh_lb_sticky_migrations", "Sessions moved off a replica that was too loaded"),
+    "no_replica_waits": ("rollmesh_lb_no_replica_waits", "Times a request waited because no replica was eligible"),
+    "outlier_ejections": ("rollmesh_lb_outlier_ejections", "Replicas ejected from picks after consecutive failures"),
+}
+"""Stats field -> (Prometheus counter name without _total, help)."""

@@ -33,6 +33,7 @@ from .authorization import AuthorizationInterceptor, TokenCheck
 from .config import TlsConfig
 from .decoding import RequestDecodingInterceptor
 from .errors import ErrorMappingInterceptor
+from .metrics import RpcMetricsInterceptor, ServerMetrics
 from .net import format_host_port, is_loopback, parse_host_port
 from .tls import read_identity, server_credentials
 
@@ -67,7 +68,7 @@ class MeshServer:
                  shutdown_grace_s: float = 10.0,
                  interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
                  tls: TlsConfig | None = None, insecure: bool = False, health_listen: str = "",
-                 token_check: TokenCheck | None = None) -> None:
+                 token_check: TokenCheck | None = None, metrics: ServerMetrics | None = None) -> None:
         self.server_name = server_name
         self.listen = listen
         self.tls = tls
@@ -80,7 +81,8 @@ class MeshServer:
         self.started_at = time.time()
         self._started_monotonic = time.monotonic()
         authorization = [AuthorizationInterceptor(token_check)] if tls is not None else []
-        self._interceptors = [RequestDecodingInterceptor(), tracing.server_interceptor(tracer_provider),
+        counting = [RpcMetricsInterceptor(metrics)] if metrics is not None else []   # outermost: sees every code
+        self._interceptors = [*counting, RequestDecodingInterceptor(), tracing.server_interceptor(tracer_provider),
                               ErrorMappingInterceptor(), *authorization, *interceptors]
         self._server: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None
@@ -259,7 +261,8 @@ class ServerSpec:
                             services=[ServiceBinding(self.descriptor.full_name, servicer, self.add_to_server)],
                             tracer_provider=tracer_provider, shutdown_grace_s=config.shutdown_grace_s,
                             tls=config.tls, insecure=config.insecure, health_listen=config.health_listen,
-                            token_check=getattr(servicer, "token_check", None))
+                            token_check=getattr(servicer, "token_check", None),
+                            metrics=getattr(servicer, "metrics", None))
         servicer.status.bind(server)
         attach = getattr(servicer, "attach", None)
         if attach is not None:

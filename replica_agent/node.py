@@ -13,11 +13,12 @@ import logging
 from collections import OrderedDict
 
 from opentelemetry.sdk.trace import TracerProvider
+from prometheus_client.core import GaugeMetricFamily
 
 from mesh_runtime import __version__
 from mesh_runtime.channels import ChannelPool
 from mesh_runtime.errors import AlreadyExists, InvalidArgument
-from mesh_runtime.prometheus import Metric, MetricsEndpoint
+from mesh_runtime.metrics import MetricsEndpoint, ServerMetrics
 from mesh_runtime.server import MeshServer
 from mesh_runtime.status import node_name
 from rollmesh.controller.v1 import registry_pb2
@@ -48,6 +49,9 @@ class Node:
         self._ids = itertools.count()
         self.link = None
         self.metrics: MetricsEndpoint | None = None
+        self.server_metrics = ServerMetrics()
+        self.timing = _Timing(self.server_metrics)
+        self.server_metrics.on_scrape(self.metric_families)
         self._groups = None
 
     def _create_engine(self, replica_id: str, kind: str, memory_fraction: float, weight_version: int):
@@ -71,7 +75,7 @@ class Node:
             await self.replicas.launch(replica_id=spec.replica_id or self._next_replica_id(), kind=spec.kind,
                                        slots=spec.slots, start_asleep=spec.asleep_at_boot, initial=True)
         if self.config.metrics_listen:
-            self.metrics = MetricsEndpoint(self.config.metrics_listen, self.prometheus_metrics)
+            self.metrics = MetricsEndpoint(self.config.metrics_listen, self.server_metrics)
             log.info("Prometheus metrics on http://%s/metrics", await self.metrics.start())
             server.add_cleanup(self.metrics.close)
         if self.config.controller_address:
@@ -182,31 +186,43 @@ class Node:
             backend=convert.BACKENDS[self.config.backend], model=self.config.model, replicas=replicas,
             agent_version=__version__)
 
-    def prometheus_metrics(self) -> list[Metric]:
+    def metric_families(self) -> list:
+        """Gauges of what each replica holds now (its counters and histograms live in :class:`_Timing`)."""
+        labels = ["replica_id", "node_id", "kind"]
         families = {
-            "running": Metric("rollmesh_replica_running_requests", "Requests being decoded"),
-            "waiting": Metric("rollmesh_replica_waiting_requests", "Requests waiting to be admitted"),
-            "kv": Metric("rollmesh_replica_kv_cache_usage", "KV-cache (token) usage, 0..1"),
-            "tps": Metric("rollmesh_replica_generation_tokens_per_second", "Completion tokens per second"),
-            "queue": Metric("rollmesh_replica_queue_time_p95_seconds", "95th percentile queue time"),
-            "ttft": Metric("rollmesh_replica_time_to_first_token_p95_seconds", "95th percentile TTFT"),
-            "itl": Metric("rollmesh_replica_inter_token_latency_mean_seconds", "Mean inter-token latency"),
-            "version": Metric("rollmesh_replica_weight_version", "Weight version serving"),
-            "state": Metric("rollmesh_replica_state", "1 for the replica's current state"),
+            "running": GaugeMetricFamily("rollmesh_replica_running_requests", "Requests being decoded", labels=labels),
+            "waiting": GaugeMetricFamily("rollmesh_replica_waiting_requests", "Requests waiting to be admitted",
+                                         labels=labels),
+            "kv": GaugeMetricFamily("rollmesh_replica_kv_cache_usage_ratio", "Share of the KV cache (tokens) in use",
+                                    labels=labels),
+            "version": GaugeMetricFamily("rollmesh_replica_weight_version", "Weight version the replica serves",
+                                         labels=labels),
+            "state": GaugeMetricFamily("rollmesh_replica_state", "1 for the replica's current state",
+                                       labels=[*labels, "state"]),
         }
         for replica in self.replicas.list():
-            labels = {"replica_id": replica.replica_id, "node_id": self.node_id, "kind": replica.kind}
+            values = [replica.replica_id, self.node_id, replica.kind]
             snap = replica.engine.load_snapshot()
-            families["running"].add(snap.running, **labels)
-            families["waiting"].add(snap.waiting, **labels)
-            families["kv"].add(snap.kv_cache_usage, **labels)
-            families["tps"].add(snap.tokens_per_second, **labels)
-            families["queue"].add(snap.queue_time_p95_s, **labels)
-            families["ttft"].add(snap.ttft_p95_s, **labels)
-            families["itl"].add(snap.itl_mean_s, **labels)
-            families["version"].add(replica.weight_version, **labels)
-            families["state"].add(1, state=replica.state, **labels)
+            families["running"].add_metric(values, snap.running)
+            families["waiting"].add_metric(values, snap.waiting)
+            families["kv"].add_metric(values, snap.kv_cache_usage)
+            families["version"].add_metric(values, replica.weight_version)
+            families["state"].add_metric([*values, replica.state], 1)
         return list(families.values())
+
+
+class _Timing:
+    """A replica agent's counters and histograms, by replica."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.tokens = metrics.counter("rollmesh_replica_generated_tokens", "Completion tokens streamed",
+                                      ("replica_id",))
+        self.requests = metrics.counter("rollmesh_replica_requests", "Generation attempts served, by how they ended "
+                                        "(stop, length, aborted, failed)", ("replica_id", "outcome"))
+        self.ttft = metrics.histogram("rollmesh_replica_time_to_first_token_seconds",
+                                      "Time from a Generate call's arrival to its first token", ("replica_id",))
+        self.duration = metrics.histogram("rollmesh_replica_request_duration_seconds",
+                                          "Time from a Generate call's arrival to its last message", ("replica_id",))
 
 
 async def wait_registered(node: Node, timeout_s: float) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from opentelemetry.sdk.trace import TracerProvider
 
 from mesh_runtime.errors import InvalidArgument
@@ -30,6 +32,7 @@ class ReplicaAgentServicer(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
     def __init__(self, config: ReplicaAgentConfig, tracer_provider: TracerProvider | None = None) -> None:
         self.node = Node(config, tracer_provider)
         self.replicas = self.node.replicas
+        self.metrics = self.node.server_metrics
         self.status = StatusReporter(config, ["status", "lifecycle", "generate", "sleep", "weights", "load_reports"])
 
     async def attach(self, server) -> None:
@@ -73,8 +76,21 @@ class ReplicaAgentServicer(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
 
     async def Generate(self, request, context):  # noqa: N802
         generation = convert.generation_request(request)
-        async for chunk in self.replicas.generate(request.replica_id, generation):
-            yield convert.chunk_to_proto(chunk)
+        timing = self.node.timing
+        started, first, outcome = time.perf_counter(), True, "failed"
+        try:
+            async for chunk in self.replicas.generate(request.replica_id, generation):
+                if chunk.token_ids:
+                    timing.tokens.labels(request.replica_id).inc(len(chunk.token_ids))
+                    if first:
+                        first = False
+                        timing.ttft.labels(request.replica_id).observe(time.perf_counter() - started)
+                if chunk.finish_reason is not None:
+                    outcome = chunk.finish_reason.name.lower()
+                yield convert.chunk_to_proto(chunk)
+        finally:
+            timing.requests.labels(request.replica_id, outcome).inc()
+            timing.duration.labels(request.replica_id).observe(time.perf_counter() - started)
 
     async def AbortRequests(self, request, context):  # noqa: N802
         if not request.request_ids and not request.all:

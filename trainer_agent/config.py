@@ -6,7 +6,7 @@ import dataclasses
 from pathlib import Path
 from typing import Literal
 
-from mesh_runtime.config import ConfigError, ServerConfig, setting
+from mesh_runtime.config import ConfigError, ServerConfig, check_addresses, setting
 from mesh_runtime.net import AddressError, parse_host_port
 from weight_transfer import WeightTransferConfig
 
@@ -47,6 +47,7 @@ class TrainerAgentConfig(ServerConfig):
         "float32", help="dtype the weights are held and broadcast in; must match the replicas' engine dtype "
                         "(torch engine: float32 on CPU, bfloat16 on CUDA)")
     device: str = setting("cpu", help="device the weights live on: cpu, cuda or cuda:N")
+    metrics_listen: str = setting("", help="HOST:PORT for a Prometheus /metrics endpoint; empty = off")
     weight_rendezvous: str = setting(
         "127.0.0.1:0", help="HOST:PORT of the rendezvous store this trainer hosts for weight broadcasts: "
                             "receivers connect to HOST (it must be reachable from the replica nodes); port "
@@ -68,6 +69,7 @@ class TrainerAgentConfig(ServerConfig):
 
     def validate(self) -> None:
         super().validate()
+        check_addresses(self, listen_keys=("metrics_listen",))
         try:
             host, _ = parse_host_port(self.weight_rendezvous)
         except AddressError as err:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from opentelemetry.sdk.trace import TracerProvider
+import logging
 
+from opentelemetry.sdk.trace import TracerProvider
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from mesh_runtime.metrics import MetricsEndpoint, ServerMetrics
 from mesh_runtime.status import StatusReporter
 from weight_transfer.wire import manifest_to_proto, plan_from_proto
 from rollmesh.trainer.v1 import trainer_agent_pb2 as pb
@@ -15,15 +19,43 @@ from .node import TrainerNode
 DESCRIPTOR = pb.DESCRIPTOR.services_by_name["TrainerAgentService"]
 
 
+log = logging.getLogger(__name__)
+
+
 class TrainerAgentServicer(trainer_agent_pb2_grpc.TrainerAgentServiceServicer):
     """Implements ``rollmesh.trainer.v1.TrainerAgentService``."""
 
     def __init__(self, config: TrainerAgentConfig, tracer_provider: TracerProvider | None = None) -> None:
         self.node = TrainerNode(config, tracer_provider)
         self.status = StatusReporter(config, ["status", "weights", "progress", "offload"])
+        self.metrics = ServerMetrics()
+        self.metrics.on_scrape(self._progress_families)
 
     async def attach(self, server) -> None:
         await self.node.start(server)
+        if self.node.config.metrics_listen:
+            endpoint = MetricsEndpoint(self.node.config.metrics_listen, self.metrics)
+            log.info("Prometheus metrics on http://%s/metrics", await endpoint.start())
+            server.add_cleanup(endpoint.close)
+
+    def _progress_families(self) -> list:
+        p = self.node.driver.progress()
+        out = [GaugeMetricFamily("rollmesh_trainer_global_step", "Training steps finished", value=p.global_step),
+               GaugeMetricFamily("rollmesh_trainer_weight_version", "Weight version of the trainer's weights",
+                                 value=p.weight_version),
+               GaugeMetricFamily("rollmesh_trainer_queue_samples", "Samples waiting in the message queue",
+                                 value=p.queue_size)]
+        for name, value, text in (("generated", p.samples_generated, "Samples the rollouter generated"),
+                                  ("consumed", p.samples_consumed, "Samples training consumed"),
+                                  ("dropped", p.samples_dropped, "Samples dropped as too stale")):
+            family = CounterMetricFamily(f"rollmesh_trainer_samples_{name}", text)
+            family.add_metric([], value)
+            out.append(family)
+        state = GaugeMetricFamily("rollmesh_trainer_state", "1 for the training loop's current state",
+                                  labels=["state"])
+        state.add_metric([p.state], 1)
+        out.append(state)
+        return out
 
     async def GetStatus(self, request, context):  # noqa: N802 - gRPC method names throughout
         node = self.node

@@ -62,7 +62,16 @@ async def test_metrics_match_the_reference_formulas(tmp_path):
         log = (tmp_path / "c.log").read_text()
         assert "Traceback" not in log
         scrape = _scrape(tmp_path)
-        assert "rollmesh_dynamic_resource_train_resource_utilization 0.8" in scrape
+        # each closed cycle is one observation of a histogram per value; sizes are gauges, counts counters
+        assert "rollmesh_dynamic_resource_train_resource_utilization_ratio_sum 0.8" in scrape
+        assert "rollmesh_dynamic_resource_train_resource_utilization_ratio_count 1.0" in scrape
+        assert "rollmesh_dynamic_resource_train_compute_time_seconds_sum 8.0" in scrape
+        assert "rollmesh_dynamic_resource_mq_size 5.0" in scrape
+        assert "rollmesh_fully_async_rollouter_generated_samples_total 12.0" in scrape
+        assert "rollmesh_dynamic_resource_cycles_total 1.0" in scrape
+        assert 'rollmesh_controller_replicas{' not in scrape or "kind=" in scrape
+        assert 'grpc_server_handled_total{grpc_code="OK",grpc_method="CompleteTrainingStep"' in scrape
+        assert "process_cpu_seconds_total" in scrape
 
 
 def _scrape(tmp_path) -> str:

@@ -188,8 +188,9 @@ async def test_prometheus_endpoint_exposes_load(agent, tmp_path):
     log = next(tmp_path.parent.glob("agent*/agent.log")).read_text()
     url = log.split("Prometheus metrics on ")[1].split()[0]
     body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read().decode())
-    assert 'rollmesh_replica_kv_cache_usage{kind="STANDALONE",node_id="node-a",replica_id="s0"}' in body
+    assert 'rollmesh_replica_kv_cache_usage_ratio{kind="STANDALONE",node_id="node-a",replica_id="s0"}' in body
     assert "# TYPE rollmesh_replica_running_requests gauge" in body
+    assert "# TYPE rollmesh_replica_time_to_first_token_seconds histogram" in body
 
 
 async def test_per_request_stream_interval(agent):

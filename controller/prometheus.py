@@ -1,0 +1,108 @@
+"""The controller's Prometheus metrics: the mesh's state as gauges, closed sync cycles as histograms.
+
+Each closed sync cycle's ``dynamic_resource/*`` and ``fully_async/*`` values
+(which keep their names in ``GetMetrics``) are observed once, into a histogram
+per value: times in seconds (``..._time_s`` -> ``..._time_seconds``),
+utilizations and ratios as ``..._ratio``, so ``rate(x_sum[5m]) /
+rate(x_count[5m])`` is their mean over cycles. ``mq_size`` is a size (a gauge
+of the newest cycle) and the rollouter's per-step sample count is a counter.
+Cycles restored from the state directory at start-up count as already observed.
+"""
+
+from __future__ import annotations
+
+from collections import Counter as Tally
+from typing import Any
+
+from prometheus_client import Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from mesh_runtime.metrics import LATENCY_BUCKETS, RATIO_BUCKETS, ServerMetrics
+
+from .core import metrics as cycle_metrics
+
+_GAUGES = {cycle_metrics.MQ_SIZE}
+_HISTOGRAMS = (cycle_metrics.TRAIN_UTILIZATION, cycle_metrics.TRAIN_COMPUTE_TIME, cycle_metrics.TRAIN_ALLOCATED_TIME,
+               cycle_metrics.ROLLOUT_UTILIZATION, cycle_metrics.RESOURCE_UTILIZATION,
+               cycle_metrics.ROLLOUTER_IDLE_RATIO)
+_COUNTERS = {cycle_metrics.STEP_GENERATED_SAMPLES: ("rollmesh_fully_async_rollouter_generated_samples",
+                                                    "Samples the rollouter generated, summed over closed sync cycles")}
+
+
+def prometheus_name(value_name: str) -> tuple[str, tuple[float, ...]]:
+    """The histogram name and buckets of one cycle value, e.g. ``dynamic_resource/train_compute_time_s``."""
+    base = "rollmesh_" + value_name.replace("/", "_")
+    if base.endswith("_time_s"):
+        return base.removesuffix("_s") + "_seconds", LATENCY_BUCKETS
+    if base.endswith("_ratio"):
+        return base, RATIO_BUCKETS
+    if base.endswith("utilization"):
+        return base + "_ratio", RATIO_BUCKETS
+    return base, LATENCY_BUCKETS
+
+
+class ControllerMetrics:
+    """Registers the controller's metrics on ``server`` and observes cycles as they close."""
+
+    def __init__(self, mesh: Any, server: ServerMetrics) -> None:
+        self._mesh = mesh
+        self._server = server
+        self._histograms: dict[str, Histogram] = {}
+        self._sums: dict[str, float] = {}
+        closed = mesh.metrics.closed
+        self._observed = closed[-1].cycle if closed else 0
+        server.on_scrape(self.families)   # first: it observes new cycles before the histograms below are read
+        self._cycles = server.counter("rollmesh_dynamic_resource_cycles", "Sync cycles closed since start-up")
+        for name in _HISTOGRAMS:
+            self._histogram(name)
+
+    def observe_closed_cycles(self) -> None:
+        for cycle in self._mesh.metrics.closed:
+            if cycle.cycle <= self._observed:
+                continue
+            self._observed = cycle.cycle
+            self._cycles.inc()
+            for name, value in cycle.values.items():
+                if name in _GAUGES:
+                    continue
+                if name in _COUNTERS:
+                    self._sums[name] = self._sums.get(name, 0.0) + float(value)
+                    continue
+                self._histogram(name).observe(float(value))
+
+    def _histogram(self, name: str) -> Histogram:
+        histogram = self._histograms.get(name)
+        if histogram is None:   # a value this code does not list yet shows from the next scrape on
+            metric, buckets = prometheus_name(name)
+            histogram = self._histograms[name] = self._server.histogram(
+                metric, f"{name} of each closed sync cycle (the reference's metric)", buckets=buckets)
+        return histogram
+
+    def families(self) -> list:
+        self.observe_closed_cycles()
+        registry = self._mesh.registry
+        out = []
+        replicas = GaugeMetricFamily("rollmesh_controller_replicas", "Replicas in the registry, by kind and state",
+                                     labels=["kind", "state"])
+        for (kind, state), count in sorted(Tally((r.kind.value, r.state.value) for r in registry.replicas()).items()):
+            replicas.add_metric([kind, state], count)
+        out.append(replicas)
+        nodes = GaugeMetricFamily("rollmesh_controller_nodes", "Registered nodes, by whether they hold their lease",
+                                  labels=["lease_held"])
+        held = sum(1 for n in registry.nodes() if n.lease_held)
+        nodes.add_metric(["true"], held)
+        nodes.add_metric(["false"], len(registry.nodes()) - held)
+        out.append(nodes)
+        events = CounterMetricFamily("rollmesh_controller_events", "Lifecycle events recorded (the newest sequence)")
+        events.add_metric([], self._mesh.events.last_sequence)
+        out.append(events)
+        for name, (metric, text) in _COUNTERS.items():
+            family = CounterMetricFamily(metric, text)
+            family.add_metric([], self._sums.get(name, 0.0))
+            out.append(family)
+        latest = self._mesh.metrics.closed[-1] if self._mesh.metrics.closed else None
+        if latest is not None and cycle_metrics.MQ_SIZE in latest.values:
+            out.append(GaugeMetricFamily("rollmesh_dynamic_resource_mq_size",
+                                         "Message-queue size at the newest closed sync cycle",
+                                         value=latest.values[cycle_metrics.MQ_SIZE]))
+        return out

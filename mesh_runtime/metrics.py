@@ -1,0 +1,186 @@
+"""Prometheus metrics by the book, the same on every server (the official ``prometheus_client``).
+
+Each server owns one :class:`ServerMetrics`: a registry holding the process
+metrics (``process_*``, ``python_gc_*``, ``python_info``), the per-RPC gRPC
+server metrics of :class:`RpcMetricsInterceptor` (``grpc_server_handled_total``
+by service, method and code; ``grpc_server_handling_seconds``), and the
+server's own counters, histograms and state gauges. Names follow the
+Prometheus guide: base units (``_seconds``, ``_bytes``), ``_total`` on
+counters, ``_ratio`` on ratios, help texts that say what is measured;
+counters for what happens, histograms for what takes time, gauges only for
+states and sizes. Values derived from state at scrape time come from
+collectors registered with :meth:`ServerMetrics.on_scrape`.
+
+:class:`MetricsEndpoint` serves ``GET``/``HEAD /metrics`` (text format 0.0.4)
+on its own asyncio listener; anything else is 404.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import gc_collector, platform_collector, process_collector
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+
+from .handlers import rewrap
+from .net import format_host_port, parse_host_port
+
+log = logging.getLogger(__name__)
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                   120.0, 300.0)
+"""Seconds, from a millisecond RPC to a long generation or a weight sync."""
+RATIO_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+
+
+class _Callback(Collector):
+    def __init__(self, collect: Callable[[], Iterable]) -> None:
+        self._collect = collect
+
+    def collect(self):
+        yield from self._collect()
+
+
+class ServerMetrics:
+    """One server's registry: process metrics, gRPC server metrics and the server's own."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        process_collector.ProcessCollector(registry=self.registry)
+        platform_collector.PlatformCollector(registry=self.registry)
+        gc_collector.GCCollector(registry=self.registry)
+        self.rpc_handled = self.counter(
+            "grpc_server_handled", "RPCs completed by this server, by service, method and status code",
+            ("grpc_service", "grpc_method", "grpc_code"))
+        self.rpc_seconds = self.histogram(
+            "grpc_server_handling_seconds", "Time from an RPC's arrival to its last response message",
+            ("grpc_service", "grpc_method"))
+
+    def counter(self, name: str, help: str, labels: Iterable[str] = ()) -> Counter:
+        return Counter(name, help, tuple(labels), registry=self.registry)
+
+    def histogram(self, name: str, help: str, labels: Iterable[str] = (),
+                  buckets: Iterable[float] = LATENCY_BUCKETS) -> Histogram:
+        return Histogram(name, help, tuple(labels), buckets=tuple(buckets), registry=self.registry)
+
+    def gauge(self, name: str, help: str, labels: Iterable[str] = ()) -> Gauge:
+        return Gauge(name, help, tuple(labels), registry=self.registry)
+
+    def on_scrape(self, collect: Callable[[], Iterable]) -> None:
+        """Add metric families computed from current state at each scrape (``prometheus_client.core``)."""
+        self.registry.register(_Callback(collect))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
+    """Counts every RPC by status code and times it, in one place for every service."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._metrics = metrics
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        service, _, method = handler_call_details.method.lstrip("/").rpartition("/")
+        handled, seconds = self._metrics.rpc_handled, self._metrics.rpc_seconds.labels(service, method)
+
+        def done(context, started: float, failed: BaseException | None) -> None:
+            code = _code(context, failed)
+            handled.labels(service, method, code).inc()
+            seconds.observe(time.perf_counter() - started)
+
+        def unary(behavior):
+            async def wrapper(request_or_iterator, context):
+                started, failed = time.perf_counter(), None
+                try:
+                    return await behavior(request_or_iterator, context)
+                except BaseException as exc:
+                    failed = exc
+                    raise
+                finally:
+                    done(context, started, failed)
+            return wrapper
+
+        def streaming(behavior):
+            async def wrapper(request_or_iterator, context):
+                started, failed = time.perf_counter(), None
+                try:
+                    async for item in behavior(request_or_iterator, context):
+                        yield item
+                except BaseException as exc:
+                    failed = exc
+                    raise
+                finally:
+                    done(context, started, failed)
+            return wrapper
+
+        return rewrap(handler, unary, streaming)
+
+
+def _code(context, failed: BaseException | None) -> str:
+    code = None
+    with contextlib.suppress(Exception):
+        code = context.code()
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    if isinstance(failed, asyncio.CancelledError):
+        return grpc.StatusCode.CANCELLED.name
+    if failed is not None:
+        return grpc.StatusCode.UNKNOWN.name
+    return grpc.StatusCode.OK.name
+
+
+class MetricsEndpoint:
+    """Serves ``GET /metrics`` (and ``HEAD``) on ``listen`` with ``metrics``' exposition."""
+
+    def __init__(self, listen: str, metrics: ServerMetrics) -> None:
+        self.listen = listen
+        self._metrics = metrics
+        self._server: asyncio.AbstractServer | None = None
+        self.address = ""
+
+    async def start(self) -> str:
+        host, port = parse_host_port(self.listen)
+        self._server = await asyncio.start_server(self._handle, host, port)
+        bound = self._server.sockets[0].getsockname()
+        self.address = format_host_port(host, bound[1])
+        return self.address
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request_line = await asyncio.wait_for(reader.readline(), timeout=5)
+            while (await asyncio.wait_for(reader.readline(), timeout=5)) not in (b"\r\n", b"\n", b""):
+                pass
+            parts = request_line.decode(errors="replace").split()
+            method = parts[0] if parts else ""
+            if len(parts) >= 2 and method in ("GET", "HEAD") and parts[1].split("?")[0] == "/metrics":
+                body, status, ctype = self._metrics.exposition(), "200 OK", CONTENT_TYPE_LATEST
+            else:
+                body, status, ctype = b"not found; try GET /metrics\n", "404 Not Found", "text/plain"
+            head = (f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+                    "Connection: close\r\n\r\n").encode()
+            writer.write(head if method == "HEAD" else head + body)
+            await writer.drain()
+        except (asyncio.TimeoutError, ConnectionError) as err:
+            log.debug("metrics request failed: %s", err)
+        except Exception:  # noqa: BLE001 - a broken collector must not kill the endpoint
+            log.exception("metrics collection failed")
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
