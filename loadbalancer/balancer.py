@@ -32,6 +32,7 @@ from mesh_runtime.errors import (
     Internal,
     ResourceExhausted,
     Unavailable,
+    error_info,
 )
 from mesh_runtime.generation import check_generation
 from mesh_runtime.metrics import ServerMetrics
@@ -51,6 +52,11 @@ _RETRYABLE_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUS
                     grpc.StatusCode.CANCELLED, grpc.StatusCode.FAILED_PRECONDITION}
 log = logging.getLogger(__name__)
 _DONE = object()
+
+
+def _reason(err: grpc.aio.AioRpcError) -> str:
+    info = error_info(err)
+    return info.reason if info is not None else ""
 
 
 class _Timing:
@@ -481,7 +487,8 @@ class Balancer:
         record.outcome = routing_pb2.ATTEMPT_OUTCOME_UNAVAILABLE
         record.reason = (f"{err.code().name}: {err.details()}" if err is not None
                          else why or "stream ended early")
-        if self.table.unreachable(route, record.reason):
+        refused = err is not None and _reason(err) == "REPLICA_NOT_SERVING"   # alive, just busy (e.g. a sync)
+        if not refused and self.table.unreachable(route, record.reason):
             self.stats.outlier_ejections += 1
             log.warning("replica %s ejected from picks for %.1f s: %s", route.replica_id,
                         route.ejected_until - self.table.clock(), route.ejected_reason)
@@ -502,8 +509,11 @@ class Balancer:
             sent = [t for t in route.tickets.values() if t.sent]
             in_flight += [t.request_id for t in sent]
             if abort_in_flight and sent:
-                for ticket in sent:   # resume elsewhere now, whether or not the agent still answers
-                    ticket.cut(f"{route.replica_id} was removed from routing with abort")
+                # a live agent ends each attempt with its abort reply (a clean stream, a span without error);
+                # what is still open after abort_grace_s (a frozen agent) is cut and resumed elsewhere
+                reason = f"{route.replica_id} was removed from routing with abort"
+                asyncio.get_running_loop().call_later(self.config.abort_grace_s,
+                                                      lambda tickets=sent, why=reason: [t.cut(why) for t in tickets])
                 aborts.append(self.upstreams.abort(route, [t.request_id for t in sent]))
         if aborts:
             await asyncio.gather(*aborts)

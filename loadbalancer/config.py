@@ -76,6 +76,9 @@ class LoadBalancerConfig(ServerConfig):
                                                         "replica (doubles each time, jittered)")
     retry_max_backoff_s: float = setting(2.0, help="largest backoff between retries")
     upstream_call_timeout_s: float = setting(10.0, help="deadline of control calls to replica agents (abort)")
+    abort_grace_s: float = setting(1.0, help="after a removal with abort, how long an attempt may take to end "
+                                             "with its replica's abort reply before the balancer cuts it (a "
+                                             "frozen agent never replies)")
     completed_cache_size: int = setting(10_000, help="completed requests remembered, so a repeated request_id "
                                                      "is answered from the record instead of generated twice")
     completed_cache_bytes: int = setting(64 * 1024 * 1024, help="bound of the completed-request records in bytes "
@@ -102,4 +105,6 @@ class LoadBalancerConfig(ServerConfig):
                     "stall_timeout_s"):
             if getattr(self, key) <= 0:
                 raise ConfigError(key, f"must be > 0, got {getattr(self, key)}")
+        if self.abort_grace_s < 0:
+            raise ConfigError("abort_grace_s", f"must be >= 0, got {self.abort_grace_s}")
         check_addresses(self, listen_keys=("metrics_listen",))

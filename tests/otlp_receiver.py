@@ -20,6 +20,8 @@ class ReceivedSpan:
     attributes: dict
     start_ns: int = 0
     end_ns: int = 0
+    status: int = 0
+    """OTLP status code: 0 unset, 1 ok, 2 error."""
 
 
 class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
@@ -38,7 +40,8 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
                     attrs = {a.key: a.value.string_value or a.value.int_value for a in span.attributes}
                     self.spans.append(ReceivedSpan(service, span.name, span.kind, span.trace_id.hex(),
                                                    span.span_id.hex(), span.parent_span_id.hex(), attrs,
-                                                   span.start_time_unix_nano, span.end_time_unix_nano))
+                                                   span.start_time_unix_nano, span.end_time_unix_nano,
+                                                   span.status.code))
         async with self._changed:
             self._changed.notify_all()
         return trace_service_pb2.ExportTraceServiceResponse()

@@ -4,7 +4,7 @@ Token ``i`` of every completion is ``1000 + i``, so a completion stitched
 together from resumed attempts can be checked against ``range(max_tokens)``.
 Each replica hosted by a fake has a mode: ``normal`` (streams ``step``
 tokens per message, waiting on a gate between messages when ``gated``),
-``abort`` (aborts at once), ``stall`` (never answers), ``vanish`` (dies right
+``abort`` (aborts at once), ``busy`` (refuses: not serving now), ``stall`` (never answers), ``vanish`` (dies right
 after its last token) or ``linger`` (its abort reply carries the next tokens,
 then the stream stays open: a replica that hangs after its final message).
 """
@@ -15,6 +15,8 @@ import asyncio
 from dataclasses import dataclass, field
 
 import grpc
+
+from mesh_runtime.errors import Unavailable, to_status
 
 from rollmesh.common.v1 import generation_pb2
 from rollmesh.replica.v1 import replica_agent_pb2 as pb
@@ -49,6 +51,9 @@ class FakeReplicas(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
         mine = generation_pb2.TokenSegment(weight_version=self.version, replica_id=request.replica_id)
         if mode == "down":   # what a dead or unreachable replica looks like to the balancer
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"replica {request.replica_id} is down")
+        if mode == "busy":   # what a live agent answers while the replica syncs weights
+            await context.abort_with_status(to_status(Unavailable(
+                f"replica {request.replica_id} is busy (weights in progress)", reason="REPLICA_NOT_SERVING")))
         if mode == "abort":
             yield pb.GenerateResponse(request_id=request.request_id, finish_reason=generation_pb2.FINISH_REASON_ABORTED,
                                       segments=segments)

@@ -353,3 +353,15 @@ async def test_a_replica_that_keeps_failing_is_ejected_until_it_answers_again(me
         await collect(stub, request(f"back{i}", 4), timeout=20)
     back = {r.endpoint.replica_id: r for r in (await stub.ListReplicas(pb.ListReplicasRequest())).replicas}["dead"]
     assert back.routable and back.consecutive_failures == 0 and back.ejections == 0 and back.completed >= 1
+
+
+async def test_a_replica_that_refuses_while_busy_is_not_ejected(mesh):
+    # REPLICA_NOT_SERVING (e.g. during its weight sync) comes from a live agent: retried elsewhere, never ejected
+    stub, fake, _ = await mesh({"syncing": "busy", "ok": "ok"}, lb_overrides={
+        "outlier_detection": {"consecutive_failures": 1, "base_ejection_s": 30.0}})
+    for i in range(6):
+        tokens, _ = await collect(stub, request(f"b{i}", 4), timeout=20)
+        assert len(tokens) == 4
+    assert sum(1 for s in fake.seen if s.replica_id == "syncing") >= 2
+    syncing = {r.endpoint.replica_id: r for r in (await stub.ListReplicas(pb.ListReplicasRequest())).replicas}["syncing"]
+    assert syncing.routable and syncing.ejections == 0

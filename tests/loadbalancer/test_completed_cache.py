@@ -57,8 +57,9 @@ def test_count_bound_age_bound_and_too_large_records():
 def test_gauges_and_config_bounds():
     cache = CompletedCache(max_entries=10, max_bytes=10_000, ttl_s=60)
     cache.put("x", record(20))
-    names = {m.name: m for m in Stats().metrics(0, cache)}
-    assert "rollmesh_lb_completed_cache_entries" in names and "rollmesh_lb_completed_cache_bytes" in names
+    families = {m.name: m for m in Stats().families(0, cache)}
+    assert families["rollmesh_lb_completed_cache_entries"].samples[0].value == 1
+    assert families["rollmesh_lb_completed_cache_bytes"].samples[0].value == cache.bytes > 0
     config = LoadBalancerConfig()
     assert config.completed_cache_bytes == 64 * 1024 * 1024 and config.completed_cache_ttl_s == 600.0
     for key in ("completed_cache_bytes", "completed_cache_ttl_s"):
