@@ -180,6 +180,11 @@ class WeightBroadcaster:
             wanted = weight_version or self.source.weight_version
             if prepared is not None and prepared.serves(wanted, bucket, algorithm):
                 return prepared
+            if self.adopt_newer_versions and weight_version > self.source.weight_version + 1:
+                raise FailedPrecondition(
+                    f"weight version {weight_version} jumps from the trainer's {self.source.weight_version} "
+                    f"without a sync in between: without a training loop only the next version "
+                    f"({self.source.weight_version + 1}) is adopted", reason="VERSION_JUMP")
             if self.adopt_newer_versions and weight_version > self.source.weight_version:
                 log.info("no training loop publishes versions here: the current weights (version %d) become "
                          "version %d", self.source.weight_version, weight_version)

@@ -40,9 +40,9 @@ class TrainerAgentConfig(ServerConfig):
     initial_weight_version: int = setting(0, help="weight version of the weights loaded at start, e.g. the "
                                                   "step of the checkpoint being resumed")
     adopt_requested_versions: bool = setting(
-        True, help="while no training loop runs here, a PrepareWeightSync for a version newer than the "
-                   "trainer's publishes the current weights under that version (the controller's steps "
-                   "number the versions); false = such a request fails with FAILED_PRECONDITION")
+        True, help="while no training loop runs here, a PrepareWeightSync for the next version (the "
+                   "trainer's + 1) publishes the current weights under it (the controller's steps number the "
+                   "versions); a bigger jump always fails with FAILED_PRECONDITION; false = any newer one does")
     weight_dtype: Literal["float32", "bfloat16", "float16"] = setting(
         "float32", help="dtype the weights are held and broadcast in; must match the replicas' engine dtype "
                         "(torch engine: float32 on CPU, bfloat16 on CUDA)")

@@ -191,10 +191,10 @@ async def test_a_forged_manifest_is_not_swapped_in_even_from_the_controllers_own
     async with _as(pki, "controller", mesh["trainer"]) as tch, _as(pki, "controller", mesh["agent"]) as ach:
         trainer = trainer_agent_pb2_grpc.TrainerAgentServiceStub(tch)
         agent = replica_agent_pb2_grpc.ReplicaAgentServiceStub(ach)
-        prepared = await trainer.PrepareWeightSync(trainer_agent_pb2.PrepareWeightSyncRequest(weight_version=77),
+        prepared = await trainer.PrepareWeightSync(trainer_agent_pb2.PrepareWeightSyncRequest(weight_version=1),
                                                    timeout=60)
         genuine = weights_pb2.WeightSyncPlan(
-            sync_id="forged-1", weight_version=77, group_id="g-forged", rendezvous_host=prepared.rendezvous_host,
+            sync_id="forged-1", weight_version=1, group_id="g-forged", rendezvous_host=prepared.rendezvous_host,
             rendezvous_port=prepared.rendezvous_port, world_size=2, backend=weights_pb2.PROCESS_GROUP_BACKEND_GLOO,
             manifest=prepared.manifest, source=prepared.source, sync_key=os.urandom(32),
             members=[weights_pb2.WeightSyncMember(rank=0),

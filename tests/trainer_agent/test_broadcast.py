@@ -167,11 +167,14 @@ async def test_a_newer_version_is_adopted_only_when_allowed(broadcaster):
     with pytest.raises(FailedPrecondition, match="holds weight version 7, not 9"):
         await broadcaster.prepare(9)
     broadcaster.adopt_newer_versions = True
-    adopted = await broadcaster.prepare(9)
-    assert adopted.weight_version == 9 == broadcaster.source.weight_version
-    assert adopted.manifest == first.manifest  # the same weights, now published as version 9
-    with pytest.raises(FailedPrecondition, match="holds weight version 9, not 8"):
-        await broadcaster.prepare(8)  # older versions are never adopted
+    with pytest.raises(FailedPrecondition, match="jumps from the trainer's 7 without a sync") as info:
+        await broadcaster.prepare(150)   # garbage: it would freeze every later genuine version
+    assert info.value.reason == "VERSION_JUMP" and broadcaster.source.weight_version == 7
+    adopted = await broadcaster.prepare(8)
+    assert adopted.weight_version == 8 == broadcaster.source.weight_version
+    assert adopted.manifest == first.manifest  # the same weights, now published as version 8
+    with pytest.raises(FailedPrecondition, match="holds weight version 8, not 7"):
+        await broadcaster.prepare(7)  # older versions are never adopted
 
 
 async def test_a_released_snapshot_must_be_prepared_again(broadcaster):
