@@ -1,9 +1,10 @@
 """Local mesh helpers behind ``rollmesh up`` and ``rollmesh status``.
 
-``up`` starts the four servers as separate processes on loopback (free ports),
-prints each one's status and either stops them or keeps them running until
-Ctrl-C. ``status`` finds a server's rollmesh service by reflection and prints
-its ``GetStatus`` answer as JSON.
+``up`` starts the four servers as separate processes on loopback (free ports)
+with mutual TLS from a CA it makes in the run directory (``pki/``), prints each
+one's status and either stops them or keeps them running until Ctrl-C.
+``status`` finds a server's rollmesh service by reflection and prints a
+summary of its ``GetStatus`` answer (or all of it as JSON).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from mesh_runtime.config import TlsConfig
 from google.protobuf import json_format
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from .pki import LocalPki
 from .processes import LaunchError, ServerProcess, start_server
 
 # Full service name -> module holding its generated stub and messages.
@@ -114,13 +116,27 @@ def _readable(value) -> str:
 ORDER = ("lb", "controller", "replica-agent", "trainer-agent")
 
 
-async def start_local_mesh(run_dir: Path, env: dict[str, str]) -> dict[str, ServerProcess]:
-    """Start the four servers on free loopback ports, logs under ``run_dir``."""
+_PREFIX = {"lb": "ROLLMESH_LB", "controller": "ROLLMESH_CONTROLLER", "replica-agent": "ROLLMESH_REPLICA_AGENT",
+           "trainer-agent": "ROLLMESH_TRAINER_AGENT"}
+_IDENTITY = {"lb": "lb", "controller": "controller", "replica-agent": "local", "trainer-agent": "local"}
+
+
+def local_client_tls(run_dir: Path) -> TlsConfig:
+    """The identity tools use towards a local mesh: a read-only operator of its CA (``run_dir/pki``)."""
+    return LocalPki(run_dir / "pki").tls("operator-readonly", "local")
+
+
+async def start_local_mesh(run_dir: Path, env: dict[str, str], *, tls: bool = True) -> dict[str, ServerProcess]:
+    """Start the four servers on free loopback ports, logs under ``run_dir``; with mutual TLS from a CA made
+    in ``run_dir/pki`` unless ``tls`` is false."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    pki = LocalPki(run_dir / "pki")
     started: dict[str, ServerProcess] = {}
     try:
         for name in ORDER:
             child_env = dict(env)
+            if tls:
+                child_env.update(pki.env(_PREFIX[name], name, _IDENTITY[name]))
             if name == "controller":
                 child_env["ROLLMESH_CONTROLLER__LOAD_BALANCER_ADDRESS"] = started["lb"].address
             started[name] = await start_server(name, ["--listen", "127.0.0.1:0"], env=child_env,
@@ -139,6 +155,7 @@ async def stop_all(servers: dict[str, ServerProcess]) -> dict[str, int]:
 async def up(run_dir: str, *, exit_after_status: bool, env: dict[str, str]) -> int:
     try:
         servers = await start_local_mesh(Path(run_dir), env)
+        tls = local_client_tls(Path(run_dir))
     except LaunchError as err:
         print(f"rollmesh up: error: {err}", file=sys.stderr)
         return 1
@@ -146,7 +163,7 @@ async def up(run_dir: str, *, exit_after_status: bool, env: dict[str, str]) -> i
     try:
         print(f"{'server':<14} {'address':<22} {'ready':<6} {'version':<8} capabilities")
         for name, proc in servers.items():
-            _, response = await fetch_status(proc.address)
+            _, response = await fetch_status(proc.address, tls=tls)
             status = response.status
             print(f"{name:<14} {proc.address:<22} {str(status.ready).lower():<6} {status.version:<8} "
                   f"{', '.join(status.capabilities)}")

@@ -46,7 +46,7 @@ from typing import Any, TextIO
 
 import grpc
 
-from mesh_runtime import certs, tracing
+from mesh_runtime import tracing
 from mesh_runtime.channels import open_channel, read_methods
 from mesh_runtime.config import TlsConfig
 import yaml
@@ -54,6 +54,7 @@ from google.protobuf import json_format
 
 from .job_config import JobConfig, describe_job, server_configs
 from .processes import LaunchError, ServerProcess, start_server
+from .pki import LocalPki
 from .span_sink import start_span_sink
 from .train_report import describe_event, effective_steps, format_summary, progress_bar, summarize
 
@@ -165,13 +166,7 @@ class TrainJob:
         """The ``tls`` section of ``spiffe://rollmesh/<role>/<name>`` (made in ``pki/``), or None without TLS."""
         if not self.job.mesh.tls:
             return None
-        pki = self.run_dir / "pki"
-        if not (pki / certs.CA_CERT).exists():
-            certs.create_ca(pki, common_name="rollmesh train CA")
-        cert, key = pki / f"{role}-{name}.pem", pki / f"{role}-{name}.key"
-        if not cert.exists():
-            cert, key = certs.create_cert(pki, role, name, hosts=["127.0.0.1", "localhost"], days=30)
-        return {"cert": str(cert), "key": str(key), "ca": str(pki / certs.CA_CERT)}
+        return LocalPki(self.run_dir / "pki", ca_name="rollmesh train CA").section(role, name)
 
     def _client_tls(self) -> TlsConfig | None:
         """The launcher's own identity (an operator) for its channels into the mesh."""

@@ -13,7 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from launcher.processes import server_command, start_server
-from launcher.local_mesh import STATUS_SERVICES, start_local_mesh, stop_all
+from launcher.local_mesh import STATUS_SERVICES, local_client_tls, start_local_mesh, stop_all
 from tests.processes import clean_env
 
 pytestmark = [pytest.mark.timeout(120)]
@@ -116,11 +116,13 @@ def test_print_default_config_lists_documented_keys():
 
 
 async def test_node_client_calls_status_of_every_server(node, tmp_path):
-    servers = await start_local_mesh(tmp_path, _env())
+    servers = await start_local_mesh(tmp_path, _env())   # mutual TLS, as rollmesh up runs it
+    tls = local_client_tls(tmp_path)
     try:
         targets = [f"{SERVICE_OF[name]}={proc.address}" for name, proc in servers.items()]
+        env = {**_env(), "ROLLMESH_TLS_CA": tls.ca, "ROLLMESH_TLS_CERT": tls.cert, "ROLLMESH_TLS_KEY": tls.key}
         result = await asyncio.to_thread(subprocess.run, [node, "tests/node/status_client.js", *targets],
-                                         capture_output=True, text=True, timeout=60)
+                                         capture_output=True, text=True, timeout=60, env=env)
     finally:
         codes = await stop_all(servers)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -130,6 +132,7 @@ async def test_node_client_calls_status_of_every_server(node, tmp_path):
     for name, service in SERVICE_OF.items():
         assert by_service[service]["serverName"] == name
         assert by_service[service]["ready"] is True
+        assert by_service[service]["transportSecurity"] == "TRANSPORT_SECURITY_MUTUAL_TLS"
     assert set(codes.values()) == {0}
 
 
