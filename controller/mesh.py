@@ -59,6 +59,8 @@ class Mesh:
         self.tracer = tracing.tracer(tracer_provider, "rollmesh.controller")
         self.store = StateStore(config.state_dir, keep_events=config.event_retention)
         self.events = EventLog(self.clock, max_events=config.event_retention, trace_ids=_trace_ids)
+        self.event_listeners: list[Any] = []
+        """Called with every event as it is recorded (the Prometheus counters)."""
         self.hub = EventHub(self.events, config.watcher_queue_size)
         self.registry = self._restore_registry()
         self._ejections_seen: dict[str, int] = {}
@@ -129,6 +131,8 @@ class Mesh:
     # ---------------------------------------------------------------- events
     def emit(self, type: EventType, /, **fields: Any):
         event = self.events.append(type, **fields)
+        for listener in self.event_listeners:
+            listener(event)
         self.hub.publish(event)
         self.store.append_event(event.sequence, event.to_dict())
         self.store.mark("events", "registry")

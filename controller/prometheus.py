@@ -41,6 +41,13 @@ def prometheus_name(value_name: str) -> tuple[str, tuple[float, ...]]:
     return base, LATENCY_BUCKETS
 
 
+def _number(value: Any) -> float:
+    try:
+        return max(0.0, float(value))
+    except (TypeError, ValueError):
+        return 0.0
+
+
 class ControllerMetrics:
     """Registers the controller's metrics on ``server`` and observes cycles as they close."""
 
@@ -52,9 +59,42 @@ class ControllerMetrics:
         closed = mesh.metrics.closed
         self._observed = closed[-1].cycle if closed else 0
         server.on_scrape(self.families)   # first: it observes new cycles before the histograms below are read
+        self._events = server.counter("rollmesh_controller_events", "Lifecycle events recorded, by type", ("type",))
+        self._transitions = server.counter("rollmesh_controller_hybrid_transitions",
+                                           "Hybrid replicas activated for rollout or released for training",
+                                           ("transition",))
+        self._syncs = server.counter("rollmesh_controller_weight_syncs",
+                                     "Weight syncs by outcome (completed, failed, skipped hybrid syncs)", ("outcome",))
+        self._sync_bytes = server.counter("rollmesh_controller_weight_sync_bytes",
+                                          "Bytes the weight syncs sent, and the bytes skipped hybrid syncs saved",
+                                          ("kind",))
+        for transition in ("activate", "deactivate"):
+            self._transitions.labels(transition)
+        for outcome in ("completed", "failed", "skipped"):
+            self._syncs.labels(outcome)
+        for kind in ("sent", "saved"):
+            self._sync_bytes.labels(kind)
+        mesh.event_listeners.append(self.count_event)
         self._cycles = server.counter("rollmesh_dynamic_resource_cycles", "Sync cycles closed since start-up")
         for name in _HISTOGRAMS:
             self._histogram(name)
+
+    def count_event(self, event) -> None:
+        kind, attrs = event.type.value, event.attributes or {}
+        self._events.labels(kind).inc()
+        if kind == "CONTROLLER_STATE_CHANGED" and event.from_state:
+            if event.to_state == "HYBRID_STATE_HYBRID_ACTIVE":
+                self._transitions.labels("activate").inc()
+            elif event.to_state == "HYBRID_STATE_STANDALONE_ONLY":
+                self._transitions.labels("deactivate").inc()
+        elif kind == "WEIGHT_SYNC_COMPLETED":
+            self._syncs.labels("completed").inc()
+            self._sync_bytes.labels("sent").inc(_number(attrs.get("bytes_sent")))
+        elif kind == "WEIGHT_SYNC_FAILED":
+            self._syncs.labels("failed").inc()
+        elif kind == "WEIGHT_SYNC_SKIPPED":
+            self._syncs.labels("skipped").inc()
+            self._sync_bytes.labels("saved").inc(_number(attrs.get("bytes_saved")))
 
     def observe_closed_cycles(self) -> None:
         for cycle in self._mesh.metrics.closed:
@@ -93,9 +133,6 @@ class ControllerMetrics:
         nodes.add_metric(["true"], held)
         nodes.add_metric(["false"], len(registry.nodes()) - held)
         out.append(nodes)
-        events = CounterMetricFamily("rollmesh_controller_events", "Lifecycle events recorded (the newest sequence)")
-        events.add_metric([], self._mesh.events.last_sequence)
-        out.append(events)
         for name, (metric, text) in _COUNTERS.items():
             family = CounterMetricFamily(metric, text)
             family.add_metric([], self._sums.get(name, 0.0))

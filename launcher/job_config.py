@@ -167,6 +167,9 @@ class JobMesh:
     torch_threads: int = setting(1, help="OMP/MKL threads per process (CPU machines have few cores)")
     tls: bool = setting(True, help="mutual TLS between the processes, with a CA made in the run directory "
                                    "(pki/); false = plaintext on loopback")
+    metrics: bool = setting(False, help="give every process a Prometheus /metrics endpoint on its own free "
+                                        "port; the targets are written to prometheus_targets.json (file_sd "
+                                        "format) in the run directory")
 
     def validate(self) -> None:
         for key in ("lease_ttl_s", "load_report_interval_s", "start_timeout_s"):

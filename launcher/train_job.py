@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import socket
 import sys
 import time
@@ -136,6 +137,7 @@ class TrainJob:
         self.env = env
         self.console = Console(out)
         self.processes: dict[str, ServerProcess] = {}
+        self.metrics_targets: dict[str, tuple[str, str]] = {}   # process -> (server, HOST:PORT of /metrics)
         self.events: list[dict[str, Any]] = []
         self._t0 = time.time()
         self._event_seen = asyncio.Event()
@@ -154,6 +156,8 @@ class TrainJob:
 
     async def _start(self, name: str, server: str, config: dict[str, Any] | None, env: dict[str, str]) -> None:
         args = ["--listen", "127.0.0.1:0"]
+        if config is not None and self.job.mesh.metrics:
+            config = {**config, "metrics_listen": "127.0.0.1:0"}
         if config is not None:
             path = self.run_dir / "config" / f"{name}.yaml"
             path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -161,6 +165,21 @@ class TrainJob:
         self.processes[name] = await start_server(server, args, env=env, log_path=self.run_dir / "logs" / f"{name}.log",
                                                   ready_timeout_s=self.job.mesh.start_timeout_s)
         self.console.line(f"  started {name:<20} {self.processes[name].address:<22} pid {self.processes[name].pid}")
+        if self.job.mesh.metrics:
+            found = re.search(r"Prometheus metrics on http://(\S+)/metrics",
+                              (self.run_dir / "logs" / f"{name}.log").read_text())
+            if found:
+                self.metrics_targets[name] = (server, found.group(1))
+
+    def _write_metrics_targets(self) -> None:
+        """``prometheus_targets.json``: every process's /metrics, as Prometheus file_sd_configs read it."""
+        targets = [{"targets": [address], "labels": {"job": "rollmesh", "server": server, "process": name}}
+                   for name, (server, address) in sorted(self.metrics_targets.items())]
+        path = self.run_dir / "prometheus_targets.json"
+        partial = path.with_suffix(".json.tmp")
+        partial.write_text(json.dumps(targets, indent=2))
+        partial.replace(path)   # Prometheus re-reads the file as it changes: never let it see half of it
+        self.console.line(f"metrics: {len(targets)} /metrics endpoints, listed in {path} (file_sd)")
 
     def _tls(self, role: str, name: str) -> dict[str, str] | None:
         """The ``tls`` section of ``spiffe://rollmesh/<role>/<name>`` (made in ``pki/``), or None without TLS."""
@@ -195,6 +214,8 @@ class TrainJob:
         rest = [n for n in configs if n not in ("controller",)]
         await asyncio.gather(*(self._start(n, "trainer-agent" if n == "trainer-agent" else "replica-agent",
                                            configs[n], env) for n in rest))
+        if self.job.mesh.metrics:
+            self._write_metrics_targets()
         (self.run_dir / "processes.json").write_text(json.dumps(
             {n: {"pid": p.pid, "address": p.address, "server": p.name, "log": str(p.log_path)}
              for n, p in self.processes.items()}, indent=2))

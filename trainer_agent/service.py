@@ -45,6 +45,10 @@ class TrainerAgentServicer(trainer_agent_pb2_grpc.TrainerAgentServiceServicer):
                                  value=p.weight_version),
                GaugeMetricFamily("rollmesh_trainer_queue_samples", "Samples waiting in the message queue",
                                  value=p.queue_size)]
+        loop = self.node.driver.loop
+        if loop is not None:
+            out.append(GaugeMetricFamily("rollmesh_trainer_queue_capacity_samples",
+                                         "Bound of the message queue in samples", value=loop.queue.max_queue_size))
         for name, value, text in (("generated", p.samples_generated, "Samples the rollouter generated"),
                                   ("consumed", p.samples_consumed, "Samples training consumed"),
                                   ("dropped", p.samples_dropped, "Samples dropped as too stale")):

@@ -69,6 +69,7 @@ async def test_metrics_match_the_reference_formulas(tmp_path):
         assert "rollmesh_dynamic_resource_mq_size 5.0" in scrape
         assert "rollmesh_fully_async_rollouter_generated_samples_total 12.0" in scrape
         assert "rollmesh_dynamic_resource_cycles_total 1.0" in scrape
+        assert 'rollmesh_controller_weight_syncs_total{outcome="completed"}' in scrape
         assert 'rollmesh_controller_replicas{' not in scrape or "kind=" in scrape
         assert 'grpc_server_handled_total{grpc_code="OK",grpc_method="CompleteTrainingStep"' in scrape
         assert "process_cpu_seconds_total" in scrape
