@@ -102,6 +102,10 @@ class HybridOperations:
             failed.update(sleep_failed)
             released = tuple(rid for rid in rest if rid not in sleep_failed)
             for rid in released:
+                if rid in self.registry and self.registry.get(rid).state in (S.ACTIVE, S.PAUSED):
+                    # its agent registered again (a controller restart) while this release awaited it,
+                    # reporting the state it had then; it has slept since, so it goes the release's way again
+                    self._move(rid, S.DRAINING, "re-registered during its release", global_step)
                 self._move(rid, S.SLEEPING, f"released for training (sleep level {self.config.sleep_level})",
                            global_step)
         return DeactivationResult(released, failed, aborted, self.clock() - start)

@@ -63,10 +63,14 @@ class FakeReplicas:
         self.fail: dict[str, dict[str, str]] = {}
         self.raise_for: dict[str, set[str]] = {}
         self.hang: dict[str, set[str]] = {}
+        self.during: dict[str, Any] = {}
+        """``during[method]()`` runs inside the call (something else happening while it awaits the agent)."""
         self.aborted_per_replica = 3
 
     async def _do(self, name: str, ids: Sequence[str], *extra: Any) -> ReplicaCallResult:
         self.log.append((name, tuple(ids), *extra))
+        if name in self.during:
+            self.during.pop(name)()
         self.clock.advance(self.costs.get(name, 0.0))
         if set(ids) & self.hang.get(name, set()):
             await asyncio.Event().wait()

@@ -406,6 +406,21 @@ async def test_interrupted_release_is_finished_by_the_retry(mesh):
     assert ctrl.deactivations == 1
 
 
+async def test_an_agent_registering_again_during_a_release_does_not_break_it(mesh):
+    # the controller restarted mid-release; the agent registered again, reporting h1 as it was then (ACTIVE),
+    # while the retried release was waiting for its sleep: the release still ends with h1 asleep
+    from controller.core.replicas import ReplicaSpec
+
+    ctrl = mesh.controller()
+    await activate_in_step_1(mesh, ctrl)
+    await ctrl.begin_step(2, report())
+    mesh.replicas.during["sleep"] = lambda: mesh.registry.register_node(
+        "t1", "t1:1", replicas=[ReplicaSpec("h1", K.HYBRID, S.ACTIVE)])
+    released = await ctrl.release_hybrid(2, 40, 3.0)
+    assert released.released_replica_ids == ("h1", "h2")
+    assert [mesh.state(r) for r in ("h1", "h2")] == [S.SLEEPING, S.SLEEPING]
+
+
 async def test_interrupted_sync_restores_states_and_the_retry_counts_once(mesh):
     import asyncio
 
