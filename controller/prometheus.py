@@ -137,6 +137,15 @@ class ControllerMetrics:
             family = CounterMetricFamily(metric, text)
             family.add_metric([], self._sums.get(name, 0.0))
             out.append(family)
+        out.append(GaugeMetricFamily("rollmesh_controller_event_history_events",
+                                     "Lifecycle events retained for replay (bounded by event_retention)",
+                                     value=len(self._mesh.events)))
+        queued = self._mesh.hub.sizes()
+        out.append(GaugeMetricFamily("rollmesh_controller_event_watchers", "Open WatchEvents streams",
+                                     value=len(queued)))
+        out.append(GaugeMetricFamily("rollmesh_controller_event_watcher_queue_max_events",
+                                     "Events queued for the most backed-up WatchEvents stream (bounded by "
+                                     "watcher_queue_size)", value=max(queued, default=0)))
         latest = self._mesh.metrics.closed[-1] if self._mesh.metrics.closed else None
         if latest is not None and cycle_metrics.MQ_SIZE in latest.values:
             out.append(GaugeMetricFamily("rollmesh_dynamic_resource_mq_size",

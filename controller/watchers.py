@@ -34,6 +34,10 @@ class EventHub:
         self.queue_size = queue_size
         self._watchers: set[Watcher] = set()
 
+    def sizes(self) -> list[int]:
+        """Events queued for each open WatchEvents stream now (each bounded by ``queue_size``)."""
+        return [watcher.queue.qsize() for watcher in self._watchers]
+
     def publish(self, event: LifecycleEvent) -> None:
         for watcher in self._watchers:
             if watcher.lagging or not watcher.accept(event):

@@ -53,7 +53,8 @@ class LoadBalancerServicer(loadbalancer_pb2_grpc.LoadBalancerServiceServicer):
         self.table = self.balancer.table
         self.metrics.on_scrape(lambda: self.balancer.stats.families(
             self.balancer.in_flight, self.balancer.completed,
-            [not self.table.unroutable_reason(r, self.table.version_floor(None)) for r in self.table.routes.values()]))
+            [not self.table.unroutable_reason(r, self.table.version_floor(None)) for r in self.table.routes.values()],
+            self.table.sticky_sessions))
         self.status = StatusReporter(config, ["status", "generate", "replicas", "rebalance", "stats"])
         self._rebalances: OrderedDict[str, pb.RebalanceResponse] = OrderedDict()
 

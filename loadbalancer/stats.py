@@ -33,7 +33,7 @@ class Stats:
         msg.since.FromNanoseconds(int(self.since * 1e9))
         return msg
 
-    def families(self, in_flight: int, completed: Any = None, routes: Any = None) -> list:
+    def families(self, in_flight: int, completed: Any = None, routes: Any = None, sticky: int | None = None) -> list:
         """The counters as Prometheus families, plus the gauges of what the balancer holds now."""
         out = []
         for field_name, (name, text) in COUNTERS.items():
@@ -48,6 +48,9 @@ class Stats:
                                          value=completed.entries))
             out.append(GaugeMetricFamily("rollmesh_lb_completed_cache_bytes",
                                          "Serialized size of the completed-request records", value=completed.bytes))
+        if sticky is not None:
+            out.append(GaugeMetricFamily("rollmesh_lb_sticky_sessions",
+                                         "Session pins kept (bounded by max_sticky_sessions)", value=sticky))
         if routes is not None:
             family = GaugeMetricFamily("rollmesh_lb_replicas", "Replicas in the routing table, by routability",
                                        labels=["routable"])

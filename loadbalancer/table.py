@@ -293,6 +293,10 @@ class RoutingTable:
         ticket.route.failed += int(failed)
 
     # -------------------------------------------------------------- sessions
+    @property
+    def sticky_sessions(self) -> int:
+        return len(self._sticky)
+
     def sticky_count(self, replica_id: str) -> int:
         return sum(1 for rid in self._sticky.values() if rid == replica_id)
 
