@@ -6,12 +6,20 @@ import contextlib
 import os
 import selectors
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from launcher.processes import READY_LINE, server_command
+
+
+def free_port() -> int:
+    """A loopback port free now (for a server that must be restarted at the same address)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -22,7 +22,6 @@ import asyncio
 import os
 import random
 import signal
-import socket
 import time
 from pathlib import Path
 
@@ -33,7 +32,7 @@ from launcher.processes import start_server
 from rollmesh.common.v1 import generation_pb2
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2 as lb_pb
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2_grpc, routing_pb2
-from tests.processes import clean_env
+from tests.processes import clean_env, free_port
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -57,11 +56,6 @@ reconcile_interval_s: 0.5
 """
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 class Mesh:
     """The mesh's processes by name, each restartable at its address."""
@@ -69,7 +63,7 @@ class Mesh:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.env = clean_env()
-        self.addresses = {name: f"127.0.0.1:{_port()}" for name in ("lb", "controller", "a0", "a1", "a2")}
+        self.addresses = {name: f"127.0.0.1:{free_port()}" for name in ("lb", "controller", "a0", "a1", "a2")}
         self.procs: dict[str, object] = {}
         self.log: list[str] = []
         (root / "state").mkdir()

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import socket
 import time
 from pathlib import Path
 
@@ -25,16 +24,11 @@ import yaml
 from launcher.job_config import load_job_config, server_configs
 from rollmesh.trainer.v1 import trainer_agent_pb2, trainer_agent_pb2_grpc
 from tests.e2e.job_configs import job_config
-from tests.processes import clean_env, running_server
+from tests.processes import clean_env, free_port, running_server
 
 pytestmark = pytest.mark.timeout(300)
 STEPS = 8
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _steps(path: Path) -> list[dict]:
@@ -47,7 +41,7 @@ async def test_training_finishes_through_a_controller_sigkill_mid_step(tmp_path)
     job = load_job_config(job_config(tmp_path, "quickstart.yaml", **{"trainer.total_training_steps": STEPS,
                                                                       "trainer.checkpoint": False}))
     env = clean_env(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    controller_address, trainer_address = f"127.0.0.1:{_port()}", f"127.0.0.1:{_port()}"
+    controller_address, trainer_address = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     with running_server("lb", ["--listen", "127.0.0.1:0"], env=env, log_path=tmp_path / "lb.log") as (lb, _):
         configs = server_configs(job, run_dir=tmp_path, lb=lb, controller=controller_address, trainer=trainer_address)
         configs["controller"].update(listen=controller_address, state_dir=str(tmp_path / "state"))

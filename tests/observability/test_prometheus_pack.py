@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.job_configs import job_config
-from tests.processes import clean_env
+from tests.processes import clean_env, free_port
 
 pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,11 +47,6 @@ def test_the_rules_and_the_scrape_config_pass_promtool(promtool):
         assert result.returncode == 0, (args, result.stdout + result.stderr)
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _query(base: str, expr: str, at: float) -> list:
     url = f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": expr, "time": f"{at:.3f}"})
@@ -74,7 +68,7 @@ scrape_configs:
   - job_name: rollmesh
     file_sd_configs: [{{files: ["{run_dir}/prometheus_targets.json"], refresh_interval: 500ms}}]
 """)
-    port = _port()
+    port = free_port()
     server = subprocess.Popen([prometheus, f"--config.file={tmp_path / 'prometheus.yml'}",
                                f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
                               stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prometheus.log", "wb"))
