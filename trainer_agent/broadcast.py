@@ -257,9 +257,9 @@ class WeightBroadcaster:
 
     async def _transfer(self, cache: GroupCache, plan: SyncPlan, prepared: PreparedSync) -> SendResult:
         started = time.monotonic()
-        attributes = {"sync_id": plan.sync_id, "weight_version": plan.weight_version, "group_id": plan.group_id,
-                      "world_size": len(plan.members), "backend": plan.backend,
-                      "bytes": prepared.manifest.total_bytes}
+        attributes = {"rollmesh.sync_id": plan.sync_id, "rollmesh.weight_version": plan.weight_version,
+                      "rollmesh.group_id": plan.group_id, "rollmesh.world_size": len(plan.members),
+                      "rollmesh.backend": plan.backend, "rollmesh.bytes": prepared.manifest.total_bytes}
         span = (self.tracer.start_as_current_span("weights.broadcast", attributes=attributes)
                 if self.tracer is not None else contextlib.nullcontext())
         with span:
@@ -269,7 +269,7 @@ class WeightBroadcaster:
                     group = await asyncio.to_thread(cache.get, plan.group_id, plan.members,
                                                     (self._host, self._port), plan.backend, plan.sync_key)
                     reused = self.groups_built == built_before
-                    trace.get_current_span().set_attribute("group_reused", reused)
+                    trace.get_current_span().set_attribute("rollmesh.group_reused", reused)
                     sent = await send_weights_async(group, prepared.manifest, iter(prepared.snapshot.tensors),
                                                     timeout=plan.timeout_s, key=plan.sync_key)
             except TimeoutError:
