@@ -45,6 +45,9 @@ class ReplicaAgentConfig(ServerConfig):
                                             "a local Hugging Face directory (config.json + safetensors)")
     model_seed: int = setting(0, help="initialisation seed of a preset model (same seed = same weights)")
     stream_interval: int = setting(16, help="tokens per streamed Generate chunk (keeps message rates low)")
+    weight_sync_wait_s: float = setting(30.0, help="a Generate arriving while its serving replica receives "
+                                                   "weights waits up to this long for them (and runs on them) "
+                                                   "instead of being refused; 0 = refuse at once")
     max_waiting_requests: int = setting(1024, help="new requests beyond this many waiting per replica are "
                                                    "refused with RESOURCE_EXHAUSTED")
     gpu_memory_utilization: float = setting(0.5, help="memory fraction of HYBRID replicas, which share GPUs "
@@ -68,6 +71,8 @@ class ReplicaAgentConfig(ServerConfig):
             raise ConfigError("slots", f"must be >= 1, got {self.slots}")
         if self.stream_interval < 1:
             raise ConfigError("stream_interval", f"must be >= 1, got {self.stream_interval}")
+        if self.weight_sync_wait_s < 0:
+            raise ConfigError("weight_sync_wait_s", f"must be >= 0, got {self.weight_sync_wait_s}")
         if self.max_waiting_requests < 1:
             raise ConfigError("max_waiting_requests", f"must be >= 1, got {self.max_waiting_requests}")
         for key in ("gpu_memory_utilization", "standalone_gpu_memory_utilization"):

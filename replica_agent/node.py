@@ -44,7 +44,8 @@ class Node:
         self.replicas = ReplicaManager(node_id=self.node_id, slots_total=config.slots,
                                        engine_factory=self._create_engine,
                                        default_memory_fraction=config.memory_fraction,
-                                       max_waiting_requests=config.max_waiting_requests)
+                                       max_waiting_requests=config.max_waiting_requests,
+                                       sync_wait_s=config.weight_sync_wait_s)
         self._launch_keys: OrderedDict[str, tuple[tuple, str]] = OrderedDict()
         self._ids = itertools.count()
         self.link = None

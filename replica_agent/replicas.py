@@ -77,8 +77,12 @@ class Replica:
     weights_discarded: bool = False
     in_flight: set[str] = field(default_factory=set)
     busy: str = ""
-    """Name of the lifecycle call in progress; new requests are refused meanwhile."""
+    """Name of the lifecycle call in progress; new requests are refused meanwhile (a weight sync of a serving
+    replica: they wait for it, see ``sync_wait_s``)."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    synced: asyncio.Event = field(default_factory=asyncio.Event)
+    """Clear while a weight sync of a serving replica runs."""
+    serving_through_sync: bool = False
 
     @property
     def state(self) -> str:
@@ -103,8 +107,10 @@ class ReplicaManager:
     """Launches, serves, sleeps, wakes and stops the replicas of one node."""
 
     def __init__(self, *, node_id: str, slots_total: int, engine_factory: EngineFactory,
-                 default_memory_fraction: Callable[[str], float], max_waiting_requests: int) -> None:
+                 default_memory_fraction: Callable[[str], float], max_waiting_requests: int,
+                 sync_wait_s: float = 0.0) -> None:
         self.node_id = node_id
+        self._sync_wait_s = sync_wait_s
         self.slots_total = slots_total
         self._factory = engine_factory
         self._default_fraction = default_memory_fraction
@@ -234,6 +240,12 @@ class ReplicaManager:
         """Stream a generation on one replica; refused with UNAVAILABLE unless it is ACTIVE."""
         replica = self.get(replica_id)
         refusal = self._refusal(replica)
+        if refusal and replica.serving_through_sync and self._sync_wait_s > 0:
+            # a serving replica taking new weights: wait for them (the request then runs on them) rather than
+            # send the caller elsewhere, where the other replicas are usually syncing too
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(replica.synced.wait(), self._sync_wait_s)
+            refusal = self._refusal(replica)
         if refusal:
             raise errors.Unavailable(refusal, reason="REPLICA_NOT_SERVING",
                                      metadata={"replica_id": replica_id, "state": replica.state})

@@ -77,7 +77,11 @@ async def _receive_one(groups, replica: Replica, plan) -> ReceiveResult:
     started = time.monotonic()
     async with replica.lock:
         weights_asleep = replica.state == "SLEEPING"
+        serving = replica.state == "ACTIVE"
         previous_phase, replica.phase, replica.busy = replica.phase, "SYNCING", "weights"
+        if serving:
+            replica.serving_through_sync = True
+            replica.synced.clear()
         try:
             if replica.in_flight:
                 with engine_errors():
@@ -101,6 +105,8 @@ async def _receive_one(groups, replica: Replica, plan) -> ReceiveResult:
             groups.forget(replica.replica_id)  # its preparation as a source described the old weights
         finally:
             replica.phase, replica.busy = previous_phase, ""
+            replica.serving_through_sync = False
+            replica.synced.set()
     result = ReceiveResult(replica.replica_id, plan.weight_version, True, plan.manifest.total_bytes,
                            time.monotonic() - started)
     groups.record(plan.sync_id, replica.replica_id, result)

@@ -154,6 +154,33 @@ def _reason(err: grpc.aio.AioRpcError) -> str:
     return info.reason if info is not None else ""
 
 
+async def test_a_request_arriving_during_a_sync_waits_for_the_new_weights(mesh, stubs):
+    # rather than being refused (and bounced between replicas that are all syncing), it runs on the new version
+    trainer, replica = stubs
+    current = await trainer.PrepareWeightSync(trainer_pb.PrepareWeightSyncRequest(), timeout=30)
+    nxt = await trainer.PrepareWeightSync(
+        trainer_pb.PrepareWeightSyncRequest(weight_version=current.weight_version + 1), timeout=30)
+    plan = plan_from(nxt, "sync-during", group_id="g-during")
+    receiving = asyncio.ensure_future(replica.ReceiveWeights(
+        replica_pb.ReceiveWeightsRequest(replica_ids=["r0"], plan=plan, abort_in_flight=True), timeout=90))
+    await asyncio.sleep(0.5)   # the replica is in its sync now, waiting for the sender at the rendezvous
+    request = replica_pb.GenerateRequest(
+        replica_id="r0", request_id="during-sync", prompt_token_ids=PROMPT,
+        sampling_params=generation_pb2.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    generating = asyncio.ensure_future(_messages(replica.Generate(request, timeout=60)))
+    await asyncio.sleep(0.3)
+    assert not generating.done()   # waiting, not refused
+    await trainer.SendWeights(trainer_pb.SendWeightsRequest(plan=plan), timeout=90)
+    assert (await receiving).results[0].weight_version == nxt.weight_version
+    messages = await generating
+    assert messages[-1].finish_reason == generation_pb2.FINISH_REASON_LENGTH
+    assert {m.weight_version for m in messages if m.token_ids} == {nxt.weight_version}
+
+
+async def _messages(call) -> list:
+    return [m async for m in call]
+
+
 async def test_bad_plans_are_refused_before_any_transfer(mesh, stubs):
     trainer, _ = stubs
     prepared = await trainer.PrepareWeightSync(trainer_pb.PrepareWeightSyncRequest(), timeout=30)
