@@ -34,11 +34,5 @@ async def test_the_users_collector_receives_every_servers_spans_and_so_does_the_
         assert in_run and {s["name"] for s in in_run} >= {"weights.broadcast"}
         users = {s.trace_id for s in receiver.spans}
         assert users & {s["trace_id"] for s in in_run}   # the same traces in both places
-        attempts = [s for s in receiver.spans if s.service == "rollmesh-lb" and s.kind == 3
-                    and s.name.endswith("ReplicaAgentService/Generate")]
-        # expected aborts (weight syncs, hybrid releases) are data, not error spans: requests arriving during a
-        # replica's weight sync wait for it instead of being refused (0-1 of ~310 seen here, from races at a
-        # hybrid's release; before, ~50 of ~365 were UNAVAILABLE refusals)
-        assert attempts and sum(s.status == 2 for s in attempts) <= len(attempts) // 50
     finally:
         await server.stop(0)
