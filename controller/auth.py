@@ -26,11 +26,16 @@ def _same(a: str, b: str) -> bool:
     return bool(b) and hmac.compare_digest(a.encode(), b.encode())
 
 
+def _authorization(context) -> str:
+    """The call's ``authorization`` metadata value ("" without one)."""
+    metadata = {k.lower(): v for k, v in (context.invocation_metadata() or ())}
+    return metadata.get("authorization", "")
+
+
 def has_scale_token(context, config: ControllerConfig) -> bool:
     """Whether the call carries ``scale_api_token`` as a bearer token (the operator's alternative to an
     operator certificate on a server with mutual TLS)."""
-    metadata = {k.lower(): v for k, v in (context.invocation_metadata() or ())}
-    scheme, _, token = metadata.get("authorization", "").partition(" ")
+    scheme, _, token = _authorization(context).partition(" ")
     return scheme.lower() == "bearer" and _same(token.strip(), config.scale_api_token)
 
 
@@ -50,8 +55,7 @@ def require_scale_credential(context, config: ControllerConfig, method: str) -> 
         return
     if not config.scale_api_token and not config.scale_api_read_tokens:
         return
-    metadata = {k.lower(): v for k, v in (context.invocation_metadata() or ())}
-    value = metadata.get("authorization", "")
+    value = _authorization(context)
     if not value:
         raise Unauthenticated(f"{method} changes the mesh and needs a credential: send the metadata "
                               "'authorization: Bearer TOKEN'", reason="CREDENTIAL_MISSING")

@@ -7,7 +7,7 @@ import logging
 from opentelemetry.sdk.trace import TracerProvider
 
 from mesh_runtime.errors import FailedPrecondition, InvalidArgument, NotFound
-from mesh_runtime.metrics import MetricsEndpoint, ServerMetrics
+from mesh_runtime.metrics import ServerMetrics
 from mesh_runtime.server import MeshServer
 from mesh_runtime.status import StatusReporter
 from rollmesh.common.v1 import events_pb2
@@ -51,10 +51,6 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
         self.mesh.scaler.recover()
         if self.mesh.autoscaler.configured:
             server.spawn(self.mesh.autoscaler.run(), name="autoscaler")
-        if self.config.metrics_listen:
-            endpoint = MetricsEndpoint(self.config.metrics_listen, self.metrics)
-            log.info("Prometheus metrics on http://%s/metrics", await endpoint.start())
-            server.add_cleanup(endpoint.close)
 
     # ---------------------------------------------------------------- status
     async def GetStatus(self, request, context):  # noqa: N802 - gRPC method names throughout

@@ -10,7 +10,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from mesh_runtime import tracing
 from mesh_runtime.errors import InvalidArgument
-from mesh_runtime.metrics import MetricsEndpoint, ServerMetrics
+from mesh_runtime.metrics import ServerMetrics
 from mesh_runtime.status import StatusReporter
 from mesh_runtime.validate import check_address, check_id
 from rollmesh.common.v1 import types_pb2
@@ -60,10 +60,6 @@ class LoadBalancerServicer(loadbalancer_pb2_grpc.LoadBalancerServiceServicer):
 
     async def attach(self, server) -> None:
         server.add_cleanup(self.balancer.upstreams.close)
-        if self.config.metrics_listen:
-            endpoint = MetricsEndpoint(self.config.metrics_listen, self.metrics)
-            log.info("Prometheus metrics on http://%s/metrics", await endpoint.start())
-            server.add_cleanup(endpoint.close)
 
     def _routed(self, route: Route) -> routing_pb2.RoutedReplica:
         floor = self.table.version_floor(None)

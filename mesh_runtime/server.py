@@ -33,7 +33,7 @@ from .authorization import AuthorizationInterceptor, TokenCheck
 from .config import TlsConfig
 from .decoding import RequestDecodingInterceptor
 from .errors import ErrorMappingInterceptor
-from .metrics import RpcMetricsInterceptor, ServerMetrics
+from .metrics import MetricsEndpoint, RpcMetricsInterceptor, ServerMetrics
 from .net import format_host_port, is_loopback, parse_host_port
 from .tls import read_identity, server_credentials
 
@@ -68,13 +68,16 @@ class MeshServer:
                  shutdown_grace_s: float = 10.0,
                  interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
                  tls: TlsConfig | None = None, insecure: bool = False, health_listen: str = "",
-                 token_check: TokenCheck | None = None, metrics: ServerMetrics | None = None) -> None:
+                 token_check: TokenCheck | None = None, metrics: ServerMetrics | None = None,
+                 metrics_listen: str = "") -> None:
         self.server_name = server_name
         self.listen = listen
         self.tls = tls
         self.insecure = insecure
         self.health_listen = health_listen
         self.identity = read_identity(tls) if tls is not None else None
+        self.metrics = metrics
+        self.metrics_listen = metrics_listen
         self.services = list(services)
         self.tracer_provider = tracer_provider
         self.shutdown_grace_s = shutdown_grace_s
@@ -132,6 +135,10 @@ class MeshServer:
         self._server = server
         self.port = port
         await server.start()
+        if self.metrics is not None and self.metrics_listen:
+            endpoint = MetricsEndpoint(self.metrics_listen, self.metrics)
+            log.info("Prometheus metrics on http://%s/metrics", await endpoint.start())
+            self.add_cleanup(endpoint.close)
         for hook in self._on_start:
             await hook(self)
         for name in ["", *[b.full_name for b in self.services]]:
@@ -262,7 +269,8 @@ class ServerSpec:
                             tracer_provider=tracer_provider, shutdown_grace_s=config.shutdown_grace_s,
                             tls=config.tls, insecure=config.insecure, health_listen=config.health_listen,
                             token_check=getattr(servicer, "token_check", None),
-                            metrics=getattr(servicer, "metrics", None))
+                            metrics=getattr(servicer, "metrics", None),
+                            metrics_listen=getattr(config, "metrics_listen", ""))
         servicer.status.bind(server)
         attach = getattr(servicer, "attach", None)
         if attach is not None:

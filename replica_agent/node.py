@@ -18,7 +18,7 @@ from prometheus_client.core import GaugeMetricFamily
 from mesh_runtime import __version__
 from mesh_runtime.channels import ChannelPool
 from mesh_runtime.errors import AlreadyExists, InvalidArgument
-from mesh_runtime.metrics import MetricsEndpoint, ServerMetrics
+from mesh_runtime.metrics import ServerMetrics
 from mesh_runtime.server import MeshServer
 from mesh_runtime.status import node_name
 from rollmesh.controller.v1 import registry_pb2
@@ -49,7 +49,6 @@ class Node:
         self._launch_keys: OrderedDict[str, tuple[tuple, str]] = OrderedDict()
         self._ids = itertools.count()
         self.link = None
-        self.metrics: MetricsEndpoint | None = None
         self.server_metrics = ServerMetrics()
         self.timing = _Timing(self.server_metrics)
         self.server_metrics.on_scrape(self.metric_families)
@@ -75,10 +74,6 @@ class Node:
         for spec in self.config.replicas:
             await self.replicas.launch(replica_id=spec.replica_id or self._next_replica_id(), kind=spec.kind,
                                        slots=spec.slots, start_asleep=spec.asleep_at_boot, initial=True)
-        if self.config.metrics_listen:
-            self.metrics = MetricsEndpoint(self.config.metrics_listen, self.server_metrics)
-            log.info("Prometheus metrics on http://%s/metrics", await self.metrics.start())
-            server.add_cleanup(self.metrics.close)
         if self.config.controller_address:
             from .controller_link import ControllerLink  # noqa: PLC0415
 

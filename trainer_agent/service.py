@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import logging
-
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from mesh_runtime.metrics import MetricsEndpoint, ServerMetrics
+from mesh_runtime.metrics import ServerMetrics
 from mesh_runtime.status import StatusReporter
 from weight_transfer.wire import manifest_to_proto, plan_from_proto
 from rollmesh.trainer.v1 import trainer_agent_pb2 as pb
@@ -17,9 +15,6 @@ from .config import TrainerAgentConfig
 from .node import TrainerNode
 
 DESCRIPTOR = pb.DESCRIPTOR.services_by_name["TrainerAgentService"]
-
-
-log = logging.getLogger(__name__)
 
 
 class TrainerAgentServicer(trainer_agent_pb2_grpc.TrainerAgentServiceServicer):
@@ -33,10 +28,6 @@ class TrainerAgentServicer(trainer_agent_pb2_grpc.TrainerAgentServiceServicer):
 
     async def attach(self, server) -> None:
         await self.node.start(server)
-        if self.node.config.metrics_listen:
-            endpoint = MetricsEndpoint(self.node.config.metrics_listen, self.metrics)
-            log.info("Prometheus metrics on http://%s/metrics", await endpoint.start())
-            server.add_cleanup(endpoint.close)
 
     def _progress_families(self) -> list:
         p = self.node.driver.progress()
