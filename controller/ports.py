@@ -85,12 +85,9 @@ class LoadBalancerRouting:
     async def update_versions(self, versions: dict[str, int]) -> None:
         if self._stub and versions:
             updates = [loadbalancer_pb2.ReplicaUpdate(replica_id=r, weight_version=v) for r, v in versions.items()]
-            try:
-                await self._stub.UpdateReplicas(loadbalancer_pb2.UpdateReplicasRequest(updates=updates),
-                                                timeout=self.timeout_s)
-            except grpc.aio.AioRpcError as err:
-                if err.code() != grpc.StatusCode.NOT_FOUND:  # not routed (e.g. asleep): nothing to update
-                    raise
+            # a replica not routed (a hybrid synced before it wakes) has nothing to update
+            await self._stub.UpdateReplicas(loadbalancer_pb2.UpdateReplicasRequest(updates=updates, skip_unknown=True),
+                                            timeout=self.timeout_s)
 
     async def rebalance(self) -> int | None:
         if not self._stub:

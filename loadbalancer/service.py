@@ -111,12 +111,14 @@ class LoadBalancerServicer(loadbalancer_pb2_grpc.LoadBalancerServiceServicer):
                 raise InvalidArgument("an update has an empty replica_id", reason="EMPTY_REPLICA_ID")
             if update.HasField("address"):
                 check_address(update.address, f"replica {update.replica_id!r} address")
-            self.table.get(update.replica_id)
+            if not (request.skip_unknown and update.replica_id not in self.table.routes):
+                self.table.get(update.replica_id)
+        skipped = [u.replica_id for u in request.updates if u.replica_id not in self.table.routes]
         routes = [self.table.update(u.replica_id,
                                     weight_version=u.weight_version if u.HasField("weight_version") else None,
                                     address=u.address if u.HasField("address") else None)
-                  for u in request.updates]
-        return pb.UpdateReplicasResponse(replicas=[self._routed(r) for r in routes])
+                  for u in request.updates if u.replica_id in self.table.routes]
+        return pb.UpdateReplicasResponse(replicas=[self._routed(r) for r in routes], skipped_replica_ids=skipped)
 
     async def ListReplicas(self, request, context):  # noqa: N802
         kinds = {KINDS[k] for k in request.kinds}

@@ -365,3 +365,17 @@ async def test_a_replica_that_refuses_while_busy_is_not_ejected(mesh):
     assert sum(1 for s in fake.seen if s.replica_id == "syncing") >= 2
     syncing = {r.endpoint.replica_id: r for r in (await stub.ListReplicas(pb.ListReplicasRequest())).replicas}["syncing"]
     assert syncing.routable and syncing.ejections == 0
+
+
+async def test_update_replicas_refuses_an_unknown_replica_unless_told_to_skip_it(mesh):
+    stub, _, _ = await mesh({"a": "normal"})
+    updates = [pb.ReplicaUpdate(replica_id="a", weight_version=3), pb.ReplicaUpdate(replica_id="ghost", weight_version=3)]
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.UpdateReplicas(pb.UpdateReplicasRequest(updates=updates), timeout=10)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and "ghost" in err.value.details()
+    listed = await stub.ListReplicas(pb.ListReplicasRequest(), timeout=10)
+    assert [r.endpoint.weight_version for r in listed.replicas] == [0]   # all or nothing
+    reply = await stub.UpdateReplicas(pb.UpdateReplicasRequest(updates=updates, skip_unknown=True), timeout=10)
+    assert [r.endpoint.replica_id for r in reply.replicas] == ["a"] and list(reply.skipped_replica_ids) == ["ghost"]
+    listed = await stub.ListReplicas(pb.ListReplicasRequest(), timeout=10)
+    assert [r.endpoint.weight_version for r in listed.replicas] == [3]

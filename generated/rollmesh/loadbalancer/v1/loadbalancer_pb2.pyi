@@ -113,16 +113,20 @@ class ReplicaUpdate(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
 
 class UpdateReplicasRequest(_message.Message):
-    __slots__ = ("updates",)
+    __slots__ = ("updates", "skip_unknown")
     UPDATES_FIELD_NUMBER: _ClassVar[int]
+    SKIP_UNKNOWN_FIELD_NUMBER: _ClassVar[int]
     updates: _containers.RepeatedCompositeFieldContainer[ReplicaUpdate]
-    def __init__(self, updates: _Optional[_Iterable[_Union[ReplicaUpdate, _Mapping]]] = ...) -> None: ...
+    skip_unknown: bool
+    def __init__(self, updates: _Optional[_Iterable[_Union[ReplicaUpdate, _Mapping]]] = ..., skip_unknown: _Optional[bool] = ...) -> None: ...
 
 class UpdateReplicasResponse(_message.Message):
-    __slots__ = ("replicas",)
+    __slots__ = ("replicas", "skipped_replica_ids")
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_REPLICA_IDS_FIELD_NUMBER: _ClassVar[int]
     replicas: _containers.RepeatedCompositeFieldContainer[_routing_pb2.RoutedReplica]
-    def __init__(self, replicas: _Optional[_Iterable[_Union[_routing_pb2.RoutedReplica, _Mapping]]] = ...) -> None: ...
+    skipped_replica_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, replicas: _Optional[_Iterable[_Union[_routing_pb2.RoutedReplica, _Mapping]]] = ..., skipped_replica_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListReplicasRequest(_message.Message):
     __slots__ = ("kinds", "routable_only")

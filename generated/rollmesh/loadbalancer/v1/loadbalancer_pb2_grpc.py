@@ -190,7 +190,8 @@ class LoadBalancerServiceServicer:
         Errors:
         - INVALID_ARGUMENT: an update has an empty replica_id or an address that
         is not "host:port" (nothing is updated).
-        - NOT_FOUND: a replica_id is not in the table (nothing is updated).
+        - NOT_FOUND: a replica_id is not in the table (nothing is updated), unless
+        skip_unknown is set.
 
         Authorization: controller.
         """
