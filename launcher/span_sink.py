@@ -2,8 +2,9 @@
 
 ``rollmesh train`` points its child servers' standard ``OTEL_EXPORTER_OTLP_*``
 variables at one of these, so the run directory holds the transition spans of
-the whole mesh (``spans.jsonl``: service, name, trace and span ids, parent,
-start/end in Unix nanoseconds, attributes) without an external collector.
+the whole mesh without an external collector (``spans.jsonl``: service, name,
+kind, trace and span ids, parent, start/end in Unix nanoseconds, status code
+and message, attributes, events).
 """
 
 from __future__ import annotations
@@ -46,7 +47,11 @@ class SpanSink(trace_service_pb2_grpc.TraceServiceServicer):
                         "trace_id": span.trace_id.hex(), "span_id": span.span_id.hex(),
                         "parent_span_id": span.parent_span_id.hex(), "start_unix_ns": span.start_time_unix_nano,
                         "end_unix_ns": span.end_time_unix_nano, "status_code": span.status.code,
-                        "attributes": {a.key: _value(a.value) for a in span.attributes}}))
+                        "status_message": span.status.message,
+                        "attributes": {a.key: _value(a.value) for a in span.attributes},
+                        "events": [{"name": e.name, "unix_ns": e.time_unix_nano,
+                                    "attributes": {a.key: _value(a.value) for a in e.attributes}}
+                                   for e in span.events]}))
         if lines:
             with self.path.open("a") as out:
                 out.write("\n".join(lines) + "\n")

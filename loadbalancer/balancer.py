@@ -85,9 +85,24 @@ class AttemptCut(Exception):
 class RetryAttempt(Exception):
     """An attempt ended without a result; the request goes on elsewhere."""
 
-    def __init__(self, why: str, *, backoff: bool) -> None:
+    def __init__(self, why: str, *, backoff: bool, refused: bool = False) -> None:
         super().__init__(why)
         self.backoff = backoff
+        self.refused = refused   # the replica is alive but not serving (REPLICA_NOT_SERVING)
+
+
+def _attempt_ended(span: trace.Span, record: routing_pb2.Attempt, retry: RetryAttempt) -> None:
+    """How an attempt that goes on elsewhere ends on its span: an abort (weight sync, rebalance, drain,
+    removal) or a refusal by a replica that is not serving is an event with its reason; a failure is an
+    error."""
+    outcome = routing_pb2.AttemptOutcome.Name(record.outcome).removeprefix("ATTEMPT_OUTCOME_")
+    span.set_attribute("rollmesh.outcome", outcome)
+    if record.outcome == routing_pb2.ATTEMPT_OUTCOME_ABORTED:
+        span.add_event("attempt.aborted", {"rollmesh.reason": record.reason})
+    elif retry.refused:
+        span.add_event("attempt.refused", {"rollmesh.reason": record.reason})
+    else:
+        span.set_status(trace.Status(trace.StatusCode.ERROR, record.reason[:300]))
 
 
 def _now_ts() -> Timestamp:
@@ -300,55 +315,66 @@ class Balancer:
         attempt_started = time.perf_counter()
         streamed: list[tuple[int, float | None, int]] = []  # (token, logprob, version) of this attempt
         final = None
-        with self.tracer.start_as_current_span("lb.attempt", attributes={
-                "rollmesh.replica_id": route.replica_id, "rollmesh.request_id": run.request_id}) as span:
-            # No await between the revocation check above and this send: a removal either
-            # happened before the check (and we re-picked) or sees this request in flight.
-            ticket.sent = True
-            ticket.cut_event = asyncio.Event()
-            call = self.upstreams.generate(route, self._replica_request(run, ticket), run.remaining())
+        with self.tracer.start_as_current_span("lb.attempt", record_exception=False, set_status_on_exception=False,
+                                               attributes={"rollmesh.replica_id": route.replica_id,
+                                                           "rollmesh.request_id": run.request_id}) as span:
             try:
+                # No await between the revocation check above and this send: a removal either
+                # happened before the check (and we re-picked) or sees this request in flight.
+                ticket.sent = True
+                ticket.cut_event = asyncio.Event()
+                call = self.upstreams.generate(route, self._replica_request(run, ticket), run.remaining())
                 try:
-                    async for msg in self._messages(call, ticket):  # to its end, so the client span closes
-                        if final is not None:
-                            continue
-                        if msg.token_ids:
-                            self.table.observe_version(route, msg.weight_version)
-                            logprobs = list(msg.logprobs) or [None] * len(msg.token_ids)
-                            streamed += [(t, lp, msg.weight_version) for t, lp in zip(msg.token_ids, logprobs)]
-                            ticket.tokens += len(msg.token_ids)
-                        if msg.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
-                            final = msg
-                        elif msg.token_ids:
-                            emit(self._chunk(run, msg, route.replica_id))
-                except grpc.aio.AioRpcError as err:
-                    if final is None:   # once the final message is in, how the stream ends does not matter
-                        self._attempt_failed(run, record, streamed, route, err)
-                except AttemptCut as cut:
-                    if final is None and cut.removed:
-                        self._attempt_moved(run, record, streamed, route, str(cut))
+                    try:
+                        async for msg in self._messages(call, ticket):  # to its end, so the client span closes
+                            if final is not None:
+                                continue
+                            if msg.token_ids:
+                                self.table.observe_version(route, msg.weight_version)
+                                logprobs = list(msg.logprobs) or [None] * len(msg.token_ids)
+                                streamed += [(t, lp, msg.weight_version) for t, lp in zip(msg.token_ids, logprobs)]
+                                ticket.tokens += len(msg.token_ids)
+                            if msg.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
+                                final = msg
+                            elif msg.token_ids:
+                                emit(self._chunk(run, msg, route.replica_id))
+                    except grpc.aio.AioRpcError as err:
+                        if final is None:   # once the final message is in, how the stream ends does not matter
+                            self._attempt_failed(run, record, streamed, route, err)
+                    except AttemptCut as cut:
+                        if final is None and cut.removed:
+                            self._attempt_moved(run, record, streamed, route, str(cut))
+                        if final is None:
+                            self._attempt_failed(run, record, streamed, route, None, why=str(cut))
                     if final is None:
-                        self._attempt_failed(run, record, streamed, route, None, why=str(cut))
-                if final is None:
-                    self._attempt_failed(run, record, streamed, route, None)
-                self.table.answered(route)
-                record.tokens = len(streamed)
-                record.weight_version = final.weight_version or record.weight_version
-                span.set_attribute("rollmesh.tokens", len(streamed))
-                span.set_attribute("rollmesh.weight_version", record.weight_version)
-                if final.finish_reason in FINISHED:
-                    self._finish(run, record, final, route.replica_id, emit)
-                    span.set_attribute("rollmesh.outcome", "COMPLETED")
-                    self.table.release(ticket, completed=True)
-                    return
-                span.set_attribute("rollmesh.outcome", "ABORTED")
-                self._aborted(run, record, final, ticket, emit)
-            finally:
-                call.cancel()
-                self.table.release(ticket)
-                if self._timing is not None:
-                    outcome = routing_pb2.AttemptOutcome.Name(record.outcome).removeprefix("ATTEMPT_OUTCOME_").lower()
-                    self._timing.attempt.labels(outcome).observe(time.perf_counter() - attempt_started)
+                        self._attempt_failed(run, record, streamed, route, None)
+                    self.table.answered(route)
+                    record.tokens = len(streamed)
+                    record.weight_version = final.weight_version or record.weight_version
+                    span.set_attribute("rollmesh.tokens", len(streamed))
+                    span.set_attribute("rollmesh.weight_version", record.weight_version)
+                    if final.finish_reason in FINISHED:
+                        self._finish(run, record, final, route.replica_id, emit)
+                        span.set_attribute("rollmesh.outcome", "COMPLETED")
+                        self.table.release(ticket, completed=True)
+                        return
+                    span.set_attribute("rollmesh.outcome", "ABORTED")
+                    self._aborted(run, record, final, ticket, emit)
+                finally:
+                    call.cancel()
+                    self.table.release(ticket)
+                    if self._timing is not None:
+                        outcome = routing_pb2.AttemptOutcome.Name(record.outcome).removeprefix("ATTEMPT_OUTCOME_").lower()
+                        self._timing.attempt.labels(outcome).observe(time.perf_counter() - attempt_started)
+            except RetryAttempt as retry:
+                _attempt_ended(span, record, retry)
+                raise
+            except asyncio.CancelledError:
+                span.add_event("attempt.cancelled")
+                raise
+            except BaseException as exc:
+                span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(exc).__name__}: {str(exc)[:300]}"))
+                raise
 
     async def _messages(self, call, ticket: Ticket) -> AsyncIterator[replica_agent_pb2.GenerateResponse]:
         """The attempt's messages; raises :class:`AttemptCut` when none comes for ``stall_timeout_s`` or
@@ -498,7 +524,7 @@ class Balancer:
         run.failed_on = run.failed_on | {route.replica_id}   # never back to it while another one is eligible
         run.avoid = run.avoid | run.failed_on
         self._keep(run, streamed, route)
-        raise RetryAttempt(f"{route.replica_id}: {record.reason}", backoff=True)
+        raise RetryAttempt(f"{route.replica_id}: {record.reason}", backoff=True, refused=refused)
 
     # --------------------------------------------------------------- control
     async def remove(self, replica_ids: list[str], abort_in_flight: bool) -> tuple[list[str], int, list[str]]:

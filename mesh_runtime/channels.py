@@ -83,7 +83,7 @@ def open_channel(address: str, *, tls: TlsConfig | None = None, tracer_provider:
     """A ``grpc.aio`` channel to ``address`` with tracing and retries of ``idempotent`` methods: mutual
     TLS presenting ``tls.cert`` when ``tls`` is given, plaintext otherwise."""
     options = channel_options(idempotent, max_message_bytes)
-    interceptors = tracing.client_interceptors(tracer_provider)
+    interceptors = tracing.client_interceptors(tracer_provider, address)
     if tls is not None:
         return grpc.aio.secure_channel(address, channel_credentials(tls), options=options,
                                        interceptors=interceptors)

@@ -85,8 +85,9 @@ class MeshServer:
         self._started_monotonic = time.monotonic()
         authorization = [AuthorizationInterceptor(token_check)] if tls is not None else []
         counting = [RpcMetricsInterceptor(metrics)] if metrics is not None else []   # outermost: sees every code
-        self._interceptors = [*counting, RequestDecodingInterceptor(), tracing.server_interceptor(tracer_provider),
-                              ErrorMappingInterceptor(), *authorization, *interceptors]
+        # tracing inside the error mapping: it sees the domain error (and its reason) a handler raised
+        self._interceptors = [*counting, RequestDecodingInterceptor(), ErrorMappingInterceptor(),
+                              tracing.server_interceptor(tracer_provider), *authorization, *interceptors]
         self._server: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None
         self.health_port: int | None = None

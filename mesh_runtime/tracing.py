@@ -7,7 +7,8 @@ plaintext) adds a second exporter next to the user's: ``rollmesh train`` points
 it at the run directory's own sink, so the user's collector still gets every
 span. Every resource carries ``service.name``, ``service.version`` and
 ``service.instance.id`` (host and process id). W3C trace context travels in gRPC
-metadata through the interceptors of ``opentelemetry-instrumentation-grpc``;
+metadata through the interceptors of :mod:`mesh_runtime.rpc_tracing` (current
+semantic-convention names; planned interruptions are span events, not errors);
 health checks and reflection are not traced.
 """
 
@@ -18,18 +19,11 @@ import socket
 from collections.abc import Mapping
 
 from opentelemetry import trace
-from opentelemetry.instrumentation.grpc import (
-    aio_client_interceptors,
-    aio_server_interceptor,
-    filters,
-)
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-_UNTRACED_SERVICES = ("grpc.health.v1.Health", "grpc.reflection.")
-
-_TRACED = filters.negate(filters.any_of(*(filters.service_prefix(p) for p in _UNTRACED_SERVICES)))
+from . import rpc_tracing
 
 ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 
@@ -67,12 +61,12 @@ def install_global(provider: TracerProvider) -> None:
 
 def server_interceptor(provider: TracerProvider | None):
     """Server-side span per RPC, continuing the caller's W3C context."""
-    return aio_server_interceptor(tracer_provider=provider, filter_=_TRACED)
+    return rpc_tracing.ServerTracingInterceptor(provider)
 
 
-def client_interceptors(provider: TracerProvider | None) -> list:
-    """Client-side spans that inject the current context into call metadata."""
-    return aio_client_interceptors(tracer_provider=provider, filter_=_TRACED)
+def client_interceptors(provider: TracerProvider | None, target: str | None = None) -> list:
+    """Client-side spans (to ``target``) that inject their context into the call metadata."""
+    return rpc_tracing.client_interceptors(provider, target)
 
 
 def tracer(provider: TracerProvider | None, name: str) -> trace.Tracer:

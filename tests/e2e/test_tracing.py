@@ -37,9 +37,9 @@ async def test_status_fan_out_is_one_trace_across_controller_and_lb(tmp_path):
 
         def complete(spans) -> bool:
             names = {(s.service, s.kind, s.name) for s in spans}
-            return {("rollmesh-controller", SERVER, "/rollmesh.controller.v1.ControllerService/GetStatus"),
-                    ("rollmesh-controller", CLIENT, "/rollmesh.loadbalancer.v1.LoadBalancerService/GetStatus"),
-                    ("rollmesh-lb", SERVER, "/rollmesh.loadbalancer.v1.LoadBalancerService/GetStatus")} <= names
+            return {("rollmesh-controller", SERVER, "rollmesh.controller.v1.ControllerService/GetStatus"),
+                    ("rollmesh-controller", CLIENT, "rollmesh.loadbalancer.v1.LoadBalancerService/GetStatus"),
+                    ("rollmesh-lb", SERVER, "rollmesh.loadbalancer.v1.LoadBalancerService/GetStatus")} <= names
 
         await receiver.wait_for(complete)
     finally:
@@ -54,5 +54,14 @@ async def test_status_fan_out_is_one_trace_across_controller_and_lb(tmp_path):
     assert ctl_server.trace_id == ctl_client.trace_id == lb_server.trace_id
     assert ctl_client.parent_span_id == ctl_server.span_id
     assert lb_server.parent_span_id == ctl_client.span_id
+    # Current semantic-convention names: rpc.*, network.peer.* on the server, server.* on the client.
+    assert ctl_client.attributes["server.port"] == int(lb.address.rsplit(":", 1)[1])
+    assert ctl_client.attributes["server.address"] == "127.0.0.1"
+    assert lb_server.attributes["network.peer.address"] == "127.0.0.1"
+    assert lb_server.attributes["network.type"] == "ipv4" and lb_server.attributes["network.transport"] == "tcp"
+    for span in (ctl_server, ctl_client, lb_server):
+        assert span.attributes["rpc.system"] == "grpc" and span.attributes["rpc.method"] == "GetStatus"
+        assert span.attributes["rpc.grpc.status_code"] == 0
+        assert not [key for key in span.attributes if key.startswith("net.")]
     # Health checks and reflection are never traced.
     assert not [s for s in spans if "grpc.health" in s.name or "reflection" in s.name]

@@ -15,6 +15,7 @@ from tests.processes import clean_env
 
 pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).resolve().parents[2]
+ERROR = 2   # Status.STATUS_CODE_ERROR in OTLP
 
 
 async def test_the_users_collector_receives_every_servers_spans_and_so_does_the_run_directory(tmp_path):
@@ -34,5 +35,11 @@ async def test_the_users_collector_receives_every_servers_spans_and_so_does_the_
         assert in_run and {s["name"] for s in in_run} >= {"weights.broadcast"}
         users = {s.trace_id for s in receiver.spans}
         assert users & {s["trace_id"] for s in in_run}   # the same traces in both places
+        # a healthy run: its planned interruptions (aborts at weight syncs, refusals by a waking hybrid)
+        # are span events, and no span reports an error
+        errors = [(s["service"], s["name"], s["status_message"]) for s in in_run if s["status_code"] == ERROR]
+        assert not errors, errors[:5]
+        planned = [e["name"] for s in in_run for e in s["events"]]
+        print("planned interruptions:", {name: planned.count(name) for name in set(planned)})
     finally:
         await server.stop(0)

@@ -224,6 +224,7 @@ async def test_each_request_is_a_span_with_a_child_span_per_attempt(mesh):
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import StatusCode
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
@@ -242,6 +243,10 @@ async def test_each_request_is_a_span_with_a_child_span_per_attempt(mesh):
     assert all(a.parent.span_id == request_span.context.span_id for a in attempts)
     assert sum(a.attributes["rollmesh.tokens"] for a in attempts) >= 12
     assert [e.name for e in request_span.events] == ["retry"]
+    # the abort is planned (the replica aborted its requests): an event with its reason, never an error
+    assert [e.name for e in attempts[0].events] == ["attempt.aborted"]
+    assert attempts[0].events[0].attributes["rollmesh.reason"] == "aborted by the replica"
+    assert not [s.name for s in spans if s.status.status_code == StatusCode.ERROR]
     server_span = next(s for s in spans if s.name.endswith("LoadBalancerService/Generate"))
     assert request_span.parent.span_id == server_span.context.span_id
     upstream = [s for s in spans if s.name.endswith("ReplicaAgentService/Generate")]
