@@ -245,7 +245,7 @@ class Balancer:
                                                f"{len(run.attempts)} attempt(s)", reason="DEADLINE_EXCEEDED")
                     if attempt.retry_state.attempt_number > 1:
                         self.stats.retries += 1
-                        span.add_event("retry", {"attempt": attempt.retry_state.attempt_number})
+                        span.add_event("retry", {"rollmesh.attempt": attempt.retry_state.attempt_number})
                     await self._attempt(run, emit)
         except RetryAttempt as last:
             outcomes = ", ".join(f"{a.replica_id}:{routing_pb2.AttemptOutcome.Name(a.outcome)}"

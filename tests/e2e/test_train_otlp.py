@@ -39,6 +39,9 @@ async def test_the_users_collector_receives_every_servers_spans_and_so_does_the_
         # are span events, and no span reports an error
         errors = [(s["service"], s["name"], s["status_message"]) for s in in_run if s["status_code"] == ERROR]
         assert not errors, errors[:5]
+        # attribute names: the semantic conventions' namespaces, or rollmesh's own
+        keys = {k for s in in_run for k in [*s["attributes"], *(k for e in s["events"] for k in e["attributes"])]}
+        assert {k for k in keys if not k.startswith(("rpc.", "network.", "server.", "error.", "rollmesh."))} == set()
         planned = [e["name"] for s in in_run for e in s["events"]]
         print("planned interruptions:", {name: planned.count(name) for name in set(planned)})
     finally:
