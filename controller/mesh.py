@@ -25,7 +25,7 @@ from mesh_runtime import tracing
 from rollmesh.common.v1 import types_pb2
 
 from .config import ControllerConfig
-from .core.events import EventLog, EventType
+from .core.events import EventLog, EventType, log_event
 from .core.hybrid import DynamicResourceController
 from .core.metrics import CycleMetrics
 from .core.replicas import TERMINAL_STATES, ReplicaKind, ReplicaRegistry, ReplicaState
@@ -131,6 +131,7 @@ class Mesh:
     # ---------------------------------------------------------------- events
     def emit(self, type: EventType, /, **fields: Any):
         event = self.events.append(type, **fields)
+        log_event(event, log)
         for listener in self.event_listeners:
             listener(event)
         self.hub.publish(event)

@@ -245,11 +245,19 @@ class Balancer:
                                                f"{len(run.attempts)} attempt(s)", reason="DEADLINE_EXCEEDED")
                     if attempt.retry_state.attempt_number > 1:
                         self.stats.retries += 1
+                        last = run.attempts[-1]
+                        log.info("request %s: try %d of %d, after %s on %s: %s", run.request_id,
+                                 attempt.retry_state.attempt_number, run.budget + 1,
+                                 routing_pb2.AttemptOutcome.Name(last.outcome).removeprefix("ATTEMPT_OUTCOME_"),
+                                 last.replica_id, last.reason or "-",
+                                 extra={"request_id": run.request_id, "replica_id": last.replica_id})
                         span.add_event("retry", {"rollmesh.attempt": attempt.retry_state.attempt_number})
                     await self._attempt(run, emit)
         except RetryAttempt as last:
             outcomes = ", ".join(f"{a.replica_id}:{routing_pb2.AttemptOutcome.Name(a.outcome)}"
                                  for a in run.attempts)
+            log.warning("request %s spent its retry budget of %d (last: %s); attempts: %s", run.request_id,
+                        run.budget, last, outcomes, extra={"request_id": run.request_id})
             raise ResourceExhausted(f"request {run.request_id!r} spent its retry budget of {run.budget} "
                                     f"(last: {last}); attempts: {outcomes}", reason="RETRY_BUDGET_SPENT") from None
 

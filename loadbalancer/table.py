@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -21,6 +22,8 @@ from dataclasses import dataclass, field
 
 from mesh_runtime.errors import AlreadyExists, InvalidArgument, NotFound
 from mesh_runtime.validate import check_address
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -254,6 +257,9 @@ class RoutingTable:
 
     def answered(self, route: Route) -> None:
         """The replica answered an attempt (tokens or a final message): it is healthy again."""
+        if route.ejections:
+            log.info("replica %s answered after %d ejection(s): back in picks", route.replica_id, route.ejections,
+                     extra={"replica_id": route.replica_id})
         route.consecutive_failures = 0
         route.ejections = 0
         route.ejected_until = 0.0
@@ -278,6 +284,10 @@ class RoutingTable:
         ejected = sum(1 for r in self.routes.values() if r.ejected_until > now)
         allowed = max(1, int(len(self.routes) * od.max_ejection_percent / 100))
         if ejected >= min(allowed, len(self.routes) - 1):
+            log.info("replica %s not ejected after %d consecutive failures: %d of %d replicas are ejected "
+                     "already (max_ejection_percent %g, never the last one)", route.replica_id,
+                     route.consecutive_failures, ejected, len(self.routes), od.max_ejection_percent,
+                     extra={"replica_id": route.replica_id})
             return False
         route.ejections += 1
         route.ejected_until = now + min(od.base_ejection_s * route.ejections, od.max_ejection_s)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
-import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -20,7 +19,9 @@ from typing import Any
 
 import yaml
 
+from . import logs
 from .config import ConfigError, config_notes, describe, load_config
+from .logs import FORMAT_VARIABLE, FORMATS
 
 # Subcommand -> module exposing CONFIG_CLASS, ENV_PREFIX and `async serve(config, env)`.
 SERVERS = {
@@ -71,6 +72,8 @@ def _server_parser(sub: argparse._SubParsersAction, name: str) -> None:
     p.add_argument("--config", metavar="FILE", help="YAML config file (keys documented by --print-default-config)")
     p.add_argument("--listen", metavar="HOST:PORT", help="address to serve on; port 0 picks a free port")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--log-format", choices=FORMATS, default=None,
+                   help=f"text (default) or json lines with trace_id/span_id (or set {FORMAT_VARIABLE})")
     p.add_argument("--insecure", action="store_true",
                    help="serve plaintext on a non-loopback listen address (config key insecure); "
                         "without tls such an address is refused")
@@ -134,8 +137,12 @@ def run_server(name: str, args: argparse.Namespace, env: dict[str, str]) -> int:
     except ConfigError as err:
         print(f"rollmesh {name}: error: {err}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
+    log_format = args.log_format or env.get(FORMAT_VARIABLE, "") or "text"
+    if log_format not in FORMATS:
+        print(f"rollmesh {name}: error: {FORMAT_VARIABLE} must be one of {', '.join(FORMATS)}, "
+              f"got {log_format[:20]!r}", file=sys.stderr)
+        return 2
+    logs.configure(name, level=args.log_level, fmt=log_format)
     print_config_notes(name, config)
     from .server import PortInUse  # noqa: PLC0415
 

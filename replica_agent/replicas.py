@@ -198,8 +198,23 @@ class ReplicaManager:
                 del self._slot_owner[slot]
 
     def _fail(self, replica: Replica, reason: str) -> None:
+        log.warning("replica %s: %s -> FAILED (%s)", replica.replica_id, replica.state, reason,
+                    extra={"replica_id": replica.replica_id})
         replica.phase, replica.reason = "FAILED", reason
         self._release_slots(replica)
+
+    @contextlib.contextmanager
+    def _logged(self, replicas: Iterable[Replica], why: str):
+        """Log each replica whose state the block changed: ``replica ID: FROM -> TO (why)``."""
+        replicas = list(replicas)
+        before = [r.state for r in replicas]
+        try:
+            yield
+        finally:
+            for replica, state in zip(replicas, before):
+                if replica.state != state:
+                    log.info("replica %s: %s -> %s (%s)", replica.replica_id, state, replica.state, why,
+                             extra={"replica_id": replica.replica_id})
 
     async def stop(self, replica_id: str, *, grace_s: float, force: bool) -> Replica:
         """Drain (unless ``force``) for up to ``grace_s``, abort the rest, close, free slots."""
@@ -207,18 +222,19 @@ class ReplicaManager:
         if replica.state == "STOPPED":
             return replica
         async with replica.lock:
-            replica.busy = "stop"
-            try:
-                if not force and replica.awake and replica.in_flight:
-                    with contextlib.suppress(asyncio.TimeoutError, EngineError):
-                        await asyncio.wait_for(replica.engine.pause("wait"), timeout=grace_s)
-                with contextlib.suppress(EngineError):
-                    await replica.engine.abort(None)
-                await replica.engine.close()
-            finally:
-                replica.busy = ""
-                replica.phase, replica.reason = "STOPPED", "stopped" + (" (forced)" if force else "")
-                self._release_slots(replica)
+            with self._logged([replica], "stop" + (" (forced)" if force else "")):
+                replica.busy = "stop"
+                try:
+                    if not force and replica.awake and replica.in_flight:
+                        with contextlib.suppress(asyncio.TimeoutError, EngineError):
+                            await asyncio.wait_for(replica.engine.pause("wait"), timeout=grace_s)
+                    with contextlib.suppress(EngineError):
+                        await replica.engine.abort(None)
+                    await replica.engine.close()
+                finally:
+                    replica.busy = ""
+                    replica.phase, replica.reason = "STOPPED", "stopped" + (" (forced)" if force else "")
+                    self._release_slots(replica)
         return replica
 
     async def close(self) -> None:
@@ -289,7 +305,7 @@ class ReplicaManager:
         aborted: list[str] = []
         for replica in replicas:
             before = set(replica.in_flight)
-            with engine_errors():
+            with engine_errors(), self._logged([replica], f"pause, mode {mode}"):
                 try:
                     await asyncio.wait_for(replica.engine.pause(mode), timeout=timeout_s)
                 except asyncio.TimeoutError:
@@ -311,7 +327,7 @@ class ReplicaManager:
                     f"replica {replica.replica_id!r} is {replica.busy or replica.state}; only PAUSED or ACTIVE "
                     "replicas can be resumed", reason="WRONG_REPLICA_STATE")
         for replica in replicas:
-            with engine_errors():
+            with engine_errors(), self._logged([replica], "resume"):
                 await replica.engine.resume()
         return replicas
 
@@ -330,7 +346,7 @@ class ReplicaManager:
                     "first or set abort_in_flight", reason="REQUESTS_IN_FLIGHT")
             replica.busy = "sleep"
             try:
-                with engine_errors():
+                with engine_errors(), self._logged([replica], f"sleep level {level}"):
                     freed = await replica.engine.sleep(level)
             finally:
                 replica.busy = ""
@@ -355,7 +371,7 @@ class ReplicaManager:
                     "ReceiveWeights first, or wake WAKE_TAG_KV_CACHE alone", reason="WEIGHTS_DISCARDED")
             replica.busy = "wake"
             try:
-                with engine_errors():
+                with engine_errors(), self._logged([replica], f"wake {', '.join(sorted(tags))}"):
                     await replica.engine.wake_up(tags)
                     if _ENGINE_STATES[replica.engine.state] == "ACTIVE":
                         replica.sleep_level = 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -82,6 +83,37 @@ class LifecycleEvent:
         fields["type"] = EventType(fields["type"])
         fields["attributes"] = dict(fields.get("attributes") or {})
         return cls(**fields)
+
+
+_WARNING_TYPES = frozenset({EventType.LEASE_EXPIRED, EventType.WEIGHT_SYNC_FAILED, EventType.WAIT_EXPIRED,
+                            EventType.GAP, EventType.REPLICA_EJECTED})
+
+
+def _short(state: str) -> str:
+    return state.removeprefix("REPLICA_STATE_").removeprefix("OPERATION_STATE_").removeprefix("HYBRID_STATE_")
+
+
+def log_event(event: LifecycleEvent, logger: logging.Logger) -> None:
+    """One log line per event: INFO, WARNING for lost leases, failed syncs, ejections and replicas FAILED.
+
+    The line names the subject, the transition and its reason; the event's
+    fields go along as structured fields (``extra``) for JSON logs.
+    """
+    failed = event.to_state.endswith("FAILED")
+    level = logging.WARNING if event.type in _WARNING_TYPES or failed else logging.INFO
+    subject = " ".join(part for part in (
+        f"replica {event.replica_id}" if event.replica_id else "",
+        f"node {event.node_id}" if event.node_id and not event.replica_id else "",
+        f"operation {event.operation_id}" if event.operation_id else "") if part)
+    transition = (f"{_short(event.from_state)} -> {_short(event.to_state)}".strip()
+                  if event.from_state or event.to_state else "")
+    text = " ".join(part for part in (event.type.value, subject, transition) if part)
+    fields = {"event_sequence": event.sequence, "event_type": event.type.value}
+    for key in ("replica_id", "node_id", "operation_id", "global_step", "weight_version"):
+        value = getattr(event, key)
+        if value not in ("", None):
+            fields[key] = value
+    logger.log(level, "%s%s", text, f": {event.reason}" if event.reason else "", extra=fields)
 
 
 class EventSink(Protocol):

@@ -22,7 +22,8 @@ async def test_the_users_collector_receives_every_servers_spans_and_so_does_the_
     server, receiver, port = await start_receiver()
     config = job_config(tmp_path, "quickstart.yaml", **{"trainer.total_training_steps": 3})
     env = clean_env(GLOO_SOCKET_IFNAME="lo", OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{port}",
-                    OTEL_EXPORTER_OTLP_INSECURE="true", OTEL_BSP_SCHEDULE_DELAY="200")
+                    OTEL_EXPORTER_OTLP_INSECURE="true", OTEL_BSP_SCHEDULE_DELAY="200",
+                    ROLLMESH_LOG_FORMAT="json")
     try:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "mesh_runtime.cli", "train", "--config", str(config), "--run-dir",
@@ -42,6 +43,14 @@ async def test_the_users_collector_receives_every_servers_spans_and_so_does_the_
         # attribute names: the semantic conventions' namespaces, or rollmesh's own
         keys = {k for s in in_run for k in [*s["attributes"], *(k for e in s["events"] for k in e["attributes"])]}
         assert {k for k in keys if not k.startswith(("rpc.", "network.", "server.", "error.", "rollmesh."))} == set()
+        # JSON logs: each transition is a line, and a line emitted inside a span names a trace of the run
+        logs = {path.stem: [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
+                for path in (tmp_path / "run" / "logs").glob("*.log")}
+        transitions = [line for line in logs["controller"] if line.get("event_type") == "REPLICA_STATE_CHANGED"]
+        assert {"SLEEPING -> SYNCING", "PAUSED -> ACTIVE", "DRAINING -> SLEEPING"} <= {
+            line["message"].split(" ", 3)[3].split(":")[0] for line in transitions}
+        traced = [line for lines in logs.values() for line in lines if "trace_id" in line]
+        assert traced and {line["trace_id"] for line in traced} & {s["trace_id"] for s in in_run}
         planned = [e["name"] for s in in_run for e in s["events"]]
         print("planned interruptions:", {name: planned.count(name) for name in set(planned)})
     finally:
