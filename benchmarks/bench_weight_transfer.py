@@ -17,7 +17,7 @@ loopback, forms one gloo group, and then, in every iteration and in turn, times
   allocated buffer, which adds the page faults of fresh memory;
 - ``ours/<topology>/signed`` (with ``--signed``): an authenticated broadcast
   (a plan's sync key: the sender's manifest tag first, every bucket checked
-  against its SHA-256 digest instead of the checksum), the secure mesh's
+  against its BLAKE3 digest instead of the checksum), the secure mesh's
   default; compare it with ``ours/<topology>`` (target >= 0.95x);
 - with ``--diagnose``, where the time goes: ``ours/<topology>/no-verify``
   skips the receivers' checksum, ``ours/<topology>/no-pack`` sends the same

@@ -265,10 +265,11 @@ def send_weights(group: TransferGroup, manifest: Manifest,
         ring = group.staging_buffers(min(ring_size, count),
                                      min(manifest.bucket_size_bytes, manifest.total_bytes))
         in_flight: collections.deque = collections.deque()
+        tag_works: list = []
         try:
-            if key:
+            if key:   # the tag goes first; the buckets follow without waiting for it (collectives keep order)
                 tag = torch.frombuffer(bytearray(manifest_tag(key, manifest)), dtype=torch.uint8).to(group.device)
-                _wait_all(link, _TAG_INDEX, link.send(_TAG_INDEX, tag))
+                tag_works = link.send(_TAG_INDEX, tag)
             for index in range(count):
                 _check_cancel(cancel)
                 if len(in_flight) == len(ring):
@@ -285,10 +286,12 @@ def send_weights(group: TransferGroup, manifest: Manifest,
                 in_flight.append((index, link.send(index, buf)))
             if count == 0:
                 packer.finish()
+            _wait_all(link, _TAG_INDEX, tag_works)
             while in_flight:
                 _wait_all(link, *in_flight.popleft())
         except BaseException:
             in_flight.clear()  # pending work objects would keep the connections open
+            tag_works.clear()
             raise
         return SendResult(bytes=manifest.total_bytes, seconds=time.perf_counter() - started, buckets=count)
 
@@ -345,7 +348,14 @@ def receive_weights(group: TransferGroup, manifest: Manifest, *, topology: str |
         try:
             if key:
                 tag = torch.empty(TAG_BYTES, dtype=torch.uint8, device=group.device)
-                link.wait(link.receive(_TAG_INDEX, tag), "receiving the manifest tag")
+                posted.append(link.receive(_TAG_INDEX, tag))
+                # the first buckets are posted before the tag is waited for (collectives keep their order);
+                # nothing is kept or forwarded before the tag is checked
+                while next_to_post < count and len(posted) <= window:
+                    start, stop = manifest.bucket_range(next_to_post)
+                    posted.append(link.receive(next_to_post, flat[start:stop]))
+                    next_to_post += 1
+                link.wait(posted.popleft(), "receiving the manifest tag")
                 forward = link.forward(_TAG_INDEX, tag)
                 if forward is not None:
                     forwards.append((_TAG_INDEX, [forward]))
