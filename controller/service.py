@@ -10,6 +10,7 @@ from mesh_runtime.errors import FailedPrecondition, InvalidArgument, NotFound
 from mesh_runtime.metrics import ServerMetrics
 from mesh_runtime.server import MeshServer
 from mesh_runtime.status import StatusReporter
+from mesh_runtime.validate import check_reachable
 from rollmesh.common.v1 import events_pb2
 from rollmesh.controller.v1 import controller_pb2, controller_pb2_grpc, observability_pb2, registry_pb2
 from rollmesh.controller.v1 import scheduling_pb2, weight_sync_pb2
@@ -70,6 +71,7 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
 
     async def RegisterNode(self, request, context):  # noqa: N802
         require_own_node(request.node_id, "RegisterNode")
+        check_reachable(request.address, context.peer(), f"node {request.node_id[:64]!r}")
         registration = await self.mesh.register_node(request)
         reply = registry_pb2.RegisterNodeResponse(node_id=registration.node_id,
                                                   accepted_replica_ids=registration.accepted,

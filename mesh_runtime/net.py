@@ -48,6 +48,22 @@ def format_host_port(host: str, port: int) -> str:
     return f"{host}:{port}"
 
 
+def is_wildcard(host: str) -> bool:
+    """Whether ``host`` means "every interface" (``0.0.0.0``, ``::``): bindable, not connectable."""
+    return host in ("", "0.0.0.0", "::", "[::]")
+
+
+def peer_host(peer: str) -> str:
+    """The host of a gRPC peer string (``ipv4:10.0.0.3:41000``, ``ipv6:[::1]:5``; '' for others)."""
+    family, _, rest = (peer or "").partition(":")
+    if family not in ("ipv4", "ipv6"):
+        return ""
+    try:
+        return parse_host_port(rest)[0]
+    except AddressError:
+        return ""
+
+
 def is_loopback(host: str) -> bool:
     """Whether ``host`` (an IP address or ``localhost``) is reachable only from this machine."""
     if host == "localhost" or host.endswith(".localhost"):

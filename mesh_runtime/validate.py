@@ -13,7 +13,7 @@ import math
 import re
 
 from .errors import InvalidArgument
-from .net import AddressError, parse_host_port
+from .net import AddressError, is_loopback, is_wildcard, parse_host_port, peer_host
 
 ID_MAX_LENGTH = 128
 ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@#-]*")
@@ -56,3 +56,22 @@ def check_number(value: float, field: str, *, low: float | None = None, high: fl
         raise InvalidArgument(f"{field} must be in [{'-inf' if low is None else low}, "
                               f"{'inf' if high is None else high}], got {value}", reason="INVALID_NUMBER",
                               metadata={"field": field})
+
+
+def check_reachable(address: str, peer: str, who: str) -> None:
+    """INVALID_ARGUMENT when ``address``, which ``who`` advertises for others to connect to, cannot be
+    reached: a wildcard host, or a loopback host advertised by a caller on another machine (``peer``,
+    the gRPC peer of the call, is not loopback). A malformed address is left to :func:`check_address`."""
+    try:
+        host, _ = parse_host_port(address)
+    except (AddressError, ValueError):
+        return
+    if is_wildcard(host):
+        raise InvalidArgument(f"{who} advertises {quote(address)}: a wildcard host is an address to listen on, "
+                              "not to connect to; set its advertise_address to the address others reach it at",
+                              reason="UNREACHABLE_ADDRESS", metadata={"address": address[:64]})
+    caller = peer_host(peer)
+    if is_loopback(host) and caller and not is_loopback(caller):
+        raise InvalidArgument(f"{who} advertises {quote(address)}, a loopback address, but calls from {caller}: "
+                              "other machines cannot reach it there; set its advertise_address",
+                              reason="LOOPBACK_ADVERTISED", metadata={"address": address[:64], "peer": caller})

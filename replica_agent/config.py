@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any, Literal
 
 from mesh_runtime.config import ConfigError, ServerConfig, check_addresses, setting
+from mesh_runtime.net import is_wildcard, parse_host_port
 
 Kind = Literal["STANDALONE", "HYBRID"]
 
@@ -67,6 +68,15 @@ class ReplicaAgentConfig(ServerConfig):
     def validate(self) -> None:
         super().validate()
         check_addresses(self, "advertise_address", "controller_address", listen_keys=("metrics_listen",))
+        if self.advertise_address and is_wildcard(parse_host_port(self.advertise_address)[0]):
+            raise ConfigError("advertise_address", f"{self.advertise_address!r} is an address to listen on, not "
+                                                   "to connect to: give the address other servers reach this "
+                                                   "node at")
+        if (self.controller_address and not self.advertise_address
+                and is_wildcard(parse_host_port(self.listen)[0])):
+            raise ConfigError("advertise_address", f"required when listen is a wildcard ({self.listen!r}) and a "
+                                                   "controller is configured: the controller and the balancer "
+                                                   "connect to the address this node registers")
         if self.slots < 1:
             raise ConfigError("slots", f"must be >= 1, got {self.slots}")
         if self.stream_interval < 1:

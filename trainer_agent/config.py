@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Literal
 
 from mesh_runtime.config import ConfigError, ServerConfig, check_addresses, setting
-from mesh_runtime.net import AddressError, parse_host_port
+from mesh_runtime.net import AddressError, is_loopback, parse_host_port
 from weight_transfer import WeightTransferConfig
 
 from .driver.settings import (
@@ -77,6 +77,11 @@ class TrainerAgentConfig(ServerConfig):
         if host in ("0.0.0.0", "::"):
             raise ConfigError("weight_rendezvous", f"HOST is what receivers connect to, so it must be an "
                                                    f"address they can reach, not the wildcard {host!r}")
+        if is_loopback(host) and not is_loopback(parse_host_port(self.listen)[0]):
+            raise ConfigError("weight_rendezvous", f"{self.weight_rendezvous!r} is a loopback address, but this "
+                                                   f"trainer serves on {self.listen!r}: replicas on other "
+                                                   "machines could not reach its weight broadcasts; give the "
+                                                   "address they reach this machine at")
         if not self.model:
             raise ConfigError("model", "must name a preset or a local Hugging Face directory")
         if is_model_directory(self.model):

@@ -68,8 +68,25 @@ class WeightTransferConfig:
     gloo_interface: str = setting("", help="network interface gloo binds to, e.g. 'lo' on loopback; "
                                            "empty = gloo's default device")
     gloo_threads: int = setting(2, help="gloo worker threads per group (collectives in flight at once)")
+    rendezvous_ports: str = setting("", help="LOW-HIGH: the ports a rendezvous store asked for on port 0 "
+                                             "binds in (the first free one), so a firewall can be opened "
+                                             "for them; empty = any free port")
+
+    def port_range(self) -> tuple[int, int] | None:
+        """``rendezvous_ports`` as (low, high), or None for any port."""
+        if not self.rendezvous_ports:
+            return None
+        low, sep, high = self.rendezvous_ports.partition("-")
+        if not sep or not low.strip().isdigit() or not high.strip().isdigit():
+            raise ConfigError("rendezvous_ports", f"must be LOW-HIGH, e.g. 29500-29599, got "
+                                                  f"{self.rendezvous_ports[:40]!r}")
+        low_port, high_port = int(low), int(high)
+        if not 1 <= low_port <= high_port <= 65535:
+            raise ConfigError("rendezvous_ports", f"needs 1 <= LOW <= HIGH <= 65535, got {low_port}-{high_port}")
+        return low_port, high_port
 
     def validate(self) -> None:
+        self.port_range()
         if self.bucket_size_bytes <= 0:
             raise ConfigError("bucket_size_bytes", f"must be positive, got {self.bucket_size_bytes}")
         for key in ("setup_timeout_s", "op_timeout_s"):
@@ -203,6 +220,11 @@ def translate_error(err: BaseException, what: str) -> WeightTransferError:
     return PeerLost(f"{what} failed: {text}")
 
 
+def _in_use(err: Exception) -> bool:
+    text = str(err).lower()
+    return "address already in use" in text or "errno: 98" in text or "eaddrinuse" in text
+
+
 def _wait_for_listener(host: str, port: int, deadline: float) -> None:
     """Retry connecting to ``host:port`` until something listens there or ``deadline`` passes.
 
@@ -287,9 +309,19 @@ class GroupCache:
             self._check_open()
             if port and port in self._hosted:
                 return port
-            store = dist.TCPStore(host, port, None, True, self._setup_timeout(), wait_for_workers=False)
-            self._hosted[store.port] = store
-            return store.port
+            ports = self.config.port_range() if not port else None
+            candidates = range(ports[0], ports[1] + 1) if ports else [port]
+            for candidate in candidates:
+                try:
+                    store = dist.TCPStore(host, candidate, None, True, self._setup_timeout(), wait_for_workers=False)
+                except Exception as err:  # noqa: BLE001 - torch raises a bare error for a port in use
+                    if ports is None or not _in_use(err):
+                        raise
+                    continue
+                self._hosted[store.port] = store
+                return store.port
+            raise WeightTransferError(f"no free port for a rendezvous store on {host} in rendezvous_ports "
+                                      f"{ports[0]}-{ports[1]}")
 
     def _store_for(self, host: str, port: int, leader: bool, deadline: float) -> dist.Store:
         if leader:

@@ -14,6 +14,7 @@ from weight_transfer import (
     GroupClosed,
     TransferTimeout,
     WeightTransferConfig,
+    WeightTransferError,
     build_manifest,
     receive_weights,
 )
@@ -136,3 +137,45 @@ def test_the_sender_needs_a_concrete_rendezvous_port():
     with GroupCache("trainer", config()) as cache:
         with pytest.raises(ValueError, match="concrete rendezvous port"):
             cache.get("g", ["trainer", "r1"], (HOST, 0))
+
+
+def _free_run(length: int) -> int:
+    """The first port of ``length`` consecutive loopback ports free now."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind((HOST, 0))
+            low = probe.getsockname()[1]
+        if low + length > 65535:
+            continue
+        sockets = []
+        try:
+            for port in range(low, low + length):
+                s = socket.socket()
+                s.bind((HOST, port))
+                sockets.append(s)
+            return low
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise RuntimeError("no run of free ports")
+
+
+def test_a_rendezvous_store_binds_the_first_free_port_of_rendezvous_ports():
+    low = _free_run(3)
+    with socket.socket() as taken:
+        taken.bind((HOST, low))
+        taken.listen()
+        with GroupCache("trainer", config(rendezvous_ports=f"{low}-{low + 2}")) as cache:
+            assert cache.host_rendezvous(HOST) == low + 1
+            assert cache.host_rendezvous(HOST) == low + 2    # one store per call; the range holds three
+            with pytest.raises(WeightTransferError, match=f"no free port .* rendezvous_ports {low}-{low + 2}"):
+                cache.host_rendezvous(HOST)
+            assert cache.host_rendezvous(HOST, low + 1) == low + 1   # a port asked for explicitly is kept
+
+
+@pytest.mark.parametrize("text", ["29500", "a-b", "29600-29500", "0-10", "1-70000"])
+def test_a_bad_rendezvous_ports_range_is_a_config_error(text):
+    with pytest.raises(ConfigError, match="rendezvous_ports"):
+        GroupCache("trainer", config(rendezvous_ports=text))

@@ -1,0 +1,59 @@
+"""Addresses others connect to: refused when they cannot work (a wildcard, loopback seen from another machine)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from mesh_runtime.config import ConfigError, load_config
+from mesh_runtime.errors import InvalidArgument
+from mesh_runtime.validate import check_reachable
+from replica_agent.config import ReplicaAgentConfig
+from trainer_agent.config import TrainerAgentConfig
+
+
+def test_a_wildcard_listen_with_a_controller_needs_an_advertise_address():
+    with pytest.raises(ConfigError, match="advertise_address.*required when listen is a wildcard"):
+        load_config(ReplicaAgentConfig, None, overrides={"listen": "0.0.0.0:50053", "insecure": True,
+                                                         "controller_address": "10.0.0.1:50051"})
+    config = load_config(ReplicaAgentConfig, None, overrides={"listen": "0.0.0.0:50053", "insecure": True,
+                                                              "controller_address": "10.0.0.1:50051",
+                                                              "advertise_address": "10.0.0.3:50053"})
+    assert config.advertise_address == "10.0.0.3:50053"
+
+
+def test_a_wildcard_advertise_address_is_refused():
+    with pytest.raises(ConfigError, match="advertise_address.*an address to listen on"):
+        load_config(ReplicaAgentConfig, None, overrides={"advertise_address": "0.0.0.0:50053"})
+
+
+def test_a_trainer_on_a_network_address_cannot_rendezvous_on_loopback():
+    with pytest.raises(ConfigError, match="weight_rendezvous.*loopback address, but this trainer serves on"):
+        load_config(TrainerAgentConfig, None, overrides={"listen": "10.0.0.5:50054", "insecure": True,
+                                                         "weight_rendezvous": "127.0.0.1:29500"})
+    load_config(TrainerAgentConfig, None, overrides={"listen": "10.0.0.5:50054", "insecure": True,
+                                                     "weight_rendezvous": "10.0.0.5:29500"})
+
+
+@pytest.mark.parametrize(("address", "peer", "reason"), [
+    ("127.0.0.1:50053", "ipv4:10.0.0.3:41000", "LOOPBACK_ADVERTISED"),
+    ("[::1]:50053", "ipv6:[fd00::3]:41000", "LOOPBACK_ADVERTISED"),
+    ("0.0.0.0:50053", "ipv4:10.0.0.3:41000", "UNREACHABLE_ADDRESS"),
+    ("0.0.0.0:50053", "ipv4:127.0.0.1:41000", "UNREACHABLE_ADDRESS"),
+])
+def test_an_unreachable_advertised_address_is_invalid(address, peer, reason):
+    with pytest.raises(InvalidArgument) as err:
+        check_reachable(address, peer, "node 'n1'")
+    assert err.value.reason == reason and err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "node 'n1'" in err.value.message and "advertise_address" in err.value.message
+
+
+@pytest.mark.parametrize(("address", "peer"), [
+    ("127.0.0.1:50053", "ipv4:127.0.0.1:41000"),   # all on one machine
+    ("10.0.0.3:50053", "ipv4:10.0.0.3:41000"),
+    ("10.0.0.3:50053", "ipv4:127.0.0.1:41000"),
+    ("node-3.cluster:50053", "ipv4:10.0.0.3:41000"),
+    ("127.0.0.1:50053", "unix:/tmp/s"),
+])
+def test_a_reachable_advertised_address_passes(address, peer):
+    check_reachable(address, peer, "node 'n1'")
