@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from mesh_runtime import certs
@@ -15,13 +16,14 @@ class LocalPki:
         self.root = root
         self._ca_name = ca_name
 
-    def section(self, role: str, name: str) -> dict[str, str]:
-        """The ``tls`` config section of ``spiffe://rollmesh/<role>/<name>``."""
+    def section(self, role: str, name: str, hosts: Sequence[str] = ()) -> dict[str, str]:
+        """The ``tls`` config section of ``spiffe://rollmesh/<role>/<name>``, valid for loopback and
+        ``hosts`` (made the first time)."""
         if not (self.root / certs.CA_CERT).exists():
             certs.create_ca(self.root, common_name=self._ca_name)
         cert, key = self.root / f"{role}-{name}.pem", self.root / f"{role}-{name}.key"
         if not cert.exists():
-            cert, key = certs.create_cert(self.root, role, name, hosts=["127.0.0.1", "localhost"], days=30)
+            cert, key = certs.create_cert(self.root, role, name, hosts=["127.0.0.1", "localhost", *hosts], days=30)
         return {"cert": str(cert), "key": str(key), "ca": str(self.root / certs.CA_CERT)}
 
     def tls(self, role: str, name: str) -> TlsConfig:

@@ -66,18 +66,20 @@ def server_command(server: str, args: Sequence[str] = ()) -> list[str]:
 
 async def start_server(server: str, args: Sequence[str] = (), *, env: Mapping[str, str] | None = None,
                        log_path: Path | None = None, ready_timeout_s: float = 60.0,
-                       cwd: str | Path | None = None) -> ServerProcess:
+                       cwd: str | Path | None = None, prefix: Sequence[str] = ()) -> ServerProcess:
     """Launch ``rollmesh <server> ARGS`` and return once it announced readiness.
 
-    stderr goes to ``log_path`` (or is inherited). Raises :class:`LaunchError`
-    with the child's last output if it exits or times out first.
+    stderr goes to ``log_path`` (or is inherited). ``prefix`` is a command the
+    server runs under (``ip netns exec NS``, ``taskset -c 2``). Raises
+    :class:`LaunchError` with the child's last output if it exits or times out
+    first.
     """
     child_env = dict(os.environ if env is None else env)
     child_env.setdefault("PYTHONUNBUFFERED", "1")
     stderr_file = open(log_path, "ab") if log_path else None  # noqa: SIM115 - handed to the child
     try:
         proc = await asyncio.create_subprocess_exec(
-            *server_command(server, args), stdout=asyncio.subprocess.PIPE,
+            *prefix, *server_command(server, args), stdout=asyncio.subprocess.PIPE,
             stderr=stderr_file if stderr_file else None, env=child_env, cwd=cwd,
             start_new_session=True)
     finally:

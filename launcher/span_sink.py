@@ -59,11 +59,11 @@ class SpanSink(trace_service_pb2_grpc.TraceServiceServicer):
         return trace_service_pb2.ExportTraceServiceResponse()
 
 
-async def start_span_sink(path: Path) -> tuple[grpc.aio.Server, SpanSink, str]:
-    """Serve a :class:`SpanSink` on a free loopback port; returns ``(server, sink, endpoint URL)``."""
+async def start_span_sink(path: Path, host: str = "127.0.0.1") -> tuple[grpc.aio.Server, SpanSink, str]:
+    """Serve a :class:`SpanSink` on a free port of ``host`` (loopback); returns ``(server, sink, endpoint URL)``."""
     server = grpc.aio.server()
     sink = SpanSink(path)
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(sink, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = server.add_insecure_port(f"{host}:0")
     await server.start()
-    return server, sink, f"http://127.0.0.1:{port}"
+    return server, sink, f"http://{host}:{port}"

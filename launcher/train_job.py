@@ -154,16 +154,26 @@ class TrainJob:
         env.setdefault("OTEL_BSP_SCHEDULE_DELAY", "1000")
         return env
 
+    def host_of(self, name: str) -> str:
+        """The address process ``name`` (or ``launcher``: this process) serves on; a local mesh: loopback."""
+        return "127.0.0.1"
+
+    def prefix_of(self, name: str) -> list[str]:
+        """The command process ``name`` runs under (a local mesh: none)."""
+        return []
+
     async def _start(self, name: str, server: str, config: dict[str, Any] | None, env: dict[str, str]) -> None:
-        args = ["--listen", "127.0.0.1:0"]
+        host = self.host_of(name)
+        args = ["--listen", f"{host}:0"]
         if config is not None and self.job.mesh.metrics:
-            config = {**config, "metrics_listen": "127.0.0.1:0"}
+            config = {**config, "metrics_listen": f"{host}:0"}
         if config is not None:
             path = self.run_dir / "config" / f"{name}.yaml"
             path.write_text(yaml.safe_dump(config, sort_keys=False))
             args = ["--config", str(path)]
         self.processes[name] = await start_server(server, args, env=env, log_path=self.run_dir / "logs" / f"{name}.log",
-                                                  ready_timeout_s=self.job.mesh.start_timeout_s)
+                                                  ready_timeout_s=self.job.mesh.start_timeout_s,
+                                                  prefix=self.prefix_of(name))
         self.console.line(f"  started {name:<20} {self.processes[name].address:<22} pid {self.processes[name].pid}")
         if self.job.mesh.metrics:
             found = re.search(r"Prometheus metrics on http://(\S+)/metrics",
@@ -181,11 +191,12 @@ class TrainJob:
         partial.replace(path)   # Prometheus re-reads the file as it changes: never let it see half of it
         self.console.line(f"metrics: {len(targets)} /metrics endpoints, listed in {path} (file_sd)")
 
-    def _tls(self, role: str, name: str) -> dict[str, str] | None:
-        """The ``tls`` section of ``spiffe://rollmesh/<role>/<name>`` (made in ``pki/``), or None without TLS."""
+    def _tls(self, role: str, name: str, host: str = "127.0.0.1") -> dict[str, str] | None:
+        """The ``tls`` section of ``spiffe://rollmesh/<role>/<name>`` serving on ``host`` (made in ``pki/``),
+        or None without TLS."""
         if not self.job.mesh.tls:
             return None
-        return LocalPki(self.run_dir / "pki", ca_name="rollmesh train CA").section(role, name)
+        return LocalPki(self.run_dir / "pki", ca_name="rollmesh train CA").section(role, name, hosts=[host])
 
     def _client_tls(self) -> TlsConfig | None:
         """The launcher's own identity (an operator) for its channels into the mesh."""
@@ -199,12 +210,17 @@ class TrainJob:
             role, identity = "trainer-agent", config["node_id"]
         else:
             role, identity = "replica-agent", config["node_id"]
-        section = self._tls(role, identity)
-        return {**config, "tls": section} if section is not None else config
+        host = self.host_of(name)
+        section = self._tls(role, identity, host)
+        placed = {**config, "listen": config["listen"].replace("127.0.0.1:", f"{host}:", 1)}
+        if name == "trainer-agent":
+            placed["weight_rendezvous"] = f"{host}:0"   # where the replicas reach its weight broadcasts
+        return {**placed, "tls": section} if section is not None else placed
 
     async def _start_mesh(self, env: dict[str, str]) -> dict[str, dict]:
         await self._start("lb", "lb", self._with_tls("lb", {"listen": "127.0.0.1:0"}), env)
-        trainer_address = f"127.0.0.1:{_free_port()}"
+        host = self.host_of("trainer-agent")
+        trainer_address = f"{host}:{_free_port() if host == '127.0.0.1' else 50054}"
         lb = self.processes["lb"].address
         configs = server_configs(self.job, run_dir=self.run_dir, lb=lb, controller="", trainer=trainer_address)
         await self._start("controller", "controller", self._with_tls("controller", configs["controller"]), env)
@@ -322,7 +338,7 @@ class TrainJob:
             self.console.line(f"resuming after step {r.global_step} (weight version {r.weight_version}; "
                               f"{r.queue_size} samples queued, {r.pending_groups} groups unfinished; generated "
                               f"{r.generated}, consumed {r.consumed}, dropped {r.dropped})")
-        sink_server, sink, endpoint = await start_span_sink(self.run_dir / "spans.jsonl")
+        sink_server, sink, endpoint = await start_span_sink(self.run_dir / "spans.jsonl", self.host_of("launcher"))
         watcher: asyncio.Task | None = None
         channels: list[grpc.aio.Channel] = []
         outcome: dict[str, Any] = {}

@@ -188,7 +188,7 @@ class Balancer:
         self.stats.requests_total += 1
         queue: asyncio.Queue = asyncio.Queue()
         task = asyncio.get_running_loop().create_task(self._produce(run, queue))
-        ok, started, first_token = False, time.perf_counter(), True
+        ok, cancelled, started, first_token = False, False, time.perf_counter(), True
         try:
             while (item := await queue.get()) is not _DONE:
                 if isinstance(item, BaseException):
@@ -198,15 +198,16 @@ class Balancer:
                     self._timing.ttft.observe(time.perf_counter() - started)
                 yield item
             ok = True
+        except (GeneratorExit, asyncio.CancelledError):   # the caller went away: not a failure of ours
+            cancelled = True
+            raise
         finally:
             task.cancel()
             del self._running[request.request_id]
-            if ok:
-                self.stats.completed += 1
-            else:
-                self.stats.failed += 1
+            outcome = "completed" if ok else "cancelled" if cancelled else "failed"
+            setattr(self.stats, outcome, getattr(self.stats, outcome) + 1)
             if self._timing is not None:
-                self._timing.request.labels("completed" if ok else "failed").observe(time.perf_counter() - started)
+                self._timing.request.labels(outcome).observe(time.perf_counter() - started)
 
     async def _produce(self, run: RequestRun, queue: asyncio.Queue) -> None:
         try:

@@ -25,6 +25,7 @@ class Stats:
     sticky_migrations: int = 0
     no_replica_waits: int = 0
     outlier_ejections: int = 0
+    cancelled: int = 0
     since: float = dataclasses.field(default_factory=time.time)
 
     def to_proto(self, in_flight: int) -> routing_pb2.LoadBalancerStats:
@@ -65,6 +66,7 @@ COUNTERS = {
     "requests_total": ("rollmesh_lb_requests", "Generation requests received (a repeated completed id included)"),
     "completed": ("rollmesh_lb_requests_completed", "Generation requests that ended with a result"),
     "failed": ("rollmesh_lb_requests_failed", "Generation requests that ended with an error"),
+    "cancelled": ("rollmesh_lb_requests_cancelled", "Generation requests their caller cancelled before they ended"),
     "retries": ("rollmesh_lb_retries", "Attempts after a request's first (aborts and failures alike)"),
     "resumes": ("rollmesh_lb_resumes", "Attempts that continued a request from the tokens it already had"),
     "regenerations": ("rollmesh_lb_regenerations", "Requests started over without their tokens (partial_rollout off)"),

@@ -384,3 +384,17 @@ async def test_update_replicas_refuses_an_unknown_replica_unless_told_to_skip_it
     assert [r.endpoint.replica_id for r in reply.replicas] == ["a"] and list(reply.skipped_replica_ids) == ["ghost"]
     listed = await stub.ListReplicas(pb.ListReplicasRequest(), timeout=10)
     assert [r.endpoint.weight_version for r in listed.replicas] == [3]
+
+
+async def test_a_request_its_caller_cancels_counts_as_cancelled_not_failed(mesh):
+    stub, fake, _ = await mesh({"a": "normal"}, delay_s=0.05, step=1)
+    call = stub.Generate(request("walks-away", 40), timeout=30)
+    async for _ in call:
+        break
+    call.cancel()
+    for _ in range(100):
+        stats = (await stub.GetStats(pb.GetStatsRequest(), timeout=10)).stats
+        if stats.in_flight == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert (stats.requests_total, stats.completed, stats.failed, stats.cancelled) == (1, 0, 0, 1)

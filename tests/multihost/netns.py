@@ -1,0 +1,105 @@
+"""Hosts as Linux network namespaces on one private bridge, with pairwise partitions.
+
+Each host is a namespace with one interface ``eth0`` (a veth pair whose other
+end sits on a bridge in a hub namespace) and one address of ``10.77.0.0/24``;
+nothing is added to the namespace the tests run in. A partition between two
+hosts is a blackhole route to each other on both sides: packets between them
+are dropped at once, every other pair still talks. Needs root (CAP_NET_ADMIN)
+and the ``ip`` command; :func:`unavailable` says why it cannot run where it
+cannot.
+"""
+
+from __future__ import annotations
+
+import secrets
+import shutil
+import subprocess
+from collections.abc import Sequence
+
+SUBNET = "10.77.0"
+
+
+def _ip(*args: str, ns: str | None = None) -> None:
+    command = ["ip", "netns", "exec", ns, "ip", *args] if ns else ["ip", *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)}: {done.stderr.strip() or done.returncode}")
+
+
+def unavailable() -> str:
+    """Why namespaces cannot be made here ('' when they can)."""
+    if shutil.which("ip") is None:
+        return "the ip command (iproute2) is not installed"
+    probe = f"rmprobe{secrets.token_hex(3)}"
+    done = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        return f"this kernel or user may not create network namespaces: {done.stderr.strip()[:200]}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=30)
+    return ""
+
+
+class Network:
+    """``hosts`` as namespaces on one bridge; :meth:`close` removes everything."""
+
+    def __init__(self, hosts: Sequence[str]) -> None:
+        self.tag = secrets.token_hex(2)
+        self.hub = f"rm{self.tag}-hub"
+        self.hosts = list(hosts)
+        self.namespaces = {h: f"rm{self.tag}-{h}" for h in self.hosts}
+        self.addresses = {h: f"{SUBNET}.{i + 2}" for i, h in enumerate(self.hosts)}
+        self._made: list[str] = []
+        self._cuts: set[frozenset[str]] = set()
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self) -> None:
+        for ns in (self.hub, *self.namespaces.values()):
+            subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True, timeout=30)
+            self._made.append(ns)
+            _ip("link", "set", "lo", "up", ns=ns)
+        _ip("link", "add", "br0", "type", "bridge", ns=self.hub)
+        _ip("link", "set", "br0", "up", ns=self.hub)
+        for index, host in enumerate(self.hosts):
+            ns, port = self.namespaces[host], f"p{index}"
+            _ip("link", "add", "eth0", "netns", ns, "type", "veth", "peer", "name", port, "netns", self.hub)
+            _ip("link", "set", port, "master", "br0", ns=self.hub)
+            _ip("link", "set", port, "up", ns=self.hub)
+            _ip("addr", "add", f"{self.addresses[host]}/24", "dev", "eth0", ns=ns)
+            _ip("link", "set", "eth0", "up", ns=ns)
+
+    def prefix(self, host: str) -> list[str]:
+        """The command prefix that runs a program on ``host``."""
+        return ["ip", "netns", "exec", self.namespaces[host]]
+
+    def cut(self, a: str, b: str) -> None:
+        """Partition ``a`` from ``b`` (both directions); other pairs are unaffected."""
+        for src, dst in ((a, b), (b, a)):
+            _ip("route", "add", "blackhole", f"{self.addresses[dst]}/32", ns=self.namespaces[src])
+        self._cuts.add(frozenset((a, b)))
+
+    def heal(self, a: str, b: str) -> None:
+        for src, dst in ((a, b), (b, a)):
+            _ip("route", "del", "blackhole", f"{self.addresses[dst]}/32", ns=self.namespaces[src])
+        self._cuts.discard(frozenset((a, b)))
+
+    def close(self) -> None:
+        for ns in reversed(self._made):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+        self._made.clear()
+
+    def describe(self) -> dict:
+        """What a process in another namespace needs to use this network (JSON-able)."""
+        return {"tag": self.tag, "hub": self.hub, "namespaces": self.namespaces, "addresses": self.addresses}
+
+    @classmethod
+    def attach(cls, described: dict) -> Network:
+        """The network :meth:`describe` described, made by another process (closing it is theirs)."""
+        network = cls.__new__(cls)
+        network.tag, network.hub = described["tag"], described["hub"]
+        network.namespaces, network.addresses = dict(described["namespaces"]), dict(described["addresses"])
+        network.hosts = list(network.namespaces)
+        network._made, network._cuts = [], set()
+        return network

@@ -1,0 +1,75 @@
+"""A training job across five hosts (network namespaces on one bridge), partitioned while it trains.
+
+Runs as root with iproute2 (CI here does); skips, saying why, where the kernel
+or the user may not create network namespaces.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.multihost import netns
+from tests.processes import clean_env
+
+ROOT = Path(__file__).resolve().parents[2]
+WHY_NOT = netns.unavailable()
+pytestmark = [pytest.mark.timeout(900), pytest.mark.skipif(bool(WHY_NOT), reason=f"no network namespaces: {WHY_NOT}")]
+
+HOSTS = ["controller", "lb", "node0", "node1", "trainer", "operator"]
+PLACEMENT = {"controller": "controller", "lb": "lb", "rollout-0": "node0", "rollout-1": "node1",
+             "trainer-agent": "trainer", "trainer-0-replicas": "trainer"}
+ACTIVE = 4   # rollmesh.common.v1.REPLICA_STATE_ACTIVE
+
+
+def _job_config(path: Path, steps: int) -> Path:
+    config = yaml.safe_load((ROOT / "examples" / "quickstart.yaml").read_text())
+    config["rollout"] = {"nnodes": 2, "n_gpus_per_node": 1}          # two inference nodes, one replica each
+    config["trainer"]["total_training_steps"] = steps
+    config["mesh"] = {**config["mesh"], "lease_ttl_s": 4, "gloo_interface": "eth0"}
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _run(tmp_path: Path, *, steps: int, faults: bool) -> dict:
+    network = netns.Network(HOSTS)
+    try:
+        spec = {"network": network.describe(), "run_dir": str(tmp_path / "run"), "placement": PLACEMENT,
+                "job_config": str(_job_config(tmp_path / "job.yaml", steps)), "faults": faults,
+                "env": clean_env(OMP_NUM_THREADS="1")}
+        (tmp_path / "spec.json").write_text(json.dumps(spec))
+        done = subprocess.run([*network.prefix("operator"), sys.executable, "-m", "tests.multihost.job",
+                               str(tmp_path / "spec.json")], cwd=ROOT, env=clean_env(), capture_output=True,
+                              text=True, timeout=800)
+        logs = "\n".join(f"--- {p.name}\n{p.read_text()[-1500:]}" for p in (tmp_path / "run" / "logs").glob("*.log"))
+        assert done.returncode == 0, (done.stdout[-3000:] + done.stderr[-3000:] + logs)
+        return json.loads((tmp_path / "run" / "multihost.json").read_text())
+    finally:
+        network.close()
+
+
+def test_a_training_job_survives_partitions_between_hosts(tmp_path):
+    record = _run(tmp_path, steps=120, faults=True)
+    assert "error" not in record, record
+    assert record["progress"]["global_step"] == 120
+    # every replica serves from its own host, at the address it advertised
+    replicas = record["replicas"]
+    for replica in replicas.values():
+        assert replica["address"].startswith(netns.SUBNET + "."), replica
+    by_node = {r["node"] for r in replicas.values()}
+    assert {"rollout-0", "rollout-1", "trainer-0"} <= by_node
+    cut_lb, cut_controller = record["phases"]
+    # 1. balancer | node 0: its requests went on elsewhere, none failed, node 0 came back
+    assert cut_lb["retries"] > 0 and cut_lb["failed"] == 0, cut_lb
+    # 2. controller | node 1: its lease expired and its replicas left routing; they came back current
+    assert cut_controller["out_of_routing_after_s"] > 0
+    assert min(cut_controller["node_versions"]) >= max(cut_controller["other_versions"]) - 1, cut_controller
+    assert all(r["state"] == ACTIVE for r in replicas.values() if r["node"].startswith("rollout-"))
+    # nothing lost: no request failed (the trainer cancels what it no longer needs when training ends)
+    lb = record["lb"]
+    assert lb["failed"] == 0 and lb["completed"] + lb["cancelled"] == lb["requests"], lb
