@@ -73,3 +73,40 @@ def test_a_training_job_survives_partitions_between_hosts(tmp_path):
     # nothing lost: no request failed (the trainer cancels what it no longer needs when training ends)
     lb = record["lb"]
     assert lb["failed"] == 0 and lb["completed"] + lb["cancelled"] == lb["requests"], lb
+
+
+PROBE = """
+import grpc, sys
+from rollmesh.controller.v1 import controller_pb2_grpc, registry_pb2
+from mesh_runtime.errors import error_info
+stub = controller_pb2_grpc.ControllerServiceStub(grpc.insecure_channel(sys.argv[1]))
+try:
+    stub.RegisterNode(registry_pb2.RegisterNodeRequest(node_id="n0", address=sys.argv[2], slots_total=1), timeout=20)
+    print("accepted")
+except grpc.RpcError as err:
+    print(err.code().name, error_info(err).reason, err.details())
+"""
+
+
+def test_a_node_advertising_loopback_from_another_host_is_refused(tmp_path):
+    from tests.processes import running_server
+
+    network = netns.Network(["controller", "node0"])
+    try:
+        ctl = network.addresses["controller"]
+        env = clean_env()
+        with running_server("controller", ["--listen", f"{ctl}:50051", "--insecure"], log_path=tmp_path / "c.log",
+                            env=env, prefix=network.prefix("controller")) as (address, _):
+            def register(advertised: str) -> str:
+                done = subprocess.run([*network.prefix("node0"), sys.executable, "-c", PROBE, address, advertised],
+                                      cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+                assert done.returncode == 0, done.stderr[-2000:]
+                return done.stdout.strip()
+
+            refused = register("127.0.0.1:50053")
+            assert refused.startswith("INVALID_ARGUMENT LOOPBACK_ADVERTISED"), refused
+            assert f"calls from {network.addresses['node0']}" in refused and "advertise_address" in refused
+            assert register("0.0.0.0:50053").startswith("INVALID_ARGUMENT UNREACHABLE_ADDRESS")
+            assert register(f"{network.addresses['node0']}:50053") == "accepted"
+    finally:
+        network.close()
