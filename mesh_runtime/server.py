@@ -19,7 +19,7 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +28,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry.sdk.trace import TracerProvider
 
-from . import tracing
+from . import sdnotify, tracing
 from .authorization import AuthorizationInterceptor, TokenCheck
 from .config import TlsConfig
 from .decoding import RequestDecodingInterceptor
@@ -213,8 +213,11 @@ def _bind(server: grpc.aio.Server, listen: str, credentials: grpc.ServerCredenti
     return port
 
 
-async def serve_until_signalled(server: MeshServer, *, on_ready: Callable[[MeshServer], None] | None = None) -> None:
-    """Start ``server``, announce readiness, and stop it cleanly on SIGTERM/SIGINT."""
+async def serve_until_signalled(server: MeshServer, *, on_ready: Callable[[MeshServer], None] | None = None,
+                                env: Mapping[str, str] | None = None) -> None:
+    """Start ``server``, announce readiness (stdout, and systemd when ``env`` has ``NOTIFY_SOCKET``), and
+    stop it cleanly on SIGTERM/SIGINT."""
+    env = env or {}
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -226,8 +229,10 @@ async def serve_until_signalled(server: MeshServer, *, on_ready: Callable[[MeshS
         log.info("%s: transport %s%s", server.server_name, server.transport_security,
                  f", identity {server.identity}" if server.identity else "")
         print(f"rollmesh {server.server_name} listening on {server.address}", flush=True)
+        sdnotify.notify(f"READY=1\nSTATUS=serving on {server.address}", env)
         await stop.wait()
         log.info("%s: shutdown requested", server.server_name)
+        sdnotify.notify("STOPPING=1", env)
     finally:
         await server.stop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -243,7 +248,7 @@ async def serve_config(server_name: str, config: Any, env: dict[str, str],
     """Run one server process: tracing named ``rollmesh-<server>``, then serve until signalled."""
     provider = tracing.create_tracer_provider(f"rollmesh-{server_name}", env)
     tracing.install_global(provider)
-    await serve_until_signalled(build(config, provider))
+    await serve_until_signalled(build(config, provider), env=env)
 
 
 
