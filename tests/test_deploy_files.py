@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import configparser
 import importlib
+import re
 import shlex
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -71,3 +73,27 @@ def test_each_systemd_unit_verifies_and_runs_a_known_server(unit, tmp_path):
     done = subprocess.run(["systemd-analyze", "verify", str(local)], capture_output=True, text=True, timeout=60)
     problems = [line for line in (done.stdout + done.stderr).splitlines() if str(local) in line or "Unknown" in line]
     assert done.returncode == 0 and not problems, done.stdout + done.stderr
+
+
+DOCKERFILE = ROOT / "deploy" / "container" / "Dockerfile"
+
+
+def test_the_container_image_copies_files_that_exist_and_every_package():
+    lines = DOCKERFILE.read_text().splitlines()
+    copied = [shlex.split(line)[1:-1] for line in lines if line.startswith("COPY ") and "--from=" not in line]
+    sources = [source for group in copied for source in group]
+    assert sources and all((ROOT / source).exists() for source in sources), sources
+    packaged = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+                   ["include"])
+    packages = {p.rstrip("*") for p in packaged} - {"rollmesh"}   # rollmesh = generated/rollmesh
+    assert packages <= {s.rstrip("/") for s in sources} and "generated/" in sources
+
+
+def test_the_container_image_installs_as_the_install_script_does():
+    install = (ROOT / "scripts" / "install").read_text()
+    image = DOCKERFILE.read_text()
+    # the same constraints file and the same extras, less the test-only dev extra
+    assert "-c constraints/cpu.txt" in install and "-c constraints/cpu.txt" in image
+    script_extras = set(re.search(r'-e "\.\[([a-z,]+)\]"', install).group(1).split(","))
+    image_extras = {tuple(m.split(",")) for m in re.findall(r'"\.\[([a-z,]+)\]"', image)}
+    assert image_extras == {tuple(sorted(script_extras - {"dev"}))}
