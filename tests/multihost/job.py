@@ -146,9 +146,46 @@ class MultiHostJob(TrainJob):
                 "cut": "controller|rollout-1", "out_of_routing_after_s": round(expired_s, 2), "back_s": round(back, 2),
                 "node_versions": [r.weight_version for r in snapshot if r.node_id == "rollout-1"],
                 "other_versions": [r.weight_version for r in snapshot if r.node_id != "rollout-1"]})
+            # 3. the weight path from the trainer to inference node 0 slow and lossy
+            await self._slow_weight_path(replicas_of)
         finally:
             await ctl_channel.close()
             await lb_channel.close()
+
+    async def _slow_weight_path(self, replicas_of) -> None:
+        trainer, node = self.placement["trainer-agent"], self.placement["rollout-0"]
+        first_event = len(self.events)
+        seen: list[int] = []
+        self.network.shape(trainer, node, rate="4mbit", queue_packets=16)
+        try:
+            ends = time.monotonic() + 10
+            while time.monotonic() < ends:
+                seen += [r.weight_version for r in await replicas_of("rollout-0")]
+                await asyncio.sleep(0.25)
+        finally:
+            self.network.unshape(node)
+        ids = {r.replica_id for r in await replicas_of("rollout-0")}
+
+        async def current() -> bool:
+            replicas = (await replicas_of("rollout-0"))
+            others = [r.weight_version for r in await self._all_replicas() if r.node_id != "rollout-0"]
+            return bool(replicas) and min(r.weight_version for r in replicas) >= max(others) - 1
+        caught_up = await self._until("node 0 current again after the slow link", current, 90)
+        window = self.events[first_event:]
+        self.record["phases"].append({
+            "shaped": f"{trainer}->{node}", "versions_seen": seen, "caught_up_s": round(caught_up, 2),
+            "syncs_completed": sum(1 for e in window if e["type"] == "WEIGHT_SYNC_COMPLETED"),
+            "node_syncs_failed": [e["reason"][:200] for e in window
+                                  if e["type"] == "WEIGHT_SYNC_FAILED" and e["replica_id"] in ids]})
+
+    async def _all_replicas(self) -> list:
+        ctl_channel, _ = self._channels()
+        try:
+            stub = controller_pb2_grpc.ControllerServiceStub(ctl_channel)
+            return list((await stub.ListReplicas(registry_pb2.ListReplicasRequest(), timeout=10)).replicas)
+        finally:
+            await ctl_channel.close()
+            await _.close()
 
     async def _serving(self, routed) -> bool:
         return all([await routed(n) for n in ("rollout-0", "rollout-1")])

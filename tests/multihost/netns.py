@@ -4,7 +4,8 @@ Each host is a namespace with one interface ``eth0`` (a veth pair whose other
 end sits on a bridge in a hub namespace) and one address of ``10.77.0.0/24``;
 nothing is added to the namespace the tests run in. A partition between two
 hosts is a blackhole route to each other on both sides: packets between them
-are dropped at once, every other pair still talks. Needs root (CAP_NET_ADMIN)
+are dropped at once, every other pair still talks. A slow, lossy link is a
+rate limit with a short queue on the bridge port (:meth:`Network.shape`). Needs root (CAP_NET_ADMIN)
 and the ``ip`` command; :func:`unavailable` says why it cannot run where it
 cannot.
 """
@@ -21,6 +22,13 @@ SUBNET = "10.77.0"
 
 def _ip(*args: str, ns: str | None = None) -> None:
     command = ["ip", "netns", "exec", ns, "ip", *args] if ns else ["ip", *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)}: {done.stderr.strip() or done.returncode}")
+
+
+def _ip_tc(ns: str, *args: str) -> None:
+    command = ["ip", "netns", "exec", ns, "tc", *args]
     done = subprocess.run(command, capture_output=True, text=True, timeout=30)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)}: {done.stderr.strip() or done.returncode}")
@@ -84,6 +92,23 @@ class Network:
         for src, dst in ((a, b), (b, a)):
             _ip("route", "del", "blackhole", f"{self.addresses[dst]}/32", ns=self.namespaces[src])
         self._cuts.discard(frozenset((a, b)))
+
+    def shape(self, src: str, dst: str, *, rate: str, queue_packets: int) -> None:
+        """Make the link from ``src`` to ``dst`` slow and lossy: packets from ``src`` into ``dst`` go through
+        a ``rate`` limit (htb) with a ``queue_packets``-long queue (pfifo) that drops what overflows, so
+        bursts are delayed and lost (this kernel has no netem). Only that direction of that pair."""
+        port = f"p{self.hosts.index(dst)}"
+        _ip_tc(self.hub, "qdisc", "add", "dev", port, "root", "handle", "1:", "htb", "default", "10", "r2q", "1000")
+        _ip_tc(self.hub, "class", "add", "dev", port, "parent", "1:", "classid", "1:10", "htb", "rate", "10gbit")
+        _ip_tc(self.hub, "class", "add", "dev", port, "parent", "1:", "classid", "1:20", "htb", "rate", rate,
+               "ceil", rate)
+        _ip_tc(self.hub, "qdisc", "add", "dev", port, "parent", "1:20", "handle", "20:", "pfifo", "limit",
+               str(queue_packets))
+        _ip_tc(self.hub, "filter", "add", "dev", port, "parent", "1:", "protocol", "ip", "u32", "match", "ip",
+               "src", f"{self.addresses[src]}/32", "flowid", "1:20")
+
+    def unshape(self, dst: str) -> None:
+        _ip_tc(self.hub, "qdisc", "del", "dev", f"p{self.hosts.index(dst)}", "root")
 
     def close(self) -> None:
         for ns in reversed(self._made):
