@@ -214,8 +214,8 @@ class Scaler:
             if node_id is None or free[node_id] < per:
                 raise FailedPrecondition(
                     f"native scale-out needs {need} replica(s) of {per} slot(s) for model {model!r}, but only "
-                    f"{len(out)} fit; free slots per node: {dict(sorted(free.items())) or 'no node registered'}",
-                    reason="NO_FREE_SLOTS")
+                    f"{len(out)} fit; free slots: {_free_summary(free)}", reason="NO_FREE_SLOTS",
+                    metadata={"nodes": str(len(free)), "free_slots": str(sum(max(0, f) for f in free.values()))})
             free[node_id] -= per
             out.append(node_id)
         return out
@@ -374,3 +374,13 @@ class Scaler:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=5)
+
+
+def _free_summary(free: dict[str, int], shown: int = 5) -> str:
+    """Free slots in a bounded form whatever the fleet's size: the total, then the nodes with the most."""
+    if not free:
+        return "no node registered"
+    most = sorted(free.items(), key=lambda item: (-item[1], item[0]))[:shown]
+    listed = ", ".join(f"{node} {slots}" for node, slots in most)
+    more = f", and {len(free) - shown} more node(s)" if len(free) > shown else ""
+    return f"{sum(max(0, f) for f in free.values())} on {len(free)} node(s); most: {listed}{more}"

@@ -258,3 +258,23 @@ async def test_a_native_launch_that_fails_is_rolled_back(tmp_path):
     finally:
         await channel.close()
         await server.stop(0)
+
+
+async def test_no_free_slots_stays_small_on_a_500_node_fleet(tmp_path):
+    server, channel, stub = await start(tmp_path, max_replicas_per_model=1000, lease_ttl_s=600)
+    try:
+        for n in range(500):
+            await stub.RegisterNode(registry_pb2.RegisterNodeRequest(
+                node_id=f"node-{n:03d}", address=f"127.0.0.1:{20000 + n}", slots_total=1, replicas=[
+                    registry_pb2.ReplicaRegistration(replica_id=f"r-{n:03d}", kind=types_pb2.REPLICA_KIND_STANDALONE,
+                                                     state=types_pb2.REPLICA_STATE_ACTIVE, initial=True, slots=[0])]))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.ScaleOut(scaling_pb2.ScaleOutRequest(num_replicas=501, dry_run=True))
+        info = error_info(err.value)
+        assert info.reason == "NO_FREE_SLOTS" and info.metadata["nodes"] == "500"
+        assert len(err.value.details()) < 400 and "0 on 500 node(s)" in err.value.details()
+        assert "and 495 more node(s)" in err.value.details()
+        assert sum(len(k) + len(v) for k, v in err.value.trailing_metadata()) < 2000
+    finally:
+        await channel.close()
+        await server.stop(0)
