@@ -62,6 +62,7 @@ class Mesh:
         self.event_listeners: list[Any] = []
         """Called with every event as it is recorded (the Prometheus counters)."""
         self.hub = EventHub(self.events, config.watcher_queue_size)
+        self._migrated_registry = False
         self.registry = self._restore_registry()
         self._ejections_seen: dict[str, int] = {}
         """Ejections per replica the balancer reported in the last reconcile round."""
@@ -84,9 +85,13 @@ class Mesh:
             sched, registry=self.registry, routing=self.routing, replicas=self.replica_port, weights=self.weights,
             clock=self.clock, emit=self.emit, tracer=self._span, metrics=self.metrics)
         events_counter = lambda: self.events.state_dict(include_events=False)  # noqa: E731
-        for key, source in {"registry": self.registry.to_dict, "events": events_counter,
-                            "scheduler": self.scheduler.state_dict, "metrics": self.metrics.state_dict}.items():
+        for key, source in {"events": events_counter, "scheduler": self.scheduler.state_dict,
+                            "metrics": self.metrics.state_dict}.items():
             self.store.track(key, source)
+        self.store.track_collection("registry/node", self.registry.take_changes)   # one document per node
+        if self._migrated_registry:   # the old single document goes once every node's is on disk
+            self.store.flush()
+            self.store.delete("registry")
         self._restore_rest()
         self.transitions = asyncio.Lock()
         """Held by every change of routing or weights that hybrid steps and scale operations make, so the
@@ -104,9 +109,15 @@ class Mesh:
             saved_events["events"] = self.store.load_events(self.config.event_retention)
             self.events.load_state_dict(saved_events)
             self.store.prune_events(self.config.event_retention)
-        saved = self.store.load("registry")
+        documents = self.store.load_collection("registry/node")
+        if documents:
+            return ReplicaRegistry.from_documents(documents, clock=self.clock, emit=self.emit,
+                                                  lease_ttl_s=self.config.lease_ttl_s)
+        saved = self.store.load("registry")   # the format before one document per node: migrated on next write
         if saved:
-            return ReplicaRegistry.from_dict(saved, clock=self.clock, emit=self.emit)
+            self._migrated_registry = True
+            return ReplicaRegistry.from_dict({**saved, "lease_ttl_s": self.config.lease_ttl_s},
+                                             clock=self.clock, emit=self.emit)
         return ReplicaRegistry(clock=self.clock, emit=self.emit, lease_ttl_s=self.config.lease_ttl_s)
 
     def _restore_rest(self) -> None:
@@ -136,7 +147,7 @@ class Mesh:
             listener(event)
         self.hub.publish(event)
         self.store.append_event(event.sequence, event.to_dict())
-        self.store.mark("events", "registry")
+        self.store.mark("events", "registry/node")
         return event
 
     @contextlib.contextmanager
@@ -295,7 +306,7 @@ class Mesh:
                 del self._missing_reports[record.replica_id]
                 self.registry.transition(record.replica_id, S.FAILED,
                                          f"node {node_id}'s agent no longer hosts it (missing from its load reports)")
-                self.store.mark("registry")
+                self.store.mark("registry/node")
         return expires, register_again
 
     def _stop_leftover(self, record) -> None:

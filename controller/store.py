@@ -1,7 +1,11 @@
 """The controller's durable state: an embedded SQLite file in its state directory.
 
-State is kept as JSON documents by key (registry, scheduler, ...) plus an
-append-only table of lifecycle events (each written once).
+State is kept as JSON documents by key (scheduler, metrics, ...), collections
+of documents written one member at a time (the registry: one document per
+node, with its replicas; a change rewrites that node's document only, so the
+cost of a write does not grow with the fleet), plus an append-only table of
+lifecycle events (each written once). JSON encoding and the disk happen in the
+writer thread; the event loop only takes the snapshot of what changed.
 Writes are batched: callers mark what changed and :meth:`StateStore.flush`
 writes it in one transaction (a background task flushes shortly after each
 change, and shutdown flushes whatever is left), so a restart finds the
@@ -37,6 +41,7 @@ class StateStore:
         self.keep_events = keep_events
         self._written_since_prune = 0
         self._sources: dict[str, Callable[[], Any]] = {}
+        self._collections: dict[str, Callable[[], list[tuple[str, Any | None]]]] = {}
         self._dirty: set[str] = set()
         self._events: list[tuple[int, str]] = []
         self._wakeup = asyncio.Event()
@@ -62,6 +67,26 @@ class StateStore:
             row = db.execute("SELECT value FROM documents WHERE key = ?", (key,)).fetchone()
         return json.loads(row[0]) if row else None
 
+    def load_collection(self, key: str) -> list[Any]:
+        """Every member document of collection ``key``, in member order."""
+        if self.path is None:
+            return []
+        with self._connect() as db:
+            rows = db.execute("SELECT value FROM documents WHERE key >= ? AND key < ? ORDER BY key",
+                              (f"{key}/", f"{key}0")).fetchall()   # '0' sorts right after '/'
+        return [json.loads(row[0]) for row in rows]
+
+    def delete(self, key: str) -> None:
+        """Drop document ``key`` now (a format migration)."""
+        if self.path is not None:
+            with self._write_lock, self._connect() as db:
+                db.execute("DELETE FROM documents WHERE key = ?", (key,))
+
+    def track_collection(self, key: str, changes: Callable[[], list[tuple[str, Any | None]]]) -> None:
+        """Persist collection ``key``: at each write, ``changes()`` gives (member, document or None to delete)
+        for the members changed since its last call, and only those are written."""
+        self._collections[key] = changes
+
     def track(self, key: str, source: Callable[[], Any]) -> None:
         """Persist ``source()`` under ``key`` whenever :meth:`mark` names it."""
         self._sources[key] = source
@@ -84,22 +109,30 @@ class StateStore:
             rows = db.execute("SELECT value FROM events ORDER BY sequence DESC LIMIT ?", (limit,)).fetchall()
         return [json.loads(row[0]) for row in reversed(rows)]
 
-    def _collect(self) -> tuple[int, list[tuple[str, str]], list[tuple[int, str]]]:
-        """Serialise what changed (on the event loop, so the snapshot is consistent)."""
-        keys, self._dirty = sorted(self._dirty), set()
+    def _collect(self) -> tuple[int, list[tuple[str, Any]], list[tuple[int, str]]]:
+        """Snapshot what changed (on the event loop, so it is consistent): the marked documents and the
+        changed members of every collection."""
+        keys, self._dirty = sorted(k for k in self._dirty if k in self._sources), set()
         events, self._events = self._events, []
         self._generation += 1
+        members = [(f"{key}/{member}", document) for key, changes in self._collections.items()
+                   for member, document in changes()]
         if self.path is None:
             return self._generation, [], []
-        return self._generation, [(key, json.dumps(self._sources[key]())) for key in keys], events
+        # the tracked documents are encoded here (their sources may hand out live structures); the members
+        # of collections are fresh objects, encoded in the writer thread
+        return self._generation, [(key, json.dumps(self._sources[key]())) for key in keys] + members, events
 
-    def _write(self, generation: int, documents: list[tuple[str, str]], events: list[tuple[int, str]]) -> None:
+    def _write(self, generation: int, documents: list[tuple[str, Any]], events: list[tuple[int, str]]) -> None:
         if not documents and not events:
             return
         with self._write_lock:
             documents = [(k, v) for k, v in documents if self._written.get(k, 0) < generation]
+            upserts = [(k, v if isinstance(v, str) else json.dumps(v)) for k, v in documents if v is not None]
+            deletes = [(k,) for k, v in documents if v is None]
             with self._connect() as db:
-                db.executemany("INSERT OR REPLACE INTO documents (key, value) VALUES (?, ?)", documents)
+                db.executemany("INSERT OR REPLACE INTO documents (key, value) VALUES (?, ?)", upserts)
+                db.executemany("DELETE FROM documents WHERE key = ?", deletes)
                 db.executemany("INSERT OR REPLACE INTO events (sequence, value) VALUES (?, ?)", events)
             for key, _ in documents:
                 self._written[key] = generation

@@ -184,17 +184,22 @@ class ReplicaRegistry:
         self._replicas: dict[str, ReplicaRecord] = {}
         self._by_node: dict[str, set[str]] = {}
         """node id -> its replica ids: a lease renewal or a per-node lookup touches only that node's replicas."""
+        self._dirty: set[str] = set()
+        """Node ids whose durable record (the node and its replicas) changed since :meth:`take_changes`."""
 
     def _put(self, record: ReplicaRecord) -> None:
         """Store ``record`` and keep the per-node index in line (a replica may move to another node)."""
         previous = self._replicas.get(record.replica_id)
         if previous is not None and previous.node_id != record.node_id:
             self._by_node.get(previous.node_id, set()).discard(record.replica_id)
+            self._dirty.add(previous.node_id)
+        self._dirty.add(record.node_id)
         self._replicas[record.replica_id] = record
         self._by_node.setdefault(record.node_id, set()).add(record.replica_id)
 
     def _pop(self, replica_id: str) -> ReplicaRecord:
         record = self._replicas.pop(replica_id)
+        self._dirty.add(record.node_id)
         ids = self._by_node.get(record.node_id)
         if ids is not None:
             ids.discard(replica_id)
@@ -216,6 +221,7 @@ class ReplicaRegistry:
         if len(seen) != len(set(seen)):
             raise InvalidArgumentError(f"registration of node {node_id!r} repeats a replica id: {seen}")
         expires = now + self.lease_ttl_s
+        self._dirty.add(node_id)
         self._nodes[node_id] = NodeRecord(node_id=node_id, address=address, slots_total=slots_total,
                                           backend=backend, model=model, model_name=model_name or "default",
                                           agent_version=agent_version, registered_at=now,
@@ -248,11 +254,15 @@ class ReplicaRegistry:
                 self.transition(record.replica_id, S.STOPPED, reason or f"node {node_id} deregistered")
                 stopped.append(record.replica_id)
         del self._nodes[node_id]
+        self._dirty.add(node_id)
         self._emit(EventType.NODE_DEREGISTERED, node_id=node_id, reason=reason or "node deregistered")
         return stopped
 
     def renew(self, node_id: str, now: float | None = None) -> float:
-        """Extend the node's lease by ``lease_ttl_s`` from ``now``; returns the new expiry."""
+        """Extend the node's lease by ``lease_ttl_s`` from ``now``; returns the new expiry.
+
+        Not a durable change: a restored node that held its lease gets a fresh one, so a renewal is
+        never written (at thousands of reports a second that would be all the controller does)."""
         node = self.node(node_id)
         now = self._clock() if now is None else now
         if not node.lease_held:
@@ -273,6 +283,7 @@ class ReplicaRegistry:
             if not node.lease_held or node.lease_expires_at > now:
                 continue
             node.lease_held = False
+            self._dirty.add(node.node_id)
             self._emit(EventType.LEASE_EXPIRED, node_id=node.node_id, reason="lease expired",
                        attributes={"lease_expires_at": node.lease_expires_at})
             for record in self.replicas(node_id=node.node_id):
@@ -329,6 +340,7 @@ class ReplicaRegistry:
         record.state = to_state
         record.state_reason = reason
         record.updated_at = self._clock()
+        self._dirty.add(record.node_id)
         self._emit_change(record, previous.proto_name, reason, **event_fields)
         return record
 
@@ -340,6 +352,7 @@ class ReplicaRegistry:
         """Scale-in removal: REMOVED, and never taken back on re-registration."""
         record = self.transition(replica_id, S.REMOVED, reason, operation_id=operation_id)
         record.intentionally_removed = True
+        self._dirty.add(record.node_id)
         return record
 
     def forget_node(self, node_id: str, reason: str) -> list[str]:
@@ -352,6 +365,7 @@ class ReplicaRegistry:
                        replica_kind=record.kind.proto_name, from_state=record.state.proto_name,
                        to_state=S.REMOVED.proto_name, reason=reason)
         del self._nodes[node_id]
+        self._dirty.add(node_id)
         self._emit(EventType.NODE_DEREGISTERED, node_id=node_id, reason=reason)
         return gone
 
@@ -359,6 +373,7 @@ class ReplicaRegistry:
         record = self.get(replica_id)
         record.weight_version = int(version)
         record.updated_at = self._clock()
+        self._dirty.add(record.node_id)
 
     def record_report(self, replica_id: str, report: Any) -> None:
         """Keep the latest load report of a replica (opaque to the core)."""
@@ -399,6 +414,37 @@ class ReplicaRegistry:
         return table
 
     # --- persistence ---
+
+    def touch(self, node_id: str) -> None:
+        """Mark the record of ``node_id`` changed (after changing one of its fields directly)."""
+        self._dirty.add(node_id)
+
+    def take_changes(self) -> list[tuple[str, dict[str, Any] | None]]:
+        """(node id, its document or None when nothing of it is left) for each node changed since the last
+        call: O(the changed nodes' replicas), never the fleet."""
+        changed, self._dirty = sorted(self._dirty), set()
+        return [(node_id, self.node_document(node_id)) for node_id in changed]
+
+    def node_document(self, node_id: str) -> dict[str, Any] | None:
+        """The durable record of one node: the node (None once deregistered) and every replica on it."""
+        node = self._nodes.get(node_id)
+        replicas = self.replicas(node_id=node_id)
+        if node is None and not replicas:
+            return None
+        return {"node": node.to_dict() if node else None, "replicas": [r.to_dict() for r in replicas]}
+
+    @classmethod
+    def from_documents(cls, documents: Iterable[dict[str, Any]], *, clock: Clock, emit: EventSink | None = None,
+                       lease_ttl_s: float = 10.0, now: float | None = None) -> ReplicaRegistry:
+        """Restore from :meth:`node_document` documents; every node that held a lease gets a fresh one."""
+        merged: dict[str, Any] = {"lease_ttl_s": lease_ttl_s, "nodes": [], "replicas": []}
+        for document in documents:
+            if document.get("node"):
+                merged["nodes"].append(document["node"])
+            merged["replicas"] += document.get("replicas", [])
+        registry = cls.from_dict(merged, clock=clock, emit=emit, now=now)
+        registry._dirty.clear()
+        return registry
 
     def to_dict(self) -> dict[str, Any]:
         return {"lease_ttl_s": self.lease_ttl_s,

@@ -88,6 +88,7 @@ async def _create(s, op, placements: list[str]) -> dict[str, str]:
             replica = await s.calls.launch(record.address, replica_id, slots=per, timeout_s=op.timeout_s,
                                            request_id=f"{op.operation_id}:{replica_id}")
         record.slots = tuple(replica.slots)
+        registry.touch(record.node_id)
         registry.set_weight_version(replica_id, replica.weight_version)
         registry.transition(replica_id, S.LOADING, "launched; health check next", operation_id=op.operation_id)
 
@@ -125,6 +126,7 @@ async def _connect(s, op) -> dict[str, str]:
                                backend=types_pb2.EngineBackend.Name(status.backend), model=status.model,
                                model_name=op.model_name, agent_version="external")
         registry.node(status.node_id).external = True
+        registry.touch(status.node_id)
         for spec in specs:
             record = registry.get(spec.replica_id)
             record.added_by_operation_id, record.initial = op.operation_id, False

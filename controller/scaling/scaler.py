@@ -77,7 +77,7 @@ class Scaler:
     # ------------------------------------------------------------ bookkeeping
     def save(self) -> None:
         """Persist operations and registry now: a crash right after must find them."""
-        self.mesh.store.mark("operations", "registry", "events")
+        self.mesh.store.mark("operations", "registry/node", "events")
         self.mesh.store.flush()
 
     def move(self, op: ScaleOperation, state: OperationState, reason: str = "") -> None:

@@ -295,3 +295,21 @@ def test_the_node_index_follows_moves_forgets_and_restores():
     registry.register_node("c", "c:1", replicas=[ReplicaSpec("r2", ReplicaKind.HYBRID, ReplicaState.SLEEPING)])
     restored = ReplicaRegistry.from_dict(registry.to_dict(), clock=lambda: 0.0)
     assert [r.replica_id for r in restored.replicas(node_id="c")] == ["r2"]
+
+
+def test_changes_name_only_the_nodes_that_changed_and_a_forgotten_node_is_deleted():
+    registry = ReplicaRegistry(clock=lambda: 0.0, lease_ttl_s=30)
+    for n in range(3):
+        registry.register_node(f"n{n}", f"h{n}:1", replicas=[
+            ReplicaSpec(f"n{n}-r0", ReplicaKind.STANDALONE, ReplicaState.ACTIVE)])
+    assert [node for node, _ in registry.take_changes()] == ["n0", "n1", "n2"]
+    registry.renew("n1")
+    assert registry.take_changes() == []                                # a renewal is not durable
+    registry.transition("n2-r0", ReplicaState.FAILED, "test")
+    registry.set_weight_version("n0-r0", 4)
+    changes = dict(registry.take_changes())
+    assert sorted(changes) == ["n0", "n2"] and changes["n0"]["replicas"][0]["weight_version"] == 4
+    registry.forget_node("n1", "rolled back")
+    assert registry.take_changes() == [("n1", None)]
+    restored = ReplicaRegistry.from_documents([changes["n0"], changes["n2"]], clock=lambda: 0.0, lease_ttl_s=30)
+    assert [r.replica_id for r in restored.replicas()] == ["n0-r0", "n2-r0"] and restored.take_changes() == []
