@@ -31,8 +31,21 @@ class ControllerConfig(ServerConfig):
                                                     "RemoveReplicas or AddReplicas heal within one interval)")
     lease_ttl_s: float = setting(10.0, help="a node whose agent sends no load report for this long loses its "
                                             "lease: its replicas go FAILED and leave routing")
-    load_report_interval_s: float = setting(1.0, help="how often agents push load reports (sent to them)")
-    event_retention: int = setting(10_000, help="lifecycle events kept for WatchEvents replay")
+    load_report_interval_s: float = setting(1.0, help="how often agents push load reports (sent to them); the "
+                                                      "shortest interval: it grows with the fleet, see "
+                                                      "max_load_reports_per_s")
+    max_load_reports_per_s: float = setting(1000.0, help="load reports per second the whole fleet may send: past "
+                                                         "that many nodes the interval the agents are told grows "
+                                                         "to nodes / this, and lease_ttl_s with it (same ratio)")
+    max_registrations_per_s: float = setting(500.0, help="registrations admitted per second (a burst of that many "
+                                                         "at once); beyond, RegisterNode answers RESOURCE_EXHAUSTED "
+                                                         "with a RetryInfo spreading the retries over time")
+    event_retention: int = setting(10_000, help="lifecycle events kept for WatchEvents replay (at least; see "
+                                                "event_retention_s)")
+    event_retention_s: float = setting(600.0, help="events younger than this are kept past event_retention, so "
+                                                   "a registration storm does not evict what a watcher needs "
+                                                   "(up to event_retention_max)")
+    event_retention_max: int = setting(1_000_000, help="the most events kept whatever their age (memory bound)")
     watcher_queue_size: int = setting(1_000, help="events buffered per WatchEvents stream before it falls "
                                                   "back to replay (and a GAP event if it fell too far behind)")
     weight_sync_backend: Literal["gloo", "nccl"] = setting("gloo", help="process-group backend of weight "
@@ -79,12 +92,17 @@ class ControllerConfig(ServerConfig):
         positive = {"peer_timeout_s": self.peer_timeout_s, "lease_ttl_s": self.lease_ttl_s,
                     "reconcile_interval_s": self.reconcile_interval_s,
                     "load_report_interval_s": self.load_report_interval_s,
+                    "max_load_reports_per_s": self.max_load_reports_per_s,
+                    "max_registrations_per_s": self.max_registrations_per_s,
+                    "event_retention_s": self.event_retention_s, "event_retention_max": self.event_retention_max,
                     "event_retention": self.event_retention, "watcher_queue_size": self.watcher_queue_size,
                     "concurrent_samples_per_replica": self.concurrent_samples_per_replica,
                     "max_required_samples": self.max_required_samples}
         for key, value in positive.items():
             if value <= 0:
                 raise ConfigError(key, f"must be > 0, got {value}")
+        if self.event_retention_max < self.event_retention:
+            raise ConfigError("event_retention_max", f"must be >= event_retention ({self.event_retention})")
         if self.load_report_interval_s >= self.lease_ttl_s:
             raise ConfigError("load_report_interval_s", f"must be shorter than lease_ttl_s ({self.lease_ttl_s})")
         for key in ("weight_bucket_size_bytes", "hybrid_gpus", "standalone_gpus"):

@@ -25,6 +25,7 @@ from mesh_runtime import tracing
 from rollmesh.common.v1 import types_pb2
 
 from .config import ControllerConfig
+from .core.admission import Admission
 from .core.events import EventLog, EventType, log_event
 from .core.hybrid import DynamicResourceController
 from .core.metrics import CycleMetrics
@@ -62,6 +63,7 @@ class Mesh:
         self.event_listeners: list[Any] = []
         """Called with every event as it is recorded (the Prometheus counters)."""
         self.hub = EventHub(self.events, config.watcher_queue_size)
+        self.admission = Admission(config.max_registrations_per_s, time.monotonic)
         self._migrated_registry = False
         self.registry = self._restore_registry()
         self._ejections_seen: dict[str, int] = {}
@@ -266,6 +268,18 @@ class Mesh:
                 log.info("routing reconcile: balancer unavailable (%s)", err.code().name)
             except Exception:  # noqa: BLE001 - one failed round must not end the loop
                 log.exception("routing reconcile round failed")
+
+    def pace(self) -> tuple[float, float]:
+        """(report interval, lease TTL) the agents are told now: the configured ones, or, once the fleet's
+        reports would exceed ``max_load_reports_per_s``, an interval of nodes / that budget and a TTL grown
+        by the same factor (a lease still spans as many missed reports)."""
+        config = self.config
+        nodes = self.registry.node_count()
+        interval = max(config.load_report_interval_s, nodes / config.max_load_reports_per_s)
+        ttl = config.lease_ttl_s * interval / config.load_report_interval_s
+        if ttl != self.registry.lease_ttl_s:
+            self.registry.lease_ttl_s = ttl
+        return interval, ttl
 
     def renew(self, node_id: str, reports) -> tuple[float, bool]:
         """Renew the node's lease with one load report and reconcile its replicas with what the agent hosts.

@@ -6,7 +6,7 @@ import logging
 
 from opentelemetry.sdk.trace import TracerProvider
 
-from mesh_runtime.errors import FailedPrecondition, InvalidArgument, NotFound
+from mesh_runtime.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from mesh_runtime.metrics import ServerMetrics
 from mesh_runtime.server import MeshServer
 from mesh_runtime.status import StatusReporter
@@ -71,13 +71,25 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
 
     async def RegisterNode(self, request, context):  # noqa: N802
         require_own_node(request.node_id, "RegisterNode")
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:   # its caller gave up: doing it now would help nobody
+            raise DeadlineExceeded(f"registration of node {request.node_id[:64]!r} reached the controller after "
+                                   "its deadline; nothing was registered", reason="DEADLINE_PASSED")
+        wait = self.mesh.admission.admit()
+        if wait:
+            raise ResourceExhausted(
+                f"more than max_registrations_per_s={self.config.max_registrations_per_s:g} registrations this "
+                f"second; node {request.node_id[:64]!r} was not registered: retry in {wait:.2f} s",
+                reason="REGISTRATIONS_THROTTLED", retry_delay_s=wait)
         check_reachable(request.address, context.peer(), f"node {request.node_id[:64]!r}")
+        self.mesh.pace()   # the lease it gets is the one of the fleet's current pace
         registration = await self.mesh.register_node(request)
         reply = registry_pb2.RegisterNodeResponse(node_id=registration.node_id,
                                                   accepted_replica_ids=registration.accepted,
                                                   rejected_replica_ids=list(registration.rejected))
-        reply.lease_ttl.CopyFrom(convert.duration(self.config.lease_ttl_s))
-        reply.load_report_interval.CopyFrom(convert.duration(self.config.load_report_interval_s))
+        interval, ttl = self.mesh.pace()
+        reply.lease_ttl.CopyFrom(convert.duration(ttl))
+        reply.load_report_interval.CopyFrom(convert.duration(interval))
         return reply
 
     async def DeregisterNode(self, request, context):  # noqa: N802
@@ -88,19 +100,21 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
         return registry_pb2.DeregisterNodeResponse(stopped_replica_ids=stopped)
 
     async def StreamLoadReports(self, request_iterator, context):  # noqa: N802
-        node_id = ""
+        node_id, told = "", None
         async for message in request_iterator:
             if not message.node_id or (node_id and message.node_id != node_id):
                 raise InvalidArgument("every message of a load-report stream must carry the same, non-empty "
                                       "node_id", reason="INVALID_NODE_ID")
             if not node_id:
                 require_own_node(message.node_id, "StreamLoadReports")
+            pace = self.mesh.pace()
             expires, register_again = self.mesh.renew(message.node_id, message.reports)
-            if not node_id or register_again:
-                node_id = message.node_id
+            # answer the first report, a needed re-registration, and every change of pace (the fleet grew)
+            if not node_id or register_again or pace != told:
+                node_id, told = message.node_id, pace
                 reply = registry_pb2.StreamLoadReportsResponse(register_again=register_again)
-                reply.load_report_interval.CopyFrom(convert.duration(self.config.load_report_interval_s))
-                reply.lease_ttl.CopyFrom(convert.duration(self.config.lease_ttl_s))
+                reply.load_report_interval.CopyFrom(convert.duration(pace[0]))
+                reply.lease_ttl.CopyFrom(convert.duration(pace[1]))
                 reply.lease_expires_at.CopyFrom(convert.timestamp(expires))
                 yield reply
 

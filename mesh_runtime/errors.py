@@ -34,11 +34,13 @@ class RollmeshError(Exception):
     default_reason = "INTERNAL"
 
     def __init__(self, message: str, *, reason: str | None = None,
-                 metadata: Mapping[str, str] | None = None) -> None:
+                 metadata: Mapping[str, str] | None = None, retry_delay_s: float | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.reason = reason or self.default_reason
         self.metadata = {k: str(v) for k, v in (metadata or {}).items()}
+        self.retry_delay_s = retry_delay_s
+        """When set, the status also carries a ``google.rpc.RetryInfo``: retry after this long."""
 
 
 class InvalidArgument(RollmeshError):
@@ -148,8 +150,14 @@ def to_status(err: RollmeshError) -> grpc.Status:
     info = error_details_pb2.ErrorInfo(reason=err.reason, domain=ERROR_DOMAIN, metadata=metadata)
     detail = any_pb2.Any()
     detail.Pack(info)
+    details = [detail]
+    if err.retry_delay_s is not None:
+        retry = error_details_pb2.RetryInfo()
+        retry.retry_delay.FromNanoseconds(int(max(0.0, err.retry_delay_s) * 1e9))
+        details.append(any_pb2.Any())
+        details[-1].Pack(retry)
     proto = status_pb2.Status(code=err.code.value[0], message=_cut(err.message, MAX_MESSAGE),
-                              details=[detail])
+                              details=details)
     return rpc_status.to_status(proto)
 
 
@@ -163,6 +171,17 @@ def error_info(rpc_error: grpc.RpcError) -> error_details_pb2.ErrorInfo | None:
             info = error_details_pb2.ErrorInfo()
             detail.Unpack(info)
             return info
+    return None
+
+
+def retry_delay(rpc_error: grpc.RpcError) -> float | None:
+    """Seconds the server asked the caller to wait (its ``RetryInfo``), or None."""
+    status = rpc_status.from_call(rpc_error)  # type: ignore[arg-type]
+    for detail in status.details if status is not None else ():
+        if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+            info = error_details_pb2.RetryInfo()
+            detail.Unpack(info)
+            return info.retry_delay.ToNanoseconds() / 1e9
     return None
 
 

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_random_exponential
 
+from mesh_runtime.errors import retry_delay
 from rollmesh.common.v1 import load_pb2
 from rollmesh.controller.v1 import controller_pb2_grpc, registry_pb2
 
@@ -23,6 +24,11 @@ log = logging.getLogger(__name__)
 
 class LinkLost(Exception):
     """The registration or the load-report stream ended; register again."""
+
+    def __init__(self, why: str, *, retry_after_s: float | None = None) -> None:
+        super().__init__(why)
+        self.retry_after_s = retry_after_s
+        """The controller's RetryInfo: register again after exactly this long (it spreads a storm out)."""
 
 
 class ControllerLink:
@@ -48,8 +54,13 @@ class ControllerLink:
 
     async def run(self) -> None:
         """Register and report forever; cancelled at shutdown."""
-        retrying = AsyncRetrying(retry=retry_if_exception_type(LinkLost),
-                                 wait=wait_random_exponential(multiplier=0.2, max=self._max_backoff_s),
+        backoff = wait_random_exponential(multiplier=0.2, max=self._max_backoff_s)
+
+        def wait(state) -> float:
+            told = getattr(state.outcome.exception(), "retry_after_s", None) if state.outcome else None
+            return told if told is not None else backoff(state)
+
+        retrying = AsyncRetrying(retry=retry_if_exception_type(LinkLost), wait=wait,
                                  before_sleep=lambda state: log.warning(
                                      "controller link lost (%s); registering again", state.outcome.exception()))
         async for attempt in retrying:
@@ -64,7 +75,8 @@ class ControllerLink:
         try:
             reply = await self._stub.RegisterNode(request, timeout=self._call_timeout_s)
         except grpc.aio.AioRpcError as err:
-            raise LinkLost(f"RegisterNode failed: {err.code().name}: {err.details()}") from None
+            raise LinkLost(f"RegisterNode failed: {err.code().name}: {err.details()}",
+                           retry_after_s=retry_delay(err)) from None
         self.registrations += 1
         self._set_interval(reply.load_report_interval)
         if reply.rejected_replica_ids and self._on_rejected is not None:

@@ -297,6 +297,9 @@ class ReplicaRegistry:
         except KeyError:
             raise NotFoundError(f"node {node_id!r} is not registered") from None
 
+    def node_count(self) -> int:
+        return len(self._nodes)
+
     def nodes(self) -> list[NodeRecord]:
         return [self._nodes[key] for key in sorted(self._nodes)]
 
