@@ -45,7 +45,8 @@ class ControllerConfig(ServerConfig):
     event_retention_s: float = setting(600.0, help="events younger than this are kept past event_retention, so "
                                                    "a registration storm does not evict what a watcher needs "
                                                    "(up to event_retention_max)")
-    event_retention_max: int = setting(1_000_000, help="the most events kept whatever their age (memory bound)")
+    event_retention_max: int = setting(200_000, help="the most events kept whatever their age (bounds memory: "
+                                                     "about 1 KB each)")
     watcher_queue_size: int = setting(1_000, help="events buffered per WatchEvents stream before it falls "
                                                   "back to replay (and a GAP event if it fell too far behind)")
     weight_sync_backend: Literal["gloo", "nccl"] = setting("gloo", help="process-group backend of weight "

@@ -58,8 +58,9 @@ class Mesh:
         self.config = config
         self.clock = time.time
         self.tracer = tracing.tracer(tracer_provider, "rollmesh.controller")
-        self.store = StateStore(config.state_dir, keep_events=config.event_retention)
-        self.events = EventLog(self.clock, max_events=config.event_retention, trace_ids=_trace_ids)
+        self.store = StateStore(config.state_dir, keep_events=config.event_retention_max)
+        self.events = EventLog(self.clock, max_events=config.event_retention, max_age_s=config.event_retention_s,
+                               hard_max=config.event_retention_max, trace_ids=_trace_ids)
         self.event_listeners: list[Any] = []
         """Called with every event as it is recorded (the Prometheus counters)."""
         self.hub = EventHub(self.events, config.watcher_queue_size)
@@ -108,9 +109,9 @@ class Mesh:
     def _restore_registry(self) -> ReplicaRegistry:
         saved_events = self.store.load("events")
         if saved_events:
-            saved_events["events"] = self.store.load_events(self.config.event_retention)
+            saved_events["events"] = self.store.load_events(self.config.event_retention_max)
             self.events.load_state_dict(saved_events)
-            self.store.prune_events(self.config.event_retention)
+            self.store.prune_events(self.config.event_retention_max)
         documents = self.store.load_collection("registry/node")
         if documents:
             return ReplicaRegistry.from_documents(documents, clock=self.clock, emit=self.emit,

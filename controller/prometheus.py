@@ -138,8 +138,8 @@ class ControllerMetrics:
             family.add_metric([], self._sums.get(name, 0.0))
             out.append(family)
         out.append(GaugeMetricFamily("rollmesh_controller_event_history_events",
-                                     "Lifecycle events retained for replay (bounded by event_retention)",
-                                     value=len(self._mesh.events)))
+                                     "Lifecycle events retained for replay (event_retention, event_retention_s, "
+                                     "event_retention_max)", value=len(self._mesh.events)))
         queued = self._mesh.hub.sizes()
         out.append(GaugeMetricFamily("rollmesh_controller_event_watchers", "Open WatchEvents streams",
                                      value=len(queued)))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import itertools
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
@@ -131,15 +132,24 @@ def _no_trace() -> tuple[str, str]:
 
 
 class EventLog:
-    """Numbered, bounded, restorable history of lifecycle events."""
+    """Numbered, bounded, restorable history of lifecycle events.
 
-    def __init__(self, clock: Clock, *, max_events: int = 10_000,
-                 trace_ids: TraceIds = _no_trace) -> None:
+    Retention is by count and by age: the newest ``max_events`` are always
+    kept, older ones too while they are younger than ``max_age_s`` (so a
+    registration storm of a large fleet does not evict what a watcher that
+    connected a minute ago still needs), and never more than ``hard_max``.
+    """
+
+    def __init__(self, clock: Clock, *, max_events: int = 10_000, max_age_s: float | None = None,
+                 hard_max: int | None = None, trace_ids: TraceIds = _no_trace) -> None:
         if max_events <= 0:
             raise ValueError(f"max_events must be > 0, got {max_events}")
         self._clock = clock
         self._trace_ids = trace_ids
-        self._events: collections.deque[LifecycleEvent] = collections.deque(maxlen=max_events)
+        self.max_events = max_events
+        self.max_age_s = max_age_s
+        self.hard_max = max(hard_max or max_events, max_events)
+        self._events: collections.deque[LifecycleEvent] = collections.deque()
         self._next_sequence = 1
 
     @property
@@ -162,7 +172,18 @@ class EventLog:
             attributes={str(k): _attr(v) for k, v in (attributes or {}).items()}, **fields)
         self._next_sequence += 1
         self._events.append(event)
+        self._trim(event.time)
         return event
+
+    def _trim(self, now: float) -> None:
+        events = self._events
+        while len(events) > self.hard_max:
+            events.popleft()
+        if len(events) <= self.max_events:
+            return
+        horizon = None if self.max_age_s is None else now - self.max_age_s
+        while len(events) > self.max_events and (horizon is None or events[0].time < horizon):
+            events.popleft()
 
     __call__ = append
 
@@ -176,7 +197,8 @@ class EventLog:
         start = max(1, int(sequence))
         first = self.first_retained_sequence
         missed = max(0, min(first, self._next_sequence) - start)
-        return [event for event in self._events if event.sequence >= start], missed
+        # retained sequences are consecutive: skip to the start instead of scanning the whole history
+        return list(itertools.islice(self._events, max(0, start - first), None)), missed
 
     def __len__(self) -> int:
         return len(self._events)
@@ -191,6 +213,8 @@ class EventLog:
         self._events.clear()
         for data in state.get("events", []):
             self._events.append(LifecycleEvent.from_dict(data))
+        if self._events:
+            self._trim(self._clock())
         restored_next = int(state.get("next_sequence", 1))
         newest = self._events[-1].sequence + 1 if self._events else 1
         self._next_sequence = max(restored_next, newest)

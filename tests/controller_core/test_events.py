@@ -57,3 +57,22 @@ def test_event_dict_round_trip_and_trace_ids():
                        to_state="REPLICA_STATE_DRAINING", weight_version=3)
     assert event.trace_id == "a" * 32 and event.span_id == "b" * 16
     assert LifecycleEvent.from_dict(event.to_dict()) == event
+
+
+def test_retention_keeps_young_events_past_the_count_and_never_more_than_the_hard_bound():
+    now = [1000.0]
+    log = EventLog(lambda: now[0], max_events=10, max_age_s=60, hard_max=50)
+    for _ in range(30):                       # a storm: 30 events within a second
+        log.append(EventType.NODE_REGISTERED, node_id="n")
+    assert len(log) == 30                     # all younger than 60 s: a watcher a minute behind misses none
+    events, missed = log.since(1)
+    assert missed == 0 and [e.sequence for e in events] == list(range(1, 31))
+    now[0] += 61
+    log.append(EventType.NODE_REGISTERED, node_id="n")
+    assert len(log) == 10 and log.first_retained_sequence == 22   # old ones fall back to the count
+    for _ in range(100):
+        log.append(EventType.NODE_REGISTERED, node_id="n")
+    assert len(log) == 50                     # the hard bound, whatever their age
+    events, missed = log.since(100)
+    assert [e.sequence for e in events] == list(range(100, 132)) and missed == 0
+    assert log.since(1)[1] == 81
