@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from google.protobuf import duration_pb2, struct_pb2, timestamp_pb2
 
+from mesh_runtime.errors import InvalidArgument
 from rollmesh.common.v1 import events_pb2, types_pb2
 from rollmesh.controller.v1 import observability_pb2, registry_pb2, scheduling_pb2, weight_sync_pb2
 
@@ -42,7 +43,12 @@ def kind_to_proto(kind: ReplicaKind | str) -> int:
 
 
 def kind_from_proto(value: int) -> ReplicaKind:
-    return ReplicaKind(types_pb2.ReplicaKind.Name(value).removeprefix("REPLICA_KIND_"))
+    """The replica kind of a request; INVALID_ARGUMENT for an unset or unknown one."""
+    try:
+        return ReplicaKind(types_pb2.ReplicaKind.Name(value).removeprefix("REPLICA_KIND_"))
+    except ValueError:
+        raise InvalidArgument(f"replica kind must be REPLICA_KIND_STANDALONE or REPLICA_KIND_HYBRID, got "
+                              f"{value} ({'unset' if value == 0 else 'unknown'})", reason="INVALID_KIND") from None
 
 
 def state_to_proto(state: ReplicaState) -> int:
@@ -50,7 +56,12 @@ def state_to_proto(state: ReplicaState) -> int:
 
 
 def state_from_proto(value: int) -> ReplicaState:
-    return ReplicaState(types_pb2.ReplicaState.Name(value).removeprefix("REPLICA_STATE_"))
+    """The replica state of a request; INVALID_ARGUMENT for an unset or unknown one."""
+    try:
+        return ReplicaState(types_pb2.ReplicaState.Name(value).removeprefix("REPLICA_STATE_"))
+    except ValueError:
+        raise InvalidArgument(f"replica state {value} is {'unset' if value == 0 else 'unknown'}",
+                              reason="INVALID_STATE") from None
 
 
 def replica_specs(msg: registry_pb2.RegisterNodeRequest) -> list[ReplicaSpec]:

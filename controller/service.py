@@ -15,7 +15,7 @@ from rollmesh.common.v1 import events_pb2
 from rollmesh.controller.v1 import controller_pb2, controller_pb2_grpc, observability_pb2, registry_pb2
 from rollmesh.controller.v1 import scheduling_pb2, weight_sync_pb2
 
-from . import convert
+from . import convert, pages
 from .auth import has_scale_token, require_own_node
 from .config import ControllerConfig
 from .core.events import EventType
@@ -120,9 +120,12 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
 
     async def ListNodes(self, request, context):  # noqa: N802
         registry = self.mesh.registry
-        return registry_pb2.ListNodesResponse(nodes=[
-            convert.node_record(n, [r.replica_id for r in registry.replicas(node_id=n.node_id)])
-            for n in registry.nodes()])
+        ids, token = pages.page(registry.node_ids(), page_size=request.page_size, page_token=request.page_token,
+                                filters=())
+        nodes = [registry.node(i) for i in ids]
+        records = await pages.convert_all(nodes, lambda n: convert.node_record(
+            n, [r.replica_id for r in registry.replicas(node_id=n.node_id)]))
+        return registry_pb2.ListNodesResponse(nodes=records, next_page_token=token)
 
     async def GetNode(self, request, context):  # noqa: N802
         registry = self.mesh.registry
@@ -137,7 +140,12 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
         records = [r for r in self.mesh.registry.replicas(node_id=request.node_id or None)
                    if (not kinds or r.kind in kinds) and (not states or r.state in states)
                    and (not request.model_name or r.model_name == request.model_name)]
-        return registry_pb2.ListReplicasResponse(replicas=[convert.replica_record(r) for r in records])
+        filters = (sorted(request.kinds), sorted(request.states), request.node_id, request.model_name)
+        ids, token = pages.page([r.replica_id for r in records], page_size=request.page_size,
+                                page_token=request.page_token, filters=filters)
+        chosen = set(ids)
+        replicas = await pages.convert_all([r for r in records if r.replica_id in chosen], convert.replica_record)
+        return registry_pb2.ListReplicasResponse(replicas=replicas, next_page_token=token)
 
     async def GetReplica(self, request, context):  # noqa: N802
         return registry_pb2.GetReplicaResponse(replica=convert.replica_record(self.mesh.registry.get(request.replica_id)))

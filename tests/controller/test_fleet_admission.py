@@ -16,6 +16,7 @@ from mesh_runtime.config import load_config
 from mesh_runtime.errors import DeadlineExceeded, ErrorMappingInterceptor, error_info, retry_delay, \
     ResourceExhausted, to_status
 from replica_agent.controller_link import ControllerLink
+from rollmesh.common.v1 import types_pb2
 from rollmesh.controller.v1 import controller_pb2_grpc, registry_pb2
 
 pytestmark = pytest.mark.timeout(60)
@@ -130,3 +131,57 @@ async def test_an_agent_waits_as_long_as_retry_info_says():
 def test_retry_info_travels_in_the_status():
     status = to_status(ResourceExhausted("busy", retry_delay_s=0.25))
     assert any(key == "grpc-status-details-bin" for key, _ in status.trailing_metadata)
+
+
+async def test_listings_come_in_pages_that_add_up_to_the_fleet(tmp_path):
+    server, channel, stub = await start(tmp_path, max_registrations_per_s=1000)
+    try:
+        for n in range(25):
+            await stub.RegisterNode(registry_pb2.RegisterNodeRequest(
+                node_id=f"n{n:02d}", address=f"127.0.0.1:{30000 + n}", slots_total=2, replicas=[
+                    registry_pb2.ReplicaRegistration(replica_id=f"n{n:02d}-r{i}", slots=[i],
+                                                     kind=types_pb2.REPLICA_KIND_STANDALONE) for i in range(2)]),
+                timeout=10)
+        seen, token, pages = [], "", 0
+        while True:
+            reply = await stub.ListReplicas(registry_pb2.ListReplicasRequest(page_size=7, page_token=token))
+            seen += [r.replica_id for r in reply.replicas]
+            pages += 1
+            token = reply.next_page_token
+            if not token:
+                break
+        assert seen == sorted(f"n{n:02d}-r{i}" for n in range(25) for i in range(2)) and pages == 8
+        nodes = await stub.ListNodes(registry_pb2.ListNodesRequest(page_size=10))
+        rest = await stub.ListNodes(registry_pb2.ListNodesRequest(page_size=100, page_token=nodes.next_page_token))
+        assert [n.node_id for n in [*nodes.nodes, *rest.nodes]] == [f"n{n:02d}" for n in range(25)]
+        assert rest.next_page_token == ""
+        everything = await stub.ListReplicas(registry_pb2.ListReplicasRequest())        # 0 = all, as before
+        assert len(everything.replicas) == 50 and everything.next_page_token == ""
+        first = await stub.ListReplicas(registry_pb2.ListReplicasRequest(page_size=5))
+        for bad, why in ((registry_pb2.ListReplicasRequest(page_size=5, page_token=first.next_page_token,
+                                                           node_id="n01"), "other filters"),
+                         (registry_pb2.ListReplicasRequest(page_token="garbage!"), "not one this server gave out"),
+                         (registry_pb2.ListReplicasRequest(page_size=-1), "page_size must be >= 0")):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.ListReplicas(bad)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and why in err.value.details()
+    finally:
+        await channel.close()
+        await server.stop(0)
+
+
+async def test_a_replica_without_a_kind_is_invalid_not_an_internal_error(tmp_path):
+    server, channel, stub = await start(tmp_path)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.RegisterNode(registry_pb2.RegisterNodeRequest(
+                node_id="n", address="127.0.0.1:30000", slots_total=1,
+                replicas=[registry_pb2.ReplicaRegistration(replica_id="r", slots=[0])]), timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "kind" in err.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.ListReplicas(registry_pb2.ListReplicasRequest(states=[0]), timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "unset" in err.value.details()
+        assert (await stub.ListNodes(registry_pb2.ListNodesRequest())).nodes == []
+    finally:
+        await channel.close()
+        await server.stop(0)

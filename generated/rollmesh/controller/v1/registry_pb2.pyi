@@ -163,14 +163,20 @@ class StreamLoadReportsResponse(_message.Message):
     def __init__(self, load_report_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., lease_ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., lease_expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., register_again: _Optional[bool] = ...) -> None: ...
 
 class ListNodesRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("page_size", "page_token")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListNodesResponse(_message.Message):
-    __slots__ = ("nodes",)
+    __slots__ = ("nodes", "next_page_token")
     NODES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     nodes: _containers.RepeatedCompositeFieldContainer[NodeRecord]
-    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeRecord, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeRecord, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class GetNodeRequest(_message.Message):
     __slots__ = ("node_id",)
@@ -187,22 +193,28 @@ class GetNodeResponse(_message.Message):
     def __init__(self, node: _Optional[_Union[NodeRecord, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaRecord, _Mapping]]] = ...) -> None: ...
 
 class ListReplicasRequest(_message.Message):
-    __slots__ = ("kinds", "states", "node_id", "model_name")
+    __slots__ = ("kinds", "states", "node_id", "model_name", "page_size", "page_token")
     KINDS_FIELD_NUMBER: _ClassVar[int]
     STATES_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     kinds: _containers.RepeatedScalarFieldContainer[_types_pb2.ReplicaKind]
     states: _containers.RepeatedScalarFieldContainer[_types_pb2.ReplicaState]
     node_id: str
     model_name: str
-    def __init__(self, kinds: _Optional[_Iterable[_Union[_types_pb2.ReplicaKind, str]]] = ..., states: _Optional[_Iterable[_Union[_types_pb2.ReplicaState, str]]] = ..., node_id: _Optional[str] = ..., model_name: _Optional[str] = ...) -> None: ...
+    page_size: int
+    page_token: str
+    def __init__(self, kinds: _Optional[_Iterable[_Union[_types_pb2.ReplicaKind, str]]] = ..., states: _Optional[_Iterable[_Union[_types_pb2.ReplicaState, str]]] = ..., node_id: _Optional[str] = ..., model_name: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListReplicasResponse(_message.Message):
-    __slots__ = ("replicas",)
+    __slots__ = ("replicas", "next_page_token")
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaRecord]
-    def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaRecord, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaRecord, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class GetReplicaRequest(_message.Message):
     __slots__ = ("replica_id",)
