@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from typing import Any
 
@@ -277,6 +278,8 @@ class Mesh:
         config = self.config
         nodes = self.registry.node_count()
         interval = max(config.load_report_interval_s, nodes / config.max_load_reports_per_s)
+        if interval > config.load_report_interval_s:   # in steps of a quarter, so a growing fleet changes it rarely
+            interval = math.ceil(interval / (config.load_report_interval_s / 4)) * (config.load_report_interval_s / 4)
         ttl = config.lease_ttl_s * interval / config.load_report_interval_s
         if ttl != self.registry.lease_ttl_s:
             self.registry.lease_ttl_s = ttl

@@ -7,7 +7,7 @@ import logging
 from opentelemetry.sdk.trace import TracerProvider
 
 from mesh_runtime.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from mesh_runtime.metrics import ServerMetrics
+from mesh_runtime.metrics import LoopStallMonitor, ServerMetrics
 from mesh_runtime.server import MeshServer
 from mesh_runtime.status import StatusReporter
 from mesh_runtime.validate import check_reachable
@@ -49,6 +49,7 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
         server.spawn(self.mesh.run_leases(), name="leases")
         server.spawn(self.mesh.run_reconcile(), name="routing-reconcile")
         server.spawn(self.mesh.scaler.hold_external_leases(), name="external-leases")
+        server.spawn(LoopStallMonitor(self.metrics).run(), name="loop-stall-monitor")
         self.mesh.scaler.recover()
         if self.mesh.autoscaler.configured:
             server.spawn(self.mesh.autoscaler.run(), name="autoscaler")

@@ -50,6 +50,10 @@ class StateStore:
         """Key -> generation of the snapshot last written: an older snapshot never overwrites a newer one
         (the background writer runs in a thread while :meth:`flush` may write synchronously)."""
         self._write_lock = threading.Lock()
+        self._durable = 0
+        """Generation of the newest batch on disk."""
+        self._inflight: asyncio.Future | None = None
+        """The batch being written (one at a time: a commit arriving meanwhile shares the next one)."""
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with self._connect() as db:
@@ -150,10 +154,27 @@ class StateStore:
         Durable before acknowledged: an RPC that changed state awaits this before
         it replies, so a kill -9 right after the reply finds the acknowledged
         state on restart. The write runs in a thread; the snapshot is taken on
-        the event loop, so it is consistent.
+        the event loop, so it is consistent. Group commit: one batch is written
+        at a time, and every commit that arrives while it is written shares the
+        next one (a registration storm makes a few large transactions, not one
+        per node).
         """
         self.mark(*keys)
-        await asyncio.to_thread(self._write, *self._collect())
+        await self._until_durable(self._generation + 1)
+
+    async def _until_durable(self, generation: int) -> None:
+        while self._durable < generation:
+            if self._inflight is None:
+                self._inflight = asyncio.ensure_future(self._batch())
+            await asyncio.shield(self._inflight)
+
+    async def _batch(self) -> None:
+        try:
+            generation, documents, events = self._collect()
+            await asyncio.to_thread(self._write, generation, documents, events)
+            self._durable = max(self._durable, generation)
+        finally:
+            self._inflight = None
 
     def prune_events(self, keep: int) -> None:
         """Drop persisted events older than the newest ``keep``."""
@@ -169,6 +190,6 @@ class StateStore:
                 await self._wakeup.wait()
                 self._wakeup.clear()
                 await asyncio.sleep(interval_s)  # batch the changes of one burst into one write
-                await asyncio.to_thread(self._write, *self._collect())  # the disk never blocks the loop
+                await self._until_durable(self._generation + 1)  # the disk never blocks the loop
         finally:
             self.flush()

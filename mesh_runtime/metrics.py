@@ -184,3 +184,35 @@ class MetricsEndpoint:
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
+
+
+class LoopStallMonitor:
+    """Measures how late the event loop runs a timer: a stall of the loop is every RPC's latency.
+
+    Ticks every ``tick_s``; ``rollmesh_event_loop_stall_seconds`` is the worst lateness within the last
+    completed one-second window, and the histogram ``rollmesh_event_loop_lateness_seconds`` keeps every
+    tick's lateness.
+    """
+
+    def __init__(self, metrics: ServerMetrics, tick_s: float = 0.02) -> None:
+        self.tick_s = tick_s
+        self.worst_last_second = 0.0
+        self._gauge = metrics.gauge("rollmesh_event_loop_stall_seconds",
+                                    "Worst lateness of the event loop within the last completed second")
+        self._histogram = metrics.histogram("rollmesh_event_loop_lateness_seconds",
+                                            "How late the event loop ran each timer tick",
+                                            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        window_ends, worst = loop.time() + 1.0, 0.0
+        while True:
+            due = loop.time() + self.tick_s
+            await asyncio.sleep(self.tick_s)
+            late = max(0.0, loop.time() - due)
+            self._histogram.observe(late)
+            worst = max(worst, late)
+            if loop.time() >= window_ends:
+                self.worst_last_second, worst = worst, 0.0
+                self._gauge.set(self.worst_last_second)
+                window_ends = loop.time() + 1.0
