@@ -194,7 +194,7 @@ class LoopStallMonitor:
     tick's lateness.
     """
 
-    def __init__(self, metrics: ServerMetrics, tick_s: float = 0.02) -> None:
+    def __init__(self, metrics: ServerMetrics, tick_s: float = 0.1) -> None:
         self.tick_s = tick_s
         self.worst_last_second = 0.0
         self._gauge = metrics.gauge("rollmesh_event_loop_stall_seconds",
