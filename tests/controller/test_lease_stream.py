@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
@@ -34,7 +35,12 @@ async def test_the_reply_carries_lease_expires_at_one_ttl_after_the_report():
             call = stub.StreamLoadReports(reports(), timeout=10)
             reply = await call.read()
             call.cancel()
+            await asyncio.sleep(0.5)
+            call = stub.StreamLoadReports(reports(), timeout=10)   # a later report moves the lease on
+            later = await call.read()
+            call.cancel()
         expires = reply.lease_expires_at.ToNanoseconds() / 1e9
+        assert later.lease_expires_at.ToNanoseconds() / 1e9 >= expires + 0.4
         assert sent + 29 <= expires <= time.time() + 30.5
         assert reply.lease_ttl.ToNanoseconds() == 30 * 10**9
     finally:
