@@ -159,8 +159,10 @@ class MultiHostJob(TrainJob):
         self.network.shape(trainer, node, rate="4mbit", queue_packets=16)
         try:
             ends = time.monotonic() + 10
+            ports: set[tuple[int, int]] = set()
             while time.monotonic() < ends:
                 seen += [r.weight_version for r in await replicas_of("rollout-0")]
+                ports |= {(local, peer) for local, _, peer in await asyncio.to_thread(self.network.connections, trainer)}
                 await asyncio.sleep(0.25)
         finally:
             self.network.unshape(node)
@@ -174,6 +176,7 @@ class MultiHostJob(TrainJob):
         window = self.events[first_event:]
         self.record["phases"].append({
             "shaped": f"{trainer}->{node}", "versions_seen": seen, "caught_up_s": round(caught_up, 2),
+            "trainer_ports": sorted({p for pair in ports for p in pair}),
             "syncs_completed": sum(1 for e in window if e["type"] == "WEIGHT_SYNC_COMPLETED"),
             "node_syncs_failed": [e["reason"][:200] for e in window
                                   if e["type"] == "WEIGHT_SYNC_FAILED" and e["replica_id"] in ids]})

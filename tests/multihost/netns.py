@@ -18,6 +18,7 @@ import subprocess
 from collections.abc import Sequence
 
 SUBNET = "10.77.0"
+EPHEMERAL_PORTS = (40000, 40999)
 
 
 def _ip(*args: str, ns: str | None = None) -> None:
@@ -49,7 +50,8 @@ def unavailable() -> str:
 class Network:
     """``hosts`` as namespaces on one bridge; :meth:`close` removes everything."""
 
-    def __init__(self, hosts: Sequence[str]) -> None:
+    def __init__(self, hosts: Sequence[str], ephemeral_ports: tuple[int, int] = EPHEMERAL_PORTS) -> None:
+        self.ephemeral_ports = ephemeral_ports
         self.tag = secrets.token_hex(2)
         self.hub = f"rm{self.tag}-hub"
         self.hosts = list(hosts)
@@ -77,6 +79,10 @@ class Network:
             _ip("link", "set", port, "up", ns=self.hub)
             _ip("addr", "add", f"{self.addresses[host]}/24", "dev", "eth0", ns=ns)
             _ip("link", "set", "eth0", "up", ns=ns)
+            # the ports bind(0) and outgoing connections take (gloo's and NCCL's among them): a firewall range
+            low, high = self.ephemeral_ports
+            subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w",
+                            f"net.ipv4.ip_local_port_range={low} {high}"], check=True, capture_output=True, timeout=30)
 
     def prefix(self, host: str) -> list[str]:
         """The command prefix that runs a program on ``host``."""
@@ -110,6 +116,17 @@ class Network:
     def unshape(self, dst: str) -> None:
         _ip_tc(self.hub, "qdisc", "del", "dev", f"p{self.hosts.index(dst)}", "root")
 
+    def connections(self, host: str) -> list[tuple[int, str, int]]:
+        """(local port, peer address, peer port) of ``host``'s TCP connections on the bridge now."""
+        done = subprocess.run([*self.prefix(host), "ss", "-tnH"], capture_output=True, text=True, timeout=30)
+        out = []
+        for line in done.stdout.splitlines():
+            fields = [f.replace("[::ffff:", "").replace("]", "") for f in line.split()]   # IPv4 on a dual-stack socket
+            if len(fields) >= 5 and fields[4].startswith(SUBNET + "."):
+                local, peer = fields[3].rsplit(":", 1), fields[4].rsplit(":", 1)
+                out.append((int(local[1]), peer[0], int(peer[1])))
+        return out
+
     def close(self) -> None:
         for ns in reversed(self._made):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
@@ -117,7 +134,8 @@ class Network:
 
     def describe(self) -> dict:
         """What a process in another namespace needs to use this network (JSON-able)."""
-        return {"tag": self.tag, "hub": self.hub, "namespaces": self.namespaces, "addresses": self.addresses}
+        return {"tag": self.tag, "hub": self.hub, "namespaces": self.namespaces, "addresses": self.addresses,
+                "ephemeral_ports": list(self.ephemeral_ports)}
 
     @classmethod
     def attach(cls, described: dict) -> Network:
@@ -125,6 +143,7 @@ class Network:
         network = cls.__new__(cls)
         network.tag, network.hub = described["tag"], described["hub"]
         network.namespaces, network.addresses = dict(described["namespaces"]), dict(described["addresses"])
+        network.ephemeral_ports = tuple(described["ephemeral_ports"])
         network.hosts = list(network.namespaces)
         network._made, network._cuts = [], set()
         return network

@@ -74,6 +74,10 @@ def test_a_training_job_survives_partitions_between_hosts(tmp_path):
     # forward, and it is current again once the link is
     assert slow["syncs_completed"] > 0, slow
     assert slow["versions_seen"] == sorted(slow["versions_seen"]), slow
+    # every port of the trainer's connections (gRPC, the rendezvous store, gloo's pairs) is a fixed service
+    # port or one of the namespace's ephemeral range: the range a firewall opens for weight broadcasts
+    low, high = netns.EPHEMERAL_PORTS
+    assert slow["trainer_ports"] and all(low <= p <= high or p in (50053, 50054) for p in slow["trainer_ports"]), slow
     assert all(r["state"] == ACTIVE for r in replicas.values() if r["node"].startswith("rollout-"))
     # nothing lost: no request failed (the trainer cancels what it no longer needs when training ends)
     lb = record["lb"]
