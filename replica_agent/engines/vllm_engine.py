@@ -75,10 +75,44 @@ MAX_VLLM_TEMPERATURE = 2.0
 """vLLM's ``SamplingParams`` rejects temperatures above 2 (vllm/sampling_params.py)."""
 
 
+def _named(exc: BaseException | None, *names: str) -> bool:
+    """Whether ``exc`` is an instance of a class called one of ``names`` (vLLM's exceptions are matched
+    by name, so that this module never imports vllm)."""
+    return exc is not None and any(cls.__name__ in names for cls in type(exc).__mro__)
+
+
 def _is_engine_dead_error(exc: BaseException) -> bool:
-    """vLLM's ``EngineDeadError`` (vllm/v1/engine/exceptions.py), matched by
-    name so that this module never imports vllm."""
-    return any(cls.__name__ == "EngineDeadError" for cls in type(exc).__mro__)
+    """vLLM's ``EngineDeadError`` (vllm/v1/engine/exceptions.py)."""
+    return _named(exc, "EngineDeadError")
+
+
+_VALIDATION_ERRORS = ("VLLMValidationError", "VLLMClientError")
+"""vLLM's request-validation errors (vllm/exceptions.py); ``generate`` re-raises them as they are and wraps
+any other failure in ``EngineGenerateError`` (vllm/v1/engine/async_llm.py)."""
+
+
+def vllm_failure(exc: BaseException, request_id: str) -> EngineError:
+    """What a vLLM ``generate`` failure means for the caller: a request vLLM rejected (also when wrapped in
+    ``EngineGenerateError``) is ``InvalidRequest``; ``RetryableRequestError`` is ``EngineUnavailable`` (try
+    again, or elsewhere); anything else failed the generation."""
+    chain, cause = [], exc
+    while cause is not None and len(chain) < 8:
+        chain.append(cause)
+        cause = cause.__cause__
+    if any(_named(e, *_VALIDATION_ERRORS) for e in chain):
+        rejected = next(e for e in chain if _named(e, *_VALIDATION_ERRORS))
+        return InvalidRequest(f"vllm rejected request {request_id}: {rejected}")
+    retryable = next((e for e in chain if _named(e, "RetryableRequestError")), None)
+    if retryable is not None:
+        return EngineUnavailable(f"vllm could not take request {request_id} now: {retryable}", reason="RETRYABLE")
+    if not _named(exc, "EngineGenerateError") and isinstance(exc, ValueError):   # a vLLM without the classes
+        return InvalidRequest(f"vllm rejected request {request_id}: {exc}")
+    detail = f"{exc!r}" + (f" (caused by {chain[-1]!r})" if len(chain) > 1 else "")
+    return EngineError(f"vllm failed request {request_id}: {detail}", reason="GENERATION_FAILED")
+
+
+MAX_VLLM_SEED = 2**63 - 1
+"""vLLM keeps per-request seeds in int64 arrays (v1/worker/gpu/sample/states.py); rollmesh's are uint64."""
 
 
 class VllmEngine(LifecycleFlags, Engine):
@@ -243,7 +277,10 @@ class VllmEngine(LifecycleFlags, Engine):
         )
         try:
             params = self._sampling_params(stream)
-        except ValueError as exc:  # vLLM's SamplingParams validates its arguments
+        except Exception as exc:  # vLLM's SamplingParams validates its arguments (VLLMValidationError)
+            failure = vllm_failure(exc, request.request_id)
+            if not isinstance(failure, InvalidRequest):
+                raise failure from exc
             raise InvalidRequest(f"vllm rejected the sampling parameters of {request.request_id}: {exc}") from exc
         self._requests[request.request_id] = stream
         self._idle.clear()
@@ -257,6 +294,8 @@ class VllmEngine(LifecycleFlags, Engine):
             # vLLM seeds one generator per request, so the continuation cannot
             # replay the draws of an uninterrupted run; derive a fresh stream.
             seed = mix_seed(seed, len(stream.prefix))
+        if seed is not None:
+            seed &= MAX_VLLM_SEED   # a uint64 seed folded into vLLM's int64 range: the same seed, the same draws
         return self._api.sampling_params(
             n=1,
             max_tokens=stream.budget,
@@ -291,15 +330,12 @@ class VllmEngine(LifecycleFlags, Engine):
             stream.finish(FinishReason.ABORTED, self._weight_version)
             raise
         except Exception as exc:  # noqa: BLE001 - every failure must reach the consumer
-            if _is_engine_dead_error(exc):
+            if _is_engine_dead_error(exc) or _is_engine_dead_error(exc.__cause__):
                 self._mark_dead(exc)
             elif isinstance(exc, EngineError):
                 stream.fail(exc)
-            elif isinstance(exc, ValueError):  # vLLM's validation errors derive from ValueError
-                stream.fail(InvalidRequest(f"vllm rejected request {stream.request_id}: {exc}"))
             else:
-                message = f"vllm failed request {stream.request_id}: {exc!r}"
-                stream.fail(EngineError(message, reason="GENERATION_FAILED"))
+                stream.fail(vllm_failure(exc, stream.request_id))
         finally:
             if outputs is not None:
                 try:
@@ -474,7 +510,7 @@ class VllmEngine(LifecycleFlags, Engine):
                 for bucket in weight_buckets(named_tensors.items(), self.config.weight_bucket_bytes):
                     rpc = self._client.collective_rpc(LOAD_WEIGHTS, kwargs={"weights": bucket})
                     await self._call("collective_rpc", rpc)
-                await self._call("reset_prefix_cache", self._client.reset_prefix_cache())
+                await self._reset_prefix_cache()
             except BaseException:
                 # Some buckets may have landed: serve nothing until a complete load.
                 self._weights_loaded = False
@@ -488,6 +524,24 @@ class VllmEngine(LifecycleFlags, Engine):
             self._catalog.record(named_tensors)
             if freeze:
                 await self._call("resume_generation", self._client.resume_generation())
+
+    async def _reset_prefix_cache(self) -> None:
+        """Drop every prefix block computed with the old weights, or fail the load.
+
+        vLLM's ``reset_prefix_cache()`` returns False while any KV block is in use (block_pool.py): the
+        requests frozen through the load hold theirs. Then the running requests are preempted so the
+        reset can happen (``reset_running_requests=True``; they recompute their KV under the new weights):
+        a new request must never reuse a prompt prefix computed with the old ones, and GRPO groups share
+        prompts.
+        """
+        if await self._call("reset_prefix_cache", self._client.reset_prefix_cache()) is not False:
+            return
+        log.info("vllm engine %r: prefix cache still in use after a weight load; preempting the running "
+                 "requests to reset it (they recompute their KV with the new weights)", self.replica_id)
+        done = await self._call("reset_prefix_cache", self._client.reset_prefix_cache(reset_running_requests=True))
+        if done is False:
+            raise EngineError("vllm could not reset its prefix cache after a weight load: blocks computed with "
+                              "the old weights would be reused", reason="PREFIX_CACHE_NOT_RESET")
 
     async def _resume_after_failure(self) -> None:
         try:

@@ -31,6 +31,26 @@ class EngineDeadError(Exception):
     """Same name as ``vllm.v1.engine.exceptions.EngineDeadError``."""
 
 
+class EngineGenerateError(Exception):
+    """``vllm.v1.engine.exceptions.EngineGenerateError``: ``generate`` wraps every failure that is neither a
+    validation error nor a dead engine in it (``raise EngineGenerateError() from e``)."""
+
+
+class VLLMValidationError(ValueError):
+    """``vllm.exceptions.VLLMValidationError``: what vLLM's request validation raises."""
+
+    def __init__(self, message: str, *, parameter: str | None = None, value: Any = None) -> None:
+        super().__init__(message)
+        self.parameter, self.value = parameter, value
+
+
+class RetryableRequestError(Exception):
+    """Same name as vLLM's error for a request the engine cannot take now but may later."""
+
+
+INT64_MAX = 2**63 - 1
+
+
 @dataclasses.dataclass(kw_only=True)
 class SamplingParams:
     """The fields of ``vllm.SamplingParams`` the backend sets, with vLLM's defaults and checks."""
@@ -49,13 +69,17 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.temperature <= 2.0:
-            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}.")
+            raise VLLMValidationError(f"temperature must be in [0, 2], got {self.temperature}.",
+                                      parameter="temperature", value=self.temperature)
         if self.top_k < -1:
-            raise ValueError(f"top_k must be 0 (disable), or at least 1, got {self.top_k}.")
+            raise VLLMValidationError(f"top_k must be 0 (disable), or at least 1, got {self.top_k}.",
+                                      parameter="top_k", value=self.top_k)
         if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+            raise VLLMValidationError(f"max_tokens must be at least 1, got {self.max_tokens}.",
+                                      parameter="max_tokens", value=self.max_tokens)
         if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be non-negative, got {self.logprobs}.")
+            raise VLLMValidationError(f"logprobs must be non-negative, got {self.logprobs}.",
+                                      parameter="logprobs", value=self.logprobs)
 
 
 @dataclasses.dataclass
@@ -148,6 +172,7 @@ class FakeAsyncLLM:
         self._kv_on_device = True
         self._sleeping = False
         self._paused = False
+        self.preempted: list[str] = []
 
     def names(self) -> list[str]:
         """The recorded method names, in call order."""
@@ -169,10 +194,18 @@ class FakeAsyncLLM:
     ):
         call = {"prompt": prompt, "sampling_params": sampling_params, "request_id": request_id}
         self.calls.append(("generate", call))
-        if self.fail_generate is not None:
-            raise self.fail_generate
-        if request_id in self.requests and not self.requests[request_id].finished:
-            raise ValueError(f"Request id {request_id} already running.")
+        try:
+            if self.fail_generate is not None:
+                raise self.fail_generate
+            if request_id in self.requests and not self.requests[request_id].finished:
+                raise ValueError(f"Request id {request_id} already running.")
+            if sampling_params.seed is not None and not 0 <= sampling_params.seed <= INT64_MAX:
+                # the model runner keeps seeds in an int64 array
+                raise OverflowError(f"Python int {sampling_params.seed} too large to convert to int64")
+        except (VLLMValidationError, EngineDeadError):   # generate re-raises these as they are ...
+            raise
+        except Exception as exc:                          # ... and wraps every other failure
+            raise EngineGenerateError() from exc
         request = _Request(list(prompt["prompt_token_ids"]), sampling_params, asyncio.Queue())
         self.requests[request_id] = request
         self.generate_started.set()
@@ -241,6 +274,8 @@ class FakeAsyncLLM:
         if mode == "abort":
             for rid in self.live():
                 self._push(rid, [], None, "abort")
+        if clear_cache:   # the kept requests give their KV blocks up and recompute them when resumed
+            self.preempted += [rid for rid in self.live() if rid not in self.preempted]
         self._paused = True
         self.paused.set()
 
@@ -286,7 +321,13 @@ class FakeAsyncLLM:
         raise AttributeError(f"worker has no method {method!r}")
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
-        self.calls.append(("reset_prefix_cache", {}))
+        """As block_pool.py: False while any KV block is in use, unless the running requests are preempted
+        (``reset_running_requests``), which frees their blocks (they recompute their KV when rescheduled)."""
+        self.calls.append(("reset_prefix_cache", {"reset_running_requests": True} if reset_running_requests else {}))
+        holding = [rid for rid in self.live() if rid not in self.preempted]
+        if holding and not reset_running_requests:
+            return False
+        self.preempted += holding
         return True
 
     def shutdown(self, timeout: float | None = None) -> None:

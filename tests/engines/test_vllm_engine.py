@@ -21,6 +21,9 @@ from fake_vllm import (
     FakeAsyncLLM,
     RequestOutputKind,
     RequestStateStats,
+    EngineGenerateError,
+    RetryableRequestError,
+    VLLMValidationError,
     fake_api,
 )
 from safetensors.torch import save_file
@@ -29,6 +32,7 @@ from replica_agent.engines import (
     BACKENDS,
     DuplicateRequest,
     EngineDead,
+    EngineError,
     EngineState,
     EngineUnavailable,
     FinishReason,
@@ -430,10 +434,48 @@ async def test_invalid_and_duplicate_requests(make):
         await anext(engine.generate(req()))
     await engine.abort(None)
     await task
-    fake.fail_generate = ValueError("prompt too long for the KV cache")
+    fake.fail_generate = VLLMValidationError("prompt too long for the KV cache", parameter="prompt")
     with pytest.raises(InvalidRequest, match="KV cache"):
         await drain(engine.generate(req("rejected")))
     assert engine.state is EngineState.ACTIVE
+
+
+async def test_vllms_own_exception_types_map_to_what_they_mean(make):
+    # generate() re-raises a validation error as it is and wraps every other failure in EngineGenerateError
+    # (vllm/v1/engine/async_llm.py): the wrapped cause decides, never the wrapper's type alone
+    engine, fake = await make()
+    fake.fail_generate = RetryableRequestError("the scheduler is full")
+    with pytest.raises(EngineUnavailable, match="scheduler is full"):
+        await drain(engine.generate(req("later")))
+    fake.fail_generate = RuntimeError("CUDA error: an illegal memory access")
+    with pytest.raises(EngineError, match="illegal memory access") as err:
+        await drain(engine.generate(req("broken")))
+    assert err.value.reason == "GENERATION_FAILED" and not isinstance(err.value, InvalidRequest)
+    fake.fail_generate = EngineGenerateError()
+    fake.fail_generate.__cause__ = VLLMValidationError("prompt exceeds max_model_len", parameter="prompt")
+    with pytest.raises(InvalidRequest, match="max_model_len"):   # a wrapped validation error is still one
+        await drain(engine.generate(req("wrapped")))
+    assert engine.state is EngineState.ACTIVE
+
+
+async def test_a_seed_past_int64_is_folded_into_vllms_range(make):
+    engine, fake = await make()
+    chunks = await drain(engine.generate(req("big-seed", seed=2**64 - 1)))
+    assert chunks[-1].finish_reason is FinishReason.LENGTH
+    sent = [c["sampling_params"].seed for n, c in fake.calls if n == "generate"][-1]
+    assert sent == (2**64 - 1) & (2**63 - 1)
+
+
+async def test_a_reset_refused_while_frozen_requests_hold_blocks_preempts_them(make):
+    # recompute_kv_after_weight_update off: the frozen requests keep their blocks, vLLM refuses the reset
+    # (block_pool.py), and prefix blocks of the old weights would stay reusable by new requests
+    engine, fake = await make(FakeAsyncLLM(auto=False), recompute_kv_after_weight_update=False)
+    task = await in_flight(engine, fake, req(max_tokens=5), 2)
+    await engine.load_weights(new_weights(["lm_head.weight"]), version=1)
+    resets = [c for n, c in fake.calls if n == "reset_prefix_cache"]
+    assert resets == [{}, {"reset_running_requests": True}] and fake.preempted == ["r"]
+    fake.emit("r", 3)
+    assert [(c.token_ids, c.weight_version) for c in await task][-1] == ([12, 13, 14], 1)
 
 
 async def test_a_dead_vllm_engine_kills_the_replica(make):
