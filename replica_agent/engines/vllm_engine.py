@@ -14,12 +14,15 @@ rollmesh             vLLM
 ``abort``            ``abort(request_ids)``
 ``pause``/``resume`` ``pause_generation(mode=..., clear_cache=False)`` /
                      ``resume_generation()`` (docs/training/async_rl.md), plus
-                     an agent-level gate: vLLM queues requests that arrive
-                     while it is paused, rollmesh must refuse them
+                     an agent-level gate: vLLM does not schedule requests that
+                     arrive while it is paused; rollmesh refuses them first,
+                     with a status the balancer retries elsewhere
 ``sleep``            ``abort`` of everything in flight, then ``sleep(level=)``
                      (docs/features/sleep_mode.md; needs
-                     ``enable_sleep_mode=True``)
-``wake_up``          ``wake_up(tags=["weights", "kv_cache"])``
+                     ``enable_sleep_mode=True``); vLLM's sleep also pauses its
+                     scheduler
+``wake_up``          ``wake_up(tags=["weights", "kv_cache"])``; a full wake-up
+                     restarts vLLM's scheduler, even after an explicit pause
 ``load_weights``     ``pause_generation(mode="keep")``, then
                      ``collective_rpc("rollmesh_load_weights", kwargs=...)``
                      per bucket (a worker extension calling
@@ -437,6 +440,7 @@ class VllmEngine(LifecycleFlags, Engine):
             # Deepening a finished level-1 sleep frees no device memory (vLLM
             # keeps its host copy), but the weights must now be reloaded.
             self._weights_resident = False
+            self._vllm_paused = True   # vLLM's sleep pauses its scheduler too
             if level == 2:
                 self._weights_loaded = False
             return freed
@@ -467,12 +471,19 @@ class VllmEngine(LifecycleFlags, Engine):
                 self._weights_resident = True  # after level 2 the contents are garbage: _weights_loaded stays False
             if "kv_cache" in wake:
                 self._kv_resident = True
+            if wake and self._weights_resident and self._kv_resident:
+                self._vllm_paused = False   # a full wake-up restarts vLLM's scheduler, explicit pause or not
+                if self._paused:            # ... so a replica paused on purpose is paused in vLLM again
+                    await self._call("pause_generation", self._client.pause_generation(mode="wait",
+                                                                                      clear_cache=False))
+                    self._vllm_paused = True
             await self._release_vllm_pause()
 
     async def is_sleeping(self) -> bool:
-        """vLLM's own view (``is_sleeping()``): True while any memory tag sleeps."""
+        """True while any memory tag sleeps. Kept here, not asked of vLLM: its ``is_sleeping()`` is also
+        True for an engine that is only paused."""
         self._check_alive()
-        return bool(await self._call("is_sleeping", self._client.is_sleeping()))
+        return not (self._weights_resident and self._kv_resident)
 
     # ---------------------------------------------------------------- weights
     def weight_spec(self) -> list[WeightSpec]:

@@ -286,10 +286,11 @@ class FakeAsyncLLM:
     async def is_paused(self) -> bool:
         return self._paused
 
-    async def sleep(self, level: int = 1) -> None:
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
         self.calls.append(("sleep", {"level": level}))
         self._weights_on_device = self._kv_on_device = False
         self._sleeping = True
+        self._paused = True   # the engine core pauses its scheduler to sleep
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         self.calls.append(("wake_up", {"tags": tags}))
@@ -301,9 +302,11 @@ class FakeAsyncLLM:
             else:
                 raise ValueError(f"unknown tag {tag}")
         self._sleeping = not (self._weights_on_device and self._kv_on_device)
+        if not self._sleeping:
+            self._paused = False   # a full wake-up restarts the scheduler, even after an explicit pause
 
     async def is_sleeping(self) -> bool:
-        return self._sleeping
+        return self._sleeping or self._paused   # as the engine core answers it: True while only paused too
 
     # ----------------------------------------------------------------- weights
     async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),

@@ -524,3 +524,29 @@ async def test_load_snapshot_from_streamed_outputs(make):
         assert snap.ttft_p95_s == pytest.approx(0.5)
         assert (snap.itl_mean_s, snap.itl_p95_s) == (pytest.approx(0.2), pytest.approx(0.2))
         assert snap.tokens_per_second == pytest.approx(2 / 10)  # 2 tokens over the 10 s rate window
+
+
+async def test_a_replica_paused_on_purpose_stays_paused_through_sleep_and_a_full_wake(make):
+    # vLLM's sleep pauses its scheduler and a full wake-up restarts it even after an explicit pause; its
+    # is_sleeping() is True for an engine that is only paused
+    engine, fake = await make()
+    await engine.pause("wait")
+    assert await fake.is_sleeping() and not await engine.is_sleeping()     # paused, awake
+    await engine.sleep(1)
+    assert await engine.is_sleeping()
+    await engine.wake_up(None)
+    assert fake._paused and fake.calls[-1] == ("pause_generation", {"mode": "wait", "clear_cache": False})
+    assert not await engine.is_sleeping() and engine.state is EngineState.PAUSED
+    await engine.resume()
+    assert not fake._paused and fake.calls[-1] == ("resume_generation", {})
+    chunks = await drain(engine.generate(req("after", max_tokens=2)))
+    assert chunks[-1].finish_reason is FinishReason.LENGTH
+
+
+async def test_a_full_wake_of_a_replica_not_paused_leaves_vllm_running(make):
+    engine, fake = await make()
+    await engine.sleep(1)
+    assert fake._paused                                                     # sleeping paused the scheduler
+    await engine.wake_up(None)
+    assert not fake._paused and "resume_generation" not in fake.names()    # the wake-up restarted it
+    assert engine.state is EngineState.ACTIVE
