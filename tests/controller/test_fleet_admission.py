@@ -22,6 +22,14 @@ from rollmesh.controller.v1 import controller_pb2_grpc, registry_pb2
 pytestmark = pytest.mark.timeout(60)
 
 
+def test_a_rate_below_one_still_admits_one_at_a_time():
+    now = [0.0]
+    admission = Admission(0.5, lambda: now[0])
+    assert admission.admit() == 0.0 and admission.admit() == pytest.approx(2.0)
+    now[0] += 2.0
+    assert admission.admit() == 0.0
+
+
 def test_admission_spreads_the_refused_over_their_own_slots():
     now = [100.0]
     admission = Admission(10, lambda: now[0])
@@ -44,15 +52,18 @@ def node(n: int) -> registry_pb2.RegisterNodeRequest:
 
 
 async def test_registrations_past_the_budget_are_refused_with_retry_info_and_change_nothing(tmp_path):
-    server, channel, stub = await start(tmp_path, max_registrations_per_s=2)
+    # half a registration a second: the first is admitted, the next one only 2 s later (a margin for a busy box)
+    server, channel, stub = await start(tmp_path, max_registrations_per_s=0.5)
     try:
-        for n in range(2):
-            await stub.RegisterNode(node(n), timeout=10)
+        await stub.RegisterNode(node(0), timeout=10)
+        with pytest.raises(grpc.aio.AioRpcError) as first:
+            await stub.RegisterNode(node(1), timeout=10)
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.RegisterNode(node(2), timeout=10)
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert error_info(err.value).reason == "REGISTRATIONS_THROTTLED"
-        assert 0 < retry_delay(err.value) <= 1.0 and "retry in" in err.value.details()
+        assert 0 < retry_delay(first.value) < retry_delay(err.value) <= 6.0   # each refused one its own slot
+        assert "retry in" in err.value.details()
         with pytest.raises(grpc.aio.AioRpcError) as missing:
             await stub.GetNode(registry_pb2.GetNodeRequest(node_id="n2"), timeout=10)
         assert missing.value.code() == grpc.StatusCode.NOT_FOUND
