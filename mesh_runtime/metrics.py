@@ -29,7 +29,7 @@ from prometheus_client import gc_collector, platform_collector, process_collecto
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-from .handlers import rewrap
+from .handlers import observe
 from .net import format_host_port, parse_host_port
 
 log = logging.getLogger(__name__)
@@ -94,37 +94,16 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
         service, _, method = handler_call_details.method.lstrip("/").rpartition("/")
         handled, seconds = self._metrics.rpc_handled, self._metrics.rpc_seconds.labels(service, method)
 
-        def done(context, started: float, failed: BaseException | None) -> None:
-            code = _code(context, failed)
-            handled.labels(service, method, code).inc()
-            seconds.observe(time.perf_counter() - started)
+        @contextlib.contextmanager
+        def timed(context):
+            started = time.perf_counter()
 
-        def unary(behavior):
-            async def wrapper(request_or_iterator, context):
-                started, failed = time.perf_counter(), None
-                try:
-                    return await behavior(request_or_iterator, context)
-                except BaseException as exc:
-                    failed = exc
-                    raise
-                finally:
-                    done(context, started, failed)
-            return wrapper
+            def ended(failed: BaseException | None) -> None:
+                handled.labels(service, method, _code(context, failed)).inc()
+                seconds.observe(time.perf_counter() - started)
+            yield ended
 
-        def streaming(behavior):
-            async def wrapper(request_or_iterator, context):
-                started, failed = time.perf_counter(), None
-                try:
-                    async for item in behavior(request_or_iterator, context):
-                        yield item
-                except BaseException as exc:
-                    failed = exc
-                    raise
-                finally:
-                    done(context, started, failed)
-            return wrapper
-
-        return rewrap(handler, unary, streaming)
+        return observe(handler, timed)
 
 
 def _code(context, failed: BaseException | None) -> str:

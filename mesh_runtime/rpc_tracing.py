@@ -26,6 +26,7 @@ for a mesh whose interruptions are planned:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 from google.rpc import error_details_pb2, status_pb2
@@ -33,7 +34,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from .errors import canonical
-from .handlers import rewrap
+from .handlers import observe
 from .net import AddressError, parse_host_port
 
 UNTRACED_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
@@ -168,46 +169,23 @@ class ServerTracingInterceptor(grpc.aio.ServerInterceptor):
         metadata = handler_call_details.invocation_metadata or ()
         tracer = self._tracer
 
-        def start(context):
+        @contextlib.contextmanager
+        def span_of(context):
             carrier = {key: value for key, value in metadata if isinstance(value, str)}
             peer = None
             try:
                 peer = context.peer()
             except Exception:  # noqa: BLE001
                 pass
-            return tracer.start_as_current_span(name, context=propagate.extract(carrier), kind=SpanKind.SERVER,
-                                                attributes={**attributes, **peer_attributes(peer)},
-                                                record_exception=False, set_status_on_exception=False)
+            with tracer.start_as_current_span(name, context=propagate.extract(carrier), kind=SpanKind.SERVER,
+                                              attributes={**attributes, **peer_attributes(peer)},
+                                              record_exception=False, set_status_on_exception=False) as span:
+                def ended(exc: BaseException | None) -> None:
+                    code, description, reason = _server_outcome(context, exc)
+                    end_status(span, code, description, reason, server=True)
+                yield ended
 
-        def finish(span, context, exc: BaseException | None) -> None:
-            code, description, reason = _server_outcome(context, exc)
-            end_status(span, code, description, reason, server=True)
-
-        def unary(behavior):
-            async def wrapper(request_or_iterator, context):
-                with start(context) as span:
-                    try:
-                        result = await behavior(request_or_iterator, context)
-                    except BaseException as exc:
-                        finish(span, context, exc)
-                        raise
-                    finish(span, context, None)
-                    return result
-            return wrapper
-
-        def streaming(behavior):
-            async def wrapper(request_or_iterator, context):
-                with start(context) as span:
-                    try:
-                        async for item in behavior(request_or_iterator, context):
-                            yield item
-                    except BaseException as exc:
-                        finish(span, context, exc)
-                        raise
-                    finish(span, context, None)
-            return wrapper
-
-        return rewrap(handler, unary, streaming)
+        return observe(handler, span_of)
 
 
 class _ClientTracing:
