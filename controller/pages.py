@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import bisect
 import hashlib
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
@@ -25,8 +26,10 @@ def _fingerprint(filters: Any) -> str:
     return hashlib.sha256(repr(filters).encode()).hexdigest()[:12]
 
 
-def page(ids: Sequence[str], *, page_size: int, page_token: str, filters: Any) -> tuple[list[str], str]:
-    """The ids of the page asked for (``ids`` sorted) and the next page's token ('' after the last)."""
+def page(items: Sequence[T], *, key: Callable[[T], str], page_size: int, page_token: str,
+         filters: Any) -> tuple[list[T], str]:
+    """The page asked for of ``items`` (sorted by ``key``, their id) and the next page's token ('' after
+    the last)."""
     if page_size < 0:
         raise InvalidArgument(f"page_size must be >= 0, got {page_size}", reason="INVALID_PAGE_SIZE")
     start = 0
@@ -39,16 +42,14 @@ def page(ids: Sequence[str], *, page_size: int, page_token: str, filters: Any) -
         if version != "v1" or fingerprint != _fingerprint(filters):
             raise InvalidArgument("page_token belongs to a listing with other filters; start again without it",
                                   reason="INVALID_PAGE_TOKEN")
-        import bisect  # noqa: PLC0415
-
-        start = bisect.bisect_right(ids, after)
+        start = bisect.bisect_right(items, after, key=key)
     if page_size == 0:
-        return list(ids[start:]), ""
+        return list(items[start:]), ""
     size = min(page_size, MAX_PAGE_SIZE)
-    chosen = list(ids[start:start + size])
-    if start + size >= len(ids) or not chosen:
+    chosen = list(items[start:start + size])
+    if start + size >= len(items) or not chosen:
         return chosen, ""
-    token = base64.urlsafe_b64encode(f"v1|{_fingerprint(filters)}|{chosen[-1]}".encode()).decode()
+    token = base64.urlsafe_b64encode(f"v1|{_fingerprint(filters)}|{key(chosen[-1])}".encode()).decode()
     return chosen, token
 
 

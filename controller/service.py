@@ -121,9 +121,8 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
 
     async def ListNodes(self, request, context):  # noqa: N802
         registry = self.mesh.registry
-        ids, token = pages.page(registry.node_ids(), page_size=request.page_size, page_token=request.page_token,
-                                filters=())
-        nodes = [registry.node(i) for i in ids]
+        nodes, token = pages.page(registry.nodes(), key=lambda n: n.node_id, page_size=request.page_size,
+                                  page_token=request.page_token, filters=())
         records = await pages.convert_all(nodes, lambda n: convert.node_record(
             n, [r.replica_id for r in registry.replicas(node_id=n.node_id)]))
         return registry_pb2.ListNodesResponse(nodes=records, next_page_token=token)
@@ -142,10 +141,9 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
                    if (not kinds or r.kind in kinds) and (not states or r.state in states)
                    and (not request.model_name or r.model_name == request.model_name)]
         filters = (sorted(request.kinds), sorted(request.states), request.node_id, request.model_name)
-        ids, token = pages.page([r.replica_id for r in records], page_size=request.page_size,
-                                page_token=request.page_token, filters=filters)
-        chosen = set(ids)
-        replicas = await pages.convert_all([r for r in records if r.replica_id in chosen], convert.replica_record)
+        chosen, token = pages.page(records, key=lambda r: r.replica_id, page_size=request.page_size,
+                                   page_token=request.page_token, filters=filters)
+        replicas = await pages.convert_all(chosen, convert.replica_record)
         return registry_pb2.ListReplicasResponse(replicas=replicas, next_page_token=token)
 
     async def GetReplica(self, request, context):  # noqa: N802

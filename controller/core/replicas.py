@@ -300,10 +300,6 @@ class ReplicaRegistry:
     def node_count(self) -> int:
         return len(self._nodes)
 
-    def node_ids(self) -> list[str]:
-        """Registered node ids, sorted."""
-        return sorted(self._nodes)
-
     def nodes(self) -> list[NodeRecord]:
         return [self._nodes[key] for key in sorted(self._nodes)]
 
