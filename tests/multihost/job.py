@@ -99,9 +99,11 @@ class MultiHostJob(TrainJob):
         controller = controller_pb2_grpc.ControllerServiceStub(ctl_channel)
         lb = loadbalancer_pb2_grpc.LoadBalancerServiceStub(lb_channel)
 
+        async def every_replica() -> list:
+            return list((await controller.ListReplicas(registry_pb2.ListReplicasRequest(), timeout=10)).replicas)
+
         async def replicas_of(node: str) -> list:
-            reply = await controller.ListReplicas(registry_pb2.ListReplicasRequest(), timeout=10)
-            return [r for r in reply.replicas if r.node_id == node]
+            return [r for r in await every_replica() if r.node_id == node]
 
         async def routed(node: str) -> set[str]:
             reply = await lb.ListReplicas(loadbalancer_pb2.ListReplicasRequest(routable_only=True), timeout=10)
@@ -141,18 +143,18 @@ class MultiHostJob(TrainJob):
                 states = [r.state for r in await replicas_of("rollout-1")]
                 return bool(states) and all(s == 4 for s in states) and await _contains(routed("rollout-1"), node1)
             back = await self._until("node 1 back (ACTIVE and routed)", returned, 90)
-            snapshot = (await controller.ListReplicas(registry_pb2.ListReplicasRequest(), timeout=10)).replicas
+            snapshot = await every_replica()
             self.record["phases"].append({
                 "cut": "controller|rollout-1", "out_of_routing_after_s": round(expired_s, 2), "back_s": round(back, 2),
                 "node_versions": [r.weight_version for r in snapshot if r.node_id == "rollout-1"],
                 "other_versions": [r.weight_version for r in snapshot if r.node_id != "rollout-1"]})
             # 3. the weight path from the trainer to inference node 0 slow and lossy
-            await self._slow_weight_path(replicas_of)
+            await self._slow_weight_path(every_replica, replicas_of)
         finally:
             await ctl_channel.close()
             await lb_channel.close()
 
-    async def _slow_weight_path(self, replicas_of) -> None:
+    async def _slow_weight_path(self, every_replica, replicas_of) -> None:
         trainer, node = self.placement["trainer-agent"], self.placement["rollout-0"]
         first_event = len(self.events)
         seen: list[int] = []
@@ -168,10 +170,11 @@ class MultiHostJob(TrainJob):
             self.network.unshape(node)
         ids = {r.replica_id for r in await replicas_of("rollout-0")}
 
-        async def current() -> bool:
-            replicas = (await replicas_of("rollout-0"))
-            others = [r.weight_version for r in await self._all_replicas() if r.node_id != "rollout-0"]
-            return bool(replicas) and min(r.weight_version for r in replicas) >= max(others) - 1
+        async def current() -> bool:   # one snapshot: node 0's versions against everyone else's
+            snapshot = await every_replica()
+            mine = [r.weight_version for r in snapshot if r.node_id == "rollout-0"]
+            others = [r.weight_version for r in snapshot if r.node_id != "rollout-0"]
+            return bool(mine) and min(mine) >= max(others) - 1
         caught_up = await self._until("node 0 current again after the slow link", current, 90)
         window = self.events[first_event:]
         self.record["phases"].append({
@@ -180,15 +183,6 @@ class MultiHostJob(TrainJob):
             "syncs_completed": sum(1 for e in window if e["type"] == "WEIGHT_SYNC_COMPLETED"),
             "node_syncs_failed": [e["reason"][:200] for e in window
                                   if e["type"] == "WEIGHT_SYNC_FAILED" and e["replica_id"] in ids]})
-
-    async def _all_replicas(self) -> list:
-        ctl_channel, _ = self._channels()
-        try:
-            stub = controller_pb2_grpc.ControllerServiceStub(ctl_channel)
-            return list((await stub.ListReplicas(registry_pb2.ListReplicasRequest(), timeout=10)).replicas)
-        finally:
-            await ctl_channel.close()
-            await _.close()
 
     async def _serving(self, routed) -> bool:
         return all([await routed(n) for n in ("rollout-0", "rollout-1")])

@@ -21,18 +21,20 @@ SUBNET = "10.77.0"
 EPHEMERAL_PORTS = (40000, 40999)
 
 
-def _ip(*args: str, ns: str | None = None) -> None:
-    command = ["ip", "netns", "exec", ns, "ip", *args] if ns else ["ip", *args]
+def _run(ns: str | None, *command: str) -> None:
+    """Run ``command`` in namespace ``ns`` (here when None); RuntimeError with its stderr if it fails."""
+    command = ("ip", "netns", "exec", ns, *command) if ns else command
     done = subprocess.run(command, capture_output=True, text=True, timeout=30)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)}: {done.stderr.strip() or done.returncode}")
+
+
+def _ip(*args: str, ns: str | None = None) -> None:
+    _run(ns, "ip", *args)
 
 
 def _ip_tc(ns: str, *args: str) -> None:
-    command = ["ip", "netns", "exec", ns, "tc", *args]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=30)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)}: {done.stderr.strip() or done.returncode}")
+    _run(ns, "tc", *args)
 
 
 def unavailable() -> str:
@@ -81,8 +83,7 @@ class Network:
             _ip("link", "set", "eth0", "up", ns=ns)
             # the ports bind(0) and outgoing connections take (gloo's and NCCL's among them): a firewall range
             low, high = self.ephemeral_ports
-            subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w",
-                            f"net.ipv4.ip_local_port_range={low} {high}"], check=True, capture_output=True, timeout=30)
+            _run(ns, "sysctl", "-q", "-w", f"net.ipv4.ip_local_port_range={low} {high}")
 
     def prefix(self, host: str) -> list[str]:
         """The command prefix that runs a program on ``host``."""
