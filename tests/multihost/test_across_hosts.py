@@ -25,7 +25,7 @@ HOSTS = ["controller", "lb", "node0", "node1", "trainer", "operator"]
 PLACEMENT = {"controller": "controller", "lb": "lb", "rollout-0": "node0", "rollout-1": "node1",
              "trainer-agent": "trainer", "trainer-0-replicas": "trainer"}
 ACTIVE = 4   # rollmesh.common.v1.REPLICA_STATE_ACTIVE
-STEPS = 200  # enough to train through every fault
+STEPS = 600  # enough to train through every fault on a busy machine (200 ran out once under CI load)
 
 
 def _job_config(path: Path, steps: int) -> Path:
