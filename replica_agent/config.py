@@ -40,8 +40,9 @@ class ReplicaAgentConfig(ServerConfig):
     controller_address: str = setting("", help="HOST:PORT of the controller to register with and keep a "
                                                "lease on; empty = serve standalone, without a controller")
     slots: int = setting(1, help="slots on this node: GPUs, or CPU slots where there is no GPU")
-    backend: Literal["torch", "vllm", "synthetic"] = setting(
-        "torch", help="engine backend: torch (default), vllm (GPU only), synthetic (benchmarks only)")
+    backend: Literal["torch", "vllm", "sglang", "synthetic"] = setting(
+        "torch", help="engine backend: torch (default), vllm (GPU only), sglang (an SGLang server this agent "
+                      "launches, or attaches to with engine_options.url), synthetic (benchmarks only)")
     model: str = setting("tiny-llama", help="model: a built-in preset name (torch: tiny-llama, tiny-qwen2) or "
                                             "a local Hugging Face directory (config.json + safetensors)")
     model_seed: int = setting(0, help="initialisation seed of a preset model (same seed = same weights)")
@@ -97,7 +98,7 @@ class ReplicaAgentConfig(ServerConfig):
         ids = [r.replica_id for r in self.replicas if r.replica_id]
         if len(ids) != len(set(ids)):
             raise ConfigError("replicas", "replica ids must be unique")
-        if self.backend != "vllm":
+        if self.backend != "vllm":   # vllm checks its options once it can import vllm
             # Surface bad engine options at load time, not when the first replica launches.
             from .engines import EngineError, create_engine  # noqa: PLC0415
 
@@ -121,8 +122,8 @@ class ReplicaAgentConfig(ServerConfig):
             key = "model_path" if ("/" in self.model or self.model.startswith(".")) else "preset"
             options.update({key: self.model, "seed": self.model_seed,
                             "memory_fraction": memory_fraction or self.memory_fraction(kind)})
-        elif self.backend == "vllm":
-            options.update({"model": self.model, "seed": self.model_seed,
+        elif self.backend in ("vllm", "sglang"):
+            options.update({"model_path": self.model, "seed": self.model_seed,
                             "memory_fraction": memory_fraction or self.memory_fraction(kind)})
         else:
             options.update({"seed": self.model_seed})

@@ -21,7 +21,7 @@ FINISH_REASONS = {
 KINDS = {"STANDALONE": types_pb2.REPLICA_KIND_STANDALONE, "HYBRID": types_pb2.REPLICA_KIND_HYBRID}
 KIND_NAMES = {v: k for k, v in KINDS.items()}
 BACKENDS = {"torch": types_pb2.ENGINE_BACKEND_TORCH, "vllm": types_pb2.ENGINE_BACKEND_VLLM,
-            "synthetic": types_pb2.ENGINE_BACKEND_SYNTHETIC}
+            "synthetic": types_pb2.ENGINE_BACKEND_SYNTHETIC, "sglang": types_pb2.ENGINE_BACKEND_SGLANG}
 WAKE_TAGS = {types_pb2.WAKE_TAG_WEIGHTS: "weights", types_pb2.WAKE_TAG_KV_CACHE: "kv_cache"}
 
 

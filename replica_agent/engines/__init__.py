@@ -25,7 +25,7 @@ from .types import (
     validate_sampling,
 )
 
-BACKENDS = ("torch", "synthetic", "vllm")
+BACKENDS = ("torch", "synthetic", "vllm", "sglang")
 
 __all__ = [
     "BACKENDS", "DuplicateRequest", "Engine", "EngineDead", "EngineError", "EngineState", "EngineUnavailable",
@@ -69,4 +69,9 @@ def create_engine(backend: str, **options: Any) -> Engine:
         api = options.pop("vllm_api", None)
         return VllmEngine(_build_config(VllmEngineConfig, backend, options), api=api)
     # --- end of vllm backend ---
+    if backend == "sglang":   # options: sglang_config.SglangEngineConfig
+        from .sglang_config import SglangEngineConfig
+        from .sglang_engine import SglangEngine
+
+        return SglangEngine(_build_config(SglangEngineConfig, backend, options))
     raise InvalidRequest(f"unknown engine backend {backend!r}; choose one of {list(BACKENDS)}")

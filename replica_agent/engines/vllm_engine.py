@@ -36,7 +36,7 @@ neither vllm nor torch. vLLM keeps the weights in worker processes, fused and
 sharded, so the Hugging Face view (:meth:`VllmEngine.weight_spec`,
 :meth:`VllmEngine.named_weights`) comes from the checkpoint's safetensors
 headers and from the tensors this engine installed (see
-:mod:`vllm_weights`).
+:mod:`served_weights`).
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ from .types import (
     validate_request,
 )
 from .vllm_config import VllmApi, VllmEngineConfig, load_vllm_api
-from .vllm_streams import RequestStream
-from .vllm_weights import WeightCatalog, weight_buckets
+from .delta_stream import RequestStream
+from .served_weights import WeightCatalog, weight_buckets
 from .vllm_worker import DEVICE_MEMORY_USED, LOAD_WEIGHTS
 
 log = logging.getLogger(__name__)

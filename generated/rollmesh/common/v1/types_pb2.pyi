@@ -42,6 +42,7 @@ class EngineBackend(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ENGINE_BACKEND_TORCH: _ClassVar[EngineBackend]
     ENGINE_BACKEND_VLLM: _ClassVar[EngineBackend]
     ENGINE_BACKEND_SYNTHETIC: _ClassVar[EngineBackend]
+    ENGINE_BACKEND_SGLANG: _ClassVar[EngineBackend]
 REPLICA_KIND_UNSPECIFIED: ReplicaKind
 REPLICA_KIND_STANDALONE: ReplicaKind
 REPLICA_KIND_HYBRID: ReplicaKind
@@ -66,3 +67,4 @@ ENGINE_BACKEND_UNSPECIFIED: EngineBackend
 ENGINE_BACKEND_TORCH: EngineBackend
 ENGINE_BACKEND_VLLM: EngineBackend
 ENGINE_BACKEND_SYNTHETIC: EngineBackend
+ENGINE_BACKEND_SGLANG: EngineBackend

@@ -1,4 +1,9 @@
-"""Translation of one request's vLLM outputs into rollmesh generation chunks.
+"""Translation of one request's engine outputs into rollmesh generation chunks.
+
+Out-of-process engines (vLLM, SGLang) hand over each request's completion as
+a series of deltas: new token ids, their log-probabilities, and a finish
+reason on the last one. :meth:`RequestStream.accept_delta` takes them in that
+engine-neutral form; :meth:`RequestStream.accept` reads vLLM's outputs.
 
 The vLLM backend asks for ``RequestOutputKind.DELTA`` outputs, so every
 ``RequestOutput`` it receives carries only the tokens produced since the
@@ -143,24 +148,35 @@ class RequestStream:
         final. Tokens beyond the budget are dropped and end it with LENGTH."""
         if self.done.is_set():
             return True
+        completion = output.outputs[0] if getattr(output, "outputs", None) else None
+        token_ids = [int(t) for t in completion.token_ids] if completion is not None else []
+        logprobs = (sampled_logprobs(completion, token_ids)
+                    if completion is not None and self.request.sampling.logprobs else [])
+        finish = None
+        if output.finished:
+            finish = map_finish_reason(getattr(completion, "finish_reason", None) if completion is not None else None)
+        return self.accept_delta(token_ids, logprobs, finish, version, queue_time=engine_queue_time(output))
+
+    def accept_delta(self, token_ids: list[int], logprobs: list[float], finish: FinishReason | None,
+                     version: int, *, queue_time: float | None = None) -> bool:
+        """Consume one delta: ``token_ids`` new since the last one (``logprobs`` aligned with them when
+        requested, else empty) and ``finish`` on the last one; return True once the stream is final. Tokens
+        beyond the budget are dropped and end it with LENGTH. ``queue_time`` is the engine's own
+        measurement of the first delta's queueing, where it has one."""
+        if self.done.is_set():
+            return True
         now = self._clock()
         if self.first_output_at is None:
             self.first_output_at = now
-            queued = engine_queue_time(output)
-            self._metrics.record_queue_time(queued if queued is not None else now - self.submitted_at)
-        completion = output.outputs[0] if getattr(output, "outputs", None) else None
-        if completion is not None:
-            token_ids = [int(t) for t in completion.token_ids]
-            room = self.budget - len(self.generated)
-            if len(token_ids) > room:
-                log.warning("request %s: vllm returned tokens beyond max_tokens; truncating", self.request_id)
-                token_ids = token_ids[:room]
-            if token_ids:
-                logprobs = sampled_logprobs(completion, token_ids) if self.request.sampling.logprobs else []
-                self._append(token_ids, logprobs, version, now)
-        if output.finished:
-            reason = getattr(completion, "finish_reason", None) if completion is not None else None
-            self.finish(map_finish_reason(reason), version)
+            self._metrics.record_queue_time(queue_time if queue_time is not None else now - self.submitted_at)
+        room = self.budget - len(self.generated)
+        if len(token_ids) > room:
+            log.warning("request %s: the engine returned tokens beyond max_tokens; truncating", self.request_id)
+            token_ids, logprobs = token_ids[:room], logprobs[:room]
+        if token_ids:
+            self._append(token_ids, logprobs, version, now)
+        if finish is not None:
+            self.finish(finish, version)
         elif len(self.generated) >= self.budget:
             self.finish(FinishReason.LENGTH, version)
         return self.done.is_set()

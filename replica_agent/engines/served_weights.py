@@ -1,13 +1,13 @@
-"""The Hugging Face view of the weights a vLLM replica serves.
+"""The Hugging Face view of the weights an out-of-process engine serves (vLLM, SGLang).
 
-vLLM holds the weights in its worker processes, fused (``qkv_proj``,
-``gate_up_proj``) and sharded over tensor-parallel ranks, so they cannot be
-read back under the names a trainer uses. :class:`WeightCatalog` keeps that
-view on the agent's side instead:
+vLLM and SGLang hold the weights in their worker processes, fused
+(``qkv_proj``, ``gate_up_proj``) and sharded over tensor-parallel ranks, so
+they cannot be read back under the names a trainer uses.
+:class:`WeightCatalog` keeps that view on the agent's side instead:
 
 * the spec (names and shapes) comes from the checkpoint's safetensors
   headers, with floating-point dtypes replaced by the dtype vLLM serves
-  (``model_config.dtype``): vLLM's weight loaders copy into parameters of
+  (``model_config.dtype``): the engines' weight loaders copy into parameters of
   that dtype, so the catalog asks trainers for exactly it;
 * the current tensors are the ones installed by ``load_weights`` (kept by
   reference, no copy) over the checkpoint's, which are read lazily.
