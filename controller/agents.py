@@ -44,10 +44,11 @@ class AgentCalls:
         reply = await self.channels.agent(address).ListReplicas(pb.ListReplicasRequest(), timeout=self.timeout_s)
         return list(reply.replicas)
 
-    async def launch(self, address: str, replica_id: str, *, slots: int, request_id: str, timeout_s: float):
+    async def launch(self, address: str, replica_id: str, *, slots: int, request_id: str, timeout_s: float,
+                     engine_url: str = ""):
         reply = await self.channels.agent(address).LaunchReplica(
             pb.LaunchReplicaRequest(replica_id=replica_id, kind=types_pb2.REPLICA_KIND_STANDALONE, slots=slots,
-                                    request_id=request_id), timeout=timeout_s)
+                                    request_id=request_id, engine_url=engine_url), timeout=timeout_s)
         return reply.replica
 
     async def replica(self, address: str, replica_id: str):

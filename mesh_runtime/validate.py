@@ -47,6 +47,24 @@ def check_address(value: str, field: str) -> None:
                               metadata={"field": field}) from None
 
 
+def is_engine_url(value: str) -> bool:
+    """Whether ``value`` names an engine server by URL (``http://`` or ``https://``) rather than an agent."""
+    return value.startswith(("http://", "https://"))
+
+
+def check_engine_url(value: str, field: str) -> None:
+    """``http(s)://HOST:PORT`` (an optional trailing slash), the URL of a running engine server."""
+    scheme, _, rest = value.partition("://")
+    rest = rest.removesuffix("/")
+    try:
+        if scheme not in ("http", "https") or "/" in rest:
+            raise AddressError("expected http(s)://HOST:PORT")
+        parse_host_port(rest, allow_zero_port=False)
+    except (AddressError, ValueError) as err:
+        raise InvalidArgument(f"{field} must be http://HOST:PORT, got {quote(value)} ({err})",
+                              reason="INVALID_ENGINE_URL", metadata={"field": field}) from None
+
+
 def check_number(value: float, field: str, *, low: float | None = None, high: float | None = None) -> None:
     """A finite number in ``[low, high]`` (either bound optional)."""
     if not math.isfinite(value):

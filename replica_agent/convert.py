@@ -97,7 +97,7 @@ def replica_to_proto(replica, *, node_id: str, address: str, backend: str, model
         replica_id=replica.replica_id, node_id=node_id, kind=KINDS[replica.kind], state=state_enum(replica.state),
         weight_version=replica.weight_version, slots=replica.slots, memory_fraction=replica.memory_fraction,
         backend=BACKENDS[backend], model=model, address=address, initial=replica.initial,
-        state_reason=replica.reason, in_flight_requests=len(replica.in_flight),
+        state_reason=replica.reason, in_flight_requests=len(replica.in_flight), engine_url=replica.engine_url,
         sleep_level=types_pb2.SleepLevel.Value(f"SLEEP_LEVEL_{replica.sleep_level}")
         if replica.state == "SLEEPING" and replica.sleep_level else types_pb2.SLEEP_LEVEL_UNSPECIFIED)
     msg.launched_at.FromNanoseconds(int(replica.launched_at * 1e9))

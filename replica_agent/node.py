@@ -17,7 +17,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from mesh_runtime import __version__
 from mesh_runtime.channels import ChannelPool
-from mesh_runtime.errors import AlreadyExists, InvalidArgument
+from mesh_runtime.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from mesh_runtime.metrics import ServerMetrics
 from mesh_runtime.server import MeshServer
 from mesh_runtime.status import node_name
@@ -54,9 +54,16 @@ class Node:
         self.server_metrics.on_scrape(self.metric_families)
         self._groups = None
 
-    def _create_engine(self, replica_id: str, kind: str, memory_fraction: float, weight_version: int):
+    def _create_engine(self, replica_id: str, kind: str, memory_fraction: float, weight_version: int,
+                       engine_url: str = ""):
         options = self.config.engine_options_for(kind, replica_id, weight_version, memory_fraction)
         options["node_id"] = self.node_id
+        if engine_url:
+            if self.config.backend != "sglang":
+                raise FailedPrecondition(f"this agent runs the {self.config.backend} backend; only sglang agents "
+                                         f"attach to running engine servers such as {engine_url[:80]}",
+                                         reason="CANNOT_ATTACH")
+            options["url"] = engine_url
         return create_engine(self.config.backend, **options)
 
     def _next_replica_id(self) -> str:
@@ -175,7 +182,8 @@ class Node:
     def registration(self) -> registry_pb2.RegisterNodeRequest:
         replicas = [registry_pb2.ReplicaRegistration(
             replica_id=r.replica_id, kind=convert.KINDS[r.kind], state=convert.state_enum(r.state),
-            weight_version=r.weight_version, slots=r.slots, memory_fraction=r.memory_fraction, initial=r.initial)
+            weight_version=r.weight_version, slots=r.slots, memory_fraction=r.memory_fraction, initial=r.initial,
+            engine_url=r.engine_url)
             for r in self.replicas.list() if r.state not in ("STOPPED",)]
         return registry_pb2.RegisterNodeRequest(
             node_id=self.node_id, address=self.address, slots_total=self.replicas.slots_total,

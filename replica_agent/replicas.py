@@ -69,6 +69,8 @@ class Replica:
     memory_fraction: float
     initial: bool
     engine: Engine
+    engine_url: str = ""
+    """The running engine server the replica is attached to; empty when this agent runs the engine."""
     launched_at: float = field(default_factory=time.time)
     phase: str | None = "LAUNCHING"
     """The agent's own phase (LAUNCHING, SYNCING, STOPPED, FAILED); None = the engine's state."""
@@ -99,8 +101,8 @@ class Replica:
         return self.state in ("ACTIVE", "PAUSED")
 
 
-EngineFactory = Callable[[str, str, float, int], Engine]
-"""(replica_id, kind, memory_fraction, weight_version) -> an engine not started yet."""
+EngineFactory = Callable[..., Engine]
+"""(replica_id, kind, memory_fraction, weight_version, engine_url=...) -> an engine not started yet."""
 
 
 class ReplicaManager:
@@ -146,11 +148,16 @@ class ReplicaManager:
 
     # --------------------------------------------------------------- lifecycle
     async def launch(self, *, replica_id: str, kind: str, slots: int, memory_fraction: float | None = None,
-                     start_asleep: bool = False, weight_version: int = 0, initial: bool = False) -> Replica:
-        """Reserve slots, start an engine and (optionally) put it to sleep."""
+                     start_asleep: bool = False, weight_version: int = 0, initial: bool = False,
+                     engine_url: str = "") -> Replica:
+        """Reserve slots, start an engine (or attach to the engine server at ``engine_url``, which takes no
+        slot) and (optionally) put it to sleep."""
         if kind not in ("STANDALONE", "HYBRID"):
             raise errors.InvalidArgument("kind must be STANDALONE or HYBRID", reason="INVALID_KIND")
-        if slots < 1:
+        if engine_url and slots != 0:
+            raise errors.InvalidArgument(f"a replica attached to {engine_url[:80]} uses no slot of this node; "
+                                         f"slots must be 0, got {slots}", reason="INVALID_SLOTS")
+        if not engine_url and slots < 1:
             raise errors.InvalidArgument(f"slots must be >= 1, got {slots}", reason="INVALID_SLOTS")
         if memory_fraction is not None and not 0 < memory_fraction <= 1:
             raise errors.InvalidArgument(f"memory_fraction must be in (0, 1], got {memory_fraction}",
@@ -167,8 +174,9 @@ class ReplicaManager:
             free = [s for s in range(self.slots_total) if s not in self._slot_owner][:slots]
             fraction = memory_fraction if memory_fraction is not None else self._default_fraction(kind)
             with engine_errors():
-                engine = self._factory(replica_id, kind, fraction, weight_version)
-            replica = Replica(replica_id, kind, free, fraction, initial, engine)
+                engine = (self._factory(replica_id, kind, fraction, weight_version, engine_url=engine_url)
+                          if engine_url else self._factory(replica_id, kind, fraction, weight_version))
+            replica = Replica(replica_id, kind, free, fraction, initial, engine, engine_url=engine_url)
             self._replicas[replica_id] = replica
             for slot in free:
                 self._slot_owner[slot] = replica_id

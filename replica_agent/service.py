@@ -8,7 +8,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from mesh_runtime.errors import InvalidArgument
 from mesh_runtime.status import StatusReporter
-from mesh_runtime.validate import check_id, check_number
+from mesh_runtime.validate import check_engine_url, check_id, check_number
 from rollmesh.common.v1 import types_pb2
 from rollmesh.replica.v1 import replica_agent_pb2 as pb
 from rollmesh.replica.v1 import replica_agent_pb2_grpc, replica_pb2
@@ -54,9 +54,11 @@ class ReplicaAgentServicer(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
                                   reason="INVALID_KIND")
         if request.HasField("memory_fraction"):
             check_number(request.memory_fraction, "memory_fraction", low=0.0, high=1.0)
+        if request.engine_url:
+            check_engine_url(request.engine_url, "engine_url")
         replica = await self.node.launch_once(
             request_id=request.request_id, replica_id=request.replica_id, kind=convert.KIND_NAMES[request.kind],
-            slots=request.slots or 1,
+            slots=request.slots or (0 if request.engine_url else 1), engine_url=request.engine_url,
             memory_fraction=request.memory_fraction if request.HasField("memory_fraction") else None,
             start_asleep=request.start_asleep, weight_version=request.weight_version)
         return pb.LaunchReplicaResponse(replica=self._proto(replica))

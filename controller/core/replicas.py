@@ -91,6 +91,8 @@ class ReplicaSpec:
     slots: tuple[int, ...] = ()
     memory_fraction: float = 0.0
     initial: bool = False
+    engine_url: str = ""
+    """The running engine server the replica is attached to (external SGLang); empty otherwise."""
 
 
 @dataclasses.dataclass
@@ -114,6 +116,8 @@ class ReplicaRecord:
     updated_at: float = 0.0
     added_at: float = 0.0
     """When the replica first entered the registry (scale-in picks the newest first)."""
+    engine_url: str = ""
+    """The running engine server the replica is attached to (external SGLang); empty otherwise."""
     last_report: Any = dataclasses.field(default=None, compare=False)
     """The latest load report, opaque to the core; not persisted."""
 
@@ -321,7 +325,8 @@ class ReplicaRegistry:
                                slots=tuple(spec.slots), memory_fraction=spec.memory_fraction,
                                initial=spec.initial, added_by_operation_id=operation_id,
                                model_name=node.model_name, lease_expires_at=node.lease_expires_at,
-                               updated_at=self._clock(), added_at=self._clock(), state_reason=reason or "added")
+                               updated_at=self._clock(), added_at=self._clock(), state_reason=reason or "added",
+                               engine_url=spec.engine_url)
         self._put(record)
         self._emit_change(record, "", record.state_reason, operation_id=operation_id)
         return record
@@ -497,7 +502,7 @@ class ReplicaRegistry:
             and not (existing and existing.added_by_operation_id),
             added_by_operation_id=existing.added_by_operation_id if existing else "",
             model_name=model_name, lease_expires_at=expires, updated_at=now,
-            added_at=existing.added_at if existing else now,
+            added_at=existing.added_at if existing else now, engine_url=spec.engine_url,
             state_reason="registered" if existing is None else "reported by agent on registration")
         self._put(record)
         if existing is None or existing.state is not record.state:

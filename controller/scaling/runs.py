@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import logging
 
+from mesh_runtime.validate import is_engine_url
 from rollmesh.common.v1 import types_pb2
 
 from ..agents import why
@@ -134,8 +135,32 @@ async def _connect(s, op) -> dict[str, str]:
         op.launched_replica_ids.extend(launched)
         s.save()  # the adoption and the operation that owns it reach the disk together
 
+    async def attach(url: str) -> None:
+        """An SGLang server given by URL: a replica agent of the sglang backend attaches a replica to it."""
+        hosts = [n for n in registry.nodes() if n.backend == "ENGINE_BACKEND_SGLANG" and n.lease_held
+                 and n.model_name == op.model_name]
+        if not hosts:
+            raise ScaleFailed(f"no registered replica agent of the sglang backend serves model {op.model_name!r} "
+                              f"to attach {url} to")
+        node = min(hosts, key=lambda n: (len(registry.replicas(node_id=n.node_id)), n.node_id))
+        replica_id = f"{node.node_id}-x{op.operation_id[:6]}{op.engine_addresses.index(url)}"
+        registry.add_replica(ReplicaSpec(replica_id, ReplicaKind.STANDALONE, engine_url=url), node_id=node.node_id,
+                             operation_id=op.operation_id, reason=f"attached to {url} by scale-out {op.operation_id}")
+        op.replica_ids.append(replica_id)
+        op.launched_replica_ids.append(replica_id)
+        s.save()
+        with s.mesh._span("replica.attach", replica_id=replica_id, node_id=node.node_id, engine_url=url):
+            replica = await s.calls.launch(node.address, replica_id, slots=0, engine_url=url, timeout_s=op.timeout_s,
+                                           request_id=f"{op.operation_id}:{replica_id}")
+        registry.set_weight_version(replica_id, replica.weight_version)
+        registry.transition(replica_id, S.LOADING, f"attached to {url}; health check next",
+                            operation_id=op.operation_id)
+
+    def one(address: str):
+        return attach(address) if is_engine_url(address) else connect(address)
+
     with s.mesh._span("scale.out.connect", operation_id=op.operation_id, addresses=op.engine_addresses):
-        failed = await _gather(list(op.engine_addresses), connect)
+        failed = await _gather(list(op.engine_addresses), one)
     s.save()
     return failed
 

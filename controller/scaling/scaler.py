@@ -30,6 +30,7 @@ from typing import Any
 
 from mesh_runtime.errors import FailedPrecondition, InvalidArgument, NotFound
 from mesh_runtime.net import AddressError, parse_host_port
+from mesh_runtime.validate import check_engine_url, is_engine_url
 
 from . import runs as scale_runs
 from ..agents import AgentCalls
@@ -41,7 +42,12 @@ OS = OperationState
 
 
 def check_addresses(addresses: list[str], what: str) -> list[str]:
+    """Agent addresses (``HOST:PORT``) and engine server URLs (``http://HOST:PORT``, external SGLang)."""
+    addresses = [a.removesuffix("/") if is_engine_url(a) else a for a in addresses]
     for address in addresses:
+        if is_engine_url(address):
+            check_engine_url(address, what)
+            continue
         try:
             parse_host_port(address, allow_zero_port=False)
         except AddressError as err:
@@ -156,7 +162,7 @@ class Scaler:
         if bool(num_replicas) == bool(addresses):
             raise InvalidArgument("give either num_replicas > 0 (native mode) or engine_addresses (external "
                                   "mode), not both and not neither", reason="AMBIGUOUS_SCALE_OUT")
-        check_addresses(addresses, "engine_addresses")
+        addresses = check_addresses(addresses, "engine_addresses")
         timeout = self._timeout(timeout_s, self.config.scale_out_timeout)
         policy = policy or self.config.scale_out_partial_success_policy
         fingerprint = json.dumps(["out", model, num_replicas, addresses, timeout_s, policy])
@@ -181,7 +187,8 @@ class Scaler:
         else:
             running = self.book.running()
             busy = set(running.engine_addresses) if running and running.type is OperationType.SCALE_OUT else set()
-            known = {r.address for r in self.mesh.registry.replicas() if r.state not in TERMINAL_STATES}
+            known = {a for r in self.mesh.registry.replicas() if r.state not in TERMINAL_STATES
+                     for a in (r.address, r.engine_url) if a}
             fresh = [a for a in addresses if a not in known | busy]
             skipped = [a for a in addresses if a not in fresh]
             if not fresh:
@@ -234,7 +241,7 @@ class Scaler:
                                   "engine_addresses", reason="NOTHING_TO_SCALE_IN")
         if any(not r for r in ids) or len(set(ids)) != len(ids):
             raise InvalidArgument(f"replica_ids must be non-empty and distinct: {ids}", reason="INVALID_REPLICA_ID")
-        check_addresses(addresses, "engine_addresses")
+        addresses = check_addresses(addresses, "engine_addresses")
         default_timeout = self.config.scale_in_drain_timeout + self.config.scale_in_shutdown_timeout + 30.0
         timeout = self._timeout(timeout_s, default_timeout)
         fingerprint = json.dumps(["in", model, num_replicas, ids, addresses, force, timeout_s])
@@ -278,7 +285,7 @@ class Scaler:
         registry = self.mesh.registry
         records = [registry.get(r) for r in ids]
         for address in addresses:
-            at = [r for r in registry.replicas() if r.address == address]
+            at = [r for r in registry.replicas() if address in (r.address, r.engine_url)]
             if not at:
                 raise NotFound(f"no replica is registered at {address}", reason="ADDRESS_NOT_FOUND",
                                metadata={"address": address})

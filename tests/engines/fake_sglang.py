@@ -82,7 +82,8 @@ class Server:
         self.paused: str | None = None
         self.released: set[str] = set()
         self.group = None
-        self.state = {"calls": [], "flush_refused": 0, "updates": 0, "max_running": 0, "pause_modes": []}
+        self.state = {"calls": [], "flush_refused": 0, "updates": 0, "max_running": 0, "pause_modes": [],
+                      "generated": 0}
         self.queue_time, self.ttft = Histogram(), Histogram()
         self.healthy_at = time.monotonic() + args.fake_startup_delay
 
@@ -122,6 +123,7 @@ class Server:
         rid, sp, submitted = body["rid"], body.get("sampling_params") or {}, time.monotonic()
         request = {"aborted": False, "retracted": False, "holds_kv": False}
         self.running[rid] = request
+        self.state["generated"] += 1
         self.state["max_running"] = max(self.state["max_running"], len(self.running))
         context, output, logprobs = list(body["input_ids"]), [], []
         stop = set(sp.get("stop_token_ids") or [])
@@ -307,6 +309,45 @@ class Handler(BaseHTTPRequestHandler):
             return
         status, answer = fake.control(self.path, body)
         self._json(status, answer)
+
+
+class FakeSglangProcess:
+    """The fake started as a process on a free loopback port (``url``); ``state()`` reads ``/_fake/state``."""
+
+    def __init__(self, model_dir: Path | str, *flags: str) -> None:
+        import socket
+        import subprocess
+        import sys
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        root = Path(__file__).resolve().parents[2]
+        self.process = subprocess.Popen([sys.executable, "-m", "tests.engines.fake_sglang", "--model-path",
+                                         str(model_dir), "--port", str(self.port), *flags], cwd=root)
+
+    def state(self) -> dict:
+        import httpx2
+
+        return httpx2.get(f"{self.url}/_fake/state", timeout=5).json()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+
+
+def write_model(directory: Path, shapes: dict[str, tuple[int, ...]], *, vocab: int = 32, eos: int = 31) -> Path:
+    """A checkpoint directory the fake (and the backend's weight catalog) reads: config.json + safetensors."""
+    from safetensors.torch import save_file
+
+    config = {"vocab_size": vocab, "max_position_embeddings": 128, "eos_token_id": eos, "torch_dtype": "float32"}
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    generator = torch.Generator().manual_seed(0)
+    save_file({n: torch.randn(s, generator=generator) for n, s in shapes.items()}, directory / "model.safetensors")
+    return directory
 
 
 def main() -> None:

@@ -7,18 +7,14 @@ update group it joins is a real gloo process group with this test process.
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx2
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from replica_agent.engines import (
     EngineDead,
@@ -35,11 +31,11 @@ from replica_agent.engines import (
 from replica_agent.engines.sglang_engine import SglangEngine
 from replica_agent.engines.sglang_http import SglangClient, finish_reason, new_tokens
 from replica_agent.engines.sglang_load import ServerLoad
+from tests.engines.fake_sglang import FakeSglangProcess, write_model
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
-ROOT = Path(__file__).resolve().parents[2]
 FAKE = [sys.executable, "-m", "tests.engines.fake_sglang"]
 SHAPES = {"lm_head.weight": (32, 8), "model.embed_tokens.weight": (32, 8)}
 VOCAB, EOS = 32, 31
@@ -66,35 +62,15 @@ def free_port() -> int:
 
 @pytest.fixture
 def model_dir(tmp_path: Path) -> Path:
-    config = {"vocab_size": VOCAB, "max_position_embeddings": 128, "eos_token_id": EOS, "torch_dtype": "float32"}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    generator = torch.Generator().manual_seed(0)
-    save_file({n: torch.randn(s, generator=generator) for n, s in SHAPES.items()}, tmp_path / "model.safetensors")
-    return tmp_path
-
-
-class FakeServer:
-    def __init__(self, model_dir: Path, *flags: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.process = subprocess.Popen([*FAKE, "--model-path", str(model_dir), "--port", str(self.port), *flags],
-                                        cwd=ROOT)
-
-    def state(self) -> dict:
-        return httpx2.get(f"{self.url}/_fake/state", timeout=5).json()
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait()
+    return write_model(tmp_path, SHAPES, vocab=VOCAB, eos=EOS)
 
 
 @pytest.fixture
 def servers(model_dir):
-    started: list[FakeServer] = []
+    started: list[FakeSglangProcess] = []
 
     def start(*flags: str) -> FakeServer:
-        server = FakeServer(model_dir, *flags)
+        server = FakeSglangProcess(model_dir, *flags)
         started.append(server)
         return server
 

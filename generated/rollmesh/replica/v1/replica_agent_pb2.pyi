@@ -38,7 +38,7 @@ class GetStatusResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[_status_pb2.ServerStatus, _Mapping]] = ..., node_id: _Optional[str] = ..., slots_total: _Optional[int] = ..., slots_free: _Optional[int] = ..., backend: _Optional[_Union[_types_pb2.EngineBackend, str]] = ..., model: _Optional[str] = ..., replica_count: _Optional[int] = ...) -> None: ...
 
 class LaunchReplicaRequest(_message.Message):
-    __slots__ = ("replica_id", "kind", "memory_fraction", "slots", "start_asleep", "weight_version", "request_id")
+    __slots__ = ("replica_id", "kind", "memory_fraction", "slots", "start_asleep", "weight_version", "request_id", "engine_url")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FRACTION_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class LaunchReplicaRequest(_message.Message):
     START_ASLEEP_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_URL_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     kind: _types_pb2.ReplicaKind
     memory_fraction: float
@@ -53,7 +54,8 @@ class LaunchReplicaRequest(_message.Message):
     start_asleep: bool
     weight_version: int
     request_id: str
-    def __init__(self, replica_id: _Optional[str] = ..., kind: _Optional[_Union[_types_pb2.ReplicaKind, str]] = ..., memory_fraction: _Optional[float] = ..., slots: _Optional[int] = ..., start_asleep: _Optional[bool] = ..., weight_version: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+    engine_url: str
+    def __init__(self, replica_id: _Optional[str] = ..., kind: _Optional[_Union[_types_pb2.ReplicaKind, str]] = ..., memory_fraction: _Optional[float] = ..., slots: _Optional[int] = ..., start_asleep: _Optional[bool] = ..., weight_version: _Optional[int] = ..., request_id: _Optional[str] = ..., engine_url: _Optional[str] = ...) -> None: ...
 
 class LaunchReplicaResponse(_message.Message):
     __slots__ = ("replica",)
