@@ -56,6 +56,10 @@ class VllmEngineConfig:
     False lets them continue on KV computed by the old weights."""
     weight_bucket_bytes: int = 512 * 1024 * 1024
     """Most tensor bytes sent to the workers in one ``collective_rpc`` call."""
+    weight_loader: str = "auto"
+    """How workers take a weight update: ``load_weights`` (the model's own loader, in place), ``reload_weights``
+    (the model runner's reload: restore, load, re-process; needed by quantized models) or ``auto``
+    (``reload_weights`` when the served model is quantized)."""
     keep_host_weights: bool = True
     """Keep references to the tensors given to ``load_weights`` so that
     ``named_weights`` can export what is served (up to one model of host
@@ -71,6 +75,9 @@ class VllmEngineConfig:
         for name in ("tensor_parallel_size", "max_batch_size", "stream_interval", "weight_bucket_bytes"):
             if getattr(self, name) < 1:
                 raise InvalidRequest(f"vllm engine: {name} must be >= 1, got {getattr(self, name)}")
+        if self.weight_loader not in ("auto", "load_weights", "reload_weights"):
+            raise InvalidRequest(f"vllm engine: weight_loader must be auto, load_weights or reload_weights, "
+                                 f"got {str(self.weight_loader)[:40]!r}")
         clash = sorted(_OWN_ENGINE_ARGS & set(self.engine_args))
         if clash:
             raise InvalidRequest(f"vllm engine: engine_args may not set {clash}; the engine sets them itself")
@@ -100,7 +107,8 @@ class VllmApi:
 
     create_client: Callable[[dict[str, Any]], Any]
     """Builds the started async engine from ``AsyncEngineArgs`` keyword
-    arguments (may return an awaitable)."""
+    arguments; runs in a worker thread, off the event loop (may return an
+    awaitable, which is then awaited on the loop)."""
     sampling_params: Callable[..., Any]
     """``vllm.SamplingParams``."""
     delta_output_kind: Any
@@ -118,8 +126,9 @@ def load_vllm_api() -> VllmApi:
         raise EngineDead(f"{NO_VLLM_MESSAGE}: {exc}", reason="VLLM_UNAVAILABLE") from exc
 
     def create_client(kwargs: dict[str, Any]) -> Any:
-        # Built on the event loop, as vLLM's own API server does: AsyncLLM
-        # starts its output handler on the running loop.
+        # Called in a worker thread (engine start-up takes minutes on a GPU): with no running loop there,
+        # AsyncLLM defers its output handler to the first request, which runs on the event loop
+        # (vllm/v1/engine/async_llm.py).
         return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
 
     return VllmApi(create_client, SamplingParams, RequestOutputKind.DELTA)

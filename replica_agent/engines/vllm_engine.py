@@ -158,6 +158,7 @@ class VllmEngine(LifecycleFlags, Engine):
         self._vocab_size: int | None = None
         self._max_model_len: int | None = None
         self._kv_capacity = 0
+        self._reload = False
 
     # -------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -168,7 +169,9 @@ class VllmEngine(LifecycleFlags, Engine):
         try:
             checkpoint_files(self.config.model_path)  # fail before starting vLLM if there is no checkpoint
             api = self._api or load_vllm_api()
-            client = api.create_client(self.config.engine_kwargs())
+            # Off the event loop: building vLLM's engine (loading the model, capturing CUDA graphs) takes
+            # minutes, and health checks and lease reports must go on meanwhile.
+            client = await asyncio.to_thread(api.create_client, self.config.engine_kwargs())
             if inspect.isawaitable(client):
                 client = await client
             self._api, self._client = api, client
@@ -190,6 +193,9 @@ class VllmEngine(LifecycleFlags, Engine):
         served = str(model_config.dtype).removeprefix("torch.")
         self._catalog = WeightCatalog(self.config.model_path, served, keep_tensors=self.config.keep_host_weights)
         self._max_model_len = int(model_config.max_model_len)
+        quantized = getattr(model_config, "quantization", None) is not None
+        self._reload = (self.config.weight_loader == "reload_weights"
+                        or (self.config.weight_loader == "auto" and quantized))
         self._vocab_size = int(model_config.get_vocab_size())
         cache = getattr(getattr(client, "vllm_config", None), "cache_config", None)
         blocks, block_size = getattr(cache, "num_gpu_blocks", None), getattr(cache, "block_size", None)
@@ -519,7 +525,8 @@ class VllmEngine(LifecycleFlags, Engine):
                     # same ordering reason).
                     await asyncio.sleep(0)
                 for bucket in weight_buckets(named_tensors.items(), self.config.weight_bucket_bytes):
-                    rpc = self._client.collective_rpc(LOAD_WEIGHTS, kwargs={"weights": bucket})
+                    rpc = self._client.collective_rpc(LOAD_WEIGHTS, kwargs={"weights": bucket,
+                                                                            "reload": self._reload})
                     await self._call("collective_rpc", rpc)
                 await self._reset_prefix_cache()
             except BaseException:

@@ -27,17 +27,28 @@ EXTENSION_CLASS = f"{__name__}.RollmeshWorkerExtension"
 class RollmeshWorkerExtension:
     """Mixed into vLLM's worker: ``self.model_runner`` and ``self.device`` are the worker's."""
 
-    def rollmesh_load_weights(self, weights: list[Any]) -> int:
+    def rollmesh_load_weights(self, weights: list[Any], reload: bool = False) -> int:
         """Load ``[(hf_name, tensor), ...]`` into the served model.
 
         The model's own ``load_weights`` maps Hugging Face names onto vLLM's
         fused parameters and takes this rank's shard, copying into the
         existing parameter storage (so captured CUDA graphs stay valid).
-        Pairs may arrive as 2-item lists after serialisation. Returns the
+        A quantized model (``reload``) cannot take checkpoint-format tensors
+        that way: its parameters were processed after loading (repacked,
+        scaled), so the model runner's ``reload_weights`` restores them to
+        the checkpoint layout, loads, and processes them again. Pairs arrive
+        as 2-item lists after vLLM's msgpack serialisation. Returns the
         number of tensors received.
         """
         pairs = [(str(name), tensor) for name, tensor in weights]
-        self.model_runner.model.load_weights(weights=pairs)
+        if reload:
+            runner_reload = getattr(self.model_runner, "reload_weights", None)
+            if runner_reload is None:
+                raise RuntimeError("this vLLM's model runner has no reload_weights; quantized models cannot "
+                                   "take weight updates in place")
+            runner_reload(weights_iterator=iter(pairs))
+        else:
+            self.model_runner.model.load_weights(weights=pairs)
         return len(pairs)
 
     def rollmesh_device_memory_used(self) -> int:

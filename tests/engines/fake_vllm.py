@@ -7,6 +7,16 @@ signatures and result shapes (``vllm/engine/protocol.py``,
 scripted: token ``i`` of a request is ``script[i]`` (default ``10 + i``) with
 log-probability ``-(i + 1) / 10``. In ``auto`` mode a request runs to the
 end at once; otherwise the test releases tokens with :meth:`FakeAsyncLLM.emit`.
+
+Where the backend depends on vLLM 0.33's behaviour, the fake behaves so:
+requests that arrive while the scheduler is paused (``pause_generation`` in
+any mode, or ``sleep``) are accepted and wait, producing nothing until it
+runs again (async_llm.py: "New generation/encoding requests will not be
+scheduled until resume is called"); a request id already running is
+accepted (vLLM gives each request an internal id of its own);
+``collective_rpc`` arguments go through a msgpack-like round trip (tuples
+arrive as lists, objects msgpack cannot carry are refused) and run the real
+:class:`RollmeshWorkerExtension` against a stand-in worker.
 """
 
 from __future__ import annotations
@@ -18,7 +28,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from replica_agent.engines.vllm_config import VllmApi
-from replica_agent.engines.vllm_worker import DEVICE_MEMORY_USED, LOAD_WEIGHTS
+from replica_agent.engines.vllm_worker import DEVICE_MEMORY_USED, RollmeshWorkerExtension
 
 
 class RequestOutputKind(enum.Enum):
@@ -122,6 +132,7 @@ class ModelConfig:
     dtype: str = "bfloat16"
     max_model_len: int = 512
     vocab_size: int = 256
+    quantization: str | None = None
 
     def get_vocab_size(self) -> int:
         return self.vocab_size
@@ -146,6 +157,46 @@ class _Request:
     queue: asyncio.Queue
     produced: int = 0
     finished: bool = False
+    deferred: int = 0
+    """Tokens ``auto`` mode owes the request once the scheduler runs again."""
+
+
+def msgpack_round_trip(value: Any) -> Any:
+    """What crossing vLLM's msgpack encoder to the workers does to ``collective_rpc`` arguments: tuples
+    become lists, tensors and plain values pass, anything else is refused."""
+    if isinstance(value, (list, tuple)):
+        return [msgpack_round_trip(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): msgpack_round_trip(v) for k, v in value.items()}
+    if value is None or isinstance(value, (bool, int, float, str, bytes)) or type(value).__name__ == "Tensor":
+        return value
+    raise TypeError(f"msgpack cannot serialize {type(value).__name__}")
+
+
+class _Model:
+    def __init__(self) -> None:
+        self.loaded: list[tuple[str, Any]] = []
+
+    def load_weights(self, weights):
+        self.loaded.extend(weights)
+        return {name for name, _ in weights}
+
+
+class _ModelRunner:
+    def __init__(self, model_config: ModelConfig) -> None:
+        self.model = _Model()
+        self.model_config = model_config
+        self.reloaded: list[tuple[str, Any]] = []
+
+    def reload_weights(self, weights_iterator=None, process_weights_after_loading: bool = True) -> None:
+        self.reloaded.extend(weights_iterator)
+
+
+class FakeWorker(RollmeshWorkerExtension):
+    """A GPU worker with rollmesh's extension mixed in, as vLLM's ``worker_extension_cls`` does."""
+
+    def __init__(self, model_config: ModelConfig) -> None:
+        self.model_runner = _ModelRunner(model_config)
 
 
 class FakeAsyncLLM:
@@ -173,6 +224,7 @@ class FakeAsyncLLM:
         self._sleeping = False
         self._paused = False
         self.preempted: list[str] = []
+        self.worker = FakeWorker(self.model_config)
 
     def names(self) -> list[str]:
         """The recorded method names, in call order."""
@@ -197,8 +249,6 @@ class FakeAsyncLLM:
         try:
             if self.fail_generate is not None:
                 raise self.fail_generate
-            if request_id in self.requests and not self.requests[request_id].finished:
-                raise ValueError(f"Request id {request_id} already running.")
             if sampling_params.seed is not None and not 0 <= sampling_params.seed <= INT64_MAX:
                 # the model runner keeps seeds in an int64 array
                 raise OverflowError(f"Python int {sampling_params.seed} too large to convert to int64")
@@ -210,7 +260,10 @@ class FakeAsyncLLM:
         self.requests[request_id] = request
         self.generate_started.set()
         if self.auto:
-            self.emit(request_id, sampling_params.max_tokens or 16)
+            if self._paused:   # accepted, but not scheduled until the scheduler runs again
+                request.deferred = sampling_params.max_tokens or 16
+            else:
+                self.emit(request_id, sampling_params.max_tokens or 16)
         try:
             while True:
                 out = await request.queue.get()
@@ -281,7 +334,14 @@ class FakeAsyncLLM:
 
     async def resume_generation(self) -> None:
         self.calls.append(("resume_generation", {}))
+        self._run_scheduler()
+
+    def _run_scheduler(self) -> None:
         self._paused = False
+        for rid, request in list(self.requests.items()):
+            if request.deferred and not request.finished:
+                count, request.deferred = request.deferred, 0
+                self.emit(rid, count)
 
     async def is_paused(self) -> bool:
         return self._paused
@@ -303,7 +363,7 @@ class FakeAsyncLLM:
                 raise ValueError(f"unknown tag {tag}")
         self._sleeping = not (self._weights_on_device and self._kv_on_device)
         if not self._sleeping:
-            self._paused = False   # a full wake-up restarts the scheduler, even after an explicit pause
+            self._run_scheduler()   # a full wake-up restarts the scheduler, even after an explicit pause
 
     async def is_sleeping(self) -> bool:
         return self._sleeping or self._paused   # as the engine core answers it: True while only paused too
@@ -312,10 +372,14 @@ class FakeAsyncLLM:
     async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
                              kwargs: dict | None = None) -> list[Any]:
         self.calls.append(("collective_rpc", {"method": method, "args": args, "kwargs": kwargs}))
-        if method == LOAD_WEIGHTS:
-            for name, tensor in kwargs["weights"]:
+        args, kwargs = msgpack_round_trip(args), msgpack_round_trip(kwargs or {})
+        if method.startswith("rollmesh_load"):
+            before = len(self.worker.model_runner.model.loaded) + len(self.worker.model_runner.reloaded)
+            count = getattr(self.worker, method)(*args, **kwargs)
+            runner = self.worker.model_runner
+            for name, tensor in (runner.model.loaded + runner.reloaded)[before:]:
                 self.loaded[name] = tensor
-            return [len(kwargs["weights"])]
+            return [count]
         if method == DEVICE_MEMORY_USED:
             used = self.other_bytes
             used += self.weight_bytes if self._weights_on_device else 0

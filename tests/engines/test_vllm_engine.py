@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import importlib.util
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -359,7 +361,8 @@ async def test_weight_update_freezes_loads_resets_and_resumes_in_order(make):
     assert fake.calls[before:] == [
         ("pause_generation", {"mode": "keep", "clear_cache": True}),
         ("collective_rpc", {
-            "method": LOAD_WEIGHTS, "args": (), "kwargs": {"weights": [("lm_head.weight", update["lm_head.weight"])]},
+            "method": LOAD_WEIGHTS, "args": (),
+            "kwargs": {"weights": [("lm_head.weight", update["lm_head.weight"])], "reload": False},
         }),
         ("reset_prefix_cache", {}),
         ("resume_generation", {}),
@@ -430,8 +433,10 @@ async def test_invalid_and_duplicate_requests(make):
         with pytest.raises(InvalidRequest, match=message):
             await anext(engine.generate(bad))
     task = await in_flight(engine, fake, req(max_tokens=50), 0)
-    with pytest.raises(DuplicateRequest):
+    calls = len(fake.calls)
+    with pytest.raises(DuplicateRequest):   # refused by rollmesh: vLLM itself would accept the id twice
         await anext(engine.generate(req()))
+    assert len(fake.calls) == calls
     await engine.abort(None)
     await task
     fake.fail_generate = VLLMValidationError("prompt too long for the KV cache", parameter="prompt")
@@ -550,3 +555,61 @@ async def test_a_full_wake_of_a_replica_not_paused_leaves_vllm_running(make):
     await engine.wake_up(None)
     assert not fake._paused and "resume_generation" not in fake.names()    # the wake-up restarted it
     assert engine.state is EngineState.ACTIVE
+
+
+async def test_vllm_is_built_off_the_event_loop(model_dir):
+    """Building vLLM's engine blocks for minutes on a GPU; the loop must keep serving meanwhile."""
+    loop_ran = threading.Event()
+    fake = FakeAsyncLLM()
+
+    def slow_create(kwargs):
+        assert loop_ran.wait(5), "the event loop was blocked while vLLM was being built"
+        return fake
+
+    async def ticker():
+        await asyncio.sleep(0.05)
+        loop_ran.set()
+
+    engine = VllmEngine(VllmEngineConfig(model_path=str(model_dir)),
+                        api=dataclasses.replace(fake_api(fake), create_client=slow_create))
+    tick = asyncio.ensure_future(ticker())
+    try:
+        await asyncio.wait_for(engine.start(), 10)
+        assert engine.state is EngineState.ACTIVE and tick.done()
+    finally:
+        await engine.close()
+
+
+@pytest.mark.parametrize("quantization, loader, reloads", [
+    (None, "auto", False), ("fp8", "auto", True), (None, "reload_weights", True), ("fp8", "load_weights", False)])
+async def test_quantized_models_take_updates_through_reload_weights(make, quantization, loader, reloads):
+    fake = FakeAsyncLLM()
+    fake.model_config.quantization = quantization
+    engine, fake = await make(fake, weight_loader=loader)
+    update = new_weights(["lm_head.weight"])
+    await engine.load_weights(update, version=1)
+    runner = fake.worker.model_runner
+    received = runner.reloaded if reloads else runner.model.loaded
+    assert [name for name, _ in received] == ["lm_head.weight"] and received[0][1] is update["lm_head.weight"]
+    assert not (runner.model.loaded if reloads else runner.reloaded)
+    with pytest.raises(InvalidRequest, match="weight_loader"):
+        VllmEngineConfig(model_path=str(engine.config.model_path), weight_loader="magic").validate()
+
+
+async def test_a_request_reaching_vllm_during_a_frozen_update_runs_after_it_on_the_new_weights(make):
+    """vLLM accepts requests while its scheduler is paused and runs them once it resumes."""
+    engine, fake = await make(FakeAsyncLLM(auto=True))
+    original = fake.pause_generation
+    late: list = []
+
+    async def pause_then_submit(**kwargs):
+        await original(**kwargs)
+        late.append(asyncio.ensure_future(drain(engine.generate(req("late", max_tokens=4)))))
+        await asyncio.sleep(0)   # the request reaches vLLM while its scheduler is paused
+        await asyncio.sleep(0)
+
+    fake.pause_generation = pause_then_submit
+    await engine.load_weights(new_weights(["lm_head.weight"]), version=7)
+    chunks = await asyncio.wait_for(late[0], 5)
+    assert tokens(chunks) == [10, 11, 12, 13] and [s.weight_version for s in chunks[-1].segments] == [7]
+    assert fake.calls[[n for n, _ in fake.calls].index("generate") - 1][0] == "pause_generation"
