@@ -31,8 +31,9 @@ class TrainerAgentConfig(ServerConfig):
     """Settings of the trainer agent (``--print-default-config`` lists them)."""
 
     listen: str = setting("127.0.0.1:50054", help="HOST:PORT to serve gRPC on; port 0 picks a free port")
-    training_backend: Literal["torch"] = setting(
-        "torch", help="training engine that holds the weights: torch (megatron to come)")
+    training_backend: Literal["torch", "megatron"] = setting(
+        "torch", help="training engine that holds the weights: torch, or megatron (megatron-core's GPT built "
+                      "from the model's Hugging Face config; training needs device cuda)")
     model: str = setting("tiny-llama", help="model: a built-in preset name (tiny-llama, tiny-qwen2, "
                                             "small-llama) or a local Hugging Face directory (config.json + "
                                             "safetensors); must be what the replicas serve")
@@ -97,6 +98,15 @@ class TrainerAgentConfig(ServerConfig):
             raise ConfigError("initial_weight_version", f"must be >= 0, got {self.initial_weight_version}")
         if self.device != "cpu" and not (self.device == "cuda" or self.device.startswith("cuda:")):
             raise ConfigError("device", f"must be cpu, cuda or cuda:N, got {self.device!r}")
+        if self.training_backend == "megatron":
+            from .megatron.source import megatron_available  # noqa: PLC0415
+
+            if not megatron_available():
+                raise ConfigError("training_backend", "megatron needs megatron-core (pip install 'rollmesh[megatron]')")
+            if self.driver.enabled and self.device == "cpu":
+                raise ConfigError("device", "megatron-core's forward pass needs CUDA: training with "
+                                            "training_backend megatron needs device cuda (use the torch backend "
+                                            "on CPU)")
         if self.weight_transfer_timeout_s <= 0:
             raise ConfigError("weight_transfer_timeout_s", f"must be > 0, got {self.weight_transfer_timeout_s}")
         check_driver(self.async_training, self.actor_rollout_ref)

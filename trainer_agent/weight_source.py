@@ -249,4 +249,9 @@ def create_weight_source(config: TrainerAgentConfig) -> WeightSource:
     if config.training_backend == "torch":
         return TorchWeightSource(config.model, seed=config.model_seed, dtype=config.weight_dtype,
                                  device=config.device, weight_version=config.initial_weight_version)
+    if config.training_backend == "megatron":
+        from .megatron.source import MegatronWeightSource  # noqa: PLC0415 - megatron-core only when chosen
+
+        return MegatronWeightSource(config.model, seed=config.model_seed, dtype=config.weight_dtype,
+                                    device=config.device, weight_version=config.initial_weight_version)
     raise ValueError(f"unknown training backend {config.training_backend!r}")

@@ -28,7 +28,7 @@ def test_defaults_and_a_nested_weight_transfer_section():
     ({"weight_transfer_timeout_s": 0}, "weight_transfer_timeout_s", "> 0"),
     ({"weight_transfer": {"bucket_size_bytes": 0}}, "weight_transfer.bucket_size_bytes", "positive"),
     ({"weight_transfer": {"bucket_size": 1}}, "weight_transfer.bucket_size", "did you mean"),
-    ({"training_backend": "megatron"}, "training_backend", "torch"),
+    ({"training_backend": "jax"}, "training_backend", "torch"),
 ])
 def test_bad_values_name_the_key(overrides, key, fragment):
     with pytest.raises(ConfigError) as info:

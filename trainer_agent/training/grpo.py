@@ -42,7 +42,7 @@ import torch
 
 from mesh_runtime.errors import FailedPrecondition, InvalidArgument
 
-from ..weight_source import TorchWeightSource, WeightSource
+from ..weight_source import WeightSource
 
 RewardFn = Callable[[Sequence[int], Sequence[int]], float]
 
@@ -197,8 +197,9 @@ class GrpoTrainer:
         self._host_optimizer: dict[str, dict[str, torch.Tensor]] | None = None
 
     @classmethod
-    def from_weight_source(cls, source: TorchWeightSource, config: GrpoConfig = GrpoConfig()) -> GrpoTrainer:
-        """Train the model a loaded :class:`TorchWeightSource` holds, publishing in place."""
+    def from_weight_source(cls, source: WeightSource, config: GrpoConfig = GrpoConfig()) -> GrpoTrainer:
+        """Train the model a loaded weight source holds (its ``module``: a transformers model, or the megatron
+        backend's :class:`~trainer_agent.megatron.source.MegatronCausalLM`), publishing in place."""
         if source.module is None:
             raise FailedPrecondition("the weight source has not loaded its model", reason="NO_MODEL_LOADED")
         return cls(source.module, config, weight_source=source)

@@ -1,0 +1,1 @@
+"""The megatron-core training backend (``training_backend: megatron``)."""
