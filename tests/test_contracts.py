@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import re
 import shutil
 import subprocess
@@ -142,6 +143,7 @@ def test_no_breaking_change_against_the_frozen_contract(buf):
 @pytest.mark.timeout(60)
 def test_the_breaking_check_catches_a_changed_field(buf, tmp_path):
     shutil.copytree(ROOT / "proto", tmp_path / "proto")
+    shutil.copytree(ROOT / "third_party", tmp_path / "third_party")
     shutil.copy(ROOT / "buf.yaml", tmp_path / "buf.yaml")
     changed = tmp_path / "proto" / "rollmesh" / "controller" / "v1" / "scheduling.proto"
     text = changed.read_text()
@@ -150,6 +152,15 @@ def test_the_breaking_check_catches_a_changed_field(buf, tmp_path):
     proc = subprocess.run([buf, "breaking", "--against", str(BASELINE)], cwd=tmp_path, capture_output=True,
                           text=True, timeout=60, check=False)
     assert proc.returncode != 0 and "expected_samples" in proc.stdout + proc.stderr
+
+
+def test_error_details_are_part_of_the_workspace(buf):
+    """Clients in other languages decode google.rpc.ErrorInfo from this workspace, offline."""
+    proc = subprocess.run([buf, "build", "--path", "third_party/googleapis/google/rpc/error_details.proto", "-o",
+                           "-#format=json"], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    names = {m["name"] for f in json.loads(proc.stdout)["file"] for m in f.get("messageType", [])}
+    assert {"ErrorInfo", "RetryInfo", "BadRequest"} <= names
 
 
 @pytest.mark.timeout(180)
