@@ -32,7 +32,10 @@ from mesh_runtime.config import ConfigError, load_config, setting
 from mesh_runtime.verl_config import DEACTIVATE_WAIT_TIMEOUT_S, WEIGHT_SYNC_TIMEOUT_S
 from trainer_agent.driver.settings import (
     ActorSettings,
+    CustomRewardSettings,
+    DataSettings,
     TaskSettings,
+    check_data,
     check_driver,
     max_required_samples,
     queue_bound,
@@ -189,6 +192,10 @@ class JobConfig:
     model: str = setting("tiny-llama", help="preset (tiny-llama, tiny-qwen2) the trainer and replicas share")
     seed: int = setting(0, help="model initialisation seed (trainer and replicas start from the same weights)")
     task: TaskSettings = setting(default_factory=TaskSettings, help="the built-in verifiable task")
+    data: DataSettings = setting(default_factory=DataSettings, help="verl's data keys: a parquet/JSONL dataset "
+                                                                    "to train on instead of the task")
+    custom_reward_function: CustomRewardSettings = setting(default_factory=CustomRewardSettings,
+                                                           help="verl's reward function (path, name)")
     async_training: JobAsyncTraining = setting(default_factory=JobAsyncTraining, help="the reference's keys")
     actor_rollout_ref: JobActorRolloutRef = setting(default_factory=JobActorRolloutRef, help="actor and rollout")
     rollout: JobRolloutNodes = setting(default_factory=JobRolloutNodes, help="standalone rollout nodes")
@@ -208,6 +215,7 @@ class JobConfig:
                                                 "supported by rollmesh train yet; set rollout.nnodes and "
                                                 "rollout.n_gpus_per_node >= 1")
         check_driver(at, arr)  # type: ignore[arg-type] - same field names as the trainer's sections
+        check_data(self.data, self.custom_reward_function)
 
     @property
     def standalone_replicas(self) -> int:
@@ -294,6 +302,13 @@ def server_configs(job: JobConfig, *, run_dir: Path, lb: str, controller: str, t
                               "rollout": {"n": arr.rollout.n, "temperature": arr.rollout.temperature,
                                           "response_length": arr.rollout.response_length}},
         "task": dataclasses.asdict(job.task),
+        "data": {**dataclasses.asdict(job.data),
+                 "train_files": [str(Path(f).resolve()) for f in
+                                 ([job.data.train_files] if isinstance(job.data.train_files, str)
+                                  else job.data.train_files)]},
+        "custom_reward_function": {**dataclasses.asdict(job.custom_reward_function),
+                                   "path": str(Path(job.custom_reward_function.path).resolve())
+                                   if job.custom_reward_function.path else ""},
     }
     return configs
 

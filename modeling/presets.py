@@ -70,7 +70,10 @@ def build_preset_model(name: str, seed: int, dtype: torch.dtype = torch.float32,
 
 def save_preset(name: str, seed: int, directory: str | Path) -> Path:
     """Write preset ``name``/``seed`` as a Hugging Face directory
-    (config.json + model.safetensors) loadable with ``model_path``."""
+    (config.json + model.safetensors + the presets' tokenizer) loadable with ``model_path``."""
     directory = Path(directory)
     build_preset_model(name, seed).save_pretrained(directory)
+    from .tokenizer import save_preset_tokenizer
+
+    save_preset_tokenizer(directory)   # so text prompts and chat templates work on the saved preset too
     return directory

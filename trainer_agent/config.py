@@ -13,8 +13,11 @@ from weight_transfer import WeightTransferConfig
 from .driver.settings import (
     ActorRolloutRefSettings,
     AsyncTrainingSettings,
+    CustomRewardSettings,
+    DataSettings,
     DriverSettings,
     TaskSettings,
+    check_data,
     check_driver,
 )
 
@@ -67,6 +70,10 @@ class TrainerAgentConfig(ServerConfig):
                                                          help="actor (ppo_mini_batch_size, optim.lr) and rollout "
                                                               "(n, temperature) settings")
     task: TaskSettings = setting(default_factory=TaskSettings, help="the built-in verifiable task to train on")
+    data: DataSettings = setting(default_factory=DataSettings, help="verl's data keys: a dataset to train on "
+                                                                    "instead of the task")
+    custom_reward_function: CustomRewardSettings = setting(default_factory=CustomRewardSettings,
+                                                           help="verl's reward function keys (with a dataset)")
 
     def validate(self) -> None:
         super().validate()
@@ -110,3 +117,4 @@ class TrainerAgentConfig(ServerConfig):
         if self.weight_transfer_timeout_s <= 0:
             raise ConfigError("weight_transfer_timeout_s", f"must be > 0, got {self.weight_transfer_timeout_s}")
         check_driver(self.async_training, self.actor_rollout_ref)
+        check_data(self.data, self.custom_reward_function)

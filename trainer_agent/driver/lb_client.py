@@ -23,7 +23,8 @@ _FINISH = {
 
 
 def to_proto(request: GenerationRequest) -> loadbalancer_pb2.GenerateRequest:
-    sampling = generation_pb2.SamplingParams(max_tokens=request.max_tokens, logprobs=request.logprobs)
+    sampling = generation_pb2.SamplingParams(max_tokens=request.max_tokens, logprobs=request.logprobs,
+                                             stop_token_ids=request.stop_token_ids)
     if request.temperature is not None:
         sampling.temperature = request.temperature
     if request.top_p is not None:

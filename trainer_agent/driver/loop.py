@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import math
@@ -91,6 +92,9 @@ from trainer_agent.training.grpo import Sample as GrpoSample
 log = logging.getLogger(__name__)
 
 RewardFn = Callable[[Sequence[int], Sequence[int]], float]
+Scorer = Callable[[Sequence[tuple[str, Sequence[int]]]], tuple[list[float], dict[str, float]]]
+"""Scores ``(prompt_id, completion_ids)`` pairs: ``(scores, extra metrics)``; replaces ``reward_fn`` for prompts
+that carry more than their tokens (a dataset row's ground truth). Runs in a worker thread."""
 ReplicaCount = Callable[[], Awaitable[int]]
 # ReplicaState values of replicas that no longer take part (FAILED, STOPPED, REMOVED).
 _GONE_STATES = frozenset({types_pb2.REPLICA_STATE_FAILED, types_pb2.REPLICA_STATE_STOPPED,
@@ -210,11 +214,13 @@ class FullyAsyncLoop:
                  max_queue_size: int | None = None, first_step: int = 1, rpc_timeout_s: float = 60.0,
                  sync_timeout_s: float = 300.0, collect_timeout_s: float | None = None,
                  replica_poll_s: float = 0.5, on_step: Callable[[StepRecord], Awaitable[None]] | None = None,
-                 on_phase: Callable[[str], None] | None = None, offload_during_hybrid: bool = False) -> None:
+                 on_phase: Callable[[str], None] | None = None, offload_during_hybrid: bool = False,
+                 scorer: Scorer | None = None) -> None:
         self.controller = controller
         self.trainer = trainer
         self.config = config
         self.reward_fn = reward_fn
+        self.scorer = scorer
         # the bound is in samples (prompt groups); the queue counts completions
         self.queue = MessageQueue((max_queue_size or 2 * config.max_required_samples) * config.n)
         self._replica_count = replica_count
@@ -341,12 +347,18 @@ class FullyAsyncLoop:
                 onload_s += time.perf_counter() - started
             self._on_phase("training")
             started = time.perf_counter()
-            result = await self._checked(asyncio.to_thread(self.trainer.step, groups, reward_fn=self._reward),
-                                         rollout)
+            extra: dict[str, float] = {}
+            if self.scorer is not None:
+                groups, extra = await self._checked(asyncio.to_thread(self._score, batch.samples), rollout)
+                scored_s = time.perf_counter() - started
+            result = await self._checked(asyncio.to_thread(self.trainer.step, groups, reward_fn=None
+                                                           if self.scorer is not None else self._reward), rollout)
             timing["step"] = timing.get("step", 0.0) + time.perf_counter() - started
             for key, value in result.timing_raw.items():
                 timing[key] = timing.get(key, 0.0) + value
-            metrics = result.metrics
+            if self.scorer is not None:
+                timing["reward"] = timing.get("reward", 0.0) + scored_s
+            metrics = {**result.metrics, **extra}
             rewards.append(result.metrics["critic/rewards/mean"])
             self._on_phase("waiting")
         allocated = time.perf_counter() - allocated0
@@ -507,6 +519,13 @@ class FullyAsyncLoop:
 
     def _reward(self, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> float:
         return float(self.reward_fn(prompt_ids, completion_ids))
+
+    def _score(self, samples: Sequence[Sample]) -> tuple[list[list[GrpoSample]], dict[str, float]]:
+        """The trainer's groups with the scorer's rewards (a group id is ``prompt_id#n``)."""
+        kept = [s for s in samples if s.completion_ids]
+        scores, extra = self.scorer([(s.group_id.rsplit("#", 1)[0], s.completion_ids) for s in kept])
+        scored = [dataclasses.replace(s, reward=score) for s, score in zip(kept, scores)]
+        return self._groups(scored), extra
 
     @staticmethod
     def _groups(samples: Sequence[Sample]) -> list[list[GrpoSample]]:

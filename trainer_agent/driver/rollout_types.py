@@ -64,6 +64,7 @@ class GenerationRequest:
     logprobs: bool = True
     retry_budget: int | None = None
     min_weight_version: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -91,6 +92,9 @@ class RolloutConfig(samples.SampleArithmetic):
     top_p: float | None = None
     logprobs: bool = True
     lb_retry_budget: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    """Tokens that end a completion (the tokenizer's EOS for a dataset; none for the copy task, whose answers
+    fit max_tokens)."""
 
     def __post_init__(self) -> None:
         for name in ("n", "ppo_mini_batch_size", "require_batches", "trigger_parameter_sync_step",

@@ -351,6 +351,7 @@ class Rollouter:
             top_p=cfg.top_p,
             logprobs=cfg.logprobs,
             retry_budget=cfg.lb_retry_budget,
+            stop_token_ids=list(cfg.stop_token_ids),
         )
         group.in_flight.add(index)
         key = (group.group_id, index)

@@ -50,7 +50,7 @@ from ..training.grpo import GrpoConfig, GrpoTrainer, parameter_bytes
 from .checkpoint import load_checkpoint, save_checkpoint
 from .lb_client import LoadBalancerGenerate
 from .loop import FullyAsyncLoop, StepRecord, lb_replica_count, task_prompts
-from .rollouter import RolloutConfig
+from .rollouter import Prompt, RolloutConfig
 from .settings import queue_bound
 
 log = logging.getLogger(__name__)
@@ -98,6 +98,7 @@ class TrainingDriver:
         self.records: list[StepRecord] = []
         self.resumed_from_step = 0
         self._controller: Any = None
+        self._scorer: Any = None
 
     # -- GetTrainingProgress / offload ------------------------------------------------------------
 
@@ -182,6 +183,8 @@ class TrainingDriver:
             if self.trainer is not None and self.trainer.offloaded:
                 await asyncio.to_thread(self.trainer.onload)
         finally:
+            if self._scorer is not None:
+                self._scorer.close()
             await ctl_channel.close()
             await lb_channel.close()
 
@@ -208,14 +211,19 @@ class TrainingDriver:
     def _build_loop(self, controller: Any, balancer: Any) -> FullyAsyncLoop:
         s, at, arr, t = self.settings, self.config.async_training, self.config.actor_rollout_ref, self.config.task
         actor, sampling = arr.actor, arr.rollout
-        prompts = task_prompts(copy_task, t.prompts, t.seed, min_digits=t.min_digits, max_digits=t.max_digits,
-                               radix=t.radix)
-        max_tokens = sampling.response_length or t.max_digits + 1  # the digits, then EOS
+        scorer, stop_ids = None, ()
+        if self.config.data.enabled:
+            prompts, scorer, stop_ids = self._dataset()
+            max_tokens = sampling.response_length or self.config.data.max_response_length
+        else:
+            prompts = task_prompts(copy_task, t.prompts, t.seed, min_digits=t.min_digits, max_digits=t.max_digits,
+                                   radix=t.radix)
+            max_tokens = sampling.response_length or t.max_digits + 1  # the digits, then EOS
         rollout = RolloutConfig(
             n=sampling.n, ppo_mini_batch_size=actor.ppo_mini_batch_size, require_batches=at.require_batches,
             trigger_parameter_sync_step=at.trigger_parameter_sync_step, staleness_threshold=at.staleness_threshold,
             concurrent_samples_per_replica=at.concurrent_samples_per_replica, partial_rollout=at.partial_rollout,
-            max_tokens=max_tokens, temperature=sampling.temperature)
+            max_tokens=max_tokens, temperature=sampling.temperature, stop_token_ids=stop_ids)
         self.trainer = GrpoTrainer.from_weight_source(self.source, GrpoConfig(
             lr=actor.optim.lr, weight_decay=actor.optim.weight_decay, clip_ratio=actor.clip_ratio))
         return FullyAsyncLoop(
@@ -223,7 +231,33 @@ class TrainingDriver:
             prompts, copy_task.reward, replica_count=lb_replica_count(balancer),
             max_queue_size=queue_bound(actor, at), rpc_timeout_s=s.rpc_timeout_s,
             sync_timeout_s=s.sync_timeout_s, collect_timeout_s=s.collect_timeout_s, replica_poll_s=s.replica_poll_s,
-            on_step=self._after_step, on_phase=self._phase, offload_during_hybrid=s.offload_during_hybrid)
+            on_step=self._after_step, on_phase=self._phase, offload_during_hybrid=s.offload_during_hybrid,
+            scorer=scorer)
+
+    def _dataset(self):
+        """Prompts, scorer and stop tokens of the configured verl-format dataset and reward function."""
+        from modeling.tokenizer import load_tokenizer  # noqa: PLC0415 - transformers, only with a dataset
+
+        from ..training.data import load_dataset, prompt_order  # noqa: PLC0415
+        from ..training.rewards import RewardScorer  # noqa: PLC0415
+
+        data, reward = self.config.data, self.config.custom_reward_function
+        tokenizer = load_tokenizer(self.config.model)
+        rows = load_dataset(data.train_files, tokenizer, prompt_key=data.prompt_key,
+                            max_prompt_length=data.max_prompt_length, truncation=data.truncation,
+                            filter_overlong_prompts=data.filter_overlong_prompts)
+        by_id = {r.prompt_id: r for r in rows}
+        self._scorer = RewardScorer(reward.path, reward.name, tokenizer, num_workers=reward.num_workers)
+        log.info("dataset: %d prompts from %s; reward %s from %s", len(rows), data.train_files, reward.name,
+                 reward.path)
+
+        def score(items):
+            return self._scorer.score([(by_id[prompt_id], ids) for prompt_id, ids in items])
+
+        prompts = (Prompt(r.prompt_id, list(r.token_ids)) for r in prompt_order(rows, shuffle=data.shuffle,
+                                                                                 seed=data.seed))
+        stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
+        return prompts, score, stop
 
     def _restore(self, checkpoint: dict) -> None:
         assert self.trainer is not None and self.loop is not None

@@ -5,7 +5,9 @@ The trainer agent's YAML carries them next to its server settings::
     driver:            # rollmesh's: where the mesh is, how long to train, where to write
     async_training:    # the reference's trainer-side keys (staleness_threshold, ...)
     actor_rollout_ref: # verl's actor (ppo_mini_batch_size, optim.lr) and rollout (n, ...) keys
-    task:              # the built-in verifiable toy task
+    task:              # the built-in verifiable toy task (when no dataset is given)
+    data:              # verl's data keys: a parquet/JSONL dataset (train_files, prompt_key, ...)
+    custom_reward_function:  # verl's: path + name of compute_score(data_source, solution_str, ...)
 
 Units follow verl (:mod:`mesh_runtime.samples`): a sample is one prompt with
 its ``rollout.n`` responses and ``ppo_mini_batch_size`` is in prompts, so one
@@ -21,7 +23,7 @@ depends on several of them and names every key involved.
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from mesh_runtime import samples
 from mesh_runtime.config import ConfigError, check_addresses, setting
@@ -172,6 +174,69 @@ class TaskSettings:
                                             f"{self.max_digits}")
         if not 2 <= self.radix <= 10:
             raise ConfigError("radix", f"must lie in [2, 10], got {self.radix}")
+
+
+@dataclasses.dataclass
+class DataSettings:
+    """verl's ``data`` section (the keys rollmesh uses, with verl's defaults)."""
+
+    train_files: str | list[str] = setting(default_factory=list, help="verl-format parquet or JSONL file(s); "
+                                           "empty = train on the built-in task instead")
+    prompt_key: str = setting("prompt", help="column holding the prompt: a chat message list or a string")
+    max_prompt_length: int = setting(512, help="longest prompt in tokens (see truncation)")
+    max_response_length: int = setting(512, help="most completion tokens per response")
+    shuffle: bool = setting(True, help="take the prompts in a seeded random order, a new one each pass")
+    seed: int = setting(1, help="seed of the shuffle")
+    truncation: Literal["error", "left", "right"] = setting(
+        "error", help="a prompt over max_prompt_length: error (fail naming the row), left or right (cut)")
+    filter_overlong_prompts: bool = setting(False, help="drop prompts over max_prompt_length instead")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.train_files)
+
+    def validate(self) -> None:
+        for key in ("max_prompt_length", "max_response_length"):
+            if getattr(self, key) < 1:
+                raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")
+        if self.enabled:
+            from ..training.data import DatasetError, check_files  # noqa: PLC0415 - pyarrow only with a dataset
+
+            try:
+                check_files(self.train_files, self.prompt_key)
+            except DatasetError as err:
+                raise ConfigError("train_files", str(err)) from None
+
+
+@dataclasses.dataclass
+class CustomRewardSettings:
+    """verl's ``custom_reward_function`` section, plus rollmesh's process pool."""
+
+    path: str = setting("", help="Python file defining the reward function; required with a dataset")
+    name: str = setting("compute_score", help="the function: compute_score(data_source, solution_str, "
+                                              "ground_truth, extra_info=None) -> float or {'score': float, ...}")
+    num_workers: int = setting(0, help="processes to run the reward function in (for slow ones); 0 = in the "
+                                       "training thread")
+
+    def validate(self) -> None:
+        if self.num_workers < 0:
+            raise ConfigError("num_workers", f"must be >= 0, got {self.num_workers}")
+        if self.path:
+            from ..training.rewards import RewardFunctionError, load_function  # noqa: PLC0415
+
+            try:
+                load_function(self.path, self.name)
+            except RewardFunctionError as err:
+                raise ConfigError("path" if "path" in str(err) or "import" in str(err) else "name",
+                                  str(err).splitlines()[0]) from None
+
+
+def check_data(data: DataSettings, reward: CustomRewardSettings, *, prefix: str = "") -> None:
+    """A dataset needs its reward function (verl's built-in scorers by data_source are not part of rollmesh)."""
+    if data.enabled and not reward.path:
+        raise ConfigError(f"{prefix}custom_reward_function.path",
+                          "a dataset (data.train_files) needs a reward function: give the file defining "
+                          f"{reward.name}(data_source, solution_str, ground_truth, extra_info=None)")
 
 
 def required_samples(actor: ActorSettings, at: AsyncTrainingSettings) -> int:
