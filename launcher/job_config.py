@@ -293,6 +293,7 @@ def server_configs(job: JobConfig, *, run_dir: Path, lb: str, controller: str, t
             "sync_timeout_s": max(300.0, 3 * at.weight_sync_timeout_s),
             "offload_during_hybrid": job.trainer.offload_during_hybrid,
             "output_dir": str(run_dir / "trainer"),
+            "model_output_dir": str(run_dir / "model"),
             "checkpoint_dir": str(run_dir / "checkpoint") if job.trainer.checkpoint else "",
         },
         "async_training": {k: getattr(at, k) for k in (

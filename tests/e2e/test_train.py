@@ -196,6 +196,12 @@ def test_the_run_directory_holds_events_metrics_spans_and_the_picture(hybrid_run
     assert {"hybrid.deactivate", "hybrid.activate", "weights.broadcast"} <= names, names
     assert (d / "checkpoint" / "driver.pt").is_file()
     assert "stopped: " in hybrid_run.output and "(exit 0)" in hybrid_run.output
+    # The trained model, in the Hugging Face format, at the last step's weight version.
+    from transformers import AutoModelForCausalLM
+
+    model_dir = d / "model"
+    assert json.loads((model_dir / "rollmesh.json").read_text())["weight_version"] == steps[-1]["weight_version"]
+    assert AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).config.model_type == "llama"
 
 
 def test_the_mesh_runs_with_mutual_tls_and_no_call_is_refused(hybrid_run):

@@ -155,6 +155,20 @@ class TrainingDriver:
             log.error("training failed: %s", self.error_message, exc_info=err)
             self._write_line({"event": "failed", "error": self.error_message})
             return
+        if self.settings.model_output_dir:
+            try:
+                from ..training.export import export_model  # noqa: PLC0415
+
+                written = await asyncio.to_thread(export_model, self.source, self.settings.model_output_dir)
+            except Exception as err:  # noqa: BLE001 - a run whose model cannot be written did not finish
+                self.state = "FAILED"
+                self.error_message = f"writing the trained model to {self.settings.model_output_dir} failed: {err!r}"
+                log.error("%s", self.error_message)
+                self._write_line({"event": "failed", "error": self.error_message})
+                return
+            log.info("trained model (weight version %d) written to %s", self.source.weight_version, written)
+            self._write_line({"event": "model_written", "path": str(written),
+                              "weight_version": self.source.weight_version})
         self.state = "FINISHED"
         log.info("training finished after %d steps", len(self.records))
         self._write_line({"event": "finished", "steps": len(self.records)})

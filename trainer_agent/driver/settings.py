@@ -52,6 +52,8 @@ class DriverSettings:
         True, help="offload the trainer's parameters and optimizer state while hybrid replicas are active "
                    "(after an activation) and onload them before the next training step")
     output_dir: str = setting("", help="directory for steps.jsonl (one line per global step); empty = none")
+    model_output_dir: str = setting("", help="directory the trained model is written to at the end, in the "
+                                             "Hugging Face format (config, safetensors, tokenizer); empty = none")
     checkpoint_dir: str = setting("", help="directory of the driver checkpoint (model, optimizer, queued and "
                                            "in-flight samples, counters); empty = no checkpoints")
     checkpoint_interval: int = setting(1, help="save a checkpoint every this many global steps")
