@@ -4,7 +4,8 @@
 - the shared runtime (mesh_runtime) imports no server, no tool and nothing that needs torch;
 - the shared model packages (weight_transfer, modeling) import no server and no tool;
 - the controller and the load balancer import nothing that needs torch (they run no model);
-- the simulator uses the controller core only; the launcher is the one package above several servers.
+- the simulator uses the controller core only; the launcher is the one package above several servers;
+- the client library for custom trainers (trainer_client) uses the runtime only: no server, no torch.
 
 Every ``import`` / ``from ... import`` counts, also inside functions: a lazy import is still a
 dependency. A second check imports the runtime and the two model-free servers in a fresh
@@ -27,8 +28,9 @@ SERVERS = {"controller", "loadbalancer", "replica_agent", "trainer_agent"}
 RUNTIME = {"mesh_runtime"}
 MODEL_SHARED = {"weight_transfer", "modeling"}
 TOOLS = {"simulator", "launcher"}
+CLIENTS = {"trainer_client"}
 TORCH = {"torch", "transformers", "safetensors"} | MODEL_SHARED
-OURS = SERVERS | RUNTIME | MODEL_SHARED | TOOLS
+OURS = SERVERS | RUNTIME | MODEL_SHARED | TOOLS | CLIENTS
 
 ALLOWED: dict[str, set[str]] = {
     "mesh_runtime": RUNTIME,
@@ -40,10 +42,11 @@ ALLOWED: dict[str, set[str]] = {
     "trainer_agent": RUNTIME | MODEL_SHARED | {"trainer_agent"},
     "simulator": RUNTIME | {"simulator", "controller"},
     "launcher": OURS,
+    "trainer_client": RUNTIME | {"trainer_client"},
 }
 """Top-level packages of ours each package may import."""
 
-NO_TORCH = {"mesh_runtime", "controller", "loadbalancer", "simulator"}
+NO_TORCH = {"mesh_runtime", "controller", "loadbalancer", "simulator", "trainer_client"}
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from mesh_runtime.config import ConfigError, ServerConfig, check_addresses, setting
 from mesh_runtime.net import AddressError, is_loopback, parse_host_port
@@ -43,10 +43,17 @@ class TrainerAgentConfig(ServerConfig):
     model_seed: int = setting(0, help="initialisation seed of a preset model (same seed = same weights)")
     initial_weight_version: int = setting(0, help="weight version of the weights loaded at start, e.g. the "
                                                   "step of the checkpoint being resumed")
+    weight_source: str = setting("", help="a WeightSource subclass by import path (package.module:Class) "
+                                          "that holds the weights to broadcast instead of the training "
+                                          "backend, e.g. trainer_agent.published_weights:DirectoryWeightSource "
+                                          "for a trainer process of your own")
+    weight_source_options: dict[str, Any] = setting(default_factory=dict, help="keyword arguments of the "
+                                                    "weight_source class (e.g. {directory: /shared/weights})")
     adopt_requested_versions: bool = setting(
-        True, help="while no training loop runs here, a PrepareWeightSync for the next version (the "
-                   "trainer's + 1) publishes the current weights under it (the controller's steps number the "
-                   "versions); a bigger jump always fails with FAILED_PRECONDITION; false = any newer one does")
+        False, help="off (default): a version is never attached to weights that did not change, so a "
+                    "PrepareWeightSync for a version the weight source does not hold fails with "
+                    "FAILED_PRECONDITION; on (test meshes without a trainer): with no training loop here, a "
+                    "prepare for the next version (the trainer's + 1) publishes the current weights under it")
     weight_dtype: Literal["float32", "bfloat16", "float16"] = setting(
         "float32", help="dtype the weights are held and broadcast in; must match the replicas' engine dtype "
                         "(torch engine: float32 on CPU, bfloat16 on CUDA)")
@@ -114,6 +121,16 @@ class TrainerAgentConfig(ServerConfig):
                 raise ConfigError("device", "megatron-core's forward pass needs CUDA: training with "
                                             "training_backend megatron needs device cuda (use the torch backend "
                                             "on CPU)")
+        if self.weight_source:
+            from .weight_source import load_source_class  # noqa: PLC0415 - imports the named module
+
+            try:
+                load_source_class(self.weight_source)
+            except (ImportError, AttributeError, TypeError, ValueError) as err:
+                raise ConfigError("weight_source", str(err)) from None
+            if self.driver.enabled:
+                raise ConfigError("weight_source", "a weight_source holds weights trained elsewhere; the driver "
+                                                   "trains its own (driver.enabled: false with a weight_source)")
         if self.weight_transfer_timeout_s <= 0:
             raise ConfigError("weight_transfer_timeout_s", f"must be > 0, got {self.weight_transfer_timeout_s}")
         check_driver(self.async_training, self.actor_rollout_ref)

@@ -244,8 +244,25 @@ class TorchWeightSource(WeightSource):
         self._aliases.clear()
 
 
+def load_source_class(path: str) -> type[WeightSource]:
+    """The :class:`WeightSource` subclass named ``package.module:Class``."""
+    import importlib  # noqa: PLC0415
+
+    module_name, sep, class_name = path.partition(":")
+    if not sep or not module_name or not class_name:
+        raise ValueError(f"{path[:100]!r} is not package.module:Class")
+    cls = getattr(importlib.import_module(module_name), class_name)
+    if not (isinstance(cls, type) and issubclass(cls, WeightSource)):
+        raise TypeError(f"{path[:100]!r} is not a WeightSource subclass")
+    return cls
+
+
 def create_weight_source(config: TrainerAgentConfig) -> WeightSource:
-    """The weight source of ``config.training_backend`` (not loaded yet)."""
+    """The weight source of ``config.weight_source`` or ``config.training_backend`` (not loaded yet)."""
+    if config.weight_source:
+        cls = load_source_class(config.weight_source)
+        return cls(config.model, weight_version=config.initial_weight_version, seed=config.model_seed,
+                   dtype=config.weight_dtype, **config.weight_source_options)
     if config.training_backend == "torch":
         return TorchWeightSource(config.model, seed=config.model_seed, dtype=config.weight_dtype,
                                  device=config.device, weight_version=config.initial_weight_version)

@@ -68,7 +68,8 @@ async def test_activate_after_sync_then_deactivate_in_order_and_skip_the_hybrid_
     receiver_server, receiver, otlp_port = await start_receiver()
     env = clean_env(GLOO_SOCKET_IFNAME="lo", OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{otlp_port}",
                     OTEL_BSP_SCHEDULE_DELAY="100")
-    (tmp_path / "trainer.yaml").write_text("model_seed: 5\nweight_transfer: {gloo_interface: lo}\n")
+    (tmp_path / "trainer.yaml").write_text("model_seed: 5\nadopt_requested_versions: true\n"
+        "weight_transfer: {gloo_interface: lo}\n")
     try:
         with running_server("lb", ["--listen", "127.0.0.1:0"], env=env, log_path=tmp_path / "lb.log") as (lb, _), \
              running_server("trainer-agent", ["--config", str(tmp_path / "trainer.yaml"), "--listen", "127.0.0.1:0"],

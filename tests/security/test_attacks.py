@@ -43,7 +43,8 @@ def mesh(pki, tmp_path_factory):
     d = tmp_path_factory.mktemp("attacks")
     env = clean_env(GLOO_SOCKET_IFNAME="lo")
     (d / "lb.yaml").write_text(pki.yaml("lb"))
-    (d / "trainer.yaml").write_text("model_seed: 5\nweight_transfer: {gloo_interface: lo}\n" + pki.yaml("trainer-agent"))
+    (d / "trainer.yaml").write_text("model_seed: 5\nadopt_requested_versions: true\n"
+        "weight_transfer: {gloo_interface: lo}\n" + pki.yaml("trainer-agent"))
     with running_server("lb", ["--config", str(d / "lb.yaml"), "--listen", "127.0.0.1:0"], env=env,
                         log_path=d / "lb.log") as (lb, _), \
          running_server("trainer-agent", ["--config", str(d / "trainer.yaml"), "--listen", "127.0.0.1:0"], env=env,

@@ -33,6 +33,7 @@ node_id: t0
 model: tiny-llama
 model_seed: 5
 initial_weight_version: 7
+adopt_requested_versions: true
 weight_transfer: {gloo_interface: lo, setup_timeout_s: 60}
 """
 REPLICA_YAML = """

@@ -40,6 +40,7 @@ class Procs:
         self.env = env
         self.stack = contextlib.ExitStack()
         self.procs: dict[str, tuple] = {}
+        self.addresses: dict[str, str] = {}
 
     def start(self, name: str, role: str, config: str, listen: str = "127.0.0.1:0") -> str:
         path = self.tmp / f"{name}.yaml"
@@ -48,6 +49,7 @@ class Procs:
                             env=self.env)
         address, proc = cm.__enter__()
         self.procs[name] = (cm, proc)
+        self.addresses[name] = address
         return address
 
     def agent(self, node: str, *, controller: str = "", slots: int = 3, tps: int = 40, extra: str = "") -> str:

@@ -47,7 +47,8 @@ async def test_new_replicas_are_synced_to_the_current_version_before_routing(tmp
     procs = Procs(tmp_path, env=clean_env(GLOO_SOCKET_IFNAME="lo"))
     try:
         lb = procs.start("lb", "lb", "")
-        trainer = procs.start("trainer", "trainer-agent", "model_seed: 5\nweight_transfer: {gloo_interface: lo}\n")
+        trainer = procs.start("trainer", "trainer-agent", "model_seed: 5\nadopt_requested_versions: true\n"
+        "weight_transfer: {gloo_interface: lo}\n")
         ctl_addr = procs.start("controller", "controller", CONTROLLER.format(lb=lb, trainer=trainer))
         procs.start("a", "replica-agent", AGENT.format(controller=ctl_addr))
         async with grpc.aio.insecure_channel(ctl_addr) as cch, grpc.aio.insecure_channel(lb) as lch:

@@ -1,0 +1,239 @@
+"""The typed client behind :mod:`trainer_client`."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf import duration_pb2
+
+from mesh_runtime import samples
+from mesh_runtime.channels import open_channel, read_methods
+from mesh_runtime.tls import TlsConfig
+from rollmesh.common.v1 import events_pb2
+from rollmesh.controller.v1 import controller_pb2, controller_pb2_grpc, observability_pb2, scaling_pb2
+from rollmesh.controller.v1 import scheduling_pb2
+
+T = TypeVar("T")
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+TERMINAL_OPERATIONS = frozenset({scaling_pb2.OPERATION_STATE_ACTIVE, scaling_pb2.OPERATION_STATE_COMPLETED,
+                                 scaling_pb2.OPERATION_STATE_FAILED, scaling_pb2.OPERATION_STATE_CANCELLED,
+                                 scaling_pb2.OPERATION_STATE_NOOP})
+
+
+class StepProtocolError(RuntimeError):
+    """A step-protocol call the controller refused for good, or that found no controller before its deadline."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclasses.dataclass
+class Counters:
+    """What the trainer tells the controller, in samples (one prompt with its ``rollout.n`` responses).
+
+    Set the first three once from the trainer's config; update the others as the trainer runs. The client
+    derives the rest of the step report (``expected_samples``, ``buffer_samples``) with verl's formulas.
+    """
+
+    required_samples: int
+    """Samples one training step consumes: verl's ``ppo_mini_batch_size x require_batches``."""
+    trigger_parameter_sync_step: int = 1
+    """Training steps between weight syncs."""
+    staleness_threshold: float = 0.0
+    """verl's ``async_training.staleness_threshold`` (headroom the rollout may run ahead)."""
+    generated_samples: int = 0
+    """Samples generated so far in the whole run (cumulative; the policies compare it with
+    ``required_samples x trigger x global_step``)."""
+    queued_samples: int = 0
+    """Samples waiting in the trainer's buffer now."""
+    consumed_samples: int = 0
+    """Samples the last step consumed (informational)."""
+    dropped_samples: int = 0
+    """Samples the last step dropped as too stale (informational)."""
+    step_wait_times_s: list[float] = dataclasses.field(default_factory=list)
+    """How long each collection of the last step waited for its samples."""
+    step_wait_samples: list[int] = dataclasses.field(default_factory=list)
+    """How many samples each of those collections had to wait for."""
+    timing_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    """verl's ``timing_raw`` of the last step in seconds (``gen``, ``update_actor``, ...)."""
+
+    def report(self, global_step: int) -> scheduling_pb2.StepReport:
+        step_required = samples.step_required_samples(self.required_samples, self.trigger_parameter_sync_step)
+        report = scheduling_pb2.StepReport(
+            required_samples=self.required_samples, trigger_parameter_sync_step=self.trigger_parameter_sync_step,
+            total_generated_samples=self.generated_samples,
+            expected_samples=samples.expected_samples(step_required, global_step),
+            buffer_samples=samples.buffer_samples(step_required, self.staleness_threshold),
+            queue_size=self.queued_samples, samples_consumed=self.consumed_samples,
+            samples_dropped=self.dropped_samples, step_wait_samples=list(self.step_wait_samples))
+        for seconds in self.step_wait_times_s:
+            report.step_wait_times.append(_duration(seconds))
+        for key, seconds in self.timing_s.items():
+            report.timing_raw[key].CopyFrom(_duration(seconds))
+        return report
+
+
+@dataclasses.dataclass(frozen=True)
+class BeginResult:
+    deactivate: bool
+    """Whether hybrid replicas are to be released before this step: wait until the buffer holds
+    ``wait_samples`` (at most ``wait_timeout_s``), then call :meth:`MeshClient.release_hybrids`."""
+    wait_samples: int
+    wait_timeout_s: float
+    response: scheduling_pb2.BeginTrainingStepResponse
+
+
+@dataclasses.dataclass(frozen=True)
+class ReleaseResult:
+    released_replica_ids: list[str]
+    failed_replica_ids: list[str]
+    response: scheduling_pb2.ReleaseHybridReplicasResponse
+
+
+@dataclasses.dataclass(frozen=True)
+class CompleteResult:
+    hybrid_activated: bool
+    bytes_sent: int
+    bytes_saved: int
+    failed_replicas: dict[str, str]
+    """Replicas whose part of the broadcast failed, with the error (they are synced again or leave routing)."""
+    response: scheduling_pb2.CompleteTrainingStepResponse
+
+
+def _duration(seconds: float) -> duration_pb2.Duration:
+    d = duration_pb2.Duration()
+    d.FromNanoseconds(int(seconds * 1e9))
+    return d
+
+
+class MeshClient:
+    """One controller, from a custom trainer. Use ``async with MeshClient(address) as mesh``."""
+
+    def __init__(self, controller_address: str, *, tls: TlsConfig | None = None, call_timeout_s: float = 60.0,
+                 retry_deadline_s: float = 120.0, sync_timeout_s: float = 600.0,
+                 metadata: Sequence[tuple[str, str]] = ()) -> None:
+        self.address = controller_address
+        self._channel = open_channel(controller_address, tls=tls, idempotent=read_methods())
+        self._stub = controller_pb2_grpc.ControllerServiceStub(self._channel)
+        self._call_timeout = call_timeout_s
+        self._retry_deadline = retry_deadline_s
+        self._sync_timeout = sync_timeout_s
+        self._metadata = tuple(metadata)
+
+    async def __aenter__(self) -> MeshClient:
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def _retried(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
+        """``call()`` again with the same request while the controller is unreachable, until the deadline."""
+        deadline, backoff = time.monotonic() + self._retry_deadline, 0.2
+        while True:
+            try:
+                return await call()
+            except grpc.aio.AioRpcError as err:
+                if err.code() not in RETRYABLE or time.monotonic() + backoff > deadline:
+                    raise StepProtocolError(f"{what} failed: {err.code().name}: {err.details()}", err.code()) from err
+            await asyncio.sleep(backoff)
+            backoff = min(2.0, backoff * 2)
+
+    # -- the step protocol ------------------------------------------------------------------------
+
+    async def begin_step(self, global_step: int, counters: Counters) -> BeginResult:
+        request = scheduling_pb2.BeginTrainingStepRequest(global_step=global_step, report=counters.report(global_step))
+        reply = await self._retried(f"BeginTrainingStep({global_step})", lambda: self._stub.BeginTrainingStep(
+            request, timeout=self._call_timeout, metadata=self._metadata))
+        return BeginResult(reply.deactivate, reply.wait_samples, reply.wait_timeout.ToTimedelta().total_seconds(),
+                           reply)
+
+    async def release_hybrids(self, global_step: int, *, buffered_samples: int, waited_s: float,
+                              wait_expired: bool) -> ReleaseResult:
+        request = scheduling_pb2.ReleaseHybridReplicasRequest(
+            global_step=global_step, buffered_samples=buffered_samples, waited=_duration(waited_s),
+            wait_expired=wait_expired)
+        reply = await self._retried(f"ReleaseHybridReplicas({global_step})", lambda: self._stub.ReleaseHybridReplicas(
+            request, timeout=self._call_timeout, metadata=self._metadata))
+        return ReleaseResult(list(reply.released_replica_ids), list(reply.failed_replica_ids), reply)
+
+    async def complete_step(self, global_step: int, weight_version: int, counters: Counters) -> CompleteResult:
+        """End the step: the controller broadcasts ``weight_version`` from the trainer agent (whose weight
+        source must hold it) and may activate the hybrid replicas."""
+        request = scheduling_pb2.CompleteTrainingStepRequest(global_step=global_step, weight_version=weight_version,
+                                                             report=counters.report(global_step))
+        reply = await self._retried(f"CompleteTrainingStep({global_step})", lambda: self._stub.CompleteTrainingStep(
+            request, timeout=self._sync_timeout, metadata=self._metadata))
+        failed = {r.replica_id: r.error_message for sync in (reply.standalone_sync, reply.hybrid_sync)
+                  for r in sync.replica_results if not r.ok}
+        return CompleteResult(reply.hybrid_activated, reply.bytes_sent, reply.bytes_saved, failed, reply)
+
+    # -- events ------------------------------------------------------------------------------------
+
+    async def events(self, *, from_sequence: int = 0, include_history: bool = False,
+                     types: Sequence[int] = ()) -> AsyncIterator[events_pb2.LifecycleEvent]:
+        """Lifecycle events, forever; after a broken stream (a controller restart) it reconnects and resumes
+        from the sequence after the last event it yielded, so none is seen twice."""
+        next_sequence = from_sequence
+        while True:
+            request = observability_pb2.WatchEventsRequest(from_sequence=next_sequence, types=list(types),
+                                                           include_history=include_history and next_sequence == 0)
+            try:
+                async for message in self._stub.WatchEvents(request, metadata=self._metadata):
+                    event = message.event
+                    if event.sequence < next_sequence:
+                        continue
+                    next_sequence = event.sequence + 1
+                    yield event
+            except grpc.aio.AioRpcError as err:
+                if err.code() not in RETRYABLE:
+                    raise StepProtocolError(f"WatchEvents failed: {err.code().name}: {err.details()}",
+                                            err.code()) from err
+            await asyncio.sleep(0.2)
+
+    # -- scale operations ---------------------------------------------------------------------------
+
+    async def scale_out(self, *, num_replicas: int = 0, engine_addresses: Sequence[str] = (), model_name: str = "",
+                        request_id: str = "", wait: bool = True, timeout_s: float = 600.0
+                        ) -> scaling_pb2.ScaleOperation:
+        request = scaling_pb2.ScaleOutRequest(model_name=model_name, num_replicas=num_replicas,
+                                              engine_addresses=list(engine_addresses), request_id=request_id)
+        reply = await self._retried("ScaleOut", lambda: self._stub.ScaleOut(request, timeout=self._call_timeout,
+                                                                           metadata=self._metadata))
+        return await self.wait_operation(reply.operation.operation_id, timeout_s) if wait else reply.operation
+
+    async def scale_in(self, *, num_replicas: int = 0, replica_ids: Sequence[str] = (),
+                       engine_addresses: Sequence[str] = (), model_name: str = "", request_id: str = "",
+                       wait: bool = True, timeout_s: float = 600.0) -> scaling_pb2.ScaleOperation:
+        request = scaling_pb2.ScaleInRequest(model_name=model_name, num_replicas=num_replicas,
+                                             replica_ids=list(replica_ids), engine_addresses=list(engine_addresses),
+                                             request_id=request_id)
+        reply = await self._retried("ScaleIn", lambda: self._stub.ScaleIn(request, timeout=self._call_timeout,
+                                                                         metadata=self._metadata))
+        return await self.wait_operation(reply.operation.operation_id, timeout_s) if wait else reply.operation
+
+    async def wait_operation(self, operation_id: str, timeout_s: float = 600.0) -> scaling_pb2.ScaleOperation:
+        """Poll ``operation_id`` until it ends (ACTIVE, COMPLETED, FAILED, CANCELLED or NOOP)."""
+        deadline = time.monotonic() + timeout_s
+        request = scaling_pb2.GetOperationRequest(operation_id=operation_id)
+        while True:
+            reply = await self._retried("GetOperation", lambda: self._stub.GetOperation(
+                request, timeout=self._call_timeout, metadata=self._metadata))
+            if reply.operation.state in TERMINAL_OPERATIONS:
+                return reply.operation
+            if time.monotonic() > deadline:
+                raise StepProtocolError(f"operation {operation_id} did not end within {timeout_s:g} s "
+                                        f"({scaling_pb2.OperationState.Name(reply.operation.state)})")
+            await asyncio.sleep(0.2)
+
+    async def status(self) -> controller_pb2.GetStatusResponse:
+        return await self._retried("GetStatus", lambda: self._stub.GetStatus(
+            controller_pb2.GetStatusRequest(), timeout=self._call_timeout, metadata=self._metadata))
