@@ -34,20 +34,21 @@ import asyncio
 import logging
 import subprocess
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .base import WAKE_TAGS, Engine, LifecycleFlags, PauseMode
 from .delta_stream import RequestStream
-from .errors import DuplicateRequest, EngineDead, EngineError, EngineUnavailable, InvalidRequest
+from .errors import DuplicateRequest, EngineDead, EngineError, InvalidRequest
 from .metrics import EngineMetrics
+from .remote_streams import RemoteStreams
 from .randomness import mix_seed
 from .served_weights import WeightCatalog, weight_buckets
 from .sglang_config import SglangEngineConfig, model_dtype, model_limits
 from .sglang_http import SglangClient, finish_reason, new_tokens
 from .sglang_load import ServerLoad
 from .sglang_weights import WeightUpdateGroup, update_request, weight_bytes
-from .types import FinishReason, GenerationChunk, GenerationRequest, LoadSnapshot, WeightSpec, validate_request
+from .types import FinishReason, GenerationRequest, LoadSnapshot, validate_request
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +56,10 @@ MAX_SGLANG_SEED = 2**63 - 1
 BUCKET_BYTES = 256 << 20
 
 
-class SglangEngine(LifecycleFlags, Engine):
+class SglangEngine(RemoteStreams, LifecycleFlags, Engine):
     """Continuous batching, memory release and weight updates delegated to an SGLang server."""
 
-    ABORT_GRACE_S = 2.0
-    """How long ``abort`` waits for the server's final event before ending a stream itself."""
+    engine_name = "sglang"
 
     def __init__(self, config: SglangEngineConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
         config.validate()
@@ -171,14 +171,6 @@ class SglangEngine(LifecycleFlags, Engine):
             self._mark_dead(RuntimeError(f"the sglang server exited with code {self._process.returncode}"))
         super()._check_alive()
 
-    def _mark_dead(self, exc: BaseException) -> None:
-        if self._dead is None:
-            log.error("sglang engine %r is dead: %r", self.replica_id, exc)
-            self._dead = exc
-        for stream in list(self._requests.values()):
-            stream.fail(EngineDead(f"engine failed: {exc!r}"))
-            self._retire(stream)
-
     async def _post(self, path: str, body: dict[str, Any] | None = None, **kw: Any) -> Any:
         try:
             return await self._client.post(path, body, **kw)
@@ -186,27 +178,7 @@ class SglangEngine(LifecycleFlags, Engine):
             self._mark_dead(exc)
             raise
 
-    def _spawn(self, coro: Any, name: str | None = None) -> asyncio.Task[Any]:
-        task = asyncio.get_running_loop().create_task(coro, name=name)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        return task
-
     # ------------------------------------------------------------- generation
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        stream = self._submit(request)
-
-        def abandon() -> None:
-            if not stream.done.is_set():
-                self._spawn(self.abort([stream.request_id]))
-
-        chunks = self._chunks(stream.queue, abandon)
-        try:
-            async for chunk in chunks:
-                yield chunk
-        finally:
-            await chunks.aclose()
-
     def _submit(self, request: GenerationRequest) -> RequestStream:
         self._check_alive()
         validate_request(request, vocab_size=self._vocab_size, max_model_len=self._max_model_len)
@@ -265,42 +237,15 @@ class SglangEngine(LifecycleFlags, Engine):
         finally:
             self._retire(stream)
 
-    def _retire(self, stream: RequestStream) -> None:
-        if self._requests.get(stream.request_id) is stream:
-            del self._requests[stream.request_id]
-        if not self._requests:
-            self._idle.set()
+    async def _abort_remote(self, request_ids: list[str]) -> None:
+        results = await asyncio.gather(*(self._post("/abort_request", {"rid": rid}) for rid in request_ids),
+                                       return_exceptions=True)
+        for result in results:
+            if isinstance(result, EngineError) and not isinstance(result, EngineDead):
+                log.warning("sglang engine %r: abort failed: %s", self.replica_id, result)
 
-    async def abort(self, request_ids: list[str] | None = None) -> list[str]:
-        if request_ids is None:
-            targets = list(self._requests.values())
-        else:
-            targets = [self._requests[i] for i in request_ids if i in self._requests]
-        live = [s for s in targets if not s.done.is_set()]
-        for stream in live:
-            stream.abort_requested = True
-        if live and self._client is not None and self._dead is None:
-            results = await asyncio.gather(*(self._post("/abort_request", {"rid": s.request_id}) for s in live),
-                                           return_exceptions=True)
-            for result in results:
-                if isinstance(result, EngineError) and not isinstance(result, EngineDead):
-                    log.warning("sglang engine %r: abort failed: %s", self.replica_id, result)
-        await self._settle(live)
-        return [s.request_id for s in targets]
-
-    async def _settle(self, streams: list[RequestStream]) -> None:
-        """Wait for the server's final events; end the streams it leaves open."""
-        pending = [s for s in streams if not s.done.is_set()]
-        if not pending:
-            return
-        waits = [asyncio.ensure_future(s.done.wait()) for s in pending]
-        _, late = await asyncio.wait(waits, timeout=self.ABORT_GRACE_S)
-        for w in late:
-            w.cancel()
-        for stream in (s for s in pending if not s.done.is_set()):
-            stream.finish(FinishReason.ABORTED, self._weight_version)
-            if stream.task is not None:
-                stream.task.cancel()
+    def _remote_reachable(self) -> bool:
+        return self._client is not None and self._dead is None
 
     # ---------------------------------------------------------- pause / sleep
     async def pause(self, mode: PauseMode = "wait") -> None:
@@ -356,26 +301,11 @@ class SglangEngine(LifecycleFlags, Engine):
                 self._kv_resident = True
 
     # ---------------------------------------------------------------- weights
-    def weight_spec(self) -> list[WeightSpec]:
-        if self._catalog is None:
-            raise EngineUnavailable("engine is still loading")
-        return list(self._catalog.spec)
-
-    def named_weights(self) -> Iterator[tuple[str, Any]]:
-        if self._catalog is None or not (self._weights_resident and self._weights_loaded):
-            raise EngineUnavailable("weights are not resident (loading, asleep or awaiting a reload)")
-        if not self._catalog.exportable:
-            raise EngineUnavailable("weights were updated and keep_host_weights is off: no host copy to export")
-        return self._catalog.tensors()
-
     async def load_weights(self, named_tensors: Mapping[str, Any], version: int) -> None:
-        if not isinstance(version, int) or isinstance(version, bool):
-            raise InvalidRequest(f"weight version must be an integer, got {version!r}")
+        self._check_version(version)
         self._check_alive()
         async with self._control:
-            if not self._weights_resident:
-                raise EngineUnavailable("weights are asleep; call wake_up({'weights'}) before load_weights")
-            self._catalog.check(named_tensors, require_complete=not self._weights_loaded)
+            self._check_update(named_tensors)
             retract = self._kv_resident and any(not s.done.is_set() for s in self._requests.values())
             try:
                 if retract:

@@ -45,7 +45,7 @@ import asyncio
 import inspect
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .base import WAKE_TAGS, Engine, LifecycleFlags, PauseMode
@@ -58,13 +58,12 @@ from .errors import (
     InvalidRequest,
 )
 from .metrics import EngineMetrics
+from .remote_streams import RemoteStreams
 from .randomness import mix_seed
 from .types import (
     FinishReason,
-    GenerationChunk,
     GenerationRequest,
     LoadSnapshot,
-    WeightSpec,
     validate_request,
 )
 from .vllm_config import VllmApi, VllmEngineConfig, load_vllm_api
@@ -118,11 +117,10 @@ MAX_VLLM_SEED = 2**63 - 1
 """vLLM keeps per-request seeds in int64 arrays (v1/worker/gpu/sample/states.py); rollmesh's are uint64."""
 
 
-class VllmEngine(LifecycleFlags, Engine):
+class VllmEngine(RemoteStreams, LifecycleFlags, Engine):
     """Continuous batching, sleep mode and weight updates delegated to vLLM."""
 
-    ABORT_GRACE_S = 2.0
-    """How long ``abort`` waits for vLLM's final output before ending a stream itself."""
+    engine_name = "vllm"
 
     def __init__(
         self,
@@ -230,14 +228,6 @@ class VllmEngine(LifecycleFlags, Engine):
             self._mark_dead(RuntimeError("the vllm engine core died"))
         super()._check_alive()
 
-    def _mark_dead(self, exc: BaseException) -> None:
-        if self._dead is None:
-            log.error("vllm engine %r is dead: %r", self.replica_id, exc)
-            self._dead = exc
-        for stream in list(self._requests.values()):
-            stream.fail(EngineDead(f"engine failed: {exc!r}"))
-            self._retire(stream)
-
     async def _call(self, what: str, awaitable: Any) -> Any:
         """Await one vLLM call, translating its failures."""
         try:
@@ -251,20 +241,6 @@ class VllmEngine(LifecycleFlags, Engine):
             raise EngineError(f"vllm {what} failed: {exc!r}", reason="VLLM_CALL_FAILED") from exc
 
     # ------------------------------------------------------------- generation
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        stream = self._submit(request)
-
-        def abandon() -> None:
-            if not stream.done.is_set():
-                self._spawn(self.abort([stream.request_id]))
-
-        chunks = self._chunks(stream.queue, abandon)
-        try:
-            async for chunk in chunks:
-                yield chunk
-        finally:
-            await chunks.aclose()
-
     def _submit(self, request: GenerationRequest) -> RequestStream:
         self._check_alive()
         validate_request(request, vocab_size=self._vocab_size, max_model_len=self._max_model_len)
@@ -353,57 +329,11 @@ class VllmEngine(LifecycleFlags, Engine):
                     log.debug("closing vllm's output stream of %s failed", stream.request_id, exc_info=True)
             self._retire(stream)
 
-    def _retire(self, stream: RequestStream) -> None:
-        if self._requests.get(stream.request_id) is stream:
-            del self._requests[stream.request_id]
-        if not self._requests:
-            self._idle.set()
+    async def _abort_remote(self, request_ids: list[str]) -> None:
+        await self._call("abort", self._client.abort(request_ids))
 
-    def _spawn(self, coro: Any, name: str | None = None) -> asyncio.Task[Any]:
-        """Run ``coro`` as a task that ``close`` cancels if it is still running."""
-        task = asyncio.get_running_loop().create_task(coro, name=name)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        return task
-
-    async def abort(self, request_ids: list[str] | None = None) -> list[str]:
-        if request_ids is None:
-            targets = list(self._requests.values())
-        else:
-            targets = [self._requests[i] for i in request_ids if i in self._requests]
-        live = [s for s in targets if not s.done.is_set()]
-        for stream in live:
-            stream.abort_requested = True
-        if live and self._client is not None and self._dead is None:
-            try:
-                await self._call("abort", self._client.abort([s.request_id for s in live]))
-            except EngineError as exc:
-                log.warning("vllm engine %r: abort failed: %s", self.replica_id, exc)
-        await self._settle(live)
-        return [s.request_id for s in targets]
-
-    async def _settle(self, streams: list[RequestStream]) -> None:
-        """Wait for vLLM's final outputs; end the streams it leaves open."""
-        pending = [s for s in streams if not s.done.is_set()]
-        if not pending:
-            return
-        waits = [asyncio.ensure_future(s.done.wait()) for s in pending]
-        _, late = await asyncio.wait(waits, timeout=self.ABORT_GRACE_S)
-        for w in late:
-            w.cancel()
-        stragglers = [s for s in pending if not s.done.is_set()]
-        if stragglers:
-            log.info(
-                "vllm engine %r: ending %d aborted stream(s) without vllm's final output",
-                self.replica_id, len(stragglers),
-            )
-        for stream in stragglers:
-            stream.finish(FinishReason.ABORTED, self._weight_version)
-            if stream.task is not None:
-                stream.task.cancel()
-        tasks = [s.task for s in stragglers if s.task is not None]
-        if tasks:
-            await asyncio.wait(tasks, timeout=self.ABORT_GRACE_S)
+    def _remote_reachable(self) -> bool:
+        return self._client is not None and self._dead is None
 
     # ---------------------------------------------------------- pause / sleep
     async def pause(self, mode: PauseMode = "wait") -> None:
@@ -492,26 +422,11 @@ class VllmEngine(LifecycleFlags, Engine):
         return not (self._weights_resident and self._kv_resident)
 
     # ---------------------------------------------------------------- weights
-    def weight_spec(self) -> list[WeightSpec]:
-        if self._catalog is None:
-            raise EngineUnavailable("engine is still loading")
-        return list(self._catalog.spec)
-
-    def named_weights(self) -> Iterator[tuple[str, Any]]:
-        if self._catalog is None or not (self._weights_resident and self._weights_loaded):
-            raise EngineUnavailable("weights are not resident (loading, asleep or awaiting a reload)")
-        if not self._catalog.exportable:
-            raise EngineUnavailable("weights were updated and keep_host_weights is off: no host copy to export")
-        return self._catalog.tensors()
-
     async def load_weights(self, named_tensors: Mapping[str, Any], version: int) -> None:
-        if not isinstance(version, int) or isinstance(version, bool):
-            raise InvalidRequest(f"weight version must be an integer, got {version!r}")
+        self._check_version(version)
         self._check_alive()
         async with self._control:
-            if not self._weights_resident:
-                raise EngineUnavailable("weights are asleep; call wake_up({'weights'}) before load_weights")
-            self._catalog.check(named_tensors, require_complete=not self._weights_loaded)
+            self._check_update(named_tensors)
             # Freeze in-flight requests (docs/training/async_rl.md); they
             # resume under the new weights. Needless while asleep or paused.
             freeze = self._kv_resident and not self._vllm_paused

@@ -9,7 +9,6 @@ the trainer's seed) generate the copy task through the load balancer.
 
 from __future__ import annotations
 
-import asyncio
 
 import grpc
 import pytest
