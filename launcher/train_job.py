@@ -394,6 +394,9 @@ class TrainJob:
                 "" if resumed_at is None else f" (since resume at step {resumed_at})")
             render_resource_picture(self.events, str(picture), title=title, activities=trainer_row)
             summary["picture"] = str(picture)
+            from .reward_picture import render_reward_picture  # noqa: PLC0415
+
+            render_reward_picture(step_lines, str(self.run_dir / "reward.png"), title=f"reward: {self.run_dir.name}")
         except ImportError as err:
             summary["picture"] = f"not rendered: {err}"
         (self.run_dir / "metrics.json").write_text(json.dumps(
@@ -401,7 +404,8 @@ class TrainJob:
              "progress": progress, "steps": step_lines}, indent=2))
         self.console.line(format_summary(summary))
         self.console.line(f"events: {self.run_dir / 'events.jsonl'}  metrics: {self.run_dir / 'metrics.json'}  "
-                          f"spans: {self.run_dir / 'spans.jsonl'}  picture: {summary['picture']}")
+                          f"spans: {self.run_dir / 'spans.jsonl'}  picture: {summary['picture']}  "
+                          f"reward: {self.run_dir / 'reward.png'}")
         if progress["state"] != "FINISHED":
             self.console.line(f"rollmesh train: error: training {progress['state'].lower()}: "
                               f"{progress.get('error_message', '')}")

@@ -14,7 +14,7 @@ import grpc
 import pytest
 import torch
 
-from rollmesh.controller.v1 import registry_pb2
+from rollmesh.controller.v1 import registry_pb2, scaling_pb2
 from tests.controller.scaling.helpers import Procs, controller_stub, replicas, until
 from tests.processes import clean_env
 from trainer_agent.published_weights import publish
@@ -136,3 +136,40 @@ async def _has(controller: str, replica_id: str) -> bool:
 
 async def _version_is(controller: str, replica_id: str, version: int) -> bool:
     return (await _versions(controller)).get(replica_id) == version
+
+
+async def test_events_resume_after_a_controller_restart_and_scale_operations_wait(tmp_path):
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = Procs(tmp_path)
+    try:
+        lb = procs.start("lb", "lb", "")
+        config = f"load_balancer_address: {lb}\nstate_dir: {tmp_path / 'state'}\nlease_ttl_s: 5\n"
+        controller = procs.start("controller", "controller", config, listen=f"127.0.0.1:{port}")
+        procs.agent("a", controller=controller, slots=1)
+        extra = procs.agent("e", slots=1)
+        async with MeshClient(controller, retry_deadline_s=90) as mesh:
+            events = mesh.events(include_history=True)
+            seen = [await anext(events)]
+            while seen[-1].sequence < (await mesh.status()).last_event_sequence:
+                seen.append(await anext(events))
+            procs.kill("controller")
+            restart = asyncio.get_running_loop().run_in_executor(
+                None, lambda: procs.start("controller", "controller", config, listen=f"127.0.0.1:{port}"))
+            await restart
+            operation = await mesh.scale_out(engine_addresses=[extra], wait=True, timeout_s=120)
+            assert operation.state == scaling_pb2.OPERATION_STATE_ACTIVE, operation
+            after = []
+            while not any(e.operation_id == operation.operation_id and e.to_state == "OPERATION_STATE_ACTIVE"
+                          for e in after):
+                after.append(await asyncio.wait_for(anext(events), 30))
+            sequences = [e.sequence for e in seen + after]
+            assert sequences == sorted(set(sequences)), "an event was seen twice or out of order"
+            await events.aclose()
+            gone = await mesh.scale_in(engine_addresses=[extra], wait=True, timeout_s=120)
+            assert gone.state == scaling_pb2.OPERATION_STATE_COMPLETED
+    finally:
+        procs.close()

@@ -29,7 +29,8 @@ from tests.processes import clean_env
 pytestmark = pytest.mark.timeout(420)
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 16
+STEPS = yaml.safe_load((ROOT / "examples" / "quickstart.yaml").read_text())["trainer"]["total_training_steps"]
+SKIP_STEPS = 16   # the hybrid_skips run (with a replica agent killed mid-run)
 REQUIRED = 8 * 8  # ppo_mini_batch_size x require_batches x rollout.n in both example configs
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -64,7 +65,7 @@ class Run:
 @pytest.fixture(scope="module")
 def hybrid_run(tmp_path_factory) -> Run:
     tmp = tmp_path_factory.mktemp("train-hybrid")
-    config = job_config(tmp, "quickstart.yaml", **{"trainer.total_training_steps": STEPS})
+    config = job_config(tmp, "quickstart.yaml")   # the quick start as shipped
     code, out = _finish(_train(config, tmp / "run"))
     return Run(tmp / "run", code, out)
 
@@ -72,7 +73,7 @@ def hybrid_run(tmp_path_factory) -> Run:
 @pytest.fixture(scope="module")
 def skip_run_with_a_kill(tmp_path_factory) -> tuple[Run, str]:
     tmp = tmp_path_factory.mktemp("train-skip")
-    config = job_config(tmp, "hybrid_skips.yaml", **{"trainer.total_training_steps": STEPS})
+    config = job_config(tmp, "hybrid_skips.yaml", **{"trainer.total_training_steps": SKIP_STEPS})
     run_dir = tmp / "run"
     proc = _train(config, run_dir)
     events_file = run_dir / "events.jsonl"
@@ -94,11 +95,19 @@ def skip_run_with_a_kill(tmp_path_factory) -> tuple[Run, str]:
 
 
 def test_the_reward_rises(hybrid_run):
+    """The quick start visibly learns: from near 0 to most of the way (measured 0.79-0.97 at the end for
+    model seeds 0-4; the threshold leaves room for a run that learns one kind of answer only)."""
     rewards = [s["reward_mean"] for s in hybrid_run.steps]
     assert len(rewards) == STEPS
-    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
-    assert last >= first + 0.05, rewards
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-5:]) / 5
+    assert first < 0.25 and last >= 0.45 and last >= first + 0.3, rewards
     assert "reward, step 1 -> last" in hybrid_run.output
+    assert all("reward_extra/chars_of_kind" in s["metrics"] for s in hybrid_run.steps)
+    from PIL import Image
+
+    curve = json.loads(Image.open(hybrid_run.dir / "reward.png").text["rollmesh:reward"])
+    assert curve["reward"] == rewards and curve["steps"] == list(range(1, STEPS + 1))
+    assert curve["hybrid_activated"] == [s["global_step"] for s in hybrid_run.steps if s["hybrid_activated"]]
 
 
 def test_every_generated_sample_is_consumed_dropped_or_still_queued(hybrid_run):
@@ -223,23 +232,23 @@ def test_with_a_full_enough_queue_the_hybrid_skips_rollout_and_its_sync(skip_run
     run, _ = skip_run_with_a_kill
     t = run.summary["transitions"]
     assert t["activations"] == 0 and t["deactivations"] == 0
-    assert t["skipped_hybrid_syncs"] == STEPS and t["bytes_saved"] > 0
+    assert t["skipped_hybrid_syncs"] == SKIP_STEPS and t["bytes_saved"] > 0
     h0 = [e for e in run.events if e.get("replica_id") == "h0" and e["type"] == "REPLICA_STATE_CHANGED"]
     assert all(e["to_state"] == "REPLICA_STATE_SLEEPING" for e in h0), h0
 
 
 def test_killing_a_replica_agent_loses_nothing_and_training_finishes(skip_run_with_a_kill):
     run, killed = skip_run_with_a_kill
-    assert len(run.steps) == STEPS and run.summary["state"] == "FINISHED"
+    assert len(run.steps) == SKIP_STEPS and run.summary["state"] == "FINISHED"
     s = run.summary["samples"]
-    assert s["samples_consumed"] == STEPS * REQUIRED
+    assert s["samples_consumed"] == SKIP_STEPS * REQUIRED
     assert s["samples_generated"] == s["samples_consumed"] + s["samples_dropped"] + s["queue_size"]
     failed = [e for e in run.events if e.get("replica_id") == killed and e.get("to_state") == "REPLICA_STATE_FAILED"]
     assert failed, "the killed agent's replica never went FAILED"
     assert "rollout-1 exited" in run.output
     # After the kill the survivor keeps receiving every version.
     last = run.steps[-1]
-    assert last["replicas"]["s0-0"]["weight_version"] == last["weight_version"] == STEPS
+    assert last["replicas"]["s0-0"]["weight_version"] == last["weight_version"] == SKIP_STEPS
 
 
 # -- bad input ----------------------------------------------------------------------------------------
