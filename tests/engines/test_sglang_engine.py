@@ -282,8 +282,8 @@ async def test_level_one_sleep_with_the_servers_host_backup(make):
 
 # ---------------------------------------------------------------- weights
 async def test_weight_update_broadcasts_over_the_update_group(make):
-    engine, server = await make("--fake-token-delay", "0.02")
-    in_flight = asyncio.ensure_future(drain(engine.generate(req("f", max_tokens=40))))
+    engine, server = await make("--fake-token-delay", "0.03")
+    in_flight = asyncio.ensure_future(drain(engine.generate(req("f", max_tokens=120))))   # ~3.6 s: still running
     await wait_until(lambda: server.state()["running"] == ["f"], 10, what="the request to start")
     await asyncio.sleep(0.1)
     weights = {n: torch.full(s, 0.002) for n, s in SHAPES.items()}
@@ -294,7 +294,7 @@ async def test_weight_update_broadcasts_over_the_update_group(make):
     assert state["group"]["world_size"] == 2 and state["group"]["rank_offset"] == 1
     assert state["weight_sum"] == pytest.approx(0.002 * 256)
     versions = [s.weight_version for s in chunks[-1].segments]
-    assert versions[0] == 0 and versions[-1] == 3 and len(tokens(chunks)) == 40
+    assert versions[0] == 0 and versions[-1] == 3 and len(tokens(chunks)) == 120
     assert dict(engine.named_weights())["lm_head.weight"] is weights["lm_head.weight"]
     await engine.load_weights({"lm_head.weight": torch.full((32, 8), 0.003)}, 4)   # the group is reused
     assert server.state()["updates"] == 2 and "/continue_generation" not in server.state()["calls"][-1:]
