@@ -39,7 +39,6 @@ import asyncio
 import contextlib
 import json
 import re
-import socket
 import sys
 import time
 from pathlib import Path
@@ -50,6 +49,7 @@ import grpc
 from mesh_runtime import tracing
 from mesh_runtime.channels import open_channel, read_methods
 from mesh_runtime.config import TlsConfig
+from mesh_runtime.net import free_port
 import yaml
 from google.protobuf import json_format
 
@@ -60,12 +60,6 @@ from .span_sink import start_span_sink
 from .train_report import describe_event, effective_steps, format_summary, progress_bar, summarize
 
 FATAL = ("lb", "controller", "trainer-agent")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _event_converter():
@@ -220,7 +214,7 @@ class TrainJob:
     async def _start_mesh(self, env: dict[str, str]) -> dict[str, dict]:
         await self._start("lb", "lb", self._with_tls("lb", {"listen": "127.0.0.1:0"}), env)
         host = self.host_of("trainer-agent")
-        trainer_address = f"{host}:{_free_port() if host == '127.0.0.1' else 50054}"
+        trainer_address = f"{host}:{free_port() if host == '127.0.0.1' else 50054}"
         lb = self.processes["lb"].address
         configs = server_configs(self.job, run_dir=self.run_dir, lb=lb, controller="", trainer=trainer_address)
         await self._start("controller", "controller", self._with_tls("controller", configs["controller"]), env)

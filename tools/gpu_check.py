@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import importlib.util
 import json
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from mesh_runtime.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS: list[dict] = []
@@ -167,12 +168,6 @@ def trainer(args: argparse.Namespace) -> dict:
     return {"device": where, **_train_step(source, preset_config(args.preset).vocab_size)}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _nccl_worker(rank: int, port: int, total_bytes: int, iters: int, out) -> None:
     from weight_transfer import (GroupCache, WeightTransferConfig, broadcast_manifest, build_manifest,
                                  receive_weights, send_weights)
@@ -216,7 +211,7 @@ def nccl_broadcast(args: argparse.Namespace) -> dict:
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    out, port = ctx.Queue(), _free_port()
+    out, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=_nccl_worker, args=(r, port, args.sync_mib << 20, 5, out)) for r in range(2)]
     for proc in procs:
         proc.start()

@@ -2,9 +2,12 @@
 :class:`~.delta_stream.RequestStream`, aborts that wait for the engine's final output, death, and the
 Hugging Face view of the served weights (:class:`~.served_weights.WeightCatalog`).
 
+
 :class:`RemoteStreams` is mixed into such an engine before :class:`~.base.LifecycleFlags`. The engine
 implements :meth:`RemoteStreams._submit` (validate, build the stream, start its task with
-:meth:`_spawn`) and :meth:`RemoteStreams._abort_remote` (tell the engine to abort request ids).
+:meth:`_spawn`), :meth:`RemoteStreams._abort_remote` (tell the engine to abort request ids) and
+:meth:`RemoteStreams._shutdown` (release the client, and the engine if it started one); it keeps its
+client in ``_client``.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ class RemoteStreams:
     _idle: asyncio.Event
     _background: set[asyncio.Task[Any]]
     _dead: BaseException | None
+    _closed: bool
+    _client: Any
     _weight_version: int
     _catalog: WeightCatalog | None
     _weights_resident: bool
@@ -45,8 +50,23 @@ class RemoteStreams:
     async def _abort_remote(self, request_ids: list[str]) -> None:
         raise NotImplementedError
 
+    async def _shutdown(self) -> None:
+        raise NotImplementedError
+
     def _remote_reachable(self) -> bool:
-        return self._dead is None
+        return self._client is not None and self._dead is None
+
+    async def close(self) -> None:
+        """Abort what is in flight, stop the background tasks, then shut the engine down. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._requests:
+            await self.abort(None)
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        await self._shutdown()
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         stream = self._submit(request)

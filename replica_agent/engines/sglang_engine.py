@@ -37,6 +37,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from mesh_runtime.net import free_port
+
 from .base import WAKE_TAGS, Engine, LifecycleFlags, PauseMode
 from .delta_stream import RequestStream
 from .errors import DuplicateRequest, EngineDead, EngineError, InvalidRequest
@@ -106,8 +108,6 @@ class SglangEngine(RemoteStreams, LifecycleFlags, Engine):
                  self._client.url, len(self._catalog.spec))
 
     def _launch(self) -> str:
-        from .sglang_weights import free_port
-
         port = self.config.port or free_port(self.config.host)
         command = self.config.launch_command(port)
         log.info("sglang engine %r: launching %s", self.replica_id, " ".join(command[:6]))
@@ -138,17 +138,6 @@ class SglangEngine(RemoteStreams, LifecycleFlags, Engine):
         if isinstance(context, int) and context > 0:
             self._max_model_len = context
         self._load.max_total_tokens = int(info.get("max_total_num_tokens") or 0)
-
-    async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if self._requests:
-            await self.abort(None)
-        for task in list(self._background):
-            task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
-        await self._shutdown()
 
     async def _shutdown(self) -> None:
         group, self._group = self._group, None
@@ -243,9 +232,6 @@ class SglangEngine(RemoteStreams, LifecycleFlags, Engine):
         for result in results:
             if isinstance(result, EngineError) and not isinstance(result, EngineDead):
                 log.warning("sglang engine %r: abort failed: %s", self.replica_id, result)
-
-    def _remote_reachable(self) -> bool:
-        return self._client is not None and self._dead is None
 
     # ---------------------------------------------------------- pause / sleep
     async def pause(self, mode: PauseMode = "wait") -> None:

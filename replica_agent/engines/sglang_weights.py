@@ -17,22 +17,15 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import uuid
-from collections.abc import Mapping
 from typing import Any
+
+from mesh_runtime.net import free_port
 
 from .errors import EngineError
 
 log = logging.getLogger(__name__)
-
-
-def free_port(host: str) -> int:
-    """A port that was free on ``host`` a moment ago."""
-    import socket
-
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 class WeightUpdateGroup:
@@ -96,14 +89,8 @@ def update_request(bucket: list[tuple[str, Any]], group_name: str, *, flush_cach
             "group_name": group_name, "flush_cache": flush_cache}
 
 
-def weight_bytes(spec: Mapping[str, Any] | list[Any]) -> int:
-    """Bytes of the weights a spec lists (what releasing them frees on the device)."""
-    sizes = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1, "uint8": 1,
-             "float8_e4m3fn": 1, "float8_e5m2": 1, "int32": 4, "int64": 8, "bool": 1}
-    total = 0
-    for entry in spec:
-        count = 1
-        for dim in entry.shape:
-            count *= int(dim)
-        total += count * sizes.get(entry.dtype, 2)
-    return total
+def weight_bytes(spec: list[Any]) -> int:
+    """Bytes of the weights a spec (``WeightSpec`` list) describes: what releasing them frees on the device."""
+    import torch
+
+    return sum(math.prod(entry.shape) * getattr(torch, entry.dtype).itemsize for entry in spec)

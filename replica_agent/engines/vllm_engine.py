@@ -176,7 +176,7 @@ class VllmEngine(RemoteStreams, LifecycleFlags, Engine):
             self._describe_model(client)
         except Exception as exc:
             self._dead = exc
-            await self._shutdown_client()
+            await self._shutdown()
             if isinstance(exc, EngineError):
                 raise
             raise EngineDead(f"vllm engine failed to start: {exc!r}") from exc
@@ -202,18 +202,7 @@ class VllmEngine(RemoteStreams, LifecycleFlags, Engine):
         else:
             self._kv_capacity = self._max_model_len * self.config.max_batch_size
 
-    async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if self._requests:
-            await self.abort(None)
-        for task in list(self._background):
-            task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
-        await self._shutdown_client()
-
-    async def _shutdown_client(self) -> None:
+    async def _shutdown(self) -> None:
         """``AsyncLLM.shutdown()`` stops the engine-core and worker processes;
         it blocks while they exit, so it runs off the event loop."""
         client, self._client = self._client, None
@@ -331,9 +320,6 @@ class VllmEngine(RemoteStreams, LifecycleFlags, Engine):
 
     async def _abort_remote(self, request_ids: list[str]) -> None:
         await self._call("abort", self._client.abort(request_ids))
-
-    def _remote_reachable(self) -> bool:
-        return self._client is not None and self._dead is None
 
     # ---------------------------------------------------------- pause / sleep
     async def pause(self, mode: PauseMode = "wait") -> None:

@@ -16,7 +16,7 @@ import torch
 
 from rollmesh.controller.v1 import registry_pb2, scaling_pb2
 from tests.controller.scaling.helpers import Procs, controller_stub, replicas, until
-from tests.processes import clean_env
+from tests.processes import clean_env, free_port
 from trainer_agent.published_weights import publish
 from trainer_client import Counters, MeshClient, StepProtocolError
 
@@ -90,11 +90,7 @@ async def test_the_custom_trainer_example_trains_and_broadcasts_its_own_weights(
 
 
 async def test_a_step_survives_a_controller_restart_between_begin_and_complete(tmp_path):
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     procs = Procs(tmp_path)
     try:
         lb, controller, weights = _mesh(tmp_path, procs, controller_listen=f"127.0.0.1:{port}")
@@ -139,11 +135,7 @@ async def _version_is(controller: str, replica_id: str, version: int) -> bool:
 
 
 async def test_events_resume_after_a_controller_restart_and_scale_operations_wait(tmp_path):
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     procs = Procs(tmp_path)
     try:
         lb = procs.start("lb", "lb", "")

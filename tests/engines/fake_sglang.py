@@ -315,13 +315,12 @@ class FakeSglangProcess:
     """The fake started as a process on a free loopback port (``url``); ``state()`` reads ``/_fake/state``."""
 
     def __init__(self, model_dir: Path | str, *flags: str) -> None:
-        import socket
         import subprocess
         import sys
 
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
+        from mesh_runtime.net import free_port
+
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         root = Path(__file__).resolve().parents[2]
         self.process = subprocess.Popen([sys.executable, "-m", "tests.engines.fake_sglang", "--model-path",

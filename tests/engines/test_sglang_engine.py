@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import socket
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ from replica_agent.engines.sglang_engine import SglangEngine
 from replica_agent.engines.sglang_http import SglangClient, finish_reason, new_tokens
 from replica_agent.engines.sglang_load import ServerLoad
 from tests.engines.fake_sglang import FakeSglangProcess, write_model
+from tests.processes import free_port
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(90)
@@ -54,12 +54,6 @@ def expected_tokens(context: list[int], count: int, weight_sum: float) -> list[i
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture
 def model_dir(tmp_path: Path) -> Path:
     return write_model(tmp_path, SHAPES, vocab=VOCAB, eos=EOS)
@@ -69,7 +63,7 @@ def model_dir(tmp_path: Path) -> Path:
 def servers(model_dir):
     started: list[FakeSglangProcess] = []
 
-    def start(*flags: str) -> FakeServer:
+    def start(*flags: str) -> FakeSglangProcess:
         server = FakeSglangProcess(model_dir, *flags)
         started.append(server)
         return server

@@ -10,11 +10,23 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from replica_agent.engines import GenerationRequest, SamplingParams, create_engine
-from trainer_agent.training.export import export_model, greedy_tokens
+from trainer_agent.training.export import export_model
 from trainer_agent.training.grpo import GrpoConfig, GrpoTrainer, Sample
 from trainer_agent.weight_source import TorchWeightSource
 
 pytestmark = pytest.mark.timeout(120)
+
+
+def greedy_tokens(model: torch.nn.Module, prompt: list[int], count: int) -> list[int]:
+    """``count`` greedily decoded tokens of a transformers causal LM (the trainer's view of its policy)."""
+    ids = torch.tensor([prompt])
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(count):
+            token = int(torch.argmax(model(input_ids=ids).logits[0, -1]))
+            out.append(token)
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    return out
 
 
 def trained(preset: str) -> TorchWeightSource:

@@ -6,7 +6,6 @@ megatron-core's forward pass needs CUDA, so training with this backend is proved
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ import torch
 from mesh_runtime.config import ConfigError
 from modeling.presets import build_preset_model, preset_config
 from trainer_agent.config import TrainerAgentConfig
+from tests.processes import free_port
 from trainer_agent.megatron import mapping
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,16 +72,10 @@ def test_layouts_that_do_not_fit_are_refused():
         mapping.to_megatron(layout, {k: v for k, v in hf.items() if "down_proj" not in k})
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.parametrize("preset, tp", [("tiny-llama", 1), ("tiny-qwen2", 1), ("tiny-llama", 2)])
 def test_megatron_core_gpt_loads_shards_and_exports_the_checkpoint(tmp_path, preset, tp):
     pytest.importorskip("megatron.core")
-    port = _free_port()
+    port = free_port()
     outs = [tmp_path / f"rank{r}.json" for r in range(tp)]
     procs = [subprocess.Popen([sys.executable, "-m", "tests.trainer_agent.megatron_worker", str(outs[r]), preset,
                                str(tp), str(r), str(port)], cwd=ROOT, stderr=subprocess.PIPE) for r in range(tp)]

@@ -23,22 +23,17 @@ from __future__ import annotations
 
 import datetime
 import logging
-import socket
 import types
 from collections.abc import Iterator, Mapping
 
 import torch
 
+from mesh_runtime.net import free_port
+
 from ..weight_source import WeightSource
 from . import mapping
 
 log = logging.getLogger(__name__)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def initialize_parallel(tensor_parallel_size: int = 1) -> None:
@@ -48,7 +43,7 @@ def initialize_parallel(tensor_parallel_size: int = 1) -> None:
     from megatron.core import parallel_state
 
     if not dist.is_initialized():
-        store = dist.TCPStore("127.0.0.1", _free_port(), 1, is_master=True,
+        store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True,
                               timeout=datetime.timedelta(seconds=60))
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=store, rank=0,
                                 world_size=1)

@@ -16,8 +16,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import torch
-
 from ..config import is_model_directory
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -65,15 +63,3 @@ def export_model(source, directory: str | Path) -> Path:
         raise
     return target
 
-
-def greedy_tokens(model: torch.nn.Module, prompt: list[int], count: int) -> list[int]:
-    """``count`` greedily decoded tokens of a transformers causal LM (the trainer's view of its policy)."""
-    ids = torch.tensor([prompt], device=next(model.parameters()).device)
-    out: list[int] = []
-    with torch.no_grad():
-        for _ in range(count):
-            logits = model(input_ids=ids).logits[0, -1]
-            token = int(torch.argmax(logits))
-            out.append(token)
-            ids = torch.cat([ids, torch.tensor([[token]], device=ids.device)], dim=1)
-    return out
