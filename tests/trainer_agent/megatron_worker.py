@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import sys
+import time
 import warnings
 
 import torch
@@ -53,7 +55,18 @@ def main() -> None:
     report["version"] = source.weight_version
     with open(out, "w") as f:
         json.dump(report, f)
+    # Leave in order: every rank done with gloo, then every rank out of the group, the store's host (rank 0)
+    # last, and no interpreter teardown: torch's C++ destructors at exit can abort ("terminate called without
+    # an active exception") when a peer's connection closes under them, which a loaded CI machine hit once.
+    dist.barrier()
     dist.destroy_process_group()
+    store.add("left", 1)
+    if rank == 0:
+        while store.add("left", 0) < tp:
+            time.sleep(0.01)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
