@@ -36,6 +36,7 @@ from mesh_runtime.errors import (
 )
 from mesh_runtime.generation import check_generation
 from mesh_runtime.metrics import ServerMetrics
+from mesh_runtime.retry import retry_elsewhere
 from rollmesh.common.v1 import generation_pb2
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2, routing_pb2
 from rollmesh.replica.v1 import replica_agent_pb2
@@ -47,9 +48,6 @@ from .table import Choice, RoutingTable, Ticket
 from .upstreams import Upstreams
 
 FINISHED = (generation_pb2.FINISH_REASON_STOP, generation_pb2.FINISH_REASON_LENGTH)
-_RETRYABLE_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL,
-                    grpc.StatusCode.UNKNOWN, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS,
-                    grpc.StatusCode.CANCELLED, grpc.StatusCode.FAILED_PRECONDITION}
 log = logging.getLogger(__name__)
 _DONE = object()
 
@@ -508,7 +506,7 @@ class Balancer:
         """An attempt broke off without a final message (or was cut): keep what arrived, retry with backoff."""
         record.ended_at.GetCurrentTime()
         record.tokens = len(streamed)
-        if err is not None and err.code() not in _RETRYABLE_CODES:
+        if err is not None and not retry_elsewhere(err):
             record.outcome = routing_pb2.ATTEMPT_OUTCOME_FAILED
             code = err.code()
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:

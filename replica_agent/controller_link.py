@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_random_exponential
 
-from mesh_runtime.errors import retry_delay
+from mesh_runtime.retry import retry_after
 from rollmesh.common.v1 import load_pb2
 from rollmesh.controller.v1 import controller_pb2_grpc, registry_pb2
 
@@ -76,7 +76,7 @@ class ControllerLink:
             reply = await self._stub.RegisterNode(request, timeout=self._call_timeout_s)
         except grpc.aio.AioRpcError as err:
             raise LinkLost(f"RegisterNode failed: {err.code().name}: {err.details()}",
-                           retry_after_s=retry_delay(err)) from None
+                           retry_after_s=retry_after(err)) from None
         self.registrations += 1
         self._set_interval(reply.load_report_interval)
         if reply.rejected_replica_ids and self._on_rejected is not None:

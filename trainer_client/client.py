@@ -13,13 +13,13 @@ from google.protobuf import duration_pb2
 
 from mesh_runtime import samples
 from mesh_runtime.channels import open_channel, read_methods
+from mesh_runtime.retry import retry_after, retry_same
 from mesh_runtime.tls import TlsConfig
 from rollmesh.common.v1 import events_pb2
 from rollmesh.controller.v1 import controller_pb2, controller_pb2_grpc, observability_pb2, scaling_pb2
 from rollmesh.controller.v1 import scheduling_pb2
 
 T = TypeVar("T")
-RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 TERMINAL_OPERATIONS = frozenset({scaling_pb2.OPERATION_STATE_ACTIVE, scaling_pb2.OPERATION_STATE_COMPLETED,
                                  scaling_pb2.OPERATION_STATE_FAILED, scaling_pb2.OPERATION_STATE_CANCELLED,
                                  scaling_pb2.OPERATION_STATE_NOOP})
@@ -142,9 +142,11 @@ class MeshClient:
             try:
                 return await call()
             except grpc.aio.AioRpcError as err:
-                if err.code() not in RETRYABLE or time.monotonic() + backoff > deadline:
+                # the step protocol's calls are idempotent: a repeated call gets the recorded answer
+                told = retry_after(err)
+                if not retry_same(err, idempotent=True) or time.monotonic() + (told or backoff) > deadline:
                     raise StepProtocolError(f"{what} failed: {err.code().name}: {err.details()}", err.code()) from err
-            await asyncio.sleep(backoff)
+            await asyncio.sleep(told if told is not None else backoff)
             backoff = min(2.0, backoff * 2)
 
     # -- the step protocol ------------------------------------------------------------------------
@@ -194,7 +196,7 @@ class MeshClient:
                     next_sequence = event.sequence + 1
                     yield event
             except grpc.aio.AioRpcError as err:
-                if err.code() not in RETRYABLE:
+                if not retry_same(err, idempotent=True):   # it resumes after the last event it yielded
                     raise StepProtocolError(f"WatchEvents failed: {err.code().name}: {err.details()}",
                                             err.code()) from err
             await asyncio.sleep(0.2)

@@ -84,6 +84,7 @@ from rollmesh.controller.v1 import scheduling_pb2
 
 from mesh_runtime import samples
 from mesh_runtime.net import AddressError, parse_host_port
+from mesh_runtime.retry import retry_same
 from trainer_agent.driver.queue import MessageQueue, Sample
 from trainer_agent.driver.rollouter import GenerateFn, Prompt, RolloutConfig, Rollouter
 from trainer_agent.training.grpo import GrpoTrainer
@@ -173,7 +174,8 @@ async def _accepts_connections(address: str, timeout_s: float = 2.0) -> bool:
 
 async def step_call(method: Callable[..., Awaitable[Any]], request: Any, *, timeout_s: float,
                     backoff_s: float = 0.2, max_backoff_s: float = 2.0) -> Any:
-    """One call of the step protocol, retried on ``UNAVAILABLE`` until ``timeout_s`` has passed.
+    """One call of the step protocol, retried while :func:`~mesh_runtime.retry.retry_same` says so (``UNAVAILABLE``)
+    until ``timeout_s`` has passed.
 
     The controller answers a repeated call for the current step with the
     answer it recorded (and stored before replying), so a retry after a
@@ -183,10 +185,7 @@ async def step_call(method: Callable[..., Awaitable[Any]], request: Any, *, time
     """
     deadline = time.monotonic() + timeout_s
 
-    def retryable(err: BaseException) -> bool:
-        return isinstance(err, grpc.aio.AioRpcError) and err.code() is grpc.StatusCode.UNAVAILABLE
-
-    retrying = AsyncRetrying(retry=retry_if_exception(retryable), reraise=True,
+    retrying = AsyncRetrying(retry=retry_if_exception(retry_same), reraise=True,
                              stop=stop_after_delay(timeout_s),
                              wait=wait_exponential(multiplier=backoff_s, max=max_backoff_s),
                              before_sleep=lambda state: log.warning(

@@ -55,6 +55,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from mesh_runtime.retry import permanent
 from trainer_agent.driver.queue import MessageQueue, RolloutFailed, Sample
 from trainer_agent.driver.rollout_types import (  # noqa: F401 - the rollouter's vocabulary, re-exported
     GenerateFn,
@@ -108,7 +109,7 @@ class Rollouter:
         self._prompts: Iterator[Prompt] = iter(prompts)
         self._active_replicas = active_replicas
         self._clock = clock
-        self._is_retryable = is_retryable or (lambda exc: True)
+        self._is_retryable = is_retryable or (lambda exc: not permanent(exc))
         self._poll = capacity_poll_interval
 
         self._param_version = int(param_version)

@@ -1,0 +1,72 @@
+"""When a failed call is worth another try: decided here, once, from the status and its details.
+
+Three questions, three answers:
+
+* :func:`retry_same` -- call the same server again with the same request? On
+  ``UNAVAILABLE`` always (nothing was done, or the server said "not now");
+  on ``DEADLINE_EXCEEDED`` only for an idempotent call (it may have been
+  done); on ``RESOURCE_EXHAUSTED`` / ``ABORTED`` only when the server said
+  when, with a ``google.rpc.RetryInfo``.
+* :func:`retry_elsewhere` -- move the request to another server of the same
+  kind (the balancer's failover between replicas)? On every status a
+  different replica may not share: unavailable, busy, broken, or a replica
+  that lost or does not know the request.
+* :func:`permanent` -- is it a status no retry anywhere can fix (a malformed
+  or refused request, missing rights, an unimplemented method)?
+
+:func:`retry_after` reads the server's ``RetryInfo`` (None when it sent none).
+The gRPC channels' own retry policy (:mod:`mesh_runtime.channels`, reads on
+``UNAVAILABLE``) is the transport-level form of :func:`retry_same` for
+idempotent reads; application retries are never stacked on those methods.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from .errors import retry_delay
+
+Code = grpc.StatusCode
+
+PERMANENT = frozenset({Code.INVALID_ARGUMENT, Code.OUT_OF_RANGE, Code.PERMISSION_DENIED, Code.UNAUTHENTICATED,
+                       Code.UNIMPLEMENTED, Code.DATA_LOSS})
+"""Statuses no retry can fix: the request or the caller's rights are wrong, or the method is not there."""
+
+_ELSEWHERE = frozenset({Code.UNAVAILABLE, Code.RESOURCE_EXHAUSTED, Code.INTERNAL, Code.UNKNOWN, Code.NOT_FOUND,
+                        Code.ALREADY_EXISTS, Code.CANCELLED, Code.FAILED_PRECONDITION})
+
+
+def _code(err: BaseException) -> grpc.StatusCode | None:
+    return err.code() if isinstance(err, grpc.RpcError) and hasattr(err, "code") else None
+
+
+def retry_after(err: BaseException) -> float | None:
+    """Seconds the server asked the caller to wait before the next try (its ``RetryInfo``), or None."""
+    if _code(err) is None:
+        return None
+    try:
+        return retry_delay(err)   # type: ignore[arg-type]
+    except ValueError:   # a status whose details disagree with its code or message: believe none of it
+        return None
+
+
+def retry_same(err: BaseException, *, idempotent: bool = False) -> bool:
+    """Whether calling the same server again with the same request may succeed."""
+    code = _code(err)
+    if code is Code.UNAVAILABLE:
+        return True
+    if code is Code.DEADLINE_EXCEEDED:
+        return idempotent
+    if code in (Code.RESOURCE_EXHAUSTED, Code.ABORTED):
+        return retry_after(err) is not None
+    return False
+
+
+def retry_elsewhere(err: BaseException) -> bool:
+    """Whether another server of the same kind (another replica) may succeed where this one failed."""
+    return _code(err) in _ELSEWHERE
+
+
+def permanent(err: BaseException) -> bool:
+    """Whether no retry, here or elsewhere, can fix ``err``; errors that are not RPC statuses are not."""
+    return _code(err) in PERMANENT

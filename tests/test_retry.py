@@ -1,0 +1,48 @@
+"""The one retry classifier: which statuses are worth another try, on the same server or elsewhere."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from mesh_runtime.errors import Aborted, ResourceExhausted, Unavailable, to_status
+from mesh_runtime.retry import permanent, retry_after, retry_elsewhere, retry_same
+
+Code = grpc.StatusCode
+
+
+def rpc_error(code: grpc.StatusCode, status: grpc.Status | None = None) -> grpc.aio.AioRpcError:
+    trailing = grpc.aio.Metadata(*status.trailing_metadata) if status is not None else grpc.aio.Metadata()
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing,
+                                details=status.details if status is not None else "x")
+
+
+def test_the_same_server_is_tried_again_only_when_that_can_help():
+    assert retry_same(rpc_error(Code.UNAVAILABLE))
+    assert not retry_same(rpc_error(Code.DEADLINE_EXCEEDED))           # it may have been done
+    assert retry_same(rpc_error(Code.DEADLINE_EXCEEDED), idempotent=True)
+    for code in (Code.INVALID_ARGUMENT, Code.FAILED_PRECONDITION, Code.INTERNAL, Code.NOT_FOUND):
+        assert not retry_same(rpc_error(code), idempotent=True), code
+    assert not retry_same(ValueError("not an RPC"))
+
+
+@pytest.mark.parametrize("error", [ResourceExhausted("busy", retry_delay_s=0.25), Aborted("again", retry_delay_s=0.25)])
+def test_busy_or_aborted_is_tried_again_when_the_server_said_when(error):
+    told = rpc_error(error.code, to_status(error))
+    assert retry_after(told) == 0.25 and retry_same(told)
+    untold = rpc_error(error.code)
+    assert retry_after(untold) is None and not retry_same(untold)
+    assert retry_after(rpc_error(Code.UNAVAILABLE, to_status(Unavailable("down")))) is None
+    status = to_status(error)   # details that do not match the status's message: no RetryInfo believed
+    mismatched = grpc.aio.AioRpcError(error.code, grpc.aio.Metadata(), grpc.aio.Metadata(*status.trailing_metadata),
+                                      details="changed on the way")
+    assert retry_after(mismatched) is None
+
+
+def test_failover_and_permanent_statuses_do_not_overlap():
+    for code in Code:
+        err = rpc_error(code)
+        assert not (retry_elsewhere(err) and permanent(err)), code
+    assert retry_elsewhere(rpc_error(Code.FAILED_PRECONDITION))     # a replica that is not serving
+    assert not retry_elsewhere(rpc_error(Code.DEADLINE_EXCEEDED))   # the caller's deadline is the same elsewhere
+    assert permanent(rpc_error(Code.INVALID_ARGUMENT)) and not permanent(RuntimeError("x"))
