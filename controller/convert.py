@@ -16,7 +16,7 @@ from rollmesh.controller.v1 import observability_pb2, registry_pb2, scheduling_p
 from .core.events import LifecycleEvent
 from .core.metrics import ClosedCycle, ConcurrencyPoint
 from .core.ports import WeightSyncOutcome
-from .core.replicas import NodeRecord, ReplicaKind, ReplicaRecord, ReplicaSpec, ReplicaState
+from .core.records import NodeRecord, ReplicaKind, ReplicaRecord, ReplicaSpec, ReplicaState
 from .core.steps import BeginDecision, CompleteResult, ReleaseResult, StepReport
 
 

@@ -30,7 +30,8 @@ from .core.admission import Admission
 from .core.events import EventLog, EventType, log_event
 from .core.hybrid import DynamicResourceController
 from .core.metrics import CycleMetrics
-from .core.replicas import TERMINAL_STATES, ReplicaKind, ReplicaRegistry, ReplicaState
+from .core.records import TERMINAL_STATES, ReplicaKind, ReplicaState
+from .core.replicas import ReplicaRegistry
 from .ports import AgentReplicas, Channels, LoadBalancerRouting
 from .weight_sync import WeightBroadcast
 from .store import StateStore

@@ -10,7 +10,6 @@ with a deadline; failures are reported per replica). The weight-sync port,
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
@@ -23,7 +22,8 @@ from rollmesh.replica.v1 import replica_agent_pb2, replica_agent_pb2_grpc
 
 from .convert import kind_to_proto
 from .core.ports import ReplicaCallResult
-from .core.replicas import ReplicaRecord, ReplicaRegistry
+from .core.records import ReplicaRecord
+from .core.replicas import ReplicaRegistry
 
 
 
@@ -43,7 +43,7 @@ class Channels:
         await self._pool.close()
 
 
-def _why(err: BaseException) -> str:
+def describe_error(err: BaseException) -> str:
     if isinstance(err, grpc.aio.AioRpcError):
         return f"{err.code().name}: {err.details()}"
     return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
@@ -125,7 +125,7 @@ class AgentReplicas:
                 results.append(await asyncio.wait_for(call(self.channels.agent(address), replica_id),
                                                       self.timeout_s))
             except Exception as err:  # noqa: BLE001 - reported per replica
-                failed[replica_id] = _why(err)
+                failed[replica_id] = describe_error(err)
 
         await asyncio.gather(*(one(r) for r in replica_ids))
         aborted = sum(len(getattr(r, "aborted_request_ids", ())) for r in results)

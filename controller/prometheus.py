@@ -121,7 +121,7 @@ class ControllerMetrics:
     def families(self) -> list:
         self.observe_closed_cycles()
         registry = self._mesh.registry
-        out = []
+        out: list[CounterMetricFamily | GaugeMetricFamily] = []
         replicas = GaugeMetricFamily("rollmesh_controller_replicas", "Replicas in the registry, by kind and state",
                                      labels=["kind", "state"])
         for (kind, state), count in sorted(Tally((r.kind.value, r.state.value) for r in registry.replicas()).items()):

@@ -19,7 +19,7 @@ from . import convert, pages
 from .auth import has_scale_token, require_own_node
 from .config import ControllerConfig
 from .core.events import EventType
-from .core.replicas import ReplicaKind, ReplicaState
+from .core.records import ReplicaKind, ReplicaState
 from .mesh import Mesh
 from .peers import Peers
 from .prometheus import ControllerMetrics

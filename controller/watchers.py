@@ -68,13 +68,11 @@ class EventHub:
                     for event in self._catch_up(watcher):
                         yield event
                     continue
-                event = await watcher.queue.get()
-                if event is _CATCH_UP:
+                live = await watcher.queue.get()
+                if live is _CATCH_UP or live.sequence <= watcher.last_sequence:
                     continue
-                if event.sequence <= watcher.last_sequence:
-                    continue
-                watcher.last_sequence = event.sequence
-                yield event
+                watcher.last_sequence = live.sequence
+                yield live
         finally:
             self._watchers.discard(watcher)
 

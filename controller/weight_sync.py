@@ -26,7 +26,7 @@ from rollmesh.replica.v1 import replica_agent_pb2
 from .convert import duration
 from .core.ports import ReplicaSyncOutcome, WeightSyncOutcome
 from .core.replicas import ReplicaRegistry
-from .ports import Channels, LoadBalancerRouting, _why
+from .ports import Channels, LoadBalancerRouting, describe_error
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +215,7 @@ class WeightBroadcast:
         try:
             prepared = await source.prepare(version)
         except grpc.aio.AioRpcError as err:
-            why = f"{source.what}: {_why(err)}"
+            why = f"{source.what}: {describe_error(err)}"
             return self._all_failed(replica_ids, version, sync_id, why, started), why, set()
         if prepared.weight_version != version:
             why = f"{source.what}: prepared weight version {prepared.weight_version}, not {version}"
@@ -239,7 +239,7 @@ class WeightBroadcast:
                 results += [ReplicaSyncOutcome(r, False, abandoned) for r in ids]
                 continue
             if task.exception() is not None:
-                why = f"ReceiveWeights on {address}: {_why(task.exception())}"
+                why = f"ReceiveWeights on {address}: {describe_error(task.exception())}"
                 results += [ReplicaSyncOutcome(r, False, why) for r in ids]
                 continue
             for r in task.result().results:
@@ -248,16 +248,17 @@ class WeightBroadcast:
                 results.append(ReplicaSyncOutcome(r.replica_id, ok, why,
                                                   r.duration.ToNanoseconds() / 1e9, r.bytes_received))
         bytes_sent = 0
-        sent_error = ("abandoned" if send.cancelled() else send.exception())
-        if sent_error is not None:
-            if not send.cancelled():
-                log.warning("SendWeights from %s for %s failed: %s", prepared.source, sync_id, _why(sent_error))
-            cause = abandoned if send.cancelled() else f"{prepared.source}: {_why(sent_error)}"
+        sent_error = None if send.cancelled() else send.exception()
+        send_failed = send.cancelled() or sent_error is not None
+        if send_failed:
+            if sent_error is not None:
+                log.warning("SendWeights from %s for %s failed: %s", prepared.source, sync_id, describe_error(sent_error))
+            cause = abandoned if sent_error is None else f"{prepared.source}: {describe_error(sent_error)}"
             results = [ReplicaSyncOutcome(r.replica_id, False, r.error_message or cause, r.duration_s,
                                           r.bytes_received) if not r.ok else r for r in results]
         else:
             bytes_sent = send.result().bytes_sent
-        if sent_error is not None or not all(r.ok for r in results):
+        if send_failed or not all(r.ok for r in results):
             key = (prepared.source, *sorted(replica_ids))
             self._generations[key] = self._generations.get(key, 0) + 1
         return WeightSyncOutcome(weight_version=version, replica_results=tuple(results), bytes_sent=bytes_sent,
@@ -276,9 +277,7 @@ class WeightBroadcast:
         try:
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                unreachable |= {address for address, task in receives.items() if task in done
-                                and not task.cancelled() and isinstance(task.exception(), grpc.aio.AioRpcError)
-                                and task.exception().code() == grpc.StatusCode.UNAVAILABLE}
+                unreachable |= {address for address, task in receives.items() if task in done and _unavailable(task)}
                 sender_failed = send in done and (send.cancelled() or send.exception() is not None)
                 if (unreachable or sender_failed) and pending:
                     for task in pending:
@@ -329,7 +328,7 @@ class WeightBroadcast:
                 await self.routing.add_replicas(back)
                 self.stale.difference_update(done)
         except grpc.aio.AioRpcError as err:
-            log.warning("could not update the load balancer after sync: %s", _why(err))
+            log.warning("could not update the load balancer after sync: %s", describe_error(err))
 
     @staticmethod
     def _all_failed(replica_ids, version: int, sync_id: str, why: str, started: float) -> WeightSyncOutcome:
@@ -337,3 +336,7 @@ class WeightBroadcast:
                                  replica_results=tuple(ReplicaSyncOutcome(r, False, why) for r in replica_ids))
 
 
+def _unavailable(task: asyncio.Future) -> bool:
+    """Whether a finished call failed with UNAVAILABLE (its agent cannot be reached)."""
+    err = None if task.cancelled() else task.exception()
+    return isinstance(err, grpc.aio.AioRpcError) and err.code() == grpc.StatusCode.UNAVAILABLE

@@ -214,7 +214,7 @@ class JobConfig:
             raise ConfigError("rollout.nnodes", "hybrid-only meshes (no standalone rollout replica) are not "
                                                 "supported by rollmesh train yet; set rollout.nnodes and "
                                                 "rollout.n_gpus_per_node >= 1")
-        check_driver(at, arr)  # type: ignore[arg-type] - same field names as the trainer's sections
+        check_driver(at, arr)  # type: ignore[arg-type]  # same field names as the trainer's sections
         check_data(self.data, self.custom_reward_function)
 
     @property

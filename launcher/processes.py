@@ -49,7 +49,7 @@ class ServerProcess:
                 with contextlib.suppress(ProcessLookupError):
                     self.process.kill()
                 await self.process.wait()
-        return self.process.returncode
+        return await self.process.wait()   # the exit code (at once: it has ended)
 
     async def kill(self) -> None:
         """Kill without a chance to clean up (for crash tests)."""

@@ -17,10 +17,9 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from typing import NoReturn
 
 import grpc
-from google.protobuf.timestamp_pb2 import Timestamp
 from opentelemetry import trace
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt
 
@@ -32,7 +31,6 @@ from mesh_runtime.errors import (
     Internal,
     ResourceExhausted,
     Unavailable,
-    error_info,
 )
 from mesh_runtime.generation import check_generation
 from mesh_runtime.metrics import ServerMetrics
@@ -41,6 +39,7 @@ from rollmesh.common.v1 import generation_pb2
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2, routing_pb2
 from rollmesh.replica.v1 import replica_agent_pb2
 
+from .attempts import AttemptCut, RequestRun, RetryAttempt, Timing, attempt_ended, error_reason, now_ts, segments_of
 from .completed import CompletedCache
 from .config import LoadBalancerConfig
 from .stats import Stats
@@ -52,87 +51,6 @@ log = logging.getLogger(__name__)
 _DONE = object()
 
 
-def _reason(err: grpc.aio.AioRpcError) -> str:
-    info = error_info(err)
-    return info.reason if info is not None else ""
-
-
-class _Timing:
-    """The balancer's histograms (what takes time); its counters are :class:`Stats`."""
-
-    def __init__(self, metrics: ServerMetrics) -> None:
-        self.request = metrics.histogram("rollmesh_lb_request_duration_seconds",
-                                         "Time from a generation request's arrival to its last message, by outcome",
-                                         ("outcome",))
-        self.ttft = metrics.histogram("rollmesh_lb_time_to_first_token_seconds",
-                                      "Time from a generation request's arrival to its first token to the caller")
-        self.attempt = metrics.histogram("rollmesh_lb_attempt_duration_seconds",
-                                         "Duration of one replica attempt of a request, by how it ended "
-                                         "(completed, aborted, unavailable, failed)", ("outcome",))
-
-
-class AttemptCut(Exception):
-    """The balancer ended an attempt itself: no message for stall_timeout_s, or its replica was removed
-    from routing with abort (a move, like a replica-side abort: recorded ABORTED, resumed at once)."""
-
-    def __init__(self, why: str, *, removed: bool) -> None:
-        super().__init__(why)
-        self.removed = removed
-
-
-class RetryAttempt(Exception):
-    """An attempt ended without a result; the request goes on elsewhere."""
-
-    def __init__(self, why: str, *, backoff: bool, refused: bool = False) -> None:
-        super().__init__(why)
-        self.backoff = backoff
-        self.refused = refused   # the replica is alive but not serving (REPLICA_NOT_SERVING)
-
-
-def _attempt_ended(span: trace.Span, record: routing_pb2.Attempt, retry: RetryAttempt) -> None:
-    """How an attempt that goes on elsewhere ends on its span: an abort (weight sync, rebalance, drain,
-    removal) or a refusal by a replica that is not serving is an event with its reason; a failure is an
-    error."""
-    outcome = routing_pb2.AttemptOutcome.Name(record.outcome).removeprefix("ATTEMPT_OUTCOME_")
-    span.set_attribute("rollmesh.outcome", outcome)
-    if record.outcome == routing_pb2.ATTEMPT_OUTCOME_ABORTED:
-        span.add_event("attempt.aborted", {"rollmesh.reason": record.reason})
-    elif retry.refused:
-        span.add_event("attempt.refused", {"rollmesh.reason": record.reason})
-    else:
-        span.set_status(trace.Status(trace.StatusCode.ERROR, record.reason[:300]))
-
-
-def _now_ts() -> Timestamp:
-    ts = Timestamp()
-    ts.GetCurrentTime()
-    return ts
-
-
-@dataclass
-class RequestRun:
-    """The state of one request across its attempts."""
-
-    request: loadbalancer_pb2.GenerateRequest
-    partial_rollout: bool
-    budget: int
-    deadline: float | None
-    segments: list[generation_pb2.TokenSegment] = field(default_factory=list)
-    attempts: list[routing_pb2.Attempt] = field(default_factory=list)
-    avoid: frozenset[str] = frozenset()
-    failed_on: frozenset[str] = frozenset()
-    """Replicas an attempt of this request failed on (UNAVAILABLE, broken stream): later attempts avoid them
-    while another eligible replica exists."""
-    restart_pending: bool = False
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    def remaining(self) -> float | None:
-        return None if self.deadline is None else self.deadline - time.monotonic()
-
-
 class Balancer:
     """The load balancer's domain: the routing table plus request execution."""
 
@@ -141,7 +59,7 @@ class Balancer:
                  before_send: Callable[[Ticket], Awaitable[None]] | None = None,
                  metrics: ServerMetrics | None = None) -> None:
         self.config = config
-        self._timing = _Timing(metrics) if metrics is not None else None
+        self._timing = Timing(metrics) if metrics is not None else None
         self.table = table
         self.upstreams = upstreams
         self.tracer = tracer
@@ -317,7 +235,7 @@ class Balancer:
             self.table.release(ticket)
         route = ticket.route
         record = routing_pb2.Attempt(replica_id=route.replica_id, weight_version=route.weight_version,
-                                     started_at=_now_ts())
+                                     started_at=now_ts())
         run.attempts.append(record)
         attempt_started = time.perf_counter()
         streamed: list[tuple[int, float | None, int]] = []  # (token, logprob, version) of this attempt
@@ -374,7 +292,7 @@ class Balancer:
                         outcome = routing_pb2.AttemptOutcome.Name(record.outcome).removeprefix("ATTEMPT_OUTCOME_").lower()
                         self._timing.attempt.labels(outcome).observe(time.perf_counter() - attempt_started)
             except RetryAttempt as retry:
-                _attempt_ended(span, record, retry)
+                attempt_ended(span, record, retry)
                 raise
             except asyncio.CancelledError:
                 span.add_event("attempt.cancelled")
@@ -486,12 +404,12 @@ class Balancer:
         """What a broken-off attempt streamed: resumed from (partial rollout) or dropped for a regeneration."""
         if streamed:
             if run.partial_rollout:
-                run.segments += _segments(streamed, route)
+                run.segments += segments_of(streamed, route)
                 self.stats.resumes += 1
             else:
                 self._restart(run, len(streamed))
 
-    def _attempt_moved(self, run: RequestRun, record, streamed, route, why: str) -> None:
+    def _attempt_moved(self, run: RequestRun, record, streamed, route, why: str) -> NoReturn:
         """The control plane removed the attempt's replica with abort: keep what arrived, go on elsewhere now."""
         record.outcome = routing_pb2.ATTEMPT_OUTCOME_ABORTED
         record.ended_at.GetCurrentTime()
@@ -502,7 +420,7 @@ class Balancer:
         raise RetryAttempt(f"{route.replica_id}: {why}", backoff=False)
 
     def _attempt_failed(self, run: RequestRun, record, streamed, route, err: grpc.aio.AioRpcError | None,
-                        why: str = "") -> None:
+                        why: str = "") -> NoReturn:
         """An attempt broke off without a final message (or was cut): keep what arrived, retry with backoff."""
         record.ended_at.GetCurrentTime()
         record.tokens = len(streamed)
@@ -520,7 +438,7 @@ class Balancer:
         record.outcome = routing_pb2.ATTEMPT_OUTCOME_UNAVAILABLE
         record.reason = (f"{err.code().name}: {err.details()}" if err is not None
                          else why or "stream ended early")
-        refused = err is not None and _reason(err) == "REPLICA_NOT_SERVING"   # alive, just busy (e.g. a sync)
+        refused = err is not None and error_reason(err) == "REPLICA_NOT_SERVING"   # alive, just busy (e.g. a sync)
         if not refused and self.table.unreachable(route, record.reason):
             self.stats.outlier_ejections += 1
             log.warning("replica %s ejected from picks for %.1f s: %s", route.replica_id,
@@ -545,8 +463,7 @@ class Balancer:
                 # a live agent ends each attempt with its abort reply (a clean stream, a span without error);
                 # what is still open after abort_grace_s (a frozen agent) is cut and resumed elsewhere
                 reason = f"{route.replica_id} was removed from routing with abort"
-                asyncio.get_running_loop().call_later(self.config.abort_grace_s,
-                                                      lambda tickets=sent, why=reason: [t.cut(why) for t in tickets])
+                asyncio.get_running_loop().call_later(self.config.abort_grace_s, _cut_all, sent, reason)
                 aborts.append(self.upstreams.abort(route, [t.request_id for t in sent]))
         if aborts:
             await asyncio.gather(*aborts)
@@ -566,21 +483,13 @@ class Balancer:
             ticket.move_requested = True
             by_route.setdefault(ticket.route.replica_id, []).append(ticket)
             projected[ticket.route.replica_id] -= 1
-            target = min((rid for rid in projected if rid != ticket.route.replica_id), key=projected.get)
+            target = min((rid for rid in projected if rid != ticket.route.replica_id), key=lambda rid: projected[rid])
             projected[target] += 1
         await asyncio.gather(*(self.upstreams.abort(ts[0].route, [t.request_id for t in ts])
                                for ts in by_route.values()))
         return [t.request_id for t in moves], {rid: (before[rid], projected[rid]) for rid in before}
 
 
-def _segments(streamed: list[tuple[int, float | None, int]], route) -> list[generation_pb2.TokenSegment]:
-    """Token segments (one per weight version) from the tokens of a broken attempt."""
-    out: list[generation_pb2.TokenSegment] = []
-    for token, logprob, version in streamed:
-        if not out or out[-1].weight_version != version:
-            out.append(generation_pb2.TokenSegment(weight_version=version, replica_id=route.replica_id,
-                                                   node_id=route.node_id))
-        out[-1].token_ids.append(token)
-        if logprob is not None:
-            out[-1].logprobs.append(logprob)
-    return out
+def _cut_all(tickets: list[Ticket], why: str) -> None:
+    for ticket in tickets:
+        ticket.cut(why)

@@ -36,7 +36,7 @@ class Stats:
 
     def families(self, in_flight: int, completed: Any = None, routes: Any = None, sticky: int | None = None) -> list:
         """The counters as Prometheus families, plus the gauges of what the balancer holds now."""
-        out = []
+        out: list[CounterMetricFamily | GaugeMetricFamily] = []
         for field_name, (name, text) in COUNTERS.items():
             family = CounterMetricFamily(name, text)
             family.add_metric([], getattr(self, field_name))
@@ -53,12 +53,12 @@ class Stats:
             out.append(GaugeMetricFamily("rollmesh_lb_sticky_sessions",
                                          "Session pins kept (bounded by max_sticky_sessions)", value=sticky))
         if routes is not None:
-            family = GaugeMetricFamily("rollmesh_lb_replicas", "Replicas in the routing table, by routability",
-                                       labels=["routable"])
+            gauge = GaugeMetricFamily("rollmesh_lb_replicas", "Replicas in the routing table, by routability",
+                                      labels=["routable"])
             routable = sum(1 for ok in routes if ok)
-            family.add_metric(["true"], routable)
-            family.add_metric(["false"], len(routes) - routable)
-            out.append(family)
+            gauge.add_metric(["true"], routable)
+            gauge.add_metric(["false"], len(routes) - routable)
+            out.append(gauge)
         return out
 
 

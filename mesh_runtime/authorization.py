@@ -150,8 +150,10 @@ class AuthorizationInterceptor(grpc.aio.ServerInterceptor):
             return None
         full_method = handler_call_details.method
 
+        token_check = self._token_check
+
         def check(context) -> None:
-            token_ok = (lambda: self._token_check(context)) if self._token_check is not None else None
+            token_ok = (lambda: token_check(context)) if token_check is not None else None
             set_current_identity(authorize(full_method, context.auth_context(), token_ok))
 
         def unary(behavior):

@@ -74,7 +74,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, Mapping):
             raise ConfigError(key, f"must be a mapping, got {type(value).__name__}")
-        return _build(tp, value, key)
+        return _build(typing.cast(type, tp), value, key)
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         names = [m.value for m in tp]
         if value not in names:

@@ -163,7 +163,7 @@ def to_status(err: RollmeshError) -> grpc.Status:
 
 def error_info(rpc_error: grpc.RpcError) -> error_details_pb2.ErrorInfo | None:
     """Read the ``ErrorInfo`` detail back from a failed call, if it has one."""
-    status = rpc_status.from_call(rpc_error)  # type: ignore[arg-type]
+    status = rpc_status.from_call(rpc_error)
     if status is None:
         return None
     for detail in status.details:
@@ -176,7 +176,7 @@ def error_info(rpc_error: grpc.RpcError) -> error_details_pb2.ErrorInfo | None:
 
 def retry_delay(rpc_error: grpc.RpcError) -> float | None:
     """Seconds the server asked the caller to wait (its ``RetryInfo``), or None."""
-    status = rpc_status.from_call(rpc_error)  # type: ignore[arg-type]
+    status = rpc_status.from_call(rpc_error)
     for detail in status.details if status is not None else ():
         if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
             info = error_details_pb2.RetryInfo()

@@ -61,7 +61,7 @@ class JsonFormatter(logging.Formatter):
             "level": record.levelname, "server": self.server, "logger": record.name,
             "message": record.getMessage()}
         if getattr(record, "trace_id", ""):
-            line["trace_id"], line["span_id"] = record.trace_id, record.span_id
+            line["trace_id"], line["span_id"] = getattr(record, "trace_id"), getattr(record, "span_id")
         for key, value in _fields(record).items():
             line.setdefault(key, _plain(value))
         if record.exc_info:
@@ -80,7 +80,7 @@ class TextFormatter(logging.Formatter):
         if not getattr(record, "trace_id", ""):
             return text
         head, newline, rest = text.partition("\n")   # keep a traceback below the line
-        return f"{head} trace_id={record.trace_id} span_id={record.span_id}{newline}{rest}"
+        return f"{head} trace_id={getattr(record, 'trace_id')} span_id={getattr(record, 'span_id')}{newline}{rest}"
 
 
 def configure(server: str, *, level: str = "INFO", fmt: str = "text", stream: TextIO | None = None) -> None:

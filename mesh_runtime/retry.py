@@ -45,7 +45,7 @@ def retry_after(err: BaseException) -> float | None:
     if _code(err) is None:
         return None
     try:
-        return retry_delay(err)   # type: ignore[arg-type]
+        return retry_delay(err)
     except ValueError:   # a status whose details disagree with its code or message: believe none of it
         return None
 

@@ -45,7 +45,7 @@ def tls_stamp(tls: TlsConfig | None) -> tuple:
     """What changes when any of the three files is replaced or rewritten (empty without TLS)."""
     if tls is None:
         return ()
-    stamp = []
+    stamp: list[tuple[int, int, int] | None] = []
     for path in (tls.cert, tls.key, tls.ca):
         try:
             st = os.stat(path)
@@ -117,6 +117,6 @@ def client_tls(args) -> TlsConfig | None:
     missing = [f"--{name}" for name, value in given.items() if not value]
     if missing:
         raise ConfigError("", f"mutual TLS needs --cacert, --cert and --key together; missing {', '.join(missing)}")
-    tls = TlsConfig(cert=given["cert"], key=given["key"], ca=given["cacert"])
+    tls = TlsConfig(cert=str(given["cert"]), key=str(given["key"]), ca=str(given["cacert"]))
     tls.validate()
     return tls

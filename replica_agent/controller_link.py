@@ -62,7 +62,8 @@ class ControllerLink:
 
         retrying = AsyncRetrying(retry=retry_if_exception_type(LinkLost), wait=wait,
                                  before_sleep=lambda state: log.warning(
-                                     "controller link lost (%s); registering again", state.outcome.exception()))
+                                     "controller link lost (%s); registering again",
+                                     state.outcome.exception() if state.outcome else "?"))
         async for attempt in retrying:
             with attempt:
                 await self._session()

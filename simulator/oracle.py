@@ -75,7 +75,8 @@ class ScheduledPolicy(DynamicSchedulePolicyBase):
         # the activation after step g serves step g + 1
         return self.schedule.activate[self.schedule.segment(global_steps + 1)]
 
-    def request_rebalance(self, global_steps: int, ctx: DynamicScheduleContext) -> bool:
+    def request_rebalance(self, global_steps: int, ctx: DynamicScheduleContext,
+                          reset_prefix_cache: bool = True) -> bool:
         return True
 
 

@@ -15,7 +15,7 @@ import asyncio
 from collections.abc import Sequence
 
 from controller.core.ports import ReplicaCallResult, ReplicaSyncOutcome, WeightSyncOutcome
-from controller.core.replicas import ReplicaRecord
+from controller.core.records import ReplicaRecord
 
 from .scenario import Transitions
 from .world import World
@@ -31,7 +31,7 @@ class SimRouting:
         self.world, self.cost = world, transitions.routing_s
         self.calls: list[Call] = [] if log is None else log
 
-    async def remove_replicas(self, replica_ids: Sequence[str]) -> None:
+    async def remove_replicas(self, replica_ids: Sequence[str], *, abort_in_flight: bool = False) -> None:
         self.calls.append((self.world.now, "remove", tuple(replica_ids)))
         self.world.set_routed(list(replica_ids), False)
         await asyncio.sleep(self.cost)

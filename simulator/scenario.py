@@ -175,9 +175,9 @@ class Scenario:
 
     def with_overrides(self, overrides: Mapping[str, Any]) -> Scenario:
         """A copy with dotted fields replaced (``engine.peak_tokens_per_s``, ``workload.response_lengths.sigma``)."""
-        raw = copy.deepcopy(self.raw)
+        raw: dict[str, Any] = copy.deepcopy(dict(self.raw))
         for dotted, value in overrides.items():
-            node = raw
+            node: dict[str, Any] = raw
             parts = dotted.split(".")
             for part in parts[:-1]:
                 if not isinstance(node.get(part), dict):

@@ -32,7 +32,8 @@ from .policies import (
                      resolve_policy,
 )
 from .ports import ReplicaCallResult, ReplicaSyncOutcome, WeightSyncOutcome
-from .replicas import ReplicaKind, ReplicaRecord, ReplicaRegistry, ReplicaSpec, ReplicaState
+from .records import ReplicaKind, ReplicaRecord, ReplicaSpec, ReplicaState
+from .replicas import ReplicaRegistry
 from .steps import BeginDecision, CompleteResult, HybridState, ReleaseResult, StepCall, StepReport
 
 __all__ = [

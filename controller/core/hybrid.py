@@ -64,7 +64,8 @@ from .hybrid_ops import HybridOperations
 from .metrics import CycleMetrics
 from .policies import DynamicSchedulePolicyBase, PolicyHandle, StepOutcome, create_policy
 from .ports import Clock, ReplicaPort, RoutingPort, Tracer, WeightSyncOutcome, WeightSyncPort, no_tracer
-from .replicas import ReplicaKind, ReplicaRegistry, ReplicaState
+from .records import ReplicaKind, ReplicaState
+from .replicas import ReplicaRegistry
 from .steps import (
     BeginDecision,
     CompleteResult,

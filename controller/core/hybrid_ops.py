@@ -30,7 +30,8 @@ from .config import SchedulingConfig
 from .errors import PortDeadlineExceeded, PortUnavailable
 from .events import EventSink, EventType
 from .ports import Clock, ReplicaCallResult, ReplicaPort, RoutingPort, Tracer, WeightSyncOutcome, WeightSyncPort
-from .replicas import ReplicaRecord, ReplicaRegistry, ReplicaState
+from .records import ReplicaRecord, ReplicaState
+from .replicas import ReplicaRegistry
 
 _LOST = frozenset({ReplicaState.FAILED, ReplicaState.STOPPED, ReplicaState.REMOVED})
 

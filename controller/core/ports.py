@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
-from .replicas import ReplicaRecord
+from .records import ReplicaRecord
 
 Clock = Callable[[], float]
 """Seconds on the controller's clock (wall or virtual)."""

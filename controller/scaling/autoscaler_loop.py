@@ -23,7 +23,7 @@ from typing import Any
 from .autoscaler import NONE, SCALE_IN, SCALE_OUT, Autoscaler, AutoscalerConfig, MetricsSample, throughput_cv2
 from ..core.events import EventType
 from .operations import OperationType, ScaleOperation
-from ..core.replicas import ReplicaState
+from ..core.records import ReplicaState
 
 log = logging.getLogger(__name__)
 MODEL = "default"
@@ -54,6 +54,13 @@ class AutoscalerLoop:
     def configured(self) -> bool:
         return self.core is not None
 
+    @property
+    def _active(self) -> Autoscaler:
+        """The decision core, for the paths that run only when an autoscaler is configured."""
+        if self.core is None:
+            raise RuntimeError("no autoscaler is configured")
+        return self.core
+
     def state_dict(self) -> dict[str, Any]:
         core = self.core
         return {"enabled": core.enabled if core else False, "history": self.history[-HISTORY_LIMIT:],
@@ -67,7 +74,7 @@ class AutoscalerLoop:
 
     def collect(self, now: float) -> MetricsSample:
         registry, cfg = self.mesh.registry, self.mesh.config
-        fresh_for = 3 * cfg.load_report_interval_s + self.core.config.metrics_interval_secs
+        fresh_for = 3 * cfg.load_report_interval_s + self._active.config.metrics_interval_secs
         nodes = {n.node_id: n for n in registry.nodes()}
         reports = []
         for record in registry.replicas(states=[ReplicaState.ACTIVE]):
@@ -85,17 +92,17 @@ class AutoscalerLoop:
             throughput=sum(r.generation_tokens_per_second for r in reports))
 
     def throughput_variance(self) -> float:
-        window = self.core.config.condition_durations.throughput_stable_secs
-        latest = self.core.latest
+        window = self._active.config.condition_durations.throughput_stable_secs
+        latest = self._active.latest
         if latest is None:
             return 0.0
-        values = [s.throughput for s in self.core.samples() if s.time >= latest.time - window]
+        values = [s.throughput for s in self._active.samples() if s.time >= latest.time - window]
         value = throughput_cv2(values)
         return value if value != float("inf") else -1.0
 
     # ------------------------------------------------------------------- loop
     async def run(self) -> None:
-        cfg = self.core.config
+        cfg = self._active.config
         self.running = True
         loop = asyncio.get_running_loop()
         next_evaluation = loop.time() + cfg.evaluation_interval_secs
@@ -104,7 +111,7 @@ class AutoscalerLoop:
                 await asyncio.sleep(min(cfg.metrics_interval_secs, cfg.evaluation_interval_secs))
                 now = self.mesh.clock()
                 try:
-                    self.core.record_metrics(self.collect(now))
+                    self._active.record_metrics(self.collect(now))
                 except Exception:  # noqa: BLE001 - one bad sample must not stop the loop
                     log.exception("autoscaler: collecting engine metrics failed")
                     continue
@@ -122,7 +129,7 @@ class AutoscalerLoop:
         running = scaler.book.running() is not None or bool(self.pending)
         engines = self.engines()
         with self.mesh._span("autoscaler.decide", engines=engines) as span:
-            decision = self.core.evaluate(now, running, current_engines=engines)
+            decision = self._active.evaluate(now, running, current_engines=engines)
             self.decided_at = now
             if span is not None:
                 span.set_attribute("rollmesh.action", decision.action)
@@ -148,7 +155,7 @@ class AutoscalerLoop:
                                        "triggered_conditions": ",".join(decision.triggered_conditions),
                                        **{k: v for k, v in decision.metrics_snapshot.items() if k != "time"}})
         if op is not None and op.state.value != "NOOP":
-            self.core.record_scale(decision.action, now)
+            self._active.record_scale(decision.action, now)
             self.pending.add(op.operation_id)
             snapshot = {k: float(v) for k, v in decision.metrics_snapshot.items() if k != "time"}
             self.history.append({
@@ -173,8 +180,8 @@ class AutoscalerLoop:
 
     # ---------------------------------------------------------------- queries
     def set_enabled(self, enabled: bool) -> None:
-        if self.core.enabled != enabled:
-            self.core.enabled = enabled
+        if self._active.enabled != enabled:
+            self._active.enabled = enabled
             self.mesh.emit(EventType.AUTOSCALER_DECISION, reason=f"autoscaler {'enabled' if enabled else 'disabled'}",
                            attributes={"action": NONE, "enabled": enabled})
             self.mesh.changed()

@@ -34,7 +34,7 @@ from rollmesh.common.v1 import types_pb2
 from ..agents import why
 from ..core.events import EventType
 from .operations import OperationState
-from ..core.replicas import ReplicaKind, ReplicaSpec, ReplicaState
+from ..core.records import ReplicaKind, ReplicaSpec, ReplicaState
 
 log = logging.getLogger(__name__)
 OS = OperationState

@@ -25,7 +25,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from mesh_runtime.errors import FailedPrecondition, InvalidArgument, NotFound
@@ -35,7 +36,7 @@ from mesh_runtime.validate import check_engine_url, is_engine_url
 from . import runs as scale_runs
 from ..agents import AgentCalls
 from .operations import TERMINAL, OperationBook, OperationState, OperationType, ScaleOperation, cancellable
-from ..core.replicas import TERMINAL_STATES, ReplicaKind, ReplicaRecord
+from ..core.records import TERMINAL_STATES, ReplicaKind, ReplicaRecord
 
 log = logging.getLogger(__name__)
 OS = OperationState
@@ -105,7 +106,7 @@ class Scaler:
         return [r for r in self.mesh.registry.replicas(kind=ReplicaKind.STANDALONE)
                 if r.model_name == model_name and r.state not in TERMINAL_STATES]
 
-    def current_version(self, model_name: str, exclude: set[str] = frozenset()) -> int | None:
+    def current_version(self, model_name: str, exclude: AbstractSet[str] = frozenset()) -> int | None:
         """The weight version new replicas must hold: the trainer's latest, or the newest one serving."""
         versions = [r.weight_version for r in self.pool(model_name)
                     if r.replica_id not in exclude and r.state.value == "ACTIVE"]
@@ -149,7 +150,7 @@ class Scaler:
             self.move(op, state, reason)
 
     # -------------------------------------------------------------- scale-out
-    async def scale_out(self, *, model_name: str = "", num_replicas: int = 0, engine_addresses: list[str] = (),
+    async def scale_out(self, *, model_name: str = "", num_replicas: int = 0, engine_addresses: Sequence[str] = (),
                         timeout_s: float | None = None, request_id: str = "", dry_run: bool = False,
                         policy: str = "", triggered_by: str = "user") -> tuple[ScaleOperation, str]:
         model = model_name or "default"
@@ -215,7 +216,7 @@ class Scaler:
                 used = sum(len(r.slots) or per for r in registry.replicas(node_id=node.node_id)
                            if r.state not in TERMINAL_STATES)
                 free[node.node_id] = node.slots_total - used
-        out = []
+        out: list[str] = []
         for _ in range(need):
             node_id = max(sorted(free), key=lambda n: free[n], default=None)
             if node_id is None or free[node_id] < per:
@@ -228,8 +229,8 @@ class Scaler:
         return out
 
     # --------------------------------------------------------------- scale-in
-    async def scale_in(self, *, model_name: str = "", num_replicas: int = 0, replica_ids: list[str] = (),
-                       engine_addresses: list[str] = (), force: bool = False, timeout_s: float | None = None,
+    async def scale_in(self, *, model_name: str = "", num_replicas: int = 0, replica_ids: Sequence[str] = (),
+                       engine_addresses: Sequence[str] = (), force: bool = False, timeout_s: float | None = None,
                        dry_run: bool = False, request_id: str = "",
                        triggered_by: str = "user") -> tuple[ScaleOperation, list[str], str]:
         model = model_name or "default"
@@ -260,7 +261,7 @@ class Scaler:
                 raise FailedPrecondition(
                     f"num_replicas {num_replicas} is below the {len(protected)} initial replica(s) of {model!r}, "
                     "which are protected from scale-in", reason="PROTECTED_REPLICA",
-                    metadata={"protected": len(protected)})
+                    metadata={"protected": str(len(protected))})
             if num_replicas >= len(pool):
                 why = f"{len(pool)} replicas of {model!r} already at or below the target {num_replicas}"
                 return self.book.new(OperationType.SCALE_IN, state=OS.NOOP, reason=why, store=store, **fields), [], why

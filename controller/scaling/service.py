@@ -6,6 +6,8 @@ refused call changes nothing.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from mesh_runtime.errors import FailedPrecondition, InvalidArgument
 from rollmesh.controller.v1 import autoscaler_pb2, scaling_pb2
 
@@ -30,6 +32,13 @@ def _states(values) -> set:
 
 class ScalingRpcs:
     """Mixed into ``ControllerServicer``; needs ``self.mesh`` and ``self.config``."""
+
+    if TYPE_CHECKING:
+        from ..config import ControllerConfig
+        from ..mesh import Mesh
+
+        mesh: Mesh
+        config: ControllerConfig
 
     async def ScaleOut(self, request, context):  # noqa: N802 - gRPC method names throughout
         require_scale_credential(context, self.config, "ScaleOut")
@@ -85,7 +94,7 @@ class ScalingRpcs:
         if core is None:
             return msg
         msg.enabled, msg.min_engines, msg.max_engines = core.enabled, core.config.min_engines, core.config.max_engines
-        if core.last_scale_time:
+        if core.last_scale_time and core.last_scale_action is not None:
             msg.last_scale_time.CopyFrom(convert.timestamp(core.last_scale_time))
             msg.last_scale_action = convert_scaling.ACTIONS[core.last_scale_action]
         last = convert_scaling.decision(core.last_decision, loop.decided_at)

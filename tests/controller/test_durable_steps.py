@@ -16,7 +16,7 @@ import pytest
 
 from rollmesh.controller.v1 import controller_pb2_grpc, scheduling_pb2
 from tests.processes import running_server
-from trainer_agent.driver.loop import step_call
+from trainer_agent.driver.mesh_calls import step_call
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from controller.core.ports import ReplicaSyncOutcome
-from controller.core.replicas import ReplicaKind, ReplicaRegistry, ReplicaSpec, ReplicaState
+from controller.core.records import ReplicaKind, ReplicaSpec, ReplicaState
+from controller.core.replicas import ReplicaRegistry
 from controller.ports import Channels
 from controller.weight_sync import WeightBroadcast
 

@@ -11,7 +11,9 @@ import types
 import grpc
 import pytest
 
-from controller.core.replicas import ReplicaKind, ReplicaRegistry, ReplicaSpec, ReplicaState
+from controller.core.records import ReplicaKind, ReplicaSpec, ReplicaState
+
+from controller.core.replicas import ReplicaRegistry
 from controller.weight_sync import WeightBroadcast
 from controller.scaling.runs import seed_replicas
 from rollmesh.common.v1 import weights_pb2

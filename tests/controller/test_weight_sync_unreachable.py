@@ -15,7 +15,9 @@ import types
 import grpc
 import pytest
 
-from controller.core.replicas import ReplicaKind, ReplicaRegistry, ReplicaSpec, ReplicaState
+from controller.core.records import ReplicaKind, ReplicaSpec, ReplicaState
+
+from controller.core.replicas import ReplicaRegistry
 from controller.weight_sync import WeightBroadcast
 from rollmesh.common.v1 import weights_pb2
 from rollmesh.replica.v1 import replica_agent_pb2 as agent_pb

@@ -409,7 +409,7 @@ async def test_interrupted_release_is_finished_by_the_retry(mesh):
 async def test_an_agent_registering_again_during_a_release_does_not_break_it(mesh):
     # the controller restarted mid-release; the agent registered again, reporting h1 as it was then (ACTIVE),
     # while the retried release was waiting for its sleep: the release still ends with h1 asleep
-    from controller.core.replicas import ReplicaSpec
+    from controller.core.records import ReplicaSpec
 
     ctrl = mesh.controller()
     await activate_in_step_1(mesh, ctrl)

@@ -18,7 +18,7 @@ from controller.core import (
     ReplicaSpec,
     ReplicaState,
 )
-from controller.core.replicas import ALLOWED_TRANSITIONS, TERMINAL_STATES
+from controller.core.records import ALLOWED_TRANSITIONS, TERMINAL_STATES
 
 from .fakes import FakeClock
 

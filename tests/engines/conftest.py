@@ -4,6 +4,7 @@ they start, and a helper that drains a generation stream."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -76,6 +77,44 @@ async def synthetic_factory():
         engines.append(engine)
         await engine.start()
         return engine
+
+    yield make
+    for engine in engines:
+        await engine.close()
+
+
+@pytest.fixture
+def vllm_model_dir(tmp_path: Path) -> Path:
+    """A small float32 checkpoint (:data:`vllm_support.CHECKPOINT`) for the vLLM backend's tests."""
+    import torch
+    from safetensors.torch import save_file
+    from vllm_support import CHECKPOINT
+
+    (tmp_path / "config.json").write_text("{}")
+    generator = torch.Generator().manual_seed(0)
+    save_file({n: torch.randn(s, generator=generator) for n, s in CHECKPOINT.items()}, tmp_path / "model.safetensors")
+    return tmp_path
+
+
+@pytest.fixture
+async def make_vllm(vllm_model_dir):
+    """``await make_vllm(fake=None, **options)`` -> (started VllmEngine, its FakeAsyncLLM)."""
+    from fake_vllm import FakeAsyncLLM, fake_api
+
+    from replica_agent.engines.vllm_config import VllmEngineConfig
+    from replica_agent.engines.vllm_engine import VllmEngine
+
+    engines: list[VllmEngine] = []
+
+    async def make(fake: FakeAsyncLLM | None = None, clock=None, **options):
+        fake = fake or FakeAsyncLLM()
+        options.setdefault("stream_interval", 4)
+        options.setdefault("replica_id", "rep-1")
+        extra = {"clock": clock} if clock is not None else {}
+        engine = VllmEngine(VllmEngineConfig(model_path=str(vllm_model_dir), **options), api=fake_api(fake), **extra)
+        engines.append(engine)
+        await engine.start()
+        return engine, fake
 
     yield make
     for engine in engines:

@@ -126,7 +126,7 @@ def test_server_load_takes_percentiles_of_recent_observations():
             f'sglang:time_to_first_token_seconds_bucket{{le="0.1",model_name="m"}} {fast}',
             f'sglang:time_to_first_token_seconds_bucket{{le="1.0",model_name="m"}} {fast + slow}',
             f'sglang:time_to_first_token_seconds_bucket{{le="+Inf",model_name="m"}} {fast + slow}',
-            f'sglang:time_to_first_token_seconds_sum{{model_name="m"}} 1', 
+            'sglang:time_to_first_token_seconds_sum{model_name="m"} 1', 
             f'sglang:time_to_first_token_seconds_count{{model_name="m"}} {fast + slow}', ""])
 
     load = ServerLoad()

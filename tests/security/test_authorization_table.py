@@ -11,7 +11,6 @@ it is). A new RPC without a rule fails here.
 from __future__ import annotations
 
 import asyncio
-import importlib
 from pathlib import Path
 
 import grpc

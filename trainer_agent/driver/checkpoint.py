@@ -41,7 +41,8 @@ def save_checkpoint(directory: str | Path, *, trainer_state: dict, driver_state:
     path = checkpoint_path(directory)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"format": FORMAT_VERSION, "trainer": trainer_state, "driver": driver_state,
-               "records": [dataclasses.asdict(r) if dataclasses.is_dataclass(r) else dict(r) for r in records],
+               "records": [dataclasses.asdict(r) if dataclasses.is_dataclass(r) and not isinstance(r, type) else dict(r)
+                           for r in records],
                "job": dict(job or {})}
     tmp = path.with_suffix(".pt.tmp")
     torch.save(payload, tmp)

@@ -66,7 +66,6 @@ prompt source is exhausted does the loop end early, normally.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import itertools
 import logging
@@ -77,14 +76,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
 
 from rollmesh.common.v1 import types_pb2
 from rollmesh.controller.v1 import scheduling_pb2
 
 from mesh_runtime import samples
-from mesh_runtime.net import AddressError, parse_host_port
-from mesh_runtime.retry import retry_same
+from trainer_agent.driver.mesh_calls import ReplicaCount, accepts_connections, duration, step_call
 from trainer_agent.driver.queue import MessageQueue, Sample
 from trainer_agent.driver.rollouter import GenerateFn, Prompt, RolloutConfig, Rollouter
 from trainer_agent.training.grpo import GrpoTrainer
@@ -96,7 +93,6 @@ RewardFn = Callable[[Sequence[int], Sequence[int]], float]
 Scorer = Callable[[Sequence[tuple[str, Sequence[int]]]], tuple[list[float], dict[str, float]]]
 """Scores ``(prompt_id, completion_ids)`` pairs: ``(scores, extra metrics)``; replaces ``reward_fn`` for prompts
 that carry more than their tokens (a dataset row's ground truth). Runs in a worker thread."""
-ReplicaCount = Callable[[], Awaitable[int]]
 # ReplicaState values of replicas that no longer take part (FAILED, STOPPED, REMOVED).
 _GONE_STATES = frozenset({types_pb2.REPLICA_STATE_FAILED, types_pb2.REPLICA_STATE_STOPPED,
                           types_pb2.REPLICA_STATE_REMOVED})
@@ -147,62 +143,6 @@ def task_prompts(task: Any, count: int, seed: int, *, repeat: bool = True, **tas
     pairs = task.make_prompts(count, seed, **task_kwargs)
     prompts = [Prompt(f"p{i}", list(prompt)) for i, (prompt, _answer) in enumerate(pairs)]
     return itertools.cycle(prompts) if repeat else iter(prompts)
-
-
-def lb_replica_count(lb_stub: Any, *, timeout_s: float = 10.0) -> ReplicaCount:
-    """``await count()`` = the replicas the load balancer routes to now."""
-    from rollmesh.loadbalancer.v1 import loadbalancer_pb2
-
-    async def count() -> int:
-        reply = await lb_stub.ListReplicas(loadbalancer_pb2.ListReplicasRequest(), timeout=timeout_s)
-        return len(reply.replicas)
-    return count
-
-
-async def _accepts_connections(address: str, timeout_s: float = 2.0) -> bool:
-    """Whether the server at ``address`` accepts a TCP connection within ``timeout_s`` (plaintext or TLS)."""
-    try:
-        host, port = parse_host_port(address)
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
-    except (TimeoutError, OSError, AddressError):
-        return False
-    writer.close()
-    with contextlib.suppress(OSError):
-        await writer.wait_closed()
-    return True
-
-
-async def step_call(method: Callable[..., Awaitable[Any]], request: Any, *, timeout_s: float,
-                    backoff_s: float = 0.2, max_backoff_s: float = 2.0) -> Any:
-    """One call of the step protocol, retried while :func:`~mesh_runtime.retry.retry_same` says so (``UNAVAILABLE``)
-    until ``timeout_s`` has passed.
-
-    The controller answers a repeated call for the current step with the
-    answer it recorded (and stored before replying), so a retry after a
-    controller restart is safe. Bounded exponential backoff; the last
-    attempt's deadline is what remains of ``timeout_s``. Any other status is
-    raised at once.
-    """
-    deadline = time.monotonic() + timeout_s
-
-    retrying = AsyncRetrying(retry=retry_if_exception(retry_same), reraise=True,
-                             stop=stop_after_delay(timeout_s),
-                             wait=wait_exponential(multiplier=backoff_s, max=max_backoff_s),
-                             before_sleep=lambda state: log.warning(
-                                 "step protocol: the controller is unavailable (%s); retrying",
-                                 state.outcome.exception().details() if state.outcome else "?"))
-    async for attempt in retrying:
-        with attempt:
-            return await method(request, timeout=max(0.5, deadline - time.monotonic()))
-    raise AssertionError("unreachable")  # pragma: no cover - reraise=True ends the loop with the error
-
-
-def _duration(seconds: float):
-    from google.protobuf.duration_pb2 import Duration
-
-    d = Duration()
-    d.FromNanoseconds(int(max(0.0, seconds) * 1e9))
-    return d
 
 
 class FullyAsyncLoop:
@@ -279,10 +219,11 @@ class FullyAsyncLoop:
         """Await ``aw``; a rollouter that fails meanwhile fails the loop at once."""
         work = asyncio.ensure_future(aw)
         done, _ = await asyncio.wait({work, rollout}, return_when=asyncio.FIRST_COMPLETED)
-        if work not in done and rollout.exception() is not None:
+        failed = rollout.exception() if work not in done else None
+        if failed is not None:
             work.cancel()
             await asyncio.gather(work, return_exceptions=True)
-            raise rollout.exception()
+            raise failed
         return await work
 
     # -- one step ----------------------------------------------------------------------------------
@@ -317,7 +258,7 @@ class FullyAsyncLoop:
                 self._wait_for(begin.wait_samples, begin.wait_timeout.ToNanoseconds() / 1e9), rollout)
             release = await self._checked(step_call(
                 ctl.ReleaseHybridReplicas, scheduling_pb2.ReleaseHybridReplicasRequest(
-                    global_step=gs, buffered_samples=self._queued(), waited=_duration(waited),
+                    global_step=gs, buffered_samples=self._queued(), waited=duration(waited),
                     wait_expired=expired), timeout_s=self._rpc_timeout), rollout)
             released = list(release.released_replica_ids)
             await self._refresh_replicas()
@@ -368,8 +309,8 @@ class FullyAsyncLoop:
         rollout_metrics = self.rollouter.reset_staleness(version)
         window = self.rollouter.last_window_history
         report = self._report(gs, timing=timing, wait_times=wait_times, wait_samples=wait_samples)
-        report.train_allocated_time.CopyFrom(_duration(allocated))
-        report.train_compute_time.CopyFrom(_duration(sum(timing[k] for k in STEP_TIMING_KEYS)))
+        report.train_allocated_time.CopyFrom(duration(allocated))
+        report.train_compute_time.CopyFrom(duration(sum(timing[k] for k in STEP_TIMING_KEYS)))
         report.step_generated_samples = int(rollout_metrics.get("fully_async/rollouter/step_generated_samples", 0))
         report.samples_consumed = (q.consumed - consumed0) // cfg.n
         report.samples_dropped = (q.dropped - dropped0) // cfg.n
@@ -480,7 +421,7 @@ class FullyAsyncLoop:
             live = {r.replica_id: r.address for r in listed.replicas if r.state not in _GONE_STATES}
             pending = [rid for rid in pending if rid in live]
             for rid in list(pending):
-                if live[rid] and not await _accepts_connections(live[rid]):
+                if live[rid] and not await accepts_connections(live[rid]):
                     continue
                 try:
                     reply = await self.controller.SyncWeights(weight_sync_pb2.SyncWeightsRequest(
@@ -521,6 +462,8 @@ class FullyAsyncLoop:
 
     def _score(self, samples: Sequence[Sample]) -> tuple[list[list[GrpoSample]], dict[str, float]]:
         """The trainer's groups with the scorer's rewards (a group id is ``prompt_id#n``)."""
+        if self.scorer is None:
+            raise RuntimeError("_score needs a scorer (the dataset's reward function)")
         kept = [s for s in samples if s.completion_ids]
         scores, extra = self.scorer([(s.group_id.rsplit("#", 1)[0], s.completion_ids) for s in kept])
         scored = [dataclasses.replace(s, reward=score) for s, score in zip(kept, scores)]
@@ -547,10 +490,10 @@ class FullyAsyncLoop:
             expected_samples=samples.expected_samples(cfg.step_required_samples, gs),
             buffer_samples=cfg.buffer_samples, step_wait_samples=list(wait_samples), queue_size=self._queued())
         for t in wait_times:
-            report.step_wait_times.append(_duration(t))
+            report.step_wait_times.append(duration(t))
         for key, value in (timing or {}).items():
             if key != "param_sync":
-                report.timing_raw[key].CopyFrom(_duration(value))
+                report.timing_raw[key].CopyFrom(duration(value))
         if timing is not None:
-            report.timing_raw["param_sync"].CopyFrom(_duration(self._last_sync_s))
+            report.timing_raw["param_sync"].CopyFrom(duration(self._last_sync_s))
         return report

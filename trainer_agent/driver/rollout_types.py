@@ -23,8 +23,10 @@ groups enter and leave the queue whole, every completion count is exactly
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from mesh_runtime import samples
 from mesh_runtime.rollout_metrics import ConcurrencyPoint
@@ -121,3 +123,21 @@ def rollout_resource_utilization(points: Sequence[HistoryPoint]) -> float:
     history = [ConcurrencyPoint(t=p.t, active_tasks=p.active_tasks, capacity=p.capacity) for p in points]
     max_capacity = max((p.capacity for p in points), default=0)
     return core_rollout_utilization(history, concurrent_samples_per_replica=1, max_required_samples=max_capacity)
+
+
+@dataclass
+class RolloutTotals:
+    """The rollouter's running totals since the run began (checkpointed, and in its ``stats()``)."""
+
+    submitted_samples: int = 0
+    completed_samples: int = 0
+    groups_enqueued: int = 0
+    dropped_by_queue: int = 0
+    retries: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RolloutTotals:
+        return cls(**{f.name: int(data[f.name]) for f in dataclasses.fields(cls)})

@@ -65,6 +65,7 @@ from trainer_agent.driver.rollout_types import (  # noqa: F401 - the rollouter's
     HistoryPoint,
     Prompt,
     RolloutConfig,
+    RolloutTotals,
     Segment,
     rollout_resource_utilization,
 )
@@ -128,11 +129,7 @@ class Rollouter:
         self._step_generated = 0
         self._groups_admitted = 0
         self._prompts_taken = 0
-        self._submitted_total = 0
-        self._completed_total = 0
-        self._groups_enqueued = 0
-        self._dropped_by_queue = 0
-        self._retries_total = 0
+        self._totals = RolloutTotals()
 
         self._history: list[HistoryPoint] = []
         self._last_window: list[HistoryPoint] = []
@@ -180,12 +177,8 @@ class Rollouter:
             "param_version": self._param_version,
             "prompts_taken": self._prompts_taken,
             "groups_admitted": self._groups_admitted,
-            "groups_enqueued": self._groups_enqueued,
             "pending_groups": len(self._pending),
-            "submitted_samples": self._submitted_total,
-            "completed_samples": self._completed_total,
-            "dropped_by_queue": self._dropped_by_queue,
-            "retries": self._retries_total,
+            **self._totals.as_dict(),
             "active_tasks": len(self._active),
             "capacity": self._capacity,
             "staleness_samples": self._staleness_samples,
@@ -357,7 +350,7 @@ class Rollouter:
         group.in_flight.add(index)
         key = (group.group_id, index)
         self._active[key] = asyncio.create_task(self._run_one(group, index, request), name=f"rollout:{key}")
-        self._submitted_total += 1
+        self._totals.submitted_samples += 1
         self._record("submit")
 
     async def _run_one(self, group: _Group, index: int, request: GenerationRequest) -> None:
@@ -375,13 +368,13 @@ class Rollouter:
             self._wake.set()
             return
         group.done[index] = sample
-        self._completed_total += 1
+        self._totals.completed_samples += 1
         self._finish_task(key, group, index, "drain" if self._paused else "complete")
         if len(group.done) == self.config.n:
             del self._pending[group.group_id]
             finished = [group.done[i] for i in range(self.config.n)]
-            self._dropped_by_queue += self._queue.put_group(finished)
-            self._groups_enqueued += 1
+            self._totals.dropped_by_queue += self._queue.put_group(finished)
+            self._totals.groups_enqueued += 1
             self._step_generated += 1  # verl's step_generated_samples: fully generated samples (groups)
         self._wake.set()
 
@@ -404,7 +397,7 @@ class Rollouter:
                 if attempt >= self.config.max_retries or not self._is_retryable(exc):
                     raise
                 attempt += 1
-                self._retries_total += 1
+                self._totals.retries += 1
                 if self.config.retry_backoff_s > 0:
                     await asyncio.sleep(self.config.retry_backoff_s * attempt)
 
@@ -458,13 +451,7 @@ class Rollouter:
             "step_generated_samples": self._step_generated,
             "groups_admitted": self._groups_admitted,
             "prompts_taken": self._prompts_taken,
-            "totals": {
-                "submitted_samples": self._submitted_total,
-                "completed_samples": self._completed_total,
-                "groups_enqueued": self._groups_enqueued,
-                "dropped_by_queue": self._dropped_by_queue,
-                "retries": self._retries_total,
-            },
+            "totals": self._totals.as_dict(),
             "pending": [
                 {
                     "group_id": g.group_id,
@@ -493,12 +480,7 @@ class Rollouter:
         self._step_generated = int(state["step_generated_samples"])
         self._groups_admitted = int(state["groups_admitted"])
         self._prompts_taken = int(state["prompts_taken"])
-        totals = state["totals"]
-        self._submitted_total = int(totals["submitted_samples"])
-        self._completed_total = int(totals["completed_samples"])
-        self._groups_enqueued = int(totals["groups_enqueued"])
-        self._dropped_by_queue = int(totals["dropped_by_queue"])
-        self._retries_total = int(totals["retries"])
+        self._totals = RolloutTotals.from_dict(state["totals"])
         self._pending = {}
         for entry in state["pending"]:
             group = _Group(

@@ -49,7 +49,8 @@ from ..training import task as copy_task
 from ..training.grpo import GrpoConfig, GrpoTrainer, parameter_bytes
 from .checkpoint import load_checkpoint, save_checkpoint
 from .lb_client import LoadBalancerGenerate
-from .loop import FullyAsyncLoop, StepRecord, lb_replica_count, task_prompts
+from .loop import FullyAsyncLoop, StepRecord, task_prompts
+from .mesh_calls import lb_replica_count
 from .rollouter import Prompt, RolloutConfig
 from .settings import queue_bound
 

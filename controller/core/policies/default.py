@@ -140,7 +140,8 @@ class DefaultDynamicSchedulePolicy(DynamicSchedulePolicyBase):
             self.last_adaptation = f"-{self.DECREASE:g} (no waits)"
         self.deactivate_ratio = min(max(ratio, self.min_ratio), self.max_ratio)
 
-    def request_rebalance(self, global_steps: int, ctx: DynamicScheduleContext) -> bool:
+    def request_rebalance(self, global_steps: int, ctx: DynamicScheduleContext,
+                          reset_prefix_cache: bool = True) -> bool:
         return True
 
     # --- rollmesh hooks ---

@@ -61,7 +61,7 @@ def resolve_policy(value: str) -> type:
                           f"got {value!r}")
     if ":" not in value:
         try:
-            cls = _REGISTRY[value]
+            cls: Any = _REGISTRY[value]
             bind_ray(cls)
             return cls
         except KeyError:

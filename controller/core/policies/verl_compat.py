@@ -157,4 +157,4 @@ def bind_ray(cls: type) -> None:
             continue
         if isinstance(current, types.ModuleType) and current.__name__ == "ray":
             real = None if getattr(current, _STAND_IN_MARK, False) else current
-            module.ray = RayShim(real)
+            setattr(module, "ray", RayShim(real))

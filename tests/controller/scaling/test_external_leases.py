@@ -7,7 +7,9 @@ import types
 
 import pytest
 
-from controller.core.replicas import ReplicaKind, ReplicaRegistry, ReplicaSpec, ReplicaState
+from controller.core.records import ReplicaKind, ReplicaSpec, ReplicaState
+
+from controller.core.replicas import ReplicaRegistry
 from controller.scaling.scaler import Scaler
 
 pytestmark = pytest.mark.timeout(30)

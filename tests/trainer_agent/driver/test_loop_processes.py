@@ -20,12 +20,8 @@ from weight_transfer import WeightTransferConfig
 from tests.processes import clean_env, running_server
 from trainer_agent.config import TrainerAgentConfig
 from trainer_agent.driver.lb_client import LoadBalancerGenerate
-from trainer_agent.driver.loop import (
-    FullyAsyncLoop,
-    StepRecord,
-    lb_replica_count,
-    task_prompts,
-)
+from trainer_agent.driver.loop import FullyAsyncLoop, StepRecord, task_prompts
+from trainer_agent.driver.mesh_calls import lb_replica_count
 from trainer_agent.driver.rollouter import RolloutConfig
 from trainer_agent.server import SPEC
 from trainer_agent.training import task

@@ -1,0 +1,155 @@
+"""What the registry holds: replica kinds and states, the transitions allowed between states, and the
+records of replicas and nodes (with their persisted form).
+
+The state machine itself (who may move a replica where, with which event)
+is :class:`~controller.core.replicas.ReplicaRegistry`; this module is its
+vocabulary, shared by the controller's core, its adapters and the simulator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+
+class ReplicaKind(enum.Enum):
+    """Which GPU pool a replica runs on (``rollmesh.common.v1.ReplicaKind``)."""
+
+    STANDALONE = "STANDALONE"
+    HYBRID = "HYBRID"
+
+    @property
+    def proto_name(self) -> str:
+        return f"REPLICA_KIND_{self.value}"
+
+
+class ReplicaState(enum.Enum):
+    """Lifecycle state of one replica (``rollmesh.common.v1.ReplicaState``)."""
+
+    LAUNCHING = "LAUNCHING"
+    LOADING = "LOADING"
+    SYNCING = "SYNCING"
+    ACTIVE = "ACTIVE"
+    PAUSED = "PAUSED"
+    DRAINING = "DRAINING"
+    SLEEPING = "SLEEPING"
+    FAILED = "FAILED"
+    STOPPED = "STOPPED"
+    REMOVED = "REMOVED"
+
+    @property
+    def proto_name(self) -> str:
+        return f"REPLICA_STATE_{self.value}"
+
+
+S = ReplicaState
+ALLOWED_TRANSITIONS: dict[ReplicaState, frozenset[ReplicaState]] = {
+    # A new engine must load (and possibly sync) before it may serve.
+    S.LAUNCHING: frozenset({S.LOADING, S.FAILED, S.STOPPED}),
+    S.LOADING: frozenset({S.SYNCING, S.ACTIVE, S.PAUSED, S.SLEEPING, S.FAILED, S.STOPPED}),
+    # After a sync the replica serves, waits paused, or (hybrid sync undone) sleeps again.
+    S.SYNCING: frozenset({S.ACTIVE, S.PAUSED, S.SLEEPING, S.FAILED, S.STOPPED}),
+    # Leaving service always passes DRAINING (removed from routing, requests aborted).
+    S.ACTIVE: frozenset({S.SYNCING, S.PAUSED, S.DRAINING, S.FAILED, S.STOPPED}),
+    S.PAUSED: frozenset({S.ACTIVE, S.SYNCING, S.DRAINING, S.FAILED, S.STOPPED}),
+    S.DRAINING: frozenset({S.SLEEPING, S.ACTIVE, S.FAILED, S.STOPPED}),
+    # Waking goes through PAUSED, so a replica is routed before it is resumed.
+    S.SLEEPING: frozenset({S.SYNCING, S.PAUSED, S.FAILED, S.STOPPED}),
+    S.FAILED: frozenset({S.LAUNCHING, S.STOPPED, S.REMOVED}),
+    S.STOPPED: frozenset({S.LAUNCHING, S.REMOVED}),
+    S.REMOVED: frozenset(),
+}
+TERMINAL_STATES = frozenset({S.FAILED, S.STOPPED, S.REMOVED})
+"""States in which no engine process serves or holds memory on the controller's behalf."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaSpec:
+    """One replica as an agent reports it when registering its node."""
+
+    replica_id: str
+    kind: ReplicaKind
+    state: ReplicaState = S.LAUNCHING
+    weight_version: int = 0
+    slots: tuple[int, ...] = ()
+    memory_fraction: float = 0.0
+    initial: bool = False
+    engine_url: str = ""
+    """The running engine server the replica is attached to (external SGLang); empty otherwise."""
+
+
+@dataclasses.dataclass
+class ReplicaRecord:
+    """The controller's record of one replica (``ReplicaRecord`` in registry.proto)."""
+
+    replica_id: str
+    node_id: str
+    address: str
+    kind: ReplicaKind
+    state: ReplicaState
+    weight_version: int = 0
+    slots: tuple[int, ...] = ()
+    memory_fraction: float = 0.0
+    initial: bool = False
+    added_by_operation_id: str = ""
+    intentionally_removed: bool = False
+    state_reason: str = ""
+    model_name: str = "default"
+    lease_expires_at: float | None = None
+    updated_at: float = 0.0
+    added_at: float = 0.0
+    """When the replica first entered the registry (scale-in picks the newest first)."""
+    engine_url: str = ""
+    """The running engine server the replica is attached to (external SGLang); empty otherwise."""
+    last_report: Any = dataclasses.field(default=None, compare=False)
+    """The latest load report, opaque to the core; not persisted."""
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "last_report"}
+        data.update(kind=self.kind.value, state=self.state.value, slots=list(self.slots))
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ReplicaRecord:
+        fields = {k: v for k, v in data.items() if k != "last_report"}
+        fields.update(kind=ReplicaKind(data["kind"]), state=ReplicaState(data["state"]),
+                      slots=tuple(data.get("slots", ())))
+        return cls(**fields)
+
+
+@dataclasses.dataclass
+class NodeRecord:
+    """The controller's record of one registered node."""
+
+    node_id: str
+    address: str
+    slots_total: int = 0
+    backend: str = ""
+    model: str = ""
+    model_name: str = "default"
+    agent_version: str = ""
+    registered_at: float = 0.0
+    lease_expires_at: float = 0.0
+    last_report_at: float | None = None
+    lease_held: bool = True
+    external: bool = False
+    """Connected by an external scale-out: the controller polls its load reports to hold the lease."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> NodeRecord:
+        return cls(**data)
+
+
+@dataclasses.dataclass(frozen=True)
+class Registration:
+    """Outcome of :meth:`ReplicaRegistry.register_node`."""
+
+    node_id: str
+    accepted: tuple[str, ...]
+    rejected: dict[str, str]
+    """Refused replica id -> why."""
+    lease_expires_at: float

@@ -1,0 +1,115 @@
+"""One request's run across its attempts: its state, how an attempt ends, and the balancer's timings.
+
+:class:`RequestRun` is what the balancer keeps per request (segments so far,
+attempts, replicas to avoid, the budget and deadline). An attempt that goes on
+elsewhere ends with :class:`RetryAttempt` (``backoff`` for a failure, none for
+an abort); :class:`AttemptCut` is an attempt the balancer ended itself.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
+from opentelemetry import trace
+
+from mesh_runtime.errors import error_info
+from mesh_runtime.metrics import ServerMetrics
+from rollmesh.common.v1 import generation_pb2
+from rollmesh.loadbalancer.v1 import loadbalancer_pb2, routing_pb2
+
+
+def error_reason(err: grpc.aio.AioRpcError) -> str:
+    info = error_info(err)
+    return info.reason if info is not None else ""
+
+
+class Timing:
+    """The balancer's histograms (what takes time); its counters are :class:`Stats`."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.request = metrics.histogram("rollmesh_lb_request_duration_seconds",
+                                         "Time from a generation request's arrival to its last message, by outcome",
+                                         ("outcome",))
+        self.ttft = metrics.histogram("rollmesh_lb_time_to_first_token_seconds",
+                                      "Time from a generation request's arrival to its first token to the caller")
+        self.attempt = metrics.histogram("rollmesh_lb_attempt_duration_seconds",
+                                         "Duration of one replica attempt of a request, by how it ended "
+                                         "(completed, aborted, unavailable, failed)", ("outcome",))
+
+
+class AttemptCut(Exception):
+    """The balancer ended an attempt itself: no message for stall_timeout_s, or its replica was removed
+    from routing with abort (a move, like a replica-side abort: recorded ABORTED, resumed at once)."""
+
+    def __init__(self, why: str, *, removed: bool) -> None:
+        super().__init__(why)
+        self.removed = removed
+
+
+class RetryAttempt(Exception):
+    """An attempt ended without a result; the request goes on elsewhere."""
+
+    def __init__(self, why: str, *, backoff: bool, refused: bool = False) -> None:
+        super().__init__(why)
+        self.backoff = backoff
+        self.refused = refused   # the replica is alive but not serving (REPLICA_NOT_SERVING)
+
+
+def attempt_ended(span: trace.Span, record: routing_pb2.Attempt, retry: RetryAttempt) -> None:
+    """How an attempt that goes on elsewhere ends on its span: an abort (weight sync, rebalance, drain,
+    removal) or a refusal by a replica that is not serving is an event with its reason; a failure is an
+    error."""
+    outcome = routing_pb2.AttemptOutcome.Name(record.outcome).removeprefix("ATTEMPT_OUTCOME_")
+    span.set_attribute("rollmesh.outcome", outcome)
+    if record.outcome == routing_pb2.ATTEMPT_OUTCOME_ABORTED:
+        span.add_event("attempt.aborted", {"rollmesh.reason": record.reason})
+    elif retry.refused:
+        span.add_event("attempt.refused", {"rollmesh.reason": record.reason})
+    else:
+        span.set_status(trace.Status(trace.StatusCode.ERROR, record.reason[:300]))
+
+
+def now_ts() -> Timestamp:
+    ts = Timestamp()
+    ts.GetCurrentTime()
+    return ts
+
+
+@dataclass
+class RequestRun:
+    """The state of one request across its attempts."""
+
+    request: loadbalancer_pb2.GenerateRequest
+    partial_rollout: bool
+    budget: int
+    deadline: float | None
+    segments: list[generation_pb2.TokenSegment] = field(default_factory=list)
+    attempts: list[routing_pb2.Attempt] = field(default_factory=list)
+    avoid: frozenset[str] = frozenset()
+    failed_on: frozenset[str] = frozenset()
+    """Replicas an attempt of this request failed on (UNAVAILABLE, broken stream): later attempts avoid them
+    while another eligible replica exists."""
+    restart_pending: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    def remaining(self) -> float | None:
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
+
+def segments_of(streamed: list[tuple[int, float | None, int]], route) -> list[generation_pb2.TokenSegment]:
+    """Token segments (one per weight version) from the tokens of a broken attempt."""
+    out: list[generation_pb2.TokenSegment] = []
+    for token, logprob, version in streamed:
+        if not out or out[-1].weight_version != version:
+            out.append(generation_pb2.TokenSegment(weight_version=version, replica_id=route.replica_id,
+                                                   node_id=route.node_id))
+        out[-1].token_ids.append(token)
+        if logprob is not None:
+            out[-1].logprobs.append(logprob)
+    return out
