@@ -18,6 +18,7 @@ import hmac
 
 from mesh_runtime.errors import PermissionDenied, Unauthenticated
 from mesh_runtime.identity import current_identity
+from mesh_runtime.reasons import Reason
 
 from .config import ControllerConfig
 
@@ -44,7 +45,7 @@ def require_own_node(node_id: str, method: str) -> None:
     identity = current_identity()
     if identity is not None and identity.role == "replica-agent" and identity.name != node_id:
         raise PermissionDenied(f"{method}: {identity} may act only for node {identity.name!r}, "
-                               f"not {node_id[:64]!r}", reason="NOT_YOUR_NODE")
+                               f"not {node_id[:64]!r}", reason=Reason.NOT_YOUR_NODE)
 
 
 def require_scale_credential(context, config: ControllerConfig, method: str) -> None:
@@ -58,14 +59,14 @@ def require_scale_credential(context, config: ControllerConfig, method: str) -> 
     value = _authorization(context)
     if not value:
         raise Unauthenticated(f"{method} changes the mesh and needs a credential: send the metadata "
-                              "'authorization: Bearer TOKEN'", reason="CREDENTIAL_MISSING")
+                              "'authorization: Bearer TOKEN'", reason=Reason.CREDENTIAL_MISSING)
     scheme, _, token = value.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
-        raise Unauthenticated("the authorization metadata must be 'Bearer TOKEN'", reason="MALFORMED_CREDENTIAL")
+        raise Unauthenticated("the authorization metadata must be 'Bearer TOKEN'", reason=Reason.MALFORMED_CREDENTIAL)
     token = token.strip()
     if _same(token, config.scale_api_token):
         return
     if any(_same(token, t) for t in config.scale_api_read_tokens):
         raise PermissionDenied(f"this credential is read-only and may not call {method}",
-                               reason="READ_ONLY_CREDENTIAL")
-    raise Unauthenticated("the credential is not valid for this controller", reason="INVALID_CREDENTIAL")
+                               reason=Reason.READ_ONLY_CREDENTIAL)
+    raise Unauthenticated("the credential is not valid for this controller", reason=Reason.INVALID_CREDENTIAL)

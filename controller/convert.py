@@ -10,6 +10,7 @@ from __future__ import annotations
 from google.protobuf import duration_pb2, struct_pb2, timestamp_pb2
 
 from mesh_runtime.errors import InvalidArgument
+from mesh_runtime.reasons import Reason
 from rollmesh.common.v1 import events_pb2, types_pb2
 from rollmesh.controller.v1 import observability_pb2, registry_pb2, scheduling_pb2, weight_sync_pb2
 
@@ -48,7 +49,7 @@ def kind_from_proto(value: int) -> ReplicaKind:
         return ReplicaKind(types_pb2.ReplicaKind.Name(value).removeprefix("REPLICA_KIND_"))
     except ValueError:
         raise InvalidArgument(f"replica kind must be REPLICA_KIND_STANDALONE or REPLICA_KIND_HYBRID, got "
-                              f"{value} ({'unset' if value == 0 else 'unknown'})", reason="INVALID_KIND") from None
+                              f"{value} ({'unset' if value == 0 else 'unknown'})", reason=Reason.INVALID_KIND) from None
 
 
 def state_to_proto(state: ReplicaState) -> int:
@@ -61,7 +62,7 @@ def state_from_proto(value: int) -> ReplicaState:
         return ReplicaState(types_pb2.ReplicaState.Name(value).removeprefix("REPLICA_STATE_"))
     except ValueError:
         raise InvalidArgument(f"replica state {value} is {'unset' if value == 0 else 'unknown'}",
-                              reason="INVALID_STATE") from None
+                              reason=Reason.INVALID_STATE) from None
 
 
 def replica_specs(msg: registry_pb2.RegisterNodeRequest) -> list[ReplicaSpec]:

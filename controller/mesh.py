@@ -23,6 +23,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
 from mesh_runtime import tracing
+from mesh_runtime.reasons import Reason
 from rollmesh.common.v1 import types_pb2
 
 from .config import ControllerConfig
@@ -368,6 +369,6 @@ class Mesh:
 def _invalid(message: str):
     from mesh_runtime.errors import InvalidArgument  # noqa: PLC0415
 
-    return InvalidArgument(message, reason="INVALID_REGISTRATION")
+    return InvalidArgument(message, reason=Reason.INVALID_REGISTRATION)
 
 

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from mesh_runtime.errors import InvalidArgument
+from mesh_runtime.reasons import Reason
 
 MAX_PAGE_SIZE = 1000
 YIELD_EVERY = 256
@@ -31,17 +32,17 @@ def page(items: Sequence[T], *, key: Callable[[T], str], page_size: int, page_to
     """The page asked for of ``items`` (sorted by ``key``, their id) and the next page's token ('' after
     the last)."""
     if page_size < 0:
-        raise InvalidArgument(f"page_size must be >= 0, got {page_size}", reason="INVALID_PAGE_SIZE")
+        raise InvalidArgument(f"page_size must be >= 0, got {page_size}", reason=Reason.INVALID_PAGE_SIZE)
     start = 0
     if page_token:
         try:
             version, fingerprint, after = base64.urlsafe_b64decode(page_token.encode()).decode().split("|", 2)
         except (ValueError, UnicodeDecodeError):
             raise InvalidArgument(f"page_token {page_token[:40]!r} is not one this server gave out",
-                                  reason="INVALID_PAGE_TOKEN") from None
+                                  reason=Reason.INVALID_PAGE_TOKEN) from None
         if version != "v1" or fingerprint != _fingerprint(filters):
             raise InvalidArgument("page_token belongs to a listing with other filters; start again without it",
-                                  reason="INVALID_PAGE_TOKEN")
+                                  reason=Reason.INVALID_PAGE_TOKEN)
         start = bisect.bisect_right(items, after, key=key)
     if page_size == 0:
         return list(items[start:]), ""

@@ -8,6 +8,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from mesh_runtime.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from mesh_runtime.metrics import LoopStallMonitor, ServerMetrics
+from mesh_runtime.reasons import Reason
 from mesh_runtime.server import MeshServer
 from mesh_runtime.status import StatusReporter
 from mesh_runtime.validate import check_reachable
@@ -75,13 +76,13 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
         remaining = context.time_remaining()
         if remaining is not None and remaining <= 0:   # its caller gave up: doing it now would help nobody
             raise DeadlineExceeded(f"registration of node {request.node_id[:64]!r} reached the controller after "
-                                   "its deadline; nothing was registered", reason="DEADLINE_PASSED")
+                                   "its deadline; nothing was registered", reason=Reason.DEADLINE_PASSED)
         wait = self.mesh.admission.admit()
         if wait:
             raise ResourceExhausted(
                 f"more than max_registrations_per_s={self.config.max_registrations_per_s:g} registrations this "
                 f"second; node {request.node_id[:64]!r} was not registered: retry in {wait:.2f} s",
-                reason="REGISTRATIONS_THROTTLED", retry_delay_s=wait)
+                reason=Reason.REGISTRATIONS_THROTTLED, retry_delay_s=wait)
         check_reachable(request.address, context.peer(), f"node {request.node_id[:64]!r}")
         self.mesh.pace()   # the lease it gets is the one of the fleet's current pace
         registration = await self.mesh.register_node(request)
@@ -105,7 +106,7 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
         async for message in request_iterator:
             if not message.node_id or (node_id and message.node_id != node_id):
                 raise InvalidArgument("every message of a load-report stream must carry the same, non-empty "
-                                      "node_id", reason="INVALID_NODE_ID")
+                                      "node_id", reason=Reason.INVALID_NODE_ID)
             if not node_id:
                 require_own_node(message.node_id, "StreamLoadReports")
             pace = self.mesh.pace()
@@ -154,7 +155,7 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
         if not request.HasField("report"):
             raise InvalidArgument("report is required: the step report (required_samples, expected_samples, "
                                   "buffer_samples, total_generated_samples, ...) the policies decide on",
-                                  reason="MISSING_REPORT")
+                                  reason=Reason.MISSING_REPORT)
         decision = await self.mesh.scheduler.begin_step(request.global_step, convert.step_report(request.report))
         await self.mesh.commit()   # durable before acknowledged
         return convert.begin_response(decision)
@@ -180,21 +181,21 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
         registry = self.mesh.registry
         if request.HasField("weight_version") and request.weight_version < 0:
             raise InvalidArgument(f"weight_version must be >= 0, got {request.weight_version}",
-                                  reason="BAD_WEIGHT_VERSION")
+                                  reason=Reason.INVALID_WEIGHT_VERSION)
         timeout_s = None
         if request.HasField("timeout"):
             timeout_s = request.timeout.ToNanoseconds() / 1e9
             if timeout_s <= 0:
-                raise InvalidArgument(f"timeout must be positive, got {timeout_s:g} s", reason="BAD_TIMEOUT")
+                raise InvalidArgument(f"timeout must be positive, got {timeout_s:g} s", reason=Reason.INVALID_TIMEOUT)
         if len(set(request.replica_ids)) != len(request.replica_ids):
-            raise InvalidArgument("replica_ids lists a replica more than once", reason="DUPLICATE_REPLICA")
+            raise InvalidArgument("replica_ids lists a replica more than once", reason=Reason.DUPLICATE_REPLICA)
         if request.replica_ids:
             targets = [registry.get(r).replica_id for r in request.replica_ids]
             cannot = [f"{r} ({registry.get(r).state.value})" for r in targets
                       if registry.get(r).state not in (S.ACTIVE, S.PAUSED, S.SLEEPING)]
             if cannot:
                 raise FailedPrecondition(f"only ACTIVE, PAUSED or SLEEPING replicas can receive weights: "
-                                         f"{', '.join(cannot)}", reason="WRONG_REPLICA_STATE")
+                                         f"{', '.join(cannot)}", reason=Reason.WRONG_REPLICA_STATE)
         else:
             targets = [r.replica_id for r in registry.replicas(states=[S.ACTIVE, S.PAUSED])
                        if r.kind is ReplicaKind.STANDALONE or self.mesh.scheduler.is_hybrid_active]
@@ -226,7 +227,7 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
             from mesh_runtime.errors import OutOfRange  # noqa: PLC0415
 
             raise OutOfRange(f"from_sequence {request.from_sequence} is ahead of the newest event "
-                             f"({self.mesh.events.last_sequence})", reason="SEQUENCE_AHEAD")
+                             f"({self.mesh.events.last_sequence})", reason=Reason.SEQUENCE_AHEAD)
         replica_ids = set(request.replica_ids)
         types = {events_pb2.EventType.Name(t) for t in request.types}
 
@@ -246,7 +247,7 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
             cycles = [c for c in metrics.closed if c.cycle == request.cycle]
             if not cycles:
                 raise NotFound(f"no closed sync cycle {request.cycle} (closed: "
-                               f"{[c.cycle for c in metrics.closed][-5:]})", reason="CYCLE_NOT_FOUND")
+                               f"{[c.cycle for c in metrics.closed][-5:]})", reason=Reason.CYCLE_NOT_FOUND)
         elif request.HasField("from_cycle"):
             cycles = metrics.cycles(request.from_cycle, limit)
         else:

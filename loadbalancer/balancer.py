@@ -34,6 +34,7 @@ from mesh_runtime.errors import (
 )
 from mesh_runtime.generation import check_generation
 from mesh_runtime.metrics import ServerMetrics
+from mesh_runtime.reasons import Reason
 from mesh_runtime.retry import retry_elsewhere
 from rollmesh.common.v1 import generation_pb2
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2, routing_pb2
@@ -86,9 +87,9 @@ class Balancer:
         check_generation(request.request_id, request.prompt_token_ids, request.sampling_params,
                          request.resume_segments)
         if request.HasField("stream_interval") and request.stream_interval == 0:
-            raise InvalidArgument("stream_interval must be > 0 when set", reason="INVALID_STREAM_INTERVAL")
+            raise InvalidArgument("stream_interval must be > 0 when set", reason=Reason.INVALID_STREAM_INTERVAL)
         if request.request_id in self._running:
-            raise AlreadyExists(f"request {request.request_id!r} is already in flight", reason="REQUEST_IN_FLIGHT")
+            raise AlreadyExists(f"request {request.request_id!r} is already in flight", reason=Reason.REQUEST_IN_FLIGHT)
         record = self.completed.get(request.request_id)
         if record is not None:
             yield record
@@ -159,7 +160,7 @@ class Balancer:
                     remaining = run.remaining()
                     if remaining is not None and remaining <= 0:
                         raise DeadlineExceeded(f"request {run.request_id!r} ran out of time after "
-                                               f"{len(run.attempts)} attempt(s)", reason="DEADLINE_EXCEEDED")
+                                               f"{len(run.attempts)} attempt(s)", reason=Reason.DEADLINE_EXCEEDED)
                     if attempt.retry_state.attempt_number > 1:
                         self.stats.retries += 1
                         last = run.attempts[-1]
@@ -176,7 +177,7 @@ class Balancer:
             log.warning("request %s spent its retry budget of %d (last: %s); attempts: %s", run.request_id,
                         run.budget, last, outcomes, extra={"request_id": run.request_id})
             raise ResourceExhausted(f"request {run.request_id!r} spent its retry budget of {run.budget} "
-                                    f"(last: {last}); attempts: {outcomes}", reason="RETRY_BUDGET_SPENT") from None
+                                    f"(last: {last}); attempts: {outcomes}", reason=Reason.RETRY_BUDGET_SPENT) from None
 
     async def _acquire(self, run: RequestRun) -> Choice:
         """Pick a replica, waiting (event-driven) for one to become eligible."""
@@ -199,11 +200,11 @@ class Balancer:
             if remaining is not None and remaining < budget:
                 if remaining <= 0:
                     raise DeadlineExceeded(f"request {run.request_id!r}: deadline passed while waiting for a "
-                                           "replica", reason="DEADLINE_EXCEEDED")
+                                           "replica", reason=Reason.DEADLINE_EXCEEDED)
                 budget = remaining
             if budget <= 0:
                 raise Unavailable(f"no eligible replica for request {run.request_id!r} within {limit:.1f} s "
-                                  f"({self.table.explain_ineligible(min_version)})", reason="NO_ELIGIBLE_REPLICA")
+                                  f"({self.table.explain_ineligible(min_version)})", reason=Reason.NO_ELIGIBLE_REPLICA)
             changed = self._table_changed
             ejection_ends = self.table.next_ejection_end()   # an ejected replica comes back without a table change
             try:
@@ -429,16 +430,16 @@ class Balancer:
             code = err.code()
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise DeadlineExceeded(f"request {run.request_id!r}: deadline passed on {route.replica_id}",
-                                       reason="DEADLINE_EXCEEDED") from None
+                                       reason=Reason.DEADLINE_EXCEEDED) from None
             if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
                 raise InvalidArgument(f"replica {route.replica_id} rejected the request: {err.details()}",
-                                      reason="REJECTED_BY_REPLICA") from None
+                                      reason=Reason.REJECTED_BY_REPLICA) from None
             raise Internal(f"replica {route.replica_id} failed the request: {code.name}: {err.details()}",
-                           reason="REPLICA_ERROR") from None
+                           reason=Reason.REPLICA_ERROR) from None
         record.outcome = routing_pb2.ATTEMPT_OUTCOME_UNAVAILABLE
         record.reason = (f"{err.code().name}: {err.details()}" if err is not None
                          else why or "stream ended early")
-        refused = err is not None and error_reason(err) == "REPLICA_NOT_SERVING"   # alive, just busy (e.g. a sync)
+        refused = err is not None and error_reason(err) == Reason.REPLICA_NOT_SERVING   # alive, just busy (e.g. a sync)
         if not refused and self.table.unreachable(route, record.reason):
             self.stats.outlier_ejections += 1
             log.warning("replica %s ejected from picks for %.1f s: %s", route.replica_id,
@@ -473,7 +474,7 @@ class Balancer:
         routes = self.table.eligible(None)
         if len(routes) < 2:
             raise FailedPrecondition(f"rebalance needs at least two routable replicas, there are {len(routes)}",
-                                     reason="TOO_FEW_REPLICAS")
+                                     reason=Reason.TOO_FEW_REPLICAS)
         self.table.clear_sticky()
         before = {r.replica_id: r.in_flight for r in routes}
         moves = self.table.plan_moves(max_moves)

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from mesh_runtime.errors import AlreadyExists, InvalidArgument, NotFound
+from mesh_runtime.reasons import Reason
 from mesh_runtime.validate import check_address
 
 log = logging.getLogger(__name__)
@@ -126,15 +127,15 @@ class RoutingTable:
         seen: set[str] = set()
         for ep in endpoints:
             if not ep.replica_id:
-                raise InvalidArgument("replica_id must not be empty", reason="EMPTY_REPLICA_ID")
+                raise InvalidArgument("replica_id must not be empty", reason=Reason.EMPTY_REPLICA_ID)
             if ep.replica_id in seen:
-                raise InvalidArgument(f"replica {ep.replica_id!r} is listed twice", reason="DUPLICATE_REPLICA")
+                raise InvalidArgument(f"replica {ep.replica_id!r} is listed twice", reason=Reason.DUPLICATE_REPLICA)
             seen.add(ep.replica_id)
             check_address(ep.address, f"replica {ep.replica_id!r} address")
             existing = self.routes.get(ep.replica_id)
             if existing is not None and existing.address != ep.address:
                 raise AlreadyExists(f"replica {ep.replica_id!r} is already routed at {existing.address}; "
-                                    "use UpdateReplicas to change its address", reason="REPLICA_EXISTS")
+                                    "use UpdateReplicas to change its address", reason=Reason.REPLICA_EXISTS)
         added = []
         for ep in endpoints:
             existing = self.routes.get(ep.replica_id)
@@ -175,7 +176,7 @@ class RoutingTable:
     def get(self, replica_id: str) -> Route:
         route = self.routes.get(replica_id)
         if route is None:
-            raise NotFound(f"replica {replica_id!r} is not in the routing table", reason="REPLICA_NOT_FOUND",
+            raise NotFound(f"replica {replica_id!r} is not in the routing table", reason=Reason.REPLICA_NOT_FOUND,
                            metadata={"replica_id": replica_id})
         return route
 

@@ -27,6 +27,7 @@ import grpc
 from .errors import PermissionDenied, Unauthenticated
 from .handlers import rewrap
 from .identity import ROLES, Identity, peer_identity, set_current_identity
+from .reasons import Reason
 
 ANY = frozenset(ROLES)
 """Every authenticated identity (reads, health, reflection)."""
@@ -125,17 +126,17 @@ def authorize(full_method: str, auth_context: dict, token_ok: Callable[[], bool]
     if identity is None:
         raise Unauthenticated(f"{method}: the client certificate names no rollmesh identity (a URI SAN "
                               "spiffe://rollmesh/<role>/<name>; see rollmesh certs create)",
-                              reason="NO_IDENTITY")
+                              reason=Reason.NO_IDENTITY)
     rule = rule_for(full_method)
     if rule is None:
         raise PermissionDenied(f"{full_method[:120]} has no authorization rule; nobody may call it",
-                               reason="NO_RULE")
+                               reason=Reason.NO_RULE)
     if identity.role in rule.roles:
         return identity
     if rule.token_alternative and token_ok is not None and token_ok():
         return identity
     raise PermissionDenied(f"{method} needs the role {rule.describe()}; the caller is {identity}",
-                           reason="ROLE_NOT_ALLOWED", metadata={"caller": identity.uri})
+                           reason=Reason.ROLE_NOT_ALLOWED, metadata={"caller": identity.uri})
 
 
 class AuthorizationInterceptor(grpc.aio.ServerInterceptor):

@@ -29,6 +29,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from .errors import InvalidArgument, to_status
+from .reasons import Reason
 
 _MAX_QUOTE = 100
 
@@ -85,11 +86,11 @@ def decode(deserializer: Callable[[bytes], Any], data: bytes, method: str) -> An
     except Exception as err:  # noqa: BLE001 - DecodeError, or whatever a custom deserializer raises
         raise InvalidArgument(f"{method}: the request is not a valid {_type_name(deserializer)} "
                               f"({_short(str(err)) or type(err).__name__}); nothing was changed",
-                              reason="MALFORMED_REQUEST") from None
+                              reason=Reason.MALFORMED_REQUEST) from None
     if isinstance(message, Message):
         problem = unknown_enum_value(message)
         if problem:
-            raise InvalidArgument(f"{method}: {problem}; nothing was changed", reason="UNKNOWN_ENUM_VALUE",
+            raise InvalidArgument(f"{method}: {problem}; nothing was changed", reason=Reason.UNKNOWN_ENUM_VALUE,
                                   metadata={"field": problem.split(":", 1)[0]})
     return message
 

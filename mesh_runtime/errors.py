@@ -17,6 +17,7 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from .handlers import rewrap
+from .reasons import Reason, known
 
 log = logging.getLogger(__name__)
 
@@ -26,18 +27,19 @@ ERROR_DOMAIN = "rollmesh"
 class RollmeshError(Exception):
     """Base of every error that crosses an RPC boundary.
 
-    ``reason`` is a stable, machine-readable UPPER_SNAKE identifier; ``metadata``
-    carries structured context (for example the id of a conflicting operation).
+    ``reason`` is one of the contract's :class:`~mesh_runtime.reasons.Reason` values
+    (``ValueError`` for any other string); ``metadata`` carries structured context
+    (for example the id of a conflicting operation).
     """
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
-    default_reason = "INTERNAL"
+    default_reason = Reason.INTERNAL
 
     def __init__(self, message: str, *, reason: str | None = None,
                  metadata: Mapping[str, str] | None = None, retry_delay_s: float | None = None) -> None:
         super().__init__(message)
         self.message = message
-        self.reason = reason or self.default_reason
+        self.reason = Reason(reason or self.default_reason)
         self.metadata = {k: str(v) for k, v in (metadata or {}).items()}
         self.retry_delay_s = retry_delay_s
         """When set, the status also carries a ``google.rpc.RetryInfo``: retry after this long."""
@@ -47,91 +49,91 @@ class InvalidArgument(RollmeshError):
     """The request itself is malformed; retrying it unchanged cannot succeed."""
 
     code = grpc.StatusCode.INVALID_ARGUMENT
-    default_reason = "INVALID_ARGUMENT"
+    default_reason = Reason.INVALID_ARGUMENT
 
 
 class NotFound(RollmeshError):
     """A named resource (replica, node, operation, request) does not exist."""
 
     code = grpc.StatusCode.NOT_FOUND
-    default_reason = "NOT_FOUND"
+    default_reason = Reason.NOT_FOUND
 
 
 class AlreadyExists(RollmeshError):
     """A resource with this id already exists or is in flight."""
 
     code = grpc.StatusCode.ALREADY_EXISTS
-    default_reason = "ALREADY_EXISTS"
+    default_reason = Reason.ALREADY_EXISTS
 
 
 class FailedPrecondition(RollmeshError):
     """The system is not in a state that allows the call."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
-    default_reason = "FAILED_PRECONDITION"
+    default_reason = Reason.FAILED_PRECONDITION
 
 
 class Aborted(RollmeshError):
     """A conflicting concurrent operation prevents this one."""
 
     code = grpc.StatusCode.ABORTED
-    default_reason = "ABORTED"
+    default_reason = Reason.ABORTED
 
 
 class OutOfRange(RollmeshError):
     """A position (sequence number, cycle index) is outside the valid range."""
 
     code = grpc.StatusCode.OUT_OF_RANGE
-    default_reason = "OUT_OF_RANGE"
+    default_reason = Reason.OUT_OF_RANGE
 
 
 class ResourceExhausted(RollmeshError):
     """A quota or capacity (slots, retry budget, buffer) is used up."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
-    default_reason = "RESOURCE_EXHAUSTED"
+    default_reason = Reason.RESOURCE_EXHAUSTED
 
 
 class Unavailable(RollmeshError):
     """Transiently unable to serve; the caller may retry (possibly elsewhere)."""
 
     code = grpc.StatusCode.UNAVAILABLE
-    default_reason = "UNAVAILABLE"
+    default_reason = Reason.UNAVAILABLE
 
 
 class DeadlineExceeded(RollmeshError):
     """The work did not finish within its deadline or timeout."""
 
     code = grpc.StatusCode.DEADLINE_EXCEEDED
-    default_reason = "DEADLINE_EXCEEDED"
+    default_reason = Reason.DEADLINE_EXCEEDED
 
 
 class Unauthenticated(RollmeshError):
     """The call carries no valid credential."""
 
     code = grpc.StatusCode.UNAUTHENTICATED
-    default_reason = "UNAUTHENTICATED"
+    default_reason = Reason.UNAUTHENTICATED
 
 
 class PermissionDenied(RollmeshError):
     """The credential is valid but does not allow this call."""
 
     code = grpc.StatusCode.PERMISSION_DENIED
-    default_reason = "PERMISSION_DENIED"
+    default_reason = Reason.PERMISSION_DENIED
 
 
 class Unimplemented(RollmeshError):
     """The RPC belongs to a capability this server does not offer (yet)."""
 
     code = grpc.StatusCode.UNIMPLEMENTED
-    default_reason = "CAPABILITY_NOT_IMPLEMENTED"
+    default_reason = Reason.CAPABILITY_NOT_IMPLEMENTED
 
 
 class Internal(RollmeshError):
     """An invariant broke inside the server."""
 
     code = grpc.StatusCode.INTERNAL
-    default_reason = "INTERNAL"
+    default_reason = Reason.INTERNAL
 
 
 MAX_MESSAGE = 2000
@@ -195,7 +197,9 @@ def canonical(exc: BaseException) -> RollmeshError | None:
         return exc
     code = getattr(exc, "code", None)
     if isinstance(code, str) and code in grpc.StatusCode.__members__ and code != "OK":
-        err = RollmeshError(getattr(exc, "message", str(exc)), reason=getattr(exc, "reason", None) or code,
+        reason = getattr(exc, "reason", None)
+        err = RollmeshError(getattr(exc, "message", str(exc)),
+                            reason=reason if reason and known(reason) else code if known(code) else None,
                             metadata=getattr(exc, "metadata", None))
         err.code = grpc.StatusCode[code]
         return err

@@ -11,6 +11,7 @@ import math
 from rollmesh.common.v1 import generation_pb2
 
 from .errors import InvalidArgument
+from .reasons import Reason
 
 
 def temperature_of(sp: generation_pb2.SamplingParams) -> float:
@@ -24,7 +25,7 @@ def top_p_of(sp: generation_pb2.SamplingParams) -> float:
 def check_sampling(sp: generation_pb2.SamplingParams) -> None:
     """Raise ``InvalidArgument`` naming the first bad sampling parameter."""
     def bad(message: str) -> InvalidArgument:
-        return InvalidArgument(f"sampling_params.{message}", reason="INVALID_SAMPLING_PARAMS")
+        return InvalidArgument(f"sampling_params.{message}", reason=Reason.INVALID_SAMPLING_PARAMS)
 
     if sp.max_tokens == 0:
         raise bad("max_tokens must be > 0")
@@ -43,17 +44,17 @@ def check_generation(request_id: str, prompt_token_ids, sampling: generation_pb2
                      resume_segments) -> None:
     """Raise ``InvalidArgument`` for a request no replica could serve."""
     if not request_id:
-        raise InvalidArgument("request_id must not be empty", reason="EMPTY_REQUEST_ID")
+        raise InvalidArgument("request_id must not be empty", reason=Reason.EMPTY_REQUEST_ID)
     if not prompt_token_ids:
-        raise InvalidArgument("prompt_token_ids must not be empty", reason="EMPTY_PROMPT")
+        raise InvalidArgument("prompt_token_ids must not be empty", reason=Reason.EMPTY_PROMPT)
     if any(t < 0 for t in prompt_token_ids):
-        raise InvalidArgument("prompt_token_ids must not be negative", reason="INVALID_TOKEN_ID")
+        raise InvalidArgument("prompt_token_ids must not be negative", reason=Reason.INVALID_TOKEN_ID)
     check_sampling(sampling)
     for index, seg in enumerate(resume_segments):
         if seg.logprobs and len(seg.logprobs) != len(seg.token_ids):
             raise InvalidArgument(f"resume_segments[{index}]: logprobs must be empty or as long as token_ids",
-                                  reason="INVALID_RESUME_SEGMENT")
+                                  reason=Reason.INVALID_RESUME_SEGMENT)
     resumed = sum(len(s.token_ids) for s in resume_segments)
     if resumed >= sampling.max_tokens:
         raise InvalidArgument(f"resume_segments already hold {resumed} tokens, which spends the max_tokens "
-                              f"budget of {sampling.max_tokens}", reason="BUDGET_SPENT")
+                              f"budget of {sampling.max_tokens}", reason=Reason.BUDGET_SPENT)

@@ -14,6 +14,7 @@ import re
 
 from .errors import InvalidArgument
 from .net import AddressError, is_loopback, is_wildcard, parse_host_port, peer_host
+from .reasons import Reason
 
 ID_MAX_LENGTH = 128
 ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@#-]*")
@@ -31,10 +32,10 @@ def quote(value: object, limit: int = QUOTE_LIMIT) -> str:
 def check_id(value: str, field: str) -> None:
     """A node, replica or operation id: see the module docstring."""
     if not value:
-        raise InvalidArgument(f"{field} must not be empty", reason="INVALID_ID", metadata={"field": field})
+        raise InvalidArgument(f"{field} must not be empty", reason=Reason.INVALID_ID, metadata={"field": field})
     if len(value) > ID_MAX_LENGTH or not ID_PATTERN.fullmatch(value):
         raise InvalidArgument(f"{field} must be 1-{ID_MAX_LENGTH} characters: a letter or digit, then letters, "
-                              f"digits and . _ - : / @ #; got {quote(value)}", reason="INVALID_ID",
+                              f"digits and . _ - : / @ #; got {quote(value)}", reason=Reason.INVALID_ID,
                               metadata={"field": field})
 
 
@@ -43,7 +44,7 @@ def check_address(value: str, field: str) -> None:
     try:
         parse_host_port(value, allow_zero_port=False)
     except (AddressError, ValueError) as err:
-        raise InvalidArgument(f"{field} must be HOST:PORT, got {quote(value)} ({err})", reason="INVALID_ADDRESS",
+        raise InvalidArgument(f"{field} must be HOST:PORT, got {quote(value)} ({err})", reason=Reason.INVALID_ADDRESS,
                               metadata={"field": field}) from None
 
 
@@ -62,17 +63,17 @@ def check_engine_url(value: str, field: str) -> None:
         parse_host_port(rest, allow_zero_port=False)
     except (AddressError, ValueError) as err:
         raise InvalidArgument(f"{field} must be http://HOST:PORT, got {quote(value)} ({err})",
-                              reason="INVALID_ENGINE_URL", metadata={"field": field}) from None
+                              reason=Reason.INVALID_ENGINE_URL, metadata={"field": field}) from None
 
 
 def check_number(value: float, field: str, *, low: float | None = None, high: float | None = None) -> None:
     """A finite number in ``[low, high]`` (either bound optional)."""
     if not math.isfinite(value):
-        raise InvalidArgument(f"{field} must be a finite number, got {value}", reason="INVALID_NUMBER",
+        raise InvalidArgument(f"{field} must be a finite number, got {value}", reason=Reason.INVALID_NUMBER,
                               metadata={"field": field})
     if (low is not None and value < low) or (high is not None and value > high):
         raise InvalidArgument(f"{field} must be in [{'-inf' if low is None else low}, "
-                              f"{'inf' if high is None else high}], got {value}", reason="INVALID_NUMBER",
+                              f"{'inf' if high is None else high}], got {value}", reason=Reason.INVALID_NUMBER,
                               metadata={"field": field})
 
 
@@ -87,9 +88,9 @@ def check_reachable(address: str, peer: str, who: str) -> None:
     if is_wildcard(host):
         raise InvalidArgument(f"{who} advertises {quote(address)}: a wildcard host is an address to listen on, "
                               "not to connect to; set its advertise_address to the address others reach it at",
-                              reason="UNREACHABLE_ADDRESS", metadata={"address": address[:64]})
+                              reason=Reason.UNREACHABLE_ADDRESS, metadata={"address": address[:64]})
     caller = peer_host(peer)
     if is_loopback(host) and caller and not is_loopback(caller):
         raise InvalidArgument(f"{who} advertises {quote(address)}, a loopback address, but calls from {caller}: "
                               "other machines cannot reach it there; set its advertise_address",
-                              reason="LOOPBACK_ADVERTISED", metadata={"address": address[:64], "peer": caller})
+                              reason=Reason.LOOPBACK_ADVERTISED, metadata={"address": address[:64], "peer": caller})

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from mesh_runtime.errors import InvalidArgument
 from mesh_runtime.generation import check_generation, check_sampling, temperature_of, top_p_of
+from mesh_runtime.reasons import Reason
 from rollmesh.common.v1 import generation_pb2, load_pb2, types_pb2
 from rollmesh.replica.v1 import replica_agent_pb2
 
@@ -47,7 +48,7 @@ def generation_request(msg: replica_agent_pb2.GenerateRequest) -> GenerationRequ
     """Decode and validate a Generate request (the engine checks model limits)."""
     check_generation(msg.request_id, msg.prompt_token_ids, msg.sampling_params, msg.resume_segments)
     if msg.HasField("stream_interval") and msg.stream_interval == 0:
-        raise InvalidArgument("stream_interval must be > 0 when set", reason="INVALID_STREAM_INTERVAL")
+        raise InvalidArgument("stream_interval must be > 0 when set", reason=Reason.INVALID_STREAM_INTERVAL)
     return GenerationRequest(request_id=msg.request_id, prompt_token_ids=list(msg.prompt_token_ids),
                              sampling=sampling_from_proto(msg.sampling_params),
                              resume_segments=[segment_from_proto(s) for s in msg.resume_segments],

@@ -19,6 +19,7 @@ from mesh_runtime import __version__
 from mesh_runtime.channels import ChannelPool
 from mesh_runtime.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from mesh_runtime.metrics import ServerMetrics
+from mesh_runtime.reasons import Reason
 from mesh_runtime.server import MeshServer
 from mesh_runtime.status import node_name
 from rollmesh.controller.v1 import registry_pb2
@@ -62,7 +63,7 @@ class Node:
             if self.config.backend != "sglang":
                 raise FailedPrecondition(f"this agent runs the {self.config.backend} backend; only sglang agents "
                                          f"attach to running engine servers such as {engine_url[:80]}",
-                                         reason="CANNOT_ATTACH")
+                                         reason=Reason.CANNOT_ATTACH)
             options["url"] = engine_url
         return create_engine(self.config.backend, **options)
 
@@ -99,7 +100,7 @@ class Node:
             seen_key, seen_id = self._launch_keys[request_id]
             if seen_key != key:
                 raise AlreadyExists(f"request_id {request_id!r} was already used for a different launch",
-                                    reason="IDEMPOTENCY_KEY_REUSED")
+                                    reason=Reason.IDEMPOTENCY_KEY_REUSED)
             return self.replicas.get(seen_id)
         replica = await self.replicas.launch(replica_id=replica_id or self._next_replica_id(), **params)
         if request_id:
@@ -120,7 +121,7 @@ class Node:
         from . import syncing, weights  # noqa: PLC0415
 
         if not replica_ids:
-            raise InvalidArgument("replica_ids must not be empty", reason="EMPTY_REPLICA_IDS")
+            raise InvalidArgument("replica_ids must not be empty", reason=Reason.EMPTY_REPLICA_IDS)
         plan = weights.plan_from_proto(plan_msg, self.config.weight_transfer_timeout_s)
         return await syncing.receive(self.replicas, self._weight_groups(), replica_ids, plan, abort_in_flight)
 
@@ -137,14 +138,14 @@ class Node:
         from . import syncing  # noqa: PLC0415
 
         if not replica_id:
-            raise InvalidArgument("replica_id must name the source replica", reason="EMPTY_REPLICA_ID")
+            raise InvalidArgument("replica_id must name the source replica", reason=Reason.EMPTY_REPLICA_ID)
         if weight_version < 0:
-            raise InvalidArgument(f"weight_version must be >= 0, got {weight_version}", reason="INVALID_VERSION")
+            raise InvalidArgument(f"weight_version must be >= 0, got {weight_version}", reason=Reason.INVALID_WEIGHT_VERSION)
         if bucket_size_bytes is not None and bucket_size_bytes <= 0:
-            raise InvalidArgument("bucket_size_bytes must be positive when set", reason="INVALID_BUCKET_SIZE")
+            raise InvalidArgument("bucket_size_bytes must be positive when set", reason=Reason.INVALID_BUCKET_SIZE)
         if checksum_algorithm is not None and checksum_algorithm not in CHECKSUM_ALGORITHMS:
             raise InvalidArgument(f"checksum_algorithm must be one of {list(CHECKSUM_ALGORITHMS)}, got "
-                                  f"{checksum_algorithm!r}", reason="INVALID_CHECKSUM_ALGORITHM")
+                                  f"{checksum_algorithm!r}", reason=Reason.INVALID_CHECKSUM_ALGORITHM)
         groups = self._weight_groups()
         return await syncing.prepare(
             self.replicas, groups, replica_id, weight_version=weight_version,

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 
 from mesh_runtime import errors
+from mesh_runtime.reasons import Reason
 
 from .engines import (
     DuplicateRequest,
@@ -124,12 +125,12 @@ class ReplicaManager:
     # ------------------------------------------------------------------ lookup
     def get(self, replica_id: str) -> Replica:
         if not replica_id:
-            raise errors.InvalidArgument("replica_id must not be empty", reason="EMPTY_REPLICA_ID")
+            raise errors.InvalidArgument("replica_id must not be empty", reason=Reason.EMPTY_REPLICA_ID)
         replica = self._replicas.get(replica_id)
         if replica is None:
             raise errors.NotFound(f"no replica {replica_id!r} on node {self.node_id!r} "
                                   f"(it has: {', '.join(sorted(self._replicas)) or 'none'})",
-                                  reason="REPLICA_NOT_FOUND", metadata={"replica_id": replica_id})
+                                  reason=Reason.REPLICA_NOT_FOUND, metadata={"replica_id": replica_id})
         return replica
 
     def get_many(self, replica_ids: Iterable[str]) -> list[Replica]:
@@ -153,24 +154,24 @@ class ReplicaManager:
         """Reserve slots, start an engine (or attach to the engine server at ``engine_url``, which takes no
         slot) and (optionally) put it to sleep."""
         if kind not in ("STANDALONE", "HYBRID"):
-            raise errors.InvalidArgument("kind must be STANDALONE or HYBRID", reason="INVALID_KIND")
+            raise errors.InvalidArgument("kind must be STANDALONE or HYBRID", reason=Reason.INVALID_KIND)
         if engine_url and slots != 0:
             raise errors.InvalidArgument(f"a replica attached to {engine_url[:80]} uses no slot of this node; "
-                                         f"slots must be 0, got {slots}", reason="INVALID_SLOTS")
+                                         f"slots must be 0, got {slots}", reason=Reason.INVALID_SLOTS)
         if not engine_url and slots < 1:
-            raise errors.InvalidArgument(f"slots must be >= 1, got {slots}", reason="INVALID_SLOTS")
+            raise errors.InvalidArgument(f"slots must be >= 1, got {slots}", reason=Reason.INVALID_SLOTS)
         if memory_fraction is not None and not 0 < memory_fraction <= 1:
             raise errors.InvalidArgument(f"memory_fraction must be in (0, 1], got {memory_fraction}",
-                                         reason="INVALID_MEMORY_FRACTION")
+                                         reason=Reason.INVALID_MEMORY_FRACTION)
         async with self._launch_lock:
             existing = self._replicas.get(replica_id)
             if existing is not None and existing.state not in ("STOPPED", "FAILED"):
                 raise errors.AlreadyExists(f"replica {replica_id!r} already exists on this node "
-                                           f"({existing.state})", reason="REPLICA_EXISTS")
+                                           f"({existing.state})", reason=Reason.REPLICA_EXISTS)
             if slots > self.slots_free:
                 raise errors.ResourceExhausted(f"replica {replica_id!r} needs {slots} slot(s) but node "
                                                f"{self.node_id!r} has {self.slots_free} of {self.slots_total} free",
-                                               reason="NO_FREE_SLOTS")
+                                               reason=Reason.NO_FREE_SLOTS)
             free = [s for s in range(self.slots_total) if s not in self._slot_owner][:slots]
             fraction = memory_fraction if memory_fraction is not None else self._default_fraction(kind)
             with engine_errors():
@@ -271,14 +272,14 @@ class ReplicaManager:
                 await asyncio.wait_for(replica.synced.wait(), self._sync_wait_s)
             refusal = self._refusal(replica)
         if refusal:
-            raise errors.Unavailable(refusal, reason="REPLICA_NOT_SERVING",
+            raise errors.Unavailable(refusal, reason=Reason.REPLICA_NOT_SERVING,
                                      metadata={"replica_id": replica_id, "state": replica.state})
         if request.request_id in replica.in_flight:
             raise errors.AlreadyExists(f"request {request.request_id!r} is already in flight on replica "
-                                       f"{replica_id!r}", reason="REQUEST_IN_FLIGHT")
+                                       f"{replica_id!r}", reason=Reason.REQUEST_IN_FLIGHT)
         if replica.engine.load_snapshot().waiting >= self._max_waiting:
             raise errors.ResourceExhausted(f"replica {replica_id!r} already has {self._max_waiting} waiting "
-                                           "requests", reason="QUEUE_FULL")
+                                           "requests", reason=Reason.QUEUE_FULL)
         replica.in_flight.add(request.request_id)
         try:
             with engine_errors():
@@ -309,7 +310,7 @@ class ReplicaManager:
             if replica.state not in ("ACTIVE", "PAUSED") or replica.busy:
                 raise errors.FailedPrecondition(
                     f"replica {replica.replica_id!r} is {replica.busy or replica.state}; only ACTIVE or PAUSED "
-                    "replicas can be paused", reason="WRONG_REPLICA_STATE")
+                    "replicas can be paused", reason=Reason.WRONG_REPLICA_STATE)
         aborted: list[str] = []
         for replica in replicas:
             before = set(replica.in_flight)
@@ -320,7 +321,7 @@ class ReplicaManager:
                     raise errors.DeadlineExceeded(
                         f"replica {replica.replica_id!r} still has {len(replica.in_flight)} request(s) in "
                         f"flight after {timeout_s:.1f} s; it stays PAUSED and they keep running",
-                        reason="DRAIN_TIMEOUT") from None
+                        reason=Reason.DRAIN_TIMEOUT) from None
             if mode == "abort":
                 aborted += sorted(before)
         return aborted
@@ -333,7 +334,7 @@ class ReplicaManager:
                     f"replica {replica.replica_id!r} is {replica.busy or replica.state}; wake it up first"
                     if replica.state == "SLEEPING" else
                     f"replica {replica.replica_id!r} is {replica.busy or replica.state}; only PAUSED or ACTIVE "
-                    "replicas can be resumed", reason="WRONG_REPLICA_STATE")
+                    "replicas can be resumed", reason=Reason.WRONG_REPLICA_STATE)
         for replica in replicas:
             with engine_errors(), self._logged([replica], "resume"):
                 await replica.engine.resume()
@@ -342,16 +343,16 @@ class ReplicaManager:
     async def sleep(self, replica_id: str, *, level: int, abort_in_flight: bool) -> int:
         """Release the replica's memory (level 1: offload weights; 2: discard); bytes freed."""
         if level not in (1, 2):
-            raise errors.InvalidArgument("level must be SLEEP_LEVEL_1 or SLEEP_LEVEL_2", reason="INVALID_LEVEL")
+            raise errors.InvalidArgument("level must be SLEEP_LEVEL_1 or SLEEP_LEVEL_2", reason=Reason.INVALID_LEVEL)
         replica = self.get(replica_id)
         async with replica.lock:
             if replica.state not in ("ACTIVE", "PAUSED", "SLEEPING"):
                 raise errors.FailedPrecondition(f"replica {replica_id!r} is {replica.state} and cannot sleep",
-                                                reason="WRONG_REPLICA_STATE")
+                                                reason=Reason.WRONG_REPLICA_STATE)
             if replica.in_flight and not abort_in_flight:
                 raise errors.FailedPrecondition(
                     f"replica {replica_id!r} has {len(replica.in_flight)} request(s) in flight; abort them "
-                    "first or set abort_in_flight", reason="REQUESTS_IN_FLIGHT")
+                    "first or set abort_in_flight", reason=Reason.REQUESTS_IN_FLIGHT)
             replica.busy = "sleep"
             try:
                 with engine_errors(), self._logged([replica], f"sleep level {level}"):
@@ -370,13 +371,13 @@ class ReplicaManager:
             state = replica.state
             if state not in ("SLEEPING", "PAUSED", "ACTIVE"):
                 raise errors.FailedPrecondition(f"replica {replica_id!r} is {state} and cannot be woken",
-                                                reason="WRONG_REPLICA_STATE")
+                                                reason=Reason.WRONG_REPLICA_STATE)
             if state != "SLEEPING":
                 return replica
             if replica.weights_discarded and "weights" in tags:
                 raise errors.FailedPrecondition(
                     f"replica {replica_id!r} slept at level 2 and has received no weights since; call "
-                    "ReceiveWeights first, or wake WAKE_TAG_KV_CACHE alone", reason="WEIGHTS_DISCARDED")
+                    "ReceiveWeights first, or wake WAKE_TAG_KV_CACHE alone", reason=Reason.WEIGHTS_DISCARDED)
             replica.busy = "wake"
             try:
                 with engine_errors(), self._logged([replica], f"wake {', '.join(sorted(tags))}"):

@@ -7,6 +7,7 @@ import time
 from opentelemetry.sdk.trace import TracerProvider
 
 from mesh_runtime.errors import InvalidArgument
+from mesh_runtime.reasons import Reason
 from mesh_runtime.status import StatusReporter
 from mesh_runtime.validate import check_engine_url, check_id, check_number
 from rollmesh.common.v1 import types_pb2
@@ -51,7 +52,7 @@ class ReplicaAgentServicer(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
         check_id(request.replica_id, "replica_id")
         if request.kind == types_pb2.REPLICA_KIND_UNSPECIFIED:
             raise InvalidArgument("kind must be REPLICA_KIND_STANDALONE or REPLICA_KIND_HYBRID",
-                                  reason="INVALID_KIND")
+                                  reason=Reason.INVALID_KIND)
         if request.HasField("memory_fraction"):
             check_number(request.memory_fraction, "memory_fraction", low=0.0, high=1.0)
         if request.engine_url:
@@ -96,16 +97,16 @@ class ReplicaAgentServicer(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
 
     async def AbortRequests(self, request, context):  # noqa: N802
         if not request.request_ids and not request.all:
-            raise InvalidArgument("name request_ids or set all", reason="NOTHING_TO_ABORT")
+            raise InvalidArgument("name request_ids or set all", reason=Reason.NOTHING_TO_ABORT)
         if request.request_ids and request.all:
-            raise InvalidArgument("set either request_ids or all, not both", reason="AMBIGUOUS_ABORT")
+            raise InvalidArgument("set either request_ids or all, not both", reason=Reason.AMBIGUOUS_ABORT)
         ids = None if request.all else list(request.request_ids)
         aborted = await self.replicas.abort(request.replica_id, ids)
         return pb.AbortRequestsResponse(aborted_request_ids=aborted)
 
     async def PauseGeneration(self, request, context):  # noqa: N802
         if request.mode not in PAUSE_MODES:
-            raise InvalidArgument(f"unknown pause mode {request.mode}", reason="INVALID_PAUSE_MODE")
+            raise InvalidArgument(f"unknown pause mode {request.mode}", reason=Reason.INVALID_PAUSE_MODE)
         aborted = await self.replicas.pause(list(request.replica_ids), mode=PAUSE_MODES[request.mode],
                                             timeout_s=_seconds(request.timeout, None))
         replicas = self.replicas.get_many(request.replica_ids)
@@ -124,7 +125,7 @@ class ReplicaAgentServicer(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
         unknown = [t for t in request.tags if t not in convert.WAKE_TAGS]
         if unknown:
             raise InvalidArgument(f"unknown wake tag(s) {unknown}; use WAKE_TAG_WEIGHTS or WAKE_TAG_KV_CACHE",
-                                  reason="INVALID_WAKE_TAG")
+                                  reason=Reason.INVALID_WAKE_TAG)
         replica = await self.replicas.wake(request.replica_id, tags={convert.WAKE_TAGS[t] for t in request.tags},
                                            resume_generation=request.resume_generation)
         return pb.WakeUpResponse(replica=self._proto(replica))

@@ -15,6 +15,7 @@ import logging
 import time
 
 from mesh_runtime.errors import Aborted, FailedPrecondition
+from mesh_runtime.reasons import Reason
 
 from .replicas import Replica, ReplicaManager, engine_errors
 
@@ -46,17 +47,17 @@ def _check_receivable(replica: Replica, plan, abort_in_flight: bool) -> None:
 
     if replica.state in _CANNOT_SYNC:
         raise FailedPrecondition(f"replica {replica.replica_id!r} is {replica.state} and cannot receive weights",
-                                 reason="WRONG_REPLICA_STATE")
+                                 reason=Reason.WRONG_REPLICA_STATE)
     if replica.busy == "weights":
         raise Aborted(f"replica {replica.replica_id!r} is already receiving or sending weights",
-                      reason="TRANSFER_IN_PROGRESS")
+                      reason=Reason.TRANSFER_IN_PROGRESS)
     if plan.rank_of(replica.replica_id) in (None, 0):
         raise FailedPrecondition(f"replica {replica.replica_id!r} has no receiving rank in plan {plan.sync_id}",
-                                 reason="NOT_IN_PLAN")
+                                 reason=Reason.NOT_IN_PLAN)
     validate_against(plan.manifest, [(s.name, s.dtype, s.shape) for s in replica.engine.weight_spec()])
     if replica.in_flight and not abort_in_flight:
         raise FailedPrecondition(f"replica {replica.replica_id!r} has {len(replica.in_flight)} request(s) in "
-                                 "flight; abort them first or set abort_in_flight", reason="REQUESTS_IN_FLIGHT")
+                                 "flight; abort them first or set abort_in_flight", reason=Reason.REQUESTS_IN_FLIGHT)
 
 
 async def receive(manager: ReplicaManager, groups, replica_ids: list[str], plan,
@@ -128,7 +129,7 @@ class PreparedSource:
 def _check_servable(replica: Replica) -> None:
     if replica.state not in ("ACTIVE", "PAUSED") or replica.weights_discarded:
         raise FailedPrecondition(f"replica {replica.replica_id!r} is {replica.state} and holds no servable weights",
-                                 reason="NO_WEIGHTS")
+                                 reason=Reason.NO_WEIGHTS)
 
 
 async def prepare(manager: ReplicaManager, groups, replica_id: str, *, weight_version: int, bucket_size_bytes: int,
@@ -144,9 +145,9 @@ async def prepare(manager: ReplicaManager, groups, replica_id: str, *, weight_ve
     _check_servable(replica)
     if weight_version and replica.weight_version != weight_version:
         raise FailedPrecondition(f"replica {replica_id!r} holds weight version {replica.weight_version}, not the "
-                                 f"requested {weight_version}", reason="VERSION_MISMATCH")
+                                 f"requested {weight_version}", reason=Reason.VERSION_MISMATCH)
     if replica.busy == "weights":
-        raise Aborted(f"replica {replica_id!r} is sending or receiving weights", reason="TRANSFER_IN_PROGRESS")
+        raise Aborted(f"replica {replica_id!r} is sending or receiving weights", reason=Reason.TRANSFER_IN_PROGRESS)
     key = (replica.weight_version, bucket_size_bytes, checksum_algorithm)
     recorded = groups.prepared.get(replica_id)
     if recorded is not None and recorded[0] == key:
@@ -174,14 +175,14 @@ async def send(manager: ReplicaManager, groups, replica_id: str, plan) -> SendRe
     replica = manager.get(replica_id)
     if plan.source != replica_id:
         raise FailedPrecondition(f"plan {plan.sync_id} is sourced from {plan.source!r}, not {replica_id!r}",
-                                 reason="NOT_PLAN_SOURCE")
+                                 reason=Reason.NOT_PLAN_SOURCE)
     _check_servable(replica)
     if replica.weight_version != plan.weight_version:
         raise FailedPrecondition(f"replica {replica_id!r} holds weight version {replica.weight_version}, the plan "
-                                 f"asks for {plan.weight_version}", reason="VERSION_MISMATCH")
+                                 f"asks for {plan.weight_version}", reason=Reason.VERSION_MISMATCH)
     if replica.busy == "weights":
         raise Aborted(f"replica {replica_id!r} is already sending or receiving weights",
-                      reason="TRANSFER_IN_PROGRESS")
+                      reason=Reason.TRANSFER_IN_PROGRESS)
     started = time.monotonic()
     replica.busy = "weights"
     try:

@@ -38,6 +38,7 @@ from opentelemetry.trace import Tracer
 
 from mesh_runtime.errors import Aborted, DeadlineExceeded, FailedPrecondition, InvalidArgument
 from mesh_runtime.net import format_host_port
+from mesh_runtime.reasons import Reason
 from weight_transfer import (
     CHECKSUM_ALGORITHMS,
     GroupCache,
@@ -168,12 +169,12 @@ class WeightBroadcaster:
         algorithm = checksum_algorithm or self.config.checksum_algorithm
         if weight_version < 0:
             raise InvalidArgument(f"weight_version must be >= 0 (0 = current), got {weight_version}",
-                                  reason="INVALID_WEIGHT_VERSION")
+                                  reason=Reason.INVALID_WEIGHT_VERSION)
         if bucket <= 0:
-            raise InvalidArgument("bucket_size_bytes must be positive when set", reason="INVALID_BUCKET_SIZE")
+            raise InvalidArgument("bucket_size_bytes must be positive when set", reason=Reason.INVALID_BUCKET_SIZE)
         if algorithm not in CHECKSUM_ALGORITHMS:
             raise InvalidArgument(f"checksum_algorithm {algorithm!r} is not one of {list(CHECKSUM_ALGORITHMS)}",
-                                  reason="INVALID_CHECKSUM_ALGORITHM")
+                                  reason=Reason.INVALID_CHECKSUM_ALGORITHM)
         cache = self._check_started()
         async with self._prepare_lock:
             prepared = self._prepared
@@ -184,7 +185,7 @@ class WeightBroadcaster:
                 raise FailedPrecondition(
                     f"weight version {weight_version} jumps from the trainer's {self.source.weight_version} "
                     f"without a sync in between: without a training loop only the next version "
-                    f"({self.source.weight_version + 1}) is adopted", reason="VERSION_JUMP")
+                    f"({self.source.weight_version + 1}) is adopted", reason=Reason.VERSION_JUMP)
             if self.adopt_newer_versions and weight_version > self.source.weight_version:
                 log.info("no training loop publishes versions here: the current weights (version %d) become "
                          "version %d", self.source.weight_version, weight_version)
@@ -219,7 +220,7 @@ class WeightBroadcaster:
             if sync_id == plan.sync_id:
                 return await asyncio.shield(task)
             raise Aborted(f"weight broadcast {sync_id!r} is in progress; the trainer sends one at a time",
-                          reason="TRANSFER_IN_PROGRESS", metadata={"sync_id": sync_id})
+                          reason=Reason.TRANSFER_IN_PROGRESS, metadata={"sync_id": sync_id})
         cache = self._check_started()
         prepared = self._check_plan(plan)
         task = asyncio.ensure_future(self._transfer(cache, plan, prepared))
@@ -234,25 +235,25 @@ class WeightBroadcaster:
         if plan.source != self.member_id:
             raise FailedPrecondition(f"plan {plan.sync_id} is sourced from {plan.source!r}; this trainer sends as "
                                      f"{self.member_id!r} (use the source PrepareWeightSync returned)",
-                                     reason="NOT_PLAN_SOURCE")
+                                     reason=Reason.NOT_PLAN_SOURCE)
         if prepared is None:
             raise FailedPrecondition(f"no weights are prepared for plan {plan.sync_id}; call PrepareWeightSync "
-                                     f"for weight version {plan.weight_version} first", reason="NOT_PREPARED")
+                                     f"for weight version {plan.weight_version} first", reason=Reason.NOT_PREPARED)
         if plan.weight_version != prepared.weight_version:
             raise FailedPrecondition(f"plan {plan.sync_id} carries weight version {plan.weight_version} but version "
                                      f"{prepared.weight_version} is prepared; call PrepareWeightSync for "
                                      f"{plan.weight_version} or build the plan from its answer",
-                                     reason="VERSION_MISMATCH",
+                                     reason=Reason.VERSION_MISMATCH,
                                      metadata={"prepared_version": prepared.weight_version})
         if plan.manifest != prepared.manifest:
             difference = _first_difference(prepared.manifest, plan.manifest)
             raise FailedPrecondition(f"the manifest of plan {plan.sync_id} is not the one prepared for version "
                                      f"{prepared.weight_version} ({difference}); copy the manifest "
-                                     "PrepareWeightSync returned", reason="MANIFEST_MISMATCH")
+                                     "PrepareWeightSync returned", reason=Reason.MANIFEST_MISMATCH)
         if plan.rendezvous[1] != self._port:
             raise FailedPrecondition(f"plan {plan.sync_id} points receivers at port {plan.rendezvous[1]}, but this "
                                      f"trainer's rendezvous store listens at {self.rendezvous_address}",
-                                     reason="RENDEZVOUS_MISMATCH")
+                                     reason=Reason.RENDEZVOUS_MISMATCH)
         return prepared
 
     async def _transfer(self, cache: GroupCache, plan: SyncPlan, prepared: PreparedSync) -> SendResult:
@@ -274,7 +275,7 @@ class WeightBroadcaster:
                                                     timeout=plan.timeout_s, key=plan.sync_key)
             except TimeoutError:
                 raise DeadlineExceeded(f"weight broadcast {plan.sync_id} did not finish within its timeout of "
-                                       f"{plan.timeout_s:g} s", reason="WEIGHT_TRANSFER_TIMEOUT") from None
+                                       f"{plan.timeout_s:g} s", reason=Reason.WEIGHT_TRANSFER_TIMEOUT) from None
             except TransferTimeout as err:
                 raise DeadlineExceeded(f"weight broadcast {plan.sync_id}: {err}", reason=err.reason) from err
         result = SendResult(sent.bytes, time.monotonic() - started, prepared.manifest.checksum, plan.weight_version,
@@ -289,5 +290,5 @@ class WeightBroadcaster:
 
     def _check_started(self) -> GroupCache:
         if self._cache is None:
-            raise FailedPrecondition("the trainer agent is not started or is shutting down", reason="NOT_STARTED")
+            raise FailedPrecondition("the trainer agent is not started or is shutting down", reason=Reason.NOT_STARTED)
         return self._cache

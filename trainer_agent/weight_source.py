@@ -33,6 +33,7 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from mesh_runtime.errors import FailedPrecondition, InvalidArgument
+from mesh_runtime.reasons import Reason
 from weight_transfer.spec import WeightSpec
 
 from .config import TrainerAgentConfig, is_model_directory
@@ -138,7 +139,7 @@ class WeightSource(abc.ABC):
         with self._lock:
             if weight_version <= self._version:
                 raise FailedPrecondition(f"weight version {weight_version} is not newer than the current "
-                                         f"{self._version}; versions only grow", reason="STALE_WEIGHT_VERSION")
+                                         f"{self._version}; versions only grow", reason=Reason.STALE_WEIGHT_VERSION)
             yield
             self._version = weight_version
 
@@ -160,7 +161,7 @@ class WeightSource(abc.ABC):
                                 f"{expected.dtype} {list(expected.shape)}")
         if problems:
             raise InvalidArgument("weights do not fit the model: " + "; ".join(problems[:5]),
-                                  reason="WEIGHT_MISMATCH")
+                                  reason=Reason.WEIGHT_MISMATCH)
         with self.updating(weight_version):
             self._write({self._canonical_name(n): t for n, t in named_tensors.items()})
 
@@ -177,7 +178,7 @@ class WeightSource(abc.ABC):
             if weight_version not in (0, self._version):
                 raise FailedPrecondition(f"the trainer holds weight version {self._version}, not {weight_version} "
                                          "(only the current version can be prepared)",
-                                         reason="WEIGHT_VERSION_UNAVAILABLE",
+                                         reason=Reason.WEIGHT_VERSION_UNAVAILABLE,
                                          metadata={"current_version": self._version})
             with torch.no_grad():
                 tensors = tuple((name, t.detach().clone()) for name, t in self._named_tensors())
@@ -190,7 +191,7 @@ class WeightSource(abc.ABC):
     def _check_loaded(self) -> None:
         if not self._loaded:
             raise FailedPrecondition(f"the {self.backend} weight source has not loaded {self.model!r} yet",
-                                     reason="NO_MODEL_LOADED")
+                                     reason=Reason.NO_MODEL_LOADED)
 
 
 class TorchWeightSource(WeightSource):

@@ -32,6 +32,7 @@ from mesh_runtime.errors import (
     RollmeshError,
     Unavailable,
 )
+from mesh_runtime.reasons import Reason
 
 
 class WeightTransferError(RollmeshError):
@@ -41,7 +42,7 @@ class WeightTransferError(RollmeshError):
 class InvalidManifest(WeightTransferError, InvalidArgument):
     """A manifest (or its dict form) is malformed or internally inconsistent."""
 
-    default_reason = "WEIGHT_MANIFEST_INVALID"
+    default_reason = Reason.WEIGHT_MANIFEST_INVALID
 
 
 class ManifestMismatch(WeightTransferError, FailedPrecondition):
@@ -52,7 +53,7 @@ class ManifestMismatch(WeightTransferError, FailedPrecondition):
     offending tensor.
     """
 
-    default_reason = "WEIGHT_MANIFEST_MISMATCH"
+    default_reason = Reason.WEIGHT_MANIFEST_MISMATCH
 
     def __init__(self, message: str, *, tensor_name: str = "") -> None:
         super().__init__(message, metadata={"tensor": tensor_name} if tensor_name else None)
@@ -62,26 +63,26 @@ class ManifestMismatch(WeightTransferError, FailedPrecondition):
 class GroupClosed(WeightTransferError, FailedPrecondition):
     """The process group was closed, evicted or broken by an earlier failure."""
 
-    default_reason = "WEIGHT_GROUP_CLOSED"
+    default_reason = Reason.WEIGHT_GROUP_CLOSED
 
 
 class VerificationFailed(WeightTransferError, Unavailable):
     """The received weights are not the ones the plan describes; nothing received may be used."""
 
-    default_reason = "WEIGHT_VERIFICATION_FAILED"
+    default_reason = Reason.WEIGHT_VERIFICATION_FAILED
 
 
 class NotAuthentic(VerificationFailed):
     """An authenticated broadcast failed its check: the sender's manifest tag does not match the plan's key and
     manifest, or a bucket's bytes do not hash to the manifest's digest of that bucket."""
 
-    default_reason = "WEIGHTS_NOT_AUTHENTIC"
+    default_reason = Reason.WEIGHTS_NOT_AUTHENTIC
 
 
 class ChecksumMismatch(VerificationFailed):
     """The received bytes do not hash to the manifest's checksum."""
 
-    default_reason = "WEIGHT_CHECKSUM_MISMATCH"
+    default_reason = Reason.WEIGHT_CHECKSUM_MISMATCH
 
     def __init__(self, expected: str, actual: str, algorithm: str) -> None:
         super().__init__(f"{algorithm} checksum of the received weights is {actual}, "
@@ -95,22 +96,22 @@ class ChecksumMismatch(VerificationFailed):
 class TransferTimeout(WeightTransferError, Unavailable):
     """A peer did not show up or did not answer within the configured timeout."""
 
-    default_reason = "WEIGHT_TRANSFER_TIMEOUT"
+    default_reason = Reason.WEIGHT_TRANSFER_TIMEOUT
 
 
 class PeerLost(WeightTransferError, Unavailable):
     """A peer closed its connection (crashed, or gave up after its own timeout)."""
 
-    default_reason = "WEIGHT_PEER_LOST"
+    default_reason = Reason.WEIGHT_PEER_LOST
 
 
 class TransferCancelled(WeightTransferError, Aborted):
     """The caller cancelled the transfer; the group it ran on is now closed."""
 
-    default_reason = "WEIGHT_TRANSFER_CANCELLED"
+    default_reason = Reason.WEIGHT_TRANSFER_CANCELLED
 
 
 class GroupBusy(WeightTransferError, Aborted):
     """Another transfer is already running on the same group."""
 
-    default_reason = "WEIGHT_GROUP_BUSY"
+    default_reason = Reason.WEIGHT_GROUP_BUSY

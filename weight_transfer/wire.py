@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from mesh_runtime.errors import InvalidArgument
+from mesh_runtime.reasons import Reason
 from rollmesh.common.v1 import weights_pb2
 
 from .manifest import Manifest, TensorEntry
@@ -71,7 +72,7 @@ def plan_from_proto(msg: weights_pb2.WeightSyncPlan, default_timeout_s: float) -
     """
     def bad(why: str) -> InvalidArgument:
         return InvalidArgument(f"malformed weight sync plan {msg.sync_id or '(no sync_id)'}: {why}",
-                               reason="INVALID_SYNC_PLAN")
+                               reason=Reason.INVALID_SYNC_PLAN)
 
     if not msg.sync_id:
         raise bad("sync_id is empty")

@@ -15,6 +15,7 @@ import dataclasses
 from typing import Any, ClassVar
 
 from mesh_runtime import samples
+from mesh_runtime.reasons import Reason
 from mesh_runtime.verl_config import DEACTIVATE_WAIT_TIMEOUT_S, WEIGHT_SYNC_TIMEOUT_S
 
 from .errors import InvalidArgumentError
@@ -86,5 +87,5 @@ class SchedulingConfig:
         for name, ok, rule in checks:
             if not ok:
                 raise InvalidArgumentError(f"{name} {rule}, got {getattr(self, name)!r}",
-                                           reason="INVALID_CONFIG", metadata={"field": name})
+                                           reason=Reason.INVALID_CONFIG, metadata={"field": name})
         return self

@@ -9,13 +9,14 @@ place. Messages say what was wrong and, where it helps, how to fix it.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from mesh_runtime.reasons import Reason
 
 
 class CoreError(Exception):
     """Base of every error the controller core raises on purpose."""
 
     code = "INTERNAL"
-    default_reason = "INTERNAL"
+    default_reason = Reason.INTERNAL
 
     def __init__(self, message: str, *, reason: str | None = None,
                  metadata: Mapping[str, object] | None = None) -> None:
@@ -29,27 +30,27 @@ class InvalidArgumentError(CoreError):
     """The input itself is malformed; repeating it unchanged cannot succeed."""
 
     code = "INVALID_ARGUMENT"
-    default_reason = "INVALID_ARGUMENT"
+    default_reason = Reason.INVALID_ARGUMENT
 
 
 class NotFoundError(CoreError):
     """A named node or replica is not in the registry."""
 
     code = "NOT_FOUND"
-    default_reason = "NOT_FOUND"
+    default_reason = Reason.NOT_FOUND
 
 
 class FailedPreconditionError(CoreError):
     """The system is not in a state that allows the call."""
 
     code = "FAILED_PRECONDITION"
-    default_reason = "FAILED_PRECONDITION"
+    default_reason = Reason.FAILED_PRECONDITION
 
 
 class InvalidTransition(FailedPreconditionError):
     """A replica state change that the transition table forbids."""
 
-    default_reason = "INVALID_REPLICA_TRANSITION"
+    default_reason = Reason.INVALID_REPLICA_TRANSITION
 
     def __init__(self, replica_id: str, from_state: str, to_state: str, reason: str = "") -> None:
         why = f" (requested because: {reason})" if reason else ""
@@ -64,7 +65,7 @@ class InvalidTransition(FailedPreconditionError):
 class OutOfOrder(FailedPreconditionError):
     """A step-protocol call arrived while the controller expects another one."""
 
-    default_reason = "STEP_OUT_OF_ORDER"
+    default_reason = Reason.STEP_OUT_OF_ORDER
 
     def __init__(self, called: str, expected: str, global_step: int | None) -> None:
         step = f" for global_step {global_step}" if global_step is not None else ""
@@ -80,18 +81,18 @@ class OutOfOrder(FailedPreconditionError):
 class PolicyError(InvalidArgumentError):
     """A scheduling policy name, import path or parameter set is unusable."""
 
-    default_reason = "INVALID_POLICY"
+    default_reason = Reason.INVALID_POLICY
 
 
 class PortUnavailable(CoreError):
     """A peer (load balancer, agent, trainer) could not be reached; retry-able."""
 
     code = "UNAVAILABLE"
-    default_reason = "PEER_UNAVAILABLE"
+    default_reason = Reason.PEER_UNAVAILABLE
 
 
 class PortDeadlineExceeded(CoreError):
     """A call to a peer did not finish within its configured timeout."""
 
     code = "DEADLINE_EXCEEDED"
-    default_reason = "PEER_DEADLINE_EXCEEDED"
+    default_reason = Reason.PEER_DEADLINE_EXCEEDED

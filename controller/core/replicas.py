@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from mesh_runtime.reasons import Reason
 from .errors import FailedPreconditionError, InvalidArgumentError, InvalidTransition, NotFoundError
 from .events import Clock, EventSink, EventType
 from .records import (
@@ -140,7 +141,7 @@ class ReplicaRegistry:
         if not node.lease_held:
             raise FailedPreconditionError(f"the lease of node {node_id!r} expired at "
                                           f"{node.lease_expires_at}; register the node again",
-                                          reason="LEASE_EXPIRED")
+                                          reason=Reason.LEASE_EXPIRED)
         node.lease_expires_at = now + self.lease_ttl_s
         node.last_report_at = now
         for record in self.replicas(node_id=node_id):

@@ -25,6 +25,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from mesh_runtime.reasons import Reason
 from ..core.errors import CoreError, FailedPreconditionError, InvalidArgumentError, NotFoundError
 from ..core.events import EventSink, EventType
 
@@ -89,12 +90,12 @@ class OperationInProgress(CoreError):
     """Another scale operation runs; ``metadata['operation_id']`` names it."""
 
     code = "ABORTED"
-    default_reason = "SCALE_OPERATION_IN_PROGRESS"
+    default_reason = Reason.SCALE_OPERATION_IN_PROGRESS
 
 
 class RequestIdReused(CoreError):
     code = "ALREADY_EXISTS"
-    default_reason = "REQUEST_ID_REUSED"
+    default_reason = Reason.REQUEST_ID_REUSED
 
 
 @dataclasses.dataclass
@@ -181,11 +182,11 @@ class OperationBook:
 
     def get(self, operation_id: str) -> ScaleOperation:
         if not operation_id:
-            raise InvalidArgumentError("operation_id must not be empty", reason="EMPTY_OPERATION_ID")
+            raise InvalidArgumentError("operation_id must not be empty", reason=Reason.EMPTY_OPERATION_ID)
         try:
             return self._ops[operation_id]
         except KeyError:
-            raise NotFoundError(f"no scale operation {operation_id!r}", reason="OPERATION_NOT_FOUND",
+            raise NotFoundError(f"no scale operation {operation_id!r}", reason=Reason.OPERATION_NOT_FOUND,
                                 metadata={"operation_id": operation_id}) from None
 
     def __contains__(self, operation_id: object) -> bool:
@@ -230,7 +231,7 @@ class OperationBook:
         if to not in ALLOWED[op.type].get(op.state, frozenset()):
             raise FailedPreconditionError(
                 f"scale operation {op.operation_id} cannot go from {op.state.value} to {to.value}",
-                reason="INVALID_OPERATION_TRANSITION", metadata={"operation_id": op.operation_id})
+                reason=Reason.INVALID_OPERATION_TRANSITION, metadata={"operation_id": op.operation_id})
         previous = op.state
         op.state = to
         op.updated_at = self._clock()

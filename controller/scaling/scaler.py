@@ -31,6 +31,7 @@ from typing import Any
 
 from mesh_runtime.errors import FailedPrecondition, InvalidArgument, NotFound
 from mesh_runtime.net import AddressError, parse_host_port
+from mesh_runtime.reasons import Reason
 from mesh_runtime.validate import check_engine_url, is_engine_url
 
 from . import runs as scale_runs
@@ -52,10 +53,10 @@ def check_addresses(addresses: list[str], what: str) -> list[str]:
         try:
             parse_host_port(address, allow_zero_port=False)
         except AddressError as err:
-            raise InvalidArgument(f"{what}: {address!r} is not HOST:PORT ({err})", reason="INVALID_ADDRESS",
+            raise InvalidArgument(f"{what}: {address!r} is not HOST:PORT ({err})", reason=Reason.INVALID_ADDRESS,
                                   metadata={"address": address}) from None
     if len(set(addresses)) != len(addresses):
-        raise InvalidArgument(f"{what} repeats an address: {addresses}", reason="REPEATED_ADDRESS")
+        raise InvalidArgument(f"{what} repeats an address: {addresses}", reason=Reason.REPEATED_ADDRESS)
     return list(addresses)
 
 
@@ -117,7 +118,7 @@ class Scaler:
         if given is None:
             return default
         if not given > 0:
-            raise InvalidArgument(f"timeout must be positive, got {given} s", reason="INVALID_TIMEOUT")
+            raise InvalidArgument(f"timeout must be positive, got {given} s", reason=Reason.INVALID_TIMEOUT)
         return given
 
     def _spawn(self, op: ScaleOperation, body, undo) -> None:
@@ -156,13 +157,13 @@ class Scaler:
         model = model_name or "default"
         addresses = list(engine_addresses)
         if num_replicas < 0:
-            raise InvalidArgument(f"num_replicas must be >= 0, got {num_replicas}", reason="INVALID_TARGET")
+            raise InvalidArgument(f"num_replicas must be >= 0, got {num_replicas}", reason=Reason.INVALID_TARGET)
         if num_replicas > self.config.max_replicas_per_model:
             raise InvalidArgument(f"num_replicas {num_replicas} is above max_replicas_per_model "
-                                  f"({self.config.max_replicas_per_model})", reason="INVALID_TARGET")
+                                  f"({self.config.max_replicas_per_model})", reason=Reason.INVALID_TARGET)
         if bool(num_replicas) == bool(addresses):
             raise InvalidArgument("give either num_replicas > 0 (native mode) or engine_addresses (external "
-                                  "mode), not both and not neither", reason="AMBIGUOUS_SCALE_OUT")
+                                  "mode), not both and not neither", reason=Reason.AMBIGUOUS_SCALE_OUT)
         addresses = check_addresses(addresses, "engine_addresses")
         timeout = self._timeout(timeout_s, self.config.scale_out_timeout)
         policy = policy or self.config.scale_out_partial_success_policy
@@ -222,7 +223,7 @@ class Scaler:
             if node_id is None or free[node_id] < per:
                 raise FailedPrecondition(
                     f"native scale-out needs {need} replica(s) of {per} slot(s) for model {model!r}, but only "
-                    f"{len(out)} fit; free slots: {_free_summary(free)}", reason="NO_FREE_SLOTS",
+                    f"{len(out)} fit; free slots: {_free_summary(free)}", reason=Reason.NO_FREE_SLOTS,
                     metadata={"nodes": str(len(free)), "free_slots": str(sum(max(0, f) for f in free.values()))})
             free[node_id] -= per
             out.append(node_id)
@@ -236,12 +237,12 @@ class Scaler:
         model = model_name or "default"
         ids, addresses = list(replica_ids), list(engine_addresses)
         if num_replicas < 0:
-            raise InvalidArgument(f"num_replicas must be >= 0, got {num_replicas}", reason="INVALID_TARGET")
+            raise InvalidArgument(f"num_replicas must be >= 0, got {num_replicas}", reason=Reason.INVALID_TARGET)
         if not num_replicas and not ids and not addresses:
             raise InvalidArgument("give num_replicas > 0 (target remaining count), or replica_ids and/or "
-                                  "engine_addresses", reason="NOTHING_TO_SCALE_IN")
+                                  "engine_addresses", reason=Reason.NOTHING_TO_SCALE_IN)
         if any(not r for r in ids) or len(set(ids)) != len(ids):
-            raise InvalidArgument(f"replica_ids must be non-empty and distinct: {ids}", reason="INVALID_REPLICA_ID")
+            raise InvalidArgument(f"replica_ids must be non-empty and distinct: {ids}", reason=Reason.INVALID_REPLICA_ID)
         addresses = check_addresses(addresses, "engine_addresses")
         default_timeout = self.config.scale_in_drain_timeout + self.config.scale_in_shutdown_timeout + 30.0
         timeout = self._timeout(timeout_s, default_timeout)
@@ -260,7 +261,7 @@ class Scaler:
             if num_replicas < len(protected):
                 raise FailedPrecondition(
                     f"num_replicas {num_replicas} is below the {len(protected)} initial replica(s) of {model!r}, "
-                    "which are protected from scale-in", reason="PROTECTED_REPLICA",
+                    "which are protected from scale-in", reason=Reason.PROTECTED_REPLICA,
                     metadata={"protected": str(len(protected))})
             if num_replicas >= len(pool):
                 why = f"{len(pool)} replicas of {model!r} already at or below the target {num_replicas}"
@@ -288,20 +289,20 @@ class Scaler:
         for address in addresses:
             at = [r for r in registry.replicas() if address in (r.address, r.engine_url)]
             if not at:
-                raise NotFound(f"no replica is registered at {address}", reason="ADDRESS_NOT_FOUND",
+                raise NotFound(f"no replica is registered at {address}", reason=Reason.ADDRESS_NOT_FOUND,
                                metadata={"address": address})
             records += [r for r in at if r.kind is ReplicaKind.STANDALONE and r not in records]
         for record in records:
             if record.kind is not ReplicaKind.STANDALONE:
                 raise FailedPrecondition(f"replica {record.replica_id} is HYBRID; hybrid replicas belong to the "
-                                         "dynamic-resource scheduler and are not scaled", reason="HYBRID_REPLICA")
+                                         "dynamic-resource scheduler and are not scaled", reason=Reason.HYBRID_REPLICA)
             if record.initial:
                 raise FailedPrecondition(f"replica {record.replica_id} is an initial replica, protected from "
-                                         "scale-in", reason="PROTECTED_REPLICA",
+                                         "scale-in", reason=Reason.PROTECTED_REPLICA,
                                          metadata={"replica_id": record.replica_id})
             if record.model_name != model:
                 raise InvalidArgument(f"replica {record.replica_id} serves model {record.model_name!r}, not "
-                                      f"{model!r}", reason="WRONG_MODEL")
+                                      f"{model!r}", reason=Reason.WRONG_MODEL)
         return [r.replica_id for r in records if r.state not in TERMINAL_STATES]
 
     # ------------------------------------------------------------------ cancel
@@ -312,7 +313,7 @@ class Scaler:
         if not cancellable(op):
             what = "it has finished" if op.finished else "a scale-in can only be cancelled while PENDING"
             raise FailedPrecondition(f"scale operation {operation_id} is {op.state.value} and cannot be cancelled "
-                                     f"({what})", reason="OPERATION_NOT_CANCELLABLE",
+                                     f"({what})", reason=Reason.OPERATION_NOT_CANCELLABLE,
                                      metadata={"operation_id": operation_id, "state": op.state.value})
         task = self.tasks.get(operation_id)
         if task is None:
@@ -325,7 +326,7 @@ class Scaler:
     async def cancel_many(self, states: set[OperationState], dry_run: bool) -> list[str]:
         if states and states <= TERMINAL:
             raise InvalidArgument(f"states lists only finished states ({sorted(s.value for s in states)}); none "
-                                  "of those can be cancelled", reason="TERMINAL_STATES_ONLY")
+                                  "of those can be cancelled", reason=Reason.TERMINAL_STATES_ONLY)
         targets = [op for op in self.book.list() if cancellable(op) and (not states or op.state in states)]
         if not dry_run:
             for op in targets:

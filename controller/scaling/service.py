@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from mesh_runtime.errors import FailedPrecondition, InvalidArgument
+from mesh_runtime.reasons import Reason
 from rollmesh.controller.v1 import autoscaler_pb2, scaling_pb2
 
 from .. import convert
@@ -27,7 +28,7 @@ def _states(values) -> set:
     try:
         return {convert_scaling.state_from_proto(v) for v in values if v}
     except ValueError:
-        raise InvalidArgument(f"unknown operation state in {list(values)}", reason="INVALID_STATE") from None
+        raise InvalidArgument(f"unknown operation state in {list(values)}", reason=Reason.INVALID_STATE) from None
 
 
 class ScalingRpcs:
@@ -44,7 +45,7 @@ class ScalingRpcs:
         require_scale_credential(context, self.config, "ScaleOut")
         if request.partial_success_policy not in _POLICY_VALUES:
             raise InvalidArgument(f"unknown partial_success_policy {request.partial_success_policy}",
-                                  reason="INVALID_POLICY")
+                                  reason=Reason.INVALID_POLICY)
         op, message = await self.mesh.scaler.scale_out(
             model_name=request.model_name, num_replicas=request.num_replicas,
             engine_addresses=list(request.engine_addresses), timeout_s=_timeout(request),
@@ -69,7 +70,7 @@ class ScalingRpcs:
         try:
             types = {convert_scaling.type_from_proto(t) for t in request.types if t}
         except ValueError:
-            raise InvalidArgument(f"unknown operation type in {list(request.types)}", reason="INVALID_TYPE") from None
+            raise InvalidArgument(f"unknown operation type in {list(request.types)}", reason=Reason.INVALID_TYPE) from None
         ops = self.mesh.scaler.book.list(states=_states(request.states), types=types, model_name=request.model_name)
         return scaling_pb2.ListOperationsResponse(operations=[convert_scaling.operation(o) for o in ops])
 
@@ -107,7 +108,7 @@ class ScalingRpcs:
         if not self.mesh.autoscaler.configured:
             raise FailedPrecondition("the controller was started without autoscaler_config "
                                      "(--autoscaler-config FILE); there is no autoscaler",
-                                     reason="AUTOSCALER_NOT_CONFIGURED")
+                                     reason=Reason.AUTOSCALER_NOT_CONFIGURED)
         return self.mesh.autoscaler
 
     async def GetAutoscalerStatus(self, request, context):  # noqa: N802
@@ -128,7 +129,7 @@ class ScalingRpcs:
 
     async def ListScaleHistory(self, request, context):  # noqa: N802
         if request.action not in convert_scaling.ACTION_NAMES and request.action:
-            raise InvalidArgument(f"unknown action {request.action}", reason="INVALID_ACTION")
+            raise InvalidArgument(f"unknown action {request.action}", reason=Reason.INVALID_ACTION)
         action = convert_scaling.ACTION_NAMES.get(request.action) if request.action else None
         records, total = self.mesh.autoscaler.records(action, request.limit or 100)
         return autoscaler_pb2.ListScaleHistoryResponse(

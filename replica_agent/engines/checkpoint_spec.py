@@ -18,6 +18,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from mesh_runtime.reasons import Reason
 from .errors import EngineError
 from .types import WeightSpec
 
@@ -49,7 +50,7 @@ _MAX_HEADER_BYTES = 100 * 1024 * 1024
 class CheckpointError(EngineError):
     """The model directory holds no readable safetensors checkpoint."""
 
-    reason = "CHECKPOINT_UNREADABLE"
+    reason = Reason.CHECKPOINT_UNREADABLE
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:

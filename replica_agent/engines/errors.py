@@ -6,6 +6,7 @@ it to; the replica agent's single error-mapping module does the translation.
 """
 
 from __future__ import annotations
+from mesh_runtime.reasons import Reason
 
 
 class EngineError(Exception):
@@ -14,7 +15,7 @@ class EngineError(Exception):
     Maps to ``INTERNAL`` unless a subclass says otherwise.
     """
 
-    reason = "ENGINE_ERROR"
+    reason = Reason.ENGINE_ERROR
 
     def __init__(self, message: str, *, reason: str | None = None) -> None:
         super().__init__(message)
@@ -29,7 +30,7 @@ class InvalidRequest(EngineError):
     vocabulary...). Retrying it unchanged cannot succeed. ``INVALID_ARGUMENT``.
     """
 
-    reason = "INVALID_REQUEST"
+    reason = Reason.INVALID_REQUEST
 
 
 class EngineUnavailable(EngineError):
@@ -38,7 +39,7 @@ class EngineUnavailable(EngineError):
     typically on another replica).
     """
 
-    reason = "ENGINE_UNAVAILABLE"
+    reason = Reason.ENGINE_UNAVAILABLE
 
 
 class DuplicateRequest(EngineError):
@@ -46,7 +47,7 @@ class DuplicateRequest(EngineError):
     ``ALREADY_EXISTS``.
     """
 
-    reason = "DUPLICATE_REQUEST"
+    reason = Reason.DUPLICATE_REQUEST
 
 
 class WeightMismatch(EngineError):
@@ -55,7 +56,7 @@ class WeightMismatch(EngineError):
     changed; the old weights still serve. ``FAILED_PRECONDITION``.
     """
 
-    reason = "WEIGHT_MISMATCH"
+    reason = Reason.WEIGHT_MISMATCH
 
 
 class EngineDead(EngineError):
@@ -64,4 +65,4 @@ class EngineDead(EngineError):
     replica should be reported unhealthy.
     """
 
-    reason = "ENGINE_DEAD"
+    reason = Reason.ENGINE_DEAD

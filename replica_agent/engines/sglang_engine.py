@@ -38,6 +38,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from mesh_runtime.net import free_port
+from mesh_runtime.reasons import Reason
 
 from .base import WAKE_TAGS, Engine, LifecycleFlags, PauseMode
 from .delta_stream import RequestStream
@@ -120,10 +121,10 @@ class SglangEngine(RemoteStreams, LifecycleFlags, Engine):
         while not await self._client.healthy():
             if self._process is not None and self._process.poll() is not None:
                 raise EngineDead(f"the sglang server exited with code {self._process.returncode} before it "
-                                 "was healthy", reason="SGLANG_EXITED")
+                                 "was healthy", reason=Reason.SGLANG_EXITED)
             if self._clock() > deadline:
                 raise EngineDead(f"the sglang server at {self._client.url} was not healthy within "
-                                 f"{self.config.startup_timeout_s:g} s", reason="SGLANG_NOT_HEALTHY")
+                                 f"{self.config.startup_timeout_s:g} s", reason=Reason.SGLANG_NOT_HEALTHY)
             await asyncio.sleep(0.2)
 
     def _describe(self, info: dict[str, Any]) -> None:
@@ -211,7 +212,7 @@ class SglangEngine(RemoteStreams, LifecycleFlags, Engine):
                     break
             if not stream.done.is_set() and not await self._client.healthy():
                 raise EngineDead(f"the sglang server at {self._client.url} went away during request "
-                                 f"{stream.request_id}", reason="SGLANG_UNREACHABLE")
+                                 f"{stream.request_id}", reason=Reason.SGLANG_UNREACHABLE)
             stream.finish(FinishReason.ABORTED, self._weight_version)   # no-op unless the server ended silently
         except asyncio.CancelledError:
             stream.finish(FinishReason.ABORTED, self._weight_version)
@@ -222,7 +223,7 @@ class SglangEngine(RemoteStreams, LifecycleFlags, Engine):
             stream.fail(exc)
         except Exception as exc:  # noqa: BLE001 - every failure must reach the consumer
             stream.fail(EngineError(f"sglang failed request {stream.request_id}: {exc!r}",
-                                    reason="GENERATION_FAILED"))
+                                    reason=Reason.GENERATION_FAILED))
         finally:
             self._retire(stream)
 
@@ -321,7 +322,7 @@ class SglangEngine(RemoteStreams, LifecycleFlags, Engine):
                     asyncio.to_thread(group.broadcast, bucket))
                 if isinstance(answer, dict) and answer.get("success") is False:
                     raise EngineError(f"sglang refused the weight update: {str(answer.get('message'))[:200]}",
-                                      reason="WEIGHT_UPDATE_FAILED")
+                                      reason=Reason.WEIGHT_UPDATE_FAILED)
         except BaseException:
             self._group = None   # a broken group is never reused: the next load joins a new one
             await asyncio.to_thread(group.close)
@@ -342,7 +343,7 @@ class SglangEngine(RemoteStreams, LifecycleFlags, Engine):
         if isinstance(answer, dict) and answer.get("success") is False:
             await asyncio.to_thread(group.close)
             raise EngineError(f"sglang could not join the weight update group: {str(answer.get('message'))[:200]}",
-                              reason="WEIGHT_GROUP_FAILED")
+                              reason=Reason.WEIGHT_GROUP_FAILED)
         self._group = group
         return group
 

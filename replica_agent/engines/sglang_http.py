@@ -27,6 +27,7 @@ from typing import Any
 
 import httpx2
 
+from mesh_runtime.reasons import Reason
 from .errors import EngineDead, EngineError, EngineUnavailable, InvalidRequest
 from .types import FinishReason
 
@@ -97,9 +98,9 @@ class SglangClient:
 
     def _failure(self, what: str, exc: BaseException) -> EngineError:
         if isinstance(exc, httpx2.TimeoutException):
-            return EngineUnavailable(f"sglang {what} at {self.url} timed out", reason="SGLANG_TIMEOUT")
+            return EngineUnavailable(f"sglang {what} at {self.url} timed out", reason=Reason.SGLANG_TIMEOUT)
         return EngineDead(f"sglang server at {self.url} is unreachable ({what}): {exc!r}",
-                          reason="SGLANG_UNREACHABLE")
+                          reason=Reason.SGLANG_UNREACHABLE)
 
     @staticmethod
     def _check(what: str, response: httpx2.Response) -> None:
@@ -109,9 +110,9 @@ class SglangClient:
         if response.status_code in (400, 422):
             raise InvalidRequest(f"sglang rejected {what}: {message}")
         if response.status_code in (429, 503):
-            raise EngineUnavailable(f"sglang cannot take {what} now: {message}", reason="SGLANG_UNAVAILABLE")
+            raise EngineUnavailable(f"sglang cannot take {what} now: {message}", reason=Reason.SGLANG_UNAVAILABLE)
         raise EngineError(f"sglang {what} failed with HTTP {response.status_code}: {message}",
-                          reason="SGLANG_CALL_FAILED")
+                          reason=Reason.SGLANG_CALL_FAILED)
 
     async def post(self, path: str, body: dict[str, Any] | None = None, *, timeout_s: float | None = None) -> Any:
         """POST ``body`` to ``path``; the decoded JSON answer (or ``None`` for an empty one)."""
@@ -165,7 +166,7 @@ class SglangClient:
                         error = event["error"]
                         message = error.get("message", error) if isinstance(error, dict) else error
                         raise EngineError(f"sglang failed request {body.get('rid')}: {str(message)[:200]}",
-                                          reason="GENERATION_FAILED")
+                                          reason=Reason.GENERATION_FAILED)
                     yield event
         except httpx2.HTTPError as exc:
             raise self._failure(f"/generate of {body.get('rid')}", exc) from exc

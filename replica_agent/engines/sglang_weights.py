@@ -22,6 +22,7 @@ import uuid
 from typing import Any
 
 from mesh_runtime.net import free_port
+from mesh_runtime.reasons import Reason
 
 from .errors import EngineError
 
@@ -63,7 +64,7 @@ class WeightUpdateGroup:
         import torch.distributed as dist
 
         if self._group is None:
-            raise EngineError("the weight update group is not joined", reason="WEIGHT_GROUP_MISSING")
+            raise EngineError("the weight update group is not joined", reason=Reason.WEIGHT_GROUP_MISSING)
         device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else None
         for _name, tensor in named_tensors:
             data = tensor.detach()

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mesh_runtime.reasons import Reason
 from .errors import EngineDead, InvalidRequest
 from .vllm_worker import EXTENSION_CLASS
 
@@ -123,7 +124,7 @@ def load_vllm_api() -> VllmApi:
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.async_llm import AsyncLLM
     except ImportError as exc:
-        raise EngineDead(f"{NO_VLLM_MESSAGE}: {exc}", reason="VLLM_UNAVAILABLE") from exc
+        raise EngineDead(f"{NO_VLLM_MESSAGE}: {exc}", reason=Reason.VLLM_UNAVAILABLE) from exc
 
     def create_client(kwargs: dict[str, Any]) -> Any:
         # Called in a worker thread (engine start-up takes minutes on a GPU): with no running loop there,

@@ -48,6 +48,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from mesh_runtime.reasons import Reason
 from .base import WAKE_TAGS, Engine, LifecycleFlags, PauseMode
 from .checkpoint_spec import checkpoint_files
 from .errors import (
@@ -106,11 +107,11 @@ def vllm_failure(exc: BaseException, request_id: str) -> EngineError:
         return InvalidRequest(f"vllm rejected request {request_id}: {rejected}")
     retryable = next((e for e in chain if _named(e, "RetryableRequestError")), None)
     if retryable is not None:
-        return EngineUnavailable(f"vllm could not take request {request_id} now: {retryable}", reason="RETRYABLE")
+        return EngineUnavailable(f"vllm could not take request {request_id} now: {retryable}", reason=Reason.RETRYABLE)
     if not _named(exc, "EngineGenerateError") and isinstance(exc, ValueError):   # a vLLM without the classes
         return InvalidRequest(f"vllm rejected request {request_id}: {exc}")
     detail = f"{exc!r}" + (f" (caused by {chain[-1]!r})" if len(chain) > 1 else "")
-    return EngineError(f"vllm failed request {request_id}: {detail}", reason="GENERATION_FAILED")
+    return EngineError(f"vllm failed request {request_id}: {detail}", reason=Reason.GENERATION_FAILED)
 
 
 MAX_VLLM_SEED = 2**63 - 1
@@ -227,7 +228,7 @@ class VllmEngine(RemoteStreams, LifecycleFlags, Engine):
             if _is_engine_dead_error(exc):
                 self._mark_dead(exc)
                 raise EngineDead(f"vllm engine died during {what}") from exc
-            raise EngineError(f"vllm {what} failed: {exc!r}", reason="VLLM_CALL_FAILED") from exc
+            raise EngineError(f"vllm {what} failed: {exc!r}", reason=Reason.VLLM_CALL_FAILED) from exc
 
     # ------------------------------------------------------------- generation
     def _submit(self, request: GenerationRequest) -> RequestStream:
@@ -460,7 +461,7 @@ class VllmEngine(RemoteStreams, LifecycleFlags, Engine):
         done = await self._call("reset_prefix_cache", self._client.reset_prefix_cache(reset_running_requests=True))
         if done is False:
             raise EngineError("vllm could not reset its prefix cache after a weight load: blocks computed with "
-                              "the old weights would be reused", reason="PREFIX_CACHE_NOT_RESET")
+                              "the old weights would be reused", reason=Reason.PREFIX_CACHE_NOT_RESET)
 
     async def _resume_after_failure(self) -> None:
         try:

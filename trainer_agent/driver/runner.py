@@ -41,6 +41,7 @@ import grpc
 
 from mesh_runtime.channels import open_channel, read_methods
 from mesh_runtime.errors import FailedPrecondition
+from mesh_runtime.reasons import Reason
 from rollmesh.common.v1 import types_pb2
 from rollmesh.controller.v1 import controller_pb2_grpc, registry_pb2
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2_grpc
@@ -136,10 +137,10 @@ class TrainingDriver:
     def _idle_trainer(self, what: str) -> GrpoTrainer:
         if self.trainer is None:
             raise FailedPrecondition(f"no training loop runs on this agent yet; nothing to {what}",
-                                     reason="NO_TRAINING_LOOP")
+                                     reason=Reason.NO_TRAINING_LOOP)
         if self.state in ("TRAINING", "SYNCING_WEIGHTS"):
             raise FailedPrecondition(f"a training step is running (state {self.state}); {what} between steps",
-                                     reason="TRAINING_STEP_RUNNING")
+                                     reason=Reason.TRAINING_STEP_RUNNING)
         return self.trainer
 
     # -- the run ----------------------------------------------------------------------------------

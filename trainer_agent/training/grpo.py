@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from mesh_runtime.errors import FailedPrecondition, InvalidArgument
+from mesh_runtime.reasons import Reason
 
 from ..weight_source import WeightSource
 
@@ -80,10 +81,10 @@ class GrpoConfig:
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
-            raise InvalidArgument(f"lr must be positive, got {self.lr}", reason="INVALID_TRAINING_CONFIG")
+            raise InvalidArgument(f"lr must be positive, got {self.lr}", reason=Reason.INVALID_TRAINING_CONFIG)
         if not 0 < self.clip_ratio < 1:
             raise InvalidArgument(f"clip_ratio must lie in (0, 1), got {self.clip_ratio}",
-                                  reason="INVALID_TRAINING_CONFIG")
+                                  reason=Reason.INVALID_TRAINING_CONFIG)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,7 +202,7 @@ class GrpoTrainer:
         """Train the model a loaded weight source holds (its ``module``: a transformers model, or the megatron
         backend's :class:`~trainer_agent.megatron.source.MegatronCausalLM`), publishing in place."""
         if source.module is None:
-            raise FailedPrecondition("the weight source has not loaded its model", reason="NO_MODEL_LOADED")
+            raise FailedPrecondition("the weight source has not loaded its model", reason=Reason.NO_MODEL_LOADED)
         return cls(source.module, config, weight_source=source)
 
     @property
@@ -351,7 +352,7 @@ class GrpoTrainer:
         params, version = state["params"], int(state["weight_version"])
         unknown = sorted(set(params) ^ set(self._params))
         if unknown:
-            raise InvalidArgument(f"checkpoint does not fit the model: {unknown[:5]}", reason="CHECKPOINT_MISMATCH")
+            raise InvalidArgument(f"checkpoint does not fit the model: {unknown[:5]}", reason=Reason.CHECKPOINT_MISMATCH)
 
         def write() -> None:
             with torch.no_grad():
@@ -379,7 +380,7 @@ class GrpoTrainer:
 
     def _check_onloaded(self) -> None:
         if self._host is not None:
-            raise FailedPrecondition("the trainer's weights are offloaded; onload() first", reason="TRAINER_OFFLOADED")
+            raise FailedPrecondition("the trainer's weights are offloaded; onload() first", reason=Reason.TRAINER_OFFLOADED)
 
 
 def parameter_bytes(model: torch.nn.Module) -> int:
@@ -414,11 +415,11 @@ def _clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
 
 def _validate(groups: Sequence[Sequence[Sample]]) -> None:
     if not groups or any(not g for g in groups):
-        raise InvalidArgument("a step needs at least one non-empty group of samples", reason="EMPTY_BATCH")
+        raise InvalidArgument("a step needs at least one non-empty group of samples", reason=Reason.EMPTY_BATCH)
     for g in groups:
         for s in g:
             if not s.prompt_ids or not s.completion_ids:
-                raise InvalidArgument("every sample needs prompt and completion tokens", reason="EMPTY_SAMPLE")
+                raise InvalidArgument("every sample needs prompt and completion tokens", reason=Reason.EMPTY_SAMPLE)
             if len(s.rollout_logprobs) != len(s.completion_ids):
                 raise InvalidArgument(f"{len(s.rollout_logprobs)} rollout logprobs for {len(s.completion_ids)} "
-                                      "completion tokens", reason="LOGPROB_LENGTH_MISMATCH")
+                                      "completion tokens", reason=Reason.LOGPROB_LENGTH_MISMATCH)

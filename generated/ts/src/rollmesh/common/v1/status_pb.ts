@@ -7,9 +7,10 @@
 // well-known types.
 //
 // Errors across the mesh use canonical gRPC status codes. Every error status
-// carries a google.rpc.ErrorInfo detail with domain "rollmesh", an UPPER_SNAKE
-// reason and structured metadata (for example the id of a conflicting
-// operation); the message says what was wrong and how to fix it.
+// carries a google.rpc.ErrorInfo detail with domain "rollmesh", a reason that
+// is the name of an ErrorReason value (errors.proto) and structured metadata
+// (for example the id of a conflicting operation); the message says what was
+// wrong and how to fix it.
 
 import type { GenEnum, GenFile, GenMessage } from "@bufbuild/protobuf/codegenv2";
 import { enumDesc, fileDesc, messageDesc } from "@bufbuild/protobuf/codegenv2";

@@ -1,0 +1,324 @@
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from typing import ClassVar as _ClassVar
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ERROR_REASON_UNSPECIFIED: _ClassVar[ErrorReason]
+    INTERNAL: _ClassVar[ErrorReason]
+    INVALID_ARGUMENT: _ClassVar[ErrorReason]
+    NOT_FOUND: _ClassVar[ErrorReason]
+    ALREADY_EXISTS: _ClassVar[ErrorReason]
+    FAILED_PRECONDITION: _ClassVar[ErrorReason]
+    ABORTED: _ClassVar[ErrorReason]
+    OUT_OF_RANGE: _ClassVar[ErrorReason]
+    RESOURCE_EXHAUSTED: _ClassVar[ErrorReason]
+    UNAVAILABLE: _ClassVar[ErrorReason]
+    DEADLINE_EXCEEDED: _ClassVar[ErrorReason]
+    UNAUTHENTICATED: _ClassVar[ErrorReason]
+    PERMISSION_DENIED: _ClassVar[ErrorReason]
+    CAPABILITY_NOT_IMPLEMENTED: _ClassVar[ErrorReason]
+    MALFORMED_REQUEST: _ClassVar[ErrorReason]
+    UNKNOWN_ENUM_VALUE: _ClassVar[ErrorReason]
+    INVALID_ID: _ClassVar[ErrorReason]
+    INVALID_ADDRESS: _ClassVar[ErrorReason]
+    INVALID_ENGINE_URL: _ClassVar[ErrorReason]
+    INVALID_NUMBER: _ClassVar[ErrorReason]
+    LOOPBACK_ADVERTISED: _ClassVar[ErrorReason]
+    UNREACHABLE_ADDRESS: _ClassVar[ErrorReason]
+    INVALID_TIMEOUT: _ClassVar[ErrorReason]
+    INVALID_PAGE_SIZE: _ClassVar[ErrorReason]
+    INVALID_PAGE_TOKEN: _ClassVar[ErrorReason]
+    NO_IDENTITY: _ClassVar[ErrorReason]
+    NO_RULE: _ClassVar[ErrorReason]
+    ROLE_NOT_ALLOWED: _ClassVar[ErrorReason]
+    NOT_YOUR_NODE: _ClassVar[ErrorReason]
+    CREDENTIAL_MISSING: _ClassVar[ErrorReason]
+    MALFORMED_CREDENTIAL: _ClassVar[ErrorReason]
+    INVALID_CREDENTIAL: _ClassVar[ErrorReason]
+    READ_ONLY_CREDENTIAL: _ClassVar[ErrorReason]
+    EMPTY_REQUEST_ID: _ClassVar[ErrorReason]
+    EMPTY_PROMPT: _ClassVar[ErrorReason]
+    INVALID_TOKEN_ID: _ClassVar[ErrorReason]
+    INVALID_SAMPLING_PARAMS: _ClassVar[ErrorReason]
+    INVALID_RESUME_SEGMENT: _ClassVar[ErrorReason]
+    BUDGET_SPENT: _ClassVar[ErrorReason]
+    INVALID_STREAM_INTERVAL: _ClassVar[ErrorReason]
+    REQUEST_IN_FLIGHT: _ClassVar[ErrorReason]
+    DUPLICATE_REQUEST: _ClassVar[ErrorReason]
+    NO_ELIGIBLE_REPLICA: _ClassVar[ErrorReason]
+    RETRY_BUDGET_SPENT: _ClassVar[ErrorReason]
+    REJECTED_BY_REPLICA: _ClassVar[ErrorReason]
+    REPLICA_ERROR: _ClassVar[ErrorReason]
+    REPLICA_NOT_SERVING: _ClassVar[ErrorReason]
+    QUEUE_FULL: _ClassVar[ErrorReason]
+    INVALID_REQUEST: _ClassVar[ErrorReason]
+    RETRYABLE: _ClassVar[ErrorReason]
+    GENERATION_FAILED: _ClassVar[ErrorReason]
+    EMPTY_REPLICA_ID: _ClassVar[ErrorReason]
+    EMPTY_REPLICA_IDS: _ClassVar[ErrorReason]
+    DUPLICATE_REPLICA: _ClassVar[ErrorReason]
+    REPLICA_EXISTS: _ClassVar[ErrorReason]
+    REPLICA_NOT_FOUND: _ClassVar[ErrorReason]
+    TOO_FEW_REPLICAS: _ClassVar[ErrorReason]
+    INVALID_KIND: _ClassVar[ErrorReason]
+    INVALID_SLOTS: _ClassVar[ErrorReason]
+    INVALID_MEMORY_FRACTION: _ClassVar[ErrorReason]
+    INVALID_LEVEL: _ClassVar[ErrorReason]
+    INVALID_PAUSE_MODE: _ClassVar[ErrorReason]
+    INVALID_WAKE_TAG: _ClassVar[ErrorReason]
+    AMBIGUOUS_ABORT: _ClassVar[ErrorReason]
+    NOTHING_TO_ABORT: _ClassVar[ErrorReason]
+    IDEMPOTENCY_KEY_REUSED: _ClassVar[ErrorReason]
+    CANNOT_ATTACH: _ClassVar[ErrorReason]
+    DRAIN_TIMEOUT: _ClassVar[ErrorReason]
+    REQUESTS_IN_FLIGHT: _ClassVar[ErrorReason]
+    NO_WEIGHTS: _ClassVar[ErrorReason]
+    WEIGHTS_DISCARDED: _ClassVar[ErrorReason]
+    VERSION_MISMATCH: _ClassVar[ErrorReason]
+    TRANSFER_IN_PROGRESS: _ClassVar[ErrorReason]
+    NOT_IN_PLAN: _ClassVar[ErrorReason]
+    NOT_PLAN_SOURCE: _ClassVar[ErrorReason]
+    ENGINE_ERROR: _ClassVar[ErrorReason]
+    ENGINE_UNAVAILABLE: _ClassVar[ErrorReason]
+    ENGINE_DEAD: _ClassVar[ErrorReason]
+    WEIGHT_MISMATCH: _ClassVar[ErrorReason]
+    PREFIX_CACHE_NOT_RESET: _ClassVar[ErrorReason]
+    VLLM_UNAVAILABLE: _ClassVar[ErrorReason]
+    VLLM_CALL_FAILED: _ClassVar[ErrorReason]
+    SGLANG_EXITED: _ClassVar[ErrorReason]
+    SGLANG_NOT_HEALTHY: _ClassVar[ErrorReason]
+    SGLANG_TIMEOUT: _ClassVar[ErrorReason]
+    SGLANG_UNAVAILABLE: _ClassVar[ErrorReason]
+    SGLANG_UNREACHABLE: _ClassVar[ErrorReason]
+    SGLANG_CALL_FAILED: _ClassVar[ErrorReason]
+    WEIGHT_GROUP_FAILED: _ClassVar[ErrorReason]
+    WEIGHT_GROUP_MISSING: _ClassVar[ErrorReason]
+    WEIGHT_UPDATE_FAILED: _ClassVar[ErrorReason]
+    CHECKPOINT_UNREADABLE: _ClassVar[ErrorReason]
+    INVALID_SYNC_PLAN: _ClassVar[ErrorReason]
+    INVALID_BUCKET_SIZE: _ClassVar[ErrorReason]
+    INVALID_CHECKSUM_ALGORITHM: _ClassVar[ErrorReason]
+    WEIGHT_MANIFEST_INVALID: _ClassVar[ErrorReason]
+    WEIGHT_MANIFEST_MISMATCH: _ClassVar[ErrorReason]
+    WEIGHT_CHECKSUM_MISMATCH: _ClassVar[ErrorReason]
+    WEIGHT_VERIFICATION_FAILED: _ClassVar[ErrorReason]
+    WEIGHTS_NOT_AUTHENTIC: _ClassVar[ErrorReason]
+    WEIGHT_GROUP_CLOSED: _ClassVar[ErrorReason]
+    WEIGHT_GROUP_BUSY: _ClassVar[ErrorReason]
+    WEIGHT_PEER_LOST: _ClassVar[ErrorReason]
+    WEIGHT_TRANSFER_CANCELLED: _ClassVar[ErrorReason]
+    WEIGHT_TRANSFER_TIMEOUT: _ClassVar[ErrorReason]
+    INVALID_WEIGHT_VERSION: _ClassVar[ErrorReason]
+    STALE_WEIGHT_VERSION: _ClassVar[ErrorReason]
+    VERSION_JUMP: _ClassVar[ErrorReason]
+    WEIGHT_VERSION_UNAVAILABLE: _ClassVar[ErrorReason]
+    NOT_PREPARED: _ClassVar[ErrorReason]
+    MANIFEST_MISMATCH: _ClassVar[ErrorReason]
+    RENDEZVOUS_MISMATCH: _ClassVar[ErrorReason]
+    NOT_STARTED: _ClassVar[ErrorReason]
+    NO_MODEL_LOADED: _ClassVar[ErrorReason]
+    TRAINER_OFFLOADED: _ClassVar[ErrorReason]
+    NO_TRAINING_LOOP: _ClassVar[ErrorReason]
+    TRAINING_STEP_RUNNING: _ClassVar[ErrorReason]
+    INVALID_TRAINING_CONFIG: _ClassVar[ErrorReason]
+    EMPTY_BATCH: _ClassVar[ErrorReason]
+    EMPTY_SAMPLE: _ClassVar[ErrorReason]
+    LOGPROB_LENGTH_MISMATCH: _ClassVar[ErrorReason]
+    CHECKPOINT_MISMATCH: _ClassVar[ErrorReason]
+    INVALID_REGISTRATION: _ClassVar[ErrorReason]
+    INVALID_NODE_ID: _ClassVar[ErrorReason]
+    DEADLINE_PASSED: _ClassVar[ErrorReason]
+    REGISTRATIONS_THROTTLED: _ClassVar[ErrorReason]
+    LEASE_EXPIRED: _ClassVar[ErrorReason]
+    INVALID_REPLICA_TRANSITION: _ClassVar[ErrorReason]
+    INVALID_STATE: _ClassVar[ErrorReason]
+    INVALID_CONFIG: _ClassVar[ErrorReason]
+    INVALID_POLICY: _ClassVar[ErrorReason]
+    MISSING_REPORT: _ClassVar[ErrorReason]
+    STEP_OUT_OF_ORDER: _ClassVar[ErrorReason]
+    WRONG_REPLICA_STATE: _ClassVar[ErrorReason]
+    CYCLE_NOT_FOUND: _ClassVar[ErrorReason]
+    SEQUENCE_AHEAD: _ClassVar[ErrorReason]
+    PEER_UNAVAILABLE: _ClassVar[ErrorReason]
+    PEER_DEADLINE_EXCEEDED: _ClassVar[ErrorReason]
+    AMBIGUOUS_SCALE_OUT: _ClassVar[ErrorReason]
+    INVALID_TARGET: _ClassVar[ErrorReason]
+    NOTHING_TO_SCALE_IN: _ClassVar[ErrorReason]
+    INVALID_REPLICA_ID: _ClassVar[ErrorReason]
+    REPEATED_ADDRESS: _ClassVar[ErrorReason]
+    ADDRESS_NOT_FOUND: _ClassVar[ErrorReason]
+    HYBRID_REPLICA: _ClassVar[ErrorReason]
+    WRONG_MODEL: _ClassVar[ErrorReason]
+    PROTECTED_REPLICA: _ClassVar[ErrorReason]
+    NO_FREE_SLOTS: _ClassVar[ErrorReason]
+    SCALE_OPERATION_IN_PROGRESS: _ClassVar[ErrorReason]
+    REQUEST_ID_REUSED: _ClassVar[ErrorReason]
+    EMPTY_OPERATION_ID: _ClassVar[ErrorReason]
+    OPERATION_NOT_FOUND: _ClassVar[ErrorReason]
+    OPERATION_NOT_CANCELLABLE: _ClassVar[ErrorReason]
+    INVALID_OPERATION_TRANSITION: _ClassVar[ErrorReason]
+    INVALID_TYPE: _ClassVar[ErrorReason]
+    TERMINAL_STATES_ONLY: _ClassVar[ErrorReason]
+    AUTOSCALER_NOT_CONFIGURED: _ClassVar[ErrorReason]
+    INVALID_ACTION: _ClassVar[ErrorReason]
+ERROR_REASON_UNSPECIFIED: ErrorReason
+INTERNAL: ErrorReason
+INVALID_ARGUMENT: ErrorReason
+NOT_FOUND: ErrorReason
+ALREADY_EXISTS: ErrorReason
+FAILED_PRECONDITION: ErrorReason
+ABORTED: ErrorReason
+OUT_OF_RANGE: ErrorReason
+RESOURCE_EXHAUSTED: ErrorReason
+UNAVAILABLE: ErrorReason
+DEADLINE_EXCEEDED: ErrorReason
+UNAUTHENTICATED: ErrorReason
+PERMISSION_DENIED: ErrorReason
+CAPABILITY_NOT_IMPLEMENTED: ErrorReason
+MALFORMED_REQUEST: ErrorReason
+UNKNOWN_ENUM_VALUE: ErrorReason
+INVALID_ID: ErrorReason
+INVALID_ADDRESS: ErrorReason
+INVALID_ENGINE_URL: ErrorReason
+INVALID_NUMBER: ErrorReason
+LOOPBACK_ADVERTISED: ErrorReason
+UNREACHABLE_ADDRESS: ErrorReason
+INVALID_TIMEOUT: ErrorReason
+INVALID_PAGE_SIZE: ErrorReason
+INVALID_PAGE_TOKEN: ErrorReason
+NO_IDENTITY: ErrorReason
+NO_RULE: ErrorReason
+ROLE_NOT_ALLOWED: ErrorReason
+NOT_YOUR_NODE: ErrorReason
+CREDENTIAL_MISSING: ErrorReason
+MALFORMED_CREDENTIAL: ErrorReason
+INVALID_CREDENTIAL: ErrorReason
+READ_ONLY_CREDENTIAL: ErrorReason
+EMPTY_REQUEST_ID: ErrorReason
+EMPTY_PROMPT: ErrorReason
+INVALID_TOKEN_ID: ErrorReason
+INVALID_SAMPLING_PARAMS: ErrorReason
+INVALID_RESUME_SEGMENT: ErrorReason
+BUDGET_SPENT: ErrorReason
+INVALID_STREAM_INTERVAL: ErrorReason
+REQUEST_IN_FLIGHT: ErrorReason
+DUPLICATE_REQUEST: ErrorReason
+NO_ELIGIBLE_REPLICA: ErrorReason
+RETRY_BUDGET_SPENT: ErrorReason
+REJECTED_BY_REPLICA: ErrorReason
+REPLICA_ERROR: ErrorReason
+REPLICA_NOT_SERVING: ErrorReason
+QUEUE_FULL: ErrorReason
+INVALID_REQUEST: ErrorReason
+RETRYABLE: ErrorReason
+GENERATION_FAILED: ErrorReason
+EMPTY_REPLICA_ID: ErrorReason
+EMPTY_REPLICA_IDS: ErrorReason
+DUPLICATE_REPLICA: ErrorReason
+REPLICA_EXISTS: ErrorReason
+REPLICA_NOT_FOUND: ErrorReason
+TOO_FEW_REPLICAS: ErrorReason
+INVALID_KIND: ErrorReason
+INVALID_SLOTS: ErrorReason
+INVALID_MEMORY_FRACTION: ErrorReason
+INVALID_LEVEL: ErrorReason
+INVALID_PAUSE_MODE: ErrorReason
+INVALID_WAKE_TAG: ErrorReason
+AMBIGUOUS_ABORT: ErrorReason
+NOTHING_TO_ABORT: ErrorReason
+IDEMPOTENCY_KEY_REUSED: ErrorReason
+CANNOT_ATTACH: ErrorReason
+DRAIN_TIMEOUT: ErrorReason
+REQUESTS_IN_FLIGHT: ErrorReason
+NO_WEIGHTS: ErrorReason
+WEIGHTS_DISCARDED: ErrorReason
+VERSION_MISMATCH: ErrorReason
+TRANSFER_IN_PROGRESS: ErrorReason
+NOT_IN_PLAN: ErrorReason
+NOT_PLAN_SOURCE: ErrorReason
+ENGINE_ERROR: ErrorReason
+ENGINE_UNAVAILABLE: ErrorReason
+ENGINE_DEAD: ErrorReason
+WEIGHT_MISMATCH: ErrorReason
+PREFIX_CACHE_NOT_RESET: ErrorReason
+VLLM_UNAVAILABLE: ErrorReason
+VLLM_CALL_FAILED: ErrorReason
+SGLANG_EXITED: ErrorReason
+SGLANG_NOT_HEALTHY: ErrorReason
+SGLANG_TIMEOUT: ErrorReason
+SGLANG_UNAVAILABLE: ErrorReason
+SGLANG_UNREACHABLE: ErrorReason
+SGLANG_CALL_FAILED: ErrorReason
+WEIGHT_GROUP_FAILED: ErrorReason
+WEIGHT_GROUP_MISSING: ErrorReason
+WEIGHT_UPDATE_FAILED: ErrorReason
+CHECKPOINT_UNREADABLE: ErrorReason
+INVALID_SYNC_PLAN: ErrorReason
+INVALID_BUCKET_SIZE: ErrorReason
+INVALID_CHECKSUM_ALGORITHM: ErrorReason
+WEIGHT_MANIFEST_INVALID: ErrorReason
+WEIGHT_MANIFEST_MISMATCH: ErrorReason
+WEIGHT_CHECKSUM_MISMATCH: ErrorReason
+WEIGHT_VERIFICATION_FAILED: ErrorReason
+WEIGHTS_NOT_AUTHENTIC: ErrorReason
+WEIGHT_GROUP_CLOSED: ErrorReason
+WEIGHT_GROUP_BUSY: ErrorReason
+WEIGHT_PEER_LOST: ErrorReason
+WEIGHT_TRANSFER_CANCELLED: ErrorReason
+WEIGHT_TRANSFER_TIMEOUT: ErrorReason
+INVALID_WEIGHT_VERSION: ErrorReason
+STALE_WEIGHT_VERSION: ErrorReason
+VERSION_JUMP: ErrorReason
+WEIGHT_VERSION_UNAVAILABLE: ErrorReason
+NOT_PREPARED: ErrorReason
+MANIFEST_MISMATCH: ErrorReason
+RENDEZVOUS_MISMATCH: ErrorReason
+NOT_STARTED: ErrorReason
+NO_MODEL_LOADED: ErrorReason
+TRAINER_OFFLOADED: ErrorReason
+NO_TRAINING_LOOP: ErrorReason
+TRAINING_STEP_RUNNING: ErrorReason
+INVALID_TRAINING_CONFIG: ErrorReason
+EMPTY_BATCH: ErrorReason
+EMPTY_SAMPLE: ErrorReason
+LOGPROB_LENGTH_MISMATCH: ErrorReason
+CHECKPOINT_MISMATCH: ErrorReason
+INVALID_REGISTRATION: ErrorReason
+INVALID_NODE_ID: ErrorReason
+DEADLINE_PASSED: ErrorReason
+REGISTRATIONS_THROTTLED: ErrorReason
+LEASE_EXPIRED: ErrorReason
+INVALID_REPLICA_TRANSITION: ErrorReason
+INVALID_STATE: ErrorReason
+INVALID_CONFIG: ErrorReason
+INVALID_POLICY: ErrorReason
+MISSING_REPORT: ErrorReason
+STEP_OUT_OF_ORDER: ErrorReason
+WRONG_REPLICA_STATE: ErrorReason
+CYCLE_NOT_FOUND: ErrorReason
+SEQUENCE_AHEAD: ErrorReason
+PEER_UNAVAILABLE: ErrorReason
+PEER_DEADLINE_EXCEEDED: ErrorReason
+AMBIGUOUS_SCALE_OUT: ErrorReason
+INVALID_TARGET: ErrorReason
+NOTHING_TO_SCALE_IN: ErrorReason
+INVALID_REPLICA_ID: ErrorReason
+REPEATED_ADDRESS: ErrorReason
+ADDRESS_NOT_FOUND: ErrorReason
+HYBRID_REPLICA: ErrorReason
+WRONG_MODEL: ErrorReason
+PROTECTED_REPLICA: ErrorReason
+NO_FREE_SLOTS: ErrorReason
+SCALE_OPERATION_IN_PROGRESS: ErrorReason
+REQUEST_ID_REUSED: ErrorReason
+EMPTY_OPERATION_ID: ErrorReason
+OPERATION_NOT_FOUND: ErrorReason
+OPERATION_NOT_CANCELLABLE: ErrorReason
+INVALID_OPERATION_TRANSITION: ErrorReason
+INVALID_TYPE: ErrorReason
+TERMINAL_STATES_ONLY: ErrorReason
+AUTOSCALER_NOT_CONFIGURED: ErrorReason
+INVALID_ACTION: ErrorReason
