@@ -152,10 +152,6 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
 
     # ------------------------------------------------------------ scheduling
     async def BeginTrainingStep(self, request, context):  # noqa: N802
-        if not request.HasField("report"):
-            raise InvalidArgument("report is required: the step report (required_samples, expected_samples, "
-                                  "buffer_samples, total_generated_samples, ...) the policies decide on",
-                                  reason=Reason.MISSING_REPORT)
         decision = await self.mesh.scheduler.begin_step(request.global_step, convert.step_report(request.report))
         await self.mesh.commit()   # durable before acknowledged
         return convert.begin_response(decision)

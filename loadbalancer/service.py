@@ -9,9 +9,7 @@ from collections import OrderedDict
 from opentelemetry.sdk.trace import TracerProvider
 
 from mesh_runtime import tracing
-from mesh_runtime.errors import InvalidArgument
 from mesh_runtime.metrics import ServerMetrics
-from mesh_runtime.reasons import Reason
 from mesh_runtime.status import StatusReporter
 from mesh_runtime.validate import check_address, check_id
 from rollmesh.common.v1 import types_pb2
@@ -99,8 +97,6 @@ class LoadBalancerServicer(loadbalancer_pb2_grpc.LoadBalancerServiceServicer):
         return pb.AddReplicasResponse(replicas=[self._routed(r) for r in added])
 
     async def RemoveReplicas(self, request, context):  # noqa: N802
-        if not request.replica_ids:
-            raise InvalidArgument("replica_ids must not be empty", reason=Reason.EMPTY_REPLICA_IDS)
         removed, dropped, in_flight = await self.balancer.remove(list(request.replica_ids),
                                                                  request.abort_in_flight)
         return pb.RemoveReplicasResponse(removed_replica_ids=removed, dropped_sticky_sessions=dropped,
@@ -108,8 +104,6 @@ class LoadBalancerServicer(loadbalancer_pb2_grpc.LoadBalancerServiceServicer):
 
     async def UpdateReplicas(self, request, context):  # noqa: N802
         for update in request.updates:  # validate everything before changing anything
-            if not update.replica_id:
-                raise InvalidArgument("an update has an empty replica_id", reason=Reason.EMPTY_REPLICA_ID)
             if update.HasField("address"):
                 check_address(update.address, f"replica {update.replica_id!r} address")
             if not (request.skip_unknown and update.replica_id not in self.table.routes):

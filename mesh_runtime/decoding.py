@@ -12,7 +12,13 @@ servicer sees anything:
   does not define -> ``INVALID_ARGUMENT`` (reason ``UNKNOWN_ENUM_VALUE``)
   naming the field path and the enum. proto3 keeps such numbers, and a
   servicer converting them would raise ``KeyError`` / ``ValueError``, i.e.
-  ``INTERNAL``.
+  ``INTERNAL``;
+* and, in :class:`RequiredFieldsInterceptor` (the innermost interceptor,
+  after authorization), a field the contract marks
+  ``(google.api.field_behavior) = REQUIRED`` (at any depth of what was sent)
+  left unset or empty -> ``INVALID_ARGUMENT`` (reason
+  ``REQUIRED_FIELD_MISSING``) naming its path: the contract's annotation is
+  the check, not a copy of it in each servicer.
 
 Client-streaming requests are decoded message by message; a bad one ends the
 call with the same status. Nothing reaches a servicer, so nothing changes state.
@@ -20,15 +26,18 @@ call with the same status. Nothing reaches a servicer, so nothing changes state.
 
 from __future__ import annotations
 
+import functools
 import inspect
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import grpc
-from google.protobuf.descriptor import FieldDescriptor
+from google.api import field_behavior_pb2
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
 from .errors import InvalidArgument, to_status
+from .handlers import rewrap
 from .reasons import Reason
 
 _MAX_QUOTE = 100
@@ -79,6 +88,47 @@ def unknown_enum_value(message: Message, path: str = "") -> str | None:
     return None
 
 
+@functools.cache
+def required_fields(descriptor: Descriptor) -> tuple[FieldDescriptor, ...]:
+    """The fields of a message type the contract marks ``(google.api.field_behavior) = REQUIRED``."""
+    return tuple(field for field in descriptor.fields
+                 if field_behavior_pb2.REQUIRED in field.GetOptions().Extensions[field_behavior_pb2.field_behavior])
+
+
+def _is_set(message: Message, field: FieldDescriptor) -> bool:
+    if field.is_repeated:
+        return len(getattr(message, field.name)) > 0
+    if field.type == FieldDescriptor.TYPE_MESSAGE:
+        return message.HasField(field.name)
+    return bool(getattr(message, field.name))   # "" / b"" / 0 / the enum's UNSPECIFIED are unset
+
+
+def _submessages(message: Message, path: str) -> Iterator[tuple[str, Message]]:
+    for field, value in message.ListFields():
+        if field.type != FieldDescriptor.TYPE_MESSAGE:
+            continue
+        name = f"{path}.{field.name}" if path else field.name
+        if field.message_type.GetOptions().map_entry:
+            if field.message_type.fields_by_name["value"].type == FieldDescriptor.TYPE_MESSAGE:
+                yield from ((f"{name}[{_short(str(k))!r}]", v) for k, v in value.items())
+        elif field.is_repeated:
+            yield from ((f"{name}[{i}]", v) for i, v in enumerate(value))
+        else:
+            yield name, value
+
+
+def missing_required(message: Message, path: str = "") -> str | None:
+    """The path of the first REQUIRED field left unset (in ``message`` or any message it holds), else None."""
+    for field in required_fields(message.DESCRIPTOR):
+        if not _is_set(message, field):
+            return f"{path}.{field.name}" if path else field.name
+    for sub_path, sub in _submessages(message, path):
+        missing = missing_required(sub, sub_path)
+        if missing:
+            return missing
+    return None
+
+
 def decode(deserializer: Callable[[bytes], Any], data: bytes, method: str) -> Any:
     """The request message, or :class:`InvalidArgument` saying why the bytes are not one."""
     try:
@@ -93,6 +143,50 @@ def decode(deserializer: Callable[[bytes], Any], data: bytes, method: str) -> An
             raise InvalidArgument(f"{method}: {problem}; nothing was changed", reason=Reason.UNKNOWN_ENUM_VALUE,
                                   metadata={"field": problem.split(":", 1)[0]})
     return message
+
+
+def check_required(message: Any, method: str) -> Any:
+    """``message``, or :class:`InvalidArgument` (``REQUIRED_FIELD_MISSING``) naming its first unset REQUIRED
+    field."""
+    missing = missing_required(message) if isinstance(message, Message) else None
+    if missing:
+        raise InvalidArgument(f"{method}: {missing} is required; nothing was changed",
+                              reason=Reason.REQUIRED_FIELD_MISSING, metadata={"field": missing})
+    return message
+
+
+class RequiredFieldsInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses a request whose REQUIRED fields are unset; the innermost check, after authorization, so a
+    caller that may not call the method learns nothing about its request."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        method = handler_call_details.method
+        client_streaming = bool(handler.stream_unary or handler.stream_stream)
+
+        def unary(behavior):
+            async def wrapper(request_or_iterator, context):
+                if client_streaming:
+                    return await behavior(_checked_stream(request_or_iterator, method), context)
+                return await behavior(check_required(request_or_iterator, method), context)
+            return wrapper
+
+        def streaming(behavior):
+            async def wrapper(request_or_iterator, context):
+                request = (_checked_stream(request_or_iterator, method) if client_streaming
+                           else check_required(request_or_iterator, method))
+                async for item in behavior(request, context):
+                    yield item
+            return wrapper
+
+        return rewrap(handler, unary, streaming)
+
+
+async def _checked_stream(messages: AsyncIterator[Any], method: str) -> AsyncIterator[Any]:
+    async for message in messages:
+        yield check_required(message, method)   # raised inside the servicer's loop: mapped there
 
 
 class RequestDecodingInterceptor(grpc.aio.ServerInterceptor):

@@ -31,7 +31,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from . import sdnotify, tracing
 from .authorization import AuthorizationInterceptor, TokenCheck
 from .config import TlsConfig
-from .decoding import RequestDecodingInterceptor
+from .decoding import RequestDecodingInterceptor, RequiredFieldsInterceptor
 from .errors import ErrorMappingInterceptor
 from .metrics import MetricsEndpoint, RpcMetricsInterceptor, ServerMetrics
 from .net import format_host_port, is_loopback, parse_host_port
@@ -87,7 +87,8 @@ class MeshServer:
         counting = [RpcMetricsInterceptor(metrics)] if metrics is not None else []   # outermost: sees every code
         # tracing inside the error mapping: it sees the domain error (and its reason) a handler raised
         self._interceptors = [*counting, RequestDecodingInterceptor(), ErrorMappingInterceptor(),
-                              tracing.server_interceptor(tracer_provider), *authorization, *interceptors]
+                              tracing.server_interceptor(tracer_provider), *authorization, RequiredFieldsInterceptor(),
+                              *interceptors]
         self._server: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None
         self.health_port: int | None = None

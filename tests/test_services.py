@@ -102,7 +102,7 @@ async def test_domain_errors_map_to_canonical_status_with_error_info():
                     await stub.GetStatus(loadbalancer_pb2.GetStatusRequest(), timeout=5)
                 assert info.value.code() == code
                 assert error_info(info.value).reason == reason
-            call = stub.Generate(loadbalancer_pb2.GenerateRequest(), timeout=5)
+            call = stub.Generate(loadbalancer_pb2.GenerateRequest(request_id="r", prompt_token_ids=[1]), timeout=5)
             first = await call.read()
             assert first.request_id == "partial"
             with pytest.raises(grpc.aio.AioRpcError) as info:

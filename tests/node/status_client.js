@@ -11,6 +11,8 @@ const grpc = require("@grpc/grpc-js");
 const protoLoader = require("@grpc/proto-loader");
 
 const root = path.resolve(__dirname, "..", "..", "proto");
+// google/api/field_behavior.proto (and google/rpc's error details) come with the buf workspace's second module
+const googleapis = path.resolve(__dirname, "..", "..", "third_party", "googleapis");
 const files = [
   "rollmesh/controller/v1/controller.proto",
   "rollmesh/loadbalancer/v1/loadbalancer.proto",
@@ -18,7 +20,7 @@ const files = [
   "rollmesh/trainer/v1/trainer_agent.proto",
 ];
 const definition = protoLoader.loadSync(files, {
-  includeDirs: [root], keepCase: false, longs: String, enums: String, defaults: true, oneofs: true,
+  includeDirs: [root, googleapis], keepCase: false, longs: String, enums: String, defaults: true, oneofs: true,
 });
 const api = grpc.loadPackageDefinition(definition);
 

@@ -137,7 +137,6 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INVALID_STATE: _ClassVar[ErrorReason]
     INVALID_CONFIG: _ClassVar[ErrorReason]
     INVALID_POLICY: _ClassVar[ErrorReason]
-    MISSING_REPORT: _ClassVar[ErrorReason]
     STEP_OUT_OF_ORDER: _ClassVar[ErrorReason]
     WRONG_REPLICA_STATE: _ClassVar[ErrorReason]
     CYCLE_NOT_FOUND: _ClassVar[ErrorReason]
@@ -164,6 +163,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TERMINAL_STATES_ONLY: _ClassVar[ErrorReason]
     AUTOSCALER_NOT_CONFIGURED: _ClassVar[ErrorReason]
     INVALID_ACTION: _ClassVar[ErrorReason]
+    REQUIRED_FIELD_MISSING: _ClassVar[ErrorReason]
 ERROR_REASON_UNSPECIFIED: ErrorReason
 INTERNAL: ErrorReason
 INVALID_ARGUMENT: ErrorReason
@@ -295,7 +295,6 @@ INVALID_REPLICA_TRANSITION: ErrorReason
 INVALID_STATE: ErrorReason
 INVALID_CONFIG: ErrorReason
 INVALID_POLICY: ErrorReason
-MISSING_REPORT: ErrorReason
 STEP_OUT_OF_ORDER: ErrorReason
 WRONG_REPLICA_STATE: ErrorReason
 CYCLE_NOT_FOUND: ErrorReason
@@ -322,3 +321,4 @@ INVALID_TYPE: ErrorReason
 TERMINAL_STATES_ONLY: ErrorReason
 AUTOSCALER_NOT_CONFIGURED: ErrorReason
 INVALID_ACTION: ErrorReason
+REQUIRED_FIELD_MISSING: ErrorReason

@@ -22,51 +22,66 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.api import field_behavior_pb2 as google_dot_api_dot_field__behavior__pb2
 from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 from rollmesh.common.v1 import load_pb2 as rollmesh_dot_common_dot_v1_dot_load__pb2
 from rollmesh.common.v1 import types_pb2 as rollmesh_dot_common_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%rollmesh/controller/v1/registry.proto\x12\x16rollmesh.controller.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1drollmesh/common/v1/load.proto\x1a\x1erollmesh/common/v1/types.proto\"\xc0\x02\n\x13ReplicaRegistration\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\x12\x33\n\x04kind\x18\x02 \x01(\x0e\x32\x1f.rollmesh.common.v1.ReplicaKindR\x04kind\x12\x36\n\x05state\x18\x03 \x01(\x0e\x32 .rollmesh.common.v1.ReplicaStateR\x05state\x12%\n\x0eweight_version\x18\x04 \x01(\x03R\rweightVersion\x12\x14\n\x05slots\x18\x05 \x03(\rR\x05slots\x12\'\n\x0fmemory_fraction\x18\x06 \x01(\x01R\x0ememoryFraction\x12\x18\n\x07initial\x18\x07 \x01(\x08R\x07initial\x12\x1d\n\nengine_url\x18\x08 \x01(\tR\tengineUrl\"\x80\x04\n\nNodeRecord\x12\x17\n\x07node_id\x18\x01 \x01(\tR\x06nodeId\x12\x18\n\x07\x61\x64\x64ress\x18\x02 \x01(\tR\x07\x61\x64\x64ress\x12\x1f\n\x0bslots_total\x18\x03 \x01(\rR\nslotsTotal\x12;\n\x07\x62\x61\x63kend\x18\x04 \x01(\x0e\x32!.rollmesh.common.v1.EngineBackendR\x07\x62\x61\x63kend\x12\x14\n\x05model\x18\x05 \x01(\tR\x05model\x12\x1d\n\nmodel_name\x18\x06 \x01(\tR\tmodelName\x12#\n\ragent_version\x18\x07 \x01(\tR\x0c\x61gentVersion\x12?\n\rregistered_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.TimestampR\x0cregisteredAt\x12\x44\n\x10lease_expires_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.TimestampR\x0eleaseExpiresAt\x12@\n\x0elast_report_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.TimestampR\x0clastReportAt\x12\x1d\n\nlease_held\x18\x0b \x01(\x08R\tleaseHeld\x12\x1f\n\x0breplica_ids\x18\x0c \x03(\tR\nreplicaIds\"\xd9\x05\n\rReplicaRecord\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\x12\x17\n\x07node_id\x18\x02 \x01(\tR\x06nodeId\x12\x18\n\x07\x61\x64\x64ress\x18\x03 \x01(\tR\x07\x61\x64\x64ress\x12\x33\n\x04kind\x18\x04 \x01(\x0e\x32\x1f.rollmesh.common.v1.ReplicaKindR\x04kind\x12\x36\n\x05state\x18\x05 \x01(\x0e\x32 .rollmesh.common.v1.ReplicaStateR\x05state\x12%\n\x0eweight_version\x18\x06 \x01(\x03R\rweightVersion\x12\x18\n\x07initial\x18\x07 \x01(\x08R\x07initial\x12\x31\n\x15\x61\x64\x64\x65\x64_by_operation_id\x18\x08 \x01(\tR\x12\x61\x64\x64\x65\x64\x42yOperationId\x12\x33\n\x15intentionally_removed\x18\t \x01(\x08R\x14intentionallyRemoved\x12\x44\n\x10lease_expires_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.TimestampR\x0eleaseExpiresAt\x12?\n\x0blast_report\x18\x0b \x01(\x0b\x32\x1e.rollmesh.common.v1.LoadReportR\nlastReport\x12!\n\x0cstate_reason\x18\x0c \x01(\tR\x0bstateReason\x12\x39\n\nupdated_at\x18\r \x01(\x0b\x32\x1a.google.protobuf.TimestampR\tupdatedAt\x12\x1d\n\nmodel_name\x18\x0e \x01(\tR\tmodelName\x12\x14\n\x05slots\x18\x0f \x03(\rR\x05slots\x12\'\n\x0fmemory_fraction\x18\x10 \x01(\x01R\x0ememoryFraction\x12\x1d\n\nengine_url\x18\x11 \x01(\tR\tengineUrl\"\xc9\x02\n\x13RegisterNodeRequest\x12\x17\n\x07node_id\x18\x01 \x01(\tR\x06nodeId\x12\x18\n\x07\x61\x64\x64ress\x18\x02 \x01(\tR\x07\x61\x64\x64ress\x12\x1f\n\x0bslots_total\x18\x03 \x01(\rR\nslotsTotal\x12;\n\x07\x62\x61\x63kend\x18\x04 \x01(\x0e\x32!.rollmesh.common.v1.EngineBackendR\x07\x62\x61\x63kend\x12\x14\n\x05model\x18\x05 \x01(\tR\x05model\x12\x1d\n\nmodel_name\x18\x06 \x01(\tR\tmodelName\x12G\n\x08replicas\x18\x07 \x03(\x0b\x32+.rollmesh.controller.v1.ReplicaRegistrationR\x08replicas\x12#\n\ragent_version\x18\x08 \x01(\tR\x0c\x61gentVersion\"\x98\x02\n\x14RegisterNodeResponse\x12\x17\n\x07node_id\x18\x01 \x01(\tR\x06nodeId\x12\x36\n\tlease_ttl\x18\x02 \x01(\x0b\x32\x19.google.protobuf.DurationR\x08leaseTtl\x12K\n\x14load_report_interval\x18\x03 \x01(\x0b\x32\x19.google.protobuf.DurationR\x12loadReportInterval\x12\x30\n\x14\x61\x63\x63\x65pted_replica_ids\x18\x04 \x03(\tR\x12\x61\x63\x63\x65ptedReplicaIds\x12\x30\n\x14rejected_replica_ids\x18\x05 \x03(\tR\x12rejectedReplicaIds\"H\n\x15\x44\x65registerNodeRequest\x12\x17\n\x07node_id\x18\x01 \x01(\tR\x06nodeId\x12\x16\n\x06reason\x18\x02 \x01(\tR\x06reason\"H\n\x16\x44\x65registerNodeResponse\x12.\n\x13stopped_replica_ids\x18\x01 \x03(\tR\x11stoppedReplicaIds\"m\n\x18StreamLoadReportsRequest\x12\x17\n\x07node_id\x18\x01 \x01(\tR\x06nodeId\x12\x38\n\x07reports\x18\x02 \x03(\x0b\x32\x1e.rollmesh.common.v1.LoadReportR\x07reports\"\x8d\x02\n\x19StreamLoadReportsResponse\x12K\n\x14load_report_interval\x18\x01 \x01(\x0b\x32\x19.google.protobuf.DurationR\x12loadReportInterval\x12\x36\n\tlease_ttl\x18\x02 \x01(\x0b\x32\x19.google.protobuf.DurationR\x08leaseTtl\x12\x44\n\x10lease_expires_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.TimestampR\x0eleaseExpiresAt\x12%\n\x0eregister_again\x18\x04 \x01(\x08R\rregisterAgain\"N\n\x10ListNodesRequest\x12\x1b\n\tpage_size\x18\x01 \x01(\x05R\x08pageSize\x12\x1d\n\npage_token\x18\x02 \x01(\tR\tpageToken\"u\n\x11ListNodesResponse\x12\x38\n\x05nodes\x18\x01 \x03(\x0b\x32\".rollmesh.controller.v1.NodeRecordR\x05nodes\x12&\n\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\")\n\x0eGetNodeRequest\x12\x17\n\x07node_id\x18\x01 \x01(\tR\x06nodeId\"\x8c\x01\n\x0fGetNodeResponse\x12\x36\n\x04node\x18\x01 \x01(\x0b\x32\".rollmesh.controller.v1.NodeRecordR\x04node\x12\x41\n\x08replicas\x18\x02 \x03(\x0b\x32%.rollmesh.controller.v1.ReplicaRecordR\x08replicas\"\xfa\x01\n\x13ListReplicasRequest\x12\x35\n\x05kinds\x18\x01 \x03(\x0e\x32\x1f.rollmesh.common.v1.ReplicaKindR\x05kinds\x12\x38\n\x06states\x18\x02 \x03(\x0e\x32 .rollmesh.common.v1.ReplicaStateR\x06states\x12\x17\n\x07node_id\x18\x03 \x01(\tR\x06nodeId\x12\x1d\n\nmodel_name\x18\x04 \x01(\tR\tmodelName\x12\x1b\n\tpage_size\x18\x05 \x01(\x05R\x08pageSize\x12\x1d\n\npage_token\x18\x06 \x01(\tR\tpageToken\"\x81\x01\n\x14ListReplicasResponse\x12\x41\n\x08replicas\x18\x01 \x03(\x0b\x32%.rollmesh.controller.v1.ReplicaRecordR\x08replicas\x12&\n\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"2\n\x11GetReplicaRequest\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\"U\n\x12GetReplicaResponse\x12?\n\x07replica\x18\x01 \x01(\x0b\x32%.rollmesh.controller.v1.ReplicaRecordR\x07replicab\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%rollmesh/controller/v1/registry.proto\x12\x16rollmesh.controller.v1\x1a\x1fgoogle/api/field_behavior.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1drollmesh/common/v1/load.proto\x1a\x1erollmesh/common/v1/types.proto\"\xc6\x02\n\x13ReplicaRegistration\x12#\n\nreplica_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02R\treplicaId\x12\x33\n\x04kind\x18\x02 \x01(\x0e\x32\x1f.rollmesh.common.v1.ReplicaKindR\x04kind\x12\x36\n\x05state\x18\x03 \x01(\x0e\x32 .rollmesh.common.v1.ReplicaStateR\x05state\x12%\n\x0eweight_version\x18\x04 \x01(\x03R\rweightVersion\x12\x14\n\x05slots\x18\x05 \x03(\rR\x05slots\x12\'\n\x0fmemory_fraction\x18\x06 \x01(\x01R\x0ememoryFraction\x12\x18\n\x07initial\x18\x07 \x01(\x08R\x07initial\x12\x1d\n\nengine_url\x18\x08 \x01(\tR\tengineUrl\"\x80\x04\n\nNodeRecord\x12\x17\n\x07node_id\x18\x01 \x01(\tR\x06nodeId\x12\x18\n\x07\x61\x64\x64ress\x18\x02 \x01(\tR\x07\x61\x64\x64ress\x12\x1f\n\x0bslots_total\x18\x03 \x01(\rR\nslotsTotal\x12;\n\x07\x62\x61\x63kend\x18\x04 \x01(\x0e\x32!.rollmesh.common.v1.EngineBackendR\x07\x62\x61\x63kend\x12\x14\n\x05model\x18\x05 \x01(\tR\x05model\x12\x1d\n\nmodel_name\x18\x06 \x01(\tR\tmodelName\x12#\n\ragent_version\x18\x07 \x01(\tR\x0c\x61gentVersion\x12?\n\rregistered_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.TimestampR\x0cregisteredAt\x12\x44\n\x10lease_expires_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.TimestampR\x0eleaseExpiresAt\x12@\n\x0elast_report_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.TimestampR\x0clastReportAt\x12\x1d\n\nlease_held\x18\x0b \x01(\x08R\tleaseHeld\x12\x1f\n\x0breplica_ids\x18\x0c \x03(\tR\nreplicaIds\"\xd9\x05\n\rReplicaRecord\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\x12\x17\n\x07node_id\x18\x02 \x01(\tR\x06nodeId\x12\x18\n\x07\x61\x64\x64ress\x18\x03 \x01(\tR\x07\x61\x64\x64ress\x12\x33\n\x04kind\x18\x04 \x01(\x0e\x32\x1f.rollmesh.common.v1.ReplicaKindR\x04kind\x12\x36\n\x05state\x18\x05 \x01(\x0e\x32 .rollmesh.common.v1.ReplicaStateR\x05state\x12%\n\x0eweight_version\x18\x06 \x01(\x03R\rweightVersion\x12\x18\n\x07initial\x18\x07 \x01(\x08R\x07initial\x12\x31\n\x15\x61\x64\x64\x65\x64_by_operation_id\x18\x08 \x01(\tR\x12\x61\x64\x64\x65\x64\x42yOperationId\x12\x33\n\x15intentionally_removed\x18\t \x01(\x08R\x14intentionallyRemoved\x12\x44\n\x10lease_expires_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.TimestampR\x0eleaseExpiresAt\x12?\n\x0blast_report\x18\x0b \x01(\x0b\x32\x1e.rollmesh.common.v1.LoadReportR\nlastReport\x12!\n\x0cstate_reason\x18\x0c \x01(\tR\x0bstateReason\x12\x39\n\nupdated_at\x18\r \x01(\x0b\x32\x1a.google.protobuf.TimestampR\tupdatedAt\x12\x1d\n\nmodel_name\x18\x0e \x01(\tR\tmodelName\x12\x14\n\x05slots\x18\x0f \x03(\rR\x05slots\x12\'\n\x0fmemory_fraction\x18\x10 \x01(\x01R\x0ememoryFraction\x12\x1d\n\nengine_url\x18\x11 \x01(\tR\tengineUrl\"\xd5\x02\n\x13RegisterNodeRequest\x12\x1d\n\x07node_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02R\x06nodeId\x12\x1e\n\x07\x61\x64\x64ress\x18\x02 \x01(\tB\x04\xe2\x41\x01\x02R\x07\x61\x64\x64ress\x12\x1f\n\x0bslots_total\x18\x03 \x01(\rR\nslotsTotal\x12;\n\x07\x62\x61\x63kend\x18\x04 \x01(\x0e\x32!.rollmesh.common.v1.EngineBackendR\x07\x62\x61\x63kend\x12\x14\n\x05model\x18\x05 \x01(\tR\x05model\x12\x1d\n\nmodel_name\x18\x06 \x01(\tR\tmodelName\x12G\n\x08replicas\x18\x07 \x03(\x0b\x32+.rollmesh.controller.v1.ReplicaRegistrationR\x08replicas\x12#\n\ragent_version\x18\x08 \x01(\tR\x0c\x61gentVersion\"\x98\x02\n\x14RegisterNodeResponse\x12\x17\n\x07node_id\x18\x01 \x01(\tR\x06nodeId\x12\x36\n\tlease_ttl\x18\x02 \x01(\x0b\x32\x19.google.protobuf.DurationR\x08leaseTtl\x12K\n\x14load_report_interval\x18\x03 \x01(\x0b\x32\x19.google.protobuf.DurationR\x12loadReportInterval\x12\x30\n\x14\x61\x63\x63\x65pted_replica_ids\x18\x04 \x03(\tR\x12\x61\x63\x63\x65ptedReplicaIds\x12\x30\n\x14rejected_replica_ids\x18\x05 \x03(\tR\x12rejectedReplicaIds\"N\n\x15\x44\x65registerNodeRequest\x12\x1d\n\x07node_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02R\x06nodeId\x12\x16\n\x06reason\x18\x02 \x01(\tR\x06reason\"H\n\x16\x44\x65registerNodeResponse\x12.\n\x13stopped_replica_ids\x18\x01 \x03(\tR\x11stoppedReplicaIds\"s\n\x18StreamLoadReportsRequest\x12\x1d\n\x07node_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02R\x06nodeId\x12\x38\n\x07reports\x18\x02 \x03(\x0b\x32\x1e.rollmesh.common.v1.LoadReportR\x07reports\"\x8d\x02\n\x19StreamLoadReportsResponse\x12K\n\x14load_report_interval\x18\x01 \x01(\x0b\x32\x19.google.protobuf.DurationR\x12loadReportInterval\x12\x36\n\tlease_ttl\x18\x02 \x01(\x0b\x32\x19.google.protobuf.DurationR\x08leaseTtl\x12\x44\n\x10lease_expires_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.TimestampR\x0eleaseExpiresAt\x12%\n\x0eregister_again\x18\x04 \x01(\x08R\rregisterAgain\"N\n\x10ListNodesRequest\x12\x1b\n\tpage_size\x18\x01 \x01(\x05R\x08pageSize\x12\x1d\n\npage_token\x18\x02 \x01(\tR\tpageToken\"u\n\x11ListNodesResponse\x12\x38\n\x05nodes\x18\x01 \x03(\x0b\x32\".rollmesh.controller.v1.NodeRecordR\x05nodes\x12&\n\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"/\n\x0eGetNodeRequest\x12\x1d\n\x07node_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02R\x06nodeId\"\x8c\x01\n\x0fGetNodeResponse\x12\x36\n\x04node\x18\x01 \x01(\x0b\x32\".rollmesh.controller.v1.NodeRecordR\x04node\x12\x41\n\x08replicas\x18\x02 \x03(\x0b\x32%.rollmesh.controller.v1.ReplicaRecordR\x08replicas\"\xfa\x01\n\x13ListReplicasRequest\x12\x35\n\x05kinds\x18\x01 \x03(\x0e\x32\x1f.rollmesh.common.v1.ReplicaKindR\x05kinds\x12\x38\n\x06states\x18\x02 \x03(\x0e\x32 .rollmesh.common.v1.ReplicaStateR\x06states\x12\x17\n\x07node_id\x18\x03 \x01(\tR\x06nodeId\x12\x1d\n\nmodel_name\x18\x04 \x01(\tR\tmodelName\x12\x1b\n\tpage_size\x18\x05 \x01(\x05R\x08pageSize\x12\x1d\n\npage_token\x18\x06 \x01(\tR\tpageToken\"\x81\x01\n\x14ListReplicasResponse\x12\x41\n\x08replicas\x18\x01 \x03(\x0b\x32%.rollmesh.controller.v1.ReplicaRecordR\x08replicas\x12&\n\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"8\n\x11GetReplicaRequest\x12#\n\nreplica_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02R\treplicaId\"U\n\x12GetReplicaResponse\x12?\n\x07replica\x18\x01 \x01(\x0b\x32%.rollmesh.controller.v1.ReplicaRecordR\x07replicab\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rollmesh.controller.v1.registry_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_REPLICAREGISTRATION']._serialized_start=194
-  _globals['_REPLICAREGISTRATION']._serialized_end=514
-  _globals['_NODERECORD']._serialized_start=517
-  _globals['_NODERECORD']._serialized_end=1029
-  _globals['_REPLICARECORD']._serialized_start=1032
-  _globals['_REPLICARECORD']._serialized_end=1761
-  _globals['_REGISTERNODEREQUEST']._serialized_start=1764
-  _globals['_REGISTERNODEREQUEST']._serialized_end=2093
-  _globals['_REGISTERNODERESPONSE']._serialized_start=2096
-  _globals['_REGISTERNODERESPONSE']._serialized_end=2376
-  _globals['_DEREGISTERNODEREQUEST']._serialized_start=2378
-  _globals['_DEREGISTERNODEREQUEST']._serialized_end=2450
-  _globals['_DEREGISTERNODERESPONSE']._serialized_start=2452
-  _globals['_DEREGISTERNODERESPONSE']._serialized_end=2524
-  _globals['_STREAMLOADREPORTSREQUEST']._serialized_start=2526
-  _globals['_STREAMLOADREPORTSREQUEST']._serialized_end=2635
-  _globals['_STREAMLOADREPORTSRESPONSE']._serialized_start=2638
-  _globals['_STREAMLOADREPORTSRESPONSE']._serialized_end=2907
-  _globals['_LISTNODESREQUEST']._serialized_start=2909
-  _globals['_LISTNODESREQUEST']._serialized_end=2987
-  _globals['_LISTNODESRESPONSE']._serialized_start=2989
-  _globals['_LISTNODESRESPONSE']._serialized_end=3106
-  _globals['_GETNODEREQUEST']._serialized_start=3108
-  _globals['_GETNODEREQUEST']._serialized_end=3149
-  _globals['_GETNODERESPONSE']._serialized_start=3152
-  _globals['_GETNODERESPONSE']._serialized_end=3292
-  _globals['_LISTREPLICASREQUEST']._serialized_start=3295
-  _globals['_LISTREPLICASREQUEST']._serialized_end=3545
-  _globals['_LISTREPLICASRESPONSE']._serialized_start=3548
-  _globals['_LISTREPLICASRESPONSE']._serialized_end=3677
-  _globals['_GETREPLICAREQUEST']._serialized_start=3679
-  _globals['_GETREPLICAREQUEST']._serialized_end=3729
-  _globals['_GETREPLICARESPONSE']._serialized_start=3731
-  _globals['_GETREPLICARESPONSE']._serialized_end=3816
+  _globals['_REPLICAREGISTRATION'].fields_by_name['replica_id']._loaded_options = None
+  _globals['_REPLICAREGISTRATION'].fields_by_name['replica_id']._serialized_options = b'\342A\001\002'
+  _globals['_REGISTERNODEREQUEST'].fields_by_name['node_id']._loaded_options = None
+  _globals['_REGISTERNODEREQUEST'].fields_by_name['node_id']._serialized_options = b'\342A\001\002'
+  _globals['_REGISTERNODEREQUEST'].fields_by_name['address']._loaded_options = None
+  _globals['_REGISTERNODEREQUEST'].fields_by_name['address']._serialized_options = b'\342A\001\002'
+  _globals['_DEREGISTERNODEREQUEST'].fields_by_name['node_id']._loaded_options = None
+  _globals['_DEREGISTERNODEREQUEST'].fields_by_name['node_id']._serialized_options = b'\342A\001\002'
+  _globals['_STREAMLOADREPORTSREQUEST'].fields_by_name['node_id']._loaded_options = None
+  _globals['_STREAMLOADREPORTSREQUEST'].fields_by_name['node_id']._serialized_options = b'\342A\001\002'
+  _globals['_GETNODEREQUEST'].fields_by_name['node_id']._loaded_options = None
+  _globals['_GETNODEREQUEST'].fields_by_name['node_id']._serialized_options = b'\342A\001\002'
+  _globals['_GETREPLICAREQUEST'].fields_by_name['replica_id']._loaded_options = None
+  _globals['_GETREPLICAREQUEST'].fields_by_name['replica_id']._serialized_options = b'\342A\001\002'
+  _globals['_REPLICAREGISTRATION']._serialized_start=227
+  _globals['_REPLICAREGISTRATION']._serialized_end=553
+  _globals['_NODERECORD']._serialized_start=556
+  _globals['_NODERECORD']._serialized_end=1068
+  _globals['_REPLICARECORD']._serialized_start=1071
+  _globals['_REPLICARECORD']._serialized_end=1800
+  _globals['_REGISTERNODEREQUEST']._serialized_start=1803
+  _globals['_REGISTERNODEREQUEST']._serialized_end=2144
+  _globals['_REGISTERNODERESPONSE']._serialized_start=2147
+  _globals['_REGISTERNODERESPONSE']._serialized_end=2427
+  _globals['_DEREGISTERNODEREQUEST']._serialized_start=2429
+  _globals['_DEREGISTERNODEREQUEST']._serialized_end=2507
+  _globals['_DEREGISTERNODERESPONSE']._serialized_start=2509
+  _globals['_DEREGISTERNODERESPONSE']._serialized_end=2581
+  _globals['_STREAMLOADREPORTSREQUEST']._serialized_start=2583
+  _globals['_STREAMLOADREPORTSREQUEST']._serialized_end=2698
+  _globals['_STREAMLOADREPORTSRESPONSE']._serialized_start=2701
+  _globals['_STREAMLOADREPORTSRESPONSE']._serialized_end=2970
+  _globals['_LISTNODESREQUEST']._serialized_start=2972
+  _globals['_LISTNODESREQUEST']._serialized_end=3050
+  _globals['_LISTNODESRESPONSE']._serialized_start=3052
+  _globals['_LISTNODESRESPONSE']._serialized_end=3169
+  _globals['_GETNODEREQUEST']._serialized_start=3171
+  _globals['_GETNODEREQUEST']._serialized_end=3218
+  _globals['_GETNODERESPONSE']._serialized_start=3221
+  _globals['_GETNODERESPONSE']._serialized_end=3361
+  _globals['_LISTREPLICASREQUEST']._serialized_start=3364
+  _globals['_LISTREPLICASREQUEST']._serialized_end=3614
+  _globals['_LISTREPLICASRESPONSE']._serialized_start=3617
+  _globals['_LISTREPLICASRESPONSE']._serialized_end=3746
+  _globals['_GETREPLICAREQUEST']._serialized_start=3748
+  _globals['_GETREPLICAREQUEST']._serialized_end=3804
+  _globals['_GETREPLICARESPONSE']._serialized_start=3806
+  _globals['_GETREPLICARESPONSE']._serialized_end=3891
 # @@protoc_insertion_point(module_scope)

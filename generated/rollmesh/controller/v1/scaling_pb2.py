@@ -22,49 +22,54 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.api import field_behavior_pb2 as google_dot_api_dot_field__behavior__pb2
 from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$rollmesh/controller/v1/scaling.proto\x12\x16rollmesh.controller.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x98\x01\n\x14OperationStateChange\x12<\n\x05state\x18\x01 \x01(\x0e\x32&.rollmesh.controller.v1.OperationStateR\x05state\x12*\n\x02\x61t\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.TimestampR\x02\x61t\x12\x16\n\x06reason\x18\x03 \x01(\tR\x06reason\"\x9f\x07\n\x0eScaleOperation\x12!\n\x0coperation_id\x18\x01 \x01(\tR\x0boperationId\x12\x39\n\x04type\x18\x02 \x01(\x0e\x32%.rollmesh.controller.v1.OperationTypeR\x04type\x12<\n\x05state\x18\x03 \x01(\x0e\x32&.rollmesh.controller.v1.OperationStateR\x05state\x12\x1d\n\nmodel_name\x18\x04 \x01(\tR\tmodelName\x12!\n\x0cnum_replicas\x18\x05 \x01(\x05R\x0bnumReplicas\x12)\n\x10\x65ngine_addresses\x18\x06 \x03(\tR\x0f\x65ngineAddresses\x12\x1f\n\x0breplica_ids\x18\x07 \x03(\tR\nreplicaIds\x12,\n\x12\x66\x61iled_replica_ids\x18\x08 \x03(\tR\x10\x66\x61iledReplicaIds\x12\x39\n\ncreated_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.TimestampR\tcreatedAt\x12\x39\n\nupdated_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.TimestampR\tupdatedAt\x12#\n\rerror_message\x18\x0b \x01(\tR\x0c\x65rrorMessage\x12*\n\x0eweight_version\x18\x0c \x01(\x03H\x00R\rweightVersion\x88\x01\x01\x12\x14\n\x05\x66orce\x18\r \x01(\x08R\x05\x66orce\x12\x17\n\x07\x64ry_run\x18\x0e \x01(\x08R\x06\x64ryRun\x12\x33\n\x07timeout\x18\x0f \x01(\x0b\x32\x19.google.protobuf.DurationR\x07timeout\x12\x62\n\x16partial_success_policy\x18\x10 \x01(\x0e\x32,.rollmesh.controller.v1.PartialSuccessPolicyR\x14partialSuccessPolicy\x12Q\n\rstate_history\x18\x11 \x03(\x0b\x32,.rollmesh.controller.v1.OperationStateChangeR\x0cstateHistory\x12!\n\x0ctriggered_by\x18\x12 \x01(\tR\x0btriggeredBy\x12\x1d\n\nrequest_id\x18\x13 \x01(\tR\trequestIdB\x11\n\x0f_weight_version\"\xcf\x02\n\x0fScaleOutRequest\x12\x1d\n\nmodel_name\x18\x01 \x01(\tR\tmodelName\x12!\n\x0cnum_replicas\x18\x02 \x01(\x05R\x0bnumReplicas\x12)\n\x10\x65ngine_addresses\x18\x03 \x03(\tR\x0f\x65ngineAddresses\x12\x33\n\x07timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.DurationR\x07timeout\x12\x1d\n\nrequest_id\x18\x05 \x01(\tR\trequestId\x12\x17\n\x07\x64ry_run\x18\x06 \x01(\x08R\x06\x64ryRun\x12\x62\n\x16partial_success_policy\x18\x07 \x01(\x0e\x32,.rollmesh.controller.v1.PartialSuccessPolicyR\x14partialSuccessPolicy\"r\n\x10ScaleOutResponse\x12\x44\n\toperation\x18\x01 \x01(\x0b\x32&.rollmesh.controller.v1.ScaleOperationR\toperation\x12\x18\n\x07message\x18\x02 \x01(\tR\x07message\"\xa1\x02\n\x0eScaleInRequest\x12\x1d\n\nmodel_name\x18\x01 \x01(\tR\tmodelName\x12!\n\x0cnum_replicas\x18\x02 \x01(\x05R\x0bnumReplicas\x12\x1f\n\x0breplica_ids\x18\x03 \x03(\tR\nreplicaIds\x12)\n\x10\x65ngine_addresses\x18\x04 \x03(\tR\x0f\x65ngineAddresses\x12\x14\n\x05\x66orce\x18\x05 \x01(\x08R\x05\x66orce\x12\x33\n\x07timeout\x18\x06 \x01(\x0b\x32\x19.google.protobuf.DurationR\x07timeout\x12\x17\n\x07\x64ry_run\x18\x07 \x01(\x08R\x06\x64ryRun\x12\x1d\n\nrequest_id\x18\x08 \x01(\tR\trequestId\"\xaa\x01\n\x0fScaleInResponse\x12\x44\n\toperation\x18\x01 \x01(\x0b\x32&.rollmesh.controller.v1.ScaleOperationR\toperation\x12\x37\n\x18would_remove_replica_ids\x18\x02 \x03(\tR\x15wouldRemoveReplicaIds\x12\x18\n\x07message\x18\x03 \x01(\tR\x07message\"8\n\x13GetOperationRequest\x12!\n\x0coperation_id\x18\x01 \x01(\tR\x0boperationId\"\\\n\x14GetOperationResponse\x12\x44\n\toperation\x18\x01 \x01(\x0b\x32&.rollmesh.controller.v1.ScaleOperationR\toperation\"\xb3\x01\n\x15ListOperationsRequest\x12>\n\x06states\x18\x01 \x03(\x0e\x32&.rollmesh.controller.v1.OperationStateR\x06states\x12\x1d\n\nmodel_name\x18\x02 \x01(\tR\tmodelName\x12;\n\x05types\x18\x03 \x03(\x0e\x32%.rollmesh.controller.v1.OperationTypeR\x05types\"`\n\x16ListOperationsResponse\x12\x46\n\noperations\x18\x01 \x03(\x0b\x32&.rollmesh.controller.v1.ScaleOperationR\noperations\";\n\x16\x43\x61ncelOperationRequest\x12!\n\x0coperation_id\x18\x01 \x01(\tR\x0boperationId\"_\n\x17\x43\x61ncelOperationResponse\x12\x44\n\toperation\x18\x01 \x01(\x0b\x32&.rollmesh.controller.v1.ScaleOperationR\toperation\"r\n\x17\x43\x61ncelOperationsRequest\x12>\n\x06states\x18\x01 \x03(\x0e\x32&.rollmesh.controller.v1.OperationStateR\x06states\x12\x17\n\x07\x64ry_run\x18\x02 \x01(\x08R\x06\x64ryRun\"R\n\x18\x43\x61ncelOperationsResponse\x12\x36\n\x17\x63\x61ncelled_operation_ids\x18\x01 \x03(\tR\x15\x63\x61ncelledOperationIds*j\n\rOperationType\x12\x1e\n\x1aOPERATION_TYPE_UNSPECIFIED\x10\x00\x12\x1c\n\x18OPERATION_TYPE_SCALE_OUT\x10\x01\x12\x1b\n\x17OPERATION_TYPE_SCALE_IN\x10\x02*\xbc\x03\n\x0eOperationState\x12\x1f\n\x1bOPERATION_STATE_UNSPECIFIED\x10\x00\x12\x1b\n\x17OPERATION_STATE_PENDING\x10\x01\x12\x1c\n\x18OPERATION_STATE_CREATING\x10\x02\x12\x1e\n\x1aOPERATION_STATE_CONNECTING\x10\x03\x12#\n\x1fOPERATION_STATE_HEALTH_CHECKING\x10\x04\x12\"\n\x1eOPERATION_STATE_WEIGHT_SYNCING\x10\x05\x12\x19\n\x15OPERATION_STATE_READY\x10\x06\x12\x1a\n\x16OPERATION_STATE_ACTIVE\x10\x07\x12\x1c\n\x18OPERATION_STATE_DRAINING\x10\x08\x12\x1c\n\x18OPERATION_STATE_REMOVING\x10\t\x12\x1d\n\x19OPERATION_STATE_COMPLETED\x10\n\x12\x1a\n\x16OPERATION_STATE_FAILED\x10\x0b\x12\x1d\n\x19OPERATION_STATE_CANCELLED\x10\x0c\x12\x18\n\x14OPERATION_STATE_NOOP\x10\r*\x90\x01\n\x14PartialSuccessPolicy\x12&\n\"PARTIAL_SUCCESS_POLICY_UNSPECIFIED\x10\x00\x12\'\n#PARTIAL_SUCCESS_POLICY_ROLLBACK_ALL\x10\x01\x12\'\n#PARTIAL_SUCCESS_POLICY_KEEP_PARTIAL\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$rollmesh/controller/v1/scaling.proto\x12\x16rollmesh.controller.v1\x1a\x1fgoogle/api/field_behavior.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x98\x01\n\x14OperationStateChange\x12<\n\x05state\x18\x01 \x01(\x0e\x32&.rollmesh.controller.v1.OperationStateR\x05state\x12*\n\x02\x61t\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.TimestampR\x02\x61t\x12\x16\n\x06reason\x18\x03 \x01(\tR\x06reason\"\x9f\x07\n\x0eScaleOperation\x12!\n\x0coperation_id\x18\x01 \x01(\tR\x0boperationId\x12\x39\n\x04type\x18\x02 \x01(\x0e\x32%.rollmesh.controller.v1.OperationTypeR\x04type\x12<\n\x05state\x18\x03 \x01(\x0e\x32&.rollmesh.controller.v1.OperationStateR\x05state\x12\x1d\n\nmodel_name\x18\x04 \x01(\tR\tmodelName\x12!\n\x0cnum_replicas\x18\x05 \x01(\x05R\x0bnumReplicas\x12)\n\x10\x65ngine_addresses\x18\x06 \x03(\tR\x0f\x65ngineAddresses\x12\x1f\n\x0breplica_ids\x18\x07 \x03(\tR\nreplicaIds\x12,\n\x12\x66\x61iled_replica_ids\x18\x08 \x03(\tR\x10\x66\x61iledReplicaIds\x12\x39\n\ncreated_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.TimestampR\tcreatedAt\x12\x39\n\nupdated_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.TimestampR\tupdatedAt\x12#\n\rerror_message\x18\x0b \x01(\tR\x0c\x65rrorMessage\x12*\n\x0eweight_version\x18\x0c \x01(\x03H\x00R\rweightVersion\x88\x01\x01\x12\x14\n\x05\x66orce\x18\r \x01(\x08R\x05\x66orce\x12\x17\n\x07\x64ry_run\x18\x0e \x01(\x08R\x06\x64ryRun\x12\x33\n\x07timeout\x18\x0f \x01(\x0b\x32\x19.google.protobuf.DurationR\x07timeout\x12\x62\n\x16partial_success_policy\x18\x10 \x01(\x0e\x32,.rollmesh.controller.v1.PartialSuccessPolicyR\x14partialSuccessPolicy\x12Q\n\rstate_history\x18\x11 \x03(\x0b\x32,.rollmesh.controller.v1.OperationStateChangeR\x0cstateHistory\x12!\n\x0ctriggered_by\x18\x12 \x01(\tR\x0btriggeredBy\x12\x1d\n\nrequest_id\x18\x13 \x01(\tR\trequestIdB\x11\n\x0f_weight_version\"\xcf\x02\n\x0fScaleOutRequest\x12\x1d\n\nmodel_name\x18\x01 \x01(\tR\tmodelName\x12!\n\x0cnum_replicas\x18\x02 \x01(\x05R\x0bnumReplicas\x12)\n\x10\x65ngine_addresses\x18\x03 \x03(\tR\x0f\x65ngineAddresses\x12\x33\n\x07timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.DurationR\x07timeout\x12\x1d\n\nrequest_id\x18\x05 \x01(\tR\trequestId\x12\x17\n\x07\x64ry_run\x18\x06 \x01(\x08R\x06\x64ryRun\x12\x62\n\x16partial_success_policy\x18\x07 \x01(\x0e\x32,.rollmesh.controller.v1.PartialSuccessPolicyR\x14partialSuccessPolicy\"r\n\x10ScaleOutResponse\x12\x44\n\toperation\x18\x01 \x01(\x0b\x32&.rollmesh.controller.v1.ScaleOperationR\toperation\x12\x18\n\x07message\x18\x02 \x01(\tR\x07message\"\xa1\x02\n\x0eScaleInRequest\x12\x1d\n\nmodel_name\x18\x01 \x01(\tR\tmodelName\x12!\n\x0cnum_replicas\x18\x02 \x01(\x05R\x0bnumReplicas\x12\x1f\n\x0breplica_ids\x18\x03 \x03(\tR\nreplicaIds\x12)\n\x10\x65ngine_addresses\x18\x04 \x03(\tR\x0f\x65ngineAddresses\x12\x14\n\x05\x66orce\x18\x05 \x01(\x08R\x05\x66orce\x12\x33\n\x07timeout\x18\x06 \x01(\x0b\x32\x19.google.protobuf.DurationR\x07timeout\x12\x17\n\x07\x64ry_run\x18\x07 \x01(\x08R\x06\x64ryRun\x12\x1d\n\nrequest_id\x18\x08 \x01(\tR\trequestId\"\xaa\x01\n\x0fScaleInResponse\x12\x44\n\toperation\x18\x01 \x01(\x0b\x32&.rollmesh.controller.v1.ScaleOperationR\toperation\x12\x37\n\x18would_remove_replica_ids\x18\x02 \x03(\tR\x15wouldRemoveReplicaIds\x12\x18\n\x07message\x18\x03 \x01(\tR\x07message\">\n\x13GetOperationRequest\x12\'\n\x0coperation_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02R\x0boperationId\"\\\n\x14GetOperationResponse\x12\x44\n\toperation\x18\x01 \x01(\x0b\x32&.rollmesh.controller.v1.ScaleOperationR\toperation\"\xb3\x01\n\x15ListOperationsRequest\x12>\n\x06states\x18\x01 \x03(\x0e\x32&.rollmesh.controller.v1.OperationStateR\x06states\x12\x1d\n\nmodel_name\x18\x02 \x01(\tR\tmodelName\x12;\n\x05types\x18\x03 \x03(\x0e\x32%.rollmesh.controller.v1.OperationTypeR\x05types\"`\n\x16ListOperationsResponse\x12\x46\n\noperations\x18\x01 \x03(\x0b\x32&.rollmesh.controller.v1.ScaleOperationR\noperations\"A\n\x16\x43\x61ncelOperationRequest\x12\'\n\x0coperation_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02R\x0boperationId\"_\n\x17\x43\x61ncelOperationResponse\x12\x44\n\toperation\x18\x01 \x01(\x0b\x32&.rollmesh.controller.v1.ScaleOperationR\toperation\"r\n\x17\x43\x61ncelOperationsRequest\x12>\n\x06states\x18\x01 \x03(\x0e\x32&.rollmesh.controller.v1.OperationStateR\x06states\x12\x17\n\x07\x64ry_run\x18\x02 \x01(\x08R\x06\x64ryRun\"R\n\x18\x43\x61ncelOperationsResponse\x12\x36\n\x17\x63\x61ncelled_operation_ids\x18\x01 \x03(\tR\x15\x63\x61ncelledOperationIds*j\n\rOperationType\x12\x1e\n\x1aOPERATION_TYPE_UNSPECIFIED\x10\x00\x12\x1c\n\x18OPERATION_TYPE_SCALE_OUT\x10\x01\x12\x1b\n\x17OPERATION_TYPE_SCALE_IN\x10\x02*\xbc\x03\n\x0eOperationState\x12\x1f\n\x1bOPERATION_STATE_UNSPECIFIED\x10\x00\x12\x1b\n\x17OPERATION_STATE_PENDING\x10\x01\x12\x1c\n\x18OPERATION_STATE_CREATING\x10\x02\x12\x1e\n\x1aOPERATION_STATE_CONNECTING\x10\x03\x12#\n\x1fOPERATION_STATE_HEALTH_CHECKING\x10\x04\x12\"\n\x1eOPERATION_STATE_WEIGHT_SYNCING\x10\x05\x12\x19\n\x15OPERATION_STATE_READY\x10\x06\x12\x1a\n\x16OPERATION_STATE_ACTIVE\x10\x07\x12\x1c\n\x18OPERATION_STATE_DRAINING\x10\x08\x12\x1c\n\x18OPERATION_STATE_REMOVING\x10\t\x12\x1d\n\x19OPERATION_STATE_COMPLETED\x10\n\x12\x1a\n\x16OPERATION_STATE_FAILED\x10\x0b\x12\x1d\n\x19OPERATION_STATE_CANCELLED\x10\x0c\x12\x18\n\x14OPERATION_STATE_NOOP\x10\r*\x90\x01\n\x14PartialSuccessPolicy\x12&\n\"PARTIAL_SUCCESS_POLICY_UNSPECIFIED\x10\x00\x12\'\n#PARTIAL_SUCCESS_POLICY_ROLLBACK_ALL\x10\x01\x12\'\n#PARTIAL_SUCCESS_POLICY_KEEP_PARTIAL\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rollmesh.controller.v1.scaling_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_OPERATIONTYPE']._serialized_start=2923
-  _globals['_OPERATIONTYPE']._serialized_end=3029
-  _globals['_OPERATIONSTATE']._serialized_start=3032
-  _globals['_OPERATIONSTATE']._serialized_end=3476
-  _globals['_PARTIALSUCCESSPOLICY']._serialized_start=3479
-  _globals['_PARTIALSUCCESSPOLICY']._serialized_end=3623
-  _globals['_OPERATIONSTATECHANGE']._serialized_start=130
-  _globals['_OPERATIONSTATECHANGE']._serialized_end=282
-  _globals['_SCALEOPERATION']._serialized_start=285
-  _globals['_SCALEOPERATION']._serialized_end=1212
-  _globals['_SCALEOUTREQUEST']._serialized_start=1215
-  _globals['_SCALEOUTREQUEST']._serialized_end=1550
-  _globals['_SCALEOUTRESPONSE']._serialized_start=1552
-  _globals['_SCALEOUTRESPONSE']._serialized_end=1666
-  _globals['_SCALEINREQUEST']._serialized_start=1669
-  _globals['_SCALEINREQUEST']._serialized_end=1958
-  _globals['_SCALEINRESPONSE']._serialized_start=1961
-  _globals['_SCALEINRESPONSE']._serialized_end=2131
-  _globals['_GETOPERATIONREQUEST']._serialized_start=2133
-  _globals['_GETOPERATIONREQUEST']._serialized_end=2189
-  _globals['_GETOPERATIONRESPONSE']._serialized_start=2191
-  _globals['_GETOPERATIONRESPONSE']._serialized_end=2283
-  _globals['_LISTOPERATIONSREQUEST']._serialized_start=2286
-  _globals['_LISTOPERATIONSREQUEST']._serialized_end=2465
-  _globals['_LISTOPERATIONSRESPONSE']._serialized_start=2467
-  _globals['_LISTOPERATIONSRESPONSE']._serialized_end=2563
-  _globals['_CANCELOPERATIONREQUEST']._serialized_start=2565
-  _globals['_CANCELOPERATIONREQUEST']._serialized_end=2624
-  _globals['_CANCELOPERATIONRESPONSE']._serialized_start=2626
-  _globals['_CANCELOPERATIONRESPONSE']._serialized_end=2721
-  _globals['_CANCELOPERATIONSREQUEST']._serialized_start=2723
-  _globals['_CANCELOPERATIONSREQUEST']._serialized_end=2837
-  _globals['_CANCELOPERATIONSRESPONSE']._serialized_start=2839
-  _globals['_CANCELOPERATIONSRESPONSE']._serialized_end=2921
+  _globals['_GETOPERATIONREQUEST'].fields_by_name['operation_id']._loaded_options = None
+  _globals['_GETOPERATIONREQUEST'].fields_by_name['operation_id']._serialized_options = b'\342A\001\002'
+  _globals['_CANCELOPERATIONREQUEST'].fields_by_name['operation_id']._loaded_options = None
+  _globals['_CANCELOPERATIONREQUEST'].fields_by_name['operation_id']._serialized_options = b'\342A\001\002'
+  _globals['_OPERATIONTYPE']._serialized_start=2968
+  _globals['_OPERATIONTYPE']._serialized_end=3074
+  _globals['_OPERATIONSTATE']._serialized_start=3077
+  _globals['_OPERATIONSTATE']._serialized_end=3521
+  _globals['_PARTIALSUCCESSPOLICY']._serialized_start=3524
+  _globals['_PARTIALSUCCESSPOLICY']._serialized_end=3668
+  _globals['_OPERATIONSTATECHANGE']._serialized_start=163
+  _globals['_OPERATIONSTATECHANGE']._serialized_end=315
+  _globals['_SCALEOPERATION']._serialized_start=318
+  _globals['_SCALEOPERATION']._serialized_end=1245
+  _globals['_SCALEOUTREQUEST']._serialized_start=1248
+  _globals['_SCALEOUTREQUEST']._serialized_end=1583
+  _globals['_SCALEOUTRESPONSE']._serialized_start=1585
+  _globals['_SCALEOUTRESPONSE']._serialized_end=1699
+  _globals['_SCALEINREQUEST']._serialized_start=1702
+  _globals['_SCALEINREQUEST']._serialized_end=1991
+  _globals['_SCALEINRESPONSE']._serialized_start=1994
+  _globals['_SCALEINRESPONSE']._serialized_end=2164
+  _globals['_GETOPERATIONREQUEST']._serialized_start=2166
+  _globals['_GETOPERATIONREQUEST']._serialized_end=2228
+  _globals['_GETOPERATIONRESPONSE']._serialized_start=2230
+  _globals['_GETOPERATIONRESPONSE']._serialized_end=2322
+  _globals['_LISTOPERATIONSREQUEST']._serialized_start=2325
+  _globals['_LISTOPERATIONSREQUEST']._serialized_end=2504
+  _globals['_LISTOPERATIONSRESPONSE']._serialized_start=2506
+  _globals['_LISTOPERATIONSRESPONSE']._serialized_end=2602
+  _globals['_CANCELOPERATIONREQUEST']._serialized_start=2604
+  _globals['_CANCELOPERATIONREQUEST']._serialized_end=2669
+  _globals['_CANCELOPERATIONRESPONSE']._serialized_start=2671
+  _globals['_CANCELOPERATIONRESPONSE']._serialized_end=2766
+  _globals['_CANCELOPERATIONSREQUEST']._serialized_start=2768
+  _globals['_CANCELOPERATIONSREQUEST']._serialized_end=2882
+  _globals['_CANCELOPERATIONSRESPONSE']._serialized_start=2884
+  _globals['_CANCELOPERATIONSRESPONSE']._serialized_end=2966
 # @@protoc_insertion_point(module_scope)

@@ -1,3 +1,4 @@
+from google.api import field_behavior_pb2 as _field_behavior_pb2
 from rollmesh.common.v1 import generation_pb2 as _generation_pb2
 from rollmesh.common.v1 import status_pb2 as _status_pb2
 from rollmesh.common.v1 import types_pb2 as _types_pb2

@@ -22,25 +22,30 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.api import field_behavior_pb2 as google_dot_api_dot_field__behavior__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 from rollmesh.common.v1 import types_pb2 as rollmesh_dot_common_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&rollmesh/loadbalancer/v1/routing.proto\x12\x18rollmesh.loadbalancer.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1erollmesh/common/v1/types.proto\"\xbf\x01\n\x0fReplicaEndpoint\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\x12\x18\n\x07\x61\x64\x64ress\x18\x02 \x01(\tR\x07\x61\x64\x64ress\x12\x33\n\x04kind\x18\x03 \x01(\x0e\x32\x1f.rollmesh.common.v1.ReplicaKindR\x04kind\x12%\n\x0eweight_version\x18\x04 \x01(\x03R\rweightVersion\x12\x17\n\x07node_id\x18\x05 \x01(\tR\x06nodeId\"\xe4\x03\n\rRoutedReplica\x12\x45\n\x08\x65ndpoint\x18\x01 \x01(\x0b\x32).rollmesh.loadbalancer.v1.ReplicaEndpointR\x08\x65ndpoint\x12\x1b\n\tin_flight\x18\x02 \x01(\rR\x08inFlight\x12\'\n\x0fsticky_sessions\x18\x03 \x01(\rR\x0estickySessions\x12\x1c\n\tcompleted\x18\x04 \x01(\x04R\tcompleted\x12\x16\n\x06\x66\x61iled\x18\x05 \x01(\x04R\x06\x66\x61iled\x12\x1a\n\x08routable\x18\x06 \x01(\x08R\x08routable\x12+\n\x11unroutable_reason\x18\x07 \x01(\tR\x10unroutableReason\x12\x35\n\x08\x61\x64\x64\x65\x64_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.TimestampR\x07\x61\x64\x64\x65\x64\x41t\x12\x31\n\x14\x63onsecutive_failures\x18\t \x01(\rR\x13\x63onsecutiveFailures\x12?\n\rejected_until\x18\n \x01(\x0b\x32\x1a.google.protobuf.TimestampR\x0c\x65jectedUntil\x12\x1c\n\tejections\x18\x0b \x01(\rR\tejections\"\xb5\x02\n\x07\x41ttempt\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\x12%\n\x0eweight_version\x18\x02 \x01(\x03R\rweightVersion\x12\x16\n\x06tokens\x18\x03 \x01(\rR\x06tokens\x12\x42\n\x07outcome\x18\x04 \x01(\x0e\x32(.rollmesh.loadbalancer.v1.AttemptOutcomeR\x07outcome\x12\x39\n\nstarted_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.TimestampR\tstartedAt\x12\x35\n\x08\x65nded_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.TimestampR\x07\x65ndedAt\x12\x16\n\x06reason\x18\x07 \x01(\tR\x06reason\"\x89\x04\n\x11LoadBalancerStats\x12%\n\x0erequests_total\x18\x01 \x01(\x04R\rrequestsTotal\x12\x1c\n\tcompleted\x18\x02 \x01(\x04R\tcompleted\x12\x16\n\x06\x66\x61iled\x18\x03 \x01(\x04R\x06\x66\x61iled\x12\x1b\n\tin_flight\x18\x04 \x01(\x04R\x08inFlight\x12\x18\n\x07retries\x18\x05 \x01(\x04R\x07retries\x12\x18\n\x07resumes\x18\x06 \x01(\x04R\x07resumes\x12$\n\rregenerations\x18\x07 \x01(\x04R\rregenerations\x12+\n\x11truncated_dropped\x18\x08 \x01(\x04R\x10truncatedDropped\x12\x1f\n\x0bsticky_hits\x18\t \x01(\x04R\nstickyHits\x12+\n\x11sticky_migrations\x18\n \x01(\x04R\x10stickyMigrations\x12(\n\x10no_replica_waits\x18\x0b \x01(\x04R\x0enoReplicaWaits\x12\x30\n\x05since\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.TimestampR\x05since\x12+\n\x11outlier_ejections\x18\r \x01(\x04R\x10outlierEjections\x12\x1c\n\tcancelled\x18\x0e \x01(\x04R\tcancelled*\xaa\x01\n\x0e\x41ttemptOutcome\x12\x1f\n\x1b\x41TTEMPT_OUTCOME_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x41TTEMPT_OUTCOME_COMPLETED\x10\x01\x12\x1b\n\x17\x41TTEMPT_OUTCOME_ABORTED\x10\x02\x12\x1f\n\x1b\x41TTEMPT_OUTCOME_UNAVAILABLE\x10\x03\x12\x1a\n\x16\x41TTEMPT_OUTCOME_FAILED\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&rollmesh/loadbalancer/v1/routing.proto\x12\x18rollmesh.loadbalancer.v1\x1a\x1fgoogle/api/field_behavior.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1erollmesh/common/v1/types.proto\"\xcb\x01\n\x0fReplicaEndpoint\x12#\n\nreplica_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02R\treplicaId\x12\x1e\n\x07\x61\x64\x64ress\x18\x02 \x01(\tB\x04\xe2\x41\x01\x02R\x07\x61\x64\x64ress\x12\x33\n\x04kind\x18\x03 \x01(\x0e\x32\x1f.rollmesh.common.v1.ReplicaKindR\x04kind\x12%\n\x0eweight_version\x18\x04 \x01(\x03R\rweightVersion\x12\x17\n\x07node_id\x18\x05 \x01(\tR\x06nodeId\"\xe4\x03\n\rRoutedReplica\x12\x45\n\x08\x65ndpoint\x18\x01 \x01(\x0b\x32).rollmesh.loadbalancer.v1.ReplicaEndpointR\x08\x65ndpoint\x12\x1b\n\tin_flight\x18\x02 \x01(\rR\x08inFlight\x12\'\n\x0fsticky_sessions\x18\x03 \x01(\rR\x0estickySessions\x12\x1c\n\tcompleted\x18\x04 \x01(\x04R\tcompleted\x12\x16\n\x06\x66\x61iled\x18\x05 \x01(\x04R\x06\x66\x61iled\x12\x1a\n\x08routable\x18\x06 \x01(\x08R\x08routable\x12+\n\x11unroutable_reason\x18\x07 \x01(\tR\x10unroutableReason\x12\x35\n\x08\x61\x64\x64\x65\x64_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.TimestampR\x07\x61\x64\x64\x65\x64\x41t\x12\x31\n\x14\x63onsecutive_failures\x18\t \x01(\rR\x13\x63onsecutiveFailures\x12?\n\rejected_until\x18\n \x01(\x0b\x32\x1a.google.protobuf.TimestampR\x0c\x65jectedUntil\x12\x1c\n\tejections\x18\x0b \x01(\rR\tejections\"\xb5\x02\n\x07\x41ttempt\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\x12%\n\x0eweight_version\x18\x02 \x01(\x03R\rweightVersion\x12\x16\n\x06tokens\x18\x03 \x01(\rR\x06tokens\x12\x42\n\x07outcome\x18\x04 \x01(\x0e\x32(.rollmesh.loadbalancer.v1.AttemptOutcomeR\x07outcome\x12\x39\n\nstarted_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.TimestampR\tstartedAt\x12\x35\n\x08\x65nded_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.TimestampR\x07\x65ndedAt\x12\x16\n\x06reason\x18\x07 \x01(\tR\x06reason\"\x89\x04\n\x11LoadBalancerStats\x12%\n\x0erequests_total\x18\x01 \x01(\x04R\rrequestsTotal\x12\x1c\n\tcompleted\x18\x02 \x01(\x04R\tcompleted\x12\x16\n\x06\x66\x61iled\x18\x03 \x01(\x04R\x06\x66\x61iled\x12\x1b\n\tin_flight\x18\x04 \x01(\x04R\x08inFlight\x12\x18\n\x07retries\x18\x05 \x01(\x04R\x07retries\x12\x18\n\x07resumes\x18\x06 \x01(\x04R\x07resumes\x12$\n\rregenerations\x18\x07 \x01(\x04R\rregenerations\x12+\n\x11truncated_dropped\x18\x08 \x01(\x04R\x10truncatedDropped\x12\x1f\n\x0bsticky_hits\x18\t \x01(\x04R\nstickyHits\x12+\n\x11sticky_migrations\x18\n \x01(\x04R\x10stickyMigrations\x12(\n\x10no_replica_waits\x18\x0b \x01(\x04R\x0enoReplicaWaits\x12\x30\n\x05since\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.TimestampR\x05since\x12+\n\x11outlier_ejections\x18\r \x01(\x04R\x10outlierEjections\x12\x1c\n\tcancelled\x18\x0e \x01(\x04R\tcancelled*\xaa\x01\n\x0e\x41ttemptOutcome\x12\x1f\n\x1b\x41TTEMPT_OUTCOME_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x41TTEMPT_OUTCOME_COMPLETED\x10\x01\x12\x1b\n\x17\x41TTEMPT_OUTCOME_ABORTED\x10\x02\x12\x1f\n\x1b\x41TTEMPT_OUTCOME_UNAVAILABLE\x10\x03\x12\x1a\n\x16\x41TTEMPT_OUTCOME_FAILED\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rollmesh.loadbalancer.v1.routing_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ATTEMPTOUTCOME']._serialized_start=1651
-  _globals['_ATTEMPTOUTCOME']._serialized_end=1821
-  _globals['_REPLICAENDPOINT']._serialized_start=134
-  _globals['_REPLICAENDPOINT']._serialized_end=325
-  _globals['_ROUTEDREPLICA']._serialized_start=328
-  _globals['_ROUTEDREPLICA']._serialized_end=812
-  _globals['_ATTEMPT']._serialized_start=815
-  _globals['_ATTEMPT']._serialized_end=1124
-  _globals['_LOADBALANCERSTATS']._serialized_start=1127
-  _globals['_LOADBALANCERSTATS']._serialized_end=1648
+  _globals['_REPLICAENDPOINT'].fields_by_name['replica_id']._loaded_options = None
+  _globals['_REPLICAENDPOINT'].fields_by_name['replica_id']._serialized_options = b'\342A\001\002'
+  _globals['_REPLICAENDPOINT'].fields_by_name['address']._loaded_options = None
+  _globals['_REPLICAENDPOINT'].fields_by_name['address']._serialized_options = b'\342A\001\002'
+  _globals['_ATTEMPTOUTCOME']._serialized_start=1696
+  _globals['_ATTEMPTOUTCOME']._serialized_end=1866
+  _globals['_REPLICAENDPOINT']._serialized_start=167
+  _globals['_REPLICAENDPOINT']._serialized_end=370
+  _globals['_ROUTEDREPLICA']._serialized_start=373
+  _globals['_ROUTEDREPLICA']._serialized_end=857
+  _globals['_ATTEMPT']._serialized_start=860
+  _globals['_ATTEMPT']._serialized_end=1169
+  _globals['_LOADBALANCERSTATS']._serialized_start=1172
+  _globals['_LOADBALANCERSTATS']._serialized_end=1693
 # @@protoc_insertion_point(module_scope)

@@ -22,6 +22,7 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.api import field_behavior_pb2 as google_dot_api_dot_field__behavior__pb2
 from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
 from rollmesh.common.v1 import generation_pb2 as rollmesh_dot_common_dot_v1_dot_generation__pb2
 from rollmesh.common.v1 import load_pb2 as rollmesh_dot_common_dot_v1_dot_load__pb2
@@ -31,75 +32,89 @@ from rollmesh.common.v1 import weights_pb2 as rollmesh_dot_common_dot_v1_dot_wei
 from rollmesh.replica.v1 import replica_pb2 as rollmesh_dot_replica_dot_v1_dot_replica__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'rollmesh/replica/v1/replica_agent.proto\x12\x13rollmesh.replica.v1\x1a\x1egoogle/protobuf/duration.proto\x1a#rollmesh/common/v1/generation.proto\x1a\x1drollmesh/common/v1/load.proto\x1a\x1frollmesh/common/v1/status.proto\x1a\x1erollmesh/common/v1/types.proto\x1a rollmesh/common/v1/weights.proto\x1a!rollmesh/replica/v1/replica.proto\"\x12\n\x10GetStatusRequest\"\x9e\x02\n\x11GetStatusResponse\x12\x38\n\x06status\x18\x01 \x01(\x0b\x32 .rollmesh.common.v1.ServerStatusR\x06status\x12\x17\n\x07node_id\x18\x02 \x01(\tR\x06nodeId\x12\x1f\n\x0bslots_total\x18\x03 \x01(\rR\nslotsTotal\x12\x1d\n\nslots_free\x18\x04 \x01(\rR\tslotsFree\x12;\n\x07\x62\x61\x63kend\x18\x05 \x01(\x0e\x32!.rollmesh.common.v1.EngineBackendR\x07\x62\x61\x63kend\x12\x14\n\x05model\x18\x06 \x01(\tR\x05model\x12#\n\rreplica_count\x18\x07 \x01(\rR\x0creplicaCount\"\xca\x02\n\x14LaunchReplicaRequest\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\x12\x33\n\x04kind\x18\x02 \x01(\x0e\x32\x1f.rollmesh.common.v1.ReplicaKindR\x04kind\x12,\n\x0fmemory_fraction\x18\x03 \x01(\x01H\x00R\x0ememoryFraction\x88\x01\x01\x12\x14\n\x05slots\x18\x04 \x01(\rR\x05slots\x12!\n\x0cstart_asleep\x18\x05 \x01(\x08R\x0bstartAsleep\x12%\n\x0eweight_version\x18\x06 \x01(\x03R\rweightVersion\x12\x1d\n\nrequest_id\x18\x07 \x01(\tR\trequestId\x12\x1d\n\nengine_url\x18\x08 \x01(\tR\tengineUrlB\x12\n\x10_memory_fraction\"O\n\x15LaunchReplicaResponse\x12\x36\n\x07replica\x18\x01 \x01(\x0b\x32\x1c.rollmesh.replica.v1.ReplicaR\x07replica\"z\n\x12StopReplicaRequest\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\x12/\n\x05grace\x18\x02 \x01(\x0b\x32\x19.google.protobuf.DurationR\x05grace\x12\x14\n\x05\x66orce\x18\x03 \x01(\x08R\x05\x66orce\"M\n\x13StopReplicaResponse\x12\x36\n\x07replica\x18\x01 \x01(\x0b\x32\x1c.rollmesh.replica.v1.ReplicaR\x07replica\"\x86\x01\n\x13ListReplicasRequest\x12\x35\n\x05kinds\x18\x01 \x03(\x0e\x32\x1f.rollmesh.common.v1.ReplicaKindR\x05kinds\x12\x38\n\x06states\x18\x02 \x03(\x0e\x32 .rollmesh.common.v1.ReplicaStateR\x06states\"P\n\x14ListReplicasResponse\x12\x38\n\x08replicas\x18\x01 \x03(\x0b\x32\x1c.rollmesh.replica.v1.ReplicaR\x08replicas\"2\n\x11GetReplicaRequest\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\"L\n\x12GetReplicaResponse\x12\x36\n\x07replica\x18\x01 \x01(\x0b\x32\x1c.rollmesh.replica.v1.ReplicaR\x07replica\"\xd3\x02\n\x0fGenerateRequest\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\x12\x1d\n\nrequest_id\x18\x02 \x01(\tR\trequestId\x12(\n\x10prompt_token_ids\x18\x03 \x03(\x05R\x0epromptTokenIds\x12K\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\".rollmesh.common.v1.SamplingParamsR\x0esamplingParams\x12I\n\x0fresume_segments\x18\x05 \x03(\x0b\x32 .rollmesh.common.v1.TokenSegmentR\x0eresumeSegments\x12,\n\x0fstream_interval\x18\x06 \x01(\rH\x00R\x0estreamInterval\x88\x01\x01\x42\x12\n\x10_stream_interval\"\xc7\x02\n\x10GenerateResponse\x12\x1d\n\nrequest_id\x18\x01 \x01(\tR\trequestId\x12\x1b\n\ttoken_ids\x18\x02 \x03(\x05R\x08tokenIds\x12\x1a\n\x08logprobs\x18\x03 \x03(\x02R\x08logprobs\x12%\n\x0eweight_version\x18\x04 \x01(\x03R\rweightVersion\x12\x45\n\rfinish_reason\x18\x05 \x01(\x0e\x32 .rollmesh.common.v1.FinishReasonR\x0c\x66inishReason\x12/\n\x05usage\x18\x06 \x01(\x0b\x32\x19.rollmesh.common.v1.UsageR\x05usage\x12<\n\x08segments\x18\x07 \x03(\x0b\x32 .rollmesh.common.v1.TokenSegmentR\x08segments\"h\n\x14\x41\x62ortRequestsRequest\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\x12\x1f\n\x0brequest_ids\x18\x02 \x03(\tR\nrequestIds\x12\x10\n\x03\x61ll\x18\x03 \x01(\x08R\x03\x61ll\"G\n\x15\x41\x62ortRequestsResponse\x12.\n\x13\x61\x62orted_request_ids\x18\x01 \x03(\tR\x11\x61\x62ortedRequestIds\"\xa2\x01\n\x16PauseGenerationRequest\x12\x1f\n\x0breplica_ids\x18\x01 \x03(\tR\nreplicaIds\x12\x32\n\x04mode\x18\x02 \x01(\x0e\x32\x1e.rollmesh.replica.v1.PauseModeR\x04mode\x12\x33\n\x07timeout\x18\x03 \x01(\x0b\x32\x19.google.protobuf.DurationR\x07timeout\"\x83\x01\n\x17PauseGenerationResponse\x12\x38\n\x08replicas\x18\x01 \x03(\x0b\x32\x1c.rollmesh.replica.v1.ReplicaR\x08replicas\x12.\n\x13\x61\x62orted_request_ids\x18\x02 \x03(\tR\x11\x61\x62ortedRequestIds\":\n\x17ResumeGenerationRequest\x12\x1f\n\x0breplica_ids\x18\x01 \x03(\tR\nreplicaIds\"T\n\x18ResumeGenerationResponse\x12\x38\n\x08replicas\x18\x01 \x03(\x0b\x32\x1c.rollmesh.replica.v1.ReplicaR\x08replicas\"\x8b\x01\n\x0cSleepRequest\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\x12\x34\n\x05level\x18\x02 \x01(\x0e\x32\x1e.rollmesh.common.v1.SleepLevelR\x05level\x12&\n\x0f\x61\x62ort_in_flight\x18\x03 \x01(\x08R\rabortInFlight\"h\n\rSleepResponse\x12\x1f\n\x0b\x66reed_bytes\x18\x01 \x01(\x04R\nfreedBytes\x12\x36\n\x07replica\x18\x02 \x01(\x0b\x32\x1c.rollmesh.replica.v1.ReplicaR\x07replica\"\x8c\x01\n\rWakeUpRequest\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\x12/\n\x04tags\x18\x02 \x03(\x0e\x32\x1b.rollmesh.common.v1.WakeTagR\x04tags\x12+\n\x11resume_generation\x18\x03 \x01(\x08R\x10resumeGeneration\"H\n\x0eWakeUpResponse\x12\x36\n\x07replica\x18\x01 \x01(\x0b\x32\x1c.rollmesh.replica.v1.ReplicaR\x07replica\"\x98\x01\n\x15ReceiveWeightsRequest\x12\x1f\n\x0breplica_ids\x18\x01 \x03(\tR\nreplicaIds\x12\x36\n\x04plan\x18\x02 \x01(\x0b\x32\".rollmesh.common.v1.WeightSyncPlanR\x04plan\x12&\n\x0f\x61\x62ort_in_flight\x18\x03 \x01(\x08R\rabortInFlight\"\x80\x02\n\x14ReplicaWeightsResult\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\x12%\n\x0eweight_version\x18\x02 \x01(\x03R\rweightVersion\x12\x1f\n\x0b\x63hecksum_ok\x18\x03 \x01(\x08R\nchecksumOk\x12%\n\x0e\x62ytes_received\x18\x04 \x01(\x04R\rbytesReceived\x12\x35\n\x08\x64uration\x18\x05 \x01(\x0b\x32\x19.google.protobuf.DurationR\x08\x64uration\x12#\n\rerror_message\x18\x06 \x01(\tR\x0c\x65rrorMessage\"]\n\x16ReceiveWeightsResponse\x12\x43\n\x07results\x18\x01 \x03(\x0b\x32).rollmesh.replica.v1.ReplicaWeightsResultR\x07results\"\xf2\x01\n\x18PrepareWeightSyncRequest\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\x12%\n\x0eweight_version\x18\x02 \x01(\x03R\rweightVersion\x12/\n\x11\x62ucket_size_bytes\x18\x03 \x01(\x04H\x00R\x0f\x62ucketSizeBytes\x88\x01\x01\x12\x32\n\x12\x63hecksum_algorithm\x18\x04 \x01(\tH\x01R\x11\x63hecksumAlgorithm\x88\x01\x01\x42\x14\n\x12_bucket_size_bytesB\x15\n\x13_checksum_algorithm\"\xec\x01\n\x19PrepareWeightSyncResponse\x12%\n\x0eweight_version\x18\x01 \x01(\x03R\rweightVersion\x12>\n\x08manifest\x18\x02 \x01(\x0b\x32\".rollmesh.common.v1.WeightManifestR\x08manifest\x12\'\n\x0frendezvous_host\x18\x03 \x01(\tR\x0erendezvousHost\x12\'\n\x0frendezvous_port\x18\x04 \x01(\rR\x0erendezvousPort\x12\x16\n\x06source\x18\x05 \x01(\tR\x06source\"k\n\x12SendWeightsRequest\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\x12\x36\n\x04plan\x18\x02 \x01(\x0b\x32\".rollmesh.common.v1.WeightSyncPlanR\x04plan\"\xae\x01\n\x13SendWeightsResponse\x12\x1d\n\nbytes_sent\x18\x01 \x01(\x04R\tbytesSent\x12\x35\n\x08\x64uration\x18\x02 \x01(\x0b\x32\x19.google.protobuf.DurationR\x08\x64uration\x12\x1a\n\x08\x63hecksum\x18\x03 \x01(\tR\x08\x63hecksum\x12%\n\x0eweight_version\x18\x04 \x01(\x03R\rweightVersion\"8\n\x15GetLoadReportsRequest\x12\x1f\n\x0breplica_ids\x18\x01 \x03(\tR\nreplicaIds\"R\n\x16GetLoadReportsResponse\x12\x38\n\x07reports\x18\x01 \x03(\x0b\x32\x1e.rollmesh.common.v1.LoadReportR\x07reports2\xf0\x0b\n\x13ReplicaAgentService\x12Z\n\tGetStatus\x12%.rollmesh.replica.v1.GetStatusRequest\x1a&.rollmesh.replica.v1.GetStatusResponse\x12\x66\n\rLaunchReplica\x12).rollmesh.replica.v1.LaunchReplicaRequest\x1a*.rollmesh.replica.v1.LaunchReplicaResponse\x12`\n\x0bStopReplica\x12\'.rollmesh.replica.v1.StopReplicaRequest\x1a(.rollmesh.replica.v1.StopReplicaResponse\x12\x63\n\x0cListReplicas\x12(.rollmesh.replica.v1.ListReplicasRequest\x1a).rollmesh.replica.v1.ListReplicasResponse\x12]\n\nGetReplica\x12&.rollmesh.replica.v1.GetReplicaRequest\x1a\'.rollmesh.replica.v1.GetReplicaResponse\x12Y\n\x08Generate\x12$.rollmesh.replica.v1.GenerateRequest\x1a%.rollmesh.replica.v1.GenerateResponse0\x01\x12\x66\n\rAbortRequests\x12).rollmesh.replica.v1.AbortRequestsRequest\x1a*.rollmesh.replica.v1.AbortRequestsResponse\x12l\n\x0fPauseGeneration\x12+.rollmesh.replica.v1.PauseGenerationRequest\x1a,.rollmesh.replica.v1.PauseGenerationResponse\x12o\n\x10ResumeGeneration\x12,.rollmesh.replica.v1.ResumeGenerationRequest\x1a-.rollmesh.replica.v1.ResumeGenerationResponse\x12N\n\x05Sleep\x12!.rollmesh.replica.v1.SleepRequest\x1a\".rollmesh.replica.v1.SleepResponse\x12Q\n\x06WakeUp\x12\".rollmesh.replica.v1.WakeUpRequest\x1a#.rollmesh.replica.v1.WakeUpResponse\x12i\n\x0eReceiveWeights\x12*.rollmesh.replica.v1.ReceiveWeightsRequest\x1a+.rollmesh.replica.v1.ReceiveWeightsResponse\x12r\n\x11PrepareWeightSync\x12-.rollmesh.replica.v1.PrepareWeightSyncRequest\x1a..rollmesh.replica.v1.PrepareWeightSyncResponse\x12`\n\x0bSendWeights\x12\'.rollmesh.replica.v1.SendWeightsRequest\x1a(.rollmesh.replica.v1.SendWeightsResponse\x12i\n\x0eGetLoadReports\x12*.rollmesh.replica.v1.GetLoadReportsRequest\x1a+.rollmesh.replica.v1.GetLoadReportsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'rollmesh/replica/v1/replica_agent.proto\x12\x13rollmesh.replica.v1\x1a\x1fgoogle/api/field_behavior.proto\x1a\x1egoogle/protobuf/duration.proto\x1a#rollmesh/common/v1/generation.proto\x1a\x1drollmesh/common/v1/load.proto\x1a\x1frollmesh/common/v1/status.proto\x1a\x1erollmesh/common/v1/types.proto\x1a rollmesh/common/v1/weights.proto\x1a!rollmesh/replica/v1/replica.proto\"\x12\n\x10GetStatusRequest\"\x9e\x02\n\x11GetStatusResponse\x12\x38\n\x06status\x18\x01 \x01(\x0b\x32 .rollmesh.common.v1.ServerStatusR\x06status\x12\x17\n\x07node_id\x18\x02 \x01(\tR\x06nodeId\x12\x1f\n\x0bslots_total\x18\x03 \x01(\rR\nslotsTotal\x12\x1d\n\nslots_free\x18\x04 \x01(\rR\tslotsFree\x12;\n\x07\x62\x61\x63kend\x18\x05 \x01(\x0e\x32!.rollmesh.common.v1.EngineBackendR\x07\x62\x61\x63kend\x12\x14\n\x05model\x18\x06 \x01(\tR\x05model\x12#\n\rreplica_count\x18\x07 \x01(\rR\x0creplicaCount\"\xd0\x02\n\x14LaunchReplicaRequest\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\x12\x39\n\x04kind\x18\x02 \x01(\x0e\x32\x1f.rollmesh.common.v1.ReplicaKindB\x04\xe2\x41\x01\x02R\x04kind\x12,\n\x0fmemory_fraction\x18\x03 \x01(\x01H\x00R\x0ememoryFraction\x88\x01\x01\x12\x14\n\x05slots\x18\x04 \x01(\rR\x05slots\x12!\n\x0cstart_asleep\x18\x05 \x01(\x08R\x0bstartAsleep\x12%\n\x0eweight_version\x18\x06 \x01(\x03R\rweightVersion\x12\x1d\n\nrequest_id\x18\x07 \x01(\tR\trequestId\x12\x1d\n\nengine_url\x18\x08 \x01(\tR\tengineUrlB\x12\n\x10_memory_fraction\"O\n\x15LaunchReplicaResponse\x12\x36\n\x07replica\x18\x01 \x01(\x0b\x32\x1c.rollmesh.replica.v1.ReplicaR\x07replica\"z\n\x12StopReplicaRequest\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\x12/\n\x05grace\x18\x02 \x01(\x0b\x32\x19.google.protobuf.DurationR\x05grace\x12\x14\n\x05\x66orce\x18\x03 \x01(\x08R\x05\x66orce\"M\n\x13StopReplicaResponse\x12\x36\n\x07replica\x18\x01 \x01(\x0b\x32\x1c.rollmesh.replica.v1.ReplicaR\x07replica\"\x86\x01\n\x13ListReplicasRequest\x12\x35\n\x05kinds\x18\x01 \x03(\x0e\x32\x1f.rollmesh.common.v1.ReplicaKindR\x05kinds\x12\x38\n\x06states\x18\x02 \x03(\x0e\x32 .rollmesh.common.v1.ReplicaStateR\x06states\"P\n\x14ListReplicasResponse\x12\x38\n\x08replicas\x18\x01 \x03(\x0b\x32\x1c.rollmesh.replica.v1.ReplicaR\x08replicas\"2\n\x11GetReplicaRequest\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\"L\n\x12GetReplicaResponse\x12\x36\n\x07replica\x18\x01 \x01(\x0b\x32\x1c.rollmesh.replica.v1.ReplicaR\x07replica\"\xe5\x02\n\x0fGenerateRequest\x12#\n\nreplica_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02R\treplicaId\x12#\n\nrequest_id\x18\x02 \x01(\tB\x04\xe2\x41\x01\x02R\trequestId\x12.\n\x10prompt_token_ids\x18\x03 \x03(\x05\x42\x04\xe2\x41\x01\x02R\x0epromptTokenIds\x12K\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\".rollmesh.common.v1.SamplingParamsR\x0esamplingParams\x12I\n\x0fresume_segments\x18\x05 \x03(\x0b\x32 .rollmesh.common.v1.TokenSegmentR\x0eresumeSegments\x12,\n\x0fstream_interval\x18\x06 \x01(\rH\x00R\x0estreamInterval\x88\x01\x01\x42\x12\n\x10_stream_interval\"\xc7\x02\n\x10GenerateResponse\x12\x1d\n\nrequest_id\x18\x01 \x01(\tR\trequestId\x12\x1b\n\ttoken_ids\x18\x02 \x03(\x05R\x08tokenIds\x12\x1a\n\x08logprobs\x18\x03 \x03(\x02R\x08logprobs\x12%\n\x0eweight_version\x18\x04 \x01(\x03R\rweightVersion\x12\x45\n\rfinish_reason\x18\x05 \x01(\x0e\x32 .rollmesh.common.v1.FinishReasonR\x0c\x66inishReason\x12/\n\x05usage\x18\x06 \x01(\x0b\x32\x19.rollmesh.common.v1.UsageR\x05usage\x12<\n\x08segments\x18\x07 \x03(\x0b\x32 .rollmesh.common.v1.TokenSegmentR\x08segments\"h\n\x14\x41\x62ortRequestsRequest\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\x12\x1f\n\x0brequest_ids\x18\x02 \x03(\tR\nrequestIds\x12\x10\n\x03\x61ll\x18\x03 \x01(\x08R\x03\x61ll\"G\n\x15\x41\x62ortRequestsResponse\x12.\n\x13\x61\x62orted_request_ids\x18\x01 \x03(\tR\x11\x61\x62ortedRequestIds\"\xa2\x01\n\x16PauseGenerationRequest\x12\x1f\n\x0breplica_ids\x18\x01 \x03(\tR\nreplicaIds\x12\x32\n\x04mode\x18\x02 \x01(\x0e\x32\x1e.rollmesh.replica.v1.PauseModeR\x04mode\x12\x33\n\x07timeout\x18\x03 \x01(\x0b\x32\x19.google.protobuf.DurationR\x07timeout\"\x83\x01\n\x17PauseGenerationResponse\x12\x38\n\x08replicas\x18\x01 \x03(\x0b\x32\x1c.rollmesh.replica.v1.ReplicaR\x08replicas\x12.\n\x13\x61\x62orted_request_ids\x18\x02 \x03(\tR\x11\x61\x62ortedRequestIds\":\n\x17ResumeGenerationRequest\x12\x1f\n\x0breplica_ids\x18\x01 \x03(\tR\nreplicaIds\"T\n\x18ResumeGenerationResponse\x12\x38\n\x08replicas\x18\x01 \x03(\x0b\x32\x1c.rollmesh.replica.v1.ReplicaR\x08replicas\"\x97\x01\n\x0cSleepRequest\x12#\n\nreplica_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02R\treplicaId\x12:\n\x05level\x18\x02 \x01(\x0e\x32\x1e.rollmesh.common.v1.SleepLevelB\x04\xe2\x41\x01\x02R\x05level\x12&\n\x0f\x61\x62ort_in_flight\x18\x03 \x01(\x08R\rabortInFlight\"h\n\rSleepResponse\x12\x1f\n\x0b\x66reed_bytes\x18\x01 \x01(\x04R\nfreedBytes\x12\x36\n\x07replica\x18\x02 \x01(\x0b\x32\x1c.rollmesh.replica.v1.ReplicaR\x07replica\"\x8c\x01\n\rWakeUpRequest\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\x12/\n\x04tags\x18\x02 \x03(\x0e\x32\x1b.rollmesh.common.v1.WakeTagR\x04tags\x12+\n\x11resume_generation\x18\x03 \x01(\x08R\x10resumeGeneration\"H\n\x0eWakeUpResponse\x12\x36\n\x07replica\x18\x01 \x01(\x0b\x32\x1c.rollmesh.replica.v1.ReplicaR\x07replica\"\x98\x01\n\x15ReceiveWeightsRequest\x12\x1f\n\x0breplica_ids\x18\x01 \x03(\tR\nreplicaIds\x12\x36\n\x04plan\x18\x02 \x01(\x0b\x32\".rollmesh.common.v1.WeightSyncPlanR\x04plan\x12&\n\x0f\x61\x62ort_in_flight\x18\x03 \x01(\x08R\rabortInFlight\"\x80\x02\n\x14ReplicaWeightsResult\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\x12%\n\x0eweight_version\x18\x02 \x01(\x03R\rweightVersion\x12\x1f\n\x0b\x63hecksum_ok\x18\x03 \x01(\x08R\nchecksumOk\x12%\n\x0e\x62ytes_received\x18\x04 \x01(\x04R\rbytesReceived\x12\x35\n\x08\x64uration\x18\x05 \x01(\x0b\x32\x19.google.protobuf.DurationR\x08\x64uration\x12#\n\rerror_message\x18\x06 \x01(\tR\x0c\x65rrorMessage\"]\n\x16ReceiveWeightsResponse\x12\x43\n\x07results\x18\x01 \x03(\x0b\x32).rollmesh.replica.v1.ReplicaWeightsResultR\x07results\"\xf8\x01\n\x18PrepareWeightSyncRequest\x12#\n\nreplica_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02R\treplicaId\x12%\n\x0eweight_version\x18\x02 \x01(\x03R\rweightVersion\x12/\n\x11\x62ucket_size_bytes\x18\x03 \x01(\x04H\x00R\x0f\x62ucketSizeBytes\x88\x01\x01\x12\x32\n\x12\x63hecksum_algorithm\x18\x04 \x01(\tH\x01R\x11\x63hecksumAlgorithm\x88\x01\x01\x42\x14\n\x12_bucket_size_bytesB\x15\n\x13_checksum_algorithm\"\xec\x01\n\x19PrepareWeightSyncResponse\x12%\n\x0eweight_version\x18\x01 \x01(\x03R\rweightVersion\x12>\n\x08manifest\x18\x02 \x01(\x0b\x32\".rollmesh.common.v1.WeightManifestR\x08manifest\x12\'\n\x0frendezvous_host\x18\x03 \x01(\tR\x0erendezvousHost\x12\'\n\x0frendezvous_port\x18\x04 \x01(\rR\x0erendezvousPort\x12\x16\n\x06source\x18\x05 \x01(\tR\x06source\"k\n\x12SendWeightsRequest\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\x12\x36\n\x04plan\x18\x02 \x01(\x0b\x32\".rollmesh.common.v1.WeightSyncPlanR\x04plan\"\xae\x01\n\x13SendWeightsResponse\x12\x1d\n\nbytes_sent\x18\x01 \x01(\x04R\tbytesSent\x12\x35\n\x08\x64uration\x18\x02 \x01(\x0b\x32\x19.google.protobuf.DurationR\x08\x64uration\x12\x1a\n\x08\x63hecksum\x18\x03 \x01(\tR\x08\x63hecksum\x12%\n\x0eweight_version\x18\x04 \x01(\x03R\rweightVersion\"8\n\x15GetLoadReportsRequest\x12\x1f\n\x0breplica_ids\x18\x01 \x03(\tR\nreplicaIds\"R\n\x16GetLoadReportsResponse\x12\x38\n\x07reports\x18\x01 \x03(\x0b\x32\x1e.rollmesh.common.v1.LoadReportR\x07reports2\xf0\x0b\n\x13ReplicaAgentService\x12Z\n\tGetStatus\x12%.rollmesh.replica.v1.GetStatusRequest\x1a&.rollmesh.replica.v1.GetStatusResponse\x12\x66\n\rLaunchReplica\x12).rollmesh.replica.v1.LaunchReplicaRequest\x1a*.rollmesh.replica.v1.LaunchReplicaResponse\x12`\n\x0bStopReplica\x12\'.rollmesh.replica.v1.StopReplicaRequest\x1a(.rollmesh.replica.v1.StopReplicaResponse\x12\x63\n\x0cListReplicas\x12(.rollmesh.replica.v1.ListReplicasRequest\x1a).rollmesh.replica.v1.ListReplicasResponse\x12]\n\nGetReplica\x12&.rollmesh.replica.v1.GetReplicaRequest\x1a\'.rollmesh.replica.v1.GetReplicaResponse\x12Y\n\x08Generate\x12$.rollmesh.replica.v1.GenerateRequest\x1a%.rollmesh.replica.v1.GenerateResponse0\x01\x12\x66\n\rAbortRequests\x12).rollmesh.replica.v1.AbortRequestsRequest\x1a*.rollmesh.replica.v1.AbortRequestsResponse\x12l\n\x0fPauseGeneration\x12+.rollmesh.replica.v1.PauseGenerationRequest\x1a,.rollmesh.replica.v1.PauseGenerationResponse\x12o\n\x10ResumeGeneration\x12,.rollmesh.replica.v1.ResumeGenerationRequest\x1a-.rollmesh.replica.v1.ResumeGenerationResponse\x12N\n\x05Sleep\x12!.rollmesh.replica.v1.SleepRequest\x1a\".rollmesh.replica.v1.SleepResponse\x12Q\n\x06WakeUp\x12\".rollmesh.replica.v1.WakeUpRequest\x1a#.rollmesh.replica.v1.WakeUpResponse\x12i\n\x0eReceiveWeights\x12*.rollmesh.replica.v1.ReceiveWeightsRequest\x1a+.rollmesh.replica.v1.ReceiveWeightsResponse\x12r\n\x11PrepareWeightSync\x12-.rollmesh.replica.v1.PrepareWeightSyncRequest\x1a..rollmesh.replica.v1.PrepareWeightSyncResponse\x12`\n\x0bSendWeights\x12\'.rollmesh.replica.v1.SendWeightsRequest\x1a(.rollmesh.replica.v1.SendWeightsResponse\x12i\n\x0eGetLoadReports\x12*.rollmesh.replica.v1.GetLoadReportsRequest\x1a+.rollmesh.replica.v1.GetLoadReportsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rollmesh.replica.v1.replica_agent_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GETSTATUSREQUEST']._serialized_start=298
-  _globals['_GETSTATUSREQUEST']._serialized_end=316
-  _globals['_GETSTATUSRESPONSE']._serialized_start=319
-  _globals['_GETSTATUSRESPONSE']._serialized_end=605
-  _globals['_LAUNCHREPLICAREQUEST']._serialized_start=608
-  _globals['_LAUNCHREPLICAREQUEST']._serialized_end=938
-  _globals['_LAUNCHREPLICARESPONSE']._serialized_start=940
-  _globals['_LAUNCHREPLICARESPONSE']._serialized_end=1019
-  _globals['_STOPREPLICAREQUEST']._serialized_start=1021
-  _globals['_STOPREPLICAREQUEST']._serialized_end=1143
-  _globals['_STOPREPLICARESPONSE']._serialized_start=1145
-  _globals['_STOPREPLICARESPONSE']._serialized_end=1222
-  _globals['_LISTREPLICASREQUEST']._serialized_start=1225
-  _globals['_LISTREPLICASREQUEST']._serialized_end=1359
-  _globals['_LISTREPLICASRESPONSE']._serialized_start=1361
-  _globals['_LISTREPLICASRESPONSE']._serialized_end=1441
-  _globals['_GETREPLICAREQUEST']._serialized_start=1443
-  _globals['_GETREPLICAREQUEST']._serialized_end=1493
-  _globals['_GETREPLICARESPONSE']._serialized_start=1495
-  _globals['_GETREPLICARESPONSE']._serialized_end=1571
-  _globals['_GENERATEREQUEST']._serialized_start=1574
-  _globals['_GENERATEREQUEST']._serialized_end=1913
-  _globals['_GENERATERESPONSE']._serialized_start=1916
-  _globals['_GENERATERESPONSE']._serialized_end=2243
-  _globals['_ABORTREQUESTSREQUEST']._serialized_start=2245
-  _globals['_ABORTREQUESTSREQUEST']._serialized_end=2349
-  _globals['_ABORTREQUESTSRESPONSE']._serialized_start=2351
-  _globals['_ABORTREQUESTSRESPONSE']._serialized_end=2422
-  _globals['_PAUSEGENERATIONREQUEST']._serialized_start=2425
-  _globals['_PAUSEGENERATIONREQUEST']._serialized_end=2587
-  _globals['_PAUSEGENERATIONRESPONSE']._serialized_start=2590
-  _globals['_PAUSEGENERATIONRESPONSE']._serialized_end=2721
-  _globals['_RESUMEGENERATIONREQUEST']._serialized_start=2723
-  _globals['_RESUMEGENERATIONREQUEST']._serialized_end=2781
-  _globals['_RESUMEGENERATIONRESPONSE']._serialized_start=2783
-  _globals['_RESUMEGENERATIONRESPONSE']._serialized_end=2867
-  _globals['_SLEEPREQUEST']._serialized_start=2870
-  _globals['_SLEEPREQUEST']._serialized_end=3009
-  _globals['_SLEEPRESPONSE']._serialized_start=3011
-  _globals['_SLEEPRESPONSE']._serialized_end=3115
-  _globals['_WAKEUPREQUEST']._serialized_start=3118
-  _globals['_WAKEUPREQUEST']._serialized_end=3258
-  _globals['_WAKEUPRESPONSE']._serialized_start=3260
-  _globals['_WAKEUPRESPONSE']._serialized_end=3332
-  _globals['_RECEIVEWEIGHTSREQUEST']._serialized_start=3335
-  _globals['_RECEIVEWEIGHTSREQUEST']._serialized_end=3487
-  _globals['_REPLICAWEIGHTSRESULT']._serialized_start=3490
-  _globals['_REPLICAWEIGHTSRESULT']._serialized_end=3746
-  _globals['_RECEIVEWEIGHTSRESPONSE']._serialized_start=3748
-  _globals['_RECEIVEWEIGHTSRESPONSE']._serialized_end=3841
-  _globals['_PREPAREWEIGHTSYNCREQUEST']._serialized_start=3844
-  _globals['_PREPAREWEIGHTSYNCREQUEST']._serialized_end=4086
-  _globals['_PREPAREWEIGHTSYNCRESPONSE']._serialized_start=4089
-  _globals['_PREPAREWEIGHTSYNCRESPONSE']._serialized_end=4325
-  _globals['_SENDWEIGHTSREQUEST']._serialized_start=4327
-  _globals['_SENDWEIGHTSREQUEST']._serialized_end=4434
-  _globals['_SENDWEIGHTSRESPONSE']._serialized_start=4437
-  _globals['_SENDWEIGHTSRESPONSE']._serialized_end=4611
-  _globals['_GETLOADREPORTSREQUEST']._serialized_start=4613
-  _globals['_GETLOADREPORTSREQUEST']._serialized_end=4669
-  _globals['_GETLOADREPORTSRESPONSE']._serialized_start=4671
-  _globals['_GETLOADREPORTSRESPONSE']._serialized_end=4753
-  _globals['_REPLICAAGENTSERVICE']._serialized_start=4756
-  _globals['_REPLICAAGENTSERVICE']._serialized_end=6276
+  _globals['_LAUNCHREPLICAREQUEST'].fields_by_name['kind']._loaded_options = None
+  _globals['_LAUNCHREPLICAREQUEST'].fields_by_name['kind']._serialized_options = b'\342A\001\002'
+  _globals['_GENERATEREQUEST'].fields_by_name['replica_id']._loaded_options = None
+  _globals['_GENERATEREQUEST'].fields_by_name['replica_id']._serialized_options = b'\342A\001\002'
+  _globals['_GENERATEREQUEST'].fields_by_name['request_id']._loaded_options = None
+  _globals['_GENERATEREQUEST'].fields_by_name['request_id']._serialized_options = b'\342A\001\002'
+  _globals['_GENERATEREQUEST'].fields_by_name['prompt_token_ids']._loaded_options = None
+  _globals['_GENERATEREQUEST'].fields_by_name['prompt_token_ids']._serialized_options = b'\342A\001\002'
+  _globals['_SLEEPREQUEST'].fields_by_name['replica_id']._loaded_options = None
+  _globals['_SLEEPREQUEST'].fields_by_name['replica_id']._serialized_options = b'\342A\001\002'
+  _globals['_SLEEPREQUEST'].fields_by_name['level']._loaded_options = None
+  _globals['_SLEEPREQUEST'].fields_by_name['level']._serialized_options = b'\342A\001\002'
+  _globals['_PREPAREWEIGHTSYNCREQUEST'].fields_by_name['replica_id']._loaded_options = None
+  _globals['_PREPAREWEIGHTSYNCREQUEST'].fields_by_name['replica_id']._serialized_options = b'\342A\001\002'
+  _globals['_GETSTATUSREQUEST']._serialized_start=331
+  _globals['_GETSTATUSREQUEST']._serialized_end=349
+  _globals['_GETSTATUSRESPONSE']._serialized_start=352
+  _globals['_GETSTATUSRESPONSE']._serialized_end=638
+  _globals['_LAUNCHREPLICAREQUEST']._serialized_start=641
+  _globals['_LAUNCHREPLICAREQUEST']._serialized_end=977
+  _globals['_LAUNCHREPLICARESPONSE']._serialized_start=979
+  _globals['_LAUNCHREPLICARESPONSE']._serialized_end=1058
+  _globals['_STOPREPLICAREQUEST']._serialized_start=1060
+  _globals['_STOPREPLICAREQUEST']._serialized_end=1182
+  _globals['_STOPREPLICARESPONSE']._serialized_start=1184
+  _globals['_STOPREPLICARESPONSE']._serialized_end=1261
+  _globals['_LISTREPLICASREQUEST']._serialized_start=1264
+  _globals['_LISTREPLICASREQUEST']._serialized_end=1398
+  _globals['_LISTREPLICASRESPONSE']._serialized_start=1400
+  _globals['_LISTREPLICASRESPONSE']._serialized_end=1480
+  _globals['_GETREPLICAREQUEST']._serialized_start=1482
+  _globals['_GETREPLICAREQUEST']._serialized_end=1532
+  _globals['_GETREPLICARESPONSE']._serialized_start=1534
+  _globals['_GETREPLICARESPONSE']._serialized_end=1610
+  _globals['_GENERATEREQUEST']._serialized_start=1613
+  _globals['_GENERATEREQUEST']._serialized_end=1970
+  _globals['_GENERATERESPONSE']._serialized_start=1973
+  _globals['_GENERATERESPONSE']._serialized_end=2300
+  _globals['_ABORTREQUESTSREQUEST']._serialized_start=2302
+  _globals['_ABORTREQUESTSREQUEST']._serialized_end=2406
+  _globals['_ABORTREQUESTSRESPONSE']._serialized_start=2408
+  _globals['_ABORTREQUESTSRESPONSE']._serialized_end=2479
+  _globals['_PAUSEGENERATIONREQUEST']._serialized_start=2482
+  _globals['_PAUSEGENERATIONREQUEST']._serialized_end=2644
+  _globals['_PAUSEGENERATIONRESPONSE']._serialized_start=2647
+  _globals['_PAUSEGENERATIONRESPONSE']._serialized_end=2778
+  _globals['_RESUMEGENERATIONREQUEST']._serialized_start=2780
+  _globals['_RESUMEGENERATIONREQUEST']._serialized_end=2838
+  _globals['_RESUMEGENERATIONRESPONSE']._serialized_start=2840
+  _globals['_RESUMEGENERATIONRESPONSE']._serialized_end=2924
+  _globals['_SLEEPREQUEST']._serialized_start=2927
+  _globals['_SLEEPREQUEST']._serialized_end=3078
+  _globals['_SLEEPRESPONSE']._serialized_start=3080
+  _globals['_SLEEPRESPONSE']._serialized_end=3184
+  _globals['_WAKEUPREQUEST']._serialized_start=3187
+  _globals['_WAKEUPREQUEST']._serialized_end=3327
+  _globals['_WAKEUPRESPONSE']._serialized_start=3329
+  _globals['_WAKEUPRESPONSE']._serialized_end=3401
+  _globals['_RECEIVEWEIGHTSREQUEST']._serialized_start=3404
+  _globals['_RECEIVEWEIGHTSREQUEST']._serialized_end=3556
+  _globals['_REPLICAWEIGHTSRESULT']._serialized_start=3559
+  _globals['_REPLICAWEIGHTSRESULT']._serialized_end=3815
+  _globals['_RECEIVEWEIGHTSRESPONSE']._serialized_start=3817
+  _globals['_RECEIVEWEIGHTSRESPONSE']._serialized_end=3910
+  _globals['_PREPAREWEIGHTSYNCREQUEST']._serialized_start=3913
+  _globals['_PREPAREWEIGHTSYNCREQUEST']._serialized_end=4161
+  _globals['_PREPAREWEIGHTSYNCRESPONSE']._serialized_start=4164
+  _globals['_PREPAREWEIGHTSYNCRESPONSE']._serialized_end=4400
+  _globals['_SENDWEIGHTSREQUEST']._serialized_start=4402
+  _globals['_SENDWEIGHTSREQUEST']._serialized_end=4509
+  _globals['_SENDWEIGHTSRESPONSE']._serialized_start=4512
+  _globals['_SENDWEIGHTSRESPONSE']._serialized_end=4686
+  _globals['_GETLOADREPORTSREQUEST']._serialized_start=4688
+  _globals['_GETLOADREPORTSREQUEST']._serialized_end=4744
+  _globals['_GETLOADREPORTSRESPONSE']._serialized_start=4746
+  _globals['_GETLOADREPORTSRESPONSE']._serialized_end=4828
+  _globals['_REPLICAAGENTSERVICE']._serialized_start=4831
+  _globals['_REPLICAAGENTSERVICE']._serialized_end=6351
 # @@protoc_insertion_point(module_scope)

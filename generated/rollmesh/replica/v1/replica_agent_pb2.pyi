@@ -1,5 +1,6 @@
 import datetime
 
+from google.api import field_behavior_pb2 as _field_behavior_pb2
 from google.protobuf import duration_pb2 as _duration_pb2
 from rollmesh.common.v1 import generation_pb2 as _generation_pb2
 from rollmesh.common.v1 import load_pb2 as _load_pb2
