@@ -12,7 +12,7 @@ from mesh_runtime.errors import FailedPrecondition, InvalidArgument
 from mesh_runtime.reasons import Reason
 from rollmesh.controller.v1 import autoscaler_pb2, scaling_pb2
 
-from .. import convert
+from .. import convert, pages
 from . import convert as convert_scaling
 from ..auth import require_scale_credential
 from .autoscaler_loop import MODEL
@@ -22,6 +22,11 @@ _POLICY_VALUES = set(convert_scaling.POLICY_NAMES) | {scaling_pb2.PARTIAL_SUCCES
 
 def _timeout(request) -> float | None:
     return convert.seconds(request.timeout) if request.HasField("timeout") else None
+
+
+def _newest_first(op) -> str:
+    """A key that sorts operations newest first, ties by id: the order of ListOperations and its page tokens."""
+    return f"{2**62 - int(op.created_at * 1e6):020d}|{op.operation_id}"
 
 
 def _states(values) -> set:
@@ -71,8 +76,14 @@ class ScalingRpcs:
             types = {convert_scaling.type_from_proto(t) for t in request.types if t}
         except ValueError:
             raise InvalidArgument(f"unknown operation type in {list(request.types)}", reason=Reason.INVALID_TYPE) from None
-        ops = self.mesh.scaler.book.list(states=_states(request.states), types=types, model_name=request.model_name)
-        return scaling_pb2.ListOperationsResponse(operations=[convert_scaling.operation(o) for o in ops])
+        states = _states(request.states)
+        ops = self.mesh.scaler.book.list(states=states, types=types, model_name=request.model_name)
+        chosen, token = pages.page(sorted(ops, key=_newest_first), key=_newest_first, page_size=request.page_size,
+                                   page_token=request.page_token,
+                                   filters=(sorted(s.value for s in states), sorted(t.value for t in types),
+                                            request.model_name))
+        return scaling_pb2.ListOperationsResponse(
+            operations=await pages.convert_all(chosen, convert_scaling.operation), next_page_token=token)
 
     async def CancelOperation(self, request, context):  # noqa: N802
         require_scale_credential(context, self.config, "CancelOperation")

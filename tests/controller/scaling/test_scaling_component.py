@@ -278,3 +278,30 @@ async def test_no_free_slots_stays_small_on_a_500_node_fleet(tmp_path):
     finally:
         await channel.close()
         await server.stop(0)
+
+
+async def test_operations_are_listed_in_pages_newest_first(tmp_path):
+    server, channel, stub = await start(tmp_path)
+    try:
+        await register(stub, "n", 6, [("n-0", True), ("n-1", True), ("n-2", False), ("n-3", False)])
+        made = [(await stub.ScaleOut(scaling_pb2.ScaleOutRequest(num_replicas=4))).operation.operation_id
+                for _ in range(5)]   # NOOPs: already 4 serving
+        everything = [o.operation_id for o in (await stub.ListOperations(scaling_pb2.ListOperationsRequest())).operations]
+        assert sorted(everything) == sorted(made) and everything[0] == made[-1]   # newest first
+        seen, token, pages = [], "", 0
+        while True:
+            reply = await stub.ListOperations(scaling_pb2.ListOperationsRequest(page_size=2, page_token=token))
+            seen += [o.operation_id for o in reply.operations]
+            pages, token = pages + 1, reply.next_page_token
+            if not token:
+                break
+        assert seen == everything and pages == 3
+        first = await stub.ListOperations(scaling_pb2.ListOperationsRequest(page_size=2))
+        await expect(stub.ListOperations(scaling_pb2.ListOperationsRequest(
+            page_size=2, page_token=first.next_page_token, types=[scaling_pb2.OPERATION_TYPE_SCALE_IN])),
+            grpc.StatusCode.INVALID_ARGUMENT, "other filters", "INVALID_PAGE_TOKEN")
+        await expect(stub.ListOperations(scaling_pb2.ListOperationsRequest(page_size=-1)),
+                     grpc.StatusCode.INVALID_ARGUMENT, "page_size", "INVALID_PAGE_SIZE")
+    finally:
+        await channel.close()
+        await server.stop(0)

@@ -182,20 +182,26 @@ class GetOperationResponse(_message.Message):
     def __init__(self, operation: _Optional[_Union[ScaleOperation, _Mapping]] = ...) -> None: ...
 
 class ListOperationsRequest(_message.Message):
-    __slots__ = ("states", "model_name", "types")
+    __slots__ = ("states", "model_name", "types", "page_size", "page_token")
     STATES_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     TYPES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     states: _containers.RepeatedScalarFieldContainer[OperationState]
     model_name: str
     types: _containers.RepeatedScalarFieldContainer[OperationType]
-    def __init__(self, states: _Optional[_Iterable[_Union[OperationState, str]]] = ..., model_name: _Optional[str] = ..., types: _Optional[_Iterable[_Union[OperationType, str]]] = ...) -> None: ...
+    page_size: int
+    page_token: str
+    def __init__(self, states: _Optional[_Iterable[_Union[OperationState, str]]] = ..., model_name: _Optional[str] = ..., types: _Optional[_Iterable[_Union[OperationType, str]]] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListOperationsResponse(_message.Message):
-    __slots__ = ("operations",)
+    __slots__ = ("operations", "next_page_token")
     OPERATIONS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     operations: _containers.RepeatedCompositeFieldContainer[ScaleOperation]
-    def __init__(self, operations: _Optional[_Iterable[_Union[ScaleOperation, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, operations: _Optional[_Iterable[_Union[ScaleOperation, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class CancelOperationRequest(_message.Message):
     __slots__ = ("operation_id",)
