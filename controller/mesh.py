@@ -23,6 +23,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
 from mesh_runtime import tracing
+from mesh_runtime.errors import FailedPrecondition
 from mesh_runtime.reasons import Reason
 from rollmesh.common.v1 import types_pb2
 
@@ -31,8 +32,10 @@ from .core.admission import Admission
 from .core.events import EventLog, EventType, log_event
 from .core.hybrid import DynamicResourceController
 from .core.metrics import CycleMetrics
+from .core.ports import WeightSyncOutcome
 from .core.records import TERMINAL_STATES, ReplicaKind, ReplicaState
 from .core.replicas import ReplicaRegistry
+from .core.steps import StepReport
 from .ports import AgentReplicas, Channels, LoadBalancerRouting
 from .weight_sync import WeightBroadcast
 from .store import StateStore
@@ -89,7 +92,7 @@ class Mesh:
                                     max_required_samples=config.max_required_samples)
         self.scheduler = DynamicResourceController(
             sched, registry=self.registry, routing=self.routing, replicas=self.replica_port, weights=self.weights,
-            clock=self.clock, emit=self.emit, tracer=self._span, metrics=self.metrics)
+            clock=self.clock, emit=self.emit, tracer=self.span, metrics=self.metrics)
         events_counter = lambda: self.events.state_dict(include_events=False)  # noqa: E731
         for key, source in {"events": events_counter, "scheduler": self.scheduler.state_dict,
                             "metrics": self.metrics.state_dict}.items():
@@ -157,11 +160,67 @@ class Mesh:
         return event
 
     @contextlib.contextmanager
-    def _span(self, name: str, **attributes: Any):
+    def span(self, name: str, **attributes: Any):
         attrs = {f"rollmesh.{k}": (list(v) if isinstance(v, (list, tuple)) else v)
                  for k, v in attributes.items() if v is not None}
         with self.tracer.start_as_current_span(name, attributes=attrs) as span:
             yield span
+
+    # ------------------------------------------------ step protocol, weights
+    async def begin_step(self, global_step: int, report: StepReport) -> Any:
+        decision = await self.scheduler.begin_step(global_step, report)
+        await self.commit()   # durable before acknowledged
+        return decision
+
+    async def release_hybrid(self, global_step: int, buffered_samples: int, waited_s: float,
+                             wait_expired: bool) -> Any:
+        async with self.transitions:  # never interleaved with a scale operation
+            result = await self.scheduler.release_hybrid(global_step, buffered_samples, waited_s, wait_expired)
+        await self.commit()
+        return result
+
+    async def complete_step(self, global_step: int, weight_version: int, report: StepReport) -> Any:
+        async with self.transitions:  # never interleaved with a scale operation
+            result = await self.scheduler.complete_step(global_step, weight_version, report)
+        await self.commit()
+        return result
+
+    async def sync_weights(self, replica_ids: list[str], version: int | None, *,
+                           timeout_s: float | None) -> WeightSyncOutcome:
+        """A requested weight sync (SyncWeights): ``version`` (None: the trainer's current one) to the named
+        replicas, or to every serving one (hybrid replicas while they are active). A replica that does not
+        take it leaves routing until it holds the current version."""
+        if replica_ids:
+            cannot = [f"{r} ({self.registry.get(r).state.value})" for r in replica_ids
+                      if self.registry.get(r).state not in (ReplicaState.ACTIVE, ReplicaState.PAUSED,
+                                                            ReplicaState.SLEEPING)]
+            if cannot:
+                raise FailedPrecondition(f"only ACTIVE, PAUSED or SLEEPING replicas can receive weights: "
+                                         f"{', '.join(cannot)}", reason=Reason.WRONG_REPLICA_STATE)
+            targets = list(replica_ids)
+        else:
+            targets = [r.replica_id for r in self.registry.replicas(states=[ReplicaState.ACTIVE, ReplicaState.PAUSED])
+                       if r.kind is ReplicaKind.STANDALONE or self.scheduler.is_hybrid_active]
+        if version is None:
+            version = self.scheduler.weight_version or 0
+        self.emit(EventType.WEIGHT_SYNC_STARTED, weight_version=version, reason="SyncWeights",
+                  attributes={"replicas": len(targets)})
+        async with self.transitions:
+            with self.span("weights.broadcast", weight_version=version, replica_ids=targets):
+                outcome = await self.weights.sync(targets, version, timeout_s=timeout_s)
+        failed = outcome.failed
+        for result in outcome.replica_results:
+            if result.ok:
+                self.registry.set_weight_version(result.replica_id, version)
+        if failed:
+            await self.routing.remove_replicas(list(failed))
+            for replica_id, why in failed.items():
+                self.emit(EventType.WEIGHT_SYNC_FAILED, replica_id=replica_id, weight_version=version,
+                          reason=f"{why}; removed from routing until it holds the current version")
+        self.emit(EventType.WEIGHT_SYNC_COMPLETED, weight_version=version, reason="SyncWeights",
+                  attributes={"ok": len(targets) - len(failed), "failed": len(failed), "bytes_sent": outcome.bytes_sent})
+        await self.commit()
+        return outcome
 
     # ----------------------------------------------------------- registration
     async def register_node(self, request) -> Any:
@@ -186,7 +245,7 @@ class Mesh:
                     raise _invalid(f"{where}.slots: slot {slot} does not exist on a node with slots_total "
                                    f"{request.slots_total} (slots are 0..{request.slots_total - 1})")
         specs = convert.replica_specs(request)
-        with self._span("registry.register_node", node_id=request.node_id, replicas=len(specs)):
+        with self.span("registry.register_node", node_id=request.node_id, replicas=len(specs)):
             registration = self.registry.register_node(
                 request.node_id, request.address, replicas=specs, slots_total=request.slots_total,
                 backend=convert.types_pb2.EngineBackend.Name(request.backend), model=request.model,

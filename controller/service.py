@@ -6,7 +6,7 @@ import logging
 
 from opentelemetry.sdk.trace import TracerProvider
 
-from mesh_runtime.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from mesh_runtime.errors import DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted
 from mesh_runtime.metrics import LoopStallMonitor, ServerMetrics
 from mesh_runtime.reasons import Reason
 from mesh_runtime.server import MeshServer
@@ -20,7 +20,7 @@ from . import convert, pages
 from .auth import has_scale_token, require_own_node
 from .config import ControllerConfig
 from .core.events import EventType
-from .core.records import ReplicaKind, ReplicaState
+from .core.records import ReplicaState
 from .mesh import Mesh
 from .peers import Peers
 from .prometheus import ControllerMetrics
@@ -152,29 +152,23 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
 
     # ------------------------------------------------------------ scheduling
     async def BeginTrainingStep(self, request, context):  # noqa: N802
-        decision = await self.mesh.scheduler.begin_step(request.global_step, convert.step_report(request.report))
-        await self.mesh.commit()   # durable before acknowledged
+        decision = await self.mesh.begin_step(request.global_step, convert.step_report(request.report))
         return convert.begin_response(decision)
 
     async def ReleaseHybridReplicas(self, request, context):  # noqa: N802
-        async with self.mesh.transitions:  # never interleaved with a scale operation
-            result = await self.mesh.scheduler.release_hybrid(request.global_step, request.buffered_samples,
-                                                              convert.seconds(request.waited), request.wait_expired)
-        await self.mesh.commit()
+        result = await self.mesh.release_hybrid(request.global_step, request.buffered_samples,
+                                                convert.seconds(request.waited), request.wait_expired)
         return convert.release_response(result)
 
     async def CompleteTrainingStep(self, request, context):  # noqa: N802
-        async with self.mesh.transitions:  # never interleaved with a scale operation
-            result = await self.mesh.scheduler.complete_step(request.global_step, request.weight_version,
-                                                             convert.step_report(request.report))
-        await self.mesh.commit()
+        result = await self.mesh.complete_step(request.global_step, request.weight_version,
+                                               convert.step_report(request.report))
         return convert.complete_response(result)
 
     async def GetSchedulerState(self, request, context):  # noqa: N802
         return convert.scheduler_state(self.mesh.scheduler.scheduler_state())
 
     async def SyncWeights(self, request, context):  # noqa: N802
-        registry = self.mesh.registry
         if request.HasField("weight_version") and request.weight_version < 0:
             raise InvalidArgument(f"weight_version must be >= 0, got {request.weight_version}",
                                   reason=Reason.INVALID_WEIGHT_VERSION)
@@ -185,36 +179,9 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
                 raise InvalidArgument(f"timeout must be positive, got {timeout_s:g} s", reason=Reason.INVALID_TIMEOUT)
         if len(set(request.replica_ids)) != len(request.replica_ids):
             raise InvalidArgument("replica_ids lists a replica more than once", reason=Reason.DUPLICATE_REPLICA)
-        if request.replica_ids:
-            targets = [registry.get(r).replica_id for r in request.replica_ids]
-            cannot = [f"{r} ({registry.get(r).state.value})" for r in targets
-                      if registry.get(r).state not in (S.ACTIVE, S.PAUSED, S.SLEEPING)]
-            if cannot:
-                raise FailedPrecondition(f"only ACTIVE, PAUSED or SLEEPING replicas can receive weights: "
-                                         f"{', '.join(cannot)}", reason=Reason.WRONG_REPLICA_STATE)
-        else:
-            targets = [r.replica_id for r in registry.replicas(states=[S.ACTIVE, S.PAUSED])
-                       if r.kind is ReplicaKind.STANDALONE or self.mesh.scheduler.is_hybrid_active]
-        version = request.weight_version if request.HasField("weight_version") else \
-            (self.mesh.scheduler.weight_version or 0)
-        self.mesh.emit(EventType.WEIGHT_SYNC_STARTED, weight_version=version, reason="SyncWeights",
-                       attributes={"replicas": len(targets)})
-        async with self.mesh.transitions:
-            with self.mesh._span("weights.broadcast", weight_version=version, replica_ids=targets):
-                outcome = await self.mesh.weights.sync(targets, version, timeout_s=timeout_s)
-        failed = outcome.failed
-        for result in outcome.replica_results:
-            if result.ok:
-                registry.set_weight_version(result.replica_id, version)
-        if failed:
-            await self.mesh.routing.remove_replicas(list(failed))
-            for replica_id, why in failed.items():
-                self.mesh.emit(EventType.WEIGHT_SYNC_FAILED, replica_id=replica_id, weight_version=version,
-                               reason=f"{why}; removed from routing until it holds the current version")
-        self.mesh.emit(EventType.WEIGHT_SYNC_COMPLETED, weight_version=version, reason="SyncWeights",
-                       attributes={"ok": len(targets) - len(failed), "failed": len(failed),
-                                   "bytes_sent": outcome.bytes_sent})
-        await self.mesh.commit()
+        outcome = await self.mesh.sync_weights(
+            list(request.replica_ids), request.weight_version if request.HasField("weight_version") else None,
+            timeout_s=timeout_s)
         return weight_sync_pb2.SyncWeightsResponse(result=convert.sync_result(outcome))
 
     # -------------------------------------------------------- events/metrics

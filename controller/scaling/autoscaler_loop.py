@@ -128,7 +128,7 @@ class AutoscalerLoop:
         scaler = self.mesh.scaler
         running = scaler.book.running() is not None or bool(self.pending)
         engines = self.engines()
-        with self.mesh._span("autoscaler.decide", engines=engines) as span:
+        with self.mesh.span("autoscaler.decide", engines=engines) as span:
             decision = self._active.evaluate(now, running, current_engines=engines)
             self.decided_at = now
             if span is not None:

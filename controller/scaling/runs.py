@@ -60,7 +60,7 @@ async def _gather(items, one) -> dict[str, str]:
 
 # ------------------------------------------------------------------ scale-out
 async def run_out(s, op, placements: list[str]) -> None:
-    with s.mesh._span("scale.out", operation_id=op.operation_id, model_name=op.model_name,
+    with s.mesh.span("scale.out", operation_id=op.operation_id, model_name=op.model_name,
                       target=op.num_replicas, addresses=op.engine_addresses):
         if op.engine_addresses:
             failed = await _connect(s, op)
@@ -85,7 +85,7 @@ async def _create(s, op, placements: list[str]) -> dict[str, str]:
 
     async def launch(replica_id: str) -> None:
         record = registry.get(replica_id)
-        with s.mesh._span("replica.launch", replica_id=replica_id, node_id=record.node_id):
+        with s.mesh.span("replica.launch", replica_id=replica_id, node_id=record.node_id):
             replica = await s.calls.launch(record.address, replica_id, slots=per, timeout_s=op.timeout_s,
                                            request_id=f"{op.operation_id}:{replica_id}")
         record.slots = tuple(replica.slots)
@@ -93,7 +93,7 @@ async def _create(s, op, placements: list[str]) -> dict[str, str]:
         registry.set_weight_version(replica_id, replica.weight_version)
         registry.transition(replica_id, S.LOADING, "launched; health check next", operation_id=op.operation_id)
 
-    with s.mesh._span("scale.out.create", operation_id=op.operation_id, replica_ids=op.replica_ids):
+    with s.mesh.span("scale.out.create", operation_id=op.operation_id, replica_ids=op.replica_ids):
         return await _gather(list(op.replica_ids), launch)
 
 
@@ -149,7 +149,7 @@ async def _connect(s, op) -> dict[str, str]:
         op.replica_ids.append(replica_id)
         op.launched_replica_ids.append(replica_id)
         s.save()
-        with s.mesh._span("replica.attach", replica_id=replica_id, node_id=node.node_id, engine_url=url):
+        with s.mesh.span("replica.attach", replica_id=replica_id, node_id=node.node_id, engine_url=url):
             replica = await s.calls.launch(node.address, replica_id, slots=0, engine_url=url, timeout_s=op.timeout_s,
                                            request_id=f"{op.operation_id}:{replica_id}")
         registry.set_weight_version(replica_id, replica.weight_version)
@@ -159,7 +159,7 @@ async def _connect(s, op) -> dict[str, str]:
     def one(address: str):
         return attach(address) if is_engine_url(address) else connect(address)
 
-    with s.mesh._span("scale.out.connect", operation_id=op.operation_id, addresses=op.engine_addresses):
+    with s.mesh.span("scale.out.connect", operation_id=op.operation_id, addresses=op.engine_addresses):
         failed = await _gather(list(op.engine_addresses), one)
     s.save()
     return failed
@@ -174,7 +174,7 @@ async def _health(s, op, alive: list[str]) -> dict[str, str]:
             raise ScaleFailed(f"agent reports {types_pb2.ReplicaState.Name(replica.state)} "
                               f"({replica.state_reason or 'no reason'})")
 
-    with s.mesh._span("scale.out.health_check", operation_id=op.operation_id, replica_ids=alive):
+    with s.mesh.span("scale.out.health_check", operation_id=op.operation_id, replica_ids=alive):
         return await _gather(alive, check)
 
 
@@ -208,7 +208,7 @@ async def _sync(s, op, alive: list[str]) -> None:
             mesh.emit(EventType.WEIGHT_SYNC_STARTED, weight_version=version, operation_id=op.operation_id,
                       reason=f"scale-out {op.operation_id}", attributes={"replicas": len(behind)})
             seeds = seed_replicas(s, op, version)
-            with mesh._span("weights.broadcast", weight_version=version, replica_ids=behind,
+            with mesh.span("weights.broadcast", weight_version=version, replica_ids=behind,
                             operation_id=op.operation_id, weight_source=s.config.scale_out_weight_source,
                             seeds=seeds):
                 outcome = await mesh.weights.sync_new_replicas(behind, version, seeds=seeds,
@@ -294,7 +294,7 @@ async def release(s, op, replica_ids: list[str], reason: str) -> None:
 async def rollback_out(s, op) -> None:
     owned = [r.replica_id for r in s.mesh.registry.replicas() if r.added_by_operation_id == op.operation_id]
     ids = list(dict.fromkeys([*op.replica_ids, *owned]))
-    with s.mesh._span("scale.out.rollback", operation_id=op.operation_id, replica_ids=ids):
+    with s.mesh.span("scale.out.rollback", operation_id=op.operation_id, replica_ids=ids):
         await release(s, op, ids, "rolled back")
     s.save()
 
@@ -317,7 +317,7 @@ async def restart_failed(s, op) -> None:
 async def run_in(s, op, *, resumed: bool = False) -> None:
     mesh, registry = s.mesh, s.mesh.registry
     ids = list(op.replica_ids)
-    with mesh._span("scale.in", operation_id=op.operation_id, replica_ids=ids, force=op.force):
+    with mesh.span("scale.in", operation_id=op.operation_id, replica_ids=ids, force=op.force):
         if op.state is OS.PENDING:
             while mesh.weights.in_progress:
                 await mesh.weights.wait_idle()
@@ -350,7 +350,7 @@ async def _drain(s, op, ids: list[str], *, force: bool) -> str:
     # Every replica that may still run requests (an agent that re-registered meanwhile reports ACTIVE again).
     live = [r for r in ids if registry.get(r).state not in (S.REMOVED, S.STOPPED, S.FAILED)]
     busy: dict[str, int] = {}
-    with s.mesh._span("scale.in.drain", operation_id=op.operation_id, replica_ids=live, force=force):
+    with s.mesh.span("scale.in.drain", operation_id=op.operation_id, replica_ids=live, force=force):
         deadline = asyncio.get_running_loop().time() + (0.0 if force else timeout)
         while live:
             counts = await asyncio.gather(*(s.calls.in_flight(registry.get(r).address, r) for r in live),
@@ -382,7 +382,7 @@ async def _remove(s, op, ids: list[str]) -> dict[str, str]:
             log.warning("clean stop of %s failed (%s); stopping it by force", replica_id, why(err))
             await s.calls.stop(address, replica_id, grace_s=0.0, force=True)
 
-    with s.mesh._span("scale.in.remove", operation_id=op.operation_id, replica_ids=ids):
+    with s.mesh.span("scale.in.remove", operation_id=op.operation_id, replica_ids=ids):
         failed = await _gather([r for r in ids if registry.get(r).state is not S.REMOVED], stop)
     for replica_id in ids:
         record = registry.get(replica_id)
