@@ -12,9 +12,13 @@ cannot.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import secrets
 import shutil
+import signal
 import subprocess
+import time
 from collections.abc import Sequence
 
 SUBNET = "10.77.0"
@@ -129,7 +133,19 @@ class Network:
         return out
 
     def close(self) -> None:
+        """Stop every process still inside the namespaces, then delete them. A job killed at its timeout
+        cannot stop the servers it started in other namespaces, and deleting a namespace does not end the
+        processes in it: without this they would outlive the test."""
         for ns in reversed(self._made):
+            for _ in range(3):   # a dying process's children may appear in the list once more
+                listed = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30)
+                pids = [int(p) for p in listed.stdout.split() if p.isdigit()]
+                if not pids:
+                    break
+                for pid in pids:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                time.sleep(0.2)
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
         self._made.clear()
 
