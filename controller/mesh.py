@@ -191,9 +191,9 @@ class Mesh:
         replicas, or to every serving one (hybrid replicas while they are active). A replica that does not
         take it leaves routing until it holds the current version."""
         if replica_ids:
-            cannot = [f"{r} ({self.registry.get(r).state.value})" for r in replica_ids
-                      if self.registry.get(r).state not in (ReplicaState.ACTIVE, ReplicaState.PAUSED,
-                                                            ReplicaState.SLEEPING)]
+            records = [self.registry.get(r) for r in replica_ids]   # NOT_FOUND for an unknown one
+            cannot = [f"{r.replica_id} ({r.state.value})" for r in records
+                      if r.state not in (ReplicaState.ACTIVE, ReplicaState.PAUSED, ReplicaState.SLEEPING)]
             if cannot:
                 raise FailedPrecondition(f"only ACTIVE, PAUSED or SLEEPING replicas can receive weights: "
                                          f"{', '.join(cannot)}", reason=Reason.WRONG_REPLICA_STATE)

@@ -53,6 +53,17 @@ def _type_name(deserializer: Callable[[bytes], Any]) -> str:
     return getattr(descriptor, "full_name", "the request message")
 
 
+def _held(field: FieldDescriptor, value: Any, name: str) -> Iterator[tuple[str, Message]]:
+    """The messages one message-typed field holds, with their paths (a map's values when they are messages)."""
+    if field.message_type.GetOptions().map_entry:
+        if field.message_type.fields_by_name["value"].type == FieldDescriptor.TYPE_MESSAGE:
+            yield from ((f"{name}[{_short(str(k))!r}]", v) for k, v in value.items())
+    elif field.is_repeated:
+        yield from ((f"{name}[{i}]", v) for i, v in enumerate(value))
+    else:
+        yield name, value
+
+
 def unknown_enum_value(message: Message, path: str = "") -> str | None:
     """``"field.path: 99 is not a value of pkg.Enum"`` for the first unknown enum number, else None."""
     for field, value in message.ListFields():
@@ -65,23 +76,13 @@ def unknown_enum_value(message: Message, path: str = "") -> str | None:
                     known = ", ".join(v.name for v in field.enum_type.values)
                     return f"{where}: {number} is not a value of {field.enum_type.full_name} ({_short(known)})"
         elif field.type == FieldDescriptor.TYPE_MESSAGE:
-            if field.message_type.GetOptions().map_entry:
-                value_field = field.message_type.fields_by_name["value"]
-                if value_field.type == FieldDescriptor.TYPE_MESSAGE:
-                    items = [(f"{name}[{_short(str(k))!r}]", v) for k, v in value.items()]
-                elif value_field.type == FieldDescriptor.TYPE_ENUM:
-                    for key, number in value.items():
-                        if number not in value_field.enum_type.values_by_number:
-                            return (f"{name}[{_short(str(key))!r}]: {number} is not a value of "
-                                    f"{value_field.enum_type.full_name}")
-                    items = []
-                else:
-                    items = []
-            elif field.is_repeated:
-                items = [(f"{name}[{i}]", v) for i, v in enumerate(value)]
-            else:
-                items = [(name, value)]
-            for sub_path, sub in items:
+            value_field = field.message_type.fields_by_name.get("value")
+            if field.message_type.GetOptions().map_entry and value_field.type == FieldDescriptor.TYPE_ENUM:
+                for key, number in value.items():
+                    if number not in value_field.enum_type.values_by_number:
+                        return (f"{name}[{_short(str(key))!r}]: {number} is not a value of "
+                                f"{value_field.enum_type.full_name}")
+            for sub_path, sub in _held(field, value, name):
                 problem = unknown_enum_value(sub, sub_path)
                 if problem:
                     return problem
@@ -103,29 +104,17 @@ def _is_set(message: Message, field: FieldDescriptor) -> bool:
     return bool(getattr(message, field.name))   # "" / b"" / 0 / the enum's UNSPECIFIED are unset
 
 
-def _submessages(message: Message, path: str) -> Iterator[tuple[str, Message]]:
-    for field, value in message.ListFields():
-        if field.type != FieldDescriptor.TYPE_MESSAGE:
-            continue
-        name = f"{path}.{field.name}" if path else field.name
-        if field.message_type.GetOptions().map_entry:
-            if field.message_type.fields_by_name["value"].type == FieldDescriptor.TYPE_MESSAGE:
-                yield from ((f"{name}[{_short(str(k))!r}]", v) for k, v in value.items())
-        elif field.is_repeated:
-            yield from ((f"{name}[{i}]", v) for i, v in enumerate(value))
-        else:
-            yield name, value
-
-
 def missing_required(message: Message, path: str = "") -> str | None:
     """The path of the first REQUIRED field left unset (in ``message`` or any message it holds), else None."""
     for field in required_fields(message.DESCRIPTOR):
         if not _is_set(message, field):
             return f"{path}.{field.name}" if path else field.name
-    for sub_path, sub in _submessages(message, path):
-        missing = missing_required(sub, sub_path)
-        if missing:
-            return missing
+    for field, value in message.ListFields():
+        if field.type == FieldDescriptor.TYPE_MESSAGE:
+            for sub_path, sub in _held(field, value, f"{path}.{field.name}" if path else field.name):
+                missing = missing_required(sub, sub_path)
+                if missing:
+                    return missing
     return None
 
 
@@ -166,18 +155,18 @@ class RequiredFieldsInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         client_streaming = bool(handler.stream_unary or handler.stream_stream)
 
+        def checked(request_or_iterator):
+            return (_checked_stream(request_or_iterator, method) if client_streaming
+                    else check_required(request_or_iterator, method))
+
         def unary(behavior):
             async def wrapper(request_or_iterator, context):
-                if client_streaming:
-                    return await behavior(_checked_stream(request_or_iterator, method), context)
-                return await behavior(check_required(request_or_iterator, method), context)
+                return await behavior(checked(request_or_iterator), context)
             return wrapper
 
         def streaming(behavior):
             async def wrapper(request_or_iterator, context):
-                request = (_checked_stream(request_or_iterator, method) if client_streaming
-                           else check_required(request_or_iterator, method))
-                async for item in behavior(request, context):
+                async for item in behavior(checked(request_or_iterator), context):
                     yield item
             return wrapper
 
