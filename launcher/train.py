@@ -1,7 +1,12 @@
 """``rollmesh train --config FILE``: fully-async RL training on a local mesh, end to end.
 
+Ctrl-C ends the run after the step the trainer is in, as a normal end
+does (StopTraining: requests cancelled, the last step synced and
+checkpointed, the model and the summary written; exit 0); a second Ctrl-C,
+or SIGTERM, stops every process at once (exit 130).
+
 ``rollmesh train --config FILE --resume RUN_DIR`` continues an interrupted
-(Ctrl-C) or finished-early run in place, from ``RUN_DIR/checkpoint``, up to
+(SIGTERM, a second Ctrl-C, a crash) or stopped-early run in place, from ``RUN_DIR/checkpoint``, up to
 ``trainer.total_training_steps`` (or ``--steps``): the trainer's model, AdamW
 state, queued samples, unfinished groups and counters come back, every
 replica is brought to the checkpoint's weight version before anything is
@@ -96,19 +101,43 @@ def _resume(args: argparse.Namespace, job, env: dict[str, str]) -> int:
 async def _main(job, run_dir: Path, env: dict[str, str], resume=None) -> int:
     from .train_job import TrainJob  # noqa: PLC0415
 
-    task = asyncio.create_task(TrainJob(job, run_dir, env, resume=resume).run())
+    runner = TrainJob(job, run_dir, env, resume=resume)
+    task = asyncio.create_task(runner.run())
     loop = asyncio.get_running_loop()
+    stopping: list[asyncio.Task] = []
     interrupted = False
 
-    def interrupt() -> None:
+    def at_once() -> None:
         nonlocal interrupted
-        if not interrupted:
+        if runner.ending:   # cancelling now would leave processes running; they are being stopped
+            print("\nrollmesh train: the run is ending; waiting for its processes to stop", file=sys.stderr,
+                  flush=True)
+        elif not interrupted:
             interrupted = True
             print("\nrollmesh train: interrupted; stopping every process", file=sys.stderr, flush=True)
             task.cancel()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, interrupt)
+    async def after_this_step() -> None:
+        try:
+            final = await runner.stop_training()
+        except Exception as err:  # noqa: BLE001 - any refusal falls back to stopping at once
+            detail = err.details() if hasattr(err, "details") else str(err)
+            print(f"\nrollmesh train: cannot end after this step ({detail}); stopping at once", file=sys.stderr,
+                  flush=True)
+            at_once()
+            return
+        print(f"\nrollmesh train: ending after step {final} (checkpoint and model written as at a normal end); "
+              "Ctrl-C again stops at once", file=sys.stderr, flush=True)
+
+    def on_sigint() -> None:
+        # the first Ctrl-C ends the run cleanly after its current step; the second (or SIGTERM) stops at once
+        if stopping or interrupted:
+            at_once()
+        else:
+            stopping.append(asyncio.create_task(after_this_step()))
+
+    loop.add_signal_handler(signal.SIGINT, on_sigint)
+    loop.add_signal_handler(signal.SIGTERM, at_once)
     try:
         return await task
     except asyncio.CancelledError:
@@ -116,3 +145,5 @@ async def _main(job, run_dir: Path, env: dict[str, str], resume=None) -> int:
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+        for pending in stopping:
+            pending.cancel()

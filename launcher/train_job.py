@@ -135,6 +135,8 @@ class TrainJob:
         self.events: list[dict[str, Any]] = []
         self._t0 = time.time()
         self._event_seen = asyncio.Event()
+        self._trainer_channel: grpc.aio.Channel | None = None
+        self.ending = False   # past training: stopping the processes, which nothing may interrupt
 
     # -- processes --------------------------------------------------------------------------------
 
@@ -274,7 +276,6 @@ class TrainJob:
         from rollmesh.trainer.v1 import trainer_agent_pb2, trainer_agent_pb2_grpc  # noqa: PLC0415
 
         stub = trainer_agent_pb2_grpc.TrainerAgentServiceStub(trainer)
-        total = self.job.trainer.total_training_steps
         shown_step, reported_exits = -1, set()
         while True:
             reply = await stub.GetTrainingProgress(trainer_agent_pb2.GetTrainingProgressRequest(), timeout=10)
@@ -283,6 +284,7 @@ class TrainJob:
             state = trainer_agent_pb2.TrainingState.Name(reply.state).removeprefix("TRAINING_STATE_")
             progress["state"] = state
             reward = reply.last_reward_mean if reply.HasField("last_reward_mean") else None
+            total = reply.final_step or self.job.trainer.total_training_steps   # earlier after StopTraining
             self.console.bar(progress_bar(reply.global_step, total, reward=reward, queue=reply.queue_size,
                                           state=state), step_done=reply.global_step != shown_step)
             shown_step = reply.global_step
@@ -346,6 +348,7 @@ class TrainJob:
             ctl = open_channel(self.processes["controller"].address, tls=tls, idempotent=read_methods())
             trainer = open_channel(self.processes["trainer-agent"].address, tls=tls, idempotent=read_methods())
             channels += [ctl, trainer]
+            self._trainer_channel = trainer
             watcher = asyncio.create_task(self._watch_events(ctl), name="watch-events")
             try:
                 progress = await self._follow_training(trainer)
@@ -358,6 +361,7 @@ class TrainJob:
             cycles, scheduler = await self._collect_metrics(ctl)
             outcome = {"progress": progress, "cycles": cycles, "scheduler": scheduler}
         finally:
+            self.ending = True
             if watcher is not None:
                 watcher.cancel()
                 await asyncio.gather(watcher, return_exceptions=True)
@@ -368,6 +372,17 @@ class TrainJob:
             if codes:
                 self.console.line("stopped: " + ", ".join(f"{n} (exit {c})" for n, c in codes.items()))
         return self._finish(outcome)
+
+    async def stop_training(self) -> int:
+        """End the run after the step the trainer is in (its StopTraining); returns that step. Raises
+        LookupError before the trainer is up, grpc.aio.AioRpcError when the trainer refuses."""
+        from rollmesh.trainer.v1 import trainer_agent_pb2, trainer_agent_pb2_grpc  # noqa: PLC0415
+
+        if self._trainer_channel is None:
+            raise LookupError("the trainer agent is not started yet")
+        stub = trainer_agent_pb2_grpc.TrainerAgentServiceStub(self._trainer_channel)
+        reply = await stub.StopTraining(trainer_agent_pb2.StopTrainingRequest(), timeout=10)
+        return reply.final_step
 
     def _finish(self, outcome: dict[str, Any]) -> int:
         progress = outcome["progress"]

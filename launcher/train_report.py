@@ -142,6 +142,8 @@ def summarize(*, events: Sequence[Mapping[str, Any]], steps: Sequence[Mapping[st
         "metrics": metric_summary(cycles),
         "final_weight_version": int(progress.get("weight_version", 0)),
         "state": progress.get("state", ""),
+        # the step a StopTraining call (Ctrl-C) ended the run after; None when it ran all its steps
+        "stopped_after_step": stopped if 0 < (stopped := int(progress.get("final_step", 0))) < total_steps else None,
     }
 
 
@@ -154,6 +156,8 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         ("steps", f"{summary['steps']} / {summary['total_training_steps']} (final weight version "
                   f"{summary['final_weight_version']})"),
     ]
+    if summary.get("stopped_after_step") is not None:
+        rows.append(("stopped early", f"after step {summary['stopped_after_step']} (StopTraining)"))
     if r:
         rows += [("reward, step 1 -> last", f"{r['first']:.3f} -> {r['last']:.3f}"),
                  (f"reward, mean of first/last {r['window']}", f"{r['first_mean']:.3f} -> {r['last_mean']:.3f}")]

@@ -93,7 +93,7 @@ RULES: dict[str, dict[str, Rule]] = {
         "ReceiveWeights": FROM_CONTROLLER, "PrepareWeightSync": FROM_CONTROLLER, "SendWeights": FROM_CONTROLLER,
     },
     TRAINER_SERVICE: {
-        "GetStatus": READ, "GetTrainingProgress": READ,
+        "GetStatus": READ, "GetTrainingProgress": READ, "StopTraining": _r("operator"),
         "PrepareWeightSync": FROM_CONTROLLER, "SendWeights": FROM_CONTROLLER,
         "OffloadTrainingState": FROM_CONTROLLER, "OnloadTrainingState": FROM_CONTROLLER,
     },

@@ -83,10 +83,15 @@ class TrainerAgentServicer(trainer_agent_pb2_grpc.TrainerAgentServiceServicer):
             global_step=p.global_step, weight_version=p.weight_version, param_version=p.param_version,
             samples_generated=p.samples_generated, samples_consumed=p.samples_consumed,
             samples_dropped=p.samples_dropped, queue_size=p.queue_size,
-            state=pb.TrainingState.Value(f"TRAINING_STATE_{p.state}"), error_message=p.error_message)
+            state=pb.TrainingState.Value(f"TRAINING_STATE_{p.state}"), error_message=p.error_message,
+            final_step=p.final_step)
         if p.last_reward_mean is not None:
             out.last_reward_mean = p.last_reward_mean
         return out
+
+    async def StopTraining(self, request, context):  # noqa: N802
+        final = self.node.driver.stop(request.after_step if request.HasField("after_step") else None)
+        return pb.StopTrainingResponse(final_step=final)
 
     async def OffloadTrainingState(self, request, context):  # noqa: N802
         moved = await self.node.driver.offload(request.include_optimizer)

@@ -1,7 +1,8 @@
-"""``rollmesh train --resume`` end to end on CPU: Ctrl-C a real run, then continue it in place.
+"""``rollmesh train --resume`` end to end on CPU: interrupt a real run, then continue it in place.
 
-One short quick-start run is interrupted (SIGINT, as a terminal's Ctrl-C)
-once its trainer has reported step ``N``; every process must stop. The
+One short quick-start run is interrupted (SIGTERM, as a scheduler's kill:
+no clean end, unlike a first Ctrl-C) once its trainer has reported step
+``N``; every process must stop. The
 checkpoint it left is read, then ``--resume`` continues the run in the same
 directory up to ``TARGET`` steps with a freshly started mesh. The tests read
 the run directory: steps continue after the checkpoint's step with no gap or
@@ -31,7 +32,7 @@ from tests.processes import clean_env
 pytestmark = pytest.mark.timeout(420)
 
 ROOT = Path(__file__).resolve().parents[2]
-INTERRUPT_AFTER = 2  # N: SIGINT once the trainer reported this step
+INTERRUPT_AFTER = 2  # N: SIGTERM once the trainer reported this step
 TARGET = 5  # steps of the resumed run's config
 REQUIRED = 8 * 8  # ppo_mini_batch_size x require_batches x rollout.n in the quick start
 STANDALONE = ("s0-0", "s0-1")
@@ -47,7 +48,7 @@ def _finish(proc: subprocess.Popen, timeout_s: float = 300) -> tuple[int, str]:
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGINT)
+        os.killpg(proc.pid, signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
         raise AssertionError("rollmesh train did not finish in time:\n" + out.decode()[-4000:]) from None
     return proc.returncode, out.decode(errors="replace")
@@ -88,7 +89,7 @@ class Resumed:
             time.sleep(0.1)
         assert _reported_step(steps_file) >= INTERRUPT_AFTER, _finish(proc, 60)[1][-4000:]
         self.first_pids = {n: p["pid"] for n, p in json.loads((self.dir / "processes.json").read_text()).items()}
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGTERM)
         self.first_code, self.first_output = _finish(proc, timeout_s=120)
         self.first_alive = [n for n, pid in self.first_pids.items() if _alive(pid)]
         self.first_events = _lines(self.dir / "events.jsonl")
@@ -115,7 +116,7 @@ def _after_resume(run: Resumed) -> list[dict]:
     return run.step_lines[len(run.first_step_lines):]
 
 
-def test_ctrl_c_stops_every_process_and_leaves_a_checkpoint(run):
+def test_sigterm_stops_every_process_and_leaves_a_checkpoint(run):
     assert run.first_code == 130, run.first_output[-3000:]
     assert "interrupted" in run.first_output
     assert not run.first_alive

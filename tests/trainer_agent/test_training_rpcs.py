@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import types
 
 import grpc
 import pytest
@@ -97,3 +98,58 @@ def test_driver_settings_are_checked_naming_the_key(overrides, key):
     with pytest.raises(ConfigError) as info:
         load_config(TrainerAgentConfig, overrides=overrides)
     assert info.value.key == key, str(info.value)
+
+
+async def test_stop_training_checks_the_step_and_moves_the_end():
+    # the driver waits for a mesh that never answers: no loop yet, state IDLE
+    server, channel, stub = await _serve(enabled=True, controller_address="127.0.0.1:9",
+                                         load_balancer_address="127.0.0.1:9", start_timeout_s=600.0,
+                                         total_training_steps=10)
+    try:
+        driver = server.services[0].servicer.node.driver
+        for after_step in (0, 11):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.StopTraining(pb.StopTrainingRequest(after_step=after_step), timeout=10)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert error_info(info.value).reason == "INVALID_STOP_STEP" and "1..10" in info.value.details()
+        progress = await stub.GetTrainingProgress(pb.GetTrainingProgressRequest(), timeout=10)
+        assert progress.final_step == 10   # the refusals changed nothing
+        assert (await stub.StopTraining(pb.StopTrainingRequest(after_step=7), timeout=10)).final_step == 7
+        assert (await stub.GetTrainingProgress(pb.GetTrainingProgressRequest(), timeout=10)).final_step == 7
+        # before any step runs, an unset after_step ends training before a further step
+        assert (await stub.StopTraining(pb.StopTrainingRequest(), timeout=10)).final_step == 0
+
+        # a loop running step 5: the end can move later, or to step 5, never before it
+        driver.loop = types.SimpleNamespace(last_step=None)
+        driver.records = [types.SimpleNamespace(global_step=4, weight_version=4, reward_mean=0.5)]
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.StopTraining(pb.StopTrainingRequest(after_step=4), timeout=10)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert error_info(info.value).reason == "STEP_ALREADY_PASSED"
+        assert error_info(info.value).metadata["running_step"] == "5"
+        assert driver.loop.last_step is None
+        assert (await stub.StopTraining(pb.StopTrainingRequest(after_step=9), timeout=10)).final_step == 9
+        assert driver.loop.last_step == 9
+        assert (await stub.StopTraining(pb.StopTrainingRequest(), timeout=10)).final_step == 5
+        assert driver.loop.last_step == 5
+
+        driver.state = "FINISHED"
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.StopTraining(pb.StopTrainingRequest(), timeout=10)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert error_info(info.value).reason == "TRAINING_ENDED"
+    finally:
+        await channel.close()
+        await server.stop(0)
+
+
+async def test_stop_training_is_refused_where_no_training_loop_runs():
+    server, channel, stub = await _serve()
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.StopTraining(pb.StopTrainingRequest(after_step=1), timeout=10)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert error_info(info.value).reason == "NO_TRAINING_LOOP"
+    finally:
+        await channel.close()
+        await server.stop(0)

@@ -179,16 +179,20 @@ class FullyAsyncLoop:
         self._offload = offload_during_hybrid
         self._last_sync_s = 0.0
         self.records: list[StepRecord] = []
+        self.last_step: int | None = None   # set by a stop request: no step after it starts
 
     # -- running -----------------------------------------------------------------------------------
 
     async def run(self, steps: int) -> list[StepRecord]:
-        """Run ``steps`` global steps (fewer only if the prompts run out); raise on any failure."""
+        """Run ``steps`` global steps (fewer if the prompts run out or a stop request set ``last_step``);
+        raise on any failure."""
         await self._refresh_replicas()
         rollout = asyncio.create_task(self.rollouter.run(), name="rollouter")
         poller = asyncio.create_task(self._poll_replicas(), name="replica-poller")
         try:
             for _ in range(steps):
+                if self.last_step is not None and self._next_step > self.last_step:
+                    break
                 record = await self._step(self._next_step, rollout)
                 if record is None:
                     break

@@ -40,7 +40,7 @@ from typing import Any
 import grpc
 
 from mesh_runtime.channels import open_channel, read_methods
-from mesh_runtime.errors import FailedPrecondition
+from mesh_runtime.errors import FailedPrecondition, InvalidArgument
 from mesh_runtime.reasons import Reason
 from rollmesh.common.v1 import types_pb2
 from rollmesh.controller.v1 import controller_pb2_grpc, registry_pb2
@@ -75,6 +75,7 @@ class Progress:
     last_reward_mean: float | None
     state: str
     error_message: str
+    final_step: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +102,7 @@ class TrainingDriver:
         self.resumed_from_step = 0
         self._controller: Any = None
         self._scorer: Any = None
+        self._stop_after: int | None = None   # StopTraining's step; None: total_training_steps
 
     # -- GetTrainingProgress / offload ------------------------------------------------------------
 
@@ -114,7 +116,41 @@ class TrainingDriver:
             samples_generated=q.generated if q else 0, samples_consumed=q.consumed if q else 0,
             samples_dropped=q.dropped if q else 0, queue_size=q.size() if q else 0,
             last_reward_mean=last.reward_mean if last else None, state=self.state,
-            error_message=self.error_message)
+            error_message=self.error_message, final_step=self.final_step)
+
+    @property
+    def final_step(self) -> int:
+        """The step training ends after: total_training_steps, or the step a stop request chose."""
+        total = self.settings.total_training_steps
+        return total if self._stop_after is None else min(self._stop_after, total)
+
+    def stop(self, after_step: int | None) -> int:
+        """End training after ``after_step`` (None: the step running now, or before any further step while
+        none runs); the latest call wins. Returns the step training ends after."""
+        if not self.settings.enabled:
+            raise FailedPrecondition("this agent runs no training loop (driver.enabled is false); nothing to stop",
+                                     reason=Reason.NO_TRAINING_LOOP)
+        if self.state in ("FINISHED", "FAILED"):
+            raise FailedPrecondition(f"training has ended already (state {self.state}); there is nothing to stop",
+                                     reason=Reason.TRAINING_ENDED)
+        total = self.settings.total_training_steps
+        if after_step is not None and not 1 <= after_step <= total:
+            raise InvalidArgument(f"after_step must be within 1..{total} (trainer.total_training_steps), got "
+                                  f"{after_step}", reason=Reason.INVALID_STOP_STEP)
+        finished = self.records[-1].global_step if self.records else 0
+        running = finished + 1 if self.loop is not None else None   # the loop starts its next step at once
+        if after_step is None:
+            after_step = running if running is not None else finished
+        elif running is not None and after_step < running:
+            raise FailedPrecondition(f"step {running} is running already; training can end after step {running} "
+                                     f"at the earliest, not after step {after_step}",
+                                     reason=Reason.STEP_ALREADY_PASSED, metadata={"running_step": str(running)})
+        self._stop_after = after_step
+        if self.loop is not None:
+            self.loop.last_step = after_step
+        log.info("stop requested: training ends after step %d", after_step)
+        self._write_line({"event": "stop_requested", "final_step": after_step, "time": time.time()})
+        return after_step
 
     async def offload(self, include_optimizer: bool) -> Moved:
         trainer = self._idle_trainer("offload")
@@ -188,6 +224,7 @@ class TrainingDriver:
             self._controller = controller
             await self._wait_for_mesh(controller, balancer)
             self.loop = self._build_loop(controller, balancer)
+            self.loop.last_step = self._stop_after
             checkpoint = load_checkpoint(s.checkpoint_dir) if s.checkpoint_dir and s.resume else None
             if checkpoint is not None:
                 self._restore(checkpoint)
@@ -314,7 +351,8 @@ class TrainingDriver:
                               r.replica_id: {"state": types_pb2.ReplicaState.Name(r.state),
                                              "weight_version": r.weight_version} for r in replicas.replicas}})
         s = self.settings
-        if s.checkpoint_dir and record.global_step % s.checkpoint_interval == 0:
+        last = record.global_step == self.final_step   # the run's last step is always checkpointed
+        if s.checkpoint_dir and (record.global_step % s.checkpoint_interval == 0 or last):
             trainer_state = self.trainer.state_dict()
             driver_state = self.loop.state_dict()
             records = list(self.records)

@@ -164,6 +164,9 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     AUTOSCALER_NOT_CONFIGURED: _ClassVar[ErrorReason]
     INVALID_ACTION: _ClassVar[ErrorReason]
     REQUIRED_FIELD_MISSING: _ClassVar[ErrorReason]
+    TRAINING_ENDED: _ClassVar[ErrorReason]
+    INVALID_STOP_STEP: _ClassVar[ErrorReason]
+    STEP_ALREADY_PASSED: _ClassVar[ErrorReason]
 ERROR_REASON_UNSPECIFIED: ErrorReason
 INTERNAL: ErrorReason
 INVALID_ARGUMENT: ErrorReason
@@ -322,3 +325,6 @@ TERMINAL_STATES_ONLY: ErrorReason
 AUTOSCALER_NOT_CONFIGURED: ErrorReason
 INVALID_ACTION: ErrorReason
 REQUIRED_FIELD_MISSING: ErrorReason
+TRAINING_ENDED: ErrorReason
+INVALID_STOP_STEP: ErrorReason
+STEP_ALREADY_PASSED: ErrorReason

@@ -95,7 +95,7 @@ class GetTrainingProgressRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetTrainingProgressResponse(_message.Message):
-    __slots__ = ("global_step", "weight_version", "param_version", "samples_generated", "samples_consumed", "samples_dropped", "queue_size", "last_reward_mean", "state", "error_message")
+    __slots__ = ("global_step", "weight_version", "param_version", "samples_generated", "samples_consumed", "samples_dropped", "queue_size", "last_reward_mean", "state", "error_message", "final_step")
     GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     PARAM_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class GetTrainingProgressResponse(_message.Message):
     LAST_REWARD_MEAN_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    FINAL_STEP_FIELD_NUMBER: _ClassVar[int]
     global_step: int
     weight_version: int
     param_version: int
@@ -116,7 +117,20 @@ class GetTrainingProgressResponse(_message.Message):
     last_reward_mean: float
     state: TrainingState
     error_message: str
-    def __init__(self, global_step: _Optional[int] = ..., weight_version: _Optional[int] = ..., param_version: _Optional[int] = ..., samples_generated: _Optional[int] = ..., samples_consumed: _Optional[int] = ..., samples_dropped: _Optional[int] = ..., queue_size: _Optional[int] = ..., last_reward_mean: _Optional[float] = ..., state: _Optional[_Union[TrainingState, str]] = ..., error_message: _Optional[str] = ...) -> None: ...
+    final_step: int
+    def __init__(self, global_step: _Optional[int] = ..., weight_version: _Optional[int] = ..., param_version: _Optional[int] = ..., samples_generated: _Optional[int] = ..., samples_consumed: _Optional[int] = ..., samples_dropped: _Optional[int] = ..., queue_size: _Optional[int] = ..., last_reward_mean: _Optional[float] = ..., state: _Optional[_Union[TrainingState, str]] = ..., error_message: _Optional[str] = ..., final_step: _Optional[int] = ...) -> None: ...
+
+class StopTrainingRequest(_message.Message):
+    __slots__ = ("after_step",)
+    AFTER_STEP_FIELD_NUMBER: _ClassVar[int]
+    after_step: int
+    def __init__(self, after_step: _Optional[int] = ...) -> None: ...
+
+class StopTrainingResponse(_message.Message):
+    __slots__ = ("final_step",)
+    FINAL_STEP_FIELD_NUMBER: _ClassVar[int]
+    final_step: int
+    def __init__(self, final_step: _Optional[int] = ...) -> None: ...
 
 class OffloadTrainingStateRequest(_message.Message):
     __slots__ = ("include_optimizer",)

@@ -67,6 +67,11 @@ class TrainerAgentServiceStub:
                 request_serializer=rollmesh_dot_trainer_dot_v1_dot_trainer__agent__pb2.GetTrainingProgressRequest.SerializeToString,
                 response_deserializer=rollmesh_dot_trainer_dot_v1_dot_trainer__agent__pb2.GetTrainingProgressResponse.FromString,
                 _registered_method=True)
+        self.StopTraining = channel.unary_unary(
+                '/rollmesh.trainer.v1.TrainerAgentService/StopTraining',
+                request_serializer=rollmesh_dot_trainer_dot_v1_dot_trainer__agent__pb2.StopTrainingRequest.SerializeToString,
+                response_deserializer=rollmesh_dot_trainer_dot_v1_dot_trainer__agent__pb2.StopTrainingResponse.FromString,
+                _registered_method=True)
         self.OffloadTrainingState = channel.unary_unary(
                 '/rollmesh.trainer.v1.TrainerAgentService/OffloadTrainingState',
                 request_serializer=rollmesh_dot_trainer_dot_v1_dot_trainer__agent__pb2.OffloadTrainingStateRequest.SerializeToString,
@@ -184,6 +189,29 @@ class TrainerAgentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StopTraining(self, request, context):
+        """Ends training early and cleanly: the loop trains up to after_step (unset:
+        the step running now; before the first step starts, no further step),
+        then ends as it does after total_training_steps: the outstanding
+        generation requests are cancelled, the last step's weights are synced
+        and checkpointed, the model is written, and the state becomes FINISHED.
+        The latest call wins, so an end can be moved earlier or later while
+        training runs. Capability: progress.
+
+        Errors:
+        - INVALID_ARGUMENT: after_step is set to 0 or beyond the run's
+        total_training_steps (reason INVALID_STOP_STEP).
+        - FAILED_PRECONDITION: the agent runs no training loop (driver.enabled
+        is false; reason NO_TRAINING_LOOP), training has ended already (reason
+        TRAINING_ENDED), or after_step is before the step running now (reason
+        STEP_ALREADY_PASSED; metadata "running_step").
+
+        Authorization: operator.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def OffloadTrainingState(self, request, context):
         """Moves the training state (parameters and gradients, and the optimizer
         state when include_optimizer is set) from accelerator to host memory so
@@ -236,6 +264,11 @@ def add_TrainerAgentServiceServicer_to_server(servicer, server):
                     servicer.GetTrainingProgress,
                     request_deserializer=rollmesh_dot_trainer_dot_v1_dot_trainer__agent__pb2.GetTrainingProgressRequest.FromString,
                     response_serializer=rollmesh_dot_trainer_dot_v1_dot_trainer__agent__pb2.GetTrainingProgressResponse.SerializeToString,
+            ),
+            'StopTraining': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopTraining,
+                    request_deserializer=rollmesh_dot_trainer_dot_v1_dot_trainer__agent__pb2.StopTrainingRequest.FromString,
+                    response_serializer=rollmesh_dot_trainer_dot_v1_dot_trainer__agent__pb2.StopTrainingResponse.SerializeToString,
             ),
             'OffloadTrainingState': grpc.unary_unary_rpc_method_handler(
                     servicer.OffloadTrainingState,
@@ -369,6 +402,33 @@ class TrainerAgentService:
             '/rollmesh.trainer.v1.TrainerAgentService/GetTrainingProgress',
             rollmesh_dot_trainer_dot_v1_dot_trainer__agent__pb2.GetTrainingProgressRequest.SerializeToString,
             rollmesh_dot_trainer_dot_v1_dot_trainer__agent__pb2.GetTrainingProgressResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopTraining(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollmesh.trainer.v1.TrainerAgentService/StopTraining',
+            rollmesh_dot_trainer_dot_v1_dot_trainer__agent__pb2.StopTrainingRequest.SerializeToString,
+            rollmesh_dot_trainer_dot_v1_dot_trainer__agent__pb2.StopTrainingResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -21,7 +21,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file rollmesh/trainer/v1/trainer_agent.proto.
  */
 export const file_rollmesh_trainer_v1_trainer_agent: GenFile = /*@__PURE__*/
-  fileDesc("Cidyb2xsbWVzaC90cmFpbmVyL3YxL3RyYWluZXJfYWdlbnQucHJvdG8SE3JvbGxtZXNoLnRyYWluZXIudjEiEgoQR2V0U3RhdHVzUmVxdWVzdCKzAQoRR2V0U3RhdHVzUmVzcG9uc2USMAoGc3RhdHVzGAEgASgLMiAucm9sbG1lc2guY29tbW9uLnYxLlNlcnZlclN0YXR1cxIMCgRyYW5rGAIgASgNEhIKCndvcmxkX3NpemUYAyABKA0SDQoFbW9kZWwYBCABKAkSGAoQdHJhaW5pbmdfYmFja2VuZBgFIAEoCRIhChl3ZWlnaHRfcmVuZGV6dm91c19hZGRyZXNzGAYgASgJIqABChhQcmVwYXJlV2VpZ2h0U3luY1JlcXVlc3QSFgoOd2VpZ2h0X3ZlcnNpb24YASABKAMSHgoRYnVja2V0X3NpemVfYnl0ZXMYAiABKARIAIgBARIfChJjaGVja3N1bV9hbGdvcml0aG0YAyABKAlIAYgBAUIUChJfYnVja2V0X3NpemVfYnl0ZXNCFQoTX2NoZWNrc3VtX2FsZ29yaXRobSKrAQoZUHJlcGFyZVdlaWdodFN5bmNSZXNwb25zZRIWCg53ZWlnaHRfdmVyc2lvbhgBIAEoAxI0CghtYW5pZmVzdBgCIAEoCzIiLnJvbGxtZXNoLmNvbW1vbi52MS5XZWlnaHRNYW5pZmVzdBIXCg9yZW5kZXp2b3VzX2hvc3QYAyABKAkSFwoPcmVuZGV6dm91c19wb3J0GAQgASgNEg4KBnNvdXJjZRgFIAEoCSJGChJTZW5kV2VpZ2h0c1JlcXVlc3QSMAoEcGxhbhgBIAEoCzIiLnJvbGxtZXNoLmNvbW1vbi52MS5XZWlnaHRTeW5jUGxhbiKAAQoTU2VuZFdlaWdodHNSZXNwb25zZRISCgpieXRlc19zZW50GAEgASgEEisKCGR1cmF0aW9uGAIgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEhAKCGNoZWNrc3VtGAMgASgJEhYKDndlaWdodF92ZXJzaW9uGAQgASgDIhwKGkdldFRyYWluaW5nUHJvZ3Jlc3NSZXF1ZXN0IsECChtHZXRUcmFpbmluZ1Byb2dyZXNzUmVzcG9uc2USEwoLZ2xvYmFsX3N0ZXAYASABKAMSFgoOd2VpZ2h0X3ZlcnNpb24YAiABKAMSFQoNcGFyYW1fdmVyc2lvbhgDIAEoAxIZChFzYW1wbGVzX2dlbmVyYXRlZBgEIAEoBBIYChBzYW1wbGVzX2NvbnN1bWVkGAUgASgEEhcKD3NhbXBsZXNfZHJvcHBlZBgGIAEoBBISCgpxdWV1ZV9zaXplGAcgASgEEh0KEGxhc3RfcmV3YXJkX21lYW4YCCABKAFIAIgBARIxCgVzdGF0ZRgJIAEoDjIiLnJvbGxtZXNoLnRyYWluZXIudjEuVHJhaW5pbmdTdGF0ZRIVCg1lcnJvcl9tZXNzYWdlGAogASgJQhMKEV9sYXN0X3Jld2FyZF9tZWFuIjgKG09mZmxvYWRUcmFpbmluZ1N0YXRlUmVxdWVzdBIZChFpbmNsdWRlX29wdGltaXplchgBIAEoCCJgChxPZmZsb2FkVHJhaW5pbmdTdGF0ZVJlc3BvbnNlEhMKC2J5dGVzX21vdmVkGAEgASgEEisKCGR1cmF0aW9uGAIgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uIhwKGk9ubG9hZFRyYWluaW5nU3RhdGVSZXF1ZXN0Il8KG09ubG9hZFRyYWluaW5nU3RhdGVSZXNwb25zZRITCgtieXRlc19tb3ZlZBgBIAEoBBIrCghkdXJhdGlvbhgCIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbirpAQoNVHJhaW5pbmdTdGF0ZRIeChpUUkFJTklOR19TVEFURV9VTlNQRUNJRklFRBAAEhcKE1RSQUlOSU5HX1NUQVRFX0lETEUQARImCiJUUkFJTklOR19TVEFURV9XQUlUSU5HX0ZPUl9TQU1QTEVTEAISGwoXVFJBSU5JTkdfU1RBVEVfVFJBSU5JTkcQAxIiCh5UUkFJTklOR19TVEFURV9TWU5DSU5HX1dFSUdIVFMQBBIbChdUUkFJTklOR19TVEFURV9GSU5JU0hFRBAFEhkKFVRSQUlOSU5HX1NUQVRFX0ZBSUxFRBAGMrgFChNUcmFpbmVyQWdlbnRTZXJ2aWNlEloKCUdldFN0YXR1cxIlLnJvbGxtZXNoLnRyYWluZXIudjEuR2V0U3RhdHVzUmVxdWVzdBomLnJvbGxtZXNoLnRyYWluZXIudjEuR2V0U3RhdHVzUmVzcG9uc2UScgoRUHJlcGFyZVdlaWdodFN5bmMSLS5yb2xsbWVzaC50cmFpbmVyLnYxLlByZXBhcmVXZWlnaHRTeW5jUmVxdWVzdBouLnJvbGxtZXNoLnRyYWluZXIudjEuUHJlcGFyZVdlaWdodFN5bmNSZXNwb25zZRJgCgtTZW5kV2VpZ2h0cxInLnJvbGxtZXNoLnRyYWluZXIudjEuU2VuZFdlaWdodHNSZXF1ZXN0Gigucm9sbG1lc2gudHJhaW5lci52MS5TZW5kV2VpZ2h0c1Jlc3BvbnNlEngKE0dldFRyYWluaW5nUHJvZ3Jlc3MSLy5yb2xsbWVzaC50cmFpbmVyLnYxLkdldFRyYWluaW5nUHJvZ3Jlc3NSZXF1ZXN0GjAucm9sbG1lc2gudHJhaW5lci52MS5HZXRUcmFpbmluZ1Byb2dyZXNzUmVzcG9uc2USewoUT2ZmbG9hZFRyYWluaW5nU3RhdGUSMC5yb2xsbWVzaC50cmFpbmVyLnYxLk9mZmxvYWRUcmFpbmluZ1N0YXRlUmVxdWVzdBoxLnJvbGxtZXNoLnRyYWluZXIudjEuT2ZmbG9hZFRyYWluaW5nU3RhdGVSZXNwb25zZRJ4ChNPbmxvYWRUcmFpbmluZ1N0YXRlEi8ucm9sbG1lc2gudHJhaW5lci52MS5PbmxvYWRUcmFpbmluZ1N0YXRlUmVxdWVzdBowLnJvbGxtZXNoLnRyYWluZXIudjEuT25sb2FkVHJhaW5pbmdTdGF0ZVJlc3BvbnNlYgZwcm90bzM", [file_google_protobuf_duration, file_rollmesh_common_v1_status, file_rollmesh_common_v1_weights]);
+  fileDesc("Cidyb2xsbWVzaC90cmFpbmVyL3YxL3RyYWluZXJfYWdlbnQucHJvdG8SE3JvbGxtZXNoLnRyYWluZXIudjEiEgoQR2V0U3RhdHVzUmVxdWVzdCKzAQoRR2V0U3RhdHVzUmVzcG9uc2USMAoGc3RhdHVzGAEgASgLMiAucm9sbG1lc2guY29tbW9uLnYxLlNlcnZlclN0YXR1cxIMCgRyYW5rGAIgASgNEhIKCndvcmxkX3NpemUYAyABKA0SDQoFbW9kZWwYBCABKAkSGAoQdHJhaW5pbmdfYmFja2VuZBgFIAEoCRIhChl3ZWlnaHRfcmVuZGV6dm91c19hZGRyZXNzGAYgASgJIqABChhQcmVwYXJlV2VpZ2h0U3luY1JlcXVlc3QSFgoOd2VpZ2h0X3ZlcnNpb24YASABKAMSHgoRYnVja2V0X3NpemVfYnl0ZXMYAiABKARIAIgBARIfChJjaGVja3N1bV9hbGdvcml0aG0YAyABKAlIAYgBAUIUChJfYnVja2V0X3NpemVfYnl0ZXNCFQoTX2NoZWNrc3VtX2FsZ29yaXRobSKrAQoZUHJlcGFyZVdlaWdodFN5bmNSZXNwb25zZRIWCg53ZWlnaHRfdmVyc2lvbhgBIAEoAxI0CghtYW5pZmVzdBgCIAEoCzIiLnJvbGxtZXNoLmNvbW1vbi52MS5XZWlnaHRNYW5pZmVzdBIXCg9yZW5kZXp2b3VzX2hvc3QYAyABKAkSFwoPcmVuZGV6dm91c19wb3J0GAQgASgNEg4KBnNvdXJjZRgFIAEoCSJGChJTZW5kV2VpZ2h0c1JlcXVlc3QSMAoEcGxhbhgBIAEoCzIiLnJvbGxtZXNoLmNvbW1vbi52MS5XZWlnaHRTeW5jUGxhbiKAAQoTU2VuZFdlaWdodHNSZXNwb25zZRISCgpieXRlc19zZW50GAEgASgEEisKCGR1cmF0aW9uGAIgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEhAKCGNoZWNrc3VtGAMgASgJEhYKDndlaWdodF92ZXJzaW9uGAQgASgDIhwKGkdldFRyYWluaW5nUHJvZ3Jlc3NSZXF1ZXN0ItUCChtHZXRUcmFpbmluZ1Byb2dyZXNzUmVzcG9uc2USEwoLZ2xvYmFsX3N0ZXAYASABKAMSFgoOd2VpZ2h0X3ZlcnNpb24YAiABKAMSFQoNcGFyYW1fdmVyc2lvbhgDIAEoAxIZChFzYW1wbGVzX2dlbmVyYXRlZBgEIAEoBBIYChBzYW1wbGVzX2NvbnN1bWVkGAUgASgEEhcKD3NhbXBsZXNfZHJvcHBlZBgGIAEoBBISCgpxdWV1ZV9zaXplGAcgASgEEh0KEGxhc3RfcmV3YXJkX21lYW4YCCABKAFIAIgBARIxCgVzdGF0ZRgJIAEoDjIiLnJvbGxtZXNoLnRyYWluZXIudjEuVHJhaW5pbmdTdGF0ZRIVCg1lcnJvcl9tZXNzYWdlGAogASgJEhIKCmZpbmFsX3N0ZXAYCyABKANCEwoRX2xhc3RfcmV3YXJkX21lYW4iPQoTU3RvcFRyYWluaW5nUmVxdWVzdBIXCgphZnRlcl9zdGVwGAEgASgDSACIAQFCDQoLX2FmdGVyX3N0ZXAiKgoUU3RvcFRyYWluaW5nUmVzcG9uc2USEgoKZmluYWxfc3RlcBgBIAEoAyI4ChtPZmZsb2FkVHJhaW5pbmdTdGF0ZVJlcXVlc3QSGQoRaW5jbHVkZV9vcHRpbWl6ZXIYASABKAgiYAocT2ZmbG9hZFRyYWluaW5nU3RhdGVSZXNwb25zZRITCgtieXRlc19tb3ZlZBgBIAEoBBIrCghkdXJhdGlvbhgCIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbiIcChpPbmxvYWRUcmFpbmluZ1N0YXRlUmVxdWVzdCJfChtPbmxvYWRUcmFpbmluZ1N0YXRlUmVzcG9uc2USEwoLYnl0ZXNfbW92ZWQYASABKAQSKwoIZHVyYXRpb24YAiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24q6QEKDVRyYWluaW5nU3RhdGUSHgoaVFJBSU5JTkdfU1RBVEVfVU5TUEVDSUZJRUQQABIXChNUUkFJTklOR19TVEFURV9JRExFEAESJgoiVFJBSU5JTkdfU1RBVEVfV0FJVElOR19GT1JfU0FNUExFUxACEhsKF1RSQUlOSU5HX1NUQVRFX1RSQUlOSU5HEAMSIgoeVFJBSU5JTkdfU1RBVEVfU1lOQ0lOR19XRUlHSFRTEAQSGwoXVFJBSU5JTkdfU1RBVEVfRklOSVNIRUQQBRIZChVUUkFJTklOR19TVEFURV9GQUlMRUQQBjKdBgoTVHJhaW5lckFnZW50U2VydmljZRJaCglHZXRTdGF0dXMSJS5yb2xsbWVzaC50cmFpbmVyLnYxLkdldFN0YXR1c1JlcXVlc3QaJi5yb2xsbWVzaC50cmFpbmVyLnYxLkdldFN0YXR1c1Jlc3BvbnNlEnIKEVByZXBhcmVXZWlnaHRTeW5jEi0ucm9sbG1lc2gudHJhaW5lci52MS5QcmVwYXJlV2VpZ2h0U3luY1JlcXVlc3QaLi5yb2xsbWVzaC50cmFpbmVyLnYxLlByZXBhcmVXZWlnaHRTeW5jUmVzcG9uc2USYAoLU2VuZFdlaWdodHMSJy5yb2xsbWVzaC50cmFpbmVyLnYxLlNlbmRXZWlnaHRzUmVxdWVzdBooLnJvbGxtZXNoLnRyYWluZXIudjEuU2VuZFdlaWdodHNSZXNwb25zZRJ4ChNHZXRUcmFpbmluZ1Byb2dyZXNzEi8ucm9sbG1lc2gudHJhaW5lci52MS5HZXRUcmFpbmluZ1Byb2dyZXNzUmVxdWVzdBowLnJvbGxtZXNoLnRyYWluZXIudjEuR2V0VHJhaW5pbmdQcm9ncmVzc1Jlc3BvbnNlEmMKDFN0b3BUcmFpbmluZxIoLnJvbGxtZXNoLnRyYWluZXIudjEuU3RvcFRyYWluaW5nUmVxdWVzdBopLnJvbGxtZXNoLnRyYWluZXIudjEuU3RvcFRyYWluaW5nUmVzcG9uc2USewoUT2ZmbG9hZFRyYWluaW5nU3RhdGUSMC5yb2xsbWVzaC50cmFpbmVyLnYxLk9mZmxvYWRUcmFpbmluZ1N0YXRlUmVxdWVzdBoxLnJvbGxtZXNoLnRyYWluZXIudjEuT2ZmbG9hZFRyYWluaW5nU3RhdGVSZXNwb25zZRJ4ChNPbmxvYWRUcmFpbmluZ1N0YXRlEi8ucm9sbG1lc2gudHJhaW5lci52MS5PbmxvYWRUcmFpbmluZ1N0YXRlUmVxdWVzdBowLnJvbGxtZXNoLnRyYWluZXIudjEuT25sb2FkVHJhaW5pbmdTdGF0ZVJlc3BvbnNlYgZwcm90bzM", [file_google_protobuf_duration, file_rollmesh_common_v1_status, file_rollmesh_common_v1_weights]);
 
 /**
  * Request of GetStatus. It has no fields.
@@ -344,6 +344,14 @@ export type GetTrainingProgressResponse = Message<"rollmesh.trainer.v1.GetTraini
    * @generated from field: string error_message = 10;
    */
   errorMessage: string;
+
+  /**
+   * The step training ends after: total_training_steps, or the step a
+   * StopTraining call chose.
+   *
+   * @generated from field: int64 final_step = 11;
+   */
+  finalStep: bigint;
 };
 
 /**
@@ -352,6 +360,50 @@ export type GetTrainingProgressResponse = Message<"rollmesh.trainer.v1.GetTraini
  */
 export const GetTrainingProgressResponseSchema: GenMessage<GetTrainingProgressResponse> = /*@__PURE__*/
   messageDesc(file_rollmesh_trainer_v1_trainer_agent, 7);
+
+/**
+ * Request of StopTraining.
+ *
+ * @generated from message rollmesh.trainer.v1.StopTrainingRequest
+ */
+export type StopTrainingRequest = Message<"rollmesh.trainer.v1.StopTrainingRequest"> & {
+  /**
+   * The last global step to train (1..total_training_steps, not before the
+   * step running now). Unset: the step running now.
+   *
+   * @generated from field: optional int64 after_step = 1;
+   */
+  afterStep?: bigint | undefined;
+};
+
+/**
+ * Describes the message rollmesh.trainer.v1.StopTrainingRequest.
+ * Use `create(StopTrainingRequestSchema)` to create a new message.
+ */
+export const StopTrainingRequestSchema: GenMessage<StopTrainingRequest> = /*@__PURE__*/
+  messageDesc(file_rollmesh_trainer_v1_trainer_agent, 8);
+
+/**
+ * Response of StopTraining.
+ *
+ * @generated from message rollmesh.trainer.v1.StopTrainingResponse
+ */
+export type StopTrainingResponse = Message<"rollmesh.trainer.v1.StopTrainingResponse"> & {
+  /**
+   * The global step training ends after (GetTrainingProgress reports it as
+   * final_step).
+   *
+   * @generated from field: int64 final_step = 1;
+   */
+  finalStep: bigint;
+};
+
+/**
+ * Describes the message rollmesh.trainer.v1.StopTrainingResponse.
+ * Use `create(StopTrainingResponseSchema)` to create a new message.
+ */
+export const StopTrainingResponseSchema: GenMessage<StopTrainingResponse> = /*@__PURE__*/
+  messageDesc(file_rollmesh_trainer_v1_trainer_agent, 9);
 
 /**
  * Request of OffloadTrainingState.
@@ -372,7 +424,7 @@ export type OffloadTrainingStateRequest = Message<"rollmesh.trainer.v1.OffloadTr
  * Use `create(OffloadTrainingStateRequestSchema)` to create a new message.
  */
 export const OffloadTrainingStateRequestSchema: GenMessage<OffloadTrainingStateRequest> = /*@__PURE__*/
-  messageDesc(file_rollmesh_trainer_v1_trainer_agent, 8);
+  messageDesc(file_rollmesh_trainer_v1_trainer_agent, 10);
 
 /**
  * Response of OffloadTrainingState.
@@ -400,7 +452,7 @@ export type OffloadTrainingStateResponse = Message<"rollmesh.trainer.v1.OffloadT
  * Use `create(OffloadTrainingStateResponseSchema)` to create a new message.
  */
 export const OffloadTrainingStateResponseSchema: GenMessage<OffloadTrainingStateResponse> = /*@__PURE__*/
-  messageDesc(file_rollmesh_trainer_v1_trainer_agent, 9);
+  messageDesc(file_rollmesh_trainer_v1_trainer_agent, 11);
 
 /**
  * Request of OnloadTrainingState. It has no fields.
@@ -415,7 +467,7 @@ export type OnloadTrainingStateRequest = Message<"rollmesh.trainer.v1.OnloadTrai
  * Use `create(OnloadTrainingStateRequestSchema)` to create a new message.
  */
 export const OnloadTrainingStateRequestSchema: GenMessage<OnloadTrainingStateRequest> = /*@__PURE__*/
-  messageDesc(file_rollmesh_trainer_v1_trainer_agent, 10);
+  messageDesc(file_rollmesh_trainer_v1_trainer_agent, 12);
 
 /**
  * Response of OnloadTrainingState.
@@ -443,7 +495,7 @@ export type OnloadTrainingStateResponse = Message<"rollmesh.trainer.v1.OnloadTra
  * Use `create(OnloadTrainingStateResponseSchema)` to create a new message.
  */
 export const OnloadTrainingStateResponseSchema: GenMessage<OnloadTrainingStateResponse> = /*@__PURE__*/
-  messageDesc(file_rollmesh_trainer_v1_trainer_agent, 11);
+  messageDesc(file_rollmesh_trainer_v1_trainer_agent, 13);
 
 /**
  * TrainingState is the phase of the training loop.
@@ -625,6 +677,32 @@ export const TrainerAgentService: GenService<{
     methodKind: "unary";
     input: typeof GetTrainingProgressRequestSchema;
     output: typeof GetTrainingProgressResponseSchema;
+  },
+  /**
+   * Ends training early and cleanly: the loop trains up to after_step (unset:
+   * the step running now; before the first step starts, no further step),
+   * then ends as it does after total_training_steps: the outstanding
+   * generation requests are cancelled, the last step's weights are synced
+   * and checkpointed, the model is written, and the state becomes FINISHED.
+   * The latest call wins, so an end can be moved earlier or later while
+   * training runs. Capability: progress.
+   *
+   * Errors:
+   * - INVALID_ARGUMENT: after_step is set to 0 or beyond the run's
+   *   total_training_steps (reason INVALID_STOP_STEP).
+   * - FAILED_PRECONDITION: the agent runs no training loop (driver.enabled
+   *   is false; reason NO_TRAINING_LOOP), training has ended already (reason
+   *   TRAINING_ENDED), or after_step is before the step running now (reason
+   *   STEP_ALREADY_PASSED; metadata "running_step").
+   *
+   * Authorization: operator.
+   *
+   * @generated from rpc rollmesh.trainer.v1.TrainerAgentService.StopTraining
+   */
+  stopTraining: {
+    methodKind: "unary";
+    input: typeof StopTrainingRequestSchema;
+    output: typeof StopTrainingResponseSchema;
   },
   /**
    * Moves the training state (parameters and gradients, and the optimizer
