@@ -11,7 +11,14 @@ each host's address). With ``faults`` it cuts, while training runs,
    nodes; after the heal its replicas return to routing), then
 2. inference node 1 from the controller (its lease must expire and its
    replicas leave routing; after the heal they come back, with current
-   weights, without an operator),
+   weights, without an operator), then
+3. makes the weight path from the trainer to inference node 0 slow and
+   lossy,
+
+then ends training after the step it is in (StopTraining, as a first Ctrl-C
+of ``rollmesh train`` does: the job's step count is only a ceiling, so the
+test's length is the partitions', not a guess of how many steps outlast
+them),
 
 and writes what it saw to ``RUN_DIR/multihost.json``. Exit code: the job's.
 """
@@ -70,7 +77,7 @@ class MultiHostJob(TrainJob):
         if self._plan is not None:
             if not self._plan.done():
                 self._plan.cancel()
-                self.record["error"] = "training ended before the partitions were done; give it more steps"
+                self.record["error"] = "training reached its step ceiling before the partitions were done"
             else:
                 error = self._plan.exception()
                 if error is not None:
@@ -150,6 +157,7 @@ class MultiHostJob(TrainJob):
                 "other_versions": [r.weight_version for r in snapshot if r.node_id != "rollout-1"]})
             # 3. the weight path from the trainer to inference node 0 slow and lossy
             await self._slow_weight_path(every_replica, replicas_of)
+            self.record["stopped_after_step"] = await self.stop_training()
         finally:
             await ctl_channel.close()
             await lb_channel.close()

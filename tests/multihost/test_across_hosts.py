@@ -25,7 +25,7 @@ HOSTS = ["controller", "lb", "node0", "node1", "trainer", "operator"]
 PLACEMENT = {"controller": "controller", "lb": "lb", "rollout-0": "node0", "rollout-1": "node1",
              "trainer-agent": "trainer", "trainer-0-replicas": "trainer"}
 ACTIVE = 4   # rollmesh.common.v1.REPLICA_STATE_ACTIVE
-STEPS = 600  # enough to train through every fault on a busy machine (200 ran out once under CI load)
+CEILING = 5000   # total_training_steps; the job ends training (StopTraining) once the partitions are done
 
 
 def _job_config(path: Path, steps: int) -> Path:
@@ -55,9 +55,9 @@ def _run(tmp_path: Path, *, steps: int, faults: bool) -> dict:
 
 
 def test_a_training_job_survives_partitions_between_hosts(tmp_path):
-    record = _run(tmp_path, steps=STEPS, faults=True)
+    record = _run(tmp_path, steps=CEILING, faults=True)
     assert "error" not in record, record
-    assert record["progress"]["global_step"] == STEPS
+    assert 0 < record["stopped_after_step"] == record["progress"]["global_step"] < CEILING
     # every replica serves from its own host, at the address it advertised
     replicas = record["replicas"]
     for replica in replicas.values():
