@@ -67,6 +67,7 @@ RULES: dict[str, dict[str, Rule]] = {
     CONTROLLER_SERVICE: {
         "GetStatus": READ, "ListNodes": READ, "GetNode": READ, "ListReplicas": READ, "GetReplica": READ,
         "GetSchedulerState": READ, "WatchEvents": READ, "GetMetrics": READ, "GetOperation": READ,
+        "WaitOperation": READ,
         "ListOperations": READ, "GetAutoscalerStatus": READ, "GetAutoscalerConditions": READ,
         "ListScaleHistory": READ,
         "RegisterNode": _r("replica-agent", scope="only the node named in the caller's certificate"),

@@ -19,6 +19,7 @@ operation is running now (one at a time) and which operation a client
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import enum
 import uuid
@@ -165,6 +166,35 @@ class OperationBook:
         self._emit = emit or (lambda *a, **k: None)
         self._new_id = new_id or (lambda: uuid.uuid4().hex)
         self._ops: dict[str, ScaleOperation] = {}
+        self._waiters: set[asyncio.Future[None]] = set()
+
+    def _wake(self) -> None:
+        """Wake every :meth:`wait` (an operation changed)."""
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._waiters.clear()
+
+    async def wait(self, operation_id: str, timeout_s: float | None) -> ScaleOperation:
+        """The operation once it has finished, or as it is after ``timeout_s`` (None: no limit); NOT_FOUND as
+        :meth:`get`."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
+        op = self.get(operation_id)
+        while not op.finished:
+            left = None if deadline is None else deadline - loop.time()
+            if left is not None and left <= 0:
+                break
+            waiter: asyncio.Future[None] = loop.create_future()
+            self._waiters.add(waiter)
+            try:
+                await asyncio.wait_for(asyncio.shield(waiter), left)
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                self._waiters.discard(waiter)
+            op = self.get(operation_id)
+        return op
 
     def new(self, type: OperationType, *, state: OperationState = OS.PENDING, reason: str = "",
             store: bool = True, **fields: Any) -> ScaleOperation:
@@ -174,6 +204,7 @@ class OperationBook:
                             state_history=[StateChange(state, now, reason)], **fields)
         if store:
             self._ops[op.operation_id] = op
+            self._wake()
             self._emit(EventType.OPERATION_STATE_CHANGED, operation_id=op.operation_id, from_state="",
                        to_state=state.proto_name, reason=reason,
                        attributes={"type": type.value, "model_name": op.model_name,
@@ -243,6 +274,7 @@ class OperationBook:
                    weight_version=op.weight_version,
                    attributes={"type": op.type.value, "replica_ids": ",".join(op.replica_ids),
                                "failed_replica_ids": ",".join(op.failed_replica_ids)})
+        self._wake()
         return op
 
     def touch(self, op: ScaleOperation) -> None:
@@ -258,3 +290,4 @@ class OperationBook:
         for item in data.get("operations", []):
             op = ScaleOperation.from_dict(item)
             self._ops[op.operation_id] = op
+        self._wake()

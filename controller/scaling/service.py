@@ -71,6 +71,17 @@ class ScalingRpcs:
         op = self.mesh.scaler.book.get(request.operation_id)
         return scaling_pb2.GetOperationResponse(operation=convert_scaling.operation(op))
 
+    async def WaitOperation(self, request, context):  # noqa: N802
+        limit = _timeout(request)
+        if limit is not None and limit <= 0:
+            raise InvalidArgument(f"timeout must be positive, got {limit:g} s", reason=Reason.INVALID_TIMEOUT)
+        remaining = context.time_remaining()
+        if remaining is not None:   # answer with the latest state shortly before the call's deadline
+            margin = min(0.5, remaining / 10)
+            limit = remaining - margin if limit is None else min(limit, remaining - margin)
+        op = await self.mesh.scaler.book.wait(request.operation_id, None if limit is None else max(limit, 0.0))
+        return scaling_pb2.WaitOperationResponse(operation=convert_scaling.operation(op), done=op.finished)
+
     async def ListOperations(self, request, context):  # noqa: N802
         try:
             types = {convert_scaling.type_from_proto(t) for t in request.types if t}

@@ -104,10 +104,11 @@ async def agent_states(address: str) -> dict[str, int]:
 
 
 async def finished(ctl, operation_id: str, timeout_s: float = 90.0) -> scaling_pb2.ScaleOperation:
-    async def done():
-        op = (await ctl.GetOperation(scaling_pb2.GetOperationRequest(operation_id=operation_id))).operation
-        return op if op.state in TERMINAL else None
-    return await until(done, timeout_s)
+    """The operation once it has finished (the controller's WaitOperation)."""
+    reply = await ctl.WaitOperation(scaling_pb2.WaitOperationRequest(operation_id=operation_id), timeout=timeout_s)
+    assert reply.done and reply.operation.state in TERMINAL, (
+        f"{operation_id} still {STATE(reply.operation.state)} after {timeout_s:g} s")
+    return reply.operation
 
 
 async def in_state(ctl, operation_id: str, state: int, timeout_s: float = 60.0) -> scaling_pb2.ScaleOperation:

@@ -15,6 +15,7 @@ from mesh_runtime.config import load_config
 from mesh_runtime.errors import error_info
 from rollmesh.common.v1 import types_pb2
 from rollmesh.controller.v1 import autoscaler_pb2, controller_pb2, controller_pb2_grpc, registry_pb2, scaling_pb2
+from tests.controller.scaling.helpers import TERMINAL
 
 pytestmark = pytest.mark.timeout(60)
 TOKEN = "s3cret-scale"
@@ -305,3 +306,48 @@ async def test_operations_are_listed_in_pages_newest_first(tmp_path):
     finally:
         await channel.close()
         await server.stop(0)
+
+
+async def test_wait_operation_returns_when_the_operation_ends_or_the_wait_does(tmp_path):
+    import asyncio
+    import socket
+
+    from google.protobuf import duration_pb2
+
+    # an "agent" that accepts connections and never answers: the launch hangs until port_timeout_s
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    server, channel, stub = await start(tmp_path, async_training={"port_timeout_s": 4})
+    try:
+        await stub.RegisterNode(registry_pb2.RegisterNodeRequest(
+            node_id="mute", address=f"127.0.0.1:{silent.getsockname()[1]}", slots_total=2))
+        op = (await stub.ScaleOut(scaling_pb2.ScaleOutRequest(num_replicas=1))).operation
+        wait = scaling_pb2.WaitOperationRequest
+        short = await stub.WaitOperation(wait(operation_id=op.operation_id,
+                                              timeout=duration_pb2.Duration(nanos=300_000_000)), timeout=10)
+        assert not short.done and short.operation.state not in TERMINAL, short
+        # no timeout of its own: the call's deadline bounds it, and the answer comes before that deadline
+        bounded = await stub.WaitOperation(wait(operation_id=op.operation_id), timeout=1.0)
+        assert not bounded.done
+        waiting = asyncio.ensure_future(stub.WaitOperation(wait(operation_id=op.operation_id), timeout=30))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()          # still waiting while the launch hangs ...
+        ended = await waiting              # ... and answered when it fails, with no poll in between
+        assert ended.done and ended.operation.state == scaling_pb2.OPERATION_STATE_FAILED
+        assert ended.operation == (await stub.GetOperation(
+            scaling_pb2.GetOperationRequest(operation_id=op.operation_id))).operation
+        again = await stub.WaitOperation(wait(operation_id=op.operation_id), timeout=5)   # finished: at once
+        assert again.done and again.operation == ended.operation
+
+        await expect(stub.WaitOperation(wait(operation_id=op.operation_id,
+                                             timeout=duration_pb2.Duration(seconds=-1))),
+                     grpc.StatusCode.INVALID_ARGUMENT, "timeout must be positive", "INVALID_TIMEOUT")
+        await expect(stub.WaitOperation(wait(operation_id="nope")), grpc.StatusCode.NOT_FOUND, "nope",
+                     "OPERATION_NOT_FOUND")
+        await expect(stub.WaitOperation(wait()), grpc.StatusCode.INVALID_ARGUMENT, "operation_id",
+                     "REQUIRED_FIELD_MISSING")
+    finally:
+        await channel.close()
+        await server.stop(0)
+        silent.close()

@@ -147,6 +147,11 @@ class ControllerServiceStub:
                 request_serializer=rollmesh_dot_controller_dot_v1_dot_scaling__pb2.GetOperationRequest.SerializeToString,
                 response_deserializer=rollmesh_dot_controller_dot_v1_dot_scaling__pb2.GetOperationResponse.FromString,
                 _registered_method=True)
+        self.WaitOperation = channel.unary_unary(
+                '/rollmesh.controller.v1.ControllerService/WaitOperation',
+                request_serializer=rollmesh_dot_controller_dot_v1_dot_scaling__pb2.WaitOperationRequest.SerializeToString,
+                response_deserializer=rollmesh_dot_controller_dot_v1_dot_scaling__pb2.WaitOperationResponse.FromString,
+                _registered_method=True)
         self.ListOperations = channel.unary_unary(
                 '/rollmesh.controller.v1.ControllerService/ListOperations',
                 request_serializer=rollmesh_dot_controller_dot_v1_dot_scaling__pb2.ListOperationsRequest.SerializeToString,
@@ -463,7 +468,7 @@ class ControllerServiceServicer:
 
     def ScaleOut(self, request, context):
         """Starts a scale-out operation and returns it at once; progress is read
-        with GetOperation or WatchEvents. Only one scale operation runs at a
+        with GetOperation, WaitOperation or WatchEvents. Only one scale operation runs at a
         time. When the target is already met the operation is NOOP. New replicas
         take traffic only once they hold the current weight version.
         Capability: scaling.
@@ -514,6 +519,25 @@ class ControllerServiceServicer:
         """Returns one scale operation. Capability: scaling.
 
         Errors:
+        - NOT_FOUND: no operation with operation_id.
+
+        Authorization: any authenticated identity.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WaitOperation(self, request, context):
+        """Waits until a scale operation has finished (reached a terminal state:
+        ACTIVE, COMPLETED, FAILED, CANCELLED or NOOP) or timeout has passed, and
+        returns it as it is then, with done saying which; an operation still
+        running at the timeout is an answer, not an error (as
+        google.longrunning.Operations.WaitOperation). timeout unset: until it
+        finishes, within the call's deadline, shortly before which the answer
+        comes. Capability: scaling.
+
+        Errors:
+        - INVALID_ARGUMENT: timeout is not positive (reason INVALID_TIMEOUT).
         - NOT_FOUND: no operation with operation_id.
 
         Authorization: any authenticated identity.
@@ -713,6 +737,11 @@ def add_ControllerServiceServicer_to_server(servicer, server):
                     servicer.GetOperation,
                     request_deserializer=rollmesh_dot_controller_dot_v1_dot_scaling__pb2.GetOperationRequest.FromString,
                     response_serializer=rollmesh_dot_controller_dot_v1_dot_scaling__pb2.GetOperationResponse.SerializeToString,
+            ),
+            'WaitOperation': grpc.unary_unary_rpc_method_handler(
+                    servicer.WaitOperation,
+                    request_deserializer=rollmesh_dot_controller_dot_v1_dot_scaling__pb2.WaitOperationRequest.FromString,
+                    response_serializer=rollmesh_dot_controller_dot_v1_dot_scaling__pb2.WaitOperationResponse.SerializeToString,
             ),
             'ListOperations': grpc.unary_unary_rpc_method_handler(
                     servicer.ListOperations,
@@ -1253,6 +1282,33 @@ class ControllerService:
             '/rollmesh.controller.v1.ControllerService/GetOperation',
             rollmesh_dot_controller_dot_v1_dot_scaling__pb2.GetOperationRequest.SerializeToString,
             rollmesh_dot_controller_dot_v1_dot_scaling__pb2.GetOperationResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WaitOperation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollmesh.controller.v1.ControllerService/WaitOperation',
+            rollmesh_dot_controller_dot_v1_dot_scaling__pb2.WaitOperationRequest.SerializeToString,
+            rollmesh_dot_controller_dot_v1_dot_scaling__pb2.WaitOperationResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -181,6 +181,22 @@ class GetOperationResponse(_message.Message):
     operation: ScaleOperation
     def __init__(self, operation: _Optional[_Union[ScaleOperation, _Mapping]] = ...) -> None: ...
 
+class WaitOperationRequest(_message.Message):
+    __slots__ = ("operation_id", "timeout")
+    OPERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    operation_id: str
+    timeout: _duration_pb2.Duration
+    def __init__(self, operation_id: _Optional[str] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class WaitOperationResponse(_message.Message):
+    __slots__ = ("operation", "done")
+    OPERATION_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    operation: ScaleOperation
+    done: bool
+    def __init__(self, operation: _Optional[_Union[ScaleOperation, _Mapping]] = ..., done: _Optional[bool] = ...) -> None: ...
+
 class ListOperationsRequest(_message.Message):
     __slots__ = ("states", "model_name", "types", "page_size", "page_token")
     STATES_FIELD_NUMBER: _ClassVar[int]
