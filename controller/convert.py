@@ -14,7 +14,7 @@ from mesh_runtime.reasons import Reason
 from rollmesh.common.v1 import events_pb2, types_pb2
 from rollmesh.controller.v1 import observability_pb2, registry_pb2, scheduling_pb2, weight_sync_pb2
 
-from .core.events import LifecycleEvent
+from .core.events import EventType, LifecycleEvent
 from .core.metrics import ClosedCycle, ConcurrencyPoint
 from .core.ports import WeightSyncOutcome
 from .core.records import NodeRecord, ReplicaKind, ReplicaRecord, ReplicaSpec, ReplicaState
@@ -182,6 +182,12 @@ def event(e: LifecycleEvent) -> events_pb2.LifecycleEvent:
         replica_id=e.replica_id, node_id=e.node_id, from_state=e.from_state, to_state=e.to_state, reason=e.reason,
         trace_id=e.trace_id, span_id=e.span_id, operation_id=e.operation_id,
         attributes={k: str(v) for k, v in e.attributes.items()}, missed_events=e.missed_events)
+    msg.details.update(dict(e.details))
+    if e.type is EventType.REPLICA_STATE_CHANGED:
+        states = types_pb2.ReplicaState.DESCRIPTOR.values_by_name
+        for name, field in ((e.from_state, "from_replica_state"), (e.to_state, "to_replica_state")):
+            if name in states:
+                setattr(msg, field, states[name].number)
     if e.replica_kind:
         msg.replica_kind = types_pb2.ReplicaKind.Value(e.replica_kind)
     if e.global_step is not None:

@@ -78,6 +78,8 @@ class Picture:
 
 def event_dict_from_proto(msg: Any) -> dict[str, Any]:
     """A ``rollmesh.common.v1.LifecycleEvent`` as a ``LifecycleEvent.to_dict()`` dict."""
+    from google.protobuf import json_format  # noqa: PLC0415
+
     from rollmesh.common.v1 import events_pb2, types_pb2  # noqa: PLC0415
 
     name = events_pb2.EventType.Name(msg.type)
@@ -92,8 +94,19 @@ def event_dict_from_proto(msg: Any) -> dict[str, Any]:
         "global_step": msg.global_step if msg.HasField("global_step") else None,
         "weight_version": msg.weight_version if msg.HasField("weight_version") else None,
         "operation_id": msg.operation_id, "attributes": dict(msg.attributes),
-        "missed_events": msg.missed_events,
+        "missed_events": msg.missed_events, "details": _integral(json_format.MessageToDict(msg.details)),
     }
+
+
+def _integral(value: Any) -> Any:
+    """JSON numbers as the controller recorded them: a Struct holds every number as a double."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return int(value)
+    if isinstance(value, list):
+        return [_integral(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _integral(v) for k, v in value.items()}
+    return value
 
 
 def read_events(path: str) -> list[dict[str, Any]]:

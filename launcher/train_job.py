@@ -62,32 +62,6 @@ from .train_report import describe_event, effective_steps, format_summary, progr
 FATAL = ("lb", "controller", "trainer-agent")
 
 
-def _event_converter():
-    """The lead's proto -> dict conversion when present (the resource picture's input format)."""
-    try:
-        from .resource_picture import event_dict_from_proto  # noqa: PLC0415
-        return event_dict_from_proto
-    except ImportError:
-        return _event_dict
-
-
-def _event_dict(msg: Any) -> dict[str, Any]:
-    """``LifecycleEvent`` proto -> the dict of ``controller.core.events.LifecycleEvent.to_dict()``."""
-    from rollmesh.common.v1 import events_pb2, types_pb2  # noqa: PLC0415
-
-    return {
-        "sequence": msg.sequence, "time": msg.time.seconds + msg.time.nanos / 1e9,
-        "type": events_pb2.EventType.Name(msg.type).removeprefix("EVENT_TYPE_"),
-        "replica_id": msg.replica_id, "node_id": msg.node_id,
-        "replica_kind": types_pb2.ReplicaKind.Name(msg.replica_kind) if msg.replica_kind else "",
-        "from_state": msg.from_state, "to_state": msg.to_state, "reason": msg.reason,
-        "trace_id": msg.trace_id, "span_id": msg.span_id,
-        "global_step": msg.global_step if msg.HasField("global_step") else None,
-        "weight_version": msg.weight_version if msg.HasField("weight_version") else None,
-        "operation_id": msg.operation_id, "attributes": dict(msg.attributes), "missed_events": msg.missed_events,
-    }
-
-
 class Console:
     """Transition lines and a progress bar that redraws in place on a terminal."""
 
@@ -247,7 +221,8 @@ class TrainJob:
     async def _watch_events(self, channel: grpc.aio.Channel) -> None:
         from rollmesh.controller.v1 import controller_pb2_grpc, observability_pb2  # noqa: PLC0415
 
-        convert = _event_converter()
+        from .resource_picture import event_dict_from_proto as convert  # noqa: PLC0415
+
         stub = controller_pb2_grpc.ControllerServiceStub(channel)
         with (self.run_dir / "events.jsonl").open("a" if self.resume is not None else "w") as out:
             async for reply in stub.WatchEvents(observability_pb2.WatchEventsRequest(include_history=True)):

@@ -95,3 +95,36 @@ def test_proto_events_convert_to_the_same_dicts():
                    replica_kind="REPLICA_KIND_HYBRID", attributes={"phase": "begin"})
     d = event_dict_from_proto(convert.event(e))
     assert d == e.to_dict()
+
+
+def test_event_details_keep_their_types_and_replica_states_are_enums():
+    from rollmesh.common.v1 import types_pb2
+
+    from controller import convert
+    from controller.core.events import EventLog, EventType, LifecycleEvent
+
+    log = EventLog(clock=lambda: 10.0)
+    sync = log.append(EventType.WEIGHT_SYNC_COMPLETED, weight_version=3,
+                      attributes={"bytes_sent": 2**40, "duration_s": 0.25, "ok": True, "replica_ids": ["a", "b"],
+                                  "skipped": None})
+    msg = convert.event(sync)
+    assert dict(msg.attributes) == {"bytes_sent": str(2**40), "duration_s": "0.25", "ok": "true",
+                                    "replica_ids": "a,b"}
+    assert msg.details["bytes_sent"] == 2**40 and msg.details["duration_s"] == 0.25 and msg.details["ok"] is True
+    assert list(msg.details["replica_ids"]) == ["a", "b"] and "skipped" not in msg.details
+    assert event_dict_from_proto(msg) == sync.to_dict()
+    assert msg.from_replica_state == msg.to_replica_state == types_pb2.REPLICA_STATE_UNSPECIFIED
+
+    moved = log.append(EventType.REPLICA_STATE_CHANGED, replica_id="r", from_state="REPLICA_STATE_ACTIVE",
+                       to_state="REPLICA_STATE_DRAINING")
+    msg = convert.event(moved)
+    assert (msg.from_replica_state, msg.to_replica_state) == (types_pb2.REPLICA_STATE_ACTIVE,
+                                                             types_pb2.REPLICA_STATE_DRAINING)
+    new = convert.event(log.append(EventType.REPLICA_STATE_CHANGED, replica_id="n", to_state="REPLICA_STATE_ACTIVE"))
+    assert new.from_replica_state == types_pb2.REPLICA_STATE_UNSPECIFIED
+    assert new.to_replica_state == types_pb2.REPLICA_STATE_ACTIVE
+
+    # an event saved before details existed comes back with its strings as its details
+    saved = sync.to_dict()
+    del saved["details"]
+    assert LifecycleEvent.from_dict(saved).details == sync.attributes

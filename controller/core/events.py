@@ -70,12 +70,16 @@ class LifecycleEvent:
     weight_version: int | None = None
     operation_id: str = ""
     attributes: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """``details`` as strings (the contract's ``attributes``)."""
     missed_events: int = 0
+    details: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """The details with their JSON types: str, int, float, bool, or a list of them."""
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["type"] = self.type.value
         data["attributes"] = dict(self.attributes)
+        data["details"] = dict(self.details)
         return data
 
     @classmethod
@@ -83,6 +87,8 @@ class LifecycleEvent:
         fields = dict(data)
         fields["type"] = EventType(fields["type"])
         fields["attributes"] = dict(fields.get("attributes") or {})
+        # an event saved before details existed keeps its strings as its details
+        fields["details"] = dict(fields["details"]) if fields.get("details") is not None else dict(fields["attributes"])
         return cls(**fields)
 
 
@@ -167,9 +173,11 @@ class EventLog:
         """Record an event; time and trace ids default to the clock and the current span."""
         if not fields.get("trace_id"):
             fields["trace_id"], fields["span_id"] = self._trace_ids()
+        given = {str(k): v for k, v in (attributes or {}).items() if v is not None}
         event = LifecycleEvent(
             sequence=self._next_sequence, time=self._clock() if time is None else time, type=type,
-            attributes={str(k): _attr(v) for k, v in (attributes or {}).items()}, **fields)
+            attributes={k: _attr(v) for k, v in given.items()}, details={k: _detail(v) for k, v in given.items()},
+            **fields)
         self._next_sequence += 1
         self._events.append(event)
         self._trim(event.time)
@@ -221,8 +229,22 @@ class EventLog:
 
 
 def _attr(value: object) -> str:
+    """A detail as the string the contract's ``attributes`` map holds."""
     if isinstance(value, float):
         return repr(value)
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return ",".join(_attr(v) for v in value)
+    return str(value)
+
+
+def _detail(value: object) -> Any:
+    """A detail as a JSON value (what the contract's ``details`` Struct holds)."""
+    if isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_detail(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted(_detail(v) for v in value)
     return str(value)

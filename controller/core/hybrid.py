@@ -286,7 +286,7 @@ class DynamicResourceController:
                 self.emit(EventType.WEIGHT_SYNC_SKIPPED, global_step=global_step, weight_version=weight_version,
                           reason="hybrid replicas stay inactive; their weight sync is skipped",
                           attributes={"bytes_saved": bytes_saved, "replicas": len(behind),
-                                      "replica_ids": ",".join(behind)})
+                                      "replica_ids": list(behind)})
             if self.enabled:
                 self._policy.update_after_step(global_step, self.ctx)
             # verl resets the cycle's switch timing once update_after_step has consumed it

@@ -152,7 +152,7 @@ class AutoscalerLoop:
                                                                                     if error else ""),
                            operation_id=op.operation_id if op else "",
                            attributes={"action": decision.action, "delta": decision.delta, "engines": engines,
-                                       "triggered_conditions": ",".join(decision.triggered_conditions),
+                                       "triggered_conditions": list(decision.triggered_conditions),
                                        **{k: v for k, v in decision.metrics_snapshot.items() if k != "time"}})
         if op is not None and op.state.value != "NOOP":
             self._active.record_scale(decision.action, now)

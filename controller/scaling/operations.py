@@ -272,8 +272,8 @@ class OperationBook:
         self._emit(EventType.OPERATION_STATE_CHANGED, operation_id=op.operation_id,
                    from_state=previous.proto_name, to_state=to.proto_name, reason=reason,
                    weight_version=op.weight_version,
-                   attributes={"type": op.type.value, "replica_ids": ",".join(op.replica_ids),
-                               "failed_replica_ids": ",".join(op.failed_replica_ids)})
+                   attributes={"type": op.type.value, "replica_ids": list(op.replica_ids),
+                               "failed_replica_ids": list(op.failed_replica_ids)})
         self._wake()
         return op
 

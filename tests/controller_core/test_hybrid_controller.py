@@ -73,7 +73,8 @@ async def test_full_cycle_orders_durations_and_adaptation(mesh):
     assert mesh.log[start:] == [("sync", ("s1", "s2"), 2)]
     assert done.hybrid_sync_skipped and done.bytes_saved == 2000 and not done.hybrid_activated
     skipped = mesh.events_of(EventType.WEIGHT_SYNC_SKIPPED)[-1]
-    assert skipped.attributes["bytes_saved"] == "2000" and skipped.weight_version == 2
+    assert skipped.details["bytes_saved"] == 2000 and skipped.weight_version == 2
+    assert skipped.attributes["bytes_saved"] == "2000"   # the string map, for clients written against it
     assert done.deactivate_ratio == pytest.approx(0.28)          # used, no waits: 0.3 - 0.02
     assert ctrl.policy.switch_cost_history == [pytest.approx(7.0), pytest.approx(5.5)]   # cycle 2: the release
 

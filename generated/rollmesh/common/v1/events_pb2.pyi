@@ -1,5 +1,6 @@
 import datetime
 
+from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from rollmesh.common.v1 import types_pb2 as _types_pb2
 from google.protobuf.internal import containers as _containers
@@ -47,7 +48,7 @@ EVENT_TYPE_GAP: EventType
 EVENT_TYPE_REPLICA_EJECTED: EventType
 
 class LifecycleEvent(_message.Message):
-    __slots__ = ("sequence", "time", "type", "replica_id", "node_id", "replica_kind", "from_state", "to_state", "reason", "trace_id", "span_id", "global_step", "weight_version", "operation_id", "attributes", "missed_events")
+    __slots__ = ("sequence", "time", "type", "replica_id", "node_id", "replica_kind", "from_state", "to_state", "reason", "trace_id", "span_id", "global_step", "weight_version", "operation_id", "attributes", "missed_events", "details", "from_replica_state", "to_replica_state")
     class AttributesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +72,9 @@ class LifecycleEvent(_message.Message):
     OPERATION_ID_FIELD_NUMBER: _ClassVar[int]
     ATTRIBUTES_FIELD_NUMBER: _ClassVar[int]
     MISSED_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    FROM_REPLICA_STATE_FIELD_NUMBER: _ClassVar[int]
+    TO_REPLICA_STATE_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     time: _timestamp_pb2.Timestamp
     type: EventType
@@ -87,4 +91,7 @@ class LifecycleEvent(_message.Message):
     operation_id: str
     attributes: _containers.ScalarMap[str, str]
     missed_events: int
-    def __init__(self, sequence: _Optional[int] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., type: _Optional[_Union[EventType, str]] = ..., replica_id: _Optional[str] = ..., node_id: _Optional[str] = ..., replica_kind: _Optional[_Union[_types_pb2.ReplicaKind, str]] = ..., from_state: _Optional[str] = ..., to_state: _Optional[str] = ..., reason: _Optional[str] = ..., trace_id: _Optional[str] = ..., span_id: _Optional[str] = ..., global_step: _Optional[int] = ..., weight_version: _Optional[int] = ..., operation_id: _Optional[str] = ..., attributes: _Optional[_Mapping[str, str]] = ..., missed_events: _Optional[int] = ...) -> None: ...
+    details: _struct_pb2.Struct
+    from_replica_state: _types_pb2.ReplicaState
+    to_replica_state: _types_pb2.ReplicaState
+    def __init__(self, sequence: _Optional[int] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., type: _Optional[_Union[EventType, str]] = ..., replica_id: _Optional[str] = ..., node_id: _Optional[str] = ..., replica_kind: _Optional[_Union[_types_pb2.ReplicaKind, str]] = ..., from_state: _Optional[str] = ..., to_state: _Optional[str] = ..., reason: _Optional[str] = ..., trace_id: _Optional[str] = ..., span_id: _Optional[str] = ..., global_step: _Optional[int] = ..., weight_version: _Optional[int] = ..., operation_id: _Optional[str] = ..., attributes: _Optional[_Mapping[str, str]] = ..., missed_events: _Optional[int] = ..., details: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., from_replica_state: _Optional[_Union[_types_pb2.ReplicaState, str]] = ..., to_replica_state: _Optional[_Union[_types_pb2.ReplicaState, str]] = ...) -> None: ...

@@ -8,16 +8,16 @@
 import type { GenEnum, GenFile, GenMessage } from "@bufbuild/protobuf/codegenv2";
 import { enumDesc, fileDesc, messageDesc } from "@bufbuild/protobuf/codegenv2";
 import type { Timestamp } from "@bufbuild/protobuf/wkt";
-import { file_google_protobuf_timestamp } from "@bufbuild/protobuf/wkt";
-import type { ReplicaKind } from "./types_pb.js";
+import { file_google_protobuf_struct, file_google_protobuf_timestamp } from "@bufbuild/protobuf/wkt";
+import type { ReplicaKind, ReplicaState } from "./types_pb.js";
 import { file_rollmesh_common_v1_types } from "./types_pb.js";
-import type { Message } from "@bufbuild/protobuf";
+import type { JsonObject, Message } from "@bufbuild/protobuf";
 
 /**
  * Describes the file rollmesh/common/v1/events.proto.
  */
 export const file_rollmesh_common_v1_events: GenFile = /*@__PURE__*/
-  fileDesc("Ch9yb2xsbWVzaC9jb21tb24vdjEvZXZlbnRzLnByb3RvEhJyb2xsbWVzaC5jb21tb24udjEisAQKDkxpZmVjeWNsZUV2ZW50EhAKCHNlcXVlbmNlGAEgASgEEigKBHRpbWUYAiABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEisKBHR5cGUYAyABKA4yHS5yb2xsbWVzaC5jb21tb24udjEuRXZlbnRUeXBlEhIKCnJlcGxpY2FfaWQYBCABKAkSDwoHbm9kZV9pZBgFIAEoCRI1CgxyZXBsaWNhX2tpbmQYBiABKA4yHy5yb2xsbWVzaC5jb21tb24udjEuUmVwbGljYUtpbmQSEgoKZnJvbV9zdGF0ZRgHIAEoCRIQCgh0b19zdGF0ZRgIIAEoCRIOCgZyZWFzb24YCSABKAkSEAoIdHJhY2VfaWQYCiABKAkSDwoHc3Bhbl9pZBgLIAEoCRIYCgtnbG9iYWxfc3RlcBgMIAEoA0gAiAEBEhsKDndlaWdodF92ZXJzaW9uGA0gASgDSAGIAQESFAoMb3BlcmF0aW9uX2lkGA4gASgJEkYKCmF0dHJpYnV0ZXMYDyADKAsyMi5yb2xsbWVzaC5jb21tb24udjEuTGlmZWN5Y2xlRXZlbnQuQXR0cmlidXRlc0VudHJ5EhUKDW1pc3NlZF9ldmVudHMYECABKAQaMQoPQXR0cmlidXRlc0VudHJ5EgsKA2tleRgBIAEoCRINCgV2YWx1ZRgCIAEoCToCOAFCDgoMX2dsb2JhbF9zdGVwQhEKD193ZWlnaHRfdmVyc2lvbiqfBAoJRXZlbnRUeXBlEhoKFkVWRU5UX1RZUEVfVU5TUEVDSUZJRUQQABIkCiBFVkVOVF9UWVBFX1JFUExJQ0FfU1RBVEVfQ0hBTkdFRBABEicKI0VWRU5UX1RZUEVfQ09OVFJPTExFUl9TVEFURV9DSEFOR0VEEAISIgoeRVZFTlRfVFlQRV9XRUlHSFRfU1lOQ19TVEFSVEVEEAMSJAogRVZFTlRfVFlQRV9XRUlHSFRfU1lOQ19DT01QTEVURUQQBBIiCh5FVkVOVF9UWVBFX1dFSUdIVF9TWU5DX1NLSVBQRUQQBRIhCh1FVkVOVF9UWVBFX1dFSUdIVF9TWU5DX0ZBSUxFRBAGEhwKGEVWRU5UX1RZUEVfTEVBU0VfRVhQSVJFRBAHEh4KGkVWRU5UX1RZUEVfTk9ERV9SRUdJU1RFUkVEEAgSIAocRVZFTlRfVFlQRV9OT0RFX0RFUkVHSVNURVJFRBAJEiYKIkVWRU5UX1RZUEVfT1BFUkFUSU9OX1NUQVRFX0NIQU5HRUQQChIiCh5FVkVOVF9UWVBFX0FVVE9TQ0FMRVJfREVDSVNJT04QCxIZChVFVkVOVF9UWVBFX1NURVBfUEhBU0UQDBIbChdFVkVOVF9UWVBFX1dBSVRfRVhQSVJFRBANEhIKDkVWRU5UX1RZUEVfR0FQEA4SHgoaRVZFTlRfVFlQRV9SRVBMSUNBX0VKRUNURUQQD2IGcHJvdG8z", [file_google_protobuf_timestamp, file_rollmesh_common_v1_types]);
+  fileDesc("Ch9yb2xsbWVzaC9jb21tb24vdjEvZXZlbnRzLnByb3RvEhJyb2xsbWVzaC5jb21tb24udjEi1AUKDkxpZmVjeWNsZUV2ZW50EhAKCHNlcXVlbmNlGAEgASgEEigKBHRpbWUYAiABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEisKBHR5cGUYAyABKA4yHS5yb2xsbWVzaC5jb21tb24udjEuRXZlbnRUeXBlEhIKCnJlcGxpY2FfaWQYBCABKAkSDwoHbm9kZV9pZBgFIAEoCRI1CgxyZXBsaWNhX2tpbmQYBiABKA4yHy5yb2xsbWVzaC5jb21tb24udjEuUmVwbGljYUtpbmQSEgoKZnJvbV9zdGF0ZRgHIAEoCRIQCgh0b19zdGF0ZRgIIAEoCRIOCgZyZWFzb24YCSABKAkSEAoIdHJhY2VfaWQYCiABKAkSDwoHc3Bhbl9pZBgLIAEoCRIYCgtnbG9iYWxfc3RlcBgMIAEoA0gAiAEBEhsKDndlaWdodF92ZXJzaW9uGA0gASgDSAGIAQESFAoMb3BlcmF0aW9uX2lkGA4gASgJEkYKCmF0dHJpYnV0ZXMYDyADKAsyMi5yb2xsbWVzaC5jb21tb24udjEuTGlmZWN5Y2xlRXZlbnQuQXR0cmlidXRlc0VudHJ5EhUKDW1pc3NlZF9ldmVudHMYECABKAQSKAoHZGV0YWlscxgRIAEoCzIXLmdvb2dsZS5wcm90b2J1Zi5TdHJ1Y3QSPAoSZnJvbV9yZXBsaWNhX3N0YXRlGBIgASgOMiAucm9sbG1lc2guY29tbW9uLnYxLlJlcGxpY2FTdGF0ZRI6ChB0b19yZXBsaWNhX3N0YXRlGBMgASgOMiAucm9sbG1lc2guY29tbW9uLnYxLlJlcGxpY2FTdGF0ZRoxCg9BdHRyaWJ1dGVzRW50cnkSCwoDa2V5GAEgASgJEg0KBXZhbHVlGAIgASgJOgI4AUIOCgxfZ2xvYmFsX3N0ZXBCEQoPX3dlaWdodF92ZXJzaW9uKp8ECglFdmVudFR5cGUSGgoWRVZFTlRfVFlQRV9VTlNQRUNJRklFRBAAEiQKIEVWRU5UX1RZUEVfUkVQTElDQV9TVEFURV9DSEFOR0VEEAESJwojRVZFTlRfVFlQRV9DT05UUk9MTEVSX1NUQVRFX0NIQU5HRUQQAhIiCh5FVkVOVF9UWVBFX1dFSUdIVF9TWU5DX1NUQVJURUQQAxIkCiBFVkVOVF9UWVBFX1dFSUdIVF9TWU5DX0NPTVBMRVRFRBAEEiIKHkVWRU5UX1RZUEVfV0VJR0hUX1NZTkNfU0tJUFBFRBAFEiEKHUVWRU5UX1RZUEVfV0VJR0hUX1NZTkNfRkFJTEVEEAYSHAoYRVZFTlRfVFlQRV9MRUFTRV9FWFBJUkVEEAcSHgoaRVZFTlRfVFlQRV9OT0RFX1JFR0lTVEVSRUQQCBIgChxFVkVOVF9UWVBFX05PREVfREVSRUdJU1RFUkVEEAkSJgoiRVZFTlRfVFlQRV9PUEVSQVRJT05fU1RBVEVfQ0hBTkdFRBAKEiIKHkVWRU5UX1RZUEVfQVVUT1NDQUxFUl9ERUNJU0lPThALEhkKFUVWRU5UX1RZUEVfU1RFUF9QSEFTRRAMEhsKF0VWRU5UX1RZUEVfV0FJVF9FWFBJUkVEEA0SEgoORVZFTlRfVFlQRV9HQVAQDhIeChpFVkVOVF9UWVBFX1JFUExJQ0FfRUpFQ1RFRBAPYgZwcm90bzM", [file_google_protobuf_struct, file_google_protobuf_timestamp, file_rollmesh_common_v1_types]);
 
 /**
  * LifecycleEvent records one transition in the mesh.
@@ -128,7 +128,9 @@ export type LifecycleEvent = Message<"rollmesh.common.v1.LifecycleEvent"> & {
   operationId: string;
 
   /**
-   * Further details as strings, e.g. "bytes_sent", "duration_s", "delta".
+   * The details below as strings (numbers in decimal, booleans "true" or
+   * "false", lists comma-joined), kept for clients written against them;
+   * details holds the same keys with their types.
    *
    * @generated from field: map<string, string> attributes = 15;
    */
@@ -140,6 +142,30 @@ export type LifecycleEvent = Message<"rollmesh.common.v1.LifecycleEvent"> & {
    * @generated from field: uint64 missed_events = 16;
    */
   missedEvents: bigint;
+
+  /**
+   * Further details with their JSON types, e.g. "bytes_sent" and "delta" as
+   * numbers, "ok" as a boolean, "replica_ids" as a list of strings; the
+   * same keys as attributes.
+   *
+   * @generated from field: google.protobuf.Struct details = 17;
+   */
+  details?: JsonObject | undefined;
+
+  /**
+   * On EVENT_TYPE_REPLICA_STATE_CHANGED, from_state as the enum
+   * (unspecified for a replica that is new).
+   *
+   * @generated from field: rollmesh.common.v1.ReplicaState from_replica_state = 18;
+   */
+  fromReplicaState: ReplicaState;
+
+  /**
+   * On EVENT_TYPE_REPLICA_STATE_CHANGED, to_state as the enum.
+   *
+   * @generated from field: rollmesh.common.v1.ReplicaState to_replica_state = 19;
+   */
+  toReplicaState: ReplicaState;
 };
 
 /**
@@ -164,7 +190,7 @@ export enum EventType {
 
   /**
    * A replica changed state; from_state and to_state are ReplicaState
-   * value names.
+   * value names, from_replica_state and to_replica_state the values.
    *
    * @generated from enum value: EVENT_TYPE_REPLICA_STATE_CHANGED = 1;
    */
@@ -186,7 +212,7 @@ export enum EventType {
   WEIGHT_SYNC_STARTED = 3,
 
   /**
-   * A weight broadcast finished; attributes carry bytes and duration.
+   * A weight broadcast finished; details carry bytes and duration.
    *
    * @generated from enum value: EVENT_TYPE_WEIGHT_SYNC_COMPLETED = 4;
    */
@@ -194,7 +220,7 @@ export enum EventType {
 
   /**
    * A weight sync to hybrid replicas was skipped because they stay inactive;
-   * attributes carry the bytes saved.
+   * details carry the bytes saved.
    *
    * @generated from enum value: EVENT_TYPE_WEIGHT_SYNC_SKIPPED = 5;
    */
@@ -237,7 +263,7 @@ export enum EventType {
   OPERATION_STATE_CHANGED = 10,
 
   /**
-   * The autoscaler made a decision; attributes carry action, delta and the
+   * The autoscaler made a decision; details carry action, delta and the
    * triggered conditions.
    *
    * @generated from enum value: EVENT_TYPE_AUTOSCALER_DECISION = 11;
@@ -246,7 +272,7 @@ export enum EventType {
 
   /**
    * A step-protocol call (BeginTrainingStep, ReleaseHybridReplicas,
-   * CompleteTrainingStep) was handled; attributes carry the decision.
+   * CompleteTrainingStep) was handled; details carry the decision.
    *
    * @generated from enum value: EVENT_TYPE_STEP_PHASE = 12;
    */
