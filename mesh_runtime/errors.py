@@ -36,7 +36,7 @@ class RollmeshError(Exception):
     default_reason = Reason.INTERNAL
 
     def __init__(self, message: str, *, reason: str | None = None,
-                 metadata: Mapping[str, str] | None = None, retry_delay_s: float | None = None) -> None:
+                 metadata: Mapping[str, object] | None = None, retry_delay_s: float | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.reason = Reason(reason or self.default_reason)

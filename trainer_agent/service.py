@@ -31,7 +31,7 @@ class TrainerAgentServicer(trainer_agent_pb2_grpc.TrainerAgentServiceServicer):
 
     def _progress_families(self) -> list:
         p = self.node.driver.progress()
-        out = [GaugeMetricFamily("rollmesh_trainer_global_step", "Training steps finished", value=p.global_step),
+        out: list[GaugeMetricFamily | CounterMetricFamily] = [GaugeMetricFamily("rollmesh_trainer_global_step", "Training steps finished", value=p.global_step),
                GaugeMetricFamily("rollmesh_trainer_weight_version", "Weight version of the trainer's weights",
                                  value=p.weight_version),
                GaugeMetricFamily("rollmesh_trainer_queue_samples", "Samples waiting in the message queue",

@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
+from typing import Any
 from collections.abc import Iterator, Mapping
 
 import torch
@@ -68,8 +69,16 @@ class WeightSource(abc.ABC):
     backend: str = ""
     """Name of the training backend, reported in GetStatus (``"torch"``, ``"megatron"``)."""
 
-    def __init__(self, model: str, weight_version: int = 0) -> None:
+    module: Any = None
+    """The trainable ``torch.nn.Module`` once loaded, where the backend trains in this process (the GRPO
+    trainer trains it); None for a source whose weights come from elsewhere."""
+
+    def __init__(self, model: str, weight_version: int = 0, *, seed: int = 0, dtype: str = "float32") -> None:
+        """``seed`` and ``dtype``: the agent's ``model_seed`` and ``weight_dtype``, which a plugin built by
+        ``weight_source:`` gets whether or not it uses them (kept as ``seed`` and ``dtype_name``)."""
         self.model = model
+        self.seed = seed
+        self.dtype_name = dtype
         self._version = weight_version
         self._lock = threading.RLock()
         self._loaded = False
@@ -201,11 +210,9 @@ class TorchWeightSource(WeightSource):
 
     def __init__(self, model: str, *, seed: int = 0, dtype: str = "float32", device: str = "cpu",
                  weight_version: int = 0) -> None:
-        super().__init__(model, weight_version)
-        self.seed = seed
+        super().__init__(model, weight_version, seed=seed, dtype=dtype)
         self.dtype = getattr(torch, dtype)
         self.device = torch.device(device)
-        self.module: torch.nn.Module | None = None
         self._params: dict[str, torch.nn.Parameter] = {}
         self._aliases: dict[str, str] = {}
 
@@ -218,7 +225,7 @@ class TorchWeightSource(WeightSource):
             from modeling.presets import build_preset_model  # noqa: PLC0415
 
             module = build_preset_model(self.model, self.seed, self.dtype)
-        self.module = module.to(self.device)
+        self.module = module.to(self.device)  # type: ignore[arg-type]  # transformers' stubs type .to oddly
         first_name: dict[int, str] = {}
         for name, param in self.module.named_parameters(remove_duplicate=False):
             canonical = first_name.setdefault(id(param), name)

@@ -34,6 +34,7 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -129,7 +130,7 @@ class TransferGroup:
     retires it.
     """
 
-    def __init__(self, key: GroupKey, rank: int, backend_group: object, device: torch.device,
+    def __init__(self, key: GroupKey, rank: int, backend_group: Any, device: torch.device,
                  op_timeout: datetime.timedelta, *, topology: str = "auto", ring_size: int = 3) -> None:
         self.key = key
         self.rank = rank
@@ -250,7 +251,7 @@ def _call_with_deadline(build, deadline: float, what: str):
     On giving up the helper is left to finish on its own, and whatever it
     builds is dropped (a group object closes its connections when collected).
     """
-    outcome: dict[str, object] = {}
+    outcome: dict[str, Any] = {}
     done = threading.Event()
 
     def target() -> None:
@@ -320,6 +321,7 @@ class GroupCache:
                     continue
                 self._hosted[store.port] = store
                 return store.port
+            assert ports is not None   # a given port that fails raises in the loop
             raise WeightTransferError(f"no free port for a rendezvous store on {host} in rendezvous_ports "
                                       f"{ports[0]}-{ports[1]}")
 
@@ -433,7 +435,7 @@ class GroupCache:
         except Exception as err:
             if rank != 0:
                 with self._lock:  # the sender may have restarted; reconnect next time
-                    self._stores.pop(tuple(rendezvous), None)
+                    self._stores.pop((rendezvous[0], rendezvous[1]), None)
             if isinstance(err, WeightTransferError) or not isinstance(err, RuntimeError):
                 raise
             raise translate_error(err, what) from err  # torch.distributed / gloo / NCCL errors
@@ -444,7 +446,7 @@ class GroupCache:
         base = self._store_for(host, port, rank == 0, deadline)
         # Own connection per construction: a blocking wait on a shared client
         # would stall every other construction in this process.
-        conn = base.clone()
+        conn: Any = base.clone()  # type: ignore[attr-defined]  # in torch, not in its stubs
         conn.set_timeout(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
         store = dist.PrefixStore(key.store_prefix(secret), conn)
         op_timeout = datetime.timedelta(seconds=self.config.op_timeout_s)
@@ -459,7 +461,8 @@ class GroupCache:
 
     def _build_gloo(self, store: dist.Store, rank: int, size: int, op_timeout: datetime.timedelta,
                     deadline: float) -> tuple[object, torch.device]:
-        options = dist.ProcessGroupGloo._Options()
+        gloo: Any = dist.ProcessGroupGloo   # _Options: private, not in the stubs
+        options = gloo._Options()
         # gloo's rendezvous waits use the group timeout, so it starts as what is
         # left of the setup budget and becomes op_timeout once the group is up.
         options._timeout = datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001))

@@ -170,7 +170,7 @@ class Manifest:
                                    bucket_index=int(t["bucket_index"]),
                                    offset_bytes=int(t["offset_bytes"]), nbytes=int(t["nbytes"]))
                        for t in data["tensors"]]
-            manifest = cls(tensors=entries, bucket_size_bytes=int(data["bucket_size_bytes"]),
+            manifest = cls(tensors=tuple(entries), bucket_size_bytes=int(data["bucket_size_bytes"]),
                            total_bytes=int(data["total_bytes"]), checksum=data["checksum"],
                            checksum_algorithm=data.get("checksum_algorithm", DEFAULT_CHECKSUM),
                            bucket_digests=tuple(str(d) for d in data.get("bucket_digests", ())))
@@ -251,7 +251,7 @@ class BucketDigests:
         self.digests: list[str] = []
 
     def update(self, data: torch.Tensor | bytes) -> None:
-        view = memoryview(data.cpu().numpy() if isinstance(data, torch.Tensor) else data).cast("B")
+        view = _bytes_view(data)
         pos = 0
         while pos < len(view):
             take = min(self._size - self._filled, len(view) - pos)
@@ -272,9 +272,15 @@ class BucketDigests:
         return tuple(self.digests)
 
 
+def _bytes_view(data: torch.Tensor | bytes) -> memoryview:
+    """The bytes of ``data`` without a copy (a CPU tensor through numpy's buffer)."""
+    buffer: Any = data.cpu().numpy() if isinstance(data, torch.Tensor) else data
+    return memoryview(buffer).cast("B")
+
+
 def bucket_digest(data: torch.Tensor) -> str:
     """BLAKE3 hex of one bucket's bytes (a 1-D uint8 tensor)."""
-    return blake3(memoryview(data.cpu().numpy()).cast("B")).hexdigest()
+    return blake3(_bytes_view(data)).hexdigest()
 
 
 def validate_against(manifest: Manifest,
@@ -325,12 +331,11 @@ class StreamHasher:
                     0, dtype=torch.uint8)
             self._wsum.update(data)
             return
-        if isinstance(data, torch.Tensor):
-            data = data.cpu().numpy()  # zero-copy for a CPU tensor; hashlib/zlib release the GIL
+        view = _bytes_view(data)  # zero-copy for a CPU tensor; hashlib/zlib release the GIL
         if self._sha is not None:
-            self._sha.update(data)
+            self._sha.update(view)
         else:
-            self._crc = zlib.crc32(data, self._crc)
+            self._crc = zlib.crc32(view, self._crc)
 
     def hexdigest(self) -> str:
         if self._wsum is not None:
@@ -383,19 +388,19 @@ class _WeightedWordSum:
 
     def hexdigest(self) -> str:
         s1, s2 = self._s1, self._s2
-        if self._carry_len:
+        if self._carry_len and self._carry is not None:
             tail = self._carry.clone()
             tail[self._carry_len:].zero_()
             t1, t2 = self._fold(tail, self._rows)
-            s1, s2 = (t1, t2) if s1 is None else (s1 + t1, s2 + t2)
-        if s1 is None:
+            s1, s2 = (t1, t2) if s1 is None or s2 is None else (s1 + t1, s2 + t2)
+        if s1 is None or s2 is None:
             return "0" * 32
         return f"{int(s1.item()) & self._MASK:016x}{int(s2.item()) & self._MASK:016x}"
 
     def _accumulate(self, rows: torch.Tensor) -> None:
         s1, s2 = self._fold(rows, self._rows)
         self._rows += rows.numel() // self.ROW_BYTES
-        if self._s1 is None:
+        if self._s1 is None or self._s2 is None:
             self._s1, self._s2 = s1, s2
         else:
             self._s1 += s1
@@ -449,7 +454,7 @@ def build_manifest(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_siz
             hasher.update(data)
             digests.update(data)
         cursor = start + nbytes
-    return Manifest(tensors=entries, bucket_size_bytes=bucket_size_bytes, total_bytes=cursor,
+    return Manifest(tensors=tuple(entries), bucket_size_bytes=bucket_size_bytes, total_bytes=cursor,
                     checksum=hasher.hexdigest(), checksum_algorithm=checksum_algorithm,
                     bucket_digests=digests.finish())
 

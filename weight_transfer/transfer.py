@@ -192,6 +192,7 @@ class _Packer:
             else:
                 n = min(self._src_end, end) - pos
                 offset = pos - self._src_start
+                assert self._src is not None   # _next_source set it
                 buf[pos - start:pos - start + n].copy_(self._src[offset:offset + n])
             pos += n
 

@@ -45,9 +45,9 @@ class SyncPlan:
 
 def manifest_from_proto(msg: weights_pb2.WeightManifest) -> Manifest:
     """Decode a manifest and check its layout (:class:`~weight_transfer.InvalidManifest` if impossible)."""
-    manifest = Manifest(tensors=[TensorEntry(name=t.name, dtype=t.dtype, shape=tuple(t.shape),
-                                             bucket_index=t.bucket_index, offset_bytes=t.offset_bytes,
-                                             nbytes=t.nbytes) for t in msg.tensors],
+    manifest = Manifest(tensors=tuple(TensorEntry(name=t.name, dtype=t.dtype, shape=tuple(t.shape),
+                                                  bucket_index=t.bucket_index, offset_bytes=t.offset_bytes,
+                                                  nbytes=t.nbytes) for t in msg.tensors),
                         bucket_size_bytes=msg.bucket_size_bytes, total_bytes=msg.total_bytes,
                         checksum=msg.checksum, checksum_algorithm=msg.checksum_algorithm,
                         bucket_digests=tuple(msg.bucket_digests))

@@ -70,6 +70,10 @@ def test_layouts_that_do_not_fit_are_refused():
         layout.check_tensor_parallel(3)
     with pytest.raises(mapping.MappingError, match="missing"):
         mapping.to_megatron(layout, {k: v for k, v in hf.items() if "down_proj" not in k})
+    config = preset_config("tiny-llama").to_dict()
+    del config["intermediate_size"]
+    with pytest.raises(mapping.MappingError, match="has no intermediate_size"):
+        mapping.GptLayout.from_hf_config(config)
 
 
 @pytest.mark.parametrize("preset, tp", [("tiny-llama", 1), ("tiny-qwen2", 1), ("tiny-llama", 2)])

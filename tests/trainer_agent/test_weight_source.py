@@ -8,7 +8,7 @@ import torch
 from mesh_runtime.errors import FailedPrecondition, InvalidArgument
 from modeling.presets import build_preset_model, save_preset
 from replica_agent.engines.torch_weights import ModelWeights
-from trainer_agent.weight_source import TorchWeightSource
+from trainer_agent.weight_source import TorchWeightSource, WeightSource
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -85,3 +85,31 @@ def test_nothing_is_readable_before_load():
         source.weight_spec()
     with pytest.raises(FailedPrecondition, match="not loaded"):
         source.snapshot()
+
+
+class _PluginWithoutInit(WeightSource):   # a user's WeightSource that keeps the base __init__
+    def _load(self):
+        self._tensors = {"w": torch.zeros(2)}
+
+    def _named_tensors(self):
+        yield from self._tensors.items()
+
+    def _write(self, named_tensors):
+        self._tensors.update(named_tensors)
+
+
+def test_a_plugin_that_keeps_the_base_init_is_built_with_the_agents_seed_and_dtype(monkeypatch):
+    import sys
+    import types
+
+    from trainer_agent.config import TrainerAgentConfig
+    from trainer_agent.weight_source import create_weight_source
+
+    module = types.ModuleType("user_weights")
+    module.Plugin = _PluginWithoutInit
+    monkeypatch.setitem(sys.modules, "user_weights", module)
+    config = TrainerAgentConfig(weight_source="user_weights:Plugin", model_seed=7, weight_dtype="bfloat16",
+                                initial_weight_version=2)
+    source = create_weight_source(config)
+    assert isinstance(source, _PluginWithoutInit)
+    assert (source.seed, source.dtype_name, source.weight_version, source.module) == (7, "bfloat16", 2, None)

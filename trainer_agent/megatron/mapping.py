@@ -77,16 +77,22 @@ class GptLayout:
         if model_type not in ("llama", "qwen2", "mistral"):
             raise MappingError(f"the megatron backend maps Llama-family models (llama, qwen2, mistral), "
                                f"not {str(model_type)[:40]!r}")
-        heads = int(get("num_attention_heads"))
-        hidden = int(get("hidden_size"))
+        def need(key: str) -> int:
+            value = get(key, None)
+            if value is None:
+                raise MappingError(f"the model's config has no {key}; the megatron backend needs it")
+            return int(value)
+
+        heads = need("num_attention_heads")
+        hidden = need("hidden_size")
         rope = get("rope_theta", None)
         if rope is None:
             rope = (get("rope_parameters", None) or {}).get("rope_theta", 10000.0)
         return cls(
-            num_layers=int(get("num_hidden_layers")), hidden_size=hidden, num_heads=heads,
+            num_layers=need("num_hidden_layers"), hidden_size=hidden, num_heads=heads,
             num_query_groups=int(get("num_key_value_heads", None) or heads),
             head_dim=int(get("head_dim", None) or hidden // heads),
-            ffn_hidden_size=int(get("intermediate_size")), vocab_size=int(get("vocab_size")),
+            ffn_hidden_size=need("intermediate_size"), vocab_size=need("vocab_size"),
             max_position_embeddings=int(get("max_position_embeddings", 2048)),
             rms_norm_eps=float(get("rms_norm_eps", 1e-6)), rope_theta=float(rope),
             tied_embeddings=bool(get("tie_word_embeddings", False)),

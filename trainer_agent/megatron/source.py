@@ -119,8 +119,7 @@ class MegatronWeightSource(WeightSource):
 
     def __init__(self, model: str, *, seed: int = 0, dtype: str = "float32", device: str = "cuda",
                  tensor_parallel_size: int = 1, weight_version: int = 0) -> None:
-        super().__init__(model, weight_version)
-        self.seed = seed
+        super().__init__(model, weight_version, seed=seed, dtype=dtype)
         self.dtype = getattr(torch, dtype)
         self.device = torch.device(device)
         self.tensor_parallel_size = tensor_parallel_size
@@ -175,13 +174,18 @@ class MegatronWeightSource(WeightSource):
             out[name] = data
         return out
 
+    @property
+    def _loaded_layout(self) -> mapping.GptLayout:
+        assert self.layout is not None, "the base class reads and writes only after _load"
+        return self.layout
+
     def _named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from mapping.to_hf(self.layout, self._whole()).items()
+        yield from mapping.to_hf(self._loaded_layout, self._whole()).items()
 
     def _write(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
         current = dict(self._named_tensors())
         current.update(named_tensors)
-        self._write_megatron(mapping.to_megatron(self.layout, current))
+        self._write_megatron(mapping.to_megatron(self._loaded_layout, current))
 
     def _canonical_name(self, name: str) -> str:
         if name == "lm_head.weight" and self.layout is not None and self.layout.tied_embeddings:

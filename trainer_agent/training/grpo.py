@@ -325,11 +325,12 @@ class GrpoTrainer:
         if self._host is None:
             return
         with torch.no_grad():
+            host_optimizer = self._host_optimizer or {}
             for name, param in self._params.items():
                 param.data = self._host[name].to(self.device)
-                if name in self._host_optimizer:
+                if name in host_optimizer:
                     self.optimizer.state[param] = {k: v.to(self.device) if torch.is_tensor(v) and v.dim() > 0 else v
-                                                  for k, v in self._host_optimizer[name].items()}
+                                                  for k, v in host_optimizer[name].items()}
         self._host = self._host_optimizer = None
 
     # -- checkpoint -----------------------------------------------------------------------------
