@@ -19,6 +19,7 @@ from mesh_runtime.channels import ChannelPool
 from mesh_runtime.config import TlsConfig
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2, loadbalancer_pb2_grpc, routing_pb2
 from rollmesh.replica.v1 import replica_agent_pb2, replica_agent_pb2_grpc
+from rollmesh.weights.v1 import weight_source_pb2_grpc
 
 from .convert import kind_to_proto
 from .core.ports import ReplicaCallResult
@@ -38,6 +39,10 @@ class Channels:
 
     def agent(self, address: str) -> replica_agent_pb2_grpc.ReplicaAgentServiceStub:
         return replica_agent_pb2_grpc.ReplicaAgentServiceStub(self.channel(address))
+
+    def weight_source(self, address: str) -> weight_source_pb2_grpc.WeightSourceServiceStub:
+        """The WeightSourceService of the trainer agent or replica agent at ``address``."""
+        return weight_source_pb2_grpc.WeightSourceServiceStub(self.channel(address))
 
     async def close(self) -> None:
         await self._pool.close()

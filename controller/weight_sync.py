@@ -17,6 +17,7 @@ import secrets
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import grpc
 
@@ -70,11 +71,6 @@ class WeightBroadcast:
 
     def model_bytes(self) -> int:
         return self._model_bytes
-
-    def _trainer(self):
-        from rollmesh.trainer.v1 import trainer_agent_pb2_grpc  # noqa: PLC0415
-
-        return trainer_agent_pb2_grpc.TrainerAgentServiceStub(self.channels.channel(self.trainer_address))
 
     async def wait_idle(self) -> None:
         """Return once no weight sync is running."""
@@ -142,36 +138,32 @@ class WeightBroadcast:
         return outcome
 
     def _trainer_source(self, timeout_s: float | None = None) -> _Source:
-        from rollmesh.trainer.v1 import trainer_agent_pb2  # noqa: PLC0415
-
-        trainer = self._trainer()
-
-        def prepare(version: int):
-            request = trainer_agent_pb2.PrepareWeightSyncRequest(weight_version=version)
-            if self.bucket_size_bytes:
-                request.bucket_size_bytes = self.bucket_size_bytes
-            return trainer.PrepareWeightSync(request, timeout=timeout)
-
-        timeout = timeout_s or self.timeout_s
-        return _Source("trainer PrepareWeightSync", prepare,
-                       lambda plan: trainer.SendWeights(trainer_agent_pb2.SendWeightsRequest(plan=plan),
-                                                        timeout=timeout),
-                       weights_pb2.WeightSyncMember(rank=0))
+        return self._source("trainer", self.trainer_address, "", weights_pb2.WeightSyncMember(rank=0),
+                            timeout_s or self.timeout_s)
 
     def _replica_source(self, seed: str) -> _Source:
         address = self.registry.get(seed).address
-        agent = self.channels.agent(address)
+        return self._source(f"seed replica {seed}", address, seed,
+                            weights_pb2.WeightSyncMember(rank=0, replica_id=seed, address=address), self.timeout_s)
+
+    def _source(self, what: str, address: str, source_id: str, member: Any, timeout: float) -> _Source:
+        """The WeightSourceService at ``address`` (a trainer agent: ``source_id`` empty; a replica agent: the
+        seed replica) as the source of one broadcast."""
+        from rollmesh.weights.v1 import weight_source_pb2  # noqa: PLC0415
+
+        stub = self.channels.weight_source(address)
 
         def prepare(version: int):
-            request = replica_agent_pb2.PrepareWeightSyncRequest(replica_id=seed, weight_version=version)
+            request = weight_source_pb2.PrepareWeightSyncRequest(source_id=source_id, weight_version=version)
             if self.bucket_size_bytes:
                 request.bucket_size_bytes = self.bucket_size_bytes
-            return agent.PrepareWeightSync(request, timeout=self.timeout_s)
+            return stub.PrepareWeightSync(request, timeout=timeout)
 
-        return _Source(f"seed replica {seed} PrepareWeightSync", prepare,
-                       lambda plan: agent.SendWeights(replica_agent_pb2.SendWeightsRequest(replica_id=seed, plan=plan),
-                                                      timeout=self.timeout_s),
-                       weights_pb2.WeightSyncMember(rank=0, replica_id=seed, address=address))
+        return _Source(f"{what} PrepareWeightSync", prepare,
+                       lambda plan: stub.SendWeights(weight_source_pb2.SendWeightsRequest(source_id=source_id,
+                                                                                          plan=plan),
+                                                     timeout=timeout),
+                       member)
 
     async def _broadcast(self, replica_ids: Sequence[str], version: int, source: _Source,
                          timeout_s: float | None = None) -> tuple[WeightSyncOutcome, str]:

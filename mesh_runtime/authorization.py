@@ -62,6 +62,7 @@ CONTROLLER_SERVICE = "rollmesh.controller.v1.ControllerService"
 LB_SERVICE = "rollmesh.loadbalancer.v1.LoadBalancerService"
 REPLICA_SERVICE = "rollmesh.replica.v1.ReplicaAgentService"
 TRAINER_SERVICE = "rollmesh.trainer.v1.TrainerAgentService"
+WEIGHTS_SERVICE = "rollmesh.weights.v1.WeightSourceService"
 
 RULES: dict[str, dict[str, Rule]] = {
     CONTROLLER_SERVICE: {
@@ -91,13 +92,13 @@ RULES: dict[str, dict[str, Rule]] = {
         "AbortRequests": _r("controller", "lb"),
         "LaunchReplica": FROM_CONTROLLER, "StopReplica": FROM_CONTROLLER, "PauseGeneration": FROM_CONTROLLER,
         "ResumeGeneration": FROM_CONTROLLER, "Sleep": FROM_CONTROLLER, "WakeUp": FROM_CONTROLLER,
-        "ReceiveWeights": FROM_CONTROLLER, "PrepareWeightSync": FROM_CONTROLLER, "SendWeights": FROM_CONTROLLER,
+        "ReceiveWeights": FROM_CONTROLLER,
     },
     TRAINER_SERVICE: {
         "GetStatus": READ, "GetTrainingProgress": READ, "StopTraining": _r("operator"),
-        "PrepareWeightSync": FROM_CONTROLLER, "SendWeights": FROM_CONTROLLER,
         "OffloadTrainingState": FROM_CONTROLLER, "OnloadTrainingState": FROM_CONTROLLER,
     },
+    WEIGHTS_SERVICE: {"PrepareWeightSync": FROM_CONTROLLER, "SendWeights": FROM_CONTROLLER},
     # served by every server
     "grpc.health.v1.Health": {"Check": READ, "Watch": READ, "List": READ},
     "grpc.reflection.v1alpha.ServerReflection": {"ServerReflectionInfo": READ},

@@ -259,7 +259,9 @@ class ServerSpec:
 
     ``make_servicer(config, tracer_provider)`` builds the servicer; it must carry a
     ``status`` (:class:`~mesh_runtime.status.StatusReporter`), and may define
-    ``async attach(server)`` to start background work once the server exists.
+    ``async attach(server)`` to start background work once the server exists and
+    ``also_serves``, the :class:`ServiceBinding` of further services the process
+    serves (the agents' shared ``WeightSourceService``).
     """
 
     name: str
@@ -272,7 +274,8 @@ class ServerSpec:
     def build(self, config: Any, tracer_provider: TracerProvider | None = None) -> MeshServer:
         servicer = self.make_servicer(config, tracer_provider)
         server = MeshServer(server_name=self.name, listen=config.listen,
-                            services=[ServiceBinding(self.descriptor.full_name, servicer, self.add_to_server)],
+                            services=[ServiceBinding(self.descriptor.full_name, servicer, self.add_to_server),
+                                      *getattr(servicer, "also_serves", ())],
                             tracer_provider=tracer_provider, shutdown_grace_s=config.shutdown_grace_s,
                             tls=config.tls, insecure=config.insecure, health_listen=config.health_listen,
                             token_check=getattr(servicer, "token_check", None),

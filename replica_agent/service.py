@@ -8,17 +8,21 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from mesh_runtime.errors import InvalidArgument
 from mesh_runtime.reasons import Reason
+from mesh_runtime.server import ServiceBinding
 from mesh_runtime.status import StatusReporter
 from mesh_runtime.validate import check_engine_url, check_id, check_number
 from rollmesh.common.v1 import types_pb2
 from rollmesh.replica.v1 import replica_agent_pb2 as pb
 from rollmesh.replica.v1 import replica_agent_pb2_grpc, replica_pb2
+from rollmesh.weights.v1 import weight_source_pb2 as weights_pb
+from rollmesh.weights.v1 import weight_source_pb2_grpc
 
 from . import convert
 from .config import ReplicaAgentConfig
 from .node import Node
 
 DESCRIPTOR = pb.DESCRIPTOR.services_by_name["ReplicaAgentService"]
+WEIGHTS_DESCRIPTOR = weights_pb.DESCRIPTOR.services_by_name["WeightSourceService"]
 PAUSE_MODES = {replica_pb2.PAUSE_MODE_UNSPECIFIED: "wait", replica_pb2.PAUSE_MODE_WAIT: "wait",
                replica_pb2.PAUSE_MODE_ABORT: "abort"}
 
@@ -35,6 +39,8 @@ class ReplicaAgentServicer(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
         self.replicas = self.node.replicas
         self.metrics = self.node.server_metrics
         self.status = StatusReporter(config, ["status", "lifecycle", "generate", "sleep", "weights", "load_reports"])
+        self.also_serves = [ServiceBinding(WEIGHTS_DESCRIPTOR.full_name, ReplicaWeightSource(self.node),
+                                           weight_source_pb2_grpc.add_WeightSourceServiceServicer_to_server)]
 
     async def attach(self, server) -> None:
         await self.node.start(server)
@@ -144,21 +150,35 @@ class ReplicaAgentServicer(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
             item.duration.FromNanoseconds(int(r.duration_s * 1e9))
         return out
 
-    async def PrepareWeightSync(self, request, context):  # noqa: N802
+
+class ReplicaWeightSource(weight_source_pb2_grpc.WeightSourceServiceServicer):
+    """Implements ``rollmesh.weights.v1.WeightSourceService`` on the replica agent: a seed replica's weights."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    async def PrepareWeightSync(self, request, context):  # noqa: N802 - gRPC method names throughout
         from weight_transfer.wire import manifest_to_proto  # noqa: PLC0415
 
         prepared = await self.node.prepare_weight_sync(
-            request.replica_id, weight_version=request.weight_version,
+            _source_replica(request.source_id), weight_version=request.weight_version,
             bucket_size_bytes=request.bucket_size_bytes if request.HasField("bucket_size_bytes") else None,
             checksum_algorithm=request.checksum_algorithm if request.HasField("checksum_algorithm") else None)
-        return pb.PrepareWeightSyncResponse(
+        return weights_pb.PrepareWeightSyncResponse(
             weight_version=prepared.weight_version, manifest=manifest_to_proto(prepared.manifest),
             rendezvous_host=prepared.rendezvous[0], rendezvous_port=prepared.rendezvous[1],
             source=prepared.replica_id)
 
     async def SendWeights(self, request, context):  # noqa: N802
-        sent = await self.node.send_weights(request.replica_id, request.plan)
-        out = pb.SendWeightsResponse(bytes_sent=sent.bytes_sent, checksum=sent.checksum,
-                                     weight_version=sent.weight_version)
+        sent = await self.node.send_weights(_source_replica(request.source_id), request.plan)
+        out = weights_pb.SendWeightsResponse(bytes_sent=sent.bytes_sent, checksum=sent.checksum,
+                                             weight_version=sent.weight_version)
         out.duration.FromNanoseconds(int(sent.duration_s * 1e9))
         return out
+
+
+def _source_replica(source_id: str) -> str:
+    if not source_id:
+        raise InvalidArgument("source_id must name the replica whose weights are sent (a replica agent holds "
+                              "one weight source per replica)", reason=Reason.EMPTY_REPLICA_ID)
+    return source_id

@@ -27,7 +27,8 @@ from rollmesh.loadbalancer.v1 import loadbalancer_pb2, loadbalancer_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVICES = ("rollmesh.controller.v1.controller_pb2", "rollmesh.loadbalancer.v1.loadbalancer_pb2",
-            "rollmesh.replica.v1.replica_agent_pb2", "rollmesh.trainer.v1.trainer_agent_pb2")
+            "rollmesh.replica.v1.replica_agent_pb2", "rollmesh.trainer.v1.trainer_agent_pb2",
+            "rollmesh.weights.v1.weight_source_pb2")
 
 
 def _request_types() -> list[Descriptor]:

@@ -5,16 +5,22 @@ from __future__ import annotations
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from mesh_runtime.errors import NotFound
 from mesh_runtime.metrics import ServerMetrics
+from mesh_runtime.reasons import Reason
+from mesh_runtime.server import ServiceBinding
 from mesh_runtime.status import StatusReporter
 from weight_transfer.wire import manifest_to_proto, plan_from_proto
 from rollmesh.trainer.v1 import trainer_agent_pb2 as pb
 from rollmesh.trainer.v1 import trainer_agent_pb2_grpc
+from rollmesh.weights.v1 import weight_source_pb2 as weights_pb
+from rollmesh.weights.v1 import weight_source_pb2_grpc
 
 from .config import TrainerAgentConfig
 from .node import TrainerNode
 
 DESCRIPTOR = pb.DESCRIPTOR.services_by_name["TrainerAgentService"]
+WEIGHTS_DESCRIPTOR = weights_pb.DESCRIPTOR.services_by_name["WeightSourceService"]
 
 
 class TrainerAgentServicer(trainer_agent_pb2_grpc.TrainerAgentServiceServicer):
@@ -25,6 +31,8 @@ class TrainerAgentServicer(trainer_agent_pb2_grpc.TrainerAgentServiceServicer):
         self.status = StatusReporter(config, ["status", "weights", "progress", "offload"])
         self.metrics = ServerMetrics()
         self.metrics.on_scrape(self._progress_families)
+        self.also_serves = [ServiceBinding(WEIGHTS_DESCRIPTOR.full_name, TrainerWeightSource(self.node),
+                                           weight_source_pb2_grpc.add_WeightSourceServiceServicer_to_server)]
 
     async def attach(self, server) -> None:
         await self.node.start(server)
@@ -58,25 +66,6 @@ class TrainerAgentServicer(trainer_agent_pb2_grpc.TrainerAgentServiceServicer):
                                     model=node.config.model, training_backend=node.source.backend,
                                     weight_rendezvous_address=node.broadcaster.rendezvous_address)
 
-    async def PrepareWeightSync(self, request, context):  # noqa: N802
-        broadcaster = self.node.broadcaster
-        prepared = await broadcaster.prepare(
-            request.weight_version,
-            bucket_size_bytes=request.bucket_size_bytes if request.HasField("bucket_size_bytes") else None,
-            checksum_algorithm=request.checksum_algorithm if request.HasField("checksum_algorithm") else None)
-        host, port = broadcaster.rendezvous
-        return pb.PrepareWeightSyncResponse(weight_version=prepared.weight_version,
-                                            manifest=manifest_to_proto(prepared.manifest),
-                                            rendezvous_host=host, rendezvous_port=port, source=self.node.member_id)
-
-    async def SendWeights(self, request, context):  # noqa: N802
-        plan = plan_from_proto(request.plan, self.node.config.weight_transfer_timeout_s)
-        sent = await self.node.broadcaster.send(plan)
-        out = pb.SendWeightsResponse(bytes_sent=sent.bytes_sent, checksum=sent.checksum,
-                                     weight_version=sent.weight_version)
-        out.duration.FromNanoseconds(int(sent.duration_s * 1e9))
-        return out
-
     async def GetTrainingProgress(self, request, context):  # noqa: N802
         p = self.node.driver.progress()
         out = pb.GetTrainingProgressResponse(
@@ -103,4 +92,38 @@ class TrainerAgentServicer(trainer_agent_pb2_grpc.TrainerAgentServiceServicer):
         moved = await self.node.driver.onload()
         out = pb.OnloadTrainingStateResponse(bytes_moved=moved.bytes_moved)
         out.duration.FromNanoseconds(int(moved.duration_s * 1e9))
+        return out
+
+
+class TrainerWeightSource(weight_source_pb2_grpc.WeightSourceServiceServicer):
+    """Implements ``rollmesh.weights.v1.WeightSourceService`` on the trainer agent: the trainer's weights."""
+
+    def __init__(self, node: TrainerNode) -> None:
+        self.node = node
+
+    def _check_source(self, source_id: str) -> None:
+        if source_id and source_id != self.node.member_id:
+            raise NotFound(f"this trainer agent's one weight source is {self.node.member_id}, not "
+                           f"{source_id[:80]!r} (leave source_id empty)", reason=Reason.UNKNOWN_WEIGHT_SOURCE)
+
+    async def PrepareWeightSync(self, request, context):  # noqa: N802 - gRPC method names throughout
+        self._check_source(request.source_id)
+        broadcaster = self.node.broadcaster
+        prepared = await broadcaster.prepare(
+            request.weight_version,
+            bucket_size_bytes=request.bucket_size_bytes if request.HasField("bucket_size_bytes") else None,
+            checksum_algorithm=request.checksum_algorithm if request.HasField("checksum_algorithm") else None)
+        host, port = broadcaster.rendezvous
+        return weights_pb.PrepareWeightSyncResponse(weight_version=prepared.weight_version,
+                                                    manifest=manifest_to_proto(prepared.manifest),
+                                                    rendezvous_host=host, rendezvous_port=port,
+                                                    source=self.node.member_id)
+
+    async def SendWeights(self, request, context):  # noqa: N802
+        self._check_source(request.source_id)
+        plan = plan_from_proto(request.plan, self.node.config.weight_transfer_timeout_s)
+        sent = await self.node.broadcaster.send(plan)
+        out = weights_pb.SendWeightsResponse(bytes_sent=sent.bytes_sent, checksum=sent.checksum,
+                                             weight_version=sent.weight_version)
+        out.duration.FromNanoseconds(int(sent.duration_s * 1e9))
         return out

@@ -18,7 +18,7 @@ from controller.weight_sync import WeightBroadcast
 from controller.scaling.runs import seed_replicas
 from rollmesh.common.v1 import weights_pb2
 from rollmesh.replica.v1 import replica_agent_pb2 as agent_pb
-from rollmesh.trainer.v1 import trainer_agent_pb2 as trainer_pb
+from rollmesh.weights.v1 import weight_source_pb2 as ws
 
 pytestmark = pytest.mark.timeout(30)
 S, K = ReplicaState, ReplicaKind
@@ -42,7 +42,7 @@ class Stub:
         return self.prepared
 
     async def SendWeights(self, request, timeout=None):  # noqa: N802
-        self.log.append((self.name, "send", getattr(request, "replica_id", "")))
+        self.log.append((self.name, "send", request.source_id))
         self.plans.append(request.plan)
         return types.SimpleNamespace(bytes_sent=request.plan.manifest.total_bytes)
 
@@ -79,11 +79,11 @@ def mesh(trainer=None, **agents):
     log: list = []
     stubs = {address: Stub(address, log, answer) for address, answer in
              {"a:1": agents.get("a"), "b:1": agents.get("b"), "c:1": None}.items()}
-    channels = types.SimpleNamespace(agent=lambda address: stubs[address])
+    trainer_stub = Stub("trainer", log, trainer)
+    stubs_by_address = {**stubs, "t:1": trainer_stub}   # every agent serves WeightSourceService
+    channels = types.SimpleNamespace(agent=lambda address: stubs[address], weight_source=stubs_by_address.get)
     port = WeightBroadcast(channels, registry, Routing(), trainer_address="t:1" if trainer is not None else "",
                            timeout_s=5.0)
-    trainer_stub = Stub("trainer", log, trainer)
-    port._trainer = lambda: trainer_stub
     return port, log, stubs, trainer_stub
 
 
@@ -93,7 +93,7 @@ UNAVAILABLE = rpc_error(grpc.StatusCode.UNAVAILABLE, "connection refused")
 async def test_auto_falls_back_to_the_first_seed_that_prepares():
     port, log, stubs, _ = mesh(trainer=UNAVAILABLE,
                                a=rpc_error(grpc.StatusCode.FAILED_PRECONDITION, "holds version 2"),
-                               b=prepared(agent_pb.PrepareWeightSyncResponse, 3, "s1"))
+                               b=prepared(ws.PrepareWeightSyncResponse, 3, "s1"))
     outcome = await port.sync_new_replicas(["x0"], 3, seeds=["s0", "s1"], source="auto")
     assert not outcome.failed and outcome.source == "s1" and outcome.weight_version == 3
     assert log[:3] == [("trainer", "prepare", 3), ("a:1", "prepare", 3), ("b:1", "prepare", 3)]
@@ -106,8 +106,8 @@ async def test_auto_falls_back_to_the_first_seed_that_prepares():
 
 
 async def test_auto_uses_a_trainer_that_prepares_and_no_seed():
-    port, log, _, trainer = mesh(trainer=prepared(trainer_pb.PrepareWeightSyncResponse, 3, "trainer-t"),
-                                 a=prepared(agent_pb.PrepareWeightSyncResponse, 3, "s0"))
+    port, log, _, trainer = mesh(trainer=prepared(ws.PrepareWeightSyncResponse, 3, "trainer-t"),
+                                 a=prepared(ws.PrepareWeightSyncResponse, 3, "s0"))
     outcome = await port.sync_new_replicas(["x0"], 3, seeds=["s0"], source="auto")
     assert not outcome.failed and outcome.source == "trainer-t"
     assert not any(name == "a:1" for name, *_ in log)
@@ -115,21 +115,21 @@ async def test_auto_uses_a_trainer_that_prepares_and_no_seed():
 
 
 async def test_trainer_only_never_seeds_from_a_replica():
-    port, log, _, _ = mesh(trainer=UNAVAILABLE, a=prepared(agent_pb.PrepareWeightSyncResponse, 3, "s0"))
+    port, log, _, _ = mesh(trainer=UNAVAILABLE, a=prepared(ws.PrepareWeightSyncResponse, 3, "s0"))
     outcome = await port.sync_new_replicas(["x0"], 3, seeds=["s0"], source="trainer")
     assert "trainer PrepareWeightSync: UNAVAILABLE" in outcome.failed["x0"]
     assert log == [("trainer", "prepare", 3)]
 
 
 async def test_replica_only_never_asks_the_trainer_and_needs_a_seed():
-    port, log, _, _ = mesh(trainer=prepared(trainer_pb.PrepareWeightSyncResponse, 3, "trainer-t"))
+    port, log, _, _ = mesh(trainer=prepared(ws.PrepareWeightSyncResponse, 3, "trainer-t"))
     outcome = await port.sync_new_replicas(["x0"], 3, seeds=[], source="replica")
     assert outcome.failed == {"x0": "no weight source: no healthy replica at weight version 3 to seed from"}
     assert log == []
 
 
 async def test_no_source_at_all_says_why_for_each():
-    port, log, _, _ = mesh(a=prepared(agent_pb.PrepareWeightSyncResponse, 4, "s0"))
+    port, log, _, _ = mesh(a=prepared(ws.PrepareWeightSyncResponse, 4, "s0"))
     outcome = await port.sync_new_replicas(["x0"], 3, seeds=["s0"], source="auto")
     reason = outcome.failed["x0"]
     assert "no trainer_address configured" in reason and "prepared weight version 4, not 3" in reason

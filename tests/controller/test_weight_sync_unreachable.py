@@ -21,7 +21,7 @@ from controller.core.replicas import ReplicaRegistry
 from controller.weight_sync import WeightBroadcast
 from rollmesh.common.v1 import weights_pb2
 from rollmesh.replica.v1 import replica_agent_pb2 as agent_pb
-from rollmesh.trainer.v1 import trainer_agent_pb2 as trainer_pb
+from rollmesh.weights.v1 import weight_source_pb2 as ws
 
 pytestmark = pytest.mark.timeout(60)
 S, K = ReplicaState, ReplicaKind
@@ -56,7 +56,7 @@ class Trainer:
         self.group, self.send_error, self.plans = group, send_error, []
 
     async def PrepareWeightSync(self, request, timeout=None):  # noqa: N802
-        return trainer_pb.PrepareWeightSyncResponse(
+        return ws.PrepareWeightSyncResponse(
             weight_version=request.weight_version, source="trainer-0", rendezvous_host="127.0.0.1",
             rendezvous_port=4000, manifest=weights_pb2.WeightManifest(total_bytes=64, bucket_size_bytes=64))
 
@@ -108,10 +108,9 @@ def build(*, dead=("b:1",), send_error=None):
     group = Group()
     agents = {a: Agent(a, group, dead=a in dead) for a in ("a:1", "b:1", "c:1")}
     routing = Routing()
-    port = WeightBroadcast(types.SimpleNamespace(agent=lambda address: agents[address]), registry, routing,
-                           trainer_address="t:1", timeout_s=TIMEOUT_S)
     trainer = Trainer(group, send_error=send_error)
-    port._trainer = lambda: trainer
+    channels = types.SimpleNamespace(agent=lambda address: agents[address], weight_source={"t:1": trainer}.get)
+    port = WeightBroadcast(channels, registry, routing, trainer_address="t:1", timeout_s=TIMEOUT_S)
     return port, agents, trainer, routing, group
 
 

@@ -18,6 +18,7 @@ const files = [
   "rollmesh/loadbalancer/v1/loadbalancer.proto",
   "rollmesh/replica/v1/replica_agent.proto",
   "rollmesh/trainer/v1/trainer_agent.proto",
+  "rollmesh/weights/v1/weight_source.proto",
 ];
 const definition = protoLoader.loadSync(files, {
   includeDirs: [root, googleapis], keepCase: false, longs: String, enums: String, defaults: true, oneofs: true,

@@ -19,6 +19,8 @@ from rollmesh.loadbalancer.v1 import loadbalancer_pb2 as lb_pb
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2_grpc
 from rollmesh.replica.v1 import replica_agent_pb2 as ra_pb
 from rollmesh.replica.v1 import replica_agent_pb2_grpc
+from rollmesh.weights.v1 import weight_source_pb2 as ws
+from rollmesh.weights.v1 import weight_source_pb2_grpc
 from tests.processes import clean_env, running_server
 from tests.waiting import wait_until
 
@@ -101,7 +103,8 @@ async def test_weights_cannot_be_pushed_into_a_replica_by_anyone_but_the_control
             details = await _denied(agent.ReceiveWeights(ra_pb.ReceiveWeightsRequest(replica_ids=["s0"], plan=plan),
                                                         timeout=10))
             assert "needs the role controller" in details and f"spiffe://rollmesh/{role}/" in details
-            await _denied(agent.PrepareWeightSync(ra_pb.PrepareWeightSyncRequest(), timeout=10))
+            source = weight_source_pb2_grpc.WeightSourceServiceStub(ch)
+            await _denied(source.PrepareWeightSync(ws.PrepareWeightSyncRequest(source_id="s0"), timeout=10))
     after, _ = await _replica(pki, mesh)
     assert after.weight_version == before.weight_version
     assert (await _generate(pki, mesh, "after-push")).weight_version == before.weight_version
@@ -186,14 +189,11 @@ async def test_a_forged_manifest_is_not_swapped_in_even_from_the_controllers_own
     import asyncio
     import os
 
-    from rollmesh.trainer.v1 import trainer_agent_pb2, trainer_agent_pb2_grpc
-
     before, _ = await _replica(pki, mesh)
     async with _as(pki, "controller", mesh["trainer"]) as tch, _as(pki, "controller", mesh["agent"]) as ach:
-        trainer = trainer_agent_pb2_grpc.TrainerAgentServiceStub(tch)
+        trainer = weight_source_pb2_grpc.WeightSourceServiceStub(tch)
         agent = replica_agent_pb2_grpc.ReplicaAgentServiceStub(ach)
-        prepared = await trainer.PrepareWeightSync(trainer_agent_pb2.PrepareWeightSyncRequest(weight_version=1),
-                                                   timeout=60)
+        prepared = await trainer.PrepareWeightSync(ws.PrepareWeightSyncRequest(weight_version=1), timeout=60)
         genuine = weights_pb2.WeightSyncPlan(
             sync_id="forged-1", weight_version=1, group_id="g-forged", rendezvous_host=prepared.rendezvous_host,
             rendezvous_port=prepared.rendezvous_port, world_size=2, backend=weights_pb2.PROCESS_GROUP_BACKEND_GLOO,
@@ -205,7 +205,7 @@ async def test_a_forged_manifest_is_not_swapped_in_even_from_the_controllers_own
         forged.CopyFrom(genuine)
         forged.manifest.bucket_digests[0] = "0" * 64
         sent, received = await asyncio.gather(
-            trainer.SendWeights(trainer_agent_pb2.SendWeightsRequest(plan=genuine), timeout=90),
+            trainer.SendWeights(ws.SendWeightsRequest(plan=genuine), timeout=90),
             agent.ReceiveWeights(ra_pb.ReceiveWeightsRequest(replica_ids=["s0"], plan=forged), timeout=90))
     result = received.results[0]
     assert not result.checksum_ok and result.weight_version == before.weight_version

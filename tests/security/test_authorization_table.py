@@ -35,24 +35,28 @@ MODULES = {
     "trainer-agent": (trainer_agent.server, {}),
 }
 COMMON = ["grpc.health.v1.Health"]
+WEIGHTS = "rollmesh.weights.v1.WeightSourceService"
+ALSO_SERVED = {"replica-agent": [WEIGHTS], "trainer-agent": [WEIGHTS]}   # besides the server's own service
 _DENIED = {"ROLE_NOT_ALLOWED", "NO_RULE", "NO_IDENTITY"}
 PROTO = Path(__file__).resolve().parents[2] / "proto"
 
 
 def _descriptor(full_name: str):
-    if full_name == "grpc.health.v1.Health":
-        from grpc_health.v1 import health_pb2
+    from google.protobuf import descriptor_pool
+    from grpc_health.v1 import health_pb2  # noqa: F401 - registers grpc.health.v1 in the pool
+    from rollmesh.weights.v1 import weight_source_pb2  # noqa: F401
 
-        return health_pb2.DESCRIPTOR.services_by_name["Health"]
-    for module in MODULES.values():
-        if module[0].SPEC.descriptor.full_name == full_name:
-            return module[0].SPEC.descriptor
-    raise KeyError(full_name)
+    return descriptor_pool.Default().FindServiceByName(full_name)
+
+
+def _services() -> list:
+    """Every rollmesh service some server serves."""
+    names = {module.SPEC.descriptor.full_name for module, _ in MODULES.values()}
+    return [_descriptor(n) for n in sorted(names | {n for also in ALSO_SERVED.values() for n in also})]
 
 
 def test_every_rpc_of_every_service_has_exactly_one_rule():
-    for module, _ in MODULES.values():
-        service = module.SPEC.descriptor
+    for service in _services():
         assert set(RULES[service.full_name]) == {m.name for m in service.methods}, service.full_name
     health = _descriptor("grpc.health.v1.Health")
     assert set(RULES[health.full_name]) >= {m.name for m in health.methods}
@@ -62,8 +66,7 @@ def test_the_contract_comments_state_every_rule():
     # the comment above each rpc in the .proto says "Authorization: <the table's text>."
     from mesh_runtime.authorization import describe
 
-    for module, _ in MODULES.values():
-        service = module.SPEC.descriptor
+    for service in _services():
         source = (PROTO / service.file.name).read_text()
         for method in service.methods:
             before = source.split(f"rpc {method.name}(")[0].rsplit(";\n", 1)[-1]   # back to the previous rpc
@@ -104,7 +107,8 @@ async def test_each_role_is_allowed_exactly_what_the_table_says(name, pki):
     server, port = await module.SPEC.create(config)
     try:
         channels = {role: open_channel(f"127.0.0.1:{port}", tls=pki.tls(role)) for role in ROLES}
-        services = [module.SPEC.descriptor.full_name, *COMMON]
+        services = [module.SPEC.descriptor.full_name, *ALSO_SERVED.get(name, []), *COMMON]
+        assert [b.full_name for b in server.services] == services[:-len(COMMON)]
         cases = [(role, service, m) for role in ROLES for service in services
                  for m in _descriptor(service).methods]
         results = await asyncio.gather(*(_call(channels[r], s, m) for r, s, m in cases))

@@ -21,6 +21,8 @@ from rollmesh.replica.v1 import replica_agent_pb2 as replica_pb
 from rollmesh.replica.v1 import replica_agent_pb2_grpc
 from rollmesh.trainer.v1 import trainer_agent_pb2 as trainer_pb
 from rollmesh.trainer.v1 import trainer_agent_pb2_grpc
+from rollmesh.weights.v1 import weight_source_pb2 as ws
+from rollmesh.weights.v1 import weight_source_pb2_grpc
 from tests.processes import clean_env, running_server
 from tests.replica_agent.weight_sender import greedy as local_greedy
 
@@ -71,11 +73,12 @@ def mesh(tmp_path_factory):
 async def stubs(mesh):
     async with grpc.aio.insecure_channel(mesh.trainer_address) as trainer_channel, \
                grpc.aio.insecure_channel(mesh.replica_address) as replica_channel:
-        yield (trainer_agent_pb2_grpc.TrainerAgentServiceStub(trainer_channel),
+        # the trainer agent's weight source (WeightSourceService) and the replica agent
+        yield (weight_source_pb2_grpc.WeightSourceServiceStub(trainer_channel),
                replica_agent_pb2_grpc.ReplicaAgentServiceStub(replica_channel))
 
 
-def plan_from(prepared: trainer_pb.PrepareWeightSyncResponse, sync_id: str, group_id: str = "g-1",
+def plan_from(prepared: ws.PrepareWeightSyncResponse, sync_id: str, group_id: str = "g-1",
               replicas: tuple[str, ...] = ("r0",)) -> weights_pb2.WeightSyncPlan:
     """What the controller builds from the PrepareWeightSync answer."""
     plan = weights_pb2.WeightSyncPlan(
@@ -98,20 +101,22 @@ async def replica_greedy(replica, request_id: str) -> list[int]:
 
 async def broadcast(trainer, replica, plan):
     return await asyncio.gather(
-        trainer.SendWeights(trainer_pb.SendWeightsRequest(plan=plan), timeout=90),
+        trainer.SendWeights(ws.SendWeightsRequest(plan=plan), timeout=90),
         replica.ReceiveWeights(replica_pb.ReceiveWeightsRequest(replica_ids=["r0"], plan=plan, abort_in_flight=True),
                                timeout=90))
 
 
 async def test_the_replica_serves_the_trainers_weights_after_a_sync_and_a_second_sync_reuses_the_group(mesh, stubs):
     trainer, replica = stubs
-    status = await trainer.GetStatus(trainer_pb.GetStatusRequest(), timeout=10)
+    async with grpc.aio.insecure_channel(mesh.trainer_address) as channel:
+        status = await trainer_agent_pb2_grpc.TrainerAgentServiceStub(channel).GetStatus(
+            trainer_pb.GetStatusRequest(), timeout=10)
     assert "weights" in status.status.capabilities and status.training_backend == "torch"
     assert status.model == "tiny-llama" and status.rank == 0 and status.world_size == 1
     expected = local_greedy(build_preset_model("tiny-llama", 5).eval(), PROMPT, TOKENS)
     assert await replica_greedy(replica, "before") != expected  # seed 0 on the replica, seed 5 on the trainer
 
-    prepared = await trainer.PrepareWeightSync(trainer_pb.PrepareWeightSyncRequest(), timeout=30)
+    prepared = await trainer.PrepareWeightSync(ws.PrepareWeightSyncRequest(), timeout=30)
     assert prepared.weight_version == 7 and prepared.source == "trainer-t0"
     assert f"{prepared.rendezvous_host}:{prepared.rendezvous_port}" == status.weight_rendezvous_address
     assert prepared.manifest.bucket_size_bytes == 16 << 20 and prepared.manifest.checksum
@@ -127,11 +132,11 @@ async def test_the_replica_serves_the_trainers_weights_after_a_sync_and_a_second
 
     # Same version in smaller buckets: a new layout of the same stream, sent over the cached group.
     again = await trainer.PrepareWeightSync(
-        trainer_pb.PrepareWeightSyncRequest(weight_version=7, bucket_size_bytes=64 << 10), timeout=30)
+        ws.PrepareWeightSyncRequest(weight_version=7, bucket_size_bytes=64 << 10), timeout=30)
     assert again.manifest.checksum == prepared.manifest.checksum
     assert again.manifest.total_bytes > 4 * again.manifest.bucket_size_bytes
     repeated_prepare = await trainer.PrepareWeightSync(
-        trainer_pb.PrepareWeightSyncRequest(weight_version=7, bucket_size_bytes=64 << 10), timeout=30)
+        ws.PrepareWeightSyncRequest(weight_version=7, bucket_size_bytes=64 << 10), timeout=30)
     assert repeated_prepare == again
     sent_again, received_again = await broadcast(trainer, replica, plan_from(again, "sync-2"))
     assert received_again.results[0].checksum_ok and sent_again.weight_version == 7
@@ -139,11 +144,11 @@ async def test_the_replica_serves_the_trainers_weights_after_a_sync_and_a_second
     assert "over a new group g-1" in log and "over a reused group g-1" in log
     assert await replica_greedy(replica, "after-again") == expected
 
-    repeated = await trainer.SendWeights(trainer_pb.SendWeightsRequest(plan=plan_from(again, "sync-2")), timeout=5)
+    repeated = await trainer.SendWeights(ws.SendWeightsRequest(plan=plan_from(again, "sync-2")), timeout=5)
     assert repeated == sent_again  # a finished sync_id answers its recorded result, sends nothing
 
     # The controller numbers versions by its steps; with no training loop here the trainer adopts them.
-    adopted = await trainer.PrepareWeightSync(trainer_pb.PrepareWeightSyncRequest(weight_version=8), timeout=30)
+    adopted = await trainer.PrepareWeightSync(ws.PrepareWeightSyncRequest(weight_version=8), timeout=30)
     assert adopted.weight_version == 8 and adopted.manifest.checksum == prepared.manifest.checksum
     _, received = await broadcast(trainer, replica, plan_from(adopted, "sync-3"))
     assert received.results[0].weight_version == 8
@@ -158,9 +163,9 @@ def _reason(err: grpc.aio.AioRpcError) -> str:
 async def test_a_request_arriving_during_a_sync_waits_for_the_new_weights(mesh, stubs):
     # rather than being refused (and bounced between replicas that are all syncing), it runs on the new version
     trainer, replica = stubs
-    current = await trainer.PrepareWeightSync(trainer_pb.PrepareWeightSyncRequest(), timeout=30)
+    current = await trainer.PrepareWeightSync(ws.PrepareWeightSyncRequest(), timeout=30)
     nxt = await trainer.PrepareWeightSync(
-        trainer_pb.PrepareWeightSyncRequest(weight_version=current.weight_version + 1), timeout=30)
+        ws.PrepareWeightSyncRequest(weight_version=current.weight_version + 1), timeout=30)
     plan = plan_from(nxt, "sync-during", group_id="g-during")
     receiving = asyncio.ensure_future(replica.ReceiveWeights(
         replica_pb.ReceiveWeightsRequest(replica_ids=["r0"], plan=plan, abort_in_flight=True), timeout=90))
@@ -171,7 +176,7 @@ async def test_a_request_arriving_during_a_sync_waits_for_the_new_weights(mesh, 
     generating = asyncio.ensure_future(_messages(replica.Generate(request, timeout=60)))
     await asyncio.sleep(0.3)
     assert not generating.done()   # waiting, not refused
-    await trainer.SendWeights(trainer_pb.SendWeightsRequest(plan=plan), timeout=90)
+    await trainer.SendWeights(ws.SendWeightsRequest(plan=plan), timeout=90)
     assert (await receiving).results[0].weight_version == nxt.weight_version
     messages = await generating
     assert messages[-1].finish_reason == generation_pb2.FINISH_REASON_LENGTH
@@ -184,7 +189,7 @@ async def _messages(call) -> list:
 
 async def test_bad_plans_are_refused_before_any_transfer(mesh, stubs):
     trainer, _ = stubs
-    prepared = await trainer.PrepareWeightSync(trainer_pb.PrepareWeightSyncRequest(), timeout=30)
+    prepared = await trainer.PrepareWeightSync(ws.PrepareWeightSyncRequest(), timeout=30)
 
     def malformed_world(plan):
         plan.world_size = 3
@@ -214,16 +219,17 @@ async def test_bad_plans_are_refused_before_any_transfer(mesh, stubs):
         change(plan)
         with pytest.raises(grpc.aio.AioRpcError) as info:
             # No receiver ever joins: a refusal has to come before the rendezvous, well within 5 s.
-            await trainer.SendWeights(trainer_pb.SendWeightsRequest(plan=plan), timeout=5)
+            await trainer.SendWeights(ws.SendWeightsRequest(plan=plan), timeout=5)
         assert (info.value.code(), _reason(info.value)) == (code, reason), change.__name__
         assert fragment in info.value.details()
     assert mesh.trainer_log.read_text().count("weight group") == groups_before  # no group was started
 
     for request, code in [
-        (trainer_pb.PrepareWeightSyncRequest(bucket_size_bytes=0), grpc.StatusCode.INVALID_ARGUMENT),
-        (trainer_pb.PrepareWeightSyncRequest(checksum_algorithm="md5"), grpc.StatusCode.INVALID_ARGUMENT),
-        (trainer_pb.PrepareWeightSyncRequest(weight_version=-2), grpc.StatusCode.INVALID_ARGUMENT),
-        (trainer_pb.PrepareWeightSyncRequest(weight_version=3), grpc.StatusCode.FAILED_PRECONDITION),
+        (ws.PrepareWeightSyncRequest(bucket_size_bytes=0), grpc.StatusCode.INVALID_ARGUMENT),
+        (ws.PrepareWeightSyncRequest(checksum_algorithm="md5"), grpc.StatusCode.INVALID_ARGUMENT),
+        (ws.PrepareWeightSyncRequest(weight_version=-2), grpc.StatusCode.INVALID_ARGUMENT),
+        (ws.PrepareWeightSyncRequest(weight_version=3), grpc.StatusCode.FAILED_PRECONDITION),
+        (ws.PrepareWeightSyncRequest(source_id="r0"), grpc.StatusCode.NOT_FOUND),   # not the trainer's source
     ]:
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await trainer.PrepareWeightSync(request, timeout=10)

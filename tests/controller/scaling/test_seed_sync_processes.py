@@ -20,11 +20,11 @@ import grpc
 import pytest
 from rollmesh.common.v1 import events_pb2
 from rollmesh.controller.v1 import scaling_pb2, weight_sync_pb2
-from rollmesh.replica.v1 import replica_agent_pb2 as agent_pb
+from rollmesh.weights.v1 import weight_source_pb2 as ws
+from rollmesh.weights.v1 import weight_source_pb2_grpc
 
 from tests.controller.scaling.helpers import (
     Procs,
-    agent_stub,
     controller_stub,
     event_states,
     events_of,
@@ -54,8 +54,8 @@ async_training: {{weight_sync_timeout_s: 60}}
 async def weights_of(agent: str, replica_id: str) -> tuple[int, str]:
     """(version, manifest checksum) of a replica's live weights, from its agent."""
     async with grpc.aio.insecure_channel(agent) as channel:
-        prepared = await agent_stub(channel).PrepareWeightSync(
-            agent_pb.PrepareWeightSyncRequest(replica_id=replica_id), timeout=60)
+        prepared = await weight_source_pb2_grpc.WeightSourceServiceStub(channel).PrepareWeightSync(
+            ws.PrepareWeightSyncRequest(source_id=replica_id), timeout=60)
     return prepared.weight_version, prepared.manifest.checksum
 
 

@@ -167,6 +167,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TRAINING_ENDED: _ClassVar[ErrorReason]
     INVALID_STOP_STEP: _ClassVar[ErrorReason]
     STEP_ALREADY_PASSED: _ClassVar[ErrorReason]
+    UNKNOWN_WEIGHT_SOURCE: _ClassVar[ErrorReason]
 ERROR_REASON_UNSPECIFIED: ErrorReason
 INTERNAL: ErrorReason
 INVALID_ARGUMENT: ErrorReason
@@ -328,3 +329,4 @@ REQUIRED_FIELD_MISSING: ErrorReason
 TRAINING_ENDED: ErrorReason
 INVALID_STOP_STEP: ErrorReason
 STEP_ALREADY_PASSED: ErrorReason
+UNKNOWN_WEIGHT_SOURCE: ErrorReason

@@ -252,52 +252,6 @@ class ReceiveWeightsResponse(_message.Message):
     results: _containers.RepeatedCompositeFieldContainer[ReplicaWeightsResult]
     def __init__(self, results: _Optional[_Iterable[_Union[ReplicaWeightsResult, _Mapping]]] = ...) -> None: ...
 
-class PrepareWeightSyncRequest(_message.Message):
-    __slots__ = ("replica_id", "weight_version", "bucket_size_bytes", "checksum_algorithm")
-    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
-    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
-    BUCKET_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
-    CHECKSUM_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
-    replica_id: str
-    weight_version: int
-    bucket_size_bytes: int
-    checksum_algorithm: str
-    def __init__(self, replica_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., bucket_size_bytes: _Optional[int] = ..., checksum_algorithm: _Optional[str] = ...) -> None: ...
-
-class PrepareWeightSyncResponse(_message.Message):
-    __slots__ = ("weight_version", "manifest", "rendezvous_host", "rendezvous_port", "source")
-    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
-    MANIFEST_FIELD_NUMBER: _ClassVar[int]
-    RENDEZVOUS_HOST_FIELD_NUMBER: _ClassVar[int]
-    RENDEZVOUS_PORT_FIELD_NUMBER: _ClassVar[int]
-    SOURCE_FIELD_NUMBER: _ClassVar[int]
-    weight_version: int
-    manifest: _weights_pb2.WeightManifest
-    rendezvous_host: str
-    rendezvous_port: int
-    source: str
-    def __init__(self, weight_version: _Optional[int] = ..., manifest: _Optional[_Union[_weights_pb2.WeightManifest, _Mapping]] = ..., rendezvous_host: _Optional[str] = ..., rendezvous_port: _Optional[int] = ..., source: _Optional[str] = ...) -> None: ...
-
-class SendWeightsRequest(_message.Message):
-    __slots__ = ("replica_id", "plan")
-    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
-    PLAN_FIELD_NUMBER: _ClassVar[int]
-    replica_id: str
-    plan: _weights_pb2.WeightSyncPlan
-    def __init__(self, replica_id: _Optional[str] = ..., plan: _Optional[_Union[_weights_pb2.WeightSyncPlan, _Mapping]] = ...) -> None: ...
-
-class SendWeightsResponse(_message.Message):
-    __slots__ = ("bytes_sent", "duration", "checksum", "weight_version")
-    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
-    DURATION_FIELD_NUMBER: _ClassVar[int]
-    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
-    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
-    bytes_sent: int
-    duration: _duration_pb2.Duration
-    checksum: str
-    weight_version: int
-    def __init__(self, bytes_sent: _Optional[int] = ..., duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., checksum: _Optional[str] = ..., weight_version: _Optional[int] = ...) -> None: ...
-
 class GetLoadReportsRequest(_message.Message):
     __slots__ = ("replica_ids",)
     REPLICA_IDS_FIELD_NUMBER: _ClassVar[int]

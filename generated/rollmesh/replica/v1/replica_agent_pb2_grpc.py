@@ -27,8 +27,10 @@ if _version_not_supported:
 
 class ReplicaAgentServiceStub:
     """ReplicaAgentService manages the engine replicas of one node: launch and
-    stop, generation, abort, pause and resume, sleep and wake-up, weight
-    transfer and load reports.
+    stop, generation, abort, pause and resume, sleep and wake-up, receiving
+    weights and load reports. The agent also serves
+    rollmesh.weights.v1.WeightSourceService (a replica's weights as the seed of
+    a scaled-out replica's first sync).
 
     Capabilities (see ServerStatus.capabilities): "lifecycle", "generate",
     "sleep", "weights", "load_reports".
@@ -107,16 +109,6 @@ class ReplicaAgentServiceStub:
                 request_serializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.ReceiveWeightsRequest.SerializeToString,
                 response_deserializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.ReceiveWeightsResponse.FromString,
                 _registered_method=True)
-        self.PrepareWeightSync = channel.unary_unary(
-                '/rollmesh.replica.v1.ReplicaAgentService/PrepareWeightSync',
-                request_serializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.PrepareWeightSyncRequest.SerializeToString,
-                response_deserializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.PrepareWeightSyncResponse.FromString,
-                _registered_method=True)
-        self.SendWeights = channel.unary_unary(
-                '/rollmesh.replica.v1.ReplicaAgentService/SendWeights',
-                request_serializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.SendWeightsRequest.SerializeToString,
-                response_deserializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.SendWeightsResponse.FromString,
-                _registered_method=True)
         self.GetLoadReports = channel.unary_unary(
                 '/rollmesh.replica.v1.ReplicaAgentService/GetLoadReports',
                 request_serializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.GetLoadReportsRequest.SerializeToString,
@@ -126,8 +118,10 @@ class ReplicaAgentServiceStub:
 
 class ReplicaAgentServiceServicer:
     """ReplicaAgentService manages the engine replicas of one node: launch and
-    stop, generation, abort, pause and resume, sleep and wake-up, weight
-    transfer and load reports.
+    stop, generation, abort, pause and resume, sleep and wake-up, receiving
+    weights and load reports. The agent also serves
+    rollmesh.weights.v1.WeightSourceService (a replica's weights as the seed of
+    a scaled-out replica's first sync).
 
     Capabilities (see ServerStatus.capabilities): "lifecycle", "generate",
     "sleep", "weights", "load_reports".
@@ -339,7 +333,7 @@ class ReplicaAgentServiceServicer:
         """Receives a weight broadcast into one or more replicas of this node, each
         at the rank plan.members gives it, and returns once the transfer is done.
         The controller makes this call concurrently with the sender's
-        SendWeights. During the transfer the replicas are SYNCING (new Generate
+        WeightSourceService.SendWeights. During the transfer the replicas are SYNCING (new Generate
         calls answer UNAVAILABLE); afterwards each returns to its previous state.
         A SLEEPING replica receives into freshly allocated weight memory and
         stays SLEEPING until WakeUp. A replica whose bytes fail the manifest
@@ -359,58 +353,6 @@ class ReplicaAgentServiceServicer:
         - ABORTED: another weight transfer is in progress on a listed replica.
         - DEADLINE_EXCEEDED: the rendezvous or the transfer did not finish within
         plan.timeout; the old weights keep serving.
-
-        Authorization: controller.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def PrepareWeightSync(self, request, context):
-        """Prepares a replica's current weights as the source of a seed-replica
-        sync (the replica-agent counterpart of the trainer's PrepareWeightSync):
-        the agent lays the replica's weights out in a manifest with its checksum
-        and makes sure the replica's rendezvous store is listening. The answer
-        holds everything the controller needs to build the WeightSyncPlan: the
-        version, the manifest, the rendezvous address and the source member id
-        (the replica_id). The replica keeps serving. Preparing again with the
-        same version, bucket size and checksum algorithm returns the same
-        manifest and rendezvous address, so the call is safe to repeat. The
-        manifest describes the weights at the time of the call; if they change
-        before SendWeights (a newer version arrives), SendWeights refuses the
-        stale version and receivers would reject mismatched bytes by checksum.
-        Capability: weights.
-
-        Errors:
-        - INVALID_ARGUMENT: replica_id is empty, weight_version is negative,
-        bucket_size_bytes is 0, or checksum_algorithm is not one the agent
-        knows.
-        - NOT_FOUND: no replica with replica_id on this node.
-        - FAILED_PRECONDITION: the replica holds no servable weights (not
-        ACTIVE or PAUSED, or its weights were discarded), or weight_version is
-        set and differs from the version the replica holds.
-        - ABORTED: a weight transfer is in progress on the replica.
-
-        Authorization: controller.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def SendWeights(self, request, context):
-        """Sends a replica's current weights to other replicas (seed-replica sync
-        for scaled-out replicas). The replica must be rank 0 of the plan and
-        plan.source must be its replica_id. Generation on the seed continues
-        during the transfer. Capability: weights.
-
-        Errors:
-        - INVALID_ARGUMENT: the plan is malformed (see ReceiveWeights).
-        - NOT_FOUND: no replica with replica_id on this node.
-        - FAILED_PRECONDITION: the replica is not rank 0 or not plan.source, it
-        holds no weights (LAUNCHING, LOADING, SLEEPING at level 2, FAILED), or
-        its weight_version differs from plan.weight_version.
-        - ABORTED: another weight transfer is in progress on the replica.
-        - DEADLINE_EXCEEDED: the transfer did not finish within plan.timeout.
 
         Authorization: controller.
         """
@@ -494,16 +436,6 @@ def add_ReplicaAgentServiceServicer_to_server(servicer, server):
                     request_deserializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.ReceiveWeightsRequest.FromString,
                     response_serializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.ReceiveWeightsResponse.SerializeToString,
             ),
-            'PrepareWeightSync': grpc.unary_unary_rpc_method_handler(
-                    servicer.PrepareWeightSync,
-                    request_deserializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.PrepareWeightSyncRequest.FromString,
-                    response_serializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.PrepareWeightSyncResponse.SerializeToString,
-            ),
-            'SendWeights': grpc.unary_unary_rpc_method_handler(
-                    servicer.SendWeights,
-                    request_deserializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.SendWeightsRequest.FromString,
-                    response_serializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.SendWeightsResponse.SerializeToString,
-            ),
             'GetLoadReports': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLoadReports,
                     request_deserializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.GetLoadReportsRequest.FromString,
@@ -519,8 +451,10 @@ def add_ReplicaAgentServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class ReplicaAgentService:
     """ReplicaAgentService manages the engine replicas of one node: launch and
-    stop, generation, abort, pause and resume, sleep and wake-up, weight
-    transfer and load reports.
+    stop, generation, abort, pause and resume, sleep and wake-up, receiving
+    weights and load reports. The agent also serves
+    rollmesh.weights.v1.WeightSourceService (a replica's weights as the seed of
+    a scaled-out replica's first sync).
 
     Capabilities (see ServerStatus.capabilities): "lifecycle", "generate",
     "sleep", "weights", "load_reports".
@@ -847,60 +781,6 @@ class ReplicaAgentService:
             '/rollmesh.replica.v1.ReplicaAgentService/ReceiveWeights',
             rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.ReceiveWeightsRequest.SerializeToString,
             rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.ReceiveWeightsResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def PrepareWeightSync(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/rollmesh.replica.v1.ReplicaAgentService/PrepareWeightSync',
-            rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.PrepareWeightSyncRequest.SerializeToString,
-            rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.PrepareWeightSyncResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def SendWeights(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/rollmesh.replica.v1.ReplicaAgentService/SendWeights',
-            rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.SendWeightsRequest.SerializeToString,
-            rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.SendWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

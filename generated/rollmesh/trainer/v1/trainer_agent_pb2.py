@@ -24,46 +24,37 @@ _sym_db = _symbol_database.Default()
 
 from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
 from rollmesh.common.v1 import status_pb2 as rollmesh_dot_common_dot_v1_dot_status__pb2
-from rollmesh.common.v1 import weights_pb2 as rollmesh_dot_common_dot_v1_dot_weights__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'rollmesh/trainer/v1/trainer_agent.proto\x12\x13rollmesh.trainer.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1frollmesh/common/v1/status.proto\x1a rollmesh/common/v1/weights.proto\"\x12\n\x10GetStatusRequest\"\xfd\x01\n\x11GetStatusResponse\x12\x38\n\x06status\x18\x01 \x01(\x0b\x32 .rollmesh.common.v1.ServerStatusR\x06status\x12\x12\n\x04rank\x18\x02 \x01(\rR\x04rank\x12\x1d\n\nworld_size\x18\x03 \x01(\rR\tworldSize\x12\x14\n\x05model\x18\x04 \x01(\tR\x05model\x12)\n\x10training_backend\x18\x05 \x01(\tR\x0ftrainingBackend\x12:\n\x19weight_rendezvous_address\x18\x06 \x01(\tR\x17weightRendezvousAddress\"\xd3\x01\n\x18PrepareWeightSyncRequest\x12%\n\x0eweight_version\x18\x01 \x01(\x03R\rweightVersion\x12/\n\x11\x62ucket_size_bytes\x18\x02 \x01(\x04H\x00R\x0f\x62ucketSizeBytes\x88\x01\x01\x12\x32\n\x12\x63hecksum_algorithm\x18\x03 \x01(\tH\x01R\x11\x63hecksumAlgorithm\x88\x01\x01\x42\x14\n\x12_bucket_size_bytesB\x15\n\x13_checksum_algorithm\"\xec\x01\n\x19PrepareWeightSyncResponse\x12%\n\x0eweight_version\x18\x01 \x01(\x03R\rweightVersion\x12>\n\x08manifest\x18\x02 \x01(\x0b\x32\".rollmesh.common.v1.WeightManifestR\x08manifest\x12\'\n\x0frendezvous_host\x18\x03 \x01(\tR\x0erendezvousHost\x12\'\n\x0frendezvous_port\x18\x04 \x01(\rR\x0erendezvousPort\x12\x16\n\x06source\x18\x05 \x01(\tR\x06source\"L\n\x12SendWeightsRequest\x12\x36\n\x04plan\x18\x01 \x01(\x0b\x32\".rollmesh.common.v1.WeightSyncPlanR\x04plan\"\xae\x01\n\x13SendWeightsResponse\x12\x1d\n\nbytes_sent\x18\x01 \x01(\x04R\tbytesSent\x12\x35\n\x08\x64uration\x18\x02 \x01(\x0b\x32\x19.google.protobuf.DurationR\x08\x64uration\x12\x1a\n\x08\x63hecksum\x18\x03 \x01(\tR\x08\x63hecksum\x12%\n\x0eweight_version\x18\x04 \x01(\x03R\rweightVersion\"\x1c\n\x1aGetTrainingProgressRequest\"\xec\x03\n\x1bGetTrainingProgressResponse\x12\x1f\n\x0bglobal_step\x18\x01 \x01(\x03R\nglobalStep\x12%\n\x0eweight_version\x18\x02 \x01(\x03R\rweightVersion\x12#\n\rparam_version\x18\x03 \x01(\x03R\x0cparamVersion\x12+\n\x11samples_generated\x18\x04 \x01(\x04R\x10samplesGenerated\x12)\n\x10samples_consumed\x18\x05 \x01(\x04R\x0fsamplesConsumed\x12\'\n\x0fsamples_dropped\x18\x06 \x01(\x04R\x0esamplesDropped\x12\x1d\n\nqueue_size\x18\x07 \x01(\x04R\tqueueSize\x12-\n\x10last_reward_mean\x18\x08 \x01(\x01H\x00R\x0elastRewardMean\x88\x01\x01\x12\x38\n\x05state\x18\t \x01(\x0e\x32\".rollmesh.trainer.v1.TrainingStateR\x05state\x12#\n\rerror_message\x18\n \x01(\tR\x0c\x65rrorMessage\x12\x1d\n\nfinal_step\x18\x0b \x01(\x03R\tfinalStepB\x13\n\x11_last_reward_mean\"H\n\x13StopTrainingRequest\x12\"\n\nafter_step\x18\x01 \x01(\x03H\x00R\tafterStep\x88\x01\x01\x42\r\n\x0b_after_step\"5\n\x14StopTrainingResponse\x12\x1d\n\nfinal_step\x18\x01 \x01(\x03R\tfinalStep\"J\n\x1bOffloadTrainingStateRequest\x12+\n\x11include_optimizer\x18\x01 \x01(\x08R\x10includeOptimizer\"v\n\x1cOffloadTrainingStateResponse\x12\x1f\n\x0b\x62ytes_moved\x18\x01 \x01(\x04R\nbytesMoved\x12\x35\n\x08\x64uration\x18\x02 \x01(\x0b\x32\x19.google.protobuf.DurationR\x08\x64uration\"\x1c\n\x1aOnloadTrainingStateRequest\"u\n\x1bOnloadTrainingStateResponse\x12\x1f\n\x0b\x62ytes_moved\x18\x01 \x01(\x04R\nbytesMoved\x12\x35\n\x08\x64uration\x18\x02 \x01(\x0b\x32\x19.google.protobuf.DurationR\x08\x64uration*\xe9\x01\n\rTrainingState\x12\x1e\n\x1aTRAINING_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13TRAINING_STATE_IDLE\x10\x01\x12&\n\"TRAINING_STATE_WAITING_FOR_SAMPLES\x10\x02\x12\x1b\n\x17TRAINING_STATE_TRAINING\x10\x03\x12\"\n\x1eTRAINING_STATE_SYNCING_WEIGHTS\x10\x04\x12\x1b\n\x17TRAINING_STATE_FINISHED\x10\x05\x12\x19\n\x15TRAINING_STATE_FAILED\x10\x06\x32\x9d\x06\n\x13TrainerAgentService\x12Z\n\tGetStatus\x12%.rollmesh.trainer.v1.GetStatusRequest\x1a&.rollmesh.trainer.v1.GetStatusResponse\x12r\n\x11PrepareWeightSync\x12-.rollmesh.trainer.v1.PrepareWeightSyncRequest\x1a..rollmesh.trainer.v1.PrepareWeightSyncResponse\x12`\n\x0bSendWeights\x12\'.rollmesh.trainer.v1.SendWeightsRequest\x1a(.rollmesh.trainer.v1.SendWeightsResponse\x12x\n\x13GetTrainingProgress\x12/.rollmesh.trainer.v1.GetTrainingProgressRequest\x1a\x30.rollmesh.trainer.v1.GetTrainingProgressResponse\x12\x63\n\x0cStopTraining\x12(.rollmesh.trainer.v1.StopTrainingRequest\x1a).rollmesh.trainer.v1.StopTrainingResponse\x12{\n\x14OffloadTrainingState\x12\x30.rollmesh.trainer.v1.OffloadTrainingStateRequest\x1a\x31.rollmesh.trainer.v1.OffloadTrainingStateResponse\x12x\n\x13OnloadTrainingState\x12/.rollmesh.trainer.v1.OnloadTrainingStateRequest\x1a\x30.rollmesh.trainer.v1.OnloadTrainingStateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'rollmesh/trainer/v1/trainer_agent.proto\x12\x13rollmesh.trainer.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1frollmesh/common/v1/status.proto\"\x12\n\x10GetStatusRequest\"\xfd\x01\n\x11GetStatusResponse\x12\x38\n\x06status\x18\x01 \x01(\x0b\x32 .rollmesh.common.v1.ServerStatusR\x06status\x12\x12\n\x04rank\x18\x02 \x01(\rR\x04rank\x12\x1d\n\nworld_size\x18\x03 \x01(\rR\tworldSize\x12\x14\n\x05model\x18\x04 \x01(\tR\x05model\x12)\n\x10training_backend\x18\x05 \x01(\tR\x0ftrainingBackend\x12:\n\x19weight_rendezvous_address\x18\x06 \x01(\tR\x17weightRendezvousAddress\"\x1c\n\x1aGetTrainingProgressRequest\"\xec\x03\n\x1bGetTrainingProgressResponse\x12\x1f\n\x0bglobal_step\x18\x01 \x01(\x03R\nglobalStep\x12%\n\x0eweight_version\x18\x02 \x01(\x03R\rweightVersion\x12#\n\rparam_version\x18\x03 \x01(\x03R\x0cparamVersion\x12+\n\x11samples_generated\x18\x04 \x01(\x04R\x10samplesGenerated\x12)\n\x10samples_consumed\x18\x05 \x01(\x04R\x0fsamplesConsumed\x12\'\n\x0fsamples_dropped\x18\x06 \x01(\x04R\x0esamplesDropped\x12\x1d\n\nqueue_size\x18\x07 \x01(\x04R\tqueueSize\x12-\n\x10last_reward_mean\x18\x08 \x01(\x01H\x00R\x0elastRewardMean\x88\x01\x01\x12\x38\n\x05state\x18\t \x01(\x0e\x32\".rollmesh.trainer.v1.TrainingStateR\x05state\x12#\n\rerror_message\x18\n \x01(\tR\x0c\x65rrorMessage\x12\x1d\n\nfinal_step\x18\x0b \x01(\x03R\tfinalStepB\x13\n\x11_last_reward_mean\"H\n\x13StopTrainingRequest\x12\"\n\nafter_step\x18\x01 \x01(\x03H\x00R\tafterStep\x88\x01\x01\x42\r\n\x0b_after_step\"5\n\x14StopTrainingResponse\x12\x1d\n\nfinal_step\x18\x01 \x01(\x03R\tfinalStep\"J\n\x1bOffloadTrainingStateRequest\x12+\n\x11include_optimizer\x18\x01 \x01(\x08R\x10includeOptimizer\"v\n\x1cOffloadTrainingStateResponse\x12\x1f\n\x0b\x62ytes_moved\x18\x01 \x01(\x04R\nbytesMoved\x12\x35\n\x08\x64uration\x18\x02 \x01(\x0b\x32\x19.google.protobuf.DurationR\x08\x64uration\"\x1c\n\x1aOnloadTrainingStateRequest\"u\n\x1bOnloadTrainingStateResponse\x12\x1f\n\x0b\x62ytes_moved\x18\x01 \x01(\x04R\nbytesMoved\x12\x35\n\x08\x64uration\x18\x02 \x01(\x0b\x32\x19.google.protobuf.DurationR\x08\x64uration*\xe9\x01\n\rTrainingState\x12\x1e\n\x1aTRAINING_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13TRAINING_STATE_IDLE\x10\x01\x12&\n\"TRAINING_STATE_WAITING_FOR_SAMPLES\x10\x02\x12\x1b\n\x17TRAINING_STATE_TRAINING\x10\x03\x12\"\n\x1eTRAINING_STATE_SYNCING_WEIGHTS\x10\x04\x12\x1b\n\x17TRAINING_STATE_FINISHED\x10\x05\x12\x19\n\x15TRAINING_STATE_FAILED\x10\x06\x32\xc7\x04\n\x13TrainerAgentService\x12Z\n\tGetStatus\x12%.rollmesh.trainer.v1.GetStatusRequest\x1a&.rollmesh.trainer.v1.GetStatusResponse\x12x\n\x13GetTrainingProgress\x12/.rollmesh.trainer.v1.GetTrainingProgressRequest\x1a\x30.rollmesh.trainer.v1.GetTrainingProgressResponse\x12\x63\n\x0cStopTraining\x12(.rollmesh.trainer.v1.StopTrainingRequest\x1a).rollmesh.trainer.v1.StopTrainingResponse\x12{\n\x14OffloadTrainingState\x12\x30.rollmesh.trainer.v1.OffloadTrainingStateRequest\x1a\x31.rollmesh.trainer.v1.OffloadTrainingStateResponse\x12x\n\x13OnloadTrainingState\x12/.rollmesh.trainer.v1.OnloadTrainingStateRequest\x1a\x30.rollmesh.trainer.v1.OnloadTrainingStateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rollmesh.trainer.v1.trainer_agent_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRAININGSTATE']._serialized_start=2147
-  _globals['_TRAININGSTATE']._serialized_end=2380
-  _globals['_GETSTATUSREQUEST']._serialized_start=163
-  _globals['_GETSTATUSREQUEST']._serialized_end=181
-  _globals['_GETSTATUSRESPONSE']._serialized_start=184
-  _globals['_GETSTATUSRESPONSE']._serialized_end=437
-  _globals['_PREPAREWEIGHTSYNCREQUEST']._serialized_start=440
-  _globals['_PREPAREWEIGHTSYNCREQUEST']._serialized_end=651
-  _globals['_PREPAREWEIGHTSYNCRESPONSE']._serialized_start=654
-  _globals['_PREPAREWEIGHTSYNCRESPONSE']._serialized_end=890
-  _globals['_SENDWEIGHTSREQUEST']._serialized_start=892
-  _globals['_SENDWEIGHTSREQUEST']._serialized_end=968
-  _globals['_SENDWEIGHTSRESPONSE']._serialized_start=971
-  _globals['_SENDWEIGHTSRESPONSE']._serialized_end=1145
-  _globals['_GETTRAININGPROGRESSREQUEST']._serialized_start=1147
-  _globals['_GETTRAININGPROGRESSREQUEST']._serialized_end=1175
-  _globals['_GETTRAININGPROGRESSRESPONSE']._serialized_start=1178
-  _globals['_GETTRAININGPROGRESSRESPONSE']._serialized_end=1670
-  _globals['_STOPTRAININGREQUEST']._serialized_start=1672
-  _globals['_STOPTRAININGREQUEST']._serialized_end=1744
-  _globals['_STOPTRAININGRESPONSE']._serialized_start=1746
-  _globals['_STOPTRAININGRESPONSE']._serialized_end=1799
-  _globals['_OFFLOADTRAININGSTATEREQUEST']._serialized_start=1801
-  _globals['_OFFLOADTRAININGSTATEREQUEST']._serialized_end=1875
-  _globals['_OFFLOADTRAININGSTATERESPONSE']._serialized_start=1877
-  _globals['_OFFLOADTRAININGSTATERESPONSE']._serialized_end=1995
-  _globals['_ONLOADTRAININGSTATEREQUEST']._serialized_start=1997
-  _globals['_ONLOADTRAININGSTATEREQUEST']._serialized_end=2025
-  _globals['_ONLOADTRAININGSTATERESPONSE']._serialized_start=2027
-  _globals['_ONLOADTRAININGSTATERESPONSE']._serialized_end=2144
-  _globals['_TRAINERAGENTSERVICE']._serialized_start=2383
-  _globals['_TRAINERAGENTSERVICE']._serialized_end=3180
+  _globals['_TRAININGSTATE']._serialized_start=1405
+  _globals['_TRAININGSTATE']._serialized_end=1638
+  _globals['_GETSTATUSREQUEST']._serialized_start=129
+  _globals['_GETSTATUSREQUEST']._serialized_end=147
+  _globals['_GETSTATUSRESPONSE']._serialized_start=150
+  _globals['_GETSTATUSRESPONSE']._serialized_end=403
+  _globals['_GETTRAININGPROGRESSREQUEST']._serialized_start=405
+  _globals['_GETTRAININGPROGRESSREQUEST']._serialized_end=433
+  _globals['_GETTRAININGPROGRESSRESPONSE']._serialized_start=436
+  _globals['_GETTRAININGPROGRESSRESPONSE']._serialized_end=928
+  _globals['_STOPTRAININGREQUEST']._serialized_start=930
+  _globals['_STOPTRAININGREQUEST']._serialized_end=1002
+  _globals['_STOPTRAININGRESPONSE']._serialized_start=1004
+  _globals['_STOPTRAININGRESPONSE']._serialized_end=1057
+  _globals['_OFFLOADTRAININGSTATEREQUEST']._serialized_start=1059
+  _globals['_OFFLOADTRAININGSTATEREQUEST']._serialized_end=1133
+  _globals['_OFFLOADTRAININGSTATERESPONSE']._serialized_start=1135
+  _globals['_OFFLOADTRAININGSTATERESPONSE']._serialized_end=1253
+  _globals['_ONLOADTRAININGSTATEREQUEST']._serialized_start=1255
+  _globals['_ONLOADTRAININGSTATEREQUEST']._serialized_end=1283
+  _globals['_ONLOADTRAININGSTATERESPONSE']._serialized_start=1285
+  _globals['_ONLOADTRAININGSTATERESPONSE']._serialized_end=1402
+  _globals['_TRAINERAGENTSERVICE']._serialized_start=1641
+  _globals['_TRAINERAGENTSERVICE']._serialized_end=2224
 # @@protoc_insertion_point(module_scope)

@@ -26,9 +26,10 @@ if _version_not_supported:
 
 
 class TrainerAgentServiceStub:
-    """TrainerAgentService lets the controller drive the trainer side: prepare and
-    send weights to the replicas, read training progress, and move training
-    state off and onto the accelerators.
+    """TrainerAgentService lets the controller and operators drive the trainer
+    side: read and end training, and move training state off and onto the
+    accelerators. The agent also serves rollmesh.weights.v1.WeightSourceService
+    (the trainer's weights as the source of every broadcast).
 
     Capabilities (see ServerStatus.capabilities): "weights", "progress",
     "offload".
@@ -51,16 +52,6 @@ class TrainerAgentServiceStub:
                 '/rollmesh.trainer.v1.TrainerAgentService/GetStatus',
                 request_serializer=rollmesh_dot_trainer_dot_v1_dot_trainer__agent__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=rollmesh_dot_trainer_dot_v1_dot_trainer__agent__pb2.GetStatusResponse.FromString,
-                _registered_method=True)
-        self.PrepareWeightSync = channel.unary_unary(
-                '/rollmesh.trainer.v1.TrainerAgentService/PrepareWeightSync',
-                request_serializer=rollmesh_dot_trainer_dot_v1_dot_trainer__agent__pb2.PrepareWeightSyncRequest.SerializeToString,
-                response_deserializer=rollmesh_dot_trainer_dot_v1_dot_trainer__agent__pb2.PrepareWeightSyncResponse.FromString,
-                _registered_method=True)
-        self.SendWeights = channel.unary_unary(
-                '/rollmesh.trainer.v1.TrainerAgentService/SendWeights',
-                request_serializer=rollmesh_dot_trainer_dot_v1_dot_trainer__agent__pb2.SendWeightsRequest.SerializeToString,
-                response_deserializer=rollmesh_dot_trainer_dot_v1_dot_trainer__agent__pb2.SendWeightsResponse.FromString,
                 _registered_method=True)
         self.GetTrainingProgress = channel.unary_unary(
                 '/rollmesh.trainer.v1.TrainerAgentService/GetTrainingProgress',
@@ -85,9 +76,10 @@ class TrainerAgentServiceStub:
 
 
 class TrainerAgentServiceServicer:
-    """TrainerAgentService lets the controller drive the trainer side: prepare and
-    send weights to the replicas, read training progress, and move training
-    state off and onto the accelerators.
+    """TrainerAgentService lets the controller and operators drive the trainer
+    side: read and end training, and move training state off and onto the
+    accelerators. The agent also serves rollmesh.weights.v1.WeightSourceService
+    (the trainer's weights as the source of every broadcast).
 
     Capabilities (see ServerStatus.capabilities): "weights", "progress",
     "offload".
@@ -107,70 +99,6 @@ class TrainerAgentServiceServicer:
         unreachable or shutting down).
 
         Authorization: any authenticated identity.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def PrepareWeightSync(self, request, context):
-        """Fixes the weights of one version for the next broadcasts: the trainer
-        snapshots them (they no longer change for those broadcasts, whatever the
-        training loop does meanwhile), lays them out in a manifest and makes sure
-        its rendezvous store is listening. The answer holds everything the
-        controller needs to build the WeightSyncPlan: the version, the manifest,
-        the rendezvous address and the source member id. The snapshot stays until
-        another PrepareWeightSync replaces it, so several syncs of one version
-        (standalone replicas, then hybrid or new ones) can send it. Preparing the
-        version that is already prepared, with the same bucket size and checksum
-        algorithm, returns the same manifest without a new snapshot, so the call
-        is safe to repeat. While no training loop runs on the trainer, a
-        weight_version newer than the trainer's is adopted (the trainer's
-        current weights are published under it) unless the trainer's config
-        turns adopt_requested_versions off. Capability: weights.
-
-        Errors:
-        - INVALID_ARGUMENT: weight_version is negative, bucket_size_bytes is 0,
-        or checksum_algorithm is not one the trainer knows.
-        - FAILED_PRECONDITION: this agent is not the trainer's rank 0, no model
-        is loaded yet, or the trainer does not hold weight_version: it is
-        older than the trainer's current param_version (older versions are
-        not kept), or newer and not adopted (see above).
-
-        Authorization: controller.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def SendWeights(self, request, context):
-        """Broadcasts the prepared weights as rank 0 of the plan and returns once
-        every byte is sent. The controller first calls PrepareWeightSync, builds
-        the plan from its answer (plan.source, weight_version, manifest and
-        rendezvous address as returned), then makes this call concurrently with
-        the receivers' ReplicaAgentService.ReceiveWeights. Syncs to the same
-        member set under the same group_id reuse the process group. Repeating a
-        finished sync_id returns the recorded result without sending again;
-        repeating one in progress waits for it. Capability: weights.
-
-        Errors:
-        - INVALID_ARGUMENT: the plan is malformed (world_size differs from the
-        number of members, ranks are not 0..world_size-1, a receiving member
-        has no replica_id, no rendezvous address, backend unspecified, empty
-        sync_id or group_id, or a manifest with an impossible layout).
-        - FAILED_PRECONDITION: this agent is not the trainer's rank 0, no model
-        is loaded yet, nothing is prepared, plan.source is not this trainer's
-        member id, plan.weight_version is not the prepared version, the
-        manifest differs from the prepared one, rendezvous_port is not the
-        trainer's, or the group under group_id was closed by an earlier
-        failure (use a new group_id). Nothing is sent.
-        - ABORTED: another broadcast with a different sync_id is in progress, or
-        the call was cancelled mid-transfer.
-        - DEADLINE_EXCEEDED: the rendezvous or the transfer did not finish within
-        plan.timeout.
-        - UNAVAILABLE: a receiver dropped out during the transfer; retry as a
-        new sync under a new group_id.
-
-        Authorization: controller.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -250,16 +178,6 @@ def add_TrainerAgentServiceServicer_to_server(servicer, server):
                     request_deserializer=rollmesh_dot_trainer_dot_v1_dot_trainer__agent__pb2.GetStatusRequest.FromString,
                     response_serializer=rollmesh_dot_trainer_dot_v1_dot_trainer__agent__pb2.GetStatusResponse.SerializeToString,
             ),
-            'PrepareWeightSync': grpc.unary_unary_rpc_method_handler(
-                    servicer.PrepareWeightSync,
-                    request_deserializer=rollmesh_dot_trainer_dot_v1_dot_trainer__agent__pb2.PrepareWeightSyncRequest.FromString,
-                    response_serializer=rollmesh_dot_trainer_dot_v1_dot_trainer__agent__pb2.PrepareWeightSyncResponse.SerializeToString,
-            ),
-            'SendWeights': grpc.unary_unary_rpc_method_handler(
-                    servicer.SendWeights,
-                    request_deserializer=rollmesh_dot_trainer_dot_v1_dot_trainer__agent__pb2.SendWeightsRequest.FromString,
-                    response_serializer=rollmesh_dot_trainer_dot_v1_dot_trainer__agent__pb2.SendWeightsResponse.SerializeToString,
-            ),
             'GetTrainingProgress': grpc.unary_unary_rpc_method_handler(
                     servicer.GetTrainingProgress,
                     request_deserializer=rollmesh_dot_trainer_dot_v1_dot_trainer__agent__pb2.GetTrainingProgressRequest.FromString,
@@ -289,9 +207,10 @@ def add_TrainerAgentServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class TrainerAgentService:
-    """TrainerAgentService lets the controller drive the trainer side: prepare and
-    send weights to the replicas, read training progress, and move training
-    state off and onto the accelerators.
+    """TrainerAgentService lets the controller and operators drive the trainer
+    side: read and end training, and move training state off and onto the
+    accelerators. The agent also serves rollmesh.weights.v1.WeightSourceService
+    (the trainer's weights as the source of every broadcast).
 
     Capabilities (see ServerStatus.capabilities): "weights", "progress",
     "offload".
@@ -321,60 +240,6 @@ class TrainerAgentService:
             '/rollmesh.trainer.v1.TrainerAgentService/GetStatus',
             rollmesh_dot_trainer_dot_v1_dot_trainer__agent__pb2.GetStatusRequest.SerializeToString,
             rollmesh_dot_trainer_dot_v1_dot_trainer__agent__pb2.GetStatusResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def PrepareWeightSync(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/rollmesh.trainer.v1.TrainerAgentService/PrepareWeightSync',
-            rollmesh_dot_trainer_dot_v1_dot_trainer__agent__pb2.PrepareWeightSyncRequest.SerializeToString,
-            rollmesh_dot_trainer_dot_v1_dot_trainer__agent__pb2.PrepareWeightSyncResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def SendWeights(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/rollmesh.trainer.v1.TrainerAgentService/SendWeights',
-            rollmesh_dot_trainer_dot_v1_dot_trainer__agent__pb2.SendWeightsRequest.SerializeToString,
-            rollmesh_dot_trainer_dot_v1_dot_trainer__agent__pb2.SendWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

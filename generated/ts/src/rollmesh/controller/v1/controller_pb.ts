@@ -480,7 +480,6 @@ export const ControllerService: GenService<{
    * Returns the metrics of sync cycles. Capability: metrics.
    *
    * Errors:
-   * - INVALID_ARGUMENT: both cycle and from_cycle are set.
    * - NOT_FOUND: cycle is set and that cycle is unknown or no longer
    *   retained.
    *

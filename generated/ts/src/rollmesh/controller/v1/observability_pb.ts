@@ -17,7 +17,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file rollmesh/controller/v1/observability.proto.
  */
 export const file_rollmesh_controller_v1_observability: GenFile = /*@__PURE__*/
-  fileDesc("Cipyb2xsbWVzaC9jb250cm9sbGVyL3YxL29ic2VydmFiaWxpdHkucHJvdG8SFnJvbGxtZXNoLmNvbnRyb2xsZXIudjEihwEKEldhdGNoRXZlbnRzUmVxdWVzdBIVCg1mcm9tX3NlcXVlbmNlGAEgASgEEhMKC3JlcGxpY2FfaWRzGAIgAygJEiwKBXR5cGVzGAMgAygOMh0ucm9sbG1lc2guY29tbW9uLnYxLkV2ZW50VHlwZRIXCg9pbmNsdWRlX2hpc3RvcnkYBCABKAgiSAoTV2F0Y2hFdmVudHNSZXNwb25zZRIxCgVldmVudBgBIAEoCzIiLnJvbGxtZXNoLmNvbW1vbi52MS5MaWZlY3ljbGVFdmVudCKZAgoMTWV0cmljc0N5Y2xlEg0KBWN5Y2xlGAEgASgEEhMKC2dsb2JhbF9zdGVwGAIgASgDEhYKDndlaWdodF92ZXJzaW9uGAMgASgDEi4KCnN0YXJ0ZWRfYXQYBCABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEiwKCGVuZGVkX2F0GAUgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBJACgZ2YWx1ZXMYBiADKAsyMC5yb2xsbWVzaC5jb250cm9sbGVyLnYxLk1ldHJpY3NDeWNsZS5WYWx1ZXNFbnRyeRotCgtWYWx1ZXNFbnRyeRILCgNrZXkYASABKAkSDQoFdmFsdWUYAiABKAE6AjgBImgKEUdldE1ldHJpY3NSZXF1ZXN0EhIKBWN5Y2xlGAEgASgESACIAQESFwoKZnJvbV9jeWNsZRgCIAEoBEgBiAEBEg0KBWxpbWl0GAMgASgNQggKBl9jeWNsZUINCgtfZnJvbV9jeWNsZSJKChJHZXRNZXRyaWNzUmVzcG9uc2USNAoGY3ljbGVzGAEgAygLMiQucm9sbG1lc2guY29udHJvbGxlci52MS5NZXRyaWNzQ3ljbGViBnByb3RvMw", [file_google_protobuf_timestamp, file_rollmesh_common_v1_events]);
+  fileDesc("Cipyb2xsbWVzaC9jb250cm9sbGVyL3YxL29ic2VydmFiaWxpdHkucHJvdG8SFnJvbGxtZXNoLmNvbnRyb2xsZXIudjEihwEKEldhdGNoRXZlbnRzUmVxdWVzdBIVCg1mcm9tX3NlcXVlbmNlGAEgASgEEhMKC3JlcGxpY2FfaWRzGAIgAygJEiwKBXR5cGVzGAMgAygOMh0ucm9sbG1lc2guY29tbW9uLnYxLkV2ZW50VHlwZRIXCg9pbmNsdWRlX2hpc3RvcnkYBCABKAgiSAoTV2F0Y2hFdmVudHNSZXNwb25zZRIxCgVldmVudBgBIAEoCzIiLnJvbGxtZXNoLmNvbW1vbi52MS5MaWZlY3ljbGVFdmVudCKZAgoMTWV0cmljc0N5Y2xlEg0KBWN5Y2xlGAEgASgEEhMKC2dsb2JhbF9zdGVwGAIgASgDEhYKDndlaWdodF92ZXJzaW9uGAMgASgDEi4KCnN0YXJ0ZWRfYXQYBCABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEiwKCGVuZGVkX2F0GAUgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBJACgZ2YWx1ZXMYBiADKAsyMC5yb2xsbWVzaC5jb250cm9sbGVyLnYxLk1ldHJpY3NDeWNsZS5WYWx1ZXNFbnRyeRotCgtWYWx1ZXNFbnRyeRILCgNrZXkYASABKAkSDQoFdmFsdWUYAiABKAE6AjgBIlYKEUdldE1ldHJpY3NSZXF1ZXN0Eg8KBWN5Y2xlGAEgASgESAASFAoKZnJvbV9jeWNsZRgCIAEoBEgAEg0KBWxpbWl0GAMgASgNQgsKCXNlbGVjdGlvbiJKChJHZXRNZXRyaWNzUmVzcG9uc2USNAoGY3ljbGVzGAEgAygLMiQucm9sbG1lc2guY29udHJvbGxlci52MS5NZXRyaWNzQ3ljbGViBnByb3RvMw", [file_google_protobuf_timestamp, file_rollmesh_common_v1_events]);
 
 /**
  * Request of WatchEvents.
@@ -150,25 +150,34 @@ export const MetricsCycleSchema: GenMessage<MetricsCycle> = /*@__PURE__*/
   messageDesc(file_rollmesh_controller_v1_observability, 2);
 
 /**
- * Request of GetMetrics. Set at most one of cycle and from_cycle; with
- * neither, the latest cycle is returned.
+ * Request of GetMetrics. With neither cycle nor from_cycle, the latest cycle
+ * is returned.
  *
  * @generated from message rollmesh.controller.v1.GetMetricsRequest
  */
 export type GetMetricsRequest = Message<"rollmesh.controller.v1.GetMetricsRequest"> & {
   /**
-   * Return only this cycle.
+   * Which cycles: one, or every one from a cycle on.
    *
-   * @generated from field: optional uint64 cycle = 1;
+   * @generated from oneof rollmesh.controller.v1.GetMetricsRequest.selection
    */
-  cycle?: bigint | undefined;
-
-  /**
-   * Return cycles from this one on, oldest first.
-   *
-   * @generated from field: optional uint64 from_cycle = 2;
-   */
-  fromCycle?: bigint | undefined;
+  selection: {
+    /**
+     * Return only this cycle.
+     *
+     * @generated from field: uint64 cycle = 1;
+     */
+    value: bigint;
+    case: "cycle";
+  } | {
+    /**
+     * Return cycles from this one on, oldest first.
+     *
+     * @generated from field: uint64 from_cycle = 2;
+     */
+    value: bigint;
+    case: "fromCycle";
+  } | { case: undefined; value?: undefined };
 
   /**
    * Most cycles to return with from_cycle. 0: 100.

@@ -20,7 +20,7 @@ import type { ServerStatus } from "../../common/v1/status_pb.js";
 import { file_rollmesh_common_v1_status } from "../../common/v1/status_pb.js";
 import type { EngineBackend, ReplicaKind, ReplicaState, SleepLevel, WakeTag } from "../../common/v1/types_pb.js";
 import { file_rollmesh_common_v1_types } from "../../common/v1/types_pb.js";
-import type { WeightManifest, WeightSyncPlan } from "../../common/v1/weights_pb.js";
+import type { WeightSyncPlan } from "../../common/v1/weights_pb.js";
 import { file_rollmesh_common_v1_weights } from "../../common/v1/weights_pb.js";
 import type { PauseMode, Replica } from "./replica_pb.js";
 import { file_rollmesh_replica_v1_replica } from "./replica_pb.js";
@@ -30,7 +30,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file rollmesh/replica/v1/replica_agent.proto.
  */
 export const file_rollmesh_replica_v1_replica_agent: GenFile = /*@__PURE__*/
-  fileDesc("Cidyb2xsbWVzaC9yZXBsaWNhL3YxL3JlcGxpY2FfYWdlbnQucHJvdG8SE3JvbGxtZXNoLnJlcGxpY2EudjEiEgoQR2V0U3RhdHVzUmVxdWVzdCLZAQoRR2V0U3RhdHVzUmVzcG9uc2USMAoGc3RhdHVzGAEgASgLMiAucm9sbG1lc2guY29tbW9uLnYxLlNlcnZlclN0YXR1cxIPCgdub2RlX2lkGAIgASgJEhMKC3Nsb3RzX3RvdGFsGAMgASgNEhIKCnNsb3RzX2ZyZWUYBCABKA0SMgoHYmFja2VuZBgFIAEoDjIhLnJvbGxtZXNoLmNvbW1vbi52MS5FbmdpbmVCYWNrZW5kEg0KBW1vZGVsGAYgASgJEhUKDXJlcGxpY2FfY291bnQYByABKA0i9gEKFExhdW5jaFJlcGxpY2FSZXF1ZXN0EhIKCnJlcGxpY2FfaWQYASABKAkSMwoEa2luZBgCIAEoDjIfLnJvbGxtZXNoLmNvbW1vbi52MS5SZXBsaWNhS2luZEIE4kEBAhIcCg9tZW1vcnlfZnJhY3Rpb24YAyABKAFIAIgBARINCgVzbG90cxgEIAEoDRIUCgxzdGFydF9hc2xlZXAYBSABKAgSFgoOd2VpZ2h0X3ZlcnNpb24YBiABKAMSEgoKcmVxdWVzdF9pZBgHIAEoCRISCgplbmdpbmVfdXJsGAggASgJQhIKEF9tZW1vcnlfZnJhY3Rpb24iRgoVTGF1bmNoUmVwbGljYVJlc3BvbnNlEi0KB3JlcGxpY2EYASABKAsyHC5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlcGxpY2EiYQoSU3RvcFJlcGxpY2FSZXF1ZXN0EhIKCnJlcGxpY2FfaWQYASABKAkSKAoFZ3JhY2UYAiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SDQoFZm9yY2UYAyABKAgiRAoTU3RvcFJlcGxpY2FSZXNwb25zZRItCgdyZXBsaWNhGAEgASgLMhwucm9sbG1lc2gucmVwbGljYS52MS5SZXBsaWNhIncKE0xpc3RSZXBsaWNhc1JlcXVlc3QSLgoFa2luZHMYASADKA4yHy5yb2xsbWVzaC5jb21tb24udjEuUmVwbGljYUtpbmQSMAoGc3RhdGVzGAIgAygOMiAucm9sbG1lc2guY29tbW9uLnYxLlJlcGxpY2FTdGF0ZSJGChRMaXN0UmVwbGljYXNSZXNwb25zZRIuCghyZXBsaWNhcxgBIAMoCzIcLnJvbGxtZXNoLnJlcGxpY2EudjEuUmVwbGljYSInChFHZXRSZXBsaWNhUmVxdWVzdBISCgpyZXBsaWNhX2lkGAEgASgJIkMKEkdldFJlcGxpY2FSZXNwb25zZRItCgdyZXBsaWNhGAEgASgLMhwucm9sbG1lc2gucmVwbGljYS52MS5SZXBsaWNhIo8CCg9HZW5lcmF0ZVJlcXVlc3QSGAoKcmVwbGljYV9pZBgBIAEoCUIE4kEBAhIYCgpyZXF1ZXN0X2lkGAIgASgJQgTiQQECEh4KEHByb21wdF90b2tlbl9pZHMYAyADKAVCBOJBAQISOwoPc2FtcGxpbmdfcGFyYW1zGAQgASgLMiIucm9sbG1lc2guY29tbW9uLnYxLlNhbXBsaW5nUGFyYW1zEjkKD3Jlc3VtZV9zZWdtZW50cxgFIAMoCzIgLnJvbGxtZXNoLmNvbW1vbi52MS5Ub2tlblNlZ21lbnQSHAoPc3RyZWFtX2ludGVydmFsGAYgASgNSACIAQFCEgoQX3N0cmVhbV9pbnRlcnZhbCL6AQoQR2VuZXJhdGVSZXNwb25zZRISCgpyZXF1ZXN0X2lkGAEgASgJEhEKCXRva2VuX2lkcxgCIAMoBRIQCghsb2dwcm9icxgDIAMoAhIWCg53ZWlnaHRfdmVyc2lvbhgEIAEoAxI3Cg1maW5pc2hfcmVhc29uGAUgASgOMiAucm9sbG1lc2guY29tbW9uLnYxLkZpbmlzaFJlYXNvbhIoCgV1c2FnZRgGIAEoCzIZLnJvbGxtZXNoLmNvbW1vbi52MS5Vc2FnZRIyCghzZWdtZW50cxgHIAMoCzIgLnJvbGxtZXNoLmNvbW1vbi52MS5Ub2tlblNlZ21lbnQiTAoUQWJvcnRSZXF1ZXN0c1JlcXVlc3QSEgoKcmVwbGljYV9pZBgBIAEoCRITCgtyZXF1ZXN0X2lkcxgCIAMoCRILCgNhbGwYAyABKAgiNAoVQWJvcnRSZXF1ZXN0c1Jlc3BvbnNlEhsKE2Fib3J0ZWRfcmVxdWVzdF9pZHMYASADKAkihwEKFlBhdXNlR2VuZXJhdGlvblJlcXVlc3QSEwoLcmVwbGljYV9pZHMYASADKAkSLAoEbW9kZRgCIAEoDjIeLnJvbGxtZXNoLnJlcGxpY2EudjEuUGF1c2VNb2RlEioKB3RpbWVvdXQYAyABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24iZgoXUGF1c2VHZW5lcmF0aW9uUmVzcG9uc2USLgoIcmVwbGljYXMYASADKAsyHC5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlcGxpY2ESGwoTYWJvcnRlZF9yZXF1ZXN0X2lkcxgCIAMoCSIuChdSZXN1bWVHZW5lcmF0aW9uUmVxdWVzdBITCgtyZXBsaWNhX2lkcxgBIAMoCSJKChhSZXN1bWVHZW5lcmF0aW9uUmVzcG9uc2USLgoIcmVwbGljYXMYASADKAsyHC5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlcGxpY2EidgoMU2xlZXBSZXF1ZXN0EhgKCnJlcGxpY2FfaWQYASABKAlCBOJBAQISMwoFbGV2ZWwYAiABKA4yHi5yb2xsbWVzaC5jb21tb24udjEuU2xlZXBMZXZlbEIE4kEBAhIXCg9hYm9ydF9pbl9mbGlnaHQYAyABKAgiUwoNU2xlZXBSZXNwb25zZRITCgtmcmVlZF9ieXRlcxgBIAEoBBItCgdyZXBsaWNhGAIgASgLMhwucm9sbG1lc2gucmVwbGljYS52MS5SZXBsaWNhImkKDVdha2VVcFJlcXVlc3QSEgoKcmVwbGljYV9pZBgBIAEoCRIpCgR0YWdzGAIgAygOMhsucm9sbG1lc2guY29tbW9uLnYxLldha2VUYWcSGQoRcmVzdW1lX2dlbmVyYXRpb24YAyABKAgiPwoOV2FrZVVwUmVzcG9uc2USLQoHcmVwbGljYRgBIAEoCzIcLnJvbGxtZXNoLnJlcGxpY2EudjEuUmVwbGljYSJ3ChVSZWNlaXZlV2VpZ2h0c1JlcXVlc3QSEwoLcmVwbGljYV9pZHMYASADKAkSMAoEcGxhbhgCIAEoCzIiLnJvbGxtZXNoLmNvbW1vbi52MS5XZWlnaHRTeW5jUGxhbhIXCg9hYm9ydF9pbl9mbGlnaHQYAyABKAgiswEKFFJlcGxpY2FXZWlnaHRzUmVzdWx0EhIKCnJlcGxpY2FfaWQYASABKAkSFgoOd2VpZ2h0X3ZlcnNpb24YAiABKAMSEwoLY2hlY2tzdW1fb2sYAyABKAgSFgoOYnl0ZXNfcmVjZWl2ZWQYBCABKAQSKwoIZHVyYXRpb24YBSABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SFQoNZXJyb3JfbWVzc2FnZRgGIAEoCSJUChZSZWNlaXZlV2VpZ2h0c1Jlc3BvbnNlEjoKB3Jlc3VsdHMYASADKAsyKS5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlcGxpY2FXZWlnaHRzUmVzdWx0IroBChhQcmVwYXJlV2VpZ2h0U3luY1JlcXVlc3QSGAoKcmVwbGljYV9pZBgBIAEoCUIE4kEBAhIWCg53ZWlnaHRfdmVyc2lvbhgCIAEoAxIeChFidWNrZXRfc2l6ZV9ieXRlcxgDIAEoBEgAiAEBEh8KEmNoZWNrc3VtX2FsZ29yaXRobRgEIAEoCUgBiAEBQhQKEl9idWNrZXRfc2l6ZV9ieXRlc0IVChNfY2hlY2tzdW1fYWxnb3JpdGhtIqsBChlQcmVwYXJlV2VpZ2h0U3luY1Jlc3BvbnNlEhYKDndlaWdodF92ZXJzaW9uGAEgASgDEjQKCG1hbmlmZXN0GAIgASgLMiIucm9sbG1lc2guY29tbW9uLnYxLldlaWdodE1hbmlmZXN0EhcKD3JlbmRlenZvdXNfaG9zdBgDIAEoCRIXCg9yZW5kZXp2b3VzX3BvcnQYBCABKA0SDgoGc291cmNlGAUgASgJIloKElNlbmRXZWlnaHRzUmVxdWVzdBISCgpyZXBsaWNhX2lkGAEgASgJEjAKBHBsYW4YAiABKAsyIi5yb2xsbWVzaC5jb21tb24udjEuV2VpZ2h0U3luY1BsYW4igAEKE1NlbmRXZWlnaHRzUmVzcG9uc2USEgoKYnl0ZXNfc2VudBgBIAEoBBIrCghkdXJhdGlvbhgCIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhIQCghjaGVja3N1bRgDIAEoCRIWCg53ZWlnaHRfdmVyc2lvbhgEIAEoAyIsChVHZXRMb2FkUmVwb3J0c1JlcXVlc3QSEwoLcmVwbGljYV9pZHMYASADKAkiSQoWR2V0TG9hZFJlcG9ydHNSZXNwb25zZRIvCgdyZXBvcnRzGAEgAygLMh4ucm9sbG1lc2guY29tbW9uLnYxLkxvYWRSZXBvcnQy8AsKE1JlcGxpY2FBZ2VudFNlcnZpY2USWgoJR2V0U3RhdHVzEiUucm9sbG1lc2gucmVwbGljYS52MS5HZXRTdGF0dXNSZXF1ZXN0GiYucm9sbG1lc2gucmVwbGljYS52MS5HZXRTdGF0dXNSZXNwb25zZRJmCg1MYXVuY2hSZXBsaWNhEikucm9sbG1lc2gucmVwbGljYS52MS5MYXVuY2hSZXBsaWNhUmVxdWVzdBoqLnJvbGxtZXNoLnJlcGxpY2EudjEuTGF1bmNoUmVwbGljYVJlc3BvbnNlEmAKC1N0b3BSZXBsaWNhEicucm9sbG1lc2gucmVwbGljYS52MS5TdG9wUmVwbGljYVJlcXVlc3QaKC5yb2xsbWVzaC5yZXBsaWNhLnYxLlN0b3BSZXBsaWNhUmVzcG9uc2USYwoMTGlzdFJlcGxpY2FzEigucm9sbG1lc2gucmVwbGljYS52MS5MaXN0UmVwbGljYXNSZXF1ZXN0Gikucm9sbG1lc2gucmVwbGljYS52MS5MaXN0UmVwbGljYXNSZXNwb25zZRJdCgpHZXRSZXBsaWNhEiYucm9sbG1lc2gucmVwbGljYS52MS5HZXRSZXBsaWNhUmVxdWVzdBonLnJvbGxtZXNoLnJlcGxpY2EudjEuR2V0UmVwbGljYVJlc3BvbnNlElkKCEdlbmVyYXRlEiQucm9sbG1lc2gucmVwbGljYS52MS5HZW5lcmF0ZVJlcXVlc3QaJS5yb2xsbWVzaC5yZXBsaWNhLnYxLkdlbmVyYXRlUmVzcG9uc2UwARJmCg1BYm9ydFJlcXVlc3RzEikucm9sbG1lc2gucmVwbGljYS52MS5BYm9ydFJlcXVlc3RzUmVxdWVzdBoqLnJvbGxtZXNoLnJlcGxpY2EudjEuQWJvcnRSZXF1ZXN0c1Jlc3BvbnNlEmwKD1BhdXNlR2VuZXJhdGlvbhIrLnJvbGxtZXNoLnJlcGxpY2EudjEuUGF1c2VHZW5lcmF0aW9uUmVxdWVzdBosLnJvbGxtZXNoLnJlcGxpY2EudjEuUGF1c2VHZW5lcmF0aW9uUmVzcG9uc2USbwoQUmVzdW1lR2VuZXJhdGlvbhIsLnJvbGxtZXNoLnJlcGxpY2EudjEuUmVzdW1lR2VuZXJhdGlvblJlcXVlc3QaLS5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlc3VtZUdlbmVyYXRpb25SZXNwb25zZRJOCgVTbGVlcBIhLnJvbGxtZXNoLnJlcGxpY2EudjEuU2xlZXBSZXF1ZXN0GiIucm9sbG1lc2gucmVwbGljYS52MS5TbGVlcFJlc3BvbnNlElEKBldha2VVcBIiLnJvbGxtZXNoLnJlcGxpY2EudjEuV2FrZVVwUmVxdWVzdBojLnJvbGxtZXNoLnJlcGxpY2EudjEuV2FrZVVwUmVzcG9uc2USaQoOUmVjZWl2ZVdlaWdodHMSKi5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlY2VpdmVXZWlnaHRzUmVxdWVzdBorLnJvbGxtZXNoLnJlcGxpY2EudjEuUmVjZWl2ZVdlaWdodHNSZXNwb25zZRJyChFQcmVwYXJlV2VpZ2h0U3luYxItLnJvbGxtZXNoLnJlcGxpY2EudjEuUHJlcGFyZVdlaWdodFN5bmNSZXF1ZXN0Gi4ucm9sbG1lc2gucmVwbGljYS52MS5QcmVwYXJlV2VpZ2h0U3luY1Jlc3BvbnNlEmAKC1NlbmRXZWlnaHRzEicucm9sbG1lc2gucmVwbGljYS52MS5TZW5kV2VpZ2h0c1JlcXVlc3QaKC5yb2xsbWVzaC5yZXBsaWNhLnYxLlNlbmRXZWlnaHRzUmVzcG9uc2USaQoOR2V0TG9hZFJlcG9ydHMSKi5yb2xsbWVzaC5yZXBsaWNhLnYxLkdldExvYWRSZXBvcnRzUmVxdWVzdBorLnJvbGxtZXNoLnJlcGxpY2EudjEuR2V0TG9hZFJlcG9ydHNSZXNwb25zZWIGcHJvdG8z", [file_google_api_field_behavior, file_google_protobuf_duration, file_rollmesh_common_v1_generation, file_rollmesh_common_v1_load, file_rollmesh_common_v1_status, file_rollmesh_common_v1_types, file_rollmesh_common_v1_weights, file_rollmesh_replica_v1_replica]);
+  fileDesc("Cidyb2xsbWVzaC9yZXBsaWNhL3YxL3JlcGxpY2FfYWdlbnQucHJvdG8SE3JvbGxtZXNoLnJlcGxpY2EudjEiEgoQR2V0U3RhdHVzUmVxdWVzdCLZAQoRR2V0U3RhdHVzUmVzcG9uc2USMAoGc3RhdHVzGAEgASgLMiAucm9sbG1lc2guY29tbW9uLnYxLlNlcnZlclN0YXR1cxIPCgdub2RlX2lkGAIgASgJEhMKC3Nsb3RzX3RvdGFsGAMgASgNEhIKCnNsb3RzX2ZyZWUYBCABKA0SMgoHYmFja2VuZBgFIAEoDjIhLnJvbGxtZXNoLmNvbW1vbi52MS5FbmdpbmVCYWNrZW5kEg0KBW1vZGVsGAYgASgJEhUKDXJlcGxpY2FfY291bnQYByABKA0i9gEKFExhdW5jaFJlcGxpY2FSZXF1ZXN0EhIKCnJlcGxpY2FfaWQYASABKAkSMwoEa2luZBgCIAEoDjIfLnJvbGxtZXNoLmNvbW1vbi52MS5SZXBsaWNhS2luZEIE4kEBAhIcCg9tZW1vcnlfZnJhY3Rpb24YAyABKAFIAIgBARINCgVzbG90cxgEIAEoDRIUCgxzdGFydF9hc2xlZXAYBSABKAgSFgoOd2VpZ2h0X3ZlcnNpb24YBiABKAMSEgoKcmVxdWVzdF9pZBgHIAEoCRISCgplbmdpbmVfdXJsGAggASgJQhIKEF9tZW1vcnlfZnJhY3Rpb24iRgoVTGF1bmNoUmVwbGljYVJlc3BvbnNlEi0KB3JlcGxpY2EYASABKAsyHC5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlcGxpY2EiYQoSU3RvcFJlcGxpY2FSZXF1ZXN0EhIKCnJlcGxpY2FfaWQYASABKAkSKAoFZ3JhY2UYAiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SDQoFZm9yY2UYAyABKAgiRAoTU3RvcFJlcGxpY2FSZXNwb25zZRItCgdyZXBsaWNhGAEgASgLMhwucm9sbG1lc2gucmVwbGljYS52MS5SZXBsaWNhIncKE0xpc3RSZXBsaWNhc1JlcXVlc3QSLgoFa2luZHMYASADKA4yHy5yb2xsbWVzaC5jb21tb24udjEuUmVwbGljYUtpbmQSMAoGc3RhdGVzGAIgAygOMiAucm9sbG1lc2guY29tbW9uLnYxLlJlcGxpY2FTdGF0ZSJGChRMaXN0UmVwbGljYXNSZXNwb25zZRIuCghyZXBsaWNhcxgBIAMoCzIcLnJvbGxtZXNoLnJlcGxpY2EudjEuUmVwbGljYSInChFHZXRSZXBsaWNhUmVxdWVzdBISCgpyZXBsaWNhX2lkGAEgASgJIkMKEkdldFJlcGxpY2FSZXNwb25zZRItCgdyZXBsaWNhGAEgASgLMhwucm9sbG1lc2gucmVwbGljYS52MS5SZXBsaWNhIo8CCg9HZW5lcmF0ZVJlcXVlc3QSGAoKcmVwbGljYV9pZBgBIAEoCUIE4kEBAhIYCgpyZXF1ZXN0X2lkGAIgASgJQgTiQQECEh4KEHByb21wdF90b2tlbl9pZHMYAyADKAVCBOJBAQISOwoPc2FtcGxpbmdfcGFyYW1zGAQgASgLMiIucm9sbG1lc2guY29tbW9uLnYxLlNhbXBsaW5nUGFyYW1zEjkKD3Jlc3VtZV9zZWdtZW50cxgFIAMoCzIgLnJvbGxtZXNoLmNvbW1vbi52MS5Ub2tlblNlZ21lbnQSHAoPc3RyZWFtX2ludGVydmFsGAYgASgNSACIAQFCEgoQX3N0cmVhbV9pbnRlcnZhbCL6AQoQR2VuZXJhdGVSZXNwb25zZRISCgpyZXF1ZXN0X2lkGAEgASgJEhEKCXRva2VuX2lkcxgCIAMoBRIQCghsb2dwcm9icxgDIAMoAhIWCg53ZWlnaHRfdmVyc2lvbhgEIAEoAxI3Cg1maW5pc2hfcmVhc29uGAUgASgOMiAucm9sbG1lc2guY29tbW9uLnYxLkZpbmlzaFJlYXNvbhIoCgV1c2FnZRgGIAEoCzIZLnJvbGxtZXNoLmNvbW1vbi52MS5Vc2FnZRIyCghzZWdtZW50cxgHIAMoCzIgLnJvbGxtZXNoLmNvbW1vbi52MS5Ub2tlblNlZ21lbnQiTAoUQWJvcnRSZXF1ZXN0c1JlcXVlc3QSEgoKcmVwbGljYV9pZBgBIAEoCRITCgtyZXF1ZXN0X2lkcxgCIAMoCRILCgNhbGwYAyABKAgiNAoVQWJvcnRSZXF1ZXN0c1Jlc3BvbnNlEhsKE2Fib3J0ZWRfcmVxdWVzdF9pZHMYASADKAkihwEKFlBhdXNlR2VuZXJhdGlvblJlcXVlc3QSEwoLcmVwbGljYV9pZHMYASADKAkSLAoEbW9kZRgCIAEoDjIeLnJvbGxtZXNoLnJlcGxpY2EudjEuUGF1c2VNb2RlEioKB3RpbWVvdXQYAyABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24iZgoXUGF1c2VHZW5lcmF0aW9uUmVzcG9uc2USLgoIcmVwbGljYXMYASADKAsyHC5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlcGxpY2ESGwoTYWJvcnRlZF9yZXF1ZXN0X2lkcxgCIAMoCSIuChdSZXN1bWVHZW5lcmF0aW9uUmVxdWVzdBITCgtyZXBsaWNhX2lkcxgBIAMoCSJKChhSZXN1bWVHZW5lcmF0aW9uUmVzcG9uc2USLgoIcmVwbGljYXMYASADKAsyHC5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlcGxpY2EidgoMU2xlZXBSZXF1ZXN0EhgKCnJlcGxpY2FfaWQYASABKAlCBOJBAQISMwoFbGV2ZWwYAiABKA4yHi5yb2xsbWVzaC5jb21tb24udjEuU2xlZXBMZXZlbEIE4kEBAhIXCg9hYm9ydF9pbl9mbGlnaHQYAyABKAgiUwoNU2xlZXBSZXNwb25zZRITCgtmcmVlZF9ieXRlcxgBIAEoBBItCgdyZXBsaWNhGAIgASgLMhwucm9sbG1lc2gucmVwbGljYS52MS5SZXBsaWNhImkKDVdha2VVcFJlcXVlc3QSEgoKcmVwbGljYV9pZBgBIAEoCRIpCgR0YWdzGAIgAygOMhsucm9sbG1lc2guY29tbW9uLnYxLldha2VUYWcSGQoRcmVzdW1lX2dlbmVyYXRpb24YAyABKAgiPwoOV2FrZVVwUmVzcG9uc2USLQoHcmVwbGljYRgBIAEoCzIcLnJvbGxtZXNoLnJlcGxpY2EudjEuUmVwbGljYSJ3ChVSZWNlaXZlV2VpZ2h0c1JlcXVlc3QSEwoLcmVwbGljYV9pZHMYASADKAkSMAoEcGxhbhgCIAEoCzIiLnJvbGxtZXNoLmNvbW1vbi52MS5XZWlnaHRTeW5jUGxhbhIXCg9hYm9ydF9pbl9mbGlnaHQYAyABKAgiswEKFFJlcGxpY2FXZWlnaHRzUmVzdWx0EhIKCnJlcGxpY2FfaWQYASABKAkSFgoOd2VpZ2h0X3ZlcnNpb24YAiABKAMSEwoLY2hlY2tzdW1fb2sYAyABKAgSFgoOYnl0ZXNfcmVjZWl2ZWQYBCABKAQSKwoIZHVyYXRpb24YBSABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SFQoNZXJyb3JfbWVzc2FnZRgGIAEoCSJUChZSZWNlaXZlV2VpZ2h0c1Jlc3BvbnNlEjoKB3Jlc3VsdHMYASADKAsyKS5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlcGxpY2FXZWlnaHRzUmVzdWx0IiwKFUdldExvYWRSZXBvcnRzUmVxdWVzdBITCgtyZXBsaWNhX2lkcxgBIAMoCSJJChZHZXRMb2FkUmVwb3J0c1Jlc3BvbnNlEi8KB3JlcG9ydHMYASADKAsyHi5yb2xsbWVzaC5jb21tb24udjEuTG9hZFJlcG9ydDKaCgoTUmVwbGljYUFnZW50U2VydmljZRJaCglHZXRTdGF0dXMSJS5yb2xsbWVzaC5yZXBsaWNhLnYxLkdldFN0YXR1c1JlcXVlc3QaJi5yb2xsbWVzaC5yZXBsaWNhLnYxLkdldFN0YXR1c1Jlc3BvbnNlEmYKDUxhdW5jaFJlcGxpY2ESKS5yb2xsbWVzaC5yZXBsaWNhLnYxLkxhdW5jaFJlcGxpY2FSZXF1ZXN0Gioucm9sbG1lc2gucmVwbGljYS52MS5MYXVuY2hSZXBsaWNhUmVzcG9uc2USYAoLU3RvcFJlcGxpY2ESJy5yb2xsbWVzaC5yZXBsaWNhLnYxLlN0b3BSZXBsaWNhUmVxdWVzdBooLnJvbGxtZXNoLnJlcGxpY2EudjEuU3RvcFJlcGxpY2FSZXNwb25zZRJjCgxMaXN0UmVwbGljYXMSKC5yb2xsbWVzaC5yZXBsaWNhLnYxLkxpc3RSZXBsaWNhc1JlcXVlc3QaKS5yb2xsbWVzaC5yZXBsaWNhLnYxLkxpc3RSZXBsaWNhc1Jlc3BvbnNlEl0KCkdldFJlcGxpY2ESJi5yb2xsbWVzaC5yZXBsaWNhLnYxLkdldFJlcGxpY2FSZXF1ZXN0Gicucm9sbG1lc2gucmVwbGljYS52MS5HZXRSZXBsaWNhUmVzcG9uc2USWQoIR2VuZXJhdGUSJC5yb2xsbWVzaC5yZXBsaWNhLnYxLkdlbmVyYXRlUmVxdWVzdBolLnJvbGxtZXNoLnJlcGxpY2EudjEuR2VuZXJhdGVSZXNwb25zZTABEmYKDUFib3J0UmVxdWVzdHMSKS5yb2xsbWVzaC5yZXBsaWNhLnYxLkFib3J0UmVxdWVzdHNSZXF1ZXN0Gioucm9sbG1lc2gucmVwbGljYS52MS5BYm9ydFJlcXVlc3RzUmVzcG9uc2USbAoPUGF1c2VHZW5lcmF0aW9uEisucm9sbG1lc2gucmVwbGljYS52MS5QYXVzZUdlbmVyYXRpb25SZXF1ZXN0Giwucm9sbG1lc2gucmVwbGljYS52MS5QYXVzZUdlbmVyYXRpb25SZXNwb25zZRJvChBSZXN1bWVHZW5lcmF0aW9uEiwucm9sbG1lc2gucmVwbGljYS52MS5SZXN1bWVHZW5lcmF0aW9uUmVxdWVzdBotLnJvbGxtZXNoLnJlcGxpY2EudjEuUmVzdW1lR2VuZXJhdGlvblJlc3BvbnNlEk4KBVNsZWVwEiEucm9sbG1lc2gucmVwbGljYS52MS5TbGVlcFJlcXVlc3QaIi5yb2xsbWVzaC5yZXBsaWNhLnYxLlNsZWVwUmVzcG9uc2USUQoGV2FrZVVwEiIucm9sbG1lc2gucmVwbGljYS52MS5XYWtlVXBSZXF1ZXN0GiMucm9sbG1lc2gucmVwbGljYS52MS5XYWtlVXBSZXNwb25zZRJpCg5SZWNlaXZlV2VpZ2h0cxIqLnJvbGxtZXNoLnJlcGxpY2EudjEuUmVjZWl2ZVdlaWdodHNSZXF1ZXN0Gisucm9sbG1lc2gucmVwbGljYS52MS5SZWNlaXZlV2VpZ2h0c1Jlc3BvbnNlEmkKDkdldExvYWRSZXBvcnRzEioucm9sbG1lc2gucmVwbGljYS52MS5HZXRMb2FkUmVwb3J0c1JlcXVlc3QaKy5yb2xsbWVzaC5yZXBsaWNhLnYxLkdldExvYWRSZXBvcnRzUmVzcG9uc2ViBnByb3RvMw", [file_google_api_field_behavior, file_google_protobuf_duration, file_rollmesh_common_v1_generation, file_rollmesh_common_v1_load, file_rollmesh_common_v1_status, file_rollmesh_common_v1_types, file_rollmesh_common_v1_weights, file_rollmesh_replica_v1_replica]);
 
 /**
  * Request of GetStatus. It has no fields.
@@ -888,174 +888,6 @@ export const ReceiveWeightsResponseSchema: GenMessage<ReceiveWeightsResponse> = 
   messageDesc(file_rollmesh_replica_v1_replica_agent, 24);
 
 /**
- * Request of PrepareWeightSync.
- *
- * @generated from message rollmesh.replica.v1.PrepareWeightSyncRequest
- */
-export type PrepareWeightSyncRequest = Message<"rollmesh.replica.v1.PrepareWeightSyncRequest"> & {
-  /**
-   * Replica whose weights are the source.
-   *
-   * @generated from field: string replica_id = 1;
-   */
-  replicaId: string;
-
-  /**
-   * Weight version the caller expects the replica to hold; 0 means whatever
-   * version it holds.
-   *
-   * @generated from field: int64 weight_version = 2;
-   */
-  weightVersion: bigint;
-
-  /**
-   * Capacity of one broadcast bucket in bytes. Unset: the agent's configured
-   * weight_transfer.bucket_size_bytes.
-   *
-   * @generated from field: optional uint64 bucket_size_bytes = 3;
-   */
-  bucketSizeBytes?: bigint | undefined;
-
-  /**
-   * Checksum algorithm of the manifest: "wsum64", "crc32" or "sha256".
-   * Unset: the agent's configured weight_transfer.checksum_algorithm.
-   *
-   * @generated from field: optional string checksum_algorithm = 4;
-   */
-  checksumAlgorithm?: string | undefined;
-};
-
-/**
- * Describes the message rollmesh.replica.v1.PrepareWeightSyncRequest.
- * Use `create(PrepareWeightSyncRequestSchema)` to create a new message.
- */
-export const PrepareWeightSyncRequestSchema: GenMessage<PrepareWeightSyncRequest> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 25);
-
-/**
- * Response of PrepareWeightSync: what the controller copies into the
- * WeightSyncPlan it hands to the seed replica and to every receiver.
- *
- * @generated from message rollmesh.replica.v1.PrepareWeightSyncResponse
- */
-export type PrepareWeightSyncResponse = Message<"rollmesh.replica.v1.PrepareWeightSyncResponse"> & {
-  /**
-   * Weight version the replica holds; becomes plan.weight_version.
-   *
-   * @generated from field: int64 weight_version = 1;
-   */
-  weightVersion: bigint;
-
-  /**
-   * Layout and checksum of the replica's weights; becomes plan.manifest.
-   *
-   * @generated from field: rollmesh.common.v1.WeightManifest manifest = 2;
-   */
-  manifest?: WeightManifest | undefined;
-
-  /**
-   * Host receivers connect to for the rendezvous; becomes
-   * plan.rendezvous_host.
-   *
-   * @generated from field: string rendezvous_host = 3;
-   */
-  rendezvousHost: string;
-
-  /**
-   * Port of the replica's rendezvous store; becomes plan.rendezvous_port.
-   *
-   * @generated from field: uint32 rendezvous_port = 4;
-   */
-  rendezvousPort: number;
-
-  /**
-   * Member id of the replica in the process group (its replica_id); becomes
-   * plan.source (rank 0).
-   *
-   * @generated from field: string source = 5;
-   */
-  source: string;
-};
-
-/**
- * Describes the message rollmesh.replica.v1.PrepareWeightSyncResponse.
- * Use `create(PrepareWeightSyncResponseSchema)` to create a new message.
- */
-export const PrepareWeightSyncResponseSchema: GenMessage<PrepareWeightSyncResponse> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 26);
-
-/**
- * Request of SendWeights.
- *
- * @generated from message rollmesh.replica.v1.SendWeightsRequest
- */
-export type SendWeightsRequest = Message<"rollmesh.replica.v1.SendWeightsRequest"> & {
-  /**
-   * Seed replica that sends; it must be rank 0 of the plan.
-   *
-   * @generated from field: string replica_id = 1;
-   */
-  replicaId: string;
-
-  /**
-   * The broadcast to run.
-   *
-   * @generated from field: rollmesh.common.v1.WeightSyncPlan plan = 2;
-   */
-  plan?: WeightSyncPlan | undefined;
-};
-
-/**
- * Describes the message rollmesh.replica.v1.SendWeightsRequest.
- * Use `create(SendWeightsRequestSchema)` to create a new message.
- */
-export const SendWeightsRequestSchema: GenMessage<SendWeightsRequest> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 27);
-
-/**
- * Response of SendWeights.
- *
- * @generated from message rollmesh.replica.v1.SendWeightsResponse
- */
-export type SendWeightsResponse = Message<"rollmesh.replica.v1.SendWeightsResponse"> & {
-  /**
-   * Bytes sent to the group.
-   *
-   * @generated from field: uint64 bytes_sent = 1;
-   */
-  bytesSent: bigint;
-
-  /**
-   * Time from the start of the rendezvous to the last byte sent.
-   *
-   * @generated from field: google.protobuf.Duration duration = 2;
-   */
-  duration?: Duration | undefined;
-
-  /**
-   * Checksum of the sent bytes, computed with the manifest's
-   * checksum_algorithm; empty when none was asked for.
-   *
-   * @generated from field: string checksum = 3;
-   */
-  checksum: string;
-
-  /**
-   * Weight version that was sent.
-   *
-   * @generated from field: int64 weight_version = 4;
-   */
-  weightVersion: bigint;
-};
-
-/**
- * Describes the message rollmesh.replica.v1.SendWeightsResponse.
- * Use `create(SendWeightsResponseSchema)` to create a new message.
- */
-export const SendWeightsResponseSchema: GenMessage<SendWeightsResponse> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 28);
-
-/**
  * Request of GetLoadReports.
  *
  * @generated from message rollmesh.replica.v1.GetLoadReportsRequest
@@ -1074,7 +906,7 @@ export type GetLoadReportsRequest = Message<"rollmesh.replica.v1.GetLoadReportsR
  * Use `create(GetLoadReportsRequestSchema)` to create a new message.
  */
 export const GetLoadReportsRequestSchema: GenMessage<GetLoadReportsRequest> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 29);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 25);
 
 /**
  * Response of GetLoadReports.
@@ -1095,12 +927,14 @@ export type GetLoadReportsResponse = Message<"rollmesh.replica.v1.GetLoadReports
  * Use `create(GetLoadReportsResponseSchema)` to create a new message.
  */
 export const GetLoadReportsResponseSchema: GenMessage<GetLoadReportsResponse> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 30);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 26);
 
 /**
  * ReplicaAgentService manages the engine replicas of one node: launch and
- * stop, generation, abort, pause and resume, sleep and wake-up, weight
- * transfer and load reports.
+ * stop, generation, abort, pause and resume, sleep and wake-up, receiving
+ * weights and load reports. The agent also serves
+ * rollmesh.weights.v1.WeightSourceService (a replica's weights as the seed of
+ * a scaled-out replica's first sync).
  *
  * Capabilities (see ServerStatus.capabilities): "lifecycle", "generate",
  * "sleep", "weights", "load_reports".
@@ -1347,7 +1181,7 @@ export const ReplicaAgentService: GenService<{
    * Receives a weight broadcast into one or more replicas of this node, each
    * at the rank plan.members gives it, and returns once the transfer is done.
    * The controller makes this call concurrently with the sender's
-   * SendWeights. During the transfer the replicas are SYNCING (new Generate
+   * WeightSourceService.SendWeights. During the transfer the replicas are SYNCING (new Generate
    * calls answer UNAVAILABLE); afterwards each returns to its previous state.
    * A SLEEPING replica receives into freshly allocated weight memory and
    * stays SLEEPING until WakeUp. A replica whose bytes fail the manifest
@@ -1376,64 +1210,6 @@ export const ReplicaAgentService: GenService<{
     methodKind: "unary";
     input: typeof ReceiveWeightsRequestSchema;
     output: typeof ReceiveWeightsResponseSchema;
-  },
-  /**
-   * Prepares a replica's current weights as the source of a seed-replica
-   * sync (the replica-agent counterpart of the trainer's PrepareWeightSync):
-   * the agent lays the replica's weights out in a manifest with its checksum
-   * and makes sure the replica's rendezvous store is listening. The answer
-   * holds everything the controller needs to build the WeightSyncPlan: the
-   * version, the manifest, the rendezvous address and the source member id
-   * (the replica_id). The replica keeps serving. Preparing again with the
-   * same version, bucket size and checksum algorithm returns the same
-   * manifest and rendezvous address, so the call is safe to repeat. The
-   * manifest describes the weights at the time of the call; if they change
-   * before SendWeights (a newer version arrives), SendWeights refuses the
-   * stale version and receivers would reject mismatched bytes by checksum.
-   * Capability: weights.
-   *
-   * Errors:
-   * - INVALID_ARGUMENT: replica_id is empty, weight_version is negative,
-   *   bucket_size_bytes is 0, or checksum_algorithm is not one the agent
-   *   knows.
-   * - NOT_FOUND: no replica with replica_id on this node.
-   * - FAILED_PRECONDITION: the replica holds no servable weights (not
-   *   ACTIVE or PAUSED, or its weights were discarded), or weight_version is
-   *   set and differs from the version the replica holds.
-   * - ABORTED: a weight transfer is in progress on the replica.
-   *
-   * Authorization: controller.
-   *
-   * @generated from rpc rollmesh.replica.v1.ReplicaAgentService.PrepareWeightSync
-   */
-  prepareWeightSync: {
-    methodKind: "unary";
-    input: typeof PrepareWeightSyncRequestSchema;
-    output: typeof PrepareWeightSyncResponseSchema;
-  },
-  /**
-   * Sends a replica's current weights to other replicas (seed-replica sync
-   * for scaled-out replicas). The replica must be rank 0 of the plan and
-   * plan.source must be its replica_id. Generation on the seed continues
-   * during the transfer. Capability: weights.
-   *
-   * Errors:
-   * - INVALID_ARGUMENT: the plan is malformed (see ReceiveWeights).
-   * - NOT_FOUND: no replica with replica_id on this node.
-   * - FAILED_PRECONDITION: the replica is not rank 0 or not plan.source, it
-   *   holds no weights (LAUNCHING, LOADING, SLEEPING at level 2, FAILED), or
-   *   its weight_version differs from plan.weight_version.
-   * - ABORTED: another weight transfer is in progress on the replica.
-   * - DEADLINE_EXCEEDED: the transfer did not finish within plan.timeout.
-   *
-   * Authorization: controller.
-   *
-   * @generated from rpc rollmesh.replica.v1.ReplicaAgentService.SendWeights
-   */
-  sendWeights: {
-    methodKind: "unary";
-    input: typeof SendWeightsRequestSchema;
-    output: typeof SendWeightsResponseSchema;
   },
   /**
    * Returns a fresh load report for each requested replica (all replicas when

@@ -13,15 +13,13 @@ import type { Duration } from "@bufbuild/protobuf/wkt";
 import { file_google_protobuf_duration } from "@bufbuild/protobuf/wkt";
 import type { ServerStatus } from "../../common/v1/status_pb.js";
 import { file_rollmesh_common_v1_status } from "../../common/v1/status_pb.js";
-import type { WeightManifest, WeightSyncPlan } from "../../common/v1/weights_pb.js";
-import { file_rollmesh_common_v1_weights } from "../../common/v1/weights_pb.js";
 import type { Message } from "@bufbuild/protobuf";
 
 /**
  * Describes the file rollmesh/trainer/v1/trainer_agent.proto.
  */
 export const file_rollmesh_trainer_v1_trainer_agent: GenFile = /*@__PURE__*/
-  fileDesc("Cidyb2xsbWVzaC90cmFpbmVyL3YxL3RyYWluZXJfYWdlbnQucHJvdG8SE3JvbGxtZXNoLnRyYWluZXIudjEiEgoQR2V0U3RhdHVzUmVxdWVzdCKzAQoRR2V0U3RhdHVzUmVzcG9uc2USMAoGc3RhdHVzGAEgASgLMiAucm9sbG1lc2guY29tbW9uLnYxLlNlcnZlclN0YXR1cxIMCgRyYW5rGAIgASgNEhIKCndvcmxkX3NpemUYAyABKA0SDQoFbW9kZWwYBCABKAkSGAoQdHJhaW5pbmdfYmFja2VuZBgFIAEoCRIhChl3ZWlnaHRfcmVuZGV6dm91c19hZGRyZXNzGAYgASgJIqABChhQcmVwYXJlV2VpZ2h0U3luY1JlcXVlc3QSFgoOd2VpZ2h0X3ZlcnNpb24YASABKAMSHgoRYnVja2V0X3NpemVfYnl0ZXMYAiABKARIAIgBARIfChJjaGVja3N1bV9hbGdvcml0aG0YAyABKAlIAYgBAUIUChJfYnVja2V0X3NpemVfYnl0ZXNCFQoTX2NoZWNrc3VtX2FsZ29yaXRobSKrAQoZUHJlcGFyZVdlaWdodFN5bmNSZXNwb25zZRIWCg53ZWlnaHRfdmVyc2lvbhgBIAEoAxI0CghtYW5pZmVzdBgCIAEoCzIiLnJvbGxtZXNoLmNvbW1vbi52MS5XZWlnaHRNYW5pZmVzdBIXCg9yZW5kZXp2b3VzX2hvc3QYAyABKAkSFwoPcmVuZGV6dm91c19wb3J0GAQgASgNEg4KBnNvdXJjZRgFIAEoCSJGChJTZW5kV2VpZ2h0c1JlcXVlc3QSMAoEcGxhbhgBIAEoCzIiLnJvbGxtZXNoLmNvbW1vbi52MS5XZWlnaHRTeW5jUGxhbiKAAQoTU2VuZFdlaWdodHNSZXNwb25zZRISCgpieXRlc19zZW50GAEgASgEEisKCGR1cmF0aW9uGAIgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEhAKCGNoZWNrc3VtGAMgASgJEhYKDndlaWdodF92ZXJzaW9uGAQgASgDIhwKGkdldFRyYWluaW5nUHJvZ3Jlc3NSZXF1ZXN0ItUCChtHZXRUcmFpbmluZ1Byb2dyZXNzUmVzcG9uc2USEwoLZ2xvYmFsX3N0ZXAYASABKAMSFgoOd2VpZ2h0X3ZlcnNpb24YAiABKAMSFQoNcGFyYW1fdmVyc2lvbhgDIAEoAxIZChFzYW1wbGVzX2dlbmVyYXRlZBgEIAEoBBIYChBzYW1wbGVzX2NvbnN1bWVkGAUgASgEEhcKD3NhbXBsZXNfZHJvcHBlZBgGIAEoBBISCgpxdWV1ZV9zaXplGAcgASgEEh0KEGxhc3RfcmV3YXJkX21lYW4YCCABKAFIAIgBARIxCgVzdGF0ZRgJIAEoDjIiLnJvbGxtZXNoLnRyYWluZXIudjEuVHJhaW5pbmdTdGF0ZRIVCg1lcnJvcl9tZXNzYWdlGAogASgJEhIKCmZpbmFsX3N0ZXAYCyABKANCEwoRX2xhc3RfcmV3YXJkX21lYW4iPQoTU3RvcFRyYWluaW5nUmVxdWVzdBIXCgphZnRlcl9zdGVwGAEgASgDSACIAQFCDQoLX2FmdGVyX3N0ZXAiKgoUU3RvcFRyYWluaW5nUmVzcG9uc2USEgoKZmluYWxfc3RlcBgBIAEoAyI4ChtPZmZsb2FkVHJhaW5pbmdTdGF0ZVJlcXVlc3QSGQoRaW5jbHVkZV9vcHRpbWl6ZXIYASABKAgiYAocT2ZmbG9hZFRyYWluaW5nU3RhdGVSZXNwb25zZRITCgtieXRlc19tb3ZlZBgBIAEoBBIrCghkdXJhdGlvbhgCIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbiIcChpPbmxvYWRUcmFpbmluZ1N0YXRlUmVxdWVzdCJfChtPbmxvYWRUcmFpbmluZ1N0YXRlUmVzcG9uc2USEwoLYnl0ZXNfbW92ZWQYASABKAQSKwoIZHVyYXRpb24YAiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24q6QEKDVRyYWluaW5nU3RhdGUSHgoaVFJBSU5JTkdfU1RBVEVfVU5TUEVDSUZJRUQQABIXChNUUkFJTklOR19TVEFURV9JRExFEAESJgoiVFJBSU5JTkdfU1RBVEVfV0FJVElOR19GT1JfU0FNUExFUxACEhsKF1RSQUlOSU5HX1NUQVRFX1RSQUlOSU5HEAMSIgoeVFJBSU5JTkdfU1RBVEVfU1lOQ0lOR19XRUlHSFRTEAQSGwoXVFJBSU5JTkdfU1RBVEVfRklOSVNIRUQQBRIZChVUUkFJTklOR19TVEFURV9GQUlMRUQQBjKdBgoTVHJhaW5lckFnZW50U2VydmljZRJaCglHZXRTdGF0dXMSJS5yb2xsbWVzaC50cmFpbmVyLnYxLkdldFN0YXR1c1JlcXVlc3QaJi5yb2xsbWVzaC50cmFpbmVyLnYxLkdldFN0YXR1c1Jlc3BvbnNlEnIKEVByZXBhcmVXZWlnaHRTeW5jEi0ucm9sbG1lc2gudHJhaW5lci52MS5QcmVwYXJlV2VpZ2h0U3luY1JlcXVlc3QaLi5yb2xsbWVzaC50cmFpbmVyLnYxLlByZXBhcmVXZWlnaHRTeW5jUmVzcG9uc2USYAoLU2VuZFdlaWdodHMSJy5yb2xsbWVzaC50cmFpbmVyLnYxLlNlbmRXZWlnaHRzUmVxdWVzdBooLnJvbGxtZXNoLnRyYWluZXIudjEuU2VuZFdlaWdodHNSZXNwb25zZRJ4ChNHZXRUcmFpbmluZ1Byb2dyZXNzEi8ucm9sbG1lc2gudHJhaW5lci52MS5HZXRUcmFpbmluZ1Byb2dyZXNzUmVxdWVzdBowLnJvbGxtZXNoLnRyYWluZXIudjEuR2V0VHJhaW5pbmdQcm9ncmVzc1Jlc3BvbnNlEmMKDFN0b3BUcmFpbmluZxIoLnJvbGxtZXNoLnRyYWluZXIudjEuU3RvcFRyYWluaW5nUmVxdWVzdBopLnJvbGxtZXNoLnRyYWluZXIudjEuU3RvcFRyYWluaW5nUmVzcG9uc2USewoUT2ZmbG9hZFRyYWluaW5nU3RhdGUSMC5yb2xsbWVzaC50cmFpbmVyLnYxLk9mZmxvYWRUcmFpbmluZ1N0YXRlUmVxdWVzdBoxLnJvbGxtZXNoLnRyYWluZXIudjEuT2ZmbG9hZFRyYWluaW5nU3RhdGVSZXNwb25zZRJ4ChNPbmxvYWRUcmFpbmluZ1N0YXRlEi8ucm9sbG1lc2gudHJhaW5lci52MS5PbmxvYWRUcmFpbmluZ1N0YXRlUmVxdWVzdBowLnJvbGxtZXNoLnRyYWluZXIudjEuT25sb2FkVHJhaW5pbmdTdGF0ZVJlc3BvbnNlYgZwcm90bzM", [file_google_protobuf_duration, file_rollmesh_common_v1_status, file_rollmesh_common_v1_weights]);
+  fileDesc("Cidyb2xsbWVzaC90cmFpbmVyL3YxL3RyYWluZXJfYWdlbnQucHJvdG8SE3JvbGxtZXNoLnRyYWluZXIudjEiEgoQR2V0U3RhdHVzUmVxdWVzdCKzAQoRR2V0U3RhdHVzUmVzcG9uc2USMAoGc3RhdHVzGAEgASgLMiAucm9sbG1lc2guY29tbW9uLnYxLlNlcnZlclN0YXR1cxIMCgRyYW5rGAIgASgNEhIKCndvcmxkX3NpemUYAyABKA0SDQoFbW9kZWwYBCABKAkSGAoQdHJhaW5pbmdfYmFja2VuZBgFIAEoCRIhChl3ZWlnaHRfcmVuZGV6dm91c19hZGRyZXNzGAYgASgJIhwKGkdldFRyYWluaW5nUHJvZ3Jlc3NSZXF1ZXN0ItUCChtHZXRUcmFpbmluZ1Byb2dyZXNzUmVzcG9uc2USEwoLZ2xvYmFsX3N0ZXAYASABKAMSFgoOd2VpZ2h0X3ZlcnNpb24YAiABKAMSFQoNcGFyYW1fdmVyc2lvbhgDIAEoAxIZChFzYW1wbGVzX2dlbmVyYXRlZBgEIAEoBBIYChBzYW1wbGVzX2NvbnN1bWVkGAUgASgEEhcKD3NhbXBsZXNfZHJvcHBlZBgGIAEoBBISCgpxdWV1ZV9zaXplGAcgASgEEh0KEGxhc3RfcmV3YXJkX21lYW4YCCABKAFIAIgBARIxCgVzdGF0ZRgJIAEoDjIiLnJvbGxtZXNoLnRyYWluZXIudjEuVHJhaW5pbmdTdGF0ZRIVCg1lcnJvcl9tZXNzYWdlGAogASgJEhIKCmZpbmFsX3N0ZXAYCyABKANCEwoRX2xhc3RfcmV3YXJkX21lYW4iPQoTU3RvcFRyYWluaW5nUmVxdWVzdBIXCgphZnRlcl9zdGVwGAEgASgDSACIAQFCDQoLX2FmdGVyX3N0ZXAiKgoUU3RvcFRyYWluaW5nUmVzcG9uc2USEgoKZmluYWxfc3RlcBgBIAEoAyI4ChtPZmZsb2FkVHJhaW5pbmdTdGF0ZVJlcXVlc3QSGQoRaW5jbHVkZV9vcHRpbWl6ZXIYASABKAgiYAocT2ZmbG9hZFRyYWluaW5nU3RhdGVSZXNwb25zZRITCgtieXRlc19tb3ZlZBgBIAEoBBIrCghkdXJhdGlvbhgCIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbiIcChpPbmxvYWRUcmFpbmluZ1N0YXRlUmVxdWVzdCJfChtPbmxvYWRUcmFpbmluZ1N0YXRlUmVzcG9uc2USEwoLYnl0ZXNfbW92ZWQYASABKAQSKwoIZHVyYXRpb24YAiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24q6QEKDVRyYWluaW5nU3RhdGUSHgoaVFJBSU5JTkdfU1RBVEVfVU5TUEVDSUZJRUQQABIXChNUUkFJTklOR19TVEFURV9JRExFEAESJgoiVFJBSU5JTkdfU1RBVEVfV0FJVElOR19GT1JfU0FNUExFUxACEhsKF1RSQUlOSU5HX1NUQVRFX1RSQUlOSU5HEAMSIgoeVFJBSU5JTkdfU1RBVEVfU1lOQ0lOR19XRUlHSFRTEAQSGwoXVFJBSU5JTkdfU1RBVEVfRklOSVNIRUQQBRIZChVUUkFJTklOR19TVEFURV9GQUlMRUQQBjLHBAoTVHJhaW5lckFnZW50U2VydmljZRJaCglHZXRTdGF0dXMSJS5yb2xsbWVzaC50cmFpbmVyLnYxLkdldFN0YXR1c1JlcXVlc3QaJi5yb2xsbWVzaC50cmFpbmVyLnYxLkdldFN0YXR1c1Jlc3BvbnNlEngKE0dldFRyYWluaW5nUHJvZ3Jlc3MSLy5yb2xsbWVzaC50cmFpbmVyLnYxLkdldFRyYWluaW5nUHJvZ3Jlc3NSZXF1ZXN0GjAucm9sbG1lc2gudHJhaW5lci52MS5HZXRUcmFpbmluZ1Byb2dyZXNzUmVzcG9uc2USYwoMU3RvcFRyYWluaW5nEigucm9sbG1lc2gudHJhaW5lci52MS5TdG9wVHJhaW5pbmdSZXF1ZXN0Gikucm9sbG1lc2gudHJhaW5lci52MS5TdG9wVHJhaW5pbmdSZXNwb25zZRJ7ChRPZmZsb2FkVHJhaW5pbmdTdGF0ZRIwLnJvbGxtZXNoLnRyYWluZXIudjEuT2ZmbG9hZFRyYWluaW5nU3RhdGVSZXF1ZXN0GjEucm9sbG1lc2gudHJhaW5lci52MS5PZmZsb2FkVHJhaW5pbmdTdGF0ZVJlc3BvbnNlEngKE09ubG9hZFRyYWluaW5nU3RhdGUSLy5yb2xsbWVzaC50cmFpbmVyLnYxLk9ubG9hZFRyYWluaW5nU3RhdGVSZXF1ZXN0GjAucm9sbG1lc2gudHJhaW5lci52MS5PbmxvYWRUcmFpbmluZ1N0YXRlUmVzcG9uc2ViBnByb3RvMw", [file_google_protobuf_duration, file_rollmesh_common_v1_status]);
 
 /**
  * Request of GetStatus. It has no fields.
@@ -81,7 +79,8 @@ export type GetStatusResponse = Message<"rollmesh.trainer.v1.GetStatusResponse">
 
   /**
    * Address ("host:port") of the rendezvous store the trainer hosts for its
-   * weight broadcasts; PrepareWeightSync returns the same host and port.
+   * weight broadcasts; WeightSourceService.PrepareWeightSync returns the
+   * same host and port.
    * Empty until the store is listening.
    *
    * @generated from field: string weight_rendezvous_address = 6;
@@ -97,161 +96,6 @@ export const GetStatusResponseSchema: GenMessage<GetStatusResponse> = /*@__PURE_
   messageDesc(file_rollmesh_trainer_v1_trainer_agent, 1);
 
 /**
- * Request of PrepareWeightSync.
- *
- * @generated from message rollmesh.trainer.v1.PrepareWeightSyncRequest
- */
-export type PrepareWeightSyncRequest = Message<"rollmesh.trainer.v1.PrepareWeightSyncRequest"> & {
-  /**
-   * Weight version to prepare; 0 means the trainer's current version.
-   *
-   * @generated from field: int64 weight_version = 1;
-   */
-  weightVersion: bigint;
-
-  /**
-   * Capacity of one broadcast bucket in bytes. Unset: the trainer's
-   * configured weight_transfer.bucket_size_bytes.
-   *
-   * @generated from field: optional uint64 bucket_size_bytes = 2;
-   */
-  bucketSizeBytes?: bigint | undefined;
-
-  /**
-   * Checksum algorithm of the manifest: "wsum64", "crc32" or "sha256".
-   * Unset: the trainer's configured weight_transfer.checksum_algorithm.
-   *
-   * @generated from field: optional string checksum_algorithm = 3;
-   */
-  checksumAlgorithm?: string | undefined;
-};
-
-/**
- * Describes the message rollmesh.trainer.v1.PrepareWeightSyncRequest.
- * Use `create(PrepareWeightSyncRequestSchema)` to create a new message.
- */
-export const PrepareWeightSyncRequestSchema: GenMessage<PrepareWeightSyncRequest> = /*@__PURE__*/
-  messageDesc(file_rollmesh_trainer_v1_trainer_agent, 2);
-
-/**
- * Response of PrepareWeightSync: what the controller copies into the
- * WeightSyncPlan it hands to the trainer and to every receiver.
- *
- * @generated from message rollmesh.trainer.v1.PrepareWeightSyncResponse
- */
-export type PrepareWeightSyncResponse = Message<"rollmesh.trainer.v1.PrepareWeightSyncResponse"> & {
-  /**
-   * Weight version that is prepared (the current one when 0 was asked for);
-   * becomes plan.weight_version.
-   *
-   * @generated from field: int64 weight_version = 1;
-   */
-  weightVersion: bigint;
-
-  /**
-   * Layout and checksum of the prepared weights; becomes plan.manifest.
-   *
-   * @generated from field: rollmesh.common.v1.WeightManifest manifest = 2;
-   */
-  manifest?: WeightManifest | undefined;
-
-  /**
-   * Host receivers connect to for the rendezvous; becomes
-   * plan.rendezvous_host.
-   *
-   * @generated from field: string rendezvous_host = 3;
-   */
-  rendezvousHost: string;
-
-  /**
-   * Port of the rendezvous store; becomes plan.rendezvous_port.
-   *
-   * @generated from field: uint32 rendezvous_port = 4;
-   */
-  rendezvousPort: number;
-
-  /**
-   * Member id of the trainer in the process group, "trainer-<node_id>";
-   * becomes plan.source (rank 0).
-   *
-   * @generated from field: string source = 5;
-   */
-  source: string;
-};
-
-/**
- * Describes the message rollmesh.trainer.v1.PrepareWeightSyncResponse.
- * Use `create(PrepareWeightSyncResponseSchema)` to create a new message.
- */
-export const PrepareWeightSyncResponseSchema: GenMessage<PrepareWeightSyncResponse> = /*@__PURE__*/
-  messageDesc(file_rollmesh_trainer_v1_trainer_agent, 3);
-
-/**
- * Request of SendWeights.
- *
- * @generated from message rollmesh.trainer.v1.SendWeightsRequest
- */
-export type SendWeightsRequest = Message<"rollmesh.trainer.v1.SendWeightsRequest"> & {
-  /**
-   * The broadcast to run; this agent is rank 0 and plan.source is the source
-   * that PrepareWeightSync returned ("trainer-<node_id>").
-   *
-   * @generated from field: rollmesh.common.v1.WeightSyncPlan plan = 1;
-   */
-  plan?: WeightSyncPlan | undefined;
-};
-
-/**
- * Describes the message rollmesh.trainer.v1.SendWeightsRequest.
- * Use `create(SendWeightsRequestSchema)` to create a new message.
- */
-export const SendWeightsRequestSchema: GenMessage<SendWeightsRequest> = /*@__PURE__*/
-  messageDesc(file_rollmesh_trainer_v1_trainer_agent, 4);
-
-/**
- * Response of SendWeights.
- *
- * @generated from message rollmesh.trainer.v1.SendWeightsResponse
- */
-export type SendWeightsResponse = Message<"rollmesh.trainer.v1.SendWeightsResponse"> & {
-  /**
-   * Bytes sent to the group.
-   *
-   * @generated from field: uint64 bytes_sent = 1;
-   */
-  bytesSent: bigint;
-
-  /**
-   * Time from the start of the rendezvous to the last byte sent.
-   *
-   * @generated from field: google.protobuf.Duration duration = 2;
-   */
-  duration?: Duration | undefined;
-
-  /**
-   * Checksum of the sent bytes with the manifest's checksum_algorithm;
-   * empty when none was asked for.
-   *
-   * @generated from field: string checksum = 3;
-   */
-  checksum: string;
-
-  /**
-   * Weight version that was sent.
-   *
-   * @generated from field: int64 weight_version = 4;
-   */
-  weightVersion: bigint;
-};
-
-/**
- * Describes the message rollmesh.trainer.v1.SendWeightsResponse.
- * Use `create(SendWeightsResponseSchema)` to create a new message.
- */
-export const SendWeightsResponseSchema: GenMessage<SendWeightsResponse> = /*@__PURE__*/
-  messageDesc(file_rollmesh_trainer_v1_trainer_agent, 5);
-
-/**
  * Request of GetTrainingProgress. It has no fields.
  *
  * @generated from message rollmesh.trainer.v1.GetTrainingProgressRequest
@@ -264,7 +108,7 @@ export type GetTrainingProgressRequest = Message<"rollmesh.trainer.v1.GetTrainin
  * Use `create(GetTrainingProgressRequestSchema)` to create a new message.
  */
 export const GetTrainingProgressRequestSchema: GenMessage<GetTrainingProgressRequest> = /*@__PURE__*/
-  messageDesc(file_rollmesh_trainer_v1_trainer_agent, 6);
+  messageDesc(file_rollmesh_trainer_v1_trainer_agent, 2);
 
 /**
  * Response of GetTrainingProgress.
@@ -359,7 +203,7 @@ export type GetTrainingProgressResponse = Message<"rollmesh.trainer.v1.GetTraini
  * Use `create(GetTrainingProgressResponseSchema)` to create a new message.
  */
 export const GetTrainingProgressResponseSchema: GenMessage<GetTrainingProgressResponse> = /*@__PURE__*/
-  messageDesc(file_rollmesh_trainer_v1_trainer_agent, 7);
+  messageDesc(file_rollmesh_trainer_v1_trainer_agent, 3);
 
 /**
  * Request of StopTraining.
@@ -381,7 +225,7 @@ export type StopTrainingRequest = Message<"rollmesh.trainer.v1.StopTrainingReque
  * Use `create(StopTrainingRequestSchema)` to create a new message.
  */
 export const StopTrainingRequestSchema: GenMessage<StopTrainingRequest> = /*@__PURE__*/
-  messageDesc(file_rollmesh_trainer_v1_trainer_agent, 8);
+  messageDesc(file_rollmesh_trainer_v1_trainer_agent, 4);
 
 /**
  * Response of StopTraining.
@@ -403,7 +247,7 @@ export type StopTrainingResponse = Message<"rollmesh.trainer.v1.StopTrainingResp
  * Use `create(StopTrainingResponseSchema)` to create a new message.
  */
 export const StopTrainingResponseSchema: GenMessage<StopTrainingResponse> = /*@__PURE__*/
-  messageDesc(file_rollmesh_trainer_v1_trainer_agent, 9);
+  messageDesc(file_rollmesh_trainer_v1_trainer_agent, 5);
 
 /**
  * Request of OffloadTrainingState.
@@ -424,7 +268,7 @@ export type OffloadTrainingStateRequest = Message<"rollmesh.trainer.v1.OffloadTr
  * Use `create(OffloadTrainingStateRequestSchema)` to create a new message.
  */
 export const OffloadTrainingStateRequestSchema: GenMessage<OffloadTrainingStateRequest> = /*@__PURE__*/
-  messageDesc(file_rollmesh_trainer_v1_trainer_agent, 10);
+  messageDesc(file_rollmesh_trainer_v1_trainer_agent, 6);
 
 /**
  * Response of OffloadTrainingState.
@@ -452,7 +296,7 @@ export type OffloadTrainingStateResponse = Message<"rollmesh.trainer.v1.OffloadT
  * Use `create(OffloadTrainingStateResponseSchema)` to create a new message.
  */
 export const OffloadTrainingStateResponseSchema: GenMessage<OffloadTrainingStateResponse> = /*@__PURE__*/
-  messageDesc(file_rollmesh_trainer_v1_trainer_agent, 11);
+  messageDesc(file_rollmesh_trainer_v1_trainer_agent, 7);
 
 /**
  * Request of OnloadTrainingState. It has no fields.
@@ -467,7 +311,7 @@ export type OnloadTrainingStateRequest = Message<"rollmesh.trainer.v1.OnloadTrai
  * Use `create(OnloadTrainingStateRequestSchema)` to create a new message.
  */
 export const OnloadTrainingStateRequestSchema: GenMessage<OnloadTrainingStateRequest> = /*@__PURE__*/
-  messageDesc(file_rollmesh_trainer_v1_trainer_agent, 12);
+  messageDesc(file_rollmesh_trainer_v1_trainer_agent, 8);
 
 /**
  * Response of OnloadTrainingState.
@@ -495,7 +339,7 @@ export type OnloadTrainingStateResponse = Message<"rollmesh.trainer.v1.OnloadTra
  * Use `create(OnloadTrainingStateResponseSchema)` to create a new message.
  */
 export const OnloadTrainingStateResponseSchema: GenMessage<OnloadTrainingStateResponse> = /*@__PURE__*/
-  messageDesc(file_rollmesh_trainer_v1_trainer_agent, 13);
+  messageDesc(file_rollmesh_trainer_v1_trainer_agent, 9);
 
 /**
  * TrainingState is the phase of the training loop.
@@ -560,9 +404,10 @@ export const TrainingStateSchema: GenEnum<TrainingState> = /*@__PURE__*/
   enumDesc(file_rollmesh_trainer_v1_trainer_agent, 0);
 
 /**
- * TrainerAgentService lets the controller drive the trainer side: prepare and
- * send weights to the replicas, read training progress, and move training
- * state off and onto the accelerators.
+ * TrainerAgentService lets the controller and operators drive the trainer
+ * side: read and end training, and move training state off and onto the
+ * accelerators. The agent also serves rollmesh.weights.v1.WeightSourceService
+ * (the trainer's weights as the source of every broadcast).
  *
  * Capabilities (see ServerStatus.capabilities): "weights", "progress",
  * "offload".
@@ -591,76 +436,6 @@ export const TrainerAgentService: GenService<{
     methodKind: "unary";
     input: typeof GetStatusRequestSchema;
     output: typeof GetStatusResponseSchema;
-  },
-  /**
-   * Fixes the weights of one version for the next broadcasts: the trainer
-   * snapshots them (they no longer change for those broadcasts, whatever the
-   * training loop does meanwhile), lays them out in a manifest and makes sure
-   * its rendezvous store is listening. The answer holds everything the
-   * controller needs to build the WeightSyncPlan: the version, the manifest,
-   * the rendezvous address and the source member id. The snapshot stays until
-   * another PrepareWeightSync replaces it, so several syncs of one version
-   * (standalone replicas, then hybrid or new ones) can send it. Preparing the
-   * version that is already prepared, with the same bucket size and checksum
-   * algorithm, returns the same manifest without a new snapshot, so the call
-   * is safe to repeat. While no training loop runs on the trainer, a
-   * weight_version newer than the trainer's is adopted (the trainer's
-   * current weights are published under it) unless the trainer's config
-   * turns adopt_requested_versions off. Capability: weights.
-   *
-   * Errors:
-   * - INVALID_ARGUMENT: weight_version is negative, bucket_size_bytes is 0,
-   *   or checksum_algorithm is not one the trainer knows.
-   * - FAILED_PRECONDITION: this agent is not the trainer's rank 0, no model
-   *   is loaded yet, or the trainer does not hold weight_version: it is
-   *   older than the trainer's current param_version (older versions are
-   *   not kept), or newer and not adopted (see above).
-   *
-   * Authorization: controller.
-   *
-   * @generated from rpc rollmesh.trainer.v1.TrainerAgentService.PrepareWeightSync
-   */
-  prepareWeightSync: {
-    methodKind: "unary";
-    input: typeof PrepareWeightSyncRequestSchema;
-    output: typeof PrepareWeightSyncResponseSchema;
-  },
-  /**
-   * Broadcasts the prepared weights as rank 0 of the plan and returns once
-   * every byte is sent. The controller first calls PrepareWeightSync, builds
-   * the plan from its answer (plan.source, weight_version, manifest and
-   * rendezvous address as returned), then makes this call concurrently with
-   * the receivers' ReplicaAgentService.ReceiveWeights. Syncs to the same
-   * member set under the same group_id reuse the process group. Repeating a
-   * finished sync_id returns the recorded result without sending again;
-   * repeating one in progress waits for it. Capability: weights.
-   *
-   * Errors:
-   * - INVALID_ARGUMENT: the plan is malformed (world_size differs from the
-   *   number of members, ranks are not 0..world_size-1, a receiving member
-   *   has no replica_id, no rendezvous address, backend unspecified, empty
-   *   sync_id or group_id, or a manifest with an impossible layout).
-   * - FAILED_PRECONDITION: this agent is not the trainer's rank 0, no model
-   *   is loaded yet, nothing is prepared, plan.source is not this trainer's
-   *   member id, plan.weight_version is not the prepared version, the
-   *   manifest differs from the prepared one, rendezvous_port is not the
-   *   trainer's, or the group under group_id was closed by an earlier
-   *   failure (use a new group_id). Nothing is sent.
-   * - ABORTED: another broadcast with a different sync_id is in progress, or
-   *   the call was cancelled mid-transfer.
-   * - DEADLINE_EXCEEDED: the rendezvous or the transfer did not finish within
-   *   plan.timeout.
-   * - UNAVAILABLE: a receiver dropped out during the transfer; retry as a
-   *   new sync under a new group_id.
-   *
-   * Authorization: controller.
-   *
-   * @generated from rpc rollmesh.trainer.v1.TrainerAgentService.SendWeights
-   */
-  sendWeights: {
-    methodKind: "unary";
-    input: typeof SendWeightsRequestSchema;
-    output: typeof SendWeightsResponseSchema;
   },
   /**
    * Returns the progress of the training loop. Capability: progress.
