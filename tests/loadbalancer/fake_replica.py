@@ -40,6 +40,7 @@ class FakeReplicas(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
     cancelled: list[str] = field(default_factory=list)
     _aborts: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
     started: asyncio.Event = field(default_factory=asyncio.Event)
+    lingering: asyncio.Event = field(default_factory=asyncio.Event)   # a ``linger`` stream sent its abort reply
 
     async def Generate(self, request, context):  # noqa: N802
         resumed = sum(len(s.token_ids) for s in request.resume_segments)
@@ -72,6 +73,7 @@ class FakeReplicas(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
                     yield pb.GenerateResponse(request_id=request.request_id, weight_version=self.version,
                                               token_ids=last, finish_reason=generation_pb2.FINISH_REASON_ABORTED,
                                               segments=segments + [mine])
+                    self.lingering.set()
                     await asyncio.Event().wait()
                 if abort.is_set():
                     yield pb.GenerateResponse(request_id=request.request_id, weight_version=self.version,

@@ -17,6 +17,7 @@ from rollmesh.loadbalancer.v1 import loadbalancer_pb2 as pb
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2_grpc, routing_pb2
 from rollmesh.replica.v1 import replica_agent_pb2 as replica_pb
 from tests.loadbalancer.fake_replica import start_fake
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -43,6 +44,10 @@ async def mesh():
     yield make
     for server in reversed(servers):
         await server.stop(0)
+
+
+async def _stats(stub, name: str) -> int:
+    return getattr((await stub.GetStats(pb.GetStatsRequest())).stats, name)
 
 
 def request(request_id: str, max_tokens: int = 16, **kw) -> pb.GenerateRequest:
@@ -142,7 +147,7 @@ async def test_deadline_is_honoured_and_the_upstream_call_cancelled(mesh):
 async def test_empty_pool_waits_for_a_replica_then_succeeds(mesh):
     stub, fake, address = await mesh({"a": "normal"}, add=False)
     task = asyncio.create_task(collect(stub, request("patient", 8)))
-    await asyncio.sleep(0.3)
+    await wait_until(lambda: _stats(stub, "no_replica_waits"), 10, every_s=0.02, what="the request waiting")
     assert not task.done()
     await stub.AddReplicas(pb.AddReplicasRequest(replicas=[routing_pb2.ReplicaEndpoint(replica_id="a", address=address)]))
     tokens, _ = await task
@@ -311,7 +316,7 @@ async def test_a_final_message_counts_even_when_the_stream_is_cut_after_it(mesh)
     await stub.AddReplicas(pb.AddReplicasRequest(replicas=[routing_pb2.ReplicaEndpoint(replica_id="ok",
                                                                                          address=address)]))
     await fake.AbortRequests(replica_pb.AbortRequestsRequest(replica_id="hang", request_ids=["late"]), None)
-    await asyncio.sleep(0.3)   # the abort reply is in; the stream stays open
+    await asyncio.wait_for(fake.lingering.wait(), 10)   # the abort reply is out; the stream stays open
     await stub.RemoveReplicas(pb.RemoveReplicasRequest(replica_ids=["hang"], abort_in_flight=True))
     tokens, last = await asyncio.wait_for(pending, 10)
     assert tokens == [1000 + i for i in range(40)]
@@ -353,7 +358,11 @@ async def test_a_replica_that_keeps_failing_is_ejected_until_it_answers_again(me
     assert routed["ok"].routable
     assert (await stub.GetStats(pb.GetStatsRequest())).stats.outlier_ejections == 1
     fake.modes["dead"] = "ok"   # it recovers; after its ejection it gets a try and is healthy again
-    await asyncio.sleep(1.1)
+
+    async def ejection_over() -> bool:
+        listed = (await stub.ListReplicas(pb.ListReplicasRequest())).replicas
+        return next(r for r in listed if r.endpoint.replica_id == "dead").routable
+    await wait_until(ejection_over, 10, every_s=0.05, what="the ejection over")
     for i in range(4):
         await collect(stub, request(f"back{i}", 4), timeout=20)
     back = {r.endpoint.replica_id: r for r in (await stub.ListReplicas(pb.ListReplicasRequest())).replicas}["dead"]

@@ -318,11 +318,12 @@ async def test_wait_operation_returns_when_the_operation_ends_or_the_wait_does(t
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(8)
-    server, channel, stub = await start(tmp_path, async_training={"port_timeout_s": 4})
+    server, channel, stub = await start(tmp_path, async_training={"port_timeout_s": 2})
     try:
         await stub.RegisterNode(registry_pb2.RegisterNodeRequest(
             node_id="mute", address=f"127.0.0.1:{silent.getsockname()[1]}", slots_total=2))
-        op = (await stub.ScaleOut(scaling_pb2.ScaleOutRequest(num_replicas=1))).operation
+        op = (await stub.ScaleOut(scaling_pb2.ScaleOutRequest(num_replicas=1,
+                                                              timeout=duration_pb2.Duration(seconds=6)))).operation
         wait = scaling_pb2.WaitOperationRequest
         short = await stub.WaitOperation(wait(operation_id=op.operation_id,
                                               timeout=duration_pb2.Duration(nanos=300_000_000)), timeout=10)
@@ -330,10 +331,10 @@ async def test_wait_operation_returns_when_the_operation_ends_or_the_wait_does(t
         # no timeout of its own: the call's deadline bounds it, and the answer comes before that deadline
         bounded = await stub.WaitOperation(wait(operation_id=op.operation_id), timeout=1.0)
         assert not bounded.done
-        waiting = asyncio.ensure_future(stub.WaitOperation(wait(operation_id=op.operation_id), timeout=30))
-        await asyncio.sleep(0.2)
-        assert not waiting.done()          # still waiting while the launch hangs ...
-        ended = await waiting              # ... and answered when it fails, with no poll in between
+        started = asyncio.get_running_loop().time()
+        ended = await stub.WaitOperation(wait(operation_id=op.operation_id), timeout=60)
+        # answered when the launch failed (the operation's 6 s timeout), not near the call's 60 s deadline
+        assert asyncio.get_running_loop().time() - started < 45
         assert ended.done and ended.operation.state == scaling_pb2.OPERATION_STATE_FAILED
         assert ended.operation == (await stub.GetOperation(
             scaling_pb2.GetOperationRequest(operation_id=op.operation_id))).operation
