@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_random_exponential
@@ -37,7 +37,7 @@ class ControllerLink:
     def __init__(self, *, channel: grpc.aio.Channel | Callable[[], grpc.aio.Channel],
                  registration: Callable[[], registry_pb2.RegisterNodeRequest],
                  reports: Callable[[], list[load_pb2.LoadReport]],
-                 on_rejected: Callable[[list[str]], asyncio.Future | None] | None = None,
+                 on_rejected: Callable[[list[str]], Awaitable[None] | None] | None = None,
                  call_timeout_s: float = 10.0, max_backoff_s: float = 5.0) -> None:
         # a callable gives the channel of each (re)registration: a new one after a certificate rotation
         self._channel = channel if not isinstance(channel, grpc.aio.Channel) else (lambda: channel)

@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import logging
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client.core import GaugeMetricFamily
@@ -28,6 +29,9 @@ from . import convert
 from .config import ReplicaAgentConfig
 from .engines import create_engine
 from .replicas import Replica, ReplicaManager
+
+if TYPE_CHECKING:
+    from .controller_link import ControllerLink
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +53,7 @@ class Node:
                                        sync_wait_s=config.weight_sync_wait_s)
         self._launch_keys: OrderedDict[str, tuple[tuple, str]] = OrderedDict()
         self._ids = itertools.count()
-        self.link = None
+        self.link: ControllerLink | None = None
         self.server_metrics = ServerMetrics()
         self.timing = _Timing(self.server_metrics)
         self.server_metrics.on_scrape(self.metric_families)
@@ -83,15 +87,16 @@ class Node:
             await self.replicas.launch(replica_id=spec.replica_id or self._next_replica_id(), kind=spec.kind,
                                        slots=spec.slots, start_asleep=spec.asleep_at_boot, initial=True)
         if self.config.controller_address:
-            from .controller_link import ControllerLink  # noqa: PLC0415
+            from .controller_link import ControllerLink  # noqa: PLC0415, F811 - imported here at run time
 
             pool = ChannelPool(tls=self.config.tls, tracer_provider=self.tracer_provider)
             server.add_cleanup(pool.close)
             address = self.config.controller_address
-            self.link = ControllerLink(channel=lambda: pool.get(address), registration=self.registration,
-                                       reports=lambda: [self.load_report(r) for r in self.replicas.list()],
-                                       on_rejected=self._stop_rejected)
-            server.spawn(self.link.run(), name="controller-link")
+            link = ControllerLink(channel=lambda: pool.get(address), registration=self.registration,
+                                  reports=lambda: [self.load_report(r) for r in self.replicas.list()],
+                                  on_rejected=self._stop_rejected)
+            self.link = link
+            server.spawn(link.run(), name="controller-link")
 
     async def launch_once(self, *, request_id: str, replica_id: str, **params) -> Replica:
         """Launch a replica; a repeated ``request_id`` returns the first launch's replica."""

@@ -15,7 +15,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+import builtins
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from mesh_runtime import errors
@@ -30,6 +31,7 @@ from .engines import (
     EngineUnavailable,
     GenerationChunk,
     GenerationRequest,
+    PauseMode,
     InvalidRequest,
     WeightMismatch,
 )
@@ -292,7 +294,7 @@ class ReplicaManager:
         finally:
             replica.in_flight.discard(request.request_id)
 
-    async def abort(self, replica_id: str, request_ids: list[str] | None) -> list[str]:
+    async def abort(self, replica_id: str, request_ids: Sequence[str] | None) -> builtins.list[str]:
         """Abort requests on one replica (or every replica when ``replica_id`` is empty)."""
         targets = [self.get(replica_id)] if replica_id else list(self._replicas.values())
         aborted: list[str] = []
@@ -300,10 +302,11 @@ class ReplicaManager:
             if replica.state in ("STOPPED", "FAILED"):
                 continue
             with engine_errors():
-                aborted += await replica.engine.abort(request_ids)
+                aborted += await replica.engine.abort(None if request_ids is None else list(request_ids))
         return aborted
 
-    async def pause(self, replica_ids: list[str], *, mode: str, timeout_s: float | None) -> list[str]:
+    async def pause(self, replica_ids: Sequence[str], *, mode: PauseMode,
+                    timeout_s: float | None) -> builtins.list[str]:
         """Pause replicas; returns the ids of requests aborted (``mode='abort'``)."""
         replicas = self.get_many(replica_ids)
         for replica in replicas:
@@ -326,7 +329,7 @@ class ReplicaManager:
                 aborted += sorted(before)
         return aborted
 
-    async def resume(self, replica_ids: list[str]) -> list[Replica]:
+    async def resume(self, replica_ids: Sequence[str]) -> builtins.list[Replica]:
         replicas = self.get_many(replica_ids)
         for replica in replicas:
             if replica.state not in ("ACTIVE", "PAUSED") or replica.busy:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping
 from typing import Any, Literal
 
 from .errors import EngineDead, EngineUnavailable
@@ -182,7 +182,7 @@ class LifecycleFlags:
             raise EngineUnavailable("engine is paused")
 
     @staticmethod
-    async def _chunks(queue: asyncio.Queue, abandon: Callable[[], None]) -> AsyncIterator[GenerationChunk]:
+    async def _chunks(queue: asyncio.Queue, abandon: Callable[[], None]) -> AsyncGenerator[GenerationChunk, None]:
         """A request's chunks from ``queue`` up to the final one; an exception put there is raised.
 
         Leaving before the final chunk (the caller stopped iterating, or was

@@ -334,7 +334,8 @@ class SteppedEngine(LifecycleFlags, Engine):
 
     def _finish(self, active: ActiveRequest, reason: FinishReason) -> None:
         """Send the final chunk and retire ``active`` from every queue."""
-        version = active.pending_version if active.pending else self._weight_version
+        version = active.pending_version if active.pending and active.pending_version is not None else \
+            self._weight_version
         usage = Usage(
             prompt_tokens=len(active.request.prompt_token_ids),
             completion_tokens=active.completion_tokens,

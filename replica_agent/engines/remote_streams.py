@@ -75,7 +75,7 @@ class RemoteStreams:
             if not stream.done.is_set():
                 self._spawn(self.abort([stream.request_id]))
 
-        chunks = self._chunks(stream.queue, abandon)   # type: ignore[attr-defined] - LifecycleFlags
+        chunks = self._chunks(stream.queue, abandon)   # type: ignore[attr-defined]  # from LifecycleFlags
         try:
             async for chunk in chunks:
                 yield chunk
@@ -143,10 +143,15 @@ class RemoteStreams:
             await asyncio.wait(tasks, timeout=self.ABORT_GRACE_S)
 
     # -- the served weights, by Hugging Face name ----------------------------------------------------
-    def weight_spec(self) -> list[WeightSpec]:
+    @property
+    def catalog(self) -> WeightCatalog:
+        """The served model's weights (EngineUnavailable while the engine is still loading)."""
         if self._catalog is None:
             raise EngineUnavailable("engine is still loading")
-        return list(self._catalog.spec)
+        return self._catalog
+
+    def weight_spec(self) -> list[WeightSpec]:
+        return list(self.catalog.spec)
 
     def named_weights(self) -> Iterator[tuple[str, Any]]:
         if self._catalog is None or not (self._weights_resident and self._weights_loaded):
@@ -164,4 +169,4 @@ class RemoteStreams:
         """Refuse an update the engine cannot take now or that does not fit the model (nothing changes)."""
         if not self._weights_resident:
             raise EngineUnavailable("weights are asleep; call wake_up({'weights'}) before load_weights")
-        self._catalog.check(named_tensors, require_complete=not self._weights_loaded)
+        self.catalog.check(named_tensors, require_complete=not self._weights_loaded)

@@ -42,7 +42,7 @@ from mesh_runtime.reasons import Reason
 
 from .base import WAKE_TAGS, Engine, LifecycleFlags, PauseMode
 from .delta_stream import RequestStream
-from .errors import DuplicateRequest, EngineDead, EngineError, InvalidRequest
+from .errors import DuplicateRequest, EngineDead, EngineError, EngineUnavailable, InvalidRequest
 from .metrics import EngineMetrics
 from .remote_streams import RemoteStreams
 from .randomness import mix_seed
@@ -106,7 +106,15 @@ class SglangEngine(RemoteStreams, LifecycleFlags, Engine):
         self._started = True
         self._spawn(self._poll_metrics(), name=f"sglang-metrics-{self.replica_id}")
         log.info("sglang engine %r: %s at %s, %d weights", self.replica_id, self.config.model_path,
-                 self._client.url, len(self._catalog.spec))
+                 self.client.url, len(self.catalog.spec))
+
+
+    @property
+    def client(self) -> SglangClient:
+        """The HTTP client of the sglang server (EngineUnavailable before ``start`` or after ``close``)."""
+        if self._client is None:
+            raise EngineUnavailable("the sglang server is not attached (starting, or closed)")
+        return self._client
 
     def _launch(self) -> str:
         port = self.config.port or free_port(self.config.host)
@@ -118,12 +126,12 @@ class SglangEngine(RemoteStreams, LifecycleFlags, Engine):
 
     async def _wait_healthy(self) -> None:
         deadline = self._clock() + self.config.startup_timeout_s
-        while not await self._client.healthy():
+        while not await self.client.healthy():
             if self._process is not None and self._process.poll() is not None:
                 raise EngineDead(f"the sglang server exited with code {self._process.returncode} before it "
                                  "was healthy", reason=Reason.SGLANG_EXITED)
             if self._clock() > deadline:
-                raise EngineDead(f"the sglang server at {self._client.url} was not healthy within "
+                raise EngineDead(f"the sglang server at {self.client.url} was not healthy within "
                                  f"{self.config.startup_timeout_s:g} s", reason=Reason.SGLANG_NOT_HEALTHY)
             await asyncio.sleep(0.2)
 
@@ -163,7 +171,7 @@ class SglangEngine(RemoteStreams, LifecycleFlags, Engine):
 
     async def _post(self, path: str, body: dict[str, Any] | None = None, **kw: Any) -> Any:
         try:
-            return await self._client.post(path, body, **kw)
+            return await self.client.post(path, body, **kw)
         except EngineDead as exc:
             self._mark_dead(exc)
             raise
@@ -203,15 +211,15 @@ class SglangEngine(RemoteStreams, LifecycleFlags, Engine):
                 stream.finish(FinishReason.ABORTED, self._weight_version)
                 return
             seen = 0
-            async for event in self._client.generate(self._body(stream)):
+            async for event in self.client.generate(self._body(stream)):
                 tokens, logprobs = new_tokens(event, seen)
                 seen += len(tokens)
                 finish = finish_reason(event.get("meta_info") or {})
                 if stream.accept_delta(tokens, logprobs if stream.request.sampling.logprobs else [], finish,
                                        self._weight_version):
                     break
-            if not stream.done.is_set() and not await self._client.healthy():
-                raise EngineDead(f"the sglang server at {self._client.url} went away during request "
+            if not stream.done.is_set() and not await self.client.healthy():
+                raise EngineDead(f"the sglang server at {self.client.url} went away during request "
                                  f"{stream.request_id}", reason=Reason.SGLANG_UNREACHABLE)
             stream.finish(FinishReason.ABORTED, self._weight_version)   # no-op unless the server ended silently
         except asyncio.CancelledError:
@@ -266,7 +274,7 @@ class SglangEngine(RemoteStreams, LifecycleFlags, Engine):
             self._weights_resident = False
             if level == 2:
                 self._weights_loaded = False
-            return weight_bytes(self._catalog.spec) if weights_were_resident else 0
+            return weight_bytes(self.catalog.spec) if weights_were_resident else 0
 
     async def wake_up(self, tags: set[str] | None = None) -> None:
         tags = set(tags) if tags else set(WAKE_TAGS)
@@ -307,7 +315,7 @@ class SglangEngine(RemoteStreams, LifecycleFlags, Engine):
                 raise
             self._weight_version = version
             self._weights_loaded = True
-            self._catalog.record(named_tensors)
+            self.catalog.record(named_tensors)
             if retract:
                 await self._post("/continue_generation", {})
 
@@ -357,7 +365,7 @@ class SglangEngine(RemoteStreams, LifecycleFlags, Engine):
     async def _poll_metrics(self) -> None:
         while True:
             try:
-                self._load.update(await self._client.get_text("/metrics"))
+                self._load.update(await self.client.get_text("/metrics"))
             except EngineDead as exc:
                 self._mark_dead(exc)
                 return

@@ -56,7 +56,7 @@ class WeightUpdateGroup:
                                     wait_for_workers=False)
         self._group, _ = _new_process_group_helper(
             self.world_size, 0, [], self.backend, dist.PrefixStore(self.group_name, self._store),
-            group_name=self.group_name, timeout=self.timeout)
+            group_name=self.group_name, timeout=self.timeout)  # type: ignore[arg-type]  # GroupName: a str
 
     def broadcast(self, named_tensors: list[tuple[str, Any]]) -> None:
         """Send each tensor, in the order ``/update_weights_from_distributed`` names them."""

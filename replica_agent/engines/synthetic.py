@@ -107,7 +107,7 @@ class SyntheticEngineConfig:
     """Cap on the whole batch's decode rate; ``inf`` means no cap."""
     prefill_tokens_per_second: float = math.inf
     """Prompt tokens processed per second when a request joins; ``inf`` means free."""
-    lengths: LengthDistribution | dict[str, Any] = dataclasses.field(default_factory=LengthDistribution)
+    lengths: LengthDistribution = dataclasses.field(default_factory=LengthDistribution)
     """Natural response lengths (a ``LengthDistribution`` or a dict of its fields)."""
     seed: int = 0
     """Seeds token ids and lengths of requests that carry no seed of their own."""
@@ -127,14 +127,16 @@ class SyntheticEngineConfig:
     """Most requests decoded together."""
     max_total_tokens: int = 1 << 20
     """Token capacity used for admission and ``kv_cache_usage``."""
-    weight_spec: list[tuple[str, str, tuple[int, ...]]] = dataclasses.field(default_factory=_default_weight_spec)
-    """Declared weights (name, dtype name, shape) that ``load_weights`` checks against."""
+    weight_spec: list[WeightSpec] = dataclasses.field(default_factory=_default_weight_spec)
+    """Declared weights that ``load_weights`` checks against (from a config: (name, dtype name, shape)
+    triples)."""
     weight_version: int = 0
     """Version reported for the initial weights."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.lengths, dict):
-            self.lengths = LengthDistribution(**self.lengths)
+        given: Any = self.lengths   # a config passes a mapping
+        if isinstance(given, dict):
+            self.lengths = LengthDistribution(**given)
         self.weight_spec = [WeightSpec(n, d, tuple(s)) for n, d, s in self.weight_spec]
 
     def validate(self) -> None:

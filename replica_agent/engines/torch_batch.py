@@ -22,6 +22,8 @@ Not thread-safe: the engine calls it from its single worker thread only.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers import DynamicCache
 
@@ -77,18 +79,21 @@ class BatchRunner:
             self.reset()
             return
         index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        assert self.mask is not None and self.positions is not None and self.last_tokens is not None
         self.ids = [self.ids[i] for i in keep]
         self.mask = self.mask.index_select(0, index)
         self.positions = self.positions.index_select(0, index)
         self.last_tokens = self.last_tokens.index_select(0, index)
         used = self.mask.any(dim=0).nonzero()
         start = int(used[0]) if len(used) else self.mask.shape[1]
-        for layer in self.cache.layers:
+        layers: Any = self.cache.layers if self.cache is not None else []   # full-attention layers: keys, values
+        for layer in layers:
             layer.keys = layer.keys.index_select(0, index)[:, :, start:]
             layer.values = layer.values.index_select(0, index)[:, :, start:]
         self.mask = self.mask[:, start:]
 
     def _decode(self) -> torch.Tensor:
+        assert self.mask is not None and self.positions is not None and self.last_tokens is not None
         ones = torch.ones((len(self.ids), 1), dtype=self.mask.dtype, device=self.device)
         mask = torch.cat([self.mask, ones], dim=1)
         out = self.model(
@@ -114,6 +119,7 @@ class BatchRunner:
             self.cache, self.mask, self.positions = cache, new_mask, new_positions
             self.last_tokens = placeholder
         else:
+            assert self.positions is not None and self.last_tokens is not None
             self._merge(cache, new_mask)
             self.positions = torch.cat([self.positions, new_positions])
             self.last_tokens = torch.cat([self.last_tokens, placeholder])
@@ -124,7 +130,10 @@ class BatchRunner:
         width = max(self.cache_length, mask.shape[1])
         pad_old = width - self.cache_length
         pad_new = width - mask.shape[1]
-        for old, new in zip(self.cache.layers, cache.layers):
+        assert self.cache is not None and self.mask is not None
+        old_layers: Any = self.cache.layers
+        new_layers: Any = cache.layers
+        for old, new in zip(old_layers, new_layers):
             old.keys = torch.cat([_pad_left(old.keys, pad_old), _pad_left(new.keys, pad_new)], dim=0)
             old.values = torch.cat([_pad_left(old.values, pad_old), _pad_left(new.values, pad_new)], dim=0)
         self.mask = torch.cat([_pad_left(self.mask, pad_old), _pad_left(mask, pad_new)], dim=0)

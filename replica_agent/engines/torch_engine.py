@@ -18,7 +18,7 @@ import logging
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -31,6 +31,7 @@ from .torch_weights import ModelWeights
 from .types import WeightSpec
 
 log = logging.getLogger(__name__)
+_Part = TypeVar("_Part")
 
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 65536
 
@@ -128,7 +129,7 @@ class TorchEngine(SteppedEngine):
             from transformers import AutoModelForCausalLM
 
             model = AutoModelForCausalLM.from_pretrained(
-                self.config.model_path,
+                str(self.config.model_path),   # set: validate() requires model_path or preset
                 local_files_only=True,
                 dtype=self.dtype,
                 attn_implementation=self.config.attn_implementation,
@@ -163,11 +164,18 @@ class TorchEngine(SteppedEngine):
     def _request_limits(self) -> dict[str, int | None]:
         return {"vocab_size": self._vocab_size, "max_model_len": self._max_model_len}
 
+    @staticmethod
+    def _loaded(part: _Part | None) -> _Part:
+        """The model's weights or batch runner, once loaded (EngineUnavailable before ``start`` or after close)."""
+        if part is None:
+            raise EngineUnavailable("the model is not loaded (loading, or closed)")
+        return part
+
     def _eos_token_ids(self) -> frozenset[int]:
         return self._eos
 
     async def _execute_step(self, batch: StepBatch) -> list[tuple[int, float]]:
-        return await self._in_worker(self._runner.step, batch)
+        return await self._in_worker(self._loaded(self._runner).step, batch)
 
     async def _reset_batch(self) -> None:
         if self._runner is not None:
@@ -187,16 +195,16 @@ class TorchEngine(SteppedEngine):
         return list(self._spec)
 
     def _check_weights(self, named_tensors: Mapping[str, Any], require_complete: bool) -> None:
-        self._weights.check(named_tensors, require_complete)
+        self._loaded(self._weights).check(named_tensors, require_complete)
 
     async def _swap_weights(self, named_tensors: Mapping[str, Any]) -> None:
-        await self._in_worker(self._weights.swap, named_tensors)
+        await self._in_worker(self._loaded(self._weights).swap, named_tensors)
 
     async def _release_weights(self, level: int) -> int:
-        return await self._in_worker(self._weights.release, level, self._weights_resident)
+        return await self._in_worker(self._loaded(self._weights).release, level, self._weights_resident)
 
     async def _restore_weights(self) -> bool:
-        return await self._in_worker(self._weights.restore)
+        return await self._in_worker(self._loaded(self._weights).restore)
 
     def resident_weight_bytes(self) -> int:
         """Bytes of parameter storage the model references right now (0 while asleep)."""

@@ -98,7 +98,8 @@ def vllm_failure(exc: BaseException, request_id: str) -> EngineError:
     """What a vLLM ``generate`` failure means for the caller: a request vLLM rejected (also when wrapped in
     ``EngineGenerateError``) is ``InvalidRequest``; ``RetryableRequestError`` is ``EngineUnavailable`` (try
     again, or elsewhere); anything else failed the generation."""
-    chain, cause = [], exc
+    chain: list[BaseException] = []
+    cause: BaseException | None = exc
     while cause is not None and len(chain) < 8:
         chain.append(cause)
         cause = cause.__cause__
@@ -184,8 +185,16 @@ class VllmEngine(RemoteStreams, LifecycleFlags, Engine):
         self._started = True
         log.info(
             "vllm engine %r: %s, %d weights, %d KV tokens",
-            self.replica_id, self.config.model_path, len(self._catalog.spec), self._kv_capacity,
+            self.replica_id, self.config.model_path, len(self.catalog.spec), self._kv_capacity,
         )
+
+
+    @property
+    def api(self) -> VllmApi:
+        """vLLM's API as loaded by ``start`` (EngineUnavailable before it)."""
+        if self._api is None:
+            raise EngineUnavailable("engine is still loading")
+        return self._api
 
     def _describe_model(self, client: Any) -> None:
         model_config = client.model_config
@@ -271,7 +280,7 @@ class VllmEngine(RemoteStreams, LifecycleFlags, Engine):
             seed = mix_seed(seed, len(stream.prefix))
         if seed is not None:
             seed &= MAX_VLLM_SEED   # a uint64 seed folded into vLLM's int64 range: the same seed, the same draws
-        return self._api.sampling_params(
+        return self.api.sampling_params(
             n=1,
             max_tokens=stream.budget,
             temperature=float(sp.temperature),
@@ -281,7 +290,7 @@ class VllmEngine(RemoteStreams, LifecycleFlags, Engine):
             stop_token_ids=list(sp.stop_token_ids),
             ignore_eos=sp.ignore_eos,
             logprobs=0 if sp.logprobs else None,  # 0: only the sampled token's logprob
-            output_kind=self._api.delta_output_kind,
+            output_kind=self.api.delta_output_kind,
             detokenize=False,
         )
 
@@ -305,7 +314,7 @@ class VllmEngine(RemoteStreams, LifecycleFlags, Engine):
             stream.finish(FinishReason.ABORTED, self._weight_version)
             raise
         except Exception as exc:  # noqa: BLE001 - every failure must reach the consumer
-            if _is_engine_dead_error(exc) or _is_engine_dead_error(exc.__cause__):
+            if _is_engine_dead_error(exc) or (exc.__cause__ is not None and _is_engine_dead_error(exc.__cause__)):
                 self._mark_dead(exc)
             elif isinstance(exc, EngineError):
                 stream.fail(exc)
@@ -441,7 +450,7 @@ class VllmEngine(RemoteStreams, LifecycleFlags, Engine):
                 raise
             self._weight_version = version
             self._weights_loaded = True
-            self._catalog.record(named_tensors)
+            self.catalog.record(named_tensors)
             if freeze:
                 await self._call("resume_generation", self._client.resume_generation())
 

@@ -27,6 +27,9 @@ EXTENSION_CLASS = f"{__name__}.RollmeshWorkerExtension"
 class RollmeshWorkerExtension:
     """Mixed into vLLM's worker: ``self.model_runner`` and ``self.device`` are the worker's."""
 
+    model_runner: Any
+    device: Any
+
     def rollmesh_load_weights(self, weights: list[Any], reload: bool = False) -> int:
         """Load ``[(hf_name, tensor), ...]`` into the served model.
 
