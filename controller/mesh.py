@@ -90,9 +90,12 @@ class Mesh:
         self.metrics = CycleMetrics(hybrid_gpus=config.hybrid_gpus, standalone_gpus=config.standalone_gpus,
                                     concurrent_samples_per_replica=config.concurrent_samples_per_replica,
                                     max_required_samples=config.max_required_samples)
+        self.transitions = asyncio.Lock()
+        """Held by every change of routing or weights that hybrid steps and scale operations make, so the
+        two never interleave on the same replicas; the scheduler's step-protocol calls take it themselves."""
         self.scheduler = DynamicResourceController(
             sched, registry=self.registry, routing=self.routing, replicas=self.replica_port, weights=self.weights,
-            clock=self.clock, emit=self.emit, tracer=self.span, metrics=self.metrics)
+            clock=self.clock, emit=self.emit, tracer=self.span, metrics=self.metrics, lock=self.transitions)
         events_counter = lambda: self.events.state_dict(include_events=False)  # noqa: E731
         for key, source in {"events": events_counter, "scheduler": self.scheduler.state_dict,
                             "metrics": self.metrics.state_dict}.items():
@@ -102,9 +105,6 @@ class Mesh:
             self.store.flush()
             self.store.delete("registry")
         self._restore_rest()
-        self.transitions = asyncio.Lock()
-        """Held by every change of routing or weights that hybrid steps and scale operations make, so the
-        two never interleave on the same replicas."""
         from .scaling.autoscaler_loop import AutoscalerLoop  # noqa: PLC0415
         from .scaling.scaler import Scaler  # noqa: PLC0415
 
@@ -174,14 +174,13 @@ class Mesh:
 
     async def release_hybrid(self, global_step: int, buffered_samples: int, waited_s: float,
                              wait_expired: bool) -> Any:
-        async with self.transitions:  # never interleaved with a scale operation
-            result = await self.scheduler.release_hybrid(global_step, buffered_samples, waited_s, wait_expired)
+        # under transitions (the scheduler takes it): never interleaved with a scale operation
+        result = await self.scheduler.release_hybrid(global_step, buffered_samples, waited_s, wait_expired)
         await self.commit()
         return result
 
     async def complete_step(self, global_step: int, weight_version: int, report: StepReport) -> Any:
-        async with self.transitions:  # never interleaved with a scale operation
-            result = await self.scheduler.complete_step(global_step, weight_version, report)
+        result = await self.scheduler.complete_step(global_step, weight_version, report)   # under transitions
         await self.commit()
         return result
 

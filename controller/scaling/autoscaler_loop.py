@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .autoscaler import NONE, SCALE_IN, SCALE_OUT, Autoscaler, AutoscalerConfig, MetricsSample, throughput_cv2
 from ..core.events import EventType
@@ -29,11 +29,37 @@ log = logging.getLogger(__name__)
 MODEL = "default"
 HISTORY_LIMIT = 1000
 
+if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
+    from ..config import ControllerConfig
+    from ..core.replicas import ReplicaRegistry
+    from ..store import StateStore
+    from .scaler import Scaler
+
+
+class AutoscalerMesh(Protocol):
+    """What the autoscaler uses of the controller (its :class:`~controller.mesh.Mesh` provides it)."""
+
+    config: ControllerConfig
+    store: StateStore
+    registry: ReplicaRegistry
+    scaler: Scaler
+
+    def clock(self) -> float: ...
+
+    def emit(self, type: EventType, /, **fields: Any) -> Any: ...
+
+    def span(self, name: str, **attributes: Any) -> AbstractContextManager[Any]: ...
+
+    def changed(self) -> None:
+        """Persist the controller's state soon (it changed)."""
+
 
 class AutoscalerLoop:
     """Collects metrics, runs the decision core, starts scale operations, keeps the history."""
 
-    def __init__(self, mesh, config: AutoscalerConfig | None) -> None:
+    def __init__(self, mesh: AutoscalerMesh, config: AutoscalerConfig | None) -> None:
         self.mesh = mesh
         self.core = Autoscaler(config) if config is not None else None
         self.running = False

@@ -27,7 +27,7 @@ import json
 import logging
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from mesh_runtime.errors import FailedPrecondition, InvalidArgument, NotFound
 from mesh_runtime.net import AddressError, parse_host_port
@@ -37,10 +37,43 @@ from mesh_runtime.validate import check_engine_url, is_engine_url
 from . import runs as scale_runs
 from ..agents import AgentCalls
 from .operations import TERMINAL, OperationBook, OperationState, OperationType, ScaleOperation, cancellable
+from ..core.events import EventType
 from ..core.records import TERMINAL_STATES, ReplicaKind, ReplicaRecord
 
 log = logging.getLogger(__name__)
 OS = OperationState
+
+if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
+    from ..config import ControllerConfig
+    from ..core.hybrid import DynamicResourceController
+    from ..core.replicas import ReplicaRegistry
+    from ..ports import Channels, LoadBalancerRouting
+    from ..store import StateStore
+    from ..weight_sync import WeightBroadcast
+
+
+class ScalingMesh(Protocol):
+    """What scale operations use of the controller (its :class:`~controller.mesh.Mesh` provides it)."""
+
+    config: ControllerConfig
+    store: StateStore
+    channels: Channels
+    registry: ReplicaRegistry
+    routing: LoadBalancerRouting
+    weights: WeightBroadcast
+    scheduler: DynamicResourceController
+    transitions: asyncio.Lock
+    """Held around every change of routing or weights, by hybrid transitions and scale operations alike."""
+
+    def clock(self) -> float: ...
+
+    def emit(self, type: EventType, /, **fields: Any) -> Any: ...
+
+    def span(self, name: str, **attributes: Any) -> AbstractContextManager[Any]: ...
+
+    def renew(self, node_id: str, reports: Any) -> tuple[float, bool]: ...
 
 
 def check_addresses(addresses: list[str], what: str) -> list[str]:
@@ -63,7 +96,7 @@ def check_addresses(addresses: list[str], what: str) -> list[str]:
 class Scaler:
     """Scale operations of one controller."""
 
-    def __init__(self, mesh) -> None:
+    def __init__(self, mesh: ScalingMesh) -> None:
         self.mesh = mesh
         self.config = mesh.config
         self.book = OperationBook(clock=mesh.clock, emit=mesh.emit)
