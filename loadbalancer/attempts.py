@@ -9,6 +9,7 @@ an abort); :class:`AttemptCut` is an attempt the balancer ended itself.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -93,13 +94,15 @@ class RequestRun:
     """Replicas an attempt of this request failed on (UNAVAILABLE, broken stream): later attempts avoid them
     while another eligible replica exists."""
     restart_pending: bool = False
+    clock: Callable[[], float] = time.monotonic
+    """The balancer's clock, which ``deadline`` is on."""
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
 
     def remaining(self) -> float | None:
-        return None if self.deadline is None else self.deadline - time.monotonic()
+        return None if self.deadline is None else self.deadline - self.clock()
 
 
 def segments_of(streamed: list[tuple[int, float | None, int]], route) -> list[generation_pb2.TokenSegment]:

@@ -58,8 +58,10 @@ class Balancer:
     def __init__(self, config: LoadBalancerConfig, table: RoutingTable, upstreams: Upstreams, *,
                  tracer: trace.Tracer, stats: Stats | None = None,
                  before_send: Callable[[Ticket], Awaitable[None]] | None = None,
-                 metrics: ServerMetrics | None = None) -> None:
+                 metrics: ServerMetrics | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock``: what deadlines and waits are measured on (the table's own clock is the table's)."""
         self.config = config
+        self.clock = clock
         self._timing = Timing(metrics) if metrics is not None else None
         self.table = table
         self.upstreams = upstreams
@@ -99,8 +101,8 @@ class Balancer:
             partial_rollout=request.partial_rollout if request.HasField("partial_rollout")
             else self.config.partial_rollout,
             budget=request.retry_budget if request.HasField("retry_budget") else self.config.retry_budget,
-            deadline=None if time_remaining is None else time.monotonic() + time_remaining,
-            segments=list(request.resume_segments))
+            deadline=None if time_remaining is None else self.clock() + time_remaining,
+            segments=list(request.resume_segments), clock=self.clock)
         self._running[request.request_id] = run
         self.stats.requests_total += 1
         queue: asyncio.Queue = asyncio.Queue()
@@ -182,7 +184,7 @@ class Balancer:
     async def _acquire(self, run: RequestRun) -> Choice:
         """Pick a replica, waiting (event-driven) for one to become eligible."""
         min_version = run.request.min_weight_version if run.request.HasField("min_weight_version") else None
-        started = time.monotonic()
+        started = self.clock()
         limit = self.config.no_replica_wait_s
         waited = False
         while True:
@@ -195,7 +197,7 @@ class Balancer:
             if not waited:
                 self.stats.no_replica_waits += 1
                 waited = True
-            budget = limit - (time.monotonic() - started)
+            budget = limit - (self.clock() - started)
             remaining = run.remaining()
             if remaining is not None and remaining < budget:
                 if remaining <= 0:
