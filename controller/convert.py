@@ -11,8 +11,15 @@ from google.protobuf import duration_pb2, struct_pb2, timestamp_pb2
 
 from mesh_runtime.errors import InvalidArgument
 from mesh_runtime.reasons import Reason
-from rollmesh.common.v1 import events_pb2, types_pb2
-from rollmesh.controller.v1 import observability_pb2, registry_pb2, scheduling_pb2, weight_sync_pb2
+from rollmesh.common.v1 import types_pb2
+from rollmesh.controller.v1 import (
+    events_pb2,
+    observability_pb2,
+    registry_pb2,
+    scaling_pb2,
+    scheduling_pb2,
+    weight_sync_pb2,
+)
 
 from .core.events import EventType, LifecycleEvent
 from .core.metrics import ClosedCycle, ConcurrencyPoint
@@ -176,6 +183,11 @@ def scheduler_state(s) -> scheduling_pb2.GetSchedulerStateResponse:
     return msg
 
 
+_TYPED_STATES = {EventType.REPLICA_STATE_CHANGED: (types_pb2.ReplicaState, "replica"),
+                 EventType.OPERATION_STATE_CHANGED: (scaling_pb2.OperationState, "operation"),
+                 EventType.CONTROLLER_STATE_CHANGED: (scheduling_pb2.HybridState, "hybrid")}
+
+
 def event(e: LifecycleEvent) -> events_pb2.LifecycleEvent:
     msg = events_pb2.LifecycleEvent(
         sequence=e.sequence, time=timestamp(e.time), type=events_pb2.EventType.Value(e.type.proto_name),
@@ -183,9 +195,11 @@ def event(e: LifecycleEvent) -> events_pb2.LifecycleEvent:
         trace_id=e.trace_id, span_id=e.span_id, operation_id=e.operation_id,
         attributes={k: str(v) for k, v in e.attributes.items()}, missed_events=e.missed_events)
     msg.details.update(dict(e.details))
-    if e.type is EventType.REPLICA_STATE_CHANGED:
-        states = types_pb2.ReplicaState.DESCRIPTOR.values_by_name
-        for name, field in ((e.from_state, "from_replica_state"), (e.to_state, "to_replica_state")):
+    typed = _TYPED_STATES.get(e.type)
+    if typed is not None:   # the transition's states as their enum too
+        enum, prefix = typed
+        states = enum.DESCRIPTOR.values_by_name
+        for name, field in ((e.from_state, f"from_{prefix}_state"), (e.to_state, f"to_{prefix}_state")):
             if name in states:
                 setattr(msg, field, states[name].number)
     if e.replica_kind:

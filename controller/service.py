@@ -7,16 +7,17 @@ import logging
 from opentelemetry.sdk.trace import TracerProvider
 
 from mesh_runtime.errors import DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted
+from mesh_runtime import pages
 from mesh_runtime.metrics import LoopStallMonitor, ServerMetrics
 from mesh_runtime.reasons import Reason
 from mesh_runtime.server import MeshServer
 from mesh_runtime.status import StatusReporter
 from mesh_runtime.validate import check_reachable
-from rollmesh.common.v1 import events_pb2
+from rollmesh.controller.v1 import events_pb2
 from rollmesh.controller.v1 import controller_pb2, controller_pb2_grpc, observability_pb2, registry_pb2
 from rollmesh.controller.v1 import scheduling_pb2, weight_sync_pb2
 
-from . import convert, pages
+from . import convert
 from .auth import has_scale_token, require_own_node
 from .config import ControllerConfig
 from .core.events import EventType

@@ -77,10 +77,12 @@ class Picture:
 
 
 def event_dict_from_proto(msg: Any) -> dict[str, Any]:
-    """A ``rollmesh.common.v1.LifecycleEvent`` as a ``LifecycleEvent.to_dict()`` dict."""
+    """A ``rollmesh.controller.v1.LifecycleEvent`` as a ``LifecycleEvent.to_dict()`` dict."""
     from google.protobuf import json_format  # noqa: PLC0415
 
-    from rollmesh.common.v1 import events_pb2, types_pb2  # noqa: PLC0415
+    from rollmesh.common.v1 import types_pb2  # noqa: PLC0415
+
+    from rollmesh.controller.v1 import events_pb2
 
     name = events_pb2.EventType.Name(msg.type)
     kind = types_pb2.ReplicaKind.Name(msg.replica_kind) if msg.replica_kind else ""

@@ -8,7 +8,7 @@ from collections import OrderedDict
 
 from opentelemetry.sdk.trace import TracerProvider
 
-from mesh_runtime import tracing
+from mesh_runtime import pages, tracing
 from mesh_runtime.metrics import ServerMetrics
 from mesh_runtime.status import StatusReporter
 from mesh_runtime.validate import check_address, check_id
@@ -117,8 +117,12 @@ class LoadBalancerServicer(loadbalancer_pb2_grpc.LoadBalancerServiceServicer):
 
     async def ListReplicas(self, request, context):  # noqa: N802
         kinds = {KINDS[k] for k in request.kinds}
-        routed = [self._routed(r) for r in self.table.routes.values() if not kinds or r.kind in kinds]
-        return pb.ListReplicasResponse(replicas=[r for r in routed if r.routable or not request.routable_only])
+        routed = [self._routed(r) for r in sorted(self.table.routes.values(), key=lambda r: r.replica_id)
+                  if not kinds or r.kind in kinds]
+        matching = [r for r in routed if r.routable or not request.routable_only]
+        chosen, token = pages.page(matching, key=lambda r: r.endpoint.replica_id, page_size=request.page_size,
+                                   page_token=request.page_token, filters=(sorted(kinds), request.routable_only))
+        return pb.ListReplicasResponse(replicas=chosen, next_page_token=token)
 
     async def ClearStickySessions(self, request, context):  # noqa: N802
         return pb.ClearStickySessionsResponse(cleared_sessions=self.table.clear_sticky(request.replica_ids))

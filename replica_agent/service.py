@@ -6,6 +6,7 @@ import time
 
 from opentelemetry.sdk.trace import TracerProvider
 
+from mesh_runtime import pages
 from mesh_runtime.errors import InvalidArgument
 from mesh_runtime.reasons import Reason
 from mesh_runtime.server import ServiceBinding
@@ -25,6 +26,11 @@ DESCRIPTOR = pb.DESCRIPTOR.services_by_name["ReplicaAgentService"]
 WEIGHTS_DESCRIPTOR = weights_pb.DESCRIPTOR.services_by_name["WeightSourceService"]
 PAUSE_MODES = {replica_pb2.PAUSE_MODE_UNSPECIFIED: "wait", replica_pb2.PAUSE_MODE_WAIT: "wait",
                replica_pb2.PAUSE_MODE_ABORT: "abort"}
+
+
+def _launch_order(replica) -> str:
+    """A key that sorts replicas by launch time, ties by id: ListReplicas' order and its page tokens."""
+    return f"{replica.launched_at:020.6f}|{replica.replica_id}"
 
 
 def _seconds(duration, default: float | None) -> float | None:
@@ -78,7 +84,10 @@ class ReplicaAgentServicer(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
     async def ListReplicas(self, request, context):  # noqa: N802
         kinds = [convert.KIND_NAMES[k] for k in request.kinds if k in convert.KIND_NAMES]
         states = [convert.state_name(s) for s in request.states]
-        return pb.ListReplicasResponse(replicas=[self._proto(r) for r in self.replicas.list(kinds, states)])
+        chosen, token = pages.page(sorted(self.replicas.list(kinds, states), key=_launch_order), key=_launch_order,
+                                   page_size=request.page_size, page_token=request.page_token,
+                                   filters=(sorted(kinds), sorted(states)))
+        return pb.ListReplicasResponse(replicas=[self._proto(r) for r in chosen], next_page_token=token)
 
     async def GetReplica(self, request, context):  # noqa: N802
         return pb.GetReplicaResponse(replica=self._proto(self.replicas.get(request.replica_id)))

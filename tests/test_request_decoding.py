@@ -107,7 +107,7 @@ async def test_unknown_event_type_in_watch_events_is_invalid_argument(served):
             async for _ in stub.WatchEvents(observability_pb2.WatchEventsRequest(types=[999]), timeout=5):
                 pass
         assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-        assert "types[0]: 999 is not a value of rollmesh.common.v1.EventType" in info.value.details()
+        assert "types[0]: 999 is not a value of rollmesh.controller.v1.EventType" in info.value.details()
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await stub.ListReplicas(registry_pb2.ListReplicasRequest(kinds=[1], states=[1, 77]), timeout=5)
         assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT

@@ -97,8 +97,9 @@ def test_proto_events_convert_to_the_same_dicts():
     assert d == e.to_dict()
 
 
-def test_event_details_keep_their_types_and_replica_states_are_enums():
+def test_event_details_keep_their_types_and_states_are_enums():
     from rollmesh.common.v1 import types_pb2
+    from rollmesh.controller.v1 import scaling_pb2, scheduling_pb2
 
     from controller import convert
     from controller.core.events import EventLog, EventType, LifecycleEvent
@@ -123,6 +124,15 @@ def test_event_details_keep_their_types_and_replica_states_are_enums():
     new = convert.event(log.append(EventType.REPLICA_STATE_CHANGED, replica_id="n", to_state="REPLICA_STATE_ACTIVE"))
     assert new.from_replica_state == types_pb2.REPLICA_STATE_UNSPECIFIED
     assert new.to_replica_state == types_pb2.REPLICA_STATE_ACTIVE
+    op = convert.event(log.append(EventType.OPERATION_STATE_CHANGED, operation_id="o",
+                                  from_state="OPERATION_STATE_PENDING", to_state="OPERATION_STATE_CREATING"))
+    assert (op.from_operation_state, op.to_operation_state) == (scaling_pb2.OPERATION_STATE_PENDING,
+                                                               scaling_pb2.OPERATION_STATE_CREATING)
+    assert op.from_replica_state == types_pb2.REPLICA_STATE_UNSPECIFIED
+    hybrid = convert.event(log.append(EventType.CONTROLLER_STATE_CHANGED, from_state="HYBRID_STATE_STANDALONE_ONLY",
+                                      to_state="HYBRID_STATE_HYBRID_ACTIVE"))
+    assert (hybrid.from_hybrid_state, hybrid.to_hybrid_state) == (scheduling_pb2.HYBRID_STATE_STANDALONE_ONLY,
+                                                                  scheduling_pb2.HYBRID_STATE_HYBRID_ACTIVE)
 
     # an event saved before details existed comes back with its strings as its details
     saved = sync.to_dict()

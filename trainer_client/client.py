@@ -15,7 +15,7 @@ from mesh_runtime import samples
 from mesh_runtime.channels import open_channel, read_methods
 from mesh_runtime.retry import retry_after, retry_same
 from mesh_runtime.tls import TlsConfig
-from rollmesh.common.v1 import events_pb2
+from rollmesh.controller.v1 import events_pb2
 from rollmesh.controller.v1 import controller_pb2, controller_pb2_grpc, observability_pb2, scaling_pb2
 from rollmesh.controller.v1 import scheduling_pb2
 

@@ -1,6 +1,6 @@
 """Lifecycle events and the controller's bounded event log.
 
-``LifecycleEvent`` mirrors ``rollmesh.common.v1.LifecycleEvent`` field by
+``LifecycleEvent`` mirrors ``rollmesh.controller.v1.LifecycleEvent`` field by
 field; enum-valued fields hold the proto's full value names as strings
 (``from_state="REPLICA_STATE_ACTIVE"``, ``replica_kind="REPLICA_KIND_HYBRID"``)
 so the gRPC layer maps them with ``Enum.Value(name)``. ``EventType`` members
@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 
 class EventType(enum.Enum):
-    """What an event is about (``rollmesh.common.v1.EventType`` without the prefix)."""
+    """What an event is about (``rollmesh.controller.v1.EventType`` without the prefix)."""
 
     REPLICA_STATE_CHANGED = "REPLICA_STATE_CHANGED"
     CONTROLLER_STATE_CHANGED = "CONTROLLER_STATE_CHANGED"
@@ -51,7 +51,7 @@ class EventType(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class LifecycleEvent:
-    """One transition in the mesh (see ``common/v1/events.proto``)."""
+    """One transition in the mesh (see ``controller/v1/events.proto``)."""
 
     sequence: int
     time: float

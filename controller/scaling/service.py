@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from mesh_runtime import pages
 from mesh_runtime.errors import FailedPrecondition, InvalidArgument
 from mesh_runtime.reasons import Reason
 from rollmesh.controller.v1 import autoscaler_pb2, scaling_pb2
 
-from .. import convert, pages
+from .. import convert
 from . import convert as convert_scaling
 from ..auth import require_scale_credential
 from .autoscaler_loop import MODEL

@@ -12,7 +12,8 @@ import pytest
 import controller.server
 import loadbalancer.server
 from mesh_runtime.config import load_config
-from rollmesh.common.v1 import events_pb2, generation_pb2, types_pb2
+from rollmesh.common.v1 import generation_pb2, types_pb2
+from rollmesh.controller.v1 import events_pb2
 from rollmesh.controller.v1 import controller_pb2, controller_pb2_grpc, observability_pb2, registry_pb2
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2, loadbalancer_pb2_grpc, routing_pb2
 from tests.waiting import wait_until

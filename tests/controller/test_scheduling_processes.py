@@ -13,7 +13,9 @@ import asyncio
 import grpc
 import pytest
 
-from rollmesh.common.v1 import events_pb2, generation_pb2, types_pb2
+from rollmesh.common.v1 import generation_pb2, types_pb2
+
+from rollmesh.controller.v1 import events_pb2
 from rollmesh.controller.v1 import controller_pb2_grpc, observability_pb2, registry_pb2, scheduling_pb2
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2 as lb_pb
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2_grpc

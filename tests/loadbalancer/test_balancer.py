@@ -407,3 +407,24 @@ async def test_a_request_its_caller_cancels_counts_as_cancelled_not_failed(mesh)
             break
         await asyncio.sleep(0.05)
     assert (stats.requests_total, stats.completed, stats.failed, stats.cancelled) == (1, 0, 0, 1)
+
+
+async def test_replicas_are_listed_in_pages_by_id(mesh):
+    from mesh_runtime.errors import error_info
+
+    stub, _, _ = await mesh({f"r{i}": "ok" for i in (3, 1, 4, 0, 2)})
+    everything = [r.endpoint.replica_id for r in (await stub.ListReplicas(pb.ListReplicasRequest())).replicas]
+    assert everything == ["r0", "r1", "r2", "r3", "r4"]   # by id, whatever order they were added in
+    seen, token, pages = [], "", 0
+    while True:
+        reply = await stub.ListReplicas(pb.ListReplicasRequest(page_size=2, page_token=token))
+        seen, token, pages = seen + [r.endpoint.replica_id for r in reply.replicas], reply.next_page_token, pages + 1
+        if not token:
+            break
+    assert seen == everything and pages == 3
+    first = await stub.ListReplicas(pb.ListReplicasRequest(page_size=2))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.ListReplicas(pb.ListReplicasRequest(page_size=2, page_token=first.next_page_token,
+                                                       routable_only=True))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error_info(info.value).reason == "INVALID_PAGE_TOKEN"

@@ -201,3 +201,24 @@ async def test_per_request_stream_interval(agent):
                                       sampling_params=sampling(15, temperature=0, ignore_eos=True))
             assert [len(m.token_ids) for m in messages[:-1]] == [interval] * (15 // interval - (15 % interval == 0))
             assert len(tokens(messages)) == 15
+
+
+async def test_replicas_are_listed_in_pages_in_launch_order(agent):
+    async with grpc.aio.insecure_channel(agent) as channel:
+        stub = replica_agent_pb2_grpc.ReplicaAgentServiceStub(channel)
+        everything = [r.replica_id for r in (await stub.ListReplicas(pb.ListReplicasRequest())).replicas]
+        assert {"s0", "s1", "h0"} <= set(everything) and everything.index("s0") < everything.index("h0")
+        seen, token = [], ""
+        while True:
+            reply = await stub.ListReplicas(pb.ListReplicasRequest(page_size=2, page_token=token))
+            assert len(reply.replicas) <= 2
+            seen, token = seen + [r.replica_id for r in reply.replicas], reply.next_page_token
+            if not token:
+                break
+        assert seen == everything
+        first = await stub.ListReplicas(pb.ListReplicasRequest(page_size=1))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.ListReplicas(pb.ListReplicasRequest(page_size=1, page_token=first.next_page_token,
+                                                           kinds=[types_pb2.REPLICA_KIND_HYBRID]))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert error_info(info.value).reason == "INVALID_PAGE_TOKEN"

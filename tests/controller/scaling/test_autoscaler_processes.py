@@ -15,7 +15,7 @@ import asyncio
 import grpc
 import pytest
 
-from rollmesh.common.v1 import events_pb2
+from rollmesh.controller.v1 import events_pb2
 from rollmesh.controller.v1 import autoscaler_pb2, scaling_pb2
 from tests.controller.scaling.helpers import Procs, controller_stub, events_of, generate, lb_stub, routed, until
 from tests.otlp_receiver import start_receiver

@@ -20,7 +20,9 @@ import asyncio
 import grpc
 import pytest
 
-from rollmesh.common.v1 import events_pb2, types_pb2
+from rollmesh.common.v1 import types_pb2
+
+from rollmesh.controller.v1 import events_pb2
 from rollmesh.controller.v1 import scaling_pb2, weight_sync_pb2
 from rollmesh.loadbalancer.v1 import routing_pb2
 from tests.controller.scaling.helpers import (

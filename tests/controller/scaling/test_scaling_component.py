@@ -223,7 +223,7 @@ def test_a_bad_autoscaler_config_is_refused_at_startup(tmp_path):
 async def test_a_native_launch_that_fails_is_rolled_back(tmp_path):
     import socket
 
-    from rollmesh.common.v1 import events_pb2
+    from rollmesh.controller.v1 import events_pb2
     from rollmesh.controller.v1 import observability_pb2
     from tests.controller.scaling.helpers import finished
 

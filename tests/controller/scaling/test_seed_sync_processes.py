@@ -18,7 +18,7 @@ import asyncio
 
 import grpc
 import pytest
-from rollmesh.common.v1 import events_pb2
+from rollmesh.controller.v1 import events_pb2
 from rollmesh.controller.v1 import scaling_pb2, weight_sync_pb2
 from rollmesh.weights.v1 import weight_source_pb2 as ws
 from rollmesh.weights.v1 import weight_source_pb2_grpc

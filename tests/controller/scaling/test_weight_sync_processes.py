@@ -13,7 +13,7 @@ import asyncio
 
 import grpc
 import pytest
-from rollmesh.common.v1 import events_pb2
+from rollmesh.controller.v1 import events_pb2
 from rollmesh.controller.v1 import scaling_pb2, weight_sync_pb2
 
 from tests.controller.scaling.helpers import (

@@ -11,7 +11,7 @@ import { ControllerService } from "../../../generated/ts/src/rollmesh/controller
 import { LoadBalancerService } from "../../../generated/ts/src/rollmesh/loadbalancer/v1/loadbalancer_pb.js";
 import { ReplicaAgentService } from "../../../generated/ts/src/rollmesh/replica/v1/replica_agent_pb.js";
 import { TrainerAgentService } from "../../../generated/ts/src/rollmesh/trainer/v1/trainer_agent_pb.js";
-import { EventType } from "../../../generated/ts/src/rollmesh/common/v1/events_pb.js";
+import { EventType } from "../../../generated/ts/src/rollmesh/controller/v1/events_pb.js";
 import { TransportSecurity } from "../../../generated/ts/src/rollmesh/common/v1/status_pb.js";
 
 function transport(address: string): Transport {

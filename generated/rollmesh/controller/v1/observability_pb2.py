@@ -23,10 +23,10 @@ _sym_db = _symbol_database.Default()
 
 
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
-from rollmesh.common.v1 import events_pb2 as rollmesh_dot_common_dot_v1_dot_events__pb2
+from rollmesh.controller.v1 import events_pb2 as rollmesh_dot_controller_dot_v1_dot_events__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n*rollmesh/controller/v1/observability.proto\x12\x16rollmesh.controller.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1frollmesh/common/v1/events.proto\"\xb8\x01\n\x12WatchEventsRequest\x12#\n\rfrom_sequence\x18\x01 \x01(\x04R\x0c\x66romSequence\x12\x1f\n\x0breplica_ids\x18\x02 \x03(\tR\nreplicaIds\x12\x33\n\x05types\x18\x03 \x03(\x0e\x32\x1d.rollmesh.common.v1.EventTypeR\x05types\x12\'\n\x0finclude_history\x18\x04 \x01(\x08R\x0eincludeHistory\"O\n\x13WatchEventsResponse\x12\x38\n\x05\x65vent\x18\x01 \x01(\x0b\x32\".rollmesh.common.v1.LifecycleEventR\x05\x65vent\"\xe3\x02\n\x0cMetricsCycle\x12\x14\n\x05\x63ycle\x18\x01 \x01(\x04R\x05\x63ycle\x12\x1f\n\x0bglobal_step\x18\x02 \x01(\x03R\nglobalStep\x12%\n\x0eweight_version\x18\x03 \x01(\x03R\rweightVersion\x12\x39\n\nstarted_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.TimestampR\tstartedAt\x12\x35\n\x08\x65nded_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.TimestampR\x07\x65ndedAt\x12H\n\x06values\x18\x06 \x03(\x0b\x32\x30.rollmesh.controller.v1.MetricsCycle.ValuesEntryR\x06values\x1a\x39\n\x0bValuesEntry\x12\x10\n\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n\x05value\x18\x02 \x01(\x01R\x05value:\x02\x38\x01\"o\n\x11GetMetricsRequest\x12\x16\n\x05\x63ycle\x18\x01 \x01(\x04H\x00R\x05\x63ycle\x12\x1f\n\nfrom_cycle\x18\x02 \x01(\x04H\x00R\tfromCycle\x12\x14\n\x05limit\x18\x03 \x01(\rR\x05limitB\x0b\n\tselection\"R\n\x12GetMetricsResponse\x12<\n\x06\x63ycles\x18\x01 \x03(\x0b\x32$.rollmesh.controller.v1.MetricsCycleR\x06\x63yclesb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n*rollmesh/controller/v1/observability.proto\x12\x16rollmesh.controller.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a#rollmesh/controller/v1/events.proto\"\xbc\x01\n\x12WatchEventsRequest\x12#\n\rfrom_sequence\x18\x01 \x01(\x04R\x0c\x66romSequence\x12\x1f\n\x0breplica_ids\x18\x02 \x03(\tR\nreplicaIds\x12\x37\n\x05types\x18\x03 \x03(\x0e\x32!.rollmesh.controller.v1.EventTypeR\x05types\x12\'\n\x0finclude_history\x18\x04 \x01(\x08R\x0eincludeHistory\"S\n\x13WatchEventsResponse\x12<\n\x05\x65vent\x18\x01 \x01(\x0b\x32&.rollmesh.controller.v1.LifecycleEventR\x05\x65vent\"\xe3\x02\n\x0cMetricsCycle\x12\x14\n\x05\x63ycle\x18\x01 \x01(\x04R\x05\x63ycle\x12\x1f\n\x0bglobal_step\x18\x02 \x01(\x03R\nglobalStep\x12%\n\x0eweight_version\x18\x03 \x01(\x03R\rweightVersion\x12\x39\n\nstarted_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.TimestampR\tstartedAt\x12\x35\n\x08\x65nded_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.TimestampR\x07\x65ndedAt\x12H\n\x06values\x18\x06 \x03(\x0b\x32\x30.rollmesh.controller.v1.MetricsCycle.ValuesEntryR\x06values\x1a\x39\n\x0bValuesEntry\x12\x10\n\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n\x05value\x18\x02 \x01(\x01R\x05value:\x02\x38\x01\"o\n\x11GetMetricsRequest\x12\x16\n\x05\x63ycle\x18\x01 \x01(\x04H\x00R\x05\x63ycle\x12\x1f\n\nfrom_cycle\x18\x02 \x01(\x04H\x00R\tfromCycle\x12\x14\n\x05limit\x18\x03 \x01(\rR\x05limitB\x0b\n\tselection\"R\n\x12GetMetricsResponse\x12<\n\x06\x63ycles\x18\x01 \x03(\x0b\x32$.rollmesh.controller.v1.MetricsCycleR\x06\x63yclesb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,16 +35,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_METRICSCYCLE_VALUESENTRY']._loaded_options = None
   _globals['_METRICSCYCLE_VALUESENTRY']._serialized_options = b'8\001'
-  _globals['_WATCHEVENTSREQUEST']._serialized_start=137
-  _globals['_WATCHEVENTSREQUEST']._serialized_end=321
-  _globals['_WATCHEVENTSRESPONSE']._serialized_start=323
-  _globals['_WATCHEVENTSRESPONSE']._serialized_end=402
-  _globals['_METRICSCYCLE']._serialized_start=405
-  _globals['_METRICSCYCLE']._serialized_end=760
-  _globals['_METRICSCYCLE_VALUESENTRY']._serialized_start=703
-  _globals['_METRICSCYCLE_VALUESENTRY']._serialized_end=760
-  _globals['_GETMETRICSREQUEST']._serialized_start=762
-  _globals['_GETMETRICSREQUEST']._serialized_end=873
-  _globals['_GETMETRICSRESPONSE']._serialized_start=875
-  _globals['_GETMETRICSRESPONSE']._serialized_end=957
+  _globals['_WATCHEVENTSREQUEST']._serialized_start=141
+  _globals['_WATCHEVENTSREQUEST']._serialized_end=329
+  _globals['_WATCHEVENTSRESPONSE']._serialized_start=331
+  _globals['_WATCHEVENTSRESPONSE']._serialized_end=414
+  _globals['_METRICSCYCLE']._serialized_start=417
+  _globals['_METRICSCYCLE']._serialized_end=772
+  _globals['_METRICSCYCLE_VALUESENTRY']._serialized_start=715
+  _globals['_METRICSCYCLE_VALUESENTRY']._serialized_end=772
+  _globals['_GETMETRICSREQUEST']._serialized_start=774
+  _globals['_GETMETRICSREQUEST']._serialized_end=885
+  _globals['_GETMETRICSRESPONSE']._serialized_start=887
+  _globals['_GETMETRICSRESPONSE']._serialized_end=969
 # @@protoc_insertion_point(module_scope)

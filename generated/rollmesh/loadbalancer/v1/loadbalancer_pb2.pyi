@@ -130,18 +130,24 @@ class UpdateReplicasResponse(_message.Message):
     def __init__(self, replicas: _Optional[_Iterable[_Union[_routing_pb2.RoutedReplica, _Mapping]]] = ..., skipped_replica_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListReplicasRequest(_message.Message):
-    __slots__ = ("kinds", "routable_only")
+    __slots__ = ("kinds", "routable_only", "page_size", "page_token")
     KINDS_FIELD_NUMBER: _ClassVar[int]
     ROUTABLE_ONLY_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     kinds: _containers.RepeatedScalarFieldContainer[_types_pb2.ReplicaKind]
     routable_only: bool
-    def __init__(self, kinds: _Optional[_Iterable[_Union[_types_pb2.ReplicaKind, str]]] = ..., routable_only: _Optional[bool] = ...) -> None: ...
+    page_size: int
+    page_token: str
+    def __init__(self, kinds: _Optional[_Iterable[_Union[_types_pb2.ReplicaKind, str]]] = ..., routable_only: _Optional[bool] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListReplicasResponse(_message.Message):
-    __slots__ = ("replicas",)
+    __slots__ = ("replicas", "next_page_token")
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     replicas: _containers.RepeatedCompositeFieldContainer[_routing_pb2.RoutedReplica]
-    def __init__(self, replicas: _Optional[_Iterable[_Union[_routing_pb2.RoutedReplica, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, replicas: _Optional[_Iterable[_Union[_routing_pb2.RoutedReplica, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class ClearStickySessionsRequest(_message.Message):
     __slots__ = ("replica_ids",)

@@ -81,18 +81,24 @@ class StopReplicaResponse(_message.Message):
     def __init__(self, replica: _Optional[_Union[_replica_pb2.Replica, _Mapping]] = ...) -> None: ...
 
 class ListReplicasRequest(_message.Message):
-    __slots__ = ("kinds", "states")
+    __slots__ = ("kinds", "states", "page_size", "page_token")
     KINDS_FIELD_NUMBER: _ClassVar[int]
     STATES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     kinds: _containers.RepeatedScalarFieldContainer[_types_pb2.ReplicaKind]
     states: _containers.RepeatedScalarFieldContainer[_types_pb2.ReplicaState]
-    def __init__(self, kinds: _Optional[_Iterable[_Union[_types_pb2.ReplicaKind, str]]] = ..., states: _Optional[_Iterable[_Union[_types_pb2.ReplicaState, str]]] = ...) -> None: ...
+    page_size: int
+    page_token: str
+    def __init__(self, kinds: _Optional[_Iterable[_Union[_types_pb2.ReplicaKind, str]]] = ..., states: _Optional[_Iterable[_Union[_types_pb2.ReplicaState, str]]] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListReplicasResponse(_message.Message):
-    __slots__ = ("replicas",)
+    __slots__ = ("replicas", "next_page_token")
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     replicas: _containers.RepeatedCompositeFieldContainer[_replica_pb2.Replica]
-    def __init__(self, replicas: _Optional[_Iterable[_Union[_replica_pb2.Replica, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, replicas: _Optional[_Iterable[_Union[_replica_pb2.Replica, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class GetReplicaRequest(_message.Message):
     __slots__ = ("replica_id",)

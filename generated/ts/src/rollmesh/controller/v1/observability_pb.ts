@@ -9,15 +9,15 @@ import type { GenFile, GenMessage } from "@bufbuild/protobuf/codegenv2";
 import { fileDesc, messageDesc } from "@bufbuild/protobuf/codegenv2";
 import type { Timestamp } from "@bufbuild/protobuf/wkt";
 import { file_google_protobuf_timestamp } from "@bufbuild/protobuf/wkt";
-import type { EventType, LifecycleEvent } from "../../common/v1/events_pb.js";
-import { file_rollmesh_common_v1_events } from "../../common/v1/events_pb.js";
+import type { EventType, LifecycleEvent } from "./events_pb.js";
+import { file_rollmesh_controller_v1_events } from "./events_pb.js";
 import type { Message } from "@bufbuild/protobuf";
 
 /**
  * Describes the file rollmesh/controller/v1/observability.proto.
  */
 export const file_rollmesh_controller_v1_observability: GenFile = /*@__PURE__*/
-  fileDesc("Cipyb2xsbWVzaC9jb250cm9sbGVyL3YxL29ic2VydmFiaWxpdHkucHJvdG8SFnJvbGxtZXNoLmNvbnRyb2xsZXIudjEihwEKEldhdGNoRXZlbnRzUmVxdWVzdBIVCg1mcm9tX3NlcXVlbmNlGAEgASgEEhMKC3JlcGxpY2FfaWRzGAIgAygJEiwKBXR5cGVzGAMgAygOMh0ucm9sbG1lc2guY29tbW9uLnYxLkV2ZW50VHlwZRIXCg9pbmNsdWRlX2hpc3RvcnkYBCABKAgiSAoTV2F0Y2hFdmVudHNSZXNwb25zZRIxCgVldmVudBgBIAEoCzIiLnJvbGxtZXNoLmNvbW1vbi52MS5MaWZlY3ljbGVFdmVudCKZAgoMTWV0cmljc0N5Y2xlEg0KBWN5Y2xlGAEgASgEEhMKC2dsb2JhbF9zdGVwGAIgASgDEhYKDndlaWdodF92ZXJzaW9uGAMgASgDEi4KCnN0YXJ0ZWRfYXQYBCABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEiwKCGVuZGVkX2F0GAUgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBJACgZ2YWx1ZXMYBiADKAsyMC5yb2xsbWVzaC5jb250cm9sbGVyLnYxLk1ldHJpY3NDeWNsZS5WYWx1ZXNFbnRyeRotCgtWYWx1ZXNFbnRyeRILCgNrZXkYASABKAkSDQoFdmFsdWUYAiABKAE6AjgBIlYKEUdldE1ldHJpY3NSZXF1ZXN0Eg8KBWN5Y2xlGAEgASgESAASFAoKZnJvbV9jeWNsZRgCIAEoBEgAEg0KBWxpbWl0GAMgASgNQgsKCXNlbGVjdGlvbiJKChJHZXRNZXRyaWNzUmVzcG9uc2USNAoGY3ljbGVzGAEgAygLMiQucm9sbG1lc2guY29udHJvbGxlci52MS5NZXRyaWNzQ3ljbGViBnByb3RvMw", [file_google_protobuf_timestamp, file_rollmesh_common_v1_events]);
+  fileDesc("Cipyb2xsbWVzaC9jb250cm9sbGVyL3YxL29ic2VydmFiaWxpdHkucHJvdG8SFnJvbGxtZXNoLmNvbnRyb2xsZXIudjEiiwEKEldhdGNoRXZlbnRzUmVxdWVzdBIVCg1mcm9tX3NlcXVlbmNlGAEgASgEEhMKC3JlcGxpY2FfaWRzGAIgAygJEjAKBXR5cGVzGAMgAygOMiEucm9sbG1lc2guY29udHJvbGxlci52MS5FdmVudFR5cGUSFwoPaW5jbHVkZV9oaXN0b3J5GAQgASgIIkwKE1dhdGNoRXZlbnRzUmVzcG9uc2USNQoFZXZlbnQYASABKAsyJi5yb2xsbWVzaC5jb250cm9sbGVyLnYxLkxpZmVjeWNsZUV2ZW50IpkCCgxNZXRyaWNzQ3ljbGUSDQoFY3ljbGUYASABKAQSEwoLZ2xvYmFsX3N0ZXAYAiABKAMSFgoOd2VpZ2h0X3ZlcnNpb24YAyABKAMSLgoKc3RhcnRlZF9hdBgEIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASLAoIZW5kZWRfYXQYBSABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEkAKBnZhbHVlcxgGIAMoCzIwLnJvbGxtZXNoLmNvbnRyb2xsZXIudjEuTWV0cmljc0N5Y2xlLlZhbHVlc0VudHJ5Gi0KC1ZhbHVlc0VudHJ5EgsKA2tleRgBIAEoCRINCgV2YWx1ZRgCIAEoAToCOAEiVgoRR2V0TWV0cmljc1JlcXVlc3QSDwoFY3ljbGUYASABKARIABIUCgpmcm9tX2N5Y2xlGAIgASgESAASDQoFbGltaXQYAyABKA1CCwoJc2VsZWN0aW9uIkoKEkdldE1ldHJpY3NSZXNwb25zZRI0CgZjeWNsZXMYASADKAsyJC5yb2xsbWVzaC5jb250cm9sbGVyLnYxLk1ldHJpY3NDeWNsZWIGcHJvdG8z", [file_google_protobuf_timestamp, file_rollmesh_controller_v1_events]);
 
 /**
  * Request of WatchEvents.
@@ -45,7 +45,7 @@ export type WatchEventsRequest = Message<"rollmesh.controller.v1.WatchEventsRequ
    * Only events of these types (EVENT_TYPE_GAP always passes). Empty: every
    * type.
    *
-   * @generated from field: repeated rollmesh.common.v1.EventType types = 3;
+   * @generated from field: repeated rollmesh.controller.v1.EventType types = 3;
    */
   types: EventType[];
 
@@ -74,7 +74,7 @@ export type WatchEventsResponse = Message<"rollmesh.controller.v1.WatchEventsRes
   /**
    * The event.
    *
-   * @generated from field: rollmesh.common.v1.LifecycleEvent event = 1;
+   * @generated from field: rollmesh.controller.v1.LifecycleEvent event = 1;
    */
   event?: LifecycleEvent | undefined;
 };

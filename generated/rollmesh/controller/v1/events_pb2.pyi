@@ -3,6 +3,8 @@ import datetime
 from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from rollmesh.common.v1 import types_pb2 as _types_pb2
+from rollmesh.controller.v1 import scaling_pb2 as _scaling_pb2
+from rollmesh.controller.v1 import scheduling_pb2 as _scheduling_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -48,7 +50,7 @@ EVENT_TYPE_GAP: EventType
 EVENT_TYPE_REPLICA_EJECTED: EventType
 
 class LifecycleEvent(_message.Message):
-    __slots__ = ("sequence", "time", "type", "replica_id", "node_id", "replica_kind", "from_state", "to_state", "reason", "trace_id", "span_id", "global_step", "weight_version", "operation_id", "attributes", "missed_events", "details", "from_replica_state", "to_replica_state")
+    __slots__ = ("sequence", "time", "type", "replica_id", "node_id", "replica_kind", "from_state", "to_state", "reason", "trace_id", "span_id", "global_step", "weight_version", "operation_id", "attributes", "missed_events", "details", "from_replica_state", "to_replica_state", "from_operation_state", "to_operation_state", "from_hybrid_state", "to_hybrid_state")
     class AttributesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +77,10 @@ class LifecycleEvent(_message.Message):
     DETAILS_FIELD_NUMBER: _ClassVar[int]
     FROM_REPLICA_STATE_FIELD_NUMBER: _ClassVar[int]
     TO_REPLICA_STATE_FIELD_NUMBER: _ClassVar[int]
+    FROM_OPERATION_STATE_FIELD_NUMBER: _ClassVar[int]
+    TO_OPERATION_STATE_FIELD_NUMBER: _ClassVar[int]
+    FROM_HYBRID_STATE_FIELD_NUMBER: _ClassVar[int]
+    TO_HYBRID_STATE_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     time: _timestamp_pb2.Timestamp
     type: EventType
@@ -94,4 +100,8 @@ class LifecycleEvent(_message.Message):
     details: _struct_pb2.Struct
     from_replica_state: _types_pb2.ReplicaState
     to_replica_state: _types_pb2.ReplicaState
-    def __init__(self, sequence: _Optional[int] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., type: _Optional[_Union[EventType, str]] = ..., replica_id: _Optional[str] = ..., node_id: _Optional[str] = ..., replica_kind: _Optional[_Union[_types_pb2.ReplicaKind, str]] = ..., from_state: _Optional[str] = ..., to_state: _Optional[str] = ..., reason: _Optional[str] = ..., trace_id: _Optional[str] = ..., span_id: _Optional[str] = ..., global_step: _Optional[int] = ..., weight_version: _Optional[int] = ..., operation_id: _Optional[str] = ..., attributes: _Optional[_Mapping[str, str]] = ..., missed_events: _Optional[int] = ..., details: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., from_replica_state: _Optional[_Union[_types_pb2.ReplicaState, str]] = ..., to_replica_state: _Optional[_Union[_types_pb2.ReplicaState, str]] = ...) -> None: ...
+    from_operation_state: _scaling_pb2.OperationState
+    to_operation_state: _scaling_pb2.OperationState
+    from_hybrid_state: _scheduling_pb2.HybridState
+    to_hybrid_state: _scheduling_pb2.HybridState
+    def __init__(self, sequence: _Optional[int] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., type: _Optional[_Union[EventType, str]] = ..., replica_id: _Optional[str] = ..., node_id: _Optional[str] = ..., replica_kind: _Optional[_Union[_types_pb2.ReplicaKind, str]] = ..., from_state: _Optional[str] = ..., to_state: _Optional[str] = ..., reason: _Optional[str] = ..., trace_id: _Optional[str] = ..., span_id: _Optional[str] = ..., global_step: _Optional[int] = ..., weight_version: _Optional[int] = ..., operation_id: _Optional[str] = ..., attributes: _Optional[_Mapping[str, str]] = ..., missed_events: _Optional[int] = ..., details: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., from_replica_state: _Optional[_Union[_types_pb2.ReplicaState, str]] = ..., to_replica_state: _Optional[_Union[_types_pb2.ReplicaState, str]] = ..., from_operation_state: _Optional[_Union[_scaling_pb2.OperationState, str]] = ..., to_operation_state: _Optional[_Union[_scaling_pb2.OperationState, str]] = ..., from_hybrid_state: _Optional[_Union[_scheduling_pb2.HybridState, str]] = ..., to_hybrid_state: _Optional[_Union[_scheduling_pb2.HybridState, str]] = ...) -> None: ...

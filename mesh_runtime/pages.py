@@ -1,4 +1,4 @@
-"""Pages of fleet-wide listings (AIP-158): bounded responses, opaque tokens, and an event loop kept free.
+"""Pages of listings (AIP-158), for every server: bounded responses, opaque tokens, an event loop kept free.
 
 A token names the last id of the previous page and a fingerprint of the
 request's filters, so a page is never read with other filters than its first.
