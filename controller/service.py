@@ -6,15 +6,14 @@ import logging
 
 from opentelemetry.sdk.trace import TracerProvider
 
-from mesh_runtime.errors import DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted
 from mesh_runtime import pages
+from mesh_runtime.errors import DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted
 from mesh_runtime.metrics import LoopStallMonitor, ServerMetrics
 from mesh_runtime.reasons import Reason
 from mesh_runtime.server import MeshServer
 from mesh_runtime.status import StatusReporter
 from mesh_runtime.validate import check_reachable
-from rollmesh.controller.v1 import events_pb2
-from rollmesh.controller.v1 import controller_pb2, controller_pb2_grpc, observability_pb2, registry_pb2
+from rollmesh.controller.v1 import controller_pb2, controller_pb2_grpc, events_pb2, observability_pb2, registry_pb2
 from rollmesh.controller.v1 import scheduling_pb2, weight_sync_pb2
 
 from . import convert

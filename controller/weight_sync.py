@@ -17,7 +17,6 @@ import secrets
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
 
 import grpc
 
@@ -146,7 +145,8 @@ class WeightBroadcast:
         return self._source(f"seed replica {seed}", address, seed,
                             weights_pb2.WeightSyncMember(rank=0, replica_id=seed, address=address), self.timeout_s)
 
-    def _source(self, what: str, address: str, source_id: str, member: Any, timeout: float) -> _Source:
+    def _source(self, what: str, address: str, source_id: str, member: weights_pb2.WeightSyncMember,
+                timeout: float) -> _Source:
         """The WeightSourceService at ``address`` (a trainer agent: ``source_id`` empty; a replica agent: the
         seed replica) as the source of one broadcast."""
         from rollmesh.weights.v1 import weight_source_pb2  # noqa: PLC0415

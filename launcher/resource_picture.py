@@ -81,8 +81,7 @@ def event_dict_from_proto(msg: Any) -> dict[str, Any]:
     from google.protobuf import json_format  # noqa: PLC0415
 
     from rollmesh.common.v1 import types_pb2  # noqa: PLC0415
-
-    from rollmesh.controller.v1 import events_pb2
+    from rollmesh.controller.v1 import events_pb2  # noqa: PLC0415
 
     name = events_pb2.EventType.Name(msg.type)
     kind = types_pb2.ReplicaKind.Name(msg.replica_kind) if msg.replica_kind else ""

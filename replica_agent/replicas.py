@@ -12,10 +12,10 @@ Engine exceptions are translated to the mesh's domain errors here.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import logging
 import time
-import builtins
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -31,8 +31,8 @@ from .engines import (
     EngineUnavailable,
     GenerationChunk,
     GenerationRequest,
-    PauseMode,
     InvalidRequest,
+    PauseMode,
     WeightMismatch,
 )
 

@@ -173,11 +173,10 @@ class EventLog:
         """Record an event; time and trace ids default to the clock and the current span."""
         if not fields.get("trace_id"):
             fields["trace_id"], fields["span_id"] = self._trace_ids()
-        given = {str(k): v for k, v in (attributes or {}).items() if v is not None}
+        details = {str(k): _detail(v) for k, v in (attributes or {}).items() if v is not None}
         event = LifecycleEvent(
             sequence=self._next_sequence, time=self._clock() if time is None else time, type=type,
-            attributes={k: _attr(v) for k, v in given.items()}, details={k: _detail(v) for k, v in given.items()},
-            **fields)
+            attributes={k: _attr(v) for k, v in details.items()}, details=details, **fields)
         self._next_sequence += 1
         self._events.append(event)
         self._trim(event.time)
@@ -229,12 +228,12 @@ class EventLog:
 
 
 def _attr(value: object) -> str:
-    """A detail as the string the contract's ``attributes`` map holds."""
+    """A detail (a JSON value, see :func:`_detail`) as the string the contract's ``attributes`` map holds."""
     if isinstance(value, float):
         return repr(value)
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, (list, tuple, set, frozenset)):
+    if isinstance(value, list):
         return ",".join(_attr(v) for v in value)
     return str(value)
 

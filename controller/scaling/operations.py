@@ -188,9 +188,7 @@ class OperationBook:
             waiter: asyncio.Future[None] = loop.create_future()
             self._waiters.add(waiter)
             try:
-                await asyncio.wait_for(asyncio.shield(waiter), left)
-            except asyncio.TimeoutError:
-                pass
+                await asyncio.wait({waiter}, timeout=left)   # woken by a change, or the time is up
             finally:
                 self._waiters.discard(waiter)
             op = self.get(operation_id)

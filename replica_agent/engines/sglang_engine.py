@@ -108,7 +108,6 @@ class SglangEngine(RemoteStreams, LifecycleFlags, Engine):
         log.info("sglang engine %r: %s at %s, %d weights", self.replica_id, self.config.model_path,
                  self.client.url, len(self.catalog.spec))
 
-
     @property
     def client(self) -> SglangClient:
         """The HTTP client of the sglang server (EngineUnavailable before ``start`` or after ``close``)."""

@@ -79,14 +79,15 @@ class BatchRunner:
             self.reset()
             return
         index = torch.tensor(keep, dtype=torch.long, device=self.device)
-        assert self.mask is not None and self.positions is not None and self.last_tokens is not None
+        assert self.cache is not None and self.mask is not None and self.positions is not None \
+            and self.last_tokens is not None   # all set together by the first prefill
         self.ids = [self.ids[i] for i in keep]
         self.mask = self.mask.index_select(0, index)
         self.positions = self.positions.index_select(0, index)
         self.last_tokens = self.last_tokens.index_select(0, index)
         used = self.mask.any(dim=0).nonzero()
         start = int(used[0]) if len(used) else self.mask.shape[1]
-        layers: Any = self.cache.layers if self.cache is not None else []   # full-attention layers: keys, values
+        layers: Any = self.cache.layers   # full-attention layers: keys, values
         for layer in layers:
             layer.keys = layer.keys.index_select(0, index)[:, :, start:]
             layer.values = layer.values.index_select(0, index)[:, :, start:]

@@ -188,7 +188,6 @@ class VllmEngine(RemoteStreams, LifecycleFlags, Engine):
             self.replica_id, self.config.model_path, len(self.catalog.spec), self._kv_capacity,
         )
 
-
     @property
     def api(self) -> VllmApi:
         """vLLM's API as loaded by ``start`` (EngineUnavailable before it)."""

@@ -21,6 +21,15 @@ from trainer_agent.training.grpo import GrpoTrainer, parameter_bytes
 pytestmark = pytest.mark.timeout(120)
 
 
+async def refused(call, code: grpc.StatusCode, reason: str) -> grpc.aio.AioRpcError:
+    """The error ``call`` fails with, checked to have ``code`` and ErrorInfo ``reason``."""
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call
+    assert info.value.code() == code
+    assert error_info(info.value).reason == reason
+    return info.value
+
+
 async def _serve(**driver):
     config = TrainerAgentConfig(listen="127.0.0.1:0", weight_transfer=WeightTransferConfig(gloo_interface="lo"),
                                 driver=DriverSettings(**driver))
@@ -36,10 +45,8 @@ async def test_progress_is_idle_and_offload_refused_without_a_training_loop():
         progress = await stub.GetTrainingProgress(pb.GetTrainingProgressRequest(), timeout=10)
         assert progress.state == pb.TRAINING_STATE_IDLE and progress.global_step == 0
         assert not progress.HasField("last_reward_mean")
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            await stub.OffloadTrainingState(pb.OffloadTrainingStateRequest(include_optimizer=True), timeout=10)
-        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert error_info(info.value).reason == "NO_TRAINING_LOOP"
+        await refused(stub.OffloadTrainingState(pb.OffloadTrainingStateRequest(include_optimizer=True), timeout=10),
+                      grpc.StatusCode.FAILED_PRECONDITION, "NO_TRAINING_LOOP")
         status = await stub.GetStatus(pb.GetStatusRequest(), timeout=10)
         assert {"progress", "offload"} <= set(status.status.capabilities)
     finally:
@@ -60,10 +67,8 @@ async def test_offload_and_onload_move_the_trainers_state_between_steps():
         back = await stub.OnloadTrainingState(pb.OnloadTrainingStateRequest(), timeout=10)
         assert back.bytes_moved == weights and not driver.trainer.offloaded
         driver.state = "TRAINING"
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            await stub.OffloadTrainingState(pb.OffloadTrainingStateRequest(), timeout=10)
-        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert error_info(info.value).reason == "TRAINING_STEP_RUNNING"
+        await refused(stub.OffloadTrainingState(pb.OffloadTrainingStateRequest(), timeout=10),
+                      grpc.StatusCode.FAILED_PRECONDITION, "TRAINING_STEP_RUNNING")
     finally:
         await channel.close()
         await server.stop(0)
@@ -108,10 +113,9 @@ async def test_stop_training_checks_the_step_and_moves_the_end():
     try:
         driver = server.services[0].servicer.node.driver
         for after_step in (0, 11):
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                await stub.StopTraining(pb.StopTrainingRequest(after_step=after_step), timeout=10)
-            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert error_info(info.value).reason == "INVALID_STOP_STEP" and "1..10" in info.value.details()
+            err = await refused(stub.StopTraining(pb.StopTrainingRequest(after_step=after_step), timeout=10),
+                                grpc.StatusCode.INVALID_ARGUMENT, "INVALID_STOP_STEP")
+            assert "1..10" in err.details()
         progress = await stub.GetTrainingProgress(pb.GetTrainingProgressRequest(), timeout=10)
         assert progress.final_step == 10   # the refusals changed nothing
         assert (await stub.StopTraining(pb.StopTrainingRequest(after_step=7), timeout=10)).final_step == 7
@@ -122,11 +126,9 @@ async def test_stop_training_checks_the_step_and_moves_the_end():
         # a loop running step 5: the end can move later, or to step 5, never before it
         driver.loop = types.SimpleNamespace(last_step=None)
         driver.records = [types.SimpleNamespace(global_step=4, weight_version=4, reward_mean=0.5)]
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            await stub.StopTraining(pb.StopTrainingRequest(after_step=4), timeout=10)
-        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert error_info(info.value).reason == "STEP_ALREADY_PASSED"
-        assert error_info(info.value).metadata["running_step"] == "5"
+        err = await refused(stub.StopTraining(pb.StopTrainingRequest(after_step=4), timeout=10),
+                            grpc.StatusCode.FAILED_PRECONDITION, "STEP_ALREADY_PASSED")
+        assert error_info(err).metadata["running_step"] == "5"
         assert driver.loop.last_step is None
         assert (await stub.StopTraining(pb.StopTrainingRequest(after_step=9), timeout=10)).final_step == 9
         assert driver.loop.last_step == 9
@@ -134,10 +136,8 @@ async def test_stop_training_checks_the_step_and_moves_the_end():
         assert driver.loop.last_step == 5
 
         driver.state = "FINISHED"
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            await stub.StopTraining(pb.StopTrainingRequest(), timeout=10)
-        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert error_info(info.value).reason == "TRAINING_ENDED"
+        await refused(stub.StopTraining(pb.StopTrainingRequest(), timeout=10), grpc.StatusCode.FAILED_PRECONDITION,
+                      "TRAINING_ENDED")
     finally:
         await channel.close()
         await server.stop(0)
@@ -146,10 +146,8 @@ async def test_stop_training_checks_the_step_and_moves_the_end():
 async def test_stop_training_is_refused_where_no_training_loop_runs():
     server, channel, stub = await _serve()
     try:
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            await stub.StopTraining(pb.StopTrainingRequest(after_step=1), timeout=10)
-        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert error_info(info.value).reason == "NO_TRAINING_LOOP"
+        await refused(stub.StopTraining(pb.StopTrainingRequest(after_step=1), timeout=10),
+                      grpc.StatusCode.FAILED_PRECONDITION, "NO_TRAINING_LOOP")
     finally:
         await channel.close()
         await server.stop(0)
