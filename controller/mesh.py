@@ -92,10 +92,12 @@ class Mesh:
                                     max_required_samples=config.max_required_samples)
         self.transitions = asyncio.Lock()
         """Held by every change of routing or weights that hybrid steps and scale operations make, so the
-        two never interleave on the same replicas; the scheduler's step-protocol calls take it themselves."""
+        two never interleave on the same replicas. BeginTrainingStep changes neither and does not take it:
+        routing reconciliation runs only while it is free, and a lock held across every step-protocol call
+        starved it (a re-registered replica stayed out of routing while training ran)."""
         self.scheduler = DynamicResourceController(
             sched, registry=self.registry, routing=self.routing, replicas=self.replica_port, weights=self.weights,
-            clock=self.clock, emit=self.emit, tracer=self.span, metrics=self.metrics, lock=self.transitions)
+            clock=self.clock, emit=self.emit, tracer=self.span, metrics=self.metrics)
         events_counter = lambda: self.events.state_dict(include_events=False)  # noqa: E731
         for key, source in {"events": events_counter, "scheduler": self.scheduler.state_dict,
                             "metrics": self.metrics.state_dict}.items():
@@ -174,13 +176,14 @@ class Mesh:
 
     async def release_hybrid(self, global_step: int, buffered_samples: int, waited_s: float,
                              wait_expired: bool) -> Any:
-        # under transitions (the scheduler takes it): never interleaved with a scale operation
-        result = await self.scheduler.release_hybrid(global_step, buffered_samples, waited_s, wait_expired)
+        async with self.transitions:  # never interleaved with a scale operation
+            result = await self.scheduler.release_hybrid(global_step, buffered_samples, waited_s, wait_expired)
         await self.commit()
         return result
 
     async def complete_step(self, global_step: int, weight_version: int, report: StepReport) -> Any:
-        result = await self.scheduler.complete_step(global_step, weight_version, report)   # under transitions
+        async with self.transitions:  # never interleaved with a scale operation
+            result = await self.scheduler.complete_step(global_step, weight_version, report)
         await self.commit()
         return result
 

@@ -117,9 +117,7 @@ class DynamicResourceController:
     def __init__(self, config: SchedulingConfig, *, registry: ReplicaRegistry, routing: RoutingPort,
                  replicas: ReplicaPort, weights: WeightSyncPort, clock: Clock, emit: EventSink | None = None,
                  tracer: Tracer | None = None, metrics: CycleMetrics | None = None,
-                 policy: DynamicSchedulePolicyBase | None = None, lock: asyncio.Lock | None = None) -> None:
-        """``lock`` serializes the step-protocol calls (its own when None); the controller passes the one lock
-        its scale operations take too, so a step takes one lock, never two."""
+                 policy: DynamicSchedulePolicyBase | None = None) -> None:
         self.config = config.validate()
         self.registry = registry
         self.clock = clock
@@ -151,7 +149,7 @@ class DynamicResourceController:
         self._outcome = StepOutcome(global_step=-1)
         self._base_version: int | None = None   # weight version when the current step began
         self._fed_step: int | None = None       # last step whose report went into the metrics
-        self._lock = lock or asyncio.Lock()
+        self._lock = asyncio.Lock()
 
     @property
     def enabled(self) -> bool:
