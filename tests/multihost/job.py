@@ -157,8 +157,13 @@ class MultiHostJob(TrainJob):
                 "other_versions": [r.weight_version for r in snapshot if r.node_id != "rollout-1"]})
             # 3. the weight path from the trainer to inference node 0 slow and lossy
             await self._slow_weight_path(every_replica, replicas_of)
-            self.record["stopped_after_step"] = await self.stop_training()
         finally:
+            # the job's step count is only a ceiling: training ends once the partitions are done or have
+            # failed (their error is the record's, at once, not after thousands of steps)
+            try:
+                self.record["stopped_after_step"] = await self.stop_training()
+            except Exception as err:  # noqa: BLE001 - recorded; the plan's own error, if any, comes first
+                self.record["stop_error"] = f"StopTraining failed: {err!r}"
             await ctl_channel.close()
             await lb_channel.close()
 
