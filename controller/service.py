@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 
+from google.longrunning import operations_pb2_grpc
 from opentelemetry.sdk.trace import TracerProvider
 
 from mesh_runtime import pages
 from mesh_runtime.errors import DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted
 from mesh_runtime.metrics import LoopStallMonitor, ServerMetrics
 from mesh_runtime.reasons import Reason
-from mesh_runtime.server import MeshServer
+from mesh_runtime.server import MeshServer, ServiceBinding
 from mesh_runtime.status import StatusReporter
 from mesh_runtime.validate import check_reachable
 from rollmesh.controller.v1 import controller_pb2, controller_pb2_grpc, events_pb2, observability_pb2, registry_pb2
@@ -24,6 +25,7 @@ from .core.records import ReplicaState
 from .mesh import Mesh
 from .peers import Peers
 from .prometheus import ControllerMetrics
+from .scaling import lro
 from .scaling.service import ScalingRpcs
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,8 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
         self.prometheus = ControllerMetrics(self.mesh, self.metrics)
         self.peers = Peers(load_balancer_address=config.load_balancer_address,
                            timeout_s=config.peer_timeout_s, channels=self.mesh.channels)
+        self.also_serves = [ServiceBinding(lro.SERVICE_NAME, lro.OperationsServicer(lambda: self.mesh.scaler, config),
+                                           operations_pb2_grpc.add_OperationsServicer_to_server)]
 
     async def attach(self, server: MeshServer) -> None:
         server.add_cleanup(self.mesh.close)

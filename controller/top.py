@@ -60,11 +60,14 @@ class Snapshot:
     errors: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
-def fetch(stub: Any, address: str, timeout_s: float) -> Snapshot:
-    """Read everything the monitor shows; never raises for an RPC error."""
+def fetch(channel: Any, address: str, timeout_s: float) -> Snapshot:
+    """Read everything the monitor shows over ``channel``; never raises for an RPC error."""
     import grpc  # noqa: PLC0415
-    from rollmesh.controller.v1 import autoscaler_pb2, controller_pb2, registry_pb2, scaling_pb2  # noqa: PLC0415
-    from rollmesh.controller.v1 import scheduling_pb2  # noqa: PLC0415
+    from google.longrunning import operations_pb2, operations_pb2_grpc  # noqa: PLC0415
+    from rollmesh.controller.v1 import autoscaler_pb2, controller_pb2, controller_pb2_grpc  # noqa: PLC0415
+    from rollmesh.controller.v1 import registry_pb2, scaling_pb2, scheduling_pb2  # noqa: PLC0415
+
+    stub = controller_pb2_grpc.ControllerServiceStub(channel)
 
     snap = Snapshot(address=address, taken_at=time.time())
 
@@ -87,10 +90,13 @@ def fetch(stub: Any, address: str, timeout_s: float) -> Snapshot:
     if snap.autoscaler is not None and snap.autoscaler.configured:
         snap.conditions = call("conditions", stub.GetAutoscalerConditions,
                                autoscaler_pb2.GetAutoscalerConditionsRequest())
-    ops = call("operations", stub.ListOperations, scaling_pb2.ListOperationsRequest())
-    if ops is not None:
-        snap.operations = sorted(ops.operations, key=lambda o: (o.created_at.seconds, o.created_at.nanos),
-                                 reverse=True)[:_OPERATIONS_SHOWN]
+    ops = call("operations", operations_pb2_grpc.OperationsStub(channel).ListOperations,
+               operations_pb2.ListOperationsRequest(name="operations", page_size=_OPERATIONS_SHOWN))
+    if ops is not None:   # newest first
+        snap.operations = []
+        for operation in ops.operations:
+            snap.operations.append(scaling_pb2.ScaleOperation())
+            operation.metadata.Unpack(snap.operations[-1])
     return snap
 
 
@@ -168,7 +174,7 @@ def render(snap: Snapshot, width: int = 100) -> list[str]:
     return [line[:width] for line in lines]
 
 
-def _interactive(stub: Any, address: str, interval_s: float, timeout_s: float) -> None:
+def _interactive(channel: Any, address: str, interval_s: float, timeout_s: float) -> None:
     import curses  # noqa: PLC0415
 
     def loop(screen: Any) -> None:
@@ -179,7 +185,7 @@ def _interactive(stub: Any, address: str, interval_s: float, timeout_s: float) -
             now = time.monotonic()
             if now >= next_refresh:
                 height, width = screen.getmaxyx()
-                frame = render(fetch(stub, address, timeout_s), width=max(20, width - 1))
+                frame = render(fetch(channel, address, timeout_s), width=max(20, width - 1))
                 if repaint:
                     screen.clear()  # asked for: repaint the whole screen, not just what changed
                 else:
@@ -204,8 +210,6 @@ def _interactive(stub: Any, address: str, interval_s: float, timeout_s: float) -
 def run(args: argparse.Namespace, env: dict[str, str]) -> int:
     import sys  # noqa: PLC0415
 
-    from rollmesh.controller.v1 import controller_pb2_grpc  # noqa: PLC0415
-
     from mesh_runtime.channels import open_sync_channel  # noqa: PLC0415
     from mesh_runtime.net import parse_host_port  # noqa: PLC0415
 
@@ -223,13 +227,12 @@ def run(args: argparse.Namespace, env: dict[str, str]) -> int:
         return 2
     # no channel retries: top polls again every interval, and shows an unreachable controller at once
     with open_sync_channel(args.address, tls=tls) as channel:
-        stub = controller_pb2_grpc.ControllerServiceStub(channel)
         if args.once or not sys.stdout.isatty():
-            snap = fetch(stub, args.address, args.timeout)
+            snap = fetch(channel, args.address, args.timeout)
             print("\n".join(render(snap, width=160)))
             return 0 if snap.status is not None else 1   # a script can tell an unreachable controller
         try:
-            _interactive(stub, args.address, args.interval, args.timeout)
+            _interactive(channel, args.address, args.interval, args.timeout)
         except KeyboardInterrupt:
             pass
     return 0

@@ -42,7 +42,8 @@ class Upstreams:
             return []
         try:
             reply = await self.stub(route.address).AbortRequests(
-                replica_agent_pb2.AbortRequestsRequest(replica_id=route.replica_id, request_ids=request_ids),
+                replica_agent_pb2.AbortRequestsRequest(
+                    replica_id=route.replica_id, requests=replica_agent_pb2.RequestIds(request_ids=request_ids)),
                 timeout=self._call_timeout_s)
         except grpc.aio.AioRpcError as err:
             log.warning("abort of %d request(s) on %s failed: %s %s", len(request_ids), route.replica_id,

@@ -63,13 +63,13 @@ LB_SERVICE = "rollmesh.loadbalancer.v1.LoadBalancerService"
 REPLICA_SERVICE = "rollmesh.replica.v1.ReplicaAgentService"
 TRAINER_SERVICE = "rollmesh.trainer.v1.TrainerAgentService"
 WEIGHTS_SERVICE = "rollmesh.weights.v1.WeightSourceService"
+OPERATIONS_SERVICE = "google.longrunning.Operations"
 
 RULES: dict[str, dict[str, Rule]] = {
     CONTROLLER_SERVICE: {
         "GetStatus": READ, "ListNodes": READ, "GetNode": READ, "ListReplicas": READ, "GetReplica": READ,
-        "GetSchedulerState": READ, "WatchEvents": READ, "GetMetrics": READ, "GetOperation": READ,
-        "WaitOperation": READ,
-        "ListOperations": READ, "GetAutoscalerStatus": READ, "GetAutoscalerConditions": READ,
+        "GetSchedulerState": READ, "WatchEvents": READ, "GetMetrics": READ,
+        "GetAutoscalerStatus": READ, "GetAutoscalerConditions": READ,
         "ListScaleHistory": READ,
         "RegisterNode": _r("replica-agent", scope="only the node named in the caller's certificate"),
         "StreamLoadReports": _r("replica-agent", scope="only the node named in the caller's certificate"),
@@ -77,8 +77,12 @@ RULES: dict[str, dict[str, Rule]] = {
                              scope="a replica agent only the node named in its certificate"),
         "BeginTrainingStep": TRAINER, "ReleaseHybridReplicas": TRAINER, "CompleteTrainingStep": TRAINER,
         "SyncWeights": TRAINER,
-        "ScaleOut": OPERATOR, "ScaleIn": OPERATOR, "CancelOperation": OPERATOR, "CancelOperations": OPERATOR,
+        "ScaleOut": OPERATOR, "ScaleIn": OPERATOR, "CancelOperations": OPERATOR,
         "SetAutoscalerEnabled": OPERATOR,
+    },
+    OPERATIONS_SERVICE: {   # the controller's scale operations
+        "GetOperation": READ, "ListOperations": READ, "WaitOperation": READ,
+        "CancelOperation": OPERATOR, "DeleteOperation": OPERATOR,
     },
     LB_SERVICE: {
         "GetStatus": READ, "ListReplicas": READ, "GetStats": READ,

@@ -29,7 +29,8 @@ from .config import TlsConfig
 from .tls import channel_credentials, tls_stamp
 
 _SERVICE_MODULES = ("rollmesh.controller.v1.controller_pb2", "rollmesh.loadbalancer.v1.loadbalancer_pb2",
-                    "rollmesh.replica.v1.replica_agent_pb2", "rollmesh.trainer.v1.trainer_agent_pb2")
+                    "rollmesh.replica.v1.replica_agent_pb2", "rollmesh.trainer.v1.trainer_agent_pb2",
+                    "google.longrunning.operations_pb2")
 
 
 @functools.cache

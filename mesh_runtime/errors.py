@@ -80,6 +80,13 @@ class Aborted(RollmeshError):
     default_reason = Reason.ABORTED
 
 
+class Cancelled(RollmeshError):
+    """The work was cancelled (a cancelled long-running operation's error)."""
+
+    code = grpc.StatusCode.CANCELLED
+    default_reason = Reason.CANCELLED
+
+
 class OutOfRange(RollmeshError):
     """A position (sequence number, cycle index) is outside the valid range."""
 
@@ -146,8 +153,9 @@ def _cut(text: str, limit: int) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
-def to_status(err: RollmeshError) -> grpc.Status:
-    """Encode a domain error as a ``grpc.Status`` carrying an ``ErrorInfo`` (sizes bounded)."""
+def status_proto(err: RollmeshError) -> status_pb2.Status:
+    """A domain error as a ``google.rpc.Status`` carrying an ``ErrorInfo`` (and ``RetryInfo`` when it says when
+    to retry), sizes bounded: what a failed call carries, and a done long-running operation's ``error``."""
     metadata = {key[:MAX_METADATA_VALUE]: _cut(value, MAX_METADATA_VALUE) for key, value in err.metadata.items()}
     info = error_details_pb2.ErrorInfo(reason=err.reason, domain=ERROR_DOMAIN, metadata=metadata)
     detail = any_pb2.Any()
@@ -158,9 +166,12 @@ def to_status(err: RollmeshError) -> grpc.Status:
         retry.retry_delay.FromNanoseconds(int(max(0.0, err.retry_delay_s) * 1e9))
         details.append(any_pb2.Any())
         details[-1].Pack(retry)
-    proto = status_pb2.Status(code=err.code.value[0], message=_cut(err.message, MAX_MESSAGE),
-                              details=details)
-    return rpc_status.to_status(proto)
+    return status_pb2.Status(code=err.code.value[0], message=_cut(err.message, MAX_MESSAGE), details=details)
+
+
+def to_status(err: RollmeshError) -> grpc.Status:
+    """Encode a domain error as a ``grpc.Status`` (:func:`status_proto`)."""
+    return rpc_status.to_status(status_proto(err))
 
 
 def error_info(rpc_error: grpc.RpcError) -> error_details_pb2.ErrorInfo | None:

@@ -111,11 +111,9 @@ class ReplicaAgentServicer(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
             timing.duration.labels(request.replica_id).observe(time.perf_counter() - started)
 
     async def AbortRequests(self, request, context):  # noqa: N802
-        if not request.request_ids and not request.all:
-            raise InvalidArgument("name request_ids or set all", reason=Reason.NOTHING_TO_ABORT)
-        if request.request_ids and request.all:
-            raise InvalidArgument("set either request_ids or all, not both", reason=Reason.AMBIGUOUS_ABORT)
-        ids = None if request.all else list(request.request_ids)
+        if request.WhichOneof("selection") is None or (request.HasField("all") and not request.all):
+            raise InvalidArgument("name requests.request_ids or set all", reason=Reason.NOTHING_TO_ABORT)
+        ids = None if request.all else list(request.requests.request_ids)
         aborted = await self.replicas.abort(request.replica_id, ids)
         return pb.AbortRequestsResponse(aborted_request_ids=aborted)
 

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
+from google.longrunning import operations_pb2, operations_pb2_grpc
 from google.protobuf import duration_pb2
 
 from mesh_runtime import samples
@@ -20,9 +21,13 @@ from rollmesh.controller.v1 import controller_pb2, controller_pb2_grpc, observab
 from rollmesh.controller.v1 import scheduling_pb2
 
 T = TypeVar("T")
-TERMINAL_OPERATIONS = frozenset({scaling_pb2.OPERATION_STATE_ACTIVE, scaling_pb2.OPERATION_STATE_COMPLETED,
-                                 scaling_pb2.OPERATION_STATE_FAILED, scaling_pb2.OPERATION_STATE_CANCELLED,
-                                 scaling_pb2.OPERATION_STATE_NOOP})
+
+
+def operation_metadata(operation: operations_pb2.Operation) -> scaling_pb2.ScaleOperation:
+    """The progress a scale operation's ``google.longrunning.Operation`` carries as its metadata."""
+    metadata = scaling_pb2.ScaleOperation()
+    operation.metadata.Unpack(metadata)
+    return metadata
 
 
 class StepProtocolError(RuntimeError):
@@ -121,6 +126,7 @@ class MeshClient:
         self.address = controller_address
         self._channel = open_channel(controller_address, tls=tls, idempotent=read_methods())
         self._stub = controller_pb2_grpc.ControllerServiceStub(self._channel)
+        self._operations = operations_pb2_grpc.OperationsStub(self._channel)
         self._call_timeout = call_timeout_s
         self._retry_deadline = retry_deadline_s
         self._sync_timeout = sync_timeout_s
@@ -206,35 +212,53 @@ class MeshClient:
     async def scale_out(self, *, num_replicas: int = 0, engine_addresses: Sequence[str] = (), model_name: str = "",
                         request_id: str = "", wait: bool = True, timeout_s: float = 600.0
                         ) -> scaling_pb2.ScaleOperation:
-        request = scaling_pb2.ScaleOutRequest(model_name=model_name, num_replicas=num_replicas,
-                                              engine_addresses=list(engine_addresses), request_id=request_id)
+        """Start a scale-out (``num_replicas`` > 0: native, else ``engine_addresses``: external) and return its
+        progress, once it has ended when ``wait``."""
+        request = scaling_pb2.ScaleOutRequest(model_name=model_name, request_id=request_id)
+        if num_replicas:
+            request.num_replicas = num_replicas
+        if engine_addresses:
+            request.external.addresses.extend(engine_addresses)
         reply = await self._retried("ScaleOut", lambda: self._stub.ScaleOut(request, timeout=self._call_timeout,
                                                                            metadata=self._metadata))
-        return await self.wait_operation(reply.operation.operation_id, timeout_s) if wait else reply.operation
+        return await self._progress(reply, wait, timeout_s)
 
     async def scale_in(self, *, num_replicas: int = 0, replica_ids: Sequence[str] = (),
                        engine_addresses: Sequence[str] = (), model_name: str = "", request_id: str = "",
                        wait: bool = True, timeout_s: float = 600.0) -> scaling_pb2.ScaleOperation:
-        request = scaling_pb2.ScaleInRequest(model_name=model_name, num_replicas=num_replicas,
-                                             replica_ids=list(replica_ids), engine_addresses=list(engine_addresses),
-                                             request_id=request_id)
+        """Start a scale-in (``num_replicas`` > 0: the target count, else the replicas named) and return its
+        progress, once it has ended when ``wait``."""
+        request = scaling_pb2.ScaleInRequest(model_name=model_name, request_id=request_id)
+        if num_replicas:
+            request.num_replicas = num_replicas
+        if replica_ids or engine_addresses:
+            request.replicas.replica_ids.extend(replica_ids)
+            request.replicas.engine_addresses.extend(engine_addresses)
         reply = await self._retried("ScaleIn", lambda: self._stub.ScaleIn(request, timeout=self._call_timeout,
                                                                          metadata=self._metadata))
-        return await self.wait_operation(reply.operation.operation_id, timeout_s) if wait else reply.operation
+        return await self._progress(reply, wait, timeout_s)
+
+    async def _progress(self, reply: operations_pb2.Operation, wait: bool, timeout_s: float
+                        ) -> scaling_pb2.ScaleOperation:
+        if wait and not reply.done:
+            return await self.wait_operation(reply.name.removeprefix("operations/"), timeout_s)
+        return operation_metadata(reply)
 
     async def wait_operation(self, operation_id: str, timeout_s: float = 600.0) -> scaling_pb2.ScaleOperation:
-        """Poll ``operation_id`` until it ends (ACTIVE, COMPLETED, FAILED, CANCELLED or NOOP)."""
+        """Wait (google.longrunning.Operations.WaitOperation) until ``operation_id`` ends: ACTIVE, COMPLETED,
+        FAILED, CANCELLED or NOOP."""
         deadline = time.monotonic() + timeout_s
-        request = scaling_pb2.GetOperationRequest(operation_id=operation_id)
         while True:
-            reply = await self._retried("GetOperation", lambda: self._stub.GetOperation(
-                request, timeout=self._call_timeout, metadata=self._metadata))
-            if reply.operation.state in TERMINAL_OPERATIONS:
-                return reply.operation
+            wait_s = max(0.1, min(deadline - time.monotonic(), 30.0))   # one wait: at most 30 s
+            request = operations_pb2.WaitOperationRequest(name=f"operations/{operation_id}")
+            request.timeout.FromNanoseconds(int(wait_s * 1e9))
+            reply = await self._retried("WaitOperation", lambda: self._operations.WaitOperation(
+                request, timeout=wait_s + self._call_timeout, metadata=self._metadata))
+            if reply.done:
+                return operation_metadata(reply)
             if time.monotonic() > deadline:
                 raise StepProtocolError(f"operation {operation_id} did not end within {timeout_s:g} s "
-                                        f"({scaling_pb2.OperationState.Name(reply.operation.state)})")
-            await asyncio.sleep(0.2)
+                                        f"({scaling_pb2.OperationState.Name(operation_metadata(reply).state)})")
 
     async def status(self) -> controller_pb2.GetStatusResponse:
         return await self._retried("GetStatus", lambda: self._stub.GetStatus(

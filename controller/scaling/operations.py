@@ -275,6 +275,18 @@ class OperationBook:
         self._wake()
         return op
 
+    def delete(self, operation_id: str) -> None:
+        """Forget a finished operation (NOT_FOUND as :meth:`get`; FAILED_PRECONDITION while it runs); a later
+        request with its request_id creates a new operation."""
+        op = self.get(operation_id)
+        if not op.finished:
+            raise FailedPreconditionError(f"scale operation {operation_id} is {op.state.value}: only a finished "
+                                          "operation can be deleted; cancel it or wait for it first",
+                                          reason=Reason.OPERATION_NOT_FINISHED,
+                                          metadata={"operation_id": operation_id, "state": op.state.value})
+        del self._ops[operation_id]
+        self._wake()
+
     def touch(self, op: ScaleOperation) -> None:
         op.updated_at = self._clock()
 

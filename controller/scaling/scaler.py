@@ -356,6 +356,11 @@ class Scaler:
         await asyncio.wait({task}, timeout=self.config.async_training.port_timeout_s * 4 + 10)
         return op
 
+    def delete(self, operation_id: str) -> None:
+        """Forget a finished operation, durably."""
+        self.book.delete(operation_id)
+        self.save()
+
     async def cancel_many(self, states: set[OperationState], dry_run: bool) -> list[str]:
         if states and states <= TERMINAL:
             raise InvalidArgument(f"states lists only finished states ({sorted(s.value for s in states)}); none "

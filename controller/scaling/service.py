@@ -1,5 +1,8 @@
 """The scaling and autoscaler RPCs of ``ControllerService``: decode -> Scaler / AutoscalerLoop -> encode.
 
+ScaleOut and ScaleIn answer a ``google.longrunning.Operation`` (:mod:`.lro`, which also serves
+``google.longrunning.Operations`` to read, wait for, cancel and delete them).
+
 Mutating scale RPCs check the credential first (:mod:`controller.auth`), so a
 refused call changes nothing.
 """
@@ -8,13 +11,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mesh_runtime import pages
 from mesh_runtime.errors import FailedPrecondition, InvalidArgument
 from mesh_runtime.reasons import Reason
 from rollmesh.controller.v1 import autoscaler_pb2, scaling_pb2
 
 from .. import convert
 from . import convert as convert_scaling
+from . import lro
 from ..auth import require_scale_credential
 from .autoscaler_loop import MODEL
 
@@ -23,11 +26,6 @@ _POLICY_VALUES = set(convert_scaling.POLICY_NAMES) | {scaling_pb2.PARTIAL_SUCCES
 
 def _timeout(request) -> float | None:
     return convert.seconds(request.timeout) if request.HasField("timeout") else None
-
-
-def _newest_first(op) -> str:
-    """A key that sorts operations newest first, ties by id: the order of ListOperations and its page tokens."""
-    return f"{2**62 - int(op.created_at * 1e6):020d}|{op.operation_id}"
 
 
 def _states(values) -> set:
@@ -52,55 +50,37 @@ class ScalingRpcs:
         if request.partial_success_policy not in _POLICY_VALUES:
             raise InvalidArgument(f"unknown partial_success_policy {request.partial_success_policy}",
                                   reason=Reason.INVALID_POLICY)
+        target = request.WhichOneof("target")
+        if target is None:
+            raise InvalidArgument("give num_replicas (native mode) or external.addresses (external mode)",
+                                  reason=Reason.AMBIGUOUS_SCALE_OUT)
+        if target == "num_replicas" and request.num_replicas <= 0:
+            raise InvalidArgument(f"num_replicas must be at least 1, got {request.num_replicas}",
+                                  reason=Reason.INVALID_TARGET)
         op, message = await self.mesh.scaler.scale_out(
             model_name=request.model_name, num_replicas=request.num_replicas,
-            engine_addresses=list(request.engine_addresses), timeout_s=_timeout(request),
+            engine_addresses=list(request.external.addresses), timeout_s=_timeout(request),
             request_id=request.request_id, dry_run=request.dry_run,
             policy=convert_scaling.POLICY_NAMES.get(request.partial_success_policy, ""))
-        return scaling_pb2.ScaleOutResponse(operation=convert_scaling.operation(op), message=message)
+        return lro.long_running(op, summary=message)
 
     async def ScaleIn(self, request, context):  # noqa: N802
         require_scale_credential(context, self.config, "ScaleIn")
+        target = request.WhichOneof("target")
+        if target is None:
+            raise InvalidArgument("give num_replicas (target remaining count) or replicas (replica_ids and/or "
+                                  "engine_addresses)", reason=Reason.NOTHING_TO_SCALE_IN)
+        if target == "num_replicas" and request.num_replicas <= 0:
+            raise InvalidArgument(f"num_replicas must be at least 1, got {request.num_replicas}",
+                                  reason=Reason.INVALID_TARGET)
+        if target == "replicas" and not request.replicas.replica_ids and not request.replicas.engine_addresses:
+            raise InvalidArgument("replicas must name at least one replica (replica_ids or engine_addresses)",
+                                  reason=Reason.NOTHING_TO_SCALE_IN)
         op, would_remove, message = await self.mesh.scaler.scale_in(
-            model_name=request.model_name, num_replicas=request.num_replicas, replica_ids=list(request.replica_ids),
-            engine_addresses=list(request.engine_addresses), force=request.force, timeout_s=_timeout(request),
-            dry_run=request.dry_run, request_id=request.request_id)
-        return scaling_pb2.ScaleInResponse(operation=convert_scaling.operation(op), message=message,
-                                           would_remove_replica_ids=would_remove if request.dry_run else [])
-
-    async def GetOperation(self, request, context):  # noqa: N802
-        op = self.mesh.scaler.book.get(request.operation_id)
-        return scaling_pb2.GetOperationResponse(operation=convert_scaling.operation(op))
-
-    async def WaitOperation(self, request, context):  # noqa: N802
-        limit = _timeout(request)
-        if limit is not None and limit <= 0:
-            raise InvalidArgument(f"timeout must be positive, got {limit:g} s", reason=Reason.INVALID_TIMEOUT)
-        remaining = context.time_remaining()
-        if remaining is not None:   # answer with the latest state shortly before the call's deadline
-            margin = min(0.5, remaining / 10)
-            limit = remaining - margin if limit is None else min(limit, remaining - margin)
-        op = await self.mesh.scaler.book.wait(request.operation_id, None if limit is None else max(limit, 0.0))
-        return scaling_pb2.WaitOperationResponse(operation=convert_scaling.operation(op), done=op.finished)
-
-    async def ListOperations(self, request, context):  # noqa: N802
-        try:
-            types = {convert_scaling.type_from_proto(t) for t in request.types if t}
-        except ValueError:
-            raise InvalidArgument(f"unknown operation type in {list(request.types)}", reason=Reason.INVALID_TYPE) from None
-        states = _states(request.states)
-        ops = self.mesh.scaler.book.list(states=states, types=types, model_name=request.model_name)
-        chosen, token = pages.page(sorted(ops, key=_newest_first), key=_newest_first, page_size=request.page_size,
-                                   page_token=request.page_token,
-                                   filters=(sorted(s.value for s in states), sorted(t.value for t in types),
-                                            request.model_name))
-        return scaling_pb2.ListOperationsResponse(
-            operations=await pages.convert_all(chosen, convert_scaling.operation), next_page_token=token)
-
-    async def CancelOperation(self, request, context):  # noqa: N802
-        require_scale_credential(context, self.config, "CancelOperation")
-        op = await self.mesh.scaler.cancel(request.operation_id)
-        return scaling_pb2.CancelOperationResponse(operation=convert_scaling.operation(op))
+            model_name=request.model_name, num_replicas=request.num_replicas,
+            replica_ids=list(request.replicas.replica_ids), engine_addresses=list(request.replicas.engine_addresses),
+            force=request.force, timeout_s=_timeout(request), dry_run=request.dry_run, request_id=request.request_id)
+        return lro.long_running(op, summary=message, would_remove=would_remove if request.dry_run else ())
 
     async def CancelOperations(self, request, context):  # noqa: N802
         require_scale_credential(context, self.config, "CancelOperations")

@@ -74,6 +74,8 @@ async def test_a_typescript_client_calls_every_server_streams_included(tsc, node
     assert sorted(s["server"] for s in calls["GetStatus"]) == ["controller", "lb", "replica-agent", "trainer-agent"]
     stream = calls["WatchEvents"][0]
     assert stream["events"] >= 2 and "NODE_REGISTERED" in stream["types"]   # protobuf-es drops the enum prefix
+    # one replica serves and its node has no free slot: the preview of "1 replica" is a NOOP, done at once
+    assert calls["ScaleOut"][0] == {"call": "ScaleOut", "done": True, "name": "", "dryRun": True, "state": "NOOP"}
     error = calls["GetOperation"][0]["error"]
     assert error["code"] == "NotFound" and error["reason"] == "OPERATION_NOT_FOUND" and error["domain"]
     assert calls["Generate"][0] == {"call": "Generate", "tokens": 4, "error": None}

@@ -105,7 +105,7 @@ class FakeReplicas(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
 
     async def AbortRequests(self, request, context):  # noqa: N802
         keys = [k for k in self._aborts if (not request.replica_id or k[0] == request.replica_id)
-                and (request.all or k[1] in request.request_ids)]
+                and (request.all or k[1] in request.requests.request_ids)]
         for key in keys:
             self._aborts[key].set()
         return pb.AbortRequestsResponse(aborted_request_ids=[k[1] for k in keys])

@@ -315,7 +315,8 @@ async def test_a_final_message_counts_even_when_the_stream_is_cut_after_it(mesh)
     await asyncio.wait_for(fake.started.wait(), 10)
     await stub.AddReplicas(pb.AddReplicasRequest(replicas=[routing_pb2.ReplicaEndpoint(replica_id="ok",
                                                                                          address=address)]))
-    await fake.AbortRequests(replica_pb.AbortRequestsRequest(replica_id="hang", request_ids=["late"]), None)
+    await fake.AbortRequests(replica_pb.AbortRequestsRequest(
+        replica_id="hang", requests=replica_pb.RequestIds(request_ids=["late"])), None)
     await asyncio.wait_for(fake.lingering.wait(), 10)   # the abort reply is out; the stream stays open
     await stub.RemoveReplicas(pb.RemoveReplicasRequest(replica_ids=["hang"], abort_in_flight=True))
     tokens, last = await asyncio.wait_for(pending, 10)

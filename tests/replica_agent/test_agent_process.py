@@ -79,7 +79,8 @@ async def test_abort_returns_partial_tokens_and_resume_elsewhere_keeps_the_budge
                                                 sampling_params=sampling(40, temperature=0, ignore_eos=True,
                                                                          logprobs=True)), timeout=60)
         first = await call.read()  # generation is under way
-        aborted = await stub.AbortRequests(pb.AbortRequestsRequest(replica_id="s0", request_ids=["victim"]))
+        aborted = await stub.AbortRequests(pb.AbortRequestsRequest(
+            replica_id="s0", requests=pb.RequestIds(request_ids=["victim"])))
         assert list(aborted.aborted_request_ids) == ["victim"]
         partial = [first]
         while (message := await call.read()) != grpc.aio.EOF:
@@ -154,9 +155,11 @@ async def test_bad_input_gets_clear_statuses(agent):
             await stub.LaunchReplica(pb.LaunchReplicaRequest(replica_id="x", kind=types_pb2.REPLICA_KIND_STANDALONE,
                                                              slots=9))
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            await stub.AbortRequests(pb.AbortRequestsRequest(replica_id="s0"))
-        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        for nothing, says in (({}, "set all"), ({"all": False}, "set all"),
+                              ({"requests": pb.RequestIds()}, "requests.request_ids is required")):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.AbortRequests(pb.AbortRequestsRequest(replica_id="s0", **nothing))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and says in info.value.details()
         listed = await stub.ListReplicas(pb.ListReplicasRequest())
         assert sorted(r.replica_id for r in listed.replicas) == ["h0", "s0", "s1"]  # nothing changed
 

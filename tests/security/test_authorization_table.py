@@ -36,13 +36,16 @@ MODULES = {
 }
 COMMON = ["grpc.health.v1.Health"]
 WEIGHTS = "rollmesh.weights.v1.WeightSourceService"
-ALSO_SERVED = {"replica-agent": [WEIGHTS], "trainer-agent": [WEIGHTS]}   # besides the server's own service
+OPERATIONS = "google.longrunning.Operations"
+ALSO_SERVED = {"controller": [OPERATIONS], "replica-agent": [WEIGHTS],
+               "trainer-agent": [WEIGHTS]}   # besides the server's own service
 _DENIED = {"ROLE_NOT_ALLOWED", "NO_RULE", "NO_IDENTITY"}
 PROTO = Path(__file__).resolve().parents[2] / "proto"
 
 
 def _descriptor(full_name: str):
     from google.protobuf import descriptor_pool
+    from google.longrunning import operations_pb2  # noqa: F401 - registers google.longrunning in the pool
     from grpc_health.v1 import health_pb2  # noqa: F401 - registers grpc.health.v1 in the pool
     from rollmesh.weights.v1 import weight_source_pb2  # noqa: F401
 
@@ -63,10 +66,18 @@ def test_every_rpc_of_every_service_has_exactly_one_rule():
 
 
 def test_the_contract_comments_state_every_rule():
-    # the comment above each rpc in the .proto says "Authorization: <the table's text>."
+    # the comment above each rpc in the .proto says "Authorization: <the table's text>."; Google's
+    # google.longrunning.Operations has its rules in scaling.proto's header instead
     from mesh_runtime.authorization import describe
 
     for service in _services():
+        if service.full_name == OPERATIONS:
+            header = " ".join(w for line in (PROTO / "rollmesh/controller/v1/scaling.proto").read_text().splitlines()
+                              if line.startswith("//") for w in line.removeprefix("//").split())
+            assert "Get, Wait and List: any authenticated identity; Cancel and Delete: operator" in header
+            assert {"GetOperation", "WaitOperation", "ListOperations", "CancelOperation", "DeleteOperation"} == {
+                m.name for m in service.methods}
+            continue
         source = (PROTO / service.file.name).read_text()
         for method in service.methods:
             before = source.split(f"rpc {method.name}(")[0].rsplit(";\n", 1)[-1]   # back to the previous rpc

@@ -8,6 +8,7 @@ import signal
 from pathlib import Path
 
 import grpc
+from google.longrunning import operations_pb2, operations_pb2_grpc
 
 from rollmesh.common.v1 import generation_pb2
 
@@ -74,7 +75,61 @@ class Procs:
 
 
 def controller_stub(channel) -> controller_pb2_grpc.ControllerServiceStub:
-    return controller_pb2_grpc.ControllerServiceStub(channel)
+    """The controller's stub; its ``ops`` is google.longrunning.Operations on the same channel."""
+    stub = controller_pb2_grpc.ControllerServiceStub(channel)
+    stub.ops = operations_pb2_grpc.OperationsStub(channel)
+    return stub
+
+
+def scale_out_request(*, engine_addresses=(), **fields) -> scaling_pb2.ScaleOutRequest:
+    """A ScaleOutRequest; ``engine_addresses`` go into its external target."""
+    request = scaling_pb2.ScaleOutRequest(**fields)
+    if engine_addresses:
+        request.external.addresses.extend(engine_addresses)
+    return request
+
+
+def scale_in_request(*, replica_ids=(), engine_addresses=(), **fields) -> scaling_pb2.ScaleInRequest:
+    """A ScaleInRequest; ``replica_ids`` and ``engine_addresses`` go into its replicas target."""
+    request = scaling_pb2.ScaleInRequest(**fields)
+    if replica_ids or engine_addresses:
+        request.replicas.replica_ids.extend(replica_ids)
+        request.replicas.engine_addresses.extend(engine_addresses)
+    return request
+
+
+def progress(operation: operations_pb2.Operation) -> scaling_pb2.ScaleOperation:
+    """The ScaleOperation a google.longrunning.Operation carries as its metadata."""
+    metadata = scaling_pb2.ScaleOperation()
+    assert operation.metadata.Unpack(metadata), operation
+    return metadata
+
+
+def name(operation_id: str) -> str:
+    return f"operations/{operation_id}"
+
+
+async def scale_out(ctl, **fields) -> scaling_pb2.ScaleOperation:
+    return progress(await ctl.ScaleOut(scale_out_request(**fields)))
+
+
+async def scale_in(ctl, **fields) -> scaling_pb2.ScaleOperation:
+    return progress(await ctl.ScaleIn(scale_in_request(**fields)))
+
+
+async def get_op(ctl, operation_id: str) -> scaling_pb2.ScaleOperation:
+    return progress(await ctl.ops.GetOperation(operations_pb2.GetOperationRequest(name=name(operation_id))))
+
+
+async def cancel_op(ctl, operation_id: str, **call) -> scaling_pb2.ScaleOperation:
+    """CancelOperation, then the operation as it is after it."""
+    await ctl.ops.CancelOperation(operations_pb2.CancelOperationRequest(name=name(operation_id)), **call)
+    return await get_op(ctl, operation_id)
+
+
+async def list_ops(ctl, filter: str = "", **fields) -> list[scaling_pb2.ScaleOperation]:
+    reply = await ctl.ops.ListOperations(operations_pb2.ListOperationsRequest(filter=filter, **fields))
+    return [progress(o) for o in reply.operations]
 
 
 def lb_stub(channel) -> loadbalancer_pb2_grpc.LoadBalancerServiceStub:
@@ -106,16 +161,17 @@ async def agent_states(address: str) -> dict[str, int]:
 
 
 async def finished(ctl, operation_id: str, timeout_s: float = 90.0) -> scaling_pb2.ScaleOperation:
-    """The operation once it has finished (the controller's WaitOperation)."""
-    reply = await ctl.WaitOperation(scaling_pb2.WaitOperationRequest(operation_id=operation_id), timeout=timeout_s)
-    assert reply.done and reply.operation.state in TERMINAL, (
-        f"{operation_id} still {STATE(reply.operation.state)} after {timeout_s:g} s")
-    return reply.operation
+    """The operation once it has finished (google.longrunning.Operations.WaitOperation)."""
+    reply = await ctl.ops.WaitOperation(operations_pb2.WaitOperationRequest(name=name(operation_id)),
+                                        timeout=timeout_s)
+    op = progress(reply)
+    assert reply.done and op.state in TERMINAL, f"{operation_id} still {STATE(op.state)} after {timeout_s:g} s"
+    return op
 
 
 async def in_state(ctl, operation_id: str, state: int, timeout_s: float = 60.0) -> scaling_pb2.ScaleOperation:
     async def reached():
-        op = (await ctl.GetOperation(scaling_pb2.GetOperationRequest(operation_id=operation_id))).operation
+        op = await get_op(ctl, operation_id)
         assert op.state not in TERMINAL or op.state == state, f"{operation_id} ended {STATE(op.state)}"
         return op if op.state == state else None
     return await until(reached, timeout_s)

@@ -17,6 +17,7 @@ import pytest
 
 from rollmesh.controller.v1 import events_pb2
 from rollmesh.controller.v1 import autoscaler_pb2, scaling_pb2
+from tests.controller.scaling.helpers import get_op
 from tests.controller.scaling.helpers import Procs, controller_stub, events_of, generate, lb_stub, routed, until
 from tests.otlp_receiver import start_receiver
 from tests.processes import clean_env
@@ -95,8 +96,8 @@ async def test_synthetic_load_scales_out_then_in(tmp_path):
             assert (scale_in.from_engines, scale_in.to_engines, scale_in.delta) == (2, 1, -1)
             assert set(scale_in.triggered_conditions) == {"token_usage_low", "no_queue", "throughput_stable"}
             assert await routed(bal) == ["a-s0"]
-            op = (await ctl.GetOperation(scaling_pb2.GetOperationRequest(operation_id=scale_in.operation_id)))
-            assert op.operation.triggered_by == "autoscaler" and list(op.operation.replica_ids) == new
+            op = await get_op(ctl, scale_in.operation_id)
+            assert op.triggered_by == "autoscaler" and list(op.replica_ids) == new
 
             history = await ctl.ListScaleHistory(autoscaler_pb2.ListScaleHistoryRequest())
             assert [h.action for h in history.history][:2] == [autoscaler_pb2.SCALE_ACTION_SCALE_IN,

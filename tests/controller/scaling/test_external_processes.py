@@ -17,6 +17,7 @@ import pytest
 
 from rollmesh.common.v1 import types_pb2
 from rollmesh.controller.v1 import registry_pb2, scaling_pb2
+from tests.controller.scaling.helpers import cancel_op, get_op, scale_in, scale_out
 from tests.controller.scaling.helpers import (
     Procs, agent_states, black_hole, closed_port, controller_stub, event_states, finished, in_state, lb_stub, replicas,
     routed, until)
@@ -44,7 +45,7 @@ async def test_external_scale_out_policies_dedupe_cancel_timeout_and_scale_in_by
             await until(lambda: _eq(routed(bal), ["a-s0"]))
 
             # rollback_all: one address fails -> FAILED, the good one is not kept.
-            op = (await ctl.ScaleOut(scaling_pb2.ScaleOutRequest(engine_addresses=[e1, dead]))).operation
+            op = await scale_out(ctl, engine_addresses=[e1, dead])
             op = await finished(ctl, op.operation_id)
             assert op.state == scaling_pb2.OPERATION_STATE_FAILED and dead in op.error_message
             assert list(op.failed_replica_ids) == [dead]
@@ -53,9 +54,8 @@ async def test_external_scale_out_policies_dedupe_cancel_timeout_and_scale_in_by
             assert (await agent_states(e1))["e1-s0"] == types_pb2.REPLICA_STATE_ACTIVE  # not ours to stop
 
             # keep_partial: the good address is kept and serves.
-            op = (await ctl.ScaleOut(scaling_pb2.ScaleOutRequest(
-                engine_addresses=[e1, dead], partial_success_policy=scaling_pb2.PARTIAL_SUCCESS_POLICY_KEEP_PARTIAL))
-            ).operation
+            op = await scale_out(ctl, engine_addresses=[e1, dead],
+                                 partial_success_policy=scaling_pb2.PARTIAL_SUCCESS_POLICY_KEEP_PARTIAL)
             op = await finished(ctl, op.operation_id)
             assert op.state == scaling_pb2.OPERATION_STATE_ACTIVE and list(op.failed_replica_ids) == [dead]
             assert op.partial_success_policy == scaling_pb2.PARTIAL_SUCCESS_POLICY_KEEP_PARTIAL
@@ -67,7 +67,7 @@ async def test_external_scale_out_policies_dedupe_cancel_timeout_and_scale_in_by
             assert record.address == e1 and not record.initial and record.added_by_operation_id == op.operation_id
 
             # Dedupe: a known address is skipped; only known addresses -> NOOP.
-            noop = (await ctl.ScaleOut(scaling_pb2.ScaleOutRequest(engine_addresses=[e1]))).operation
+            noop = await scale_out(ctl, engine_addresses=[e1])
             assert noop.state == scaling_pb2.OPERATION_STATE_NOOP
 
             # The controller holds the external node's lease (it pushes no reports itself).
@@ -76,22 +76,20 @@ async def test_external_scale_out_policies_dedupe_cancel_timeout_and_scale_in_by
             assert node.lease_held and (await replicas(ctl))["e1-s0"].state == types_pb2.REPLICA_STATE_ACTIVE
 
             # Cancel while CONNECTING (one address never answers): CANCELLED, e2 rolled back.
-            op = (await ctl.ScaleOut(scaling_pb2.ScaleOutRequest(engine_addresses=[e2, hole_address]))).operation
+            op = await scale_out(ctl, engine_addresses=[e2, hole_address])
             await in_state(ctl, op.operation_id, scaling_pb2.OPERATION_STATE_CONNECTING)
-            cancelled = (await ctl.CancelOperation(scaling_pb2.CancelOperationRequest(
-                operation_id=op.operation_id))).operation
+            cancelled = await cancel_op(ctl, op.operation_id)
             assert cancelled.state == scaling_pb2.OPERATION_STATE_CANCELLED
             assert await event_states(ctl, op.operation_id) == ["PENDING", "CONNECTING", "CANCELLED"]
-            again = (await ctl.CancelOperation(scaling_pb2.CancelOperationRequest(
-                operation_id=op.operation_id))).operation
+            again = await cancel_op(ctl, op.operation_id)
             assert again.state == scaling_pb2.OPERATION_STATE_CANCELLED
             assert "e2-s0" not in await replicas(ctl) and await routed(bal) == ["a-s0", "e1-s0"]
 
             # Batch cancel: the dry run names the running operation and changes nothing.
-            op = (await ctl.ScaleOut(scaling_pb2.ScaleOutRequest(engine_addresses=[hole_address]))).operation
+            op = await scale_out(ctl, engine_addresses=[hole_address])
             preview = await ctl.CancelOperations(scaling_pb2.CancelOperationsRequest(dry_run=True))
             assert list(preview.cancelled_operation_ids) == [op.operation_id]
-            current = (await ctl.GetOperation(scaling_pb2.GetOperationRequest(operation_id=op.operation_id))).operation
+            current = await get_op(ctl, op.operation_id)
             assert current.state not in (scaling_pb2.OPERATION_STATE_CANCELLED, scaling_pb2.OPERATION_STATE_FAILED)
             reply = await ctl.CancelOperations(scaling_pb2.CancelOperationsRequest(
                 states=[scaling_pb2.OPERATION_STATE_PENDING, scaling_pb2.OPERATION_STATE_CONNECTING]))
@@ -99,13 +97,13 @@ async def test_external_scale_out_policies_dedupe_cancel_timeout_and_scale_in_by
             assert (await finished(ctl, op.operation_id)).state == scaling_pb2.OPERATION_STATE_CANCELLED
 
             # Timeout: FAILED, saying so.
-            op = (await ctl.ScaleOut(scaling_pb2.ScaleOutRequest(engine_addresses=[hole_address],
-                                                                 timeout={"seconds": 1}))).operation
+            op = await scale_out(ctl, engine_addresses=[hole_address],
+                                                                 timeout={"seconds": 1})
             op = await finished(ctl, op.operation_id)
             assert op.state == scaling_pb2.OPERATION_STATE_FAILED and "timed out" in op.error_message
 
             # Scale-in by address: the external replica is drained and stopped.
-            op = (await ctl.ScaleIn(scaling_pb2.ScaleInRequest(engine_addresses=[e1]))).operation
+            op = await scale_in(ctl, engine_addresses=[e1])
             assert list(op.replica_ids) == ["e1-s0"]
             op = await finished(ctl, op.operation_id)
             assert op.state == scaling_pb2.OPERATION_STATE_COMPLETED
@@ -113,17 +111,15 @@ async def test_external_scale_out_policies_dedupe_cancel_timeout_and_scale_in_by
             assert (await agent_states(e1))["e1-s0"] == types_pb2.REPLICA_STATE_STOPPED
             assert await routed(bal) == ["a-s0"]
             with pytest.raises(grpc.aio.AioRpcError) as info:  # finished: not cancellable
-                await ctl.CancelOperation(scaling_pb2.CancelOperationRequest(operation_id=op.operation_id))
+                await cancel_op(ctl, op.operation_id)
             assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "COMPLETED" in info.value.details()
 
             # A scale-in whose replica cannot be stopped (its agent died) ends FAILED; the replica stays
             # out of routing, marked intentionally removed, so it is never taken back.
-            op = await finished(ctl, (await ctl.ScaleOut(scaling_pb2.ScaleOutRequest(engine_addresses=[e2])))
-                                .operation.operation_id)
+            op = await finished(ctl, (await scale_out(ctl, engine_addresses=[e2])).operation_id)
             assert op.state == scaling_pb2.OPERATION_STATE_ACTIVE and await routed(bal) == ["a-s0", "e2-s0"]
             procs.kill("e2")
-            op = await finished(ctl, (await ctl.ScaleIn(scaling_pb2.ScaleInRequest(replica_ids=["e2-s0"])))
-                                .operation.operation_id)
+            op = await finished(ctl, (await scale_in(ctl, replica_ids=["e2-s0"])).operation_id)
             assert op.state == scaling_pb2.OPERATION_STATE_FAILED and "could be stopped" in op.error_message
             assert list(op.failed_replica_ids) == ["e2-s0"]
             assert await event_states(ctl, op.operation_id) == ["PENDING", "DRAINING", "REMOVING", "FAILED"]

@@ -13,6 +13,7 @@ import pytest
 
 from rollmesh.common.v1 import types_pb2
 from rollmesh.controller.v1 import scaling_pb2
+from tests.controller.scaling.helpers import scale_in, scale_out
 from tests.controller.scaling.helpers import (
     Procs, agent_states, controller_stub, event_states, finished, generate, lb_stub, replicas, routed, until)
 from tests.engines.fake_sglang import FakeSglangProcess, write_model
@@ -45,7 +46,7 @@ async def test_scale_out_attaches_sglang_servers_by_url_and_scale_in_detaches_th
             await until(lambda: _registered(ctl), 60, what="the sglang agent to register")
             urls = [s.url for s in servers]
 
-            op = (await ctl.ScaleOut(scaling_pb2.ScaleOutRequest(engine_addresses=urls))).operation
+            op = await scale_out(ctl, engine_addresses=urls)
             op = await finished(ctl, op.operation_id)
             assert op.state == scaling_pb2.OPERATION_STATE_ACTIVE, op.error_message
             assert await event_states(ctl, op.operation_id) == [
@@ -61,19 +62,19 @@ async def test_scale_out_attaches_sglang_servers_by_url_and_scale_in_detaches_th
             assert sum(s.state()["generated"] for s in servers) == 6
 
             # A URL already attached is skipped; a URL that is not http://HOST:PORT is refused.
-            again = (await ctl.ScaleOut(scaling_pb2.ScaleOutRequest(engine_addresses=[urls[0]]))).operation
+            again = await scale_out(ctl, engine_addresses=[urls[0]])
             assert again.state == scaling_pb2.OPERATION_STATE_NOOP
             with pytest.raises(grpc.aio.AioRpcError) as info:
-                await ctl.ScaleOut(scaling_pb2.ScaleOutRequest(engine_addresses=["http://nohost"]))
+                await scale_out(ctl, engine_addresses=["http://nohost"])
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "http://HOST:PORT" in info.value.details()
             # No sglang agent serves that model: FAILED, saying so.
-            op = await finished(ctl, (await ctl.ScaleOut(scaling_pb2.ScaleOutRequest(
-                model_name="other", engine_addresses=["http://127.0.0.1:9"]))).operation.operation_id)
+            op = await finished(ctl, (await scale_out(ctl, 
+                model_name="other", engine_addresses=["http://127.0.0.1:9"])).operation_id)
             assert op.state == scaling_pb2.OPERATION_STATE_FAILED and "sglang backend" in op.error_message
 
             # Scale-in by URL: the replica stops, the server keeps running.
             gone = records[urls[0]].replica_id
-            op = (await ctl.ScaleIn(scaling_pb2.ScaleInRequest(engine_addresses=[urls[0]]))).operation
+            op = await scale_in(ctl, engine_addresses=[urls[0]])
             assert list(op.replica_ids) == [gone]
             op = await finished(ctl, op.operation_id)
             assert op.state == scaling_pb2.OPERATION_STATE_COMPLETED

@@ -20,6 +20,7 @@ from mesh_runtime.errors import error_info
 from rollmesh.common.v1 import types_pb2
 from rollmesh.controller.v1 import scaling_pb2
 from rollmesh.loadbalancer.v1 import routing_pb2
+from tests.controller.scaling.helpers import list_ops, progress, scale_in, scale_out
 from tests.controller.scaling.helpers import (
     Procs, agent_states, controller_stub, event_states, finished, generate, in_flight, in_state, lb_stub, replicas,
     routed, until)
@@ -47,8 +48,10 @@ async def test_native_scale_out_then_lifo_scale_in_with_requests_in_flight(tmp_p
 
             # Scale out to 3: two new replicas launched on the agent's free slots, routed once ACTIVE.
             reply = await ctl.ScaleOut(scaling_pb2.ScaleOutRequest(num_replicas=3))
-            assert reply.operation.state == scaling_pb2.OPERATION_STATE_PENDING and reply.message
-            op = await finished(ctl, reply.operation.operation_id)
+            accepted = progress(reply)
+            assert reply.name == f"operations/{accepted.operation_id}" and not reply.done
+            assert accepted.state == scaling_pb2.OPERATION_STATE_PENDING and accepted.summary
+            op = await finished(ctl, accepted.operation_id)
             assert op.state == scaling_pb2.OPERATION_STATE_ACTIVE, op.error_message
             assert await event_states(ctl, op.operation_id) == OUT_PATH
             assert [c.state for c in op.state_history][-1] == scaling_pb2.OPERATION_STATE_ACTIVE
@@ -62,30 +65,30 @@ async def test_native_scale_out_then_lifo_scale_in_with_requests_in_flight(tmp_p
 
             # Idempotency: the target is met (NOOP); a request_id retry returns the same operation.
             for target in (3, 2):
-                again = (await ctl.ScaleOut(scaling_pb2.ScaleOutRequest(num_replicas=target))).operation
+                again = await scale_out(ctl, num_replicas=target)
                 assert again.state == scaling_pb2.OPERATION_STATE_NOOP
-            first = (await ctl.ScaleOut(scaling_pb2.ScaleOutRequest(num_replicas=4, request_id="k1"))).operation
-            retry = (await ctl.ScaleOut(scaling_pb2.ScaleOutRequest(num_replicas=4, request_id="k1"))).operation
+            first = await scale_out(ctl, num_replicas=4, request_id="k1")
+            retry = await scale_out(ctl, num_replicas=4, request_id="k1")
             assert retry.operation_id == first.operation_id
             with pytest.raises(grpc.aio.AioRpcError) as info:
-                await ctl.ScaleOut(scaling_pb2.ScaleOutRequest(num_replicas=2, request_id="k1"))
+                await scale_out(ctl, num_replicas=2, request_id="k1")
             assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
             fourth = await finished(ctl, first.operation_id)
             assert fourth.state == scaling_pb2.OPERATION_STATE_ACTIVE and len(fourth.replica_ids) == 1
             newest = fourth.replica_ids[0]
             with pytest.raises(grpc.aio.AioRpcError) as info:  # the node is full
-                await ctl.ScaleOut(scaling_pb2.ScaleOutRequest(num_replicas=5))
+                await scale_out(ctl, num_replicas=5)
             assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "free slots" in info.value.details()
 
             # Scale-in to 3 while long requests run: the newest replica goes (LIFO); its requests are
             # aborted at the drain timeout and resumed elsewhere; a concurrent scale request is ABORTED.
             long_runs = [asyncio.create_task(generate(bal, f"long{i}", 400)) for i in range(12)]
             await until(lambda: _positive(in_flight(bal, newest)))
-            start = (await ctl.ScaleIn(scaling_pb2.ScaleInRequest(num_replicas=3))).operation
+            start = await scale_in(ctl, num_replicas=3)
             assert list(start.replica_ids) == [newest]
             await in_state(ctl, start.operation_id, scaling_pb2.OPERATION_STATE_DRAINING)
             with pytest.raises(grpc.aio.AioRpcError) as info:
-                await ctl.ScaleOut(scaling_pb2.ScaleOutRequest(num_replicas=9))
+                await scale_out(ctl, num_replicas=9)
             assert info.value.code() == grpc.StatusCode.ABORTED
             assert error_info(info.value).reason == "SCALE_OPERATION_IN_PROGRESS"
             assert error_info(info.value).metadata["operation_id"] == start.operation_id
@@ -106,28 +109,25 @@ async def test_native_scale_out_then_lifo_scale_in_with_requests_in_flight(tmp_p
             # Scale-in to 1 with short requests in flight: they finish where they run (no abort).
             short_runs = [asyncio.create_task(generate(bal, f"short{i}", 60)) for i in range(6)]
             await until(lambda: _any_in_flight(bal, new))
-            preview = await ctl.ScaleIn(scaling_pb2.ScaleInRequest(num_replicas=1, dry_run=True))
+            preview = await scale_in(ctl, num_replicas=1, dry_run=True)
             assert sorted(preview.would_remove_replica_ids) == new
-            done = await finished(ctl, (await ctl.ScaleIn(scaling_pb2.ScaleInRequest(num_replicas=1))).operation
-                                  .operation_id)
+            done = await finished(ctl, (await scale_in(ctl, num_replicas=1)).operation_id)
             assert done.state == scaling_pb2.OPERATION_STATE_COMPLETED and sorted(done.replica_ids) == new
             assert "no request in flight" in done.state_history[2].reason
             finals = await asyncio.gather(*short_runs)
             assert all(f.usage.completion_tokens == 60 for f in finals)
             assert not any(a.outcome == routing_pb2.ATTEMPT_OUTCOME_ABORTED for f in finals for a in f.attempts)
             assert await routed(bal) == ["a-s0"]
-            listed = await ctl.ListOperations(scaling_pb2.ListOperationsRequest(
-                states=[scaling_pb2.OPERATION_STATE_COMPLETED]))
-            assert [o.operation_id for o in listed.operations] == [done.operation_id, start.operation_id]
+            listed = await list_ops(ctl, "state = COMPLETED")
+            assert [o.operation_id for o in listed] == [done.operation_id, start.operation_id]
 
             # force skips the drain: requests are aborted at once and finish elsewhere.
-            grown = await finished(ctl, (await ctl.ScaleOut(scaling_pb2.ScaleOutRequest(num_replicas=2))).operation
-                                   .operation_id)
+            grown = await finished(ctl, (await scale_out(ctl, num_replicas=2)).operation_id)
             extra = grown.replica_ids[0]
             forced_runs = [asyncio.create_task(generate(bal, f"forced{i}", 200)) for i in range(6)]
             await until(lambda: _positive(in_flight(bal, extra)))
-            forced = await finished(ctl, (await ctl.ScaleIn(scaling_pb2.ScaleInRequest(
-                replica_ids=[extra], force=True))).operation.operation_id)
+            forced = await finished(ctl, (await scale_in(ctl, 
+                replica_ids=[extra], force=True)).operation_id)
             assert forced.state == scaling_pb2.OPERATION_STATE_COMPLETED and forced.force
             assert forced.state_history[2].reason.startswith("force: aborted")
             finals = await asyncio.gather(*forced_runs)

@@ -16,6 +16,7 @@ import pytest
 
 from rollmesh.common.v1 import types_pb2
 from rollmesh.controller.v1 import registry_pb2, scaling_pb2
+from tests.controller.scaling.helpers import get_op, list_ops, scale_in, scale_out
 from tests.controller.scaling.helpers import (
     Procs, agent_states, black_hole, controller_stub, finished, generate, in_flight, in_state, lb_stub, replicas,
     routed, until)
@@ -44,13 +45,11 @@ async def test_operations_survive_a_controller_kill_with_honest_states(tmp_path)
             async with grpc.aio.insecure_channel(ctl_addr) as cch:
                 ctl = controller_stub(cch)
                 await until(lambda: _eq(routed(bal), ["a-s0"]))
-                grown = await finished(ctl, (await ctl.ScaleOut(scaling_pb2.ScaleOutRequest(num_replicas=2)))
-                                       .operation.operation_id)
+                grown = await finished(ctl, (await scale_out(ctl, num_replicas=2)).operation_id)
                 assert grown.state == scaling_pb2.OPERATION_STATE_ACTIVE
                 added = grown.replica_ids[0]
                 # An external scale-out hangs in CONNECTING on one address after adopting the other.
-                stuck = (await ctl.ScaleOut(scaling_pb2.ScaleOutRequest(engine_addresses=[e1, hole_address])))\
-                    .operation
+                stuck = await scale_out(ctl, engine_addresses=[e1, hole_address])
                 await in_state(ctl, stuck.operation_id, scaling_pb2.OPERATION_STATE_CONNECTING)
                 await until(lambda: _has(replicas(ctl), "e1-s0"))
             procs.kill("controller")
@@ -61,14 +60,14 @@ async def test_operations_survive_a_controller_kill_with_honest_states(tmp_path)
                 assert failed.state == scaling_pb2.OPERATION_STATE_FAILED
                 assert "controller restarted" in failed.error_message
                 assert "e1-s0" not in await replicas(ctl)
-                kept = (await ctl.GetOperation(scaling_pb2.GetOperationRequest(operation_id=grown.operation_id)))
-                assert kept.operation.state == scaling_pb2.OPERATION_STATE_ACTIVE
+                kept = await get_op(ctl, grown.operation_id)
+                assert kept.state == scaling_pb2.OPERATION_STATE_ACTIVE
                 assert await routed(bal) == sorted(["a-s0", added])
 
                 # A scale-in is killed while draining long requests.
                 runs = [asyncio.create_task(generate(bal, f"r{i}", 300)) for i in range(8)]
                 await until(lambda: _positive(in_flight(bal, added)))
-                shrink = (await ctl.ScaleIn(scaling_pb2.ScaleInRequest(num_replicas=1))).operation
+                shrink = await scale_in(ctl, num_replicas=1)
                 assert list(shrink.replica_ids) == [added]
                 await in_state(ctl, shrink.operation_id, scaling_pb2.OPERATION_STATE_DRAINING)
             procs.kill("controller2")
@@ -89,7 +88,7 @@ async def test_operations_survive_a_controller_kill_with_honest_states(tmp_path)
                     node = (await ctl.GetNode(registry_pb2.GetNodeRequest(node_id="a"))).node
                     return node.lease_held and node.last_report_at.seconds > 0
                 await until(reregistered)
-                listed = (await ctl.ListOperations(scaling_pb2.ListOperationsRequest())).operations
+                listed = await list_ops(ctl)
                 assert {o.operation_id: o.state for o in listed} == {
                     grown.operation_id: scaling_pb2.OPERATION_STATE_ACTIVE,
                     stuck.operation_id: scaling_pb2.OPERATION_STATE_FAILED,

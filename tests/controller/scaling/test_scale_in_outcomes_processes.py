@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+from google.longrunning import operations_pb2
 import pytest
 
 from rollmesh.common.v1 import types_pb2
@@ -25,6 +26,7 @@ from rollmesh.common.v1 import types_pb2
 from rollmesh.controller.v1 import events_pb2
 from rollmesh.controller.v1 import scaling_pb2, weight_sync_pb2
 from rollmesh.loadbalancer.v1 import routing_pb2
+from tests.controller.scaling.helpers import cancel_op, progress, scale_in, scale_in_request, scale_out
 from tests.controller.scaling.helpers import (
     Procs,
     agent_states,
@@ -54,8 +56,7 @@ ACTIVE = types_pb2.REPLICA_STATE_ACTIVE
 
 
 async def grow(ctl, bal, target: int) -> str:
-    op = await finished(ctl, (await ctl.ScaleOut(scaling_pb2.ScaleOutRequest(num_replicas=target))).operation
-                        .operation_id)
+    op = await finished(ctl, (await scale_out(ctl, num_replicas=target)).operation_id)
     assert op.state == scaling_pb2.OPERATION_STATE_ACTIVE, op.error_message
     [new] = op.replica_ids
     assert new in await routed(bal)
@@ -79,11 +80,10 @@ async def test_cancel_while_pending_changes_nothing(tmp_path):
             sync = asyncio.ensure_future(ctl.SyncWeights(weight_sync_pb2.SyncWeightsRequest(
                 replica_ids=["a-s0"], weight_version=1)))
             await until(lambda: _sync_started(ctl))
-            op = (await ctl.ScaleIn(scaling_pb2.ScaleInRequest(num_replicas=1))).operation
+            op = await scale_in(ctl, num_replicas=1)
             assert list(op.replica_ids) == [new]
             await in_state(ctl, op.operation_id, scaling_pb2.OPERATION_STATE_PENDING)
-            cancelled = (await ctl.CancelOperation(scaling_pb2.CancelOperationRequest(
-                operation_id=op.operation_id))).operation
+            cancelled = await cancel_op(ctl, op.operation_id)
             assert cancelled.state == scaling_pb2.OPERATION_STATE_CANCELLED
             assert await event_states(ctl, op.operation_id) == ["PENDING", "CANCELLED"]
             assert not sync.done()  # it was cancelled while still waiting, not after the sync ended
@@ -121,13 +121,16 @@ async def test_timed_out_drain_restores_routing_and_failed_stop_keeps_it_removed
             # and the replica comes back into routing, its requests never aborted.
             runs = [asyncio.create_task(generate(bal, f"t{i}", 300)) for i in range(9)]
             await until(lambda: _positive(in_flight(bal, new)))
-            request = scaling_pb2.ScaleInRequest(num_replicas=2)
+            request = scale_in_request(num_replicas=2)
             request.timeout.FromSeconds(2)
-            op = (await ctl.ScaleIn(request)).operation
+            op = progress(await ctl.ScaleIn(request))
             assert list(op.replica_ids) == [new]
             done = await finished(ctl, op.operation_id)
             assert done.state == scaling_pb2.OPERATION_STATE_FAILED
             assert "timed out" in done.error_message and "DRAINING" in done.error_message
+            failed = await ctl.ops.GetOperation(operations_pb2.GetOperationRequest(name=f"operations/{op.operation_id}"))
+            assert failed.done and failed.error.code == grpc.StatusCode.ABORTED.value[0]
+            assert "timed out" in failed.error.message and not failed.HasField("response")
             assert await event_states(ctl, op.operation_id) == ["PENDING", "DRAINING", "FAILED"]
             await until(lambda: _has(routed(bal), new))
             record = (await replicas(ctl))[new]
@@ -144,7 +147,7 @@ async def test_timed_out_drain_restores_routing_and_failed_stop_keeps_it_removed
             # ends FAILED; the replica stays out of routing, intentionally removed; no request is lost.
             runs = [asyncio.create_task(generate(bal, f"k{i}", 300)) for i in range(9)]
             await until(lambda: _positive(in_flight(bal, new)))
-            op = (await ctl.ScaleIn(scaling_pb2.ScaleInRequest(num_replicas=2))).operation
+            op = await scale_in(ctl, num_replicas=2)
             assert list(op.replica_ids) == [new]
             await in_state(ctl, op.operation_id, scaling_pb2.OPERATION_STATE_DRAINING)
             procs.kill("b")

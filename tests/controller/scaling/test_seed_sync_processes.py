@@ -23,6 +23,7 @@ from rollmesh.controller.v1 import scaling_pb2, weight_sync_pb2
 from rollmesh.weights.v1 import weight_source_pb2 as ws
 from rollmesh.weights.v1 import weight_source_pb2_grpc
 
+from tests.controller.scaling.helpers import scale_out
 from tests.controller.scaling.helpers import (
     Procs,
     controller_stub,
@@ -87,7 +88,7 @@ async def scale_out_from_seed(tmp_path, source: str, *, kill_trainer: bool) -> N
                     await asyncio.sleep(0.02)
 
             watcher = asyncio.create_task(watch())
-            op = (await ctl.ScaleOut(scaling_pb2.ScaleOutRequest(num_replicas=2))).operation
+            op = await scale_out(ctl, num_replicas=2)
             op = await finished(ctl, op.operation_id)
             stop.set()
             await watcher

@@ -16,6 +16,7 @@ import pytest
 from rollmesh.controller.v1 import events_pb2
 from rollmesh.controller.v1 import scaling_pb2, weight_sync_pb2
 
+from tests.controller.scaling.helpers import scale_in, scale_out
 from tests.controller.scaling.helpers import (
     Procs,
     controller_stub,
@@ -68,7 +69,7 @@ async def test_new_replicas_are_synced_to_the_current_version_before_routing(tmp
                     await asyncio.sleep(0.02)
 
             watcher = asyncio.create_task(watch())
-            op = (await ctl.ScaleOut(scaling_pb2.ScaleOutRequest(num_replicas=2))).operation
+            op = await scale_out(ctl, num_replicas=2)
             op = await finished(ctl, op.operation_id)
             stop.set()
             await watcher
@@ -86,7 +87,7 @@ async def test_new_replicas_are_synced_to_the_current_version_before_routing(tmp
             # A scale-in that arrives while a weight sync runs drains only after it.
             sync = asyncio.ensure_future(ctl.SyncWeights(weight_sync_pb2.SyncWeightsRequest(weight_version=2)))
             await until(lambda: _sync_started(ctl, 2))
-            shrink = (await ctl.ScaleIn(scaling_pb2.ScaleInRequest(num_replicas=1))).operation
+            shrink = await scale_in(ctl, num_replicas=1)
             await sync
             done = await finished(ctl, shrink.operation_id)
             assert done.state == scaling_pb2.OPERATION_STATE_COMPLETED and list(done.replica_ids) == [new]

@@ -1,17 +1,22 @@
 // Calls every rollmesh server through the generated TypeScript package (generated/ts, @rollmesh/client):
-// GetStatus of each, the controller's WatchEvents server stream, the load balancer's Generate stream, and an
-// error whose google.rpc.ErrorInfo detail is decoded. Prints one JSON line per call.
+// GetStatus of each, the controller's WatchEvents server stream, a dry-run ScaleOut whose
+// google.longrunning.Operation metadata is unpacked, the load balancer's Generate stream, and an error (from
+// google.longrunning.Operations on the controller) whose google.rpc.ErrorInfo detail is decoded. Prints one
+// JSON line per call.
 // Usage: node client.js [--status-only] CONTROLLER LB REPLICA_AGENT TRAINER_AGENT (HOST:PORT each); mutual
 // TLS from the PEM paths in ROLLMESH_TLS_CA / ROLLMESH_TLS_CERT / ROLLMESH_TLS_KEY, plaintext without them.
 import { readFileSync } from "node:fs";
 import { Code, ConnectError, createClient, type Transport } from "@connectrpc/connect";
 import { createGrpcTransport } from "@connectrpc/connect-node";
+import { anyUnpack } from "@bufbuild/protobuf/wkt";
+import { Operations } from "../../../generated/ts/src/google/longrunning/operations_pb.js";
 import { ErrorInfoSchema } from "../../../generated/ts/src/google/rpc/error_details_pb.js";
 import { ControllerService } from "../../../generated/ts/src/rollmesh/controller/v1/controller_pb.js";
 import { LoadBalancerService } from "../../../generated/ts/src/rollmesh/loadbalancer/v1/loadbalancer_pb.js";
 import { ReplicaAgentService } from "../../../generated/ts/src/rollmesh/replica/v1/replica_agent_pb.js";
 import { TrainerAgentService } from "../../../generated/ts/src/rollmesh/trainer/v1/trainer_agent_pb.js";
 import { EventType } from "../../../generated/ts/src/rollmesh/controller/v1/events_pb.js";
+import { OperationState, ScaleOperationSchema } from "../../../generated/ts/src/rollmesh/controller/v1/scaling_pb.js";
 import { TransportSecurity } from "../../../generated/ts/src/rollmesh/common/v1/status_pb.js";
 
 function transport(address: string): Transport {
@@ -44,6 +49,7 @@ async function main(): Promise<void> {
     throw new Error("usage: client.js CONTROLLER LB REPLICA_AGENT TRAINER_AGENT");
   }
   const controller = createClient(ControllerService, transport(controllerAt));
+  const operations = createClient(Operations, transport(controllerAt));
   const lb = createClient(LoadBalancerService, transport(lbAt));
   const replica = createClient(ReplicaAgentService, transport(replicaAt));
   const trainer = createClient(TrainerAgentService, transport(trainerAt));
@@ -67,8 +73,13 @@ async function main(): Promise<void> {
   }
   print({ call: "WatchEvents", events: types.length, types: [...new Set(types)].sort() });
 
+  const preview = await controller.scaleOut({ target: { case: "numReplicas", value: 1 }, dryRun: true }, options);
+  const metadata = preview.metadata === undefined ? undefined : anyUnpack(preview.metadata, ScaleOperationSchema);
+  print({ call: "ScaleOut", done: preview.done, name: preview.name, dryRun: metadata?.dryRun ?? null,
+          state: metadata === undefined ? null : OperationState[metadata.state] });
+
   try {
-    await controller.getOperation({ operationId: "no-such-operation" }, options);
+    await operations.getOperation({ name: "operations/no-such-operation" }, options);
     print({ call: "GetOperation", error: null });
   } catch (err) {
     print({ call: "GetOperation", error: failure(err) });

@@ -69,7 +69,6 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INVALID_LEVEL: _ClassVar[ErrorReason]
     INVALID_PAUSE_MODE: _ClassVar[ErrorReason]
     INVALID_WAKE_TAG: _ClassVar[ErrorReason]
-    AMBIGUOUS_ABORT: _ClassVar[ErrorReason]
     NOTHING_TO_ABORT: _ClassVar[ErrorReason]
     IDEMPOTENCY_KEY_REUSED: _ClassVar[ErrorReason]
     CANNOT_ATTACH: _ClassVar[ErrorReason]
@@ -159,7 +158,6 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     OPERATION_NOT_FOUND: _ClassVar[ErrorReason]
     OPERATION_NOT_CANCELLABLE: _ClassVar[ErrorReason]
     INVALID_OPERATION_TRANSITION: _ClassVar[ErrorReason]
-    INVALID_TYPE: _ClassVar[ErrorReason]
     TERMINAL_STATES_ONLY: _ClassVar[ErrorReason]
     AUTOSCALER_NOT_CONFIGURED: _ClassVar[ErrorReason]
     INVALID_ACTION: _ClassVar[ErrorReason]
@@ -168,6 +166,12 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INVALID_STOP_STEP: _ClassVar[ErrorReason]
     STEP_ALREADY_PASSED: _ClassVar[ErrorReason]
     UNKNOWN_WEIGHT_SOURCE: _ClassVar[ErrorReason]
+    INVALID_OPERATION_NAME: _ClassVar[ErrorReason]
+    INVALID_FILTER: _ClassVar[ErrorReason]
+    OPERATION_NOT_FINISHED: _ClassVar[ErrorReason]
+    SCALE_OPERATION_FAILED: _ClassVar[ErrorReason]
+    SCALE_OPERATION_CANCELLED: _ClassVar[ErrorReason]
+    CANCELLED: _ClassVar[ErrorReason]
 ERROR_REASON_UNSPECIFIED: ErrorReason
 INTERNAL: ErrorReason
 INVALID_ARGUMENT: ErrorReason
@@ -231,7 +235,6 @@ INVALID_MEMORY_FRACTION: ErrorReason
 INVALID_LEVEL: ErrorReason
 INVALID_PAUSE_MODE: ErrorReason
 INVALID_WAKE_TAG: ErrorReason
-AMBIGUOUS_ABORT: ErrorReason
 NOTHING_TO_ABORT: ErrorReason
 IDEMPOTENCY_KEY_REUSED: ErrorReason
 CANNOT_ATTACH: ErrorReason
@@ -321,7 +324,6 @@ EMPTY_OPERATION_ID: ErrorReason
 OPERATION_NOT_FOUND: ErrorReason
 OPERATION_NOT_CANCELLABLE: ErrorReason
 INVALID_OPERATION_TRANSITION: ErrorReason
-INVALID_TYPE: ErrorReason
 TERMINAL_STATES_ONLY: ErrorReason
 AUTOSCALER_NOT_CONFIGURED: ErrorReason
 INVALID_ACTION: ErrorReason
@@ -330,3 +332,9 @@ TRAINING_ENDED: ErrorReason
 INVALID_STOP_STEP: ErrorReason
 STEP_ALREADY_PASSED: ErrorReason
 UNKNOWN_WEIGHT_SOURCE: ErrorReason
+INVALID_OPERATION_NAME: ErrorReason
+INVALID_FILTER: ErrorReason
+OPERATION_NOT_FINISHED: ErrorReason
+SCALE_OPERATION_FAILED: ErrorReason
+SCALE_OPERATION_CANCELLED: ErrorReason
+CANCELLED: ErrorReason

@@ -1,3 +1,4 @@
+from google.longrunning import operations_pb2 as _operations_pb2
 from rollmesh.common.v1 import status_pb2 as _status_pb2
 from rollmesh.controller.v1 import autoscaler_pb2 as _autoscaler_pb2
 from rollmesh.controller.v1 import observability_pb2 as _observability_pb2

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from google.longrunning import operations_pb2 as google_dot_longrunning_dot_operations__pb2
 from rollmesh.controller.v1 import autoscaler_pb2 as rollmesh_dot_controller_dot_v1_dot_autoscaler__pb2
 from rollmesh.controller.v1 import controller_pb2 as rollmesh_dot_controller_dot_v1_dot_controller__pb2
 from rollmesh.controller.v1 import observability_pb2 as rollmesh_dot_controller_dot_v1_dot_observability__pb2
@@ -43,8 +44,9 @@ class ControllerServiceStub:
     role gets PERMISSION_DENIED (ErrorInfo reason ROLE_NOT_ALLOWED) before
     anything runs; a certificate without a rollmesh identity gets
     UNAUTHENTICATED. Plaintext on a loopback address authorizes nothing.
-    The operator RPCs (ScaleOut, ScaleIn, CancelOperation, CancelOperations,
-    SetAutoscalerEnabled) also accept the metadata "authorization: Bearer
+    The operator RPCs (ScaleOut, ScaleIn, CancelOperations,
+    SetAutoscalerEnabled, and google.longrunning.Operations' CancelOperation
+    and DeleteOperation) also accept the metadata "authorization: Bearer
     TOKEN" with the controller's scale_api_token from any mesh certificate,
     and require it from every caller without an operator certificate whenever
     scale_api_token or scale_api_read_tokens is configured (a read-only token
@@ -135,32 +137,12 @@ class ControllerServiceStub:
         self.ScaleOut = channel.unary_unary(
                 '/rollmesh.controller.v1.ControllerService/ScaleOut',
                 request_serializer=rollmesh_dot_controller_dot_v1_dot_scaling__pb2.ScaleOutRequest.SerializeToString,
-                response_deserializer=rollmesh_dot_controller_dot_v1_dot_scaling__pb2.ScaleOutResponse.FromString,
+                response_deserializer=google_dot_longrunning_dot_operations__pb2.Operation.FromString,
                 _registered_method=True)
         self.ScaleIn = channel.unary_unary(
                 '/rollmesh.controller.v1.ControllerService/ScaleIn',
                 request_serializer=rollmesh_dot_controller_dot_v1_dot_scaling__pb2.ScaleInRequest.SerializeToString,
-                response_deserializer=rollmesh_dot_controller_dot_v1_dot_scaling__pb2.ScaleInResponse.FromString,
-                _registered_method=True)
-        self.GetOperation = channel.unary_unary(
-                '/rollmesh.controller.v1.ControllerService/GetOperation',
-                request_serializer=rollmesh_dot_controller_dot_v1_dot_scaling__pb2.GetOperationRequest.SerializeToString,
-                response_deserializer=rollmesh_dot_controller_dot_v1_dot_scaling__pb2.GetOperationResponse.FromString,
-                _registered_method=True)
-        self.WaitOperation = channel.unary_unary(
-                '/rollmesh.controller.v1.ControllerService/WaitOperation',
-                request_serializer=rollmesh_dot_controller_dot_v1_dot_scaling__pb2.WaitOperationRequest.SerializeToString,
-                response_deserializer=rollmesh_dot_controller_dot_v1_dot_scaling__pb2.WaitOperationResponse.FromString,
-                _registered_method=True)
-        self.ListOperations = channel.unary_unary(
-                '/rollmesh.controller.v1.ControllerService/ListOperations',
-                request_serializer=rollmesh_dot_controller_dot_v1_dot_scaling__pb2.ListOperationsRequest.SerializeToString,
-                response_deserializer=rollmesh_dot_controller_dot_v1_dot_scaling__pb2.ListOperationsResponse.FromString,
-                _registered_method=True)
-        self.CancelOperation = channel.unary_unary(
-                '/rollmesh.controller.v1.ControllerService/CancelOperation',
-                request_serializer=rollmesh_dot_controller_dot_v1_dot_scaling__pb2.CancelOperationRequest.SerializeToString,
-                response_deserializer=rollmesh_dot_controller_dot_v1_dot_scaling__pb2.CancelOperationResponse.FromString,
+                response_deserializer=google_dot_longrunning_dot_operations__pb2.Operation.FromString,
                 _registered_method=True)
         self.CancelOperations = channel.unary_unary(
                 '/rollmesh.controller.v1.ControllerService/CancelOperations',
@@ -201,8 +183,9 @@ class ControllerServiceServicer:
     role gets PERMISSION_DENIED (ErrorInfo reason ROLE_NOT_ALLOWED) before
     anything runs; a certificate without a rollmesh identity gets
     UNAUTHENTICATED. Plaintext on a loopback address authorizes nothing.
-    The operator RPCs (ScaleOut, ScaleIn, CancelOperation, CancelOperations,
-    SetAutoscalerEnabled) also accept the metadata "authorization: Bearer
+    The operator RPCs (ScaleOut, ScaleIn, CancelOperations,
+    SetAutoscalerEnabled, and google.longrunning.Operations' CancelOperation
+    and DeleteOperation) also accept the metadata "authorization: Bearer
     TOKEN" with the controller's scale_api_token from any mesh certificate,
     and require it from every caller without an operator certificate whenever
     scale_api_token or scale_api_read_tokens is configured (a read-only token
@@ -466,16 +449,22 @@ class ControllerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ScaleOut(self, request, context):
-        """Starts a scale-out operation and returns it at once; progress is read
-        with GetOperation, WaitOperation or WatchEvents. Only one scale operation runs at a
-        time. When the target is already met the operation is NOOP. New replicas
-        take traffic only once they hold the current weight version.
-        Capability: scaling.
+        """Starts a scale-out operation and returns it at once as a
+        google.longrunning.Operation named "operations/{operation_id}" (metadata:
+        ScaleOperation; once done, response: ScaleResult, or error: a
+        google.rpc.Status with code CANCELLED for a cancelled one and ErrorInfo
+        reason SCALE_OPERATION_FAILED for a failed one). Progress is read with
+        google.longrunning.Operations (GetOperation, WaitOperation,
+        ListOperations), served by the controller, or with WatchEvents. Only one
+        scale operation runs at a time. When the target is already met the
+        operation is NOOP (done at once). New replicas take traffic only once
+        they hold the current weight version. Capability: scaling.
 
         Errors:
-        - INVALID_ARGUMENT: num_replicas is negative or above the configured
-        maximum, both or neither of num_replicas and engine_addresses are
-        given, an address is not "host:port", or timeout is not positive.
+        - INVALID_ARGUMENT: neither num_replicas nor external is given,
+        num_replicas is not positive or above the configured maximum, external
+        lists no address, an address is not "host:port", or timeout is not
+        positive.
         - ABORTED: another scale operation is running; ErrorInfo reason
         SCALE_OPERATION_IN_PROGRESS with its id in metadata "operation_id".
         - ALREADY_EXISTS: request_id was used before with other parameters.
@@ -490,14 +479,17 @@ class ControllerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ScaleIn(self, request, context):
-        """Starts a scale-in operation and returns it at once (or, with dry_run,
-        the replicas it would remove). Replicas are drained then stopped, last
-        added first; initial replicas are protected. A running weight sync is
-        waited for before draining. Capability: scaling.
+        """Starts a scale-in operation and returns it at once as a
+        google.longrunning.Operation, like ScaleOut (or, with dry_run, a done
+        preview whose metadata lists would_remove_replica_ids). Replicas are
+        drained then stopped, last added first; initial replicas are protected.
+        A running weight sync is waited for before draining. Capability:
+        scaling.
 
         Errors:
-        - INVALID_ARGUMENT: num_replicas is negative, neither a target nor
-        replicas are given, or an address is not "host:port".
+        - INVALID_ARGUMENT: neither num_replicas nor replicas is given,
+        num_replicas is not positive, replicas names no replica, or an address
+        is not "host:port".
         - NOT_FOUND: a listed replica or address is not in the registry.
         - FAILED_PRECONDITION: the target is below the number of protected
         initial replicas, or a listed replica is initial (ErrorInfo reason
@@ -506,67 +498,6 @@ class ControllerServiceServicer:
         - ABORTED: another scale operation is running; ErrorInfo reason
         SCALE_OPERATION_IN_PROGRESS with its id in metadata "operation_id".
         - ALREADY_EXISTS: request_id was used before with other parameters.
-        - UNAUTHENTICATED, PERMISSION_DENIED: auth.
-
-        Authorization: operator (or the operator bearer token).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def GetOperation(self, request, context):
-        """Returns one scale operation. Capability: scaling.
-
-        Errors:
-        - NOT_FOUND: no operation with operation_id.
-
-        Authorization: any authenticated identity.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def WaitOperation(self, request, context):
-        """Waits until a scale operation has finished (reached a terminal state:
-        ACTIVE, COMPLETED, FAILED, CANCELLED or NOOP) or timeout has passed, and
-        returns it as it is then, with done saying which; an operation still
-        running at the timeout is an answer, not an error (as
-        google.longrunning.Operations.WaitOperation). timeout unset: until it
-        finishes, within the call's deadline, shortly before which the answer
-        comes. Capability: scaling.
-
-        Errors:
-        - INVALID_ARGUMENT: timeout is not positive (reason INVALID_TIMEOUT).
-        - NOT_FOUND: no operation with operation_id.
-
-        Authorization: any authenticated identity.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def ListOperations(self, request, context):
-        """Lists scale operations, optionally filtered. Capability: scaling.
-
-        Errors: none of its own; an empty filter matches every operation.
-
-        Authorization: any authenticated identity.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def CancelOperation(self, request, context):
-        """Cancels a scale operation; everything it created is rolled back
-        automatically. Scale-out can be cancelled in any state before ACTIVE,
-        scale-in only while PENDING. Cancelling a CANCELLED operation returns it
-        unchanged. Capability: scaling.
-
-        Errors:
-        - NOT_FOUND: no operation with operation_id.
-        - FAILED_PRECONDITION: the operation is in a state that cannot be
-        cancelled (finished, or a scale-in past PENDING); the message names
-        the state.
         - UNAUTHENTICATED, PERMISSION_DENIED: auth.
 
         Authorization: operator (or the operator bearer token).
@@ -725,32 +656,12 @@ def add_ControllerServiceServicer_to_server(servicer, server):
             'ScaleOut': grpc.unary_unary_rpc_method_handler(
                     servicer.ScaleOut,
                     request_deserializer=rollmesh_dot_controller_dot_v1_dot_scaling__pb2.ScaleOutRequest.FromString,
-                    response_serializer=rollmesh_dot_controller_dot_v1_dot_scaling__pb2.ScaleOutResponse.SerializeToString,
+                    response_serializer=google_dot_longrunning_dot_operations__pb2.Operation.SerializeToString,
             ),
             'ScaleIn': grpc.unary_unary_rpc_method_handler(
                     servicer.ScaleIn,
                     request_deserializer=rollmesh_dot_controller_dot_v1_dot_scaling__pb2.ScaleInRequest.FromString,
-                    response_serializer=rollmesh_dot_controller_dot_v1_dot_scaling__pb2.ScaleInResponse.SerializeToString,
-            ),
-            'GetOperation': grpc.unary_unary_rpc_method_handler(
-                    servicer.GetOperation,
-                    request_deserializer=rollmesh_dot_controller_dot_v1_dot_scaling__pb2.GetOperationRequest.FromString,
-                    response_serializer=rollmesh_dot_controller_dot_v1_dot_scaling__pb2.GetOperationResponse.SerializeToString,
-            ),
-            'WaitOperation': grpc.unary_unary_rpc_method_handler(
-                    servicer.WaitOperation,
-                    request_deserializer=rollmesh_dot_controller_dot_v1_dot_scaling__pb2.WaitOperationRequest.FromString,
-                    response_serializer=rollmesh_dot_controller_dot_v1_dot_scaling__pb2.WaitOperationResponse.SerializeToString,
-            ),
-            'ListOperations': grpc.unary_unary_rpc_method_handler(
-                    servicer.ListOperations,
-                    request_deserializer=rollmesh_dot_controller_dot_v1_dot_scaling__pb2.ListOperationsRequest.FromString,
-                    response_serializer=rollmesh_dot_controller_dot_v1_dot_scaling__pb2.ListOperationsResponse.SerializeToString,
-            ),
-            'CancelOperation': grpc.unary_unary_rpc_method_handler(
-                    servicer.CancelOperation,
-                    request_deserializer=rollmesh_dot_controller_dot_v1_dot_scaling__pb2.CancelOperationRequest.FromString,
-                    response_serializer=rollmesh_dot_controller_dot_v1_dot_scaling__pb2.CancelOperationResponse.SerializeToString,
+                    response_serializer=google_dot_longrunning_dot_operations__pb2.Operation.SerializeToString,
             ),
             'CancelOperations': grpc.unary_unary_rpc_method_handler(
                     servicer.CancelOperations,
@@ -797,8 +708,9 @@ class ControllerService:
     role gets PERMISSION_DENIED (ErrorInfo reason ROLE_NOT_ALLOWED) before
     anything runs; a certificate without a rollmesh identity gets
     UNAUTHENTICATED. Plaintext on a loopback address authorizes nothing.
-    The operator RPCs (ScaleOut, ScaleIn, CancelOperation, CancelOperations,
-    SetAutoscalerEnabled) also accept the metadata "authorization: Bearer
+    The operator RPCs (ScaleOut, ScaleIn, CancelOperations,
+    SetAutoscalerEnabled, and google.longrunning.Operations' CancelOperation
+    and DeleteOperation) also accept the metadata "authorization: Bearer
     TOKEN" with the controller's scale_api_token from any mesh certificate,
     and require it from every caller without an operator certificate whenever
     scale_api_token or scale_api_read_tokens is configured (a read-only token
@@ -1226,7 +1138,7 @@ class ControllerService:
             target,
             '/rollmesh.controller.v1.ControllerService/ScaleOut',
             rollmesh_dot_controller_dot_v1_dot_scaling__pb2.ScaleOutRequest.SerializeToString,
-            rollmesh_dot_controller_dot_v1_dot_scaling__pb2.ScaleOutResponse.FromString,
+            google_dot_longrunning_dot_operations__pb2.Operation.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1253,115 +1165,7 @@ class ControllerService:
             target,
             '/rollmesh.controller.v1.ControllerService/ScaleIn',
             rollmesh_dot_controller_dot_v1_dot_scaling__pb2.ScaleInRequest.SerializeToString,
-            rollmesh_dot_controller_dot_v1_dot_scaling__pb2.ScaleInResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def GetOperation(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/rollmesh.controller.v1.ControllerService/GetOperation',
-            rollmesh_dot_controller_dot_v1_dot_scaling__pb2.GetOperationRequest.SerializeToString,
-            rollmesh_dot_controller_dot_v1_dot_scaling__pb2.GetOperationResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def WaitOperation(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/rollmesh.controller.v1.ControllerService/WaitOperation',
-            rollmesh_dot_controller_dot_v1_dot_scaling__pb2.WaitOperationRequest.SerializeToString,
-            rollmesh_dot_controller_dot_v1_dot_scaling__pb2.WaitOperationResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def ListOperations(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/rollmesh.controller.v1.ControllerService/ListOperations',
-            rollmesh_dot_controller_dot_v1_dot_scaling__pb2.ListOperationsRequest.SerializeToString,
-            rollmesh_dot_controller_dot_v1_dot_scaling__pb2.ListOperationsResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def CancelOperation(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/rollmesh.controller.v1.ControllerService/CancelOperation',
-            rollmesh_dot_controller_dot_v1_dot_scaling__pb2.CancelOperationRequest.SerializeToString,
-            rollmesh_dot_controller_dot_v1_dot_scaling__pb2.CancelOperationResponse.FromString,
+            google_dot_longrunning_dot_operations__pb2.Operation.FromString,
             options,
             channel_credentials,
             insecure,

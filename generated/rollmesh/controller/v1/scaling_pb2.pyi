@@ -72,7 +72,7 @@ class OperationStateChange(_message.Message):
     def __init__(self, state: _Optional[_Union[OperationState, str]] = ..., at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ScaleOperation(_message.Message):
-    __slots__ = ("operation_id", "type", "state", "model_name", "num_replicas", "engine_addresses", "replica_ids", "failed_replica_ids", "created_at", "updated_at", "error_message", "weight_version", "force", "dry_run", "timeout", "partial_success_policy", "state_history", "triggered_by", "request_id")
+    __slots__ = ("operation_id", "type", "state", "model_name", "num_replicas", "engine_addresses", "replica_ids", "failed_replica_ids", "created_at", "updated_at", "error_message", "weight_version", "force", "dry_run", "timeout", "partial_success_policy", "state_history", "triggered_by", "request_id", "summary", "would_remove_replica_ids")
     OPERATION_ID_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,8 @@ class ScaleOperation(_message.Message):
     STATE_HISTORY_FIELD_NUMBER: _ClassVar[int]
     TRIGGERED_BY_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    WOULD_REMOVE_REPLICA_IDS_FIELD_NUMBER: _ClassVar[int]
     operation_id: str
     type: OperationType
     state: OperationState
@@ -111,125 +113,73 @@ class ScaleOperation(_message.Message):
     state_history: _containers.RepeatedCompositeFieldContainer[OperationStateChange]
     triggered_by: str
     request_id: str
-    def __init__(self, operation_id: _Optional[str] = ..., type: _Optional[_Union[OperationType, str]] = ..., state: _Optional[_Union[OperationState, str]] = ..., model_name: _Optional[str] = ..., num_replicas: _Optional[int] = ..., engine_addresses: _Optional[_Iterable[str]] = ..., replica_ids: _Optional[_Iterable[str]] = ..., failed_replica_ids: _Optional[_Iterable[str]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., error_message: _Optional[str] = ..., weight_version: _Optional[int] = ..., force: _Optional[bool] = ..., dry_run: _Optional[bool] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., partial_success_policy: _Optional[_Union[PartialSuccessPolicy, str]] = ..., state_history: _Optional[_Iterable[_Union[OperationStateChange, _Mapping]]] = ..., triggered_by: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+    summary: str
+    would_remove_replica_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, operation_id: _Optional[str] = ..., type: _Optional[_Union[OperationType, str]] = ..., state: _Optional[_Union[OperationState, str]] = ..., model_name: _Optional[str] = ..., num_replicas: _Optional[int] = ..., engine_addresses: _Optional[_Iterable[str]] = ..., replica_ids: _Optional[_Iterable[str]] = ..., failed_replica_ids: _Optional[_Iterable[str]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., error_message: _Optional[str] = ..., weight_version: _Optional[int] = ..., force: _Optional[bool] = ..., dry_run: _Optional[bool] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., partial_success_policy: _Optional[_Union[PartialSuccessPolicy, str]] = ..., state_history: _Optional[_Iterable[_Union[OperationStateChange, _Mapping]]] = ..., triggered_by: _Optional[str] = ..., request_id: _Optional[str] = ..., summary: _Optional[str] = ..., would_remove_replica_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class EngineAddresses(_message.Message):
+    __slots__ = ("addresses",)
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ScaleOutRequest(_message.Message):
-    __slots__ = ("model_name", "num_replicas", "engine_addresses", "timeout", "request_id", "dry_run", "partial_success_policy")
+    __slots__ = ("model_name", "num_replicas", "external", "timeout", "request_id", "dry_run", "partial_success_policy")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_REPLICAS_FIELD_NUMBER: _ClassVar[int]
-    ENGINE_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    EXTERNAL_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DRY_RUN_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_SUCCESS_POLICY_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     num_replicas: int
-    engine_addresses: _containers.RepeatedScalarFieldContainer[str]
+    external: EngineAddresses
     timeout: _duration_pb2.Duration
     request_id: str
     dry_run: bool
     partial_success_policy: PartialSuccessPolicy
-    def __init__(self, model_name: _Optional[str] = ..., num_replicas: _Optional[int] = ..., engine_addresses: _Optional[_Iterable[str]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., request_id: _Optional[str] = ..., dry_run: _Optional[bool] = ..., partial_success_policy: _Optional[_Union[PartialSuccessPolicy, str]] = ...) -> None: ...
+    def __init__(self, model_name: _Optional[str] = ..., num_replicas: _Optional[int] = ..., external: _Optional[_Union[EngineAddresses, _Mapping]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., request_id: _Optional[str] = ..., dry_run: _Optional[bool] = ..., partial_success_policy: _Optional[_Union[PartialSuccessPolicy, str]] = ...) -> None: ...
 
-class ScaleOutResponse(_message.Message):
-    __slots__ = ("operation", "message")
-    OPERATION_FIELD_NUMBER: _ClassVar[int]
-    MESSAGE_FIELD_NUMBER: _ClassVar[int]
-    operation: ScaleOperation
-    message: str
-    def __init__(self, operation: _Optional[_Union[ScaleOperation, _Mapping]] = ..., message: _Optional[str] = ...) -> None: ...
-
-class ScaleInRequest(_message.Message):
-    __slots__ = ("model_name", "num_replicas", "replica_ids", "engine_addresses", "force", "timeout", "dry_run", "request_id")
-    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
-    NUM_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+class ReplicaSelection(_message.Message):
+    __slots__ = ("replica_ids", "engine_addresses")
     REPLICA_IDS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    replica_ids: _containers.RepeatedScalarFieldContainer[str]
+    engine_addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, replica_ids: _Optional[_Iterable[str]] = ..., engine_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ScaleInRequest(_message.Message):
+    __slots__ = ("model_name", "num_replicas", "replicas", "force", "timeout", "dry_run", "request_id")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    NUM_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     FORCE_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     DRY_RUN_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     num_replicas: int
-    replica_ids: _containers.RepeatedScalarFieldContainer[str]
-    engine_addresses: _containers.RepeatedScalarFieldContainer[str]
+    replicas: ReplicaSelection
     force: bool
     timeout: _duration_pb2.Duration
     dry_run: bool
     request_id: str
-    def __init__(self, model_name: _Optional[str] = ..., num_replicas: _Optional[int] = ..., replica_ids: _Optional[_Iterable[str]] = ..., engine_addresses: _Optional[_Iterable[str]] = ..., force: _Optional[bool] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., dry_run: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, model_name: _Optional[str] = ..., num_replicas: _Optional[int] = ..., replicas: _Optional[_Union[ReplicaSelection, _Mapping]] = ..., force: _Optional[bool] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., dry_run: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
 
-class ScaleInResponse(_message.Message):
-    __slots__ = ("operation", "would_remove_replica_ids", "message")
-    OPERATION_FIELD_NUMBER: _ClassVar[int]
-    WOULD_REMOVE_REPLICA_IDS_FIELD_NUMBER: _ClassVar[int]
-    MESSAGE_FIELD_NUMBER: _ClassVar[int]
-    operation: ScaleOperation
-    would_remove_replica_ids: _containers.RepeatedScalarFieldContainer[str]
-    message: str
-    def __init__(self, operation: _Optional[_Union[ScaleOperation, _Mapping]] = ..., would_remove_replica_ids: _Optional[_Iterable[str]] = ..., message: _Optional[str] = ...) -> None: ...
-
-class GetOperationRequest(_message.Message):
-    __slots__ = ("operation_id",)
-    OPERATION_ID_FIELD_NUMBER: _ClassVar[int]
-    operation_id: str
-    def __init__(self, operation_id: _Optional[str] = ...) -> None: ...
-
-class GetOperationResponse(_message.Message):
-    __slots__ = ("operation",)
-    OPERATION_FIELD_NUMBER: _ClassVar[int]
-    operation: ScaleOperation
-    def __init__(self, operation: _Optional[_Union[ScaleOperation, _Mapping]] = ...) -> None: ...
-
-class WaitOperationRequest(_message.Message):
-    __slots__ = ("operation_id", "timeout")
-    OPERATION_ID_FIELD_NUMBER: _ClassVar[int]
-    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
-    operation_id: str
-    timeout: _duration_pb2.Duration
-    def __init__(self, operation_id: _Optional[str] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
-
-class WaitOperationResponse(_message.Message):
-    __slots__ = ("operation", "done")
-    OPERATION_FIELD_NUMBER: _ClassVar[int]
-    DONE_FIELD_NUMBER: _ClassVar[int]
-    operation: ScaleOperation
-    done: bool
-    def __init__(self, operation: _Optional[_Union[ScaleOperation, _Mapping]] = ..., done: _Optional[bool] = ...) -> None: ...
-
-class ListOperationsRequest(_message.Message):
-    __slots__ = ("states", "model_name", "types", "page_size", "page_token")
-    STATES_FIELD_NUMBER: _ClassVar[int]
-    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
-    TYPES_FIELD_NUMBER: _ClassVar[int]
-    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
-    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
-    states: _containers.RepeatedScalarFieldContainer[OperationState]
-    model_name: str
-    types: _containers.RepeatedScalarFieldContainer[OperationType]
-    page_size: int
-    page_token: str
-    def __init__(self, states: _Optional[_Iterable[_Union[OperationState, str]]] = ..., model_name: _Optional[str] = ..., types: _Optional[_Iterable[_Union[OperationType, str]]] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
-
-class ListOperationsResponse(_message.Message):
-    __slots__ = ("operations", "next_page_token")
-    OPERATIONS_FIELD_NUMBER: _ClassVar[int]
-    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
-    operations: _containers.RepeatedCompositeFieldContainer[ScaleOperation]
-    next_page_token: str
-    def __init__(self, operations: _Optional[_Iterable[_Union[ScaleOperation, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
-
-class CancelOperationRequest(_message.Message):
-    __slots__ = ("operation_id",)
-    OPERATION_ID_FIELD_NUMBER: _ClassVar[int]
-    operation_id: str
-    def __init__(self, operation_id: _Optional[str] = ...) -> None: ...
-
-class CancelOperationResponse(_message.Message):
-    __slots__ = ("operation",)
-    OPERATION_FIELD_NUMBER: _ClassVar[int]
-    operation: ScaleOperation
-    def __init__(self, operation: _Optional[_Union[ScaleOperation, _Mapping]] = ...) -> None: ...
+class ScaleResult(_message.Message):
+    __slots__ = ("state", "replica_ids", "failed_replica_ids", "weight_version", "error_message")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_IDS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_REPLICA_IDS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    state: OperationState
+    replica_ids: _containers.RepeatedScalarFieldContainer[str]
+    failed_replica_ids: _containers.RepeatedScalarFieldContainer[str]
+    weight_version: int
+    error_message: str
+    def __init__(self, state: _Optional[_Union[OperationState, str]] = ..., replica_ids: _Optional[_Iterable[str]] = ..., failed_replica_ids: _Optional[_Iterable[str]] = ..., weight_version: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
 
 class CancelOperationsRequest(_message.Message):
     __slots__ = ("states", "dry_run")

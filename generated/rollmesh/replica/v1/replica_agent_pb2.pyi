@@ -147,14 +147,20 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., weight_version: _Optional[int] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_generation_pb2.Usage, _Mapping]] = ..., segments: _Optional[_Iterable[_Union[_generation_pb2.TokenSegment, _Mapping]]] = ...) -> None: ...
 
 class AbortRequestsRequest(_message.Message):
-    __slots__ = ("replica_id", "request_ids", "all")
+    __slots__ = ("replica_id", "requests", "all")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
-    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
     ALL_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
-    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    requests: RequestIds
     all: bool
-    def __init__(self, replica_id: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ..., all: _Optional[bool] = ...) -> None: ...
+    def __init__(self, replica_id: _Optional[str] = ..., requests: _Optional[_Union[RequestIds, _Mapping]] = ..., all: _Optional[bool] = ...) -> None: ...
+
+class RequestIds(_message.Message):
+    __slots__ = ("request_ids",)
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AbortRequestsResponse(_message.Message):
     __slots__ = ("aborted_request_ids",)

@@ -11,6 +11,8 @@
 
 import type { GenFile, GenMessage, GenService } from "@bufbuild/protobuf/codegenv2";
 import { fileDesc, messageDesc, serviceDesc } from "@bufbuild/protobuf/codegenv2";
+import type { OperationSchema } from "../../../google/longrunning/operations_pb.js";
+import { file_google_longrunning_operations } from "../../../google/longrunning/operations_pb.js";
 import type { ServerStatus } from "../../common/v1/status_pb.js";
 import { file_rollmesh_common_v1_status } from "../../common/v1/status_pb.js";
 import type { GetAutoscalerConditionsRequestSchema, GetAutoscalerConditionsResponseSchema, GetAutoscalerStatusRequestSchema, GetAutoscalerStatusResponseSchema, ListScaleHistoryRequestSchema, ListScaleHistoryResponseSchema, SetAutoscalerEnabledRequestSchema, SetAutoscalerEnabledResponseSchema } from "./autoscaler_pb.js";
@@ -19,7 +21,7 @@ import type { GetMetricsRequestSchema, GetMetricsResponseSchema, WatchEventsRequ
 import { file_rollmesh_controller_v1_observability } from "./observability_pb.js";
 import type { DeregisterNodeRequestSchema, DeregisterNodeResponseSchema, GetNodeRequestSchema, GetNodeResponseSchema, GetReplicaRequestSchema, GetReplicaResponseSchema, ListNodesRequestSchema, ListNodesResponseSchema, ListReplicasRequestSchema, ListReplicasResponseSchema, RegisterNodeRequestSchema, RegisterNodeResponseSchema, StreamLoadReportsRequestSchema, StreamLoadReportsResponseSchema } from "./registry_pb.js";
 import { file_rollmesh_controller_v1_registry } from "./registry_pb.js";
-import type { CancelOperationRequestSchema, CancelOperationResponseSchema, CancelOperationsRequestSchema, CancelOperationsResponseSchema, GetOperationRequestSchema, GetOperationResponseSchema, ListOperationsRequestSchema, ListOperationsResponseSchema, ScaleInRequestSchema, ScaleInResponseSchema, ScaleOutRequestSchema, ScaleOutResponseSchema, WaitOperationRequestSchema, WaitOperationResponseSchema } from "./scaling_pb.js";
+import type { CancelOperationsRequestSchema, CancelOperationsResponseSchema, ScaleInRequestSchema, ScaleOutRequestSchema } from "./scaling_pb.js";
 import { file_rollmesh_controller_v1_scaling } from "./scaling_pb.js";
 import type { BeginTrainingStepRequestSchema, BeginTrainingStepResponseSchema, CompleteTrainingStepRequestSchema, CompleteTrainingStepResponseSchema, GetSchedulerStateRequestSchema, GetSchedulerStateResponseSchema, HybridState, ReleaseHybridReplicasRequestSchema, ReleaseHybridReplicasResponseSchema } from "./scheduling_pb.js";
 import { file_rollmesh_controller_v1_scheduling } from "./scheduling_pb.js";
@@ -31,7 +33,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file rollmesh/controller/v1/controller.proto.
  */
 export const file_rollmesh_controller_v1_controller: GenFile = /*@__PURE__*/
-  fileDesc("Cidyb2xsbWVzaC9jb250cm9sbGVyL3YxL2NvbnRyb2xsZXIucHJvdG8SFnJvbGxtZXNoLmNvbnRyb2xsZXIudjEiEgoQR2V0U3RhdHVzUmVxdWVzdCK3AgoRR2V0U3RhdHVzUmVzcG9uc2USMAoGc3RhdHVzGAEgASgLMiAucm9sbG1lc2guY29tbW9uLnYxLlNlcnZlclN0YXR1cxI5CgxoeWJyaWRfc3RhdGUYAiABKA4yIy5yb2xsbWVzaC5jb250cm9sbGVyLnYxLkh5YnJpZFN0YXRlEhIKCm5vZGVfY291bnQYAyABKA0SFQoNcmVwbGljYV9jb3VudBgEIAEoDRIcChRhY3RpdmVfcmVwbGljYV9jb3VudBgFIAEoDRIcChRydW5uaW5nX29wZXJhdGlvbl9pZBgGIAEoCRIbChNsYXN0X2V2ZW50X3NlcXVlbmNlGAcgASgEEjEKBXBlZXJzGAggAygLMiIucm9sbG1lc2guY29udHJvbGxlci52MS5QZWVyU3RhdHVzIn8KClBlZXJTdGF0dXMSDAoEcm9sZRgBIAEoCRIPCgdhZGRyZXNzGAIgASgJEhEKCXJlYWNoYWJsZRgDIAEoCBINCgVlcnJvchgEIAEoCRIwCgZzdGF0dXMYBSABKAsyIC5yb2xsbWVzaC5jb21tb24udjEuU2VydmVyU3RhdHVzMosXChFDb250cm9sbGVyU2VydmljZRJgCglHZXRTdGF0dXMSKC5yb2xsbWVzaC5jb250cm9sbGVyLnYxLkdldFN0YXR1c1JlcXVlc3QaKS5yb2xsbWVzaC5jb250cm9sbGVyLnYxLkdldFN0YXR1c1Jlc3BvbnNlEmkKDFJlZ2lzdGVyTm9kZRIrLnJvbGxtZXNoLmNvbnRyb2xsZXIudjEuUmVnaXN0ZXJOb2RlUmVxdWVzdBosLnJvbGxtZXNoLmNvbnRyb2xsZXIudjEuUmVnaXN0ZXJOb2RlUmVzcG9uc2USbwoORGVyZWdpc3Rlck5vZGUSLS5yb2xsbWVzaC5jb250cm9sbGVyLnYxLkRlcmVnaXN0ZXJOb2RlUmVxdWVzdBouLnJvbGxtZXNoLmNvbnRyb2xsZXIudjEuRGVyZWdpc3Rlck5vZGVSZXNwb25zZRJ8ChFTdHJlYW1Mb2FkUmVwb3J0cxIwLnJvbGxtZXNoLmNvbnRyb2xsZXIudjEuU3RyZWFtTG9hZFJlcG9ydHNSZXF1ZXN0GjEucm9sbG1lc2guY29udHJvbGxlci52MS5TdHJlYW1Mb2FkUmVwb3J0c1Jlc3BvbnNlKAEwARJgCglMaXN0Tm9kZXMSKC5yb2xsbWVzaC5jb250cm9sbGVyLnYxLkxpc3ROb2Rlc1JlcXVlc3QaKS5yb2xsbWVzaC5jb250cm9sbGVyLnYxLkxpc3ROb2Rlc1Jlc3BvbnNlEloKB0dldE5vZGUSJi5yb2xsbWVzaC5jb250cm9sbGVyLnYxLkdldE5vZGVSZXF1ZXN0Gicucm9sbG1lc2guY29udHJvbGxlci52MS5HZXROb2RlUmVzcG9uc2USaQoMTGlzdFJlcGxpY2FzEisucm9sbG1lc2guY29udHJvbGxlci52MS5MaXN0UmVwbGljYXNSZXF1ZXN0Giwucm9sbG1lc2guY29udHJvbGxlci52MS5MaXN0UmVwbGljYXNSZXNwb25zZRJjCgpHZXRSZXBsaWNhEikucm9sbG1lc2guY29udHJvbGxlci52MS5HZXRSZXBsaWNhUmVxdWVzdBoqLnJvbGxtZXNoLmNvbnRyb2xsZXIudjEuR2V0UmVwbGljYVJlc3BvbnNlEngKEUJlZ2luVHJhaW5pbmdTdGVwEjAucm9sbG1lc2guY29udHJvbGxlci52MS5CZWdpblRyYWluaW5nU3RlcFJlcXVlc3QaMS5yb2xsbWVzaC5jb250cm9sbGVyLnYxLkJlZ2luVHJhaW5pbmdTdGVwUmVzcG9uc2UShAEKFVJlbGVhc2VIeWJyaWRSZXBsaWNhcxI0LnJvbGxtZXNoLmNvbnRyb2xsZXIudjEuUmVsZWFzZUh5YnJpZFJlcGxpY2FzUmVxdWVzdBo1LnJvbGxtZXNoLmNvbnRyb2xsZXIudjEuUmVsZWFzZUh5YnJpZFJlcGxpY2FzUmVzcG9uc2USgQEKFENvbXBsZXRlVHJhaW5pbmdTdGVwEjMucm9sbG1lc2guY29udHJvbGxlci52MS5Db21wbGV0ZVRyYWluaW5nU3RlcFJlcXVlc3QaNC5yb2xsbWVzaC5jb250cm9sbGVyLnYxLkNvbXBsZXRlVHJhaW5pbmdTdGVwUmVzcG9uc2USeAoRR2V0U2NoZWR1bGVyU3RhdGUSMC5yb2xsbWVzaC5jb250cm9sbGVyLnYxLkdldFNjaGVkdWxlclN0YXRlUmVxdWVzdBoxLnJvbGxtZXNoLmNvbnRyb2xsZXIudjEuR2V0U2NoZWR1bGVyU3RhdGVSZXNwb25zZRJmCgtTeW5jV2VpZ2h0cxIqLnJvbGxtZXNoLmNvbnRyb2xsZXIudjEuU3luY1dlaWdodHNSZXF1ZXN0Gisucm9sbG1lc2guY29udHJvbGxlci52MS5TeW5jV2VpZ2h0c1Jlc3BvbnNlEmgKC1dhdGNoRXZlbnRzEioucm9sbG1lc2guY29udHJvbGxlci52MS5XYXRjaEV2ZW50c1JlcXVlc3QaKy5yb2xsbWVzaC5jb250cm9sbGVyLnYxLldhdGNoRXZlbnRzUmVzcG9uc2UwARJjCgpHZXRNZXRyaWNzEikucm9sbG1lc2guY29udHJvbGxlci52MS5HZXRNZXRyaWNzUmVxdWVzdBoqLnJvbGxtZXNoLmNvbnRyb2xsZXIudjEuR2V0TWV0cmljc1Jlc3BvbnNlEl0KCFNjYWxlT3V0Eicucm9sbG1lc2guY29udHJvbGxlci52MS5TY2FsZU91dFJlcXVlc3QaKC5yb2xsbWVzaC5jb250cm9sbGVyLnYxLlNjYWxlT3V0UmVzcG9uc2USWgoHU2NhbGVJbhImLnJvbGxtZXNoLmNvbnRyb2xsZXIudjEuU2NhbGVJblJlcXVlc3QaJy5yb2xsbWVzaC5jb250cm9sbGVyLnYxLlNjYWxlSW5SZXNwb25zZRJpCgxHZXRPcGVyYXRpb24SKy5yb2xsbWVzaC5jb250cm9sbGVyLnYxLkdldE9wZXJhdGlvblJlcXVlc3QaLC5yb2xsbWVzaC5jb250cm9sbGVyLnYxLkdldE9wZXJhdGlvblJlc3BvbnNlEmwKDVdhaXRPcGVyYXRpb24SLC5yb2xsbWVzaC5jb250cm9sbGVyLnYxLldhaXRPcGVyYXRpb25SZXF1ZXN0Gi0ucm9sbG1lc2guY29udHJvbGxlci52MS5XYWl0T3BlcmF0aW9uUmVzcG9uc2USbwoOTGlzdE9wZXJhdGlvbnMSLS5yb2xsbWVzaC5jb250cm9sbGVyLnYxLkxpc3RPcGVyYXRpb25zUmVxdWVzdBouLnJvbGxtZXNoLmNvbnRyb2xsZXIudjEuTGlzdE9wZXJhdGlvbnNSZXNwb25zZRJyCg9DYW5jZWxPcGVyYXRpb24SLi5yb2xsbWVzaC5jb250cm9sbGVyLnYxLkNhbmNlbE9wZXJhdGlvblJlcXVlc3QaLy5yb2xsbWVzaC5jb250cm9sbGVyLnYxLkNhbmNlbE9wZXJhdGlvblJlc3BvbnNlEnUKEENhbmNlbE9wZXJhdGlvbnMSLy5yb2xsbWVzaC5jb250cm9sbGVyLnYxLkNhbmNlbE9wZXJhdGlvbnNSZXF1ZXN0GjAucm9sbG1lc2guY29udHJvbGxlci52MS5DYW5jZWxPcGVyYXRpb25zUmVzcG9uc2USfgoTR2V0QXV0b3NjYWxlclN0YXR1cxIyLnJvbGxtZXNoLmNvbnRyb2xsZXIudjEuR2V0QXV0b3NjYWxlclN0YXR1c1JlcXVlc3QaMy5yb2xsbWVzaC5jb250cm9sbGVyLnYxLkdldEF1dG9zY2FsZXJTdGF0dXNSZXNwb25zZRKBAQoUU2V0QXV0b3NjYWxlckVuYWJsZWQSMy5yb2xsbWVzaC5jb250cm9sbGVyLnYxLlNldEF1dG9zY2FsZXJFbmFibGVkUmVxdWVzdBo0LnJvbGxtZXNoLmNvbnRyb2xsZXIudjEuU2V0QXV0b3NjYWxlckVuYWJsZWRSZXNwb25zZRKKAQoXR2V0QXV0b3NjYWxlckNvbmRpdGlvbnMSNi5yb2xsbWVzaC5jb250cm9sbGVyLnYxLkdldEF1dG9zY2FsZXJDb25kaXRpb25zUmVxdWVzdBo3LnJvbGxtZXNoLmNvbnRyb2xsZXIudjEuR2V0QXV0b3NjYWxlckNvbmRpdGlvbnNSZXNwb25zZRJ1ChBMaXN0U2NhbGVIaXN0b3J5Ei8ucm9sbG1lc2guY29udHJvbGxlci52MS5MaXN0U2NhbGVIaXN0b3J5UmVxdWVzdBowLnJvbGxtZXNoLmNvbnRyb2xsZXIudjEuTGlzdFNjYWxlSGlzdG9yeVJlc3BvbnNlYgZwcm90bzM", [file_rollmesh_common_v1_status, file_rollmesh_controller_v1_autoscaler, file_rollmesh_controller_v1_observability, file_rollmesh_controller_v1_registry, file_rollmesh_controller_v1_scaling, file_rollmesh_controller_v1_scheduling, file_rollmesh_controller_v1_weight_sync]);
+  fileDesc("Cidyb2xsbWVzaC9jb250cm9sbGVyL3YxL2NvbnRyb2xsZXIucHJvdG8SFnJvbGxtZXNoLmNvbnRyb2xsZXIudjEiEgoQR2V0U3RhdHVzUmVxdWVzdCK3AgoRR2V0U3RhdHVzUmVzcG9uc2USMAoGc3RhdHVzGAEgASgLMiAucm9sbG1lc2guY29tbW9uLnYxLlNlcnZlclN0YXR1cxI5CgxoeWJyaWRfc3RhdGUYAiABKA4yIy5yb2xsbWVzaC5jb250cm9sbGVyLnYxLkh5YnJpZFN0YXRlEhIKCm5vZGVfY291bnQYAyABKA0SFQoNcmVwbGljYV9jb3VudBgEIAEoDRIcChRhY3RpdmVfcmVwbGljYV9jb3VudBgFIAEoDRIcChRydW5uaW5nX29wZXJhdGlvbl9pZBgGIAEoCRIbChNsYXN0X2V2ZW50X3NlcXVlbmNlGAcgASgEEjEKBXBlZXJzGAggAygLMiIucm9sbG1lc2guY29udHJvbGxlci52MS5QZWVyU3RhdHVzIn8KClBlZXJTdGF0dXMSDAoEcm9sZRgBIAEoCRIPCgdhZGRyZXNzGAIgASgJEhEKCXJlYWNoYWJsZRgDIAEoCBINCgVlcnJvchgEIAEoCRIwCgZzdGF0dXMYBSABKAsyIC5yb2xsbWVzaC5jb21tb24udjEuU2VydmVyU3RhdHVzMvwTChFDb250cm9sbGVyU2VydmljZRJgCglHZXRTdGF0dXMSKC5yb2xsbWVzaC5jb250cm9sbGVyLnYxLkdldFN0YXR1c1JlcXVlc3QaKS5yb2xsbWVzaC5jb250cm9sbGVyLnYxLkdldFN0YXR1c1Jlc3BvbnNlEmkKDFJlZ2lzdGVyTm9kZRIrLnJvbGxtZXNoLmNvbnRyb2xsZXIudjEuUmVnaXN0ZXJOb2RlUmVxdWVzdBosLnJvbGxtZXNoLmNvbnRyb2xsZXIudjEuUmVnaXN0ZXJOb2RlUmVzcG9uc2USbwoORGVyZWdpc3Rlck5vZGUSLS5yb2xsbWVzaC5jb250cm9sbGVyLnYxLkRlcmVnaXN0ZXJOb2RlUmVxdWVzdBouLnJvbGxtZXNoLmNvbnRyb2xsZXIudjEuRGVyZWdpc3Rlck5vZGVSZXNwb25zZRJ8ChFTdHJlYW1Mb2FkUmVwb3J0cxIwLnJvbGxtZXNoLmNvbnRyb2xsZXIudjEuU3RyZWFtTG9hZFJlcG9ydHNSZXF1ZXN0GjEucm9sbG1lc2guY29udHJvbGxlci52MS5TdHJlYW1Mb2FkUmVwb3J0c1Jlc3BvbnNlKAEwARJgCglMaXN0Tm9kZXMSKC5yb2xsbWVzaC5jb250cm9sbGVyLnYxLkxpc3ROb2Rlc1JlcXVlc3QaKS5yb2xsbWVzaC5jb250cm9sbGVyLnYxLkxpc3ROb2Rlc1Jlc3BvbnNlEloKB0dldE5vZGUSJi5yb2xsbWVzaC5jb250cm9sbGVyLnYxLkdldE5vZGVSZXF1ZXN0Gicucm9sbG1lc2guY29udHJvbGxlci52MS5HZXROb2RlUmVzcG9uc2USaQoMTGlzdFJlcGxpY2FzEisucm9sbG1lc2guY29udHJvbGxlci52MS5MaXN0UmVwbGljYXNSZXF1ZXN0Giwucm9sbG1lc2guY29udHJvbGxlci52MS5MaXN0UmVwbGljYXNSZXNwb25zZRJjCgpHZXRSZXBsaWNhEikucm9sbG1lc2guY29udHJvbGxlci52MS5HZXRSZXBsaWNhUmVxdWVzdBoqLnJvbGxtZXNoLmNvbnRyb2xsZXIudjEuR2V0UmVwbGljYVJlc3BvbnNlEngKEUJlZ2luVHJhaW5pbmdTdGVwEjAucm9sbG1lc2guY29udHJvbGxlci52MS5CZWdpblRyYWluaW5nU3RlcFJlcXVlc3QaMS5yb2xsbWVzaC5jb250cm9sbGVyLnYxLkJlZ2luVHJhaW5pbmdTdGVwUmVzcG9uc2UShAEKFVJlbGVhc2VIeWJyaWRSZXBsaWNhcxI0LnJvbGxtZXNoLmNvbnRyb2xsZXIudjEuUmVsZWFzZUh5YnJpZFJlcGxpY2FzUmVxdWVzdBo1LnJvbGxtZXNoLmNvbnRyb2xsZXIudjEuUmVsZWFzZUh5YnJpZFJlcGxpY2FzUmVzcG9uc2USgQEKFENvbXBsZXRlVHJhaW5pbmdTdGVwEjMucm9sbG1lc2guY29udHJvbGxlci52MS5Db21wbGV0ZVRyYWluaW5nU3RlcFJlcXVlc3QaNC5yb2xsbWVzaC5jb250cm9sbGVyLnYxLkNvbXBsZXRlVHJhaW5pbmdTdGVwUmVzcG9uc2USeAoRR2V0U2NoZWR1bGVyU3RhdGUSMC5yb2xsbWVzaC5jb250cm9sbGVyLnYxLkdldFNjaGVkdWxlclN0YXRlUmVxdWVzdBoxLnJvbGxtZXNoLmNvbnRyb2xsZXIudjEuR2V0U2NoZWR1bGVyU3RhdGVSZXNwb25zZRJmCgtTeW5jV2VpZ2h0cxIqLnJvbGxtZXNoLmNvbnRyb2xsZXIudjEuU3luY1dlaWdodHNSZXF1ZXN0Gisucm9sbG1lc2guY29udHJvbGxlci52MS5TeW5jV2VpZ2h0c1Jlc3BvbnNlEmgKC1dhdGNoRXZlbnRzEioucm9sbG1lc2guY29udHJvbGxlci52MS5XYXRjaEV2ZW50c1JlcXVlc3QaKy5yb2xsbWVzaC5jb250cm9sbGVyLnYxLldhdGNoRXZlbnRzUmVzcG9uc2UwARJjCgpHZXRNZXRyaWNzEikucm9sbG1lc2guY29udHJvbGxlci52MS5HZXRNZXRyaWNzUmVxdWVzdBoqLnJvbGxtZXNoLmNvbnRyb2xsZXIudjEuR2V0TWV0cmljc1Jlc3BvbnNlEnQKCFNjYWxlT3V0Eicucm9sbG1lc2guY29udHJvbGxlci52MS5TY2FsZU91dFJlcXVlc3QaHS5nb29nbGUubG9uZ3J1bm5pbmcuT3BlcmF0aW9uIiDKQR0KC1NjYWxlUmVzdWx0Eg5TY2FsZU9wZXJhdGlvbhJyCgdTY2FsZUluEiYucm9sbG1lc2guY29udHJvbGxlci52MS5TY2FsZUluUmVxdWVzdBodLmdvb2dsZS5sb25ncnVubmluZy5PcGVyYXRpb24iIMpBHQoLU2NhbGVSZXN1bHQSDlNjYWxlT3BlcmF0aW9uEnUKEENhbmNlbE9wZXJhdGlvbnMSLy5yb2xsbWVzaC5jb250cm9sbGVyLnYxLkNhbmNlbE9wZXJhdGlvbnNSZXF1ZXN0GjAucm9sbG1lc2guY29udHJvbGxlci52MS5DYW5jZWxPcGVyYXRpb25zUmVzcG9uc2USfgoTR2V0QXV0b3NjYWxlclN0YXR1cxIyLnJvbGxtZXNoLmNvbnRyb2xsZXIudjEuR2V0QXV0b3NjYWxlclN0YXR1c1JlcXVlc3QaMy5yb2xsbWVzaC5jb250cm9sbGVyLnYxLkdldEF1dG9zY2FsZXJTdGF0dXNSZXNwb25zZRKBAQoUU2V0QXV0b3NjYWxlckVuYWJsZWQSMy5yb2xsbWVzaC5jb250cm9sbGVyLnYxLlNldEF1dG9zY2FsZXJFbmFibGVkUmVxdWVzdBo0LnJvbGxtZXNoLmNvbnRyb2xsZXIudjEuU2V0QXV0b3NjYWxlckVuYWJsZWRSZXNwb25zZRKKAQoXR2V0QXV0b3NjYWxlckNvbmRpdGlvbnMSNi5yb2xsbWVzaC5jb250cm9sbGVyLnYxLkdldEF1dG9zY2FsZXJDb25kaXRpb25zUmVxdWVzdBo3LnJvbGxtZXNoLmNvbnRyb2xsZXIudjEuR2V0QXV0b3NjYWxlckNvbmRpdGlvbnNSZXNwb25zZRJ1ChBMaXN0U2NhbGVIaXN0b3J5Ei8ucm9sbG1lc2guY29udHJvbGxlci52MS5MaXN0U2NhbGVIaXN0b3J5UmVxdWVzdBowLnJvbGxtZXNoLmNvbnRyb2xsZXIudjEuTGlzdFNjYWxlSGlzdG9yeVJlc3BvbnNlYgZwcm90bzM", [file_google_longrunning_operations, file_rollmesh_common_v1_status, file_rollmesh_controller_v1_autoscaler, file_rollmesh_controller_v1_observability, file_rollmesh_controller_v1_registry, file_rollmesh_controller_v1_scaling, file_rollmesh_controller_v1_scheduling, file_rollmesh_controller_v1_weight_sync]);
 
 /**
  * Request of GetStatus. It has no fields.
@@ -181,8 +183,9 @@ export const PeerStatusSchema: GenMessage<PeerStatus> = /*@__PURE__*/
  * role gets PERMISSION_DENIED (ErrorInfo reason ROLE_NOT_ALLOWED) before
  * anything runs; a certificate without a rollmesh identity gets
  * UNAUTHENTICATED. Plaintext on a loopback address authorizes nothing.
- * The operator RPCs (ScaleOut, ScaleIn, CancelOperation, CancelOperations,
- * SetAutoscalerEnabled) also accept the metadata "authorization: Bearer
+ * The operator RPCs (ScaleOut, ScaleIn, CancelOperations,
+ * SetAutoscalerEnabled, and google.longrunning.Operations' CancelOperation
+ * and DeleteOperation) also accept the metadata "authorization: Bearer
  * TOKEN" with the controller's scale_api_token from any mesh certificate,
  * and require it from every caller without an operator certificate whenever
  * scale_api_token or scale_api_read_tokens is configured (a read-only token
@@ -493,16 +496,22 @@ export const ControllerService: GenService<{
     output: typeof GetMetricsResponseSchema;
   },
   /**
-   * Starts a scale-out operation and returns it at once; progress is read
-   * with GetOperation, WaitOperation or WatchEvents. Only one scale operation runs at a
-   * time. When the target is already met the operation is NOOP. New replicas
-   * take traffic only once they hold the current weight version.
-   * Capability: scaling.
+   * Starts a scale-out operation and returns it at once as a
+   * google.longrunning.Operation named "operations/{operation_id}" (metadata:
+   * ScaleOperation; once done, response: ScaleResult, or error: a
+   * google.rpc.Status with code CANCELLED for a cancelled one and ErrorInfo
+   * reason SCALE_OPERATION_FAILED for a failed one). Progress is read with
+   * google.longrunning.Operations (GetOperation, WaitOperation,
+   * ListOperations), served by the controller, or with WatchEvents. Only one
+   * scale operation runs at a time. When the target is already met the
+   * operation is NOOP (done at once). New replicas take traffic only once
+   * they hold the current weight version. Capability: scaling.
    *
    * Errors:
-   * - INVALID_ARGUMENT: num_replicas is negative or above the configured
-   *   maximum, both or neither of num_replicas and engine_addresses are
-   *   given, an address is not "host:port", or timeout is not positive.
+   * - INVALID_ARGUMENT: neither num_replicas nor external is given,
+   *   num_replicas is not positive or above the configured maximum, external
+   *   lists no address, an address is not "host:port", or timeout is not
+   *   positive.
    * - ABORTED: another scale operation is running; ErrorInfo reason
    *   SCALE_OPERATION_IN_PROGRESS with its id in metadata "operation_id".
    * - ALREADY_EXISTS: request_id was used before with other parameters.
@@ -517,17 +526,20 @@ export const ControllerService: GenService<{
   scaleOut: {
     methodKind: "unary";
     input: typeof ScaleOutRequestSchema;
-    output: typeof ScaleOutResponseSchema;
+    output: typeof OperationSchema;
   },
   /**
-   * Starts a scale-in operation and returns it at once (or, with dry_run,
-   * the replicas it would remove). Replicas are drained then stopped, last
-   * added first; initial replicas are protected. A running weight sync is
-   * waited for before draining. Capability: scaling.
+   * Starts a scale-in operation and returns it at once as a
+   * google.longrunning.Operation, like ScaleOut (or, with dry_run, a done
+   * preview whose metadata lists would_remove_replica_ids). Replicas are
+   * drained then stopped, last added first; initial replicas are protected.
+   * A running weight sync is waited for before draining. Capability:
+   * scaling.
    *
    * Errors:
-   * - INVALID_ARGUMENT: num_replicas is negative, neither a target nor
-   *   replicas are given, or an address is not "host:port".
+   * - INVALID_ARGUMENT: neither num_replicas nor replicas is given,
+   *   num_replicas is not positive, replicas names no replica, or an address
+   *   is not "host:port".
    * - NOT_FOUND: a listed replica or address is not in the registry.
    * - FAILED_PRECONDITION: the target is below the number of protected
    *   initial replicas, or a listed replica is initial (ErrorInfo reason
@@ -545,80 +557,7 @@ export const ControllerService: GenService<{
   scaleIn: {
     methodKind: "unary";
     input: typeof ScaleInRequestSchema;
-    output: typeof ScaleInResponseSchema;
-  },
-  /**
-   * Returns one scale operation. Capability: scaling.
-   *
-   * Errors:
-   * - NOT_FOUND: no operation with operation_id.
-   *
-   * Authorization: any authenticated identity.
-   *
-   * @generated from rpc rollmesh.controller.v1.ControllerService.GetOperation
-   */
-  getOperation: {
-    methodKind: "unary";
-    input: typeof GetOperationRequestSchema;
-    output: typeof GetOperationResponseSchema;
-  },
-  /**
-   * Waits until a scale operation has finished (reached a terminal state:
-   * ACTIVE, COMPLETED, FAILED, CANCELLED or NOOP) or timeout has passed, and
-   * returns it as it is then, with done saying which; an operation still
-   * running at the timeout is an answer, not an error (as
-   * google.longrunning.Operations.WaitOperation). timeout unset: until it
-   * finishes, within the call's deadline, shortly before which the answer
-   * comes. Capability: scaling.
-   *
-   * Errors:
-   * - INVALID_ARGUMENT: timeout is not positive (reason INVALID_TIMEOUT).
-   * - NOT_FOUND: no operation with operation_id.
-   *
-   * Authorization: any authenticated identity.
-   *
-   * @generated from rpc rollmesh.controller.v1.ControllerService.WaitOperation
-   */
-  waitOperation: {
-    methodKind: "unary";
-    input: typeof WaitOperationRequestSchema;
-    output: typeof WaitOperationResponseSchema;
-  },
-  /**
-   * Lists scale operations, optionally filtered. Capability: scaling.
-   *
-   * Errors: none of its own; an empty filter matches every operation.
-   *
-   * Authorization: any authenticated identity.
-   *
-   * @generated from rpc rollmesh.controller.v1.ControllerService.ListOperations
-   */
-  listOperations: {
-    methodKind: "unary";
-    input: typeof ListOperationsRequestSchema;
-    output: typeof ListOperationsResponseSchema;
-  },
-  /**
-   * Cancels a scale operation; everything it created is rolled back
-   * automatically. Scale-out can be cancelled in any state before ACTIVE,
-   * scale-in only while PENDING. Cancelling a CANCELLED operation returns it
-   * unchanged. Capability: scaling.
-   *
-   * Errors:
-   * - NOT_FOUND: no operation with operation_id.
-   * - FAILED_PRECONDITION: the operation is in a state that cannot be
-   *   cancelled (finished, or a scale-in past PENDING); the message names
-   *   the state.
-   * - UNAUTHENTICATED, PERMISSION_DENIED: auth.
-   *
-   * Authorization: operator (or the operator bearer token).
-   *
-   * @generated from rpc rollmesh.controller.v1.ControllerService.CancelOperation
-   */
-  cancelOperation: {
-    methodKind: "unary";
-    input: typeof CancelOperationRequestSchema;
-    output: typeof CancelOperationResponseSchema;
+    output: typeof OperationSchema;
   },
   /**
    * Cancels every cancellable operation in the given states (or previews

@@ -3,9 +3,26 @@
 /* eslint-disable */
 
 // Elastic-scaling part of the controller API: scale-out and scale-in run as
-// long-running operations that can be read, listed and cancelled, one at a
-// time. Operations survive controller restarts. The RPCs are in
-// controller.proto.
+// long-running operations, one at a time. ScaleOut and ScaleIn (in
+// controller.proto) return a google.longrunning.Operation named
+// "operations/{operation_id}" whose metadata is a ScaleOperation and whose
+// response, once done, a ScaleResult (or whose error a google.rpc.Status);
+// the controller serves google.longrunning.Operations to read, list, wait
+// for, cancel and delete them. Operations survive controller restarts.
+//
+// google.longrunning.Operations on the controller: GetOperation,
+// WaitOperation, CancelOperation and DeleteOperation take the name
+// "operations/{operation_id}"; ListOperations takes name "operations" (or
+// empty) and returns newest first, in pages (page_size at most 1000, 0:
+// all). Its filter is empty (everything) or terms joined by AND, each
+// FIELD = VALUE or FIELD = (VALUE OR VALUE ...), with FIELD one of state
+// (an OperationState name, with or without its OPERATION_STATE_ prefix),
+// type (SCALE_OUT, SCALE_IN) and model_name (a quoted or bare name), e.g.
+// `state = (ACTIVE OR FAILED) AND type = SCALE_OUT`. CancelOperation
+// cancels as CancelOperations does for one operation; DeleteOperation
+// forgets a finished operation (FAILED_PRECONDITION while it runs). Get,
+// Wait and List: any authenticated identity; Cancel and Delete: operator
+// (or the operator bearer token).
 
 import type { GenEnum, GenFile, GenMessage } from "@bufbuild/protobuf/codegenv2";
 import { enumDesc, fileDesc, messageDesc } from "@bufbuild/protobuf/codegenv2";
@@ -18,7 +35,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file rollmesh/controller/v1/scaling.proto.
  */
 export const file_rollmesh_controller_v1_scaling: GenFile = /*@__PURE__*/
-  fileDesc("CiRyb2xsbWVzaC9jb250cm9sbGVyL3YxL3NjYWxpbmcucHJvdG8SFnJvbGxtZXNoLmNvbnRyb2xsZXIudjEihQEKFE9wZXJhdGlvblN0YXRlQ2hhbmdlEjUKBXN0YXRlGAEgASgOMiYucm9sbG1lc2guY29udHJvbGxlci52MS5PcGVyYXRpb25TdGF0ZRImCgJhdBgCIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASDgoGcmVhc29uGAMgASgJIrcFCg5TY2FsZU9wZXJhdGlvbhIUCgxvcGVyYXRpb25faWQYASABKAkSMwoEdHlwZRgCIAEoDjIlLnJvbGxtZXNoLmNvbnRyb2xsZXIudjEuT3BlcmF0aW9uVHlwZRI1CgVzdGF0ZRgDIAEoDjImLnJvbGxtZXNoLmNvbnRyb2xsZXIudjEuT3BlcmF0aW9uU3RhdGUSEgoKbW9kZWxfbmFtZRgEIAEoCRIUCgxudW1fcmVwbGljYXMYBSABKAUSGAoQZW5naW5lX2FkZHJlc3NlcxgGIAMoCRITCgtyZXBsaWNhX2lkcxgHIAMoCRIaChJmYWlsZWRfcmVwbGljYV9pZHMYCCADKAkSLgoKY3JlYXRlZF9hdBgJIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASLgoKdXBkYXRlZF9hdBgKIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASFQoNZXJyb3JfbWVzc2FnZRgLIAEoCRIbCg53ZWlnaHRfdmVyc2lvbhgMIAEoA0gAiAEBEg0KBWZvcmNlGA0gASgIEg8KB2RyeV9ydW4YDiABKAgSKgoHdGltZW91dBgPIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhJMChZwYXJ0aWFsX3N1Y2Nlc3NfcG9saWN5GBAgASgOMiwucm9sbG1lc2guY29udHJvbGxlci52MS5QYXJ0aWFsU3VjY2Vzc1BvbGljeRJDCg1zdGF0ZV9oaXN0b3J5GBEgAygLMiwucm9sbG1lc2guY29udHJvbGxlci52MS5PcGVyYXRpb25TdGF0ZUNoYW5nZRIUCgx0cmlnZ2VyZWRfYnkYEiABKAkSEgoKcmVxdWVzdF9pZBgTIAEoCUIRCg9fd2VpZ2h0X3ZlcnNpb24i9AEKD1NjYWxlT3V0UmVxdWVzdBISCgptb2RlbF9uYW1lGAEgASgJEhQKDG51bV9yZXBsaWNhcxgCIAEoBRIYChBlbmdpbmVfYWRkcmVzc2VzGAMgAygJEioKB3RpbWVvdXQYBCABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SEgoKcmVxdWVzdF9pZBgFIAEoCRIPCgdkcnlfcnVuGAYgASgIEkwKFnBhcnRpYWxfc3VjY2Vzc19wb2xpY3kYByABKA4yLC5yb2xsbWVzaC5jb250cm9sbGVyLnYxLlBhcnRpYWxTdWNjZXNzUG9saWN5Il4KEFNjYWxlT3V0UmVzcG9uc2USOQoJb3BlcmF0aW9uGAEgASgLMiYucm9sbG1lc2guY29udHJvbGxlci52MS5TY2FsZU9wZXJhdGlvbhIPCgdtZXNzYWdlGAIgASgJIskBCg5TY2FsZUluUmVxdWVzdBISCgptb2RlbF9uYW1lGAEgASgJEhQKDG51bV9yZXBsaWNhcxgCIAEoBRITCgtyZXBsaWNhX2lkcxgDIAMoCRIYChBlbmdpbmVfYWRkcmVzc2VzGAQgAygJEg0KBWZvcmNlGAUgASgIEioKB3RpbWVvdXQYBiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SDwoHZHJ5X3J1bhgHIAEoCBISCgpyZXF1ZXN0X2lkGAggASgJIn8KD1NjYWxlSW5SZXNwb25zZRI5CglvcGVyYXRpb24YASABKAsyJi5yb2xsbWVzaC5jb250cm9sbGVyLnYxLlNjYWxlT3BlcmF0aW9uEiAKGHdvdWxkX3JlbW92ZV9yZXBsaWNhX2lkcxgCIAMoCRIPCgdtZXNzYWdlGAMgASgJIjEKE0dldE9wZXJhdGlvblJlcXVlc3QSGgoMb3BlcmF0aW9uX2lkGAEgASgJQgTiQQECIlEKFEdldE9wZXJhdGlvblJlc3BvbnNlEjkKCW9wZXJhdGlvbhgBIAEoCzImLnJvbGxtZXNoLmNvbnRyb2xsZXIudjEuU2NhbGVPcGVyYXRpb24iXgoUV2FpdE9wZXJhdGlvblJlcXVlc3QSGgoMb3BlcmF0aW9uX2lkGAEgASgJQgTiQQECEioKB3RpbWVvdXQYAiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24iYAoVV2FpdE9wZXJhdGlvblJlc3BvbnNlEjkKCW9wZXJhdGlvbhgBIAEoCzImLnJvbGxtZXNoLmNvbnRyb2xsZXIudjEuU2NhbGVPcGVyYXRpb24SDAoEZG9uZRgCIAEoCCLAAQoVTGlzdE9wZXJhdGlvbnNSZXF1ZXN0EjYKBnN0YXRlcxgBIAMoDjImLnJvbGxtZXNoLmNvbnRyb2xsZXIudjEuT3BlcmF0aW9uU3RhdGUSEgoKbW9kZWxfbmFtZRgCIAEoCRI0CgV0eXBlcxgDIAMoDjIlLnJvbGxtZXNoLmNvbnRyb2xsZXIudjEuT3BlcmF0aW9uVHlwZRIRCglwYWdlX3NpemUYBCABKAUSEgoKcGFnZV90b2tlbhgFIAEoCSJtChZMaXN0T3BlcmF0aW9uc1Jlc3BvbnNlEjoKCm9wZXJhdGlvbnMYASADKAsyJi5yb2xsbWVzaC5jb250cm9sbGVyLnYxLlNjYWxlT3BlcmF0aW9uEhcKD25leHRfcGFnZV90b2tlbhgCIAEoCSI0ChZDYW5jZWxPcGVyYXRpb25SZXF1ZXN0EhoKDG9wZXJhdGlvbl9pZBgBIAEoCUIE4kEBAiJUChdDYW5jZWxPcGVyYXRpb25SZXNwb25zZRI5CglvcGVyYXRpb24YASABKAsyJi5yb2xsbWVzaC5jb250cm9sbGVyLnYxLlNjYWxlT3BlcmF0aW9uImIKF0NhbmNlbE9wZXJhdGlvbnNSZXF1ZXN0EjYKBnN0YXRlcxgBIAMoDjImLnJvbGxtZXNoLmNvbnRyb2xsZXIudjEuT3BlcmF0aW9uU3RhdGUSDwoHZHJ5X3J1bhgCIAEoCCI7ChhDYW5jZWxPcGVyYXRpb25zUmVzcG9uc2USHwoXY2FuY2VsbGVkX29wZXJhdGlvbl9pZHMYASADKAkqagoNT3BlcmF0aW9uVHlwZRIeChpPUEVSQVRJT05fVFlQRV9VTlNQRUNJRklFRBAAEhwKGE9QRVJBVElPTl9UWVBFX1NDQUxFX09VVBABEhsKF09QRVJBVElPTl9UWVBFX1NDQUxFX0lOEAIqvAMKDk9wZXJhdGlvblN0YXRlEh8KG09QRVJBVElPTl9TVEFURV9VTlNQRUNJRklFRBAAEhsKF09QRVJBVElPTl9TVEFURV9QRU5ESU5HEAESHAoYT1BFUkFUSU9OX1NUQVRFX0NSRUFUSU5HEAISHgoaT1BFUkFUSU9OX1NUQVRFX0NPTk5FQ1RJTkcQAxIjCh9PUEVSQVRJT05fU1RBVEVfSEVBTFRIX0NIRUNLSU5HEAQSIgoeT1BFUkFUSU9OX1NUQVRFX1dFSUdIVF9TWU5DSU5HEAUSGQoVT1BFUkFUSU9OX1NUQVRFX1JFQURZEAYSGgoWT1BFUkFUSU9OX1NUQVRFX0FDVElWRRAHEhwKGE9QRVJBVElPTl9TVEFURV9EUkFJTklORxAIEhwKGE9QRVJBVElPTl9TVEFURV9SRU1PVklORxAJEh0KGU9QRVJBVElPTl9TVEFURV9DT01QTEVURUQQChIaChZPUEVSQVRJT05fU1RBVEVfRkFJTEVEEAsSHQoZT1BFUkFUSU9OX1NUQVRFX0NBTkNFTExFRBAMEhgKFE9QRVJBVElPTl9TVEFURV9OT09QEA0qkAEKFFBhcnRpYWxTdWNjZXNzUG9saWN5EiYKIlBBUlRJQUxfU1VDQ0VTU19QT0xJQ1lfVU5TUEVDSUZJRUQQABInCiNQQVJUSUFMX1NVQ0NFU1NfUE9MSUNZX1JPTExCQUNLX0FMTBABEicKI1BBUlRJQUxfU1VDQ0VTU19QT0xJQ1lfS0VFUF9QQVJUSUFMEAJiBnByb3RvMw", [file_google_api_field_behavior, file_google_protobuf_duration, file_google_protobuf_timestamp]);
+  fileDesc("CiRyb2xsbWVzaC9jb250cm9sbGVyL3YxL3NjYWxpbmcucHJvdG8SFnJvbGxtZXNoLmNvbnRyb2xsZXIudjEihQEKFE9wZXJhdGlvblN0YXRlQ2hhbmdlEjUKBXN0YXRlGAEgASgOMiYucm9sbG1lc2guY29udHJvbGxlci52MS5PcGVyYXRpb25TdGF0ZRImCgJhdBgCIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASDgoGcmVhc29uGAMgASgJIuoFCg5TY2FsZU9wZXJhdGlvbhIUCgxvcGVyYXRpb25faWQYASABKAkSMwoEdHlwZRgCIAEoDjIlLnJvbGxtZXNoLmNvbnRyb2xsZXIudjEuT3BlcmF0aW9uVHlwZRI1CgVzdGF0ZRgDIAEoDjImLnJvbGxtZXNoLmNvbnRyb2xsZXIudjEuT3BlcmF0aW9uU3RhdGUSEgoKbW9kZWxfbmFtZRgEIAEoCRIUCgxudW1fcmVwbGljYXMYBSABKAUSGAoQZW5naW5lX2FkZHJlc3NlcxgGIAMoCRITCgtyZXBsaWNhX2lkcxgHIAMoCRIaChJmYWlsZWRfcmVwbGljYV9pZHMYCCADKAkSLgoKY3JlYXRlZF9hdBgJIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASLgoKdXBkYXRlZF9hdBgKIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASFQoNZXJyb3JfbWVzc2FnZRgLIAEoCRIbCg53ZWlnaHRfdmVyc2lvbhgMIAEoA0gAiAEBEg0KBWZvcmNlGA0gASgIEg8KB2RyeV9ydW4YDiABKAgSKgoHdGltZW91dBgPIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhJMChZwYXJ0aWFsX3N1Y2Nlc3NfcG9saWN5GBAgASgOMiwucm9sbG1lc2guY29udHJvbGxlci52MS5QYXJ0aWFsU3VjY2Vzc1BvbGljeRJDCg1zdGF0ZV9oaXN0b3J5GBEgAygLMiwucm9sbG1lc2guY29udHJvbGxlci52MS5PcGVyYXRpb25TdGF0ZUNoYW5nZRIUCgx0cmlnZ2VyZWRfYnkYEiABKAkSEgoKcmVxdWVzdF9pZBgTIAEoCRIPCgdzdW1tYXJ5GBQgASgJEiAKGHdvdWxkX3JlbW92ZV9yZXBsaWNhX2lkcxgVIAMoCUIRCg9fd2VpZ2h0X3ZlcnNpb24iKgoPRW5naW5lQWRkcmVzc2VzEhcKCWFkZHJlc3NlcxgBIAMoCUIE4kEBAiK7AgoPU2NhbGVPdXRSZXF1ZXN0EhIKCm1vZGVsX25hbWUYASABKAkSFgoMbnVtX3JlcGxpY2FzGAIgASgFSAASOwoIZXh0ZXJuYWwYCCABKAsyJy5yb2xsbWVzaC5jb250cm9sbGVyLnYxLkVuZ2luZUFkZHJlc3Nlc0gAEioKB3RpbWVvdXQYBCABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SEgoKcmVxdWVzdF9pZBgFIAEoCRIPCgdkcnlfcnVuGAYgASgIEkwKFnBhcnRpYWxfc3VjY2Vzc19wb2xpY3kYByABKA4yLC5yb2xsbWVzaC5jb250cm9sbGVyLnYxLlBhcnRpYWxTdWNjZXNzUG9saWN5QggKBnRhcmdldEoECAMQBFIQZW5naW5lX2FkZHJlc3NlcyJBChBSZXBsaWNhU2VsZWN0aW9uEhMKC3JlcGxpY2FfaWRzGAEgAygJEhgKEGVuZ2luZV9hZGRyZXNzZXMYAiADKAkijwIKDlNjYWxlSW5SZXF1ZXN0EhIKCm1vZGVsX25hbWUYASABKAkSFgoMbnVtX3JlcGxpY2FzGAIgASgFSAASPAoIcmVwbGljYXMYCSABKAsyKC5yb2xsbWVzaC5jb250cm9sbGVyLnYxLlJlcGxpY2FTZWxlY3Rpb25IABINCgVmb3JjZRgFIAEoCBIqCgd0aW1lb3V0GAYgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEg8KB2RyeV9ydW4YByABKAgSEgoKcmVxdWVzdF9pZBgIIAEoCUIICgZ0YXJnZXRKBAgDEARKBAgEEAVSC3JlcGxpY2FfaWRzUhBlbmdpbmVfYWRkcmVzc2VzIrwBCgtTY2FsZVJlc3VsdBI1CgVzdGF0ZRgBIAEoDjImLnJvbGxtZXNoLmNvbnRyb2xsZXIudjEuT3BlcmF0aW9uU3RhdGUSEwoLcmVwbGljYV9pZHMYAiADKAkSGgoSZmFpbGVkX3JlcGxpY2FfaWRzGAMgAygJEhsKDndlaWdodF92ZXJzaW9uGAQgASgDSACIAQESFQoNZXJyb3JfbWVzc2FnZRgFIAEoCUIRCg9fd2VpZ2h0X3ZlcnNpb24iYgoXQ2FuY2VsT3BlcmF0aW9uc1JlcXVlc3QSNgoGc3RhdGVzGAEgAygOMiYucm9sbG1lc2guY29udHJvbGxlci52MS5PcGVyYXRpb25TdGF0ZRIPCgdkcnlfcnVuGAIgASgIIjsKGENhbmNlbE9wZXJhdGlvbnNSZXNwb25zZRIfChdjYW5jZWxsZWRfb3BlcmF0aW9uX2lkcxgBIAMoCSpqCg1PcGVyYXRpb25UeXBlEh4KGk9QRVJBVElPTl9UWVBFX1VOU1BFQ0lGSUVEEAASHAoYT1BFUkFUSU9OX1RZUEVfU0NBTEVfT1VUEAESGwoXT1BFUkFUSU9OX1RZUEVfU0NBTEVfSU4QAiq8AwoOT3BlcmF0aW9uU3RhdGUSHwobT1BFUkFUSU9OX1NUQVRFX1VOU1BFQ0lGSUVEEAASGwoXT1BFUkFUSU9OX1NUQVRFX1BFTkRJTkcQARIcChhPUEVSQVRJT05fU1RBVEVfQ1JFQVRJTkcQAhIeChpPUEVSQVRJT05fU1RBVEVfQ09OTkVDVElORxADEiMKH09QRVJBVElPTl9TVEFURV9IRUFMVEhfQ0hFQ0tJTkcQBBIiCh5PUEVSQVRJT05fU1RBVEVfV0VJR0hUX1NZTkNJTkcQBRIZChVPUEVSQVRJT05fU1RBVEVfUkVBRFkQBhIaChZPUEVSQVRJT05fU1RBVEVfQUNUSVZFEAcSHAoYT1BFUkFUSU9OX1NUQVRFX0RSQUlOSU5HEAgSHAoYT1BFUkFUSU9OX1NUQVRFX1JFTU9WSU5HEAkSHQoZT1BFUkFUSU9OX1NUQVRFX0NPTVBMRVRFRBAKEhoKFk9QRVJBVElPTl9TVEFURV9GQUlMRUQQCxIdChlPUEVSQVRJT05fU1RBVEVfQ0FOQ0VMTEVEEAwSGAoUT1BFUkFUSU9OX1NUQVRFX05PT1AQDSqQAQoUUGFydGlhbFN1Y2Nlc3NQb2xpY3kSJgoiUEFSVElBTF9TVUNDRVNTX1BPTElDWV9VTlNQRUNJRklFRBAAEicKI1BBUlRJQUxfU1VDQ0VTU19QT0xJQ1lfUk9MTEJBQ0tfQUxMEAESJwojUEFSVElBTF9TVUNDRVNTX1BPTElDWV9LRUVQX1BBUlRJQUwQAmIGcHJvdG8z", [file_google_api_field_behavior, file_google_protobuf_duration, file_google_protobuf_timestamp]);
 
 /**
  * OperationStateChange records one transition of a scale operation.
@@ -200,6 +217,21 @@ export type ScaleOperation = Message<"rollmesh.controller.v1.ScaleOperation"> & 
    * @generated from field: string request_id = 19;
    */
   requestId: string;
+
+  /**
+   * Human-readable summary of the request, e.g. "Scale-out request
+   * accepted"; set in the answer of ScaleOut and ScaleIn only.
+   *
+   * @generated from field: string summary = 20;
+   */
+  summary: string;
+
+  /**
+   * Scale-in with dry_run only: the replicas that would be removed.
+   *
+   * @generated from field: repeated string would_remove_replica_ids = 21;
+   */
+  wouldRemoveReplicaIds: string[];
 };
 
 /**
@@ -210,8 +242,30 @@ export const ScaleOperationSchema: GenMessage<ScaleOperation> = /*@__PURE__*/
   messageDesc(file_rollmesh_controller_v1_scaling, 1);
 
 /**
- * Request of ScaleOut. Give either num_replicas (native mode) or
- * engine_addresses (external mode), not both.
+ * EngineAddresses lists replica agents that already run (external mode).
+ *
+ * @generated from message rollmesh.controller.v1.EngineAddresses
+ */
+export type EngineAddresses = Message<"rollmesh.controller.v1.EngineAddresses"> & {
+  /**
+   * Addresses ("host:port"); at least one. Addresses already active or being
+   * added are skipped.
+   *
+   * @generated from field: repeated string addresses = 1;
+   */
+  addresses: string[];
+};
+
+/**
+ * Describes the message rollmesh.controller.v1.EngineAddresses.
+ * Use `create(EngineAddressesSchema)` to create a new message.
+ */
+export const EngineAddressesSchema: GenMessage<EngineAddresses> = /*@__PURE__*/
+  messageDesc(file_rollmesh_controller_v1_scaling, 2);
+
+/**
+ * Request of ScaleOut: native mode (num_replicas) or external mode
+ * (engine_addresses), exactly one.
  *
  * @generated from message rollmesh.controller.v1.ScaleOutRequest
  */
@@ -224,21 +278,28 @@ export type ScaleOutRequest = Message<"rollmesh.controller.v1.ScaleOutRequest"> 
   modelName: string;
 
   /**
-   * Native mode: target total replica count (absolute), counting replicas
-   * being created by other operations. Used when > 0.
+   * What to scale to.
    *
-   * @generated from field: int32 num_replicas = 2;
+   * @generated from oneof rollmesh.controller.v1.ScaleOutRequest.target
    */
-  numReplicas: number;
-
-  /**
-   * External mode: addresses ("host:port") of replica agents that already
-   * run; used when num_replicas is 0. Addresses already active or being
-   * added are skipped.
-   *
-   * @generated from field: repeated string engine_addresses = 3;
-   */
-  engineAddresses: string[];
+  target: {
+    /**
+     * Native mode: target total replica count (absolute, at least 1),
+     * counting replicas being created by other operations.
+     *
+     * @generated from field: int32 num_replicas = 2;
+     */
+    value: number;
+    case: "numReplicas";
+  } | {
+    /**
+     * External mode: replica agents that already run.
+     *
+     * @generated from field: rollmesh.controller.v1.EngineAddresses external = 8;
+     */
+    value: EngineAddresses;
+    case: "external";
+  } | { case: undefined; value?: undefined };
 
   /**
    * Limit for the whole operation (launch, health check, weight sync).
@@ -258,7 +319,8 @@ export type ScaleOutRequest = Message<"rollmesh.controller.v1.ScaleOutRequest"> 
 
   /**
    * When true, validate and return the operation that would run, changing
-   * nothing.
+   * nothing (the returned operation is done, its name empty: it is not
+   * stored).
    *
    * @generated from field: bool dry_run = 6;
    */
@@ -278,40 +340,41 @@ export type ScaleOutRequest = Message<"rollmesh.controller.v1.ScaleOutRequest"> 
  * Use `create(ScaleOutRequestSchema)` to create a new message.
  */
 export const ScaleOutRequestSchema: GenMessage<ScaleOutRequest> = /*@__PURE__*/
-  messageDesc(file_rollmesh_controller_v1_scaling, 2);
-
-/**
- * Response of ScaleOut.
- *
- * @generated from message rollmesh.controller.v1.ScaleOutResponse
- */
-export type ScaleOutResponse = Message<"rollmesh.controller.v1.ScaleOutResponse"> & {
-  /**
-   * The accepted operation (state PENDING, or NOOP when the target is
-   * already met).
-   *
-   * @generated from field: rollmesh.controller.v1.ScaleOperation operation = 1;
-   */
-  operation?: ScaleOperation | undefined;
-
-  /**
-   * Human-readable summary, e.g. "Scale-out request accepted".
-   *
-   * @generated from field: string message = 2;
-   */
-  message: string;
-};
-
-/**
- * Describes the message rollmesh.controller.v1.ScaleOutResponse.
- * Use `create(ScaleOutResponseSchema)` to create a new message.
- */
-export const ScaleOutResponseSchema: GenMessage<ScaleOutResponse> = /*@__PURE__*/
   messageDesc(file_rollmesh_controller_v1_scaling, 3);
 
 /**
- * Request of ScaleIn. Give either num_replicas, or replica_ids and/or
- * engine_addresses.
+ * ReplicaSelection names the replicas a scale-in removes.
+ *
+ * @generated from message rollmesh.controller.v1.ReplicaSelection
+ */
+export type ReplicaSelection = Message<"rollmesh.controller.v1.ReplicaSelection"> & {
+  /**
+   * Specific replicas to remove.
+   *
+   * @generated from field: repeated string replica_ids = 1;
+   */
+  replicaIds: string[];
+
+  /**
+   * Specific replicas to remove, by agent address (the reference's
+   * engine_urls); every replica at the address is removed. replica_ids and
+   * engine_addresses together name at least one replica.
+   *
+   * @generated from field: repeated string engine_addresses = 2;
+   */
+  engineAddresses: string[];
+};
+
+/**
+ * Describes the message rollmesh.controller.v1.ReplicaSelection.
+ * Use `create(ReplicaSelectionSchema)` to create a new message.
+ */
+export const ReplicaSelectionSchema: GenMessage<ReplicaSelection> = /*@__PURE__*/
+  messageDesc(file_rollmesh_controller_v1_scaling, 4);
+
+/**
+ * Request of ScaleIn: a target count (num_replicas) or the replicas to
+ * remove (replicas), exactly one.
  *
  * @generated from message rollmesh.controller.v1.ScaleInRequest
  */
@@ -324,27 +387,28 @@ export type ScaleInRequest = Message<"rollmesh.controller.v1.ScaleInRequest"> & 
   modelName: string;
 
   /**
-   * Target remaining replica count (absolute). Used when > 0; replicas are
-   * then chosen last in, first out among the non-initial ones.
+   * What to remove.
    *
-   * @generated from field: int32 num_replicas = 2;
+   * @generated from oneof rollmesh.controller.v1.ScaleInRequest.target
    */
-  numReplicas: number;
-
-  /**
-   * Specific replicas to remove.
-   *
-   * @generated from field: repeated string replica_ids = 3;
-   */
-  replicaIds: string[];
-
-  /**
-   * Specific replicas to remove, by agent address (the reference's
-   * engine_urls); every replica at the address is removed.
-   *
-   * @generated from field: repeated string engine_addresses = 4;
-   */
-  engineAddresses: string[];
+  target: {
+    /**
+     * Target remaining replica count (absolute, at least 1); replicas are
+     * chosen last in, first out among the non-initial ones.
+     *
+     * @generated from field: int32 num_replicas = 2;
+     */
+    value: number;
+    case: "numReplicas";
+  } | {
+    /**
+     * Specific replicas to remove.
+     *
+     * @generated from field: rollmesh.controller.v1.ReplicaSelection replicas = 9;
+     */
+    value: ReplicaSelection;
+    case: "replicas";
+  } | { case: undefined; value?: undefined };
 
   /**
    * When true, skip the drain: abort in-flight requests at once.
@@ -364,7 +428,8 @@ export type ScaleInRequest = Message<"rollmesh.controller.v1.ScaleInRequest"> & 
   timeout?: Duration | undefined;
 
   /**
-   * When true, return which replicas would be removed, changing nothing.
+   * When true, return which replicas would be removed
+   * (ScaleOperation.would_remove_replica_ids), changing nothing.
    *
    * @generated from field: bool dry_run = 7;
    */
@@ -384,263 +449,60 @@ export type ScaleInRequest = Message<"rollmesh.controller.v1.ScaleInRequest"> & 
  * Use `create(ScaleInRequestSchema)` to create a new message.
  */
 export const ScaleInRequestSchema: GenMessage<ScaleInRequest> = /*@__PURE__*/
-  messageDesc(file_rollmesh_controller_v1_scaling, 4);
-
-/**
- * Response of ScaleIn.
- *
- * @generated from message rollmesh.controller.v1.ScaleInResponse
- */
-export type ScaleInResponse = Message<"rollmesh.controller.v1.ScaleInResponse"> & {
-  /**
-   * The accepted operation (or the preview of it when dry_run).
-   *
-   * @generated from field: rollmesh.controller.v1.ScaleOperation operation = 1;
-   */
-  operation?: ScaleOperation | undefined;
-
-  /**
-   * With dry_run: the replicas that would be removed.
-   *
-   * @generated from field: repeated string would_remove_replica_ids = 2;
-   */
-  wouldRemoveReplicaIds: string[];
-
-  /**
-   * Human-readable summary, e.g. "Scale-in request accepted".
-   *
-   * @generated from field: string message = 3;
-   */
-  message: string;
-};
-
-/**
- * Describes the message rollmesh.controller.v1.ScaleInResponse.
- * Use `create(ScaleInResponseSchema)` to create a new message.
- */
-export const ScaleInResponseSchema: GenMessage<ScaleInResponse> = /*@__PURE__*/
   messageDesc(file_rollmesh_controller_v1_scaling, 5);
 
 /**
- * Request of GetOperation.
+ * ScaleResult is the response of a scale operation that succeeded
+ * (google.longrunning.Operation.response once done): ACTIVE, COMPLETED or
+ * NOOP. A FAILED or CANCELLED operation carries Operation.error instead.
  *
- * @generated from message rollmesh.controller.v1.GetOperationRequest
+ * @generated from message rollmesh.controller.v1.ScaleResult
  */
-export type GetOperationRequest = Message<"rollmesh.controller.v1.GetOperationRequest"> & {
+export type ScaleResult = Message<"rollmesh.controller.v1.ScaleResult"> & {
   /**
-   * Operation to return.
+   * The terminal state: ACTIVE, COMPLETED or NOOP.
    *
-   * @generated from field: string operation_id = 1;
+   * @generated from field: rollmesh.controller.v1.OperationState state = 1;
    */
-  operationId: string;
+  state: OperationState;
+
+  /**
+   * Replicas the operation created (scale-out) or removed (scale-in).
+   *
+   * @generated from field: repeated string replica_ids = 2;
+   */
+  replicaIds: string[];
+
+  /**
+   * Replicas that failed; for a completed scale-in, those it could not
+   * remove (partial success is not rolled back), for a keep_partial
+   * scale-out, the released ones.
+   *
+   * @generated from field: repeated string failed_replica_ids = 3;
+   */
+  failedReplicaIds: string[];
+
+  /**
+   * Weight version synced to the new replicas (scale-out only).
+   *
+   * @generated from field: optional int64 weight_version = 4;
+   */
+  weightVersion?: bigint | undefined;
+
+  /**
+   * What went wrong with failed_replica_ids; empty when none failed.
+   *
+   * @generated from field: string error_message = 5;
+   */
+  errorMessage: string;
 };
 
 /**
- * Describes the message rollmesh.controller.v1.GetOperationRequest.
- * Use `create(GetOperationRequestSchema)` to create a new message.
+ * Describes the message rollmesh.controller.v1.ScaleResult.
+ * Use `create(ScaleResultSchema)` to create a new message.
  */
-export const GetOperationRequestSchema: GenMessage<GetOperationRequest> = /*@__PURE__*/
+export const ScaleResultSchema: GenMessage<ScaleResult> = /*@__PURE__*/
   messageDesc(file_rollmesh_controller_v1_scaling, 6);
-
-/**
- * Response of GetOperation.
- *
- * @generated from message rollmesh.controller.v1.GetOperationResponse
- */
-export type GetOperationResponse = Message<"rollmesh.controller.v1.GetOperationResponse"> & {
-  /**
-   * The operation.
-   *
-   * @generated from field: rollmesh.controller.v1.ScaleOperation operation = 1;
-   */
-  operation?: ScaleOperation | undefined;
-};
-
-/**
- * Describes the message rollmesh.controller.v1.GetOperationResponse.
- * Use `create(GetOperationResponseSchema)` to create a new message.
- */
-export const GetOperationResponseSchema: GenMessage<GetOperationResponse> = /*@__PURE__*/
-  messageDesc(file_rollmesh_controller_v1_scaling, 7);
-
-/**
- * Request of WaitOperation.
- *
- * @generated from message rollmesh.controller.v1.WaitOperationRequest
- */
-export type WaitOperationRequest = Message<"rollmesh.controller.v1.WaitOperationRequest"> & {
-  /**
-   * Operation to wait for.
-   *
-   * @generated from field: string operation_id = 1;
-   */
-  operationId: string;
-
-  /**
-   * Longest wait; unset: until the operation finishes (within the call's
-   * deadline).
-   *
-   * @generated from field: google.protobuf.Duration timeout = 2;
-   */
-  timeout?: Duration | undefined;
-};
-
-/**
- * Describes the message rollmesh.controller.v1.WaitOperationRequest.
- * Use `create(WaitOperationRequestSchema)` to create a new message.
- */
-export const WaitOperationRequestSchema: GenMessage<WaitOperationRequest> = /*@__PURE__*/
-  messageDesc(file_rollmesh_controller_v1_scaling, 8);
-
-/**
- * Response of WaitOperation.
- *
- * @generated from message rollmesh.controller.v1.WaitOperationResponse
- */
-export type WaitOperationResponse = Message<"rollmesh.controller.v1.WaitOperationResponse"> & {
-  /**
-   * The operation when the wait ended.
-   *
-   * @generated from field: rollmesh.controller.v1.ScaleOperation operation = 1;
-   */
-  operation?: ScaleOperation | undefined;
-
-  /**
-   * Whether it has finished (a terminal state); false: the wait timed out.
-   *
-   * @generated from field: bool done = 2;
-   */
-  done: boolean;
-};
-
-/**
- * Describes the message rollmesh.controller.v1.WaitOperationResponse.
- * Use `create(WaitOperationResponseSchema)` to create a new message.
- */
-export const WaitOperationResponseSchema: GenMessage<WaitOperationResponse> = /*@__PURE__*/
-  messageDesc(file_rollmesh_controller_v1_scaling, 9);
-
-/**
- * Request of ListOperations. Filters combine with AND; an empty filter
- * matches everything.
- *
- * @generated from message rollmesh.controller.v1.ListOperationsRequest
- */
-export type ListOperationsRequest = Message<"rollmesh.controller.v1.ListOperationsRequest"> & {
-  /**
-   * Only operations in these states.
-   *
-   * @generated from field: repeated rollmesh.controller.v1.OperationState states = 1;
-   */
-  states: OperationState[];
-
-  /**
-   * Only operations on this logical model.
-   *
-   * @generated from field: string model_name = 2;
-   */
-  modelName: string;
-
-  /**
-   * Only operations of these types.
-   *
-   * @generated from field: repeated rollmesh.controller.v1.OperationType types = 3;
-   */
-  types: OperationType[];
-
-  /**
-   * Most operations per page (at most 1000); 0: every matching operation.
-   *
-   * @generated from field: int32 page_size = 4;
-   */
-  pageSize: number;
-
-  /**
-   * next_page_token of the previous page, with the same filters; empty for
-   * the first.
-   *
-   * @generated from field: string page_token = 5;
-   */
-  pageToken: string;
-};
-
-/**
- * Describes the message rollmesh.controller.v1.ListOperationsRequest.
- * Use `create(ListOperationsRequestSchema)` to create a new message.
- */
-export const ListOperationsRequestSchema: GenMessage<ListOperationsRequest> = /*@__PURE__*/
-  messageDesc(file_rollmesh_controller_v1_scaling, 10);
-
-/**
- * Response of ListOperations.
- *
- * @generated from message rollmesh.controller.v1.ListOperationsResponse
- */
-export type ListOperationsResponse = Message<"rollmesh.controller.v1.ListOperationsResponse"> & {
-  /**
-   * Matching operations, newest first.
-   *
-   * @generated from field: repeated rollmesh.controller.v1.ScaleOperation operations = 1;
-   */
-  operations: ScaleOperation[];
-
-  /**
-   * Pass as page_token for the next page; empty on the last one.
-   *
-   * @generated from field: string next_page_token = 2;
-   */
-  nextPageToken: string;
-};
-
-/**
- * Describes the message rollmesh.controller.v1.ListOperationsResponse.
- * Use `create(ListOperationsResponseSchema)` to create a new message.
- */
-export const ListOperationsResponseSchema: GenMessage<ListOperationsResponse> = /*@__PURE__*/
-  messageDesc(file_rollmesh_controller_v1_scaling, 11);
-
-/**
- * Request of CancelOperation.
- *
- * @generated from message rollmesh.controller.v1.CancelOperationRequest
- */
-export type CancelOperationRequest = Message<"rollmesh.controller.v1.CancelOperationRequest"> & {
-  /**
-   * Operation to cancel.
-   *
-   * @generated from field: string operation_id = 1;
-   */
-  operationId: string;
-};
-
-/**
- * Describes the message rollmesh.controller.v1.CancelOperationRequest.
- * Use `create(CancelOperationRequestSchema)` to create a new message.
- */
-export const CancelOperationRequestSchema: GenMessage<CancelOperationRequest> = /*@__PURE__*/
-  messageDesc(file_rollmesh_controller_v1_scaling, 12);
-
-/**
- * Response of CancelOperation.
- *
- * @generated from message rollmesh.controller.v1.CancelOperationResponse
- */
-export type CancelOperationResponse = Message<"rollmesh.controller.v1.CancelOperationResponse"> & {
-  /**
-   * The operation after the call (CANCELLED once the rollback has been
-   * started).
-   *
-   * @generated from field: rollmesh.controller.v1.ScaleOperation operation = 1;
-   */
-  operation?: ScaleOperation | undefined;
-};
-
-/**
- * Describes the message rollmesh.controller.v1.CancelOperationResponse.
- * Use `create(CancelOperationResponseSchema)` to create a new message.
- */
-export const CancelOperationResponseSchema: GenMessage<CancelOperationResponse> = /*@__PURE__*/
-  messageDesc(file_rollmesh_controller_v1_scaling, 13);
 
 /**
  * Request of CancelOperations.
@@ -669,7 +531,7 @@ export type CancelOperationsRequest = Message<"rollmesh.controller.v1.CancelOper
  * Use `create(CancelOperationsRequestSchema)` to create a new message.
  */
 export const CancelOperationsRequestSchema: GenMessage<CancelOperationsRequest> = /*@__PURE__*/
-  messageDesc(file_rollmesh_controller_v1_scaling, 14);
+  messageDesc(file_rollmesh_controller_v1_scaling, 7);
 
 /**
  * Response of CancelOperations.
@@ -690,7 +552,7 @@ export type CancelOperationsResponse = Message<"rollmesh.controller.v1.CancelOpe
  * Use `create(CancelOperationsResponseSchema)` to create a new message.
  */
 export const CancelOperationsResponseSchema: GenMessage<CancelOperationsResponse> = /*@__PURE__*/
-  messageDesc(file_rollmesh_controller_v1_scaling, 15);
+  messageDesc(file_rollmesh_controller_v1_scaling, 8);
 
 /**
  * OperationType says what a scale operation does.

@@ -30,7 +30,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file rollmesh/replica/v1/replica_agent.proto.
  */
 export const file_rollmesh_replica_v1_replica_agent: GenFile = /*@__PURE__*/
-  fileDesc("Cidyb2xsbWVzaC9yZXBsaWNhL3YxL3JlcGxpY2FfYWdlbnQucHJvdG8SE3JvbGxtZXNoLnJlcGxpY2EudjEiEgoQR2V0U3RhdHVzUmVxdWVzdCLZAQoRR2V0U3RhdHVzUmVzcG9uc2USMAoGc3RhdHVzGAEgASgLMiAucm9sbG1lc2guY29tbW9uLnYxLlNlcnZlclN0YXR1cxIPCgdub2RlX2lkGAIgASgJEhMKC3Nsb3RzX3RvdGFsGAMgASgNEhIKCnNsb3RzX2ZyZWUYBCABKA0SMgoHYmFja2VuZBgFIAEoDjIhLnJvbGxtZXNoLmNvbW1vbi52MS5FbmdpbmVCYWNrZW5kEg0KBW1vZGVsGAYgASgJEhUKDXJlcGxpY2FfY291bnQYByABKA0i9gEKFExhdW5jaFJlcGxpY2FSZXF1ZXN0EhIKCnJlcGxpY2FfaWQYASABKAkSMwoEa2luZBgCIAEoDjIfLnJvbGxtZXNoLmNvbW1vbi52MS5SZXBsaWNhS2luZEIE4kEBAhIcCg9tZW1vcnlfZnJhY3Rpb24YAyABKAFIAIgBARINCgVzbG90cxgEIAEoDRIUCgxzdGFydF9hc2xlZXAYBSABKAgSFgoOd2VpZ2h0X3ZlcnNpb24YBiABKAMSEgoKcmVxdWVzdF9pZBgHIAEoCRISCgplbmdpbmVfdXJsGAggASgJQhIKEF9tZW1vcnlfZnJhY3Rpb24iRgoVTGF1bmNoUmVwbGljYVJlc3BvbnNlEi0KB3JlcGxpY2EYASABKAsyHC5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlcGxpY2EiYQoSU3RvcFJlcGxpY2FSZXF1ZXN0EhIKCnJlcGxpY2FfaWQYASABKAkSKAoFZ3JhY2UYAiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SDQoFZm9yY2UYAyABKAgiRAoTU3RvcFJlcGxpY2FSZXNwb25zZRItCgdyZXBsaWNhGAEgASgLMhwucm9sbG1lc2gucmVwbGljYS52MS5SZXBsaWNhIp4BChNMaXN0UmVwbGljYXNSZXF1ZXN0Ei4KBWtpbmRzGAEgAygOMh8ucm9sbG1lc2guY29tbW9uLnYxLlJlcGxpY2FLaW5kEjAKBnN0YXRlcxgCIAMoDjIgLnJvbGxtZXNoLmNvbW1vbi52MS5SZXBsaWNhU3RhdGUSEQoJcGFnZV9zaXplGAMgASgFEhIKCnBhZ2VfdG9rZW4YBCABKAkiXwoUTGlzdFJlcGxpY2FzUmVzcG9uc2USLgoIcmVwbGljYXMYASADKAsyHC5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlcGxpY2ESFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJIicKEUdldFJlcGxpY2FSZXF1ZXN0EhIKCnJlcGxpY2FfaWQYASABKAkiQwoSR2V0UmVwbGljYVJlc3BvbnNlEi0KB3JlcGxpY2EYASABKAsyHC5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlcGxpY2EijwIKD0dlbmVyYXRlUmVxdWVzdBIYCgpyZXBsaWNhX2lkGAEgASgJQgTiQQECEhgKCnJlcXVlc3RfaWQYAiABKAlCBOJBAQISHgoQcHJvbXB0X3Rva2VuX2lkcxgDIAMoBUIE4kEBAhI7Cg9zYW1wbGluZ19wYXJhbXMYBCABKAsyIi5yb2xsbWVzaC5jb21tb24udjEuU2FtcGxpbmdQYXJhbXMSOQoPcmVzdW1lX3NlZ21lbnRzGAUgAygLMiAucm9sbG1lc2guY29tbW9uLnYxLlRva2VuU2VnbWVudBIcCg9zdHJlYW1faW50ZXJ2YWwYBiABKA1IAIgBAUISChBfc3RyZWFtX2ludGVydmFsIvoBChBHZW5lcmF0ZVJlc3BvbnNlEhIKCnJlcXVlc3RfaWQYASABKAkSEQoJdG9rZW5faWRzGAIgAygFEhAKCGxvZ3Byb2JzGAMgAygCEhYKDndlaWdodF92ZXJzaW9uGAQgASgDEjcKDWZpbmlzaF9yZWFzb24YBSABKA4yIC5yb2xsbWVzaC5jb21tb24udjEuRmluaXNoUmVhc29uEigKBXVzYWdlGAYgASgLMhkucm9sbG1lc2guY29tbW9uLnYxLlVzYWdlEjIKCHNlZ21lbnRzGAcgAygLMiAucm9sbG1lc2guY29tbW9uLnYxLlRva2VuU2VnbWVudCJMChRBYm9ydFJlcXVlc3RzUmVxdWVzdBISCgpyZXBsaWNhX2lkGAEgASgJEhMKC3JlcXVlc3RfaWRzGAIgAygJEgsKA2FsbBgDIAEoCCI0ChVBYm9ydFJlcXVlc3RzUmVzcG9uc2USGwoTYWJvcnRlZF9yZXF1ZXN0X2lkcxgBIAMoCSKHAQoWUGF1c2VHZW5lcmF0aW9uUmVxdWVzdBITCgtyZXBsaWNhX2lkcxgBIAMoCRIsCgRtb2RlGAIgASgOMh4ucm9sbG1lc2gucmVwbGljYS52MS5QYXVzZU1vZGUSKgoHdGltZW91dBgDIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbiJmChdQYXVzZUdlbmVyYXRpb25SZXNwb25zZRIuCghyZXBsaWNhcxgBIAMoCzIcLnJvbGxtZXNoLnJlcGxpY2EudjEuUmVwbGljYRIbChNhYm9ydGVkX3JlcXVlc3RfaWRzGAIgAygJIi4KF1Jlc3VtZUdlbmVyYXRpb25SZXF1ZXN0EhMKC3JlcGxpY2FfaWRzGAEgAygJIkoKGFJlc3VtZUdlbmVyYXRpb25SZXNwb25zZRIuCghyZXBsaWNhcxgBIAMoCzIcLnJvbGxtZXNoLnJlcGxpY2EudjEuUmVwbGljYSJ2CgxTbGVlcFJlcXVlc3QSGAoKcmVwbGljYV9pZBgBIAEoCUIE4kEBAhIzCgVsZXZlbBgCIAEoDjIeLnJvbGxtZXNoLmNvbW1vbi52MS5TbGVlcExldmVsQgTiQQECEhcKD2Fib3J0X2luX2ZsaWdodBgDIAEoCCJTCg1TbGVlcFJlc3BvbnNlEhMKC2ZyZWVkX2J5dGVzGAEgASgEEi0KB3JlcGxpY2EYAiABKAsyHC5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlcGxpY2EiaQoNV2FrZVVwUmVxdWVzdBISCgpyZXBsaWNhX2lkGAEgASgJEikKBHRhZ3MYAiADKA4yGy5yb2xsbWVzaC5jb21tb24udjEuV2FrZVRhZxIZChFyZXN1bWVfZ2VuZXJhdGlvbhgDIAEoCCI/Cg5XYWtlVXBSZXNwb25zZRItCgdyZXBsaWNhGAEgASgLMhwucm9sbG1lc2gucmVwbGljYS52MS5SZXBsaWNhIncKFVJlY2VpdmVXZWlnaHRzUmVxdWVzdBITCgtyZXBsaWNhX2lkcxgBIAMoCRIwCgRwbGFuGAIgASgLMiIucm9sbG1lc2guY29tbW9uLnYxLldlaWdodFN5bmNQbGFuEhcKD2Fib3J0X2luX2ZsaWdodBgDIAEoCCKzAQoUUmVwbGljYVdlaWdodHNSZXN1bHQSEgoKcmVwbGljYV9pZBgBIAEoCRIWCg53ZWlnaHRfdmVyc2lvbhgCIAEoAxITCgtjaGVja3N1bV9vaxgDIAEoCBIWCg5ieXRlc19yZWNlaXZlZBgEIAEoBBIrCghkdXJhdGlvbhgFIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhIVCg1lcnJvcl9tZXNzYWdlGAYgASgJIlQKFlJlY2VpdmVXZWlnaHRzUmVzcG9uc2USOgoHcmVzdWx0cxgBIAMoCzIpLnJvbGxtZXNoLnJlcGxpY2EudjEuUmVwbGljYVdlaWdodHNSZXN1bHQiLAoVR2V0TG9hZFJlcG9ydHNSZXF1ZXN0EhMKC3JlcGxpY2FfaWRzGAEgAygJIkkKFkdldExvYWRSZXBvcnRzUmVzcG9uc2USLwoHcmVwb3J0cxgBIAMoCzIeLnJvbGxtZXNoLmNvbW1vbi52MS5Mb2FkUmVwb3J0MpoKChNSZXBsaWNhQWdlbnRTZXJ2aWNlEloKCUdldFN0YXR1cxIlLnJvbGxtZXNoLnJlcGxpY2EudjEuR2V0U3RhdHVzUmVxdWVzdBomLnJvbGxtZXNoLnJlcGxpY2EudjEuR2V0U3RhdHVzUmVzcG9uc2USZgoNTGF1bmNoUmVwbGljYRIpLnJvbGxtZXNoLnJlcGxpY2EudjEuTGF1bmNoUmVwbGljYVJlcXVlc3QaKi5yb2xsbWVzaC5yZXBsaWNhLnYxLkxhdW5jaFJlcGxpY2FSZXNwb25zZRJgCgtTdG9wUmVwbGljYRInLnJvbGxtZXNoLnJlcGxpY2EudjEuU3RvcFJlcGxpY2FSZXF1ZXN0Gigucm9sbG1lc2gucmVwbGljYS52MS5TdG9wUmVwbGljYVJlc3BvbnNlEmMKDExpc3RSZXBsaWNhcxIoLnJvbGxtZXNoLnJlcGxpY2EudjEuTGlzdFJlcGxpY2FzUmVxdWVzdBopLnJvbGxtZXNoLnJlcGxpY2EudjEuTGlzdFJlcGxpY2FzUmVzcG9uc2USXQoKR2V0UmVwbGljYRImLnJvbGxtZXNoLnJlcGxpY2EudjEuR2V0UmVwbGljYVJlcXVlc3QaJy5yb2xsbWVzaC5yZXBsaWNhLnYxLkdldFJlcGxpY2FSZXNwb25zZRJZCghHZW5lcmF0ZRIkLnJvbGxtZXNoLnJlcGxpY2EudjEuR2VuZXJhdGVSZXF1ZXN0GiUucm9sbG1lc2gucmVwbGljYS52MS5HZW5lcmF0ZVJlc3BvbnNlMAESZgoNQWJvcnRSZXF1ZXN0cxIpLnJvbGxtZXNoLnJlcGxpY2EudjEuQWJvcnRSZXF1ZXN0c1JlcXVlc3QaKi5yb2xsbWVzaC5yZXBsaWNhLnYxLkFib3J0UmVxdWVzdHNSZXNwb25zZRJsCg9QYXVzZUdlbmVyYXRpb24SKy5yb2xsbWVzaC5yZXBsaWNhLnYxLlBhdXNlR2VuZXJhdGlvblJlcXVlc3QaLC5yb2xsbWVzaC5yZXBsaWNhLnYxLlBhdXNlR2VuZXJhdGlvblJlc3BvbnNlEm8KEFJlc3VtZUdlbmVyYXRpb24SLC5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlc3VtZUdlbmVyYXRpb25SZXF1ZXN0Gi0ucm9sbG1lc2gucmVwbGljYS52MS5SZXN1bWVHZW5lcmF0aW9uUmVzcG9uc2USTgoFU2xlZXASIS5yb2xsbWVzaC5yZXBsaWNhLnYxLlNsZWVwUmVxdWVzdBoiLnJvbGxtZXNoLnJlcGxpY2EudjEuU2xlZXBSZXNwb25zZRJRCgZXYWtlVXASIi5yb2xsbWVzaC5yZXBsaWNhLnYxLldha2VVcFJlcXVlc3QaIy5yb2xsbWVzaC5yZXBsaWNhLnYxLldha2VVcFJlc3BvbnNlEmkKDlJlY2VpdmVXZWlnaHRzEioucm9sbG1lc2gucmVwbGljYS52MS5SZWNlaXZlV2VpZ2h0c1JlcXVlc3QaKy5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlY2VpdmVXZWlnaHRzUmVzcG9uc2USaQoOR2V0TG9hZFJlcG9ydHMSKi5yb2xsbWVzaC5yZXBsaWNhLnYxLkdldExvYWRSZXBvcnRzUmVxdWVzdBorLnJvbGxtZXNoLnJlcGxpY2EudjEuR2V0TG9hZFJlcG9ydHNSZXNwb25zZWIGcHJvdG8z", [file_google_api_field_behavior, file_google_protobuf_duration, file_rollmesh_common_v1_generation, file_rollmesh_common_v1_load, file_rollmesh_common_v1_status, file_rollmesh_common_v1_types, file_rollmesh_common_v1_weights, file_rollmesh_replica_v1_replica]);
+  fileDesc("Cidyb2xsbWVzaC9yZXBsaWNhL3YxL3JlcGxpY2FfYWdlbnQucHJvdG8SE3JvbGxtZXNoLnJlcGxpY2EudjEiEgoQR2V0U3RhdHVzUmVxdWVzdCLZAQoRR2V0U3RhdHVzUmVzcG9uc2USMAoGc3RhdHVzGAEgASgLMiAucm9sbG1lc2guY29tbW9uLnYxLlNlcnZlclN0YXR1cxIPCgdub2RlX2lkGAIgASgJEhMKC3Nsb3RzX3RvdGFsGAMgASgNEhIKCnNsb3RzX2ZyZWUYBCABKA0SMgoHYmFja2VuZBgFIAEoDjIhLnJvbGxtZXNoLmNvbW1vbi52MS5FbmdpbmVCYWNrZW5kEg0KBW1vZGVsGAYgASgJEhUKDXJlcGxpY2FfY291bnQYByABKA0i9gEKFExhdW5jaFJlcGxpY2FSZXF1ZXN0EhIKCnJlcGxpY2FfaWQYASABKAkSMwoEa2luZBgCIAEoDjIfLnJvbGxtZXNoLmNvbW1vbi52MS5SZXBsaWNhS2luZEIE4kEBAhIcCg9tZW1vcnlfZnJhY3Rpb24YAyABKAFIAIgBARINCgVzbG90cxgEIAEoDRIUCgxzdGFydF9hc2xlZXAYBSABKAgSFgoOd2VpZ2h0X3ZlcnNpb24YBiABKAMSEgoKcmVxdWVzdF9pZBgHIAEoCRISCgplbmdpbmVfdXJsGAggASgJQhIKEF9tZW1vcnlfZnJhY3Rpb24iRgoVTGF1bmNoUmVwbGljYVJlc3BvbnNlEi0KB3JlcGxpY2EYASABKAsyHC5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlcGxpY2EiYQoSU3RvcFJlcGxpY2FSZXF1ZXN0EhIKCnJlcGxpY2FfaWQYASABKAkSKAoFZ3JhY2UYAiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SDQoFZm9yY2UYAyABKAgiRAoTU3RvcFJlcGxpY2FSZXNwb25zZRItCgdyZXBsaWNhGAEgASgLMhwucm9sbG1lc2gucmVwbGljYS52MS5SZXBsaWNhIp4BChNMaXN0UmVwbGljYXNSZXF1ZXN0Ei4KBWtpbmRzGAEgAygOMh8ucm9sbG1lc2guY29tbW9uLnYxLlJlcGxpY2FLaW5kEjAKBnN0YXRlcxgCIAMoDjIgLnJvbGxtZXNoLmNvbW1vbi52MS5SZXBsaWNhU3RhdGUSEQoJcGFnZV9zaXplGAMgASgFEhIKCnBhZ2VfdG9rZW4YBCABKAkiXwoUTGlzdFJlcGxpY2FzUmVzcG9uc2USLgoIcmVwbGljYXMYASADKAsyHC5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlcGxpY2ESFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJIicKEUdldFJlcGxpY2FSZXF1ZXN0EhIKCnJlcGxpY2FfaWQYASABKAkiQwoSR2V0UmVwbGljYVJlc3BvbnNlEi0KB3JlcGxpY2EYASABKAsyHC5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlcGxpY2EijwIKD0dlbmVyYXRlUmVxdWVzdBIYCgpyZXBsaWNhX2lkGAEgASgJQgTiQQECEhgKCnJlcXVlc3RfaWQYAiABKAlCBOJBAQISHgoQcHJvbXB0X3Rva2VuX2lkcxgDIAMoBUIE4kEBAhI7Cg9zYW1wbGluZ19wYXJhbXMYBCABKAsyIi5yb2xsbWVzaC5jb21tb24udjEuU2FtcGxpbmdQYXJhbXMSOQoPcmVzdW1lX3NlZ21lbnRzGAUgAygLMiAucm9sbG1lc2guY29tbW9uLnYxLlRva2VuU2VnbWVudBIcCg9zdHJlYW1faW50ZXJ2YWwYBiABKA1IAIgBAUISChBfc3RyZWFtX2ludGVydmFsIvoBChBHZW5lcmF0ZVJlc3BvbnNlEhIKCnJlcXVlc3RfaWQYASABKAkSEQoJdG9rZW5faWRzGAIgAygFEhAKCGxvZ3Byb2JzGAMgAygCEhYKDndlaWdodF92ZXJzaW9uGAQgASgDEjcKDWZpbmlzaF9yZWFzb24YBSABKA4yIC5yb2xsbWVzaC5jb21tb24udjEuRmluaXNoUmVhc29uEigKBXVzYWdlGAYgASgLMhkucm9sbG1lc2guY29tbW9uLnYxLlVzYWdlEjIKCHNlZ21lbnRzGAcgAygLMiAucm9sbG1lc2guY29tbW9uLnYxLlRva2VuU2VnbWVudCKOAQoUQWJvcnRSZXF1ZXN0c1JlcXVlc3QSEgoKcmVwbGljYV9pZBgBIAEoCRIzCghyZXF1ZXN0cxgEIAEoCzIfLnJvbGxtZXNoLnJlcGxpY2EudjEuUmVxdWVzdElkc0gAEg0KA2FsbBgDIAEoCEgAQgsKCXNlbGVjdGlvbkoECAIQA1ILcmVxdWVzdF9pZHMiJwoKUmVxdWVzdElkcxIZCgtyZXF1ZXN0X2lkcxgBIAMoCUIE4kEBAiI0ChVBYm9ydFJlcXVlc3RzUmVzcG9uc2USGwoTYWJvcnRlZF9yZXF1ZXN0X2lkcxgBIAMoCSKHAQoWUGF1c2VHZW5lcmF0aW9uUmVxdWVzdBITCgtyZXBsaWNhX2lkcxgBIAMoCRIsCgRtb2RlGAIgASgOMh4ucm9sbG1lc2gucmVwbGljYS52MS5QYXVzZU1vZGUSKgoHdGltZW91dBgDIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbiJmChdQYXVzZUdlbmVyYXRpb25SZXNwb25zZRIuCghyZXBsaWNhcxgBIAMoCzIcLnJvbGxtZXNoLnJlcGxpY2EudjEuUmVwbGljYRIbChNhYm9ydGVkX3JlcXVlc3RfaWRzGAIgAygJIi4KF1Jlc3VtZUdlbmVyYXRpb25SZXF1ZXN0EhMKC3JlcGxpY2FfaWRzGAEgAygJIkoKGFJlc3VtZUdlbmVyYXRpb25SZXNwb25zZRIuCghyZXBsaWNhcxgBIAMoCzIcLnJvbGxtZXNoLnJlcGxpY2EudjEuUmVwbGljYSJ2CgxTbGVlcFJlcXVlc3QSGAoKcmVwbGljYV9pZBgBIAEoCUIE4kEBAhIzCgVsZXZlbBgCIAEoDjIeLnJvbGxtZXNoLmNvbW1vbi52MS5TbGVlcExldmVsQgTiQQECEhcKD2Fib3J0X2luX2ZsaWdodBgDIAEoCCJTCg1TbGVlcFJlc3BvbnNlEhMKC2ZyZWVkX2J5dGVzGAEgASgEEi0KB3JlcGxpY2EYAiABKAsyHC5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlcGxpY2EiaQoNV2FrZVVwUmVxdWVzdBISCgpyZXBsaWNhX2lkGAEgASgJEikKBHRhZ3MYAiADKA4yGy5yb2xsbWVzaC5jb21tb24udjEuV2FrZVRhZxIZChFyZXN1bWVfZ2VuZXJhdGlvbhgDIAEoCCI/Cg5XYWtlVXBSZXNwb25zZRItCgdyZXBsaWNhGAEgASgLMhwucm9sbG1lc2gucmVwbGljYS52MS5SZXBsaWNhIncKFVJlY2VpdmVXZWlnaHRzUmVxdWVzdBITCgtyZXBsaWNhX2lkcxgBIAMoCRIwCgRwbGFuGAIgASgLMiIucm9sbG1lc2guY29tbW9uLnYxLldlaWdodFN5bmNQbGFuEhcKD2Fib3J0X2luX2ZsaWdodBgDIAEoCCKzAQoUUmVwbGljYVdlaWdodHNSZXN1bHQSEgoKcmVwbGljYV9pZBgBIAEoCRIWCg53ZWlnaHRfdmVyc2lvbhgCIAEoAxITCgtjaGVja3N1bV9vaxgDIAEoCBIWCg5ieXRlc19yZWNlaXZlZBgEIAEoBBIrCghkdXJhdGlvbhgFIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhIVCg1lcnJvcl9tZXNzYWdlGAYgASgJIlQKFlJlY2VpdmVXZWlnaHRzUmVzcG9uc2USOgoHcmVzdWx0cxgBIAMoCzIpLnJvbGxtZXNoLnJlcGxpY2EudjEuUmVwbGljYVdlaWdodHNSZXN1bHQiLAoVR2V0TG9hZFJlcG9ydHNSZXF1ZXN0EhMKC3JlcGxpY2FfaWRzGAEgAygJIkkKFkdldExvYWRSZXBvcnRzUmVzcG9uc2USLwoHcmVwb3J0cxgBIAMoCzIeLnJvbGxtZXNoLmNvbW1vbi52MS5Mb2FkUmVwb3J0MpoKChNSZXBsaWNhQWdlbnRTZXJ2aWNlEloKCUdldFN0YXR1cxIlLnJvbGxtZXNoLnJlcGxpY2EudjEuR2V0U3RhdHVzUmVxdWVzdBomLnJvbGxtZXNoLnJlcGxpY2EudjEuR2V0U3RhdHVzUmVzcG9uc2USZgoNTGF1bmNoUmVwbGljYRIpLnJvbGxtZXNoLnJlcGxpY2EudjEuTGF1bmNoUmVwbGljYVJlcXVlc3QaKi5yb2xsbWVzaC5yZXBsaWNhLnYxLkxhdW5jaFJlcGxpY2FSZXNwb25zZRJgCgtTdG9wUmVwbGljYRInLnJvbGxtZXNoLnJlcGxpY2EudjEuU3RvcFJlcGxpY2FSZXF1ZXN0Gigucm9sbG1lc2gucmVwbGljYS52MS5TdG9wUmVwbGljYVJlc3BvbnNlEmMKDExpc3RSZXBsaWNhcxIoLnJvbGxtZXNoLnJlcGxpY2EudjEuTGlzdFJlcGxpY2FzUmVxdWVzdBopLnJvbGxtZXNoLnJlcGxpY2EudjEuTGlzdFJlcGxpY2FzUmVzcG9uc2USXQoKR2V0UmVwbGljYRImLnJvbGxtZXNoLnJlcGxpY2EudjEuR2V0UmVwbGljYVJlcXVlc3QaJy5yb2xsbWVzaC5yZXBsaWNhLnYxLkdldFJlcGxpY2FSZXNwb25zZRJZCghHZW5lcmF0ZRIkLnJvbGxtZXNoLnJlcGxpY2EudjEuR2VuZXJhdGVSZXF1ZXN0GiUucm9sbG1lc2gucmVwbGljYS52MS5HZW5lcmF0ZVJlc3BvbnNlMAESZgoNQWJvcnRSZXF1ZXN0cxIpLnJvbGxtZXNoLnJlcGxpY2EudjEuQWJvcnRSZXF1ZXN0c1JlcXVlc3QaKi5yb2xsbWVzaC5yZXBsaWNhLnYxLkFib3J0UmVxdWVzdHNSZXNwb25zZRJsCg9QYXVzZUdlbmVyYXRpb24SKy5yb2xsbWVzaC5yZXBsaWNhLnYxLlBhdXNlR2VuZXJhdGlvblJlcXVlc3QaLC5yb2xsbWVzaC5yZXBsaWNhLnYxLlBhdXNlR2VuZXJhdGlvblJlc3BvbnNlEm8KEFJlc3VtZUdlbmVyYXRpb24SLC5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlc3VtZUdlbmVyYXRpb25SZXF1ZXN0Gi0ucm9sbG1lc2gucmVwbGljYS52MS5SZXN1bWVHZW5lcmF0aW9uUmVzcG9uc2USTgoFU2xlZXASIS5yb2xsbWVzaC5yZXBsaWNhLnYxLlNsZWVwUmVxdWVzdBoiLnJvbGxtZXNoLnJlcGxpY2EudjEuU2xlZXBSZXNwb25zZRJRCgZXYWtlVXASIi5yb2xsbWVzaC5yZXBsaWNhLnYxLldha2VVcFJlcXVlc3QaIy5yb2xsbWVzaC5yZXBsaWNhLnYxLldha2VVcFJlc3BvbnNlEmkKDlJlY2VpdmVXZWlnaHRzEioucm9sbG1lc2gucmVwbGljYS52MS5SZWNlaXZlV2VpZ2h0c1JlcXVlc3QaKy5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlY2VpdmVXZWlnaHRzUmVzcG9uc2USaQoOR2V0TG9hZFJlcG9ydHMSKi5yb2xsbWVzaC5yZXBsaWNhLnYxLkdldExvYWRSZXBvcnRzUmVxdWVzdBorLnJvbGxtZXNoLnJlcGxpY2EudjEuR2V0TG9hZFJlcG9ydHNSZXNwb25zZWIGcHJvdG8z", [file_google_api_field_behavior, file_google_protobuf_duration, file_rollmesh_common_v1_generation, file_rollmesh_common_v1_load, file_rollmesh_common_v1_status, file_rollmesh_common_v1_types, file_rollmesh_common_v1_weights, file_rollmesh_replica_v1_replica]);
 
 /**
  * Request of GetStatus. It has no fields.
@@ -520,18 +520,28 @@ export type AbortRequestsRequest = Message<"rollmesh.replica.v1.AbortRequestsReq
   replicaId: string;
 
   /**
-   * Requests to abort. Must be empty when all is true.
+   * Which requests to abort: exactly one.
    *
-   * @generated from field: repeated string request_ids = 2;
+   * @generated from oneof rollmesh.replica.v1.AbortRequestsRequest.selection
    */
-  requestIds: string[];
-
-  /**
-   * When true, abort every in-flight request of the selected replicas.
-   *
-   * @generated from field: bool all = 3;
-   */
-  all: boolean;
+  selection: {
+    /**
+     * These requests.
+     *
+     * @generated from field: rollmesh.replica.v1.RequestIds requests = 4;
+     */
+    value: RequestIds;
+    case: "requests";
+  } | {
+    /**
+     * When true, every in-flight request of the selected replicas (false
+     * selects nothing and is refused).
+     *
+     * @generated from field: bool all = 3;
+     */
+    value: boolean;
+    case: "all";
+  } | { case: undefined; value?: undefined };
 };
 
 /**
@@ -540,6 +550,27 @@ export type AbortRequestsRequest = Message<"rollmesh.replica.v1.AbortRequestsReq
  */
 export const AbortRequestsRequestSchema: GenMessage<AbortRequestsRequest> = /*@__PURE__*/
   messageDesc(file_rollmesh_replica_v1_replica_agent, 12);
+
+/**
+ * RequestIds lists generation requests by id.
+ *
+ * @generated from message rollmesh.replica.v1.RequestIds
+ */
+export type RequestIds = Message<"rollmesh.replica.v1.RequestIds"> & {
+  /**
+   * The request ids; at least one.
+   *
+   * @generated from field: repeated string request_ids = 1;
+   */
+  requestIds: string[];
+};
+
+/**
+ * Describes the message rollmesh.replica.v1.RequestIds.
+ * Use `create(RequestIdsSchema)` to create a new message.
+ */
+export const RequestIdsSchema: GenMessage<RequestIds> = /*@__PURE__*/
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 13);
 
 /**
  * Response of AbortRequests.
@@ -560,7 +591,7 @@ export type AbortRequestsResponse = Message<"rollmesh.replica.v1.AbortRequestsRe
  * Use `create(AbortRequestsResponseSchema)` to create a new message.
  */
 export const AbortRequestsResponseSchema: GenMessage<AbortRequestsResponse> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 13);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 14);
 
 /**
  * Request of PauseGeneration.
@@ -596,7 +627,7 @@ export type PauseGenerationRequest = Message<"rollmesh.replica.v1.PauseGeneratio
  * Use `create(PauseGenerationRequestSchema)` to create a new message.
  */
 export const PauseGenerationRequestSchema: GenMessage<PauseGenerationRequest> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 14);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 15);
 
 /**
  * Response of PauseGeneration.
@@ -624,7 +655,7 @@ export type PauseGenerationResponse = Message<"rollmesh.replica.v1.PauseGenerati
  * Use `create(PauseGenerationResponseSchema)` to create a new message.
  */
 export const PauseGenerationResponseSchema: GenMessage<PauseGenerationResponse> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 15);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 16);
 
 /**
  * Request of ResumeGeneration.
@@ -645,7 +676,7 @@ export type ResumeGenerationRequest = Message<"rollmesh.replica.v1.ResumeGenerat
  * Use `create(ResumeGenerationRequestSchema)` to create a new message.
  */
 export const ResumeGenerationRequestSchema: GenMessage<ResumeGenerationRequest> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 16);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 17);
 
 /**
  * Response of ResumeGeneration.
@@ -666,7 +697,7 @@ export type ResumeGenerationResponse = Message<"rollmesh.replica.v1.ResumeGenera
  * Use `create(ResumeGenerationResponseSchema)` to create a new message.
  */
 export const ResumeGenerationResponseSchema: GenMessage<ResumeGenerationResponse> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 17);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 18);
 
 /**
  * Request of Sleep.
@@ -703,7 +734,7 @@ export type SleepRequest = Message<"rollmesh.replica.v1.SleepRequest"> & {
  * Use `create(SleepRequestSchema)` to create a new message.
  */
 export const SleepRequestSchema: GenMessage<SleepRequest> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 18);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 19);
 
 /**
  * Response of Sleep.
@@ -732,7 +763,7 @@ export type SleepResponse = Message<"rollmesh.replica.v1.SleepResponse"> & {
  * Use `create(SleepResponseSchema)` to create a new message.
  */
 export const SleepResponseSchema: GenMessage<SleepResponse> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 19);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 20);
 
 /**
  * Request of WakeUp.
@@ -769,7 +800,7 @@ export type WakeUpRequest = Message<"rollmesh.replica.v1.WakeUpRequest"> & {
  * Use `create(WakeUpRequestSchema)` to create a new message.
  */
 export const WakeUpRequestSchema: GenMessage<WakeUpRequest> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 20);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 21);
 
 /**
  * Response of WakeUp.
@@ -790,7 +821,7 @@ export type WakeUpResponse = Message<"rollmesh.replica.v1.WakeUpResponse"> & {
  * Use `create(WakeUpResponseSchema)` to create a new message.
  */
 export const WakeUpResponseSchema: GenMessage<WakeUpResponse> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 21);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 22);
 
 /**
  * Request of ReceiveWeights.
@@ -827,7 +858,7 @@ export type ReceiveWeightsRequest = Message<"rollmesh.replica.v1.ReceiveWeightsR
  * Use `create(ReceiveWeightsRequestSchema)` to create a new message.
  */
 export const ReceiveWeightsRequestSchema: GenMessage<ReceiveWeightsRequest> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 22);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 23);
 
 /**
  * Outcome of a weight transfer for one receiving replica.
@@ -887,7 +918,7 @@ export type ReplicaWeightsResult = Message<"rollmesh.replica.v1.ReplicaWeightsRe
  * Use `create(ReplicaWeightsResultSchema)` to create a new message.
  */
 export const ReplicaWeightsResultSchema: GenMessage<ReplicaWeightsResult> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 23);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 24);
 
 /**
  * Response of ReceiveWeights.
@@ -908,7 +939,7 @@ export type ReceiveWeightsResponse = Message<"rollmesh.replica.v1.ReceiveWeights
  * Use `create(ReceiveWeightsResponseSchema)` to create a new message.
  */
 export const ReceiveWeightsResponseSchema: GenMessage<ReceiveWeightsResponse> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 24);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 25);
 
 /**
  * Request of GetLoadReports.
@@ -929,7 +960,7 @@ export type GetLoadReportsRequest = Message<"rollmesh.replica.v1.GetLoadReportsR
  * Use `create(GetLoadReportsRequestSchema)` to create a new message.
  */
 export const GetLoadReportsRequestSchema: GenMessage<GetLoadReportsRequest> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 25);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 26);
 
 /**
  * Response of GetLoadReports.
@@ -950,7 +981,7 @@ export type GetLoadReportsResponse = Message<"rollmesh.replica.v1.GetLoadReports
  * Use `create(GetLoadReportsResponseSchema)` to create a new message.
  */
 export const GetLoadReportsResponseSchema: GenMessage<GetLoadReportsResponse> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 26);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 27);
 
 /**
  * ReplicaAgentService manages the engine replicas of one node: launch and
