@@ -91,13 +91,13 @@ class Mesh:
                                     concurrent_samples_per_replica=config.concurrent_samples_per_replica,
                                     max_required_samples=config.max_required_samples)
         self.transitions = asyncio.Lock()
-        """Held by every change of routing or weights that hybrid steps and scale operations make, so the
-        two never interleave on the same replicas. BeginTrainingStep changes neither and does not take it:
-        routing reconciliation runs only while it is free, and a lock held across every step-protocol call
-        starved it (a re-registered replica stayed out of routing while training ran)."""
+        """The one lock of every change of routing or weights: the scheduler takes it around each step-protocol
+        call, scale operations around their routing and weight changes, SyncWeights around its broadcast,
+        routing reconciliation around its round (it waits its turn: the lock is fair, so a fast training loop
+        cannot starve it). Hybrid steps and scale operations never interleave on the same replicas."""
         self.scheduler = DynamicResourceController(
             sched, registry=self.registry, routing=self.routing, replicas=self.replica_port, weights=self.weights,
-            clock=self.clock, emit=self.emit, tracer=self.span, metrics=self.metrics)
+            clock=self.clock, emit=self.emit, tracer=self.span, metrics=self.metrics, lock=self.transitions)
         events_counter = lambda: self.events.state_dict(include_events=False)  # noqa: E731
         for key, source in {"events": events_counter, "scheduler": self.scheduler.state_dict,
                             "metrics": self.metrics.state_dict}.items():
@@ -176,14 +176,12 @@ class Mesh:
 
     async def release_hybrid(self, global_step: int, buffered_samples: int, waited_s: float,
                              wait_expired: bool) -> Any:
-        async with self.transitions:  # never interleaved with a scale operation
-            result = await self.scheduler.release_hybrid(global_step, buffered_samples, waited_s, wait_expired)
+        result = await self.scheduler.release_hybrid(global_step, buffered_samples, waited_s, wait_expired)
         await self.commit()
         return result
 
     async def complete_step(self, global_step: int, weight_version: int, report: StepReport) -> Any:
-        async with self.transitions:  # never interleaved with a scale operation
-            result = await self.scheduler.complete_step(global_step, weight_version, report)
+        result = await self.scheduler.complete_step(global_step, weight_version, report)
         await self.commit()
         return result
 
@@ -285,15 +283,13 @@ class Mesh:
     async def reconcile_routing(self) -> tuple[list[str], list[str]]:
         """One level-triggered round: make the balancer's table match the registry; ``(added, removed)``.
 
-        Runs only while no transition holds ``transitions`` (a step, a sync or a
-        scale operation owns routing while it runs) and under that lock. Adds
+        Runs under ``transitions``, after whatever step call, sync or scale
+        operation holds it (each owns routing while it runs). Adds
         the desired replicas the balancer lacks (a restarted balancer, a stray
         RemoveReplicas); removes only replicas the registry does not know or
         that cannot serve (failed, stopped, removed, asleep, draining, still
         launching) - never an ambiguous one.
         """
-        if self.transitions.locked():
-            return [], []
         async with self.transitions:
             routed = await self.routing.routed()
             if routed is None:

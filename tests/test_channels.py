@@ -36,7 +36,9 @@ def test_read_methods_are_the_unary_gets_and_lists_of_every_service():
     methods = read_methods()
     services = {service for service, _ in methods}
     assert services == {"rollmesh.controller.v1.ControllerService", "rollmesh.loadbalancer.v1.LoadBalancerService",
-                        "rollmesh.replica.v1.ReplicaAgentService", "rollmesh.trainer.v1.TrainerAgentService"}
+                        "rollmesh.replica.v1.ReplicaAgentService", "rollmesh.trainer.v1.TrainerAgentService",
+                        "google.longrunning.Operations"}   # the controller's scale operations
+    assert ("google.longrunning.Operations", "GetOperation") in methods
     assert ("rollmesh.controller.v1.ControllerService", "GetStatus") in methods
     assert ("rollmesh.controller.v1.ControllerService", "ListReplicas") in methods
     assert all(name.startswith(("Get", "List")) for _, name in methods)

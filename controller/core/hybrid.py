@@ -117,7 +117,10 @@ class DynamicResourceController:
     def __init__(self, config: SchedulingConfig, *, registry: ReplicaRegistry, routing: RoutingPort,
                  replicas: ReplicaPort, weights: WeightSyncPort, clock: Clock, emit: EventSink | None = None,
                  tracer: Tracer | None = None, metrics: CycleMetrics | None = None,
-                 policy: DynamicSchedulePolicyBase | None = None) -> None:
+                 policy: DynamicSchedulePolicyBase | None = None, lock: asyncio.Lock | None = None) -> None:
+        """``lock`` is taken around every step-protocol call: the controller passes the one lock of every
+        routing and weight change (``Mesh.transitions``), so a step never interleaves with a scale operation
+        or a weight sync; alone (the simulator, the tests) the scheduler has its own."""
         self.config = config.validate()
         self.registry = registry
         self.clock = clock
@@ -149,7 +152,7 @@ class DynamicResourceController:
         self._outcome = StepOutcome(global_step=-1)
         self._base_version: int | None = None   # weight version when the current step began
         self._fed_step: int | None = None       # last step whose report went into the metrics
-        self._lock = asyncio.Lock()
+        self._lock = lock if lock is not None else asyncio.Lock()
 
     @property
     def enabled(self) -> bool:

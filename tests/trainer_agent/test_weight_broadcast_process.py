@@ -16,7 +16,7 @@ import pytest
 
 from mesh_runtime.errors import error_info
 from modeling.presets import build_preset_model
-from rollmesh.common.v1 import generation_pb2, weights_pb2
+from rollmesh.common.v1 import generation_pb2, types_pb2, weights_pb2
 from rollmesh.replica.v1 import replica_agent_pb2 as replica_pb
 from rollmesh.replica.v1 import replica_agent_pb2_grpc
 from rollmesh.trainer.v1 import trainer_agent_pb2 as trainer_pb
@@ -25,6 +25,7 @@ from rollmesh.weights.v1 import weight_source_pb2 as ws
 from rollmesh.weights.v1 import weight_source_pb2_grpc
 from tests.processes import clean_env, running_server
 from tests.replica_agent.weight_sender import greedy as local_greedy
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -169,16 +170,20 @@ async def test_a_request_arriving_during_a_sync_waits_for_the_new_weights(mesh, 
     plan = plan_from(nxt, "sync-during", group_id="g-during")
     receiving = asyncio.ensure_future(replica.ReceiveWeights(
         replica_pb.ReceiveWeightsRequest(replica_ids=["r0"], plan=plan, abort_in_flight=True), timeout=90))
-    await asyncio.sleep(0.5)   # the replica is in its sync now, waiting for the sender at the rendezvous
+
+    async def syncing() -> bool:
+        reply = await replica.GetReplica(replica_pb.GetReplicaRequest(replica_id="r0"), timeout=10)
+        return reply.replica.state == types_pb2.REPLICA_STATE_SYNCING
+
+    await wait_until(syncing, 30, what="the replica to be in its sync, waiting for the sender at the rendezvous")
     request = replica_pb.GenerateRequest(
         replica_id="r0", request_id="during-sync", prompt_token_ids=PROMPT,
         sampling_params=generation_pb2.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     generating = asyncio.ensure_future(_messages(replica.Generate(request, timeout=60)))
-    await asyncio.sleep(0.3)
-    assert not generating.done()   # waiting, not refused
+    assert await syncing()   # the sender has not joined: the replica cannot leave SYNCING before SendWeights
     await trainer.SendWeights(ws.SendWeightsRequest(plan=plan), timeout=90)
     assert (await receiving).results[0].weight_version == nxt.weight_version
-    messages = await generating
+    messages = await generating   # not refused (UNAVAILABLE) although it came while the replica was syncing
     assert messages[-1].finish_reason == generation_pb2.FINISH_REASON_LENGTH
     assert {m.weight_version for m in messages if m.token_ids} == {nxt.weight_version}
 

@@ -265,7 +265,7 @@ export const EngineAddressesSchema: GenMessage<EngineAddresses> = /*@__PURE__*/
 
 /**
  * Request of ScaleOut: native mode (num_replicas) or external mode
- * (engine_addresses), exactly one.
+ * (external), exactly one.
  *
  * @generated from message rollmesh.controller.v1.ScaleOutRequest
  */
