@@ -26,6 +26,9 @@ class ControllerConfig(ServerConfig):
                                               "to probe a peer in GetStatus")
     state_dir: str = setting("", help="directory of the controller's durable state (SQLite); empty = keep "
                                       "nothing across restarts")
+    store: str = setting("", help="where the durable state lives, overriding state_dir: sqlite:///PATH (one file) "
+                                  "or etcd://HOST:PORT[,HOST:PORT...]/PREFIX (an etcd cluster, through its v3 JSON "
+                                  "gateway); empty = SQLite in state_dir")
     reconcile_interval_s: float = setting(2.0, help="how often the controller makes the balancer's routing table "
                                                     "equal to the registry again (a restarted balancer, a stray "
                                                     "RemoveReplicas or AddReplicas heal within one interval)")
@@ -113,6 +116,10 @@ class ControllerConfig(ServerConfig):
                     "rollout_num_gpus_per_engine", "max_replicas_per_model"):
             if getattr(self, key) <= 0:
                 raise ConfigError(key, f"must be > 0, got {getattr(self, key)}")
+        if self.store:
+            from .store_backends import parse_store_url  # noqa: PLC0415
+
+            parse_store_url(self.store)
         if any(not t for t in self.scale_api_read_tokens):
             raise ConfigError("scale_api_read_tokens", "tokens must not be empty")
         if self.scale_api_token and self.scale_api_token in self.scale_api_read_tokens:

@@ -39,6 +39,7 @@ from .core.steps import StepReport
 from .ports import AgentReplicas, Channels, LoadBalancerRouting
 from .weight_sync import WeightBroadcast
 from .store import StateStore
+from .store_backends import parse_store
 from .watchers import EventHub
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ class Mesh:
         self.config = config
         self.clock = time.time
         self.tracer = tracing.tracer(tracer_provider, "rollmesh.controller")
-        self.store = StateStore(config.state_dir, keep_events=config.event_retention_max)
+        self.store = StateStore(parse_store(config.store, config.state_dir), keep_events=config.event_retention_max)
         self.events = EventLog(self.clock, max_events=config.event_retention, max_age_s=config.event_retention_s,
                                hard_max=config.event_retention_max, trace_ids=_trace_ids)
         self.event_listeners: list[Any] = []
@@ -419,7 +420,7 @@ class Mesh:
 
     async def close(self) -> None:
         await self.scaler.close()
-        self.store.flush()
+        self.store.close()
         await self.channels.close()
 
 

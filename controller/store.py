@@ -1,4 +1,5 @@
-"""The controller's durable state: an embedded SQLite file in its state directory.
+"""The controller's durable state, in the backend its ``store`` names (:mod:`controller.store_backends`):
+an embedded SQLite file in its state directory (the default) or an etcd cluster.
 
 State is kept as JSON documents by key (scheduler, metrics, ...), collections
 of documents written one member at a time (the registry: one document per
@@ -21,23 +22,20 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import sqlite3
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
+
+from .store_backends import StoreBackend, parse_store
 
 log = logging.getLogger(__name__)
 
-_SCHEMA = ("CREATE TABLE IF NOT EXISTS documents (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
-           "CREATE TABLE IF NOT EXISTS events (sequence INTEGER PRIMARY KEY, value TEXT NOT NULL)")
-
 
 class StateStore:
-    """JSON documents in ``<state_dir>/controller.sqlite``; ``state_dir=""`` keeps nothing."""
+    """JSON documents in ``backend`` (None keeps nothing); a string is a state directory (SQLite in it)."""
 
-    def __init__(self, state_dir: str, keep_events: int = 10_000) -> None:
-        self.path = Path(state_dir) / "controller.sqlite" if state_dir else None
+    def __init__(self, backend: StoreBackend | str | None, keep_events: int = 10_000) -> None:
+        self.backend = parse_store("", backend) if isinstance(backend, str) else backend
         self.keep_events = keep_events
         self._written_since_prune = 0
         self._sources: dict[str, Callable[[], Any]] = {}
@@ -54,37 +52,30 @@ class StateStore:
         """Generation of the newest batch on disk."""
         self._inflight: asyncio.Future | None = None
         """The batch being written (one at a time: a commit arriving meanwhile shares the next one)."""
-        if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with self._connect() as db:
-                for statement in _SCHEMA:
-                    db.execute(statement)
+        self._unwritten: dict[str, Any] = {}
+        """Collection members of a batch the backend refused, for the next batch."""
 
-    def _connect(self) -> sqlite3.Connection:
-        assert self.path is not None
-        return sqlite3.connect(self.path, timeout=10)
+    @property
+    def description(self) -> str:
+        return self.backend.description if self.backend is not None else "none (nothing kept across restarts)"
 
     def load(self, key: str) -> Any | None:
-        if self.path is None:
+        if self.backend is None:
             return None
-        with self._connect() as db:
-            row = db.execute("SELECT value FROM documents WHERE key = ?", (key,)).fetchone()
-        return json.loads(row[0]) if row else None
+        value = self.backend.load(key)
+        return json.loads(value) if value is not None else None
 
     def load_collection(self, key: str) -> list[Any]:
         """Every member document of collection ``key``, in member order."""
-        if self.path is None:
+        if self.backend is None:
             return []
-        with self._connect() as db:
-            rows = db.execute("SELECT value FROM documents WHERE key >= ? AND key < ? ORDER BY key",
-                              (f"{key}/", f"{key}0")).fetchall()   # '0' sorts right after '/'
-        return [json.loads(row[0]) for row in rows]
+        return [json.loads(value) for value in self.backend.load_prefix(f"{key}/")]
 
     def delete(self, key: str) -> None:
         """Drop document ``key`` now (a format migration)."""
-        if self.path is not None:
-            with self._write_lock, self._connect() as db:
-                db.execute("DELETE FROM documents WHERE key = ?", (key,))
+        if self.backend is not None:
+            with self._write_lock:
+                self.backend.delete(key)
 
     def track_collection(self, key: str, changes: Callable[[], list[tuple[str, Any | None]]]) -> None:
         """Persist collection ``key``: at each write, ``changes()`` gives (member, document or None to delete)
@@ -101,17 +92,15 @@ class StateStore:
 
     def append_event(self, sequence: int, event: Any) -> None:
         """Queue one lifecycle event for the append-only events table."""
-        if self.path is not None:
+        if self.backend is not None:
             self._events.append((sequence, json.dumps(event)))
             self._wakeup.set()
 
     def load_events(self, limit: int) -> list[Any]:
         """The newest ``limit`` persisted events, oldest first."""
-        if self.path is None:
+        if self.backend is None:
             return []
-        with self._connect() as db:
-            rows = db.execute("SELECT value FROM events ORDER BY sequence DESC LIMIT ?", (limit,)).fetchall()
-        return [json.loads(row[0]) for row in reversed(rows)]
+        return [json.loads(value) for value in self.backend.load_events(limit)]
 
     def _collect(self) -> tuple[int, list[tuple[str, Any]], list[tuple[int, str]]]:
         """Snapshot what changed (on the event loop, so it is consistent): the marked documents and the
@@ -119,13 +108,27 @@ class StateStore:
         keys, self._dirty = sorted(k for k in self._dirty if k in self._sources), set()
         events, self._events = self._events, []
         self._generation += 1
-        members = [(f"{key}/{member}", document) for key, changes in self._collections.items()
-                   for member, document in changes()]
-        if self.path is None:
+        members, self._unwritten = self._unwritten, {}   # a failed batch's members; newer changes win
+        for key, changes in self._collections.items():
+            for member, document in changes():
+                members[f"{key}/{member}"] = document
+        if self.backend is None:
             return self._generation, [], []
         # the tracked documents are encoded here (their sources may hand out live structures); the members
         # of collections are fresh objects, encoded in the writer thread
-        return self._generation, [(key, json.dumps(self._sources[key]())) for key in keys] + members, events
+        return (self._generation, [(key, json.dumps(self._sources[key]())) for key in keys] + list(members.items()),
+                events)
+
+    def _requeue(self, documents: list[tuple[str, Any]], events: list[tuple[int, str]]) -> None:
+        """A batch that could not be written goes into the next one: tracked documents are marked again (the
+        next batch takes a fresh snapshot), collection members and events are kept as they were."""
+        for key, document in documents:
+            if key in self._sources:
+                self._dirty.add(key)
+            else:
+                self._unwritten.setdefault(key, document)
+        self._events = events + self._events
+        self._wakeup.set()
 
     def _write(self, generation: int, documents: list[tuple[str, Any]], events: list[tuple[int, str]]) -> None:
         if not documents and not events:
@@ -133,11 +136,9 @@ class StateStore:
         with self._write_lock:
             documents = [(k, v) for k, v in documents if self._written.get(k, 0) < generation]
             upserts = [(k, v if isinstance(v, str) else json.dumps(v)) for k, v in documents if v is not None]
-            deletes = [(k,) for k, v in documents if v is None]
-            with self._connect() as db:
-                db.executemany("INSERT OR REPLACE INTO documents (key, value) VALUES (?, ?)", upserts)
-                db.executemany("DELETE FROM documents WHERE key = ?", deletes)
-                db.executemany("INSERT OR REPLACE INTO events (sequence, value) VALUES (?, ?)", events)
+            deletes = [k for k, v in documents if v is None]
+            assert self.backend is not None
+            self.backend.write(upserts, deletes, events)
             for key, _ in documents:
                 self._written[key] = generation
         self._written_since_prune += len(events)
@@ -147,6 +148,12 @@ class StateStore:
     def flush(self) -> None:
         """Write everything pending now (shutdown, tests)."""
         self._write(*self._collect())
+
+    def close(self) -> None:
+        """Write everything pending, then release the backend's connections."""
+        self.flush()
+        if self.backend is not None:
+            self.backend.close()
 
     async def commit(self, *keys: str) -> None:
         """Write what changed (``keys``, or every tracked document) and return once it is on disk.
@@ -171,7 +178,11 @@ class StateStore:
     async def _batch(self) -> None:
         try:
             generation, documents, events = self._collect()
-            await asyncio.to_thread(self._write, generation, documents, events)
+            try:
+                await asyncio.to_thread(self._write, generation, documents, events)
+            except BaseException:
+                self._requeue(documents, events)   # nothing of it is acknowledged; the next batch has it
+                raise
             self._durable = max(self._durable, generation)
         finally:
             self._inflight = None
@@ -179,17 +190,25 @@ class StateStore:
     def prune_events(self, keep: int) -> None:
         """Drop persisted events older than the newest ``keep``."""
         self._written_since_prune = 0
-        if self.path is not None:
-            with self._connect() as db:
-                db.execute("DELETE FROM events WHERE sequence <= (SELECT MAX(sequence) FROM events) - ?", (keep,))
+        if self.backend is not None:
+            with self._write_lock:
+                self.backend.prune_events(keep)
 
-    async def run(self, interval_s: float = 0.1) -> None:
-        """Flush shortly after changes, until cancelled (then flush once more)."""
+    async def run(self, interval_s: float = 0.1, retry_max_s: float = 5.0) -> None:
+        """Flush shortly after changes, until cancelled (then flush once more). A backend that cannot be
+        written (etcd without quorum) is retried with a growing pause; nothing is dropped meanwhile."""
+        pause = interval_s
         try:
             while True:
                 await self._wakeup.wait()
                 self._wakeup.clear()
-                await asyncio.sleep(interval_s)  # batch the changes of one burst into one write
-                await self._until_durable(self._generation + 1)  # the disk never blocks the loop
+                await asyncio.sleep(pause)  # batch the changes of one burst into one write
+                try:
+                    await self._until_durable(self._generation + 1)  # the disk never blocks the loop
+                    pause = interval_s
+                except Exception as err:  # noqa: BLE001 - the writer must outlive a store outage
+                    log.warning("state store %s: write failed (%s); retrying in %.1f s", self.description,
+                                err, min(pause * 2, retry_max_s))
+                    pause = min(pause * 2, retry_max_s)
         finally:
             self.flush()

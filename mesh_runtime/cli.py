@@ -56,6 +56,7 @@ class _Parser(argparse.ArgumentParser):
 KEY_FLAGS: dict[str, dict[str, tuple[str, str, str]]] = {
     "controller": {
         "--autoscaler-config": ("autoscaler_config", "FILE", "autoscaler YAML; the autoscaler is off without it"),
+        "--store": ("store", "URL", "where the state lives: sqlite:///PATH or etcd://HOST:PORT[,HOST:PORT...]/PREFIX"),
         "--scale-out-timeout": ("scale_out_timeout", "SECONDS", "default timeout of a scale-out (1800)"),
         "--scale-out-partial-success-policy": ("scale_out_partial_success_policy", "POLICY",
                                                "rollback_all (default) or keep_partial"),

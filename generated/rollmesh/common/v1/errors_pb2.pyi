@@ -172,6 +172,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SCALE_OPERATION_FAILED: _ClassVar[ErrorReason]
     SCALE_OPERATION_CANCELLED: _ClassVar[ErrorReason]
     CANCELLED: _ClassVar[ErrorReason]
+    STORE_UNAVAILABLE: _ClassVar[ErrorReason]
 ERROR_REASON_UNSPECIFIED: ErrorReason
 INTERNAL: ErrorReason
 INVALID_ARGUMENT: ErrorReason
@@ -338,3 +339,4 @@ OPERATION_NOT_FINISHED: ErrorReason
 SCALE_OPERATION_FAILED: ErrorReason
 SCALE_OPERATION_CANCELLED: ErrorReason
 CANCELLED: ErrorReason
+STORE_UNAVAILABLE: ErrorReason
