@@ -14,6 +14,25 @@ from .core.config import SchedulingConfig
 
 
 @dataclasses.dataclass
+class StoreTlsConfig:
+    """TLS from the controller to its etcd store (etcd's --trusted-ca-file / --client-cert-auth)."""
+
+    ca: str = setting(help="PEM CA bundle that the etcd members' certificates must chain to")
+    cert: str = setting("", help="PEM client certificate (etcd with --client-cert-auth); with key")
+    key: str = setting("", help="PEM private key of cert")
+
+    def validate(self) -> None:
+        if bool(self.cert) != bool(self.key):
+            raise ConfigError("store_tls", "give cert and key together (or neither)")
+        for name in ("ca", "cert", "key"):
+            path = getattr(self, name)
+            if name == "ca" and not path:
+                raise ConfigError("store_tls.ca", "is required")
+            if path and not Path(path).is_file():
+                raise ConfigError(f"store_tls.{name}", f"no such file: {path[:200]}")
+
+
+@dataclasses.dataclass
 class ControllerConfig(ServerConfig):
     """Settings of the controller (``--print-default-config`` lists them)."""
 
@@ -29,6 +48,9 @@ class ControllerConfig(ServerConfig):
     store: str = setting("", help="where the durable state lives, overriding state_dir: sqlite:///PATH (one file) "
                                   "or etcd://HOST:PORT[,HOST:PORT...]/PREFIX (an etcd cluster, through its v3 JSON "
                                   "gateway); empty = SQLite in state_dir")
+    store_tls: StoreTlsConfig | None = setting(None, help="TLS to the etcd store: {ca, cert, key} PEM paths; "
+                                                          "required when an etcd member is not on loopback "
+                                                          "(unless insecure)")
     reconcile_interval_s: float = setting(2.0, help="how often the controller makes the balancer's routing table "
                                                     "equal to the registry again (a restarted balancer, a stray "
                                                     "RemoveReplicas or AddReplicas heal within one interval)")
@@ -117,9 +139,18 @@ class ControllerConfig(ServerConfig):
             if getattr(self, key) <= 0:
                 raise ConfigError(key, f"must be > 0, got {getattr(self, key)}")
         if self.store:
+            from mesh_runtime.net import is_loopback  # noqa: PLC0415
+
             from .store_backends import parse_store_url  # noqa: PLC0415
 
-            parse_store_url(self.store)
+            kind, where = parse_store_url(self.store)
+            remote = [f"{h}:{p}" for h, p in where[0] if not is_loopback(h)] if kind == "etcd" else []
+            if remote and self.store_tls is None and not self.insecure:
+                raise ConfigError("store_tls", f"etcd member {remote[0][:64]} is not on loopback and no store_tls "
+                                               "is configured: give store_tls {ca, cert, key}, or insecure to "
+                                               "send the mesh's state in plaintext")
+        if self.store_tls is not None:
+            self.store_tls.validate()
         if any(not t for t in self.scale_api_read_tokens):
             raise ConfigError("scale_api_read_tokens", "tokens must not be empty")
         if self.scale_api_token and self.scale_api_token in self.scale_api_read_tokens:

@@ -65,7 +65,8 @@ class Mesh:
         self.config = config
         self.clock = time.time
         self.tracer = tracing.tracer(tracer_provider, "rollmesh.controller")
-        self.store = StateStore(parse_store(config.store, config.state_dir), keep_events=config.event_retention_max)
+        self.store = StateStore(parse_store(config.store, config.state_dir, config.store_tls),
+                                keep_events=config.event_retention_max)
         self.events = EventLog(self.clock, max_events=config.event_retention, max_age_s=config.event_retention_s,
                                hard_max=config.event_retention_max, trace_ids=_trace_ids)
         self.event_listeners: list[Any] = []

@@ -13,7 +13,9 @@ acknowledged); a backend only stores strings by key, in batches:
   operations or ~1 MiB per request), acknowledged by etcd once a quorum of
   members has it: state survives the loss of the controller's machine and of
   any minority of etcd members. Calls go to one member and move to the next
-  one listed when it cannot be reached.
+  one listed when it cannot be reached. With ``store_tls`` they use https, the
+  members' CA and a client certificate; the environment's proxy and CA
+  settings never apply to them.
 
 Both are synchronous and thread-safe: the store calls them from its writer
 thread.
@@ -138,6 +140,20 @@ def _unb64(text: str) -> str:
     return base64.b64decode(text).decode()
 
 
+def _session(tls: Any) -> Any:
+    """An HTTP session for the store that ignores the environment: neither *_PROXY nor REQUESTS_CA_BUNDLE
+    may send the mesh's state elsewhere or trust another CA for it."""
+    import requests  # noqa: PLC0415 - etcd3gw's HTTP client
+
+    session = requests.Session()
+    session.trust_env = False
+    if tls is not None:
+        session.verify = tls.ca
+        if tls.cert:
+            session.cert = (tls.cert, tls.key)
+    return session
+
+
 class StoreUnavailable(Unavailable):
     """No etcd member listed answered (down, or without quorum): UNAVAILABLE, retry shortly."""
 
@@ -150,13 +166,17 @@ class StoreUnavailable(Unavailable):
 class EtcdBackend:
     """Documents and events in etcd under ``prefix``, through the v3 JSON gateway (``etcd3gw``)."""
 
-    def __init__(self, endpoints: Sequence[tuple[str, int]], prefix: str, *, timeout_s: float = 5.0) -> None:
+    def __init__(self, endpoints: Sequence[tuple[str, int]], prefix: str, *, timeout_s: float = 5.0,
+                 tls: Any = None) -> None:
+        """``tls``: a :class:`~controller.config.StoreTlsConfig` (https, the members' CA, a client certificate)."""
         import etcd3gw  # noqa: PLC0415 - only a controller configured for etcd needs it
 
         self.endpoints = list(endpoints)
         self.prefix = prefix.rstrip("/")
-        self.description = "etcd://" + ",".join(f"{h}:{p}" for h, p in self.endpoints) + self.prefix
-        self._clients = [etcd3gw.Etcd3Client(host=h, port=p, timeout=timeout_s, api_path="/v3/")
+        self.description = ("etcd://" + ",".join(f"{h}:{p}" for h, p in self.endpoints) + self.prefix
+                            + (" (TLS)" if tls is not None else ""))
+        self._clients = [etcd3gw.Etcd3Client(host=h, port=p, timeout=timeout_s, api_path="/v3/", session=_session(tls),
+                                             protocol="https" if tls is not None else "http")
                          for h, p in self.endpoints]
         self._errors = etcd3gw.exceptions
         self._current = 0
@@ -269,12 +289,13 @@ def parse_store_url(url: str) -> tuple[str, Any]:
     raise ConfigError("store", f"{shown!r}: the scheme must be sqlite:// or etcd://")
 
 
-def parse_store(url: str, state_dir: str) -> StoreBackend | None:
-    """The backend ``url`` names (``store``), else SQLite in ``state_dir``, else None (keep nothing)."""
+def parse_store(url: str, state_dir: str, tls: Any = None) -> StoreBackend | None:
+    """The backend ``url`` names (``store``; ``tls`` for etcd), else SQLite in ``state_dir``, else None (keep
+    nothing)."""
     if not url:
         return SqliteBackend(Path(state_dir) / "controller.sqlite") if state_dir else None
     kind, where = parse_store_url(url)
     if kind == "sqlite":
         return SqliteBackend(where)
     endpoints, prefix = where
-    return EtcdBackend(endpoints, prefix)
+    return EtcdBackend(endpoints, prefix, tls=tls)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import socket
+import ssl
 import subprocess
 import time
 import urllib.request
@@ -37,14 +38,22 @@ class Member:
     data_dir: Path
     log_path: Path
     process: subprocess.Popen | None = None
+    tls: dict[str, str] | None = None
+    """The server's {cert, key, ca}: clients speak https and must show a certificate of that CA."""
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.client_port}"
 
     def healthy(self) -> bool:
+        context = None
+        if self.tls is not None:
+            context = ssl.create_default_context(cafile=self.tls["ca"])
+            context.load_cert_chain(self.tls["cert"], self.tls["key"])
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}),   # never through a proxy
+                                             urllib.request.HTTPSHandler(context=context))
         try:
-            with urllib.request.urlopen(f"http://{self.address}/health", timeout=1) as reply:
+            with opener.open(f"{'https' if self.tls else 'http'}://{self.address}/health", timeout=1) as reply:
                 return b'"true"' in reply.read()
         except OSError:
             return False
@@ -66,11 +75,15 @@ class EtcdCluster:
 
     def start(self, member: Member, *, state: str = "new") -> None:
         initial = ",".join(f"{m.name}=http://127.0.0.1:{m.peer_port}" for m in self.members)
+        scheme = "https" if member.tls else "http"
+        secure = [] if member.tls is None else [
+            "--cert-file", member.tls["cert"], "--key-file", member.tls["key"],
+            "--trusted-ca-file", member.tls["ca"], "--client-cert-auth"]
         log = member.log_path.open("ab")
         member.process = subprocess.Popen(
-            [ETCD, "--name", member.name, "--data-dir", str(member.data_dir),
-             "--listen-client-urls", f"http://127.0.0.1:{member.client_port}",
-             "--advertise-client-urls", f"http://127.0.0.1:{member.client_port}",
+            [ETCD, "--name", member.name, "--data-dir", str(member.data_dir), *secure,
+             "--listen-client-urls", f"{scheme}://127.0.0.1:{member.client_port}",
+             "--advertise-client-urls", f"{scheme}://127.0.0.1:{member.client_port}",
              "--listen-peer-urls", f"http://127.0.0.1:{member.peer_port}",
              "--initial-advertise-peer-urls", f"http://127.0.0.1:{member.peer_port}",
              "--initial-cluster", initial, "--initial-cluster-token", self.token,
@@ -106,12 +119,13 @@ class EtcdCluster:
 
 
 @contextlib.contextmanager
-def etcd_cluster(tmp: Path, size: int = 1) -> Iterator[EtcdCluster]:
-    """``size`` etcd members on loopback, healthy when yielded; all stopped after."""
+def etcd_cluster(tmp: Path, size: int = 1, tls: dict[str, str] | None = None) -> Iterator[EtcdCluster]:
+    """``size`` etcd members on loopback, healthy when yielded; all stopped after. ``tls`` ({cert, key, ca}
+    of the members): https with client-certificate authentication against that CA."""
     if ETCD is None:
         pytest.skip("etcd is not installed (apt package etcd-server)")
     tmp.mkdir(parents=True, exist_ok=True)
-    members = [Member(f"m{i}", _free_port(), _free_port(), tmp / f"m{i}.etcd", tmp / f"m{i}.log")
+    members = [Member(f"m{i}", _free_port(), _free_port(), tmp / f"m{i}.etcd", tmp / f"m{i}.log", tls=tls)
                for i in range(size)]
     cluster = EtcdCluster(members, token=f"rollmesh-test-{tmp.name}")
     try:

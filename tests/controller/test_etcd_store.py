@@ -84,6 +84,49 @@ async def test_state_store_commits_are_durable_in_etcd(etcd):
     again.close()
 
 
+@needs_etcd
+def test_an_etcd_with_client_certificates_is_reached_over_tls_and_only_with_one(tmp_path, monkeypatch):
+    from controller.config import StoreTlsConfig
+    from launcher.pki import LocalPki
+
+    # the environment can neither re-trust nor reroute the store's traffic
+    monkeypatch.setenv("REQUESTS_CA_BUNDLE", "/etc/ssl/certs/ca-certificates.crt")
+    monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+    pki = LocalPki(tmp_path / "pki")
+    with etcd_cluster(tmp_path / "etcd-tls", tls=pki.section("controller", "etcd")) as cluster:
+        client = pki.section("controller", "c1")
+        backend = parse_store(cluster.url("/tls"), "", StoreTlsConfig(**client))
+        assert backend.description.endswith("(TLS)")
+        _exercise(backend)
+        backend.close()
+        without = parse_store(cluster.url("/tls"), "", StoreTlsConfig(ca=client["ca"]))   # no client certificate
+        with pytest.raises(StoreUnavailable):
+            without.load("doc")
+        plaintext = parse_store(cluster.url("/tls"), "")
+        with pytest.raises(StoreUnavailable):
+            plaintext.load("doc")
+
+
+def test_a_remote_etcd_needs_tls_or_insecure(tmp_path):
+    from controller.config import ControllerConfig
+    from mesh_runtime.config import load_config
+
+    with pytest.raises(ConfigError) as info:
+        load_config(ControllerConfig, None, overrides={"store": "etcd://127.0.0.1:2379,10.0.0.7:2379/m"})
+    assert "10.0.0.7:2379 is not on loopback" in str(info.value) and "store_tls" in str(info.value)
+    assert load_config(ControllerConfig, None, overrides={"store": "etcd://10.0.0.7:2379/m", "insecure": True})
+    ca = tmp_path / "ca.pem"
+    ca.write_text("x")
+    assert load_config(ControllerConfig, None, overrides={"store": "etcd://10.0.0.7:2379/m",
+                                                          "store_tls": {"ca": str(ca)}}).store_tls.ca == str(ca)
+    for tls, says in [({"ca": str(ca), "cert": str(ca)}, "cert and key together"),
+                      ({"ca": str(tmp_path / "none.pem")}, "no such file")]:
+        with pytest.raises(ConfigError) as info:
+            load_config(ControllerConfig, None, overrides={"store": "etcd://10.0.0.7:2379/m", "store_tls": tls})
+        assert says in str(info.value)
+
+
 def test_store_urls_are_checked():
     assert parse_store_url("etcd://a:2379,b:2379/mesh/one") == ("etcd", ([("a", 2379), ("b", 2379)], "/mesh/one"))
     assert parse_store_url("etcd://a:2379")[1][1] == "/rollmesh"
