@@ -177,5 +177,5 @@ class OperationsServicer(operations_pb2_grpc.OperationsServicer):
     async def DeleteOperation(self, request, context):  # noqa: N802
         require_scale_credential(context, self.config, "DeleteOperation")
         op_id = operation_id(request.name)
-        self._scaler().delete(op_id)
+        await self._scaler().delete(op_id)
         return empty_pb2.Empty()

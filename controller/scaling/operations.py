@@ -254,7 +254,11 @@ class OperationBook:
                 return op
         return None
 
-    def transition(self, op: ScaleOperation, to: OperationState, reason: str = "") -> ScaleOperation:
+    def transition(self, op: ScaleOperation, to: OperationState, reason: str = "", *,
+                   wake: bool = True) -> ScaleOperation:
+        """Move ``op`` to ``to`` (FAILED_PRECONDITION unless :data:`ALLOWED`) and emit the event; ``wake=False``
+        leaves the :meth:`wait` callers asleep until :meth:`wake` (the scaler wakes them once the new state is
+        stored, so a finished wait is never answered with a state a crash could take back)."""
         if op.state is to:
             return op
         if to not in ALLOWED[op.type].get(op.state, frozenset()):
@@ -272,8 +276,13 @@ class OperationBook:
                    weight_version=op.weight_version,
                    attributes={"type": op.type.value, "replica_ids": list(op.replica_ids),
                                "failed_replica_ids": list(op.failed_replica_ids)})
-        self._wake()
+        if wake:
+            self._wake()
         return op
+
+    def wake(self) -> None:
+        """Wake every :meth:`wait` now (after a transition made with ``wake=False`` is stored)."""
+        self._wake()
 
     def delete(self, operation_id: str) -> None:
         """Forget a finished operation (NOT_FOUND as :meth:`get`; FAILED_PRECONDITION while it runs); a later

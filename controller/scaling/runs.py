@@ -67,7 +67,7 @@ async def run_out(s, op, placements: list[str]) -> None:
         else:
             failed = await _create(s, op, placements)
         alive = await _settle(s, op, failed, "start")
-        s.move(op, OS.HEALTH_CHECKING, f"{len(alive)} replica(s) up; checking their health")
+        await s.move(op, OS.HEALTH_CHECKING, f"{len(alive)} replica(s) up; checking their health")
         alive = await _settle(s, op, await _health(s, op, alive), "health check")
         await _sync(s, op, alive)
         await _route(s, op, [r for r in op.replica_ids if r not in op.failed_replica_ids])
@@ -81,7 +81,7 @@ async def _create(s, op, placements: list[str]) -> dict[str, str]:
                              operation_id=op.operation_id, reason=f"launched by scale-out {op.operation_id}")
         op.replica_ids.append(replica_id)
         op.launched_replica_ids.append(replica_id)
-    s.move(op, OS.CREATING, f"launching {op.replica_ids} on {sorted(set(placements))}")
+    await s.move(op, OS.CREATING, f"launching {op.replica_ids} on {sorted(set(placements))}")
 
     async def launch(replica_id: str) -> None:
         record = registry.get(replica_id)
@@ -99,7 +99,7 @@ async def _create(s, op, placements: list[str]) -> dict[str, str]:
 
 async def _connect(s, op) -> dict[str, str]:
     registry, per = s.mesh.registry, s.config.rollout_num_gpus_per_engine
-    s.move(op, OS.CONNECTING, f"connecting to {op.engine_addresses}")
+    await s.move(op, OS.CONNECTING, f"connecting to {op.engine_addresses}")
 
     async def connect(address: str) -> None:
         status = await s.calls.status(address)
@@ -133,7 +133,7 @@ async def _connect(s, op) -> dict[str, str]:
             record.added_by_operation_id, record.initial = op.operation_id, False
             op.replica_ids.append(spec.replica_id)
         op.launched_replica_ids.extend(launched)
-        s.save()  # the adoption and the operation that owns it reach the disk together
+        await s.save()  # the adoption and the operation that owns it reach the disk together
 
     async def attach(url: str) -> None:
         """An SGLang server given by URL: a replica agent of the sglang backend attaches a replica to it."""
@@ -148,7 +148,7 @@ async def _connect(s, op) -> dict[str, str]:
                              operation_id=op.operation_id, reason=f"attached to {url} by scale-out {op.operation_id}")
         op.replica_ids.append(replica_id)
         op.launched_replica_ids.append(replica_id)
-        s.save()
+        await s.save()
         with s.mesh.span("replica.attach", replica_id=replica_id, node_id=node.node_id, engine_url=url):
             replica = await s.calls.launch(node.address, replica_id, slots=0, engine_url=url, timeout_s=op.timeout_s,
                                            request_id=f"{op.operation_id}:{replica_id}")
@@ -161,7 +161,7 @@ async def _connect(s, op) -> dict[str, str]:
 
     with s.mesh.span("scale.out.connect", operation_id=op.operation_id, addresses=op.engine_addresses):
         failed = await _gather(list(op.engine_addresses), one)
-    s.save()
+    await s.save()
     return failed
 
 
@@ -190,7 +190,7 @@ async def _settle(s, op, failed: dict[str, str], stage: str) -> list[str]:
             raise ScaleFailed(f"{len(failed)} new replica(s) failed at {stage} (policy rollback_all): {details}")
         op.error_message = (op.error_message + "; " if op.error_message else "") + f"{stage}: {details}"
         await release(s, op, [r for r in failed if r in op.replica_ids], "failed; released (keep_partial)")
-        s.save()
+        await s.save()
     return [r for r in op.replica_ids if r not in op.failed_replica_ids]
 
 
@@ -198,7 +198,7 @@ async def _sync(s, op, alive: list[str]) -> None:
     mesh, registry = s.mesh, s.mesh.registry
     version = s.current_version(op.model_name, exclude=set(op.replica_ids))
     behind = [r for r in alive if version is not None and registry.get(r).weight_version < version]
-    s.move(op, OS.WEIGHT_SYNCING, f"syncing {behind} to weight version {version}" if behind else
+    await s.move(op, OS.WEIGHT_SYNCING, f"syncing {behind} to weight version {version}" if behind else
            f"every new replica already holds the current weight version ({version})")
     for replica_id in alive:
         registry.transition(replica_id, S.SYNCING, "weight sync before serving", operation_id=op.operation_id)
@@ -250,13 +250,13 @@ async def _route(s, op, alive: list[str]) -> None:
             registry.transition(replica_id, S.ACTIVE, f"holds weight version {op.weight_version}; routed",
                                 operation_id=op.operation_id)
         await mesh.routing.add_replicas([registry.get(r) for r in alive])
-        s.move(op, OS.READY, f"{alive} at weight version {op.weight_version} added to the load balancer")
+        await s.move(op, OS.READY, f"{alive} at weight version {op.weight_version} added to the load balancer")
     routed = await s.calls.routed()
     missing = sorted(set(alive) - routed) if routed is not None else []
     if missing:
         raise ScaleFailed(f"the load balancer does not route {missing}")
     kept = f"; kept {len(alive)} of {len(op.replica_ids)} (keep_partial)" if op.failed_replica_ids else ""
-    s.move(op, OS.ACTIVE, f"{alive} serve requests{kept}")
+    await s.move(op, OS.ACTIVE, f"{alive} serve requests{kept}")
 
 
 async def release(s, op, replica_ids: list[str], reason: str) -> None:
@@ -296,7 +296,7 @@ async def rollback_out(s, op) -> None:
     ids = list(dict.fromkeys([*op.replica_ids, *owned]))
     with s.mesh.span("scale.out.rollback", operation_id=op.operation_id, replica_ids=ids):
         await release(s, op, ids, "rolled back")
-    s.save()
+    await s.save()
 
 
 async def resume_ready(s, op) -> None:
@@ -306,7 +306,7 @@ async def resume_ready(s, op) -> None:
     if not alive:
         raise ScaleFailed("controller restarted and none of its replicas is serving")
     await s.mesh.routing.add_replicas([s.mesh.registry.get(r) for r in alive])
-    s.move(op, OS.ACTIVE, f"resumed after controller restart: {alive} serve requests")
+    await s.move(op, OS.ACTIVE, f"resumed after controller restart: {alive} serve requests")
 
 
 async def restart_failed(s, op) -> None:
@@ -328,12 +328,12 @@ async def run_in(s, op, *, resumed: bool = False) -> None:
                         registry.transition(replica_id, S.DRAINING, f"scale-in {op.operation_id}: draining",
                                             operation_id=op.operation_id)
                 await mesh.routing.remove_replicas(ids)
-                s.move(op, OS.DRAINING, "out of routing; " + ("force: in-flight requests are aborted now"
+                await s.move(op, OS.DRAINING, "out of routing; " + ("force: in-flight requests are aborted now"
                                                              if op.force else "in-flight requests finish"))
         s.removing.update(ids)
         if op.state is OS.DRAINING:
             drained = await _drain(s, op, ids, force=op.force or resumed)
-            s.move(op, OS.REMOVING, drained)
+            await s.move(op, OS.REMOVING, drained)
         failed = await _remove(s, op, ids)
         s.removing.difference_update(ids)
         op.failed_replica_ids = sorted(failed)
@@ -341,7 +341,7 @@ async def run_in(s, op, *, resumed: bool = False) -> None:
             raise ScaleFailed("no replica could be stopped: " + "; ".join(f"{k}: {v}" for k, v in failed.items()))
         if failed:
             op.error_message = "not stopped cleanly: " + "; ".join(f"{k}: {v}" for k, v in failed.items())
-        s.move(op, OS.COMPLETED, ("resumed after controller restart; " if resumed else "") +
+        await s.move(op, OS.COMPLETED, ("resumed after controller restart; " if resumed else "") +
                f"removed {[r for r in ids if r not in failed]}" + (f"; failed {sorted(failed)}" if failed else ""))
 
 
@@ -393,7 +393,7 @@ async def _remove(s, op, ids: list[str]) -> dict[str, str]:
                             (f"stop failed: {failed[replica_id]}" if replica_id in failed else "stopped"),
                             operation_id=op.operation_id)
         registry.mark_removed(replica_id, f"removed by scale-in {op.operation_id}", operation_id=op.operation_id)
-    s.save()
+    await s.save()
     return failed
 
 
@@ -411,4 +411,4 @@ async def restore_in(s, op) -> None:
                             operation_id=op.operation_id)
     if back:
         await s.mesh.routing.add_replicas([registry.get(r) for r in back])
-    s.save()
+    await s.save()

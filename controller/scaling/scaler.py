@@ -116,14 +116,21 @@ class Scaler:
                 self.removing.update(op.replica_ids)
 
     # ------------------------------------------------------------ bookkeeping
-    def save(self) -> None:
-        """Persist operations and registry now: a crash right after must find them."""
-        self.mesh.store.mark("operations", "registry/node", "events")
-        self.mesh.store.flush()
+    async def save(self) -> None:
+        """Persist operations and registry before going on: a crash right after must find them. The write runs
+        off the event loop (a slow or unreachable store never stalls the controller); when the store refuses
+        it, the error ends the caller and the batch is kept for the store's next write."""
+        await self.mesh.store.commit("operations", "registry/node", "events")
 
-    def move(self, op: ScaleOperation, state: OperationState, reason: str = "") -> None:
-        self.book.transition(op, state, reason)
-        self.save()
+    async def move(self, op: ScaleOperation, state: OperationState, reason: str = "") -> None:
+        self.book.transition(op, state, reason, wake=False)
+        try:
+            await self.save()
+        finally:
+            self.book.wake()
+        self._finished(op)
+
+    def _finished(self, op: ScaleOperation) -> None:
         if op.finished:
             for hook in self.on_finished:
                 hook(op)
@@ -181,7 +188,7 @@ class Scaler:
         except Exception:  # noqa: BLE001 - the operation still ends; the log says what was left
             log.exception("rollback of scale operation %s failed", op.operation_id)
         if not op.finished:
-            self.move(op, state, reason)
+            await self.move(op, state, reason)
 
     # -------------------------------------------------------------- scale-out
     async def scale_out(self, *, model_name: str = "", num_replicas: int = 0, engine_addresses: Sequence[str] = (),
@@ -236,7 +243,7 @@ class Scaler:
         op = self.book.new(OperationType.SCALE_OUT, reason="scale-out request accepted", store=store, **fields)
         if dry_run:
             return op, "dry run: nothing changed; " + message
-        self.save()
+        await self.save()
         self._spawn(op, lambda s, o: scale_runs.run_out(s, o, placements), scale_runs.rollback_out)
         return op, message
 
@@ -312,7 +319,7 @@ class Scaler:
                            if num_replicas else f"selected {chosen}", store=store, replica_ids=chosen, **fields)
         if dry_run:
             return op, chosen, f"dry run: would remove {chosen}; nothing changed"
-        self.save()
+        await self.save()
         self._spawn(op, scale_runs.run_in, scale_runs.restore_in)
         return op, chosen, "Scale-in request accepted"
 
@@ -350,16 +357,16 @@ class Scaler:
                                      metadata={"operation_id": operation_id, "state": op.state.value})
         task = self.tasks.get(operation_id)
         if task is None:
-            self.move(op, OS.CANCELLED, "cancelled by user")
+            await self.move(op, OS.CANCELLED, "cancelled by user")
             return op
         task.cancel()
         await asyncio.wait({task}, timeout=self.config.async_training.port_timeout_s * 4 + 10)
         return op
 
-    def delete(self, operation_id: str) -> None:
+    async def delete(self, operation_id: str) -> None:
         """Forget a finished operation, durably."""
         self.book.delete(operation_id)
-        self.save()
+        await self.save()
 
     async def cancel_many(self, states: set[OperationState], dry_run: bool) -> list[str]:
         if states and states <= TERMINAL:
@@ -381,8 +388,12 @@ class Scaler:
                 self._spawn(op, scale_runs.resume_ready, scale_runs.rollback_out)
             elif op.type is OperationType.SCALE_OUT:
                 self._spawn(op, scale_runs.restart_failed, scale_runs.rollback_out)
-            elif op.state is OS.PENDING:
-                self.move(op, OS.FAILED, "controller restarted before the scale-in started; nothing was changed")
+            elif op.state is OS.PENDING:   # at start, before serving: written at once
+                self.book.transition(op, OS.FAILED, "controller restarted before the scale-in started; "
+                                                    "nothing was changed")
+                self.mesh.store.mark("operations", "registry/node", "events")
+                self.mesh.store.flush()
+                self._finished(op)
             else:
                 self._spawn(op, scale_runs.resume_in, scale_runs.restore_in)
 
