@@ -460,14 +460,16 @@ export const ScaleInRequestSchema: GenMessage<ScaleInRequest> = /*@__PURE__*/
  */
 export type ScaleResult = Message<"rollmesh.controller.v1.ScaleResult"> & {
   /**
-   * The terminal state: ACTIVE, COMPLETED or NOOP.
+   * The terminal state: ACTIVE, COMPLETED or NOOP; for a dry run's preview,
+   * the state the operation would start in (PENDING, or NOOP).
    *
    * @generated from field: rollmesh.controller.v1.OperationState state = 1;
    */
   state: OperationState;
 
   /**
-   * Replicas the operation created (scale-out) or removed (scale-in).
+   * Replicas the operation created (scale-out) or removed (scale-in); for a
+   * dry-run scale-in, those it would remove.
    *
    * @generated from field: repeated string replica_ids = 2;
    */
