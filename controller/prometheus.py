@@ -68,6 +68,19 @@ class ControllerMetrics:
         self._sync_bytes = server.counter("rollmesh_controller_weight_sync_bytes",
                                           "Bytes the weight syncs sent, and the bytes skipped hybrid syncs saved",
                                           ("kind",))
+        writes = server.counter("rollmesh_controller_store_writes",
+                                "Batches written to the state store (SQLite or etcd), by outcome (ok, error)",
+                                ("outcome",))
+        write_time = server.histogram("rollmesh_controller_store_write_seconds",
+                                      "Time to make one batch of state durable in the state store")
+        for outcome in ("ok", "error"):
+            writes.labels(outcome)
+
+        def on_write(seconds: float, ok: bool) -> None:
+            writes.labels("ok" if ok else "error").inc()
+            if ok:
+                write_time.observe(seconds)
+        mesh.store.on_write = on_write
         for transition in ("activate", "deactivate"):
             self._transitions.labels(transition)
         for outcome in ("completed", "failed", "skipped"):

@@ -68,7 +68,8 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
             node_count=len(registry.nodes()),
             replica_count=len([r for r in registry.replicas() if r.state is not S.REMOVED]),
             active_replica_count=registry.active_count(), last_event_sequence=self.mesh.events.last_sequence,
-            running_operation_id=getattr(self.mesh.scaler.book.running(), "operation_id", ""))
+            running_operation_id=getattr(self.mesh.scaler.book.running(), "operation_id", ""),
+            state_store=self.mesh.store.description)
 
     # -------------------------------------------------------------- registry
     def token_check(self, context) -> bool:

@@ -23,6 +23,7 @@ import asyncio
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -54,6 +55,9 @@ class StateStore:
         """The batch being written (one at a time: a commit arriving meanwhile shares the next one)."""
         self._unwritten: dict[str, Any] = {}
         """Collection members of a batch the backend refused, for the next batch."""
+        self.on_write: Callable[[float, bool], None] | None = None
+        """Called after each background or commit batch with its write time in seconds and whether it was
+        stored (the controller's store metrics)."""
 
     @property
     def description(self) -> str:
@@ -178,14 +182,21 @@ class StateStore:
     async def _batch(self) -> None:
         try:
             generation, documents, events = self._collect()
+            started = time.perf_counter()
             try:
                 await asyncio.to_thread(self._write, generation, documents, events)
             except BaseException:
                 self._requeue(documents, events)   # nothing of it is acknowledged; the next batch has it
+                self._observe(started, ok=False)
                 raise
+            self._observe(started, ok=True)
             self._durable = max(self._durable, generation)
         finally:
             self._inflight = None
+
+    def _observe(self, started: float, *, ok: bool) -> None:
+        if self.on_write is not None:
+            self.on_write(time.perf_counter() - started, ok)
 
     def prune_events(self, keep: int) -> None:
         """Drop persisted events older than the newest ``keep``."""

@@ -82,7 +82,7 @@ class SqliteBackend:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.description = f"sqlite://{path}"
+        self.description = f"sqlite://{path.resolve()}"
         self._lock = threading.Lock()
         path.parent.mkdir(parents=True, exist_ok=True)
         with self._connect() as db:

@@ -13,7 +13,7 @@ from controller.store import StateStore
 from controller.store_backends import MAX_TXN_OPS, SqliteBackend, StoreUnavailable, parse_store, parse_store_url
 from mesh_runtime.config import ConfigError
 from mesh_runtime.errors import error_info, retry_delay
-from rollmesh.controller.v1 import controller_pb2_grpc, registry_pb2
+from rollmesh.controller.v1 import controller_pb2, controller_pb2_grpc, registry_pb2
 from tests.etcd_server import etcd_cluster, needs_etcd
 from tests.processes import running_server
 
@@ -184,7 +184,10 @@ async def test_a_controller_on_etcd_comes_back_on_another_machine(etcd, tmp_path
         async with grpc.aio.insecure_channel(address) as channel:
             nodes = await controller_pb2_grpc.ControllerServiceStub(channel).ListNodes(registry_pb2.ListNodesRequest(),
                                                                                         timeout=10)
+            status = await controller_pb2_grpc.ControllerServiceStub(channel).GetStatus(
+                controller_pb2.GetStatusRequest(), timeout=10)
     assert [n.node_id for n in nodes.nodes] == ["n1"]
+    assert status.state_store == etcd.url("/machine-" + tmp_path.name)
     assert not (tmp_path / "disk-one" / "controller.sqlite").exists()   # store wins over state_dir
 
 

@@ -1,8 +1,17 @@
-"""The controller's SQLite store: an older snapshot never overwrites a newer one."""
+"""The controller's state store: an older snapshot never overwrites a newer one; a batch the backend refuses is
+kept, counted and written later."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
+
+import pytest
+
 from controller.store import StateStore
+from controller.store_backends import SqliteBackend, StoreUnavailable
+from tests.waiting import wait_until
 
 
 def test_a_late_background_write_cannot_overwrite_a_newer_flush(tmp_path):
@@ -20,3 +29,59 @@ def test_a_late_background_write_cannot_overwrite_a_newer_flush(tmp_path):
     store.mark("doc")
     store.flush()
     assert StateStore(str(tmp_path)).load("doc") == {"value": 3}
+
+
+class Refusing(SqliteBackend):
+    """A SQLite backend that refuses writes while ``down`` (an etcd without quorum, say)."""
+
+    down = False
+
+    def write(self, upserts, deletes, events) -> None:
+        if self.down:
+            raise StoreUnavailable("etcd transaction: no member answered")
+        super().write(upserts, deletes, events)
+
+
+async def test_a_refused_batch_is_kept_for_the_next_one_and_counted(tmp_path):
+    backend = Refusing(tmp_path / "s.sqlite")
+    store = StateStore(backend)
+    outcomes: list[bool] = []
+    store.on_write = lambda seconds, ok: outcomes.append(ok)
+    doc = {"v": 1}
+    store.track("doc", lambda: dict(doc))
+    changes = [("n1", {"node_id": "n1"})]
+    store.track_collection("registry/node", lambda: [changes.pop() for _ in list(changes)])   # handed out once
+    store.append_event(1, {"type": "NODE_REGISTERED"})
+    backend.down = True
+    with pytest.raises(StoreUnavailable):
+        await store.commit()
+    assert backend.load("doc") is None and store.load_events(5) == []
+    doc["v"] = 2
+    backend.down = False
+    await store.commit()
+    assert store.load("doc") == {"v": 2}   # a fresh snapshot of the tracked document
+    assert store.load_collection("registry/node") == [{"node_id": "n1"}]   # the member the refused batch had
+    assert store.load_events(5) == [{"type": "NODE_REGISTERED"}]
+    assert outcomes == [False, True]
+
+
+async def test_the_background_writer_outlives_a_store_outage(tmp_path):
+    backend = Refusing(tmp_path / "s.sqlite")
+    store = StateStore(backend)
+    doc = {"v": 1}
+    store.track("doc", lambda: dict(doc))
+    refused: list[bool] = []
+    store.on_write = lambda seconds, ok: refused.append(ok) if not ok else None
+    backend.down = True
+    writer = asyncio.create_task(store.run(interval_s=0.01, retry_max_s=0.05))
+    try:
+        store.mark("doc")
+        await wait_until(lambda: len(refused) >= 3, 5, what="the writer to retry a refused batch")
+        assert not writer.done() and backend.load("doc") is None
+        backend.down = False
+        await wait_until(lambda: backend.load("doc") is not None, 5, what="the retried write")
+        assert json.loads(backend.load("doc")) == {"v": 1}
+    finally:
+        writer.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await writer

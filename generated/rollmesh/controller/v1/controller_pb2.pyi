@@ -19,7 +19,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("status", "hybrid_state", "node_count", "replica_count", "active_replica_count", "running_operation_id", "last_event_sequence", "peers")
+    __slots__ = ("status", "hybrid_state", "node_count", "replica_count", "active_replica_count", "running_operation_id", "last_event_sequence", "peers", "state_store")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     HYBRID_STATE_FIELD_NUMBER: _ClassVar[int]
     NODE_COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class GetStatusResponse(_message.Message):
     RUNNING_OPERATION_ID_FIELD_NUMBER: _ClassVar[int]
     LAST_EVENT_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
+    STATE_STORE_FIELD_NUMBER: _ClassVar[int]
     status: _status_pb2.ServerStatus
     hybrid_state: _scheduling_pb2.HybridState
     node_count: int
@@ -36,7 +37,8 @@ class GetStatusResponse(_message.Message):
     running_operation_id: str
     last_event_sequence: int
     peers: _containers.RepeatedCompositeFieldContainer[PeerStatus]
-    def __init__(self, status: _Optional[_Union[_status_pb2.ServerStatus, _Mapping]] = ..., hybrid_state: _Optional[_Union[_scheduling_pb2.HybridState, str]] = ..., node_count: _Optional[int] = ..., replica_count: _Optional[int] = ..., active_replica_count: _Optional[int] = ..., running_operation_id: _Optional[str] = ..., last_event_sequence: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ...) -> None: ...
+    state_store: str
+    def __init__(self, status: _Optional[_Union[_status_pb2.ServerStatus, _Mapping]] = ..., hybrid_state: _Optional[_Union[_scheduling_pb2.HybridState, str]] = ..., node_count: _Optional[int] = ..., replica_count: _Optional[int] = ..., active_replica_count: _Optional[int] = ..., running_operation_id: _Optional[str] = ..., last_event_sequence: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., state_store: _Optional[str] = ...) -> None: ...
 
 class PeerStatus(_message.Message):
     __slots__ = ("role", "address", "reachable", "error", "status")
