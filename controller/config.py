@@ -48,6 +48,9 @@ class ControllerConfig(ServerConfig):
     store: str = setting("", help="where the durable state lives, overriding state_dir: sqlite:///PATH (one file) "
                                   "or etcd://HOST:PORT[,HOST:PORT...]/PREFIX (an etcd cluster, through its v3 JSON "
                                   "gateway); empty = SQLite in state_dir")
+    store_lease_ttl_s: int = setting(5, help="seconds of the etcd lease by which one controller owns an etcd store: "
+                                             "a controller that waits for the store takes over this long after "
+                                             "its owner dies (at once after a clean shutdown); renewed every third")
     store_tls: StoreTlsConfig | None = setting(None, help="TLS to the etcd store: {ca, cert, key} PEM paths; "
                                                           "required when an etcd member is not on loopback "
                                                           "(unless insecure)")
@@ -151,6 +154,8 @@ class ControllerConfig(ServerConfig):
                                                "send the mesh's state in plaintext")
         if self.store_tls is not None:
             self.store_tls.validate()
+        if not 1 <= self.store_lease_ttl_s <= 600:
+            raise ConfigError("store_lease_ttl_s", f"must be 1 to 600 seconds, got {self.store_lease_ttl_s}")
         if any(not t for t in self.scale_api_read_tokens):
             raise ConfigError("scale_api_read_tokens", "tokens must not be empty")
         if self.scale_api_token and self.scale_api_token in self.scale_api_read_tokens:

@@ -15,7 +15,10 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
+import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -39,7 +42,8 @@ from .core.steps import StepReport
 from .ports import AgentReplicas, Channels, LoadBalancerRouting
 from .weight_sync import WeightBroadcast
 from .store import StateStore
-from .store_backends import parse_store
+from .store_backends import EtcdBackend, parse_store
+from .store_owner import StoreOwnership
 from .watchers import EventHub
 
 log = logging.getLogger(__name__)
@@ -61,12 +65,20 @@ def _trace_ids() -> tuple[str, str]:
 class Mesh:
     """Registry + scheduling + weight sync + events, behind the controller's RPCs."""
 
-    def __init__(self, config: ControllerConfig, tracer_provider: TracerProvider | None) -> None:
+    def __init__(self, config: ControllerConfig, tracer_provider: TracerProvider | None, *,
+                 on_store_lost: Callable[[str], None] | None = None) -> None:
         self.config = config
         self.clock = time.time
         self.tracer = tracing.tracer(tracer_provider, "rollmesh.controller")
-        self.store = StateStore(parse_store(config.store, config.state_dir, config.store_tls),
-                                keep_events=config.event_retention_max)
+        backend = parse_store(config.store, config.state_dir, config.store_tls)
+        self.ownership: StoreOwnership | None = None
+        if isinstance(backend, EtcdBackend):   # one controller per etcd store: own it before reading it
+            self.ownership = StoreOwnership(backend, owner=f"{config.node_id or socket.gethostname()} at "
+                                                           f"{config.listen} (pid {os.getpid()})",
+                                            ttl_s=config.store_lease_ttl_s, on_lost=on_store_lost or _exit_lost)
+            backend.on_fenced = self.ownership.lose
+            self.ownership.acquire()
+        self.store = StateStore(backend, keep_events=config.event_retention_max)
         self.events = EventLog(self.clock, max_events=config.event_retention, max_age_s=config.event_retention_s,
                                hard_max=config.event_retention_max, trace_ids=_trace_ids)
         self.event_listeners: list[Any] = []
@@ -421,8 +433,20 @@ class Mesh:
 
     async def close(self) -> None:
         await self.scaler.close()
-        self.store.close()
+        try:
+            self.store.close()
+        finally:
+            if self.ownership is not None:
+                self.ownership.release()   # a waiting controller takes over now, not after the lease
         await self.channels.close()
+
+
+def _exit_lost(why: str) -> None:
+    """A controller that lost its store must not act again: end the process at once (exit status 3), as a
+    deposed leader does; its supervisor starts it again, as a controller that waits for the store."""
+    log.critical("exiting: the state store is owned elsewhere now (%s)", why)
+    logging.shutdown()
+    os._exit(3)
 
 
 def _invalid(message: str):

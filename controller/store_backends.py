@@ -175,12 +175,22 @@ class EtcdBackend:
         self.prefix = prefix.rstrip("/")
         self.description = ("etcd://" + ",".join(f"{h}:{p}" for h, p in self.endpoints) + self.prefix
                             + (" (TLS)" if tls is not None else ""))
-        self._clients = [etcd3gw.Etcd3Client(host=h, port=p, timeout=timeout_s, api_path="/v3/", session=_session(tls),
-                                             protocol="https" if tls is not None else "http")
-                         for h, p in self.endpoints]
-        self._errors = etcd3gw.exceptions
+        self._make_client = lambda host, port: etcd3gw.Etcd3Client(
+            host=host, port=port, timeout=timeout_s, api_path="/v3/", session=_session(tls),
+            protocol="https" if tls is not None else "http")
+        self._clients = self.new_clients()
+        self.errors = etcd3gw.exceptions
         self._current = 0
         self._lock = threading.Lock()
+        self.fence: tuple[str, int] | None = None
+        """(owner key, its create revision) once this controller owns the store (:mod:`controller.store_owner`):
+        every write then only lands while that key is still the one it created."""
+        self.on_fenced: Callable[[str], None] | None = None
+        """Told when a write was refused by the fence (the store is lost)."""
+
+    def new_clients(self) -> list[Any]:
+        """Fresh clients of every member (their own HTTP sessions, for another thread)."""
+        return [self._make_client(h, p) for h, p in self.endpoints]
 
     # -- one call on the first member that answers
     def _call(self, what: str, call: Callable[[Any], T]) -> T:
@@ -189,8 +199,8 @@ class EtcdBackend:
             index = self._current
             try:
                 return call(self._clients[index])
-            except (self._errors.ConnectionFailedError, self._errors.ConnectionTimeoutError,
-                    self._errors.InternalServerError) as err:
+            except (self.errors.ConnectionFailedError, self.errors.ConnectionTimeoutError,
+                    self.errors.InternalServerError) as err:
                 failures.append(f"{self.endpoints[index][0]}:{self.endpoints[index][1]}: {type(err).__name__}")
                 self._current = (index + 1) % len(self._clients)
         raise StoreUnavailable(f"etcd {what}: no member answered ({'; '.join(failures)})")
@@ -222,7 +232,17 @@ class EtcdBackend:
             self._txn([{"request_delete_range": {"key": _b64(self._doc(key))}}])
 
     def _txn(self, operations: list[dict[str, Any]]) -> None:
-        self._call("transaction", lambda c: c.post(c.get_url("/kv/txn"), json={"success": operations}))
+        body: dict[str, Any] = {"success": operations}
+        if self.fence is not None:
+            key, revision = self.fence
+            body["compare"] = [{"key": _b64(key), "target": "CREATE", "result": "EQUAL",
+                                "create_revision": revision}]
+        reply = self._call("transaction", lambda c: c.post(c.get_url("/kv/txn"), json=body))
+        if self.fence is not None and not reply.get("succeeded", False):
+            if self.on_fenced is not None:
+                self.on_fenced("a write was fenced off")
+            raise StoreFenced(f"this controller no longer owns the state store ({self.fence[0]} is not the key it "
+                              "created: its lease ran out and another controller took over); nothing was written")
 
     def write(self, upserts: Sequence[tuple[str, str]], deletes: Sequence[str],
               events: Sequence[tuple[int, str]]) -> None:
@@ -262,6 +282,12 @@ class EtcdBackend:
     def close(self) -> None:
         for client in self._clients:
             client.session.close()
+
+
+class StoreFenced(Unavailable):
+    """A write refused because another controller owns the store now (this one was deposed)."""
+
+    default_reason = Reason.STORE_FENCED
 
 
 def parse_store_url(url: str) -> tuple[str, Any]:

@@ -173,6 +173,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SCALE_OPERATION_CANCELLED: _ClassVar[ErrorReason]
     CANCELLED: _ClassVar[ErrorReason]
     STORE_UNAVAILABLE: _ClassVar[ErrorReason]
+    STORE_FENCED: _ClassVar[ErrorReason]
 ERROR_REASON_UNSPECIFIED: ErrorReason
 INTERNAL: ErrorReason
 INVALID_ARGUMENT: ErrorReason
@@ -340,3 +341,4 @@ SCALE_OPERATION_FAILED: ErrorReason
 SCALE_OPERATION_CANCELLED: ErrorReason
 CANCELLED: ErrorReason
 STORE_UNAVAILABLE: ErrorReason
+STORE_FENCED: ErrorReason

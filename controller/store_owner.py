@@ -1,0 +1,143 @@
+"""One controller per etcd store: ownership by an etcd lease, with every write fenced.
+
+Two controllers writing the same ``store`` prefix would corrupt the mesh's
+state, so a controller on etcd first owns the store: it puts ``PREFIX/owner``
+(its name and address) under a lease of ``store_lease_ttl_s`` seconds, in a
+transaction that succeeds only while no one holds that key. Until it wins it
+waits, serving nothing (a standby: it takes over once the owner stops, at once
+when the owner shuts down cleanly and revokes its lease, within the TTL when
+the owner dies). The owner renews the lease from a thread of its own every
+TTL/3; every state write it makes carries the comparison "``PREFIX/owner``
+still has the create revision I made it with" (:attr:`EtcdBackend.fence`), so
+once its lease has run out (it was paused, cut off, or too slow) and another
+controller owns the store, none of its writes lands. A controller that finds
+it lost the store stops: ``on_lost`` (the process shuts down) runs at the first
+failed renewal past the TTL or the first fenced write.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .store_backends import EtcdBackend, StoreUnavailable
+
+log = logging.getLogger(__name__)
+
+
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+class StoreOwnership:
+    """Owns ``backend``'s prefix for this process, or waits until it can."""
+
+    def __init__(self, backend: EtcdBackend, *, owner: str, ttl_s: int, on_lost: Callable[[str], None]) -> None:
+        self.backend = backend
+        self.owner = owner
+        self.ttl_s = max(1, int(ttl_s))
+        self.on_lost = on_lost
+        self.key = f"{backend.prefix}/owner"
+        self._clients = backend.new_clients()   # this thread's own sessions
+        self._current = 0
+        self._lease_id: int | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.lost = False
+
+    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        errors = self.backend.errors
+        for _ in range(len(self._clients)):
+            client = self._clients[self._current]
+            try:
+                return client.post(client.get_url(path), json=body)
+            except (errors.ConnectionFailedError, errors.ConnectionTimeoutError, errors.InternalServerError):
+                self._current = (self._current + 1) % len(self._clients)
+        raise StoreUnavailable(f"etcd {path}: no member answered")
+
+    def holder(self) -> str:
+        """Who owns the store now ("" when no one)."""
+        reply = self._post("/kv/range", {"key": _b64(self.key)})
+        kvs = reply.get("kvs", [])
+        return json.loads(base64.b64decode(kvs[0]["value"]))["owner"] if kvs else ""
+
+    def acquire(self, *, poll_s: float | None = None, deadline_s: float | None = None) -> None:
+        """Block until this process owns the store (log who holds it meanwhile); then keep it in a thread."""
+        poll = poll_s if poll_s is not None else min(1.0, max(0.2, self.ttl_s / 4))   # a released store is taken
+        # within a second; a dead owner's within its lease and a second
+        started, told = time.monotonic(), ""
+        while True:
+            try:
+                if self._try_once():
+                    break
+                holder = self.holder()
+                if holder != told:
+                    log.warning("state store %s is owned by %s; waiting to take over (lease %d s)",
+                                self.backend.description, holder or "(released)", self.ttl_s)
+                    told = holder
+            except StoreUnavailable as err:
+                log.warning("state store %s: %s; retrying", self.backend.description, err)
+            if deadline_s is not None and time.monotonic() - started > deadline_s:
+                raise StoreUnavailable(f"could not own the state store within {deadline_s:g} s")
+            time.sleep(poll)
+        log.info("owns the state store %s (lease %d s, fence revision %d)", self.backend.description, self.ttl_s,
+                 self.backend.fence[1] if self.backend.fence else 0)
+        self._thread = threading.Thread(target=self._keep, name="store-lease", daemon=True)
+        self._thread.start()
+
+    def _try_once(self) -> bool:
+        lease = int(self._post("/lease/grant", {"TTL": self.ttl_s, "ID": 0})["ID"])
+        value = json.dumps({"owner": self.owner, "since": time.time()})
+        reply = self._post("/kv/txn", {
+            "compare": [{"key": _b64(self.key), "target": "CREATE", "result": "EQUAL", "create_revision": 0}],
+            "success": [{"request_put": {"key": _b64(self.key), "value": _b64(value), "lease": lease}}]})
+        if not reply.get("succeeded", False):
+            self._revoke(lease)
+            return False
+        self._lease_id = lease
+        self.backend.fence = (self.key, int(reply["header"]["revision"]))
+        return True
+
+    def _revoke(self, lease: int) -> None:
+        try:
+            self._post("/kv/lease/revoke", {"ID": lease})
+        except (StoreUnavailable, self.backend.errors.Etcd3Exception):
+            pass   # it expires by itself
+
+    def _keep(self) -> None:
+        """Renew the lease every TTL/3; past the TTL without a renewal (or once etcd says it is gone) the store
+        is lost."""
+        last_ok = time.monotonic()
+        while not self._stop.wait(self.ttl_s / 3):
+            try:
+                left = int(self._post("/lease/keepalive", {"ID": self._lease_id}).get("result", {}).get("TTL", -1))
+            except (StoreUnavailable, self.backend.errors.Etcd3Exception) as err:
+                if time.monotonic() - last_ok > self.ttl_s:
+                    self.lose(f"no renewal for {time.monotonic() - last_ok:.1f} s ({err})")
+                    return
+                continue   # the next renewal may still make it in time
+            if left <= 0:
+                self.lose("etcd says its lease has expired")
+                return
+            last_ok = time.monotonic()
+
+    def lose(self, why: str) -> None:
+        """This controller no longer owns the store: stop renewing and tell the process (once)."""
+        if self.lost:
+            return
+        self.lost = True
+        self._stop.set()
+        log.critical("lost the state store %s: %s; stopping", self.backend.description, why)
+        self.on_lost(why)
+
+    def release(self) -> None:
+        """Give the store up (clean shutdown): a waiting controller takes over at once."""
+        self._stop.set()
+        if self._lease_id is not None and not self.lost:
+            self._revoke(self._lease_id)
+        self._lease_id = None
