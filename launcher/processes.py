@@ -108,6 +108,11 @@ async def start_server(server: str, args: Sequence[str] = (), *, env: Mapping[st
         proc.kill()
         await proc.wait()
         raise LaunchError(f"rollmesh {server} did not become ready within {ready_timeout_s:.0f} s") from None
+    except asyncio.CancelledError:   # whoever waited gave up: the child must not outlive the start
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await asyncio.shield(proc.wait())
+        raise
     handle = ServerProcess(server, proc, address, log_path, lines)
     asyncio.get_running_loop().create_task(_drain(proc, lines))
     return handle

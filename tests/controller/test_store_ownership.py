@@ -43,6 +43,14 @@ async def nodes(address: str) -> list[str]:
     return sorted(n.node_id for n in reply.nodes)
 
 
+async def stop(start: asyncio.Task) -> None:
+    """End a controller started in the background, whether it is still waiting for the store or serving."""
+    start.cancel()   # a start still waiting kills its child (launcher.processes.start_server)
+    results = await asyncio.gather(start, return_exceptions=True)
+    if isinstance(results[0], ServerProcess):
+        await results[0].kill()
+
+
 def waiting(log: Path) -> bool:
     return log.exists() and "waiting to take over" in log.read_text()
 
@@ -73,7 +81,7 @@ async def test_a_second_controller_waits_and_takes_over_when_the_owner_dies(tmp_
             assert stored_nodes(store) == ["n1", "n2"]
             await second.terminate()
         finally:
-            second_start.cancel()
+            await stop(second_start)
             await first.kill()
 
 
@@ -89,7 +97,7 @@ async def test_a_clean_shutdown_hands_the_store_over_without_waiting_out_the_lea
             assert await nodes(second.address) == []
             await second.terminate()
         finally:
-            second_start.cancel()
+            await stop(second_start)
             await first.kill()
 
 
@@ -116,10 +124,39 @@ async def test_an_owner_paused_past_its_lease_cannot_write_and_stops(tmp_path):
             assert await nodes(second.address) == ["n1", "n2"]
             await second.terminate()
         finally:
-            second_start.cancel()
+            await stop(second_start)
             with contextlib.suppress(ProcessLookupError):
                 first.process.send_signal(signal.SIGCONT)
             await first.kill()
+
+
+def running_with(argument: str) -> list[int]:
+    """Pids of the live processes whose command line holds ``argument``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and argument in (proc / "cmdline").read_bytes().decode(errors="replace") \
+                    and (proc / "stat").read_text().split(") ")[-1].split()[0] != "Z":
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+async def test_a_start_given_up_on_leaves_no_waiting_controller_behind(tmp_path):
+    with etcd_cluster(tmp_path / "etcd") as etcd:
+        store = etcd.url("/abandoned")
+        first = await controller(tmp_path, "first", store, ttl_s=60)
+        start = asyncio.create_task(controller(tmp_path, "second", store, ttl_s=60))
+        try:
+            await wait_until(lambda: waiting(tmp_path / "second.log"), 60, what="the second controller to wait")
+            assert running_with(str(tmp_path / "second.yaml"))   # it is there, waiting for the store
+            start.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await start
+            assert running_with(str(tmp_path / "second.yaml")) == []   # and gone with the start that gave up
+        finally:
+            await first.terminate()
 
 
 def test_the_fence_refuses_every_write_of_a_deposed_owner(tmp_path):
