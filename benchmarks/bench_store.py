@@ -1,12 +1,16 @@
-"""Latency of acknowledged step-protocol calls with the SQLite and the etcd state store (run by hand).
+"""The state store, measured (run by hand): acknowledged step-protocol calls on SQLite and on etcd, and the
+takeover of an etcd store when its controller dies.
 
 A controller process runs the step protocol (BeginTrainingStep, then
 CompleteTrainingStep, each durable before its reply) for ``--steps`` steps,
 once with ``store`` on a SQLite file and once on a single-member etcd (Debian's
 ``etcd``) on loopback, both in a temporary directory; prints the per-call
-latency seen by the client (median, p90, p99).
+latency seen by the client (median, p90, p99). Then two controllers share the
+etcd store (lease ``--ttl`` seconds); the owner is killed -9 ``--failovers``
+times and the time from the kill to the first acknowledged RegisterNode on
+the controller that took over is printed (target: at most twice the lease).
 
-    .venv/bin/python -m benchmarks.bench_store [--steps 300]
+    .venv/bin/python -m benchmarks.bench_store [--steps 300] [--ttl 2] [--failovers 5]
 """
 
 from __future__ import annotations
@@ -20,8 +24,8 @@ from pathlib import Path
 
 import grpc
 
-from launcher.processes import start_server
-from rollmesh.controller.v1 import controller_pb2_grpc, scheduling_pb2
+from launcher.processes import ServerProcess, start_server
+from rollmesh.controller.v1 import controller_pb2_grpc, registry_pb2, scheduling_pb2
 from tests.etcd_server import etcd_cluster
 
 
@@ -48,6 +52,33 @@ async def measure(store: str, tmp: Path, steps: int) -> dict[str, list[float]]:
     return times
 
 
+async def _controller(tmp: Path, name: str, store: str, ttl: int) -> ServerProcess:
+    config = tmp / f"{name}.yaml"
+    config.write_text(f"store: {store}\nstore_lease_ttl_s: {ttl}\nnode_id: {name}\n")
+    return await start_server("controller", ["--config", str(config), "--listen", "127.0.0.1:0"],
+                              log_path=tmp / f"{name}.log", ready_timeout_s=120)
+
+
+async def failover(store: str, tmp: Path, ttl: int, rounds: int) -> list[float]:
+    """Seconds from kill -9 of the owner to the first acknowledged RegisterNode on its successor."""
+    times = []
+    owner = await _controller(tmp, "c0", store, ttl)
+    for i in range(1, rounds + 1):
+        successor = asyncio.create_task(_controller(tmp, f"c{i}", store, ttl))
+        log = tmp / f"c{i}.log"
+        while not (log.exists() and "waiting to take over" in log.read_text()):
+            await asyncio.sleep(0.05)
+        killed = time.perf_counter()
+        await owner.kill()
+        owner = await successor
+        async with grpc.aio.insecure_channel(owner.address) as channel:
+            await controller_pb2_grpc.ControllerServiceStub(channel).RegisterNode(registry_pb2.RegisterNodeRequest(
+                node_id=f"n{i}", address="127.0.0.1:40001", slots_total=1), timeout=30)
+        times.append(time.perf_counter() - killed)
+    await owner.terminate()
+    return times
+
+
 def _figures(samples: list[float]) -> str:
     ordered = sorted(samples)
     pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3  # noqa: E731
@@ -57,15 +88,20 @@ def _figures(samples: list[float]) -> str:
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--ttl", type=int, default=2, help="store_lease_ttl_s of the failover runs")
+    parser.add_argument("--failovers", type=int, default=5)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-store-") as name:
         tmp = Path(name)
         results = {"sqlite": await measure(f"sqlite://{tmp / 'controller.sqlite'}", tmp, args.steps)}
         with etcd_cluster(tmp / "etcd") as cluster:
             results["etcd (1 member)"] = await measure(cluster.url("/bench"), tmp, args.steps)
+            takeovers = await failover(cluster.url("/failover"), tmp, args.ttl, args.failovers)
     for store, times in results.items():
         for call, samples in times.items():
             print(f"{store:16s} {call:22s} {_figures(samples)}  ({len(samples)} calls)")
+    print(f"takeover after kill -9 (lease {args.ttl} s): "
+          + ", ".join(f"{t:.2f}" for t in takeovers) + f" s; max {max(takeovers):.2f} s, target <= {2 * args.ttl} s")
 
 
 if __name__ == "__main__":
