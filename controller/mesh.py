@@ -77,7 +77,9 @@ class Mesh:
                                                            f"{config.listen} (pid {os.getpid()})",
                                             ttl_s=config.store_lease_ttl_s, on_lost=on_store_lost or _exit_lost)
             backend.on_fenced = self.ownership.lose
-            self.ownership.acquire()
+            with self.tracer.start_as_current_span("store.acquire", attributes={
+                    "rollmesh.store": backend.description, "rollmesh.owner": self.ownership.owner}):
+                self.ownership.acquire()
         self.store = StateStore(backend, keep_events=config.event_retention_max)
         self.events = EventLog(self.clock, max_events=config.event_retention, max_age_s=config.event_retention_s,
                                hard_max=config.event_retention_max, trace_ids=_trace_ids)
@@ -155,6 +157,14 @@ class Mesh:
         if saved or saved_metrics:
             self.emit(EventType.CONTROLLER_STATE_CHANGED, reason="controller restarted; state restored",
                       to_state=self.scheduler.hybrid_state.proto_name)
+        if self.ownership is not None:
+            ownership = self.ownership
+            self.emit(EventType.LEADER_CHANGED, from_state=ownership.previous, to_state=ownership.owner,
+                      reason=f"took over the state store {self.store.description}" + (
+                          f" from {ownership.previous} after {ownership.waited_s:.1f} s" if ownership.previous
+                          else ""),
+                      attributes={"waited_s": round(ownership.waited_s, 3),
+                                  "fence_revision": ownership.fence_revision})
 
     def changed(self) -> None:
         """Something durable changed in the background: persist it shortly."""

@@ -49,6 +49,9 @@ class StoreOwnership:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.lost = False
+        self.previous = ""
+        """The controller that held the store while this one waited ("" when it was free)."""
+        self.waited_s = 0.0
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         errors = self.backend.errors
@@ -76,6 +79,7 @@ class StoreOwnership:
                 if self._try_once():
                     break
                 holder = self.holder()
+                self.previous = holder or self.previous
                 if holder != told:
                     log.warning("state store %s is owned by %s; waiting to take over (lease %d s)",
                                 self.backend.description, holder or "(released)", self.ttl_s)
@@ -85,10 +89,15 @@ class StoreOwnership:
             if deadline_s is not None and time.monotonic() - started > deadline_s:
                 raise StoreUnavailable(f"could not own the state store within {deadline_s:g} s")
             time.sleep(poll)
+        self.waited_s = time.monotonic() - started
         log.info("owns the state store %s (lease %d s, fence revision %d)", self.backend.description, self.ttl_s,
-                 self.backend.fence[1] if self.backend.fence else 0)
+                 self.fence_revision)
         self._thread = threading.Thread(target=self._keep, name="store-lease", daemon=True)
         self._thread.start()
+
+    @property
+    def fence_revision(self) -> int:
+        return self.backend.fence[1] if self.backend.fence else 0
 
     def _try_once(self) -> bool:
         lease = int(self._post("/lease/grant", {"TTL": self.ttl_s, "ID": 0})["ID"])

@@ -42,6 +42,7 @@ class EventType(enum.Enum):
     WAIT_EXPIRED = "WAIT_EXPIRED"
     GAP = "GAP"
     REPLICA_EJECTED = "REPLICA_EJECTED"
+    LEADER_CHANGED = "LEADER_CHANGED"
 
     @property
     def proto_name(self) -> str:

@@ -15,7 +15,7 @@ import pytest
 from controller.store_backends import parse_store
 from launcher.processes import ServerProcess, start_server
 from mesh_runtime.errors import error_info
-from rollmesh.controller.v1 import controller_pb2_grpc, registry_pb2
+from rollmesh.controller.v1 import controller_pb2, controller_pb2_grpc, events_pb2, observability_pb2, registry_pb2
 from tests.etcd_server import etcd_cluster, needs_etcd
 from tests.processes import clean_env
 from tests.waiting import wait_until
@@ -51,6 +51,21 @@ async def stop(start: asyncio.Task) -> None:
         await results[0].kill()
 
 
+async def history(address: str) -> list:
+    """Every lifecycle event the controller holds, oldest first."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = controller_pb2_grpc.ControllerServiceStub(channel)
+        newest = (await stub.GetStatus(controller_pb2.GetStatusRequest(), timeout=10)).last_event_sequence
+        events = []
+        call = stub.WatchEvents(observability_pb2.WatchEventsRequest(include_history=True), timeout=30)
+        async for message in call:
+            events.append(message.event)
+            if message.event.sequence >= newest:
+                break
+        call.cancel()
+    return events
+
+
 def waiting(log: Path) -> bool:
     return log.exists() and "waiting to take over" in log.read_text()
 
@@ -77,6 +92,10 @@ async def test_a_second_controller_waits_and_takes_over_when_the_owner_dies(tmp_
             await first.kill()   # kill -9: its lease runs out in 2 s
             second = await asyncio.wait_for(second_start, 60)
             assert await nodes(second.address) == ["n1"]   # what the first acknowledged
+            changes = [e for e in await history(second.address) if e.type == events_pb2.EVENT_TYPE_LEADER_CHANGED]
+            assert [(e.from_state.split(" at ")[0], e.to_state.split(" at ")[0]) for e in changes] == [
+                ("", "first"), ("first", "second")]   # both takeovers, in the one event log of the store
+            assert changes[-1].details["waited_s"] > 0 and changes[-1].details["fence_revision"] > 0
             await register(second.address, "n2")
             assert stored_nodes(store) == ["n1", "n2"]
             await second.terminate()
