@@ -205,3 +205,29 @@ def test_the_fence_refuses_every_write_of_a_deposed_owner(tmp_path):
         assert new.holder() == ""
         old_backend.close()
         new_backend.close()
+
+
+async def test_owning_the_store_is_a_span_and_an_event(tmp_path):
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from controller.config import ControllerConfig
+    from controller.core.events import EventType
+    from controller.mesh import Mesh
+    from mesh_runtime.config import load_config
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    with etcd_cluster(tmp_path / "etcd") as etcd:
+        config = load_config(ControllerConfig, None, overrides={"store": etcd.url("/traced"), "node_id": "solo"})
+        mesh = Mesh(config, provider, on_store_lost=lambda why: None)
+        try:
+            span = next(s for s in exporter.get_finished_spans() if s.name == "store.acquire")
+            assert span.attributes["rollmesh.store"] == etcd.url("/traced")
+            assert span.attributes["rollmesh.owner"].startswith("solo at ")
+            changed = [e for e in mesh.events.since(0)[0] if e.type is EventType.LEADER_CHANGED]
+            assert len(changed) == 1 and changed[0].from_state == "" and changed[0].to_state.startswith("solo")
+        finally:
+            await mesh.close()
