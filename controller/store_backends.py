@@ -29,7 +29,7 @@ import sqlite3
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from mesh_runtime.config import ConfigError
@@ -38,7 +38,6 @@ from mesh_runtime.net import parse_host_port
 from mesh_runtime.reasons import Reason
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 _SCHEMA = ("CREATE TABLE IF NOT EXISTS documents (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
            "CREATE TABLE IF NOT EXISTS events (sequence INTEGER PRIMARY KEY, value TEXT NOT NULL)")
@@ -132,7 +131,8 @@ def _after(prefix: str) -> str:
     return prefix[:-1] + chr(ord(prefix[-1]) + 1)
 
 
-def _b64(text: str) -> str:
+def b64(text: str) -> str:
+    """``text`` as the gateway's base64 of its bytes (keys and values)."""
     return base64.b64encode(text.encode()).decode()
 
 
@@ -163,6 +163,36 @@ class StoreUnavailable(Unavailable):
         super().__init__(message, retry_delay_s=1.0)
 
 
+class EtcdMembers:
+    """Clients of every member of one etcd cluster: a call goes to the current member and moves on to the next
+    one listed when it cannot be reached."""
+
+    def __init__(self, endpoints: Sequence[tuple[str, int]], clients: list[Any], errors: Any) -> None:
+        self._endpoints = list(endpoints)
+        self._clients = clients
+        self._errors = errors
+        self._current = 0
+
+    def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST ``body`` to the gateway's ``path`` on the first member that answers; StoreUnavailable if none."""
+        failures = []
+        for _ in range(len(self._clients)):
+            index = self._current
+            client = self._clients[index]
+            try:
+                return client.post(client.get_url(path), json=body)
+            except (self._errors.ConnectionFailedError, self._errors.ConnectionTimeoutError,
+                    self._errors.InternalServerError) as err:
+                host, port = self._endpoints[index]
+                failures.append(f"{host}:{port}: {type(err).__name__}")
+                self._current = (index + 1) % len(self._clients)
+        raise StoreUnavailable(f"etcd {path}: no member answered ({'; '.join(failures)})")
+
+    def close(self) -> None:
+        for client in self._clients:
+            client.session.close()
+
+
 class EtcdBackend:
     """Documents and events in etcd under ``prefix``, through the v3 JSON gateway (``etcd3gw``)."""
 
@@ -175,12 +205,11 @@ class EtcdBackend:
         self.prefix = prefix.rstrip("/")
         self.description = ("etcd://" + ",".join(f"{h}:{p}" for h, p in self.endpoints) + self.prefix
                             + (" (TLS)" if tls is not None else ""))
+        self.errors = etcd3gw.exceptions
         self._make_client = lambda host, port: etcd3gw.Etcd3Client(
             host=host, port=port, timeout=timeout_s, api_path="/v3/", session=_session(tls),
             protocol="https" if tls is not None else "http")
-        self._clients = self.new_clients()
-        self.errors = etcd3gw.exceptions
-        self._current = 0
+        self._members = self.new_members()
         self._lock = threading.Lock()
         self.fence: tuple[str, int] | None = None
         """(owner key, its create revision) once this controller owns the store (:mod:`controller.store_owner`):
@@ -188,29 +217,16 @@ class EtcdBackend:
         self.on_fenced: Callable[[str], None] | None = None
         """Told when a write was refused by the fence (the store is lost)."""
 
-    def new_clients(self) -> list[Any]:
+    def new_members(self) -> EtcdMembers:
         """Fresh clients of every member (their own HTTP sessions, for another thread)."""
-        return [self._make_client(h, p) for h, p in self.endpoints]
-
-    # -- one call on the first member that answers
-    def _call(self, what: str, call: Callable[[Any], T]) -> T:
-        failures = []
-        for _ in range(len(self._clients)):
-            index = self._current
-            try:
-                return call(self._clients[index])
-            except (self.errors.ConnectionFailedError, self.errors.ConnectionTimeoutError,
-                    self.errors.InternalServerError) as err:
-                failures.append(f"{self.endpoints[index][0]}:{self.endpoints[index][1]}: {type(err).__name__}")
-                self._current = (index + 1) % len(self._clients)
-        raise StoreUnavailable(f"etcd {what}: no member answered ({'; '.join(failures)})")
+        return EtcdMembers(self.endpoints, [self._make_client(h, p) for h, p in self.endpoints], self.errors)
 
     def _range(self, start: str, end: str, *, descend: bool = False, limit: int = 0) -> list[str]:
-        payload: dict[str, Any] = {"key": _b64(start), "range_end": _b64(end), "sort_target": "KEY",
+        payload: dict[str, Any] = {"key": b64(start), "range_end": b64(end), "sort_target": "KEY",
                                    "sort_order": "DESCEND" if descend else "ASCEND"}
         if limit:
             payload["limit"] = limit
-        reply = self._call("range", lambda c: c.post(c.get_url("/kv/range"), json=payload))
+        reply = self._members.post("/kv/range", payload)
         return [_unb64(kv.get("value", "")) for kv in reply.get("kvs", [])]
 
     def _doc(self, key: str) -> str:
@@ -229,15 +245,15 @@ class EtcdBackend:
 
     def delete(self, key: str) -> None:
         with self._lock:
-            self._txn([{"request_delete_range": {"key": _b64(self._doc(key))}}])
+            self._txn([{"request_delete_range": {"key": b64(self._doc(key))}}])
 
     def _txn(self, operations: list[dict[str, Any]]) -> None:
         body: dict[str, Any] = {"success": operations}
         if self.fence is not None:
             key, revision = self.fence
-            body["compare"] = [{"key": _b64(key), "target": "CREATE", "result": "EQUAL",
+            body["compare"] = [{"key": b64(key), "target": "CREATE", "result": "EQUAL",
                                 "create_revision": revision}]
-        reply = self._call("transaction", lambda c: c.post(c.get_url("/kv/txn"), json=body))
+        reply = self._members.post("/kv/txn", body)
         if self.fence is not None and not reply.get("succeeded", False):
             if self.on_fenced is not None:
                 self.on_fenced("a write was fenced off")
@@ -246,9 +262,9 @@ class EtcdBackend:
 
     def write(self, upserts: Sequence[tuple[str, str]], deletes: Sequence[str],
               events: Sequence[tuple[int, str]]) -> None:
-        operations = [({"request_put": {"key": _b64(self._doc(k)), "value": _b64(v)}}, len(v)) for k, v in upserts]
-        operations += [({"request_delete_range": {"key": _b64(self._doc(k))}}, 0) for k in deletes]
-        operations += [({"request_put": {"key": _b64(self._event(s)), "value": _b64(v)}}, len(v)) for s, v in events]
+        operations = [({"request_put": {"key": b64(self._doc(k)), "value": b64(v)}}, len(v)) for k, v in upserts]
+        operations += [({"request_delete_range": {"key": b64(self._doc(k))}}, 0) for k in deletes]
+        operations += [({"request_put": {"key": b64(self._event(s)), "value": b64(v)}}, len(v)) for s, v in events]
         with self._lock:
             batch: list[dict[str, Any]] = []
             size = 0
@@ -267,9 +283,9 @@ class EtcdBackend:
 
     def prune_events(self, keep: int) -> None:
         start = f"{self.prefix}/ev/"
-        reply = self._call("range", lambda c: c.post(c.get_url("/kv/range"), json={
-            "key": _b64(start), "range_end": _b64(_after(start)), "sort_target": "KEY", "sort_order": "DESCEND",
-            "limit": 1, "keys_only": True}))
+        reply = self._members.post("/kv/range", {
+            "key": b64(start), "range_end": b64(_after(start)), "sort_target": "KEY", "sort_order": "DESCEND",
+            "limit": 1, "keys_only": True})
         newest = reply.get("kvs", [])
         if not newest:
             return
@@ -277,11 +293,10 @@ class EtcdBackend:
         if cut < 0:
             return
         with self._lock:
-            self._txn([{"request_delete_range": {"key": _b64(start), "range_end": _b64(self._event(cut + 1))}}])
+            self._txn([{"request_delete_range": {"key": b64(start), "range_end": b64(self._event(cut + 1))}}])
 
     def close(self) -> None:
-        for client in self._clients:
-            client.session.close()
+        self._members.close()
 
 
 class StoreFenced(Unavailable):

@@ -23,15 +23,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
-from .store_backends import EtcdBackend, StoreUnavailable
+from .store_backends import EtcdBackend, StoreUnavailable, b64
 
 log = logging.getLogger(__name__)
-
-
-def _b64(text: str) -> str:
-    return base64.b64encode(text.encode()).decode()
 
 
 class StoreOwnership:
@@ -43,8 +38,7 @@ class StoreOwnership:
         self.ttl_s = max(1, int(ttl_s))
         self.on_lost = on_lost
         self.key = f"{backend.prefix}/owner"
-        self._clients = backend.new_clients()   # this thread's own sessions
-        self._current = 0
+        self._members = backend.new_members()   # this thread's own sessions
         self._lease_id: int | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -53,19 +47,9 @@ class StoreOwnership:
         """The controller that held the store while this one waited ("" when it was free)."""
         self.waited_s = 0.0
 
-    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        errors = self.backend.errors
-        for _ in range(len(self._clients)):
-            client = self._clients[self._current]
-            try:
-                return client.post(client.get_url(path), json=body)
-            except (errors.ConnectionFailedError, errors.ConnectionTimeoutError, errors.InternalServerError):
-                self._current = (self._current + 1) % len(self._clients)
-        raise StoreUnavailable(f"etcd {path}: no member answered")
-
     def holder(self) -> str:
         """Who owns the store now ("" when no one)."""
-        reply = self._post("/kv/range", {"key": _b64(self.key)})
+        reply = self._members.post("/kv/range", {"key": b64(self.key)})
         kvs = reply.get("kvs", [])
         return json.loads(base64.b64decode(kvs[0]["value"]))["owner"] if kvs else ""
 
@@ -100,11 +84,11 @@ class StoreOwnership:
         return self.backend.fence[1] if self.backend.fence else 0
 
     def _try_once(self) -> bool:
-        lease = int(self._post("/lease/grant", {"TTL": self.ttl_s, "ID": 0})["ID"])
+        lease = int(self._members.post("/lease/grant", {"TTL": self.ttl_s, "ID": 0})["ID"])
         value = json.dumps({"owner": self.owner, "since": time.time()})
-        reply = self._post("/kv/txn", {
-            "compare": [{"key": _b64(self.key), "target": "CREATE", "result": "EQUAL", "create_revision": 0}],
-            "success": [{"request_put": {"key": _b64(self.key), "value": _b64(value), "lease": lease}}]})
+        reply = self._members.post("/kv/txn", {
+            "compare": [{"key": b64(self.key), "target": "CREATE", "result": "EQUAL", "create_revision": 0}],
+            "success": [{"request_put": {"key": b64(self.key), "value": b64(value), "lease": lease}}]})
         if not reply.get("succeeded", False):
             self._revoke(lease)
             return False
@@ -114,7 +98,7 @@ class StoreOwnership:
 
     def _revoke(self, lease: int) -> None:
         try:
-            self._post("/kv/lease/revoke", {"ID": lease})
+            self._members.post("/kv/lease/revoke", {"ID": lease})
         except (StoreUnavailable, self.backend.errors.Etcd3Exception):
             pass   # it expires by itself
 
@@ -124,7 +108,7 @@ class StoreOwnership:
         last_ok = time.monotonic()
         while not self._stop.wait(self.ttl_s / 3):
             try:
-                left = int(self._post("/lease/keepalive", {"ID": self._lease_id}).get("result", {}).get("TTL", -1))
+                left = int(self._members.post("/lease/keepalive", {"ID": self._lease_id}).get("result", {}).get("TTL", -1))
             except (StoreUnavailable, self.backend.errors.Etcd3Exception) as err:
                 if time.monotonic() - last_ok > self.ttl_s:
                     self.lose(f"no renewal for {time.monotonic() - last_ok:.1f} s ({err})")
@@ -150,3 +134,4 @@ class StoreOwnership:
         if self._lease_id is not None and not self.lost:
             self._revoke(self._lease_id)
         self._lease_id = None
+        self._members.close()

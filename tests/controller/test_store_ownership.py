@@ -66,6 +66,22 @@ async def history(address: str) -> list:
     return events
 
 
+@contextlib.asynccontextmanager
+async def owner_and_waiting(tmp: Path, store: str, ttl_s: int):
+    """``first`` owning ``store`` and the start of ``second``, yielded once the second waits for the store;
+    both ended after."""
+    first = await controller(tmp, "first", store, ttl_s)
+    second_start = asyncio.create_task(controller(tmp, "second", store, ttl_s))
+    try:
+        await wait_until(lambda: waiting(tmp / "second.log"), 60, what="the second controller to wait")
+        yield first, second_start
+    finally:
+        await stop(second_start)
+        with contextlib.suppress(ProcessLookupError):
+            first.process.send_signal(signal.SIGCONT)   # a paused one must wake to be killed and reaped
+        await first.kill()
+
+
 def waiting(log: Path) -> bool:
     return log.exists() and "waiting to take over" in log.read_text()
 
@@ -82,11 +98,8 @@ def stored_nodes(store: str) -> list[str]:
 async def test_a_second_controller_waits_and_takes_over_when_the_owner_dies(tmp_path):
     with etcd_cluster(tmp_path / "etcd") as etcd:
         store = etcd.url("/owned")
-        first = await controller(tmp_path, "first", store, ttl_s=2)
-        second_start = asyncio.create_task(controller(tmp_path, "second", store, ttl_s=2))
-        try:
+        async with owner_and_waiting(tmp_path, store, ttl_s=2) as (first, second_start):
             await register(first.address, "n1")
-            await wait_until(lambda: waiting(tmp_path / "second.log"), 60, what="the second controller to wait")
             assert not second_start.done()   # it serves nothing while the first owns the store
             assert "owned by first at" in (tmp_path / "second.log").read_text()
             await first.kill()   # kill -9: its lease runs out in 2 s
@@ -99,35 +112,24 @@ async def test_a_second_controller_waits_and_takes_over_when_the_owner_dies(tmp_
             await register(second.address, "n2")
             assert stored_nodes(store) == ["n1", "n2"]
             await second.terminate()
-        finally:
-            await stop(second_start)
-            await first.kill()
 
 
 async def test_a_clean_shutdown_hands_the_store_over_without_waiting_out_the_lease(tmp_path):
     with etcd_cluster(tmp_path / "etcd") as etcd:
         store = etcd.url("/handover")
-        first = await controller(tmp_path, "first", store, ttl_s=300)   # a lease no test would wait out
-        second_start = asyncio.create_task(controller(tmp_path, "second", store, ttl_s=300))
-        try:
-            await wait_until(lambda: waiting(tmp_path / "second.log"), 60, what="the second controller to wait")
+        # a 300 s lease, which no test would wait out
+        async with owner_and_waiting(tmp_path, store, ttl_s=300) as (first, second_start):
             assert await first.terminate() == 0   # SIGTERM: it revokes its lease on the way out
             second = await asyncio.wait_for(second_start, 60)
             assert await nodes(second.address) == []
             await second.terminate()
-        finally:
-            await stop(second_start)
-            await first.kill()
 
 
 async def test_an_owner_paused_past_its_lease_cannot_write_and_stops(tmp_path):
     with etcd_cluster(tmp_path / "etcd") as etcd:
         store = etcd.url("/fenced")
-        first = await controller(tmp_path, "first", store, ttl_s=2)
-        second_start = asyncio.create_task(controller(tmp_path, "second", store, ttl_s=2))
-        try:
+        async with owner_and_waiting(tmp_path, store, ttl_s=2) as (first, second_start):
             await register(first.address, "n1")
-            await wait_until(lambda: waiting(tmp_path / "second.log"), 60, what="the second controller to wait")
             first.process.send_signal(signal.SIGSTOP)   # frozen past its lease: the second takes over
             second = await asyncio.wait_for(second_start, 60)
             await register(second.address, "n2")
@@ -142,11 +144,6 @@ async def test_an_owner_paused_past_its_lease_cannot_write_and_stops(tmp_path):
             assert stored_nodes(store) == ["n1", "n2"]   # nothing of the deposed owner landed
             assert await nodes(second.address) == ["n1", "n2"]
             await second.terminate()
-        finally:
-            await stop(second_start)
-            with contextlib.suppress(ProcessLookupError):
-                first.process.send_signal(signal.SIGCONT)
-            await first.kill()
 
 
 def running_with(argument: str) -> list[int]:
@@ -165,17 +162,12 @@ def running_with(argument: str) -> list[int]:
 async def test_a_start_given_up_on_leaves_no_waiting_controller_behind(tmp_path):
     with etcd_cluster(tmp_path / "etcd") as etcd:
         store = etcd.url("/abandoned")
-        first = await controller(tmp_path, "first", store, ttl_s=60)
-        start = asyncio.create_task(controller(tmp_path, "second", store, ttl_s=60))
-        try:
-            await wait_until(lambda: waiting(tmp_path / "second.log"), 60, what="the second controller to wait")
+        async with owner_and_waiting(tmp_path, store, ttl_s=60) as (_, start):
             assert running_with(str(tmp_path / "second.yaml"))   # it is there, waiting for the store
             start.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await start
             assert running_with(str(tmp_path / "second.yaml")) == []   # and gone with the start that gave up
-        finally:
-            await first.terminate()
 
 
 def test_the_fence_refuses_every_write_of_a_deposed_owner(tmp_path):
