@@ -51,6 +51,12 @@ class ControllerConfig(ServerConfig):
     store_lease_ttl_s: int = setting(5, help="seconds of the etcd lease by which one controller owns an etcd store: "
                                              "a controller that waits for the store takes over this long after "
                                              "its owner dies (at once after a clean shutdown); renewed every third")
+    advertise_address: str = setting("", help="HOST:PORT other servers reach this controller at, named to callers "
+                                              "by standbys when it leads an etcd store; empty = the address it "
+                                              "binds (listen with its real port)")
+    standby_refresh_s: float = setting(1.0, help="how often a standby controller (one waiting for an etcd store "
+                                                 "another leads) reloads its read-only copy of the state and "
+                                                 "tries to take the store over")
     store_tls: StoreTlsConfig | None = setting(None, help="TLS to the etcd store: {ca, cert, key} PEM paths; "
                                                           "required when an etcd member is not on loopback "
                                                           "(unless insecure)")
@@ -117,7 +123,8 @@ class ControllerConfig(ServerConfig):
 
     def validate(self) -> None:
         super().validate()
-        check_addresses(self, "load_balancer_address", "trainer_address", listen_keys=("metrics_listen",))
+        check_addresses(self, "load_balancer_address", "trainer_address", "advertise_address",
+                        listen_keys=("metrics_listen",))
         positive = {"peer_timeout_s": self.peer_timeout_s, "lease_ttl_s": self.lease_ttl_s,
                     "reconcile_interval_s": self.reconcile_interval_s,
                     "load_report_interval_s": self.load_report_interval_s,
@@ -154,6 +161,8 @@ class ControllerConfig(ServerConfig):
                                                "send the mesh's state in plaintext")
         if self.store_tls is not None:
             self.store_tls.validate()
+        if not 0.05 <= self.standby_refresh_s <= 60:
+            raise ConfigError("standby_refresh_s", f"must be 0.05 to 60 seconds, got {self.standby_refresh_s}")
         if not 1 <= self.store_lease_ttl_s <= 600:
             raise ConfigError("store_lease_ttl_s", f"must be 1 to 600 seconds, got {self.store_lease_ttl_s}")
         if any(not t for t in self.scale_api_read_tokens):

@@ -15,8 +15,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import os
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -42,7 +40,7 @@ from .core.steps import StepReport
 from .ports import AgentReplicas, Channels, LoadBalancerRouting
 from .weight_sync import WeightBroadcast
 from .store import StateStore
-from .store_backends import EtcdBackend, parse_store
+from .store_backends import StoreBackend, parse_store
 from .store_owner import StoreOwnership
 from .watchers import EventHub
 
@@ -66,21 +64,20 @@ class Mesh:
     """Registry + scheduling + weight sync + events, behind the controller's RPCs."""
 
     def __init__(self, config: ControllerConfig, tracer_provider: TracerProvider | None, *,
-                 on_store_lost: Callable[[str], None] | None = None) -> None:
+                 backend: StoreBackend | None = None, ownership: StoreOwnership | None = None,
+                 read_only: bool = False) -> None:
+        """``backend`` defaults to the one ``config.store`` names. On an etcd store, ``ownership`` (already
+        acquired, :mod:`controller.leadership`) makes this the leader's mesh; ``read_only`` a standby's copy
+        that loads the state and never writes it."""
         self.config = config
         self.clock = time.time
         self.tracer = tracing.tracer(tracer_provider, "rollmesh.controller")
-        backend = parse_store(config.store, config.state_dir, config.store_tls)
-        self.ownership: StoreOwnership | None = None
-        if isinstance(backend, EtcdBackend):   # one controller per etcd store: own it before reading it
-            self.ownership = StoreOwnership(backend, owner=f"{config.node_id or socket.gethostname()} at "
-                                                           f"{config.listen} (pid {os.getpid()})",
-                                            ttl_s=config.store_lease_ttl_s, on_lost=on_store_lost or _exit_lost)
-            backend.on_fenced = self.ownership.lose
-            with self.tracer.start_as_current_span("store.acquire", attributes={
-                    "rollmesh.store": backend.description, "rollmesh.owner": self.ownership.owner}):
-                self.ownership.acquire()
+        if backend is None:
+            backend = parse_store(config.store, config.state_dir, config.store_tls)
+        self.ownership = ownership
+        self.read_only = read_only
         self.store = StateStore(backend, keep_events=config.event_retention_max)
+        self.store.read_only = read_only
         self.events = EventLog(self.clock, max_events=config.event_retention, max_age_s=config.event_retention_s,
                                hard_max=config.event_retention_max, trace_ids=_trace_ids)
         self.event_listeners: list[Any] = []
@@ -119,7 +116,7 @@ class Mesh:
                             "metrics": self.metrics.state_dict}.items():
             self.store.track(key, source)
         self.store.track_collection("registry/node", self.registry.take_changes)   # one document per node
-        if self._migrated_registry:   # the old single document goes once every node's is on disk
+        if self._migrated_registry and not read_only:   # the old single document goes once every node's is on disk
             self.store.flush()
             self.store.delete("registry")
         self._restore_rest()
@@ -154,6 +151,8 @@ class Mesh:
         saved_metrics = self.store.load("metrics")
         if saved_metrics:
             self.metrics.load_state_dict(saved_metrics)
+        if self.read_only:
+            return
         if saved or saved_metrics:
             self.emit(EventType.CONTROLLER_STATE_CHANGED, reason="controller restarted; state restored",
                       to_state=self.scheduler.hybrid_state.proto_name)
@@ -441,6 +440,19 @@ class Mesh:
             except Exception:  # noqa: BLE001 - leases must keep being checked after one bad round
                 log.exception("checking leases failed; trying again in %.2f s", interval)
 
+    def start_acting(self, spawn: Callable[..., asyncio.Task]) -> list[asyncio.Task]:
+        """Start everything that acts on the mesh (the leader's work): the store writer, lease expiry, routing
+        reconciliation, external engines' leases, the autoscaler; recover interrupted scale operations."""
+        if self.read_only:
+            raise RuntimeError("a read-only copy of the mesh does not act")
+        tasks = [spawn(self.store.run(), name="state-store"), spawn(self.run_leases(), name="leases"),
+                 spawn(self.run_reconcile(), name="routing-reconcile"),
+                 spawn(self.scaler.hold_external_leases(), name="external-leases")]
+        self.scaler.recover()
+        if self.autoscaler.configured:
+            tasks.append(spawn(self.autoscaler.run(), name="autoscaler"))
+        return tasks
+
     async def close(self) -> None:
         await self.scaler.close()
         try:
@@ -451,12 +463,6 @@ class Mesh:
         await self.channels.close()
 
 
-def _exit_lost(why: str) -> None:
-    """A controller that lost its store must not act again: end the process at once (exit status 3), as a
-    deposed leader does; its supervisor starts it again, as a controller that waits for the store."""
-    log.critical("exiting: the state store is owned elsewhere now (%s)", why)
-    logging.shutdown()
-    os._exit(3)
 
 
 def _invalid(message: str):

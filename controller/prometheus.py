@@ -80,17 +80,27 @@ class ControllerMetrics:
             writes.labels("ok" if ok else "error").inc()
             if ok:
                 write_time.observe(seconds)
-        mesh.store.on_write = on_write
+        self._on_write = on_write
         for transition in ("activate", "deactivate"):
             self._transitions.labels(transition)
         for outcome in ("completed", "failed", "skipped"):
             self._syncs.labels(outcome)
         for kind in ("sent", "saved"):
             self._sync_bytes.labels(kind)
-        mesh.event_listeners.append(self.count_event)
         self._cycles = server.counter("rollmesh_dynamic_resource_cycles", "Sync cycles closed since start-up")
         for name in _HISTOGRAMS:
             self._histogram(name)
+        self.bind(mesh)
+
+    def bind(self, mesh: Any) -> None:
+        """Observe ``mesh`` from now on (a standby's refreshed copy, a promoted leader's mesh): its store's
+        writes, its events, its cycles from the newest it has."""
+        self._mesh = mesh
+        mesh.store.on_write = self._on_write
+        if self.count_event not in mesh.event_listeners:
+            mesh.event_listeners.append(self.count_event)
+        closed = mesh.metrics.closed
+        self._observed = max(self._observed, closed[-1].cycle if closed else 0)
 
     def count_event(self, event) -> None:
         kind, attrs = event.type.value, event.attributes or {}

@@ -22,7 +22,9 @@ from .auth import has_scale_token, require_own_node
 from .config import ControllerConfig
 from .core.events import EventType
 from .core.records import ReplicaState
+from .leadership import Leadership, StandbyGate
 from .mesh import Mesh
+from .ports import Channels
 from .peers import Peers
 from .prometheus import ControllerMetrics
 from .scaling import lro
@@ -40,24 +42,29 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
         self.config = config
         self.status = StatusReporter(config, ["status", "registry", "scheduling", "weight_sync", "events",
                                               "metrics", "scaling", "autoscaler"])
-        self.mesh = Mesh(config, tracer_provider)
+        self.leadership = Leadership(config, tracer_provider, on_mesh=self._serve_from)
+        self.interceptors = [StandbyGate(self.leadership)]
         self.metrics = ServerMetrics()
         self.prometheus = ControllerMetrics(self.mesh, self.metrics)
+        self._peer_channels = Channels(tracer_provider, tls=config.tls)
         self.peers = Peers(load_balancer_address=config.load_balancer_address,
-                           timeout_s=config.peer_timeout_s, channels=self.mesh.channels)
+                           timeout_s=config.peer_timeout_s, channels=self._peer_channels)
         self.also_serves = [ServiceBinding(lro.SERVICE_NAME, lro.OperationsServicer(lambda: self.mesh.scaler, config),
                                            operations_pb2_grpc.add_OperationsServicer_to_server)]
 
+    @property
+    def mesh(self) -> Mesh:
+        """The mesh served from: the leader's, or a standby's read-only copy (replaced at each refresh)."""
+        return self.leadership.mesh
+
+    def _serve_from(self, mesh: Mesh) -> None:
+        self.prometheus.bind(mesh)
+
     async def attach(self, server: MeshServer) -> None:
-        server.add_cleanup(self.mesh.close)
-        server.spawn(self.mesh.store.run(), name="state-store")
-        server.spawn(self.mesh.run_leases(), name="leases")
-        server.spawn(self.mesh.run_reconcile(), name="routing-reconcile")
-        server.spawn(self.mesh.scaler.hold_external_leases(), name="external-leases")
+        server.add_cleanup(self._peer_channels.close)
+        server.add_cleanup(self.leadership.close)
         server.spawn(LoopStallMonitor(self.metrics).run(), name="loop-stall-monitor")
-        self.mesh.scaler.recover()
-        if self.mesh.autoscaler.configured:
-            server.spawn(self.mesh.autoscaler.run(), name="autoscaler")
+        await self.leadership.start(server)
 
     # ---------------------------------------------------------------- status
     async def GetStatus(self, request, context):  # noqa: N802 - gRPC method names throughout
@@ -69,7 +76,7 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
             replica_count=len([r for r in registry.replicas() if r.state is not S.REMOVED]),
             active_replica_count=registry.active_count(), last_event_sequence=self.mesh.events.last_sequence,
             running_operation_id=getattr(self.mesh.scaler.book.running(), "operation_id", ""),
-            state_store=self.mesh.store.description)
+            state_store=self.mesh.store.description, **self.leadership.status_fields())
 
     # -------------------------------------------------------------- registry
     def token_check(self, context) -> bool:

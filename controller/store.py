@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .store_backends import StoreBackend, parse_store
+from .store_backends import StoreBackend, StoreUnavailable, parse_store
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,9 @@ class StateStore:
         """The batch being written (one at a time: a commit arriving meanwhile shares the next one)."""
         self._unwritten: dict[str, Any] = {}
         """Collection members of a batch the backend refused, for the next batch."""
+        self.read_only = False
+        """A standby's copy (or a deposed leader's): nothing is written, whatever is marked (the leader owns
+        the store)."""
         self.on_write: Callable[[float, bool], None] | None = None
         """Called after each background or commit batch with its write time in seconds and whether it was
         stored (the controller's store metrics)."""
@@ -137,6 +140,8 @@ class StateStore:
     def _write(self, generation: int, documents: list[tuple[str, Any]], events: list[tuple[int, str]]) -> None:
         if not documents and not events:
             return
+        if self.read_only:
+            raise StoreUnavailable("this controller is a standby: it does not write the state store")
         with self._write_lock:
             documents = [(k, v) for k, v in documents if self._written.get(k, 0) < generation]
             upserts = [(k, v if isinstance(v, str) else json.dumps(v)) for k, v in documents if v is not None]
@@ -150,8 +155,9 @@ class StateStore:
             self.prune_events(self.keep_events)
 
     def flush(self) -> None:
-        """Write everything pending now (shutdown, tests)."""
-        self._write(*self._collect())
+        """Write everything pending now (shutdown, tests); nothing on a read-only copy."""
+        if not self.read_only:
+            self._write(*self._collect())
 
     def close(self) -> None:
         """Write everything pending, then release the backend's connections."""

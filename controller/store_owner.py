@@ -46,12 +46,42 @@ class StoreOwnership:
         self.previous = ""
         """The controller that held the store while this one waited ("" when it was free)."""
         self.waited_s = 0.0
+        self.address = ""
+        """HOST:PORT this controller serves on, in the owner key for standbys to name (publish_address)."""
 
     def holder(self) -> str:
         """Who owns the store now ("" when no one)."""
+        return self.holder_info()[0]
+
+    def holder_info(self) -> tuple[str, str]:
+        """``(name, address)`` of the owner now (``("", "")`` when no one; the address is "" until it has
+        published the one it serves on)."""
         reply = self._members.post("/kv/range", {"key": b64(self.key)})
         kvs = reply.get("kvs", [])
-        return json.loads(base64.b64decode(kvs[0]["value"]))["owner"] if kvs else ""
+        if not kvs:
+            return "", ""
+        value = json.loads(base64.b64decode(kvs[0]["value"]))
+        return str(value.get("owner", "")), str(value.get("address", ""))
+
+    def try_acquire(self) -> bool:
+        """One attempt to own the store (no waiting): on success the lease is kept from a thread."""
+        started = time.monotonic()
+        if not self._try_once():
+            self.previous = self.holder() or self.previous
+            return False
+        self.waited_s += time.monotonic() - started
+        self._start_keeping()
+        return True
+
+    def publish_address(self, address: str) -> None:
+        """Put the address this owner serves on into the owner key (fenced: only while it still owns it), so
+        standbys can point callers at it."""
+        self.address = address
+        value = json.dumps({"owner": self.owner, "address": address, "since": time.time()})
+        key, revision = self.backend.fence or (self.key, 0)
+        self._members.post("/kv/txn", {
+            "compare": [{"key": b64(key), "target": "CREATE", "result": "EQUAL", "create_revision": revision}],
+            "success": [{"request_put": {"key": b64(key), "value": b64(value), "lease": self._lease_id}}]})
 
     def acquire(self, *, poll_s: float | None = None, deadline_s: float | None = None) -> None:
         """Block until this process owns the store (log who holds it meanwhile); then keep it in a thread."""
@@ -74,6 +104,9 @@ class StoreOwnership:
                 raise StoreUnavailable(f"could not own the state store within {deadline_s:g} s")
             time.sleep(poll)
         self.waited_s = time.monotonic() - started
+        self._start_keeping()
+
+    def _start_keeping(self) -> None:
         log.info("owns the state store %s (lease %d s, fence revision %d)", self.backend.description, self.ttl_s,
                  self.fence_revision)
         self._thread = threading.Thread(target=self._keep, name="store-lease", daemon=True)
@@ -85,7 +118,7 @@ class StoreOwnership:
 
     def _try_once(self) -> bool:
         lease = int(self._members.post("/lease/grant", {"TTL": self.ttl_s, "ID": 0})["ID"])
-        value = json.dumps({"owner": self.owner, "since": time.time()})
+        value = json.dumps({"owner": self.owner, "address": self.address, "since": time.time()})
         reply = self._members.post("/kv/txn", {
             "compare": [{"key": b64(self.key), "target": "CREATE", "result": "EQUAL", "create_revision": 0}],
             "success": [{"request_put": {"key": b64(self.key), "value": b64(value), "lease": lease}}]})

@@ -26,7 +26,9 @@ _OPERATIONS_SHOWN = 8
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("address", metavar="HOST:PORT", help="the controller's address")
+    parser.add_argument("address", metavar="HOST:PORT[,HOST:PORT...]",
+                        help="the controller's address, or the addresses of several controllers on one etcd "
+                             "store (top shows the leader's view, moving to the new leader after a failover)")
     parser.add_argument("--interval", type=_positive, default=2.0, help="seconds between refreshes (default 2)")
     parser.add_argument("--timeout", type=_positive, default=3.0, help="seconds to wait for each RPC (default 3)")
     parser.add_argument("--once", action="store_true", help="print one frame as plain text and exit")
@@ -100,6 +102,45 @@ def fetch(channel: Any, address: str, timeout_s: float) -> Snapshot:
     return snap
 
 
+class Following:
+    """Sync channels to one or several controllers; :meth:`fetch` reads from the leader: a standby's answer
+    names it, an unreachable address gives way to the next one."""
+
+    def __init__(self, addresses: list[str], open_channel: Callable[[str], Any]) -> None:
+        self.addresses = addresses
+        self.current = addresses[0]
+        self._open = open_channel
+        self._channels: dict[str, Any] = {}
+
+    def channel(self, address: str) -> Any:
+        if address not in self._channels:
+            self._channels[address] = self._open(address)
+        return self._channels[address]
+
+    def fetch(self, timeout_s: float) -> Snapshot:
+        from rollmesh.controller.v1 import controller_pb2  # noqa: PLC0415
+
+        tried: set[str] = set()
+        while True:
+            address = self.current
+            tried.add(address)
+            snap = fetch(self.channel(address), address, timeout_s)
+            if snap.status is not None:
+                leader = snap.status.leader_address
+                if snap.status.role == controller_pb2.CONTROLLER_ROLE_STANDBY and leader and leader not in tried:
+                    self.current = leader
+                    continue
+                return snap
+            untried = [a for a in self.addresses if a not in tried]
+            if not untried:
+                return snap
+            self.current = untried[0]
+
+    def close(self) -> None:
+        for channel in self._channels.values():
+            channel.close()
+
+
 def _enum(name: str, prefix: str) -> str:
     return name.removeprefix(prefix) if name else "?"
 
@@ -111,7 +152,7 @@ def _seconds(duration: Any) -> float:
 def render(snap: Snapshot, width: int = 100) -> list[str]:
     """The frame as lines of at most ``width`` characters; pure."""
     from rollmesh.common.v1 import types_pb2  # noqa: PLC0415
-    from rollmesh.controller.v1 import autoscaler_pb2, scaling_pb2, scheduling_pb2  # noqa: PLC0415
+    from rollmesh.controller.v1 import autoscaler_pb2, controller_pb2, scaling_pb2, scheduling_pb2  # noqa: PLC0415
 
     lines = [f"rollmesh top - controller {snap.address} - {time.strftime('%H:%M:%S', time.localtime(snap.taken_at))}"
              f"   (q quit, r refresh)"]
@@ -119,6 +160,9 @@ def render(snap: Snapshot, width: int = 100) -> list[str]:
         lines.append(f"controller unreachable: {snap.errors.get('status', 'no answer')}")
         return [line[:width] for line in lines]
     st = snap.status
+    if st.role == controller_pb2.CONTROLLER_ROLE_STANDBY:   # the leader could not be read: say whose copy this is
+        lines.append(f"STANDBY copy (refreshed every second); leader {st.leader_address or 'unknown'} "
+                     f"{st.leader_name}".rstrip())
     lines.append(f"nodes {st.node_count}   replicas {st.replica_count} ({st.active_replica_count} active)   "
                  f"running operation {st.running_operation_id or '-'}   events {st.last_event_sequence}")
     if snap.scheduler is not None:
@@ -174,7 +218,7 @@ def render(snap: Snapshot, width: int = 100) -> list[str]:
     return [line[:width] for line in lines]
 
 
-def _interactive(channel: Any, address: str, interval_s: float, timeout_s: float) -> None:
+def _interactive(following: Following, interval_s: float, timeout_s: float) -> None:
     import curses  # noqa: PLC0415
 
     def loop(screen: Any) -> None:
@@ -185,7 +229,7 @@ def _interactive(channel: Any, address: str, interval_s: float, timeout_s: float
             now = time.monotonic()
             if now >= next_refresh:
                 height, width = screen.getmaxyx()
-                frame = render(fetch(channel, address, timeout_s), width=max(20, width - 1))
+                frame = render(following.fetch(timeout_s), width=max(20, width - 1))
                 if repaint:
                     screen.clear()  # asked for: repaint the whole screen, not just what changed
                 else:
@@ -215,8 +259,14 @@ def run(args: argparse.Namespace, env: dict[str, str]) -> int:
 
     from mesh_runtime.tls import client_tls  # noqa: PLC0415
 
+    from mesh_runtime.channels import address_list  # noqa: PLC0415
+
+    addresses = address_list(args.address)
     try:
-        parse_host_port(args.address, allow_zero_port=False)
+        if not addresses:
+            raise ValueError("no address given")
+        for address in addresses:
+            parse_host_port(address, allow_zero_port=False)
     except ValueError as err:
         print(f"rollmesh top: error: address: {err}", file=sys.stderr)
         return 2
@@ -226,13 +276,16 @@ def run(args: argparse.Namespace, env: dict[str, str]) -> int:
         print(f"rollmesh top: error: {err}", file=sys.stderr)
         return 2
     # no channel retries: top polls again every interval, and shows an unreachable controller at once
-    with open_sync_channel(args.address, tls=tls) as channel:
+    following = Following(addresses, lambda address: open_sync_channel(address, tls=tls))
+    try:
         if args.once or not sys.stdout.isatty():
-            snap = fetch(channel, args.address, args.timeout)
+            snap = following.fetch(args.timeout)
             print("\n".join(render(snap, width=160)))
             return 0 if snap.status is not None else 1   # a script can tell an unreachable controller
         try:
-            _interactive(channel, args.address, args.interval, args.timeout)
+            _interactive(following, args.interval, args.timeout)
         except KeyboardInterrupt:
             pass
+    finally:
+        following.close()
     return 0

@@ -16,6 +16,8 @@ from .core.events import EventLog, EventType, LifecycleEvent
 
 _CATCH_UP = None
 """Queue marker: the watcher fell behind and must catch up from the log."""
+_CLOSED = object()
+"""Queue marker: the hub was closed (its controller stopped leading): the stream ends with the hub's error."""
 
 
 class Watcher:
@@ -33,6 +35,15 @@ class EventHub:
         self.log = log
         self.queue_size = queue_size
         self._watchers: set[Watcher] = set()
+        self.closed: Exception | None = None
+
+    def close(self, error: Exception) -> None:
+        """End every stream (now and later) with ``error``: its caller resumes elsewhere from its last event."""
+        self.closed = error
+        for watcher in self._watchers:
+            while not watcher.queue.empty():
+                watcher.queue.get_nowait()
+            watcher.queue.put_nowait(_CLOSED)  # type: ignore[arg-type]
 
     def sizes(self) -> list[int]:
         """Events queued for each open WatchEvents stream now (each bounded by ``queue_size``)."""
@@ -53,6 +64,8 @@ class EventHub:
     async def watch(self, from_sequence: int, accept: Callable[[LifecycleEvent], bool],
                     include_history: bool) -> AsyncIterator[LifecycleEvent]:
         """Events after ``from_sequence`` (history first when asked), then live ones, forever."""
+        if self.closed is not None:
+            raise self.closed
         watcher = Watcher(accept, self.queue_size)
         self._watchers.add(watcher)
         try:
@@ -69,6 +82,8 @@ class EventHub:
                         yield event
                     continue
                 live = await watcher.queue.get()
+                if live is _CLOSED:
+                    raise self.closed or RuntimeError("event hub closed")
                 if live is _CATCH_UP or live.sequence <= watcher.last_sequence:
                     continue
                 watcher.last_sequence = live.sequence

@@ -82,7 +82,13 @@ def open_channel(address: str, *, tls: TlsConfig | None = None, tracer_provider:
                  idempotent: Sequence[tuple[str, str]] = (),
                  max_message_bytes: int = 64 * 1024 * 1024) -> grpc.aio.Channel:
     """A ``grpc.aio`` channel to ``address`` with tracing and retries of ``idempotent`` methods: mutual
-    TLS presenting ``tls.cert`` when ``tls`` is given, plaintext otherwise."""
+    TLS presenting ``tls.cert`` when ``tls`` is given, plaintext otherwise. A list ``HOST:PORT,HOST:PORT``
+    (several controllers) is a :class:`FollowingChannel` over one such channel per address."""
+    addresses = address_list(address)
+    if len(addresses) > 1:
+        return FollowingChannel(addresses, functools.partial(
+            open_channel, tls=tls, tracer_provider=tracer_provider, idempotent=idempotent,
+            max_message_bytes=max_message_bytes))
     options = channel_options(idempotent, max_message_bytes)
     interceptors = tracing.client_interceptors(tracer_provider, address)
     if tls is not None:
@@ -157,3 +163,168 @@ class ChannelPool:
         for channel, _ in self._channels.values():
             await channel.close()
         self._channels.clear()
+
+
+# ------------------------------------------------------------------ following the leading controller
+def address_list(address: str) -> list[str]:
+    """``HOST:PORT[,HOST:PORT...]`` as a list (spaces ignored, order kept, duplicates dropped)."""
+    return list(dict.fromkeys(a.strip() for a in address.split(",") if a.strip()))
+
+
+_NEVER_SENT = ("failed to connect", "connection refused", "dns resolution failed", "name resolution")
+"""Words of the UNAVAILABLE details of a call that never reached a server: safe to send elsewhere."""
+
+
+class FollowingChannel:
+    """A channel over several controllers' addresses that sends every call to the leading one.
+
+    It looks like a ``grpc.aio.Channel`` to generated stubs. A standby answers
+    anything but reads with ``UNAVAILABLE`` / ``NOT_LEADER`` naming the leader
+    (``ErrorInfo`` metadata ``leader``): the call is sent there at once (the
+    standby did nothing, so this is safe for every method). A call that could
+    not reach its address at all is sent to the next one in the list. Both
+    repeat, with a short growing pause, until the call's ``timeout`` (or
+    ``failover_s`` when it has none) is spent, so a caller rides through a
+    failover without seeing it. Any other failure (including a connection
+    lost after the call was sent, whose effect is unknown) is the caller's, as
+    on a plain channel, but the next call goes to the next address. Streams
+    are not resent (their caller resumes them, e.g. ``WatchEvents`` from its
+    last sequence); their failures move the channel the same way.
+    """
+
+    def __init__(self, addresses: Sequence[str], open_one, *, failover_s: float = 30.0) -> None:
+        if not addresses:
+            raise ValueError("FollowingChannel needs at least one address")
+        self.addresses = list(addresses)
+        self.current = self.addresses[0]
+        self.failover_s = failover_s
+        self._open_one = open_one
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def channel(self, address: str | None = None) -> grpc.aio.Channel:
+        address = address or self.current
+        if address not in self._channels:
+            self._channels[address] = self._open_one(address)
+        return self._channels[address]
+
+    def observe(self, err: grpc.RpcError, address: str) -> bool:
+        """Move after ``err`` from ``address``; True when the call surely did nothing (resend it)."""
+        from .errors import error_info  # noqa: PLC0415 - errors imports grpc_status, kept off import time
+
+        if err.code() != grpc.StatusCode.UNAVAILABLE:
+            return False
+        info = error_info(err)
+        if info is not None and info.reason == "NOT_LEADER":
+            leader = info.metadata.get("leader", "")
+            if leader and leader != address:
+                if leader not in self.addresses:
+                    self.addresses.append(leader)
+                self.current = leader
+            else:
+                self._rotate(address)
+            return True
+        if info is None:
+            self._rotate(address)
+            return any(word in (err.details() or "").lower() for word in _NEVER_SENT)
+        return False
+
+    def _rotate(self, address: str) -> None:
+        if self.current == address and len(self.addresses) > 1:
+            index = self.addresses.index(address) if address in self.addresses else -1
+            self.current = self.addresses[(index + 1) % len(self.addresses)]
+
+    def unary_unary(self, method: str, request_serializer=None, response_deserializer=None, **_):
+        return _FollowingUnary(self, method, request_serializer, response_deserializer)
+
+    def unary_stream(self, method: str, request_serializer=None, response_deserializer=None, **_):
+        return _FollowingStream(self, "unary_stream", method, request_serializer, response_deserializer)
+
+    def stream_stream(self, method: str, request_serializer=None, response_deserializer=None, **_):
+        return _FollowingStream(self, "stream_stream", method, request_serializer, response_deserializer)
+
+    def stream_unary(self, method: str, request_serializer=None, response_deserializer=None, **_):
+        return self.channel().stream_unary(method, request_serializer=request_serializer,
+                                           response_deserializer=response_deserializer)
+
+    async def channel_ready(self) -> None:
+        await self.channel().channel_ready()
+
+    async def close(self, grace: float | None = None) -> None:
+        for channel in self._channels.values():
+            await channel.close(grace)
+        self._channels.clear()
+
+    async def __aenter__(self) -> FollowingChannel:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+class _FollowingUnary:
+    def __init__(self, owner: FollowingChannel, method: str, serializer, deserializer) -> None:
+        self._owner, self._method = owner, method
+        self._serializer, self._deserializer = serializer, deserializer
+
+    def __call__(self, request, *, timeout: float | None = None, **kwargs):
+        return self._call(request, timeout, kwargs)
+
+    async def _call(self, request, timeout: float | None, kwargs):
+        owner = self._owner
+        deadline = time.monotonic() + (timeout if timeout is not None else owner.failover_s)
+        pause = 0.05
+        while True:
+            address = owner.current
+            callable_ = owner.channel(address).unary_unary(self._method, request_serializer=self._serializer,
+                                                           response_deserializer=self._deserializer)
+            left = deadline - time.monotonic()
+            try:
+                return await callable_(request, timeout=left if timeout is not None else None, **kwargs)
+            except grpc.aio.AioRpcError as err:
+                resend = owner.observe(err, address)
+                if not resend or time.monotonic() + pause >= deadline:
+                    raise
+            if owner.current == address or len(owner.addresses) == 1:   # nowhere new to go: pause first
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 1.0)
+
+
+class _FollowingStream:
+    """A streaming call on the current address; its failure moves the channel (the caller resumes)."""
+
+    def __init__(self, owner: FollowingChannel, kind: str, method: str, serializer, deserializer) -> None:
+        self._owner, self._kind, self._method = owner, kind, method
+        self._serializer, self._deserializer = serializer, deserializer
+
+    def __call__(self, request, **kwargs):
+        address = self._owner.current
+        factory = getattr(self._owner.channel(address), self._kind)
+        call = factory(self._method, request_serializer=self._serializer,
+                       response_deserializer=self._deserializer)(request, **kwargs)
+        return _ObservedStreamCall(call, self._owner, address)
+
+
+class _ObservedStreamCall:
+    def __init__(self, call, owner: FollowingChannel, address: str) -> None:
+        self._call, self._owner, self._address = call, owner, address
+
+    def __aiter__(self):
+        return self._iterate()
+
+    async def _iterate(self):
+        try:
+            async for message in self._call:
+                yield message
+        except grpc.aio.AioRpcError as err:
+            self._owner.observe(err, self._address)
+            raise
+
+    async def read(self):
+        try:
+            return await self._call.read()
+        except grpc.aio.AioRpcError as err:
+            self._owner.observe(err, self._address)
+            raise
+
+    def __getattr__(self, name: str):
+        return getattr(self._call, name)

@@ -314,17 +314,22 @@ class ServerConfig:
             raise ConfigError("shutdown_grace_s", f"must be in (0, 600] seconds, got {self.shutdown_grace_s}")
 
 
-def check_addresses(config: Any, *keys: str, listen_keys: tuple[str, ...] = ()) -> None:
+def check_addresses(config: Any, *keys: str, listen_keys: tuple[str, ...] = (),
+                    list_keys: tuple[str, ...] = ()) -> None:
     """Raise ``ConfigError`` for any non-empty ``keys`` value that is not HOST:PORT.
 
-    Keys in ``listen_keys`` are addresses to bind, where port 0 (pick one) is fine.
+    Keys in ``listen_keys`` are addresses to bind, where port 0 (pick one) is fine; keys in ``list_keys`` may
+    hold several addresses, comma-separated (the controllers of an etcd store, followed to the leader).
     """
     from .net import AddressError, parse_host_port  # noqa: PLC0415
 
-    for key in (*keys, *listen_keys):
+    for key in (*keys, *listen_keys, *list_keys):
         value = getattr(config, key)
-        if value:
+        if not value:
+            continue
+        parts = [p.strip() for p in value.split(",")] if key in list_keys else [value]
+        for part in parts:
             try:
-                parse_host_port(value, allow_zero_port=key in listen_keys)
+                parse_host_port(part, allow_zero_port=key in listen_keys)
             except AddressError as err:
-                raise ConfigError(key, str(err)) from None
+                raise ConfigError(key, str(err) if len(parts) == 1 else f"{part[:64]!r}: {err}") from None

@@ -261,7 +261,8 @@ class ServerSpec:
     ``status`` (:class:`~mesh_runtime.status.StatusReporter`), and may define
     ``async attach(server)`` to start background work once the server exists and
     ``also_serves``, the :class:`ServiceBinding` of further services the process
-    serves (the agents' shared ``WeightSourceService``).
+    serves (the agents' shared ``WeightSourceService``), and ``interceptors``, innermost server interceptors
+    of its own (the controller's standby gate).
     """
 
     name: str
@@ -280,6 +281,7 @@ class ServerSpec:
                             tls=config.tls, insecure=config.insecure, health_listen=config.health_listen,
                             token_check=getattr(servicer, "token_check", None),
                             metrics=getattr(servicer, "metrics", None),
+                            interceptors=getattr(servicer, "interceptors", ()),
                             metrics_listen=getattr(config, "metrics_listen", ""))
         servicer.status.bind(server)
         attach = getattr(servicer, "attach", None)

@@ -38,7 +38,9 @@ class ReplicaAgentConfig(ServerConfig):
     advertise_address: str = setting("", help="HOST:PORT other servers use to reach this agent; "
                                               "empty = the address it listens on")
     controller_address: str = setting("", help="HOST:PORT of the controller to register with and keep a "
-                                               "lease on; empty = serve standalone, without a controller")
+                                               "lease on, or HOST:PORT,HOST:PORT,... of several controllers on "
+                                               "one etcd store (the agent follows the leader); empty = serve "
+                                               "standalone, without a controller")
     slots: int = setting(1, help="slots on this node: GPUs, or CPU slots where there is no GPU")
     backend: Literal["torch", "vllm", "sglang", "synthetic"] = setting(
         "torch", help="engine backend: torch (default), vllm (GPU only), sglang (an SGLang server this agent "
@@ -68,7 +70,7 @@ class ReplicaAgentConfig(ServerConfig):
 
     def validate(self) -> None:
         super().validate()
-        check_addresses(self, "advertise_address", "controller_address", listen_keys=("metrics_listen",))
+        check_addresses(self, "advertise_address", listen_keys=("metrics_listen",), list_keys=("controller_address",))
         if self.advertise_address and is_wildcard(parse_host_port(self.advertise_address)[0]):
             raise ConfigError("advertise_address", f"{self.advertise_address!r} is an address to listen on, not "
                                                    "to connect to: give the address other servers reach this "

@@ -42,8 +42,10 @@ class ScalingRpcs:
         from ..config import ControllerConfig
         from ..mesh import Mesh
 
-        mesh: Mesh
         config: ControllerConfig
+
+        @property
+        def mesh(self) -> Mesh: ...
 
     async def ScaleOut(self, request, context):  # noqa: N802 - gRPC method names throughout
         require_scale_credential(context, self.config, "ScaleOut")

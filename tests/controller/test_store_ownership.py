@@ -1,5 +1,6 @@
-"""One controller per etcd store (real processes, real etcd): a second controller waits, takes over when the
-owner dies or shuts down, and an owner paused past its lease is fenced off and stops."""
+"""Leader and standby on one etcd store (real processes, real etcd): a standby answers reads and refuses the
+rest naming the leader, takes over when the leader dies or shuts down; a leader paused past its lease is fenced
+off and turns standby, and a client given both addresses follows the leader."""
 
 from __future__ import annotations
 
@@ -67,23 +68,38 @@ async def history(address: str) -> list:
 
 
 @contextlib.asynccontextmanager
-async def owner_and_waiting(tmp: Path, store: str, ttl_s: int):
-    """``first`` owning ``store`` and the start of ``second``, yielded once the second waits for the store;
-    both ended after."""
+async def leader_and_standby(tmp: Path, store: str, ttl_s: int):
+    """``first`` leading ``store`` and ``second`` serving as its standby; both ended after."""
     first = await controller(tmp, "first", store, ttl_s)
-    second_start = asyncio.create_task(controller(tmp, "second", store, ttl_s))
+    second = None
     try:
-        await wait_until(lambda: waiting(tmp / "second.log"), 60, what="the second controller to wait")
-        yield first, second_start
+        second = await controller(tmp, "second", store, ttl_s)
+        yield first, second
     finally:
-        await stop(second_start)
         with contextlib.suppress(ProcessLookupError):
             first.process.send_signal(signal.SIGCONT)   # a paused one must wake to be killed and reaped
         await first.kill()
+        if second is not None:
+            await second.kill()
 
 
-def waiting(log: Path) -> bool:
-    return log.exists() and "waiting to take over" in log.read_text()
+async def status(address: str) -> controller_pb2.GetStatusResponse:
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await controller_pb2_grpc.ControllerServiceStub(channel).GetStatus(controller_pb2.GetStatusRequest(),
+                                                                                   timeout=10)
+
+
+async def role_of(address: str) -> int:
+    return (await status(address)).role
+
+
+async def wait_role(address: str, role: int, timeout_s: float = 30) -> None:
+    async def reached() -> bool:
+        return await role_of(address) == role
+    await wait_until(reached, timeout_s, what=f"{address} to be {controller_pb2.ControllerRole.Name(role)}")
+
+
+LEADER, STANDBY = controller_pb2.CONTROLLER_ROLE_LEADER, controller_pb2.CONTROLLER_ROLE_STANDBY
 
 
 def stored_nodes(store: str) -> list[str]:
@@ -95,15 +111,35 @@ def stored_nodes(store: str) -> list[str]:
         backend.close()
 
 
-async def test_a_second_controller_waits_and_takes_over_when_the_owner_dies(tmp_path):
+async def test_a_standby_answers_reads_refuses_the_rest_and_takes_over_when_the_leader_dies(tmp_path):
     with etcd_cluster(tmp_path / "etcd") as etcd:
         store = etcd.url("/owned")
-        async with owner_and_waiting(tmp_path, store, ttl_s=2) as (first, second_start):
+        async with leader_and_standby(tmp_path, store, ttl_s=2) as (first, second):
+            leading, waiting = await status(first.address), await status(second.address)
+            assert (leading.role, leading.leader_address) == (LEADER, first.address)
+            assert (waiting.role, waiting.leader_address) == (STANDBY, first.address)
+            assert waiting.leader_name.startswith("first at ")
             await register(first.address, "n1")
-            assert not second_start.done()   # it serves nothing while the first owns the store
-            assert "owned by first at" in (tmp_path / "second.log").read_text()
-            await first.kill()   # kill -9: its lease runs out in 2 s
-            second = await asyncio.wait_for(second_start, 60)
+
+            async def copied() -> bool:   # the standby's read-only copy follows the store
+                return await nodes(second.address) == ["n1"]
+            await wait_until(copied, 15, what="the standby's copy to show n1")
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await register(second.address, "n-refused")
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            info = error_info(refused.value)
+            assert info.reason == "NOT_LEADER" and info.metadata["leader"] == first.address
+            async with grpc.aio.insecure_channel(second.address) as channel:
+                with pytest.raises(grpc.aio.AioRpcError) as watch_refused:
+                    async for _ in controller_pb2_grpc.ControllerServiceStub(channel).WatchEvents(
+                            observability_pb2.WatchEventsRequest(include_history=True), timeout=10):
+                        pass
+            assert error_info(watch_refused.value).reason == "NOT_LEADER"
+            assert stored_nodes(store) == ["n1"]   # the refused registration did nothing
+
+            await first.kill()   # kill -9: its lease runs out in 2 s and the standby takes over
+            await wait_role(second.address, LEADER)
+            assert (await status(second.address)).leader_address == second.address
             assert await nodes(second.address) == ["n1"]   # what the first acknowledged
             changes = [e for e in await history(second.address) if e.type == events_pb2.EVENT_TYPE_LEADER_CHANGED]
             assert [(e.from_state.split(" at ")[0], e.to_state.split(" at ")[0]) for e in changes] == [
@@ -111,39 +147,52 @@ async def test_a_second_controller_waits_and_takes_over_when_the_owner_dies(tmp_
             assert changes[-1].details["waited_s"] > 0 and changes[-1].details["fence_revision"] > 0
             await register(second.address, "n2")
             assert stored_nodes(store) == ["n1", "n2"]
-            await second.terminate()
 
 
 async def test_a_clean_shutdown_hands_the_store_over_without_waiting_out_the_lease(tmp_path):
     with etcd_cluster(tmp_path / "etcd") as etcd:
         store = etcd.url("/handover")
         # a 300 s lease, which no test would wait out
-        async with owner_and_waiting(tmp_path, store, ttl_s=300) as (first, second_start):
+        async with leader_and_standby(tmp_path, store, ttl_s=300) as (first, second):
+            assert await role_of(second.address) == STANDBY
             assert await first.terminate() == 0   # SIGTERM: it revokes its lease on the way out
-            second = await asyncio.wait_for(second_start, 60)
+            await wait_role(second.address, LEADER, timeout_s=15)
             assert await nodes(second.address) == []
-            await second.terminate()
 
 
-async def test_an_owner_paused_past_its_lease_cannot_write_and_stops(tmp_path):
+async def test_a_leader_paused_past_its_lease_cannot_write_turns_standby_and_its_clients_move(tmp_path):
+    from mesh_runtime.channels import open_channel
+
     with etcd_cluster(tmp_path / "etcd") as etcd:
         store = etcd.url("/fenced")
-        async with owner_and_waiting(tmp_path, store, ttl_s=2) as (first, second_start):
-            await register(first.address, "n1")
+        async with leader_and_standby(tmp_path, store, ttl_s=2) as (first, second):
+            # a client given both addresses, the first of them first: it talks to the first controller
+            following = open_channel(f"{first.address},{second.address}")
+            stub = controller_pb2_grpc.ControllerServiceStub(following)
+            await stub.RegisterNode(registry_pb2.RegisterNodeRequest(node_id="n1", address="127.0.0.1:40001",
+                                                                     slots_total=1), timeout=10)
             first.process.send_signal(signal.SIGSTOP)   # frozen past its lease: the second takes over
-            second = await asyncio.wait_for(second_start, 60)
+            await wait_role(second.address, LEADER)
             await register(second.address, "n2")
-            first.process.send_signal(signal.SIGCONT)   # it wakes up believing it still owns the store
-            with pytest.raises(grpc.aio.AioRpcError) as info:
+            first.process.send_signal(signal.SIGCONT)   # it wakes up believing it still leads
+            with contextlib.suppress(grpc.aio.AioRpcError):   # refused: fenced, or already a standby
                 await register(first.address, "intruder")
-            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-            detail = error_info(info.value)   # fenced (or, if its renewal noticed first, already gone)
-            assert detail is None or detail.reason == "STORE_FENCED"
-            assert await asyncio.wait_for(first.process.wait(), 30) == 3   # it stops by itself
-            assert "lost the state store" in (tmp_path / "first.log").read_text()
-            assert stored_nodes(store) == ["n1", "n2"]   # nothing of the deposed owner landed
-            assert await nodes(second.address) == ["n1", "n2"]
-            await second.terminate()
+            await wait_role(first.address, STANDBY)   # it stops acting by itself, without exiting
+            assert first.process.returncode is None
+
+            async def names_the_new_leader() -> bool:
+                return (await status(first.address)).leader_address == second.address
+            await wait_until(names_the_new_leader, 15, what="the deposed leader to name the new one")
+            assert "stopped acting: lost the state store" in (tmp_path / "first.log").read_text()
+            assert stored_nodes(store) == ["n1", "n2"]   # nothing of the deposed leader landed
+            # the client still pointed at the first controller moves to the new leader by itself
+            await stub.RegisterNode(registry_pb2.RegisterNodeRequest(node_id="n3", address="127.0.0.1:40003",
+                                                                     slots_total=1), timeout=20)
+            assert following.current == second.address
+            assert stored_nodes(store) == ["n1", "n2", "n3"]
+            reads = await stub.ListNodes(registry_pb2.ListNodesRequest(), timeout=10)
+            assert sorted(n.node_id for n in reads.nodes) == ["n1", "n2", "n3"]
+            await following.close()
 
 
 def running_with(argument: str) -> list[int]:
@@ -160,14 +209,17 @@ def running_with(argument: str) -> list[int]:
 
 
 async def test_a_start_given_up_on_leaves_no_waiting_controller_behind(tmp_path):
-    with etcd_cluster(tmp_path / "etcd") as etcd:
-        store = etcd.url("/abandoned")
-        async with owner_and_waiting(tmp_path, store, ttl_s=60) as (_, start):
-            assert running_with(str(tmp_path / "second.yaml"))   # it is there, waiting for the store
-            start.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await start
-            assert running_with(str(tmp_path / "second.yaml")) == []   # and gone with the start that gave up
+    from mesh_runtime.net import free_port
+
+    store = f"etcd://127.0.0.1:{free_port()}/abandoned"   # no etcd there: the controller waits for it
+    start = asyncio.create_task(controller(tmp_path, "second", store, 60))
+    await wait_until(lambda: "retrying" in (tmp_path / "second.log").read_text()
+                     if (tmp_path / "second.log").exists() else False, 60, what="the controller to wait for etcd")
+    assert running_with(str(tmp_path / "second.yaml"))   # it is there, waiting for the store
+    start.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await start
+    assert running_with(str(tmp_path / "second.yaml")) == []   # and gone with the start that gave up
 
 
 def test_the_fence_refuses_every_write_of_a_deposed_owner(tmp_path):
@@ -206,7 +258,7 @@ async def test_owning_the_store_is_a_span_and_an_event(tmp_path):
 
     from controller.config import ControllerConfig
     from controller.core.events import EventType
-    from controller.mesh import Mesh
+    from controller.leadership import Leadership
     from mesh_runtime.config import load_config
 
     exporter = InMemorySpanExporter()
@@ -214,8 +266,10 @@ async def test_owning_the_store_is_a_span_and_an_event(tmp_path):
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     with etcd_cluster(tmp_path / "etcd") as etcd:
         config = load_config(ControllerConfig, None, overrides={"store": etcd.url("/traced"), "node_id": "solo"})
-        mesh = Mesh(config, provider, on_store_lost=lambda why: None)
+        leadership = Leadership(config, provider)
+        mesh = leadership.mesh
         try:
+            assert leadership.role == "leader"
             span = next(s for s in exporter.get_finished_spans() if s.name == "store.acquire")
             assert span.attributes["rollmesh.store"] == etcd.url("/traced")
             assert span.attributes["rollmesh.owner"].startswith("solo at ")

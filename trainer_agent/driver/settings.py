@@ -34,7 +34,9 @@ class DriverSettings:
     """Where the mesh is and what the driver does (rank 0 only)."""
 
     enabled: bool = setting(False, help="run the fully-async training driver in this agent (rank 0)")
-    controller_address: str = setting("", help="HOST:PORT of the controller whose step protocol the driver calls")
+    controller_address: str = setting("", help="HOST:PORT of the controller whose step protocol the driver calls "
+                                               "(HOST:PORT,HOST:PORT,... for several controllers on one etcd "
+                                               "store: the driver follows the leader)")
     load_balancer_address: str = setting("", help="HOST:PORT of the load balancer the rollouter generates through")
     total_training_steps: int = setting(20, help="global steps to train (each ends with a weight sync)")
     expected_replicas: int = setting(0, help="wait until the controller lists this many replicas before the "
@@ -60,7 +62,7 @@ class DriverSettings:
     resume: bool = setting(True, help="at start, resume from checkpoint_dir when it holds a checkpoint")
 
     def validate(self) -> None:
-        check_addresses(self, "controller_address", "load_balancer_address")
+        check_addresses(self, "load_balancer_address", list_keys=("controller_address",))
         if self.enabled:
             for key in ("controller_address", "load_balancer_address"):
                 if not getattr(self, key):

@@ -174,6 +174,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CANCELLED: _ClassVar[ErrorReason]
     STORE_UNAVAILABLE: _ClassVar[ErrorReason]
     STORE_FENCED: _ClassVar[ErrorReason]
+    NOT_LEADER: _ClassVar[ErrorReason]
 ERROR_REASON_UNSPECIFIED: ErrorReason
 INTERNAL: ErrorReason
 INVALID_ARGUMENT: ErrorReason
@@ -342,3 +343,4 @@ SCALE_OPERATION_CANCELLED: ErrorReason
 CANCELLED: ErrorReason
 STORE_UNAVAILABLE: ErrorReason
 STORE_FENCED: ErrorReason
+NOT_LEADER: ErrorReason

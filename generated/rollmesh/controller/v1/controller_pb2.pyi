@@ -7,6 +7,7 @@ from rollmesh.controller.v1 import scaling_pb2 as _scaling_pb2
 from rollmesh.controller.v1 import scheduling_pb2 as _scheduling_pb2
 from rollmesh.controller.v1 import weight_sync_pb2 as _weight_sync_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -14,12 +15,21 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ControllerRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CONTROLLER_ROLE_UNSPECIFIED: _ClassVar[ControllerRole]
+    CONTROLLER_ROLE_LEADER: _ClassVar[ControllerRole]
+    CONTROLLER_ROLE_STANDBY: _ClassVar[ControllerRole]
+CONTROLLER_ROLE_UNSPECIFIED: ControllerRole
+CONTROLLER_ROLE_LEADER: ControllerRole
+CONTROLLER_ROLE_STANDBY: ControllerRole
+
 class GetStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("status", "hybrid_state", "node_count", "replica_count", "active_replica_count", "running_operation_id", "last_event_sequence", "peers", "state_store")
+    __slots__ = ("status", "hybrid_state", "node_count", "replica_count", "active_replica_count", "running_operation_id", "last_event_sequence", "peers", "state_store", "role", "leader_address", "leader_name")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     HYBRID_STATE_FIELD_NUMBER: _ClassVar[int]
     NODE_COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +39,9 @@ class GetStatusResponse(_message.Message):
     LAST_EVENT_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
     STATE_STORE_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    LEADER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LEADER_NAME_FIELD_NUMBER: _ClassVar[int]
     status: _status_pb2.ServerStatus
     hybrid_state: _scheduling_pb2.HybridState
     node_count: int
@@ -38,7 +51,10 @@ class GetStatusResponse(_message.Message):
     last_event_sequence: int
     peers: _containers.RepeatedCompositeFieldContainer[PeerStatus]
     state_store: str
-    def __init__(self, status: _Optional[_Union[_status_pb2.ServerStatus, _Mapping]] = ..., hybrid_state: _Optional[_Union[_scheduling_pb2.HybridState, str]] = ..., node_count: _Optional[int] = ..., replica_count: _Optional[int] = ..., active_replica_count: _Optional[int] = ..., running_operation_id: _Optional[str] = ..., last_event_sequence: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., state_store: _Optional[str] = ...) -> None: ...
+    role: ControllerRole
+    leader_address: str
+    leader_name: str
+    def __init__(self, status: _Optional[_Union[_status_pb2.ServerStatus, _Mapping]] = ..., hybrid_state: _Optional[_Union[_scheduling_pb2.HybridState, str]] = ..., node_count: _Optional[int] = ..., replica_count: _Optional[int] = ..., active_replica_count: _Optional[int] = ..., running_operation_id: _Optional[str] = ..., last_event_sequence: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., state_store: _Optional[str] = ..., role: _Optional[_Union[ControllerRole, str]] = ..., leader_address: _Optional[str] = ..., leader_name: _Optional[str] = ...) -> None: ...
 
 class PeerStatus(_message.Message):
     __slots__ = ("role", "address", "reachable", "error", "status")
