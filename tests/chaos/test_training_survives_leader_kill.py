@@ -1,0 +1,117 @@
+"""A fully-async training run with two controllers on one etcd store survives a kill -9 of the leader.
+
+The quick start's mesh, started by hand from the configs ``rollmesh train``
+would write, with two controllers (``first`` leads, ``second`` stands by) on
+one real etcd and every caller of the controller (the replica agent, the
+trainer agent's driver) given both addresses. The leader is SIGKILLed (a)
+inside a training step, between its BeginTrainingStep and its
+CompleteTrainingStep, or (b) during a weight sync. The standby takes the store
+over within the lease, the callers move to it by themselves (no restart of any
+process), and training finishes every step with every sample accounted for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+
+from launcher.job_config import load_job_config, server_configs
+from rollmesh.controller.v1 import controller_pb2, controller_pb2_grpc, events_pb2, observability_pb2
+from rollmesh.trainer.v1 import trainer_agent_pb2, trainer_agent_pb2_grpc
+from tests.e2e.job_configs import job_config
+from tests.etcd_server import etcd_cluster, needs_etcd
+from tests.processes import clean_env, free_port, running_server
+
+pytestmark = [needs_etcd, pytest.mark.timeout(300)]
+STEPS = 8
+
+
+def _steps(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [e for e in (json.loads(line) for line in path.read_text().splitlines()) if e.get("event") == "step"]
+
+
+async def _wait_for_sync_start(address: str, timeout_s: float) -> None:
+    """Return as soon as the controller at ``address`` starts a weight sync after the first steps."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = controller_pb2_grpc.ControllerServiceStub(channel)
+        call = stub.WatchEvents(observability_pb2.WatchEventsRequest(
+            types=[events_pb2.EVENT_TYPE_WEIGHT_SYNC_STARTED]), timeout=timeout_s)
+        seen = 0
+        async for _ in call:
+            seen += 1
+            if seen >= 2:   # not the first sync: the run is well under way
+                call.cancel()
+                return
+
+
+@pytest.mark.parametrize("moment", ["mid-step", "weight-sync"])
+async def test_training_finishes_through_a_kill_of_the_leading_controller(tmp_path, moment):
+    job = load_job_config(job_config(tmp_path, "quickstart.yaml", **{"trainer.total_training_steps": STEPS,
+                                                                      "trainer.checkpoint": False}))
+    env = clean_env(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    first, second = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    trainer_address = f"127.0.0.1:{free_port()}"
+    with etcd_cluster(tmp_path / "etcd") as etcd, \
+            running_server("lb", ["--listen", "127.0.0.1:0"], env=env, log_path=tmp_path / "lb.log") as (lb, _):
+        configs = server_configs(job, run_dir=tmp_path, lb=lb, controller=f"{first},{second}", trainer=trainer_address)
+        for name, listen in (("first", first), ("second", second)):
+            config = {**configs["controller"], "listen": listen, "node_id": name, "store": etcd.url("/job"),
+                      "store_lease_ttl_s": 2, "standby_refresh_s": 0.5}
+            (tmp_path / f"controller-{name}.yaml").write_text(yaml.safe_dump(config))
+        del configs["controller"]
+        for name, config in configs.items():
+            (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(config))
+        leader_args = ["--config", str(tmp_path / "controller-first.yaml")]
+        standby_args = ["--config", str(tmp_path / "controller-second.yaml")]
+        with running_server("controller", leader_args, env=env, log_path=tmp_path / "first.log") as (_, leader), \
+                running_server("controller", standby_args, env=env, log_path=tmp_path / "second.log"):
+            agents = [running_server("trainer-agent" if name == "trainer-agent" else "replica-agent",
+                                     ["--config", str(tmp_path / f"{name}.yaml")], env=env,
+                                     log_path=tmp_path / f"{name}.log", ready_timeout_s=180)
+                      for name in configs]
+            steps_file = tmp_path / "trainer" / "steps.jsonl"
+            with contextlib.ExitStack() as running:
+                for agent in agents:
+                    running.enter_context(agent)
+                deadline = time.monotonic() + 200
+                if moment == "mid-step":   # after step 3's record, before step 4's: inside step 4
+                    while len(_steps(steps_file)) < 3:
+                        assert time.monotonic() < deadline, "training never reached step 3"
+                        await asyncio.sleep(0.01)
+                else:
+                    await _wait_for_sync_start(first, 200)
+                killed_at_step = len(_steps(steps_file))
+                leader.send_signal(signal.SIGKILL)
+                leader.wait(timeout=10)
+                async with grpc.aio.insecure_channel(trainer_address) as ch, \
+                        grpc.aio.insecure_channel(second) as standby_channel:
+                    stub = trainer_agent_pb2_grpc.TrainerAgentServiceStub(ch)
+                    while True:
+                        progress = await stub.GetTrainingProgress(trainer_agent_pb2.GetTrainingProgressRequest(),
+                                                                  timeout=10)
+                        if progress.state in (trainer_agent_pb2.TRAINING_STATE_FINISHED,
+                                              trainer_agent_pb2.TRAINING_STATE_FAILED):
+                            break
+                        assert time.monotonic() < deadline + 60, progress
+                        await asyncio.sleep(0.2)
+                    status = await controller_pb2_grpc.ControllerServiceStub(standby_channel).GetStatus(
+                        controller_pb2.GetStatusRequest(), timeout=10)
+    assert progress.state == trainer_agent_pb2.TRAINING_STATE_FINISHED, progress.error_message
+    assert killed_at_step < STEPS   # the kill landed while training ran
+    assert status.role == controller_pb2.CONTROLLER_ROLE_LEADER and status.leader_address == second
+    steps = _steps(steps_file)
+    assert [s["global_step"] for s in steps] == list(range(1, STEPS + 1))   # every step once, none repeated
+    assert progress.samples_generated == progress.samples_consumed + progress.samples_dropped + progress.queue_size
+    assert "leads the state store" in (tmp_path / "second.log").read_text()
+    for name in configs:   # no process was restarted: the callers moved to the new leader by themselves
+        assert "Traceback" not in (tmp_path / f"{name}.log").read_text(), name
