@@ -277,3 +277,39 @@ async def test_owning_the_store_is_a_span_and_an_event(tmp_path):
             assert len(changed) == 1 and changed[0].from_state == "" and changed[0].to_state.startswith("solo")
         finally:
             await mesh.close()
+
+
+async def test_quorum_lost_stops_acting_reads_still_answer_and_the_mesh_resumes_with_quorum(tmp_path):
+    from mesh_runtime.channels import open_channel
+
+    with etcd_cluster(tmp_path / "etcd3", size=3) as cluster:
+        store = cluster.url("/quorum")
+        async with leader_and_standby(tmp_path, store, ttl_s=2) as (first, second):
+            following = open_channel(f"{first.address},{second.address}")
+            stub = controller_pb2_grpc.ControllerServiceStub(following)
+
+            async def register_following(node: str, timeout_s: float = 20) -> None:
+                await stub.RegisterNode(registry_pb2.RegisterNodeRequest(node_id=node, address="127.0.0.1:40001",
+                                                                         slots_total=1), timeout=timeout_s)
+
+            cluster.stop(cluster.members[0], kill=True)   # one member of three lost: the mesh keeps working
+            await register_following("n1")
+            cluster.stop(cluster.members[1], kill=True)   # quorum lost: nobody may act
+            await wait_role(first.address, STANDBY, timeout_s=90)
+            for address in (first.address, second.address):   # reads are still answered, from the copies
+                assert await role_of(address) == STANDBY
+            assert await nodes(first.address) == ["n1"]
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await register(first.address, "n-refused")
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+
+            for member in cluster.members[:2]:
+                cluster.start(member, state="existing")
+            cluster.wait_healthy()
+
+            async def someone_leads() -> bool:
+                return LEADER in {await role_of(first.address), await role_of(second.address)}
+            await wait_until(someone_leads, 60, what="a controller to lead again once quorum is back")
+            await register_following("n2", timeout_s=30)
+            assert stored_nodes(store) == ["n1", "n2"]
+            await following.close()
