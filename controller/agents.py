@@ -74,9 +74,18 @@ class AgentCalls:
         return list(reply.reports)
 
     async def routed(self) -> set[str] | None:
-        """Replica ids the balancer routes to now; None when no balancer is configured."""
-        if not self.lb_address:
-            return None
-        stub = loadbalancer_pb2_grpc.LoadBalancerServiceStub(self.channels.channel(self.lb_address))
-        reply = await stub.ListReplicas(loadbalancer_pb2.ListReplicasRequest(), timeout=self.timeout_s)
-        return {r.endpoint.replica_id for r in reply.replicas if r.routable}
+        """Replica ids the balancer routes to now (the first of several that answers); None when no balancer is
+        configured."""
+        from mesh_runtime.channels import address_list  # noqa: PLC0415
+
+        addresses = address_list(self.lb_address)
+        for index, address in enumerate(addresses):
+            stub = loadbalancer_pb2_grpc.LoadBalancerServiceStub(self.channels.channel(address))
+            try:
+                reply = await stub.ListReplicas(loadbalancer_pb2.ListReplicasRequest(), timeout=self.timeout_s)
+            except grpc.aio.AioRpcError:
+                if index == len(addresses) - 1:
+                    raise
+                continue   # a balancer that is down: the next one's table is the same routing
+            return {r.endpoint.replica_id for r in reply.replicas if r.routable}
+        return None

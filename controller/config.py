@@ -38,7 +38,9 @@ class ControllerConfig(ServerConfig):
 
     listen: str = setting("127.0.0.1:50051", help="HOST:PORT to serve gRPC on; port 0 picks a free port")
     load_balancer_address: str = setting("", help="HOST:PORT of the load balancer whose routing table "
-                                                  "this controller maintains; empty = none configured")
+                                                  "this controller maintains, or HOST:PORT,HOST:PORT,... of "
+                                                  "several (each gets every routing change); empty = none "
+                                                  "configured")
     trainer_address: str = setting("", help="HOST:PORT of the trainer agent on rank 0, the source of weight "
                                             "broadcasts; empty = none (weight syncs then fail)")
     peer_timeout_s: float = setting(2.0, help="deadline in seconds for each call the controller makes "
@@ -123,8 +125,8 @@ class ControllerConfig(ServerConfig):
 
     def validate(self) -> None:
         super().validate()
-        check_addresses(self, "load_balancer_address", "trainer_address", "advertise_address",
-                        listen_keys=("metrics_listen",))
+        check_addresses(self, "trainer_address", "advertise_address", listen_keys=("metrics_listen",),
+                        list_keys=("load_balancer_address",))
         positive = {"peer_timeout_s": self.peer_timeout_s, "lease_ttl_s": self.lease_ttl_s,
                     "reconcile_interval_s": self.reconcile_interval_s,
                     "load_report_interval_s": self.load_report_interval_s,

@@ -304,7 +304,7 @@ class Mesh:
         return wanted
 
     async def reconcile_routing(self) -> tuple[list[str], list[str]]:
-        """One level-triggered round: make the balancer's table match the registry; ``(added, removed)``.
+        """One level-triggered round: make every balancer's table match the registry; ``(added, removed)``.
 
         Runs under ``transitions``, after whatever step call, sync or scale
         operation holds it (each owns routing while it runs). Adds
@@ -313,23 +313,35 @@ class Mesh:
         that cannot serve (failed, stopped, removed, asleep, draining, still
         launching) - never an ambiguous one.
         """
+        added: list[str] = []
+        removed: list[str] = []
         async with self.transitions:
-            routed = await self.routing.routed()
-            if routed is None:
-                return [], []
-            self._report_ejections(routed)
-            actual = set(routed)
-            wanted = self.desired_routes()
-            missing = sorted(wanted - actual)
-            extra = sorted(r for r in actual - wanted
-                           if r not in self.registry or self.registry.get(r).state in _CANNOT_SERVE)
-            if missing:
-                await self.routing.add_replicas([self.registry.get(r) for r in missing])
-            if extra:
-                await self.routing.remove_replicas(extra, abort_in_flight=True)
-        if missing or extra:
-            log.warning("routing reconciled: re-added %s, removed %s", missing or "none", extra or "none")
-        return missing, extra
+            failures: list[BaseException] = []
+            for index, balancer in enumerate(self.routing.balancers):   # each balancer's table on its own
+                try:
+                    routed = await balancer.routed()
+                    if index == 0:
+                        self._report_ejections(routed)
+                    actual = set(routed)
+                    wanted = self.desired_routes()
+                    missing = sorted(wanted - actual)
+                    extra = sorted(r for r in actual - wanted
+                                   if r not in self.registry or self.registry.get(r).state in _CANNOT_SERVE)
+                    if missing:
+                        await balancer.add_replicas([self.registry.get(r) for r in missing])
+                    if extra:
+                        await balancer.remove_replicas(extra, abort_in_flight=True)
+                except grpc.aio.AioRpcError as err:   # this one is down: the others are still reconciled
+                    failures.append(err)
+                    continue
+                if missing or extra:
+                    log.warning("routing of balancer %s reconciled: re-added %s, removed %s", balancer.address,
+                                missing or "none", extra or "none")
+                added += [r for r in missing if r not in added]
+                removed += [r for r in extra if r not in removed]
+            if failures and len(failures) == len(self.routing.balancers):
+                raise failures[0]
+        return added, removed
 
     def _report_ejections(self, routed) -> None:
         """An event for each replica the balancer ejected since the last round (outlier detection)."""

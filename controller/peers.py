@@ -20,10 +20,12 @@ class Peers:
 
     async def probe(self) -> list[controller_pb2.PeerStatus]:
         """Ask each configured peer for its status, each call bounded by ``timeout_s``."""
+        from mesh_runtime.channels import address_list  # noqa: PLC0415
+
         peers = []
-        if self.load_balancer_address:
-            peer = controller_pb2.PeerStatus(role="lb", address=self.load_balancer_address)
-            stub = loadbalancer_pb2_grpc.LoadBalancerServiceStub(self._channels.channel(self.load_balancer_address))
+        for address in address_list(self.load_balancer_address):   # each of several balancers
+            peer = controller_pb2.PeerStatus(role="lb", address=address)
+            stub = loadbalancer_pb2_grpc.LoadBalancerServiceStub(self._channels.channel(address))
             try:
                 reply = await stub.GetStatus(loadbalancer_pb2.GetStatusRequest(), timeout=self.timeout_s)
             except grpc.aio.AioRpcError as err:

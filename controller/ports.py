@@ -10,12 +10,13 @@ with a deadline; failures are reported per replica). The weight-sync port,
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 from opentelemetry.sdk.trace import TracerProvider
 
-from mesh_runtime.channels import ChannelPool
+from mesh_runtime.channels import ChannelPool, address_list
 from mesh_runtime.config import TlsConfig
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2, loadbalancer_pb2_grpc, routing_pb2
 from rollmesh.replica.v1 import replica_agent_pb2, replica_agent_pb2_grpc
@@ -25,6 +26,8 @@ from .convert import kind_to_proto
 from .core.ports import ReplicaCallResult
 from .core.records import ReplicaRecord
 from .core.replicas import ReplicaRegistry
+
+log = logging.getLogger(__name__)
 
 
 
@@ -54,33 +57,26 @@ def describe_error(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
 
 
-class LoadBalancerRouting:
-    """``RoutingPort`` over the balancer's gRPC API (a no-op when none is configured)."""
+class OneBalancer:
+    """One load balancer's routing table over its gRPC API."""
 
     def __init__(self, channels: Channels, address: str, timeout_s: float) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self._stub = loadbalancer_pb2_grpc.LoadBalancerServiceStub(channels.channel(address)) if address else None
+        self._stub = loadbalancer_pb2_grpc.LoadBalancerServiceStub(channels.channel(address))
 
     async def remove_replicas(self, replica_ids: Sequence[str], *, abort_in_flight: bool = False) -> None:
-        if self._stub and replica_ids:
+        if replica_ids:
             await self._stub.RemoveReplicas(loadbalancer_pb2.RemoveReplicasRequest(
                 replica_ids=list(replica_ids), abort_in_flight=abort_in_flight), timeout=self.timeout_s)
 
-    async def routed_ids(self) -> set[str] | None:
-        """The replica ids in the balancer's table now (None without a balancer)."""
-        routed = await self.routed()
-        return None if routed is None else set(routed)
-
-    async def routed(self) -> dict[str, routing_pb2.RoutedReplica] | None:
-        """The balancer's table now, by replica id (None without a balancer)."""
-        if not self._stub:
-            return None
+    async def routed(self) -> dict[str, routing_pb2.RoutedReplica]:
+        """The balancer's table now, by replica id."""
         reply = await self._stub.ListReplicas(loadbalancer_pb2.ListReplicasRequest(), timeout=self.timeout_s)
         return {r.endpoint.replica_id: r for r in reply.replicas}
 
     async def add_replicas(self, records: Sequence[ReplicaRecord]) -> None:
-        if self._stub and records:
+        if records:
             endpoints = [routing_pb2.ReplicaEndpoint(replica_id=r.replica_id, address=r.address,
                                                      kind=kind_to_proto(r.kind), weight_version=r.weight_version,
                                                      node_id=r.node_id) for r in records]
@@ -88,15 +84,13 @@ class LoadBalancerRouting:
                                          timeout=self.timeout_s)
 
     async def update_versions(self, versions: dict[str, int]) -> None:
-        if self._stub and versions:
+        if versions:
             updates = [loadbalancer_pb2.ReplicaUpdate(replica_id=r, weight_version=v) for r, v in versions.items()]
             # a replica not routed (a hybrid synced before it wakes) has nothing to update
             await self._stub.UpdateReplicas(loadbalancer_pb2.UpdateReplicasRequest(updates=updates, skip_unknown=True),
                                             timeout=self.timeout_s)
 
-    async def rebalance(self) -> int | None:
-        if not self._stub:
-            return None
+    async def rebalance(self) -> int:
         try:
             reply = await self._stub.Rebalance(loadbalancer_pb2.RebalanceRequest(), timeout=self.timeout_s)
         except grpc.aio.AioRpcError as err:
@@ -106,9 +100,64 @@ class LoadBalancerRouting:
         return len(reply.moved_request_ids)
 
     async def clear_sticky(self) -> None:
-        if self._stub:
-            await self._stub.ClearStickySessions(loadbalancer_pb2.ClearStickySessionsRequest(),
-                                                 timeout=self.timeout_s)
+        await self._stub.ClearStickySessions(loadbalancer_pb2.ClearStickySessionsRequest(), timeout=self.timeout_s)
+
+
+class LoadBalancerRouting:
+    """``RoutingPort`` over every configured balancer (a no-op when none is): each change goes to all of them.
+
+    With several balancers, one that cannot be reached does not fail the change (the hybrid step, the scale
+    operation): the others have it, and the routing reconciliation brings the missing one in line once it
+    answers again (a restarted balancer starts empty and is filled within one ``reconcile_interval_s``). Only
+    a change that no balancer took fails. With one balancer its error is the caller's, as before.
+    """
+
+    def __init__(self, channels: Channels, address: str, timeout_s: float) -> None:
+        self.address = address
+        self.balancers = [OneBalancer(channels, a, timeout_s) for a in address_list(address)]
+
+    async def _all(self, call: Callable[[OneBalancer], Awaitable]) -> list:
+        results = await asyncio.gather(*(call(b) for b in self.balancers), return_exceptions=True)
+        failed = [(b, r) for b, r in zip(self.balancers, results) if isinstance(r, BaseException)]
+        for balancer, err in failed:
+            if isinstance(err, asyncio.CancelledError):
+                raise err
+            if len(self.balancers) > 1:
+                log.warning("balancer %s missed a routing change (%s); reconciliation brings it in line",
+                            balancer.address, describe_error(err))
+        if failed and len(failed) == len(self.balancers):
+            raise failed[0][1]
+        return [r for r in results if not isinstance(r, BaseException)]
+
+    async def remove_replicas(self, replica_ids: Sequence[str], *, abort_in_flight: bool = False) -> None:
+        if replica_ids:
+            await self._all(lambda b: b.remove_replicas(replica_ids, abort_in_flight=abort_in_flight))
+
+    async def routed_ids(self) -> set[str] | None:
+        """The replica ids in the first balancer's table now (None without a balancer)."""
+        routed = await self.routed()
+        return None if routed is None else set(routed)
+
+    async def routed(self) -> dict[str, routing_pb2.RoutedReplica] | None:
+        """The first balancer's table now, by replica id (None without a balancer)."""
+        return await self.balancers[0].routed() if self.balancers else None
+
+    async def add_replicas(self, records: Sequence[ReplicaRecord]) -> None:
+        if records:
+            await self._all(lambda b: b.add_replicas(records))
+
+    async def update_versions(self, versions: dict[str, int]) -> None:
+        if versions:
+            await self._all(lambda b: b.update_versions(versions))
+
+    async def rebalance(self) -> int | None:
+        if not self.balancers:
+            return None
+        return sum(await self._all(lambda b: b.rebalance()))
+
+    async def clear_sticky(self) -> None:
+        if self.balancers:
+            await self._all(lambda b: b.clear_sticky())
 
 
 class AgentReplicas:

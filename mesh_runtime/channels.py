@@ -328,3 +328,110 @@ class _ObservedStreamCall:
 
     def __getattr__(self, name: str):
         return getattr(self._call, name)
+
+
+# ------------------------------------------------------------------ several balancers: a consistent-hash ring
+class HashRingChannel:
+    """A channel over several load balancers that sends each request to one chosen by its ``request_id``.
+
+    Every balancer address has ``points`` places on a hash ring; a request goes to the first live balancer
+    clockwise of the hash of its ``request_id``, so one id always lands on the same balancer (whose
+    exactly-once bookkeeping per id then holds) and ids spread evenly. A balancer that cannot be reached is
+    skipped for ``down_s`` seconds: a unary call is resent at once to the next balancer in the ring (same
+    request, same id); a stream's failure is its caller's (the rollouter retries a Generate with the same
+    id), and that retry lands on the next balancer. A request without a ``request_id`` goes to the balancers
+    in turn. Looks like a ``grpc.aio.Channel`` to generated stubs.
+    """
+
+    def __init__(self, addresses: Sequence[str], open_one, *, points: int = 64, down_s: float = 5.0) -> None:
+        import hashlib  # noqa: PLC0415
+        import itertools  # noqa: PLC0415
+
+        if not addresses:
+            raise ValueError("HashRingChannel needs at least one address")
+        self.addresses = list(addresses)
+        self.down_s = down_s
+        self._open_one = open_one
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._down: dict[str, float] = {}
+        self._hash = lambda key: int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
+        self._ring = sorted((self._hash(f"{address}#{i}"), address) for address in self.addresses
+                            for i in range(points))
+        self._turn = itertools.count()
+
+    def order(self, request_id: str) -> list[str]:
+        """Every balancer, in the order a request with this id tries them (live ones first)."""
+        import bisect  # noqa: PLC0415
+
+        if request_id:
+            start = bisect.bisect(self._ring, (self._hash(request_id), ""))
+            walk = [self._ring[(start + i) % len(self._ring)][1] for i in range(len(self._ring))]
+            ordered = list(dict.fromkeys(walk))
+        else:
+            first = next(self._turn) % len(self.addresses)
+            ordered = self.addresses[first:] + self.addresses[:first]
+        now = time.monotonic()
+        return [a for a in ordered if self._down.get(a, 0.0) <= now] + \
+               [a for a in ordered if self._down.get(a, 0.0) > now]
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self._channels:
+            self._channels[address] = self._open_one(address)
+        return self._channels[address]
+
+    def observe(self, err: grpc.RpcError, address: str) -> bool:
+        """Mark ``address`` down after a transport failure; True when the call can go to the next balancer."""
+        from .errors import error_info  # noqa: PLC0415
+
+        if err.code() != grpc.StatusCode.UNAVAILABLE or error_info(err) is not None:
+            return False   # the balancer answered (e.g. no eligible replica): not a dead balancer
+        self._down[address] = time.monotonic() + self.down_s
+        return True
+
+    def unary_unary(self, method: str, request_serializer=None, response_deserializer=None, **_):
+        ring = self
+
+        async def call(request, **kwargs):
+            order = ring.order(getattr(request, "request_id", "") or "")
+            for index, address in enumerate(order):
+                try:
+                    return await ring.channel(address).unary_unary(
+                        method, request_serializer=request_serializer,
+                        response_deserializer=response_deserializer)(request, **kwargs)
+                except grpc.aio.AioRpcError as err:
+                    if not ring.observe(err, address) or index == len(order) - 1:
+                        raise
+        return call
+
+    def unary_stream(self, method: str, request_serializer=None, response_deserializer=None, **_):
+        ring = self
+
+        def call(request, **kwargs):
+            address = ring.order(getattr(request, "request_id", "") or "")[0]
+            inner = ring.channel(address).unary_stream(method, request_serializer=request_serializer,
+                                                       response_deserializer=response_deserializer)(request, **kwargs)
+            return _ObservedStreamCall(inner, ring, address)
+        return call
+
+    async def close(self, grace: float | None = None) -> None:
+        for channel in self._channels.values():
+            await channel.close(grace)
+        self._channels.clear()
+
+    async def __aenter__(self) -> HashRingChannel:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+def open_balancer_channel(address: str, *, tls: TlsConfig | None = None,
+                          tracer_provider: TracerProvider | None = None,
+                          idempotent: Sequence[tuple[str, str]] = ()) -> grpc.aio.Channel:
+    """The channel of a generation client to its balancers: :func:`open_channel` for one address, a
+    :class:`HashRingChannel` (requests spread by ``request_id``) for ``HOST:PORT,HOST:PORT,...``."""
+    addresses = address_list(address)
+    if len(addresses) > 1:
+        return HashRingChannel(addresses, functools.partial(open_channel, tls=tls, tracer_provider=tracer_provider,
+                                                            idempotent=idempotent))
+    return open_channel(address, tls=tls, tracer_provider=tracer_provider, idempotent=idempotent)

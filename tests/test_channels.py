@@ -106,3 +106,30 @@ async def test_the_sync_channel_has_the_same_retry_policy(flaky_server):
 
     await asyncio.to_thread(call)                                    # blocking client, server on this loop
     assert servicer.calls["GetStatus"] == 3
+
+
+def test_the_hash_ring_keeps_an_id_on_one_balancer_and_skips_a_dead_one():
+    import grpc
+
+    from mesh_runtime.channels import HashRingChannel
+
+    ring = HashRingChannel(["a:1", "b:1", "c:1"], open_one=lambda address: None)
+    first = {f"id-{i}": ring.order(f"id-{i}") for i in range(3000)}
+    assert all(ring.order(k) == v for k, v in first.items())   # the same id, the same balancer
+    assert all(sorted(v) == ["a:1", "b:1", "c:1"] for v in first.values())
+    spread = {a: sum(1 for v in first.values() if v[0] == a) for a in ("a:1", "b:1", "c:1")}
+    assert min(spread.values()) > 700, spread
+
+    class Dead(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.UNAVAILABLE
+
+        def details(self):
+            return "failed to connect to all addresses"
+
+        def trailing_metadata(self):
+            return ()
+    assert ring.observe(Dead(), "a:1")
+    for key, order in first.items():   # a's ids go to their next balancer in the ring; the others stay put
+        now = ring.order(key)
+        assert now[-1] == "a:1" and now[:2] == [x for x in order if x != "a:1"]

@@ -39,7 +39,7 @@ from typing import Any
 
 import grpc
 
-from mesh_runtime.channels import open_channel, read_methods
+from mesh_runtime.channels import open_balancer_channel, open_channel, read_methods
 from mesh_runtime.errors import FailedPrecondition, InvalidArgument
 from mesh_runtime.reasons import Reason
 from rollmesh.common.v1 import types_pb2
@@ -216,7 +216,7 @@ class TrainingDriver:
         tls = getattr(self.config, "tls", None)   # the agent's own identity (role trainer-agent)
         ctl_channel = open_channel(s.controller_address, tls=tls, tracer_provider=self._tracer_provider,
                                    idempotent=read_methods())
-        lb_channel = open_channel(s.load_balancer_address, tls=tls, tracer_provider=self._tracer_provider,
+        lb_channel = open_balancer_channel(s.load_balancer_address, tls=tls, tracer_provider=self._tracer_provider,
                                   idempotent=read_methods())
         try:
             controller = controller_pb2_grpc.ControllerServiceStub(ctl_channel)

@@ -37,7 +37,9 @@ class DriverSettings:
     controller_address: str = setting("", help="HOST:PORT of the controller whose step protocol the driver calls "
                                                "(HOST:PORT,HOST:PORT,... for several controllers on one etcd "
                                                "store: the driver follows the leader)")
-    load_balancer_address: str = setting("", help="HOST:PORT of the load balancer the rollouter generates through")
+    load_balancer_address: str = setting("", help="HOST:PORT of the load balancer the rollouter generates "
+                                                  "through, or HOST:PORT,HOST:PORT,... of several (requests "
+                                                  "spread by a consistent hash of request_id)")
     total_training_steps: int = setting(20, help="global steps to train (each ends with a weight sync)")
     expected_replicas: int = setting(0, help="wait until the controller lists this many replicas before the "
                                              "first step (0 = do not wait)")
@@ -62,7 +64,7 @@ class DriverSettings:
     resume: bool = setting(True, help="at start, resume from checkpoint_dir when it holds a checkpoint")
 
     def validate(self) -> None:
-        check_addresses(self, "load_balancer_address", list_keys=("controller_address",))
+        check_addresses(self, list_keys=("controller_address", "load_balancer_address"))
         if self.enabled:
             for key in ("controller_address", "load_balancer_address"):
                 if not getattr(self, key):
