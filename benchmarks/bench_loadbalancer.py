@@ -8,8 +8,12 @@
 3. Mutual TLS: run 1 through the balancer again with every hop (client -> balancer ->
    replica agents) on mutual TLS, against plaintext (target >= 0.95x), and the p50
    latency mutual TLS adds to one short request at concurrency 1.
+4. Several balancers: the capacity run of 2 through 1, 2 and 4 balancers (each routing the same 4 replicas)
+   behind the consistent-hash client (``open_balancer_channel``); requests/s and the ratio to one balancer
+   (target: near-linear until the machine's cores run out; the figures say how many it has).
 
     .venv/bin/python -m benchmarks.bench_loadbalancer [--requests 768] [--concurrency 256] [--only-tls]
+        [--only-balancers]
 """
 
 from __future__ import annotations
@@ -143,12 +147,61 @@ async def main() -> None:
     parser.add_argument("--rate", type=float, default=200.0, help="tokens/s per request of the synthetic engines")
     parser.add_argument("--capacity-requests", type=int, default=2000)
     parser.add_argument("--only-tls", action="store_true", help="run only the mutual-TLS comparison")
+    parser.add_argument("--only-balancers", action="store_true", help="run only the 1/2/4-balancer capacity runs")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmpdir:
         tmp = Path(tmpdir)
+        if args.only_balancers:
+            await balancer_runs(tmp, args)
+            return
         if not args.only_tls:
             await plain_runs(tmp, args)
         await tls_runs(tmp, args)
+        await balancer_runs(tmp, args)
+
+
+async def balancer_runs(tmp: Path, args) -> None:
+    """Capacity through N balancers behind the consistent-hash client, N = 1, 2, 4."""
+    import os  # noqa: PLC0415
+
+    from mesh_runtime.channels import open_balancer_channel  # noqa: PLC0415
+
+    procs, first, replicas = await start_cluster(tmp, ".inf")
+    extra = []
+    try:
+        for i in range(3):   # three more balancers routing the same replicas
+            (tmp / f"lb{i}.yaml").write_text("{}\n")
+            lb = await start_server("lb", ["--config", str(tmp / f"lb{i}.yaml"), "--listen", "127.0.0.1:0"],
+                                    log_path=tmp / f"lb{i}.log")
+            extra.append(lb)
+            async with open_channel(lb.address) as ch:
+                await loadbalancer_pb2_grpc.LoadBalancerServiceStub(ch).AddReplicas(loadbalancer_pb2.AddReplicasRequest(
+                    replicas=[routing_pb2.ReplicaEndpoint(replica_id=r, address=a) for r, a in replicas]))
+        addresses = [first, *(lb.address for lb in extra)]
+        sizes = [16] * args.capacity_requests
+        print(f"several balancers ({args.capacity_requests} requests of 16 tokens, instant engines, 128 concurrent, "
+              f"one client process, {os.cpu_count()} cores for everything)")
+        base = None
+        for count in (1, 2, 4):
+            async with open_balancer_channel(",".join(addresses[:count])) as ch:
+                stub = loadbalancer_pb2_grpc.LoadBalancerServiceStub(ch)
+
+                def call(i: int, size: int, stub=stub, count=count):
+                    async def run():
+                        req = loadbalancer_pb2.GenerateRequest(
+                            request_id=f"b{count}-{i}", prompt_token_ids=[1, 2, 3],
+                            sampling_params=generation_pb2.SamplingParams(max_tokens=size, ignore_eos=True))
+                        async for _ in stub.Generate(req, timeout=600):
+                            pass
+                    return run
+                await drive([call(-1 - i, 16) for i in range(200)], 32)   # warm every balancer
+                wall, lat = await drive([call(i, s) for i, s in enumerate(sizes)], 128)
+            rate = args.capacity_requests / wall
+            base = base or rate
+            print(f"  {count} balancer(s): {rate:8.1f} req/s  ({rate / base:4.2f}x)  p50 {pct(lat, 50) * 1e3:6.1f} ms"
+                  f"  p99 {pct(lat, 99) * 1e3:6.1f} ms")
+    finally:
+        await asyncio.gather(*(p.terminate() for p in [*procs, *extra]))
 
 
 async def tls_runs(tmp: Path, args) -> None:

@@ -7,8 +7,9 @@ once with ``store`` on a SQLite file and once on a single-member etcd (Debian's
 ``etcd``) on loopback, both in a temporary directory; prints the per-call
 latency seen by the client (median, p90, p99). Then two controllers share the
 etcd store (lease ``--ttl`` seconds); the owner is killed -9 ``--failovers``
-times and the time from the kill to the first acknowledged RegisterNode on
-the controller that took over is printed (target: at most twice the lease).
+times and the time from the kill to the first acknowledged RegisterNode of a
+client given both addresses (it follows the leader) is printed (target: at
+most twice the lease).
 
     .venv/bin/python -m benchmarks.bench_store [--steps 300] [--ttl 2] [--failovers 5]
 """
@@ -60,22 +61,23 @@ async def _controller(tmp: Path, name: str, store: str, ttl: int) -> ServerProce
 
 
 async def failover(store: str, tmp: Path, ttl: int, rounds: int) -> list[float]:
-    """Seconds from kill -9 of the owner to the first acknowledged RegisterNode on its successor."""
+    """Seconds from kill -9 of the leader to the first acknowledged RegisterNode, sent by a client given both
+    controllers' addresses (it follows the leader: the time is what a caller sees)."""
+    from mesh_runtime.channels import open_channel  # noqa: PLC0415
+
     times = []
-    owner = await _controller(tmp, "c0", store, ttl)
+    leader = await _controller(tmp, "c0", store, ttl)
     for i in range(1, rounds + 1):
-        successor = asyncio.create_task(_controller(tmp, f"c{i}", store, ttl))
-        log = tmp / f"c{i}.log"
-        while not (log.exists() and "waiting to take over" in log.read_text()):
-            await asyncio.sleep(0.05)
-        killed = time.perf_counter()
-        await owner.kill()
-        owner = await successor
-        async with grpc.aio.insecure_channel(owner.address) as channel:
-            await controller_pb2_grpc.ControllerServiceStub(channel).RegisterNode(registry_pb2.RegisterNodeRequest(
-                node_id=f"n{i}", address="127.0.0.1:40001", slots_total=1), timeout=30)
-        times.append(time.perf_counter() - killed)
-    await owner.terminate()
+        standby = await _controller(tmp, f"c{i}", store, ttl)   # serves at once, as a standby
+        async with open_channel(f"{leader.address},{standby.address}") as channel:
+            stub = controller_pb2_grpc.ControllerServiceStub(channel)
+            killed = time.perf_counter()
+            await leader.kill()
+            await stub.RegisterNode(registry_pb2.RegisterNodeRequest(
+                node_id=f"n{i}", address="127.0.0.1:40001", slots_total=1), timeout=60)
+            times.append(time.perf_counter() - killed)
+        leader = standby
+    await leader.terminate()
     return times
 
 

@@ -118,7 +118,8 @@ def _duration(seconds: float) -> duration_pb2.Duration:
 
 
 class MeshClient:
-    """One controller, from a custom trainer. Use ``async with MeshClient(address) as mesh``."""
+    """One controller, from a custom trainer. Use ``async with MeshClient(address) as mesh``; ``address`` may
+    list several controllers of one etcd store (``"HOST:PORT,HOST:PORT"``): calls follow the leader."""
 
     def __init__(self, controller_address: str, *, tls: TlsConfig | None = None, call_timeout_s: float = 60.0,
                  retry_deadline_s: float = 120.0, sync_timeout_s: float = 600.0,
