@@ -151,27 +151,32 @@ class Leadership:
                 log.warning("could not publish this leader's address: %s", err)
 
     async def _standby(self, *, at_once: bool = False) -> None:
-        """Refresh the copy and try to take the store over, every ``standby_refresh_s``, until leading (the
-        first time at once for a demoted leader: it names the new leader as soon as it can)."""
-        told = ""
+        """Try to take the store over every quarter of the lease (at most every ``standby_refresh_s``) and
+        reload the copy every ``standby_refresh_s``, until leading (the first time at once for a demoted
+        leader: it names the new leader as soon as it can)."""
+        assert self.ownership is not None
+        poll = min(self.config.standby_refresh_s, max(0.1, self.ownership.ttl_s / 4))
+        told, refreshed = "", time.monotonic()
         while True:
             if not at_once:
-                await asyncio.sleep(self.config.standby_refresh_s)
-            at_once = False
-            assert self.ownership is not None
+                await asyncio.sleep(poll)
             try:
                 if await asyncio.to_thread(self.ownership.try_acquire):
                     await self._promote()
                     return
+                if not at_once and time.monotonic() - refreshed < self.config.standby_refresh_s:
+                    continue
+                at_once = False
                 self.leader_name, self.leader_address = await asyncio.to_thread(self.ownership.holder_info)
                 fresh = self._copy()
             except (StoreUnavailable, OSError) as err:
+                at_once = False
                 if str(err) != told:
                     log.warning("standby: state store unavailable (%s); still answering reads from the copy "
                                 "loaded before", err)
                     told = str(err)
                 continue
-            told = ""
+            told, refreshed = "", time.monotonic()
             await self._serve_from(fresh)
 
     async def _serve_from(self, mesh: Mesh) -> None:
