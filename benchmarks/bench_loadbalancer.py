@@ -99,8 +99,10 @@ def budgets(n: int, low: int, high: int) -> list[int]:
     return [rng.randint(low, high) for _ in range(n)]
 
 
-async def via_lb(address: str, sizes: list[int], concurrency: int, tag: str, tls: TlsConfig | None = None):
-    async with open_channel(address, tls=tls) as ch:
+async def via_lb(address: str, sizes: list[int], concurrency: int, tag: str, tls: TlsConfig | None = None,
+                 opener=open_channel):
+    """Generate ``sizes`` through the balancer(s) at ``address`` (``opener`` makes the channel)."""
+    async with opener(address, tls=tls) as ch:
         stub = loadbalancer_pb2_grpc.LoadBalancerServiceStub(ch)
 
         def call(i: int, size: int):
@@ -183,19 +185,9 @@ async def balancer_runs(tmp: Path, args) -> None:
               f"one client process, {os.cpu_count()} cores for everything)")
         base = None
         for count in (1, 2, 4):
-            async with open_balancer_channel(",".join(addresses[:count])) as ch:
-                stub = loadbalancer_pb2_grpc.LoadBalancerServiceStub(ch)
-
-                def call(i: int, size: int, stub=stub, count=count):
-                    async def run():
-                        req = loadbalancer_pb2.GenerateRequest(
-                            request_id=f"b{count}-{i}", prompt_token_ids=[1, 2, 3],
-                            sampling_params=generation_pb2.SamplingParams(max_tokens=size, ignore_eos=True))
-                        async for _ in stub.Generate(req, timeout=600):
-                            pass
-                    return run
-                await drive([call(-1 - i, 16) for i in range(200)], 32)   # warm every balancer
-                wall, lat = await drive([call(i, s) for i, s in enumerate(sizes)], 128)
+            joined = ",".join(addresses[:count])
+            await via_lb(joined, [16] * 200, 32, f"warm{count}", opener=open_balancer_channel)   # warm each one
+            wall, lat = await via_lb(joined, sizes, 128, f"b{count}", opener=open_balancer_channel)
             rate = args.capacity_requests / wall
             base = base or rate
             print(f"  {count} balancer(s): {rate:8.1f} req/s  ({rate / base:4.2f}x)  p50 {pct(lat, 50) * 1e3:6.1f} ms"

@@ -179,6 +179,21 @@ class StateStore:
         self.mark(*keys)
         await self._until_durable(self._generation + 1)
 
+    async def settled(self, rounds: int = 8) -> None:
+        """Return once every change marked so far is durable, so that what the caller reads right after (on
+        the event loop, without awaiting) is a state no crash can undo — a scale operation's new state whose
+        save is still in flight is shown once it is stored. Changes made while it waits are waited for too
+        (at most ``rounds`` batches: under a constant stream of changes the read goes ahead). Nothing to wait
+        for on a read-only copy."""
+        for _ in range(rounds):
+            if self.read_only:
+                return
+            pending = bool(self._dirty or self._events or self._unwritten)
+            target = self._generation + (1 if pending else 0)
+            if self._durable >= target:
+                return
+            await self._until_durable(target)
+
     async def _until_durable(self, generation: int) -> None:
         while self._durable < generation:
             if self._inflight is None:

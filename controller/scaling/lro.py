@@ -143,14 +143,18 @@ class OperationsServicer(operations_pb2_grpc.OperationsServicer):
         self.config = config
 
     async def GetOperation(self, request, context):  # noqa: N802 - gRPC method names throughout
-        return long_running(self._scaler().book.get(operation_id(request.name)))
+        scaler = self._scaler()
+        await scaler.mesh.store.settled()   # only what a crash cannot undo: a state whose save is still in
+        return long_running(scaler.book.get(operation_id(request.name)))   # flight is shown once it is stored
 
     async def ListOperations(self, request, context):  # noqa: N802
         if request.name not in ("", COLLECTION):
             raise InvalidArgument(f"name {request.name[:64]!r} is not \"operations\" (or empty)",
                                   reason=Reason.INVALID_OPERATION_NAME)
         keep = parse_filter(request.filter)
-        ops = sorted((op for op in self._scaler().book.list() if keep(op)), key=_newest_first)
+        scaler = self._scaler()
+        await scaler.mesh.store.settled()
+        ops = sorted((op for op in scaler.book.list() if keep(op)), key=_newest_first)
         chosen, token = pages.page(ops, key=_newest_first, page_size=request.page_size,
                                    page_token=request.page_token, filters=(request.filter.strip(),))
         return operations_pb2.ListOperationsResponse(

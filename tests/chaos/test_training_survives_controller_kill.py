@@ -12,29 +12,21 @@ accounted for.
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import time
-from pathlib import Path
 
-import grpc
 import pytest
 import yaml
 
 from launcher.job_config import load_job_config, server_configs
-from rollmesh.trainer.v1 import trainer_agent_pb2, trainer_agent_pb2_grpc
+from rollmesh.trainer.v1 import trainer_agent_pb2
+from tests.chaos.training import outcome, steps as step_records
 from tests.e2e.job_configs import job_config
 from tests.processes import clean_env, free_port, running_server
 
 pytestmark = pytest.mark.timeout(300)
 STEPS = 8
 
-
-
-def _steps(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [e for e in (json.loads(line) for line in path.read_text().splitlines()) if e.get("event") == "step"]
 
 
 async def test_training_finishes_through_a_controller_sigkill_mid_step(tmp_path):
@@ -56,23 +48,14 @@ async def test_training_finishes_through_a_controller_sigkill_mid_step(tmp_path)
             steps_file = tmp_path / "trainer" / "steps.jsonl"
             with agents[0], agents[1], agents[2]:
                 deadline = time.monotonic() + 200
-                while len(_steps(steps_file)) < 3:   # kill inside step 4: after step 3's record, before step 4's
+                while len(step_records(steps_file)) < 3:   # kill inside step 4: after step 3's record, before step 4's
                     assert time.monotonic() < deadline, "training never reached step 3"
                     await asyncio.sleep(0.01)
                 ctl.send_signal(signal.SIGKILL)
                 ctl.wait(timeout=10)
                 with running_server("controller", controller_args, env=env, log_path=tmp_path / "c2.log"):
-                    async with grpc.aio.insecure_channel(trainer_address) as ch:
-                        stub = trainer_agent_pb2_grpc.TrainerAgentServiceStub(ch)
-                        while True:
-                            progress = await stub.GetTrainingProgress(trainer_agent_pb2.GetTrainingProgressRequest(),
-                                                                      timeout=10)
-                            if progress.state in (trainer_agent_pb2.TRAINING_STATE_FINISHED,
-                                                  trainer_agent_pb2.TRAINING_STATE_FAILED):
-                                break
-                            assert time.monotonic() < deadline + 60, progress
-                            await asyncio.sleep(0.2)
+                    progress = await outcome(trainer_address, deadline + 60)
     assert progress.state == trainer_agent_pb2.TRAINING_STATE_FINISHED, progress.error_message
-    steps = _steps(steps_file)
+    steps = step_records(steps_file)
     assert [s["global_step"] for s in steps] == list(range(1, STEPS + 1))
     assert progress.samples_generated == progress.samples_consumed + progress.samples_dropped + progress.queue_size

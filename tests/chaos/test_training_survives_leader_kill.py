@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import signal
 import time
-from pathlib import Path
 
 import grpc
 import pytest
@@ -25,19 +23,14 @@ import yaml
 
 from launcher.job_config import load_job_config, server_configs
 from rollmesh.controller.v1 import controller_pb2, controller_pb2_grpc, events_pb2, observability_pb2
-from rollmesh.trainer.v1 import trainer_agent_pb2, trainer_agent_pb2_grpc
+from rollmesh.trainer.v1 import trainer_agent_pb2
+from tests.chaos.training import outcome, steps as step_records
 from tests.e2e.job_configs import job_config
 from tests.etcd_server import etcd_cluster, needs_etcd
 from tests.processes import clean_env, free_port, running_server
 
 pytestmark = [needs_etcd, pytest.mark.timeout(300)]
 STEPS = 8
-
-
-def _steps(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [e for e in (json.loads(line) for line in path.read_text().splitlines()) if e.get("event") == "step"]
 
 
 async def _wait_for_sync_start(address: str, timeout_s: float) -> None:
@@ -85,31 +78,22 @@ async def test_training_finishes_through_a_kill_of_the_leading_controller(tmp_pa
                     running.enter_context(agent)
                 deadline = time.monotonic() + 200
                 if moment == "mid-step":   # after step 3's record, before step 4's: inside step 4
-                    while len(_steps(steps_file)) < 3:
+                    while len(step_records(steps_file)) < 3:
                         assert time.monotonic() < deadline, "training never reached step 3"
                         await asyncio.sleep(0.01)
                 else:
                     await _wait_for_sync_start(first, 200)
-                killed_at_step = len(_steps(steps_file))
+                killed_at_step = len(step_records(steps_file))
                 leader.send_signal(signal.SIGKILL)
                 leader.wait(timeout=10)
-                async with grpc.aio.insecure_channel(trainer_address) as ch, \
-                        grpc.aio.insecure_channel(second) as standby_channel:
-                    stub = trainer_agent_pb2_grpc.TrainerAgentServiceStub(ch)
-                    while True:
-                        progress = await stub.GetTrainingProgress(trainer_agent_pb2.GetTrainingProgressRequest(),
-                                                                  timeout=10)
-                        if progress.state in (trainer_agent_pb2.TRAINING_STATE_FINISHED,
-                                              trainer_agent_pb2.TRAINING_STATE_FAILED):
-                            break
-                        assert time.monotonic() < deadline + 60, progress
-                        await asyncio.sleep(0.2)
+                progress = await outcome(trainer_address, deadline + 60)
+                async with grpc.aio.insecure_channel(second) as standby_channel:
                     status = await controller_pb2_grpc.ControllerServiceStub(standby_channel).GetStatus(
                         controller_pb2.GetStatusRequest(), timeout=10)
     assert progress.state == trainer_agent_pb2.TRAINING_STATE_FINISHED, progress.error_message
     assert killed_at_step < STEPS   # the kill landed while training ran
     assert status.role == controller_pb2.CONTROLLER_ROLE_LEADER and status.leader_address == second
-    steps = _steps(steps_file)
+    steps = step_records(steps_file)
     assert [s["global_step"] for s in steps] == list(range(1, STEPS + 1))   # every step once, none repeated
     assert progress.samples_generated == progress.samples_consumed + progress.samples_dropped + progress.queue_size
     assert "leads the state store" in (tmp_path / "second.log").read_text()
