@@ -13,10 +13,11 @@ from rollmesh.trainer.v1 import trainer_agent_pb2, trainer_agent_pb2_grpc
 
 
 def steps(path: Path) -> list[dict]:
-    """The step records of ``steps.jsonl`` so far."""
+    """The step records of ``steps.jsonl`` so far (a last line still being written is not one yet)."""
     if not path.exists():
         return []
-    return [e for e in (json.loads(line) for line in path.read_text().splitlines()) if e.get("event") == "step"]
+    complete = path.read_text().split("\n")[:-1]   # whatever follows the last newline is unfinished
+    return [e for e in (json.loads(line) for line in complete if line) if e.get("event") == "step"]
 
 
 async def outcome(trainer_address: str, deadline: float) -> trainer_agent_pb2.GetTrainingProgressResponse:
