@@ -71,7 +71,7 @@ class Leadership:
         self._server: MeshServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._standby_since = time.monotonic()
-        backend = parse_store(config.store, config.state_dir, config.store_tls)
+        backend = self._backend()
         if not isinstance(backend, EtcdBackend):
             self.role, self.mesh = LEADER, Mesh(config, tracer_provider, backend=backend)
             self.leader_name = self.name
@@ -85,6 +85,10 @@ class Leadership:
             self.mesh = self._copy()
 
     # -------------------------------------------------------------- startup
+    def _backend(self):
+        """A fresh backend (sessions of its own) on the configured store."""
+        return parse_store(self.config.store, self.config.state_dir, self.config.store_tls)
+
     def _new_ownership(self, backend: EtcdBackend) -> StoreOwnership:
         ownership = StoreOwnership(backend, owner=self.name, ttl_s=self.config.store_lease_ttl_s,
                                    on_lost=self._lost)
@@ -124,8 +128,7 @@ class Leadership:
 
     def _copy(self) -> Mesh:
         """A read-only copy of the store's state, on a backend (sessions) of its own."""
-        backend = parse_store(self.config.store, self.config.state_dir, self.config.store_tls)
-        return Mesh(self.config, self.tracer_provider, backend=backend, read_only=True)
+        return Mesh(self.config, self.tracer_provider, backend=self._backend(), read_only=True)
 
     # --------------------------------------------------------------- serving
     async def start(self, server: MeshServer) -> None:
@@ -224,7 +227,7 @@ class Leadership:
         mesh.ownership = None   # released by nobody: its lease is gone or going
         self.leader_name = self.leader_address = ""
         assert self._server is not None
-        backend = parse_store(self.config.store, self.config.state_dir, self.config.store_tls)
+        backend = self._backend()
         assert isinstance(backend, EtcdBackend)
         self.ownership = self._new_ownership(backend)
         self._server.spawn(self._standby(at_once=True), name="standby")

@@ -175,7 +175,34 @@ _NEVER_SENT = ("failed to connect", "connection refused", "dns resolution failed
 """Words of the UNAVAILABLE details of a call that never reached a server: safe to send elsewhere."""
 
 
-class FollowingChannel:
+class _PerAddress:
+    """One channel per address, opened on first use by ``open_one``; closed together."""
+
+    def __init__(self, addresses: Sequence[str], open_one) -> None:
+        if not addresses:
+            raise ValueError(f"{type(self).__name__} needs at least one address")
+        self.addresses = list(addresses)
+        self._open_one = open_one
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self._channels:
+            self._channels[address] = self._open_one(address)
+        return self._channels[address]
+
+    async def close(self, grace: float | None = None) -> None:
+        for channel in self._channels.values():
+            await channel.close(grace)
+        self._channels.clear()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+class FollowingChannel(_PerAddress):
     """A channel over several controllers' addresses that sends every call to the leading one.
 
     It looks like a ``grpc.aio.Channel`` to generated stubs. A standby answers
@@ -193,19 +220,12 @@ class FollowingChannel:
     """
 
     def __init__(self, addresses: Sequence[str], open_one, *, failover_s: float = 30.0) -> None:
-        if not addresses:
-            raise ValueError("FollowingChannel needs at least one address")
-        self.addresses = list(addresses)
+        super().__init__(addresses, open_one)
         self.current = self.addresses[0]
         self.failover_s = failover_s
-        self._open_one = open_one
-        self._channels: dict[str, grpc.aio.Channel] = {}
 
     def channel(self, address: str | None = None) -> grpc.aio.Channel:
-        address = address or self.current
-        if address not in self._channels:
-            self._channels[address] = self._open_one(address)
-        return self._channels[address]
+        return self._channel(address or self.current)
 
     def observe(self, err: grpc.RpcError, address: str) -> bool:
         """Move after ``err`` from ``address``; True when the call surely did nothing (resend it)."""
@@ -248,17 +268,6 @@ class FollowingChannel:
 
     async def channel_ready(self) -> None:
         await self.channel().channel_ready()
-
-    async def close(self, grace: float | None = None) -> None:
-        for channel in self._channels.values():
-            await channel.close(grace)
-        self._channels.clear()
-
-    async def __aenter__(self) -> FollowingChannel:
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.close()
 
 
 class _FollowingUnary:
@@ -331,7 +340,7 @@ class _ObservedStreamCall:
 
 
 # ------------------------------------------------------------------ several balancers: a consistent-hash ring
-class HashRingChannel:
+class HashRingChannel(_PerAddress):
     """A channel over several load balancers that sends each request to one chosen by its ``request_id``.
 
     Every balancer address has ``points`` places on a hash ring; a request goes to the first live balancer
@@ -347,12 +356,8 @@ class HashRingChannel:
         import hashlib  # noqa: PLC0415
         import itertools  # noqa: PLC0415
 
-        if not addresses:
-            raise ValueError("HashRingChannel needs at least one address")
-        self.addresses = list(addresses)
+        super().__init__(addresses, open_one)
         self.down_s = down_s
-        self._open_one = open_one
-        self._channels: dict[str, grpc.aio.Channel] = {}
         self._down: dict[str, float] = {}
         self._hash = lambda key: int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
         self._ring = sorted((self._hash(f"{address}#{i}"), address) for address in self.addresses
@@ -375,9 +380,7 @@ class HashRingChannel:
                [a for a in ordered if self._down.get(a, 0.0) > now]
 
     def channel(self, address: str) -> grpc.aio.Channel:
-        if address not in self._channels:
-            self._channels[address] = self._open_one(address)
-        return self._channels[address]
+        return self._channel(address)
 
     def observe(self, err: grpc.RpcError, address: str) -> bool:
         """Mark ``address`` down after a transport failure; True when the call can go to the next balancer."""
@@ -412,17 +415,6 @@ class HashRingChannel:
                                                        response_deserializer=response_deserializer)(request, **kwargs)
             return _ObservedStreamCall(inner, ring, address)
         return call
-
-    async def close(self, grace: float | None = None) -> None:
-        for channel in self._channels.values():
-            await channel.close(grace)
-        self._channels.clear()
-
-    async def __aenter__(self) -> HashRingChannel:
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.close()
 
 
 def open_balancer_channel(address: str, *, tls: TlsConfig | None = None,
