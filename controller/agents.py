@@ -10,6 +10,7 @@ load balancer routes. Failures surface as ``grpc.aio.AioRpcError`` or
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Sequence
 
 import grpc
 
@@ -32,10 +33,11 @@ def why(err: BaseException) -> str:
 class AgentCalls:
     """Calls to replica agents and the balancer on behalf of scale operations."""
 
-    def __init__(self, channels: Channels, *, timeout_s: float, load_balancer_address: str) -> None:
+    def __init__(self, channels: Channels, *, timeout_s: float, balancers: Callable[[], Sequence[str]]) -> None:
         self.channels = channels
         self.timeout_s = timeout_s
-        self.lb_address = load_balancer_address
+        self.balancers = balancers
+        """The addresses of the balancers now (configured and registered)."""
 
     async def status(self, address: str) -> pb.GetStatusResponse:
         return await self.channels.agent(address).GetStatus(pb.GetStatusRequest(), timeout=self.timeout_s)
@@ -74,11 +76,9 @@ class AgentCalls:
         return list(reply.reports)
 
     async def routed(self) -> set[str] | None:
-        """Replica ids the balancer routes to now (the first of several that answers); None when no balancer is
-        configured."""
-        from mesh_runtime.channels import address_list  # noqa: PLC0415
-
-        addresses = address_list(self.lb_address)
+        """Replica ids the balancer routes to now (the first of several that answers); None when there is no
+        balancer."""
+        addresses = list(self.balancers())
         for index, address in enumerate(addresses):
             stub = loadbalancer_pb2_grpc.LoadBalancerServiceStub(self.channels.channel(address))
             try:

@@ -37,6 +37,7 @@ from .core.ports import WeightSyncOutcome
 from .core.records import TERMINAL_STATES, ReplicaKind, ReplicaState
 from .core.replicas import ReplicaRegistry
 from .core.steps import StepReport
+from .balancers import Balancers
 from .ports import AgentReplicas, Channels, LoadBalancerRouting
 from .weight_sync import WeightBroadcast
 from .store import StateStore
@@ -94,7 +95,9 @@ class Mesh:
         self._background: set[asyncio.Future] = set()
         self.channels = Channels(tracer_provider, tls=config.tls)
         sched = config.async_training
-        self.routing = LoadBalancerRouting(self.channels, config.load_balancer_address, sched.port_timeout_s)
+        self.balancers = Balancers(self)
+        self.routing = LoadBalancerRouting(self.channels, config.load_balancer_address, sched.port_timeout_s,
+                                           registered=self.balancers.registered)
         self.replica_port = AgentReplicas(self.channels, self.registry, sched.port_timeout_s)
         self.weights = WeightBroadcast(self.channels, self.registry, self.routing,
                                        trainer_address=config.trainer_address, timeout_s=sched.weight_sync_timeout_s,
@@ -317,7 +320,8 @@ class Mesh:
         removed: list[str] = []
         async with self.transitions:
             failures: list[BaseException] = []
-            for index, balancer in enumerate(self.routing.balancers):   # each balancer's table on its own
+            balancers = self.routing.balancers
+            for index, balancer in enumerate(balancers):   # each balancer's table on its own
                 try:
                     routed = await balancer.routed()
                     if index == 0:
@@ -333,13 +337,15 @@ class Mesh:
                         await balancer.remove_replicas(extra, abort_in_flight=True)
                 except grpc.aio.AioRpcError as err:   # this one is down: the others are still reconciled
                     failures.append(err)
+                    self.balancers.after_round(balancer.address, ok=False)
                     continue
+                self.balancers.after_round(balancer.address, ok=True)
                 if missing or extra:
                     log.warning("routing of balancer %s reconciled: re-added %s, removed %s", balancer.address,
                                 missing or "none", extra or "none")
                 added += [r for r in missing if r not in added]
                 removed += [r for r in extra if r not in removed]
-            if failures and len(failures) == len(self.routing.balancers):
+            if failures and len(failures) == len(balancers):
                 raise failures[0]
         return added, removed
 
@@ -355,9 +361,10 @@ class Mesh:
         self._ejections_seen = {r: route.ejections for r, route in routed.items() if route.ejections}
 
     async def run_reconcile(self) -> None:
-        """Reconcile the balancer's routing every ``reconcile_interval_s`` until cancelled."""
+        """Reconcile the balancers' routing every ``reconcile_interval_s`` (and at once when a balancer
+        registers) until cancelled."""
         while True:
-            await asyncio.sleep(self.config.reconcile_interval_s)
+            await self.balancers.until_next_round(self.config.reconcile_interval_s)
             try:
                 await self.reconcile_routing()
             except grpc.aio.AioRpcError as err:   # the balancer is down or restarting: the next round heals it
@@ -459,6 +466,7 @@ class Mesh:
             raise RuntimeError("a read-only copy of the mesh does not act")
         tasks = [spawn(self.store.run(), name="state-store"), spawn(self.run_leases(), name="leases"),
                  spawn(self.run_reconcile(), name="routing-reconcile"),
+                 spawn(self.balancers.run_leases(), name="balancer-leases"),
                  spawn(self.scaler.hold_external_leases(), name="external-leases")]
         self.scaler.recover()
         if self.autoscaler.configured:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import grpc
 
 from rollmesh.controller.v1 import controller_pb2
@@ -11,19 +13,17 @@ from .ports import Channels
 
 
 class Peers:
-    """Probes each configured peer with GetStatus."""
+    """Probes each peer (every balancer, configured or registered) with GetStatus."""
 
-    def __init__(self, *, load_balancer_address: str, timeout_s: float, channels: Channels) -> None:
+    def __init__(self, *, balancers: Callable[[], Sequence[str]], timeout_s: float, channels: Channels) -> None:
         self.timeout_s = timeout_s
-        self.load_balancer_address = load_balancer_address
+        self.balancers = balancers
         self._channels = channels
 
     async def probe(self) -> list[controller_pb2.PeerStatus]:
-        """Ask each configured peer for its status, each call bounded by ``timeout_s``."""
-        from mesh_runtime.channels import address_list  # noqa: PLC0415
-
+        """Ask each peer for its status, each call bounded by ``timeout_s``."""
         peers = []
-        for address in address_list(self.load_balancer_address):   # each of several balancers
+        for address in self.balancers():   # each of several balancers
             peer = controller_pb2.PeerStatus(role="lb", address=address)
             stub = loadbalancer_pb2_grpc.LoadBalancerServiceStub(self._channels.channel(address))
             try:

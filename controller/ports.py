@@ -1,7 +1,8 @@
 """The controller core's routing and replica ports, implemented over gRPC.
 
 ``Channels`` holds one channel per peer (from the one channel factory),
-``LoadBalancerRouting`` keeps the balancer's routing table, and
+``LoadBalancerRouting`` keeps the balancers' routing tables (the configured
+ones and those registered with the controller), and
 ``AgentReplicas`` drives replica agents (one concurrent call per node, each
 with a deadline; failures are reported per replica). The weight-sync port,
 ``WeightBroadcast``, is in :mod:`controller.weight_sync`.
@@ -104,7 +105,8 @@ class OneBalancer:
 
 
 class LoadBalancerRouting:
-    """``RoutingPort`` over every configured balancer (a no-op when none is): each change goes to all of them.
+    """``RoutingPort`` over every balancer, configured or registered (a no-op when there is none): each change
+    goes to all of them.
 
     With several balancers, one that cannot be reached does not fail the change (the hybrid step, the scale
     operation): the others have it, and the routing reconciliation brings the missing one in line once it
@@ -112,20 +114,35 @@ class LoadBalancerRouting:
     a change that no balancer took fails. With one balancer its error is the caller's, as before.
     """
 
-    def __init__(self, channels: Channels, address: str, timeout_s: float) -> None:
+    def __init__(self, channels: Channels, address: str, timeout_s: float,
+                 registered: Callable[[], Sequence[str]] = lambda: ()) -> None:
         self.address = address
-        self.balancers = [OneBalancer(channels, a, timeout_s) for a in address_list(address)]
+        self.configured = [OneBalancer(channels, a, timeout_s) for a in address_list(address)]
+        self._registered = registered
+        self._channels = channels
+        self._timeout_s = timeout_s
+        self._ones: dict[str, OneBalancer] = {b.address: b for b in self.configured}
+
+    @property
+    def balancers(self) -> list[OneBalancer]:
+        """The configured balancers, then the registered ones (the membership as it is now)."""
+        for address in self._registered():
+            if address not in self._ones:
+                self._ones[address] = OneBalancer(self._channels, address, self._timeout_s)
+        return self.configured + [self._ones[a] for a in self._registered()
+                                  if a not in {b.address for b in self.configured}]
 
     async def _all(self, call: Callable[[OneBalancer], Awaitable]) -> list:
-        results = await asyncio.gather(*(call(b) for b in self.balancers), return_exceptions=True)
-        failed = [(b, r) for b, r in zip(self.balancers, results) if isinstance(r, BaseException)]
+        balancers = self.balancers
+        results = await asyncio.gather(*(call(b) for b in balancers), return_exceptions=True)
+        failed = [(b, r) for b, r in zip(balancers, results) if isinstance(r, BaseException)]
         for balancer, err in failed:
             if isinstance(err, asyncio.CancelledError):
                 raise err
-            if len(self.balancers) > 1:
+            if len(balancers) > 1:
                 log.warning("balancer %s missed a routing change (%s); reconciliation brings it in line",
                             balancer.address, describe_error(err))
-        if failed and len(failed) == len(self.balancers):
+        if failed and len(failed) == len(balancers):
             raise failed[0][1]
         return [r for r in results if not isinstance(r, BaseException)]
 
@@ -140,7 +157,8 @@ class LoadBalancerRouting:
 
     async def routed(self) -> dict[str, routing_pb2.RoutedReplica] | None:
         """The first balancer's table now, by replica id (None without a balancer)."""
-        return await self.balancers[0].routed() if self.balancers else None
+        balancers = self.balancers
+        return await balancers[0].routed() if balancers else None
 
     async def add_replicas(self, records: Sequence[ReplicaRecord]) -> None:
         if records:

@@ -47,7 +47,7 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
         self.metrics = ServerMetrics()
         self.prometheus = ControllerMetrics(self.mesh, self.metrics)
         self._peer_channels = Channels(tracer_provider, tls=config.tls)
-        self.peers = Peers(load_balancer_address=config.load_balancer_address,
+        self.peers = Peers(balancers=lambda: [b.address for b in self.mesh.routing.balancers],
                            timeout_s=config.peer_timeout_s, channels=self._peer_channels)
         self.also_serves = [ServiceBinding(lro.SERVICE_NAME, lro.OperationsServicer(lambda: self.mesh.scaler, config),
                                            operations_pb2_grpc.add_OperationsServicer_to_server)]
@@ -131,6 +131,16 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
                 reply.lease_ttl.CopyFrom(convert.duration(pace[1]))
                 reply.lease_expires_at.CopyFrom(convert.timestamp(expires))
                 yield reply
+
+    async def RegisterBalancer(self, request, context):  # noqa: N802
+        check_reachable(request.address, context.peer(), f"balancer {request.balancer_id[:64]!r}")
+        return await self.mesh.balancers.register(request)
+
+    async def DeregisterBalancer(self, request, context):  # noqa: N802
+        return await self.mesh.balancers.deregister(request)
+
+    async def ListBalancers(self, request, context):  # noqa: N802
+        return registry_pb2.ListBalancersResponse(balancers=self.mesh.balancers.records(ready_only=request.ready_only))
 
     async def ListNodes(self, request, context):  # noqa: N802
         registry = self.mesh.registry

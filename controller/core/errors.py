@@ -40,6 +40,13 @@ class NotFoundError(CoreError):
     default_reason = Reason.NOT_FOUND
 
 
+class AlreadyExistsError(CoreError):
+    """What the call would create exists already under another name."""
+
+    code = "ALREADY_EXISTS"
+    default_reason = Reason.ALREADY_EXISTS
+
+
 class FailedPreconditionError(CoreError):
     """The system is not in a state that allows the call."""
 

@@ -43,6 +43,9 @@ class EventType(enum.Enum):
     GAP = "GAP"
     REPLICA_EJECTED = "REPLICA_EJECTED"
     LEADER_CHANGED = "LEADER_CHANGED"
+    BALANCER_REGISTERED = "BALANCER_REGISTERED"
+    BALANCER_DEREGISTERED = "BALANCER_DEREGISTERED"
+    BALANCER_LEASE_EXPIRED = "BALANCER_LEASE_EXPIRED"
 
     @property
     def proto_name(self) -> str:
@@ -94,7 +97,7 @@ class LifecycleEvent:
 
 
 _WARNING_TYPES = frozenset({EventType.LEASE_EXPIRED, EventType.WEIGHT_SYNC_FAILED, EventType.WAIT_EXPIRED,
-                            EventType.GAP, EventType.REPLICA_EJECTED})
+                            EventType.GAP, EventType.REPLICA_EJECTED, EventType.BALANCER_LEASE_EXPIRED})
 
 
 def _short(state: str) -> str:

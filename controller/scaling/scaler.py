@@ -105,7 +105,7 @@ class Scaler:
             self.book.load_dict(saved)
         mesh.store.track("operations", self.book.to_dict)
         self.calls = AgentCalls(mesh.channels, timeout_s=self.config.async_training.port_timeout_s,
-                                load_balancer_address=self.config.load_balancer_address)
+                                balancers=lambda: [b.address for b in mesh.routing.balancers])
         self.tasks: dict[str, asyncio.Task] = {}
         self.removing: set[str] = set()
         """Replicas a scale-in is taking out: never routed again, even if their agent re-registers."""

@@ -175,6 +175,9 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STORE_UNAVAILABLE: _ClassVar[ErrorReason]
     STORE_FENCED: _ClassVar[ErrorReason]
     NOT_LEADER: _ClassVar[ErrorReason]
+    BALANCER_NOT_FOUND: _ClassVar[ErrorReason]
+    BALANCER_ADDRESS_TAKEN: _ClassVar[ErrorReason]
+    NOT_YOUR_BALANCER: _ClassVar[ErrorReason]
 ERROR_REASON_UNSPECIFIED: ErrorReason
 INTERNAL: ErrorReason
 INVALID_ARGUMENT: ErrorReason
@@ -344,3 +347,6 @@ CANCELLED: ErrorReason
 STORE_UNAVAILABLE: ErrorReason
 STORE_FENCED: ErrorReason
 NOT_LEADER: ErrorReason
+BALANCER_NOT_FOUND: ErrorReason
+BALANCER_ADDRESS_TAKEN: ErrorReason
+NOT_YOUR_BALANCER: ErrorReason

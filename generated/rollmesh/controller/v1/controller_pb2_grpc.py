@@ -99,6 +99,21 @@ class ControllerServiceStub:
                 request_serializer=rollmesh_dot_controller_dot_v1_dot_registry__pb2.GetReplicaRequest.SerializeToString,
                 response_deserializer=rollmesh_dot_controller_dot_v1_dot_registry__pb2.GetReplicaResponse.FromString,
                 _registered_method=True)
+        self.RegisterBalancer = channel.unary_unary(
+                '/rollmesh.controller.v1.ControllerService/RegisterBalancer',
+                request_serializer=rollmesh_dot_controller_dot_v1_dot_registry__pb2.RegisterBalancerRequest.SerializeToString,
+                response_deserializer=rollmesh_dot_controller_dot_v1_dot_registry__pb2.RegisterBalancerResponse.FromString,
+                _registered_method=True)
+        self.DeregisterBalancer = channel.unary_unary(
+                '/rollmesh.controller.v1.ControllerService/DeregisterBalancer',
+                request_serializer=rollmesh_dot_controller_dot_v1_dot_registry__pb2.DeregisterBalancerRequest.SerializeToString,
+                response_deserializer=rollmesh_dot_controller_dot_v1_dot_registry__pb2.DeregisterBalancerResponse.FromString,
+                _registered_method=True)
+        self.ListBalancers = channel.unary_unary(
+                '/rollmesh.controller.v1.ControllerService/ListBalancers',
+                request_serializer=rollmesh_dot_controller_dot_v1_dot_registry__pb2.ListBalancersRequest.SerializeToString,
+                response_deserializer=rollmesh_dot_controller_dot_v1_dot_registry__pb2.ListBalancersResponse.FromString,
+                _registered_method=True)
         self.BeginTrainingStep = channel.unary_unary(
                 '/rollmesh.controller.v1.ControllerService/BeginTrainingStep',
                 request_serializer=rollmesh_dot_controller_dot_v1_dot_scheduling__pb2.BeginTrainingStepRequest.SerializeToString,
@@ -301,6 +316,60 @@ class ControllerServiceServicer:
 
         Errors:
         - NOT_FOUND: replica_id is not in the registry.
+
+        Authorization: any authenticated identity.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RegisterBalancer(self, request, context):
+        """Registers a load balancer, or renews its lease: the controller keeps the
+        routing table of every registered balancer in line with the registry
+        (as it does for those in its load_balancer_address), so the balancer
+        calls it again every heartbeat_interval of the response. A new balancer
+        gets the routing table within moments (one reconcile round) and is then
+        listed as routing_ready by ListBalancers, where clients find the set to
+        spread requests over. A balancer whose lease runs out (no call for
+        lease_ttl) is dropped from the set and an EVENT_TYPE_BALANCER_LEASE_EXPIRED
+        event is recorded; calling again registers it anew. Idempotent.
+        Capability: registry.
+
+        Errors:
+        - INVALID_ARGUMENT: balancer_id or address is empty or malformed.
+        - ALREADY_EXISTS: another registered balancer has the same address.
+        - UNAVAILABLE: this controller is a standby (reason NOT_LEADER).
+        - UNAUTHENTICATED, PERMISSION_DENIED: auth.
+
+        Authorization: lb; only the balancer named in the caller's certificate.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeregisterBalancer(self, request, context):
+        """Deregisters a load balancer (it is shutting down): the controller stops
+        sending it routing changes at once and clients stop choosing it at their
+        next refresh. Capability: registry.
+
+        Errors:
+        - NOT_FOUND: balancer_id is not registered (reason BALANCER_NOT_FOUND).
+        - UNAUTHENTICATED, PERMISSION_DENIED: auth.
+
+        Authorization: lb, operator; a balancer only the one named in its
+        certificate.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListBalancers(self, request, context):
+        """Lists the load balancers the controller keeps in line: those of its
+        load_balancer_address (configured) and the registered ones, ordered by
+        balancer_id. Clients that spread requests by a consistent hash of
+        request_id over the balancers read the set here. Capability: registry.
+
+        Errors: none of its own.
 
         Authorization: any authenticated identity.
         """
@@ -618,6 +687,21 @@ def add_ControllerServiceServicer_to_server(servicer, server):
                     request_deserializer=rollmesh_dot_controller_dot_v1_dot_registry__pb2.GetReplicaRequest.FromString,
                     response_serializer=rollmesh_dot_controller_dot_v1_dot_registry__pb2.GetReplicaResponse.SerializeToString,
             ),
+            'RegisterBalancer': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterBalancer,
+                    request_deserializer=rollmesh_dot_controller_dot_v1_dot_registry__pb2.RegisterBalancerRequest.FromString,
+                    response_serializer=rollmesh_dot_controller_dot_v1_dot_registry__pb2.RegisterBalancerResponse.SerializeToString,
+            ),
+            'DeregisterBalancer': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeregisterBalancer,
+                    request_deserializer=rollmesh_dot_controller_dot_v1_dot_registry__pb2.DeregisterBalancerRequest.FromString,
+                    response_serializer=rollmesh_dot_controller_dot_v1_dot_registry__pb2.DeregisterBalancerResponse.SerializeToString,
+            ),
+            'ListBalancers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListBalancers,
+                    request_deserializer=rollmesh_dot_controller_dot_v1_dot_registry__pb2.ListBalancersRequest.FromString,
+                    response_serializer=rollmesh_dot_controller_dot_v1_dot_registry__pb2.ListBalancersResponse.SerializeToString,
+            ),
             'BeginTrainingStep': grpc.unary_unary_rpc_method_handler(
                     servicer.BeginTrainingStep,
                     request_deserializer=rollmesh_dot_controller_dot_v1_dot_scheduling__pb2.BeginTrainingStepRequest.FromString,
@@ -923,6 +1007,87 @@ class ControllerService:
             '/rollmesh.controller.v1.ControllerService/GetReplica',
             rollmesh_dot_controller_dot_v1_dot_registry__pb2.GetReplicaRequest.SerializeToString,
             rollmesh_dot_controller_dot_v1_dot_registry__pb2.GetReplicaResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterBalancer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollmesh.controller.v1.ControllerService/RegisterBalancer',
+            rollmesh_dot_controller_dot_v1_dot_registry__pb2.RegisterBalancerRequest.SerializeToString,
+            rollmesh_dot_controller_dot_v1_dot_registry__pb2.RegisterBalancerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeregisterBalancer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollmesh.controller.v1.ControllerService/DeregisterBalancer',
+            rollmesh_dot_controller_dot_v1_dot_registry__pb2.DeregisterBalancerRequest.SerializeToString,
+            rollmesh_dot_controller_dot_v1_dot_registry__pb2.DeregisterBalancerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListBalancers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollmesh.controller.v1.ControllerService/ListBalancers',
+            rollmesh_dot_controller_dot_v1_dot_registry__pb2.ListBalancersRequest.SerializeToString,
+            rollmesh_dot_controller_dot_v1_dot_registry__pb2.ListBalancersResponse.FromString,
             options,
             channel_credentials,
             insecure,

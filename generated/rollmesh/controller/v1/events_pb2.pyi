@@ -33,6 +33,9 @@ class EventType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EVENT_TYPE_GAP: _ClassVar[EventType]
     EVENT_TYPE_REPLICA_EJECTED: _ClassVar[EventType]
     EVENT_TYPE_LEADER_CHANGED: _ClassVar[EventType]
+    EVENT_TYPE_BALANCER_REGISTERED: _ClassVar[EventType]
+    EVENT_TYPE_BALANCER_DEREGISTERED: _ClassVar[EventType]
+    EVENT_TYPE_BALANCER_LEASE_EXPIRED: _ClassVar[EventType]
 EVENT_TYPE_UNSPECIFIED: EventType
 EVENT_TYPE_REPLICA_STATE_CHANGED: EventType
 EVENT_TYPE_CONTROLLER_STATE_CHANGED: EventType
@@ -50,6 +53,9 @@ EVENT_TYPE_WAIT_EXPIRED: EventType
 EVENT_TYPE_GAP: EventType
 EVENT_TYPE_REPLICA_EJECTED: EventType
 EVENT_TYPE_LEADER_CHANGED: EventType
+EVENT_TYPE_BALANCER_REGISTERED: EventType
+EVENT_TYPE_BALANCER_DEREGISTERED: EventType
+EVENT_TYPE_BALANCER_LEASE_EXPIRED: EventType
 
 class LifecycleEvent(_message.Message):
     __slots__ = ("sequence", "time", "type", "replica_id", "node_id", "replica_kind", "from_state", "to_state", "reason", "trace_id", "span_id", "global_step", "weight_version", "operation_id", "attributes", "missed_events", "details", "from_replica_state", "to_replica_state", "from_operation_state", "to_operation_state", "from_hybrid_state", "to_hybrid_state")

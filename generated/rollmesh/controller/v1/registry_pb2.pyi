@@ -232,3 +232,71 @@ class GetReplicaResponse(_message.Message):
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     replica: ReplicaRecord
     def __init__(self, replica: _Optional[_Union[ReplicaRecord, _Mapping]] = ...) -> None: ...
+
+class BalancerRecord(_message.Message):
+    __slots__ = ("balancer_id", "address", "version", "configured", "registered_at", "lease_expires_at", "lease_held", "routing_ready")
+    BALANCER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CONFIGURED_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_AT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_HELD_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_READY_FIELD_NUMBER: _ClassVar[int]
+    balancer_id: str
+    address: str
+    version: str
+    configured: bool
+    registered_at: _timestamp_pb2.Timestamp
+    lease_expires_at: _timestamp_pb2.Timestamp
+    lease_held: bool
+    routing_ready: bool
+    def __init__(self, balancer_id: _Optional[str] = ..., address: _Optional[str] = ..., version: _Optional[str] = ..., configured: _Optional[bool] = ..., registered_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., lease_expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., lease_held: _Optional[bool] = ..., routing_ready: _Optional[bool] = ...) -> None: ...
+
+class RegisterBalancerRequest(_message.Message):
+    __slots__ = ("balancer_id", "address", "version", "instance_id")
+    BALANCER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    balancer_id: str
+    address: str
+    version: str
+    instance_id: str
+    def __init__(self, balancer_id: _Optional[str] = ..., address: _Optional[str] = ..., version: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
+
+class RegisterBalancerResponse(_message.Message):
+    __slots__ = ("lease_ttl", "heartbeat_interval", "lease_expires_at", "routing_ready")
+    LEASE_TTL_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_READY_FIELD_NUMBER: _ClassVar[int]
+    lease_ttl: _duration_pb2.Duration
+    heartbeat_interval: _duration_pb2.Duration
+    lease_expires_at: _timestamp_pb2.Timestamp
+    routing_ready: bool
+    def __init__(self, lease_ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., heartbeat_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., lease_expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., routing_ready: _Optional[bool] = ...) -> None: ...
+
+class DeregisterBalancerRequest(_message.Message):
+    __slots__ = ("balancer_id", "reason")
+    BALANCER_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    balancer_id: str
+    reason: str
+    def __init__(self, balancer_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class DeregisterBalancerResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListBalancersRequest(_message.Message):
+    __slots__ = ("ready_only",)
+    READY_ONLY_FIELD_NUMBER: _ClassVar[int]
+    ready_only: bool
+    def __init__(self, ready_only: _Optional[bool] = ...) -> None: ...
+
+class ListBalancersResponse(_message.Message):
+    __slots__ = ("balancers",)
+    BALANCERS_FIELD_NUMBER: _ClassVar[int]
+    balancers: _containers.RepeatedCompositeFieldContainer[BalancerRecord]
+    def __init__(self, balancers: _Optional[_Iterable[_Union[BalancerRecord, _Mapping]]] = ...) -> None: ...

@@ -21,7 +21,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file rollmesh/controller/v1/registry.proto.
  */
 export const file_rollmesh_controller_v1_registry: GenFile = /*@__PURE__*/
-  fileDesc("CiVyb2xsbWVzaC9jb250cm9sbGVyL3YxL3JlZ2lzdHJ5LnByb3RvEhZyb2xsbWVzaC5jb250cm9sbGVyLnYxIvQBChNSZXBsaWNhUmVnaXN0cmF0aW9uEhgKCnJlcGxpY2FfaWQYASABKAlCBOJBAQISLQoEa2luZBgCIAEoDjIfLnJvbGxtZXNoLmNvbW1vbi52MS5SZXBsaWNhS2luZBIvCgVzdGF0ZRgDIAEoDjIgLnJvbGxtZXNoLmNvbW1vbi52MS5SZXBsaWNhU3RhdGUSFgoOd2VpZ2h0X3ZlcnNpb24YBCABKAMSDQoFc2xvdHMYBSADKA0SFwoPbWVtb3J5X2ZyYWN0aW9uGAYgASgBEg8KB2luaXRpYWwYByABKAgSEgoKZW5naW5lX3VybBgIIAEoCSL3AgoKTm9kZVJlY29yZBIPCgdub2RlX2lkGAEgASgJEg8KB2FkZHJlc3MYAiABKAkSEwoLc2xvdHNfdG90YWwYAyABKA0SMgoHYmFja2VuZBgEIAEoDjIhLnJvbGxtZXNoLmNvbW1vbi52MS5FbmdpbmVCYWNrZW5kEg0KBW1vZGVsGAUgASgJEhIKCm1vZGVsX25hbWUYBiABKAkSFQoNYWdlbnRfdmVyc2lvbhgHIAEoCRIxCg1yZWdpc3RlcmVkX2F0GAggASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBI0ChBsZWFzZV9leHBpcmVzX2F0GAkgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIyCg5sYXN0X3JlcG9ydF9hdBgKIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASEgoKbGVhc2VfaGVsZBgLIAEoCBITCgtyZXBsaWNhX2lkcxgMIAMoCSKNBAoNUmVwbGljYVJlY29yZBISCgpyZXBsaWNhX2lkGAEgASgJEg8KB25vZGVfaWQYAiABKAkSDwoHYWRkcmVzcxgDIAEoCRItCgRraW5kGAQgASgOMh8ucm9sbG1lc2guY29tbW9uLnYxLlJlcGxpY2FLaW5kEi8KBXN0YXRlGAUgASgOMiAucm9sbG1lc2guY29tbW9uLnYxLlJlcGxpY2FTdGF0ZRIWCg53ZWlnaHRfdmVyc2lvbhgGIAEoAxIPCgdpbml0aWFsGAcgASgIEh0KFWFkZGVkX2J5X29wZXJhdGlvbl9pZBgIIAEoCRIdChVpbnRlbnRpb25hbGx5X3JlbW92ZWQYCSABKAgSNAoQbGVhc2VfZXhwaXJlc19hdBgKIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASMwoLbGFzdF9yZXBvcnQYCyABKAsyHi5yb2xsbWVzaC5jb21tb24udjEuTG9hZFJlcG9ydBIUCgxzdGF0ZV9yZWFzb24YDCABKAkSLgoKdXBkYXRlZF9hdBgNIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASEgoKbW9kZWxfbmFtZRgOIAEoCRINCgVzbG90cxgPIAMoDRIXCg9tZW1vcnlfZnJhY3Rpb24YECABKAESEgoKZW5naW5lX3VybBgRIAEoCSKFAgoTUmVnaXN0ZXJOb2RlUmVxdWVzdBIVCgdub2RlX2lkGAEgASgJQgTiQQECEhUKB2FkZHJlc3MYAiABKAlCBOJBAQISEwoLc2xvdHNfdG90YWwYAyABKA0SMgoHYmFja2VuZBgEIAEoDjIhLnJvbGxtZXNoLmNvbW1vbi52MS5FbmdpbmVCYWNrZW5kEg0KBW1vZGVsGAUgASgJEhIKCm1vZGVsX25hbWUYBiABKAkSPQoIcmVwbGljYXMYByADKAsyKy5yb2xsbWVzaC5jb250cm9sbGVyLnYxLlJlcGxpY2FSZWdpc3RyYXRpb24SFQoNYWdlbnRfdmVyc2lvbhgIIAEoCSLKAQoUUmVnaXN0ZXJOb2RlUmVzcG9uc2USDwoHbm9kZV9pZBgBIAEoCRIsCglsZWFzZV90dGwYAiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SNwoUbG9hZF9yZXBvcnRfaW50ZXJ2YWwYAyABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SHAoUYWNjZXB0ZWRfcmVwbGljYV9pZHMYBCADKAkSHAoUcmVqZWN0ZWRfcmVwbGljYV9pZHMYBSADKAkiPgoVRGVyZWdpc3Rlck5vZGVSZXF1ZXN0EhUKB25vZGVfaWQYASABKAlCBOJBAQISDgoGcmVhc29uGAIgASgJIjUKFkRlcmVnaXN0ZXJOb2RlUmVzcG9uc2USGwoTc3RvcHBlZF9yZXBsaWNhX2lkcxgBIAMoCSJiChhTdHJlYW1Mb2FkUmVwb3J0c1JlcXVlc3QSFQoHbm9kZV9pZBgBIAEoCUIE4kEBAhIvCgdyZXBvcnRzGAIgAygLMh4ucm9sbG1lc2guY29tbW9uLnYxLkxvYWRSZXBvcnQi0AEKGVN0cmVhbUxvYWRSZXBvcnRzUmVzcG9uc2USNwoUbG9hZF9yZXBvcnRfaW50ZXJ2YWwYASABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SLAoJbGVhc2VfdHRsGAIgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEjQKEGxlYXNlX2V4cGlyZXNfYXQYAyABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEhYKDnJlZ2lzdGVyX2FnYWluGAQgASgIIjkKEExpc3ROb2Rlc1JlcXVlc3QSEQoJcGFnZV9zaXplGAEgASgFEhIKCnBhZ2VfdG9rZW4YAiABKAkiXwoRTGlzdE5vZGVzUmVzcG9uc2USMQoFbm9kZXMYASADKAsyIi5yb2xsbWVzaC5jb250cm9sbGVyLnYxLk5vZGVSZWNvcmQSFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJIicKDkdldE5vZGVSZXF1ZXN0EhUKB25vZGVfaWQYASABKAlCBOJBAQIifAoPR2V0Tm9kZVJlc3BvbnNlEjAKBG5vZGUYASABKAsyIi5yb2xsbWVzaC5jb250cm9sbGVyLnYxLk5vZGVSZWNvcmQSNwoIcmVwbGljYXMYAiADKAsyJS5yb2xsbWVzaC5jb250cm9sbGVyLnYxLlJlcGxpY2FSZWNvcmQiwwEKE0xpc3RSZXBsaWNhc1JlcXVlc3QSLgoFa2luZHMYASADKA4yHy5yb2xsbWVzaC5jb21tb24udjEuUmVwbGljYUtpbmQSMAoGc3RhdGVzGAIgAygOMiAucm9sbG1lc2guY29tbW9uLnYxLlJlcGxpY2FTdGF0ZRIPCgdub2RlX2lkGAMgASgJEhIKCm1vZGVsX25hbWUYBCABKAkSEQoJcGFnZV9zaXplGAUgASgFEhIKCnBhZ2VfdG9rZW4YBiABKAkiaAoUTGlzdFJlcGxpY2FzUmVzcG9uc2USNwoIcmVwbGljYXMYASADKAsyJS5yb2xsbWVzaC5jb250cm9sbGVyLnYxLlJlcGxpY2FSZWNvcmQSFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJIi0KEUdldFJlcGxpY2FSZXF1ZXN0EhgKCnJlcGxpY2FfaWQYASABKAlCBOJBAQIiTAoSR2V0UmVwbGljYVJlc3BvbnNlEjYKB3JlcGxpY2EYASABKAsyJS5yb2xsbWVzaC5jb250cm9sbGVyLnYxLlJlcGxpY2FSZWNvcmRiBnByb3RvMw", [file_google_api_field_behavior, file_google_protobuf_duration, file_google_protobuf_timestamp, file_rollmesh_common_v1_load, file_rollmesh_common_v1_types]);
+  fileDesc("CiVyb2xsbWVzaC9jb250cm9sbGVyL3YxL3JlZ2lzdHJ5LnByb3RvEhZyb2xsbWVzaC5jb250cm9sbGVyLnYxIvQBChNSZXBsaWNhUmVnaXN0cmF0aW9uEhgKCnJlcGxpY2FfaWQYASABKAlCBOJBAQISLQoEa2luZBgCIAEoDjIfLnJvbGxtZXNoLmNvbW1vbi52MS5SZXBsaWNhS2luZBIvCgVzdGF0ZRgDIAEoDjIgLnJvbGxtZXNoLmNvbW1vbi52MS5SZXBsaWNhU3RhdGUSFgoOd2VpZ2h0X3ZlcnNpb24YBCABKAMSDQoFc2xvdHMYBSADKA0SFwoPbWVtb3J5X2ZyYWN0aW9uGAYgASgBEg8KB2luaXRpYWwYByABKAgSEgoKZW5naW5lX3VybBgIIAEoCSL3AgoKTm9kZVJlY29yZBIPCgdub2RlX2lkGAEgASgJEg8KB2FkZHJlc3MYAiABKAkSEwoLc2xvdHNfdG90YWwYAyABKA0SMgoHYmFja2VuZBgEIAEoDjIhLnJvbGxtZXNoLmNvbW1vbi52MS5FbmdpbmVCYWNrZW5kEg0KBW1vZGVsGAUgASgJEhIKCm1vZGVsX25hbWUYBiABKAkSFQoNYWdlbnRfdmVyc2lvbhgHIAEoCRIxCg1yZWdpc3RlcmVkX2F0GAggASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBI0ChBsZWFzZV9leHBpcmVzX2F0GAkgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIyCg5sYXN0X3JlcG9ydF9hdBgKIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASEgoKbGVhc2VfaGVsZBgLIAEoCBITCgtyZXBsaWNhX2lkcxgMIAMoCSKNBAoNUmVwbGljYVJlY29yZBISCgpyZXBsaWNhX2lkGAEgASgJEg8KB25vZGVfaWQYAiABKAkSDwoHYWRkcmVzcxgDIAEoCRItCgRraW5kGAQgASgOMh8ucm9sbG1lc2guY29tbW9uLnYxLlJlcGxpY2FLaW5kEi8KBXN0YXRlGAUgASgOMiAucm9sbG1lc2guY29tbW9uLnYxLlJlcGxpY2FTdGF0ZRIWCg53ZWlnaHRfdmVyc2lvbhgGIAEoAxIPCgdpbml0aWFsGAcgASgIEh0KFWFkZGVkX2J5X29wZXJhdGlvbl9pZBgIIAEoCRIdChVpbnRlbnRpb25hbGx5X3JlbW92ZWQYCSABKAgSNAoQbGVhc2VfZXhwaXJlc19hdBgKIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASMwoLbGFzdF9yZXBvcnQYCyABKAsyHi5yb2xsbWVzaC5jb21tb24udjEuTG9hZFJlcG9ydBIUCgxzdGF0ZV9yZWFzb24YDCABKAkSLgoKdXBkYXRlZF9hdBgNIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASEgoKbW9kZWxfbmFtZRgOIAEoCRINCgVzbG90cxgPIAMoDRIXCg9tZW1vcnlfZnJhY3Rpb24YECABKAESEgoKZW5naW5lX3VybBgRIAEoCSKFAgoTUmVnaXN0ZXJOb2RlUmVxdWVzdBIVCgdub2RlX2lkGAEgASgJQgTiQQECEhUKB2FkZHJlc3MYAiABKAlCBOJBAQISEwoLc2xvdHNfdG90YWwYAyABKA0SMgoHYmFja2VuZBgEIAEoDjIhLnJvbGxtZXNoLmNvbW1vbi52MS5FbmdpbmVCYWNrZW5kEg0KBW1vZGVsGAUgASgJEhIKCm1vZGVsX25hbWUYBiABKAkSPQoIcmVwbGljYXMYByADKAsyKy5yb2xsbWVzaC5jb250cm9sbGVyLnYxLlJlcGxpY2FSZWdpc3RyYXRpb24SFQoNYWdlbnRfdmVyc2lvbhgIIAEoCSLKAQoUUmVnaXN0ZXJOb2RlUmVzcG9uc2USDwoHbm9kZV9pZBgBIAEoCRIsCglsZWFzZV90dGwYAiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SNwoUbG9hZF9yZXBvcnRfaW50ZXJ2YWwYAyABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SHAoUYWNjZXB0ZWRfcmVwbGljYV9pZHMYBCADKAkSHAoUcmVqZWN0ZWRfcmVwbGljYV9pZHMYBSADKAkiPgoVRGVyZWdpc3Rlck5vZGVSZXF1ZXN0EhUKB25vZGVfaWQYASABKAlCBOJBAQISDgoGcmVhc29uGAIgASgJIjUKFkRlcmVnaXN0ZXJOb2RlUmVzcG9uc2USGwoTc3RvcHBlZF9yZXBsaWNhX2lkcxgBIAMoCSJiChhTdHJlYW1Mb2FkUmVwb3J0c1JlcXVlc3QSFQoHbm9kZV9pZBgBIAEoCUIE4kEBAhIvCgdyZXBvcnRzGAIgAygLMh4ucm9sbG1lc2guY29tbW9uLnYxLkxvYWRSZXBvcnQi0AEKGVN0cmVhbUxvYWRSZXBvcnRzUmVzcG9uc2USNwoUbG9hZF9yZXBvcnRfaW50ZXJ2YWwYASABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SLAoJbGVhc2VfdHRsGAIgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEjQKEGxlYXNlX2V4cGlyZXNfYXQYAyABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEhYKDnJlZ2lzdGVyX2FnYWluGAQgASgIIjkKEExpc3ROb2Rlc1JlcXVlc3QSEQoJcGFnZV9zaXplGAEgASgFEhIKCnBhZ2VfdG9rZW4YAiABKAkiXwoRTGlzdE5vZGVzUmVzcG9uc2USMQoFbm9kZXMYASADKAsyIi5yb2xsbWVzaC5jb250cm9sbGVyLnYxLk5vZGVSZWNvcmQSFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJIicKDkdldE5vZGVSZXF1ZXN0EhUKB25vZGVfaWQYASABKAlCBOJBAQIifAoPR2V0Tm9kZVJlc3BvbnNlEjAKBG5vZGUYASABKAsyIi5yb2xsbWVzaC5jb250cm9sbGVyLnYxLk5vZGVSZWNvcmQSNwoIcmVwbGljYXMYAiADKAsyJS5yb2xsbWVzaC5jb250cm9sbGVyLnYxLlJlcGxpY2FSZWNvcmQiwwEKE0xpc3RSZXBsaWNhc1JlcXVlc3QSLgoFa2luZHMYASADKA4yHy5yb2xsbWVzaC5jb21tb24udjEuUmVwbGljYUtpbmQSMAoGc3RhdGVzGAIgAygOMiAucm9sbG1lc2guY29tbW9uLnYxLlJlcGxpY2FTdGF0ZRIPCgdub2RlX2lkGAMgASgJEhIKCm1vZGVsX25hbWUYBCABKAkSEQoJcGFnZV9zaXplGAUgASgFEhIKCnBhZ2VfdG9rZW4YBiABKAkiaAoUTGlzdFJlcGxpY2FzUmVzcG9uc2USNwoIcmVwbGljYXMYASADKAsyJS5yb2xsbWVzaC5jb250cm9sbGVyLnYxLlJlcGxpY2FSZWNvcmQSFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJIi0KEUdldFJlcGxpY2FSZXF1ZXN0EhgKCnJlcGxpY2FfaWQYASABKAlCBOJBAQIiTAoSR2V0UmVwbGljYVJlc3BvbnNlEjYKB3JlcGxpY2EYASABKAsyJS5yb2xsbWVzaC5jb250cm9sbGVyLnYxLlJlcGxpY2FSZWNvcmQi7wEKDkJhbGFuY2VyUmVjb3JkEhMKC2JhbGFuY2VyX2lkGAEgASgJEg8KB2FkZHJlc3MYAiABKAkSDwoHdmVyc2lvbhgDIAEoCRISCgpjb25maWd1cmVkGAQgASgIEjEKDXJlZ2lzdGVyZWRfYXQYBSABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEjQKEGxlYXNlX2V4cGlyZXNfYXQYBiABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEhIKCmxlYXNlX2hlbGQYByABKAgSFQoNcm91dGluZ19yZWFkeRgIIAEoCCJxChdSZWdpc3RlckJhbGFuY2VyUmVxdWVzdBIZCgtiYWxhbmNlcl9pZBgBIAEoCUIE4kEBAhIVCgdhZGRyZXNzGAIgASgJQgTiQQECEg8KB3ZlcnNpb24YAyABKAkSEwoLaW5zdGFuY2VfaWQYBCABKAkizAEKGFJlZ2lzdGVyQmFsYW5jZXJSZXNwb25zZRIsCglsZWFzZV90dGwYASABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SNQoSaGVhcnRiZWF0X2ludGVydmFsGAIgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEjQKEGxlYXNlX2V4cGlyZXNfYXQYAyABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEhUKDXJvdXRpbmdfcmVhZHkYBCABKAgiRgoZRGVyZWdpc3RlckJhbGFuY2VyUmVxdWVzdBIZCgtiYWxhbmNlcl9pZBgBIAEoCUIE4kEBAhIOCgZyZWFzb24YAiABKAkiHAoaRGVyZWdpc3RlckJhbGFuY2VyUmVzcG9uc2UiKgoUTGlzdEJhbGFuY2Vyc1JlcXVlc3QSEgoKcmVhZHlfb25seRgBIAEoCCJSChVMaXN0QmFsYW5jZXJzUmVzcG9uc2USOQoJYmFsYW5jZXJzGAEgAygLMiYucm9sbG1lc2guY29udHJvbGxlci52MS5CYWxhbmNlclJlY29yZGIGcHJvdG8z", [file_google_api_field_behavior, file_google_protobuf_duration, file_google_protobuf_timestamp, file_rollmesh_common_v1_load, file_rollmesh_common_v1_types]);
 
 /**
  * ReplicaRegistration is what an agent reports about one of its replicas when
@@ -811,4 +811,253 @@ export type GetReplicaResponse = Message<"rollmesh.controller.v1.GetReplicaRespo
  */
 export const GetReplicaResponseSchema: GenMessage<GetReplicaResponse> = /*@__PURE__*/
   messageDesc(file_rollmesh_controller_v1_registry, 16);
+
+/**
+ * BalancerRecord is the controller's record of one load balancer whose
+ * routing table it keeps in line.
+ *
+ * @generated from message rollmesh.controller.v1.BalancerRecord
+ */
+export type BalancerRecord = Message<"rollmesh.controller.v1.BalancerRecord"> & {
+  /**
+   * Unique id of the balancer (the configured ones: their address).
+   *
+   * @generated from field: string balancer_id = 1;
+   */
+  balancerId: string;
+
+  /**
+   * gRPC address ("host:port") clients and the controller use for it.
+   *
+   * @generated from field: string address = 2;
+   */
+  address: string;
+
+  /**
+   * Version of the balancer's rollmesh package; empty for configured ones.
+   *
+   * @generated from field: string version = 3;
+   */
+  version: string;
+
+  /**
+   * True for a balancer named in the controller's load_balancer_address: it
+   * has no lease and is never dropped.
+   *
+   * @generated from field: bool configured = 4;
+   */
+  configured: boolean;
+
+  /**
+   * When the balancer first registered (unset for configured ones).
+   *
+   * @generated from field: google.protobuf.Timestamp registered_at = 5;
+   */
+  registeredAt?: Timestamp | undefined;
+
+  /**
+   * When the lease runs out unless the balancer calls RegisterBalancer again
+   * (unset for configured ones).
+   *
+   * @generated from field: google.protobuf.Timestamp lease_expires_at = 6;
+   */
+  leaseExpiresAt?: Timestamp | undefined;
+
+  /**
+   * True while the lease is held (always for configured ones).
+   *
+   * @generated from field: bool lease_held = 7;
+   */
+  leaseHeld: boolean;
+
+  /**
+   * True once a routing reconcile round has filled the balancer's table
+   * since it registered (or since this controller took over): clients send
+   * requests only to ready balancers.
+   *
+   * @generated from field: bool routing_ready = 8;
+   */
+  routingReady: boolean;
+};
+
+/**
+ * Describes the message rollmesh.controller.v1.BalancerRecord.
+ * Use `create(BalancerRecordSchema)` to create a new message.
+ */
+export const BalancerRecordSchema: GenMessage<BalancerRecord> = /*@__PURE__*/
+  messageDesc(file_rollmesh_controller_v1_registry, 17);
+
+/**
+ * Request of RegisterBalancer.
+ *
+ * @generated from message rollmesh.controller.v1.RegisterBalancerRequest
+ */
+export type RegisterBalancerRequest = Message<"rollmesh.controller.v1.RegisterBalancerRequest"> & {
+  /**
+   * Unique id of the balancer; the same across its restarts.
+   *
+   * @generated from field: string balancer_id = 1;
+   */
+  balancerId: string;
+
+  /**
+   * gRPC address ("host:port") at which clients and the controller reach the
+   * balancer.
+   *
+   * @generated from field: string address = 2;
+   */
+  address: string;
+
+  /**
+   * Version of the balancer's rollmesh package.
+   *
+   * @generated from field: string version = 3;
+   */
+  version: string;
+
+  /**
+   * Random id of this run of the balancer process, the same in every call of
+   * one run: a new one (the balancer restarted with an empty routing table)
+   * makes the controller fill its table again before clients are told it is
+   * ready.
+   *
+   * @generated from field: string instance_id = 4;
+   */
+  instanceId: string;
+};
+
+/**
+ * Describes the message rollmesh.controller.v1.RegisterBalancerRequest.
+ * Use `create(RegisterBalancerRequestSchema)` to create a new message.
+ */
+export const RegisterBalancerRequestSchema: GenMessage<RegisterBalancerRequest> = /*@__PURE__*/
+  messageDesc(file_rollmesh_controller_v1_registry, 18);
+
+/**
+ * Response of RegisterBalancer.
+ *
+ * @generated from message rollmesh.controller.v1.RegisterBalancerResponse
+ */
+export type RegisterBalancerResponse = Message<"rollmesh.controller.v1.RegisterBalancerResponse"> & {
+  /**
+   * How long the lease lasts after each call.
+   *
+   * @generated from field: google.protobuf.Duration lease_ttl = 1;
+   */
+  leaseTtl?: Duration | undefined;
+
+  /**
+   * How often the balancer should call RegisterBalancer again.
+   *
+   * @generated from field: google.protobuf.Duration heartbeat_interval = 2;
+   */
+  heartbeatInterval?: Duration | undefined;
+
+  /**
+   * When the lease runs out unless the balancer calls again.
+   *
+   * @generated from field: google.protobuf.Timestamp lease_expires_at = 3;
+   */
+  leaseExpiresAt?: Timestamp | undefined;
+
+  /**
+   * Whether the controller has filled this balancer's routing table yet.
+   *
+   * @generated from field: bool routing_ready = 4;
+   */
+  routingReady: boolean;
+};
+
+/**
+ * Describes the message rollmesh.controller.v1.RegisterBalancerResponse.
+ * Use `create(RegisterBalancerResponseSchema)` to create a new message.
+ */
+export const RegisterBalancerResponseSchema: GenMessage<RegisterBalancerResponse> = /*@__PURE__*/
+  messageDesc(file_rollmesh_controller_v1_registry, 19);
+
+/**
+ * Request of DeregisterBalancer.
+ *
+ * @generated from message rollmesh.controller.v1.DeregisterBalancerRequest
+ */
+export type DeregisterBalancerRequest = Message<"rollmesh.controller.v1.DeregisterBalancerRequest"> & {
+  /**
+   * Balancer to deregister.
+   *
+   * @generated from field: string balancer_id = 1;
+   */
+  balancerId: string;
+
+  /**
+   * Why, recorded in the lifecycle event (e.g. "balancer shutdown").
+   *
+   * @generated from field: string reason = 2;
+   */
+  reason: string;
+};
+
+/**
+ * Describes the message rollmesh.controller.v1.DeregisterBalancerRequest.
+ * Use `create(DeregisterBalancerRequestSchema)` to create a new message.
+ */
+export const DeregisterBalancerRequestSchema: GenMessage<DeregisterBalancerRequest> = /*@__PURE__*/
+  messageDesc(file_rollmesh_controller_v1_registry, 20);
+
+/**
+ * Response of DeregisterBalancer. It has no fields.
+ *
+ * @generated from message rollmesh.controller.v1.DeregisterBalancerResponse
+ */
+export type DeregisterBalancerResponse = Message<"rollmesh.controller.v1.DeregisterBalancerResponse"> & {
+};
+
+/**
+ * Describes the message rollmesh.controller.v1.DeregisterBalancerResponse.
+ * Use `create(DeregisterBalancerResponseSchema)` to create a new message.
+ */
+export const DeregisterBalancerResponseSchema: GenMessage<DeregisterBalancerResponse> = /*@__PURE__*/
+  messageDesc(file_rollmesh_controller_v1_registry, 21);
+
+/**
+ * Request of ListBalancers.
+ *
+ * @generated from message rollmesh.controller.v1.ListBalancersRequest
+ */
+export type ListBalancersRequest = Message<"rollmesh.controller.v1.ListBalancersRequest"> & {
+  /**
+   * Only balancers whose routing table is filled and whose lease is held:
+   * the set a client should spread requests over.
+   *
+   * @generated from field: bool ready_only = 1;
+   */
+  readyOnly: boolean;
+};
+
+/**
+ * Describes the message rollmesh.controller.v1.ListBalancersRequest.
+ * Use `create(ListBalancersRequestSchema)` to create a new message.
+ */
+export const ListBalancersRequestSchema: GenMessage<ListBalancersRequest> = /*@__PURE__*/
+  messageDesc(file_rollmesh_controller_v1_registry, 22);
+
+/**
+ * Response of ListBalancers.
+ *
+ * @generated from message rollmesh.controller.v1.ListBalancersResponse
+ */
+export type ListBalancersResponse = Message<"rollmesh.controller.v1.ListBalancersResponse"> & {
+  /**
+   * The balancers, ordered by balancer_id.
+   *
+   * @generated from field: repeated rollmesh.controller.v1.BalancerRecord balancers = 1;
+   */
+  balancers: BalancerRecord[];
+};
+
+/**
+ * Describes the message rollmesh.controller.v1.ListBalancersResponse.
+ * Use `create(ListBalancersResponseSchema)` to create a new message.
+ */
+export const ListBalancersResponseSchema: GenMessage<ListBalancersResponse> = /*@__PURE__*/
+  messageDesc(file_rollmesh_controller_v1_registry, 23);
 
