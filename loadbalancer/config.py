@@ -6,7 +6,9 @@ import dataclasses
 from typing import Literal
 
 from mesh_runtime.config import ConfigError, ServerConfig, check_addresses, setting
-from mesh_runtime.net import AddressError, parse_host_port
+from mesh_runtime.errors import InvalidArgument
+from mesh_runtime.net import AddressError, is_wildcard, parse_host_port
+from mesh_runtime.validate import check_id
 
 
 @dataclasses.dataclass
@@ -53,6 +55,17 @@ class LoadBalancerConfig(ServerConfig):
     """Settings of the load balancer (``--print-default-config`` lists them)."""
 
     listen: str = setting("127.0.0.1:50052", help="HOST:PORT to serve gRPC on; port 0 picks a free port")
+    controller_address: str = setting("", help="HOST:PORT of the controller to register this balancer with (it "
+                                               "then keeps this balancer's routing table in line and lists it "
+                                               "to clients), or HOST:PORT,HOST:PORT,... of several controllers "
+                                               "on one etcd store (the balancer follows the leader); empty = "
+                                               "do not register (a controller may still name this balancer "
+                                               "in its load_balancer_address)")
+    advertise_address: str = setting("", help="HOST:PORT the controller and clients use to reach this balancer; "
+                                              "empty = the address it listens on")
+    balancer_id: str = setting("", help="id of this balancer in the controller's registry, the same across its "
+                                        "restarts; empty = the name its certificate gives it (mutual TLS), "
+                                        "else its advertised address")
     replicas: list[StaticReplica] = setting(default_factory=list, help="replicas to route to from the start "
                                             "(the controller adds and removes replicas at run time)")
     sticky_max_load_gap: int = setting(4, help="a sticky session leaves its replica when that replica has more "
@@ -107,4 +120,17 @@ class LoadBalancerConfig(ServerConfig):
                 raise ConfigError(key, f"must be > 0, got {getattr(self, key)}")
         if self.abort_grace_s < 0:
             raise ConfigError("abort_grace_s", f"must be >= 0, got {self.abort_grace_s}")
-        check_addresses(self, listen_keys=("metrics_listen",))
+        check_addresses(self, "advertise_address", listen_keys=("metrics_listen",), list_keys=("controller_address",))
+        if self.advertise_address and is_wildcard(parse_host_port(self.advertise_address)[0]):
+            raise ConfigError("advertise_address", f"{self.advertise_address[:64]!r} is an address to listen on, "
+                                                   "not to connect to: give the address others reach this "
+                                                   "balancer at")
+        if self.controller_address and not self.advertise_address and is_wildcard(parse_host_port(self.listen)[0]):
+            raise ConfigError("advertise_address", f"required when listen is a wildcard ({self.listen!r}) and a "
+                                                   "controller is configured: the controller and the clients "
+                                                   "connect to the address this balancer registers")
+        if self.balancer_id:
+            try:
+                check_id(self.balancer_id, "balancer_id")
+            except InvalidArgument as err:
+                raise ConfigError("balancer_id", err.message) from None

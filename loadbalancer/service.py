@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 from opentelemetry.sdk.trace import TracerProvider
 
-from mesh_runtime import pages, tracing
+from mesh_runtime import __version__, pages, tracing
 from mesh_runtime.metrics import ServerMetrics
 from mesh_runtime.status import StatusReporter
 from mesh_runtime.validate import check_address, check_id
@@ -20,6 +21,9 @@ from .balancer import Balancer
 from .config import LoadBalancerConfig
 from .table import OutlierDetection, Route, RoutingTable
 from .upstreams import Upstreams
+
+if TYPE_CHECKING:
+    from .controller_link import BalancerLink
 
 log = logging.getLogger(__name__)
 DESCRIPTOR = pb.DESCRIPTOR.services_by_name["LoadBalancerService"]
@@ -41,6 +45,18 @@ def build_balancer(config: LoadBalancerConfig, tracer_provider: TracerProvider |
                     **kwargs)
 
 
+def _own_name(config: LoadBalancerConfig) -> str:
+    """The name this balancer's certificate gives it (spiffe://rollmesh/lb/NAME); empty without mutual TLS."""
+    from mesh_runtime.identity import identity_from_pem  # noqa: PLC0415
+
+    tls = config.tls
+    if tls is None or not tls.cert:
+        return ""
+    with open(tls.cert, "rb") as f:
+        identity = identity_from_pem(f.read())
+    return identity.name if identity is not None else ""
+
+
 class LoadBalancerServicer(loadbalancer_pb2_grpc.LoadBalancerServiceServicer):
     """Implements ``rollmesh.loadbalancer.v1.LoadBalancerService``."""
 
@@ -56,9 +72,24 @@ class LoadBalancerServicer(loadbalancer_pb2_grpc.LoadBalancerServiceServicer):
             self.table.sticky_sessions))
         self.status = StatusReporter(config, ["status", "generate", "replicas", "rebalance", "stats"])
         self._rebalances: OrderedDict[str, pb.RebalanceResponse] = OrderedDict()
+        self.link: BalancerLink | None = None
+        """The registration with the controller (``controller_address``), once attached."""
 
     async def attach(self, server) -> None:
         server.add_cleanup(self.balancer.upstreams.close)
+        if self.config.controller_address:
+            from mesh_runtime.channels import open_channel  # noqa: PLC0415
+
+            from .controller_link import BalancerLink  # noqa: PLC0415, F811 - imported here at run time
+
+            config = self.config
+            address = config.advertise_address or server.address
+            channel = open_channel(config.controller_address, tls=config.tls)
+            server.add_cleanup(channel.close)
+            self.link = link = BalancerLink(channel, balancer_id=config.balancer_id or _own_name(config) or address,
+                                     address=address, version=__version__)
+            server.add_cleanup(link.deregister)   # cleanups run in reverse: before the channel closes
+            server.spawn(link.run(), name="controller-link")
 
     def _routed(self, route: Route) -> routing_pb2.RoutedReplica:
         floor = self.table.version_floor(None)

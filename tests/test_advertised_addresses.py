@@ -27,6 +27,23 @@ def test_a_wildcard_advertise_address_is_refused():
         load_config(ReplicaAgentConfig, None, overrides={"advertise_address": "0.0.0.0:50053"})
 
 
+def test_a_registering_balancer_on_a_wildcard_needs_an_advertise_address_and_a_good_id():
+    from loadbalancer.config import LoadBalancerConfig  # noqa: PLC0415
+
+    base = {"listen": "0.0.0.0:50052", "insecure": True, "controller_address": "10.0.0.1:50051,10.0.0.2:50051"}
+    with pytest.raises(ConfigError, match="advertise_address.*required when listen is a wildcard"):
+        load_config(LoadBalancerConfig, None, overrides=base)
+    with pytest.raises(ConfigError, match="advertise_address.*an address to listen on"):
+        load_config(LoadBalancerConfig, None, overrides={**base, "advertise_address": "[::]:50052"})
+    with pytest.raises(ConfigError, match="balancer_id"):
+        load_config(LoadBalancerConfig, None, overrides={**base, "advertise_address": "10.0.2.1:50052",
+                                                         "balancer_id": "bad id!"})
+    config = load_config(LoadBalancerConfig, None, overrides={**base, "advertise_address": "10.0.2.1:50052",
+                                                              "balancer_id": "lb-1"})
+    assert (config.advertise_address, config.balancer_id) == ("10.0.2.1:50052", "lb-1")
+    load_config(LoadBalancerConfig, None, overrides={"listen": "0.0.0.0:50052", "insecure": True})   # no controller
+
+
 def test_a_trainer_on_a_network_address_cannot_rendezvous_on_loopback():
     with pytest.raises(ConfigError, match="weight_rendezvous.*loopback address, but this trainer serves on"):
         load_config(TrainerAgentConfig, None, overrides={"listen": "10.0.0.5:50054", "insecure": True,
