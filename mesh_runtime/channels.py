@@ -358,11 +358,20 @@ class HashRingChannel(_PerAddress):
 
         super().__init__(addresses, open_one)
         self.down_s = down_s
+        self._points = points
         self._down: dict[str, float] = {}
         self._hash = lambda key: int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
-        self._ring = sorted((self._hash(f"{address}#{i}"), address) for address in self.addresses
-                            for i in range(points))
+        self.set_addresses(self.addresses)
         self._turn = itertools.count()
+
+    def set_addresses(self, addresses: Sequence[str]) -> None:
+        """Change the set of balancers (a client that reads it from the controller). Each id keeps its
+        balancer unless that one left, or a new one took its arc of the ring: about 1/N of the ids move."""
+        if not addresses:
+            raise ValueError("a balancer ring needs at least one address")
+        self.addresses = list(dict.fromkeys(addresses))
+        self._ring = sorted((self._hash(f"{address}#{i}"), address) for address in self.addresses
+                            for i in range(self._points))
 
     def order(self, request_id: str) -> list[str]:
         """Every balancer, in the order a request with this id tries them (live ones first)."""

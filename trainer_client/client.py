@@ -13,12 +13,13 @@ from google.longrunning import operations_pb2, operations_pb2_grpc
 from google.protobuf import duration_pb2
 
 from mesh_runtime import samples
-from mesh_runtime.channels import open_channel, read_methods
+from mesh_runtime.channels import open_balancer_channel, open_channel, read_methods
+from mesh_runtime.discovery import open_discovered_balancers
 from mesh_runtime.retry import retry_after, retry_same
 from mesh_runtime.tls import TlsConfig
 from rollmesh.controller.v1 import events_pb2
 from rollmesh.controller.v1 import controller_pb2, controller_pb2_grpc, observability_pb2, scaling_pb2
-from rollmesh.controller.v1 import scheduling_pb2
+from rollmesh.controller.v1 import registry_pb2, scheduling_pb2
 
 T = TypeVar("T")
 
@@ -125,6 +126,7 @@ class MeshClient:
                  retry_deadline_s: float = 120.0, sync_timeout_s: float = 600.0,
                  metadata: Sequence[tuple[str, str]] = ()) -> None:
         self.address = controller_address
+        self._tls = tls
         self._channel = open_channel(controller_address, tls=tls, idempotent=read_methods())
         self._stub = controller_pb2_grpc.ControllerServiceStub(self._channel)
         self._operations = operations_pb2_grpc.OperationsStub(self._channel)
@@ -184,6 +186,25 @@ class MeshClient:
         failed = {r.replica_id: r.error_message for sync in (reply.standalone_sync, reply.hybrid_sync)
                   for r in sync.replica_results if not r.ok}
         return CompleteResult(reply.hybrid_activated, reply.bytes_sent, reply.bytes_saved, failed, reply)
+
+    # -- balancers ----------------------------------------------------------------------------------
+
+    async def balancers(self, *, ready_only: bool = False) -> list[registry_pb2.BalancerRecord]:
+        """The load balancers the controller keeps in line (configured and registered), by id."""
+        reply = await self._retried("ListBalancers", lambda: self._stub.ListBalancers(
+            registry_pb2.ListBalancersRequest(ready_only=ready_only), timeout=self._call_timeout,
+            metadata=self._metadata))
+        return list(reply.balancers)
+
+    async def generation_channel(self, balancer_address: str = "", *, timeout_s: float = 60.0) -> grpc.aio.Channel:
+        """A channel for ``LoadBalancerServiceStub`` whose ``Generate`` calls spread over the balancers by a
+        consistent hash of ``request_id`` (a repeated id lands on the same balancer, and on the next one in
+        the ring when that one is down). ``balancer_address``: ``HOST:PORT[,HOST:PORT...]``; empty = the
+        balancers registered with this controller, re-read in the background. Close it when done."""
+        if balancer_address:
+            return open_balancer_channel(balancer_address, tls=self._tls, idempotent=read_methods())
+        return await open_discovered_balancers(self.address, tls=self._tls, idempotent=read_methods(),
+                                               timeout_s=timeout_s)
 
     # -- events ------------------------------------------------------------------------------------
 

@@ -40,6 +40,7 @@ from typing import Any
 import grpc
 
 from mesh_runtime.channels import open_balancer_channel, open_channel, read_methods
+from mesh_runtime.discovery import open_discovered_balancers
 from mesh_runtime.errors import FailedPrecondition, InvalidArgument
 from mesh_runtime.reasons import Reason
 from rollmesh.common.v1 import types_pb2
@@ -216,8 +217,13 @@ class TrainingDriver:
         tls = getattr(self.config, "tls", None)   # the agent's own identity (role trainer-agent)
         ctl_channel = open_channel(s.controller_address, tls=tls, tracer_provider=self._tracer_provider,
                                    idempotent=read_methods())
-        lb_channel = open_balancer_channel(s.load_balancer_address, tls=tls, tracer_provider=self._tracer_provider,
-                                  idempotent=read_methods())
+        if s.load_balancer_address:
+            lb_channel = open_balancer_channel(s.load_balancer_address, tls=tls, tracer_provider=self._tracer_provider,
+                                               idempotent=read_methods())
+        else:   # the balancers registered with the controller
+            lb_channel = await open_discovered_balancers(s.controller_address, tls=tls,
+                                                         tracer_provider=self._tracer_provider,
+                                                         idempotent=read_methods(), timeout_s=s.start_timeout_s)
         try:
             controller = controller_pb2_grpc.ControllerServiceStub(ctl_channel)
             balancer = loadbalancer_pb2_grpc.LoadBalancerServiceStub(lb_channel)

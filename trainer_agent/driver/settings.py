@@ -39,7 +39,9 @@ class DriverSettings:
                                                "store: the driver follows the leader)")
     load_balancer_address: str = setting("", help="HOST:PORT of the load balancer the rollouter generates "
                                                   "through, or HOST:PORT,HOST:PORT,... of several (requests "
-                                                  "spread by a consistent hash of request_id)")
+                                                  "spread by a consistent hash of request_id); empty = the "
+                                                  "balancers registered with the controller, as it lists them "
+                                                  "(re-read every few seconds)")
     total_training_steps: int = setting(20, help="global steps to train (each ends with a weight sync)")
     expected_replicas: int = setting(0, help="wait until the controller lists this many replicas before the "
                                              "first step (0 = do not wait)")
@@ -66,9 +68,8 @@ class DriverSettings:
     def validate(self) -> None:
         check_addresses(self, list_keys=("controller_address", "load_balancer_address"))
         if self.enabled:
-            for key in ("controller_address", "load_balancer_address"):
-                if not getattr(self, key):
-                    raise ConfigError(key, "is required when the driver is enabled")
+            if not self.controller_address:
+                raise ConfigError("controller_address", "is required when the driver is enabled")
         positive = ("total_training_steps", "start_timeout_s", "rpc_timeout_s", "sync_timeout_s",
                     "collect_timeout_s", "generate_timeout_s", "replica_poll_s", "checkpoint_interval")
         for key in positive:
