@@ -139,6 +139,32 @@ async def test_an_agent_cannot_register_or_deregister_another_nodes_id(pki, mesh
     assert (await _generate(pki, mesh, "after-register")).finish_reason == generation_pb2.FINISH_REASON_LENGTH
 
 
+async def test_only_a_balancer_can_register_a_balancer_and_only_itself(pki, mesh):
+    """A rogue balancer in the set would receive clients' prompts: registering one takes an lb certificate
+    that names it."""
+    async with _as(pki, "client", mesh["controller"]) as ch:
+        await _denied(controller_pb2_grpc.ControllerServiceStub(ch).RegisterBalancer(
+            registry_pb2.RegisterBalancerRequest(balancer_id="n0", address="127.0.0.1:1"), timeout=10))
+    async with _as(pki, "lb", mesh["controller"], name="evil") as ch:
+        stub = controller_pb2_grpc.ControllerServiceStub(ch)
+        details = await _denied(stub.RegisterBalancer(registry_pb2.RegisterBalancerRequest(
+            balancer_id="lb-good", address="127.0.0.1:1"), timeout=10), reason="NOT_YOUR_BALANCER")
+        assert "spiffe://rollmesh/lb/evil" in details
+        reply = await stub.ListBalancers(registry_pb2.ListBalancersRequest(), timeout=10)
+        assert "lb-good" not in [b.balancer_id for b in reply.balancers]
+    async with _as(pki, "lb", mesh["controller"], name="lb-good") as ch:   # its own id: accepted, then it leaves
+        stub = controller_pb2_grpc.ControllerServiceStub(ch)
+        await stub.RegisterBalancer(registry_pb2.RegisterBalancerRequest(balancer_id="lb-good",
+                                                                         address="127.0.0.1:1"), timeout=10)
+        async with _as(pki, "lb", mesh["controller"], name="evil") as evil:
+            await _denied(controller_pb2_grpc.ControllerServiceStub(evil).DeregisterBalancer(
+                registry_pb2.DeregisterBalancerRequest(balancer_id="lb-good"), timeout=10),
+                reason="NOT_YOUR_BALANCER")
+        await stub.DeregisterBalancer(registry_pb2.DeregisterBalancerRequest(balancer_id="lb-good"), timeout=10)
+        reply = await stub.ListBalancers(registry_pb2.ListBalancersRequest(), timeout=10)
+        assert [b.balancer_id for b in reply.balancers] == [mesh["lb"]]   # the configured one alone
+
+
 async def test_serving_cannot_be_taken_down_by_a_non_controller(pki, mesh):
     for role in ("operator", "client", "trainer-agent", "replica-agent"):
         async with _as(pki, role, mesh["agent"]) as ch:
