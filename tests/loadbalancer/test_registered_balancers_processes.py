@@ -5,8 +5,6 @@ the set; one stopped (SIGTERM) deregisters at once; the set survives a controlle
 
 from __future__ import annotations
 
-import asyncio
-import collections
 import signal
 
 import grpc
@@ -15,7 +13,8 @@ import pytest
 from mesh_runtime.discovery import open_discovered_balancers
 from mesh_runtime.errors import error_info
 from rollmesh.controller.v1 import controller_pb2_grpc, events_pb2, registry_pb2
-from tests.controller.scaling.helpers import Procs, events_of, generate, lb_stub, routed, until
+from tests.controller.scaling.helpers import Procs, events_of, lb_stub, routed, until
+from tests.loadbalancer.under_load import requests_through_a_kill
 
 pytestmark = pytest.mark.timeout(300)
 CONTROLLER = """state_dir: {state}
@@ -70,36 +69,7 @@ async def test_registered_balancers_are_kept_in_line_listed_and_dropped_when_the
             ring = await open_discovered_balancers(ctl_address, refresh_s=0.3, timeout_s=30)
             assert sorted(ring.addresses) == sorted([lb1, lb2])
             stub = lb_stub(ring)
-            completed: collections.Counter[str] = collections.Counter()
-            attempts: collections.Counter[str] = collections.Counter()
-            started = asyncio.Event()
-
-            async def one(i: int) -> None:
-                request_id = f"req-{i}"
-                for _ in range(5):   # the rollouter's retry: same id, to the next balancer of the ring
-                    attempts[request_id] += 1
-                    try:
-                        final = await generate(stub, request_id, 40)
-                    except grpc.aio.AioRpcError as err:
-                        assert err.code() == grpc.StatusCode.UNAVAILABLE, err
-                        await asyncio.sleep(0.05)
-                        continue
-                    assert final.usage.completion_tokens == 40
-                    completed[request_id] += 1
-                    if len(completed) >= 50:
-                        started.set()
-                    return
-                raise AssertionError(f"{request_id} never completed")
-
-            semaphore = asyncio.Semaphore(100)
-
-            async def bounded(i: int) -> None:
-                async with semaphore:
-                    await one(i)
-            runs = asyncio.gather(*(bounded(i) for i in range(REQUESTS)))
-            await started.wait()
-            procs.kill("lb1")   # mid-load, no deregistration
-            await runs
+            completed, attempts = await requests_through_a_kill(stub, lambda: procs.kill("lb1"), requests=REQUESTS)
             assert len(completed) == REQUESTS and set(completed.values()) == {1}   # 0 lost, 0 duplicated
             assert sum(attempts.values()) > REQUESTS   # some were caught on the killed balancer and resent
 

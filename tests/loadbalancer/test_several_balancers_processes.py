@@ -3,14 +3,13 @@ one is killed (SIGKILL) under 1,000 requests and each request still completes ex
 
 from __future__ import annotations
 
-import asyncio
 import collections
 
-import grpc
 import pytest
 
 from mesh_runtime.channels import HashRingChannel, open_balancer_channel, open_channel
-from tests.controller.scaling.helpers import Procs, generate, lb_stub, routed, until
+from tests.controller.scaling.helpers import Procs, lb_stub, routed, until
+from tests.loadbalancer.under_load import requests_through_a_kill
 
 pytestmark = pytest.mark.timeout(240)
 CONTROLLER = """load_balancer_address: {lb}
@@ -38,36 +37,7 @@ async def test_killing_one_of_two_balancers_under_load_loses_and_duplicates_noth
         stub = lb_stub(ring)
         planned = collections.Counter(ring.order(f"req-{i}")[0] for i in range(REQUESTS))
         assert min(planned.values()) > REQUESTS * 0.35   # the ring spreads ids about evenly
-        completed: collections.Counter[str] = collections.Counter()
-        attempts: collections.Counter[str] = collections.Counter()
-        started = asyncio.Event()
-
-        async def one(i: int) -> None:
-            request_id = f"req-{i}"
-            for _ in range(5):   # the rollouter's retry: same id, and the ring sends it to the next balancer
-                attempts[request_id] += 1
-                try:
-                    final = await generate(stub, request_id, 40)
-                except grpc.aio.AioRpcError as err:
-                    assert err.code() == grpc.StatusCode.UNAVAILABLE, err
-                    await asyncio.sleep(0.05)
-                    continue
-                assert final.usage.completion_tokens == 40
-                completed[request_id] += 1
-                if len(completed) >= 50:
-                    started.set()
-                return
-            raise AssertionError(f"{request_id} never completed")
-
-        semaphore = asyncio.Semaphore(100)
-
-        async def bounded(i: int) -> None:
-            async with semaphore:
-                await one(i)
-        runs = asyncio.gather(*(bounded(i) for i in range(REQUESTS)))
-        await started.wait()
-        procs.kill("lb1")   # mid-load
-        await runs
+        completed, attempts = await requests_through_a_kill(stub, lambda: procs.kill("lb1"), requests=REQUESTS)
         assert len(completed) == REQUESTS and set(completed.values()) == {1}   # 0 lost, 0 duplicated
         assert sum(attempts.values()) > REQUESTS   # some requests were caught on the killed balancer and resent
         async with open_channel(lb2) as c2:
