@@ -156,6 +156,14 @@ class ControllerMetrics:
         nodes.add_metric(["true"], held)
         nodes.add_metric(["false"], len(registry.nodes()) - held)
         out.append(nodes)
+        balancers = GaugeMetricFamily("rollmesh_controller_balancers", "Load balancers kept in line (configured and "
+                                      "registered), by whether clients are sent to them (table filled, answering)",
+                                      labels=["ready"])
+        records = self._mesh.balancers.records()
+        ready = sum(1 for b in records if b.routing_ready and b.lease_held)
+        balancers.add_metric(["true"], ready)
+        balancers.add_metric(["false"], len(records) - ready)
+        out.append(balancers)
         for name, (metric, text) in _COUNTERS.items():
             family = CounterMetricFamily(metric, text)
             family.add_metric([], self._sums.get(name, 0.0))

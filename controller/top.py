@@ -1,6 +1,6 @@
 """``rollmesh top ADDRESS``: a terminal monitor of a running controller.
 
-Shows the replicas (state, kind, weight version, load), the hybrid
+Shows the balancers, the replicas (state, kind, weight version, load), the hybrid
 scheduler, the autoscaler's conditions and the recent scale operations,
 refreshing every ``--interval`` seconds; ``q`` quits and ``r`` refreshes now.
 ``--once`` prints one frame as plain text and exits, for scripts: 0 when the
@@ -59,6 +59,7 @@ class Snapshot:
     autoscaler: Any = None
     conditions: Any = None
     operations: list[Any] | None = None
+    balancers: list[Any] | None = None
     errors: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
@@ -86,6 +87,8 @@ def fetch(channel: Any, address: str, timeout_s: float) -> Snapshot:
         return snap  # the controller is not there; do not wait out every other call
     replicas = call("replicas", stub.ListReplicas, registry_pb2.ListReplicasRequest())
     snap.replicas = list(replicas.replicas) if replicas is not None else None
+    balancers = call("balancers", stub.ListBalancers, registry_pb2.ListBalancersRequest())
+    snap.balancers = list(balancers.balancers) if balancers is not None else None
     snap.scheduler = call("scheduler", stub.GetSchedulerState, scheduling_pb2.GetSchedulerStateRequest())
     auto = call("autoscaler", stub.GetAutoscalerStatus, autoscaler_pb2.GetAutoscalerStatusRequest())
     snap.autoscaler = auto.status if auto is not None else None
@@ -165,6 +168,9 @@ def render(snap: Snapshot, width: int = 100) -> list[str]:
                      f"{st.leader_name}".rstrip())
     lines.append(f"nodes {st.node_count}   replicas {st.replica_count} ({st.active_replica_count} active)   "
                  f"running operation {st.running_operation_id or '-'}   events {st.last_event_sequence}")
+    if snap.balancers:
+        lines.append("balancers " + "   ".join(
+            f"{b.balancer_id}{'' if b.routing_ready and b.lease_held else ' NOT READY'}" for b in snap.balancers))
     if snap.scheduler is not None:
         sc = snap.scheduler
         step = sc.last_global_step if sc.HasField("last_global_step") else "-"

@@ -102,3 +102,4 @@ async def test_every_servers_metrics_pass_promtool(tmp_path, promtool):
     assert "rollmesh_trainer_global_step" in bodies["trainer"].decode()
     assert "rollmesh_lb_sticky_sessions 0.0" in lb_text
     assert "rollmesh_controller_event_history_events" in bodies["c"].decode()
+    assert 'rollmesh_controller_balancers{ready="true"} 1.0' in bodies["c"].decode()   # its configured balancer

@@ -128,3 +128,15 @@ def test_bad_arguments_exit_2_naming_them(args, message):
     result = _top(*args)
     assert result.returncode == 2
     assert message in result.stderr
+
+
+def test_balancers_are_shown_with_those_clients_are_not_sent_to():
+    from rollmesh.controller.v1 import controller_pb2, registry_pb2  # noqa: PLC0415
+
+    balancers = [registry_pb2.BalancerRecord(balancer_id="lb-1", lease_held=True, routing_ready=True),
+                 registry_pb2.BalancerRecord(balancer_id="lb-2", lease_held=True, routing_ready=False)]
+    lines = render(Snapshot(address="127.0.0.1:1", taken_at=0.0, status=controller_pb2.GetStatusResponse(),
+                            balancers=balancers))
+    assert "balancers lb-1   lb-2 NOT READY" in lines
+    assert not any(line.startswith("balancers") for line in render(Snapshot(
+        address="127.0.0.1:1", taken_at=0.0, status=controller_pb2.GetStatusResponse(), balancers=[])))
