@@ -48,9 +48,13 @@ async def test_status_fan_out_is_one_trace_across_controller_and_lb(tmp_path):
         await receiver_server.stop(None)
 
     spans = receiver.spans
-    ctl_server = next(s for s in spans if s.service == "rollmesh-controller" and s.kind == SERVER)
-    ctl_client = next(s for s in spans if s.service == "rollmesh-controller" and s.kind == CLIENT)
-    lb_server = next(s for s in spans if s.service == "rollmesh-lb" and s.kind == SERVER)
+    # by name: the controller's routing reconciliation calls the balancer too (its first round runs at start)
+    ctl_server = next(s for s in spans if s.service == "rollmesh-controller" and s.kind == SERVER
+                      and s.name == "rollmesh.controller.v1.ControllerService/GetStatus")
+    ctl_client = next(s for s in spans if s.service == "rollmesh-controller" and s.kind == CLIENT
+                      and s.name == "rollmesh.loadbalancer.v1.LoadBalancerService/GetStatus")
+    lb_server = next(s for s in spans if s.service == "rollmesh-lb" and s.kind == SERVER
+                     and s.name == "rollmesh.loadbalancer.v1.LoadBalancerService/GetStatus")
     assert ctl_server.trace_id == ctl_client.trace_id == lb_server.trace_id
     assert ctl_client.parent_span_id == ctl_server.span_id
     assert lb_server.parent_span_id == ctl_client.span_id
