@@ -13,7 +13,8 @@ import pytest
 from mesh_runtime.discovery import open_discovered_balancers
 from mesh_runtime.errors import error_info
 from rollmesh.controller.v1 import controller_pb2_grpc, events_pb2, registry_pb2
-from tests.controller.scaling.helpers import Procs, events_of, lb_stub, routed, until
+from trainer_client import MeshClient
+from tests.controller.scaling.helpers import Procs, events_of, generate, lb_stub, routed, until
 from tests.loadbalancer.under_load import requests_through_a_kill
 
 pytestmark = pytest.mark.timeout(300)
@@ -87,6 +88,16 @@ async def test_registered_balancers_are_kept_in_line_listed_and_dropped_when_the
             await until(three_in_ring, 30, what="the new balancer in the client's ring")
             async with grpc.aio.insecure_channel(lb3) as c:
                 assert await routed(lb_stub(c)) == ["a-s0", "b-s0"]   # ready means its table is filled
+            async with MeshClient(ctl_address) as mesh:   # the Python client reads the same set
+                assert [b.balancer_id for b in await mesh.balancers(ready_only=True)] == ["lb-2", "lb-3"]
+                channel = await mesh.generation_channel()
+                try:
+                    for i in range(20):   # ids spread over both, each answered once
+                        final = await generate(lb_stub(channel), f"client-{i}", 8)
+                        assert final.usage.completion_tokens == 8
+                    assert sorted(channel.addresses) == sorted([lb2, lb3])
+                finally:
+                    await channel.close()
             _, proc3 = procs.procs.pop("lb3")
             proc3.send_signal(signal.SIGTERM)
             proc3.wait(timeout=30)
