@@ -33,6 +33,7 @@ from tests.chaos.training import outcome, steps as step_records
 from tests.e2e.job_configs import job_config
 from tests.etcd_server import etcd_cluster, needs_etcd
 from tests.processes import clean_env, free_port, running_server
+from tests.waiting import wait_until
 
 pytestmark = [needs_etcd, pytest.mark.timeout(300)]
 STEPS = 8
@@ -105,13 +106,17 @@ async def test_training_finishes_through_a_kill_of_the_leader_or_of_a_balancer(t
                 async with grpc.aio.insecure_channel(survivor) as channel:
                     stub = controller_pb2_grpc.ControllerServiceStub(channel)
                     status = await stub.GetStatus(controller_pb2.GetStatusRequest(), timeout=10)
-                    balancers = await stub.ListBalancers(registry_pb2.ListBalancersRequest(), timeout=10)
+                    held = ["lb-2"] if moment == "balancer" else ["lb-1", "lb-2"]
+
+                    async def leases_held() -> bool:
+                        listed = await stub.ListBalancers(registry_pb2.ListBalancersRequest(), timeout=10)
+                        return [b.balancer_id for b in listed.balancers if b.lease_held] == held
+
+                    # training may finish before a killed balancer's 4 s lease lapses: wait for the lapse itself
+                    await wait_until(leases_held, 20, what=f"balancer leases held by exactly {held}")
     assert progress.state == trainer_agent_pb2.TRAINING_STATE_FINISHED, progress.error_message
     assert killed_at_step < STEPS   # the kill landed while training ran
     assert status.role == controller_pb2.CONTROLLER_ROLE_LEADER and status.leader_address == survivor
-    # both balancers stayed registered through the failover; a killed one is dropped when its lease lapses
-    assert [b.balancer_id for b in balancers.balancers if b.lease_held] == (
-        ["lb-2"] if moment == "balancer" else ["lb-1", "lb-2"])
     steps = step_records(steps_file)
     assert [s["global_step"] for s in steps] == list(range(1, STEPS + 1))   # every step once, none repeated
     assert progress.samples_generated == progress.samples_consumed + progress.samples_dropped + progress.queue_size
