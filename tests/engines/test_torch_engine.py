@@ -236,7 +236,8 @@ async def test_load_snapshot_reports_batch_and_latency(torch_engine, collect):
     await asyncio.gather(*(collect(torch_engine, greedy(f"m{i}", i)) for i in range(4)))
     snap = torch_engine.load_snapshot()
     assert snap.tokens_per_second > 0 and snap.ttft_p95_s > 0
-    assert 0 < snap.itl_mean_s <= snap.itl_p95_s
+    # both measured (one slow gap can pull the mean above the 95th percentile, so they are not ordered)
+    assert snap.itl_mean_s > 0 and snap.itl_p95_s > 0
 
 
 async def test_local_directory_model_matches_the_preset(tmp_path, torch_engine_factory, collect):
