@@ -84,6 +84,7 @@ class Mesh:
         self.event_listeners: list[Any] = []
         """Called with every event as it is recorded (the Prometheus counters)."""
         self.hub = EventHub(self.events, config.watcher_queue_size)
+        self.store.on_events_stored = self.hub.stored   # a stream shows an event once no crash can undo it
         self.admission = Admission(config.max_registrations_per_s, time.monotonic)
         self._migrated_registry = False
         self.registry = self._restore_registry()
@@ -135,6 +136,7 @@ class Mesh:
         if saved_events:
             saved_events["events"] = self.store.load_events(self.config.event_retention_max)
             self.events.load_state_dict(saved_events)
+            self.hub.stored_sequence = self.events.last_sequence   # loaded from the store: stored
             self.store.prune_events(self.config.event_retention_max)
         documents = self.store.load_collection("registry/node")
         if documents:
@@ -182,7 +184,6 @@ class Mesh:
         log_event(event, log)
         for listener in self.event_listeners:
             listener(event)
-        self.hub.publish(event)
         self.store.append_event(event.sequence, event.to_dict())
         self.store.mark("events", "registry/node")
         return event

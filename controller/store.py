@@ -61,6 +61,9 @@ class StateStore:
         self.on_write: Callable[[float, bool], None] | None = None
         """Called after each background or commit batch with its write time in seconds and whether it was
         stored (the controller's store metrics)."""
+        self.on_events_stored: Callable[[int], None] | None = None
+        """Called on the event loop with the newest event sequence once every event up to it is written (at
+        once without a backend: there is nothing to wait for). The event streams deliver only those."""
 
     @property
     def description(self) -> str:
@@ -99,9 +102,15 @@ class StateStore:
 
     def append_event(self, sequence: int, event: Any) -> None:
         """Queue one lifecycle event for the append-only events table."""
-        if self.backend is not None:
-            self._events.append((sequence, json.dumps(event)))
-            self._wakeup.set()
+        if self.backend is None:
+            self._stored([(sequence, "")])
+            return
+        self._events.append((sequence, json.dumps(event)))
+        self._wakeup.set()
+
+    def _stored(self, events: list[tuple[int, str]]) -> None:
+        if events and self.on_events_stored is not None:
+            self.on_events_stored(max(sequence for sequence, _ in events))
 
     def load_events(self, limit: int) -> list[Any]:
         """The newest ``limit`` persisted events, oldest first."""
@@ -157,7 +166,9 @@ class StateStore:
     def flush(self) -> None:
         """Write everything pending now (shutdown, tests); nothing on a read-only copy."""
         if not self.read_only:
-            self._write(*self._collect())
+            generation, documents, events = self._collect()
+            self._write(generation, documents, events)
+            self._stored(events)
 
     def close(self) -> None:
         """Write everything pending, then release the backend's connections."""
@@ -212,6 +223,7 @@ class StateStore:
                 raise
             self._observe(started, ok=True)
             self._durable = max(self._durable, generation)
+            self._stored(events)
         finally:
             self._inflight = None
 

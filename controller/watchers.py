@@ -1,6 +1,13 @@
 """Fan-out of lifecycle events to WatchEvents streams without ever blocking the controller.
 
-Each watcher has a bounded queue. Appending an event never waits: a watcher
+A stream carries only events that are stored: the hub delivers an event once
+the state store has written it (:meth:`EventHub.stored`), never before. So a
+sequence number a watcher has seen is one that every later controller (this
+one restarted, or a standby that takes over) also has, and a watcher that
+resumes with ``from_sequence`` after a crash or a failover neither misses the
+new leader's events nor holds one that the mesh forgot.
+
+Each watcher has a bounded queue. Delivering an event never waits: a watcher
 whose queue is full is marked lagging and its queue dropped; its stream then
 catches up from the event log's retained history, and if events were evicted
 meanwhile it first receives a GAP event counting what it missed.
@@ -36,6 +43,8 @@ class EventHub:
         self.queue_size = queue_size
         self._watchers: set[Watcher] = set()
         self.closed: Exception | None = None
+        self.stored_sequence = log.last_sequence
+        """Newest event the store has written (its owner sets it when it loads the log from the store)."""
 
     def close(self, error: Exception) -> None:
         """End every stream (now and later) with ``error``: its caller resumes elsewhere from its last event."""
@@ -49,7 +58,20 @@ class EventHub:
         """Events queued for each open WatchEvents stream now (each bounded by ``queue_size``)."""
         return [watcher.queue.qsize() for watcher in self._watchers]
 
-    def publish(self, event: LifecycleEvent) -> None:
+    def stored(self, sequence: int) -> None:
+        """The store has written every event up to ``sequence``: deliver those not delivered yet."""
+        if sequence <= self.stored_sequence:
+            return
+        first, self.stored_sequence = self.stored_sequence + 1, sequence
+        if not self._watchers:
+            return
+        events, _ = self.log.since(first)
+        for event in events:
+            if event.sequence > sequence:
+                break
+            self._publish(event)
+
+    def _publish(self, event: LifecycleEvent) -> None:
         for watcher in self._watchers:
             if watcher.lagging or not watcher.accept(event):
                 continue
@@ -63,7 +85,8 @@ class EventHub:
 
     async def watch(self, from_sequence: int, accept: Callable[[LifecycleEvent], bool],
                     include_history: bool) -> AsyncIterator[LifecycleEvent]:
-        """Events after ``from_sequence`` (history first when asked), then live ones, forever."""
+        """Events from ``from_sequence`` on (history first when asked; else those stored after the call), then
+        live ones as they are stored, forever."""
         if self.closed is not None:
             raise self.closed
         watcher = Watcher(accept, self.queue_size)
@@ -72,7 +95,7 @@ class EventHub:
             if from_sequence:
                 watcher.last_sequence = from_sequence - 1
             else:
-                watcher.last_sequence = 0 if include_history else self.log.last_sequence
+                watcher.last_sequence = 0 if include_history else self.stored_sequence
             for event in self._catch_up(watcher):
                 yield event
             while True:
@@ -93,6 +116,7 @@ class EventHub:
 
     def _catch_up(self, watcher: Watcher) -> list[LifecycleEvent]:
         events, missed = self.log.since(watcher.last_sequence + 1)
+        events = [e for e in events if e.sequence <= self.stored_sequence]
         out: list[LifecycleEvent] = []
         if missed:
             out.append(LifecycleEvent(sequence=0, time=events[0].time if events else 0.0, type=EventType.GAP,

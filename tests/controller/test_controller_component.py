@@ -86,7 +86,7 @@ async def test_a_slow_watcher_never_blocks_and_is_told_what_it_missed():
     first = asyncio.ensure_future(stream.__anext__())
     await asyncio.sleep(0)  # the watcher is registered and waiting
     for i in range(12):  # overflows the watcher's queue and the log's retention; never blocks
-        hub.publish(log.append(EventType.STEP_PHASE, reason=f"e{i}"))
+        hub.stored(log.append(EventType.STEP_PHASE, reason=f"e{i}").sequence)
     received = [await first] + [await stream.__anext__() for _ in range(5)]
     await stream.aclose()
     gap = received[0]  # its queue overflowed and the log kept only the newest 5

@@ -588,18 +588,24 @@ export const ControllerService: GenService<{
   },
   /**
    * Streams lifecycle events: the requested backlog first, then new events
-   * as they happen, in sequence order. A watcher that falls behind gets one
-   * EVENT_TYPE_GAP event (missed_events set) in place of the events it
-   * missed; resuming from a sequence older than the retained history also
-   * starts with a GAP, then the oldest retained event. Capability: events.
+   * as they happen, in sequence order. An event is sent once the state store
+   * holds it (within the store's write interval, about 0.1 s), so every
+   * sequence a watcher received is also known to a restarted controller or
+   * to the standby that takes over, and resuming there with from_sequence =
+   * last received + 1 neither skips nor repeats an event. A watcher that
+   * falls behind gets one EVENT_TYPE_GAP event (missed_events set) in place
+   * of the events it missed; resuming from a sequence older than the
+   * retained history also starts with a GAP, then the oldest retained event.
+   * Capability: events.
    *
    * Errors:
    * - OUT_OF_RANGE: from_sequence is beyond the next sequence number.
    * - RESOURCE_EXHAUSTED: the watcher stayed behind longer than the
    *   controller's limit and was disconnected; resume from the last
    *   sequence received.
-   * - UNAVAILABLE: the controller is shutting down; resume elsewhere or
-   *   later.
+   * - UNAVAILABLE: the controller is shutting down, or (reason NOT_LEADER)
+   *   is a standby or stopped leading; resume on the leader (ErrorInfo
+   *   metadata "leader") or later.
    *
    * Authorization: any authenticated identity.
    *
