@@ -65,14 +65,56 @@ async def print_status(address: str, timeout_s: float, tls: TlsConfig | None = N
     try:
         service, response = await fetch_status(address, timeout_s, tls)
     except (grpc.RpcError, LookupError) as err:
-        detail = err.details() if isinstance(err, grpc.aio.AioRpcError) else str(err)
-        print(f"rollmesh status: error: {address}: {detail}", file=sys.stderr)
+        print(f"rollmesh status: error: {address}: {_failure(err)}", file=sys.stderr)
         return 1
     if as_json:
         print(json.dumps(_integral(json_format.MessageToDict(response)), indent=2))
     else:
         print("\n".join(status_summary(service, response)))
     return 0
+
+
+async def print_leader_status(addresses: list[str], timeout_s: float, tls: TlsConfig | None = None, *,
+                              as_json: bool = False) -> int:
+    """The status of the controller leading among ``addresses``, then one line per other address."""
+    from rollmesh.controller.v1 import controller_pb2  # noqa: PLC0415
+
+    answers = await asyncio.gather(*(fetch_status(a, timeout_s, tls) for a in addresses), return_exceptions=True)
+    leader = next((a for a, answer in zip(addresses, answers) if not isinstance(answer, BaseException)
+                   and getattr(answer[1], "role", None) == controller_pb2.CONTROLLER_ROLE_LEADER), None)
+    if as_json:
+        print(json.dumps({"leader": leader or "", "controllers": {
+            a: {"error": _failure(answer)} if isinstance(answer, BaseException)
+            else _integral(json_format.MessageToDict(answer[1])) for a, answer in zip(addresses, answers)}},
+            indent=2))
+    else:
+        if leader is not None:
+            print("\n".join(status_summary(*answers[addresses.index(leader)])))   # type: ignore[misc]
+        for address, answer in zip(addresses, answers):
+            if address != leader:
+                print(f"  {address}: {_member_line(answer)}")
+    if leader is None:
+        print(f"rollmesh status: error: none of {', '.join(addresses)} answered as the leading controller",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def _failure(error: BaseException) -> str:
+    return error.details() or error.code().name if isinstance(error, grpc.aio.AioRpcError) else str(error)
+
+
+def _member_line(answer) -> str:
+    """One controller that is not the leader: a standby and whom it names, else why it did not answer."""
+    from rollmesh.controller.v1 import controller_pb2  # noqa: PLC0415
+
+    if isinstance(answer, BaseException):
+        return f"did not answer: {_failure(answer)}"
+    service, response = answer
+    if getattr(response, "role", None) is None:
+        return f"not a controller ({service})"
+    role = controller_pb2.ControllerRole.Name(response.role).removeprefix("CONTROLLER_ROLE_").lower()
+    return f"{role}, leader: {response.leader_address or 'unknown'}"
 
 
 def _integral(value):

@@ -8,6 +8,8 @@ import asyncio
 import contextlib
 import json
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import grpc
@@ -50,6 +52,12 @@ async def stop(start: asyncio.Task) -> None:
     results = await asyncio.gather(start, return_exceptions=True)
     if isinstance(results[0], ServerProcess):
         await results[0].kill()
+
+
+async def status_cli(*args: str) -> subprocess.CompletedProcess:
+    """``rollmesh status ARGS`` as a user runs it."""
+    return await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "mesh_runtime.cli", "status", *args],
+                                   capture_output=True, text=True, env=clean_env(), timeout=60)
 
 
 async def history(address: str) -> list:
@@ -136,9 +144,19 @@ async def test_a_standby_answers_reads_refuses_the_rest_and_takes_over_when_the_
                         pass
             assert error_info(watch_refused.value).reason == "NOT_LEADER"
             assert stored_nodes(store) == ["n1"]   # the refused registration did nothing
+            shown = await status_cli(f"{second.address},{first.address}")   # the CLI finds the leader
+            assert shown.returncode == 0, shown.stderr
+            assert f"listening on {first.address}" in shown.stdout.splitlines()[0]
+            assert f"  {second.address}: standby, leader: {first.address}" in shown.stdout
 
             await first.kill()   # kill -9: its lease runs out in 2 s and the standby takes over
             await wait_role(second.address, LEADER)
+            shown = await status_cli(f"{first.address},{second.address}", "--json")
+            assert shown.returncode == 0, shown.stderr
+            answers = json.loads(shown.stdout)
+            assert answers["leader"] == second.address
+            assert answers["controllers"][second.address]["role"] == "CONTROLLER_ROLE_LEADER"
+            assert "error" in answers["controllers"][first.address]   # the dead one, said so
             assert (await status(second.address)).leader_address == second.address
             assert await nodes(second.address) == ["n1"]   # what the first acknowledged
             changes = [e for e in await history(second.address) if e.type == events_pb2.EVENT_TYPE_LEADER_CHANGED]
@@ -147,6 +165,44 @@ async def test_a_standby_answers_reads_refuses_the_rest_and_takes_over_when_the_
             assert changes[-1].details["waited_s"] > 0 and changes[-1].details["fence_revision"] > 0
             await register(second.address, "n2")
             assert stored_nodes(store) == ["n1", "n2"]
+
+
+async def test_an_event_stream_resumes_on_the_new_leader_with_nothing_missed_or_invented(tmp_path):
+    from trainer_client import MeshClient
+
+    with etcd_cluster(tmp_path / "etcd") as etcd:
+        async with leader_and_standby(tmp_path, etcd.url("/watched"), ttl_s=2) as (first, second):
+            watched: list = []
+
+            async def watch() -> None:
+                async with MeshClient(f"{first.address},{second.address}") as client:
+                    async for event in client.events(include_history=True):
+                        watched.append(event)
+            watcher = asyncio.create_task(watch())
+            await register(first.address, "n0")
+            await wait_until(lambda: any(e.node_id == "n0" for e in watched), 15, what="n0's event on the stream")
+
+            async with grpc.aio.insecure_channel(first.address) as channel:   # a burst the kill lands inside
+                stub = controller_pb2_grpc.ControllerServiceStub(channel)
+                burst = [asyncio.ensure_future(stub.RegisterNode(registry_pb2.RegisterNodeRequest(
+                    node_id=f"b{i}", address=f"127.0.0.1:{41000 + i}", slots_total=1), timeout=10))
+                    for i in range(40)]
+                await wait_until(lambda: any(f.done() for f in burst), 15, what="the burst to be under way")
+                await first.kill()
+                await asyncio.gather(*burst, return_exceptions=True)
+            await wait_role(second.address, LEADER)
+            await register(second.address, "n-after")
+            await wait_until(lambda: any(e.node_id == "n-after" for e in watched), 30,
+                             what="the stream to resume on the new leader")
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+            kept = await history(second.address)
+            seen = [(e.sequence, e.type, e.node_id, e.reason) for e in watched]
+            assert [s[0] for s in seen] == list(range(1, len(seen) + 1))   # each once, in order, none skipped
+            # exactly what the store kept: no event shown by the dead leader and lost with it
+            assert seen == [(e.sequence, e.type, e.node_id, e.reason) for e in kept][:len(seen)]
+            assert [e.to_state.split(" at ")[0] for e in watched
+                    if e.type == events_pb2.EVENT_TYPE_LEADER_CHANGED] == ["first", "second"]
 
 
 async def test_a_clean_shutdown_hands_the_store_over_without_waiting_out_the_lease(tmp_path):
