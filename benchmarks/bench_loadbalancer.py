@@ -10,10 +10,14 @@
    latency mutual TLS adds to one short request at concurrency 1.
 4. Several balancers: the capacity run of 2 through 1, 2 and 4 balancers (each routing the same 4 replicas)
    behind the consistent-hash client (``open_balancer_channel``); requests/s and the ratio to one balancer
-   (target: near-linear until the machine's cores run out; the figures say how many it has).
+   (target: near-linear until the machine's cores run out; the figures say how many it has), and the CPU
+   each request costs the balancers (flat as N grows: the balancers share nothing). With
+   ``--balancer-cpu F`` (Linux, root) each balancer is held to F of one core (a cgroup CFS quota,
+   :mod:`benchmarks.cpu_quota`), so the balancers are the bottleneck even where the machine has fewer cores
+   than processes, as N balancers on N machines would be.
 
     .venv/bin/python -m benchmarks.bench_loadbalancer [--requests 768] [--concurrency 256] [--only-tls]
-        [--only-balancers]
+        [--only-balancers] [--balancer-cpu 0.15]
 """
 
 from __future__ import annotations
@@ -150,6 +154,8 @@ async def main() -> None:
     parser.add_argument("--capacity-requests", type=int, default=2000)
     parser.add_argument("--only-tls", action="store_true", help="run only the mutual-TLS comparison")
     parser.add_argument("--only-balancers", action="store_true", help="run only the 1/2/4-balancer capacity runs")
+    parser.add_argument("--balancer-cpu", type=float, default=0.0,
+                        help="hold each balancer to this fraction of one core (cgroup quota; 0: no limit)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmpdir:
         tmp = Path(tmpdir)
@@ -164,8 +170,10 @@ async def main() -> None:
 
 async def balancer_runs(tmp: Path, args) -> None:
     """Capacity through N balancers behind the consistent-hash client, N = 1, 2, 4."""
+    import contextlib  # noqa: PLC0415
     import os  # noqa: PLC0415
 
+    from benchmarks.cpu_quota import cpu_quota, cpu_seconds, machine_busy_seconds  # noqa: PLC0415
     from mesh_runtime.channels import open_balancer_channel  # noqa: PLC0415
 
     procs, first, replicas = await start_cluster(tmp, ".inf")
@@ -179,19 +187,30 @@ async def balancer_runs(tmp: Path, args) -> None:
             async with open_channel(lb.address) as ch:
                 await loadbalancer_pb2_grpc.LoadBalancerServiceStub(ch).AddReplicas(loadbalancer_pb2.AddReplicasRequest(
                     replicas=[routing_pb2.ReplicaEndpoint(replica_id=r, address=a) for r, a in replicas]))
-        addresses = [first, *(lb.address for lb in extra)]
+        balancers = [procs[0], *extra]
+        addresses = [lb.address for lb in balancers]
         sizes = [16] * args.capacity_requests
+        limit = (f"each balancer held to {args.balancer_cpu:g} of a core" if args.balancer_cpu
+                 else "no CPU limit")
         print(f"several balancers ({args.capacity_requests} requests of 16 tokens, instant engines, 128 concurrent, "
-              f"one client process, {os.cpu_count()} cores for everything)")
+              f"one client process, {os.cpu_count()} cores for everything, {limit})")
+        quota = (cpu_quota({f"lb{i}": lb.pid for i, lb in enumerate(balancers)}, args.balancer_cpu)
+                 if args.balancer_cpu else contextlib.nullcontext())
         base = None
-        for count in (1, 2, 4):
-            joined = ",".join(addresses[:count])
-            await via_lb(joined, [16] * 200, 32, f"warm{count}", opener=open_balancer_channel)   # warm each one
-            wall, lat = await via_lb(joined, sizes, 128, f"b{count}", opener=open_balancer_channel)
-            rate = args.capacity_requests / wall
-            base = base or rate
-            print(f"  {count} balancer(s): {rate:8.1f} req/s  ({rate / base:4.2f}x)  p50 {pct(lat, 50) * 1e3:6.1f} ms"
-                  f"  p99 {pct(lat, 99) * 1e3:6.1f} ms")
+        with quota:
+            for count in (1, 2, 4):
+                joined = ",".join(addresses[:count])
+                await via_lb(joined, [16] * 200, 32, f"warm{count}", opener=open_balancer_channel)   # warm each
+                used, busy = [cpu_seconds(lb.pid) for lb in balancers[:count]], machine_busy_seconds()
+                wall, lat = await via_lb(joined, sizes, 128, f"b{count}", opener=open_balancer_channel)
+                used = [cpu_seconds(lb.pid) - before for lb, before in zip(balancers[:count], used)]
+                busy = machine_busy_seconds() - busy
+                rate = args.capacity_requests / wall
+                base = base or rate
+                print(f"  {count} balancer(s): {rate:8.1f} req/s  ({rate / base:4.2f}x)  "
+                      f"p50 {pct(lat, 50) * 1e3:6.1f} ms  p99 {pct(lat, 99) * 1e3:6.1f} ms  "
+                      f"balancer CPU {sum(used) / args.capacity_requests * 1e3:5.2f} ms/request "
+                      f"({sum(used) / wall:4.2f} cores busy; the machine {busy / wall:4.2f} of {os.cpu_count()})")
     finally:
         await asyncio.gather(*(p.terminate() for p in [*procs, *extra]))
 
