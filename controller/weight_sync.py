@@ -305,20 +305,23 @@ class WeightBroadcast:
         """Tell the balancer the new versions; take replicas whose sync failed out of routing.
 
         A replica that missed a version is stale: it leaves routing until a
-        later sync succeeds, and only then (if it was routed before) comes back.
+        later sync succeeds, and is stale no more once one has. One that is
+        ACTIVE now comes back at once; one still in its transition (a serving
+        sync holds it SYNCING until this returns, an activation wakes it after)
+        is routed by that transition or by the next routing reconcile round.
         """
         done = {r.replica_id: version for r in results if r.ok}
         failed = [r.replica_id for r in results if not r.ok]
+        back = [self.registry.get(r) for r in done
+                if r in self.stale and self.registry.get(r).state.value == "ACTIVE"]
+        self.stale.difference_update(done)   # at the current version now, whatever its state
         try:
             if failed:
                 await self.routing.remove_replicas(failed)
                 self.stale.update(failed)
             await self.routing.update_versions(done)
-            back = [self.registry.get(r) for r in done
-                    if r in self.stale and self.registry.get(r).state.value == "ACTIVE"]
             if back:
                 await self.routing.add_replicas(back)
-                self.stale.difference_update(done)
         except grpc.aio.AioRpcError as err:
             log.warning("could not update the load balancer after sync: %s", describe_error(err))
 

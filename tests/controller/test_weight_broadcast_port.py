@@ -52,3 +52,53 @@ async def test_without_a_trainer_every_replica_fails_with_a_clear_reason():
     port = WeightBroadcast(Channels(None), registry, FakeRouting(), trainer_address="", timeout_s=1.0)
     outcome = await port.sync(["s0"], 2)
     assert outcome.failed == {"s0": "no trainer_address configured"}
+
+
+async def test_a_replica_back_behind_the_version_is_routed_again_after_its_next_serving_sync(tmp_path, monkeypatch):
+    """The multi-host partition test's defect: a node whose lease lapsed during a weight sync re-registers one
+    version behind, so its replica is stale. A serving sync holds it SYNCING until the broadcast returns, and
+    the stale mark was cleared only for replicas ACTIVE at that moment: it stayed stale, and out of routing
+    (reconciliation skips stale replicas), through every later sync."""
+    from controller.config import ControllerConfig
+    from controller.core.ports import WeightSyncOutcome
+    from controller.mesh import Mesh
+    from mesh_runtime.config import load_config
+    from rollmesh.common.v1 import types_pb2
+    from rollmesh.controller.v1 import registry_pb2
+
+    mesh = Mesh(load_config(ControllerConfig, None, overrides={
+        "state_dir": str(tmp_path / "state"), "trainer_address": "127.0.0.1:1"}), None)
+    try:
+        mesh.scheduler.weight_version = 5
+        await mesh.register_node(registry_pb2.RegisterNodeRequest(
+            node_id="n", address="127.0.0.1:2", slots_total=1, replicas=[registry_pb2.ReplicaRegistration(
+                replica_id="s0", kind=types_pb2.REPLICA_KIND_STANDALONE, state=types_pb2.REPLICA_STATE_ACTIVE,
+                weight_version=4, slots=[0])]))
+        assert mesh.weights.stale == {"s0"} and "s0" not in mesh.desired_routes()   # behind: no traffic
+
+        states: list[str] = []
+
+        async def broadcast(replica_ids, version, source, timeout_s):   # the network part of one broadcast
+            states.extend(mesh.registry.get(r).state.value for r in replica_ids)
+            return WeightSyncOutcome(version, tuple(ReplicaSyncOutcome(r, True) for r in replica_ids)), "", set()
+        monkeypatch.setattr(mesh.weights, "_attempt", broadcast)
+        outcome = await mesh.scheduler.ops.sync_serving(["s0"], 6, global_step=1)
+        mesh.scheduler.weight_version = 6
+        assert outcome.failed == {} and states == ["SYNCING"]   # as every serving sync runs
+        assert mesh.registry.get("s0").state.value == "ACTIVE" and mesh.registry.get("s0").weight_version == 6
+        assert mesh.weights.stale == set() and "s0" in mesh.desired_routes()
+
+        class Balancer:   # one reconcile round puts it back
+            address = "lb:1"
+            added: list[str] = []
+
+            async def routed(self):
+                return {}
+
+            async def add_replicas(self, records):
+                self.added += [r.replica_id for r in records]
+        balancer = Balancer()
+        monkeypatch.setattr(mesh.routing, "configured", [balancer])
+        assert await mesh.reconcile_routing() == (["s0"], []) and balancer.added == ["s0"]
+    finally:
+        await mesh.close()
