@@ -103,7 +103,8 @@ class StateStore:
     def append_event(self, sequence: int, event: Any) -> None:
         """Queue one lifecycle event for the append-only events table."""
         if self.backend is None:
-            self._stored([(sequence, "")])
+            if self.on_events_stored is not None:
+                self.on_events_stored(sequence)   # kept nowhere: nothing to wait for
             return
         self._events.append((sequence, json.dumps(event)))
         self._wakeup.set()

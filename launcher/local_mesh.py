@@ -101,7 +101,9 @@ async def print_leader_status(addresses: list[str], timeout_s: float, tls: TlsCo
 
 
 def _failure(error: BaseException) -> str:
-    return error.details() or error.code().name if isinstance(error, grpc.aio.AioRpcError) else str(error)
+    if isinstance(error, grpc.aio.AioRpcError):
+        return error.details() or error.code().name
+    return str(error)
 
 
 def _member_line(answer) -> str:
