@@ -80,16 +80,17 @@ async def print_leader_status(addresses: list[str], timeout_s: float, tls: TlsCo
     from rollmesh.controller.v1 import controller_pb2  # noqa: PLC0415
 
     answers = await asyncio.gather(*(fetch_status(a, timeout_s, tls) for a in addresses), return_exceptions=True)
-    leader = next((a for a, answer in zip(addresses, answers) if not isinstance(answer, BaseException)
-                   and getattr(answer[1], "role", None) == controller_pb2.CONTROLLER_ROLE_LEADER), None)
+    leading = next(((a, answer) for a, answer in zip(addresses, answers) if not isinstance(answer, BaseException)
+                    and getattr(answer[1], "role", None) == controller_pb2.CONTROLLER_ROLE_LEADER), None)
+    leader = leading[0] if leading else None
     if as_json:
         print(json.dumps({"leader": leader or "", "controllers": {
             a: {"error": _failure(answer)} if isinstance(answer, BaseException)
             else _integral(json_format.MessageToDict(answer[1])) for a, answer in zip(addresses, answers)}},
             indent=2))
     else:
-        if leader is not None:
-            print("\n".join(status_summary(*answers[addresses.index(leader)])))   # type: ignore[misc]
+        if leading is not None:
+            print("\n".join(status_summary(*leading[1])))
         for address, answer in zip(addresses, answers):
             if address != leader:
                 print(f"  {address}: {_member_line(answer)}")

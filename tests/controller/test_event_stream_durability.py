@@ -32,6 +32,7 @@ class Collector:
 
     def __init__(self, mesh: Mesh, from_sequence: int = 0) -> None:
         self.events: list = []
+        self._arrived = asyncio.Condition()
         self._stream = mesh.hub.watch(from_sequence, lambda event: True, include_history=True)
         self._task = asyncio.create_task(self._read())
 
@@ -47,12 +48,13 @@ class Collector:
 
     async def _read(self) -> None:
         async for event in self._stream:
-            self.events.append(event)
+            async with self._arrived:
+                self.events.append(event)
+                self._arrived.notify_all()
 
     async def until(self, count: int) -> list:
-        async with asyncio.timeout(5):
-            while len(self.events) < count:
-                await asyncio.sleep(0.01)
+        async with asyncio.timeout(5), self._arrived:
+            await self._arrived.wait_for(lambda: len(self.events) >= count)
         return self.events
 
     async def close(self) -> None:
