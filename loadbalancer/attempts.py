@@ -8,6 +8,7 @@ an abort); :class:`AttemptCut` is an attempt the balancer ended itself.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from mesh_runtime.errors import error_info
 from mesh_runtime.metrics import ServerMetrics
 from rollmesh.common.v1 import generation_pb2
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2, routing_pb2
+from rollmesh.replica.v1 import replica_agent_pb2
 
 
 def error_reason(err: grpc.aio.AioRpcError) -> str:
@@ -105,14 +107,64 @@ class RequestRun:
         return None if self.deadline is None else self.deadline - self.clock()
 
 
-def segments_of(streamed: list[tuple[int, float | None, int]], route) -> list[generation_pb2.TokenSegment]:
-    """Token segments (one per weight version) from the tokens of a broken attempt."""
+def token_count(streamed: list[replica_agent_pb2.GenerateResponse]) -> int:
+    return sum(len(msg.token_ids) for msg in streamed)
+
+
+def segments_of(streamed: list[replica_agent_pb2.GenerateResponse], route) -> list[generation_pb2.TokenSegment]:
+    """Token segments (one per weight version) from the messages of a broken attempt."""
     out: list[generation_pb2.TokenSegment] = []
-    for token, logprob, version in streamed:
-        if not out or out[-1].weight_version != version:
-            out.append(generation_pb2.TokenSegment(weight_version=version, replica_id=route.replica_id,
+    for msg in streamed:
+        if not out or out[-1].weight_version != msg.weight_version:
+            out.append(generation_pb2.TokenSegment(weight_version=msg.weight_version, replica_id=route.replica_id,
                                                    node_id=route.node_id))
-        out[-1].token_ids.append(token)
-        if logprob is not None:
-            out[-1].logprobs.append(logprob)
+        out[-1].token_ids.extend(msg.token_ids)
+        out[-1].logprobs.extend(msg.logprobs)
     return out
+
+
+class Watch:
+    """Ends an attempt's upstream call when the balancer cuts the attempt: its replica was removed with abort
+    (:meth:`Ticket.cut`), or no message came for ``stall_timeout_s``. It costs one timer per stall period and
+    a clock read per message, instead of a future per message."""
+
+    def __init__(self, ticket, call, stall_s: float) -> None:
+        self._ticket, self._call, self._stall_s = ticket, call, stall_s
+        self._loop = asyncio.get_running_loop()
+        self.last = self._loop.time()
+        self._why: AttemptCut | None = None
+        self._timer = self._loop.call_later(stall_s, self._check)
+        ticket.on_cut = self._removed
+        if ticket.cut_reason:
+            self._removed(ticket.cut_reason)
+
+    def heard(self) -> None:
+        """A message arrived."""
+        self.last = self._loop.time()
+
+    def _check(self) -> None:
+        idle = self._loop.time() - self.last
+        if idle >= self._stall_s:
+            self._end(AttemptCut(f"no message for {self._stall_s:g} s (stall_timeout_s)", removed=False))
+        else:
+            self._timer = self._loop.call_later(self._stall_s - idle, self._check)
+
+    def _removed(self, reason: str) -> None:
+        self._end(AttemptCut(reason, removed=True))
+
+    def _end(self, cut: AttemptCut) -> None:
+        if self._why is None:
+            self._why = cut
+            self._call.cancel()
+
+    def cut(self) -> AttemptCut | None:
+        """Why the watch ended the call, when a cancellation came from it (None: the request's own task is
+        being cancelled, e.g. its caller went away)."""
+        task = asyncio.current_task()
+        if self._why is None or (task is not None and task.cancelling()):
+            return None
+        return self._why
+
+    def stop(self) -> None:
+        self._timer.cancel()
+        self._ticket.on_cut = None

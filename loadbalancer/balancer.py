@@ -32,7 +32,7 @@ from mesh_runtime.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from mesh_runtime.generation import check_generation
+from mesh_runtime.generation import check_generation, check_streaming
 from mesh_runtime.metrics import ServerMetrics
 from mesh_runtime.reasons import Reason
 from mesh_runtime.retry import retry_elsewhere
@@ -40,7 +40,17 @@ from rollmesh.common.v1 import generation_pb2
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2, routing_pb2
 from rollmesh.replica.v1 import replica_agent_pb2
 
-from .attempts import AttemptCut, RequestRun, RetryAttempt, Timing, attempt_ended, error_reason, now_ts, segments_of
+from .attempts import (
+    RequestRun,
+    RetryAttempt,
+    Timing,
+    Watch,
+    attempt_ended,
+    error_reason,
+    now_ts,
+    segments_of,
+    token_count,
+)
 from .completed import CompletedCache
 from .config import LoadBalancerConfig
 from .stats import Stats
@@ -88,8 +98,7 @@ class Balancer:
         """Stream one request's result; see the module docstring."""
         check_generation(request.request_id, request.prompt_token_ids, request.sampling_params,
                          request.resume_segments)
-        if request.HasField("stream_interval") and request.stream_interval == 0:
-            raise InvalidArgument("stream_interval must be > 0 when set", reason=Reason.INVALID_STREAM_INTERVAL)
+        check_streaming(request)
         if request.request_id in self._running:
             raise AlreadyExists(f"request {request.request_id!r} is already in flight", reason=Reason.REQUEST_IN_FLIGHT)
         record = self.completed.get(request.request_id)
@@ -215,12 +224,15 @@ class Balancer:
                 pass
 
     def _replica_request(self, run: RequestRun, ticket: Ticket) -> replica_agent_pb2.GenerateRequest:
+        request = run.request
         msg = replica_agent_pb2.GenerateRequest(
             replica_id=ticket.route.replica_id, request_id=run.request_id,
-            prompt_token_ids=run.request.prompt_token_ids, sampling_params=run.request.sampling_params,
+            prompt_token_ids=request.prompt_token_ids, sampling_params=request.sampling_params,
             resume_segments=run.segments)
-        if run.request.HasField("stream_interval"):
-            msg.stream_interval = run.request.stream_interval
+        if request.HasField("stream_interval"):
+            msg.stream_interval = request.stream_interval
+        if request.HasField("flush_interval"):
+            msg.flush_interval.CopyFrom(request.flush_interval)
         return msg
 
     async def _attempt(self, run: RequestRun, emit) -> None:
@@ -241,8 +253,9 @@ class Balancer:
                                      started_at=now_ts())
         run.attempts.append(record)
         attempt_started = time.perf_counter()
-        streamed: list[tuple[int, float | None, int]] = []  # (token, logprob, version) of this attempt
+        streamed: list[replica_agent_pb2.GenerateResponse] = []   # this attempt's messages with tokens
         final = None
+        forward = not run.request.final_only
         with self.tracer.start_as_current_span("lb.attempt", record_exception=False, set_status_on_exception=False,
                                                attributes={"rollmesh.replica_id": route.replica_id,
                                                            "rollmesh.request_id": run.request_id}) as span:
@@ -250,36 +263,42 @@ class Balancer:
                 # No await between the revocation check above and this send: a removal either
                 # happened before the check (and we re-picked) or sees this request in flight.
                 ticket.sent = True
-                ticket.cut_event = asyncio.Event()
                 call = self.upstreams.generate(route, self._replica_request(run, ticket), run.remaining())
+                watch = Watch(ticket, call, self.config.stall_timeout_s)
                 try:
                     try:
-                        async for msg in self._messages(call, ticket):  # to its end, so the client span closes
+                        async for msg in call:   # to its end, so the client span closes
+                            watch.heard()
                             if final is not None:
                                 continue
                             if msg.token_ids:
-                                self.table.observe_version(route, msg.weight_version)
-                                logprobs = list(msg.logprobs) or [None] * len(msg.token_ids)
-                                streamed += [(t, lp, msg.weight_version) for t, lp in zip(msg.token_ids, logprobs)]
+                                if msg.weight_version > route.weight_version:
+                                    self.table.observe_version(route, msg.weight_version)
+                                streamed.append(msg)
                                 ticket.tokens += len(msg.token_ids)
                             if msg.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
                                 final = msg
-                            elif msg.token_ids:
+                            elif forward and msg.token_ids:
                                 emit(self._chunk(run, msg, route.replica_id))
                     except grpc.aio.AioRpcError as err:
                         if final is None:   # once the final message is in, how the stream ends does not matter
                             self._attempt_failed(run, record, streamed, route, err)
-                    except AttemptCut as cut:
+                    except asyncio.CancelledError:
+                        cut = watch.cut()   # the watch cancelled the call (a stall, a removal with abort)
+                        if cut is None:
+                            raise
                         if final is None and cut.removed:
                             self._attempt_moved(run, record, streamed, route, str(cut))
                         if final is None:
                             self._attempt_failed(run, record, streamed, route, None, why=str(cut))
+                    finally:
+                        watch.stop()
                     if final is None:
                         self._attempt_failed(run, record, streamed, route, None)
                     self.table.answered(route)
-                    record.tokens = len(streamed)
+                    record.tokens = ticket.tokens
                     record.weight_version = final.weight_version or record.weight_version
-                    span.set_attribute("rollmesh.tokens", len(streamed))
+                    span.set_attribute("rollmesh.tokens", ticket.tokens)
                     span.set_attribute("rollmesh.weight_version", record.weight_version)
                     if final.finish_reason in FINISHED:
                         self._finish(run, record, final, route.replica_id, emit)
@@ -303,35 +322,6 @@ class Balancer:
             except BaseException as exc:
                 span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(exc).__name__}: {str(exc)[:300]}"))
                 raise
-
-    async def _messages(self, call, ticket: Ticket) -> AsyncIterator[replica_agent_pb2.GenerateResponse]:
-        """The attempt's messages; raises :class:`AttemptCut` when none comes for ``stall_timeout_s`` or
-        the balancer cut the attempt (its replica lost its lease)."""
-        stream = call.__aiter__()
-        stall_s = self.config.stall_timeout_s
-        assert ticket.cut_event is not None
-        cut_wait = asyncio.ensure_future(ticket.cut_event.wait())   # one per attempt, not per message
-        try:
-            while not cut_wait.done():
-                read = asyncio.ensure_future(stream.__anext__())
-                try:
-                    done, _ = await asyncio.wait({read, cut_wait}, timeout=stall_s,
-                                                 return_when=asyncio.FIRST_COMPLETED)
-                except BaseException:
-                    read.cancel()
-                    raise
-                if read not in done:
-                    read.cancel()
-                    break
-                try:
-                    yield read.result()
-                except StopAsyncIteration:
-                    return
-        finally:
-            cut_wait.cancel()
-        if cut_wait.done():
-            raise AttemptCut(ticket.cut_reason, removed=True)
-        raise AttemptCut(f"no message for {stall_s:g} s (stall_timeout_s)", removed=False)
 
     def _chunk(self, run: RequestRun, msg, replica_id: str) -> loadbalancer_pb2.GenerateResponse:
         out = loadbalancer_pb2.GenerateResponse(request_id=run.request_id, token_ids=msg.token_ids,
@@ -366,20 +356,9 @@ class Balancer:
         out.usage.CopyFrom(generation_pb2.Usage(prompt_tokens=len(run.request.prompt_token_ids),
                                                 completion_tokens=completion, resumed_tokens=caller_resumed,
                                                 attempts=len(run.attempts)))
-        emit(out)
-        self._remember(run, out)
-
-    def _remember(self, run: RequestRun, final: loadbalancer_pb2.GenerateResponse) -> None:
-        caller_resumed = sum(len(s.token_ids) for s in run.request.resume_segments)
-        record = loadbalancer_pb2.GenerateResponse()
-        record.CopyFrom(final)
-        tokens = [t for s in final.segments for t in s.token_ids][caller_resumed:]
-        logprobs = [lp for s in final.segments for lp in s.logprobs][caller_resumed:]
-        record.ClearField("token_ids")
-        record.ClearField("logprobs")
-        record.token_ids.extend(tokens)
-        record.logprobs.extend(logprobs)
-        self.completed.put(run.request_id, record)
+        whole = _whole(out, caller_resumed)
+        emit(whole if run.request.final_only else out)
+        self.completed.put(run.request_id, whole)
 
     def _restart(self, run: RequestRun, dropped: int) -> None:
         """Drop an attempt's tokens (partial rollout off): regenerate from the caller's prefix."""
@@ -392,7 +371,7 @@ class Balancer:
         record.outcome = routing_pb2.ATTEMPT_OUTCOME_ABORTED
         record.ended_at.GetCurrentTime()
         record.reason = "moved by rebalance" if ticket.move_requested else "aborted by the replica"
-        if final.token_ids:  # the abort's own last tokens still reach the caller
+        if final.token_ids and not run.request.final_only:  # the abort's own last tokens still reach the caller
             emit(self._chunk(run, final, ticket.route.replica_id))
         if run.partial_rollout:
             run.segments = list(final.segments)
@@ -410,13 +389,13 @@ class Balancer:
                 run.segments += segments_of(streamed, route)
                 self.stats.resumes += 1
             else:
-                self._restart(run, len(streamed))
+                self._restart(run, token_count(streamed))
 
     def _attempt_moved(self, run: RequestRun, record, streamed, route, why: str) -> NoReturn:
         """The control plane removed the attempt's replica with abort: keep what arrived, go on elsewhere now."""
         record.outcome = routing_pb2.ATTEMPT_OUTCOME_ABORTED
         record.ended_at.GetCurrentTime()
-        record.tokens = len(streamed)
+        record.tokens = token_count(streamed)
         record.reason = why
         self._keep(run, streamed, route)
         run.avoid = frozenset({route.replica_id}) | run.failed_on
@@ -426,7 +405,7 @@ class Balancer:
                         why: str = "") -> NoReturn:
         """An attempt broke off without a final message (or was cut): keep what arrived, retry with backoff."""
         record.ended_at.GetCurrentTime()
-        record.tokens = len(streamed)
+        record.tokens = token_count(streamed)
         if err is not None and not retry_elsewhere(err):
             record.outcome = routing_pb2.ATTEMPT_OUTCOME_FAILED
             code = err.code()
@@ -491,6 +470,23 @@ class Balancer:
         await asyncio.gather(*(self.upstreams.abort(ts[0].route, [t.request_id for t in ts])
                                for ts in by_route.values()))
         return [t.request_id for t in moves], {rid: (before[rid], projected[rid]) for rid in before}
+
+
+def _whole(final: loadbalancer_pb2.GenerateResponse, caller_resumed: int) -> loadbalancer_pb2.GenerateResponse:
+    """The final message with every token this call generated in ``token_ids`` (the caller's resumed
+    tokens left out): the answer of a final-only call and of a repeated request id."""
+    whole = loadbalancer_pb2.GenerateResponse()
+    whole.CopyFrom(final)
+    whole.ClearField("token_ids")
+    whole.ClearField("logprobs")
+    whole.ClearField("restarted")
+    for segment in final.segments:
+        whole.token_ids.extend(segment.token_ids)
+        whole.logprobs.extend(segment.logprobs)
+    if caller_resumed:
+        del whole.token_ids[:caller_resumed]
+        del whole.logprobs[:min(caller_resumed, len(whole.logprobs))]
+    return whole
 
 
 def _cut_all(tickets: list[Ticket], why: str) -> None:

@@ -65,13 +65,14 @@ class Ticket:
     move_requested: bool = False
     cut_reason: str = ""
     """Why the balancer cut this attempt (its replica was removed with abort); set by :meth:`cut`."""
-    cut_event: asyncio.Event | None = None
+    on_cut: Callable[[str], None] | None = None
+    """Set while the attempt's call runs: ends that call (the attempt's watch)."""
 
     def cut(self, reason: str) -> None:
         """End the attempt locally: its stream is dropped and the request resumes elsewhere."""
         self.cut_reason = reason
-        if self.cut_event is not None:
-            self.cut_event.set()
+        if self.on_cut is not None:
+            self.on_cut(reason)
 
     @property
     def revoked(self) -> bool:

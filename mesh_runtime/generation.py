@@ -58,3 +58,17 @@ def check_generation(request_id: str, prompt_token_ids, sampling: generation_pb2
     if resumed >= sampling.max_tokens:
         raise InvalidArgument(f"resume_segments already hold {resumed} tokens, which spends the max_tokens "
                               f"budget of {sampling.max_tokens}", reason=Reason.BUDGET_SPENT)
+
+
+def flush_interval_of(msg) -> float | None:
+    """A Generate request's ``flush_interval`` in seconds; None when unset."""
+    return msg.flush_interval.ToNanoseconds() / 1e9 if msg.HasField("flush_interval") else None
+
+
+def check_streaming(msg) -> None:
+    """Raise ``InvalidArgument`` for a Generate request's bad ``stream_interval`` or ``flush_interval``."""
+    if msg.HasField("stream_interval") and msg.stream_interval == 0:
+        raise InvalidArgument("stream_interval must be > 0 when set", reason=Reason.INVALID_STREAM_INTERVAL)
+    if msg.HasField("flush_interval") and (msg.flush_interval.seconds < 0 or msg.flush_interval.nanos < 0):
+        raise InvalidArgument(f"flush_interval must not be negative, got {msg.flush_interval.seconds}s "
+                              f"{msg.flush_interval.nanos}ns", reason=Reason.INVALID_STREAM_INTERVAL)

@@ -48,7 +48,12 @@ class ReplicaAgentConfig(ServerConfig):
     model: str = setting("tiny-llama", help="model: a built-in preset name (torch: tiny-llama, tiny-qwen2) or "
                                             "a local Hugging Face directory (config.json + safetensors)")
     model_seed: int = setting(0, help="initialisation seed of a preset model (same seed = same weights)")
-    stream_interval: int = setting(16, help="tokens per streamed Generate chunk (keeps message rates low)")
+    stream_interval: int = setting(256, help="most tokens per streamed Generate chunk (a request can ask for "
+                                             "fewer)")
+    flush_interval_s: float = setting(0.2, help="longest a generated token waits before it is streamed: chunks "
+                                                "are coalesced by time, so message rates follow time rather "
+                                                "than engine steps; also the most tokens a replica crash costs "
+                                                "(they are regenerated elsewhere); 0 = by stream_interval only")
     weight_sync_wait_s: float = setting(30.0, help="a Generate arriving while its serving replica receives "
                                                    "weights waits up to this long for them (and runs on them) "
                                                    "instead of being refused; 0 = refuse at once")
@@ -84,6 +89,8 @@ class ReplicaAgentConfig(ServerConfig):
             raise ConfigError("slots", f"must be >= 1, got {self.slots}")
         if self.stream_interval < 1:
             raise ConfigError("stream_interval", f"must be >= 1, got {self.stream_interval}")
+        if not self.flush_interval_s >= 0:
+            raise ConfigError("flush_interval_s", f"must be >= 0, got {self.flush_interval_s}")
         if self.weight_sync_wait_s < 0:
             raise ConfigError("weight_sync_wait_s", f"must be >= 0, got {self.weight_sync_wait_s}")
         if self.max_waiting_requests < 1:
@@ -119,7 +126,8 @@ class ReplicaAgentConfig(ServerConfig):
                            memory_fraction: float | None = None) -> dict[str, Any]:
         """Options for ``create_engine`` for one replica of this node."""
         options: dict[str, Any] = {"replica_id": replica_id, "node_id": self.node_id,
-                                   "stream_interval": self.stream_interval, "weight_version": weight_version}
+                                   "stream_interval": self.stream_interval, "flush_interval_s": self.flush_interval_s,
+                                   "weight_version": weight_version}
         if self.backend == "torch":
             key = "model_path" if ("/" in self.model or self.model.startswith(".")) else "preset"
             options.update({key: self.model, "seed": self.model_seed,

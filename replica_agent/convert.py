@@ -7,7 +7,14 @@ bad input raises :class:`~mesh_runtime.errors.InvalidArgument` naming the field.
 from __future__ import annotations
 
 from mesh_runtime.errors import InvalidArgument
-from mesh_runtime.generation import check_generation, check_sampling, temperature_of, top_p_of
+from mesh_runtime.generation import (
+    check_generation,
+    check_sampling,
+    check_streaming,
+    flush_interval_of,
+    temperature_of,
+    top_p_of,
+)
 from mesh_runtime.reasons import Reason
 from rollmesh.common.v1 import generation_pb2, load_pb2, types_pb2
 from rollmesh.replica.v1 import replica_agent_pb2
@@ -47,12 +54,12 @@ def segment_to_proto(seg: TokenSegment) -> generation_pb2.TokenSegment:
 def generation_request(msg: replica_agent_pb2.GenerateRequest) -> GenerationRequest:
     """Decode and validate a Generate request (the engine checks model limits)."""
     check_generation(msg.request_id, msg.prompt_token_ids, msg.sampling_params, msg.resume_segments)
-    if msg.HasField("stream_interval") and msg.stream_interval == 0:
-        raise InvalidArgument("stream_interval must be > 0 when set", reason=Reason.INVALID_STREAM_INTERVAL)
+    check_streaming(msg)
     return GenerationRequest(request_id=msg.request_id, prompt_token_ids=list(msg.prompt_token_ids),
                              sampling=sampling_from_proto(msg.sampling_params),
                              resume_segments=[segment_from_proto(s) for s in msg.resume_segments],
-                             stream_interval=msg.stream_interval if msg.HasField("stream_interval") else None)
+                             stream_interval=msg.stream_interval if msg.HasField("stream_interval") else None,
+                             flush_interval_s=flush_interval_of(msg))
 
 
 def chunk_to_proto(chunk: GenerationChunk) -> replica_agent_pb2.GenerateResponse:

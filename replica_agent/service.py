@@ -95,20 +95,21 @@ class ReplicaAgentServicer(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
     async def Generate(self, request, context):  # noqa: N802
         generation = convert.generation_request(request)
         timing = self.node.timing
-        started, first, outcome = time.perf_counter(), True, "failed"
+        replica_id = request.replica_id
+        started, outcome, tokens = time.perf_counter(), "failed", 0
         try:
-            async for chunk in self.replicas.generate(request.replica_id, generation):
+            async for chunk in self.replicas.generate(replica_id, generation):
                 if chunk.token_ids:
-                    timing.tokens.labels(request.replica_id).inc(len(chunk.token_ids))
-                    if first:
-                        first = False
-                        timing.ttft.labels(request.replica_id).observe(time.perf_counter() - started)
+                    if not tokens:
+                        timing.ttft.labels(replica_id).observe(time.perf_counter() - started)
+                    tokens += len(chunk.token_ids)
                 if chunk.finish_reason is not None:
                     outcome = chunk.finish_reason.name.lower()
                 yield convert.chunk_to_proto(chunk)
-        finally:
-            timing.requests.labels(request.replica_id, outcome).inc()
-            timing.duration.labels(request.replica_id).observe(time.perf_counter() - started)
+        finally:   # the metrics once per request, not per chunk
+            timing.tokens.labels(replica_id).inc(tokens)
+            timing.requests.labels(replica_id, outcome).inc()
+            timing.duration.labels(replica_id).observe(time.perf_counter() - started)
 
     async def AbortRequests(self, request, context):  # noqa: N802
         if request.WhichOneof("selection") is None or (request.HasField("all") and not request.all):

@@ -20,6 +20,7 @@ from mesh_runtime.tls import TlsConfig
 from rollmesh.controller.v1 import events_pb2
 from rollmesh.controller.v1 import controller_pb2, controller_pb2_grpc, observability_pb2, scaling_pb2
 from rollmesh.controller.v1 import registry_pb2, scheduling_pb2
+from rollmesh.loadbalancer.v1 import loadbalancer_pb2, loadbalancer_pb2_grpc
 
 T = TypeVar("T")
 
@@ -205,6 +206,22 @@ class MeshClient:
             return open_balancer_channel(balancer_address, tls=self._tls, idempotent=read_methods())
         return await open_discovered_balancers(self.address, tls=self._tls, idempotent=read_methods(),
                                                timeout_s=timeout_s)
+
+    async def generate(self, channel: grpc.aio.Channel, request: loadbalancer_pb2.GenerateRequest, *,
+                       timeout_s: float | None = None) -> loadbalancer_pb2.GenerateResponse:
+        """One completion through ``channel`` (from :meth:`generation_channel`): its final message only
+        (``final_only``: no token chunks cross the wire, ``token_ids`` holds every generated token). The
+        balancer retries and resumes as usual; gRPC errors propagate as :class:`grpc.aio.AioRpcError`."""
+        sent = loadbalancer_pb2.GenerateRequest()
+        sent.CopyFrom(request)   # the caller's message stays as it was
+        sent.final_only = True
+        stub = loadbalancer_pb2_grpc.LoadBalancerServiceStub(channel)
+        final = None
+        async for message in stub.Generate(sent, timeout=timeout_s, metadata=self._metadata):
+            final = message
+        if final is None:
+            raise StepProtocolError(f"Generate({request.request_id[:64]!r}) ended without a result")
+        return final
 
     # -- events ------------------------------------------------------------------------------------
 

@@ -1,11 +1,13 @@
 """Request lifecycle shared by step-driven engines.
 
 ``SteppedEngine`` owns everything that does not depend on how tokens are
-produced: admission into the running batch, streaming chunks, stop/length
-checks, abort, pause, sleep/wake bookkeeping, atomic weight-load sequencing,
-weight-version segments and load metrics. A backend supplies one coroutine,
+produced: admission into the running batch, streaming chunks (coalesced by
+size and time, :mod:`.chunking`), stop/length checks, abort, pause,
+sleep/wake bookkeeping, atomic weight-load sequencing, weight-version
+segments and load metrics. A backend supplies one coroutine,
 :meth:`SteppedEngine._execute_step`, that produces one token for every row of
-the batch, plus hooks for loading and (off)loading weights.
+the batch (or, with :attr:`SteppedEngine.multi_token_steps`, a run of tokens
+per row), plus hooks for loading and (off)loading weights.
 
 One background task (the decode loop) runs steps back to back while there is
 work. Between steps it admits waiting requests (first-come first-served,
@@ -27,6 +29,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from .base import WAKE_TAGS, Engine, LifecycleFlags, PauseMode
+from .chunking import DEFAULT_FLUSH_INTERVAL_S, ChunkBuffer
 from .errors import DuplicateRequest, EngineDead, EngineUnavailable, InvalidRequest
 from .metrics import EngineMetrics
 from .request_state import ActiveRequest, StepBatch
@@ -35,7 +38,6 @@ from .types import (
     GenerationChunk,
     GenerationRequest,
     LoadSnapshot,
-    TokenSegment,
     Usage,
     validate_request,
 )
@@ -49,23 +51,31 @@ ABORT_WAIT_S = 60.0
 class SteppedEngine(LifecycleFlags, Engine):
     """Engine base class driven by a single decode loop of batched steps."""
 
+    multi_token_steps = False
+    """True: ``_execute_step`` returns ``(token_ids, logprobs)`` lists per row, a run of tokens each (the
+    synthetic engine's chunked steps); False: one ``(token_id, logprob)`` per row."""
+
     def __init__(
         self,
         *,
         replica_id: str = "",
         node_id: str = "",
         stream_interval: int = 16,
+        flush_interval_s: float | None = DEFAULT_FLUSH_INTERVAL_S,
         max_batch_size: int = 256,
         max_total_tokens: int = 65536,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if stream_interval < 1:
             raise InvalidRequest(f"stream_interval must be >= 1, got {stream_interval}")
+        if flush_interval_s is not None and flush_interval_s < 0:
+            raise InvalidRequest(f"flush_interval_s must be >= 0, got {flush_interval_s}")
         if max_batch_size < 1:
             raise InvalidRequest(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.replica_id = replica_id
         self.node_id = node_id
         self.stream_interval = stream_interval
+        self.flush_interval_s = flush_interval_s
         self.max_batch_size = max_batch_size
         self.max_total_tokens = max_total_tokens
         self._clock = clock
@@ -110,9 +120,10 @@ class SteppedEngine(LifecycleFlags, Engine):
         """Token ids that end a generation unless ``ignore_eos`` is set."""
 
     @abc.abstractmethod
-    async def _execute_step(self, batch: StepBatch) -> list[tuple[int, float]]:
+    async def _execute_step(self, batch: StepBatch) -> list[Any]:
         """Run one step; return ``(token_id, logprob)`` for ``batch.running``
-        followed by ``batch.admitted``, in order."""
+        followed by ``batch.admitted``, in order (``(token_ids, logprobs)`` lists
+        when :attr:`multi_token_steps`)."""
 
     @abc.abstractmethod
     async def _reset_batch(self) -> None:
@@ -175,7 +186,7 @@ class SteppedEngine(LifecycleFlags, Engine):
     # ------------------------------------------------------------- generation
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         active = self._submit(request)
-        chunks = self._chunks(active.queue, lambda: self._abort_nowait(active))
+        chunks = self._chunks(active.out.queue, lambda: self._abort_nowait(active))
         try:
             async for chunk in chunks:
                 yield chunk
@@ -191,7 +202,14 @@ class SteppedEngine(LifecycleFlags, Engine):
         seed = request.sampling.seed
         if seed is None:
             seed = self._default_seed(request)
-        active = ActiveRequest(_private_copy(request), seed, self._clock())
+        sampling = request.sampling
+        enders = frozenset(sampling.stop_token_ids)
+        if not sampling.ignore_eos:
+            enders |= self._eos_token_ids()
+        flush_s = request.flush_interval_s if request.flush_interval_s is not None else self.flush_interval_s
+        out = ChunkBuffer(request.request_id, stream_interval=request.stream_interval or self.stream_interval,
+                          flush_interval_s=flush_s, replica_id=self.replica_id, node_id=self.node_id)
+        active = ActiveRequest(_private_copy(request), seed, self._clock(), out, enders)
         self._requests[request.request_id] = active
         self._waiting.append(active)
         self._idle.clear()
@@ -279,75 +297,64 @@ class SteppedEngine(LifecycleFlags, Engine):
         )
         return running + admitted, batch
 
-    def _apply_step(self, rows: list[ActiveRequest], tokens: list[tuple[int, float]], version: int) -> None:
+    def _apply_step(self, rows: list[ActiveRequest], tokens: list[Any], version: int) -> None:
         if len(tokens) != len(rows):
             raise RuntimeError(f"backend returned {len(tokens)} tokens for {len(rows)} rows")
         now = self._clock()
-        eos = self._eos_token_ids()
         emitted = 0
-        for active, (token, logprob) in zip(rows, tokens):
+        multi = self.multi_token_steps
+        for active, produced in zip(rows, tokens):
             if active.finish_reason is not None:
                 continue
-            self._append_token(active, token, logprob, version, now)
-            emitted += 1
-            sp = active.request.sampling
-            reason: FinishReason | None = None
-            if (token in eos and not sp.ignore_eos) or token in sp.stop_token_ids:
-                reason = FinishReason.STOP
-            elif active.completion_tokens >= sp.max_tokens:
-                reason = FinishReason.LENGTH
-            elif active.abort_requested:
-                reason = FinishReason.ABORTED
-            if reason is not None:
-                self._finish(active, reason)
-            elif len(active.pending) >= (active.request.stream_interval or self.stream_interval):
-                self._flush(active)
+            if multi:
+                token_ids, logprobs = produced
+            else:
+                token_ids, logprobs = [produced[0]], [produced[1]]
+            emitted += self._append(active, token_ids, logprobs, version, now)
         self._metrics.record_tokens(emitted)
 
-    def _append_token(self, active: ActiveRequest, token: int, logprob: float, version: int, now: float) -> None:
-        want_logprobs = active.request.sampling.logprobs
-        if active.pending and active.pending_version != version:
-            self._flush(active)
-        if not active.segments or active.segments[-1].weight_version != version:
-            active.segments.append(TokenSegment([], [], version, self.replica_id, self.node_id))
-        segment = active.segments[-1]
-        segment.token_ids.append(token)
-        active.generated.append(token)
-        active.pending.append(token)
-        active.pending_version = version
-        if want_logprobs:
-            segment.logprobs.append(logprob)
-            active.pending_logprobs.append(logprob)
+    def _append(self, active: ActiveRequest, token_ids: list[int], logprobs: list[float], version: int,
+                now: float) -> int:
+        """Take a row's new tokens up to its end (a stop token, ``max_tokens``); finish it or flush what is
+        due. Returns the number of tokens taken."""
+        sp = active.request.sampling
+        room = sp.max_tokens - active.completion_tokens
+        if len(token_ids) > room:
+            token_ids, logprobs = token_ids[:room], logprobs[:room]
+        reason: FinishReason | None = None
+        enders = active.enders
+        if enders:
+            for index, token in enumerate(token_ids):
+                if token in enders:
+                    token_ids, logprobs = token_ids[:index + 1], logprobs[:index + 1]
+                    reason = FinishReason.STOP
+                    break
+        if not token_ids:
+            return 0
+        active.out.add(token_ids, logprobs if sp.logprobs else [], version, now)
         if active.last_token_at is None:
             self._metrics.record_ttft(now - active.submitted_at)
         else:
-            self._metrics.record_itl(now - active.last_token_at)
+            self._metrics.record_itl((now - active.last_token_at) / len(token_ids))
         active.last_token_at = now
-
-    def _flush(self, active: ActiveRequest) -> None:
-        if not active.pending:
-            return
-        active.queue.put_nowait(
-            GenerationChunk(active.request_id, active.pending, active.pending_logprobs, active.pending_version or 0)
-        )
-        active.pending, active.pending_logprobs = [], []
+        if reason is None and active.completion_tokens >= sp.max_tokens:
+            reason = FinishReason.LENGTH
+        elif reason is None and active.abort_requested:
+            reason = FinishReason.ABORTED
+        if reason is not None:
+            self._finish(active, reason)
+        else:
+            active.out.flush_due(now)
+        return len(token_ids)
 
     def _finish(self, active: ActiveRequest, reason: FinishReason) -> None:
         """Send the final chunk and retire ``active`` from every queue."""
-        version = active.pending_version if active.pending and active.pending_version is not None else \
-            self._weight_version
         usage = Usage(
             prompt_tokens=len(active.request.prompt_token_ids),
             completion_tokens=active.completion_tokens,
             resumed_tokens=len(active.prefix),
         )
-        segments = [dataclasses.replace(s) for s in active.request.resume_segments] + active.segments
-        active.queue.put_nowait(
-            GenerationChunk(
-                active.request_id, active.pending, active.pending_logprobs, version, reason, usage, segments
-            )
-        )
-        active.pending, active.pending_logprobs = [], []
+        active.out.finish(reason, usage, active.request.resume_segments, self._weight_version)
         active.finish_reason = reason
         self._retire(active)
 
@@ -366,7 +373,7 @@ class SteppedEngine(LifecycleFlags, Engine):
     def _fail(self, exc: BaseException) -> None:
         self._dead = exc
         for active in list(self._requests.values()):
-            active.queue.put_nowait(EngineDead(f"engine failed: {exc!r}"))
+            active.out.queue.put_nowait(EngineDead(f"engine failed: {exc!r}"))
             self._retire(active)
 
     # ------------------------------------------------------------ pause/sleep

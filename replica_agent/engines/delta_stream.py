@@ -12,7 +12,7 @@ previous one (``outputs[0].token_ids``), their log-probabilities
 the last one, ``finished=True`` with ``outputs[0].finish_reason`` set to
 ``"stop"``, ``"length"`` or ``"abort"`` (see ``vllm/outputs.py`` and
 ``vllm/sampling_params.py``). :class:`RequestStream` regroups those tokens
-into chunks of ``stream_interval``, tags them with the weight version in
+into chunks (by size and time, :mod:`.chunking`), tags them with the weight version in
 force when they arrived, enforces the completion budget and records the
 latency figures behind ``load_snapshot``. It never talks to vLLM itself.
 """
@@ -20,14 +20,14 @@ latency figures behind ``load_snapshot``. It never talks to vLLM itself.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from .chunking import DEFAULT_FLUSH_INTERVAL_S, ChunkBuffer
 from .metrics import EngineMetrics
-from .types import FinishReason, GenerationChunk, GenerationRequest, TokenSegment, Usage
+from .types import FinishReason, GenerationRequest, Usage
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +96,7 @@ class RequestStream:
         request: GenerationRequest,
         *,
         stream_interval: int,
+        flush_interval_s: float | None = DEFAULT_FLUSH_INTERVAL_S,
         replica_id: str,
         node_id: str,
         clock: Callable[[], float],
@@ -105,20 +106,16 @@ class RequestStream:
         self.prefix = request.resumed_token_ids()
         self.budget = request.sampling.max_tokens - len(self.prefix)
         """Tokens this engine may still add (``max_tokens`` minus the resumed prefix)."""
-        self.stream_interval = stream_interval
-        self.replica_id = replica_id
-        self.node_id = node_id
+        self.out = ChunkBuffer(request.request_id, stream_interval=stream_interval,
+                               flush_interval_s=request.flush_interval_s if request.flush_interval_s is not None
+                               else flush_interval_s, replica_id=replica_id, node_id=node_id)
+        self.queue = self.out.queue
+        """The chunks (or one exception) of this request."""
         self._clock = clock
         self._metrics = metrics
         self.submitted_at = clock()
         self.first_output_at: float | None = None
         self.last_token_at: float | None = None
-        self.generated: list[int] = []
-        self.segments: list[TokenSegment] = []
-        self.pending: list[int] = []
-        self.pending_logprobs: list[float] = []
-        self.pending_version: int | None = None
-        self.queue: asyncio.Queue[GenerationChunk | BaseException] = asyncio.Queue()
         self.done = asyncio.Event()
         self.abort_requested = False
         self.task: asyncio.Task[None] | None = None
@@ -135,7 +132,7 @@ class RequestStream:
 
     @property
     def held_tokens(self) -> int:
-        return len(self.request.prompt_token_ids) + len(self.prefix) + len(self.generated)
+        return len(self.request.prompt_token_ids) + len(self.prefix) + self.out.count
 
     @property
     def admitted(self) -> bool:
@@ -169,7 +166,7 @@ class RequestStream:
         if self.first_output_at is None:
             self.first_output_at = now
             self._metrics.record_queue_time(queue_time if queue_time is not None else now - self.submitted_at)
-        room = self.budget - len(self.generated)
+        room = self.budget - self.out.count
         if len(token_ids) > room:
             log.warning("request %s: the engine returned tokens beyond max_tokens; truncating", self.request_id)
             token_ids, logprobs = token_ids[:room], logprobs[:room]
@@ -177,37 +174,19 @@ class RequestStream:
             self._append(token_ids, logprobs, version, now)
         if finish is not None:
             self.finish(finish, version)
-        elif len(self.generated) >= self.budget:
+        elif self.out.count >= self.budget:
             self.finish(FinishReason.LENGTH, version)
         return self.done.is_set()
 
     def _append(self, token_ids: list[int], logprobs: list[float], version: int, now: float) -> None:
-        if self.pending and self.pending_version != version:
-            self._flush(len(self.pending))
-        if not self.segments or self.segments[-1].weight_version != version:
-            self.segments.append(TokenSegment([], [], version, self.replica_id, self.node_id))
-        segment = self.segments[-1]
-        segment.token_ids.extend(token_ids)
-        segment.logprobs.extend(logprobs)
-        self.generated.extend(token_ids)
-        self.pending.extend(token_ids)
-        self.pending_logprobs.extend(logprobs)
-        self.pending_version = version
+        self.out.add(token_ids, logprobs, version, now)
         if self.last_token_at is None:
             self._metrics.record_ttft(now - self.submitted_at)
         else:
-            gap = (now - self.last_token_at) / len(token_ids)
-            for _ in token_ids:
-                self._metrics.record_itl(gap)
+            self._metrics.record_itl((now - self.last_token_at) / len(token_ids))
         self.last_token_at = now
         self._metrics.record_tokens(len(token_ids))
-        while len(self.pending) >= self.stream_interval:
-            self._flush(self.stream_interval)
-
-    def _flush(self, count: int) -> None:
-        tokens, self.pending = self.pending[:count], self.pending[count:]
-        logprobs, self.pending_logprobs = self.pending_logprobs[:count], self.pending_logprobs[count:]
-        self.queue.put_nowait(GenerationChunk(self.request_id, tokens, logprobs, self.pending_version or 0))
+        self.out.flush_due(now)
 
     # ------------------------------------------------------------------- ends
     def finish(self, reason: FinishReason, current_version: int) -> None:
@@ -217,17 +196,12 @@ class RequestStream:
         (the engine's) when it carries none."""
         if self.done.is_set():
             return
-        version = self.pending_version if self.pending and self.pending_version is not None else current_version
         usage = Usage(
             prompt_tokens=len(self.request.prompt_token_ids),
-            completion_tokens=len(self.prefix) + len(self.generated),
+            completion_tokens=len(self.prefix) + self.out.count,
             resumed_tokens=len(self.prefix),
         )
-        segments = [dataclasses.replace(s) for s in self.request.resume_segments] + self.segments
-        self.queue.put_nowait(
-            GenerationChunk(self.request_id, self.pending, self.pending_logprobs, version, reason, usage, segments)
-        )
-        self.pending, self.pending_logprobs = [], []
+        self.out.finish(reason, usage, self.request.resume_segments, current_version)
         self.done.set()
 
     def fail(self, error: BaseException) -> None:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from .types import FinishReason, GenerationChunk, GenerationRequest, SamplingParams, TokenSegment
+from .chunking import ChunkBuffer
+from .types import FinishReason, GenerationRequest, SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,19 +43,18 @@ class StepBatch:
 class ActiveRequest:
     """Mutable state of one in-flight request. Only the event-loop thread touches it."""
 
-    def __init__(self, request: GenerationRequest, seed: int, now: float) -> None:
+    def __init__(self, request: GenerationRequest, seed: int, now: float, out: ChunkBuffer,
+                 enders: frozenset[int]) -> None:
         self.request = request
         self.prefix = request.resumed_token_ids()
         self.seed = seed
         self.submitted_at = now
         self.admitted_at: float | None = None
         self.last_token_at: float | None = None
-        self.queue: asyncio.Queue[GenerationChunk | BaseException] = asyncio.Queue()
-        self.generated: list[int] = []
-        self.segments: list[TokenSegment] = []
-        self.pending: list[int] = []
-        self.pending_logprobs: list[float] = []
-        self.pending_version: int | None = None
+        self.out = out
+        """This engine's tokens of the request and the chunks they leave in (``out.queue``)."""
+        self.enders = enders
+        """Token ids that end the request with STOP: its stop ids, and the engine's EOS ids unless ignore_eos."""
         self.abort_requested = False
         self.finish_reason: FinishReason | None = None
         self.done = asyncio.Event()
@@ -65,7 +65,7 @@ class ActiveRequest:
 
     @property
     def completion_tokens(self) -> int:
-        return len(self.prefix) + len(self.generated)
+        return len(self.prefix) + self.out.count
 
     @property
     def reserved_tokens(self) -> int:

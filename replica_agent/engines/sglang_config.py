@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from .chunking import DEFAULT_FLUSH_INTERVAL_S
 from .errors import InvalidRequest
 
 WEIGHT_BACKENDS = ("nccl", "gloo")
@@ -99,7 +100,9 @@ class SglangEngineConfig:
     node_id: str = ""
     """Recorded in every token segment this engine produces."""
     stream_interval: int = 16
-    """New tokens per streamed chunk (the final chunk may hold fewer)."""
+    """Most new tokens per streamed chunk (see :mod:`.chunking`)."""
+    flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S
+    """Longest a generated token waits before it is streamed; 0: by ``stream_interval`` only."""
     weight_version: int = 0
     """Version reported for the weights the server starts with."""
     keep_host_weights: bool = True

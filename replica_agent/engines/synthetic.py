@@ -7,11 +7,16 @@ response at a length drawn from a configured distribution, unless
 engines (:class:`~.core.SteppedEngine`): batching, streaming, abort, pause,
 sleep/wake and versioned weight loads behave exactly as the interface says.
 
-Pace model: a step produces one token for every running request and lasts
-``max(1 / tokens_per_second, batch_size / aggregate_tokens_per_second)``
-plus the prefill time of joining requests. Each request therefore sees
+Pace model: a token of every running request takes
+``max(1 / tokens_per_second, batch_size / aggregate_tokens_per_second)``,
+and joining requests add their prefill time. Each request therefore sees
 ``min(rate, cap / batch_size)`` tokens/s: throughput grows with concurrency
-until the aggregate cap. ``inf`` rates take no time at all.
+until the aggregate cap. ``inf`` rates take no time at all. One step stands
+for ``tokens_per_step`` such decode iterations (the longest run any row still
+needs), so the engine's own CPU cost is per chunk of tokens, not per token:
+token ids come from 64-token blocks drawn at once per ``(seed, block)``,
+still a pure function of the seed and the token's index, so a resumed
+request continues exactly where it stopped.
 
 Time is injectable (``clock`` and ``sleep``; see :class:`VirtualClock`).
 Never the default backend. Does not import torch unless weights are read.
@@ -19,6 +24,7 @@ Never the default backend. Does not import torch unless weights are read.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import dataclasses
 import hashlib
@@ -28,14 +34,16 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any
 
+from .chunking import DEFAULT_FLUSH_INTERVAL_S
 from .core import SteppedEngine
 from .errors import EngineUnavailable, InvalidRequest, WeightMismatch
-from .randomness import mix_seed, uniform
+from .randomness import mix_seed
 from .request_state import StepBatch
 from .types import GenerationRequest, WeightSpec
 
 _LENGTH_STREAM = 0x4C454E  # distinct draw index for the response length
 _LOGPROB_SALT = 0x10C9
+_BLOCK = 64   # token draws made at once
 
 
 class VirtualClock:
@@ -122,7 +130,13 @@ class SyntheticEngineConfig:
     node_id: str = ""
     """Recorded in token segments."""
     stream_interval: int = 16
-    """New tokens per streamed chunk."""
+    """Most new tokens per streamed chunk (see :mod:`.chunking`)."""
+    flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S
+    """Longest a generated token waits before it is streamed; 0: by ``stream_interval`` only."""
+    tokens_per_step: int = 16
+    """Tokens each running request gets per step: one step stands for that many decode iterations, so the
+    engine's own cost is per chunk, not per token (its pace is the same). 1 steps token by token as a real
+    engine does (abort and pause then act within one token)."""
     max_batch_size: int = 256
     """Most requests decoded together."""
     max_total_tokens: int = 1 << 20
@@ -144,6 +158,8 @@ class SyntheticEngineConfig:
         for name in ("tokens_per_second", "aggregate_tokens_per_second", "prefill_tokens_per_second"):
             if not getattr(self, name) > 0:
                 raise InvalidRequest(f"synthetic engine: {name} must be > 0 (inf for instant)")
+        if self.tokens_per_step < 1:
+            raise InvalidRequest(f"synthetic engine: tokens_per_step must be >= 1, got {self.tokens_per_step}")
         if not 0 <= self.eos_token_id < self.vocab_size or self.vocab_size < 2:
             raise InvalidRequest("synthetic engine: need vocab_size >= 2 and 0 <= eos_token_id < vocab_size")
 
@@ -153,6 +169,8 @@ _LAZY = object()  # initial weights, materialised from the seed on first read
 
 class SyntheticEngine(SteppedEngine):
     """Model-free engine with configurable pace and response lengths."""
+
+    multi_token_steps = True
 
     def __init__(
         self,
@@ -167,6 +185,7 @@ class SyntheticEngine(SteppedEngine):
             replica_id=config.replica_id,
             node_id=config.node_id,
             stream_interval=config.stream_interval,
+            flush_interval_s=config.flush_interval_s,
             max_batch_size=config.max_batch_size,
             max_total_tokens=config.max_total_tokens,
             clock=clock or time.monotonic,
@@ -175,6 +194,8 @@ class SyntheticEngine(SteppedEngine):
         self._sleep = sleep or asyncio.sleep
         self._weight_version = config.weight_version
         self._targets: dict[str, int] = {}
+        self._blocks: dict[str, tuple[int, list[int], list[float]]] = {}
+        """Per request, the block of draws in use: (block index, token ids, logprobs)."""
         self._store: Any = _LAZY
         self._host: Any = None
 
@@ -201,29 +222,64 @@ class SyntheticEngine(SteppedEngine):
 
     async def _reset_batch(self) -> None:
         self._targets.clear()
+        self._blocks.clear()
 
-    def _step_duration(self, batch: StepBatch) -> float:
+    def _run_length(self, row) -> int:
+        """Tokens the row gets this step: ``tokens_per_step``, fewer where its response ends sooner."""
+        left = row.sampling.max_tokens - row.completion_index
+        if not row.sampling.ignore_eos:
+            left = min(left, self._targets[row.request_id] - row.completion_index)
+        return max(1, min(self.config.tokens_per_step, left))
+
+    def _step_duration(self, batch: StepBatch, tokens: int) -> float:
         rows = len(batch.running) + len(batch.admitted)
-        duration = 1.0 / self.config.tokens_per_second
-        duration = max(duration, rows / self.config.aggregate_tokens_per_second)
+        per_token = max(1.0 / self.config.tokens_per_second, rows / self.config.aggregate_tokens_per_second)
         prompt = sum(len(r.context) for r in batch.admitted)
-        return duration + prompt / self.config.prefill_tokens_per_second
+        return tokens * per_token + prompt / self.config.prefill_tokens_per_second
 
-    async def _execute_step(self, batch: StepBatch) -> list[tuple[int, float]]:
+    async def _execute_step(self, batch: StepBatch) -> list[tuple[list[int], list[float]]]:
         for rid in batch.dropped:
             self._targets.pop(rid, None)
+            self._blocks.pop(rid, None)
         for row in batch.admitted:
             self._targets[row.request_id] = self.target_length(row.seed)
-        await self._sleep(self._step_duration(batch))
-        return [self._token(row.request_id, row.seed, row.completion_index, row.sampling.ignore_eos)
-                for row in (*batch.running, *batch.admitted)]
+        rows = (*batch.running, *batch.admitted)
+        runs = [self._run_length(row) for row in rows]
+        await self._sleep(self._step_duration(batch, max(runs, default=1)))
+        return [self._tokens(row, run) for row, run in zip(rows, runs)]
 
-    def _token(self, request_id: str, seed: int, index: int, ignore_eos: bool) -> tuple[int, float]:
-        logprob = -4.0 * uniform(seed ^ _LOGPROB_SALT, index)
-        if not ignore_eos and index + 1 >= self._targets[request_id]:
-            return self.config.eos_token_id, logprob
-        token = mix_seed(seed, index) % (self.config.vocab_size - 1)
-        return (token + 1 if token >= self.config.eos_token_id else token), logprob
+    def _tokens(self, row, count: int) -> tuple[list[int], list[float]]:
+        """The row's next ``count`` tokens and logprobs; the response's natural last one is EOS."""
+        start = row.completion_index
+        ids: list[int] = []
+        logprobs: list[float] = []
+        index = start
+        while index < start + count:
+            block, ids_block, lps_block = self._block(row.request_id, row.seed, index // _BLOCK)
+            offset = index - block * _BLOCK
+            take = min(_BLOCK - offset, start + count - index)
+            ids += ids_block[offset:offset + take]
+            logprobs += lps_block[offset:offset + take]
+            index += take
+        if not row.sampling.ignore_eos and start + count >= self._targets[row.request_id]:
+            last = max(start, self._targets[row.request_id] - 1) - start
+            del ids[last + 1:], logprobs[last + 1:]
+            ids[last] = self.config.eos_token_id
+        return ids, logprobs
+
+    def _block(self, request_id: str, seed: int, block: int) -> tuple[int, list[int], list[float]]:
+        cached = self._blocks.get(request_id)
+        if cached is not None and cached[0] == block:
+            return cached
+        rng = random.Random(mix_seed(seed, block))
+        eos, span = self.config.eos_token_id, self.config.vocab_size - 1
+        draws = array.array("I", rng.randbytes(4 * _BLOCK))
+        ids = [d % span for d in draws]
+        ids = [t + 1 if t >= eos else t for t in ids]
+        noise = array.array("I", random.Random(mix_seed(seed ^ _LOGPROB_SALT, block)).randbytes(4 * _BLOCK))
+        logprobs = [-4.0 * n / 4294967296.0 for n in noise]
+        self._blocks[request_id] = cached = (block, ids, logprobs)
+        return cached
 
     # ---------------------------------------------------------------- weights
     def weight_spec(self) -> list[WeightSpec]:

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from .chunking import DEFAULT_FLUSH_INTERVAL_S
 from .core import SteppedEngine
 from .errors import EngineError, EngineUnavailable, InvalidRequest
 from modeling.presets import PRESETS, build_preset_model
@@ -55,7 +56,9 @@ class TorchEngineConfig:
     node_id: str = ""
     """Recorded in every token segment this engine produces."""
     stream_interval: int = 16
-    """New tokens per streamed chunk (the final chunk may hold fewer)."""
+    """Most new tokens per streamed chunk (see :mod:`.chunking`)."""
+    flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S
+    """Longest a generated token waits before it is streamed; 0: by ``stream_interval`` only."""
     max_batch_size: int = 64
     """Most requests decoded together; later ones wait."""
     max_total_tokens: int | None = None
@@ -94,6 +97,7 @@ class TorchEngine(SteppedEngine):
             replica_id=config.replica_id,
             node_id=config.node_id,
             stream_interval=config.stream_interval,
+            flush_interval_s=config.flush_interval_s,
             max_batch_size=config.max_batch_size,
             max_total_tokens=config.max_total_tokens or CPU_DEFAULT_MAX_TOTAL_TOKENS,
         )

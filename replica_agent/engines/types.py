@@ -94,7 +94,9 @@ class GenerationRequest:
     """Completion tokens already generated elsewhere (e.g. before an abort);
     generation continues after them and counts them against ``max_tokens``."""
     stream_interval: int | None = None
-    """Tokens per streamed chunk for this request; ``None``: the engine's interval."""
+    """Most tokens per streamed chunk for this request; ``None``: the engine's interval."""
+    flush_interval_s: float | None = None
+    """Longest a generated token waits before it is streamed (0: by size only); ``None``: the engine's."""
 
     def resumed_token_ids(self) -> list[int]:
         """The resumed completion prefix, in order."""

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from mesh_runtime.reasons import Reason
+from .chunking import DEFAULT_FLUSH_INTERVAL_S
 from .errors import EngineDead, InvalidRequest
 from .vllm_worker import EXTENSION_CLASS
 
@@ -48,7 +49,9 @@ class VllmEngineConfig:
     node_id: str = ""
     """Recorded in every token segment this engine produces."""
     stream_interval: int = 16
-    """New tokens per streamed chunk (the final chunk may hold fewer)."""
+    """Most new tokens per streamed chunk (see :mod:`.chunking`)."""
+    flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S
+    """Longest a generated token waits before it is streamed; 0: by ``stream_interval`` only."""
     weight_version: int = 0
     """Version reported for the checkpoint's weights."""
     recompute_kv_after_weight_update: bool = True

@@ -253,6 +253,7 @@ class VllmEngine(RemoteStreams, LifecycleFlags, Engine):
         stream = RequestStream(
             request,
             stream_interval=request.stream_interval or self.config.stream_interval,
+            flush_interval_s=self.config.flush_interval_s,
             replica_id=self.replica_id,
             node_id=self.node_id,
             clock=self._clock,

@@ -43,7 +43,7 @@ class Exploding(SyntheticEngine):
 
 
 async def test_backend_failure_kills_the_engine_and_its_streams():
-    engine = Exploding(SyntheticEngineConfig(stream_interval=1))
+    engine = Exploding(SyntheticEngineConfig(stream_interval=1, tokens_per_step=1))
     await engine.start()
     received = []
     with pytest.raises(EngineDead):

@@ -116,7 +116,8 @@ async def test_tokens_are_deterministic_and_resumable(synthetic_factory, collect
 
 async def test_abort_ends_stream_with_partial_tokens(synthetic_factory):
     clock = VirtualClock()
-    engine = await synthetic_factory(tokens_per_second=10, stream_interval=2, clock=clock, sleep=clock.sleep)
+    engine = await synthetic_factory(tokens_per_second=10, stream_interval=2, tokens_per_step=1, clock=clock,
+                                     sleep=clock.sleep)   # token by token: an abort acts within one token
     stream = engine.generate(req("a", max_tokens=1000, ignore_eos=True))
     first = await anext(stream)
     steps = engine.step_count
@@ -179,7 +180,7 @@ async def test_sleep_wake_and_weight_versions(synthetic_factory, collect):
 
 async def test_pause_modes(synthetic_factory, collect):
     clock = VirtualClock()
-    engine = await synthetic_factory(tokens_per_second=100, stream_interval=1,
+    engine = await synthetic_factory(tokens_per_second=100, stream_interval=1, tokens_per_step=1,
                                      lengths={"kind": "fixed", "value": 30}, clock=clock, sleep=clock.sleep)
     stream = engine.generate(req("drain"))
     await anext(stream)
@@ -192,3 +193,37 @@ async def test_pause_modes(synthetic_factory, collect):
     await anext(stream)
     await engine.pause("abort")
     assert [c async for c in stream][-1].finish_reason is FinishReason.ABORTED
+
+
+@pytest.mark.parametrize("per_step", [1, 5, 16, 64])
+async def test_chunked_steps_keep_tokens_pace_and_lengths(synthetic_factory, collect, per_step):
+    """A step of N tokens per row stands for N decode iterations: the same tokens, the same pace, the same
+    natural lengths and max_tokens cut as token-by-token steps."""
+    clock = VirtualClock()
+    engine = await synthetic_factory(seed=5, tokens_per_second=100, tokens_per_step=per_step, stream_interval=7,
+                                     flush_interval_s=0, lengths={"kind": "fixed", "value": 37}, clock=clock,
+                                     sleep=clock.sleep)
+    natural, cut = await asyncio.gather(collect(engine, req("n")), collect(engine, req("c", max_tokens=23)))
+    reference = await synthetic_factory(seed=5, tokens_per_step=1, lengths={"kind": "fixed", "value": 37})
+    assert natural.tokens == (await collect(reference, req("n"))).tokens
+    assert cut.tokens == (await collect(reference, req("c", max_tokens=23))).tokens
+    assert len(natural.tokens) == 37 and natural.final.finish_reason is FinishReason.STOP
+    assert len(cut.tokens) == 23 and cut.final.finish_reason is FinishReason.LENGTH
+    assert clock.now == pytest.approx(37 / 100)    # the longer one's 37 tokens at 100 tok/s
+    assert all(len(c.token_ids) <= 7 for c in natural.chunks)
+    assert engine.step_count <= -(-37 // per_step) + 1
+
+
+async def test_chunks_flush_by_time(synthetic_factory, collect):
+    """With a flush interval, a chunk leaves once its oldest token has waited that long, long before
+    stream_interval tokens are pending; at 0 only the size bound applies."""
+    clock = VirtualClock()
+    timed = await synthetic_factory(tokens_per_second=100, tokens_per_step=1, stream_interval=1000,
+                                    flush_interval_s=0.045, clock=clock, sleep=clock.sleep)
+    out = await collect(timed, req("t", max_tokens=40, ignore_eos=True))
+    assert [len(c.token_ids) for c in out.chunks] == [6, 6, 6, 6, 6, 6, 4]   # a token every 10 ms
+    clock = VirtualClock()
+    sized = await synthetic_factory(tokens_per_second=100, tokens_per_step=1, stream_interval=16,
+                                    flush_interval_s=0, clock=clock, sleep=clock.sleep)
+    out = await collect(sized, req("s", max_tokens=40, ignore_eos=True))
+    assert [len(c.token_ids) for c in out.chunks] == [16, 16, 8]

@@ -40,16 +40,27 @@ class Idle:
 
 
 class Call:
-    """What a gRPC stream call looks like to the balancer: an async iterator it can cancel."""
+    """What a gRPC stream call looks like to the balancer: an async iterator it can cancel; as with a real
+    call, a read pending or made after ``cancel()`` raises ``asyncio.CancelledError``."""
 
     def __init__(self, stream) -> None:
         self._stream = stream
+        self._read: asyncio.Future | None = None
+        self._cancelled = False
 
     def __aiter__(self):
-        return self._stream
+        return self
+
+    async def __anext__(self):
+        if self._cancelled:
+            raise asyncio.CancelledError
+        self._read = asyncio.ensure_future(self._stream.__anext__())
+        return await self._read
 
     def cancel(self) -> None:
-        pass
+        self._cancelled = True
+        if self._read is not None:
+            self._read.cancel()
 
 
 class Upstreams:

@@ -1,7 +1,7 @@
 """``generate`` callable for the Rollouter backed by a LoadBalancerService stub.
 
 Calls ``rollmesh.loadbalancer.v1.LoadBalancerService/Generate`` (a server
-stream) and turns its last message -- whose ``segments`` are the
+stream, asked for its final message only) and turns that message -- whose ``segments`` are the
 authoritative output -- into a :class:`GenerationResult`. gRPC errors
 propagate unchanged (the Rollouter retries and then fails); a stream that
 ends without a final message, or ends ABORTED, raises ``GenerationError``.
@@ -35,6 +35,7 @@ def to_proto(request: GenerationRequest) -> loadbalancer_pb2.GenerateRequest:
         sampling_params=sampling,
         session_id=request.session_id,
         partial_rollout=request.partial_rollout,
+        final_only=True,   # the driver uses the result only: no token chunks on the wire
     )
     if request.retry_budget is not None:
         msg.retry_budget = request.retry_budget

@@ -23,13 +23,14 @@ _sym_db = _symbol_database.Default()
 
 
 from google.api import field_behavior_pb2 as google_dot_api_dot_field__behavior__pb2
+from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
 from rollmesh.common.v1 import generation_pb2 as rollmesh_dot_common_dot_v1_dot_generation__pb2
 from rollmesh.common.v1 import status_pb2 as rollmesh_dot_common_dot_v1_dot_status__pb2
 from rollmesh.common.v1 import types_pb2 as rollmesh_dot_common_dot_v1_dot_types__pb2
 from rollmesh.loadbalancer.v1 import routing_pb2 as rollmesh_dot_loadbalancer_dot_v1_dot_routing__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n+rollmesh/loadbalancer/v1/loadbalancer.proto\x12\x18rollmesh.loadbalancer.v1\x1a\x1fgoogle/api/field_behavior.proto\x1a#rollmesh/common/v1/generation.proto\x1a\x1frollmesh/common/v1/status.proto\x1a\x1erollmesh/common/v1/types.proto\x1a&rollmesh/loadbalancer/v1/routing.proto\"\x12\n\x10GetStatusRequest\"\xc5\x01\n\x11GetStatusResponse\x12\x38\n\x06status\x18\x01 \x01(\x0b\x32 .rollmesh.common.v1.ServerStatusR\x06status\x12#\n\rreplica_count\x18\x02 \x01(\rR\x0creplicaCount\x12\x34\n\x16routable_replica_count\x18\x03 \x01(\rR\x14routableReplicaCount\x12\x1b\n\tin_flight\x18\x04 \x01(\x04R\x08inFlight\"\xa4\x04\n\x0fGenerateRequest\x12#\n\nrequest_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02R\trequestId\x12.\n\x10prompt_token_ids\x18\x02 \x03(\x05\x42\x04\xe2\x41\x01\x02R\x0epromptTokenIds\x12K\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\".rollmesh.common.v1.SamplingParamsR\x0esamplingParams\x12\x1d\n\nsession_id\x18\x04 \x01(\tR\tsessionId\x12\x31\n\x12min_weight_version\x18\x05 \x01(\x03H\x00R\x10minWeightVersion\x88\x01\x01\x12,\n\x0fpartial_rollout\x18\x06 \x01(\x08H\x01R\x0epartialRollout\x88\x01\x01\x12&\n\x0cretry_budget\x18\x07 \x01(\rH\x02R\x0bretryBudget\x88\x01\x01\x12,\n\x0fstream_interval\x18\x08 \x01(\rH\x03R\x0estreamInterval\x88\x01\x01\x12I\n\x0fresume_segments\x18\t \x03(\x0b\x32 .rollmesh.common.v1.TokenSegmentR\x0eresumeSegmentsB\x15\n\x13_min_weight_versionB\x12\n\x10_partial_rolloutB\x0f\n\r_retry_budgetB\x12\n\x10_stream_interval\"\xc3\x03\n\x10GenerateResponse\x12\x1d\n\nrequest_id\x18\x01 \x01(\tR\trequestId\x12\x1b\n\ttoken_ids\x18\x02 \x03(\x05R\x08tokenIds\x12\x1a\n\x08logprobs\x18\x03 \x03(\x02R\x08logprobs\x12%\n\x0eweight_version\x18\x04 \x01(\x03R\rweightVersion\x12\x1d\n\nreplica_id\x18\x05 \x01(\tR\treplicaId\x12\x45\n\rfinish_reason\x18\x06 \x01(\x0e\x32 .rollmesh.common.v1.FinishReasonR\x0c\x66inishReason\x12/\n\x05usage\x18\x07 \x01(\x0b\x32\x19.rollmesh.common.v1.UsageR\x05usage\x12<\n\x08segments\x18\x08 \x03(\x0b\x32 .rollmesh.common.v1.TokenSegmentR\x08segments\x12=\n\x08\x61ttempts\x18\t \x03(\x0b\x32!.rollmesh.loadbalancer.v1.AttemptR\x08\x61ttempts\x12\x1c\n\trestarted\x18\n \x01(\x08R\trestarted\"[\n\x12\x41\x64\x64ReplicasRequest\x12\x45\n\x08replicas\x18\x01 \x03(\x0b\x32).rollmesh.loadbalancer.v1.ReplicaEndpointR\x08replicas\"Z\n\x13\x41\x64\x64ReplicasResponse\x12\x43\n\x08replicas\x18\x01 \x03(\x0b\x32\'.rollmesh.loadbalancer.v1.RoutedReplicaR\x08replicas\"f\n\x15RemoveReplicasRequest\x12%\n\x0breplica_ids\x18\x01 \x03(\tB\x04\xe2\x41\x01\x02R\nreplicaIds\x12&\n\x0f\x61\x62ort_in_flight\x18\x02 \x01(\x08R\rabortInFlight\"\xb3\x01\n\x16RemoveReplicasResponse\x12.\n\x13removed_replica_ids\x18\x01 \x03(\tR\x11removedReplicaIds\x12\x36\n\x17\x64ropped_sticky_sessions\x18\x02 \x01(\rR\x15\x64roppedStickySessions\x12\x31\n\x15in_flight_request_ids\x18\x03 \x03(\tR\x12inFlightRequestIds\"\x9e\x01\n\rReplicaUpdate\x12#\n\nreplica_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02R\treplicaId\x12*\n\x0eweight_version\x18\x02 \x01(\x03H\x00R\rweightVersion\x88\x01\x01\x12\x1d\n\x07\x61\x64\x64ress\x18\x03 \x01(\tH\x01R\x07\x61\x64\x64ress\x88\x01\x01\x42\x11\n\x0f_weight_versionB\n\n\x08_address\"}\n\x15UpdateReplicasRequest\x12\x41\n\x07updates\x18\x01 \x03(\x0b\x32\'.rollmesh.loadbalancer.v1.ReplicaUpdateR\x07updates\x12!\n\x0cskip_unknown\x18\x02 \x01(\x08R\x0bskipUnknown\"\x8d\x01\n\x16UpdateReplicasResponse\x12\x43\n\x08replicas\x18\x01 \x03(\x0b\x32\'.rollmesh.loadbalancer.v1.RoutedReplicaR\x08replicas\x12.\n\x13skipped_replica_ids\x18\x02 \x03(\tR\x11skippedReplicaIds\"\xad\x01\n\x13ListReplicasRequest\x12\x35\n\x05kinds\x18\x01 \x03(\x0e\x32\x1f.rollmesh.common.v1.ReplicaKindR\x05kinds\x12#\n\rroutable_only\x18\x02 \x01(\x08R\x0croutableOnly\x12\x1b\n\tpage_size\x18\x03 \x01(\x05R\x08pageSize\x12\x1d\n\npage_token\x18\x04 \x01(\tR\tpageToken\"\x83\x01\n\x14ListReplicasResponse\x12\x43\n\x08replicas\x18\x01 \x03(\x0b\x32\'.rollmesh.loadbalancer.v1.RoutedReplicaR\x08replicas\x12&\n\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"=\n\x1a\x43learStickySessionsRequest\x12\x1f\n\x0breplica_ids\x18\x01 \x03(\tR\nreplicaIds\"H\n\x1b\x43learStickySessionsResponse\x12)\n\x10\x63leared_sessions\x18\x01 \x01(\x04R\x0f\x63learedSessions\"a\n\x10RebalanceRequest\x12 \n\tmax_moves\x18\x01 \x01(\rH\x00R\x08maxMoves\x88\x01\x01\x12\x1d\n\nrequest_id\x18\x02 \x01(\tR\trequestIdB\x0c\n\n_max_moves\"\x82\x01\n\x0fReplicaInFlight\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\x12(\n\x10in_flight_before\x18\x02 \x01(\rR\x0einFlightBefore\x12&\n\x0fin_flight_after\x18\x03 \x01(\rR\rinFlightAfter\"\x86\x01\n\x11RebalanceResponse\x12*\n\x11moved_request_ids\x18\x01 \x03(\tR\x0fmovedRequestIds\x12\x45\n\x08replicas\x18\x02 \x03(\x0b\x32).rollmesh.loadbalancer.v1.ReplicaInFlightR\x08replicas\"\x11\n\x0fGetStatsRequest\"U\n\x10GetStatsResponse\x12\x41\n\x05stats\x18\x01 \x01(\x0b\x32+.rollmesh.loadbalancer.v1.LoadBalancerStatsR\x05stats2\xf3\x07\n\x13LoadBalancerService\x12\x64\n\tGetStatus\x12*.rollmesh.loadbalancer.v1.GetStatusRequest\x1a+.rollmesh.loadbalancer.v1.GetStatusResponse\x12\x63\n\x08Generate\x12).rollmesh.loadbalancer.v1.GenerateRequest\x1a*.rollmesh.loadbalancer.v1.GenerateResponse0\x01\x12j\n\x0b\x41\x64\x64Replicas\x12,.rollmesh.loadbalancer.v1.AddReplicasRequest\x1a-.rollmesh.loadbalancer.v1.AddReplicasResponse\x12s\n\x0eRemoveReplicas\x12/.rollmesh.loadbalancer.v1.RemoveReplicasRequest\x1a\x30.rollmesh.loadbalancer.v1.RemoveReplicasResponse\x12s\n\x0eUpdateReplicas\x12/.rollmesh.loadbalancer.v1.UpdateReplicasRequest\x1a\x30.rollmesh.loadbalancer.v1.UpdateReplicasResponse\x12m\n\x0cListReplicas\x12-.rollmesh.loadbalancer.v1.ListReplicasRequest\x1a..rollmesh.loadbalancer.v1.ListReplicasResponse\x12\x82\x01\n\x13\x43learStickySessions\x12\x34.rollmesh.loadbalancer.v1.ClearStickySessionsRequest\x1a\x35.rollmesh.loadbalancer.v1.ClearStickySessionsResponse\x12\x64\n\tRebalance\x12*.rollmesh.loadbalancer.v1.RebalanceRequest\x1a+.rollmesh.loadbalancer.v1.RebalanceResponse\x12\x61\n\x08GetStats\x12).rollmesh.loadbalancer.v1.GetStatsRequest\x1a*.rollmesh.loadbalancer.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n+rollmesh/loadbalancer/v1/loadbalancer.proto\x12\x18rollmesh.loadbalancer.v1\x1a\x1fgoogle/api/field_behavior.proto\x1a\x1egoogle/protobuf/duration.proto\x1a#rollmesh/common/v1/generation.proto\x1a\x1frollmesh/common/v1/status.proto\x1a\x1erollmesh/common/v1/types.proto\x1a&rollmesh/loadbalancer/v1/routing.proto\"\x12\n\x10GetStatusRequest\"\xc5\x01\n\x11GetStatusResponse\x12\x38\n\x06status\x18\x01 \x01(\x0b\x32 .rollmesh.common.v1.ServerStatusR\x06status\x12#\n\rreplica_count\x18\x02 \x01(\rR\x0creplicaCount\x12\x34\n\x16routable_replica_count\x18\x03 \x01(\rR\x14routableReplicaCount\x12\x1b\n\tin_flight\x18\x04 \x01(\x04R\x08inFlight\"\x85\x05\n\x0fGenerateRequest\x12#\n\nrequest_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02R\trequestId\x12.\n\x10prompt_token_ids\x18\x02 \x03(\x05\x42\x04\xe2\x41\x01\x02R\x0epromptTokenIds\x12K\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\".rollmesh.common.v1.SamplingParamsR\x0esamplingParams\x12\x1d\n\nsession_id\x18\x04 \x01(\tR\tsessionId\x12\x31\n\x12min_weight_version\x18\x05 \x01(\x03H\x00R\x10minWeightVersion\x88\x01\x01\x12,\n\x0fpartial_rollout\x18\x06 \x01(\x08H\x01R\x0epartialRollout\x88\x01\x01\x12&\n\x0cretry_budget\x18\x07 \x01(\rH\x02R\x0bretryBudget\x88\x01\x01\x12,\n\x0fstream_interval\x18\x08 \x01(\rH\x03R\x0estreamInterval\x88\x01\x01\x12I\n\x0fresume_segments\x18\t \x03(\x0b\x32 .rollmesh.common.v1.TokenSegmentR\x0eresumeSegments\x12@\n\x0e\x66lush_interval\x18\n \x01(\x0b\x32\x19.google.protobuf.DurationR\rflushInterval\x12\x1d\n\nfinal_only\x18\x0b \x01(\x08R\tfinalOnlyB\x15\n\x13_min_weight_versionB\x12\n\x10_partial_rolloutB\x0f\n\r_retry_budgetB\x12\n\x10_stream_interval\"\xc3\x03\n\x10GenerateResponse\x12\x1d\n\nrequest_id\x18\x01 \x01(\tR\trequestId\x12\x1b\n\ttoken_ids\x18\x02 \x03(\x05R\x08tokenIds\x12\x1a\n\x08logprobs\x18\x03 \x03(\x02R\x08logprobs\x12%\n\x0eweight_version\x18\x04 \x01(\x03R\rweightVersion\x12\x1d\n\nreplica_id\x18\x05 \x01(\tR\treplicaId\x12\x45\n\rfinish_reason\x18\x06 \x01(\x0e\x32 .rollmesh.common.v1.FinishReasonR\x0c\x66inishReason\x12/\n\x05usage\x18\x07 \x01(\x0b\x32\x19.rollmesh.common.v1.UsageR\x05usage\x12<\n\x08segments\x18\x08 \x03(\x0b\x32 .rollmesh.common.v1.TokenSegmentR\x08segments\x12=\n\x08\x61ttempts\x18\t \x03(\x0b\x32!.rollmesh.loadbalancer.v1.AttemptR\x08\x61ttempts\x12\x1c\n\trestarted\x18\n \x01(\x08R\trestarted\"[\n\x12\x41\x64\x64ReplicasRequest\x12\x45\n\x08replicas\x18\x01 \x03(\x0b\x32).rollmesh.loadbalancer.v1.ReplicaEndpointR\x08replicas\"Z\n\x13\x41\x64\x64ReplicasResponse\x12\x43\n\x08replicas\x18\x01 \x03(\x0b\x32\'.rollmesh.loadbalancer.v1.RoutedReplicaR\x08replicas\"f\n\x15RemoveReplicasRequest\x12%\n\x0breplica_ids\x18\x01 \x03(\tB\x04\xe2\x41\x01\x02R\nreplicaIds\x12&\n\x0f\x61\x62ort_in_flight\x18\x02 \x01(\x08R\rabortInFlight\"\xb3\x01\n\x16RemoveReplicasResponse\x12.\n\x13removed_replica_ids\x18\x01 \x03(\tR\x11removedReplicaIds\x12\x36\n\x17\x64ropped_sticky_sessions\x18\x02 \x01(\rR\x15\x64roppedStickySessions\x12\x31\n\x15in_flight_request_ids\x18\x03 \x03(\tR\x12inFlightRequestIds\"\x9e\x01\n\rReplicaUpdate\x12#\n\nreplica_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02R\treplicaId\x12*\n\x0eweight_version\x18\x02 \x01(\x03H\x00R\rweightVersion\x88\x01\x01\x12\x1d\n\x07\x61\x64\x64ress\x18\x03 \x01(\tH\x01R\x07\x61\x64\x64ress\x88\x01\x01\x42\x11\n\x0f_weight_versionB\n\n\x08_address\"}\n\x15UpdateReplicasRequest\x12\x41\n\x07updates\x18\x01 \x03(\x0b\x32\'.rollmesh.loadbalancer.v1.ReplicaUpdateR\x07updates\x12!\n\x0cskip_unknown\x18\x02 \x01(\x08R\x0bskipUnknown\"\x8d\x01\n\x16UpdateReplicasResponse\x12\x43\n\x08replicas\x18\x01 \x03(\x0b\x32\'.rollmesh.loadbalancer.v1.RoutedReplicaR\x08replicas\x12.\n\x13skipped_replica_ids\x18\x02 \x03(\tR\x11skippedReplicaIds\"\xad\x01\n\x13ListReplicasRequest\x12\x35\n\x05kinds\x18\x01 \x03(\x0e\x32\x1f.rollmesh.common.v1.ReplicaKindR\x05kinds\x12#\n\rroutable_only\x18\x02 \x01(\x08R\x0croutableOnly\x12\x1b\n\tpage_size\x18\x03 \x01(\x05R\x08pageSize\x12\x1d\n\npage_token\x18\x04 \x01(\tR\tpageToken\"\x83\x01\n\x14ListReplicasResponse\x12\x43\n\x08replicas\x18\x01 \x03(\x0b\x32\'.rollmesh.loadbalancer.v1.RoutedReplicaR\x08replicas\x12&\n\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"=\n\x1a\x43learStickySessionsRequest\x12\x1f\n\x0breplica_ids\x18\x01 \x03(\tR\nreplicaIds\"H\n\x1b\x43learStickySessionsResponse\x12)\n\x10\x63leared_sessions\x18\x01 \x01(\x04R\x0f\x63learedSessions\"a\n\x10RebalanceRequest\x12 \n\tmax_moves\x18\x01 \x01(\rH\x00R\x08maxMoves\x88\x01\x01\x12\x1d\n\nrequest_id\x18\x02 \x01(\tR\trequestIdB\x0c\n\n_max_moves\"\x82\x01\n\x0fReplicaInFlight\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\x12(\n\x10in_flight_before\x18\x02 \x01(\rR\x0einFlightBefore\x12&\n\x0fin_flight_after\x18\x03 \x01(\rR\rinFlightAfter\"\x86\x01\n\x11RebalanceResponse\x12*\n\x11moved_request_ids\x18\x01 \x03(\tR\x0fmovedRequestIds\x12\x45\n\x08replicas\x18\x02 \x03(\x0b\x32).rollmesh.loadbalancer.v1.ReplicaInFlightR\x08replicas\"\x11\n\x0fGetStatsRequest\"U\n\x10GetStatsResponse\x12\x41\n\x05stats\x18\x01 \x01(\x0b\x32+.rollmesh.loadbalancer.v1.LoadBalancerStatsR\x05stats2\xf3\x07\n\x13LoadBalancerService\x12\x64\n\tGetStatus\x12*.rollmesh.loadbalancer.v1.GetStatusRequest\x1a+.rollmesh.loadbalancer.v1.GetStatusResponse\x12\x63\n\x08Generate\x12).rollmesh.loadbalancer.v1.GenerateRequest\x1a*.rollmesh.loadbalancer.v1.GenerateResponse0\x01\x12j\n\x0b\x41\x64\x64Replicas\x12,.rollmesh.loadbalancer.v1.AddReplicasRequest\x1a-.rollmesh.loadbalancer.v1.AddReplicasResponse\x12s\n\x0eRemoveReplicas\x12/.rollmesh.loadbalancer.v1.RemoveReplicasRequest\x1a\x30.rollmesh.loadbalancer.v1.RemoveReplicasResponse\x12s\n\x0eUpdateReplicas\x12/.rollmesh.loadbalancer.v1.UpdateReplicasRequest\x1a\x30.rollmesh.loadbalancer.v1.UpdateReplicasResponse\x12m\n\x0cListReplicas\x12-.rollmesh.loadbalancer.v1.ListReplicasRequest\x1a..rollmesh.loadbalancer.v1.ListReplicasResponse\x12\x82\x01\n\x13\x43learStickySessions\x12\x34.rollmesh.loadbalancer.v1.ClearStickySessionsRequest\x1a\x35.rollmesh.loadbalancer.v1.ClearStickySessionsResponse\x12\x64\n\tRebalance\x12*.rollmesh.loadbalancer.v1.RebalanceRequest\x1a+.rollmesh.loadbalancer.v1.RebalanceResponse\x12\x61\n\x08GetStats\x12).rollmesh.loadbalancer.v1.GetStatsRequest\x1a*.rollmesh.loadbalancer.v1.GetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,46 +45,46 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REMOVEREPLICASREQUEST'].fields_by_name['replica_ids']._serialized_options = b'\342A\001\002'
   _globals['_REPLICAUPDATE'].fields_by_name['replica_id']._loaded_options = None
   _globals['_REPLICAUPDATE'].fields_by_name['replica_id']._serialized_options = b'\342A\001\002'
-  _globals['_GETSTATUSREQUEST']._serialized_start=248
-  _globals['_GETSTATUSREQUEST']._serialized_end=266
-  _globals['_GETSTATUSRESPONSE']._serialized_start=269
-  _globals['_GETSTATUSRESPONSE']._serialized_end=466
-  _globals['_GENERATEREQUEST']._serialized_start=469
-  _globals['_GENERATEREQUEST']._serialized_end=1017
-  _globals['_GENERATERESPONSE']._serialized_start=1020
-  _globals['_GENERATERESPONSE']._serialized_end=1471
-  _globals['_ADDREPLICASREQUEST']._serialized_start=1473
-  _globals['_ADDREPLICASREQUEST']._serialized_end=1564
-  _globals['_ADDREPLICASRESPONSE']._serialized_start=1566
-  _globals['_ADDREPLICASRESPONSE']._serialized_end=1656
-  _globals['_REMOVEREPLICASREQUEST']._serialized_start=1658
-  _globals['_REMOVEREPLICASREQUEST']._serialized_end=1760
-  _globals['_REMOVEREPLICASRESPONSE']._serialized_start=1763
-  _globals['_REMOVEREPLICASRESPONSE']._serialized_end=1942
-  _globals['_REPLICAUPDATE']._serialized_start=1945
-  _globals['_REPLICAUPDATE']._serialized_end=2103
-  _globals['_UPDATEREPLICASREQUEST']._serialized_start=2105
-  _globals['_UPDATEREPLICASREQUEST']._serialized_end=2230
-  _globals['_UPDATEREPLICASRESPONSE']._serialized_start=2233
-  _globals['_UPDATEREPLICASRESPONSE']._serialized_end=2374
-  _globals['_LISTREPLICASREQUEST']._serialized_start=2377
-  _globals['_LISTREPLICASREQUEST']._serialized_end=2550
-  _globals['_LISTREPLICASRESPONSE']._serialized_start=2553
-  _globals['_LISTREPLICASRESPONSE']._serialized_end=2684
-  _globals['_CLEARSTICKYSESSIONSREQUEST']._serialized_start=2686
-  _globals['_CLEARSTICKYSESSIONSREQUEST']._serialized_end=2747
-  _globals['_CLEARSTICKYSESSIONSRESPONSE']._serialized_start=2749
-  _globals['_CLEARSTICKYSESSIONSRESPONSE']._serialized_end=2821
-  _globals['_REBALANCEREQUEST']._serialized_start=2823
-  _globals['_REBALANCEREQUEST']._serialized_end=2920
-  _globals['_REPLICAINFLIGHT']._serialized_start=2923
-  _globals['_REPLICAINFLIGHT']._serialized_end=3053
-  _globals['_REBALANCERESPONSE']._serialized_start=3056
-  _globals['_REBALANCERESPONSE']._serialized_end=3190
-  _globals['_GETSTATSREQUEST']._serialized_start=3192
-  _globals['_GETSTATSREQUEST']._serialized_end=3209
-  _globals['_GETSTATSRESPONSE']._serialized_start=3211
-  _globals['_GETSTATSRESPONSE']._serialized_end=3296
-  _globals['_LOADBALANCERSERVICE']._serialized_start=3299
-  _globals['_LOADBALANCERSERVICE']._serialized_end=4310
+  _globals['_GETSTATUSREQUEST']._serialized_start=280
+  _globals['_GETSTATUSREQUEST']._serialized_end=298
+  _globals['_GETSTATUSRESPONSE']._serialized_start=301
+  _globals['_GETSTATUSRESPONSE']._serialized_end=498
+  _globals['_GENERATEREQUEST']._serialized_start=501
+  _globals['_GENERATEREQUEST']._serialized_end=1146
+  _globals['_GENERATERESPONSE']._serialized_start=1149
+  _globals['_GENERATERESPONSE']._serialized_end=1600
+  _globals['_ADDREPLICASREQUEST']._serialized_start=1602
+  _globals['_ADDREPLICASREQUEST']._serialized_end=1693
+  _globals['_ADDREPLICASRESPONSE']._serialized_start=1695
+  _globals['_ADDREPLICASRESPONSE']._serialized_end=1785
+  _globals['_REMOVEREPLICASREQUEST']._serialized_start=1787
+  _globals['_REMOVEREPLICASREQUEST']._serialized_end=1889
+  _globals['_REMOVEREPLICASRESPONSE']._serialized_start=1892
+  _globals['_REMOVEREPLICASRESPONSE']._serialized_end=2071
+  _globals['_REPLICAUPDATE']._serialized_start=2074
+  _globals['_REPLICAUPDATE']._serialized_end=2232
+  _globals['_UPDATEREPLICASREQUEST']._serialized_start=2234
+  _globals['_UPDATEREPLICASREQUEST']._serialized_end=2359
+  _globals['_UPDATEREPLICASRESPONSE']._serialized_start=2362
+  _globals['_UPDATEREPLICASRESPONSE']._serialized_end=2503
+  _globals['_LISTREPLICASREQUEST']._serialized_start=2506
+  _globals['_LISTREPLICASREQUEST']._serialized_end=2679
+  _globals['_LISTREPLICASRESPONSE']._serialized_start=2682
+  _globals['_LISTREPLICASRESPONSE']._serialized_end=2813
+  _globals['_CLEARSTICKYSESSIONSREQUEST']._serialized_start=2815
+  _globals['_CLEARSTICKYSESSIONSREQUEST']._serialized_end=2876
+  _globals['_CLEARSTICKYSESSIONSRESPONSE']._serialized_start=2878
+  _globals['_CLEARSTICKYSESSIONSRESPONSE']._serialized_end=2950
+  _globals['_REBALANCEREQUEST']._serialized_start=2952
+  _globals['_REBALANCEREQUEST']._serialized_end=3049
+  _globals['_REPLICAINFLIGHT']._serialized_start=3052
+  _globals['_REPLICAINFLIGHT']._serialized_end=3182
+  _globals['_REBALANCERESPONSE']._serialized_start=3185
+  _globals['_REBALANCERESPONSE']._serialized_end=3319
+  _globals['_GETSTATSREQUEST']._serialized_start=3321
+  _globals['_GETSTATSREQUEST']._serialized_end=3338
+  _globals['_GETSTATSRESPONSE']._serialized_start=3340
+  _globals['_GETSTATSRESPONSE']._serialized_end=3425
+  _globals['_LOADBALANCERSERVICE']._serialized_start=3428
+  _globals['_LOADBALANCERSERVICE']._serialized_end=4439
 # @@protoc_insertion_point(module_scope)

@@ -1,4 +1,7 @@
+import datetime
+
 from google.api import field_behavior_pb2 as _field_behavior_pb2
+from google.protobuf import duration_pb2 as _duration_pb2
 from rollmesh.common.v1 import generation_pb2 as _generation_pb2
 from rollmesh.common.v1 import status_pb2 as _status_pb2
 from rollmesh.common.v1 import types_pb2 as _types_pb2
@@ -28,7 +31,7 @@ class GetStatusResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[_status_pb2.ServerStatus, _Mapping]] = ..., replica_count: _Optional[int] = ..., routable_replica_count: _Optional[int] = ..., in_flight: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "session_id", "min_weight_version", "partial_rollout", "retry_budget", "stream_interval", "resume_segments")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "session_id", "min_weight_version", "partial_rollout", "retry_budget", "stream_interval", "resume_segments", "flush_interval", "final_only")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +41,8 @@ class GenerateRequest(_message.Message):
     RETRY_BUDGET_FIELD_NUMBER: _ClassVar[int]
     STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     RESUME_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    FLUSH_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    FINAL_ONLY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _generation_pb2.SamplingParams
@@ -47,7 +52,9 @@ class GenerateRequest(_message.Message):
     retry_budget: int
     stream_interval: int
     resume_segments: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenSegment]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., min_weight_version: _Optional[int] = ..., partial_rollout: _Optional[bool] = ..., retry_budget: _Optional[int] = ..., stream_interval: _Optional[int] = ..., resume_segments: _Optional[_Iterable[_Union[_generation_pb2.TokenSegment, _Mapping]]] = ...) -> None: ...
+    flush_interval: _duration_pb2.Duration
+    final_only: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., min_weight_version: _Optional[int] = ..., partial_rollout: _Optional[bool] = ..., retry_budget: _Optional[int] = ..., stream_interval: _Optional[int] = ..., resume_segments: _Optional[_Iterable[_Union[_generation_pb2.TokenSegment, _Mapping]]] = ..., flush_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., final_only: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "logprobs", "weight_version", "replica_id", "finish_reason", "usage", "segments", "attempts", "restarted")

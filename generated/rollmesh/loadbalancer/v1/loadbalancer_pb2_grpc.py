@@ -132,8 +132,9 @@ class LoadBalancerServiceServicer:
 
         Errors:
         - INVALID_ARGUMENT: request_id or prompt_token_ids is empty,
-        sampling_params is invalid, or resume_segments already spend the
-        max_tokens budget; checked before any routing.
+        sampling_params is invalid, stream_interval is 0, flush_interval is
+        negative, or resume_segments already spend the max_tokens budget;
+        checked before any routing.
         - ALREADY_EXISTS: a request with the same request_id is in flight.
         - UNAVAILABLE: no eligible replica (routable, weight_version >=
         min_weight_version) appeared within the balancer's wait limit; the

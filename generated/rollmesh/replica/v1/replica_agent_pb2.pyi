@@ -113,20 +113,22 @@ class GetReplicaResponse(_message.Message):
     def __init__(self, replica: _Optional[_Union[_replica_pb2.Replica, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("replica_id", "request_id", "prompt_token_ids", "sampling_params", "resume_segments", "stream_interval")
+    __slots__ = ("replica_id", "request_id", "prompt_token_ids", "sampling_params", "resume_segments", "stream_interval", "flush_interval")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     RESUME_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    FLUSH_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _generation_pb2.SamplingParams
     resume_segments: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenSegment]
     stream_interval: int
-    def __init__(self, replica_id: _Optional[str] = ..., request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., resume_segments: _Optional[_Iterable[_Union[_generation_pb2.TokenSegment, _Mapping]]] = ..., stream_interval: _Optional[int] = ...) -> None: ...
+    flush_interval: _duration_pb2.Duration
+    def __init__(self, replica_id: _Optional[str] = ..., request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., resume_segments: _Optional[_Iterable[_Union[_generation_pb2.TokenSegment, _Mapping]]] = ..., stream_interval: _Optional[int] = ..., flush_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "logprobs", "weight_version", "finish_reason", "usage", "segments")

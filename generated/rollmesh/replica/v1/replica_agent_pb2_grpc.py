@@ -206,8 +206,9 @@ class ReplicaAgentServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Generate(self, request, context):
-        """Generates tokens on one replica and streams them in chunks of
-        stream_interval tokens. The last message has finish_reason set, usage
+        """Generates tokens on one replica and streams them in chunks of at most
+        stream_interval tokens, each sent once its oldest token has waited
+        flush_interval. The last message has finish_reason set, usage
         and every segment of the output, the resumed ones included. An abort
         (AbortRequests, PauseGeneration with PAUSE_MODE_ABORT, Sleep or
         ReceiveWeights with abort_in_flight, StopReplica) ends the stream
@@ -217,8 +218,9 @@ class ReplicaAgentServiceServicer:
         Errors:
         - INVALID_ARGUMENT: request_id or prompt_token_ids is empty,
         sampling_params is invalid (max_tokens 0, temperature < 0, top_p
-        outside (0, 1], top_k < -1), or resume_segments already hold
-        max_tokens tokens or more (the budget is spent).
+        outside (0, 1], top_k < -1), stream_interval is 0, flush_interval is
+        negative, or resume_segments already hold max_tokens tokens or more
+        (the budget is spent).
         - NOT_FOUND: no replica with replica_id on this node.
         - ALREADY_EXISTS: a request with the same request_id is in flight on this
         replica.
