@@ -5,10 +5,12 @@ from __future__ import annotations
 import logging
 
 import grpc
+from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
 from mesh_runtime.channels import ChannelPool
 from mesh_runtime.config import TlsConfig
+from mesh_runtime.rpc_tracing import context_metadata
 from rollmesh.replica.v1 import replica_agent_pb2, replica_agent_pb2_grpc
 
 from .table import Route
@@ -24,6 +26,7 @@ class Upstreams:
         self._pool = ChannelPool(tls=tls, tracer_provider=tracer_provider)
         self._call_timeout_s = call_timeout_s
         self._stubs: dict[str, tuple[grpc.aio.Channel, replica_agent_pb2_grpc.ReplicaAgentServiceStub]] = {}
+        self._untraced_stubs: dict[str, tuple[grpc.aio.Channel, replica_agent_pb2_grpc.ReplicaAgentServiceStub]] = {}
 
     def stub(self, address: str) -> replica_agent_pb2_grpc.ReplicaAgentServiceStub:
         channel = self._pool.get(address)   # a new one after a certificate rotation
@@ -33,8 +36,19 @@ class Upstreams:
         return cached[1]
 
     def generate(self, route: Route, request: replica_agent_pb2.GenerateRequest, timeout_s: float | None):
-        """Start a Generate stream on the route's agent (the call is sent now)."""
-        return self.stub(route.address).Generate(request, timeout=timeout_s)
+        """Start a Generate stream on the route's agent (the call is sent now). An attempt that is not being
+        traced goes on the channel without client interceptors (no span and no extra task per call); its
+        context still travels, so the agent follows the same sampling decision."""
+        if trace.get_current_span().is_recording():
+            return self.stub(route.address).Generate(request, timeout=timeout_s)
+        return self._untraced(route.address).Generate(request, timeout=timeout_s, metadata=context_metadata())
+
+    def _untraced(self, address: str) -> replica_agent_pb2_grpc.ReplicaAgentServiceStub:
+        channel = self._pool.get(address, traced=False)
+        cached = self._untraced_stubs.get(address)
+        if cached is None or cached[0] is not channel:
+            cached = self._untraced_stubs[address] = (channel, replica_agent_pb2_grpc.ReplicaAgentServiceStub(channel))
+        return cached[1]
 
     async def abort(self, route: Route, request_ids: list[str]) -> list[str]:
         """Ask the route's agent to abort requests; failures are logged, not raised."""
@@ -54,3 +68,4 @@ class Upstreams:
     async def close(self) -> None:
         await self._pool.close()
         self._stubs.clear()
+        self._untraced_stubs.clear()

@@ -80,17 +80,19 @@ def channel_options(idempotent: Sequence[tuple[str, str]] = (),
 
 def open_channel(address: str, *, tls: TlsConfig | None = None, tracer_provider: TracerProvider | None = None,
                  idempotent: Sequence[tuple[str, str]] = (),
-                 max_message_bytes: int = 64 * 1024 * 1024) -> grpc.aio.Channel:
+                 max_message_bytes: int = 64 * 1024 * 1024, traced: bool = True) -> grpc.aio.Channel:
     """A ``grpc.aio`` channel to ``address`` with tracing and retries of ``idempotent`` methods: mutual
     TLS presenting ``tls.cert`` when ``tls`` is given, plaintext otherwise. A list ``HOST:PORT,HOST:PORT``
-    (several controllers) is a :class:`FollowingChannel` over one such channel per address."""
+    (several controllers) is a :class:`FollowingChannel` over one such channel per address. ``traced``
+    False: no client interceptor (no span, no task per call); the caller propagates trace context itself
+    (:func:`mesh_runtime.rpc_tracing.context_metadata`)."""
     addresses = address_list(address)
     if len(addresses) > 1:
         return FollowingChannel(addresses, functools.partial(
             open_channel, tls=tls, tracer_provider=tracer_provider, idempotent=idempotent,
-            max_message_bytes=max_message_bytes))
+            max_message_bytes=max_message_bytes, traced=traced))
     options = channel_options(idempotent, max_message_bytes)
-    interceptors = tracing.client_interceptors(tracer_provider, address)
+    interceptors = tracing.client_interceptors(tracer_provider, address) if traced else []
     if tls is not None:
         return grpc.aio.secure_channel(address, channel_credentials(tls), options=options,
                                        interceptors=interceptors)
@@ -126,16 +128,19 @@ class ChannelPool:
         self._stamp: tuple = tls_stamp(tls)
         self._checked = time.monotonic()
 
-    def get(self, address: str) -> grpc.aio.Channel:
+    def get(self, address: str, *, traced: bool = True) -> grpc.aio.Channel:
+        """The channel to ``address``; ``traced`` False: its twin without client interceptors (see
+        :func:`open_channel`), for a data path whose calls are not being traced."""
         self._refresh_stamp()
-        entry = self._channels.get(address)
+        key = address if traced else f"untraced:{address}"
+        entry = self._channels.get(key)
         if entry is not None and entry[1] == self._stamp:
             return entry[0]
         if entry is not None:
             self._retire(entry[0])
         channel = open_channel(address, tls=self._tls, tracer_provider=self._tracer_provider,
-                               idempotent=self._idempotent)
-        self._channels[address] = (channel, self._stamp)
+                               idempotent=self._idempotent, traced=traced)
+        self._channels[key] = (channel, self._stamp)
         return channel
 
     def _refresh_stamp(self) -> None:

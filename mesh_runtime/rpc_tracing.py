@@ -288,6 +288,14 @@ class StreamStreamTracing(_ClientTracing, grpc.aio.StreamStreamClientInterceptor
         return await self._streaming(continuation, client_call_details, request_iterator)
 
 
+def context_metadata() -> tuple[tuple[str, str], ...]:
+    """The current trace context as call metadata (W3C ``traceparent``), for a call on an untraced channel:
+    the callee follows this process's sampling decision."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return tuple(carrier.items())
+
+
 def client_interceptors(tracer_provider=None, target: str | None = None) -> list:
     """The four client interceptors of one channel to ``target``."""
     return [cls(tracer_provider, target) for cls in

@@ -22,6 +22,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
 
 from . import rpc_tracing
 
@@ -36,11 +37,17 @@ def create_tracer_provider(service_name: str, env: Mapping[str, str],
     """Build a provider named ``service_name``; add the OTLP exporters ``env`` asks for."""
     from . import __version__  # noqa: PLC0415
 
-    provider = TracerProvider(resource=Resource.create({
+    enabled = env.get("OTEL_SDK_DISABLED", "").lower() != "true"
+    exporting = enabled and (any(env.get(v) for v in ENDPOINT_VARIABLES) or bool(env.get(SINK_VARIABLE)))
+    # A process that exports nothing starts no trace of its own: its root spans are not recorded (nor, by
+    # the parent-based rule, anything under them downstream), so the data path pays no span per request when
+    # tracing is off. A caller's sampled context is still followed, and OTEL_TRACES_SAMPLER (e.g.
+    # parentbased_traceidratio with OTEL_TRACES_SAMPLER_ARG) overrides both defaults.
+    sampler = None if exporting or extra_processors or env.get("OTEL_TRACES_SAMPLER") else ParentBased(ALWAYS_OFF)
+    provider = TracerProvider(sampler=sampler, resource=Resource.create({
         "service.name": service_name, "service.version": __version__,
         "service.instance.id": f"{socket.gethostname()}:{os.getpid()}"}))
-    enabled = env.get("OTEL_SDK_DISABLED", "").lower() != "true"
-    if enabled and (any(env.get(v) for v in ENDPOINT_VARIABLES) or env.get(SINK_VARIABLE)):
+    if exporting:
         # Imported here: the exporter pulls in its own gRPC channel machinery.
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 

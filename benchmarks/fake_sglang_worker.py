@@ -1,0 +1,121 @@
+"""A fake SGLang worker for the peer benchmark (``bench_vs_smg``): the HTTP surface SMG's router uses, at a
+synthetic engine's token timing.
+
+It answers what SMG 1.13 reads from a worker (seen from its requests): ``/health``, ``/v1/models`` (a model
+``owned_by: sglang``), ``/server_info`` and ``/get_server_info``, ``/model_info`` and ``/get_model_info``,
+``/v1/loads`` and ``/loads``, ``/metrics``; and ``POST /generate`` with ``input_ids`` and
+``sampling_params.max_new_tokens``, streamed as server-sent events (``stream: true``: a ``data:`` event per
+``--chunk`` tokens, then ``data: [DONE]``) or as one JSON body. Each request gets ``--rate`` tokens/s, as
+the synthetic engine gives each of its requests, so both systems route the same engine timing. Plain
+asyncio HTTP/1.1 with keep-alive; nothing else is imported, so the worker costs little beside the router.
+
+    python -m benchmarks.fake_sglang_worker --port 0 --rate 200 --chunk 16    # prints "port N"
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+
+MODEL = "bench-model"
+_ids = itertools.count()
+
+
+def _json(body: object, status: str = "200 OK") -> bytes:
+    data = json.dumps(body).encode()
+    return (f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {len(data)}\r\n\r\n"
+            .encode() + data)
+
+
+INFO = {
+    "/health": {},
+    "/v1/models": {"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "sglang"}]},
+    "/server_info": {"model_path": MODEL, "tokenizer_path": None, "dp_size": 1, "tp_size": 1,
+                     "version": "0.5.0-fake"},
+    "/model_info": {"model_path": MODEL, "is_generation": True},
+    "/loads": {"loads": [{"num_running_reqs": 0, "num_waiting_reqs": 0, "num_used_tokens": 0}]},
+}
+INFO["/get_server_info"], INFO["/get_model_info"], INFO["/v1/loads"] = (INFO["/server_info"], INFO["/model_info"],
+                                                                          INFO["/loads"])
+
+
+class Worker:
+    def __init__(self, rate: float, chunk: int) -> None:
+        self.rate, self.chunk = rate, chunk
+        self.running = 0
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                lines = head.decode("latin-1").split("\r\n")
+                method, target, _ = lines[0].split(" ", 2)
+                headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
+                body = await reader.readexactly(int(headers.get("content-length", "0") or 0))
+                path = target.split("?", 1)[0]
+                if method == "POST" and path == "/generate":
+                    await self.generate(json.loads(body or b"{}"), writer)
+                elif path == "/metrics":
+                    text = f"sglang:num_running_reqs {self.running}\n".encode()
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: "
+                                 + str(len(text)).encode() + b"\r\n\r\n" + text)
+                elif path in INFO:
+                    writer.write(_json(INFO[path]))
+                else:
+                    writer.write(_json({"error": f"no route {path}"}, "404 Not Found"))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
+            pass
+        finally:
+            writer.close()
+
+    async def generate(self, body: dict, writer: asyncio.StreamWriter) -> None:
+        n = int(body.get("sampling_params", {}).get("max_new_tokens", 16))
+        prompt = len(body.get("input_ids") or [])
+        rid = body.get("rid") or f"fake-{next(_ids)}"
+        self.running += 1
+        try:
+            if not body.get("stream"):
+                await asyncio.sleep(n / self.rate)
+                writer.write(_json({"text": "x" * n, "output_ids": list(range(n)), "meta_info": {
+                    "id": rid, "prompt_tokens": prompt, "completion_tokens": n,
+                    "finish_reason": {"type": "length", "length": n}}}))
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+            done = 0
+            while done < n:
+                step = min(self.chunk, n - done)
+                await asyncio.sleep(step / self.rate)
+                done += step
+                finish = {"type": "length", "length": n} if done == n else None
+                event = json.dumps({"text": "x" * step, "output_ids": list(range(done - step, done)), "meta_info": {
+                    "id": rid, "prompt_tokens": prompt, "completion_tokens": done, "finish_reason": finish}})
+                _chunk(writer, f"data: {event}\n\n".encode())
+                await writer.drain()
+            _chunk(writer, b"data: [DONE]\n\n")
+            writer.write(b"0\r\n\r\n")
+        finally:
+            self.running -= 1
+
+
+def _chunk(writer: asyncio.StreamWriter, data: bytes) -> None:
+    writer.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--rate", type=float, default=200.0, help="tokens/s per request")
+    parser.add_argument("--chunk", type=int, default=16, help="tokens per streamed event")
+    args = parser.parse_args()
+    worker = Worker(args.rate, args.chunk)
+    server = await asyncio.start_server(worker.serve, "127.0.0.1", args.port, backlog=1024)
+    print(f"port {server.sockets[0].getsockname()[1]}", flush=True)
+    async with server:
+        await server.serve_forever()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
