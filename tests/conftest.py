@@ -1,7 +1,10 @@
-"""Shared fixtures: paths to the tools the tests drive, and a verl-shaped checkout on sys.path."""
+"""Shared fixtures: paths to the tools the tests drive, and a verl-shaped checkout on sys.path; and the
+``slow`` mark on every test of a module that starts processes (``scripts/test --fast`` leaves them out)."""
 
 from __future__ import annotations
 
+import functools
+import re
 import shutil
 from pathlib import Path
 
@@ -11,6 +14,23 @@ from tests import verl_shaped
 
 ROOT = Path(__file__).resolve().parent.parent
 BUF = ROOT / "node_modules" / ".bin" / "buf"
+
+# What a test module that starts processes uses: the launcher's or the tests' process helpers, subprocess,
+# network namespaces, a real etcd, node. Such modules form the slow tier; the rest runs in-process.
+STARTS_PROCESSES = re.compile(r"\bstart_server\(|\bsubprocess\b|create_subprocess_exec|tests\.processes|"
+                              r"tests\.multihost|tests\.etcd_server|launcher\.processes|\bPopen\(|"
+                              r"tests\.controller\.scaling\.helpers|tests\.weights\.helpers|fake_sglang")
+
+
+@functools.cache
+def _starts_processes(path: Path) -> bool:
+    return bool(STARTS_PROCESSES.search(path.read_text(encoding="utf-8")))
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("slow") is None and _starts_processes(Path(str(item.fspath))):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")
