@@ -12,7 +12,9 @@ import pytest
 
 from mesh_runtime.discovery import open_discovered_balancers
 from mesh_runtime.errors import error_info
+from rollmesh.common.v1 import generation_pb2
 from rollmesh.controller.v1 import controller_pb2_grpc, events_pb2, registry_pb2
+from rollmesh.loadbalancer.v1 import loadbalancer_pb2
 from trainer_client import MeshClient
 from tests.controller.scaling.helpers import Procs, events_of, generate, lb_stub, routed, until
 from tests.loadbalancer.under_load import requests_through_a_kill
@@ -96,6 +98,16 @@ async def test_registered_balancers_are_kept_in_line_listed_and_dropped_when_the
                         final = await generate(lb_stub(channel), f"client-{i}", 8)
                         assert final.usage.completion_tokens == 8
                     assert sorted(channel.addresses) == sorted([lb2, lb3])
+                    # MeshClient.generate asks for the result only: one message holding every token
+                    request = loadbalancer_pb2.GenerateRequest(   # streamed, it would come in 4 chunks of 2
+                        request_id="client-final", prompt_token_ids=[1, 2, 3], stream_interval=2,
+                        sampling_params=generation_pb2.SamplingParams(max_tokens=8, ignore_eos=True))
+                    final = await mesh.generate(channel, request, timeout_s=30)
+                    assert not request.final_only   # the caller's message is left as it was
+                    assert len(final.token_ids) == 8 and final.usage.completion_tokens == 8
+                    assert list(final.token_ids) == [t for seg in final.segments for t in seg.token_ids]
+                    again = await generate(lb_stub(channel), "client-final", 8)   # the same record, streamed
+                    assert list(again.token_ids) == list(final.token_ids)
                 finally:
                     await channel.close()
             _, proc3 = procs.procs.pop("lb3")
