@@ -32,11 +32,17 @@ KEY = "balancers"
 
 
 def require_own_balancer(balancer_id: str, method: str) -> None:
-    """A balancer's identity may register and deregister only the balancer its certificate names."""
+    """A balancer's identity may register and deregister only the balancer its certificate names, and that
+    name's workers (``<name>-w<i>``, the processes of ``rollmesh lb --workers``)."""
     identity = current_identity()
-    if identity is not None and identity.role == "lb" and identity.name != balancer_id:
+    if identity is not None and identity.role == "lb" and not _own(identity.name, balancer_id):
         raise PermissionDenied(f"{method}: {identity} may act only for balancer {identity.name!r}, "
                                f"not {balancer_id[:64]!r}", reason=Reason.NOT_YOUR_BALANCER)
+
+
+def _own(name: str, balancer_id: str) -> bool:
+    worker = balancer_id.removeprefix(f"{name}-w")
+    return balancer_id == name or (worker != balancer_id and worker.isdigit())
 
 
 class Balancers:

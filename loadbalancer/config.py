@@ -10,6 +10,8 @@ from mesh_runtime.errors import InvalidArgument
 from mesh_runtime.net import AddressError, is_wildcard, parse_host_port
 from mesh_runtime.validate import check_id
 
+from .workers import check_workers
+
 
 @dataclasses.dataclass
 class StaticReplica:
@@ -88,6 +90,10 @@ class LoadBalancerConfig(ServerConfig):
     retry_initial_backoff_s: float = setting(0.05, help="first backoff before retrying after an UNAVAILABLE "
                                                         "replica (doubles each time, jittered)")
     retry_max_backoff_s: float = setting(2.0, help="largest backoff between retries")
+    agent_streams: bool = setting(True, help="send untraced attempts to each replica agent on one GenerateMany "
+                                             "stream (no call per request; chunks of many requests batched "
+                                             "into one message); false = a Generate call per attempt. Traced "
+                                             "attempts and agents without GenerateMany use Generate calls")
     upstream_call_timeout_s: float = setting(10.0, help="deadline of control calls to replica agents (abort)")
     abort_grace_s: float = setting(1.0, help="after a removal with abort, how long an attempt may take to end "
                                              "with its replica's abort reply before the balancer cuts it (a "
@@ -99,6 +105,10 @@ class LoadBalancerConfig(ServerConfig):
     completed_cache_ttl_s: float = setting(600.0, help="completed-request records older than this are dropped; a "
                                                        "repeat after that is generated again")
     metrics_listen: str = setting("", help="HOST:PORT for a Prometheus /metrics endpoint; empty = off")
+    workers: int = setting(1, help="balancer processes on this host (flag --workers): each registers with the "
+                                   "controller as <balancer_id>-w<i> on port + i of listen (and of "
+                                   "advertise_address, metrics_listen, health_listen), and clients spread "
+                                   "requests over them; needs controller_address")
 
     def validate(self) -> None:
         super().validate()
@@ -121,6 +131,7 @@ class LoadBalancerConfig(ServerConfig):
         if self.abort_grace_s < 0:
             raise ConfigError("abort_grace_s", f"must be >= 0, got {self.abort_grace_s}")
         check_addresses(self, "advertise_address", listen_keys=("metrics_listen",), list_keys=("controller_address",))
+        check_workers(self)
         if self.advertise_address and is_wildcard(parse_host_port(self.advertise_address)[0]):
             raise ConfigError("advertise_address", f"{self.advertise_address[:64]!r} is an address to listen on, "
                                                    "not to connect to: give the address others reach this "

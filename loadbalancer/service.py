@@ -40,7 +40,7 @@ def build_balancer(config: LoadBalancerConfig, tracer_provider: TracerProvider |
                                                   od.max_ejection_percent))
     table.add(Route(r.replica_id, r.address, r.kind, r.weight_version) for r in config.replicas)
     upstreams = Upstreams(tracer_provider=tracer_provider, call_timeout_s=config.upstream_call_timeout_s,
-                          tls=config.tls)
+                          tls=config.tls, agent_streams=config.agent_streams)
     return Balancer(config, table, upstreams, tracer=tracing.tracer(tracer_provider, "rollmesh.loadbalancer"),
                     **kwargs)
 

@@ -13,6 +13,7 @@ from mesh_runtime.config import TlsConfig
 from mesh_runtime.rpc_tracing import context_metadata
 from rollmesh.replica.v1 import replica_agent_pb2, replica_agent_pb2_grpc
 
+from .multiplex import AgentStreams
 from .table import Route
 
 log = logging.getLogger(__name__)
@@ -22,11 +23,12 @@ class Upstreams:
     """Stubs of the replica agents the balancer routes to (channels shared per address)."""
 
     def __init__(self, *, tracer_provider: TracerProvider | None, call_timeout_s: float,
-                 tls: TlsConfig | None = None) -> None:
+                 tls: TlsConfig | None = None, agent_streams: bool = True) -> None:
         self._pool = ChannelPool(tls=tls, tracer_provider=tracer_provider)
         self._call_timeout_s = call_timeout_s
         self._stubs: dict[str, tuple[grpc.aio.Channel, replica_agent_pb2_grpc.ReplicaAgentServiceStub]] = {}
         self._untraced_stubs: dict[str, tuple[grpc.aio.Channel, replica_agent_pb2_grpc.ReplicaAgentServiceStub]] = {}
+        self._streams = AgentStreams(self._untraced) if agent_streams else None
 
     def stub(self, address: str) -> replica_agent_pb2_grpc.ReplicaAgentServiceStub:
         channel = self._pool.get(address)   # a new one after a certificate rotation
@@ -36,12 +38,19 @@ class Upstreams:
         return cached[1]
 
     def generate(self, route: Route, request: replica_agent_pb2.GenerateRequest, timeout_s: float | None):
-        """Start a Generate stream on the route's agent (the call is sent now). An attempt that is not being
-        traced goes on the channel without client interceptors (no span and no extra task per call); its
-        context still travels, so the agent follows the same sampling decision."""
+        """Start a generation on the route's agent (sent now); returns its call (an async iterator of the
+        agent's messages, with ``cancel()``). A traced attempt is a Generate call of its own, with its client
+        span. An untraced one goes on the agent's GenerateMany stream (:mod:`.multiplex`; with
+        ``agent_streams`` off, a Generate call on the channel without client interceptors); its trace context
+        still travels, so the agent follows the same sampling decision."""
         if trace.get_current_span().is_recording():
             return self.stub(route.address).Generate(request, timeout=timeout_s)
-        return self._untraced(route.address).Generate(request, timeout=timeout_s, metadata=context_metadata())
+        metadata = context_metadata()
+        untraced = self._untraced(route.address)
+        if self._streams is None:
+            return untraced.Generate(request, timeout=timeout_s, metadata=metadata)
+        return self._streams.generate(route.address, request, timeout_s, dict(metadata),
+                                      lambda: untraced.Generate(request, timeout=timeout_s, metadata=metadata))
 
     def _untraced(self, address: str) -> replica_agent_pb2_grpc.ReplicaAgentServiceStub:
         channel = self._pool.get(address, traced=False)
@@ -66,6 +75,8 @@ class Upstreams:
         return list(reply.aborted_request_ids)
 
     async def close(self) -> None:
+        if self._streams is not None:
+            await self._streams.close()
         await self._pool.close()
         self._stubs.clear()
         self._untraced_stubs.clear()

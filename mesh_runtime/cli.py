@@ -54,6 +54,9 @@ class _Parser(argparse.ArgumentParser):
 # Flags that set one config key each (the reference's flag names), per server:
 # flag -> (config key, metavar, help). They win over the file and the environment.
 KEY_FLAGS: dict[str, dict[str, tuple[str, str, str]]] = {
+    "lb": {
+        "--workers": ("workers", "N", "balancer processes on this host, each registered with the controller"),
+    },
     "controller": {
         "--autoscaler-config": ("autoscaler_config", "FILE", "autoscaler YAML; the autoscaler is off without it"),
         "--store": ("store", "URL", "where the state lives: sqlite:///PATH or etcd://HOST:PORT[,HOST:PORT...]/PREFIX"),

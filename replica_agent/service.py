@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 
 from opentelemetry.sdk.trace import TracerProvider
 
@@ -20,6 +21,7 @@ from rollmesh.weights.v1 import weight_source_pb2_grpc
 
 from . import convert
 from .config import ReplicaAgentConfig
+from .multiplex import Multiplexer
 from .node import Node
 
 DESCRIPTOR = pb.DESCRIPTOR.services_by_name["ReplicaAgentService"]
@@ -93,6 +95,15 @@ class ReplicaAgentServicer(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
         return pb.GetReplicaResponse(replica=self._proto(self.replicas.get(request.replica_id)))
 
     async def Generate(self, request, context):  # noqa: N802
+        async for message in self.generations(request):
+            yield message
+
+    async def GenerateMany(self, request_iterator, context):  # noqa: N802
+        async for response in Multiplexer(self.generations).serve(request_iterator):
+            yield response
+
+    async def generations(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+        """One generation's messages, as a Generate call streams them (GenerateMany runs many of them)."""
         generation = convert.generation_request(request)
         timing = self.node.timing
         replica_id = request.replica_id

@@ -24,6 +24,7 @@ _sym_db = _symbol_database.Default()
 
 from google.api import field_behavior_pb2 as google_dot_api_dot_field__behavior__pb2
 from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
+from google.rpc import status_pb2 as google_dot_rpc_dot_status__pb2
 from rollmesh.common.v1 import generation_pb2 as rollmesh_dot_common_dot_v1_dot_generation__pb2
 from rollmesh.common.v1 import load_pb2 as rollmesh_dot_common_dot_v1_dot_load__pb2
 from rollmesh.common.v1 import status_pb2 as rollmesh_dot_common_dot_v1_dot_status__pb2
@@ -32,7 +33,7 @@ from rollmesh.common.v1 import weights_pb2 as rollmesh_dot_common_dot_v1_dot_wei
 from rollmesh.replica.v1 import replica_pb2 as rollmesh_dot_replica_dot_v1_dot_replica__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'rollmesh/replica/v1/replica_agent.proto\x12\x13rollmesh.replica.v1\x1a\x1fgoogle/api/field_behavior.proto\x1a\x1egoogle/protobuf/duration.proto\x1a#rollmesh/common/v1/generation.proto\x1a\x1drollmesh/common/v1/load.proto\x1a\x1frollmesh/common/v1/status.proto\x1a\x1erollmesh/common/v1/types.proto\x1a rollmesh/common/v1/weights.proto\x1a!rollmesh/replica/v1/replica.proto\"\x12\n\x10GetStatusRequest\"\x9e\x02\n\x11GetStatusResponse\x12\x38\n\x06status\x18\x01 \x01(\x0b\x32 .rollmesh.common.v1.ServerStatusR\x06status\x12\x17\n\x07node_id\x18\x02 \x01(\tR\x06nodeId\x12\x1f\n\x0bslots_total\x18\x03 \x01(\rR\nslotsTotal\x12\x1d\n\nslots_free\x18\x04 \x01(\rR\tslotsFree\x12;\n\x07\x62\x61\x63kend\x18\x05 \x01(\x0e\x32!.rollmesh.common.v1.EngineBackendR\x07\x62\x61\x63kend\x12\x14\n\x05model\x18\x06 \x01(\tR\x05model\x12#\n\rreplica_count\x18\x07 \x01(\rR\x0creplicaCount\"\xd0\x02\n\x14LaunchReplicaRequest\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\x12\x39\n\x04kind\x18\x02 \x01(\x0e\x32\x1f.rollmesh.common.v1.ReplicaKindB\x04\xe2\x41\x01\x02R\x04kind\x12,\n\x0fmemory_fraction\x18\x03 \x01(\x01H\x00R\x0ememoryFraction\x88\x01\x01\x12\x14\n\x05slots\x18\x04 \x01(\rR\x05slots\x12!\n\x0cstart_asleep\x18\x05 \x01(\x08R\x0bstartAsleep\x12%\n\x0eweight_version\x18\x06 \x01(\x03R\rweightVersion\x12\x1d\n\nrequest_id\x18\x07 \x01(\tR\trequestId\x12\x1d\n\nengine_url\x18\x08 \x01(\tR\tengineUrlB\x12\n\x10_memory_fraction\"O\n\x15LaunchReplicaResponse\x12\x36\n\x07replica\x18\x01 \x01(\x0b\x32\x1c.rollmesh.replica.v1.ReplicaR\x07replica\"z\n\x12StopReplicaRequest\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\x12/\n\x05grace\x18\x02 \x01(\x0b\x32\x19.google.protobuf.DurationR\x05grace\x12\x14\n\x05\x66orce\x18\x03 \x01(\x08R\x05\x66orce\"M\n\x13StopReplicaResponse\x12\x36\n\x07replica\x18\x01 \x01(\x0b\x32\x1c.rollmesh.replica.v1.ReplicaR\x07replica\"\xc2\x01\n\x13ListReplicasRequest\x12\x35\n\x05kinds\x18\x01 \x03(\x0e\x32\x1f.rollmesh.common.v1.ReplicaKindR\x05kinds\x12\x38\n\x06states\x18\x02 \x03(\x0e\x32 .rollmesh.common.v1.ReplicaStateR\x06states\x12\x1b\n\tpage_size\x18\x03 \x01(\x05R\x08pageSize\x12\x1d\n\npage_token\x18\x04 \x01(\tR\tpageToken\"x\n\x14ListReplicasResponse\x12\x38\n\x08replicas\x18\x01 \x03(\x0b\x32\x1c.rollmesh.replica.v1.ReplicaR\x08replicas\x12&\n\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"2\n\x11GetReplicaRequest\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\"L\n\x12GetReplicaResponse\x12\x36\n\x07replica\x18\x01 \x01(\x0b\x32\x1c.rollmesh.replica.v1.ReplicaR\x07replica\"\xa7\x03\n\x0fGenerateRequest\x12#\n\nreplica_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02R\treplicaId\x12#\n\nrequest_id\x18\x02 \x01(\tB\x04\xe2\x41\x01\x02R\trequestId\x12.\n\x10prompt_token_ids\x18\x03 \x03(\x05\x42\x04\xe2\x41\x01\x02R\x0epromptTokenIds\x12K\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\".rollmesh.common.v1.SamplingParamsR\x0esamplingParams\x12I\n\x0fresume_segments\x18\x05 \x03(\x0b\x32 .rollmesh.common.v1.TokenSegmentR\x0eresumeSegments\x12,\n\x0fstream_interval\x18\x06 \x01(\rH\x00R\x0estreamInterval\x88\x01\x01\x12@\n\x0e\x66lush_interval\x18\x07 \x01(\x0b\x32\x19.google.protobuf.DurationR\rflushIntervalB\x12\n\x10_stream_interval\"\xc7\x02\n\x10GenerateResponse\x12\x1d\n\nrequest_id\x18\x01 \x01(\tR\trequestId\x12\x1b\n\ttoken_ids\x18\x02 \x03(\x05R\x08tokenIds\x12\x1a\n\x08logprobs\x18\x03 \x03(\x02R\x08logprobs\x12%\n\x0eweight_version\x18\x04 \x01(\x03R\rweightVersion\x12\x45\n\rfinish_reason\x18\x05 \x01(\x0e\x32 .rollmesh.common.v1.FinishReasonR\x0c\x66inishReason\x12/\n\x05usage\x18\x06 \x01(\x0b\x32\x19.rollmesh.common.v1.UsageR\x05usage\x12<\n\x08segments\x18\x07 \x03(\x0b\x32 .rollmesh.common.v1.TokenSegmentR\x08segments\"\xa8\x01\n\x14\x41\x62ortRequestsRequest\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\x12=\n\x08requests\x18\x04 \x01(\x0b\x32\x1f.rollmesh.replica.v1.RequestIdsH\x00R\x08requests\x12\x12\n\x03\x61ll\x18\x03 \x01(\x08H\x00R\x03\x61llB\x0b\n\tselectionJ\x04\x08\x02\x10\x03R\x0brequest_ids\"3\n\nRequestIds\x12%\n\x0brequest_ids\x18\x01 \x03(\tB\x04\xe2\x41\x01\x02R\nrequestIds\"G\n\x15\x41\x62ortRequestsResponse\x12.\n\x13\x61\x62orted_request_ids\x18\x01 \x03(\tR\x11\x61\x62ortedRequestIds\"\xa2\x01\n\x16PauseGenerationRequest\x12\x1f\n\x0breplica_ids\x18\x01 \x03(\tR\nreplicaIds\x12\x32\n\x04mode\x18\x02 \x01(\x0e\x32\x1e.rollmesh.replica.v1.PauseModeR\x04mode\x12\x33\n\x07timeout\x18\x03 \x01(\x0b\x32\x19.google.protobuf.DurationR\x07timeout\"\x83\x01\n\x17PauseGenerationResponse\x12\x38\n\x08replicas\x18\x01 \x03(\x0b\x32\x1c.rollmesh.replica.v1.ReplicaR\x08replicas\x12.\n\x13\x61\x62orted_request_ids\x18\x02 \x03(\tR\x11\x61\x62ortedRequestIds\":\n\x17ResumeGenerationRequest\x12\x1f\n\x0breplica_ids\x18\x01 \x03(\tR\nreplicaIds\"T\n\x18ResumeGenerationResponse\x12\x38\n\x08replicas\x18\x01 \x03(\x0b\x32\x1c.rollmesh.replica.v1.ReplicaR\x08replicas\"\x97\x01\n\x0cSleepRequest\x12#\n\nreplica_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02R\treplicaId\x12:\n\x05level\x18\x02 \x01(\x0e\x32\x1e.rollmesh.common.v1.SleepLevelB\x04\xe2\x41\x01\x02R\x05level\x12&\n\x0f\x61\x62ort_in_flight\x18\x03 \x01(\x08R\rabortInFlight\"h\n\rSleepResponse\x12\x1f\n\x0b\x66reed_bytes\x18\x01 \x01(\x04R\nfreedBytes\x12\x36\n\x07replica\x18\x02 \x01(\x0b\x32\x1c.rollmesh.replica.v1.ReplicaR\x07replica\"\x8c\x01\n\rWakeUpRequest\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\x12/\n\x04tags\x18\x02 \x03(\x0e\x32\x1b.rollmesh.common.v1.WakeTagR\x04tags\x12+\n\x11resume_generation\x18\x03 \x01(\x08R\x10resumeGeneration\"H\n\x0eWakeUpResponse\x12\x36\n\x07replica\x18\x01 \x01(\x0b\x32\x1c.rollmesh.replica.v1.ReplicaR\x07replica\"\x98\x01\n\x15ReceiveWeightsRequest\x12\x1f\n\x0breplica_ids\x18\x01 \x03(\tR\nreplicaIds\x12\x36\n\x04plan\x18\x02 \x01(\x0b\x32\".rollmesh.common.v1.WeightSyncPlanR\x04plan\x12&\n\x0f\x61\x62ort_in_flight\x18\x03 \x01(\x08R\rabortInFlight\"\x80\x02\n\x14ReplicaWeightsResult\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\x12%\n\x0eweight_version\x18\x02 \x01(\x03R\rweightVersion\x12\x1f\n\x0b\x63hecksum_ok\x18\x03 \x01(\x08R\nchecksumOk\x12%\n\x0e\x62ytes_received\x18\x04 \x01(\x04R\rbytesReceived\x12\x35\n\x08\x64uration\x18\x05 \x01(\x0b\x32\x19.google.protobuf.DurationR\x08\x64uration\x12#\n\rerror_message\x18\x06 \x01(\tR\x0c\x65rrorMessage\"]\n\x16ReceiveWeightsResponse\x12\x43\n\x07results\x18\x01 \x03(\x0b\x32).rollmesh.replica.v1.ReplicaWeightsResultR\x07results\"8\n\x15GetLoadReportsRequest\x12\x1f\n\x0breplica_ids\x18\x01 \x03(\tR\nreplicaIds\"R\n\x16GetLoadReportsResponse\x12\x38\n\x07reports\x18\x01 \x03(\x0b\x32\x1e.rollmesh.common.v1.LoadReportR\x07reports2\x9a\n\n\x13ReplicaAgentService\x12Z\n\tGetStatus\x12%.rollmesh.replica.v1.GetStatusRequest\x1a&.rollmesh.replica.v1.GetStatusResponse\x12\x66\n\rLaunchReplica\x12).rollmesh.replica.v1.LaunchReplicaRequest\x1a*.rollmesh.replica.v1.LaunchReplicaResponse\x12`\n\x0bStopReplica\x12\'.rollmesh.replica.v1.StopReplicaRequest\x1a(.rollmesh.replica.v1.StopReplicaResponse\x12\x63\n\x0cListReplicas\x12(.rollmesh.replica.v1.ListReplicasRequest\x1a).rollmesh.replica.v1.ListReplicasResponse\x12]\n\nGetReplica\x12&.rollmesh.replica.v1.GetReplicaRequest\x1a\'.rollmesh.replica.v1.GetReplicaResponse\x12Y\n\x08Generate\x12$.rollmesh.replica.v1.GenerateRequest\x1a%.rollmesh.replica.v1.GenerateResponse0\x01\x12\x66\n\rAbortRequests\x12).rollmesh.replica.v1.AbortRequestsRequest\x1a*.rollmesh.replica.v1.AbortRequestsResponse\x12l\n\x0fPauseGeneration\x12+.rollmesh.replica.v1.PauseGenerationRequest\x1a,.rollmesh.replica.v1.PauseGenerationResponse\x12o\n\x10ResumeGeneration\x12,.rollmesh.replica.v1.ResumeGenerationRequest\x1a-.rollmesh.replica.v1.ResumeGenerationResponse\x12N\n\x05Sleep\x12!.rollmesh.replica.v1.SleepRequest\x1a\".rollmesh.replica.v1.SleepResponse\x12Q\n\x06WakeUp\x12\".rollmesh.replica.v1.WakeUpRequest\x1a#.rollmesh.replica.v1.WakeUpResponse\x12i\n\x0eReceiveWeights\x12*.rollmesh.replica.v1.ReceiveWeightsRequest\x1a+.rollmesh.replica.v1.ReceiveWeightsResponse\x12i\n\x0eGetLoadReports\x12*.rollmesh.replica.v1.GetLoadReportsRequest\x1a+.rollmesh.replica.v1.GetLoadReportsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'rollmesh/replica/v1/replica_agent.proto\x12\x13rollmesh.replica.v1\x1a\x1fgoogle/api/field_behavior.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x17google/rpc/status.proto\x1a#rollmesh/common/v1/generation.proto\x1a\x1drollmesh/common/v1/load.proto\x1a\x1frollmesh/common/v1/status.proto\x1a\x1erollmesh/common/v1/types.proto\x1a rollmesh/common/v1/weights.proto\x1a!rollmesh/replica/v1/replica.proto\"\x12\n\x10GetStatusRequest\"\x9e\x02\n\x11GetStatusResponse\x12\x38\n\x06status\x18\x01 \x01(\x0b\x32 .rollmesh.common.v1.ServerStatusR\x06status\x12\x17\n\x07node_id\x18\x02 \x01(\tR\x06nodeId\x12\x1f\n\x0bslots_total\x18\x03 \x01(\rR\nslotsTotal\x12\x1d\n\nslots_free\x18\x04 \x01(\rR\tslotsFree\x12;\n\x07\x62\x61\x63kend\x18\x05 \x01(\x0e\x32!.rollmesh.common.v1.EngineBackendR\x07\x62\x61\x63kend\x12\x14\n\x05model\x18\x06 \x01(\tR\x05model\x12#\n\rreplica_count\x18\x07 \x01(\rR\x0creplicaCount\"\xd0\x02\n\x14LaunchReplicaRequest\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\x12\x39\n\x04kind\x18\x02 \x01(\x0e\x32\x1f.rollmesh.common.v1.ReplicaKindB\x04\xe2\x41\x01\x02R\x04kind\x12,\n\x0fmemory_fraction\x18\x03 \x01(\x01H\x00R\x0ememoryFraction\x88\x01\x01\x12\x14\n\x05slots\x18\x04 \x01(\rR\x05slots\x12!\n\x0cstart_asleep\x18\x05 \x01(\x08R\x0bstartAsleep\x12%\n\x0eweight_version\x18\x06 \x01(\x03R\rweightVersion\x12\x1d\n\nrequest_id\x18\x07 \x01(\tR\trequestId\x12\x1d\n\nengine_url\x18\x08 \x01(\tR\tengineUrlB\x12\n\x10_memory_fraction\"O\n\x15LaunchReplicaResponse\x12\x36\n\x07replica\x18\x01 \x01(\x0b\x32\x1c.rollmesh.replica.v1.ReplicaR\x07replica\"z\n\x12StopReplicaRequest\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\x12/\n\x05grace\x18\x02 \x01(\x0b\x32\x19.google.protobuf.DurationR\x05grace\x12\x14\n\x05\x66orce\x18\x03 \x01(\x08R\x05\x66orce\"M\n\x13StopReplicaResponse\x12\x36\n\x07replica\x18\x01 \x01(\x0b\x32\x1c.rollmesh.replica.v1.ReplicaR\x07replica\"\xc2\x01\n\x13ListReplicasRequest\x12\x35\n\x05kinds\x18\x01 \x03(\x0e\x32\x1f.rollmesh.common.v1.ReplicaKindR\x05kinds\x12\x38\n\x06states\x18\x02 \x03(\x0e\x32 .rollmesh.common.v1.ReplicaStateR\x06states\x12\x1b\n\tpage_size\x18\x03 \x01(\x05R\x08pageSize\x12\x1d\n\npage_token\x18\x04 \x01(\tR\tpageToken\"x\n\x14ListReplicasResponse\x12\x38\n\x08replicas\x18\x01 \x03(\x0b\x32\x1c.rollmesh.replica.v1.ReplicaR\x08replicas\x12&\n\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"2\n\x11GetReplicaRequest\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\"L\n\x12GetReplicaResponse\x12\x36\n\x07replica\x18\x01 \x01(\x0b\x32\x1c.rollmesh.replica.v1.ReplicaR\x07replica\"\xa7\x03\n\x0fGenerateRequest\x12#\n\nreplica_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02R\treplicaId\x12#\n\nrequest_id\x18\x02 \x01(\tB\x04\xe2\x41\x01\x02R\trequestId\x12.\n\x10prompt_token_ids\x18\x03 \x03(\x05\x42\x04\xe2\x41\x01\x02R\x0epromptTokenIds\x12K\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\".rollmesh.common.v1.SamplingParamsR\x0esamplingParams\x12I\n\x0fresume_segments\x18\x05 \x03(\x0b\x32 .rollmesh.common.v1.TokenSegmentR\x0eresumeSegments\x12,\n\x0fstream_interval\x18\x06 \x01(\rH\x00R\x0estreamInterval\x88\x01\x01\x12@\n\x0e\x66lush_interval\x18\x07 \x01(\x0b\x32\x19.google.protobuf.DurationR\rflushIntervalB\x12\n\x10_stream_interval\"\xc7\x02\n\x10GenerateResponse\x12\x1d\n\nrequest_id\x18\x01 \x01(\tR\trequestId\x12\x1b\n\ttoken_ids\x18\x02 \x03(\x05R\x08tokenIds\x12\x1a\n\x08logprobs\x18\x03 \x03(\x02R\x08logprobs\x12%\n\x0eweight_version\x18\x04 \x01(\x03R\rweightVersion\x12\x45\n\rfinish_reason\x18\x05 \x01(\x0e\x32 .rollmesh.common.v1.FinishReasonR\x0c\x66inishReason\x12/\n\x05usage\x18\x06 \x01(\x0b\x32\x19.rollmesh.common.v1.UsageR\x05usage\x12<\n\x08segments\x18\x07 \x03(\x0b\x32 .rollmesh.common.v1.TokenSegmentR\x08segments\"\xe8\x02\n\x13GenerateManyRequest\x12\x42\n\x08generate\x18\x01 \x01(\x0b\x32$.rollmesh.replica.v1.GenerateRequestH\x00R\x08generate\x12,\n\x11\x63\x61ncel_request_id\x18\x02 \x01(\tH\x00R\x0f\x63\x61ncelRequestId\x12_\n\rtrace_context\x18\x03 \x03(\x0b\x32:.rollmesh.replica.v1.GenerateManyRequest.TraceContextEntryR\x0ctraceContext\x12\x33\n\x07timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.DurationR\x07timeout\x1a?\n\x11TraceContextEntry\x12\x10\n\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n\x05value\x18\x02 \x01(\tR\x05value:\x02\x38\x01\x42\x08\n\x06\x61\x63tion\"S\n\x14GenerateManyResponse\x12;\n\x05items\x18\x01 \x03(\x0b\x32%.rollmesh.replica.v1.GenerateManyItemR\x05items\"\x9e\x01\n\x10GenerateManyItem\x12\x1d\n\nrequest_id\x18\x01 \x01(\tR\trequestId\x12\x41\n\x08response\x18\x02 \x01(\x0b\x32%.rollmesh.replica.v1.GenerateResponseR\x08response\x12(\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x12.google.rpc.StatusR\x05\x65rror\"\xa8\x01\n\x14\x41\x62ortRequestsRequest\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\x12=\n\x08requests\x18\x04 \x01(\x0b\x32\x1f.rollmesh.replica.v1.RequestIdsH\x00R\x08requests\x12\x12\n\x03\x61ll\x18\x03 \x01(\x08H\x00R\x03\x61llB\x0b\n\tselectionJ\x04\x08\x02\x10\x03R\x0brequest_ids\"3\n\nRequestIds\x12%\n\x0brequest_ids\x18\x01 \x03(\tB\x04\xe2\x41\x01\x02R\nrequestIds\"G\n\x15\x41\x62ortRequestsResponse\x12.\n\x13\x61\x62orted_request_ids\x18\x01 \x03(\tR\x11\x61\x62ortedRequestIds\"\xa2\x01\n\x16PauseGenerationRequest\x12\x1f\n\x0breplica_ids\x18\x01 \x03(\tR\nreplicaIds\x12\x32\n\x04mode\x18\x02 \x01(\x0e\x32\x1e.rollmesh.replica.v1.PauseModeR\x04mode\x12\x33\n\x07timeout\x18\x03 \x01(\x0b\x32\x19.google.protobuf.DurationR\x07timeout\"\x83\x01\n\x17PauseGenerationResponse\x12\x38\n\x08replicas\x18\x01 \x03(\x0b\x32\x1c.rollmesh.replica.v1.ReplicaR\x08replicas\x12.\n\x13\x61\x62orted_request_ids\x18\x02 \x03(\tR\x11\x61\x62ortedRequestIds\":\n\x17ResumeGenerationRequest\x12\x1f\n\x0breplica_ids\x18\x01 \x03(\tR\nreplicaIds\"T\n\x18ResumeGenerationResponse\x12\x38\n\x08replicas\x18\x01 \x03(\x0b\x32\x1c.rollmesh.replica.v1.ReplicaR\x08replicas\"\x97\x01\n\x0cSleepRequest\x12#\n\nreplica_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02R\treplicaId\x12:\n\x05level\x18\x02 \x01(\x0e\x32\x1e.rollmesh.common.v1.SleepLevelB\x04\xe2\x41\x01\x02R\x05level\x12&\n\x0f\x61\x62ort_in_flight\x18\x03 \x01(\x08R\rabortInFlight\"h\n\rSleepResponse\x12\x1f\n\x0b\x66reed_bytes\x18\x01 \x01(\x04R\nfreedBytes\x12\x36\n\x07replica\x18\x02 \x01(\x0b\x32\x1c.rollmesh.replica.v1.ReplicaR\x07replica\"\x8c\x01\n\rWakeUpRequest\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\x12/\n\x04tags\x18\x02 \x03(\x0e\x32\x1b.rollmesh.common.v1.WakeTagR\x04tags\x12+\n\x11resume_generation\x18\x03 \x01(\x08R\x10resumeGeneration\"H\n\x0eWakeUpResponse\x12\x36\n\x07replica\x18\x01 \x01(\x0b\x32\x1c.rollmesh.replica.v1.ReplicaR\x07replica\"\x98\x01\n\x15ReceiveWeightsRequest\x12\x1f\n\x0breplica_ids\x18\x01 \x03(\tR\nreplicaIds\x12\x36\n\x04plan\x18\x02 \x01(\x0b\x32\".rollmesh.common.v1.WeightSyncPlanR\x04plan\x12&\n\x0f\x61\x62ort_in_flight\x18\x03 \x01(\x08R\rabortInFlight\"\x80\x02\n\x14ReplicaWeightsResult\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\x12%\n\x0eweight_version\x18\x02 \x01(\x03R\rweightVersion\x12\x1f\n\x0b\x63hecksum_ok\x18\x03 \x01(\x08R\nchecksumOk\x12%\n\x0e\x62ytes_received\x18\x04 \x01(\x04R\rbytesReceived\x12\x35\n\x08\x64uration\x18\x05 \x01(\x0b\x32\x19.google.protobuf.DurationR\x08\x64uration\x12#\n\rerror_message\x18\x06 \x01(\tR\x0c\x65rrorMessage\"]\n\x16ReceiveWeightsResponse\x12\x43\n\x07results\x18\x01 \x03(\x0b\x32).rollmesh.replica.v1.ReplicaWeightsResultR\x07results\"8\n\x15GetLoadReportsRequest\x12\x1f\n\x0breplica_ids\x18\x01 \x03(\tR\nreplicaIds\"R\n\x16GetLoadReportsResponse\x12\x38\n\x07reports\x18\x01 \x03(\x0b\x32\x1e.rollmesh.common.v1.LoadReportR\x07reports2\x83\x0b\n\x13ReplicaAgentService\x12Z\n\tGetStatus\x12%.rollmesh.replica.v1.GetStatusRequest\x1a&.rollmesh.replica.v1.GetStatusResponse\x12\x66\n\rLaunchReplica\x12).rollmesh.replica.v1.LaunchReplicaRequest\x1a*.rollmesh.replica.v1.LaunchReplicaResponse\x12`\n\x0bStopReplica\x12\'.rollmesh.replica.v1.StopReplicaRequest\x1a(.rollmesh.replica.v1.StopReplicaResponse\x12\x63\n\x0cListReplicas\x12(.rollmesh.replica.v1.ListReplicasRequest\x1a).rollmesh.replica.v1.ListReplicasResponse\x12]\n\nGetReplica\x12&.rollmesh.replica.v1.GetReplicaRequest\x1a\'.rollmesh.replica.v1.GetReplicaResponse\x12Y\n\x08Generate\x12$.rollmesh.replica.v1.GenerateRequest\x1a%.rollmesh.replica.v1.GenerateResponse0\x01\x12g\n\x0cGenerateMany\x12(.rollmesh.replica.v1.GenerateManyRequest\x1a).rollmesh.replica.v1.GenerateManyResponse(\x01\x30\x01\x12\x66\n\rAbortRequests\x12).rollmesh.replica.v1.AbortRequestsRequest\x1a*.rollmesh.replica.v1.AbortRequestsResponse\x12l\n\x0fPauseGeneration\x12+.rollmesh.replica.v1.PauseGenerationRequest\x1a,.rollmesh.replica.v1.PauseGenerationResponse\x12o\n\x10ResumeGeneration\x12,.rollmesh.replica.v1.ResumeGenerationRequest\x1a-.rollmesh.replica.v1.ResumeGenerationResponse\x12N\n\x05Sleep\x12!.rollmesh.replica.v1.SleepRequest\x1a\".rollmesh.replica.v1.SleepResponse\x12Q\n\x06WakeUp\x12\".rollmesh.replica.v1.WakeUpRequest\x1a#.rollmesh.replica.v1.WakeUpResponse\x12i\n\x0eReceiveWeights\x12*.rollmesh.replica.v1.ReceiveWeightsRequest\x1a+.rollmesh.replica.v1.ReceiveWeightsResponse\x12i\n\x0eGetLoadReports\x12*.rollmesh.replica.v1.GetLoadReportsRequest\x1a+.rollmesh.replica.v1.GetLoadReportsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -47,68 +48,78 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST'].fields_by_name['request_id']._serialized_options = b'\342A\001\002'
   _globals['_GENERATEREQUEST'].fields_by_name['prompt_token_ids']._loaded_options = None
   _globals['_GENERATEREQUEST'].fields_by_name['prompt_token_ids']._serialized_options = b'\342A\001\002'
+  _globals['_GENERATEMANYREQUEST_TRACECONTEXTENTRY']._loaded_options = None
+  _globals['_GENERATEMANYREQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_REQUESTIDS'].fields_by_name['request_ids']._loaded_options = None
   _globals['_REQUESTIDS'].fields_by_name['request_ids']._serialized_options = b'\342A\001\002'
   _globals['_SLEEPREQUEST'].fields_by_name['replica_id']._loaded_options = None
   _globals['_SLEEPREQUEST'].fields_by_name['replica_id']._serialized_options = b'\342A\001\002'
   _globals['_SLEEPREQUEST'].fields_by_name['level']._loaded_options = None
   _globals['_SLEEPREQUEST'].fields_by_name['level']._serialized_options = b'\342A\001\002'
-  _globals['_GETSTATUSREQUEST']._serialized_start=331
-  _globals['_GETSTATUSREQUEST']._serialized_end=349
-  _globals['_GETSTATUSRESPONSE']._serialized_start=352
-  _globals['_GETSTATUSRESPONSE']._serialized_end=638
-  _globals['_LAUNCHREPLICAREQUEST']._serialized_start=641
-  _globals['_LAUNCHREPLICAREQUEST']._serialized_end=977
-  _globals['_LAUNCHREPLICARESPONSE']._serialized_start=979
-  _globals['_LAUNCHREPLICARESPONSE']._serialized_end=1058
-  _globals['_STOPREPLICAREQUEST']._serialized_start=1060
-  _globals['_STOPREPLICAREQUEST']._serialized_end=1182
-  _globals['_STOPREPLICARESPONSE']._serialized_start=1184
-  _globals['_STOPREPLICARESPONSE']._serialized_end=1261
-  _globals['_LISTREPLICASREQUEST']._serialized_start=1264
-  _globals['_LISTREPLICASREQUEST']._serialized_end=1458
-  _globals['_LISTREPLICASRESPONSE']._serialized_start=1460
-  _globals['_LISTREPLICASRESPONSE']._serialized_end=1580
-  _globals['_GETREPLICAREQUEST']._serialized_start=1582
-  _globals['_GETREPLICAREQUEST']._serialized_end=1632
-  _globals['_GETREPLICARESPONSE']._serialized_start=1634
-  _globals['_GETREPLICARESPONSE']._serialized_end=1710
-  _globals['_GENERATEREQUEST']._serialized_start=1713
-  _globals['_GENERATEREQUEST']._serialized_end=2136
-  _globals['_GENERATERESPONSE']._serialized_start=2139
-  _globals['_GENERATERESPONSE']._serialized_end=2466
-  _globals['_ABORTREQUESTSREQUEST']._serialized_start=2469
-  _globals['_ABORTREQUESTSREQUEST']._serialized_end=2637
-  _globals['_REQUESTIDS']._serialized_start=2639
-  _globals['_REQUESTIDS']._serialized_end=2690
-  _globals['_ABORTREQUESTSRESPONSE']._serialized_start=2692
-  _globals['_ABORTREQUESTSRESPONSE']._serialized_end=2763
-  _globals['_PAUSEGENERATIONREQUEST']._serialized_start=2766
-  _globals['_PAUSEGENERATIONREQUEST']._serialized_end=2928
-  _globals['_PAUSEGENERATIONRESPONSE']._serialized_start=2931
-  _globals['_PAUSEGENERATIONRESPONSE']._serialized_end=3062
-  _globals['_RESUMEGENERATIONREQUEST']._serialized_start=3064
-  _globals['_RESUMEGENERATIONREQUEST']._serialized_end=3122
-  _globals['_RESUMEGENERATIONRESPONSE']._serialized_start=3124
-  _globals['_RESUMEGENERATIONRESPONSE']._serialized_end=3208
-  _globals['_SLEEPREQUEST']._serialized_start=3211
-  _globals['_SLEEPREQUEST']._serialized_end=3362
-  _globals['_SLEEPRESPONSE']._serialized_start=3364
-  _globals['_SLEEPRESPONSE']._serialized_end=3468
-  _globals['_WAKEUPREQUEST']._serialized_start=3471
-  _globals['_WAKEUPREQUEST']._serialized_end=3611
-  _globals['_WAKEUPRESPONSE']._serialized_start=3613
-  _globals['_WAKEUPRESPONSE']._serialized_end=3685
-  _globals['_RECEIVEWEIGHTSREQUEST']._serialized_start=3688
-  _globals['_RECEIVEWEIGHTSREQUEST']._serialized_end=3840
-  _globals['_REPLICAWEIGHTSRESULT']._serialized_start=3843
-  _globals['_REPLICAWEIGHTSRESULT']._serialized_end=4099
-  _globals['_RECEIVEWEIGHTSRESPONSE']._serialized_start=4101
-  _globals['_RECEIVEWEIGHTSRESPONSE']._serialized_end=4194
-  _globals['_GETLOADREPORTSREQUEST']._serialized_start=4196
-  _globals['_GETLOADREPORTSREQUEST']._serialized_end=4252
-  _globals['_GETLOADREPORTSRESPONSE']._serialized_start=4254
-  _globals['_GETLOADREPORTSRESPONSE']._serialized_end=4336
-  _globals['_REPLICAAGENTSERVICE']._serialized_start=4339
-  _globals['_REPLICAAGENTSERVICE']._serialized_end=5645
+  _globals['_GETSTATUSREQUEST']._serialized_start=356
+  _globals['_GETSTATUSREQUEST']._serialized_end=374
+  _globals['_GETSTATUSRESPONSE']._serialized_start=377
+  _globals['_GETSTATUSRESPONSE']._serialized_end=663
+  _globals['_LAUNCHREPLICAREQUEST']._serialized_start=666
+  _globals['_LAUNCHREPLICAREQUEST']._serialized_end=1002
+  _globals['_LAUNCHREPLICARESPONSE']._serialized_start=1004
+  _globals['_LAUNCHREPLICARESPONSE']._serialized_end=1083
+  _globals['_STOPREPLICAREQUEST']._serialized_start=1085
+  _globals['_STOPREPLICAREQUEST']._serialized_end=1207
+  _globals['_STOPREPLICARESPONSE']._serialized_start=1209
+  _globals['_STOPREPLICARESPONSE']._serialized_end=1286
+  _globals['_LISTREPLICASREQUEST']._serialized_start=1289
+  _globals['_LISTREPLICASREQUEST']._serialized_end=1483
+  _globals['_LISTREPLICASRESPONSE']._serialized_start=1485
+  _globals['_LISTREPLICASRESPONSE']._serialized_end=1605
+  _globals['_GETREPLICAREQUEST']._serialized_start=1607
+  _globals['_GETREPLICAREQUEST']._serialized_end=1657
+  _globals['_GETREPLICARESPONSE']._serialized_start=1659
+  _globals['_GETREPLICARESPONSE']._serialized_end=1735
+  _globals['_GENERATEREQUEST']._serialized_start=1738
+  _globals['_GENERATEREQUEST']._serialized_end=2161
+  _globals['_GENERATERESPONSE']._serialized_start=2164
+  _globals['_GENERATERESPONSE']._serialized_end=2491
+  _globals['_GENERATEMANYREQUEST']._serialized_start=2494
+  _globals['_GENERATEMANYREQUEST']._serialized_end=2854
+  _globals['_GENERATEMANYREQUEST_TRACECONTEXTENTRY']._serialized_start=2781
+  _globals['_GENERATEMANYREQUEST_TRACECONTEXTENTRY']._serialized_end=2844
+  _globals['_GENERATEMANYRESPONSE']._serialized_start=2856
+  _globals['_GENERATEMANYRESPONSE']._serialized_end=2939
+  _globals['_GENERATEMANYITEM']._serialized_start=2942
+  _globals['_GENERATEMANYITEM']._serialized_end=3100
+  _globals['_ABORTREQUESTSREQUEST']._serialized_start=3103
+  _globals['_ABORTREQUESTSREQUEST']._serialized_end=3271
+  _globals['_REQUESTIDS']._serialized_start=3273
+  _globals['_REQUESTIDS']._serialized_end=3324
+  _globals['_ABORTREQUESTSRESPONSE']._serialized_start=3326
+  _globals['_ABORTREQUESTSRESPONSE']._serialized_end=3397
+  _globals['_PAUSEGENERATIONREQUEST']._serialized_start=3400
+  _globals['_PAUSEGENERATIONREQUEST']._serialized_end=3562
+  _globals['_PAUSEGENERATIONRESPONSE']._serialized_start=3565
+  _globals['_PAUSEGENERATIONRESPONSE']._serialized_end=3696
+  _globals['_RESUMEGENERATIONREQUEST']._serialized_start=3698
+  _globals['_RESUMEGENERATIONREQUEST']._serialized_end=3756
+  _globals['_RESUMEGENERATIONRESPONSE']._serialized_start=3758
+  _globals['_RESUMEGENERATIONRESPONSE']._serialized_end=3842
+  _globals['_SLEEPREQUEST']._serialized_start=3845
+  _globals['_SLEEPREQUEST']._serialized_end=3996
+  _globals['_SLEEPRESPONSE']._serialized_start=3998
+  _globals['_SLEEPRESPONSE']._serialized_end=4102
+  _globals['_WAKEUPREQUEST']._serialized_start=4105
+  _globals['_WAKEUPREQUEST']._serialized_end=4245
+  _globals['_WAKEUPRESPONSE']._serialized_start=4247
+  _globals['_WAKEUPRESPONSE']._serialized_end=4319
+  _globals['_RECEIVEWEIGHTSREQUEST']._serialized_start=4322
+  _globals['_RECEIVEWEIGHTSREQUEST']._serialized_end=4474
+  _globals['_REPLICAWEIGHTSRESULT']._serialized_start=4477
+  _globals['_REPLICAWEIGHTSRESULT']._serialized_end=4733
+  _globals['_RECEIVEWEIGHTSRESPONSE']._serialized_start=4735
+  _globals['_RECEIVEWEIGHTSRESPONSE']._serialized_end=4828
+  _globals['_GETLOADREPORTSREQUEST']._serialized_start=4830
+  _globals['_GETLOADREPORTSREQUEST']._serialized_end=4886
+  _globals['_GETLOADREPORTSRESPONSE']._serialized_start=4888
+  _globals['_GETLOADREPORTSRESPONSE']._serialized_end=4970
+  _globals['_REPLICAAGENTSERVICE']._serialized_start=4973
+  _globals['_REPLICAAGENTSERVICE']._serialized_end=6384
 # @@protoc_insertion_point(module_scope)

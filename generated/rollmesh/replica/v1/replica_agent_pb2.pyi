@@ -2,9 +2,10 @@ import datetime
 
 from google.api import field_behavior_pb2 as _field_behavior_pb2
 from google.protobuf import duration_pb2 as _duration_pb2
+from google.rpc import status_pb2 as _status_pb2
 from rollmesh.common.v1 import generation_pb2 as _generation_pb2
 from rollmesh.common.v1 import load_pb2 as _load_pb2
-from rollmesh.common.v1 import status_pb2 as _status_pb2
+from rollmesh.common.v1 import status_pb2 as _status_pb2_1
 from rollmesh.common.v1 import types_pb2 as _types_pb2
 from rollmesh.common.v1 import weights_pb2 as _weights_pb2
 from rollmesh.replica.v1 import replica_pb2 as _replica_pb2
@@ -29,14 +30,14 @@ class GetStatusResponse(_message.Message):
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REPLICA_COUNT_FIELD_NUMBER: _ClassVar[int]
-    status: _status_pb2.ServerStatus
+    status: _status_pb2_1.ServerStatus
     node_id: str
     slots_total: int
     slots_free: int
     backend: _types_pb2.EngineBackend
     model: str
     replica_count: int
-    def __init__(self, status: _Optional[_Union[_status_pb2.ServerStatus, _Mapping]] = ..., node_id: _Optional[str] = ..., slots_total: _Optional[int] = ..., slots_free: _Optional[int] = ..., backend: _Optional[_Union[_types_pb2.EngineBackend, str]] = ..., model: _Optional[str] = ..., replica_count: _Optional[int] = ...) -> None: ...
+    def __init__(self, status: _Optional[_Union[_status_pb2_1.ServerStatus, _Mapping]] = ..., node_id: _Optional[str] = ..., slots_total: _Optional[int] = ..., slots_free: _Optional[int] = ..., backend: _Optional[_Union[_types_pb2.EngineBackend, str]] = ..., model: _Optional[str] = ..., replica_count: _Optional[int] = ...) -> None: ...
 
 class LaunchReplicaRequest(_message.Message):
     __slots__ = ("replica_id", "kind", "memory_fraction", "slots", "start_asleep", "weight_version", "request_id", "engine_url")
@@ -147,6 +148,41 @@ class GenerateResponse(_message.Message):
     usage: _generation_pb2.Usage
     segments: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenSegment]
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., weight_version: _Optional[int] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_generation_pb2.Usage, _Mapping]] = ..., segments: _Optional[_Iterable[_Union[_generation_pb2.TokenSegment, _Mapping]]] = ...) -> None: ...
+
+class GenerateManyRequest(_message.Message):
+    __slots__ = ("generate", "cancel_request_id", "trace_context", "timeout")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    generate: GenerateRequest
+    cancel_request_id: str
+    trace_context: _containers.ScalarMap[str, str]
+    timeout: _duration_pb2.Duration
+    def __init__(self, generate: _Optional[_Union[GenerateRequest, _Mapping]] = ..., cancel_request_id: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class GenerateManyResponse(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[GenerateManyItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[GenerateManyItem, _Mapping]]] = ...) -> None: ...
+
+class GenerateManyItem(_message.Message):
+    __slots__ = ("request_id", "response", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    response: GenerateResponse
+    error: _status_pb2.Status
+    def __init__(self, request_id: _Optional[str] = ..., response: _Optional[_Union[GenerateResponse, _Mapping]] = ..., error: _Optional[_Union[_status_pb2.Status, _Mapping]] = ...) -> None: ...
 
 class AbortRequestsRequest(_message.Message):
     __slots__ = ("replica_id", "requests", "all")

@@ -79,6 +79,11 @@ class ReplicaAgentServiceStub:
                 request_serializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateMany = channel.stream_stream(
+                '/rollmesh.replica.v1.ReplicaAgentService/GenerateMany',
+                request_serializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.GenerateManyRequest.SerializeToString,
+                response_deserializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.GenerateManyResponse.FromString,
+                _registered_method=True)
         self.AbortRequests = channel.unary_unary(
                 '/rollmesh.replica.v1.ReplicaAgentService/AbortRequests',
                 request_serializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.AbortRequestsRequest.SerializeToString,
@@ -231,6 +236,26 @@ class ReplicaAgentServiceServicer:
         limit; the balancer retries elsewhere.
         - INTERNAL: the engine failed mid-request; the tokens streamed before
         the error are valid and can be resumed elsewhere.
+
+        Authorization: lb.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateMany(self, request_iterator, context):
+        """Carries many generations on one stream: the balancer's data path to a
+        node, without a call per request. Each GenerateManyRequest starts a
+        generation (as Generate would, the same checks and the same replies) or
+        cancels one; each GenerateManyResponse carries the next messages of any
+        of them, batched, each tagged with its request_id. A generation ends with
+        its last message (finish_reason set) or with an error status of its own;
+        the other generations on the stream go on. When the stream ends (the
+        caller went away, the agent stops) every generation still on it is
+        aborted in its engine. Capability: generate.
+
+        Errors: per generation, in GenerateManyItem.error, those of Generate.
+        The stream itself fails only as a transport error (UNAVAILABLE).
 
         Authorization: lb.
         """
@@ -407,6 +432,11 @@ def add_ReplicaAgentServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.GenerateRequest.FromString,
                     response_serializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateMany,
+                    request_deserializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.GenerateManyRequest.FromString,
+                    response_serializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.GenerateManyResponse.SerializeToString,
             ),
             'AbortRequests': grpc.unary_unary_rpc_method_handler(
                     servicer.AbortRequests,
@@ -621,6 +651,33 @@ class ReplicaAgentService:
             '/rollmesh.replica.v1.ReplicaAgentService/Generate',
             rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.GenerateRequest.SerializeToString,
             rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/rollmesh.replica.v1.ReplicaAgentService/GenerateMany',
+            rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.GenerateManyRequest.SerializeToString,
+            rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.GenerateManyResponse.FromString,
             options,
             channel_credentials,
             insecure,
