@@ -17,9 +17,9 @@ from .core.config import SchedulingConfig
 class StoreTlsConfig:
     """TLS from the controller to its etcd store (etcd's --trusted-ca-file / --client-cert-auth)."""
 
-    ca: str = setting(help="PEM CA bundle that the etcd members' certificates must chain to")
-    cert: str = setting("", help="PEM client certificate (etcd with --client-cert-auth); with key")
-    key: str = setting("", help="PEM private key of cert")
+    ca: str = setting(help="PEM CA bundle that the etcd members' certificates must chain to", path=True)
+    cert: str = setting("", help="PEM client certificate (etcd with --client-cert-auth); with key", path=True)
+    key: str = setting("", help="PEM private key of cert", path=True)
 
     def validate(self) -> None:
         if bool(self.cert) != bool(self.key):
@@ -46,7 +46,7 @@ class ControllerConfig(ServerConfig):
     peer_timeout_s: float = setting(2.0, help="deadline in seconds for each call the controller makes "
                                               "to probe a peer in GetStatus")
     state_dir: str = setting("", help="directory of the controller's durable state (SQLite); empty = keep "
-                                      "nothing across restarts")
+                                      "nothing across restarts", path=True)
     store: str = setting("", help="where the durable state lives, overriding state_dir: sqlite:///PATH (one file) "
                                   "or etcd://HOST:PORT[,HOST:PORT...]/PREFIX (an etcd cluster, through its v3 JSON "
                                   "gateway); empty = SQLite in state_dir")
@@ -113,7 +113,7 @@ class ControllerConfig(ServerConfig):
     max_replicas_per_model: int = setting(256, help="largest scale target accepted (num_replicas above it is "
                                                     "INVALID_ARGUMENT)")
     autoscaler_config: str = setting("", help="YAML file of the autoscaler (the reference's fields); empty = "
-                                              "no autoscaler (the reference's --autoscaler-config)")
+                                              "no autoscaler (the reference's --autoscaler-config)", path=True)
     scale_api_token: str = setting("", secret=True, help="credential that mutating scale RPCs must present as "
                                                          "metadata 'authorization: Bearer TOKEN'; empty = no "
                                                          "credential required")

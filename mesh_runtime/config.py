@@ -36,10 +36,13 @@ class ConfigError(ValueError):
         self.why = why
 
 
-def setting(default: Any = _MISSING, *, help: str, secret: bool = False,
+def setting(default: Any = _MISSING, *, help: str, secret: bool = False, path: bool | str = False,
             default_factory: Any = _MISSING) -> Any:
-    """Declare a config field with its default and its one-line documentation."""
-    meta = {"help": help, "secret": secret}
+    """Declare a config field with its default and its one-line documentation. ``path`` True: a file or
+    directory (or a list of them); a relative one given in a config file is relative to that file.
+    ``path="existing"``: the same for a value that may also be a name (a model preset): only when the
+    file's directory holds it."""
+    meta = {"help": help, "secret": secret, "path": path}
     if default_factory is not _MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -186,7 +189,7 @@ def load_config(cls: type, path: str | Path | None = None, *,
             loaded = {}
         if not isinstance(loaded, dict):
             raise ConfigError("", f"config file {path} must hold a mapping at the top level")
-        data = loaded
+        data = resolve_paths(cls, loaded, Path(path).resolve().parent)
     if env and env_prefix:
         marker = env_prefix + "__"
         for name, raw in sorted(env.items()):
@@ -200,6 +203,49 @@ def load_config(cls: type, path: str | Path | None = None, *,
     for dotted, value in (overrides or {}).items():
         _set_path(data, dotted.split("."), value)
     return _build(cls, data)
+
+
+def resolve_paths(cls: type, data: Any, base: Path) -> Any:
+    """``data`` (a config file's mapping for ``cls``) with the relative paths of its ``path`` fields made
+    relative to ``base`` (the file's directory); a value that is not a plain relative path (absolute, a URL,
+    empty) is left alone. Keys the class does not know are left for :func:`_build` to report."""
+    if not isinstance(data, dict) or not dataclasses.is_dataclass(cls):
+        return data
+    hints = typing.get_type_hints(cls)
+    out = dict(data)
+    for field in dataclasses.fields(cls):
+        if field.name not in out:
+            continue
+        value, kind = out[field.name], field.metadata.get("path", False)
+        if kind:
+            out[field.name] = ([_relative_to(v, base, kind) for v in value] if isinstance(value, list)
+                               else _relative_to(value, base, kind))
+            continue
+        inner = _dataclass_of(hints[field.name])
+        if inner is not None:
+            out[field.name] = ([resolve_paths(inner, v, base) for v in value] if isinstance(value, list)
+                               else resolve_paths(inner, value, base))
+    return out
+
+
+def _relative_to(value: Any, base: Path, kind: bool | str) -> Any:
+    if not isinstance(value, str) or not value or "://" in value or Path(value).is_absolute():
+        return value
+    resolved = base / value
+    if kind == "existing" and not resolved.exists():
+        return value
+    return str(resolved)
+
+
+def _dataclass_of(tp: Any) -> type | None:
+    """The dataclass a field holds (itself, optional, or as list items), if any."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    for arg in typing.get_args(tp):
+        found = _dataclass_of(arg)
+        if found is not None:
+            return found
+    return None
 
 
 def config_notes(cfg: Any) -> list[str]:
@@ -260,9 +306,9 @@ def describe(cls: type, indent: int = 0) -> str:
 class TlsConfig:
     """PEM files of one process's mesh identity (mutual TLS, :mod:`mesh_runtime.tls`)."""
 
-    cert: str = setting(help="PEM certificate of this process (rollmesh certs create)")
-    key: str = setting(help="PEM private key of cert")
-    ca: str = setting(help="PEM CA bundle that peers' certificates must chain to")
+    cert: str = setting(help="PEM certificate of this process (rollmesh certs create)", path=True)
+    key: str = setting(help="PEM private key of cert", path=True)
+    ca: str = setting(help="PEM CA bundle that peers' certificates must chain to", path=True)
 
     def validate(self) -> None:
         for name in ("cert", "key", "ca"):

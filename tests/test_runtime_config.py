@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Literal
 
 import pytest
@@ -94,3 +95,33 @@ def test_parse_host_port(text, expected):
 def test_parse_host_port_rejects(text):
     with pytest.raises(AddressError):
         parse_host_port(text)
+
+
+def test_relative_paths_in_a_config_file_are_relative_to_that_file(tmp_path, monkeypatch):
+    """A config file's relative paths resolve against its own directory, whatever the working directory;
+    flags and environment overrides stay relative to the working directory; a model preset stays a name."""
+    from controller.config import ControllerConfig
+    from launcher.job_config import JobConfig
+    from replica_agent.config import ReplicaAgentConfig
+
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    job = load_config(JobConfig, examples / "quickstart.yaml")
+    assert job.data.train_files == [str(examples / "data" / "quickstart.parquet")]
+    assert job.custom_reward_function.path == str(examples / "quickstart_reward.py")
+
+    conf = tmp_path / "conf"
+    (conf / "models" / "mine").mkdir(parents=True)
+    (conf / "auto.yaml").write_text("{}\n")
+    (conf / "ctl.yaml").write_text("state_dir: state\nautoscaler_config: auto.yaml\n")
+    ctl = load_config(ControllerConfig, conf / "ctl.yaml")
+    assert (ctl.state_dir, ctl.autoscaler_config) == (str(conf / "state"), str(conf / "auto.yaml"))
+    flagged = load_config(ControllerConfig, conf / "ctl.yaml", overrides={"state_dir": "here"})
+    assert flagged.state_dir == "here"   # a flag is relative to where the command runs
+    (conf / "models" / "mine" / "config.json").write_text("{}")
+    (conf / "agent.yaml").write_text("backend: synthetic\nmodel: models/mine\n")
+    assert load_config(ReplicaAgentConfig, conf / "agent.yaml").model == str(conf / "models" / "mine")
+    (conf / "agent.yaml").write_text("model: tiny-llama\n")
+    assert load_config(ReplicaAgentConfig, conf / "agent.yaml").model == "tiny-llama"

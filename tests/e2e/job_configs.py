@@ -6,12 +6,16 @@ from pathlib import Path
 
 import yaml
 
+from launcher.job_config import JobConfig
+from mesh_runtime.config import resolve_paths
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def job_config(tmp: Path, example: str, name: str | None = None, **changes) -> Path:
     """Write ``examples/<example>`` with dotted-key ``changes`` applied to ``tmp/<name or example>``."""
-    data = yaml.safe_load((EXAMPLES / example).read_text())
+    # the example's paths are relative to the example: the copy elsewhere keeps them pointing there
+    data = resolve_paths(JobConfig, yaml.safe_load((EXAMPLES / example).read_text()), EXAMPLES)
     for dotted, value in changes.items():
         node = data
         *parents, leaf = dotted.split(".")

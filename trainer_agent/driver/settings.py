@@ -57,11 +57,13 @@ class DriverSettings:
     offload_during_hybrid: bool = setting(
         True, help="offload the trainer's parameters and optimizer state while hybrid replicas are active "
                    "(after an activation) and onload them before the next training step")
-    output_dir: str = setting("", help="directory for steps.jsonl (one line per global step); empty = none")
+    output_dir: str = setting("", help="directory for steps.jsonl (one line per global step); empty = none",
+                              path=True)
     model_output_dir: str = setting("", help="directory the trained model is written to at the end, in the "
-                                             "Hugging Face format (config, safetensors, tokenizer); empty = none")
+                                             "Hugging Face format (config, safetensors, tokenizer); empty = none",
+                                     path=True)
     checkpoint_dir: str = setting("", help="directory of the driver checkpoint (model, optimizer, queued and "
-                                           "in-flight samples, counters); empty = no checkpoints")
+                                           "in-flight samples, counters); empty = no checkpoints", path=True)
     checkpoint_interval: int = setting(1, help="save a checkpoint every this many global steps")
     resume: bool = setting(True, help="at start, resume from checkpoint_dir when it holds a checkpoint")
 
@@ -188,7 +190,7 @@ class DataSettings:
     """verl's ``data`` section (the keys rollmesh uses, with verl's defaults)."""
 
     train_files: str | list[str] = setting(default_factory=list, help="verl-format parquet or JSONL file(s); "
-                                           "empty = train on the built-in task instead")
+                                           "empty = train on the built-in task instead", path=True)
     prompt_key: str = setting("prompt", help="column holding the prompt: a chat message list or a string")
     max_prompt_length: int = setting(512, help="longest prompt in tokens (see truncation)")
     max_response_length: int = setting(512, help="most completion tokens per response")
@@ -219,7 +221,7 @@ class DataSettings:
 class CustomRewardSettings:
     """verl's ``custom_reward_function`` section, plus rollmesh's process pool."""
 
-    path: str = setting("", help="Python file defining the reward function; required with a dataset")
+    path: str = setting("", help="Python file defining the reward function; required with a dataset", path=True)
     name: str = setting("compute_score", help="the function: compute_score(data_source, solution_str, "
                                               "ground_truth, extra_info=None) -> float or {'score': float, ...}")
     num_workers: int = setting(0, help="processes to run the reward function in (for slow ones); 0 = in the "
