@@ -139,21 +139,30 @@ class AgentStream:
     def __init__(self, stub, address: str, on_end: Callable[[AgentStream, grpc.aio.AioRpcError], None]) -> None:
         self.address = address
         self._on_end = on_end
-        self._outgoing: asyncio.Queue[pb.GenerateManyRequest | None] = asyncio.Queue()
+        self._outgoing: asyncio.Queue[pb.GenerateManyAction | None] = asyncio.Queue()
         self._calls: dict[str, StreamedCall] = {}
         self.broken = False
         self._call = stub.GenerateMany(self._requests())
         self._reader = asyncio.ensure_future(self._read())
 
     async def _requests(self):
-        while (request := await self._outgoing.get()) is not None:
-            yield request
+        """Everything queued since the last message, in one message."""
+        queue = self._outgoing
+        while (first := await queue.get()) is not None:
+            actions = [first]
+            while not queue.empty():
+                action = queue.get_nowait()
+                if action is None:
+                    yield pb.GenerateManyRequest(actions=actions)
+                    return
+                actions.append(action)
+            yield pb.GenerateManyRequest(actions=actions)
 
     def start(self, request: pb.GenerateRequest, timeout_s: float | None, trace_context: dict[str, str],
               fallback: Callable[[], Any]) -> StreamedCall:
         call = StreamedCall(self, request.request_id, timeout_s, fallback)
         self._calls[request.request_id] = call
-        message = pb.GenerateManyRequest(generate=request, trace_context=trace_context)
+        message = pb.GenerateManyAction(generate=request, trace_context=trace_context)
         if timeout_s is not None:
             message.timeout.FromNanoseconds(int(max(0.0, timeout_s) * 1e9))
         self._outgoing.put_nowait(message)
@@ -161,7 +170,7 @@ class AgentStream:
 
     def cancel(self, request_id: str) -> None:
         if self._calls.pop(request_id, None) is not None and not self.broken:
-            self._outgoing.put_nowait(pb.GenerateManyRequest(cancel_request_id=request_id))
+            self._outgoing.put_nowait(pb.GenerateManyAction(cancel_request_id=request_id))
 
     async def _read(self) -> None:
         error: grpc.aio.AioRpcError
@@ -200,33 +209,78 @@ class AgentStream:
 
 
 class AgentStreams:
-    """One :class:`AgentStream` per agent address (see the module docstring)."""
+    """One :class:`AgentStream` per agent address (see the module docstring).
 
-    def __init__(self, stub_for: Callable[[str], Any]) -> None:
+    An agent is sent attempts on a stream once a ``GetStatus`` probe saw it list the ``generate_many``
+    capability; until then (and for an agent without it) its attempts are Generate calls. A probe that
+    fails is made again on a later attempt, at most every ``PROBE_RETRY_S``.
+    """
+
+    PROBE_RETRY_S = 5.0
+
+    def __init__(self, stub_for: Callable[[str], Any], *, probe_timeout_s: float = 5.0) -> None:
         self._stub_for = stub_for
+        self._probe_timeout_s = probe_timeout_s
         self._streams: dict[str, AgentStream] = {}
-        self.unsupported: set[str] = set()
-        """Agents that answered UNIMPLEMENTED: their attempts are Generate calls."""
+        self._supported: dict[str, bool] = {}
+        self._probes: dict[str, asyncio.Task] = {}
+        self._probed_at: dict[str, float] = {}
+
+    @property
+    def unsupported(self) -> set[str]:
+        """Agents that have no GenerateMany: their attempts are Generate calls."""
+        return {address for address, ok in self._supported.items() if not ok}
 
     def generate(self, address: str, request: pb.GenerateRequest, timeout_s: float | None,
                  trace_context: dict[str, str], fallback: Callable[[], Any]):
-        """Start an attempt on the agent's stream (sent now), or ``fallback()`` where it has none."""
-        if address in self.unsupported:
+        """Start an attempt on the agent's stream (sent now), or ``fallback()`` where it has none (yet)."""
+        supported = self._supported.get(address)
+        if not supported:
+            if supported is None:
+                self._probe(address)
             return fallback()
         stream = self._streams.get(address)
         if stream is None or stream.broken:
             stream = self._streams[address] = AgentStream(self._stub_for(address), address, self._ended)
         return stream.start(request, timeout_s, trace_context, fallback)
 
+    async def check(self, address: str) -> bool:
+        """Probe ``address`` now (unless known) and say whether its attempts go on a stream."""
+        if address not in self._supported:
+            await self._ask(address)
+        return bool(self._supported.get(address))
+
+    def _probe(self, address: str) -> None:
+        loop = asyncio.get_running_loop()
+        if address in self._probes or loop.time() - self._probed_at.get(address, -1e9) < self.PROBE_RETRY_S:
+            return
+        self._probed_at[address] = loop.time()
+        task = self._probes[address] = asyncio.ensure_future(self._ask(address))
+        task.add_done_callback(lambda _: self._probes.pop(address, None))
+
+    async def _ask(self, address: str) -> None:
+        try:
+            reply = await self._stub_for(address).GetStatus(pb.GetStatusRequest(), timeout=self._probe_timeout_s)
+        except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                self._supported[address] = False
+            log.debug("capability probe of %s failed: %s", address, err.code().name)
+            return   # asked again on a later attempt
+        self._supported[address] = "generate_many" in reply.status.capabilities
+        if not self._supported[address]:
+            log.info("agent %s does not serve GenerateMany: Generate calls to it", address)
+
     def _ended(self, stream: AgentStream, error: grpc.aio.AioRpcError) -> None:
         if self._streams.get(stream.address) is stream:
             del self._streams[stream.address]
-        if error.code() == grpc.StatusCode.UNIMPLEMENTED:
+        if error.code() == grpc.StatusCode.UNIMPLEMENTED:   # e.g. the agent was replaced by an older one
             log.info("agent %s does not serve GenerateMany: Generate calls to it", stream.address)
-            self.unsupported.add(stream.address)
-        elif error.code() not in (grpc.StatusCode.CANCELLED,):
+            self._supported[stream.address] = False
+        elif error.code() != grpc.StatusCode.CANCELLED:
             log.info("GenerateMany stream to %s ended: %s %s", stream.address, error.code().name, error.details())
 
     async def close(self) -> None:
+        for task in list(self._probes.values()):
+            task.cancel()
         streams, self._streams = list(self._streams.values()), {}
         await asyncio.gather(*(s.close() for s in streams), return_exceptions=True)

@@ -239,7 +239,7 @@ def _relative_to(value: Any, base: Path, kind: bool | str) -> Any:
 
 def _dataclass_of(tp: Any) -> type | None:
     """The dataclass a field holds (itself, optional, or as list items), if any."""
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return tp
     for arg in typing.get_args(tp):
         found = _dataclass_of(arg)

@@ -30,6 +30,7 @@ import contextlib
 
 import grpc
 from google.rpc import error_details_pb2, status_pb2
+from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
@@ -48,6 +49,13 @@ SERVER_ERROR_CODES = frozenset({
 
 _DETAILS_KEY = "grpc-status-details-bin"
 _MAX_DESCRIPTION = 300
+
+
+def exports(provider) -> bool:
+    """Whether spans made with ``provider`` go anywhere: False for a provider
+    :func:`mesh_runtime.tracing.create_tracer_provider` made without an exporter (its spans are not made
+    at all, so the data path pays nothing for tracing that is off); True for any other provider."""
+    return provider is None or getattr(provider, "rollmesh_exports", True)
 
 
 def traced(method: str) -> bool:
@@ -158,12 +166,15 @@ class ServerTracingInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, tracer_provider=None) -> None:
         self._tracer = trace.get_tracer(__name__, tracer_provider=tracer_provider)
+        self._exports = exports(tracer_provider)
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         method = handler_call_details.method
         if handler is None or not traced(method):
             return handler
+        if not self._exports:   # no span; the caller's context still reaches the handler and what it calls
+            return _with_callers_context(handler, handler_call_details.invocation_metadata or ())
         attributes = rpc_attributes(method)
         name = f"{attributes['rpc.service']}/{attributes['rpc.method']}"
         metadata = handler_call_details.invocation_metadata or ()
@@ -188,17 +199,44 @@ class ServerTracingInterceptor(grpc.aio.ServerInterceptor):
         return observe(handler, span_of)
 
 
+def _with_callers_context(handler, metadata) -> grpc.RpcMethodHandler:
+    carrier = {key: value for key, value in metadata if key in ("traceparent", "tracestate")}
+    if not carrier:
+        return handler
+
+    @contextlib.contextmanager
+    def attached(context):
+        token = otel_context.attach(propagate.extract(carrier))
+        try:
+            yield _ignore
+        finally:
+            otel_context.detach(token)
+    return observe(handler, attached)
+
+
+def _ignore(exc: BaseException | None) -> None:
+    return None
+
+
 class _ClientTracing:
     """What the four client interceptors share: span start, context injection, end."""
 
     def __init__(self, tracer_provider=None, target: str | None = None) -> None:
         self._tracer = trace.get_tracer(__name__, tracer_provider=tracer_provider)
         self._target = target_attributes(target)
+        self._exports = exports(tracer_provider)
 
     def _start(self, details: grpc.aio.ClientCallDetails):
         method = details.method.decode() if isinstance(details.method, bytes) else details.method
         if not traced(method):
             return None, details
+        if not self._exports:   # no span: the current context (a caller's) still travels
+            extra = context_metadata()
+            if not extra:
+                return None, details
+            metadata = grpc.aio.Metadata(*tuple(details.metadata or ()), *extra)
+            return None, grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
+                                                    details.wait_for_ready)
         attributes = rpc_attributes(method)
         span = self._tracer.start_span(f"{attributes['rpc.service']}/{attributes['rpc.method']}",
                                        kind=SpanKind.CLIENT, attributes={**attributes, **self._target})

@@ -58,6 +58,7 @@ def create_tracer_provider(service_name: str, env: Mapping[str, str],
                                                                             insecure=True)))
     for processor in extra_processors or []:
         provider.add_span_processor(processor)
+    provider.rollmesh_exports = exporting or bool(extra_processors)  # type: ignore[attr-defined]
     return provider
 
 
@@ -77,5 +78,8 @@ def client_interceptors(provider: TracerProvider | None, target: str | None = No
 
 
 def tracer(provider: TracerProvider | None, name: str) -> trace.Tracer:
-    """A tracer for the transition spans a component emits itself."""
+    """A tracer for the transition spans a component emits itself (a no-op one where nothing is exported:
+    see :func:`mesh_runtime.rpc_tracing.exports`)."""
+    if not rpc_tracing.exports(provider):
+        return trace.NoOpTracer()
     return trace.get_tracer(name, tracer_provider=provider)

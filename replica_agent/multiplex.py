@@ -62,19 +62,20 @@ class Multiplexer:
     async def _read(self, requests: AsyncIterator[pb.GenerateManyRequest]) -> None:
         try:
             async for request in requests:
-                which = request.WhichOneof("action")
-                if which == "generate":
-                    self._start(request)
-                elif which == "cancel_request_id":
-                    task = self._tasks.get(request.cancel_request_id)
-                    if task is not None:
-                        task.cancel()
+                for action in request.actions:
+                    which = action.WhichOneof("action")
+                    if which == "generate":
+                        self._start(action)
+                    elif which == "cancel_request_id":
+                        task = self._tasks.get(action.cancel_request_id)
+                        if task is not None:
+                            task.cancel()
         finally:   # the caller closed its side: finish what runs, then end the stream
             if self._tasks:
                 await asyncio.gather(*self._tasks.values(), return_exceptions=True)
             self._out.put_nowait(_END)
 
-    def _start(self, request: pb.GenerateManyRequest) -> None:
+    def _start(self, request: pb.GenerateManyAction) -> None:
         generate = request.generate
         request_id = generate.request_id
         if request_id in self._tasks:

@@ -46,7 +46,8 @@ class ReplicaAgentServicer(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
         self.node = Node(config, tracer_provider)
         self.replicas = self.node.replicas
         self.metrics = self.node.server_metrics
-        self.status = StatusReporter(config, ["status", "lifecycle", "generate", "sleep", "weights", "load_reports"])
+        self.status = StatusReporter(config, ["status", "lifecycle", "generate", "generate_many", "sleep", "weights",
+                                              "load_reports"])
         self.also_serves = [ServiceBinding(WEIGHTS_DESCRIPTOR.full_name, ReplicaWeightSource(self.node),
                                            weight_source_pb2_grpc.add_WeightSourceServiceServicer_to_server)]
 

@@ -1,7 +1,7 @@
 """The balancer's GenerateMany client (:mod:`loadbalancer.multiplex`) against a real in-process agent: an
 attempt on the shared stream reads like a Generate call, fails like one (its own status with ErrorInfo, a
-deadline, the stream breaking), cancels like one, and falls back to Generate calls where the agent has no
-GenerateMany."""
+deadline, the stream breaking), cancels like one; an agent is sent attempts on a stream once it listed the
+generate_many capability, and Generate calls otherwise."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ async def agent():
     channel = grpc.aio.insecure_channel(address)
     stub = replica_agent_pb2_grpc.ReplicaAgentServiceStub(channel)
     streams = AgentStreams(lambda _: stub)
+    assert await streams.check(address)   # it lists the generate_many capability
     yield streams, stub, address, server
     await streams.close()
     await channel.close()
@@ -120,9 +121,9 @@ async def test_an_agent_without_generate_many_gets_generate_calls():
         channel = grpc.aio.insecure_channel(address)
         stub = replica_agent_pb2_grpc.ReplicaAgentServiceStub(channel)
         streams = AgentStreams(lambda _: stub)
-        first = start(streams, address, stub, request("f1", max_tokens=6, replica_id="old"))
+        first = start(streams, address, stub, request("f1", max_tokens=6, replica_id="old"))   # while it probes
         assert [m async for m in first][-1].finish_reason == generation_pb2.FINISH_REASON_LENGTH
-        assert address in streams.unsupported
+        await wait_until(lambda: address in streams.unsupported, 10)   # no GetStatus, no GenerateMany
         second = start(streams, address, stub, request("f2", max_tokens=6, replica_id="old"))
         assert [m async for m in second][-1].finish_reason == generation_pb2.FINISH_REASON_LENGTH
         await streams.close()

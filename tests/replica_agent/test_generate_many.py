@@ -42,6 +42,10 @@ async def single(stub, request: pb.GenerateRequest) -> list[int]:
     return [t async for msg in stub.Generate(request, timeout=30) for t in msg.token_ids]
 
 
+def one(**action) -> pb.GenerateManyRequest:
+    return pb.GenerateManyRequest(actions=[pb.GenerateManyAction(**action)])
+
+
 class Stream:
     """One GenerateMany call: send actions, collect each generation's items."""
 
@@ -75,7 +79,7 @@ async def test_many_generations_on_one_stream_equal_their_generate_calls(agent):
     stream = Stream(stub)
     ids = [f"m{i}" for i in range(12)]
     for i, rid in enumerate(ids):
-        stream.outgoing.put_nowait(pb.GenerateManyRequest(generate=generate(rid, f"r{i % 2}", stream_interval=4)))
+        stream.outgoing.put_nowait(one(generate=generate(rid, f"r{i % 2}", stream_interval=4)))
     await wait_until(lambda: all(stream.ended(rid) for rid in ids), 20)
     for i, rid in enumerate(ids):
         final = stream.items[rid][-1].response
@@ -91,10 +95,10 @@ async def test_many_generations_on_one_stream_equal_their_generate_calls(agent):
 async def test_a_bad_generation_fails_alone_and_a_cancelled_one_is_aborted(agent):
     stub, server = agent
     stream = Stream(stub)
-    stream.outgoing.put_nowait(pb.GenerateManyRequest(generate=generate("long", max_tokens=100000)))
-    stream.outgoing.put_nowait(pb.GenerateManyRequest(generate=generate("bad", replica_id="nope")))
-    stream.outgoing.put_nowait(pb.GenerateManyRequest(generate=generate("zero", max_tokens=0)))
-    stream.outgoing.put_nowait(pb.GenerateManyRequest(generate=generate("ok")))
+    stream.outgoing.put_nowait(one(generate=generate("long", max_tokens=100000)))
+    stream.outgoing.put_nowait(one(generate=generate("bad", replica_id="nope")))
+    stream.outgoing.put_nowait(one(generate=generate("zero", max_tokens=0)))
+    stream.outgoing.put_nowait(one(generate=generate("ok")))
     await wait_until(lambda: all(stream.ended(r) for r in ("bad", "zero", "ok")) and "long" in stream.items, 20)
     assert stream.items["bad"][-1].error.code == grpc.StatusCode.NOT_FOUND.value[0]
     assert stream.items["zero"][-1].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
@@ -102,10 +106,10 @@ async def test_a_bad_generation_fails_alone_and_a_cancelled_one_is_aborted(agent
     assert stream.items["ok"][-1].response.usage.completion_tokens == 24
     replicas = server.services[0].servicer.replicas
     assert "long" in replicas.get("r0").in_flight
-    stream.outgoing.put_nowait(pb.GenerateManyRequest(cancel_request_id="long"))
+    stream.outgoing.put_nowait(one(cancel_request_id="long"))
     await wait_until(lambda: "long" not in replicas.get("r0").in_flight, 10)   # aborted in the engine
     seen = len(stream.items["long"])
-    stream.outgoing.put_nowait(pb.GenerateManyRequest(generate=generate("after")))
+    stream.outgoing.put_nowait(one(generate=generate("after")))
     await wait_until(lambda: stream.ended("after"), 10)
     assert len(stream.items["long"]) == seen and not stream.ended("long")   # nothing more was sent for it
 
@@ -114,7 +118,7 @@ async def test_every_generation_on_a_stream_is_aborted_when_its_caller_goes_away
     stub, server = agent
     stream = Stream(stub)
     for rid in ("a", "b", "c"):
-        stream.outgoing.put_nowait(pb.GenerateManyRequest(generate=generate(rid, max_tokens=100000)))
+        stream.outgoing.put_nowait(one(generate=generate(rid, max_tokens=100000)))
     replicas = server.services[0].servicer.replicas
     await wait_until(lambda: len(replicas.get("r0").in_flight) == 3, 10)
     stream.call.cancel()

@@ -33,7 +33,7 @@ class ReplicaAgentServiceStub:
     a scaled-out replica's first sync).
 
     Capabilities (see ServerStatus.capabilities): "lifecycle", "generate",
-    "sleep", "weights", "load_reports".
+    "generate_many" (GenerateMany), "sleep", "weights", "load_reports".
 
     Security: on a server with mutual TLS every caller presents a certificate
     from the mesh's CA that names its role (spiffe://rollmesh/<role>/<name>);
@@ -129,7 +129,7 @@ class ReplicaAgentServiceServicer:
     a scaled-out replica's first sync).
 
     Capabilities (see ServerStatus.capabilities): "lifecycle", "generate",
-    "sleep", "weights", "load_reports".
+    "generate_many" (GenerateMany), "sleep", "weights", "load_reports".
 
     Security: on a server with mutual TLS every caller presents a certificate
     from the mesh's CA that names its role (spiffe://rollmesh/<role>/<name>);
@@ -245,14 +245,14 @@ class ReplicaAgentServiceServicer:
 
     def GenerateMany(self, request_iterator, context):
         """Carries many generations on one stream: the balancer's data path to a
-        node, without a call per request. Each GenerateManyRequest starts a
-        generation (as Generate would, the same checks and the same replies) or
-        cancels one; each GenerateManyResponse carries the next messages of any
-        of them, batched, each tagged with its request_id. A generation ends with
+        node, without a call per request. Each action of a GenerateManyRequest
+        starts a generation (as Generate would, the same checks and the same
+        replies) or cancels one; each GenerateManyResponse carries the next
+        messages of any of them, batched, each tagged with its request_id. A generation ends with
         its last message (finish_reason set) or with an error status of its own;
         the other generations on the stream go on. When the stream ends (the
         caller went away, the agent stops) every generation still on it is
-        aborted in its engine. Capability: generate.
+        aborted in its engine. Capability: generate_many.
 
         Errors: per generation, in GenerateManyItem.error, those of Generate.
         The stream itself fails only as a transport error (UNAVAILABLE).
@@ -489,7 +489,7 @@ class ReplicaAgentService:
     a scaled-out replica's first sync).
 
     Capabilities (see ServerStatus.capabilities): "lifecycle", "generate",
-    "sleep", "weights", "load_reports".
+    "generate_many" (GenerateMany), "sleep", "weights", "load_reports".
 
     Security: on a server with mutual TLS every caller presents a certificate
     from the mesh's CA that names its role (spiffe://rollmesh/<role>/<name>);

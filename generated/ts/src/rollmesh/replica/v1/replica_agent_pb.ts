@@ -32,7 +32,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file rollmesh/replica/v1/replica_agent.proto.
  */
 export const file_rollmesh_replica_v1_replica_agent: GenFile = /*@__PURE__*/
-  fileDesc("Cidyb2xsbWVzaC9yZXBsaWNhL3YxL3JlcGxpY2FfYWdlbnQucHJvdG8SE3JvbGxtZXNoLnJlcGxpY2EudjEiEgoQR2V0U3RhdHVzUmVxdWVzdCLZAQoRR2V0U3RhdHVzUmVzcG9uc2USMAoGc3RhdHVzGAEgASgLMiAucm9sbG1lc2guY29tbW9uLnYxLlNlcnZlclN0YXR1cxIPCgdub2RlX2lkGAIgASgJEhMKC3Nsb3RzX3RvdGFsGAMgASgNEhIKCnNsb3RzX2ZyZWUYBCABKA0SMgoHYmFja2VuZBgFIAEoDjIhLnJvbGxtZXNoLmNvbW1vbi52MS5FbmdpbmVCYWNrZW5kEg0KBW1vZGVsGAYgASgJEhUKDXJlcGxpY2FfY291bnQYByABKA0i9gEKFExhdW5jaFJlcGxpY2FSZXF1ZXN0EhIKCnJlcGxpY2FfaWQYASABKAkSMwoEa2luZBgCIAEoDjIfLnJvbGxtZXNoLmNvbW1vbi52MS5SZXBsaWNhS2luZEIE4kEBAhIcCg9tZW1vcnlfZnJhY3Rpb24YAyABKAFIAIgBARINCgVzbG90cxgEIAEoDRIUCgxzdGFydF9hc2xlZXAYBSABKAgSFgoOd2VpZ2h0X3ZlcnNpb24YBiABKAMSEgoKcmVxdWVzdF9pZBgHIAEoCRISCgplbmdpbmVfdXJsGAggASgJQhIKEF9tZW1vcnlfZnJhY3Rpb24iRgoVTGF1bmNoUmVwbGljYVJlc3BvbnNlEi0KB3JlcGxpY2EYASABKAsyHC5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlcGxpY2EiYQoSU3RvcFJlcGxpY2FSZXF1ZXN0EhIKCnJlcGxpY2FfaWQYASABKAkSKAoFZ3JhY2UYAiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SDQoFZm9yY2UYAyABKAgiRAoTU3RvcFJlcGxpY2FSZXNwb25zZRItCgdyZXBsaWNhGAEgASgLMhwucm9sbG1lc2gucmVwbGljYS52MS5SZXBsaWNhIp4BChNMaXN0UmVwbGljYXNSZXF1ZXN0Ei4KBWtpbmRzGAEgAygOMh8ucm9sbG1lc2guY29tbW9uLnYxLlJlcGxpY2FLaW5kEjAKBnN0YXRlcxgCIAMoDjIgLnJvbGxtZXNoLmNvbW1vbi52MS5SZXBsaWNhU3RhdGUSEQoJcGFnZV9zaXplGAMgASgFEhIKCnBhZ2VfdG9rZW4YBCABKAkiXwoUTGlzdFJlcGxpY2FzUmVzcG9uc2USLgoIcmVwbGljYXMYASADKAsyHC5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlcGxpY2ESFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJIicKEUdldFJlcGxpY2FSZXF1ZXN0EhIKCnJlcGxpY2FfaWQYASABKAkiQwoSR2V0UmVwbGljYVJlc3BvbnNlEi0KB3JlcGxpY2EYASABKAsyHC5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlcGxpY2EiwgIKD0dlbmVyYXRlUmVxdWVzdBIYCgpyZXBsaWNhX2lkGAEgASgJQgTiQQECEhgKCnJlcXVlc3RfaWQYAiABKAlCBOJBAQISHgoQcHJvbXB0X3Rva2VuX2lkcxgDIAMoBUIE4kEBAhI7Cg9zYW1wbGluZ19wYXJhbXMYBCABKAsyIi5yb2xsbWVzaC5jb21tb24udjEuU2FtcGxpbmdQYXJhbXMSOQoPcmVzdW1lX3NlZ21lbnRzGAUgAygLMiAucm9sbG1lc2guY29tbW9uLnYxLlRva2VuU2VnbWVudBIcCg9zdHJlYW1faW50ZXJ2YWwYBiABKA1IAIgBARIxCg5mbHVzaF9pbnRlcnZhbBgHIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbkISChBfc3RyZWFtX2ludGVydmFsIvoBChBHZW5lcmF0ZVJlc3BvbnNlEhIKCnJlcXVlc3RfaWQYASABKAkSEQoJdG9rZW5faWRzGAIgAygFEhAKCGxvZ3Byb2JzGAMgAygCEhYKDndlaWdodF92ZXJzaW9uGAQgASgDEjcKDWZpbmlzaF9yZWFzb24YBSABKA4yIC5yb2xsbWVzaC5jb21tb24udjEuRmluaXNoUmVhc29uEigKBXVzYWdlGAYgASgLMhkucm9sbG1lc2guY29tbW9uLnYxLlVzYWdlEjIKCHNlZ21lbnRzGAcgAygLMiAucm9sbG1lc2guY29tbW9uLnYxLlRva2VuU2VnbWVudCKqAgoTR2VuZXJhdGVNYW55UmVxdWVzdBI4CghnZW5lcmF0ZRgBIAEoCzIkLnJvbGxtZXNoLnJlcGxpY2EudjEuR2VuZXJhdGVSZXF1ZXN0SAASGwoRY2FuY2VsX3JlcXVlc3RfaWQYAiABKAlIABJRCg10cmFjZV9jb250ZXh0GAMgAygLMjoucm9sbG1lc2gucmVwbGljYS52MS5HZW5lcmF0ZU1hbnlSZXF1ZXN0LlRyYWNlQ29udGV4dEVudHJ5EioKB3RpbWVvdXQYBCABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24aMwoRVHJhY2VDb250ZXh0RW50cnkSCwoDa2V5GAEgASgJEg0KBXZhbHVlGAIgASgJOgI4AUIICgZhY3Rpb24iTAoUR2VuZXJhdGVNYW55UmVzcG9uc2USNAoFaXRlbXMYASADKAsyJS5yb2xsbWVzaC5yZXBsaWNhLnYxLkdlbmVyYXRlTWFueUl0ZW0iggEKEEdlbmVyYXRlTWFueUl0ZW0SEgoKcmVxdWVzdF9pZBgBIAEoCRI3CghyZXNwb25zZRgCIAEoCzIlLnJvbGxtZXNoLnJlcGxpY2EudjEuR2VuZXJhdGVSZXNwb25zZRIhCgVlcnJvchgDIAEoCzISLmdvb2dsZS5ycGMuU3RhdHVzIo4BChRBYm9ydFJlcXVlc3RzUmVxdWVzdBISCgpyZXBsaWNhX2lkGAEgASgJEjMKCHJlcXVlc3RzGAQgASgLMh8ucm9sbG1lc2gucmVwbGljYS52MS5SZXF1ZXN0SWRzSAASDQoDYWxsGAMgASgISABCCwoJc2VsZWN0aW9uSgQIAhADUgtyZXF1ZXN0X2lkcyInCgpSZXF1ZXN0SWRzEhkKC3JlcXVlc3RfaWRzGAEgAygJQgTiQQECIjQKFUFib3J0UmVxdWVzdHNSZXNwb25zZRIbChNhYm9ydGVkX3JlcXVlc3RfaWRzGAEgAygJIocBChZQYXVzZUdlbmVyYXRpb25SZXF1ZXN0EhMKC3JlcGxpY2FfaWRzGAEgAygJEiwKBG1vZGUYAiABKA4yHi5yb2xsbWVzaC5yZXBsaWNhLnYxLlBhdXNlTW9kZRIqCgd0aW1lb3V0GAMgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uImYKF1BhdXNlR2VuZXJhdGlvblJlc3BvbnNlEi4KCHJlcGxpY2FzGAEgAygLMhwucm9sbG1lc2gucmVwbGljYS52MS5SZXBsaWNhEhsKE2Fib3J0ZWRfcmVxdWVzdF9pZHMYAiADKAkiLgoXUmVzdW1lR2VuZXJhdGlvblJlcXVlc3QSEwoLcmVwbGljYV9pZHMYASADKAkiSgoYUmVzdW1lR2VuZXJhdGlvblJlc3BvbnNlEi4KCHJlcGxpY2FzGAEgAygLMhwucm9sbG1lc2gucmVwbGljYS52MS5SZXBsaWNhInYKDFNsZWVwUmVxdWVzdBIYCgpyZXBsaWNhX2lkGAEgASgJQgTiQQECEjMKBWxldmVsGAIgASgOMh4ucm9sbG1lc2guY29tbW9uLnYxLlNsZWVwTGV2ZWxCBOJBAQISFwoPYWJvcnRfaW5fZmxpZ2h0GAMgASgIIlMKDVNsZWVwUmVzcG9uc2USEwoLZnJlZWRfYnl0ZXMYASABKAQSLQoHcmVwbGljYRgCIAEoCzIcLnJvbGxtZXNoLnJlcGxpY2EudjEuUmVwbGljYSJpCg1XYWtlVXBSZXF1ZXN0EhIKCnJlcGxpY2FfaWQYASABKAkSKQoEdGFncxgCIAMoDjIbLnJvbGxtZXNoLmNvbW1vbi52MS5XYWtlVGFnEhkKEXJlc3VtZV9nZW5lcmF0aW9uGAMgASgIIj8KDldha2VVcFJlc3BvbnNlEi0KB3JlcGxpY2EYASABKAsyHC5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlcGxpY2EidwoVUmVjZWl2ZVdlaWdodHNSZXF1ZXN0EhMKC3JlcGxpY2FfaWRzGAEgAygJEjAKBHBsYW4YAiABKAsyIi5yb2xsbWVzaC5jb21tb24udjEuV2VpZ2h0U3luY1BsYW4SFwoPYWJvcnRfaW5fZmxpZ2h0GAMgASgIIrMBChRSZXBsaWNhV2VpZ2h0c1Jlc3VsdBISCgpyZXBsaWNhX2lkGAEgASgJEhYKDndlaWdodF92ZXJzaW9uGAIgASgDEhMKC2NoZWNrc3VtX29rGAMgASgIEhYKDmJ5dGVzX3JlY2VpdmVkGAQgASgEEisKCGR1cmF0aW9uGAUgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEhUKDWVycm9yX21lc3NhZ2UYBiABKAkiVAoWUmVjZWl2ZVdlaWdodHNSZXNwb25zZRI6CgdyZXN1bHRzGAEgAygLMikucm9sbG1lc2gucmVwbGljYS52MS5SZXBsaWNhV2VpZ2h0c1Jlc3VsdCIsChVHZXRMb2FkUmVwb3J0c1JlcXVlc3QSEwoLcmVwbGljYV9pZHMYASADKAkiSQoWR2V0TG9hZFJlcG9ydHNSZXNwb25zZRIvCgdyZXBvcnRzGAEgAygLMh4ucm9sbG1lc2guY29tbW9uLnYxLkxvYWRSZXBvcnQygwsKE1JlcGxpY2FBZ2VudFNlcnZpY2USWgoJR2V0U3RhdHVzEiUucm9sbG1lc2gucmVwbGljYS52MS5HZXRTdGF0dXNSZXF1ZXN0GiYucm9sbG1lc2gucmVwbGljYS52MS5HZXRTdGF0dXNSZXNwb25zZRJmCg1MYXVuY2hSZXBsaWNhEikucm9sbG1lc2gucmVwbGljYS52MS5MYXVuY2hSZXBsaWNhUmVxdWVzdBoqLnJvbGxtZXNoLnJlcGxpY2EudjEuTGF1bmNoUmVwbGljYVJlc3BvbnNlEmAKC1N0b3BSZXBsaWNhEicucm9sbG1lc2gucmVwbGljYS52MS5TdG9wUmVwbGljYVJlcXVlc3QaKC5yb2xsbWVzaC5yZXBsaWNhLnYxLlN0b3BSZXBsaWNhUmVzcG9uc2USYwoMTGlzdFJlcGxpY2FzEigucm9sbG1lc2gucmVwbGljYS52MS5MaXN0UmVwbGljYXNSZXF1ZXN0Gikucm9sbG1lc2gucmVwbGljYS52MS5MaXN0UmVwbGljYXNSZXNwb25zZRJdCgpHZXRSZXBsaWNhEiYucm9sbG1lc2gucmVwbGljYS52MS5HZXRSZXBsaWNhUmVxdWVzdBonLnJvbGxtZXNoLnJlcGxpY2EudjEuR2V0UmVwbGljYVJlc3BvbnNlElkKCEdlbmVyYXRlEiQucm9sbG1lc2gucmVwbGljYS52MS5HZW5lcmF0ZVJlcXVlc3QaJS5yb2xsbWVzaC5yZXBsaWNhLnYxLkdlbmVyYXRlUmVzcG9uc2UwARJnCgxHZW5lcmF0ZU1hbnkSKC5yb2xsbWVzaC5yZXBsaWNhLnYxLkdlbmVyYXRlTWFueVJlcXVlc3QaKS5yb2xsbWVzaC5yZXBsaWNhLnYxLkdlbmVyYXRlTWFueVJlc3BvbnNlKAEwARJmCg1BYm9ydFJlcXVlc3RzEikucm9sbG1lc2gucmVwbGljYS52MS5BYm9ydFJlcXVlc3RzUmVxdWVzdBoqLnJvbGxtZXNoLnJlcGxpY2EudjEuQWJvcnRSZXF1ZXN0c1Jlc3BvbnNlEmwKD1BhdXNlR2VuZXJhdGlvbhIrLnJvbGxtZXNoLnJlcGxpY2EudjEuUGF1c2VHZW5lcmF0aW9uUmVxdWVzdBosLnJvbGxtZXNoLnJlcGxpY2EudjEuUGF1c2VHZW5lcmF0aW9uUmVzcG9uc2USbwoQUmVzdW1lR2VuZXJhdGlvbhIsLnJvbGxtZXNoLnJlcGxpY2EudjEuUmVzdW1lR2VuZXJhdGlvblJlcXVlc3QaLS5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlc3VtZUdlbmVyYXRpb25SZXNwb25zZRJOCgVTbGVlcBIhLnJvbGxtZXNoLnJlcGxpY2EudjEuU2xlZXBSZXF1ZXN0GiIucm9sbG1lc2gucmVwbGljYS52MS5TbGVlcFJlc3BvbnNlElEKBldha2VVcBIiLnJvbGxtZXNoLnJlcGxpY2EudjEuV2FrZVVwUmVxdWVzdBojLnJvbGxtZXNoLnJlcGxpY2EudjEuV2FrZVVwUmVzcG9uc2USaQoOUmVjZWl2ZVdlaWdodHMSKi5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlY2VpdmVXZWlnaHRzUmVxdWVzdBorLnJvbGxtZXNoLnJlcGxpY2EudjEuUmVjZWl2ZVdlaWdodHNSZXNwb25zZRJpCg5HZXRMb2FkUmVwb3J0cxIqLnJvbGxtZXNoLnJlcGxpY2EudjEuR2V0TG9hZFJlcG9ydHNSZXF1ZXN0Gisucm9sbG1lc2gucmVwbGljYS52MS5HZXRMb2FkUmVwb3J0c1Jlc3BvbnNlYgZwcm90bzM", [file_google_api_field_behavior, file_google_protobuf_duration, file_google_rpc_status, file_rollmesh_common_v1_generation, file_rollmesh_common_v1_load, file_rollmesh_common_v1_status, file_rollmesh_common_v1_types, file_rollmesh_common_v1_weights, file_rollmesh_replica_v1_replica]);
+  fileDesc("Cidyb2xsbWVzaC9yZXBsaWNhL3YxL3JlcGxpY2FfYWdlbnQucHJvdG8SE3JvbGxtZXNoLnJlcGxpY2EudjEiEgoQR2V0U3RhdHVzUmVxdWVzdCLZAQoRR2V0U3RhdHVzUmVzcG9uc2USMAoGc3RhdHVzGAEgASgLMiAucm9sbG1lc2guY29tbW9uLnYxLlNlcnZlclN0YXR1cxIPCgdub2RlX2lkGAIgASgJEhMKC3Nsb3RzX3RvdGFsGAMgASgNEhIKCnNsb3RzX2ZyZWUYBCABKA0SMgoHYmFja2VuZBgFIAEoDjIhLnJvbGxtZXNoLmNvbW1vbi52MS5FbmdpbmVCYWNrZW5kEg0KBW1vZGVsGAYgASgJEhUKDXJlcGxpY2FfY291bnQYByABKA0i9gEKFExhdW5jaFJlcGxpY2FSZXF1ZXN0EhIKCnJlcGxpY2FfaWQYASABKAkSMwoEa2luZBgCIAEoDjIfLnJvbGxtZXNoLmNvbW1vbi52MS5SZXBsaWNhS2luZEIE4kEBAhIcCg9tZW1vcnlfZnJhY3Rpb24YAyABKAFIAIgBARINCgVzbG90cxgEIAEoDRIUCgxzdGFydF9hc2xlZXAYBSABKAgSFgoOd2VpZ2h0X3ZlcnNpb24YBiABKAMSEgoKcmVxdWVzdF9pZBgHIAEoCRISCgplbmdpbmVfdXJsGAggASgJQhIKEF9tZW1vcnlfZnJhY3Rpb24iRgoVTGF1bmNoUmVwbGljYVJlc3BvbnNlEi0KB3JlcGxpY2EYASABKAsyHC5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlcGxpY2EiYQoSU3RvcFJlcGxpY2FSZXF1ZXN0EhIKCnJlcGxpY2FfaWQYASABKAkSKAoFZ3JhY2UYAiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SDQoFZm9yY2UYAyABKAgiRAoTU3RvcFJlcGxpY2FSZXNwb25zZRItCgdyZXBsaWNhGAEgASgLMhwucm9sbG1lc2gucmVwbGljYS52MS5SZXBsaWNhIp4BChNMaXN0UmVwbGljYXNSZXF1ZXN0Ei4KBWtpbmRzGAEgAygOMh8ucm9sbG1lc2guY29tbW9uLnYxLlJlcGxpY2FLaW5kEjAKBnN0YXRlcxgCIAMoDjIgLnJvbGxtZXNoLmNvbW1vbi52MS5SZXBsaWNhU3RhdGUSEQoJcGFnZV9zaXplGAMgASgFEhIKCnBhZ2VfdG9rZW4YBCABKAkiXwoUTGlzdFJlcGxpY2FzUmVzcG9uc2USLgoIcmVwbGljYXMYASADKAsyHC5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlcGxpY2ESFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJIicKEUdldFJlcGxpY2FSZXF1ZXN0EhIKCnJlcGxpY2FfaWQYASABKAkiQwoSR2V0UmVwbGljYVJlc3BvbnNlEi0KB3JlcGxpY2EYASABKAsyHC5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlcGxpY2EiwgIKD0dlbmVyYXRlUmVxdWVzdBIYCgpyZXBsaWNhX2lkGAEgASgJQgTiQQECEhgKCnJlcXVlc3RfaWQYAiABKAlCBOJBAQISHgoQcHJvbXB0X3Rva2VuX2lkcxgDIAMoBUIE4kEBAhI7Cg9zYW1wbGluZ19wYXJhbXMYBCABKAsyIi5yb2xsbWVzaC5jb21tb24udjEuU2FtcGxpbmdQYXJhbXMSOQoPcmVzdW1lX3NlZ21lbnRzGAUgAygLMiAucm9sbG1lc2guY29tbW9uLnYxLlRva2VuU2VnbWVudBIcCg9zdHJlYW1faW50ZXJ2YWwYBiABKA1IAIgBARIxCg5mbHVzaF9pbnRlcnZhbBgHIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbkISChBfc3RyZWFtX2ludGVydmFsIvoBChBHZW5lcmF0ZVJlc3BvbnNlEhIKCnJlcXVlc3RfaWQYASABKAkSEQoJdG9rZW5faWRzGAIgAygFEhAKCGxvZ3Byb2JzGAMgAygCEhYKDndlaWdodF92ZXJzaW9uGAQgASgDEjcKDWZpbmlzaF9yZWFzb24YBSABKA4yIC5yb2xsbWVzaC5jb21tb24udjEuRmluaXNoUmVhc29uEigKBXVzYWdlGAYgASgLMhkucm9sbG1lc2guY29tbW9uLnYxLlVzYWdlEjIKCHNlZ21lbnRzGAcgAygLMiAucm9sbG1lc2guY29tbW9uLnYxLlRva2VuU2VnbWVudCJPChNHZW5lcmF0ZU1hbnlSZXF1ZXN0EjgKB2FjdGlvbnMYASADKAsyJy5yb2xsbWVzaC5yZXBsaWNhLnYxLkdlbmVyYXRlTWFueUFjdGlvbiKoAgoSR2VuZXJhdGVNYW55QWN0aW9uEjgKCGdlbmVyYXRlGAEgASgLMiQucm9sbG1lc2gucmVwbGljYS52MS5HZW5lcmF0ZVJlcXVlc3RIABIbChFjYW5jZWxfcmVxdWVzdF9pZBgCIAEoCUgAElAKDXRyYWNlX2NvbnRleHQYAyADKAsyOS5yb2xsbWVzaC5yZXBsaWNhLnYxLkdlbmVyYXRlTWFueUFjdGlvbi5UcmFjZUNvbnRleHRFbnRyeRIqCgd0aW1lb3V0GAQgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uGjMKEVRyYWNlQ29udGV4dEVudHJ5EgsKA2tleRgBIAEoCRINCgV2YWx1ZRgCIAEoCToCOAFCCAoGYWN0aW9uIkwKFEdlbmVyYXRlTWFueVJlc3BvbnNlEjQKBWl0ZW1zGAEgAygLMiUucm9sbG1lc2gucmVwbGljYS52MS5HZW5lcmF0ZU1hbnlJdGVtIoIBChBHZW5lcmF0ZU1hbnlJdGVtEhIKCnJlcXVlc3RfaWQYASABKAkSNwoIcmVzcG9uc2UYAiABKAsyJS5yb2xsbWVzaC5yZXBsaWNhLnYxLkdlbmVyYXRlUmVzcG9uc2USIQoFZXJyb3IYAyABKAsyEi5nb29nbGUucnBjLlN0YXR1cyKOAQoUQWJvcnRSZXF1ZXN0c1JlcXVlc3QSEgoKcmVwbGljYV9pZBgBIAEoCRIzCghyZXF1ZXN0cxgEIAEoCzIfLnJvbGxtZXNoLnJlcGxpY2EudjEuUmVxdWVzdElkc0gAEg0KA2FsbBgDIAEoCEgAQgsKCXNlbGVjdGlvbkoECAIQA1ILcmVxdWVzdF9pZHMiJwoKUmVxdWVzdElkcxIZCgtyZXF1ZXN0X2lkcxgBIAMoCUIE4kEBAiI0ChVBYm9ydFJlcXVlc3RzUmVzcG9uc2USGwoTYWJvcnRlZF9yZXF1ZXN0X2lkcxgBIAMoCSKHAQoWUGF1c2VHZW5lcmF0aW9uUmVxdWVzdBITCgtyZXBsaWNhX2lkcxgBIAMoCRIsCgRtb2RlGAIgASgOMh4ucm9sbG1lc2gucmVwbGljYS52MS5QYXVzZU1vZGUSKgoHdGltZW91dBgDIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbiJmChdQYXVzZUdlbmVyYXRpb25SZXNwb25zZRIuCghyZXBsaWNhcxgBIAMoCzIcLnJvbGxtZXNoLnJlcGxpY2EudjEuUmVwbGljYRIbChNhYm9ydGVkX3JlcXVlc3RfaWRzGAIgAygJIi4KF1Jlc3VtZUdlbmVyYXRpb25SZXF1ZXN0EhMKC3JlcGxpY2FfaWRzGAEgAygJIkoKGFJlc3VtZUdlbmVyYXRpb25SZXNwb25zZRIuCghyZXBsaWNhcxgBIAMoCzIcLnJvbGxtZXNoLnJlcGxpY2EudjEuUmVwbGljYSJ2CgxTbGVlcFJlcXVlc3QSGAoKcmVwbGljYV9pZBgBIAEoCUIE4kEBAhIzCgVsZXZlbBgCIAEoDjIeLnJvbGxtZXNoLmNvbW1vbi52MS5TbGVlcExldmVsQgTiQQECEhcKD2Fib3J0X2luX2ZsaWdodBgDIAEoCCJTCg1TbGVlcFJlc3BvbnNlEhMKC2ZyZWVkX2J5dGVzGAEgASgEEi0KB3JlcGxpY2EYAiABKAsyHC5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlcGxpY2EiaQoNV2FrZVVwUmVxdWVzdBISCgpyZXBsaWNhX2lkGAEgASgJEikKBHRhZ3MYAiADKA4yGy5yb2xsbWVzaC5jb21tb24udjEuV2FrZVRhZxIZChFyZXN1bWVfZ2VuZXJhdGlvbhgDIAEoCCI/Cg5XYWtlVXBSZXNwb25zZRItCgdyZXBsaWNhGAEgASgLMhwucm9sbG1lc2gucmVwbGljYS52MS5SZXBsaWNhIncKFVJlY2VpdmVXZWlnaHRzUmVxdWVzdBITCgtyZXBsaWNhX2lkcxgBIAMoCRIwCgRwbGFuGAIgASgLMiIucm9sbG1lc2guY29tbW9uLnYxLldlaWdodFN5bmNQbGFuEhcKD2Fib3J0X2luX2ZsaWdodBgDIAEoCCKzAQoUUmVwbGljYVdlaWdodHNSZXN1bHQSEgoKcmVwbGljYV9pZBgBIAEoCRIWCg53ZWlnaHRfdmVyc2lvbhgCIAEoAxITCgtjaGVja3N1bV9vaxgDIAEoCBIWCg5ieXRlc19yZWNlaXZlZBgEIAEoBBIrCghkdXJhdGlvbhgFIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhIVCg1lcnJvcl9tZXNzYWdlGAYgASgJIlQKFlJlY2VpdmVXZWlnaHRzUmVzcG9uc2USOgoHcmVzdWx0cxgBIAMoCzIpLnJvbGxtZXNoLnJlcGxpY2EudjEuUmVwbGljYVdlaWdodHNSZXN1bHQiLAoVR2V0TG9hZFJlcG9ydHNSZXF1ZXN0EhMKC3JlcGxpY2FfaWRzGAEgAygJIkkKFkdldExvYWRSZXBvcnRzUmVzcG9uc2USLwoHcmVwb3J0cxgBIAMoCzIeLnJvbGxtZXNoLmNvbW1vbi52MS5Mb2FkUmVwb3J0MoMLChNSZXBsaWNhQWdlbnRTZXJ2aWNlEloKCUdldFN0YXR1cxIlLnJvbGxtZXNoLnJlcGxpY2EudjEuR2V0U3RhdHVzUmVxdWVzdBomLnJvbGxtZXNoLnJlcGxpY2EudjEuR2V0U3RhdHVzUmVzcG9uc2USZgoNTGF1bmNoUmVwbGljYRIpLnJvbGxtZXNoLnJlcGxpY2EudjEuTGF1bmNoUmVwbGljYVJlcXVlc3QaKi5yb2xsbWVzaC5yZXBsaWNhLnYxLkxhdW5jaFJlcGxpY2FSZXNwb25zZRJgCgtTdG9wUmVwbGljYRInLnJvbGxtZXNoLnJlcGxpY2EudjEuU3RvcFJlcGxpY2FSZXF1ZXN0Gigucm9sbG1lc2gucmVwbGljYS52MS5TdG9wUmVwbGljYVJlc3BvbnNlEmMKDExpc3RSZXBsaWNhcxIoLnJvbGxtZXNoLnJlcGxpY2EudjEuTGlzdFJlcGxpY2FzUmVxdWVzdBopLnJvbGxtZXNoLnJlcGxpY2EudjEuTGlzdFJlcGxpY2FzUmVzcG9uc2USXQoKR2V0UmVwbGljYRImLnJvbGxtZXNoLnJlcGxpY2EudjEuR2V0UmVwbGljYVJlcXVlc3QaJy5yb2xsbWVzaC5yZXBsaWNhLnYxLkdldFJlcGxpY2FSZXNwb25zZRJZCghHZW5lcmF0ZRIkLnJvbGxtZXNoLnJlcGxpY2EudjEuR2VuZXJhdGVSZXF1ZXN0GiUucm9sbG1lc2gucmVwbGljYS52MS5HZW5lcmF0ZVJlc3BvbnNlMAESZwoMR2VuZXJhdGVNYW55Eigucm9sbG1lc2gucmVwbGljYS52MS5HZW5lcmF0ZU1hbnlSZXF1ZXN0Gikucm9sbG1lc2gucmVwbGljYS52MS5HZW5lcmF0ZU1hbnlSZXNwb25zZSgBMAESZgoNQWJvcnRSZXF1ZXN0cxIpLnJvbGxtZXNoLnJlcGxpY2EudjEuQWJvcnRSZXF1ZXN0c1JlcXVlc3QaKi5yb2xsbWVzaC5yZXBsaWNhLnYxLkFib3J0UmVxdWVzdHNSZXNwb25zZRJsCg9QYXVzZUdlbmVyYXRpb24SKy5yb2xsbWVzaC5yZXBsaWNhLnYxLlBhdXNlR2VuZXJhdGlvblJlcXVlc3QaLC5yb2xsbWVzaC5yZXBsaWNhLnYxLlBhdXNlR2VuZXJhdGlvblJlc3BvbnNlEm8KEFJlc3VtZUdlbmVyYXRpb24SLC5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlc3VtZUdlbmVyYXRpb25SZXF1ZXN0Gi0ucm9sbG1lc2gucmVwbGljYS52MS5SZXN1bWVHZW5lcmF0aW9uUmVzcG9uc2USTgoFU2xlZXASIS5yb2xsbWVzaC5yZXBsaWNhLnYxLlNsZWVwUmVxdWVzdBoiLnJvbGxtZXNoLnJlcGxpY2EudjEuU2xlZXBSZXNwb25zZRJRCgZXYWtlVXASIi5yb2xsbWVzaC5yZXBsaWNhLnYxLldha2VVcFJlcXVlc3QaIy5yb2xsbWVzaC5yZXBsaWNhLnYxLldha2VVcFJlc3BvbnNlEmkKDlJlY2VpdmVXZWlnaHRzEioucm9sbG1lc2gucmVwbGljYS52MS5SZWNlaXZlV2VpZ2h0c1JlcXVlc3QaKy5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlY2VpdmVXZWlnaHRzUmVzcG9uc2USaQoOR2V0TG9hZFJlcG9ydHMSKi5yb2xsbWVzaC5yZXBsaWNhLnYxLkdldExvYWRSZXBvcnRzUmVxdWVzdBorLnJvbGxtZXNoLnJlcGxpY2EudjEuR2V0TG9hZFJlcG9ydHNSZXNwb25zZWIGcHJvdG8z", [file_google_api_field_behavior, file_google_protobuf_duration, file_google_rpc_status, file_rollmesh_common_v1_generation, file_rollmesh_common_v1_load, file_rollmesh_common_v1_status, file_rollmesh_common_v1_types, file_rollmesh_common_v1_weights, file_rollmesh_replica_v1_replica]);
 
 /**
  * Request of GetStatus. It has no fields.
@@ -519,15 +519,37 @@ export const GenerateResponseSchema: GenMessage<GenerateResponse> = /*@__PURE__*
   messageDesc(file_rollmesh_replica_v1_replica_agent, 11);
 
 /**
- * Request of GenerateMany: one action on the stream's generations.
+ * Request of GenerateMany: actions on the stream's generations, in order
+ * (a caller sends what it has at once).
  *
  * @generated from message rollmesh.replica.v1.GenerateManyRequest
  */
 export type GenerateManyRequest = Message<"rollmesh.replica.v1.GenerateManyRequest"> & {
   /**
+   * Generations to start or cancel.
+   *
+   * @generated from field: repeated rollmesh.replica.v1.GenerateManyAction actions = 1;
+   */
+  actions: GenerateManyAction[];
+};
+
+/**
+ * Describes the message rollmesh.replica.v1.GenerateManyRequest.
+ * Use `create(GenerateManyRequestSchema)` to create a new message.
+ */
+export const GenerateManyRequestSchema: GenMessage<GenerateManyRequest> = /*@__PURE__*/
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 12);
+
+/**
+ * One action on a GenerateMany stream.
+ *
+ * @generated from message rollmesh.replica.v1.GenerateManyAction
+ */
+export type GenerateManyAction = Message<"rollmesh.replica.v1.GenerateManyAction"> & {
+  /**
    * What to do.
    *
-   * @generated from oneof rollmesh.replica.v1.GenerateManyRequest.action
+   * @generated from oneof rollmesh.replica.v1.GenerateManyAction.action
    */
   action: {
     /**
@@ -568,11 +590,11 @@ export type GenerateManyRequest = Message<"rollmesh.replica.v1.GenerateManyReque
 };
 
 /**
- * Describes the message rollmesh.replica.v1.GenerateManyRequest.
- * Use `create(GenerateManyRequestSchema)` to create a new message.
+ * Describes the message rollmesh.replica.v1.GenerateManyAction.
+ * Use `create(GenerateManyActionSchema)` to create a new message.
  */
-export const GenerateManyRequestSchema: GenMessage<GenerateManyRequest> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 12);
+export const GenerateManyActionSchema: GenMessage<GenerateManyAction> = /*@__PURE__*/
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 13);
 
 /**
  * Response of GenerateMany: the next messages of one or more generations.
@@ -593,7 +615,7 @@ export type GenerateManyResponse = Message<"rollmesh.replica.v1.GenerateManyResp
  * Use `create(GenerateManyResponseSchema)` to create a new message.
  */
 export const GenerateManyResponseSchema: GenMessage<GenerateManyResponse> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 13);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 14);
 
 /**
  * One message of one generation on a GenerateMany stream.
@@ -629,7 +651,7 @@ export type GenerateManyItem = Message<"rollmesh.replica.v1.GenerateManyItem"> &
  * Use `create(GenerateManyItemSchema)` to create a new message.
  */
 export const GenerateManyItemSchema: GenMessage<GenerateManyItem> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 14);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 15);
 
 /**
  * Request of AbortRequests.
@@ -674,7 +696,7 @@ export type AbortRequestsRequest = Message<"rollmesh.replica.v1.AbortRequestsReq
  * Use `create(AbortRequestsRequestSchema)` to create a new message.
  */
 export const AbortRequestsRequestSchema: GenMessage<AbortRequestsRequest> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 15);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 16);
 
 /**
  * RequestIds lists generation requests by id.
@@ -695,7 +717,7 @@ export type RequestIds = Message<"rollmesh.replica.v1.RequestIds"> & {
  * Use `create(RequestIdsSchema)` to create a new message.
  */
 export const RequestIdsSchema: GenMessage<RequestIds> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 16);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 17);
 
 /**
  * Response of AbortRequests.
@@ -716,7 +738,7 @@ export type AbortRequestsResponse = Message<"rollmesh.replica.v1.AbortRequestsRe
  * Use `create(AbortRequestsResponseSchema)` to create a new message.
  */
 export const AbortRequestsResponseSchema: GenMessage<AbortRequestsResponse> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 17);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 18);
 
 /**
  * Request of PauseGeneration.
@@ -752,7 +774,7 @@ export type PauseGenerationRequest = Message<"rollmesh.replica.v1.PauseGeneratio
  * Use `create(PauseGenerationRequestSchema)` to create a new message.
  */
 export const PauseGenerationRequestSchema: GenMessage<PauseGenerationRequest> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 18);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 19);
 
 /**
  * Response of PauseGeneration.
@@ -780,7 +802,7 @@ export type PauseGenerationResponse = Message<"rollmesh.replica.v1.PauseGenerati
  * Use `create(PauseGenerationResponseSchema)` to create a new message.
  */
 export const PauseGenerationResponseSchema: GenMessage<PauseGenerationResponse> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 19);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 20);
 
 /**
  * Request of ResumeGeneration.
@@ -801,7 +823,7 @@ export type ResumeGenerationRequest = Message<"rollmesh.replica.v1.ResumeGenerat
  * Use `create(ResumeGenerationRequestSchema)` to create a new message.
  */
 export const ResumeGenerationRequestSchema: GenMessage<ResumeGenerationRequest> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 20);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 21);
 
 /**
  * Response of ResumeGeneration.
@@ -822,7 +844,7 @@ export type ResumeGenerationResponse = Message<"rollmesh.replica.v1.ResumeGenera
  * Use `create(ResumeGenerationResponseSchema)` to create a new message.
  */
 export const ResumeGenerationResponseSchema: GenMessage<ResumeGenerationResponse> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 21);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 22);
 
 /**
  * Request of Sleep.
@@ -859,7 +881,7 @@ export type SleepRequest = Message<"rollmesh.replica.v1.SleepRequest"> & {
  * Use `create(SleepRequestSchema)` to create a new message.
  */
 export const SleepRequestSchema: GenMessage<SleepRequest> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 22);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 23);
 
 /**
  * Response of Sleep.
@@ -888,7 +910,7 @@ export type SleepResponse = Message<"rollmesh.replica.v1.SleepResponse"> & {
  * Use `create(SleepResponseSchema)` to create a new message.
  */
 export const SleepResponseSchema: GenMessage<SleepResponse> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 23);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 24);
 
 /**
  * Request of WakeUp.
@@ -925,7 +947,7 @@ export type WakeUpRequest = Message<"rollmesh.replica.v1.WakeUpRequest"> & {
  * Use `create(WakeUpRequestSchema)` to create a new message.
  */
 export const WakeUpRequestSchema: GenMessage<WakeUpRequest> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 24);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 25);
 
 /**
  * Response of WakeUp.
@@ -946,7 +968,7 @@ export type WakeUpResponse = Message<"rollmesh.replica.v1.WakeUpResponse"> & {
  * Use `create(WakeUpResponseSchema)` to create a new message.
  */
 export const WakeUpResponseSchema: GenMessage<WakeUpResponse> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 25);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 26);
 
 /**
  * Request of ReceiveWeights.
@@ -983,7 +1005,7 @@ export type ReceiveWeightsRequest = Message<"rollmesh.replica.v1.ReceiveWeightsR
  * Use `create(ReceiveWeightsRequestSchema)` to create a new message.
  */
 export const ReceiveWeightsRequestSchema: GenMessage<ReceiveWeightsRequest> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 26);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 27);
 
 /**
  * Outcome of a weight transfer for one receiving replica.
@@ -1043,7 +1065,7 @@ export type ReplicaWeightsResult = Message<"rollmesh.replica.v1.ReplicaWeightsRe
  * Use `create(ReplicaWeightsResultSchema)` to create a new message.
  */
 export const ReplicaWeightsResultSchema: GenMessage<ReplicaWeightsResult> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 27);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 28);
 
 /**
  * Response of ReceiveWeights.
@@ -1064,7 +1086,7 @@ export type ReceiveWeightsResponse = Message<"rollmesh.replica.v1.ReceiveWeights
  * Use `create(ReceiveWeightsResponseSchema)` to create a new message.
  */
 export const ReceiveWeightsResponseSchema: GenMessage<ReceiveWeightsResponse> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 28);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 29);
 
 /**
  * Request of GetLoadReports.
@@ -1085,7 +1107,7 @@ export type GetLoadReportsRequest = Message<"rollmesh.replica.v1.GetLoadReportsR
  * Use `create(GetLoadReportsRequestSchema)` to create a new message.
  */
 export const GetLoadReportsRequestSchema: GenMessage<GetLoadReportsRequest> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 29);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 30);
 
 /**
  * Response of GetLoadReports.
@@ -1106,7 +1128,7 @@ export type GetLoadReportsResponse = Message<"rollmesh.replica.v1.GetLoadReports
  * Use `create(GetLoadReportsResponseSchema)` to create a new message.
  */
 export const GetLoadReportsResponseSchema: GenMessage<GetLoadReportsResponse> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 30);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 31);
 
 /**
  * ReplicaAgentService manages the engine replicas of one node: launch and
@@ -1116,7 +1138,7 @@ export const GetLoadReportsResponseSchema: GenMessage<GetLoadReportsResponse> = 
  * a scaled-out replica's first sync).
  *
  * Capabilities (see ServerStatus.capabilities): "lifecycle", "generate",
- * "sleep", "weights", "load_reports".
+ * "generate_many" (GenerateMany), "sleep", "weights", "load_reports".
  *
  * Security: on a server with mutual TLS every caller presents a certificate
  * from the mesh's CA that names its role (spiffe://rollmesh/<role>/<name>);
@@ -1252,14 +1274,14 @@ export const ReplicaAgentService: GenService<{
   },
   /**
    * Carries many generations on one stream: the balancer's data path to a
-   * node, without a call per request. Each GenerateManyRequest starts a
-   * generation (as Generate would, the same checks and the same replies) or
-   * cancels one; each GenerateManyResponse carries the next messages of any
-   * of them, batched, each tagged with its request_id. A generation ends with
+   * node, without a call per request. Each action of a GenerateManyRequest
+   * starts a generation (as Generate would, the same checks and the same
+   * replies) or cancels one; each GenerateManyResponse carries the next
+   * messages of any of them, batched, each tagged with its request_id. A generation ends with
    * its last message (finish_reason set) or with an error status of its own;
    * the other generations on the stream go on. When the stream ends (the
    * caller went away, the agent stops) every generation still on it is
-   * aborted in its engine. Capability: generate.
+   * aborted in its engine. Capability: generate_many.
    *
    * Errors: per generation, in GenerateManyItem.error, those of Generate.
    * The stream itself fails only as a transport error (UNAVAILABLE).
