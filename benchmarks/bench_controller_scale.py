@@ -5,7 +5,8 @@ balancer) and fake node agents in another process: one connection per node,
 each the agent's own :class:`~replica_agent.controller_link.ControllerLink`
 (10 s RegisterNode deadline, jittered backoff, honouring RetryInfo), all
 connecting at once from a cold start, each reporting 8 replicas at the interval
-the controller sets. Then, over a steady window, it measures
+the controller sets, with what loaded replicas report (running and waiting requests, KV use, token rates
+and latencies, different at every report). Then, over a steady window, it measures
 
 - controller CPU (% of one core) and RSS,
 - GetStatus p50 / p99 (a probe every 100 ms),
@@ -21,9 +22,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import multiprocessing as mp
 import os
+import random
 import re
 import statistics
 import sys
@@ -54,10 +57,9 @@ def _agents(address: str, first: int, count: int, ready: mp.Queue, stop: mp.Even
                 replicas=[registry_pb2.ReplicaRegistration(
                     replica_id=r, kind=types_pb2.REPLICA_KIND_STANDALONE, state=types_pb2.REPLICA_STATE_ACTIVE,
                     slots=[i]) for i, r in enumerate(replicas)])
-            reports = [load_pb2.LoadReport(replica_id=r, node_id=node, state=types_pb2.REPLICA_STATE_ACTIVE,
-                                           kind=types_pb2.REPLICA_KIND_STANDALONE) for r in replicas]
             link = ControllerLink(channel=grpc.aio.insecure_channel(address), registration=lambda m=registration: m,
-                                  reports=lambda r=reports: r, call_timeout_s=10.0)
+                                  reports=functools.partial(loaded_reports, node, replicas, random.Random(n)),
+                                  call_timeout_s=10.0)
             links.append(link)
         tasks = [asyncio.create_task(link.run()) for link in links]
         await asyncio.gather(*(link.registered.wait() for link in links))
@@ -71,6 +73,28 @@ def _agents(address: str, first: int, count: int, ready: mp.Queue, stop: mp.Even
 
     logging_off()
     asyncio.run(main())
+
+
+def loaded_reports(node: str, replicas: list[str], rng: random.Random) -> list:
+    """What 8 loaded replicas report: requests running and waiting, KV use, token rate and latencies, all
+    different at every report (as the real agent's engine snapshots are)."""
+    from rollmesh.common.v1 import load_pb2, types_pb2
+
+    out = []
+    for replica in replicas:
+        running = rng.randint(16, 96)
+        report = load_pb2.LoadReport(
+            replica_id=replica, node_id=node, state=types_pb2.REPLICA_STATE_ACTIVE,
+            kind=types_pb2.REPLICA_KIND_STANDALONE, running_requests=running, waiting_requests=rng.randint(0, 40),
+            kv_cache_usage=rng.uniform(0.3, 0.95), max_total_tokens=262144, used_tokens=rng.randint(80000, 250000),
+            generation_tokens_per_second=running * rng.uniform(25.0, 45.0))
+        report.queue_time_p95.FromNanoseconds(int(rng.uniform(0.01, 2.0) * 1e9))
+        report.time_to_first_token_p95.FromNanoseconds(int(rng.uniform(0.05, 3.0) * 1e9))
+        report.inter_token_latency_mean.FromNanoseconds(int(rng.uniform(0.02, 0.04) * 1e9))
+        report.inter_token_latency_p95.FromNanoseconds(int(rng.uniform(0.04, 0.09) * 1e9))
+        report.reported_at.GetCurrentTime()
+        out.append(report)
+    return out
 
 
 def logging_off() -> None:

@@ -21,7 +21,6 @@ from . import convert
 from .auth import has_scale_token, require_own_node
 from .config import ControllerConfig
 from .core.events import EventType
-from .core.records import ReplicaState
 from .leadership import Leadership, StandbyGate
 from .mesh import Mesh
 from .ports import Channels
@@ -32,7 +31,6 @@ from .scaling.service import ScalingRpcs
 
 log = logging.getLogger(__name__)
 DESCRIPTOR = controller_pb2.DESCRIPTOR.services_by_name["ControllerService"]
-S = ReplicaState
 
 
 class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServicer):
@@ -69,12 +67,12 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
     # ---------------------------------------------------------------- status
     async def GetStatus(self, request, context):  # noqa: N802 - gRPC method names throughout
         registry = self.mesh.registry
+        present, active = registry.present_and_active()
         return controller_pb2.GetStatusResponse(
             status=self.status.status(), peers=await self.peers.probe(),
             hybrid_state=scheduling_pb2.HybridState.Value(self.mesh.scheduler.hybrid_state.proto_name),
-            node_count=len(registry.nodes()),
-            replica_count=len([r for r in registry.replicas() if r.state is not S.REMOVED]),
-            active_replica_count=registry.active_count(), last_event_sequence=self.mesh.events.last_sequence,
+            node_count=registry.node_count(), replica_count=present, active_replica_count=active,
+            last_event_sequence=self.mesh.events.last_sequence,
             running_operation_id=getattr(self.mesh.scaler.book.running(), "operation_id", ""),
             state_store=self.mesh.store.description, **self.leadership.status_fields())
 

@@ -64,28 +64,64 @@ def _held(field: FieldDescriptor, value: Any, name: str) -> Iterator[tuple[str, 
         yield name, value
 
 
+def _plan(descriptor: Descriptor, plans: dict, relevant: Callable[[FieldDescriptor], bool]) -> tuple:
+    """The fields of ``descriptor`` worth visiting: those ``relevant`` says so of, and the message-typed ones
+    whose types have such fields at any depth (map entries included). Computed once per type; a recursive
+    type is visited conservatively while its own plan is being made."""
+    plan = plans.get(descriptor)
+    if plan is None:
+        plans[descriptor] = tuple(f for f in descriptor.fields if relevant(f) or f.type == FieldDescriptor.TYPE_MESSAGE)
+        plans[descriptor] = plan = tuple(
+            f for f in descriptor.fields
+            if relevant(f) or (f.type == FieldDescriptor.TYPE_MESSAGE and _plan(f.message_type, plans, relevant)))
+    return plan
+
+
+_ENUM_PLANS: dict[Descriptor, tuple[FieldDescriptor, ...]] = {}
+_REQUIRED_PLANS: dict[Descriptor, tuple[FieldDescriptor, ...]] = {}
+
+
+def _is_enum(field: FieldDescriptor) -> bool:
+    return field.type == FieldDescriptor.TYPE_ENUM
+
+
+def _is_required(field: FieldDescriptor) -> bool:
+    return field in required_fields(field.containing_type)
+
+
+def _sent(message: Message, field: FieldDescriptor) -> bool:
+    """Whether a message-typed field holds anything to look into."""
+    if field.is_repeated:
+        return len(getattr(message, field.name)) > 0
+    return message.HasField(field.name)
+
+
 def unknown_enum_value(message: Message, path: str = "") -> str | None:
     """``"field.path: 99 is not a value of pkg.Enum"`` for the first unknown enum number, else None."""
-    for field, value in message.ListFields():
+    for field in _plan(message.DESCRIPTOR, _ENUM_PLANS, _is_enum):
         name = f"{path}.{field.name}" if path else field.name
         if field.type == FieldDescriptor.TYPE_ENUM:
+            value = getattr(message, field.name)
             values = value if field.is_repeated else [value]
             for index, number in enumerate(values):
                 if number not in field.enum_type.values_by_number:
                     where = f"{name}[{index}]" if field.is_repeated else name
                     known = ", ".join(v.name for v in field.enum_type.values)
                     return f"{where}: {number} is not a value of {field.enum_type.full_name} ({_short(known)})"
-        elif field.type == FieldDescriptor.TYPE_MESSAGE:
-            value_field = field.message_type.fields_by_name.get("value")
-            if field.message_type.GetOptions().map_entry and value_field.type == FieldDescriptor.TYPE_ENUM:
-                for key, number in value.items():
-                    if number not in value_field.enum_type.values_by_number:
-                        return (f"{name}[{_short(str(key))!r}]: {number} is not a value of "
-                                f"{value_field.enum_type.full_name}")
-            for sub_path, sub in _held(field, value, name):
-                problem = unknown_enum_value(sub, sub_path)
-                if problem:
-                    return problem
+            continue
+        if not _sent(message, field):
+            continue
+        value = getattr(message, field.name)
+        value_field = field.message_type.fields_by_name.get("value")
+        if field.message_type.GetOptions().map_entry and value_field.type == FieldDescriptor.TYPE_ENUM:
+            for key, number in value.items():
+                if number not in value_field.enum_type.values_by_number:
+                    return (f"{name}[{_short(str(key))!r}]: {number} is not a value of "
+                            f"{value_field.enum_type.full_name}")
+        for sub_path, sub in _held(field, value, name):
+            problem = unknown_enum_value(sub, sub_path)
+            if problem:
+                return problem
     return None
 
 
@@ -109,9 +145,10 @@ def missing_required(message: Message, path: str = "") -> str | None:
     for field in required_fields(message.DESCRIPTOR):
         if not _is_set(message, field):
             return f"{path}.{field.name}" if path else field.name
-    for field, value in message.ListFields():
-        if field.type == FieldDescriptor.TYPE_MESSAGE:
-            for sub_path, sub in _held(field, value, f"{path}.{field.name}" if path else field.name):
+    for field in _plan(message.DESCRIPTOR, _REQUIRED_PLANS, _is_required):
+        if field.type == FieldDescriptor.TYPE_MESSAGE and _sent(message, field):
+            name = f"{path}.{field.name}" if path else field.name
+            for sub_path, sub in _held(field, getattr(message, field.name), name):
                 missing = missing_required(sub, sub_path)
                 if missing:
                     return missing

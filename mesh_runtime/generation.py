@@ -47,7 +47,7 @@ def check_generation(request_id: str, prompt_token_ids, sampling: generation_pb2
         raise InvalidArgument("request_id must not be empty", reason=Reason.EMPTY_REQUEST_ID)
     if not prompt_token_ids:
         raise InvalidArgument("prompt_token_ids must not be empty", reason=Reason.EMPTY_PROMPT)
-    if any(t < 0 for t in prompt_token_ids):
+    if min(prompt_token_ids) < 0:
         raise InvalidArgument("prompt_token_ids must not be negative", reason=Reason.INVALID_TOKEN_ID)
     check_sampling(sampling)
     for index, seg in enumerate(resume_segments):

@@ -279,6 +279,16 @@ class ReplicaRegistry:
         return sum(1 for r in self._replicas.values()
                    if r.state is S.ACTIVE and (kind is None or r.kind is kind))
 
+    def present_and_active(self) -> tuple[int, int]:
+        """(replicas not REMOVED, ACTIVE replicas) in one pass over the registry, without sorting (GetStatus)."""
+        present = active = 0
+        for record in self._replicas.values():
+            state = record.state
+            if state is not S.REMOVED:
+                present += 1
+                active += state is S.ACTIVE
+        return present, active
+
     def get_active_server_count(self) -> int:
         """Replicas serving rollout now, standalone plus active hybrid (the reference's name)."""
         return self.active_count()

@@ -163,6 +163,8 @@ def _is_int(value: object) -> bool:
 def _check_token_ids(ids: object, what: str, vocab_size: int | None) -> None:
     if not isinstance(ids, (list, tuple)):
         raise InvalidRequest(f"{what} must be a list of token ids")
+    if ids and set(map(type, ids)) == {int} and min(ids) >= 0 and (vocab_size is None or max(ids) < vocab_size):
+        return   # the usual case, checked at C speed; otherwise find the first bad one below
     for t in ids:
         if not _is_int(t) or t < 0:
             raise InvalidRequest(f"{what} holds {t!r}; token ids are non-negative integers")
