@@ -11,14 +11,12 @@ import grpc
 import pytest
 
 from loadbalancer.multiplex import AgentStreams
-from mesh_runtime.config import load_config
 from mesh_runtime.errors import error_info
-from replica_agent.config import ReplicaAgentConfig
-from replica_agent.server import SPEC
 from rollmesh.common.v1 import generation_pb2
 from rollmesh.replica.v1 import replica_agent_pb2 as pb
 from rollmesh.replica.v1 import replica_agent_pb2_grpc
 from tests.loadbalancer.fake_replica import start_fake
+from tests.replica_agent.in_process import synthetic_agent
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -26,20 +24,13 @@ pytestmark = pytest.mark.timeout(60)
 
 @pytest.fixture
 async def agent():
-    config = load_config(ReplicaAgentConfig, None, overrides={
-        "listen": "127.0.0.1:0", "node_id": "n0", "slots": 1, "backend": "synthetic",
-        "engine_options": {"tokens_per_second": 400, "lengths": {"kind": "fixed", "value": 100000}},
-        "replicas": [{"replica_id": "r0"}]})
-    server, port = await SPEC.create(config, None)
-    address = f"127.0.0.1:{port}"
-    channel = grpc.aio.insecure_channel(address)
-    stub = replica_agent_pb2_grpc.ReplicaAgentServiceStub(channel)
-    streams = AgentStreams(lambda _: stub)
-    assert await streams.check(address)   # it lists the generate_many capability
-    yield streams, stub, address, server
-    await streams.close()
-    await channel.close()
-    await server.stop(0)
+    async with synthetic_agent(["r0"]) as (server, address):
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = replica_agent_pb2_grpc.ReplicaAgentServiceStub(channel)
+            streams = AgentStreams(lambda _: stub)
+            assert await streams.check(address)   # it lists the generate_many capability
+            yield streams, stub, address, server
+            await streams.close()
 
 
 def request(request_id: str, max_tokens: int = 20, replica_id: str = "r0") -> pb.GenerateRequest:

@@ -9,12 +9,10 @@ import asyncio
 import grpc
 import pytest
 
-from mesh_runtime.config import load_config
-from replica_agent.config import ReplicaAgentConfig
-from replica_agent.server import SPEC
 from rollmesh.common.v1 import generation_pb2
 from rollmesh.replica.v1 import replica_agent_pb2 as pb
 from rollmesh.replica.v1 import replica_agent_pb2_grpc
+from tests.replica_agent.in_process import synthetic_agent
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -22,15 +20,9 @@ pytestmark = pytest.mark.timeout(60)
 
 @pytest.fixture
 async def agent():
-    config = load_config(ReplicaAgentConfig, None, overrides={
-        "listen": "127.0.0.1:0", "node_id": "n0", "slots": 2, "backend": "synthetic",
-        "engine_options": {"tokens_per_second": 400, "lengths": {"kind": "fixed", "value": 100000}},
-        "replicas": [{"replica_id": "r0"}, {"replica_id": "r1"}]})
-    server, port = await SPEC.create(config, None)
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    yield replica_agent_pb2_grpc.ReplicaAgentServiceStub(channel), server
-    await channel.close()
-    await server.stop(0)
+    async with synthetic_agent(["r0", "r1"]) as (server, address):
+        async with grpc.aio.insecure_channel(address) as channel:
+            yield replica_agent_pb2_grpc.ReplicaAgentServiceStub(channel), server
 
 
 def generate(request_id: str, replica_id: str = "r0", max_tokens: int = 24, **kw) -> pb.GenerateRequest:
