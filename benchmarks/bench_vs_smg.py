@@ -9,9 +9,14 @@ router and, for the baseline, straight to the workers. Printed per system:
    router's CPU per request;
 2. streaming (256-token responses at ``--rate`` tokens/s, 256 concurrent): the router's CPU per 1,000
    streamed tokens, and throughput via the router over direct (rollmesh: also the agents' CPU, and the same
-   run with ``final_only``, as the built-in driver calls it);
+   run with ``final_only``);
 3. one of the 4 workers SIGKILLed when half of ``--kill-requests`` streaming requests have completed: how
    many requests failed.
+
+Both systems' clients make a call per request (HTTP keep-alive for SMG, a gRPC ``Generate`` per request for
+rollmesh). rollmesh is also measured as its trainer's rollouter calls it: every request on the balancer's
+``GenerateMany`` stream (:class:`mesh_runtime.generate_many.BalancerGenerations`), for short requests,
+streamed and final-only responses, and the kill.
 
 SMG is installed with pip into its own cached virtual environment (``~/.cache/rollmesh/bench/smg-1.13.0``),
 a benchmark tool and not a dependency of rollmesh; it runs with ``--log-level warn`` (at its default, info, it
@@ -38,6 +43,7 @@ from benchmarks.bench_loadbalancer import pct
 from benchmarks.cpu_quota import cpu_seconds
 from launcher.processes import start_server
 from mesh_runtime.channels import open_channel
+from mesh_runtime.generate_many import BalancerGenerations
 from rollmesh.common.v1 import generation_pb2
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2, loadbalancer_pb2_grpc, routing_pb2
 from rollmesh.replica.v1 import replica_agent_pb2, replica_agent_pb2_grpc
@@ -271,9 +277,16 @@ async def start_mesh(tmp: Path, rate: float):
 
 
 async def grpc_load(lb_address: str | None, replicas, requests: int, concurrency: int, max_tokens: int,
-                    tag: str, *, final_only: bool = False, on_done=None) -> tuple[float, list[float], int, int]:
-    """(wall s, latencies, tokens, failures) through the balancer, or straight to the agents (round robin)."""
+                    tag: str, *, final_only: bool = False, many: bool = False,
+                    on_done=None) -> tuple[float, list[float], int, int]:
+    """(wall s, latencies, tokens, failures) through the balancer, or straight to the agents (round robin).
+    ``many``: the client sends its requests on the balancer's GenerateMany stream, as the trainer's
+    rollouter does (:class:`mesh_runtime.generate_many.BalancerGenerations`)."""
     channels = {a: open_channel(a) for a in ({lb_address} if lb_address else {a for _, a in replicas})}
+    generations = None
+    if many and lb_address:
+        generations = BalancerGenerations(channels[lb_address])
+        await generations._pool.check("")
     left = list(range(requests))
     latencies: list[float] = []
     tokens = failures = 0
@@ -286,10 +299,14 @@ async def grpc_load(lb_address: str | None, replicas, requests: int, concurrency
             start = time.perf_counter()
             try:
                 if lb_address:
-                    stub = loadbalancer_pb2_grpc.LoadBalancerServiceStub(channels[lb_address])
-                    call = stub.Generate(loadbalancer_pb2.GenerateRequest(
+                    request = loadbalancer_pb2.GenerateRequest(
                         request_id=f"{tag}-{i}", prompt_token_ids=PROMPT, sampling_params=sampling,
-                        final_only=final_only), timeout=600)
+                        final_only=final_only)
+                    if generations is not None:
+                        call = generations.call(request, timeout_s=600)
+                    else:
+                        call = loadbalancer_pb2_grpc.LoadBalancerServiceStub(channels[lb_address]).Generate(
+                            request, timeout=600)
                     got = 0
                     async for msg in call:
                         got = msg.usage.completion_tokens if msg.finish_reason else got
@@ -314,6 +331,8 @@ async def grpc_load(lb_address: str | None, replicas, requests: int, concurrency
     try:
         await asyncio.gather(*(client(w) for w in range(concurrency)))
     finally:
+        if generations is not None:
+            await generations.close()
         for ch in channels.values():
             await ch.close()
     return time.perf_counter() - start, latencies, tokens, failures
@@ -330,31 +349,37 @@ async def rollmesh_runs(args, tmp: Path) -> dict:
         out["short"] = (args.short / wall, args.short / wall_d, (cpu_seconds(lb.pid) - cpu) / args.short, fail,
                         pct(lat, 50))
         out["agent_short"] = (sum(cpu_seconds(a.pid) for a in agents) - agent_cpu) / args.short
+        cpu = cpu_seconds(lb.pid)
+        wall, lat, _, fail = await grpc_load(lb.address, replicas, args.short, 128, 16, "sm", many=True)
+        out["short_many"] = (args.short / wall, (cpu_seconds(lb.pid) - cpu) / args.short, fail, pct(lat, 50))
         wall_d, _, _, _ = await grpc_load(None, replicas, args.stream, 256, 256, "d")
-        for mode, final_only in (("stream", False), ("final", True)):
+        for mode, final_only, many in (("stream", False, False), ("final", True, False),
+                                       ("many_stream", False, True), ("many", True, True)):
             cpu, agent_cpu = cpu_seconds(lb.pid), sum(cpu_seconds(a.pid) for a in agents)
             wall, lat, tokens, fail = await grpc_load(lb.address, replicas, args.stream, 256, 256, mode,
-                                                      final_only=final_only)
+                                                      final_only=final_only, many=many)
             out[mode] = ((cpu_seconds(lb.pid) - cpu) / tokens * 1000, wall_d / wall, fail, pct(lat, 50))
             out[f"agent_{mode}"] = (sum(cpu_seconds(a.pid) for a in agents) - agent_cpu) / tokens * 1000
     finally:
         await asyncio.gather(*(p.terminate() for p in (lb, *agents)))
-    lb, agents, replicas = await start_mesh(tmp, args.rate)
-    try:
-        done = 0
-        killed = []
+    for key, many in (("kill", False), ("kill_many", True)):   # per-call clients, then GenerateMany clients
+        lb, agents, replicas = await start_mesh(tmp, args.rate)
+        try:
+            done = 0
+            killed = []
 
-        def on_done() -> None:
-            nonlocal done
-            done += 1
-            if done == args.kill_requests // 2:
-                os.kill(agents[0].pid, signal.SIGKILL)
-                killed.append(agents[0])
+            def on_done() -> None:
+                nonlocal done
+                done += 1
+                if done == args.kill_requests // 2:
+                    os.kill(agents[0].pid, signal.SIGKILL)
+                    killed.append(agents[0])
 
-        _, _, _, fail = await grpc_load(lb.address, replicas, args.kill_requests, 256, 256, "k", on_done=on_done)
-        out["kill"] = fail
-    finally:
-        await asyncio.gather(*(p.terminate() for p in (lb, *agents) if p not in killed))
+            _, _, _, fail = await grpc_load(lb.address, replicas, args.kill_requests, 256, 256, key, many=many,
+                                            on_done=on_done)
+            out[key] = fail
+        finally:
+            await asyncio.gather(*(p.terminate() for p in (lb, *agents) if p not in killed))
     return out
 
 
@@ -387,6 +412,11 @@ async def main() -> None:
     if mesh:
         print(f"  rollmesh, final_only callers: balancer CPU per 1,000 tokens {mesh['final'][0] * 1e3:.2f} ms, "
               f"throughput vs direct {mesh['final'][1]:.3f}x")
+        print(f"  rollmesh, clients on GenerateMany (as the trainer's rollouter): {mesh['short_many'][0]:.1f} short "
+              f"req/s, balancer CPU {mesh['short_many'][1] * 1e3:.3f} ms per short request; per 1,000 tokens "
+              f"{mesh['many_stream'][0] * 1e3:.2f} ms streamed ({mesh['many_stream'][1]:.3f}x direct), "
+              f"{mesh['many'][0] * 1e3:.2f} ms final-only ({mesh['many'][1]:.3f}x direct); "
+              f"{mesh['kill_many']} failed with a worker SIGKILLed")
         print(f"  rollmesh agents: CPU per short request {mesh['agent_short'] * 1e3:.3f} ms, per 1,000 streamed "
               f"tokens {mesh['agent_stream'] * 1e3:.2f} ms")
 

@@ -11,6 +11,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from mesh_runtime import __version__, pages, tracing
 from mesh_runtime.metrics import ServerMetrics
+from mesh_runtime.multiplex import Multiplexer
 from mesh_runtime.status import StatusReporter
 from mesh_runtime.validate import check_address, check_id
 from rollmesh.common.v1 import types_pb2
@@ -70,7 +71,8 @@ class LoadBalancerServicer(loadbalancer_pb2_grpc.LoadBalancerServiceServicer):
             self.balancer.in_flight, self.balancer.completed,
             [not self.table.unroutable_reason(r, self.table.version_floor(None)) for r in self.table.routes.values()],
             self.table.sticky_sessions))
-        self.status = StatusReporter(config, ["status", "generate", "replicas", "rebalance", "stats"])
+        self.status = StatusReporter(config, ["status", "generate", "generate_many", "replicas", "rebalance",
+                                                      "stats"])
         self._rebalances: OrderedDict[str, pb.RebalanceResponse] = OrderedDict()
         self.link: BalancerLink | None = None
         """The registration with the controller (``controller_address``), once attached."""
@@ -115,6 +117,11 @@ class LoadBalancerServicer(loadbalancer_pb2_grpc.LoadBalancerServiceServicer):
     async def Generate(self, request, context):  # noqa: N802
         async for message in self.balancer.generate(request, context.time_remaining()):
             yield message
+
+    async def GenerateMany(self, request_iterator, context):  # noqa: N802
+        multiplexer = Multiplexer(self.balancer.generate, item=pb.GenerateManyItem, response=pb.GenerateManyResponse)
+        async for response in multiplexer.serve(request_iterator):
+            yield response
 
     async def AddReplicas(self, request, context):  # noqa: N802
         for index, e in enumerate(request.replicas):   # validate everything before changing anything

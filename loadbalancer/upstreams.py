@@ -13,7 +13,7 @@ from mesh_runtime.config import TlsConfig
 from mesh_runtime.rpc_tracing import context_metadata
 from rollmesh.replica.v1 import replica_agent_pb2, replica_agent_pb2_grpc
 
-from .multiplex import AgentStreams
+from . import multiplex
 from .table import Route
 
 log = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ class Upstreams:
         self._call_timeout_s = call_timeout_s
         self._stubs: dict[str, tuple[grpc.aio.Channel, replica_agent_pb2_grpc.ReplicaAgentServiceStub]] = {}
         self._untraced_stubs: dict[str, tuple[grpc.aio.Channel, replica_agent_pb2_grpc.ReplicaAgentServiceStub]] = {}
-        self._streams = AgentStreams(self._untraced) if agent_streams else None
+        self._streams = multiplex.agent_streams(self._untraced) if agent_streams else None
 
     def stub(self, address: str) -> replica_agent_pb2_grpc.ReplicaAgentServiceStub:
         channel = self._pool.get(address)   # a new one after a certificate rotation

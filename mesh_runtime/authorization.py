@@ -90,6 +90,7 @@ RULES: dict[str, dict[str, Rule]] = {
     LB_SERVICE: {
         "GetStatus": READ, "ListReplicas": READ, "GetStats": READ,
         "Generate": _r("client", "trainer-agent", "operator"),
+        "GenerateMany": _r("client", "trainer-agent", "operator"),
         "AddReplicas": FROM_CONTROLLER, "RemoveReplicas": FROM_CONTROLLER, "UpdateReplicas": FROM_CONTROLLER,
         "ClearStickySessions": FROM_CONTROLLER, "Rebalance": FROM_CONTROLLER,
     },

@@ -430,6 +430,18 @@ class HashRingChannel(_PerAddress):
             return _ObservedStreamCall(inner, ring, address)
         return call
 
+    def stream_stream(self, method: str, request_serializer=None, response_deserializer=None, **_):
+        """A stream carries no request id to hash: it goes to the next live balancer in turn (a caller that
+        wants one per balancer opens it on :meth:`channel`, as :mod:`mesh_runtime.generate_many` does)."""
+        ring = self
+
+        def call(request_iterator=None, **kwargs):
+            address = ring.order("")[0]
+            return ring.channel(address).stream_stream(method, request_serializer=request_serializer,
+                                                       response_deserializer=response_deserializer)(
+                request_iterator, **kwargs)
+        return call
+
 
 def open_balancer_channel(address: str, *, tls: TlsConfig | None = None,
                           tracer_provider: TracerProvider | None = None,

@@ -9,6 +9,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from mesh_runtime import pages
 from mesh_runtime.errors import InvalidArgument
+from mesh_runtime.multiplex import Multiplexer
 from mesh_runtime.reasons import Reason
 from mesh_runtime.server import ServiceBinding
 from mesh_runtime.status import StatusReporter
@@ -21,7 +22,6 @@ from rollmesh.weights.v1 import weight_source_pb2_grpc
 
 from . import convert
 from .config import ReplicaAgentConfig
-from .multiplex import Multiplexer
 from .node import Node
 
 DESCRIPTOR = pb.DESCRIPTOR.services_by_name["ReplicaAgentService"]
@@ -100,7 +100,9 @@ class ReplicaAgentServicer(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
             yield message
 
     async def GenerateMany(self, request_iterator, context):  # noqa: N802
-        async for response in Multiplexer(self.generations).serve(request_iterator):
+        multiplexer = Multiplexer(lambda request, _: self.generations(request), item=pb.GenerateManyItem,
+                                  response=pb.GenerateManyResponse)
+        async for response in multiplexer.serve(request_iterator):
             yield response
 
     async def generations(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:

@@ -36,6 +36,7 @@ async def mesh():
         servers.append(lb)
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
         stub = loadbalancer_pb2_grpc.LoadBalancerServiceStub(channel)
+        stub.lb_address = f"127.0.0.1:{port}"   # for clients that open their own channel
         if add:
             await stub.AddReplicas(pb.AddReplicasRequest(replicas=[
                 routing_pb2.ReplicaEndpoint(replica_id=r, address=address) for r in modes]))

@@ -47,9 +47,11 @@ async def test_two_workers_register_share_the_requests_come_back_and_stop_togeth
             await until(both_ready, 60, what="both workers registered and ready")
             workers = await ready()
             assert len(set(workers.values())) == 2
-            for address in workers.values():
+            for address in workers.values():   # the controller fills each worker's table
                 async with grpc.aio.insecure_channel(address) as c:
-                    assert await routed(lb_stub(c)) == ["a-s0"]
+                    async def filled(c=c):
+                        return await routed(lb_stub(c)) == ["a-s0"]
+                    await until(filled, 30, what=f"the replica routed by {address}")
 
             async with MeshClient(ctl_address) as mesh:
                 ring = await mesh.generation_channel()

@@ -10,7 +10,7 @@ import asyncio
 import grpc
 import pytest
 
-from loadbalancer.multiplex import AgentStreams
+from loadbalancer.multiplex import agent_streams
 from mesh_runtime.errors import error_info
 from rollmesh.common.v1 import generation_pb2
 from rollmesh.replica.v1 import replica_agent_pb2 as pb
@@ -27,7 +27,7 @@ async def agent():
     async with synthetic_agent(["r0"]) as (server, address):
         async with grpc.aio.insecure_channel(address) as channel:
             stub = replica_agent_pb2_grpc.ReplicaAgentServiceStub(channel)
-            streams = AgentStreams(lambda _: stub)
+            streams = agent_streams(lambda _: stub)
             assert await streams.check(address)   # it lists the generate_many capability
             yield streams, stub, address, server
             await streams.close()
@@ -111,7 +111,7 @@ async def test_an_agent_without_generate_many_gets_generate_calls():
     try:
         channel = grpc.aio.insecure_channel(address)
         stub = replica_agent_pb2_grpc.ReplicaAgentServiceStub(channel)
-        streams = AgentStreams(lambda _: stub)
+        streams = agent_streams(lambda _: stub)
         first = start(streams, address, stub, request("f1", max_tokens=6, replica_id="old"))   # while it probes
         assert [m async for m in first][-1].finish_reason == generation_pb2.FINISH_REASON_LENGTH
         await wait_until(lambda: address in streams.unsupported, 10)   # no GetStatus, no GenerateMany

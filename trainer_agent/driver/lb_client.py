@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mesh_runtime.generate_many import BalancerGenerations
 from rollmesh.common.v1 import generation_pb2
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2
 from trainer_agent.driver.rollouter import GenerationError, GenerationRequest, GenerationResult, Segment
@@ -47,19 +48,26 @@ def to_proto(request: GenerationRequest) -> loadbalancer_pb2.GenerateRequest:
 class LoadBalancerGenerate:
     """``await LoadBalancerGenerate(stub)(request)`` -> GenerationResult."""
 
-    def __init__(self, stub: Any, *, timeout_s: float | None = None, metadata: Any = None) -> None:
+    def __init__(self, stub: Any, *, timeout_s: float | None = None, metadata: Any = None,
+                 generations: BalancerGenerations | None = None) -> None:
+        """``generations``: send the requests on the balancers' GenerateMany streams (``stub`` is then unused)."""
         self._stub = stub
         self._timeout_s = timeout_s
         self._metadata = metadata
+        self._generations = generations
 
     async def __call__(self, request: GenerationRequest) -> GenerationResult:
-        kwargs: dict[str, Any] = {}
-        if self._timeout_s is not None:
-            kwargs["timeout"] = self._timeout_s
-        if self._metadata is not None:
-            kwargs["metadata"] = self._metadata
+        if self._generations is not None:
+            call = self._generations.call(to_proto(request), timeout_s=self._timeout_s)
+        else:
+            kwargs: dict[str, Any] = {}
+            if self._timeout_s is not None:
+                kwargs["timeout"] = self._timeout_s
+            if self._metadata is not None:
+                kwargs["metadata"] = self._metadata
+            call = self._stub.Generate(to_proto(request), **kwargs)
         final = None
-        async for message in self._stub.Generate(to_proto(request), **kwargs):
+        async for message in call:
             if message.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
                 final = message
         if final is None:

@@ -41,6 +41,7 @@ import grpc
 
 from mesh_runtime.channels import open_balancer_channel, open_channel, read_methods
 from mesh_runtime.discovery import open_discovered_balancers
+from mesh_runtime.generate_many import BalancerGenerations
 from mesh_runtime.errors import FailedPrecondition, InvalidArgument
 from mesh_runtime.reasons import Reason
 from rollmesh.common.v1 import types_pb2
@@ -224,12 +225,13 @@ class TrainingDriver:
             lb_channel = await open_discovered_balancers(s.controller_address, tls=tls,
                                                          tracer_provider=self._tracer_provider,
                                                          idempotent=read_methods(), timeout_s=s.start_timeout_s)
+        generations = BalancerGenerations(lb_channel)   # the rollouts on GenerateMany streams
         try:
             controller = controller_pb2_grpc.ControllerServiceStub(ctl_channel)
             balancer = loadbalancer_pb2_grpc.LoadBalancerServiceStub(lb_channel)
             self._controller = controller
             await self._wait_for_mesh(controller, balancer)
-            self.loop = self._build_loop(controller, balancer)
+            self.loop = self._build_loop(controller, balancer, generations)
             self.loop.last_step = self._stop_after
             checkpoint = load_checkpoint(s.checkpoint_dir) if s.checkpoint_dir and s.resume else None
             if checkpoint is not None:
@@ -245,6 +247,7 @@ class TrainingDriver:
             if self._scorer is not None:
                 self._scorer.close()
             await ctl_channel.close()
+            await generations.close()
             await lb_channel.close()
 
     async def _wait_for_mesh(self, controller: Any, balancer: Any) -> None:
@@ -267,7 +270,8 @@ class TrainingDriver:
                 raise TimeoutError(f"the mesh was not ready within {s.start_timeout_s:.0f} s ({last})")
             await asyncio.sleep(0.2)
 
-    def _build_loop(self, controller: Any, balancer: Any) -> FullyAsyncLoop:
+    def _build_loop(self, controller: Any, balancer: Any,
+                    generations: BalancerGenerations | None = None) -> FullyAsyncLoop:
         s, at, arr, t = self.settings, self.config.async_training, self.config.actor_rollout_ref, self.config.task
         actor, sampling = arr.actor, arr.rollout
         scorer, stop_ids = None, ()
@@ -286,7 +290,8 @@ class TrainingDriver:
         self.trainer = GrpoTrainer.from_weight_source(self.source, GrpoConfig(
             lr=actor.optim.lr, weight_decay=actor.optim.weight_decay, clip_ratio=actor.clip_ratio))
         return FullyAsyncLoop(
-            controller, LoadBalancerGenerate(balancer, timeout_s=s.generate_timeout_s), self.trainer, rollout,
+            controller, LoadBalancerGenerate(balancer, timeout_s=s.generate_timeout_s, generations=generations),
+            self.trainer, rollout,
             prompts, copy_task.reward, replica_count=lb_replica_count(balancer),
             max_queue_size=queue_bound(actor, at), rpc_timeout_s=s.rpc_timeout_s,
             sync_timeout_s=s.sync_timeout_s, collect_timeout_s=s.collect_timeout_s, replica_poll_s=s.replica_poll_s,

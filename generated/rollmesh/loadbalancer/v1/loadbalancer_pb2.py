@@ -24,13 +24,14 @@ _sym_db = _symbol_database.Default()
 
 from google.api import field_behavior_pb2 as google_dot_api_dot_field__behavior__pb2
 from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
+from google.rpc import status_pb2 as google_dot_rpc_dot_status__pb2
 from rollmesh.common.v1 import generation_pb2 as rollmesh_dot_common_dot_v1_dot_generation__pb2
 from rollmesh.common.v1 import status_pb2 as rollmesh_dot_common_dot_v1_dot_status__pb2
 from rollmesh.common.v1 import types_pb2 as rollmesh_dot_common_dot_v1_dot_types__pb2
 from rollmesh.loadbalancer.v1 import routing_pb2 as rollmesh_dot_loadbalancer_dot_v1_dot_routing__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n+rollmesh/loadbalancer/v1/loadbalancer.proto\x12\x18rollmesh.loadbalancer.v1\x1a\x1fgoogle/api/field_behavior.proto\x1a\x1egoogle/protobuf/duration.proto\x1a#rollmesh/common/v1/generation.proto\x1a\x1frollmesh/common/v1/status.proto\x1a\x1erollmesh/common/v1/types.proto\x1a&rollmesh/loadbalancer/v1/routing.proto\"\x12\n\x10GetStatusRequest\"\xc5\x01\n\x11GetStatusResponse\x12\x38\n\x06status\x18\x01 \x01(\x0b\x32 .rollmesh.common.v1.ServerStatusR\x06status\x12#\n\rreplica_count\x18\x02 \x01(\rR\x0creplicaCount\x12\x34\n\x16routable_replica_count\x18\x03 \x01(\rR\x14routableReplicaCount\x12\x1b\n\tin_flight\x18\x04 \x01(\x04R\x08inFlight\"\x85\x05\n\x0fGenerateRequest\x12#\n\nrequest_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02R\trequestId\x12.\n\x10prompt_token_ids\x18\x02 \x03(\x05\x42\x04\xe2\x41\x01\x02R\x0epromptTokenIds\x12K\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\".rollmesh.common.v1.SamplingParamsR\x0esamplingParams\x12\x1d\n\nsession_id\x18\x04 \x01(\tR\tsessionId\x12\x31\n\x12min_weight_version\x18\x05 \x01(\x03H\x00R\x10minWeightVersion\x88\x01\x01\x12,\n\x0fpartial_rollout\x18\x06 \x01(\x08H\x01R\x0epartialRollout\x88\x01\x01\x12&\n\x0cretry_budget\x18\x07 \x01(\rH\x02R\x0bretryBudget\x88\x01\x01\x12,\n\x0fstream_interval\x18\x08 \x01(\rH\x03R\x0estreamInterval\x88\x01\x01\x12I\n\x0fresume_segments\x18\t \x03(\x0b\x32 .rollmesh.common.v1.TokenSegmentR\x0eresumeSegments\x12@\n\x0e\x66lush_interval\x18\n \x01(\x0b\x32\x19.google.protobuf.DurationR\rflushInterval\x12\x1d\n\nfinal_only\x18\x0b \x01(\x08R\tfinalOnlyB\x15\n\x13_min_weight_versionB\x12\n\x10_partial_rolloutB\x0f\n\r_retry_budgetB\x12\n\x10_stream_interval\"\xc3\x03\n\x10GenerateResponse\x12\x1d\n\nrequest_id\x18\x01 \x01(\tR\trequestId\x12\x1b\n\ttoken_ids\x18\x02 \x03(\x05R\x08tokenIds\x12\x1a\n\x08logprobs\x18\x03 \x03(\x02R\x08logprobs\x12%\n\x0eweight_version\x18\x04 \x01(\x03R\rweightVersion\x12\x1d\n\nreplica_id\x18\x05 \x01(\tR\treplicaId\x12\x45\n\rfinish_reason\x18\x06 \x01(\x0e\x32 .rollmesh.common.v1.FinishReasonR\x0c\x66inishReason\x12/\n\x05usage\x18\x07 \x01(\x0b\x32\x19.rollmesh.common.v1.UsageR\x05usage\x12<\n\x08segments\x18\x08 \x03(\x0b\x32 .rollmesh.common.v1.TokenSegmentR\x08segments\x12=\n\x08\x61ttempts\x18\t \x03(\x0b\x32!.rollmesh.loadbalancer.v1.AttemptR\x08\x61ttempts\x12\x1c\n\trestarted\x18\n \x01(\x08R\trestarted\"[\n\x12\x41\x64\x64ReplicasRequest\x12\x45\n\x08replicas\x18\x01 \x03(\x0b\x32).rollmesh.loadbalancer.v1.ReplicaEndpointR\x08replicas\"Z\n\x13\x41\x64\x64ReplicasResponse\x12\x43\n\x08replicas\x18\x01 \x03(\x0b\x32\'.rollmesh.loadbalancer.v1.RoutedReplicaR\x08replicas\"f\n\x15RemoveReplicasRequest\x12%\n\x0breplica_ids\x18\x01 \x03(\tB\x04\xe2\x41\x01\x02R\nreplicaIds\x12&\n\x0f\x61\x62ort_in_flight\x18\x02 \x01(\x08R\rabortInFlight\"\xb3\x01\n\x16RemoveReplicasResponse\x12.\n\x13removed_replica_ids\x18\x01 \x03(\tR\x11removedReplicaIds\x12\x36\n\x17\x64ropped_sticky_sessions\x18\x02 \x01(\rR\x15\x64roppedStickySessions\x12\x31\n\x15in_flight_request_ids\x18\x03 \x03(\tR\x12inFlightRequestIds\"\x9e\x01\n\rReplicaUpdate\x12#\n\nreplica_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02R\treplicaId\x12*\n\x0eweight_version\x18\x02 \x01(\x03H\x00R\rweightVersion\x88\x01\x01\x12\x1d\n\x07\x61\x64\x64ress\x18\x03 \x01(\tH\x01R\x07\x61\x64\x64ress\x88\x01\x01\x42\x11\n\x0f_weight_versionB\n\n\x08_address\"}\n\x15UpdateReplicasRequest\x12\x41\n\x07updates\x18\x01 \x03(\x0b\x32\'.rollmesh.loadbalancer.v1.ReplicaUpdateR\x07updates\x12!\n\x0cskip_unknown\x18\x02 \x01(\x08R\x0bskipUnknown\"\x8d\x01\n\x16UpdateReplicasResponse\x12\x43\n\x08replicas\x18\x01 \x03(\x0b\x32\'.rollmesh.loadbalancer.v1.RoutedReplicaR\x08replicas\x12.\n\x13skipped_replica_ids\x18\x02 \x03(\tR\x11skippedReplicaIds\"\xad\x01\n\x13ListReplicasRequest\x12\x35\n\x05kinds\x18\x01 \x03(\x0e\x32\x1f.rollmesh.common.v1.ReplicaKindR\x05kinds\x12#\n\rroutable_only\x18\x02 \x01(\x08R\x0croutableOnly\x12\x1b\n\tpage_size\x18\x03 \x01(\x05R\x08pageSize\x12\x1d\n\npage_token\x18\x04 \x01(\tR\tpageToken\"\x83\x01\n\x14ListReplicasResponse\x12\x43\n\x08replicas\x18\x01 \x03(\x0b\x32\'.rollmesh.loadbalancer.v1.RoutedReplicaR\x08replicas\x12&\n\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"=\n\x1a\x43learStickySessionsRequest\x12\x1f\n\x0breplica_ids\x18\x01 \x03(\tR\nreplicaIds\"H\n\x1b\x43learStickySessionsResponse\x12)\n\x10\x63leared_sessions\x18\x01 \x01(\x04R\x0f\x63learedSessions\"a\n\x10RebalanceRequest\x12 \n\tmax_moves\x18\x01 \x01(\rH\x00R\x08maxMoves\x88\x01\x01\x12\x1d\n\nrequest_id\x18\x02 \x01(\tR\trequestIdB\x0c\n\n_max_moves\"\x82\x01\n\x0fReplicaInFlight\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\x12(\n\x10in_flight_before\x18\x02 \x01(\rR\x0einFlightBefore\x12&\n\x0fin_flight_after\x18\x03 \x01(\rR\rinFlightAfter\"\x86\x01\n\x11RebalanceResponse\x12*\n\x11moved_request_ids\x18\x01 \x03(\tR\x0fmovedRequestIds\x12\x45\n\x08replicas\x18\x02 \x03(\x0b\x32).rollmesh.loadbalancer.v1.ReplicaInFlightR\x08replicas\"\x11\n\x0fGetStatsRequest\"U\n\x10GetStatsResponse\x12\x41\n\x05stats\x18\x01 \x01(\x0b\x32+.rollmesh.loadbalancer.v1.LoadBalancerStatsR\x05stats2\xf3\x07\n\x13LoadBalancerService\x12\x64\n\tGetStatus\x12*.rollmesh.loadbalancer.v1.GetStatusRequest\x1a+.rollmesh.loadbalancer.v1.GetStatusResponse\x12\x63\n\x08Generate\x12).rollmesh.loadbalancer.v1.GenerateRequest\x1a*.rollmesh.loadbalancer.v1.GenerateResponse0\x01\x12j\n\x0b\x41\x64\x64Replicas\x12,.rollmesh.loadbalancer.v1.AddReplicasRequest\x1a-.rollmesh.loadbalancer.v1.AddReplicasResponse\x12s\n\x0eRemoveReplicas\x12/.rollmesh.loadbalancer.v1.RemoveReplicasRequest\x1a\x30.rollmesh.loadbalancer.v1.RemoveReplicasResponse\x12s\n\x0eUpdateReplicas\x12/.rollmesh.loadbalancer.v1.UpdateReplicasRequest\x1a\x30.rollmesh.loadbalancer.v1.UpdateReplicasResponse\x12m\n\x0cListReplicas\x12-.rollmesh.loadbalancer.v1.ListReplicasRequest\x1a..rollmesh.loadbalancer.v1.ListReplicasResponse\x12\x82\x01\n\x13\x43learStickySessions\x12\x34.rollmesh.loadbalancer.v1.ClearStickySessionsRequest\x1a\x35.rollmesh.loadbalancer.v1.ClearStickySessionsResponse\x12\x64\n\tRebalance\x12*.rollmesh.loadbalancer.v1.RebalanceRequest\x1a+.rollmesh.loadbalancer.v1.RebalanceResponse\x12\x61\n\x08GetStats\x12).rollmesh.loadbalancer.v1.GetStatsRequest\x1a*.rollmesh.loadbalancer.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n+rollmesh/loadbalancer/v1/loadbalancer.proto\x12\x18rollmesh.loadbalancer.v1\x1a\x1fgoogle/api/field_behavior.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x17google/rpc/status.proto\x1a#rollmesh/common/v1/generation.proto\x1a\x1frollmesh/common/v1/status.proto\x1a\x1erollmesh/common/v1/types.proto\x1a&rollmesh/loadbalancer/v1/routing.proto\"\x12\n\x10GetStatusRequest\"\xc5\x01\n\x11GetStatusResponse\x12\x38\n\x06status\x18\x01 \x01(\x0b\x32 .rollmesh.common.v1.ServerStatusR\x06status\x12#\n\rreplica_count\x18\x02 \x01(\rR\x0creplicaCount\x12\x34\n\x16routable_replica_count\x18\x03 \x01(\rR\x14routableReplicaCount\x12\x1b\n\tin_flight\x18\x04 \x01(\x04R\x08inFlight\"\x85\x05\n\x0fGenerateRequest\x12#\n\nrequest_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02R\trequestId\x12.\n\x10prompt_token_ids\x18\x02 \x03(\x05\x42\x04\xe2\x41\x01\x02R\x0epromptTokenIds\x12K\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\".rollmesh.common.v1.SamplingParamsR\x0esamplingParams\x12\x1d\n\nsession_id\x18\x04 \x01(\tR\tsessionId\x12\x31\n\x12min_weight_version\x18\x05 \x01(\x03H\x00R\x10minWeightVersion\x88\x01\x01\x12,\n\x0fpartial_rollout\x18\x06 \x01(\x08H\x01R\x0epartialRollout\x88\x01\x01\x12&\n\x0cretry_budget\x18\x07 \x01(\rH\x02R\x0bretryBudget\x88\x01\x01\x12,\n\x0fstream_interval\x18\x08 \x01(\rH\x03R\x0estreamInterval\x88\x01\x01\x12I\n\x0fresume_segments\x18\t \x03(\x0b\x32 .rollmesh.common.v1.TokenSegmentR\x0eresumeSegments\x12@\n\x0e\x66lush_interval\x18\n \x01(\x0b\x32\x19.google.protobuf.DurationR\rflushInterval\x12\x1d\n\nfinal_only\x18\x0b \x01(\x08R\tfinalOnlyB\x15\n\x13_min_weight_versionB\x12\n\x10_partial_rolloutB\x0f\n\r_retry_budgetB\x12\n\x10_stream_interval\"\xc3\x03\n\x10GenerateResponse\x12\x1d\n\nrequest_id\x18\x01 \x01(\tR\trequestId\x12\x1b\n\ttoken_ids\x18\x02 \x03(\x05R\x08tokenIds\x12\x1a\n\x08logprobs\x18\x03 \x03(\x02R\x08logprobs\x12%\n\x0eweight_version\x18\x04 \x01(\x03R\rweightVersion\x12\x1d\n\nreplica_id\x18\x05 \x01(\tR\treplicaId\x12\x45\n\rfinish_reason\x18\x06 \x01(\x0e\x32 .rollmesh.common.v1.FinishReasonR\x0c\x66inishReason\x12/\n\x05usage\x18\x07 \x01(\x0b\x32\x19.rollmesh.common.v1.UsageR\x05usage\x12<\n\x08segments\x18\x08 \x03(\x0b\x32 .rollmesh.common.v1.TokenSegmentR\x08segments\x12=\n\x08\x61ttempts\x18\t \x03(\x0b\x32!.rollmesh.loadbalancer.v1.AttemptR\x08\x61ttempts\x12\x1c\n\trestarted\x18\n \x01(\x08R\trestarted\"]\n\x13GenerateManyRequest\x12\x46\n\x07\x61\x63tions\x18\x01 \x03(\x0b\x32,.rollmesh.loadbalancer.v1.GenerateManyActionR\x07\x61\x63tions\"\xf0\x02\n\x12GenerateManyAction\x12G\n\x08generate\x18\x01 \x01(\x0b\x32).rollmesh.loadbalancer.v1.GenerateRequestH\x00R\x08generate\x12,\n\x11\x63\x61ncel_request_id\x18\x02 \x01(\tH\x00R\x0f\x63\x61ncelRequestId\x12\x63\n\rtrace_context\x18\x03 \x03(\x0b\x32>.rollmesh.loadbalancer.v1.GenerateManyAction.TraceContextEntryR\x0ctraceContext\x12\x33\n\x07timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.DurationR\x07timeout\x1a?\n\x11TraceContextEntry\x12\x10\n\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n\x05value\x18\x02 \x01(\tR\x05value:\x02\x38\x01\x42\x08\n\x06\x61\x63tion\"X\n\x14GenerateManyResponse\x12@\n\x05items\x18\x01 \x03(\x0b\x32*.rollmesh.loadbalancer.v1.GenerateManyItemR\x05items\"\xa3\x01\n\x10GenerateManyItem\x12\x1d\n\nrequest_id\x18\x01 \x01(\tR\trequestId\x12\x46\n\x08response\x18\x02 \x01(\x0b\x32*.rollmesh.loadbalancer.v1.GenerateResponseR\x08response\x12(\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x12.google.rpc.StatusR\x05\x65rror\"[\n\x12\x41\x64\x64ReplicasRequest\x12\x45\n\x08replicas\x18\x01 \x03(\x0b\x32).rollmesh.loadbalancer.v1.ReplicaEndpointR\x08replicas\"Z\n\x13\x41\x64\x64ReplicasResponse\x12\x43\n\x08replicas\x18\x01 \x03(\x0b\x32\'.rollmesh.loadbalancer.v1.RoutedReplicaR\x08replicas\"f\n\x15RemoveReplicasRequest\x12%\n\x0breplica_ids\x18\x01 \x03(\tB\x04\xe2\x41\x01\x02R\nreplicaIds\x12&\n\x0f\x61\x62ort_in_flight\x18\x02 \x01(\x08R\rabortInFlight\"\xb3\x01\n\x16RemoveReplicasResponse\x12.\n\x13removed_replica_ids\x18\x01 \x03(\tR\x11removedReplicaIds\x12\x36\n\x17\x64ropped_sticky_sessions\x18\x02 \x01(\rR\x15\x64roppedStickySessions\x12\x31\n\x15in_flight_request_ids\x18\x03 \x03(\tR\x12inFlightRequestIds\"\x9e\x01\n\rReplicaUpdate\x12#\n\nreplica_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02R\treplicaId\x12*\n\x0eweight_version\x18\x02 \x01(\x03H\x00R\rweightVersion\x88\x01\x01\x12\x1d\n\x07\x61\x64\x64ress\x18\x03 \x01(\tH\x01R\x07\x61\x64\x64ress\x88\x01\x01\x42\x11\n\x0f_weight_versionB\n\n\x08_address\"}\n\x15UpdateReplicasRequest\x12\x41\n\x07updates\x18\x01 \x03(\x0b\x32\'.rollmesh.loadbalancer.v1.ReplicaUpdateR\x07updates\x12!\n\x0cskip_unknown\x18\x02 \x01(\x08R\x0bskipUnknown\"\x8d\x01\n\x16UpdateReplicasResponse\x12\x43\n\x08replicas\x18\x01 \x03(\x0b\x32\'.rollmesh.loadbalancer.v1.RoutedReplicaR\x08replicas\x12.\n\x13skipped_replica_ids\x18\x02 \x03(\tR\x11skippedReplicaIds\"\xad\x01\n\x13ListReplicasRequest\x12\x35\n\x05kinds\x18\x01 \x03(\x0e\x32\x1f.rollmesh.common.v1.ReplicaKindR\x05kinds\x12#\n\rroutable_only\x18\x02 \x01(\x08R\x0croutableOnly\x12\x1b\n\tpage_size\x18\x03 \x01(\x05R\x08pageSize\x12\x1d\n\npage_token\x18\x04 \x01(\tR\tpageToken\"\x83\x01\n\x14ListReplicasResponse\x12\x43\n\x08replicas\x18\x01 \x03(\x0b\x32\'.rollmesh.loadbalancer.v1.RoutedReplicaR\x08replicas\x12&\n\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"=\n\x1a\x43learStickySessionsRequest\x12\x1f\n\x0breplica_ids\x18\x01 \x03(\tR\nreplicaIds\"H\n\x1b\x43learStickySessionsResponse\x12)\n\x10\x63leared_sessions\x18\x01 \x01(\x04R\x0f\x63learedSessions\"a\n\x10RebalanceRequest\x12 \n\tmax_moves\x18\x01 \x01(\rH\x00R\x08maxMoves\x88\x01\x01\x12\x1d\n\nrequest_id\x18\x02 \x01(\tR\trequestIdB\x0c\n\n_max_moves\"\x82\x01\n\x0fReplicaInFlight\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\x12(\n\x10in_flight_before\x18\x02 \x01(\rR\x0einFlightBefore\x12&\n\x0fin_flight_after\x18\x03 \x01(\rR\rinFlightAfter\"\x86\x01\n\x11RebalanceResponse\x12*\n\x11moved_request_ids\x18\x01 \x03(\tR\x0fmovedRequestIds\x12\x45\n\x08replicas\x18\x02 \x03(\x0b\x32).rollmesh.loadbalancer.v1.ReplicaInFlightR\x08replicas\"\x11\n\x0fGetStatsRequest\"U\n\x10GetStatsResponse\x12\x41\n\x05stats\x18\x01 \x01(\x0b\x32+.rollmesh.loadbalancer.v1.LoadBalancerStatsR\x05stats2\xe6\x08\n\x13LoadBalancerService\x12\x64\n\tGetStatus\x12*.rollmesh.loadbalancer.v1.GetStatusRequest\x1a+.rollmesh.loadbalancer.v1.GetStatusResponse\x12\x63\n\x08Generate\x12).rollmesh.loadbalancer.v1.GenerateRequest\x1a*.rollmesh.loadbalancer.v1.GenerateResponse0\x01\x12q\n\x0cGenerateMany\x12-.rollmesh.loadbalancer.v1.GenerateManyRequest\x1a..rollmesh.loadbalancer.v1.GenerateManyResponse(\x01\x30\x01\x12j\n\x0b\x41\x64\x64Replicas\x12,.rollmesh.loadbalancer.v1.AddReplicasRequest\x1a-.rollmesh.loadbalancer.v1.AddReplicasResponse\x12s\n\x0eRemoveReplicas\x12/.rollmesh.loadbalancer.v1.RemoveReplicasRequest\x1a\x30.rollmesh.loadbalancer.v1.RemoveReplicasResponse\x12s\n\x0eUpdateReplicas\x12/.rollmesh.loadbalancer.v1.UpdateReplicasRequest\x1a\x30.rollmesh.loadbalancer.v1.UpdateReplicasResponse\x12m\n\x0cListReplicas\x12-.rollmesh.loadbalancer.v1.ListReplicasRequest\x1a..rollmesh.loadbalancer.v1.ListReplicasResponse\x12\x82\x01\n\x13\x43learStickySessions\x12\x34.rollmesh.loadbalancer.v1.ClearStickySessionsRequest\x1a\x35.rollmesh.loadbalancer.v1.ClearStickySessionsResponse\x12\x64\n\tRebalance\x12*.rollmesh.loadbalancer.v1.RebalanceRequest\x1a+.rollmesh.loadbalancer.v1.RebalanceResponse\x12\x61\n\x08GetStats\x12).rollmesh.loadbalancer.v1.GetStatsRequest\x1a*.rollmesh.loadbalancer.v1.GetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,50 +42,62 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST'].fields_by_name['request_id']._serialized_options = b'\342A\001\002'
   _globals['_GENERATEREQUEST'].fields_by_name['prompt_token_ids']._loaded_options = None
   _globals['_GENERATEREQUEST'].fields_by_name['prompt_token_ids']._serialized_options = b'\342A\001\002'
+  _globals['_GENERATEMANYACTION_TRACECONTEXTENTRY']._loaded_options = None
+  _globals['_GENERATEMANYACTION_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_REMOVEREPLICASREQUEST'].fields_by_name['replica_ids']._loaded_options = None
   _globals['_REMOVEREPLICASREQUEST'].fields_by_name['replica_ids']._serialized_options = b'\342A\001\002'
   _globals['_REPLICAUPDATE'].fields_by_name['replica_id']._loaded_options = None
   _globals['_REPLICAUPDATE'].fields_by_name['replica_id']._serialized_options = b'\342A\001\002'
-  _globals['_GETSTATUSREQUEST']._serialized_start=280
-  _globals['_GETSTATUSREQUEST']._serialized_end=298
-  _globals['_GETSTATUSRESPONSE']._serialized_start=301
-  _globals['_GETSTATUSRESPONSE']._serialized_end=498
-  _globals['_GENERATEREQUEST']._serialized_start=501
-  _globals['_GENERATEREQUEST']._serialized_end=1146
-  _globals['_GENERATERESPONSE']._serialized_start=1149
-  _globals['_GENERATERESPONSE']._serialized_end=1600
-  _globals['_ADDREPLICASREQUEST']._serialized_start=1602
-  _globals['_ADDREPLICASREQUEST']._serialized_end=1693
-  _globals['_ADDREPLICASRESPONSE']._serialized_start=1695
-  _globals['_ADDREPLICASRESPONSE']._serialized_end=1785
-  _globals['_REMOVEREPLICASREQUEST']._serialized_start=1787
-  _globals['_REMOVEREPLICASREQUEST']._serialized_end=1889
-  _globals['_REMOVEREPLICASRESPONSE']._serialized_start=1892
-  _globals['_REMOVEREPLICASRESPONSE']._serialized_end=2071
-  _globals['_REPLICAUPDATE']._serialized_start=2074
-  _globals['_REPLICAUPDATE']._serialized_end=2232
-  _globals['_UPDATEREPLICASREQUEST']._serialized_start=2234
-  _globals['_UPDATEREPLICASREQUEST']._serialized_end=2359
-  _globals['_UPDATEREPLICASRESPONSE']._serialized_start=2362
-  _globals['_UPDATEREPLICASRESPONSE']._serialized_end=2503
-  _globals['_LISTREPLICASREQUEST']._serialized_start=2506
-  _globals['_LISTREPLICASREQUEST']._serialized_end=2679
-  _globals['_LISTREPLICASRESPONSE']._serialized_start=2682
-  _globals['_LISTREPLICASRESPONSE']._serialized_end=2813
-  _globals['_CLEARSTICKYSESSIONSREQUEST']._serialized_start=2815
-  _globals['_CLEARSTICKYSESSIONSREQUEST']._serialized_end=2876
-  _globals['_CLEARSTICKYSESSIONSRESPONSE']._serialized_start=2878
-  _globals['_CLEARSTICKYSESSIONSRESPONSE']._serialized_end=2950
-  _globals['_REBALANCEREQUEST']._serialized_start=2952
-  _globals['_REBALANCEREQUEST']._serialized_end=3049
-  _globals['_REPLICAINFLIGHT']._serialized_start=3052
-  _globals['_REPLICAINFLIGHT']._serialized_end=3182
-  _globals['_REBALANCERESPONSE']._serialized_start=3185
-  _globals['_REBALANCERESPONSE']._serialized_end=3319
-  _globals['_GETSTATSREQUEST']._serialized_start=3321
-  _globals['_GETSTATSREQUEST']._serialized_end=3338
-  _globals['_GETSTATSRESPONSE']._serialized_start=3340
-  _globals['_GETSTATSRESPONSE']._serialized_end=3425
-  _globals['_LOADBALANCERSERVICE']._serialized_start=3428
-  _globals['_LOADBALANCERSERVICE']._serialized_end=4439
+  _globals['_GETSTATUSREQUEST']._serialized_start=305
+  _globals['_GETSTATUSREQUEST']._serialized_end=323
+  _globals['_GETSTATUSRESPONSE']._serialized_start=326
+  _globals['_GETSTATUSRESPONSE']._serialized_end=523
+  _globals['_GENERATEREQUEST']._serialized_start=526
+  _globals['_GENERATEREQUEST']._serialized_end=1171
+  _globals['_GENERATERESPONSE']._serialized_start=1174
+  _globals['_GENERATERESPONSE']._serialized_end=1625
+  _globals['_GENERATEMANYREQUEST']._serialized_start=1627
+  _globals['_GENERATEMANYREQUEST']._serialized_end=1720
+  _globals['_GENERATEMANYACTION']._serialized_start=1723
+  _globals['_GENERATEMANYACTION']._serialized_end=2091
+  _globals['_GENERATEMANYACTION_TRACECONTEXTENTRY']._serialized_start=2018
+  _globals['_GENERATEMANYACTION_TRACECONTEXTENTRY']._serialized_end=2081
+  _globals['_GENERATEMANYRESPONSE']._serialized_start=2093
+  _globals['_GENERATEMANYRESPONSE']._serialized_end=2181
+  _globals['_GENERATEMANYITEM']._serialized_start=2184
+  _globals['_GENERATEMANYITEM']._serialized_end=2347
+  _globals['_ADDREPLICASREQUEST']._serialized_start=2349
+  _globals['_ADDREPLICASREQUEST']._serialized_end=2440
+  _globals['_ADDREPLICASRESPONSE']._serialized_start=2442
+  _globals['_ADDREPLICASRESPONSE']._serialized_end=2532
+  _globals['_REMOVEREPLICASREQUEST']._serialized_start=2534
+  _globals['_REMOVEREPLICASREQUEST']._serialized_end=2636
+  _globals['_REMOVEREPLICASRESPONSE']._serialized_start=2639
+  _globals['_REMOVEREPLICASRESPONSE']._serialized_end=2818
+  _globals['_REPLICAUPDATE']._serialized_start=2821
+  _globals['_REPLICAUPDATE']._serialized_end=2979
+  _globals['_UPDATEREPLICASREQUEST']._serialized_start=2981
+  _globals['_UPDATEREPLICASREQUEST']._serialized_end=3106
+  _globals['_UPDATEREPLICASRESPONSE']._serialized_start=3109
+  _globals['_UPDATEREPLICASRESPONSE']._serialized_end=3250
+  _globals['_LISTREPLICASREQUEST']._serialized_start=3253
+  _globals['_LISTREPLICASREQUEST']._serialized_end=3426
+  _globals['_LISTREPLICASRESPONSE']._serialized_start=3429
+  _globals['_LISTREPLICASRESPONSE']._serialized_end=3560
+  _globals['_CLEARSTICKYSESSIONSREQUEST']._serialized_start=3562
+  _globals['_CLEARSTICKYSESSIONSREQUEST']._serialized_end=3623
+  _globals['_CLEARSTICKYSESSIONSRESPONSE']._serialized_start=3625
+  _globals['_CLEARSTICKYSESSIONSRESPONSE']._serialized_end=3697
+  _globals['_REBALANCEREQUEST']._serialized_start=3699
+  _globals['_REBALANCEREQUEST']._serialized_end=3796
+  _globals['_REPLICAINFLIGHT']._serialized_start=3799
+  _globals['_REPLICAINFLIGHT']._serialized_end=3929
+  _globals['_REBALANCERESPONSE']._serialized_start=3932
+  _globals['_REBALANCERESPONSE']._serialized_end=4066
+  _globals['_GETSTATSREQUEST']._serialized_start=4068
+  _globals['_GETSTATSREQUEST']._serialized_end=4085
+  _globals['_GETSTATSRESPONSE']._serialized_start=4087
+  _globals['_GETSTATSRESPONSE']._serialized_end=4172
+  _globals['_LOADBALANCERSERVICE']._serialized_start=4175
+  _globals['_LOADBALANCERSERVICE']._serialized_end=5301
 # @@protoc_insertion_point(module_scope)

@@ -2,8 +2,9 @@ import datetime
 
 from google.api import field_behavior_pb2 as _field_behavior_pb2
 from google.protobuf import duration_pb2 as _duration_pb2
+from google.rpc import status_pb2 as _status_pb2
 from rollmesh.common.v1 import generation_pb2 as _generation_pb2
-from rollmesh.common.v1 import status_pb2 as _status_pb2
+from rollmesh.common.v1 import status_pb2 as _status_pb2_1
 from rollmesh.common.v1 import types_pb2 as _types_pb2
 from rollmesh.loadbalancer.v1 import routing_pb2 as _routing_pb2
 from google.protobuf.internal import containers as _containers
@@ -24,11 +25,11 @@ class GetStatusResponse(_message.Message):
     REPLICA_COUNT_FIELD_NUMBER: _ClassVar[int]
     ROUTABLE_REPLICA_COUNT_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
-    status: _status_pb2.ServerStatus
+    status: _status_pb2_1.ServerStatus
     replica_count: int
     routable_replica_count: int
     in_flight: int
-    def __init__(self, status: _Optional[_Union[_status_pb2.ServerStatus, _Mapping]] = ..., replica_count: _Optional[int] = ..., routable_replica_count: _Optional[int] = ..., in_flight: _Optional[int] = ...) -> None: ...
+    def __init__(self, status: _Optional[_Union[_status_pb2_1.ServerStatus, _Mapping]] = ..., replica_count: _Optional[int] = ..., routable_replica_count: _Optional[int] = ..., in_flight: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "session_id", "min_weight_version", "partial_rollout", "retry_budget", "stream_interval", "resume_segments", "flush_interval", "final_only")
@@ -79,6 +80,47 @@ class GenerateResponse(_message.Message):
     attempts: _containers.RepeatedCompositeFieldContainer[_routing_pb2.Attempt]
     restarted: bool
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., weight_version: _Optional[int] = ..., replica_id: _Optional[str] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_generation_pb2.Usage, _Mapping]] = ..., segments: _Optional[_Iterable[_Union[_generation_pb2.TokenSegment, _Mapping]]] = ..., attempts: _Optional[_Iterable[_Union[_routing_pb2.Attempt, _Mapping]]] = ..., restarted: _Optional[bool] = ...) -> None: ...
+
+class GenerateManyRequest(_message.Message):
+    __slots__ = ("actions",)
+    ACTIONS_FIELD_NUMBER: _ClassVar[int]
+    actions: _containers.RepeatedCompositeFieldContainer[GenerateManyAction]
+    def __init__(self, actions: _Optional[_Iterable[_Union[GenerateManyAction, _Mapping]]] = ...) -> None: ...
+
+class GenerateManyAction(_message.Message):
+    __slots__ = ("generate", "cancel_request_id", "trace_context", "timeout")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    generate: GenerateRequest
+    cancel_request_id: str
+    trace_context: _containers.ScalarMap[str, str]
+    timeout: _duration_pb2.Duration
+    def __init__(self, generate: _Optional[_Union[GenerateRequest, _Mapping]] = ..., cancel_request_id: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class GenerateManyResponse(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[GenerateManyItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[GenerateManyItem, _Mapping]]] = ...) -> None: ...
+
+class GenerateManyItem(_message.Message):
+    __slots__ = ("request_id", "response", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    response: GenerateResponse
+    error: _status_pb2.Status
+    def __init__(self, request_id: _Optional[str] = ..., response: _Optional[_Union[GenerateResponse, _Mapping]] = ..., error: _Optional[_Union[_status_pb2.Status, _Mapping]] = ...) -> None: ...
 
 class AddReplicasRequest(_message.Message):
     __slots__ = ("replicas",)

@@ -29,8 +29,8 @@ class LoadBalancerServiceStub:
     """LoadBalancerService routes generation requests to engine replicas and lets
     the controller change the set of replicas it routes to.
 
-    Capabilities (see ServerStatus.capabilities): "generate", "replicas",
-    "rebalance", "stats".
+    Capabilities (see ServerStatus.capabilities): "generate",
+    "generate_many" (GenerateMany), "replicas", "rebalance", "stats".
 
     Security: on a server with mutual TLS every caller presents a certificate
     from the mesh's CA that names its role (spiffe://rollmesh/<role>/<name>);
@@ -55,6 +55,11 @@ class LoadBalancerServiceStub:
                 '/rollmesh.loadbalancer.v1.LoadBalancerService/Generate',
                 request_serializer=rollmesh_dot_loadbalancer_dot_v1_dot_loadbalancer__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=rollmesh_dot_loadbalancer_dot_v1_dot_loadbalancer__pb2.GenerateResponse.FromString,
+                _registered_method=True)
+        self.GenerateMany = channel.stream_stream(
+                '/rollmesh.loadbalancer.v1.LoadBalancerService/GenerateMany',
+                request_serializer=rollmesh_dot_loadbalancer_dot_v1_dot_loadbalancer__pb2.GenerateManyRequest.SerializeToString,
+                response_deserializer=rollmesh_dot_loadbalancer_dot_v1_dot_loadbalancer__pb2.GenerateManyResponse.FromString,
                 _registered_method=True)
         self.AddReplicas = channel.unary_unary(
                 '/rollmesh.loadbalancer.v1.LoadBalancerService/AddReplicas',
@@ -97,8 +102,8 @@ class LoadBalancerServiceServicer:
     """LoadBalancerService routes generation requests to engine replicas and lets
     the controller change the set of replicas it routes to.
 
-    Capabilities (see ServerStatus.capabilities): "generate", "replicas",
-    "rebalance", "stats".
+    Capabilities (see ServerStatus.capabilities): "generate",
+    "generate_many" (GenerateMany), "replicas", "rebalance", "stats".
 
     Security: on a server with mutual TLS every caller presents a certificate
     from the mesh's CA that names its role (spiffe://rollmesh/<role>/<name>);
@@ -144,6 +149,27 @@ class LoadBalancerServiceServicer:
         - DEADLINE_EXCEEDED: the call's deadline passed while waiting for a
         replica or retrying.
         - CANCELLED: the caller cancelled the call.
+
+        Authorization: trainer-agent, client, operator.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateMany(self, request_iterator, context):
+        """Carries many generations on one stream, for a client that sends many
+        (a trainer's rollouts): no call per request. Each action of a
+        GenerateManyRequest starts a generation exactly as Generate would (the
+        same routing, retries, resumes, exactly-once record, final_only, and
+        the same errors) or cancels one; each GenerateManyResponse carries the
+        next messages of any of them, batched, each tagged with its request_id.
+        A generation ends with its last message (finish_reason set) or with an
+        error status of its own; the others go on. When the stream ends every
+        generation still on it is cancelled, as a cancelled Generate call is.
+        Capability: generate_many.
+
+        Errors: per generation, in GenerateManyItem.error, those of Generate.
+        The stream itself fails only as a transport error (UNAVAILABLE).
 
         Authorization: trainer-agent, client, operator.
         """
@@ -263,6 +289,11 @@ def add_LoadBalancerServiceServicer_to_server(servicer, server):
                     request_deserializer=rollmesh_dot_loadbalancer_dot_v1_dot_loadbalancer__pb2.GenerateRequest.FromString,
                     response_serializer=rollmesh_dot_loadbalancer_dot_v1_dot_loadbalancer__pb2.GenerateResponse.SerializeToString,
             ),
+            'GenerateMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateMany,
+                    request_deserializer=rollmesh_dot_loadbalancer_dot_v1_dot_loadbalancer__pb2.GenerateManyRequest.FromString,
+                    response_serializer=rollmesh_dot_loadbalancer_dot_v1_dot_loadbalancer__pb2.GenerateManyResponse.SerializeToString,
+            ),
             'AddReplicas': grpc.unary_unary_rpc_method_handler(
                     servicer.AddReplicas,
                     request_deserializer=rollmesh_dot_loadbalancer_dot_v1_dot_loadbalancer__pb2.AddReplicasRequest.FromString,
@@ -310,8 +341,8 @@ class LoadBalancerService:
     """LoadBalancerService routes generation requests to engine replicas and lets
     the controller change the set of replicas it routes to.
 
-    Capabilities (see ServerStatus.capabilities): "generate", "replicas",
-    "rebalance", "stats".
+    Capabilities (see ServerStatus.capabilities): "generate",
+    "generate_many" (GenerateMany), "replicas", "rebalance", "stats".
 
     Security: on a server with mutual TLS every caller presents a certificate
     from the mesh's CA that names its role (spiffe://rollmesh/<role>/<name>);
@@ -365,6 +396,33 @@ class LoadBalancerService:
             '/rollmesh.loadbalancer.v1.LoadBalancerService/Generate',
             rollmesh_dot_loadbalancer_dot_v1_dot_loadbalancer__pb2.GenerateRequest.SerializeToString,
             rollmesh_dot_loadbalancer_dot_v1_dot_loadbalancer__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/rollmesh.loadbalancer.v1.LoadBalancerService/GenerateMany',
+            rollmesh_dot_loadbalancer_dot_v1_dot_loadbalancer__pb2.GenerateManyRequest.SerializeToString,
+            rollmesh_dot_loadbalancer_dot_v1_dot_loadbalancer__pb2.GenerateManyResponse.FromString,
             options,
             channel_credentials,
             insecure,

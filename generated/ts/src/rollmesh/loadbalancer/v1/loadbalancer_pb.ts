@@ -12,6 +12,8 @@ import { fileDesc, messageDesc, serviceDesc } from "@bufbuild/protobuf/codegenv2
 import { file_google_api_field_behavior } from "../../../google/api/field_behavior_pb.js";
 import type { Duration } from "@bufbuild/protobuf/wkt";
 import { file_google_protobuf_duration } from "@bufbuild/protobuf/wkt";
+import type { Status } from "../../../google/rpc/status_pb.js";
+import { file_google_rpc_status } from "../../../google/rpc/status_pb.js";
 import type { FinishReason, SamplingParams, TokenSegment, Usage } from "../../common/v1/generation_pb.js";
 import { file_rollmesh_common_v1_generation } from "../../common/v1/generation_pb.js";
 import type { ServerStatus } from "../../common/v1/status_pb.js";
@@ -26,7 +28,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file rollmesh/loadbalancer/v1/loadbalancer.proto.
  */
 export const file_rollmesh_loadbalancer_v1_loadbalancer: GenFile = /*@__PURE__*/
-  fileDesc("Cityb2xsbWVzaC9sb2FkYmFsYW5jZXIvdjEvbG9hZGJhbGFuY2VyLnByb3RvEhhyb2xsbWVzaC5sb2FkYmFsYW5jZXIudjEiEgoQR2V0U3RhdHVzUmVxdWVzdCKPAQoRR2V0U3RhdHVzUmVzcG9uc2USMAoGc3RhdHVzGAEgASgLMiAucm9sbG1lc2guY29tbW9uLnYxLlNlcnZlclN0YXR1cxIVCg1yZXBsaWNhX2NvdW50GAIgASgNEh4KFnJvdXRhYmxlX3JlcGxpY2FfY291bnQYAyABKA0SEQoJaW5fZmxpZ2h0GAQgASgEIuYDCg9HZW5lcmF0ZVJlcXVlc3QSGAoKcmVxdWVzdF9pZBgBIAEoCUIE4kEBAhIeChBwcm9tcHRfdG9rZW5faWRzGAIgAygFQgTiQQECEjsKD3NhbXBsaW5nX3BhcmFtcxgDIAEoCzIiLnJvbGxtZXNoLmNvbW1vbi52MS5TYW1wbGluZ1BhcmFtcxISCgpzZXNzaW9uX2lkGAQgASgJEh8KEm1pbl93ZWlnaHRfdmVyc2lvbhgFIAEoA0gAiAEBEhwKD3BhcnRpYWxfcm9sbG91dBgGIAEoCEgBiAEBEhkKDHJldHJ5X2J1ZGdldBgHIAEoDUgCiAEBEhwKD3N0cmVhbV9pbnRlcnZhbBgIIAEoDUgDiAEBEjkKD3Jlc3VtZV9zZWdtZW50cxgJIAMoCzIgLnJvbGxtZXNoLmNvbW1vbi52MS5Ub2tlblNlZ21lbnQSMQoOZmx1c2hfaW50ZXJ2YWwYCiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SEgoKZmluYWxfb25seRgLIAEoCEIVChNfbWluX3dlaWdodF92ZXJzaW9uQhIKEF9wYXJ0aWFsX3JvbGxvdXRCDwoNX3JldHJ5X2J1ZGdldEISChBfc3RyZWFtX2ludGVydmFsItYCChBHZW5lcmF0ZVJlc3BvbnNlEhIKCnJlcXVlc3RfaWQYASABKAkSEQoJdG9rZW5faWRzGAIgAygFEhAKCGxvZ3Byb2JzGAMgAygCEhYKDndlaWdodF92ZXJzaW9uGAQgASgDEhIKCnJlcGxpY2FfaWQYBSABKAkSNwoNZmluaXNoX3JlYXNvbhgGIAEoDjIgLnJvbGxtZXNoLmNvbW1vbi52MS5GaW5pc2hSZWFzb24SKAoFdXNhZ2UYByABKAsyGS5yb2xsbWVzaC5jb21tb24udjEuVXNhZ2USMgoIc2VnbWVudHMYCCADKAsyIC5yb2xsbWVzaC5jb21tb24udjEuVG9rZW5TZWdtZW50EjMKCGF0dGVtcHRzGAkgAygLMiEucm9sbG1lc2gubG9hZGJhbGFuY2VyLnYxLkF0dGVtcHQSEQoJcmVzdGFydGVkGAogASgIIlEKEkFkZFJlcGxpY2FzUmVxdWVzdBI7CghyZXBsaWNhcxgBIAMoCzIpLnJvbGxtZXNoLmxvYWRiYWxhbmNlci52MS5SZXBsaWNhRW5kcG9pbnQiUAoTQWRkUmVwbGljYXNSZXNwb25zZRI5CghyZXBsaWNhcxgBIAMoCzInLnJvbGxtZXNoLmxvYWRiYWxhbmNlci52MS5Sb3V0ZWRSZXBsaWNhIksKFVJlbW92ZVJlcGxpY2FzUmVxdWVzdBIZCgtyZXBsaWNhX2lkcxgBIAMoCUIE4kEBAhIXCg9hYm9ydF9pbl9mbGlnaHQYAiABKAgidQoWUmVtb3ZlUmVwbGljYXNSZXNwb25zZRIbChNyZW1vdmVkX3JlcGxpY2FfaWRzGAEgAygJEh8KF2Ryb3BwZWRfc3RpY2t5X3Nlc3Npb25zGAIgASgNEh0KFWluX2ZsaWdodF9yZXF1ZXN0X2lkcxgDIAMoCSJ7Cg1SZXBsaWNhVXBkYXRlEhgKCnJlcGxpY2FfaWQYASABKAlCBOJBAQISGwoOd2VpZ2h0X3ZlcnNpb24YAiABKANIAIgBARIUCgdhZGRyZXNzGAMgASgJSAGIAQFCEQoPX3dlaWdodF92ZXJzaW9uQgoKCF9hZGRyZXNzImcKFVVwZGF0ZVJlcGxpY2FzUmVxdWVzdBI4Cgd1cGRhdGVzGAEgAygLMicucm9sbG1lc2gubG9hZGJhbGFuY2VyLnYxLlJlcGxpY2FVcGRhdGUSFAoMc2tpcF91bmtub3duGAIgASgIInAKFlVwZGF0ZVJlcGxpY2FzUmVzcG9uc2USOQoIcmVwbGljYXMYASADKAsyJy5yb2xsbWVzaC5sb2FkYmFsYW5jZXIudjEuUm91dGVkUmVwbGljYRIbChNza2lwcGVkX3JlcGxpY2FfaWRzGAIgAygJIoMBChNMaXN0UmVwbGljYXNSZXF1ZXN0Ei4KBWtpbmRzGAEgAygOMh8ucm9sbG1lc2guY29tbW9uLnYxLlJlcGxpY2FLaW5kEhUKDXJvdXRhYmxlX29ubHkYAiABKAgSEQoJcGFnZV9zaXplGAMgASgFEhIKCnBhZ2VfdG9rZW4YBCABKAkiagoUTGlzdFJlcGxpY2FzUmVzcG9uc2USOQoIcmVwbGljYXMYASADKAsyJy5yb2xsbWVzaC5sb2FkYmFsYW5jZXIudjEuUm91dGVkUmVwbGljYRIXCg9uZXh0X3BhZ2VfdG9rZW4YAiABKAkiMQoaQ2xlYXJTdGlja3lTZXNzaW9uc1JlcXVlc3QSEwoLcmVwbGljYV9pZHMYASADKAkiNwobQ2xlYXJTdGlja3lTZXNzaW9uc1Jlc3BvbnNlEhgKEGNsZWFyZWRfc2Vzc2lvbnMYASABKAQiTAoQUmViYWxhbmNlUmVxdWVzdBIWCgltYXhfbW92ZXMYASABKA1IAIgBARISCgpyZXF1ZXN0X2lkGAIgASgJQgwKCl9tYXhfbW92ZXMiWAoPUmVwbGljYUluRmxpZ2h0EhIKCnJlcGxpY2FfaWQYASABKAkSGAoQaW5fZmxpZ2h0X2JlZm9yZRgCIAEoDRIXCg9pbl9mbGlnaHRfYWZ0ZXIYAyABKA0iawoRUmViYWxhbmNlUmVzcG9uc2USGQoRbW92ZWRfcmVxdWVzdF9pZHMYASADKAkSOwoIcmVwbGljYXMYAiADKAsyKS5yb2xsbWVzaC5sb2FkYmFsYW5jZXIudjEuUmVwbGljYUluRmxpZ2h0IhEKD0dldFN0YXRzUmVxdWVzdCJOChBHZXRTdGF0c1Jlc3BvbnNlEjoKBXN0YXRzGAEgASgLMisucm9sbG1lc2gubG9hZGJhbGFuY2VyLnYxLkxvYWRCYWxhbmNlclN0YXRzMvMHChNMb2FkQmFsYW5jZXJTZXJ2aWNlEmQKCUdldFN0YXR1cxIqLnJvbGxtZXNoLmxvYWRiYWxhbmNlci52MS5HZXRTdGF0dXNSZXF1ZXN0Gisucm9sbG1lc2gubG9hZGJhbGFuY2VyLnYxLkdldFN0YXR1c1Jlc3BvbnNlEmMKCEdlbmVyYXRlEikucm9sbG1lc2gubG9hZGJhbGFuY2VyLnYxLkdlbmVyYXRlUmVxdWVzdBoqLnJvbGxtZXNoLmxvYWRiYWxhbmNlci52MS5HZW5lcmF0ZVJlc3BvbnNlMAESagoLQWRkUmVwbGljYXMSLC5yb2xsbWVzaC5sb2FkYmFsYW5jZXIudjEuQWRkUmVwbGljYXNSZXF1ZXN0Gi0ucm9sbG1lc2gubG9hZGJhbGFuY2VyLnYxLkFkZFJlcGxpY2FzUmVzcG9uc2UScwoOUmVtb3ZlUmVwbGljYXMSLy5yb2xsbWVzaC5sb2FkYmFsYW5jZXIudjEuUmVtb3ZlUmVwbGljYXNSZXF1ZXN0GjAucm9sbG1lc2gubG9hZGJhbGFuY2VyLnYxLlJlbW92ZVJlcGxpY2FzUmVzcG9uc2UScwoOVXBkYXRlUmVwbGljYXMSLy5yb2xsbWVzaC5sb2FkYmFsYW5jZXIudjEuVXBkYXRlUmVwbGljYXNSZXF1ZXN0GjAucm9sbG1lc2gubG9hZGJhbGFuY2VyLnYxLlVwZGF0ZVJlcGxpY2FzUmVzcG9uc2USbQoMTGlzdFJlcGxpY2FzEi0ucm9sbG1lc2gubG9hZGJhbGFuY2VyLnYxLkxpc3RSZXBsaWNhc1JlcXVlc3QaLi5yb2xsbWVzaC5sb2FkYmFsYW5jZXIudjEuTGlzdFJlcGxpY2FzUmVzcG9uc2USggEKE0NsZWFyU3RpY2t5U2Vzc2lvbnMSNC5yb2xsbWVzaC5sb2FkYmFsYW5jZXIudjEuQ2xlYXJTdGlja3lTZXNzaW9uc1JlcXVlc3QaNS5yb2xsbWVzaC5sb2FkYmFsYW5jZXIudjEuQ2xlYXJTdGlja3lTZXNzaW9uc1Jlc3BvbnNlEmQKCVJlYmFsYW5jZRIqLnJvbGxtZXNoLmxvYWRiYWxhbmNlci52MS5SZWJhbGFuY2VSZXF1ZXN0Gisucm9sbG1lc2gubG9hZGJhbGFuY2VyLnYxLlJlYmFsYW5jZVJlc3BvbnNlEmEKCEdldFN0YXRzEikucm9sbG1lc2gubG9hZGJhbGFuY2VyLnYxLkdldFN0YXRzUmVxdWVzdBoqLnJvbGxtZXNoLmxvYWRiYWxhbmNlci52MS5HZXRTdGF0c1Jlc3BvbnNlYgZwcm90bzM", [file_google_api_field_behavior, file_google_protobuf_duration, file_rollmesh_common_v1_generation, file_rollmesh_common_v1_status, file_rollmesh_common_v1_types, file_rollmesh_loadbalancer_v1_routing]);
+  fileDesc("Cityb2xsbWVzaC9sb2FkYmFsYW5jZXIvdjEvbG9hZGJhbGFuY2VyLnByb3RvEhhyb2xsbWVzaC5sb2FkYmFsYW5jZXIudjEiEgoQR2V0U3RhdHVzUmVxdWVzdCKPAQoRR2V0U3RhdHVzUmVzcG9uc2USMAoGc3RhdHVzGAEgASgLMiAucm9sbG1lc2guY29tbW9uLnYxLlNlcnZlclN0YXR1cxIVCg1yZXBsaWNhX2NvdW50GAIgASgNEh4KFnJvdXRhYmxlX3JlcGxpY2FfY291bnQYAyABKA0SEQoJaW5fZmxpZ2h0GAQgASgEIuYDCg9HZW5lcmF0ZVJlcXVlc3QSGAoKcmVxdWVzdF9pZBgBIAEoCUIE4kEBAhIeChBwcm9tcHRfdG9rZW5faWRzGAIgAygFQgTiQQECEjsKD3NhbXBsaW5nX3BhcmFtcxgDIAEoCzIiLnJvbGxtZXNoLmNvbW1vbi52MS5TYW1wbGluZ1BhcmFtcxISCgpzZXNzaW9uX2lkGAQgASgJEh8KEm1pbl93ZWlnaHRfdmVyc2lvbhgFIAEoA0gAiAEBEhwKD3BhcnRpYWxfcm9sbG91dBgGIAEoCEgBiAEBEhkKDHJldHJ5X2J1ZGdldBgHIAEoDUgCiAEBEhwKD3N0cmVhbV9pbnRlcnZhbBgIIAEoDUgDiAEBEjkKD3Jlc3VtZV9zZWdtZW50cxgJIAMoCzIgLnJvbGxtZXNoLmNvbW1vbi52MS5Ub2tlblNlZ21lbnQSMQoOZmx1c2hfaW50ZXJ2YWwYCiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SEgoKZmluYWxfb25seRgLIAEoCEIVChNfbWluX3dlaWdodF92ZXJzaW9uQhIKEF9wYXJ0aWFsX3JvbGxvdXRCDwoNX3JldHJ5X2J1ZGdldEISChBfc3RyZWFtX2ludGVydmFsItYCChBHZW5lcmF0ZVJlc3BvbnNlEhIKCnJlcXVlc3RfaWQYASABKAkSEQoJdG9rZW5faWRzGAIgAygFEhAKCGxvZ3Byb2JzGAMgAygCEhYKDndlaWdodF92ZXJzaW9uGAQgASgDEhIKCnJlcGxpY2FfaWQYBSABKAkSNwoNZmluaXNoX3JlYXNvbhgGIAEoDjIgLnJvbGxtZXNoLmNvbW1vbi52MS5GaW5pc2hSZWFzb24SKAoFdXNhZ2UYByABKAsyGS5yb2xsbWVzaC5jb21tb24udjEuVXNhZ2USMgoIc2VnbWVudHMYCCADKAsyIC5yb2xsbWVzaC5jb21tb24udjEuVG9rZW5TZWdtZW50EjMKCGF0dGVtcHRzGAkgAygLMiEucm9sbG1lc2gubG9hZGJhbGFuY2VyLnYxLkF0dGVtcHQSEQoJcmVzdGFydGVkGAogASgIIlQKE0dlbmVyYXRlTWFueVJlcXVlc3QSPQoHYWN0aW9ucxgBIAMoCzIsLnJvbGxtZXNoLmxvYWRiYWxhbmNlci52MS5HZW5lcmF0ZU1hbnlBY3Rpb24isgIKEkdlbmVyYXRlTWFueUFjdGlvbhI9CghnZW5lcmF0ZRgBIAEoCzIpLnJvbGxtZXNoLmxvYWRiYWxhbmNlci52MS5HZW5lcmF0ZVJlcXVlc3RIABIbChFjYW5jZWxfcmVxdWVzdF9pZBgCIAEoCUgAElUKDXRyYWNlX2NvbnRleHQYAyADKAsyPi5yb2xsbWVzaC5sb2FkYmFsYW5jZXIudjEuR2VuZXJhdGVNYW55QWN0aW9uLlRyYWNlQ29udGV4dEVudHJ5EioKB3RpbWVvdXQYBCABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24aMwoRVHJhY2VDb250ZXh0RW50cnkSCwoDa2V5GAEgASgJEg0KBXZhbHVlGAIgASgJOgI4AUIICgZhY3Rpb24iUQoUR2VuZXJhdGVNYW55UmVzcG9uc2USOQoFaXRlbXMYASADKAsyKi5yb2xsbWVzaC5sb2FkYmFsYW5jZXIudjEuR2VuZXJhdGVNYW55SXRlbSKHAQoQR2VuZXJhdGVNYW55SXRlbRISCgpyZXF1ZXN0X2lkGAEgASgJEjwKCHJlc3BvbnNlGAIgASgLMioucm9sbG1lc2gubG9hZGJhbGFuY2VyLnYxLkdlbmVyYXRlUmVzcG9uc2USIQoFZXJyb3IYAyABKAsyEi5nb29nbGUucnBjLlN0YXR1cyJRChJBZGRSZXBsaWNhc1JlcXVlc3QSOwoIcmVwbGljYXMYASADKAsyKS5yb2xsbWVzaC5sb2FkYmFsYW5jZXIudjEuUmVwbGljYUVuZHBvaW50IlAKE0FkZFJlcGxpY2FzUmVzcG9uc2USOQoIcmVwbGljYXMYASADKAsyJy5yb2xsbWVzaC5sb2FkYmFsYW5jZXIudjEuUm91dGVkUmVwbGljYSJLChVSZW1vdmVSZXBsaWNhc1JlcXVlc3QSGQoLcmVwbGljYV9pZHMYASADKAlCBOJBAQISFwoPYWJvcnRfaW5fZmxpZ2h0GAIgASgIInUKFlJlbW92ZVJlcGxpY2FzUmVzcG9uc2USGwoTcmVtb3ZlZF9yZXBsaWNhX2lkcxgBIAMoCRIfChdkcm9wcGVkX3N0aWNreV9zZXNzaW9ucxgCIAEoDRIdChVpbl9mbGlnaHRfcmVxdWVzdF9pZHMYAyADKAkiewoNUmVwbGljYVVwZGF0ZRIYCgpyZXBsaWNhX2lkGAEgASgJQgTiQQECEhsKDndlaWdodF92ZXJzaW9uGAIgASgDSACIAQESFAoHYWRkcmVzcxgDIAEoCUgBiAEBQhEKD193ZWlnaHRfdmVyc2lvbkIKCghfYWRkcmVzcyJnChVVcGRhdGVSZXBsaWNhc1JlcXVlc3QSOAoHdXBkYXRlcxgBIAMoCzInLnJvbGxtZXNoLmxvYWRiYWxhbmNlci52MS5SZXBsaWNhVXBkYXRlEhQKDHNraXBfdW5rbm93bhgCIAEoCCJwChZVcGRhdGVSZXBsaWNhc1Jlc3BvbnNlEjkKCHJlcGxpY2FzGAEgAygLMicucm9sbG1lc2gubG9hZGJhbGFuY2VyLnYxLlJvdXRlZFJlcGxpY2ESGwoTc2tpcHBlZF9yZXBsaWNhX2lkcxgCIAMoCSKDAQoTTGlzdFJlcGxpY2FzUmVxdWVzdBIuCgVraW5kcxgBIAMoDjIfLnJvbGxtZXNoLmNvbW1vbi52MS5SZXBsaWNhS2luZBIVCg1yb3V0YWJsZV9vbmx5GAIgASgIEhEKCXBhZ2Vfc2l6ZRgDIAEoBRISCgpwYWdlX3Rva2VuGAQgASgJImoKFExpc3RSZXBsaWNhc1Jlc3BvbnNlEjkKCHJlcGxpY2FzGAEgAygLMicucm9sbG1lc2gubG9hZGJhbGFuY2VyLnYxLlJvdXRlZFJlcGxpY2ESFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJIjEKGkNsZWFyU3RpY2t5U2Vzc2lvbnNSZXF1ZXN0EhMKC3JlcGxpY2FfaWRzGAEgAygJIjcKG0NsZWFyU3RpY2t5U2Vzc2lvbnNSZXNwb25zZRIYChBjbGVhcmVkX3Nlc3Npb25zGAEgASgEIkwKEFJlYmFsYW5jZVJlcXVlc3QSFgoJbWF4X21vdmVzGAEgASgNSACIAQESEgoKcmVxdWVzdF9pZBgCIAEoCUIMCgpfbWF4X21vdmVzIlgKD1JlcGxpY2FJbkZsaWdodBISCgpyZXBsaWNhX2lkGAEgASgJEhgKEGluX2ZsaWdodF9iZWZvcmUYAiABKA0SFwoPaW5fZmxpZ2h0X2FmdGVyGAMgASgNImsKEVJlYmFsYW5jZVJlc3BvbnNlEhkKEW1vdmVkX3JlcXVlc3RfaWRzGAEgAygJEjsKCHJlcGxpY2FzGAIgAygLMikucm9sbG1lc2gubG9hZGJhbGFuY2VyLnYxLlJlcGxpY2FJbkZsaWdodCIRCg9HZXRTdGF0c1JlcXVlc3QiTgoQR2V0U3RhdHNSZXNwb25zZRI6CgVzdGF0cxgBIAEoCzIrLnJvbGxtZXNoLmxvYWRiYWxhbmNlci52MS5Mb2FkQmFsYW5jZXJTdGF0czLmCAoTTG9hZEJhbGFuY2VyU2VydmljZRJkCglHZXRTdGF0dXMSKi5yb2xsbWVzaC5sb2FkYmFsYW5jZXIudjEuR2V0U3RhdHVzUmVxdWVzdBorLnJvbGxtZXNoLmxvYWRiYWxhbmNlci52MS5HZXRTdGF0dXNSZXNwb25zZRJjCghHZW5lcmF0ZRIpLnJvbGxtZXNoLmxvYWRiYWxhbmNlci52MS5HZW5lcmF0ZVJlcXVlc3QaKi5yb2xsbWVzaC5sb2FkYmFsYW5jZXIudjEuR2VuZXJhdGVSZXNwb25zZTABEnEKDEdlbmVyYXRlTWFueRItLnJvbGxtZXNoLmxvYWRiYWxhbmNlci52MS5HZW5lcmF0ZU1hbnlSZXF1ZXN0Gi4ucm9sbG1lc2gubG9hZGJhbGFuY2VyLnYxLkdlbmVyYXRlTWFueVJlc3BvbnNlKAEwARJqCgtBZGRSZXBsaWNhcxIsLnJvbGxtZXNoLmxvYWRiYWxhbmNlci52MS5BZGRSZXBsaWNhc1JlcXVlc3QaLS5yb2xsbWVzaC5sb2FkYmFsYW5jZXIudjEuQWRkUmVwbGljYXNSZXNwb25zZRJzCg5SZW1vdmVSZXBsaWNhcxIvLnJvbGxtZXNoLmxvYWRiYWxhbmNlci52MS5SZW1vdmVSZXBsaWNhc1JlcXVlc3QaMC5yb2xsbWVzaC5sb2FkYmFsYW5jZXIudjEuUmVtb3ZlUmVwbGljYXNSZXNwb25zZRJzCg5VcGRhdGVSZXBsaWNhcxIvLnJvbGxtZXNoLmxvYWRiYWxhbmNlci52MS5VcGRhdGVSZXBsaWNhc1JlcXVlc3QaMC5yb2xsbWVzaC5sb2FkYmFsYW5jZXIudjEuVXBkYXRlUmVwbGljYXNSZXNwb25zZRJtCgxMaXN0UmVwbGljYXMSLS5yb2xsbWVzaC5sb2FkYmFsYW5jZXIudjEuTGlzdFJlcGxpY2FzUmVxdWVzdBouLnJvbGxtZXNoLmxvYWRiYWxhbmNlci52MS5MaXN0UmVwbGljYXNSZXNwb25zZRKCAQoTQ2xlYXJTdGlja3lTZXNzaW9ucxI0LnJvbGxtZXNoLmxvYWRiYWxhbmNlci52MS5DbGVhclN0aWNreVNlc3Npb25zUmVxdWVzdBo1LnJvbGxtZXNoLmxvYWRiYWxhbmNlci52MS5DbGVhclN0aWNreVNlc3Npb25zUmVzcG9uc2USZAoJUmViYWxhbmNlEioucm9sbG1lc2gubG9hZGJhbGFuY2VyLnYxLlJlYmFsYW5jZVJlcXVlc3QaKy5yb2xsbWVzaC5sb2FkYmFsYW5jZXIudjEuUmViYWxhbmNlUmVzcG9uc2USYQoIR2V0U3RhdHMSKS5yb2xsbWVzaC5sb2FkYmFsYW5jZXIudjEuR2V0U3RhdHNSZXF1ZXN0Gioucm9sbG1lc2gubG9hZGJhbGFuY2VyLnYxLkdldFN0YXRzUmVzcG9uc2ViBnByb3RvMw", [file_google_api_field_behavior, file_google_protobuf_duration, file_google_rpc_status, file_rollmesh_common_v1_generation, file_rollmesh_common_v1_status, file_rollmesh_common_v1_types, file_rollmesh_loadbalancer_v1_routing]);
 
 /**
  * Request of GetStatus. It has no fields.
@@ -287,6 +289,140 @@ export const GenerateResponseSchema: GenMessage<GenerateResponse> = /*@__PURE__*
   messageDesc(file_rollmesh_loadbalancer_v1_loadbalancer, 3);
 
 /**
+ * Request of GenerateMany: actions on the stream's generations, in order
+ * (a client sends what it has at once).
+ *
+ * @generated from message rollmesh.loadbalancer.v1.GenerateManyRequest
+ */
+export type GenerateManyRequest = Message<"rollmesh.loadbalancer.v1.GenerateManyRequest"> & {
+  /**
+   * Generations to start or cancel.
+   *
+   * @generated from field: repeated rollmesh.loadbalancer.v1.GenerateManyAction actions = 1;
+   */
+  actions: GenerateManyAction[];
+};
+
+/**
+ * Describes the message rollmesh.loadbalancer.v1.GenerateManyRequest.
+ * Use `create(GenerateManyRequestSchema)` to create a new message.
+ */
+export const GenerateManyRequestSchema: GenMessage<GenerateManyRequest> = /*@__PURE__*/
+  messageDesc(file_rollmesh_loadbalancer_v1_loadbalancer, 4);
+
+/**
+ * One action on a GenerateMany stream.
+ *
+ * @generated from message rollmesh.loadbalancer.v1.GenerateManyAction
+ */
+export type GenerateManyAction = Message<"rollmesh.loadbalancer.v1.GenerateManyAction"> & {
+  /**
+   * What to do.
+   *
+   * @generated from oneof rollmesh.loadbalancer.v1.GenerateManyAction.action
+   */
+  action: {
+    /**
+     * Start a generation, as Generate would.
+     *
+     * @generated from field: rollmesh.loadbalancer.v1.GenerateRequest generate = 1;
+     */
+    value: GenerateRequest;
+    case: "generate";
+  } | {
+    /**
+     * Stop the generation with this request_id (its caller gave up), as a
+     * cancelled Generate call is stopped. An unknown or finished id is
+     * ignored.
+     *
+     * @generated from field: string cancel_request_id = 2;
+     */
+    value: string;
+    case: "cancelRequestId";
+  } | { case: undefined; value?: undefined };
+
+  /**
+   * W3C trace context of the generation started (e.g. "traceparent"), as a
+   * Generate call carries it in its metadata. Empty: not traced.
+   *
+   * @generated from field: map<string, string> trace_context = 3;
+   */
+  traceContext: { [key: string]: string };
+
+  /**
+   * Time the generation may take, as a Generate call's deadline. Unset: no
+   * deadline.
+   *
+   * @generated from field: google.protobuf.Duration timeout = 4;
+   */
+  timeout?: Duration | undefined;
+};
+
+/**
+ * Describes the message rollmesh.loadbalancer.v1.GenerateManyAction.
+ * Use `create(GenerateManyActionSchema)` to create a new message.
+ */
+export const GenerateManyActionSchema: GenMessage<GenerateManyAction> = /*@__PURE__*/
+  messageDesc(file_rollmesh_loadbalancer_v1_loadbalancer, 5);
+
+/**
+ * Response of GenerateMany: the next messages of one or more generations.
+ *
+ * @generated from message rollmesh.loadbalancer.v1.GenerateManyResponse
+ */
+export type GenerateManyResponse = Message<"rollmesh.loadbalancer.v1.GenerateManyResponse"> & {
+  /**
+   * In order per request_id.
+   *
+   * @generated from field: repeated rollmesh.loadbalancer.v1.GenerateManyItem items = 1;
+   */
+  items: GenerateManyItem[];
+};
+
+/**
+ * Describes the message rollmesh.loadbalancer.v1.GenerateManyResponse.
+ * Use `create(GenerateManyResponseSchema)` to create a new message.
+ */
+export const GenerateManyResponseSchema: GenMessage<GenerateManyResponse> = /*@__PURE__*/
+  messageDesc(file_rollmesh_loadbalancer_v1_loadbalancer, 6);
+
+/**
+ * One message of one generation on a GenerateMany stream.
+ *
+ * @generated from message rollmesh.loadbalancer.v1.GenerateManyItem
+ */
+export type GenerateManyItem = Message<"rollmesh.loadbalancer.v1.GenerateManyItem"> & {
+  /**
+   * The generation's request_id.
+   *
+   * @generated from field: string request_id = 1;
+   */
+  requestId: string;
+
+  /**
+   * A chunk or the last message, exactly as Generate would stream it.
+   *
+   * @generated from field: rollmesh.loadbalancer.v1.GenerateResponse response = 2;
+   */
+  response?: GenerateResponse | undefined;
+
+  /**
+   * Set when the generation failed as Generate would fail with this status
+   * (code, message and details such as ErrorInfo); nothing follows for it.
+   *
+   * @generated from field: google.rpc.Status error = 3;
+   */
+  error?: Status | undefined;
+};
+
+/**
+ * Describes the message rollmesh.loadbalancer.v1.GenerateManyItem.
+ * Use `create(GenerateManyItemSchema)` to create a new message.
+ */
+export const GenerateManyItemSchema: GenMessage<GenerateManyItem> = /*@__PURE__*/
+  messageDesc(file_rollmesh_loadbalancer_v1_loadbalancer, 7);
+
+/**
  * Request of AddReplicas.
  *
  * @generated from message rollmesh.loadbalancer.v1.AddReplicasRequest
@@ -305,7 +441,7 @@ export type AddReplicasRequest = Message<"rollmesh.loadbalancer.v1.AddReplicasRe
  * Use `create(AddReplicasRequestSchema)` to create a new message.
  */
 export const AddReplicasRequestSchema: GenMessage<AddReplicasRequest> = /*@__PURE__*/
-  messageDesc(file_rollmesh_loadbalancer_v1_loadbalancer, 4);
+  messageDesc(file_rollmesh_loadbalancer_v1_loadbalancer, 8);
 
 /**
  * Response of AddReplicas.
@@ -326,7 +462,7 @@ export type AddReplicasResponse = Message<"rollmesh.loadbalancer.v1.AddReplicasR
  * Use `create(AddReplicasResponseSchema)` to create a new message.
  */
 export const AddReplicasResponseSchema: GenMessage<AddReplicasResponse> = /*@__PURE__*/
-  messageDesc(file_rollmesh_loadbalancer_v1_loadbalancer, 5);
+  messageDesc(file_rollmesh_loadbalancer_v1_loadbalancer, 9);
 
 /**
  * Request of RemoveReplicas.
@@ -356,7 +492,7 @@ export type RemoveReplicasRequest = Message<"rollmesh.loadbalancer.v1.RemoveRepl
  * Use `create(RemoveReplicasRequestSchema)` to create a new message.
  */
 export const RemoveReplicasRequestSchema: GenMessage<RemoveReplicasRequest> = /*@__PURE__*/
-  messageDesc(file_rollmesh_loadbalancer_v1_loadbalancer, 6);
+  messageDesc(file_rollmesh_loadbalancer_v1_loadbalancer, 10);
 
 /**
  * Response of RemoveReplicas.
@@ -392,7 +528,7 @@ export type RemoveReplicasResponse = Message<"rollmesh.loadbalancer.v1.RemoveRep
  * Use `create(RemoveReplicasResponseSchema)` to create a new message.
  */
 export const RemoveReplicasResponseSchema: GenMessage<RemoveReplicasResponse> = /*@__PURE__*/
-  messageDesc(file_rollmesh_loadbalancer_v1_loadbalancer, 7);
+  messageDesc(file_rollmesh_loadbalancer_v1_loadbalancer, 11);
 
 /**
  * One change to a replica in the routing table.
@@ -427,7 +563,7 @@ export type ReplicaUpdate = Message<"rollmesh.loadbalancer.v1.ReplicaUpdate"> & 
  * Use `create(ReplicaUpdateSchema)` to create a new message.
  */
 export const ReplicaUpdateSchema: GenMessage<ReplicaUpdate> = /*@__PURE__*/
-  messageDesc(file_rollmesh_loadbalancer_v1_loadbalancer, 8);
+  messageDesc(file_rollmesh_loadbalancer_v1_loadbalancer, 12);
 
 /**
  * Request of UpdateReplicas.
@@ -458,7 +594,7 @@ export type UpdateReplicasRequest = Message<"rollmesh.loadbalancer.v1.UpdateRepl
  * Use `create(UpdateReplicasRequestSchema)` to create a new message.
  */
 export const UpdateReplicasRequestSchema: GenMessage<UpdateReplicasRequest> = /*@__PURE__*/
-  messageDesc(file_rollmesh_loadbalancer_v1_loadbalancer, 9);
+  messageDesc(file_rollmesh_loadbalancer_v1_loadbalancer, 13);
 
 /**
  * Response of UpdateReplicas.
@@ -486,7 +622,7 @@ export type UpdateReplicasResponse = Message<"rollmesh.loadbalancer.v1.UpdateRep
  * Use `create(UpdateReplicasResponseSchema)` to create a new message.
  */
 export const UpdateReplicasResponseSchema: GenMessage<UpdateReplicasResponse> = /*@__PURE__*/
-  messageDesc(file_rollmesh_loadbalancer_v1_loadbalancer, 10);
+  messageDesc(file_rollmesh_loadbalancer_v1_loadbalancer, 14);
 
 /**
  * Request of ListReplicas.
@@ -529,7 +665,7 @@ export type ListReplicasRequest = Message<"rollmesh.loadbalancer.v1.ListReplicas
  * Use `create(ListReplicasRequestSchema)` to create a new message.
  */
 export const ListReplicasRequestSchema: GenMessage<ListReplicasRequest> = /*@__PURE__*/
-  messageDesc(file_rollmesh_loadbalancer_v1_loadbalancer, 11);
+  messageDesc(file_rollmesh_loadbalancer_v1_loadbalancer, 15);
 
 /**
  * Response of ListReplicas.
@@ -558,7 +694,7 @@ export type ListReplicasResponse = Message<"rollmesh.loadbalancer.v1.ListReplica
  * Use `create(ListReplicasResponseSchema)` to create a new message.
  */
 export const ListReplicasResponseSchema: GenMessage<ListReplicasResponse> = /*@__PURE__*/
-  messageDesc(file_rollmesh_loadbalancer_v1_loadbalancer, 12);
+  messageDesc(file_rollmesh_loadbalancer_v1_loadbalancer, 16);
 
 /**
  * Request of ClearStickySessions.
@@ -579,7 +715,7 @@ export type ClearStickySessionsRequest = Message<"rollmesh.loadbalancer.v1.Clear
  * Use `create(ClearStickySessionsRequestSchema)` to create a new message.
  */
 export const ClearStickySessionsRequestSchema: GenMessage<ClearStickySessionsRequest> = /*@__PURE__*/
-  messageDesc(file_rollmesh_loadbalancer_v1_loadbalancer, 13);
+  messageDesc(file_rollmesh_loadbalancer_v1_loadbalancer, 17);
 
 /**
  * Response of ClearStickySessions.
@@ -600,7 +736,7 @@ export type ClearStickySessionsResponse = Message<"rollmesh.loadbalancer.v1.Clea
  * Use `create(ClearStickySessionsResponseSchema)` to create a new message.
  */
 export const ClearStickySessionsResponseSchema: GenMessage<ClearStickySessionsResponse> = /*@__PURE__*/
-  messageDesc(file_rollmesh_loadbalancer_v1_loadbalancer, 14);
+  messageDesc(file_rollmesh_loadbalancer_v1_loadbalancer, 18);
 
 /**
  * Request of Rebalance.
@@ -630,7 +766,7 @@ export type RebalanceRequest = Message<"rollmesh.loadbalancer.v1.RebalanceReques
  * Use `create(RebalanceRequestSchema)` to create a new message.
  */
 export const RebalanceRequestSchema: GenMessage<RebalanceRequest> = /*@__PURE__*/
-  messageDesc(file_rollmesh_loadbalancer_v1_loadbalancer, 15);
+  messageDesc(file_rollmesh_loadbalancer_v1_loadbalancer, 19);
 
 /**
  * In-flight counts of one replica around a rebalance.
@@ -665,7 +801,7 @@ export type ReplicaInFlight = Message<"rollmesh.loadbalancer.v1.ReplicaInFlight"
  * Use `create(ReplicaInFlightSchema)` to create a new message.
  */
 export const ReplicaInFlightSchema: GenMessage<ReplicaInFlight> = /*@__PURE__*/
-  messageDesc(file_rollmesh_loadbalancer_v1_loadbalancer, 16);
+  messageDesc(file_rollmesh_loadbalancer_v1_loadbalancer, 20);
 
 /**
  * Response of Rebalance.
@@ -693,7 +829,7 @@ export type RebalanceResponse = Message<"rollmesh.loadbalancer.v1.RebalanceRespo
  * Use `create(RebalanceResponseSchema)` to create a new message.
  */
 export const RebalanceResponseSchema: GenMessage<RebalanceResponse> = /*@__PURE__*/
-  messageDesc(file_rollmesh_loadbalancer_v1_loadbalancer, 17);
+  messageDesc(file_rollmesh_loadbalancer_v1_loadbalancer, 21);
 
 /**
  * Request of GetStats. It has no fields.
@@ -708,7 +844,7 @@ export type GetStatsRequest = Message<"rollmesh.loadbalancer.v1.GetStatsRequest"
  * Use `create(GetStatsRequestSchema)` to create a new message.
  */
 export const GetStatsRequestSchema: GenMessage<GetStatsRequest> = /*@__PURE__*/
-  messageDesc(file_rollmesh_loadbalancer_v1_loadbalancer, 18);
+  messageDesc(file_rollmesh_loadbalancer_v1_loadbalancer, 22);
 
 /**
  * Response of GetStats.
@@ -729,14 +865,14 @@ export type GetStatsResponse = Message<"rollmesh.loadbalancer.v1.GetStatsRespons
  * Use `create(GetStatsResponseSchema)` to create a new message.
  */
 export const GetStatsResponseSchema: GenMessage<GetStatsResponse> = /*@__PURE__*/
-  messageDesc(file_rollmesh_loadbalancer_v1_loadbalancer, 19);
+  messageDesc(file_rollmesh_loadbalancer_v1_loadbalancer, 23);
 
 /**
  * LoadBalancerService routes generation requests to engine replicas and lets
  * the controller change the set of replicas it routes to.
  *
- * Capabilities (see ServerStatus.capabilities): "generate", "replicas",
- * "rebalance", "stats".
+ * Capabilities (see ServerStatus.capabilities): "generate",
+ * "generate_many" (GenerateMany), "replicas", "rebalance", "stats".
  *
  * Security: on a server with mutual TLS every caller presents a certificate
  * from the mesh's CA that names its role (spiffe://rollmesh/<role>/<name>);
@@ -796,6 +932,30 @@ export const LoadBalancerService: GenService<{
     methodKind: "server_streaming";
     input: typeof GenerateRequestSchema;
     output: typeof GenerateResponseSchema;
+  },
+  /**
+   * Carries many generations on one stream, for a client that sends many
+   * (a trainer's rollouts): no call per request. Each action of a
+   * GenerateManyRequest starts a generation exactly as Generate would (the
+   * same routing, retries, resumes, exactly-once record, final_only, and
+   * the same errors) or cancels one; each GenerateManyResponse carries the
+   * next messages of any of them, batched, each tagged with its request_id.
+   * A generation ends with its last message (finish_reason set) or with an
+   * error status of its own; the others go on. When the stream ends every
+   * generation still on it is cancelled, as a cancelled Generate call is.
+   * Capability: generate_many.
+   *
+   * Errors: per generation, in GenerateManyItem.error, those of Generate.
+   * The stream itself fails only as a transport error (UNAVAILABLE).
+   *
+   * Authorization: trainer-agent, client, operator.
+   *
+   * @generated from rpc rollmesh.loadbalancer.v1.LoadBalancerService.GenerateMany
+   */
+  generateMany: {
+    methodKind: "bidi_streaming";
+    input: typeof GenerateManyRequestSchema;
+    output: typeof GenerateManyResponseSchema;
   },
   /**
    * Adds replicas to the routing table. Adding a replica that is already
