@@ -25,24 +25,23 @@ import time
 import grpc
 
 from rollmesh.common.v1 import generation_pb2
-from rollmesh.loadbalancer.v1 import loadbalancer_pb2, loadbalancer_pb2_grpc
+from rollmesh.loadbalancer.v1 import loadbalancer_pb2
 from trainer_agent.published_weights import publish
 from trainer_agent.training import task
 from trainer_agent.training.grpo import GrpoConfig, GrpoTrainer, Sample
 from trainer_client import Counters, MeshClient
 
 
-async def collect(lb, prompts, group_size: int, step: int) -> list[list[Sample]]:
-    """One group of ``group_size`` completions per prompt, from the load balancer."""
+async def collect(mesh: MeshClient, lb: grpc.aio.Channel, prompts, group_size: int, step: int) -> list[list[Sample]]:
+    """One group of ``group_size`` completions per prompt, from the load balancer (each its result only, all
+    of them on one GenerateMany stream: MeshClient.generate)."""
     async def one(prompt: list[int], request_id: str) -> Sample:
         request = loadbalancer_pb2.GenerateRequest(
             request_id=request_id, prompt_token_ids=prompt,
             sampling_params=generation_pb2.SamplingParams(max_tokens=task.max_completion_tokens(prompt),
                                                           logprobs=True))
-        tokens, logprobs = [], []
-        async for chunk in lb.Generate(request, timeout=60):
-            tokens += chunk.token_ids
-            logprobs += chunk.logprobs
+        final = await mesh.generate(lb, request, timeout_s=60)
+        tokens, logprobs = list(final.token_ids), list(final.logprobs)
         return Sample(prompt, tokens, logprobs, reward=task.reward(prompt, tokens))
 
     groups = []
@@ -67,14 +66,13 @@ async def main() -> None:
     trainer = GrpoTrainer(model, GrpoConfig(lr=3e-3))
     prompts_per_step, group_size = 4, 4
     counters = Counters(required_samples=prompts_per_step, trigger_parameter_sync_step=1)
-    async with MeshClient(args.controller) as mesh, grpc.aio.insecure_channel(args.lb) as channel:
-        lb = loadbalancer_pb2_grpc.LoadBalancerServiceStub(channel)
+    async with MeshClient(args.controller) as mesh, grpc.aio.insecure_channel(args.lb) as lb:
         for step in range(1, args.steps + 1):
             begin = await mesh.begin_step(step, counters)
             if begin.deactivate:   # nothing is buffered here: samples are collected on demand
                 await mesh.release_hybrids(step, buffered_samples=0, waited_s=0.0, wait_expired=False)
             started = time.perf_counter()
-            groups = await collect(lb, task.make_prompts(prompts_per_step, seed=step), group_size, step)
+            groups = await collect(mesh, lb, task.make_prompts(prompts_per_step, seed=step), group_size, step)
             result = await asyncio.to_thread(trainer.step, groups)
             counters.generated_samples += prompts_per_step
             counters.consumed_samples = prompts_per_step

@@ -45,8 +45,9 @@ class ReplicaAgentConfig(ServerConfig):
     backend: Literal["torch", "vllm", "sglang", "synthetic"] = setting(
         "torch", help="engine backend: torch (default), vllm (GPU only), sglang (an SGLang server this agent "
                       "launches, or attaches to with engine_options.url), synthetic (benchmarks only)")
-    model: str = setting("tiny-llama", path="existing", help="model: a built-in preset name (torch: tiny-llama, tiny-qwen2) or "
-                                            "a local Hugging Face directory (config.json + safetensors)")
+    model: str = setting("tiny-llama", path="existing",
+                         help="model: a built-in preset name (torch: tiny-llama, tiny-qwen2) or a local Hugging Face "
+                              "directory (config.json + safetensors)")
     model_seed: int = setting(0, help="initialisation seed of a preset model (same seed = same weights)")
     stream_interval: int = setting(256, help="most tokens per streamed Generate chunk (a request can ask for "
                                              "fewer)")

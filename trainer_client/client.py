@@ -15,12 +15,13 @@ from google.protobuf import duration_pb2
 from mesh_runtime import samples
 from mesh_runtime.channels import open_balancer_channel, open_channel, read_methods
 from mesh_runtime.discovery import open_discovered_balancers
+from mesh_runtime.generate_many import BalancerGenerations
 from mesh_runtime.retry import retry_after, retry_same
 from mesh_runtime.tls import TlsConfig
 from rollmesh.controller.v1 import events_pb2
 from rollmesh.controller.v1 import controller_pb2, controller_pb2_grpc, observability_pb2, scaling_pb2
 from rollmesh.controller.v1 import registry_pb2, scheduling_pb2
-from rollmesh.loadbalancer.v1 import loadbalancer_pb2, loadbalancer_pb2_grpc
+from rollmesh.loadbalancer.v1 import loadbalancer_pb2
 
 T = TypeVar("T")
 
@@ -135,6 +136,7 @@ class MeshClient:
         self._retry_deadline = retry_deadline_s
         self._sync_timeout = sync_timeout_s
         self._metadata = tuple(metadata)
+        self._generations: dict[int, tuple[grpc.aio.Channel, BalancerGenerations]] = {}
 
     async def __aenter__(self) -> MeshClient:
         return self
@@ -143,6 +145,11 @@ class MeshClient:
         await self.close()
 
     async def close(self) -> None:
+        """Close the controller channel and the generation streams (not the channels given to
+        :meth:`generate`)."""
+        for _, generations in self._generations.values():
+            await generations.close()
+        self._generations.clear()
         await self._channel.close()
 
     async def _retried(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
@@ -209,15 +216,19 @@ class MeshClient:
 
     async def generate(self, channel: grpc.aio.Channel, request: loadbalancer_pb2.GenerateRequest, *,
                        timeout_s: float | None = None) -> loadbalancer_pb2.GenerateResponse:
-        """One completion through ``channel`` (from :meth:`generation_channel`): its final message only
-        (``final_only``: no token chunks cross the wire, ``token_ids`` holds every generated token). The
-        balancer retries and resumes as usual; gRPC errors propagate as :class:`grpc.aio.AioRpcError`."""
+        """One completion through ``channel`` (from :meth:`generation_channel`, or any channel to a balancer):
+        its final message only (``final_only``: no token chunks cross the wire, ``token_ids`` holds every
+        generated token). Requests travel on the balancers' ``GenerateMany`` streams (one per balancer,
+        :class:`~mesh_runtime.generate_many.BalancerGenerations`), so many concurrent calls cost no call each.
+        The balancer retries and resumes as usual; gRPC errors propagate as :class:`grpc.aio.AioRpcError`."""
         sent = loadbalancer_pb2.GenerateRequest()
         sent.CopyFrom(request)   # the caller's message stays as it was
         sent.final_only = True
-        stub = loadbalancer_pb2_grpc.LoadBalancerServiceStub(channel)
+        entry = self._generations.get(id(channel))
+        if entry is None or entry[0] is not channel:
+            entry = self._generations[id(channel)] = (channel, BalancerGenerations(channel, metadata=self._metadata))
         final = None
-        async for message in stub.Generate(sent, timeout=timeout_s, metadata=self._metadata):
+        async for message in entry[1].call(sent, timeout_s=timeout_s):
             final = message
         if final is None:
             raise StepProtocolError(f"Generate({request.request_id[:64]!r}) ended without a result")
