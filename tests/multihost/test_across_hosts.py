@@ -14,6 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from launcher.job_config import JobConfig
+from mesh_runtime.config import resolve_paths
+
 from tests.multihost import netns
 from tests.processes import clean_env
 
@@ -29,7 +32,8 @@ CEILING = 5000   # total_training_steps; the job ends training (StopTraining) on
 
 
 def _job_config(path: Path, steps: int) -> Path:
-    config = yaml.safe_load((ROOT / "examples" / "quickstart.yaml").read_text())
+    examples = ROOT / "examples"   # its paths are relative to it: the copy keeps them pointing there
+    config = resolve_paths(JobConfig, yaml.safe_load((examples / "quickstart.yaml").read_text()), examples)
     config["rollout"] = {"nnodes": 2, "n_gpus_per_node": 1}          # two inference nodes, one replica each
     config["trainer"]["total_training_steps"] = steps
     config["mesh"] = {**config["mesh"], "lease_ttl_s": 4, "gloo_interface": "eth0"}
