@@ -286,7 +286,7 @@ async def grpc_load(lb_address: str | None, replicas, requests: int, concurrency
     generations = None
     if many and lb_address:
         generations = BalancerGenerations(channels[lb_address])
-        await generations._pool.check("")
+        await generations.check()
     left = list(range(requests))
     latencies: list[float] = []
     tokens = failures = 0

@@ -3,17 +3,14 @@
 
 from __future__ import annotations
 
-import dataclasses
 import tempfile
 from pathlib import Path
-
-import yaml
 
 from mesh_runtime.server import ServerSpec
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2_grpc
 
 from .config import LoadBalancerConfig
-from .service import DESCRIPTOR, LoadBalancerServicer, _own_name
+from .service import DESCRIPTOR, LoadBalancerServicer, own_name
 from .workers import serve_workers
 
 SPEC = ServerSpec(name="lb", config_class=LoadBalancerConfig, env_prefix="ROLLMESH_LB", descriptor=DESCRIPTOR,
@@ -27,11 +24,9 @@ create_server = SPEC.create
 
 async def serve(config: LoadBalancerConfig, env: dict[str, str]) -> None:
     """Serve until signalled: this process is the balancer, or with ``workers`` > 1 it supervises that many
-    balancer processes, each started from this effective config (written to a private file)."""
+    balancer processes, each started from its share of this effective config (written to private files)."""
     if config.workers == 1:
         await SPEC.serve(config, env)
         return
     with tempfile.TemporaryDirectory(prefix="rollmesh-lb-") as tmp:
-        path = Path(tmp) / "lb.yaml"
-        path.write_text(yaml.safe_dump(dataclasses.asdict(config)))
-        await serve_workers(config, str(path), env, config.balancer_id or _own_name(config))
+        await serve_workers(config, Path(tmp), env, config.balancer_id or own_name(config))

@@ -46,7 +46,7 @@ def build_balancer(config: LoadBalancerConfig, tracer_provider: TracerProvider |
                     **kwargs)
 
 
-def _own_name(config: LoadBalancerConfig) -> str:
+def own_name(config: LoadBalancerConfig) -> str:
     """The name this balancer's certificate gives it (spiffe://rollmesh/lb/NAME); empty without mutual TLS."""
     from mesh_runtime.identity import identity_from_pem  # noqa: PLC0415
 
@@ -88,7 +88,7 @@ class LoadBalancerServicer(loadbalancer_pb2_grpc.LoadBalancerServiceServicer):
             address = config.advertise_address or server.address
             channel = open_channel(config.controller_address, tls=config.tls)
             server.add_cleanup(channel.close)
-            self.link = link = BalancerLink(channel, balancer_id=config.balancer_id or _own_name(config) or address,
+            self.link = link = BalancerLink(channel, balancer_id=config.balancer_id or own_name(config) or address,
                                      address=address, version=__version__)
             server.add_cleanup(link.deregister)   # cleanups run in reverse: before the channel closes
             server.spawn(link.run(), name="controller-link")

@@ -5,27 +5,30 @@ records), so they scale as separate hosts' balancers do: each one registers
 with the controller under its own id and address, the controller fills its
 table, and clients spread requests over the registered set by the consistent
 hash of ``request_id`` they already use. This process only supervises: it
-starts worker ``i`` as ``rollmesh lb`` with the same config file and, through
-``ROLLMESH_LB__*`` overrides, ``workers: 1``, port + i of ``listen`` (and of
-``advertise_address``, ``metrics_listen``, ``health_listen`` when they are
-set; port 0 stays 0), and ``balancer_id`` ``<id>-w<i>``; relays their output;
-starts a worker again when it dies (at most once a second); and on SIGTERM or
-SIGINT passes the signal on and waits for all of them.
+starts worker ``i`` as ``rollmesh lb`` from a config file of its own
+(:func:`worker_config`: the effective config with ``workers: 1``, port + i of
+``listen`` and of ``advertise_address``, ``metrics_listen``, ``health_listen``
+when they are set, port 0 staying 0, and ``balancer_id`` ``<id>-w<i>``);
+relays their output; starts a worker again when it dies (at most once a
+second); and on SIGTERM or SIGINT passes the signal on and waits for all of
+them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
+import dataclasses
 import signal
 import sys
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 from mesh_runtime.config import ConfigError
 from mesh_runtime.net import parse_host_port
 
-log = logging.getLogger(__name__)
 RESTART_DELAY_S = 1.0
 
 
@@ -38,15 +41,13 @@ def shifted(address: str, offset: int) -> str:
     return f"{host}:{port + offset if port else 0}"
 
 
-def worker_overrides(config: Any, index: int, base_id: str) -> dict[str, str]:
-    """The ``ROLLMESH_LB__*`` variables that make worker ``index`` of ``config``."""
-    values = {"WORKERS": "1", "LISTEN": shifted(config.listen, index),
-              "BALANCER_ID": f"{base_id}-w{index}" if base_id else "",
-              "ADVERTISE_ADDRESS": shifted(config.advertise_address, index),
-              "METRICS_LISTEN": shifted(config.metrics_listen, index),
-              "HEALTH_LISTEN": shifted(config.health_listen, index),
-              "INSECURE": "true" if config.insecure else "false"}
-    return {f"ROLLMESH_LB__{key}": value for key, value in values.items()}
+def worker_config(config: Any, index: int, base_id: str) -> Any:
+    """The config of worker ``index`` of ``config`` (see the module docstring)."""
+    return dataclasses.replace(
+        config, workers=1, listen=shifted(config.listen, index),
+        balancer_id=f"{base_id}-w{index}" if base_id else "",
+        advertise_address=shifted(config.advertise_address, index),
+        metrics_listen=shifted(config.metrics_listen, index), health_listen=shifted(config.health_listen, index))
 
 
 def check_workers(config: Any) -> None:
@@ -60,30 +61,29 @@ def check_workers(config: Any) -> None:
         raise ConfigError("advertise_address", "needs a port with several workers (worker i advertises port + i)")
 
 
-async def serve_workers(config: Any, config_path: str | None, env: dict[str, str], base_id: str) -> None:
-    """Run ``config.workers`` balancer processes until signalled (see the module docstring)."""
+async def serve_workers(config: Any, directory: Path, env: dict[str, str], base_id: str) -> None:
+    """Run ``config.workers`` balancer processes, their config files in ``directory``, until signalled."""
+    child_env = {k: v for k, v in env.items() if not k.startswith("ROLLMESH_LB__")}   # the files say it all
+    paths = []
+    for index in range(config.workers):
+        paths.append(directory / f"lb-w{index}.yaml")
+        paths[-1].write_text(yaml.safe_dump(dataclasses.asdict(worker_config(config, index, base_id))))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    workers = [asyncio.ensure_future(_supervise(i, config, config_path, env, base_id, stop))
-               for i in range(config.workers)]
     try:
-        await asyncio.gather(*workers)
+        await asyncio.gather(*(_supervise(i, path, child_env, stop) for i, path in enumerate(paths)))
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(Exception):
                 loop.remove_signal_handler(sig)
 
 
-async def _supervise(index: int, config: Any, config_path: str | None, env: dict[str, str], base_id: str,
-                     stop: asyncio.Event) -> None:
-    command = [sys.executable, "-m", "mesh_runtime.cli", "lb", *(["--config", config_path] if config_path else [])]
-    child_env = {k: v for k, v in env.items() if not k.startswith("ROLLMESH_LB__")}
-    child_env.update({k: v for k, v in env.items() if k.startswith("ROLLMESH_LB__")})
-    child_env.update(worker_overrides(config, index, base_id))
+async def _supervise(index: int, path: Path, env: dict[str, str], stop: asyncio.Event) -> None:
+    command = [sys.executable, "-m", "mesh_runtime.cli", "lb", "--config", str(path)]
     while not stop.is_set():
-        proc = await asyncio.create_subprocess_exec(*command, env=child_env, stdout=asyncio.subprocess.PIPE,
+        proc = await asyncio.create_subprocess_exec(*command, env=env, stdout=asyncio.subprocess.PIPE,
                                                     stderr=asyncio.subprocess.STDOUT)
         relay = asyncio.ensure_future(_relay(proc))
         stopping = asyncio.ensure_future(stop.wait())

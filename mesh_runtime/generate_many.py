@@ -62,6 +62,11 @@ class BalancerGenerations:
             return self._stub.Generate(request, timeout=timeout_s, metadata=metadata or None)
         return self._pool.generate(address, request, timeout_s, dict(trace), generate_call)
 
+    async def check(self, address: str = "") -> bool:
+        """Probe the balancer at ``address`` (of the ring; ``""`` for a single balancer's channel) now and say
+        whether its generations go on a stream."""
+        return await self._pool.check(address)
+
     async def close(self) -> None:
         """Close the streams (not the channel)."""
         await self._pool.close()

@@ -39,10 +39,11 @@ def create_tracer_provider(service_name: str, env: Mapping[str, str],
 
     enabled = env.get("OTEL_SDK_DISABLED", "").lower() != "true"
     exporting = enabled and (any(env.get(v) for v in ENDPOINT_VARIABLES) or bool(env.get(SINK_VARIABLE)))
-    # A process that exports nothing starts no trace of its own: its root spans are not recorded (nor, by
-    # the parent-based rule, anything under them downstream), so the data path pays no span per request when
-    # tracing is off. A caller's sampled context is still followed, and OTEL_TRACES_SAMPLER (e.g.
-    # parentbased_traceidratio with OTEL_TRACES_SAMPLER_ARG) overrides both defaults.
+    # A process that exports nothing starts no trace of its own: its root spans are not sampled (nor, by the
+    # parent-based rule, anything under them downstream), and with ``rollmesh_exports`` False below it makes
+    # no span at all (rpc_tracing.exports), so the data path pays nothing for tracing that is off. A caller's
+    # trace context still passes through to the processes it calls. OTEL_TRACES_SAMPLER (e.g.
+    # parentbased_traceidratio with OTEL_TRACES_SAMPLER_ARG) overrides the sampler.
     sampler = None if exporting or extra_processors or env.get("OTEL_TRACES_SAMPLER") else ParentBased(ALWAYS_OFF)
     provider = TracerProvider(sampler=sampler, resource=Resource.create({
         "service.name": service_name, "service.version": __version__,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 
-from .types import FinishReason, GenerationChunk, TokenSegment, Usage
+from .types import FinishReason, GenerationChunk, GenerationRequest, TokenSegment, Usage
 
 DEFAULT_FLUSH_INTERVAL_S = 0.2
 """Engines' default ``flush_interval_s``: at 50-200 tokens/s per request a chunk carries 10-40 tokens."""
@@ -53,6 +53,15 @@ class ChunkBuffer:
         self.pending_logprobs: list[float] = []
         self.pending_version: int | None = None
         self.pending_since = 0.0
+
+    @classmethod
+    def for_request(cls, request: GenerationRequest, *, stream_interval: int, flush_interval_s: float | None,
+                    replica_id: str, node_id: str) -> ChunkBuffer:
+        """The buffer of ``request``: its own ``stream_interval`` and ``flush_interval_s`` where it sets them,
+        else the engine's (the two keyword arguments)."""
+        return cls(request.request_id, stream_interval=request.stream_interval or stream_interval,
+                   flush_interval_s=flush_interval_s if request.flush_interval_s is None else request.flush_interval_s,
+                   replica_id=replica_id, node_id=node_id)
 
     def add(self, token_ids: list[int], logprobs: list[float], version: int, now: float) -> None:
         """Record new tokens (``logprobs`` aligned with them, or empty when not requested)."""

@@ -206,9 +206,9 @@ class SteppedEngine(LifecycleFlags, Engine):
         enders = frozenset(sampling.stop_token_ids)
         if not sampling.ignore_eos:
             enders |= self._eos_token_ids()
-        flush_s = request.flush_interval_s if request.flush_interval_s is not None else self.flush_interval_s
-        out = ChunkBuffer(request.request_id, stream_interval=request.stream_interval or self.stream_interval,
-                          flush_interval_s=flush_s, replica_id=self.replica_id, node_id=self.node_id)
+        out = ChunkBuffer.for_request(request, stream_interval=self.stream_interval,
+                                      flush_interval_s=self.flush_interval_s, replica_id=self.replica_id,
+                                      node_id=self.node_id)
         active = ActiveRequest(_private_copy(request), seed, self._clock(), out, enders)
         self._requests[request.request_id] = active
         self._waiting.append(active)

@@ -106,9 +106,8 @@ class RequestStream:
         self.prefix = request.resumed_token_ids()
         self.budget = request.sampling.max_tokens - len(self.prefix)
         """Tokens this engine may still add (``max_tokens`` minus the resumed prefix)."""
-        self.out = ChunkBuffer(request.request_id, stream_interval=stream_interval,
-                               flush_interval_s=request.flush_interval_s if request.flush_interval_s is not None
-                               else flush_interval_s, replica_id=replica_id, node_id=node_id)
+        self.out = ChunkBuffer.for_request(request, stream_interval=stream_interval,   # the engine's defaults
+                                           flush_interval_s=flush_interval_s, replica_id=replica_id, node_id=node_id)
         self.queue = self.out.queue
         """The chunks (or one exception) of this request."""
         self._clock = clock

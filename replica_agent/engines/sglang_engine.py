@@ -183,7 +183,7 @@ class SglangEngine(RemoteStreams, LifecycleFlags, Engine):
         previous = self._requests.get(request.request_id)
         if previous is not None and not previous.done.is_set():
             raise DuplicateRequest(f"request {request.request_id} is already in flight")
-        stream = RequestStream(request, stream_interval=request.stream_interval or self.config.stream_interval,
+        stream = RequestStream(request, stream_interval=self.config.stream_interval,
                                flush_interval_s=self.config.flush_interval_s, replica_id=self.replica_id,
                                node_id=self.node_id, clock=self._clock,
                                metrics=self._metrics)

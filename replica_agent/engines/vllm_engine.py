@@ -252,7 +252,7 @@ class VllmEngine(RemoteStreams, LifecycleFlags, Engine):
             raise DuplicateRequest(f"request {request.request_id} is already in flight")
         stream = RequestStream(
             request,
-            stream_interval=request.stream_interval or self.config.stream_interval,
+            stream_interval=self.config.stream_interval,
             flush_interval_s=self.config.flush_interval_s,
             replica_id=self.replica_id,
             node_id=self.node_id,

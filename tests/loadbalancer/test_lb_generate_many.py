@@ -36,7 +36,7 @@ async def client(mesh):  # noqa: F811
         stub, fake, address = await mesh(modes, **kw)
         channel = grpc.aio.insecure_channel(stub.lb_address)
         generations = BalancerGenerations(channel)
-        assert await generations._pool.check("")   # the balancer lists generate_many
+        assert await generations.check()   # the balancer lists generate_many
         made.append((generations, channel))
         return generations, stub, fake
 
