@@ -48,6 +48,20 @@ Generations = Callable[[Any, float | None], AsyncIterator[Any]]
 """(a GenerateRequest, seconds it may take or None) -> the messages a ``Generate`` call would stream."""
 
 
+async def batches(queue: asyncio.Queue, end: object) -> AsyncIterator[list[Any]]:
+    """Everything put on ``queue`` since the last batch, as one list (one message on the stream), until
+    ``end`` is taken from it."""
+    while (first := await queue.get()) is not end:
+        batch = [first]
+        while not queue.empty():
+            item = queue.get_nowait()
+            if item is end:
+                yield batch
+                return
+            batch.append(item)
+        yield batch
+
+
 # ------------------------------------------------------------------------------------------------ serving
 
 class Multiplexer:
@@ -62,17 +76,7 @@ class Multiplexer:
     async def serve(self, requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
         reader = asyncio.ensure_future(self._read(requests))
         try:
-            while True:
-                first = await self._out.get()
-                if first is _END:
-                    return
-                items = [first]
-                while not self._out.empty():   # everything queued meanwhile goes in the same message
-                    item = self._out.get_nowait()
-                    if item is _END:
-                        yield self._response(items=items)
-                        return
-                    items.append(item)
+            async for items in batches(self._out, _END):
                 yield self._response(items=items)
         finally:
             reader.cancel()
@@ -259,16 +263,7 @@ class SharedStream:
         self._reader = asyncio.ensure_future(self._read())
 
     async def _requests(self) -> AsyncIterator[Any]:
-        """Everything queued since the last message, in one message."""
-        queue = self._outgoing
-        while (first := await queue.get()) is not None:
-            actions = [first]
-            while not queue.empty():
-                action = queue.get_nowait()
-                if action is None:
-                    yield self._request(actions=actions)
-                    return
-                actions.append(action)
+        async for actions in batches(self._outgoing, None):
             yield self._request(actions=actions)
 
     def start(self, request: Any, timeout_s: float | None, trace_context: dict[str, str],
