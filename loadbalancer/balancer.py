@@ -36,6 +36,7 @@ from mesh_runtime.generation import check_generation, check_streaming
 from mesh_runtime.metrics import ServerMetrics
 from mesh_runtime.reasons import Reason
 from mesh_runtime.retry import retry_elsewhere
+from mesh_runtime.validate import check_session_id
 from rollmesh.common.v1 import generation_pb2
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2, routing_pb2
 from rollmesh.replica.v1 import replica_agent_pb2
@@ -99,6 +100,7 @@ class Balancer:
         check_generation(request.request_id, request.prompt_token_ids, request.sampling_params,
                          request.resume_segments)
         check_streaming(request)
+        check_session_id(request.session_id, "session_id", required=False)
         if request.request_id in self._running:
             raise AlreadyExists(f"request {request.request_id!r} is already in flight", reason=Reason.REQUEST_IN_FLIGHT)
         record = self.completed.get(request.request_id)
@@ -228,7 +230,7 @@ class Balancer:
         msg = replica_agent_pb2.GenerateRequest(
             replica_id=ticket.route.replica_id, request_id=run.request_id,
             prompt_token_ids=request.prompt_token_ids, sampling_params=request.sampling_params,
-            resume_segments=run.segments)
+            resume_segments=run.segments, session_id=request.session_id)
         if request.HasField("stream_interval"):
             msg.stream_interval = request.stream_interval
         if request.HasField("flush_interval"):
@@ -434,6 +436,16 @@ class Balancer:
         raise RetryAttempt(f"{route.replica_id}: {record.reason}", backoff=True, refused=refused)
 
     # --------------------------------------------------------------- control
+    async def close_session(self, session_id: str) -> tuple[str, bool]:
+        """End a session: drop its pin and tell its replica (``(replica_id, released)``; ``("", False)`` when
+        it was pinned to no routed replica)."""
+        check_session_id(session_id, "session_id")
+        replica_id = self.table.drop_session(session_id)
+        route = self.table.routes.get(replica_id or "")
+        if route is None:
+            return "", False
+        return route.replica_id, await self.upstreams.close_session(route, session_id)
+
     async def remove(self, replica_ids: list[str], abort_in_flight: bool) -> tuple[list[str], int, list[str]]:
         removed, dropped = self.table.remove(replica_ids)
         in_flight: list[str] = []

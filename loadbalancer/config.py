@@ -7,7 +7,7 @@ from typing import Literal
 
 from mesh_runtime.config import ConfigError, ServerConfig, check_addresses, setting
 from mesh_runtime.errors import InvalidArgument
-from mesh_runtime.net import AddressError, is_wildcard, parse_host_port
+from mesh_runtime.net import AddressError, is_loopback, is_wildcard, parse_host_port
 from mesh_runtime.validate import check_id
 
 from .workers import check_workers
@@ -105,6 +105,24 @@ class LoadBalancerConfig(ServerConfig):
     completed_cache_ttl_s: float = setting(600.0, help="completed-request records older than this are dropped; a "
                                                        "repeat after that is generated again")
     metrics_listen: str = setting("", help="HOST:PORT for a Prometheus /metrics endpoint; empty = off")
+    http_listen: str = setting("", help="HOST:PORT to serve the OpenAI-compatible HTTP API on (flag --http-listen): "
+                                        "/v1/models, /v1/completions, /v1/chat/completions, DELETE "
+                                        "/v1/sessions/ID; empty = off. Needs model; HTTPS with client "
+                                        "certificates when tls is set; off loopback without tls it needs "
+                                        "http_api_token")
+    model: str = setting("", path="existing", help="the model the replicas serve, for the HTTP API's tokenizer "
+                                                   "and chat template: its Hugging Face directory or a preset "
+                                                   "name (tiny-llama)")
+    served_model_name: str = setting("", help="the model's name in the HTTP API (/v1/models, the requests' "
+                                              "model field); empty = the preset name or the directory's name")
+    http_api_token: str = setting("", secret=True, help="bearer token every HTTP API call must present "
+                                                        "(Authorization: Bearer TOKEN); empty = none (then "
+                                                        "only allowed on loopback or with tls)")
+    http_plaintext: bool = setting(False, help="serve the HTTP API as plain HTTP even though tls is set (gRPC "
+                                               "stays mutual TLS), for clients without certificates: on "
+                                               "loopback, or elsewhere with http_api_token")
+    http_max_in_flight: int = setting(4096, help="generations the HTTP API runs at once; more are refused with "
+                                                 "429 and Retry-After")
     workers: int = setting(1, help="balancer processes on this host (flag --workers): each registers with the "
                                    "controller as <balancer_id>-w<i> on port + i of listen (and of "
                                    "advertise_address, metrics_listen, health_listen), and clients spread "
@@ -130,7 +148,9 @@ class LoadBalancerConfig(ServerConfig):
                 raise ConfigError(key, f"must be > 0, got {getattr(self, key)}")
         if self.abort_grace_s < 0:
             raise ConfigError("abort_grace_s", f"must be >= 0, got {self.abort_grace_s}")
-        check_addresses(self, "advertise_address", listen_keys=("metrics_listen",), list_keys=("controller_address",))
+        check_addresses(self, "advertise_address", listen_keys=("metrics_listen", "http_listen"),
+                        list_keys=("controller_address",))
+        self._check_http()
         check_workers(self)
         if self.advertise_address and is_wildcard(parse_host_port(self.advertise_address)[0]):
             raise ConfigError("advertise_address", f"{self.advertise_address[:64]!r} is an address to listen on, "
@@ -145,3 +165,17 @@ class LoadBalancerConfig(ServerConfig):
                 check_id(self.balancer_id, "balancer_id")
             except InvalidArgument as err:
                 raise ConfigError("balancer_id", err.message) from None
+
+    def _check_http(self) -> None:
+        if self.http_max_in_flight < 1:
+            raise ConfigError("http_max_in_flight", f"must be >= 1, got {self.http_max_in_flight}")
+        if not self.http_listen:
+            return
+        if not self.model:
+            raise ConfigError("model", "required with http_listen: the HTTP API tokenizes with the served model's "
+                                       "tokenizer (give its directory or preset name)")
+        plaintext = self.tls is None or self.http_plaintext
+        if plaintext and not self.http_api_token and not is_loopback(parse_host_port(self.http_listen)[0]):
+            raise ConfigError("http_api_token", f"http_listen {self.http_listen[:64]} is not a loopback address: "
+                                                "give tls (HTTPS with client certificates, http_plaintext off) or "
+                                                "an http_api_token")

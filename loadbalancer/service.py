@@ -25,6 +25,7 @@ from .upstreams import Upstreams
 
 if TYPE_CHECKING:
     from .controller_link import BalancerLink
+    from .openai_front import OpenAIFront
 
 log = logging.getLogger(__name__)
 DESCRIPTOR = pb.DESCRIPTOR.services_by_name["LoadBalancerService"]
@@ -72,13 +73,28 @@ class LoadBalancerServicer(loadbalancer_pb2_grpc.LoadBalancerServiceServicer):
             [not self.table.unroutable_reason(r, self.table.version_floor(None)) for r in self.table.routes.values()],
             self.table.sticky_sessions))
         self.status = StatusReporter(config, ["status", "generate", "generate_many", "replicas", "rebalance",
-                                                      "stats"])
+                                                      "stats", "sessions"])
         self._rebalances: OrderedDict[str, pb.RebalanceResponse] = OrderedDict()
+        self.http: OpenAIFront | None = None
+        """The OpenAI-compatible HTTP API (``http_listen``), once started."""
         self.link: BalancerLink | None = None
         """The registration with the controller (``controller_address``), once attached."""
 
     async def attach(self, server) -> None:
         server.add_cleanup(self.balancer.upstreams.close)
+        if self.config.http_listen:
+            from mesh_runtime.chat import ChatError, ChatTokenizer  # noqa: PLC0415
+            from mesh_runtime.config import ConfigError  # noqa: PLC0415
+
+            from .openai_front import OpenAIFront  # noqa: PLC0415 - aiohttp only where the API is on
+
+            try:
+                tokenizer = ChatTokenizer.from_model(self.config.model)
+            except ChatError as err:
+                raise ConfigError("model", str(err)) from None
+            self.http = OpenAIFront(self.config, self.balancer, tokenizer)
+            await self.http.start()
+            server.add_cleanup(self.http.close)
         if self.config.controller_address:
             from mesh_runtime.channels import open_channel  # noqa: PLC0415
 
@@ -164,6 +180,10 @@ class LoadBalancerServicer(loadbalancer_pb2_grpc.LoadBalancerServiceServicer):
 
     async def ClearStickySessions(self, request, context):  # noqa: N802
         return pb.ClearStickySessionsResponse(cleared_sessions=self.table.clear_sticky(request.replica_ids))
+
+    async def CloseSession(self, request, context):  # noqa: N802
+        replica_id, released = await self.balancer.close_session(request.session_id)
+        return pb.CloseSessionResponse(replica_id=replica_id, released=released)
 
     async def Rebalance(self, request, context):  # noqa: N802
         if request.request_id and request.request_id in self._rebalances:

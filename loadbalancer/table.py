@@ -315,6 +315,10 @@ class RoutingTable:
     def sticky_replica(self, session_id: str) -> str | None:
         return self._sticky.get(session_id)
 
+    def drop_session(self, session_id: str) -> str | None:
+        """Forget a session's pin; the replica it was pinned to, if any."""
+        return self._sticky.pop(session_id, None)
+
     def clear_sticky(self, replica_ids: Iterable[str] = ()) -> int:
         ids = set(replica_ids)
         doomed = [s for s, rid in self._sticky.items() if not ids or rid in ids]

@@ -74,6 +74,19 @@ class Upstreams:
             return []
         return list(reply.aborted_request_ids)
 
+    async def close_session(self, route: Route, session_id: str) -> bool:
+        """Tell the route's agent that a session ended; whether its engine released anything (a failure is
+        logged and counts as nothing released: the engine's own idle expiry still frees it)."""
+        try:
+            reply = await self.stub(route.address).CloseSession(
+                replica_agent_pb2.CloseSessionRequest(replica_id=route.replica_id, session_id=session_id),
+                timeout=self._call_timeout_s)
+        except grpc.aio.AioRpcError as err:
+            log.warning("CloseSession of a session on %s failed: %s %s", route.replica_id, err.code().name,
+                        err.details())
+            return False
+        return reply.released
+
     async def close(self) -> None:
         if self._streams is not None:
             await self._streams.close()

@@ -7,7 +7,7 @@ table, and clients spread requests over the registered set by the consistent
 hash of ``request_id`` they already use. This process only supervises: it
 starts worker ``i`` as ``rollmesh lb`` from a config file of its own
 (:func:`worker_config`: the effective config with ``workers: 1``, port + i of
-``listen`` and of ``advertise_address``, ``metrics_listen``, ``health_listen``
+``listen`` and of ``advertise_address``, ``metrics_listen``, ``http_listen``, ``health_listen``
 when they are set, port 0 staying 0, and ``balancer_id`` ``<id>-w<i>``);
 relays their output; starts a worker again when it dies (at most once a
 second); and on SIGTERM or SIGINT passes the signal on and waits for all of
@@ -47,7 +47,8 @@ def worker_config(config: Any, index: int, base_id: str) -> Any:
         config, workers=1, listen=shifted(config.listen, index),
         balancer_id=f"{base_id}-w{index}" if base_id else "",
         advertise_address=shifted(config.advertise_address, index),
-        metrics_listen=shifted(config.metrics_listen, index), health_listen=shifted(config.health_listen, index))
+        metrics_listen=shifted(config.metrics_listen, index), http_listen=shifted(config.http_listen, index),
+        health_listen=shifted(config.health_listen, index))
 
 
 def check_workers(config: Any) -> None:

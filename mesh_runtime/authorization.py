@@ -93,11 +93,12 @@ RULES: dict[str, dict[str, Rule]] = {
         "GenerateMany": _r("client", "trainer-agent", "operator"),
         "AddReplicas": FROM_CONTROLLER, "RemoveReplicas": FROM_CONTROLLER, "UpdateReplicas": FROM_CONTROLLER,
         "ClearStickySessions": FROM_CONTROLLER, "Rebalance": FROM_CONTROLLER,
+        "CloseSession": _r("client", "trainer-agent", "operator"),
     },
     REPLICA_SERVICE: {
         "GetStatus": READ, "ListReplicas": READ, "GetReplica": READ, "GetLoadReports": READ,
         "Generate": _r("lb"), "GenerateMany": _r("lb"),
-        "AbortRequests": _r("controller", "lb"),
+        "AbortRequests": _r("controller", "lb"), "CloseSession": _r("lb"),
         "LaunchReplica": FROM_CONTROLLER, "StopReplica": FROM_CONTROLLER, "PauseGeneration": FROM_CONTROLLER,
         "ResumeGeneration": FROM_CONTROLLER, "Sleep": FROM_CONTROLLER, "WakeUp": FROM_CONTROLLER,
         "ReceiveWeights": FROM_CONTROLLER,

@@ -56,6 +56,7 @@ class _Parser(argparse.ArgumentParser):
 KEY_FLAGS: dict[str, dict[str, tuple[str, str, str]]] = {
     "lb": {
         "--workers": ("workers", "N", "balancer processes on this host, each registered with the controller"),
+        "--http-listen": ("http_listen", "HOST:PORT", "serve the OpenAI-compatible HTTP API here (needs model)"),
     },
     "controller": {
         "--autoscaler-config": ("autoscaler_config", "FILE", "autoscaler YAML; the autoscaler is off without it"),

@@ -39,6 +39,16 @@ def check_id(value: str, field: str) -> None:
                               metadata={"field": field})
 
 
+SESSION_ID_MAX_LENGTH = 256
+
+
+def check_session_id(value: str, field: str, *, required: bool = True) -> None:
+    """A session id (any text): present where ``required``, at most 256 characters."""
+    if (required and not value) or len(value) > SESSION_ID_MAX_LENGTH:
+        raise InvalidArgument(f"{field} must be 1-{SESSION_ID_MAX_LENGTH} characters, got {quote(value)}",
+                              reason=Reason.INVALID_SESSION_ID, metadata={"field": field})
+
+
 def check_address(value: str, field: str) -> None:
     """``HOST:PORT`` with a port in 1..65535."""
     try:

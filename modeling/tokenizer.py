@@ -7,7 +7,8 @@ The presets' 256-token vocabulary is laid out as:
 - tab, newline and printable ASCII at their code points (``"A"`` is 65);
 - every other id an unused ``<extra_N>`` token.
 
-The chat template renders ``<|role|>content</s>`` per message and, with
+The chat template (:data:`mesh_runtime.chat.CHAT_TEMPLATE`, shared with the torch-free balancer) renders
+``<|role|>content</s>`` per message (tools and tool calls in the Hermes layout) and, with
 ``add_generation_prompt``, ends with ``<|assistant|>``. It is built with the
 ``tokenizers`` library and saved in the Hugging Face format
 (``tokenizer.json`` + ``tokenizer_config.json``) next to a saved preset, so
@@ -19,34 +20,18 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-VOCAB_SIZE = 256
-SPECIALS = ("<pad>", "</s>", "<sep>", "<unk>", "<s>", "<|system|>", "<|user|>", "<|assistant|>")
-CHAT_TEMPLATE = ("{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}</s>{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+from mesh_runtime.chat import CHAT_TEMPLATE, SPECIALS, VOCAB_SIZE, build_preset_core
 
-
-def _vocab() -> dict[str, int]:
-    vocab = {token: i for i, token in enumerate(SPECIALS)}
-    for code in (9, 10, *range(32, 127)):
-        vocab[chr(code)] = code
-    for i in range(VOCAB_SIZE):
-        if i not in vocab.values():
-            vocab[f"<extra_{i}>"] = i
-    return vocab
+__all__ = ["CHAT_TEMPLATE", "SPECIALS", "VOCAB_SIZE", "load_tokenizer", "preset_tokenizer", "save_preset_tokenizer"]
 
 
 @functools.cache
 def preset_tokenizer():
     """The presets' tokenizer (a ``transformers`` fast tokenizer; built once per process)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = _vocab()
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    core.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="</s>",
-                                        unk_token="<unk>", bos_token="<s>", sep_token="<sep>",
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=build_preset_core(with_specials=False), pad_token="<pad>",
+                                        eos_token="</s>", unk_token="<unk>", bos_token="<s>", sep_token="<sep>",
                                         additional_special_tokens=list(SPECIALS[5:]))
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer

@@ -305,6 +305,14 @@ class ReplicaManager:
                 aborted += await replica.engine.abort(None if request_ids is None else list(request_ids))
         return aborted
 
+    async def close_session(self, replica_id: str, session_id: str) -> bool:
+        """Tell one replica's engine that a session ended; whether it released anything."""
+        replica = self.get(replica_id)
+        if replica.state in ("STOPPED", "FAILED"):
+            return False
+        with engine_errors():
+            return await replica.engine.close_session(session_id)
+
     async def pause(self, replica_ids: Sequence[str], *, mode: PauseMode,
                     timeout_s: float | None) -> builtins.list[str]:
         """Pause replicas; returns the ids of requests aborted (``mode='abort'``)."""

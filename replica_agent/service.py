@@ -13,7 +13,7 @@ from mesh_runtime.multiplex import Multiplexer
 from mesh_runtime.reasons import Reason
 from mesh_runtime.server import ServiceBinding
 from mesh_runtime.status import StatusReporter
-from mesh_runtime.validate import check_engine_url, check_id, check_number
+from mesh_runtime.validate import check_engine_url, check_id, check_number, check_session_id
 from rollmesh.common.v1 import types_pb2
 from rollmesh.replica.v1 import replica_agent_pb2 as pb
 from rollmesh.replica.v1 import replica_agent_pb2_grpc, replica_pb2
@@ -131,6 +131,11 @@ class ReplicaAgentServicer(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
         ids = None if request.all else list(request.requests.request_ids)
         aborted = await self.replicas.abort(request.replica_id, ids)
         return pb.AbortRequestsResponse(aborted_request_ids=aborted)
+
+    async def CloseSession(self, request, context):  # noqa: N802
+        check_session_id(request.session_id, "session_id")
+        released = await self.replicas.close_session(request.replica_id, request.session_id)
+        return pb.CloseSessionResponse(released=released)
 
     async def PauseGeneration(self, request, context):  # noqa: N802
         if request.mode not in PAUSE_MODES:

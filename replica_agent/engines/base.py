@@ -51,6 +51,11 @@ class Engine(abc.ABC):
         ``EngineDead``; ``EngineDead`` also mid-stream if the loop fails.
         """
 
+    async def close_session(self, session_id: str) -> bool:
+        """The session ``session_id`` ended: release what was kept for its requests (a prefix or KV
+        cache). Returns whether anything was held. The default keeps nothing per session."""
+        return False
+
     @abc.abstractmethod
     async def abort(self, request_ids: list[str] | None = None) -> list[str]:
         """Abort the given requests (``None``: all) and return the ids that

@@ -178,6 +178,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BALANCER_NOT_FOUND: _ClassVar[ErrorReason]
     BALANCER_ADDRESS_TAKEN: _ClassVar[ErrorReason]
     NOT_YOUR_BALANCER: _ClassVar[ErrorReason]
+    INVALID_SESSION_ID: _ClassVar[ErrorReason]
 ERROR_REASON_UNSPECIFIED: ErrorReason
 INTERNAL: ErrorReason
 INVALID_ARGUMENT: ErrorReason
@@ -350,3 +351,4 @@ NOT_LEADER: ErrorReason
 BALANCER_NOT_FOUND: ErrorReason
 BALANCER_ADDRESS_TAKEN: ErrorReason
 NOT_YOUR_BALANCER: ErrorReason
+INVALID_SESSION_ID: ErrorReason

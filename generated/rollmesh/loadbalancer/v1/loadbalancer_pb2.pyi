@@ -245,3 +245,17 @@ class GetStatsResponse(_message.Message):
     STATS_FIELD_NUMBER: _ClassVar[int]
     stats: _routing_pb2.LoadBalancerStats
     def __init__(self, stats: _Optional[_Union[_routing_pb2.LoadBalancerStats, _Mapping]] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class CloseSessionResponse(_message.Message):
+    __slots__ = ("replica_id", "released")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    released: bool
+    def __init__(self, replica_id: _Optional[str] = ..., released: _Optional[bool] = ...) -> None: ...

@@ -30,7 +30,8 @@ class LoadBalancerServiceStub:
     the controller change the set of replicas it routes to.
 
     Capabilities (see ServerStatus.capabilities): "generate",
-    "generate_many" (GenerateMany), "replicas", "rebalance", "stats".
+    "generate_many" (GenerateMany), "replicas", "rebalance", "stats",
+    "sessions" (CloseSession).
 
     Security: on a server with mutual TLS every caller presents a certificate
     from the mesh's CA that names its role (spiffe://rollmesh/<role>/<name>);
@@ -91,6 +92,11 @@ class LoadBalancerServiceStub:
                 request_serializer=rollmesh_dot_loadbalancer_dot_v1_dot_loadbalancer__pb2.RebalanceRequest.SerializeToString,
                 response_deserializer=rollmesh_dot_loadbalancer_dot_v1_dot_loadbalancer__pb2.RebalanceResponse.FromString,
                 _registered_method=True)
+        self.CloseSession = channel.unary_unary(
+                '/rollmesh.loadbalancer.v1.LoadBalancerService/CloseSession',
+                request_serializer=rollmesh_dot_loadbalancer_dot_v1_dot_loadbalancer__pb2.CloseSessionRequest.SerializeToString,
+                response_deserializer=rollmesh_dot_loadbalancer_dot_v1_dot_loadbalancer__pb2.CloseSessionResponse.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/rollmesh.loadbalancer.v1.LoadBalancerService/GetStats',
                 request_serializer=rollmesh_dot_loadbalancer_dot_v1_dot_loadbalancer__pb2.GetStatsRequest.SerializeToString,
@@ -103,7 +109,8 @@ class LoadBalancerServiceServicer:
     the controller change the set of replicas it routes to.
 
     Capabilities (see ServerStatus.capabilities): "generate",
-    "generate_many" (GenerateMany), "replicas", "rebalance", "stats".
+    "generate_many" (GenerateMany), "replicas", "rebalance", "stats",
+    "sessions" (CloseSession).
 
     Security: on a server with mutual TLS every caller presents a certificate
     from the mesh's CA that names its role (spiffe://rollmesh/<role>/<name>);
@@ -265,6 +272,22 @@ class LoadBalancerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CloseSession(self, request, context):
+        """Ends a session (an agentic trajectory, a chat): drops its sticky pin
+        and tells the replica it was pinned to, whose engine releases what it
+        kept for the session (a prefix or KV cache); engines without one ignore
+        it. Closing an unknown or already closed session changes nothing.
+        Capability: sessions.
+
+        Errors:
+        - INVALID_ARGUMENT: session_id is empty or longer than 256 characters.
+
+        Authorization: trainer-agent, client, operator.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStats(self, request, context):
         """Returns the balancer's counters. Capability: stats.
 
@@ -324,6 +347,11 @@ def add_LoadBalancerServiceServicer_to_server(servicer, server):
                     request_deserializer=rollmesh_dot_loadbalancer_dot_v1_dot_loadbalancer__pb2.RebalanceRequest.FromString,
                     response_serializer=rollmesh_dot_loadbalancer_dot_v1_dot_loadbalancer__pb2.RebalanceResponse.SerializeToString,
             ),
+            'CloseSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseSession,
+                    request_deserializer=rollmesh_dot_loadbalancer_dot_v1_dot_loadbalancer__pb2.CloseSessionRequest.FromString,
+                    response_serializer=rollmesh_dot_loadbalancer_dot_v1_dot_loadbalancer__pb2.CloseSessionResponse.SerializeToString,
+            ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
                     request_deserializer=rollmesh_dot_loadbalancer_dot_v1_dot_loadbalancer__pb2.GetStatsRequest.FromString,
@@ -342,7 +370,8 @@ class LoadBalancerService:
     the controller change the set of replicas it routes to.
 
     Capabilities (see ServerStatus.capabilities): "generate",
-    "generate_many" (GenerateMany), "replicas", "rebalance", "stats".
+    "generate_many" (GenerateMany), "replicas", "rebalance", "stats",
+    "sessions" (CloseSession).
 
     Security: on a server with mutual TLS every caller presents a certificate
     from the mesh's CA that names its role (spiffe://rollmesh/<role>/<name>);
@@ -585,6 +614,33 @@ class LoadBalancerService:
             '/rollmesh.loadbalancer.v1.LoadBalancerService/Rebalance',
             rollmesh_dot_loadbalancer_dot_v1_dot_loadbalancer__pb2.RebalanceRequest.SerializeToString,
             rollmesh_dot_loadbalancer_dot_v1_dot_loadbalancer__pb2.RebalanceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollmesh.loadbalancer.v1.LoadBalancerService/CloseSession',
+            rollmesh_dot_loadbalancer_dot_v1_dot_loadbalancer__pb2.CloseSessionRequest.SerializeToString,
+            rollmesh_dot_loadbalancer_dot_v1_dot_loadbalancer__pb2.CloseSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

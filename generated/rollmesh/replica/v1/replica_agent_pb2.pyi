@@ -114,7 +114,7 @@ class GetReplicaResponse(_message.Message):
     def __init__(self, replica: _Optional[_Union[_replica_pb2.Replica, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("replica_id", "request_id", "prompt_token_ids", "sampling_params", "resume_segments", "stream_interval", "flush_interval")
+    __slots__ = ("replica_id", "request_id", "prompt_token_ids", "sampling_params", "resume_segments", "stream_interval", "flush_interval", "session_id")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +122,7 @@ class GenerateRequest(_message.Message):
     RESUME_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     FLUSH_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -129,7 +130,8 @@ class GenerateRequest(_message.Message):
     resume_segments: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenSegment]
     stream_interval: int
     flush_interval: _duration_pb2.Duration
-    def __init__(self, replica_id: _Optional[str] = ..., request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., resume_segments: _Optional[_Iterable[_Union[_generation_pb2.TokenSegment, _Mapping]]] = ..., stream_interval: _Optional[int] = ..., flush_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    session_id: str
+    def __init__(self, replica_id: _Optional[str] = ..., request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., resume_segments: _Optional[_Iterable[_Union[_generation_pb2.TokenSegment, _Mapping]]] = ..., stream_interval: _Optional[int] = ..., flush_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "logprobs", "weight_version", "finish_reason", "usage", "segments")
@@ -319,3 +321,17 @@ class GetLoadReportsResponse(_message.Message):
     REPORTS_FIELD_NUMBER: _ClassVar[int]
     reports: _containers.RepeatedCompositeFieldContainer[_load_pb2.LoadReport]
     def __init__(self, reports: _Optional[_Iterable[_Union[_load_pb2.LoadReport, _Mapping]]] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("replica_id", "session_id")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    session_id: str
+    def __init__(self, replica_id: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
+
+class CloseSessionResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...

@@ -89,6 +89,11 @@ class ReplicaAgentServiceStub:
                 request_serializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.AbortRequestsRequest.SerializeToString,
                 response_deserializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.AbortRequestsResponse.FromString,
                 _registered_method=True)
+        self.CloseSession = channel.unary_unary(
+                '/rollmesh.replica.v1.ReplicaAgentService/CloseSession',
+                request_serializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.CloseSessionRequest.SerializeToString,
+                response_deserializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.CloseSessionResponse.FromString,
+                _registered_method=True)
         self.PauseGeneration = channel.unary_unary(
                 '/rollmesh.replica.v1.ReplicaAgentService/PauseGeneration',
                 request_serializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.PauseGenerationRequest.SerializeToString,
@@ -280,6 +285,21 @@ class ReplicaAgentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CloseSession(self, request, context):
+        """Tells a replica's engine that a session ended, so it releases what it
+        kept for the session's requests (a prefix or KV cache). Engines that keep
+        nothing per session answer released false. Capability: generate.
+
+        Errors:
+        - INVALID_ARGUMENT: session_id is empty.
+        - NOT_FOUND: no such replica on this node.
+
+        Authorization: lb.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def PauseGeneration(self, request, context):
         """Pauses generation: new Generate calls answer UNAVAILABLE, and in-flight
         requests finish or are aborted according to mode. The replicas move to
@@ -442,6 +462,11 @@ def add_ReplicaAgentServiceServicer_to_server(servicer, server):
                     servicer.AbortRequests,
                     request_deserializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.AbortRequestsRequest.FromString,
                     response_serializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.AbortRequestsResponse.SerializeToString,
+            ),
+            'CloseSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseSession,
+                    request_deserializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.CloseSessionRequest.FromString,
+                    response_serializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.CloseSessionResponse.SerializeToString,
             ),
             'PauseGeneration': grpc.unary_unary_rpc_method_handler(
                     servicer.PauseGeneration,
@@ -705,6 +730,33 @@ class ReplicaAgentService:
             '/rollmesh.replica.v1.ReplicaAgentService/AbortRequests',
             rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.AbortRequestsRequest.SerializeToString,
             rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.AbortRequestsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollmesh.replica.v1.ReplicaAgentService/CloseSession',
+            rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.CloseSessionRequest.SerializeToString,
+            rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.CloseSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,
