@@ -15,7 +15,9 @@ import importlib
 import json
 import signal
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -171,21 +173,33 @@ def local_client_tls(run_dir: Path) -> TlsConfig:
     return LocalPki(run_dir / "pki").tls("operator-readonly", "local")
 
 
-async def start_local_mesh(run_dir: Path, env: dict[str, str], *, tls: bool = True) -> dict[str, ServerProcess]:
+async def start_local_mesh(run_dir: Path, env: dict[str, str], *, tls: bool = True,
+                           configs: dict[str, dict[str, Any]] | None = None) -> dict[str, ServerProcess]:
     """Start the four servers on free loopback ports, logs under ``run_dir``; with mutual TLS from a CA made
-    in ``run_dir/pki`` unless ``tls`` is false."""
+    in ``run_dir/pki`` unless ``tls`` is false. With ``configs`` (server name -> config), only those servers,
+    each from its config (written to ``run_dir/NAME.yaml``), and the replica agent registers with the
+    controller."""
+    import yaml  # noqa: PLC0415
+
     run_dir.mkdir(parents=True, exist_ok=True)
     pki = LocalPki(run_dir / "pki")
     started: dict[str, ServerProcess] = {}
     try:
         for name in ORDER:
+            if configs is not None and name not in configs:
+                continue
             child_env = dict(env)
+            args = ["--listen", "127.0.0.1:0"]
+            if configs is not None:
+                (run_dir / f"{name}.yaml").write_text(yaml.safe_dump(configs[name], sort_keys=False))
+                args += ["--config", str(run_dir / f"{name}.yaml")]
             if tls:
                 child_env.update(pki.env(_PREFIX[name], name, _IDENTITY[name]))
             if name == "controller":
                 child_env["ROLLMESH_CONTROLLER__LOAD_BALANCER_ADDRESS"] = started["lb"].address
-            started[name] = await start_server(name, ["--listen", "127.0.0.1:0"], env=child_env,
-                                               log_path=run_dir / f"{name}.log")
+            if name == "replica-agent" and "controller" in started and configs is not None:
+                child_env["ROLLMESH_REPLICA_AGENT__CONTROLLER_ADDRESS"] = started["controller"].address
+            started[name] = await start_server(name, args, env=child_env, log_path=run_dir / f"{name}.log")
     except BaseException:
         await stop_all(started)
         raise
@@ -197,10 +211,25 @@ async def stop_all(servers: dict[str, ServerProcess]) -> dict[str, int]:
     return dict(zip(servers, codes))
 
 
-async def up(run_dir: str, *, exit_after_status: bool, env: dict[str, str]) -> int:
+async def up(run_dir: str, *, exit_after_status: bool, env: dict[str, str], config: str | None = None) -> int:
+    from mesh_runtime.config import ConfigError  # noqa: PLC0415
+    from mesh_runtime.net import format_host_port, free_port, parse_host_port  # noqa: PLC0415
+
+    from .serve_config import load_serve_config, serve_server_configs  # noqa: PLC0415
+
+    configs = http_listen = None
+    serve = None
     try:
-        servers = await start_local_mesh(Path(run_dir), env)
+        if config is not None:
+            serve = load_serve_config(config)
+            host, port = parse_host_port(serve.http_listen)
+            http_listen = format_host_port(host, port or free_port(host))
+            configs = serve_server_configs(serve, http_listen)
+        servers = await start_local_mesh(Path(run_dir), env, configs=configs)
         tls = local_client_tls(Path(run_dir))
+    except ConfigError as err:
+        print(f"rollmesh up: error: {config}: {err}", file=sys.stderr)
+        return 2
     except LaunchError as err:
         print(f"rollmesh up: error: {err}", file=sys.stderr)
         return 1
@@ -212,6 +241,10 @@ async def up(run_dir: str, *, exit_after_status: bool, env: dict[str, str]) -> i
             status = response.status
             print(f"{name:<14} {proc.address:<22} {str(status.ready).lower():<6} {status.version:<8} "
                   f"{', '.join(status.capabilities)}")
+        if serve is not None and http_listen is not None:
+            routed = await _wait_routed(servers["lb"].address, tls, serve.replicas)
+            print(f"replicas routed: {routed} of {serve.replicas}")
+            print(f"openai: http://{http_listen}/v1", flush=True)
         if not exit_after_status:
             print("mesh running; press Ctrl-C to stop", flush=True)
             stop = asyncio.Event()
@@ -224,3 +257,17 @@ async def up(run_dir: str, *, exit_after_status: bool, env: dict[str, str]) -> i
             codes = await stop_all(servers)
             print("stopped: " + ", ".join(f"{n} (exit {c})" for n, c in codes.items()))
     return 0 if codes and all(c == 0 for c in codes.values()) else 1
+
+
+async def _wait_routed(lb: str, tls: TlsConfig, want: int, timeout_s: float = 180.0) -> int:
+    """Wait until the balancer routes ``want`` replicas (they load, register, are routed); the count."""
+    deadline = time.monotonic() + timeout_s
+    routed = 0
+    while time.monotonic() < deadline:
+        with contextlib.suppress(grpc.RpcError):
+            _, response = await fetch_status(lb, tls=tls)
+            routed = response.routable_replica_count
+            if routed >= want:
+                break
+        await asyncio.sleep(0.5)
+    return routed
