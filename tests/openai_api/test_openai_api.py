@@ -207,6 +207,33 @@ def test_error_shapes(mesh):
     assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_json"
 
 
+def test_a_request_id_in_flight_is_refused_and_deadlines_are_kept(mesh):
+    headers = {"x-request-id": f"busy-{time.monotonic_ns()}"}
+    stream = mesh.client.completions.create(model=MODEL, prompt="long one", max_tokens=300, temperature=0,
+                                            stream=True, extra_headers=headers, extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    next(chunks)                                         # running now
+    with pytest.raises(openai.ConflictError) as err:
+        mesh.client.completions.create(model=MODEL, prompt="long one", max_tokens=300, extra_headers=headers)
+    assert err.value.body["code"] == "request_in_flight"
+    assert sum(len(c.choices[0].model_extra["token_ids"]) for c in chunks if c.choices) > 0
+    bare = openai.OpenAI(base_url=mesh.bare, api_key="s3cret", max_retries=0)
+    with pytest.raises(openai.APIStatusError) as err:    # no replica, and the deadline comes first
+        bare.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_headers={"x-request-timeout": "0.1"})
+    assert err.value.status_code == 504
+    with pytest.raises(openai.BadRequestError):
+        bare.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_headers={"x-request-timeout": "soon"})
+
+
+def test_close_session_over_grpc_checks_its_argument(mesh):
+    with grpc.insecure_channel(mesh.lb) as channel:
+        stub = loadbalancer_pb2_grpc.LoadBalancerServiceStub(channel)
+        assert stub.CloseSession(lb_pb.CloseSessionRequest(session_id="never-seen")).replica_id == ""
+        with pytest.raises(grpc.RpcError) as err:
+            stub.CloseSession(lb_pb.CloseSessionRequest(session_id="x" * 300))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "session_id" in err.value.details()
+
+
 def test_sessions_stick_and_close_over_http(mesh):
     headers = {"x-session-id": "trajectory-7"}
     replicas = set()
