@@ -33,6 +33,7 @@ from mesh_runtime.verl_config import DEACTIVATE_WAIT_TIMEOUT_S, WEIGHT_SYNC_TIME
 from trainer_agent.driver.settings import (
     ActorSettings,
     CustomRewardSettings,
+    MultiTurnSettings,
     DataSettings,
     TaskSettings,
     check_data,
@@ -104,6 +105,8 @@ class JobRollout:
     gpu_memory_utilization: float = setting(0.5, help="memory fraction of HYBRID replicas (share trainer GPUs)")
     standalone_gpu_memory_utilization: float | None = setting(None, help="memory fraction of STANDALONE "
                                                                          "replicas; null = gpu_memory_utilization")
+    multi_turn: MultiTurnSettings = setting(default_factory=MultiTurnSettings,
+                                            help="verl's multi-turn keys: tool and environment turns")
 
     def validate(self) -> None:
         if self.n < 2:
@@ -301,7 +304,8 @@ def server_configs(job: JobConfig, *, run_dir: Path, lb: str, controller: str, t
             "max_queue_size", "concurrent_samples_per_replica")},
         "actor_rollout_ref": {"actor": dataclasses.asdict(arr.actor),
                               "rollout": {"n": arr.rollout.n, "temperature": arr.rollout.temperature,
-                                          "response_length": arr.rollout.response_length}},
+                                          "response_length": arr.rollout.response_length,
+                                          "multi_turn": _multi_turn(arr.rollout.multi_turn)}},
         "task": dataclasses.asdict(job.task),
         "data": {**dataclasses.asdict(job.data),
                  "train_files": [str(Path(f).resolve()) for f in
@@ -312,6 +316,14 @@ def server_configs(job: JobConfig, *, run_dir: Path, lb: str, controller: str, t
                                    if job.custom_reward_function.path else ""},
     }
     return configs
+
+
+def _multi_turn(settings: MultiTurnSettings) -> dict[str, Any]:
+    """The trainer agent's ``multi_turn`` section: the job's, with the tool config's path made absolute."""
+    out = dataclasses.asdict(settings)
+    if settings.tool_config_path:
+        out["tool_config_path"] = str(Path(settings.tool_config_path).resolve())
+    return out
 
 
 def describe_job(job: JobConfig) -> str:

@@ -20,6 +20,7 @@ import functools
 import json
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
 from opentelemetry.sdk.trace import TracerProvider
@@ -345,12 +346,20 @@ class _ObservedStreamCall:
 
 
 # ------------------------------------------------------------------ several balancers: a consistent-hash ring
+def ring_key(request: Any) -> str:
+    """What places a request on the balancers' ring: its session, else its request id (empty: none)."""
+    return getattr(request, "session_id", "") or getattr(request, "request_id", "") or ""
+
+
 class HashRingChannel(_PerAddress):
-    """A channel over several load balancers that sends each request to one chosen by its ``request_id``.
+    """A channel over several load balancers that sends each request to one chosen by its :func:`ring_key`
+    (its ``session_id``, else its ``request_id``).
 
     Every balancer address has ``points`` places on a hash ring; a request goes to the first live balancer
-    clockwise of the hash of its ``request_id``, so one id always lands on the same balancer (whose
-    exactly-once bookkeeping per id then holds) and ids spread evenly. A balancer that cannot be reached is
+    clockwise of the hash of its key, so one id always lands on the same balancer (whose exactly-once
+    bookkeeping per id then holds: a request id keeps its session), the requests of one session (a GRPO
+    group, a trajectory's turns, its CloseSession) meet on one balancer and so on its sticky replica, and
+    keys spread evenly. A balancer that cannot be reached is
     skipped for ``down_s`` seconds: a unary call is resent at once to the next balancer in the ring (same
     request, same id); a stream's failure is its caller's (the rollouter retries a Generate with the same
     id), and that retry lands on the next balancer. A request without a ``request_id`` goes to the balancers
@@ -409,7 +418,7 @@ class HashRingChannel(_PerAddress):
         ring = self
 
         async def call(request, **kwargs):
-            order = ring.order(getattr(request, "request_id", "") or "")
+            order = ring.order(ring_key(request))
             for index, address in enumerate(order):
                 try:
                     return await ring.channel(address).unary_unary(
@@ -424,7 +433,7 @@ class HashRingChannel(_PerAddress):
         ring = self
 
         def call(request, **kwargs):
-            address = ring.order(getattr(request, "request_id", "") or "")[0]
+            address = ring.order(ring_key(request))[0]
             inner = ring.channel(address).unary_stream(method, request_serializer=request_serializer,
                                                        response_deserializer=response_deserializer)(request, **kwargs)
             return _ObservedStreamCall(inner, ring, address)

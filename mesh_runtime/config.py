@@ -5,7 +5,8 @@ Every config is a dataclass whose fields are declared with :func:`setting`
 applies ``<PREFIX>__<KEY>[__<SUBKEY>]`` environment overrides and explicit
 overrides (command-line flags), checks every value against the field's type,
 rejects unknown keys, and runs each dataclass's ``validate()``. A dataclass
-with ``accepts_verl_async_training = True`` (the ``async_training`` sections)
+with ``accepts_verl_async_training = True`` (the ``async_training`` sections; ``accepts_verl_multi_turn``
+for ``multi_turn``)
 also accepts every key of verl's block and reports the ones it does not act
 on (:func:`config_notes`, :mod:`mesh_runtime.verl_config`). Every problem
 is a :class:`ConfigError` that names the key and says what is wrong.
@@ -120,6 +121,11 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
         from .verl_config import split_async_training  # noqa: PLC0415
 
         data, notes = split_async_training(data, prefix, fields)
+    elif getattr(cls, "accepts_verl_multi_turn", False):
+        from .verl_config import MULTI_TURN_NO_EFFECT, split_async_training  # noqa: PLC0415
+
+        data, notes = split_async_training(data, prefix, fields, honoured_by={},
+                                           no_effect_keys=MULTI_TURN_NO_EFFECT, section="multi_turn")
     for key in data:
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1)

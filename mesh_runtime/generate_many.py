@@ -23,7 +23,7 @@ import grpc
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2 as pb
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2_grpc
 
-from .channels import HashRingChannel
+from .channels import HashRingChannel, ring_key
 from .multiplex import StreamPool, serves_generate_many
 from .rpc_tracing import context_metadata
 
@@ -54,7 +54,7 @@ class BalancerGenerations:
 
     def call(self, request: pb.GenerateRequest, *, timeout_s: float | None = None) -> Any:
         """Start ``request`` (sent now); read the result as from a ``Generate`` call."""
-        address = self._ring.order(request.request_id)[0] if self._ring is not None else ""
+        address = self._ring.order(ring_key(request))[0] if self._ring is not None else ""
         trace = context_metadata()
         metadata = self._metadata + trace
 

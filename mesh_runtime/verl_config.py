@@ -52,12 +52,27 @@ NO_EFFECT: dict[str, str] = {
 """verl's keys with no effect in rollmesh, and why."""
 
 
+MULTI_TURN_NO_EFFECT: dict[str, str] = {
+    "use_inference_chat_template": "rollmesh renders only the new messages of each turn with the model's template",
+    "tokenization_sanity_check_mode": "rollmesh never re-tokenizes earlier turns: each turn's ids are kept as "
+                                      "generated",
+    "num_repeat_rollouts": "the group size is actor_rollout_ref.rollout.n",
+    "interaction_config_path": "verl's interactions are not supported; give multi_turn.environment (an "
+                               "Environment class) for user turns",
+    "function_tool_path": "function tools are not supported; declare tools in tool_config_path (BaseTool "
+                          "classes)",
+    "completion_callback": "rollmesh's tool agent loop is built in",
+}
+"""verl's ``actor_rollout_ref.rollout.multi_turn`` keys with no effect in rollmesh, and why."""
+
+
 def _join(prefix: str, key: str) -> str:
     return f"{prefix}.{key}" if prefix else key
 
 
-def split_async_training(data: Mapping[str, Any], prefix: str,
-                         fields: Iterable[str]) -> tuple[dict[str, Any], list[str]]:
+def split_async_training(data: Mapping[str, Any], prefix: str, fields: Iterable[str], *,
+                         honoured_by: Mapping[str, str] = HONOURED_BY, no_effect_keys: Mapping[str, str] = NO_EFFECT,
+                         section: str = "async_training") -> tuple[dict[str, Any], list[str]]:
     """``(the keys this section parses, one note line or none)``.
 
     ``fields`` are the section's own keys (verl's keys it acts on and its
@@ -68,7 +83,7 @@ def split_async_training(data: Mapping[str, Any], prefix: str,
     from .config import ConfigError  # noqa: PLC0415 - config imports this module lazily too
 
     own = set(fields)
-    known = own | set(HONOURED_BY) | set(NO_EFFECT)
+    known = own | set(honoured_by) | set(no_effect_keys)
     kept: dict[str, Any] = {}
     elsewhere: list[str] = []
     no_effect: list[str] = []
@@ -77,9 +92,9 @@ def split_async_training(data: Mapping[str, Any], prefix: str,
         name = str(key)
         if name in own:
             kept[name] = value
-        elif name in HONOURED_BY:
-            elsewhere.append(f"{name} (the {HONOURED_BY[name]})")
-        elif name in NO_EFFECT:
+        elif name in honoured_by:
+            elsewhere.append(f"{name} (the {honoured_by[name]})")
+        elif name in no_effect_keys:
             no_effect.append(name)
         else:
             close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.85)
@@ -89,10 +104,10 @@ def split_async_training(data: Mapping[str, Any], prefix: str,
     parts = []
     if no_effect:
         parts.append("accepted, no effect in rollmesh: " + ", ".join(
-            f"{k} ({NO_EFFECT[k]})" for k in no_effect))
+            f"{k} ({no_effect_keys[k]})" for k in no_effect))
     if elsewhere:
         parts.append("accepted, acted on by another server: " + ", ".join(elsewhere))
     if unknown:
         parts.append("accepted, not a key rollmesh knows (ignored): " + ", ".join(unknown))
-    notes = [f"{prefix or 'async_training'}: " + "; ".join(parts)] if parts else []
+    notes = [f"{prefix or section}: " + "; ".join(parts)] if parts else []
     return kept, notes

@@ -83,9 +83,12 @@ from rollmesh.controller.v1 import scheduling_pb2
 from mesh_runtime import samples
 from trainer_agent.driver.mesh_calls import ReplicaCount, accepts_connections, duration, step_call
 from trainer_agent.driver.queue import MessageQueue, Sample
+from trainer_agent.driver.rollouter import Trajectory
 from trainer_agent.driver.rollouter import GenerateFn, Prompt, RolloutConfig, Rollouter
 from trainer_agent.training.grpo import GrpoTrainer
 from trainer_agent.training.grpo import Sample as GrpoSample
+
+from .sample_metrics import step_sample_metrics
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +136,8 @@ class StepRecord:
     offload_s: float = 0.0
     onload_s: float = 0.0
     resynced_replica_ids: list[str] = field(default_factory=list)
+    samples: dict[str, Any] = field(default_factory=dict)
+    """The trained samples' staleness, weight versions and turn counts (:mod:`.sample_metrics`)."""
     activities: list[dict[str, Any]] = field(default_factory=list)
     """What the trainer did during the step, on the wall clock: ``{"activity": "wait" | "train" |
     "weight_sync", "start": epoch seconds, "end": epoch seconds}`` (the resource-time picture's trainer row)."""
@@ -154,7 +159,7 @@ class FullyAsyncLoop:
                  sync_timeout_s: float = 300.0, collect_timeout_s: float | None = None,
                  replica_poll_s: float = 0.5, on_step: Callable[[StepRecord], Awaitable[None]] | None = None,
                  on_phase: Callable[[str], None] | None = None, offload_during_hybrid: bool = False,
-                 scorer: Scorer | None = None) -> None:
+                 scorer: Scorer | None = None, trajectory: Trajectory | None = None) -> None:
         self.controller = controller
         self.trainer = trainer
         self.config = config
@@ -166,7 +171,7 @@ class FullyAsyncLoop:
         self._replicas = 0
         self.rollouter = Rollouter(config, self.queue, generate, prompts, lambda: self._replicas,
                                    clock=time.time, param_version=trainer.weight_version,
-                                   capacity_poll_interval=replica_poll_s)
+                                   capacity_poll_interval=replica_poll_s, trajectory=trajectory)
         self._next_step = first_step
         self._rpc_timeout = rpc_timeout_s
         self._sync_timeout = sync_timeout_s
@@ -274,6 +279,7 @@ class FullyAsyncLoop:
         timing = {k: 0.0 for k in STEP_TIMING_KEYS}
         metrics: dict[str, float] = {}
         rewards: list[float] = []
+        trained: list[Sample] = []
         onload_s = 0.0
         for _ in range(cfg.trigger_parameter_sync_step):
             batch = await q.get_batch(cfg.required_completions, self._collect_timeout)
@@ -285,6 +291,7 @@ class FullyAsyncLoop:
                 raise TimeoutError(f"step {gs}: {len(batch.samples)} of {cfg.required_completions} responses "
                                    f"({cfg.required_samples} samples of {cfg.n}) after {batch.waited_s:.1f} s")
             groups = self._groups(batch.samples)
+            trained.extend(batch.samples)
             if self.trainer.offloaded:
                 started = time.perf_counter()
                 await asyncio.to_thread(self.trainer.onload)
@@ -347,7 +354,8 @@ class FullyAsyncLoop:
             step_consumed=q.consumed - consumed0, step_dropped=q.dropped - dropped0, rollout_metrics=rollout_metrics,
             hybrid_activated=done.hybrid_activated, hybrid_sync_skipped=done.hybrid_sync_skipped,
             synced_replica_ids=synced, bytes_saved=int(done.bytes_saved), offload_s=offload_s, onload_s=onload_s,
-            resynced_replica_ids=resynced, activities=self._take_activities())
+            resynced_replica_ids=resynced, activities=self._take_activities(),
+            samples=step_sample_metrics(trained, version))
 
     # -- checkpoint ----------------------------------------------------------------------------------
 
@@ -482,7 +490,7 @@ class FullyAsyncLoop:
                 continue
             groups.setdefault(s.group_id, []).append(GrpoSample(
                 prompt_ids=s.prompt_ids, completion_ids=s.completion_ids, rollout_logprobs=s.logprobs,
-                reward=0.0 if s.reward is None else s.reward))
+                reward=0.0 if s.reward is None else s.reward, loss_mask=s.loss_mask))
         return [g for g in groups.values() if g]
 
     def _report(self, gs: int, *, timing: dict[str, float] | None = None, wait_times: Sequence[float] = (),

@@ -46,7 +46,10 @@ class Sample:
     generation segment (an attempt that contributed tokens; more than one
     when the load balancer resumed an aborted attempt elsewhere).
     ``param_version`` is the trainer's parameter version when the rollouter
-    submitted the request.
+    submitted the request. A multi-turn trajectory (:mod:`.trajectory`) also has
+    tool and user turns in ``completion_ids``: ``loss_mask`` marks the model's
+    tokens, their segments carry weight version -1, and the turn counts say
+    what happened.
     """
 
     group_id: str
@@ -59,6 +62,13 @@ class Sample:
     segment_lengths: list[int] = field(default_factory=list)
     finish_reason: str = "stop"
     reward: float | None = None
+    loss_mask: list[int] = field(default_factory=list)
+    """Per completion token: 1 where the model generated it, 0 for tool and user turns; empty = all 1."""
+    assistant_turns: int = 1
+    user_turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_reward: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -76,6 +86,10 @@ class Sample:
             segment_lengths=[int(v) for v in data.get("segment_lengths", [])],
             finish_reason=str(data.get("finish_reason", "stop")),
             reward=None if data.get("reward") is None else float(data["reward"]),
+            loss_mask=[int(v) for v in data.get("loss_mask", [])],
+            assistant_turns=int(data.get("assistant_turns", 1)), user_turns=int(data.get("user_turns", 0)),
+            tool_calls=int(data.get("tool_calls", 0)), tool_errors=int(data.get("tool_errors", 0)),
+            tool_reward=float(data.get("tool_reward", 0.0)),
         )
 
 

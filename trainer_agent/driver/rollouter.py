@@ -36,6 +36,10 @@ returns ``dynamic_resource/rollout_resource_utilization`` computed from it
 (section 4.2 of dynamic-resource-scheduling.md) together with
 ``fully_async/rollouter/step_generated_samples``.
 
+Multi-turn: with a ``trajectory`` (:mod:`.trajectory`), each sample is a
+trajectory of several requests (each turn retried as a request is) instead
+of one request.
+
 Failures: a request is retried ``max_retries`` times; when it still fails,
 every in-flight request is cancelled, the queue is failed
 (``MessageQueue.fail``) and ``run()`` raises :class:`RolloutFailed`. A
@@ -51,7 +55,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +75,11 @@ from trainer_agent.driver.rollout_types import (  # noqa: F401 - the rollouter's
 )
 
 STATE_VERSION = 1
+
+Trajectory = Callable[[str, int, GenerationRequest, Callable[[GenerationRequest], Awaitable[GenerationResult]]],
+                      Awaitable[Sample]]
+"""A multi-turn sample: ``(group_id, index, first request, call) -> Sample``, each turn through ``call`` (the
+rollouter's retrying generate); see :mod:`.trajectory`."""
 
 UTILIZATION_METRIC = "dynamic_resource/rollout_resource_utilization"
 STEP_GENERATED_METRIC = "fully_async/rollouter/step_generated_samples"
@@ -97,6 +106,7 @@ class Rollouter:
         param_version: int = 0,
         is_retryable: Callable[[BaseException], bool] | None = None,
         capacity_poll_interval: float | None = 1.0,
+        trajectory: Trajectory | None = None,
     ) -> None:
         if config.max_required_samples < 1:
             raise ValueError(
@@ -112,6 +122,7 @@ class Rollouter:
         self._clock = clock
         self._is_retryable = is_retryable or (lambda exc: not permanent(exc))
         self._poll = capacity_poll_interval
+        self._trajectory = trajectory
 
         self._param_version = int(param_version)
         self._pending: dict[str, _Group] = {}
@@ -356,8 +367,11 @@ class Rollouter:
     async def _run_one(self, group: _Group, index: int, request: GenerationRequest) -> None:
         key = (group.group_id, index)
         try:
-            result = await self._call_with_retries(request)
-            sample = self._to_sample(group, index, request, result)
+            if self._trajectory is not None:
+                sample = await self._trajectory(group.group_id, index, request, self._call_with_retries)
+            else:
+                result = await self._call_with_retries(request)
+                sample = self._to_sample(group, index, request, result)
         except asyncio.CancelledError:
             self._finish_task(key, group, index, "cancel")
             raise

@@ -104,6 +104,7 @@ class TrainingDriver:
         self.resumed_from_step = 0
         self._controller: Any = None
         self._scorer: Any = None
+        self._rows: dict[str, Any] = {}   # the dataset's rows by prompt id (multi-turn context)
         self._stop_after: int | None = None   # StopTraining's step; None: total_training_steps
 
     # -- GetTrainingProgress / offload ------------------------------------------------------------
@@ -275,8 +276,9 @@ class TrainingDriver:
         s, at, arr, t = self.settings, self.config.async_training, self.config.actor_rollout_ref, self.config.task
         actor, sampling = arr.actor, arr.rollout
         scorer, stop_ids = None, ()
+        toolbox = self._toolbox()
         if self.config.data.enabled:
-            prompts, scorer, stop_ids = self._dataset()
+            prompts, scorer, stop_ids = self._dataset(tools=toolbox.schemas if toolbox is not None else None)
             max_tokens = sampling.response_length or self.config.data.max_response_length
         else:
             prompts = task_prompts(copy_task, t.prompts, t.seed, min_digits=t.min_digits, max_digits=t.max_digits,
@@ -289,6 +291,7 @@ class TrainingDriver:
             max_tokens=max_tokens, temperature=sampling.temperature, stop_token_ids=stop_ids)
         self.trainer = GrpoTrainer.from_weight_source(self.source, GrpoConfig(
             lr=actor.optim.lr, weight_decay=actor.optim.weight_decay, clip_ratio=actor.clip_ratio))
+        trajectory = self._trajectories(balancer, toolbox, max_tokens).run if sampling.multi_turn.enable else None
         return FullyAsyncLoop(
             controller, LoadBalancerGenerate(balancer, timeout_s=s.generate_timeout_s, generations=generations),
             self.trainer, rollout,
@@ -296,9 +299,44 @@ class TrainingDriver:
             max_queue_size=queue_bound(actor, at), rpc_timeout_s=s.rpc_timeout_s,
             sync_timeout_s=s.sync_timeout_s, collect_timeout_s=s.collect_timeout_s, replica_poll_s=s.replica_poll_s,
             on_step=self._after_step, on_phase=self._phase, offload_during_hybrid=s.offload_during_hybrid,
-            scorer=scorer)
+            scorer=scorer, trajectory=trajectory)
 
-    def _dataset(self):
+    def _toolbox(self):
+        """The multi-turn tools of ``multi_turn.tool_config_path`` (verl's tool config), or None."""
+        mt = self.config.actor_rollout_ref.rollout.multi_turn
+        if not (mt.enable and mt.tool_config_path):
+            return None
+        from .tools import ToolBox, load_tools  # noqa: PLC0415
+
+        return ToolBox(load_tools(mt.tool_config_path), timeout_s=mt.tool_timeout_s,
+                       max_response_length=mt.max_tool_response_length, truncate_side=mt.tool_response_truncate_side)
+
+    def _trajectories(self, balancer: Any, toolbox: Any, max_tokens: int):
+        """The multi-turn runner: the model's chat template, the tools, the environment, CloseSession."""
+        from mesh_runtime.chat import ChatTokenizer  # noqa: PLC0415
+        from rollmesh.loadbalancer.v1 import loadbalancer_pb2  # noqa: PLC0415
+
+        from .trajectory import TrajectoryRunner, load_environment  # noqa: PLC0415
+
+        mt = self.config.actor_rollout_ref.rollout.multi_turn
+        environment = load_environment(mt.environment, mt.environment_options) if mt.environment else None
+        timeout_s = self.settings.rpc_timeout_s
+
+        async def close_session(session_id: str) -> None:
+            await balancer.CloseSession(loadbalancer_pb2.CloseSessionRequest(session_id=session_id), timeout=timeout_s)
+
+        def context_of(prompt_id: str) -> dict[str, Any]:
+            row = self._rows.get(prompt_id)
+            if row is None:
+                return {}
+            return {"messages": [dict(m) for m in row.messages], "extra_info": row.extra_info,
+                    "ground_truth": row.ground_truth}
+
+        return TrajectoryRunner(ChatTokenizer.from_model(self.config.model), mt, max_response_tokens=max_tokens,
+                                toolbox=toolbox, environment=environment, close_session=close_session,
+                                context_of=context_of)
+
+    def _dataset(self, tools: list[dict[str, Any]] | None = None):
         """Prompts, scorer and stop tokens of the configured verl-format dataset and reward function."""
         from modeling.tokenizer import load_tokenizer  # noqa: PLC0415 - transformers, only with a dataset
 
@@ -309,8 +347,8 @@ class TrainingDriver:
         tokenizer = load_tokenizer(self.config.model)
         rows = load_dataset(data.train_files, tokenizer, prompt_key=data.prompt_key,
                             max_prompt_length=data.max_prompt_length, truncation=data.truncation,
-                            filter_overlong_prompts=data.filter_overlong_prompts)
-        by_id = {r.prompt_id: r for r in rows}
+                            filter_overlong_prompts=data.filter_overlong_prompts, tools=tools)
+        by_id = self._rows = {r.prompt_id: r for r in rows}
         self._scorer = RewardScorer(reward.path, reward.name, tokenizer, num_workers=reward.num_workers)
         log.info("dataset: %d prompts from %s; reward %s from %s", len(rows), data.train_files, reward.name,
                  reward.path)

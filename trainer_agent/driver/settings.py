@@ -23,7 +23,8 @@ depends on several of them and names every key involved.
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, Literal
+from pathlib import Path
+from typing import Any, ClassVar, Literal
 
 from mesh_runtime import samples
 from mesh_runtime.config import ConfigError, check_addresses, setting
@@ -138,12 +139,59 @@ class ActorSettings:
 
 
 @dataclasses.dataclass
+class MultiTurnSettings:
+    """``actor_rollout_ref.rollout.multi_turn``: verl's keys (its defaults), plus ``environment`` and
+    ``tool_timeout_s``. The driver's tool agent loop (:mod:`trainer_agent.driver.trajectory`) runs when
+    ``enable`` is set."""
+
+    accepts_verl_multi_turn: ClassVar[bool] = True
+
+    enable: bool = setting(False, help="multi-turn trajectories: model turns and tool/environment turns")
+    max_assistant_turns: int | None = setting(None, help="most model turns per trajectory; null = no limit")
+    max_user_turns: int | None = setting(None, help="most tool/environment turns per trajectory; null = no limit")
+    max_parallel_calls: int = setting(1, help="tool calls of one model turn that run (at once); later ones are "
+                                              "answered with an error")
+    max_tool_response_length: int = setting(256, help="longest tool response in characters; longer ones are "
+                                                      "truncated")
+    tool_response_truncate_side: Literal["left", "middle", "right"] = setting(
+        "middle", help="what a long tool response keeps: left = its start, right = its end, middle = both ends")
+    tool_config_path: str = setting("", path=True, help="verl's tool config YAML (tools: [{class_name, config, "
+                                                        "tool_schema}]); empty = no tools")
+    format: Literal["hermes"] = setting("hermes", help="tool-call format: hermes (<tool_call>{json}</tool_call>)")
+    environment: str = setting("", help="MODULE:CLASS of an Environment that writes user turns "
+                                        "(trainer_agent.driver.trajectory.Environment); empty = none")
+    environment_options: dict[str, Any] = setting(default_factory=dict, help="keyword arguments of the "
+                                                                             "environment's constructor")
+    tool_timeout_s: float = setting(30.0, help="longest one tool call may take; past it the model gets an error "
+                                               "message as the tool's response")
+
+    def validate(self) -> None:
+        for key in ("max_assistant_turns", "max_user_turns"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ConfigError(key, f"must be >= 1 or null, got {value}")
+        if self.max_parallel_calls < 1:
+            raise ConfigError("max_parallel_calls", f"must be >= 1, got {self.max_parallel_calls}")
+        if self.max_tool_response_length < 1:
+            raise ConfigError("max_tool_response_length", f"must be >= 1, got {self.max_tool_response_length}")
+        if not self.tool_timeout_s > 0:
+            raise ConfigError("tool_timeout_s", f"must be > 0, got {self.tool_timeout_s}")
+        if self.tool_config_path and not Path(self.tool_config_path).is_file():
+            raise ConfigError("tool_config_path", f"{self.tool_config_path[:200]!r} does not exist")
+        if self.environment and ":" not in self.environment:
+            raise ConfigError("environment", f"must be MODULE:CLASS, got {self.environment[:100]!r}")
+        if self.enable and not self.tool_config_path and not self.environment:
+            raise ConfigError("enable", "multi-turn needs tools (tool_config_path) or an environment")
+
+
+@dataclasses.dataclass
 class RolloutSamplingSettings:
     """``actor_rollout_ref.rollout`` (sampling side)."""
 
     n: int = setting(8, help="samples per prompt (the GRPO group size)")
     temperature: float = setting(1.0, help="sampling temperature (1.0 keeps the logprobs the policy's)")
     response_length: int = setting(0, help="max completion tokens; 0 = what the task's answers need")
+    multi_turn: MultiTurnSettings = setting(default_factory=MultiTurnSettings, help="verl's multi-turn keys")
 
     def validate(self) -> None:
         if self.n < 2:

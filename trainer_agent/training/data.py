@@ -38,6 +38,8 @@ class DataRow:
     data_source: str
     ground_truth: Any
     extra_info: Any
+    messages: tuple[dict[str, Any], ...] = ()
+    """The prompt's chat messages (empty for a string prompt): where a multi-turn trajectory starts."""
 
 
 def files_of(train_files: str | Sequence[str]) -> list[Path]:
@@ -87,13 +89,13 @@ def read_rows(train_files: str | Sequence[str]) -> list[dict[str, Any]]:
     return rows
 
 
-def _render(tokenizer: Any, prompt: Any, index: int) -> list[int]:
+def _render(tokenizer: Any, prompt: Any, index: int, tools: list[dict[str, Any]] | None = None) -> list[int]:
     if isinstance(prompt, str):
         return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
     if isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) and "role" in m and "content" in m
                                                  for m in prompt):
-        rendered = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True,
-                                                 return_dict=False)
+        rendered = tokenizer.apply_chat_template(list(prompt), tools=tools, add_generation_prompt=True,
+                                                 tokenize=True, return_dict=False)
         return [int(t) for t in rendered]
     raise DatasetError(f"row {index}: the prompt must be a string or a list of {{role, content}} messages, got "
                        f"{str(prompt)[:80]!r}")
@@ -101,14 +103,15 @@ def _render(tokenizer: Any, prompt: Any, index: int) -> list[int]:
 
 def load_dataset(train_files: str | Sequence[str], tokenizer: Any, *, prompt_key: str = "prompt",
                  max_prompt_length: int = 512, truncation: str = "error",
-                 filter_overlong_prompts: bool = False) -> list[DataRow]:
-    """Every usable row, rendered (see the module docstring). Raises :class:`DatasetError`."""
+                 filter_overlong_prompts: bool = False, tools: list[dict[str, Any]] | None = None) -> list[DataRow]:
+    """Every usable row, rendered (see the module docstring; chat prompts with ``tools``' schemas, for
+    multi-turn trajectories). Raises :class:`DatasetError`."""
     check_files(train_files, prompt_key)
     out: list[DataRow] = []
     for index, row in enumerate(read_rows(train_files)):
         if prompt_key not in row:
             raise DatasetError(f"row {index} has no {prompt_key!r}")
-        ids = _render(tokenizer, row[prompt_key], index)
+        ids = _render(tokenizer, row[prompt_key], index, tools)
         if len(ids) > max_prompt_length:
             if filter_overlong_prompts:
                 continue
@@ -123,9 +126,11 @@ def load_dataset(train_files: str | Sequence[str], tokenizer: Any, *, prompt_key
         if not ids:
             raise DatasetError(f"row {index}: the prompt renders to no tokens")
         reward_model = row.get("reward_model") or {}
+        prompt = row[prompt_key]
         out.append(DataRow(f"r{index}", tuple(ids), index, str(row.get("data_source") or ""),
                            reward_model.get("ground_truth") if isinstance(reward_model, dict) else None,
-                           row.get("extra_info")))
+                           row.get("extra_info"),
+                           tuple(dict(m) for m in prompt) if not isinstance(prompt, str) else ()))
     if not out:
         raise DatasetError("no prompt is left (every one is longer than data.max_prompt_length)")
     return out

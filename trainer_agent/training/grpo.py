@@ -60,6 +60,8 @@ class Sample:
     """Log-probability of each completion token under the sampling (behaviour) policy."""
     reward: float = 0.0
     """Scalar reward; replaced when :meth:`GrpoTrainer.step` gets a ``reward_fn``."""
+    loss_mask: Sequence[int] = ()
+    """Per completion token, 1 to train on it, 0 not (tool and user turns of a trajectory); empty = all."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +153,7 @@ def completion_logprobs(model: torch.nn.Module, samples: Sequence[Sample],
     """Log-probabilities of each sample's completion tokens under ``model``: ``(logprobs, mask)``, ``[B, T]``.
 
     Sequences are right-padded (so positions start at 0 for every sample);
-    ``T`` is the longest completion.
+    ``T`` is the longest completion. ``mask`` is each sample's ``loss_mask`` (all of it when empty).
     """
     lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
     width = max(lengths)
@@ -169,7 +171,9 @@ def completion_logprobs(model: torch.nn.Module, samples: Sequence[Sample],
         start = len(sample.prompt_ids) - 1  # the logits at position p predict token p + 1
         rows.append(token_logprobs[row, start:start + len(sample.completion_ids)])
     logprobs = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
-    mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(r, dtype=torch.bool) for r in rows], batch_first=True)
+    masks = [torch.tensor([bool(m) for m in s.loss_mask], dtype=torch.bool, device=r.device) if s.loss_mask
+             else torch.ones_like(r, dtype=torch.bool) for s, r in zip(samples, rows)]
+    mask = torch.nn.utils.rnn.pad_sequence(masks, batch_first=True)
     return logprobs, mask
 
 
@@ -424,3 +428,6 @@ def _validate(groups: Sequence[Sequence[Sample]]) -> None:
             if len(s.rollout_logprobs) != len(s.completion_ids):
                 raise InvalidArgument(f"{len(s.rollout_logprobs)} rollout logprobs for {len(s.completion_ids)} "
                                       "completion tokens", reason=Reason.LOGPROB_LENGTH_MISMATCH)
+            if s.loss_mask and len(s.loss_mask) != len(s.completion_ids):
+                raise InvalidArgument(f"a loss mask of {len(s.loss_mask)} for {len(s.completion_ids)} completion "
+                                      "tokens", reason=Reason.LOGPROB_LENGTH_MISMATCH)
