@@ -59,7 +59,7 @@ def generation_request(msg: replica_agent_pb2.GenerateRequest) -> GenerationRequ
                              sampling=sampling_from_proto(msg.sampling_params),
                              resume_segments=[segment_from_proto(s) for s in msg.resume_segments],
                              stream_interval=msg.stream_interval if msg.HasField("stream_interval") else None,
-                             flush_interval_s=flush_interval_of(msg))
+                             flush_interval_s=flush_interval_of(msg), session_id=msg.session_id)
 
 
 def chunk_to_proto(chunk: GenerationChunk) -> replica_agent_pb2.GenerateResponse:

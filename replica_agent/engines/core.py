@@ -129,6 +129,10 @@ class SteppedEngine(LifecycleFlags, Engine):
     async def _reset_batch(self) -> None:
         """Forget every row of the batch (all requests have been retired)."""
 
+    async def _retire_batch(self) -> None:
+        """Every row of the batch finished: forget them (an engine with a prefix cache keeps their KV)."""
+        await self._reset_batch()
+
     @abc.abstractmethod
     async def _release_weights(self, level: int) -> int:
         """Level 1: move resident weights to host memory. Level 2: discard
@@ -251,7 +255,7 @@ class SteppedEngine(LifecycleFlags, Engine):
                         async with self._step_lock:  # free the retired rows' cache now
                             if not self._running:
                                 self._dropped = []
-                                await self._reset_batch()
+                                await self._retire_batch()
                         continue
                     self._work.clear()
                     await self._work.wait()

@@ -26,6 +26,8 @@ class RowSpec:
     """Index, within the whole completion (resumed prefix included), of the token this step produces."""
     context: tuple[int, ...] = ()
     """Prompt + resumed prefix; only filled for rows joining the batch in this step."""
+    session_id: str = ""
+    """The request's session (its KV may be kept for the session's next request)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,4 +80,5 @@ class ActiveRequest:
 
     def row(self, with_context: bool) -> RowSpec:
         context = tuple(self.request.prompt_token_ids) + tuple(self.prefix) if with_context else ()
-        return RowSpec(self.request_id, self.request.sampling, self.seed, self.completion_tokens, context)
+        return RowSpec(self.request_id, self.request.sampling, self.seed, self.completion_tokens, context,
+                       self.request.session_id)

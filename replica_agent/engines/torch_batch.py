@@ -10,8 +10,13 @@ same positions a row would see alone. A step:
 2. decodes one token for every row already in the batch (one forward pass
    with the padding mask and per-row position ids);
 3. prefills joining rows, one forward pass per group of equal context
-   length (so a prefill never contains padding), and merges their caches
-   into the batch by left-padding whichever side is shorter with zeros;
+   length and equal cached prefix (so a prefill never contains padding), and
+   merges their caches into the batch by left-padding whichever side is
+   shorter with zeros. With a :class:`~.torch_prefix.PrefixCache`, a row
+   whose context begins with cached tokens prefills only the rest (the
+   cached keys and values go in front), rows with the same context in one
+   step are prefilled once, every prompt's KV is kept after its prefill and
+   every leaving row's whole sequence when it leaves;
 4. samples one token per row.
 
 Padding only ever appears as masked key/value columns filled with zeros, so
@@ -29,23 +34,30 @@ from transformers import DynamicCache
 
 from .request_state import RowSpec, StepBatch
 from .sampling import sample_tokens
+from .torch_prefix import PrefixCache
 
 
 class BatchRunner:
     """Holds the KV cache of the rows in the running batch and steps them."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, device: torch.device, prefix: PrefixCache | None = None) -> None:
         self.model = model
         self.device = device
+        self.prefix = prefix
         self.ids: list[str] = []
+        self.tokens: list[list[int]] = []      # per row: the tokens its cache columns hold
+        self.sessions: list[str] = []
         self.cache: DynamicCache | None = None
         self.mask: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
         self.last_tokens: torch.Tensor | None = None
 
-    def reset(self) -> None:
-        """Forget every row and free the cache."""
-        self.ids = []
+    def reset(self, keep: bool = False) -> None:
+        """Forget every row and free the cache; ``keep``: put the rows' sequences into the prefix cache first
+        (they finished)."""
+        if keep and self.prefix is not None and self.ids:
+            self._keep_leaving(set(self.ids))
+        self.ids, self.tokens, self.sessions = [], [], []
         self.cache = self.mask = self.positions = self.last_tokens = None
 
     @property
@@ -61,8 +73,8 @@ class BatchRunner:
                 raise RuntimeError(f"batch out of sync: engine runs {sorted(running)}, cache holds {sorted(self.ids)}")
             rows = [running[rid] for rid in self.ids]  # the cache's row order
             parts = [self._decode()] if rows else []
-            for group in _group_by_length(batch.admitted):
-                parts.append(self._prefill(group))
+            for cached, group in self._plan(batch.admitted):
+                parts.append(self._prefill(group, cached))
                 rows.extend(group)
             results = sample_tokens(torch.cat(parts, dim=0), rows)
             self.last_tokens = torch.tensor([t for t, _ in results], dtype=torch.long, device=self.device)
@@ -74,6 +86,8 @@ class BatchRunner:
         gone = set(dropped) & set(self.ids)
         if not gone:
             return
+        if self.prefix is not None:
+            self._keep_leaving(gone)
         keep = [i for i, rid in enumerate(self.ids) if rid not in gone]
         if not keep:
             self.reset()
@@ -82,6 +96,8 @@ class BatchRunner:
         assert self.cache is not None and self.mask is not None and self.positions is not None \
             and self.last_tokens is not None   # all set together by the first prefill
         self.ids = [self.ids[i] for i in keep]
+        self.tokens = [self.tokens[i] for i in keep]
+        self.sessions = [self.sessions[i] for i in keep]
         self.mask = self.mask.index_select(0, index)
         self.positions = self.positions.index_select(0, index)
         self.last_tokens = self.last_tokens.index_select(0, index)
@@ -106,13 +122,44 @@ class BatchRunner:
         )
         self.mask = mask
         self.positions = self.positions + 1
+        for row, token in zip(self.tokens, self.last_tokens.tolist()):
+            row.append(token)
         return out.logits[:, -1, :]
 
-    def _prefill(self, rows: list[RowSpec]) -> torch.Tensor:
-        input_ids = torch.tensor([list(r.context) for r in rows], dtype=torch.long, device=self.device)
+    def _plan(self, admitted: list[RowSpec]) -> list[tuple[list[Any] | None, list[RowSpec]]]:
+        """Groups of joining rows with equal context length and equal cached prefix (entry, length)."""
+        groups: dict[tuple[int, int, int], tuple[list[Any] | None, list[RowSpec]]] = {}
+        for row in admitted:
+            entry, length = self.prefix.lookup(row.context) if self.prefix is not None else (None, 0)
+            key = (len(row.context), length, id(entry) if entry is not None else 0)
+            if key not in groups:
+                groups[key] = ([entry, length] if entry is not None else None, [])
+            groups[key][1].append(row)
+        return list(groups.values())
+
+    def _prefill(self, rows: list[RowSpec], cached: list[Any] | None = None) -> torch.Tensor:
+        contexts = list(dict.fromkeys(r.context for r in rows))   # each distinct context prefilled once
+        start = cached[1] if cached is not None else 0
+        input_ids = torch.tensor([list(c[start:]) for c in contexts], dtype=torch.long, device=self.device)
         cache = DynamicCache()
+        if cached is not None:
+            entry = cached[0]
+            for layer, (keys, values) in enumerate(zip(entry.keys, entry.values)):
+                cache.update(keys[None, :, :start].expand(len(contexts), -1, -1, -1).to(self.device),
+                             values[None, :, :start].expand(len(contexts), -1, -1, -1).to(self.device), layer)
         out = self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
-        n, length = input_ids.shape
+        if self.prefix is not None:
+            layers: Any = cache.layers
+            for u, context in enumerate(contexts):
+                self.prefix.insert(context, [layer.keys[u] for layer in layers], [layer.values[u] for layer in layers])
+        logits = out.logits[:, -1, :]
+        if len(contexts) < len(rows):   # the same context more than once: copy its row
+            index = torch.tensor([contexts.index(r.context) for r in rows], dtype=torch.long, device=self.device)
+            for layer in cache.layers:
+                layer.keys = layer.keys.index_select(0, index)
+                layer.values = layer.values.index_select(0, index)
+            logits = logits.index_select(0, index)
+        n, length = len(rows), len(rows[0].context)
         new_mask = torch.ones((n, length), dtype=torch.long, device=self.device)
         new_positions = torch.full((n,), length, dtype=torch.long, device=self.device)
         placeholder = torch.zeros((n,), dtype=torch.long, device=self.device)
@@ -125,7 +172,21 @@ class BatchRunner:
             self.positions = torch.cat([self.positions, new_positions])
             self.last_tokens = torch.cat([self.last_tokens, placeholder])
         self.ids.extend(r.request_id for r in rows)
-        return out.logits[:, -1, :]
+        self.tokens.extend(list(r.context) for r in rows)
+        self.sessions.extend(r.session_id for r in rows)
+        return logits
+
+    def _keep_leaving(self, gone: set[str]) -> None:
+        """Put the whole sequence of each leaving row into the prefix cache (a session's next turn, a resume
+        here, a repeated prompt start with it)."""
+        assert self.prefix is not None and self.cache is not None and self.mask is not None
+        layers: Any = self.cache.layers
+        width = self.mask.shape[1]
+        for i, rid in enumerate(self.ids):
+            if rid in gone:
+                held = len(self.tokens[i])
+                self.prefix.insert(self.tokens[i], [layer.keys[i, :, width - held:] for layer in layers],
+                                   [layer.values[i, :, width - held:] for layer in layers], self.sessions[i])
 
     def _merge(self, cache: DynamicCache, mask: torch.Tensor) -> None:
         width = max(self.cache_length, mask.shape[1])
@@ -148,10 +209,3 @@ def _pad_left(t: torch.Tensor, amount: int) -> torch.Tensor:
     shape = list(t.shape)
     shape[dim] = amount
     return torch.cat([t.new_zeros(shape), t], dim=dim)
-
-
-def _group_by_length(rows: list[RowSpec]) -> list[list[RowSpec]]:
-    groups: dict[int, list[RowSpec]] = {}
-    for r in rows:
-        groups.setdefault(len(r.context), []).append(r)
-    return list(groups.values())

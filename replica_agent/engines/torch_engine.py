@@ -28,6 +28,7 @@ from .errors import EngineError, EngineUnavailable, InvalidRequest
 from modeling.presets import PRESETS, build_preset_model
 from .request_state import StepBatch
 from .torch_batch import BatchRunner
+from .torch_prefix import PrefixCache
 from .torch_weights import ModelWeights
 from .types import WeightSpec
 
@@ -72,6 +73,13 @@ class TorchEngineConfig:
     """transformers attention backend (``"sdpa"`` or ``"eager"``)."""
     weight_version: int = 0
     """Version reported for the initial weights."""
+    prefix_cache_tokens: int = 32768
+    """Tokens of KV the prefix cache keeps for reuse (prompts after their prefill, finished sequences, a
+    session's turns; see :mod:`.torch_prefix`); 0 turns it off."""
+    prefix_block_size: int = 16
+    """Granularity of the prefix cache in tokens."""
+    session_idle_timeout_s: float = 600.0
+    """A cached sequence unused this long is dropped (a session that never sent CloseSession)."""
 
     def validate(self) -> None:
         if (self.model_path is None) == (self.preset is None):
@@ -82,6 +90,11 @@ class TorchEngineConfig:
             raise InvalidRequest(f"torch engine: {self.model_path!r} is not a directory with a config.json")
         if not 0.0 < self.memory_fraction <= 1.0:
             raise InvalidRequest(f"torch engine: memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.prefix_cache_tokens and self.prefix_cache_tokens < self.prefix_block_size:
+            raise InvalidRequest(f"torch engine: prefix_cache_tokens must be 0 (off) or >= prefix_block_size "
+                                 f"({self.prefix_block_size}), got {self.prefix_cache_tokens}")
+        if self.prefix_block_size < 1 or not self.session_idle_timeout_s > 0:
+            raise InvalidRequest("torch engine: prefix_block_size must be >= 1 and session_idle_timeout_s > 0")
         if self.num_threads is not None and self.num_threads < 1:
             raise InvalidRequest(f"torch engine: num_threads must be >= 1, got {self.num_threads}")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
@@ -148,7 +161,11 @@ class TorchEngine(SteppedEngine):
         self.model = model
         self._weights = ModelWeights(model, self.device)
         self._spec = list(self._weights.spec)
-        self._runner = BatchRunner(model, self.device)
+        prefix = None
+        if self.config.prefix_cache_tokens:
+            prefix = PrefixCache(self.config.prefix_cache_tokens, block=self.config.prefix_block_size,
+                                 idle_s=self.config.session_idle_timeout_s)
+        self._runner = BatchRunner(model, self.device, prefix)
         self._eos = _eos_ids(model)
         self._vocab_size = config.vocab_size
         self._max_model_len = getattr(config, "max_position_embeddings", None)
@@ -185,6 +202,10 @@ class TorchEngine(SteppedEngine):
         if self._runner is not None:
             await self._in_worker(self._runner.reset)
 
+    async def _retire_batch(self) -> None:
+        if self._runner is not None:
+            await self._in_worker(self._runner.reset, True)
+
     # ------------------------------------------------------------- weights
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Detached views of the live parameters (no copy). Read them between
@@ -202,10 +223,29 @@ class TorchEngine(SteppedEngine):
         self._loaded(self._weights).check(named_tensors, require_complete)
 
     async def _swap_weights(self, named_tensors: Mapping[str, Any]) -> None:
-        await self._in_worker(self._loaded(self._weights).swap, named_tensors)
+        await self._in_worker(self._swap_sync, named_tensors)
+
+    def _swap_sync(self, named_tensors: Mapping[str, Any]) -> None:
+        self._loaded(self._weights).swap(named_tensors)
+        self._clear_prefixes()   # keys and values of the old weights are wrong for the new ones
 
     async def _release_weights(self, level: int) -> int:
+        await self._in_worker(self._clear_prefixes)
         return await self._in_worker(self._loaded(self._weights).release, level, self._weights_resident)
+
+    def _clear_prefixes(self) -> None:
+        if self._runner is not None and self._runner.prefix is not None:
+            self._runner.prefix.clear()
+
+    async def close_session(self, session_id: str) -> bool:
+        runner = self._runner
+        if runner is None or runner.prefix is None:
+            return False
+        return await self._in_worker(runner.prefix.close_session, session_id)
+
+    def prefix_stats(self) -> Any:
+        """The prefix cache's counters (None when it is off)."""
+        return self._runner.prefix.stats if self._runner is not None and self._runner.prefix is not None else None
 
     async def _restore_weights(self) -> bool:
         return await self._in_worker(self._loaded(self._weights).restore)

@@ -97,6 +97,9 @@ class GenerationRequest:
     """Most tokens per streamed chunk for this request; ``None``: the engine's interval."""
     flush_interval_s: float | None = None
     """Longest a generated token waits before it is streamed (0: by size only); ``None``: the engine's."""
+    session_id: str = ""
+    """The session (trajectory) the request belongs to; an engine may keep its context until
+    ``close_session``. Empty: none."""
 
     def resumed_token_ids(self) -> list[int]:
         """The resumed completion prefix, in order."""
