@@ -110,7 +110,8 @@ def test_a_tool_trajectory_keeps_exact_ids_masks_and_the_version_of_each_turn(tm
     assert script.requests[1].prompt_token_ids == prompt + turn1 + tool_turn
     assert {r.session_id for r in script.requests} == {"g#0/1"} and closed == ["g#0/1"]
     assert [r.request_id for r in script.requests] == ["g#0/1/t0", "g#0/1/t1"]
-    assert script.requests[1].max_tokens == 400 - len(turn1) - len(tool_turn)
+    # a turn's budget: what is left of the response length and of the model's context (512 tokens)
+    assert script.requests[1].max_tokens == min(400, 512 - len(prompt)) - len(turn1) - len(tool_turn)
     assert (sample.assistant_turns, sample.user_turns, sample.tool_calls, sample.tool_errors) == (2, 1, 1, 0)
     assert sample.tool_reward == 1.0 and sample.finish_reason == "stop"
     assert [c[0] for c in verl_tools.CALLS] == ["create", "execute", "calc_reward", "release"]

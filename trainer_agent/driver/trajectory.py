@@ -18,7 +18,7 @@ tools' schemas) and repeats:
    appended with loss mask 0, logprob 0 and weight version -1.
 
 It ends when the model stops without a call, at ``max_assistant_turns`` / ``max_user_turns``, when the
-response length is reached (a tool turn that would not fit is left out, as in verl), or when a turn is cut
+response length or the model's context is reached (a tool turn that would not fit is left out, as in verl), or when a turn is cut
 by the length. Every turn is routed with the trajectory's session id (``<group>/<index>``), so its prefix
 stays on one replica unless the balancer's imbalance rule moves it; when the trajectory ends the balancer
 is told (``CloseSession``) so the replica can drop what it kept. The tools' ``calc_reward`` and
@@ -118,6 +118,11 @@ class TrajectoryRunner:
         try:
             while True:
                 budget = self.max_response_tokens - len(ids)
+                if self.tokenizer.max_model_len is not None:   # the context holds the prompt and every turn
+                    budget = min(budget, self.tokenizer.max_model_len - len(request.prompt_token_ids) - len(ids))
+                if budget <= 0:
+                    finish = "length"
+                    break
                 turn_request = dataclasses.replace(request, request_id=f"{request.request_id}/t{stats.assistant_turns}",
                                                    prompt_token_ids=[*request.prompt_token_ids, *ids],
                                                    session_id=session, max_tokens=budget)
