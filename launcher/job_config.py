@@ -192,7 +192,9 @@ class JobMesh:
 class JobConfig:
     """Everything ``rollmesh train`` needs."""
 
-    model: str = setting("tiny-llama", help="preset (tiny-llama, tiny-qwen2) the trainer and replicas share")
+    model: str = setting("tiny-llama", path="existing", help="the model the trainer and replicas share: a preset "
+                                                             "(tiny-llama, tiny-qwen2) or a Hugging Face "
+                                                             "directory (relative to this file)")
     seed: int = setting(0, help="model initialisation seed (trainer and replicas start from the same weights)")
     task: TaskSettings = setting(default_factory=TaskSettings, help="the built-in verifiable task")
     data: DataSettings = setting(default_factory=DataSettings, help="verl's data keys: a parquet/JSONL dataset "

@@ -47,6 +47,7 @@ class BatchRunner:
         self.ids: list[str] = []
         self.tokens: list[list[int]] = []      # per row: the tokens its cache columns hold
         self.sessions: list[str] = []
+        self.generations: list[int] = []       # per row: the prefix cache's generation at its prefill
         self.cache: DynamicCache | None = None
         self.mask: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
@@ -57,7 +58,7 @@ class BatchRunner:
         (they finished)."""
         if keep and self.prefix is not None and self.ids:
             self._keep_leaving(set(self.ids))
-        self.ids, self.tokens, self.sessions = [], [], []
+        self.ids, self.tokens, self.sessions, self.generations = [], [], [], []
         self.cache = self.mask = self.positions = self.last_tokens = None
 
     @property
@@ -98,6 +99,7 @@ class BatchRunner:
         self.ids = [self.ids[i] for i in keep]
         self.tokens = [self.tokens[i] for i in keep]
         self.sessions = [self.sessions[i] for i in keep]
+        self.generations = [self.generations[i] for i in keep]
         self.mask = self.mask.index_select(0, index)
         self.positions = self.positions.index_select(0, index)
         self.last_tokens = self.last_tokens.index_select(0, index)
@@ -174,6 +176,7 @@ class BatchRunner:
         self.ids.extend(r.request_id for r in rows)
         self.tokens.extend(list(r.context) for r in rows)
         self.sessions.extend(r.session_id for r in rows)
+        self.generations.extend([self.prefix.generation if self.prefix is not None else 0] * len(rows))
         return logits
 
     def _keep_leaving(self, gone: set[str]) -> None:
@@ -186,7 +189,8 @@ class BatchRunner:
             if rid in gone:
                 held = len(self.tokens[i])
                 self.prefix.insert(self.tokens[i], [layer.keys[i, :, width - held:] for layer in layers],
-                                   [layer.values[i, :, width - held:] for layer in layers], self.sessions[i])
+                                   [layer.values[i, :, width - held:] for layer in layers], self.sessions[i],
+                                   generation=self.generations[i])
 
     def _merge(self, cache: DynamicCache, mask: torch.Tensor) -> None:
         width = max(self.cache_length, mask.shape[1])

@@ -13,7 +13,9 @@ chain over their blocks, so a lookup finds the longest cached prefix of a contex
 blocks (tokens are compared, never trusted to the hash). The cache holds at most ``capacity`` tokens,
 least recently used first out; an entry unused for ``idle_s`` seconds is dropped, and ``close_session``
 drops a session's entries at once. Weights that change make every entry wrong: the engine calls
-:meth:`PrefixCache.clear` on every weight swap and release.
+:meth:`PrefixCache.clear` on every weight swap and release, which starts a new :attr:`generation`; KV
+computed under an earlier generation (a row that was running across the swap) is refused by
+:meth:`insert`, so no stale entry can come back after a clear.
 
 Not thread-safe: the engine's single worker thread owns it.
 """
@@ -64,6 +66,8 @@ class PrefixCache:
         self._index: dict[int, int] = {}       # hash chain at a block boundary -> entry id
         self._next_id = 0
         self.tokens = 0
+        self.generation = 0
+        """Counts clears: KV computed before the last one is of other weights."""
 
     def _chain(self, tokens: Sequence[int], blocks: int) -> list[int]:
         keys, h = [], 0
@@ -97,10 +101,11 @@ class PrefixCache:
         return best
 
     def insert(self, tokens: Sequence[int], keys: list[torch.Tensor], values: list[torch.Tensor],
-               session: str = "") -> None:
-        """Keep the KV of ``tokens`` (per layer ``[kv_heads, len(tokens), head_dim]``, copied here)."""
+               session: str = "", generation: int | None = None) -> None:
+        """Keep the KV of ``tokens`` (per layer ``[kv_heads, len(tokens), head_dim]``, copied here), computed
+        under ``generation`` (None: the current one); KV of an earlier generation is not kept."""
         n = (len(tokens) // self.block) * self.block
-        if n == 0 or n > self.capacity:
+        if n == 0 or n > self.capacity or (generation is not None and generation != self.generation):
             return
         self._expire()
         chain = self._chain(tokens, n // self.block)
@@ -129,6 +134,7 @@ class PrefixCache:
         return bool(doomed)
 
     def clear(self) -> None:
+        self.generation += 1
         self._entries.clear()
         self._index.clear()
         self.tokens = 0

@@ -101,3 +101,13 @@ def test_new_weights_empty_the_cache():
             await engine.close()
 
     asyncio.run(run())
+
+
+def test_kv_of_older_weights_is_never_kept():
+    cache = PrefixCache(64, block=4)
+    generation = cache.generation
+    cache.clear()                                        # a weight swap while a row was running
+    cache.insert(list(range(8)), *kv(8), generation=generation)
+    assert len(cache) == 0
+    cache.insert(list(range(8)), *kv(8), generation=cache.generation)
+    assert len(cache) == 1

@@ -3,7 +3,7 @@
 A verl tool config is a YAML file::
 
     tools:
-      - class_name: my_package.tools.LookupTool     # imported by path
+      - class_name: my_package.tools.LookupTool     # imported by path (also from the file's directory)
         config: {type: native, ...}                  # given to the constructor as ``config``
         tool_schema: {type: function, function: {name, description, parameters}}
 
@@ -24,6 +24,7 @@ installed, its own modules are used.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import importlib
 import importlib.util
@@ -171,7 +172,8 @@ def load_tools(path: str | Path) -> list[Any]:
             raise ToolConfigError(f"{where}: config.type {config.get('type')!r} is not supported (native only)")
         module_name, _, class_name = entry["class_name"].rpartition(".")
         try:
-            cls = getattr(import_tool_module(module_name), class_name)
+            with _importable_from(Path(path).resolve().parent):
+                cls = getattr(import_tool_module(module_name), class_name)
         except (ImportError, AttributeError, ValueError) as err:
             raise ToolConfigError(f"{where}: cannot import {entry['class_name'][:120]!r} ({err})") from None
         try:
@@ -184,6 +186,17 @@ def load_tools(path: str | Path) -> list[Any]:
         names.add(name)
         tools.append(tool)
     return tools
+
+
+@contextlib.contextmanager
+def _importable_from(directory: Path):
+    """Modules next to the tool config import too (as they would with it as the working directory)."""
+    sys.path.insert(0, str(directory))
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            sys.path.remove(str(directory))
 
 
 def _schema_class(cls: type) -> Any:
