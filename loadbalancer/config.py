@@ -73,6 +73,9 @@ class LoadBalancerConfig(ServerConfig):
     sticky_max_load_gap: int = setting(4, help="a sticky session leaves its replica when that replica has more "
                                                "than this many in-flight requests above the least loaded one")
     max_sticky_sessions: int = setting(100_000, help="sticky-session pins kept (least recently used dropped)")
+    sticky_session_idle_s: float | None = setting(3600.0, help="a sticky-session pin unused this long is dropped "
+                                                               "(a trajectory that never sent CloseSession); "
+                                                               "null = kept until evicted by count")
     max_version_lag: int | None = setting(None, help="route only to replicas at most this many weight versions "
                                                      "behind the newest known; null = no limit")
     retry_budget: int = setting(16, help="extra attempts allowed per request after the first (aborts and "
@@ -140,6 +143,8 @@ class LoadBalancerConfig(ServerConfig):
                 raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")
         if self.max_version_lag is not None and self.max_version_lag < 0:
             raise ConfigError("max_version_lag", f"must be >= 0 or null, got {self.max_version_lag}")
+        if self.sticky_session_idle_s is not None and not self.sticky_session_idle_s > 0:
+            raise ConfigError("sticky_session_idle_s", f"must be > 0 or null, got {self.sticky_session_idle_s}")
         if self.retry_budget < 0:
             raise ConfigError("retry_budget", f"must be >= 0, got {self.retry_budget}")
         for key in ("no_replica_wait_s", "retry_initial_backoff_s", "retry_max_backoff_s", "upstream_call_timeout_s",

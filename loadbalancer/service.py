@@ -38,6 +38,7 @@ def build_balancer(config: LoadBalancerConfig, tracer_provider: TracerProvider |
     od = config.outlier_detection
     table = RoutingTable(sticky_max_load_gap=config.sticky_max_load_gap,
                          max_sticky_sessions=config.max_sticky_sessions, max_version_lag=config.max_version_lag,
+                         sticky_idle_s=config.sticky_session_idle_s,
                          outlier=OutlierDetection(od.consecutive_failures, od.base_ejection_s, od.max_ejection_s,
                                                   od.max_ejection_percent))
     table.add(Route(r.replica_id, r.address, r.kind, r.weight_version) for r in config.replicas)

@@ -102,9 +102,12 @@ class RoutingTable:
     """Replicas, sticky sessions and tickets; every method is synchronous."""
 
     def __init__(self, *, sticky_max_load_gap: int, max_sticky_sessions: int, max_version_lag: int | None,
-                 outlier: OutlierDetection | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 outlier: OutlierDetection | None = None, clock: Callable[[], float] = time.monotonic,
+                 sticky_idle_s: float | None = None) -> None:
         self.sticky_max_load_gap = sticky_max_load_gap
         self.max_sticky_sessions = max_sticky_sessions
+        self.sticky_idle_s = sticky_idle_s
+        self._sticky_used: dict[str, float] = {}
         self.max_version_lag = max_version_lag
         self.outlier = outlier or OutlierDetection()
         self.clock = clock
@@ -161,6 +164,7 @@ class RoutingTable:
         dropped = [s for s, rid in self._sticky.items() if rid in gone]
         for session in dropped:
             del self._sticky[session]
+            self._sticky_used.pop(session, None)
         if removed:
             self._changed()
         return removed, len(dropped)
@@ -232,6 +236,7 @@ class RoutingTable:
         choice_kw = {}
         chosen = None
         if session_id:
+            self._expire_sticky()
             pinned = self.routes.get(self._sticky.get(session_id, ""))
             if pinned is not None and pinned in preferred:
                 if pinned.in_flight - least <= self.sticky_max_load_gap:
@@ -244,8 +249,9 @@ class RoutingTable:
         if session_id:
             self._sticky[session_id] = chosen.replica_id
             self._sticky.move_to_end(session_id)
+            self._sticky_used[session_id] = self.clock()
             while len(self._sticky) > self.max_sticky_sessions:
-                self._sticky.popitem(last=False)
+                self._sticky_used.pop(self._sticky.popitem(last=False)[0], None)
         ticket = Ticket(request_id, chosen)
         chosen.tickets[request_id] = ticket
         return Choice(ticket, **choice_kw)
@@ -317,13 +323,27 @@ class RoutingTable:
 
     def drop_session(self, session_id: str) -> str | None:
         """Forget a session's pin; the replica it was pinned to, if any."""
+        self._sticky_used.pop(session_id, None)
         return self._sticky.pop(session_id, None)
+
+    def _expire_sticky(self) -> None:
+        """Drop pins unused for ``sticky_idle_s`` (least recently used first: they lead the order)."""
+        if self.sticky_idle_s is None:
+            return
+        horizon = self.clock() - self.sticky_idle_s
+        while self._sticky:
+            session = next(iter(self._sticky))
+            if self._sticky_used.get(session, horizon) > horizon:
+                break
+            del self._sticky[session]
+            self._sticky_used.pop(session, None)
 
     def clear_sticky(self, replica_ids: Iterable[str] = ()) -> int:
         ids = set(replica_ids)
         doomed = [s for s, rid in self._sticky.items() if not ids or rid in ids]
         for session in doomed:
             del self._sticky[session]
+            self._sticky_used.pop(session, None)
         return len(doomed)
 
     # ------------------------------------------------------------- rebalance

@@ -147,3 +147,18 @@ def test_ejection_is_capped_and_never_takes_the_last_replica():
         for _ in range(3):
             t2.unreachable(t2.get(rid), "x")
     assert [r.replica_id for r in t2.eligible(None)] == ["r1"]            # one always stays
+
+
+def test_idle_sticky_pins_expire_and_closed_sessions_are_forgotten():
+    now = [0.0]
+    t = RoutingTable(sticky_max_load_gap=2, max_sticky_sessions=1000, max_version_lag=None,
+                     clock=lambda: now[0], sticky_idle_s=60)
+    t.add(Route(f"r{i}", f"127.0.0.1:{1000 + i}") for i in range(2))
+    t.release(t.pick("a", session_id="old").ticket, completed=True)
+    now[0] = 30.0
+    t.release(t.pick("b", session_id="young").ticket, completed=True)
+    now[0] = 70.0                                         # "old" idle 70 s, "young" 40 s
+    t.release(t.pick("c", session_id="other").ticket, completed=True)
+    assert t.sticky_replica("old") is None and t.sticky_replica("young") is not None
+    assert t.drop_session("young") is not None and t.drop_session("young") is None
+    assert t.sticky_sessions == 1
