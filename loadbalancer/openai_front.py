@@ -275,7 +275,7 @@ class OpenAIFront:
                 choice["prompt_token_ids"] = plan.prompt_of(index)
                 choice["logprobs"] = self._completion_logprobs(plan, result.token_ids, result.logprobs, 0)
             choices.append(choice)
-        response = {"id": plan.response_id, "object": "chat.completion" if plan.kind == "chat" else "text_completion",
+        response: dict[str, Any] = {"id": plan.response_id, "object": "chat.completion" if plan.kind == "chat" else "text_completion",
                     "created": int(time.time()), "model": plan.model, "choices": choices,
                     "usage": _usage(plan, sum(len(r.token_ids) for r in results))}
         if plan.kind == "chat":
@@ -350,7 +350,7 @@ class OpenAIFront:
         await response.write(_sse(chunk))
 
     def _chunk(self, plan: Plan, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict:
-        chunk = {"id": plan.response_id, "object": "chat.completion.chunk" if plan.kind == "chat" else
+        chunk: dict[str, Any] = {"id": plan.response_id, "object": "chat.completion.chunk" if plan.kind == "chat" else
                  "text_completion", "created": int(time.time()), "model": plan.model, "choices": choices}
         if usage is not None:
             chunk["usage"] = usage

@@ -159,7 +159,7 @@ class ChatTokenizer:
         self.name = name
         eos = special_tokens.get("eos_token")
         self.eos_token_id: int | None = core.token_to_id(eos) if eos else None
-        self._template = None
+        self._template: Any = None
 
     @classmethod
     def from_model(cls, model: str) -> ChatTokenizer:
@@ -219,10 +219,11 @@ class ChatTokenizer:
             raise ChatError(f"model {self.name[:80]!r} has no chat template; use completions with a prompt")
         if self._template is None:
             self._template = _compile(self.chat_template)
+        template = self._template
         import jinja2  # noqa: PLC0415
 
         try:
-            return self._template.render(messages=messages, tools=tools or None,
+            return template.render(messages=messages, tools=tools or None,
                                          add_generation_prompt=add_generation_prompt,
                                          **{k: v for k, v in self.special_tokens.items() if v is not None},
                                          **extra)

@@ -146,20 +146,20 @@ class BatchRunner:
         cache = DynamicCache()
         if cached is not None:
             entry = cached[0]
-            for layer, (keys, values) in enumerate(zip(entry.keys, entry.values)):
+            for layer_index, (keys, values) in enumerate(zip(entry.keys, entry.values)):
                 cache.update(keys[None, :, :start].expand(len(contexts), -1, -1, -1).to(self.device),
-                             values[None, :, :start].expand(len(contexts), -1, -1, -1).to(self.device), layer)
+                             values[None, :, :start].expand(len(contexts), -1, -1, -1).to(self.device), layer_index)
         out = self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
         if self.prefix is not None:
-            layers: Any = cache.layers
+            layers = layers_of(cache)
             for u, context in enumerate(contexts):
                 self.prefix.insert(context, [layer.keys[u] for layer in layers], [layer.values[u] for layer in layers])
         logits = out.logits[:, -1, :]
         if len(contexts) < len(rows):   # the same context more than once: copy its row
             index = torch.tensor([contexts.index(r.context) for r in rows], dtype=torch.long, device=self.device)
-            for layer in cache.layers:
-                layer.keys = layer.keys.index_select(0, index)
-                layer.values = layer.values.index_select(0, index)
+            for row_layer in layers_of(cache):
+                row_layer.keys = row_layer.keys.index_select(0, index)
+                row_layer.values = row_layer.values.index_select(0, index)
             logits = logits.index_select(0, index)
         n, length = len(rows), len(rows[0].context)
         new_mask = torch.ones((n, length), dtype=torch.long, device=self.device)
@@ -213,3 +213,8 @@ def _pad_left(t: torch.Tensor, amount: int) -> torch.Tensor:
     shape = list(t.shape)
     shape[dim] = amount
     return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+def layers_of(cache: DynamicCache) -> list[Any]:
+    """The cache's full-attention layers (``keys`` and ``values`` of ``[batch, kv_heads, length, head_dim]``)."""
+    return list(cache.layers)

@@ -113,7 +113,7 @@ def _module(name: str, **attrs: Any) -> types.ModuleType:
     return module
 
 
-STAND_INS = {
+STAND_INS: dict[str, dict[str, Any]] = {
     "verl": {}, "verl.tools": {}, "verl.utils": {},
     "verl.tools.base_tool": {"BaseTool": BaseTool, "OpenAIFunctionToolSchema": OpenAIFunctionToolSchema},
     "verl.tools.schemas": {"OpenAIFunctionToolSchema": OpenAIFunctionToolSchema, "ToolResponse": ToolResponse},

@@ -178,11 +178,12 @@ class TrajectoryRunner:
                        messages: list[dict[str, Any]], context: dict[str, Any]) -> list[dict[str, Any]]:
         """The tool messages answering the turn's calls, else the environment's user message, else none."""
         parsed = parse_tool_calls(text) if self.toolbox is not None else None
-        if parsed is not None and (parsed.tool_calls or parsed.errors):
+        if self.toolbox is not None and parsed is not None and (parsed.tool_calls or parsed.errors):
             limit = self.settings.max_parallel_calls
             running = parsed.tool_calls[:limit]
-            outcomes = await asyncio.gather(*(self.toolbox.call(c.name, json.loads(c.arguments), tools_kwargs,
-                                                                instances) for c in running))   # type: ignore[union-attr]
+            toolbox = self.toolbox
+            outcomes = await asyncio.gather(*(toolbox.call(c.name, json.loads(c.arguments), tools_kwargs, instances)
+                                              for c in running))
             replies = [{"role": "tool", "content": o.text} for o in outcomes]
             replies += [{"role": "tool", "content": f"error: at most {limit} tool call(s) per turn; {c.name} did "
                                                     "not run"} for c in parsed.tool_calls[limit:]]
