@@ -275,9 +275,10 @@ class OpenAIFront:
                 choice["prompt_token_ids"] = plan.prompt_of(index)
                 choice["logprobs"] = self._completion_logprobs(plan, result.token_ids, result.logprobs, 0)
             choices.append(choice)
-        response: dict[str, Any] = {"id": plan.response_id, "object": "chat.completion" if plan.kind == "chat" else "text_completion",
-                    "created": int(time.time()), "model": plan.model, "choices": choices,
-                    "usage": _usage(plan, sum(len(r.token_ids) for r in results))}
+        response: dict[str, Any] = {
+            "id": plan.response_id, "object": "chat.completion" if plan.kind == "chat" else "text_completion",
+            "created": int(time.time()), "model": plan.model, "choices": choices,
+            "usage": _usage(plan, sum(len(r.token_ids) for r in results))}
         if plan.kind == "chat":
             response["prompt_token_ids"] = plan.prompts[0]
         return response

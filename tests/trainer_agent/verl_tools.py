@@ -22,7 +22,8 @@ class LookupTool(BaseTool):
         self.table = dict(config.get("table", {}))
         self._expected: dict[str, str] = {}
 
-    async def create(self, instance_id: Optional[str] = None, expected_key: str = "", **kwargs) -> tuple[str, ToolResponse]:
+    async def create(self, instance_id: Optional[str] = None, expected_key: str = "",
+                     **kwargs) -> tuple[str, ToolResponse]:
         instance_id = instance_id or str(uuid4())
         self._expected[instance_id] = expected_key
         CALLS.append(("create", expected_key))

@@ -18,8 +18,8 @@ tools' schemas) and repeats:
    appended with loss mask 0, logprob 0 and weight version -1.
 
 It ends when the model stops without a call, at ``max_assistant_turns`` / ``max_user_turns``, when the
-response length or the model's context is reached (a tool turn that would not fit is left out, as in verl), or when a turn is cut
-by the length. Every turn is routed with the trajectory's session id (``<group>/<index>``), so its prefix
+response length or the model's context is reached (a tool turn that would not fit is left out, as in
+verl), or when a turn is cut by the length. Every turn is routed with the trajectory's session id (``<group>/<index>``), so its prefix
 stays on one replica unless the balancer's imbalance rule moves it; when the trajectory ends the balancer
 is told (``CloseSession``) so the replica can drop what it kept. The tools' ``calc_reward`` and
 ``release`` run at the end.
