@@ -273,7 +273,7 @@ class OpenAIFront:
             else:
                 choice["text"] = result.text
                 choice["prompt_token_ids"] = plan.prompt_of(index)
-                choice["logprobs"] = self._completion_logprobs(plan, result.token_ids, result.logprobs, 0)
+                choice["logprobs"] = self._completion_logprobs(plan, result.token_ids, result.logprobs)
             choices.append(choice)
         response: dict[str, Any] = {
             "id": plan.response_id, "object": "chat.completion" if plan.kind == "chat" else "text_completion",
@@ -342,7 +342,7 @@ class OpenAIFront:
             choice["logprobs"] = self._chat_logprobs(plan, run_tokens, delta.logprobs)
         else:
             choice["text"] = delta.text
-            choice["logprobs"] = self._completion_logprobs(plan, run_tokens, delta.logprobs, 0)
+            choice["logprobs"] = self._completion_logprobs(plan, run_tokens, delta.logprobs)
             if written[index] == 0:
                 choice["prompt_token_ids"] = plan.prompt_of(index)
         chunk = self._chunk(plan, [choice])
@@ -368,12 +368,11 @@ class OpenAIFront:
             content.append(entry)
         return {"content": content}
 
-    def _completion_logprobs(self, plan: Plan, ids: list[int], logprobs: list[float],
-                             offset: int) -> dict[str, Any] | None:
+    def _completion_logprobs(self, plan: Plan, ids: list[int], logprobs: list[float]) -> dict[str, Any] | None:
         if not plan.logprobs:
             return None
         tokens = [self.tokenizer.token_text(t) for t in ids]
-        offsets, at = [], offset
+        offsets, at = [], 0
         for text in tokens:
             offsets.append(at)
             at += len(text)

@@ -107,13 +107,13 @@ class RoutingTable:
         self.sticky_max_load_gap = sticky_max_load_gap
         self.max_sticky_sessions = max_sticky_sessions
         self.sticky_idle_s = sticky_idle_s
-        self._sticky_used: dict[str, float] = {}
         self.max_version_lag = max_version_lag
         self.outlier = outlier or OutlierDetection()
         self.clock = clock
         self._tie_cursor = itertools.count()
         self.routes: dict[str, Route] = {}
-        self._sticky: OrderedDict[str, str] = OrderedDict()
+        self._sticky: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        """Session -> (replica it is pinned to, when it was last used), least recently used first."""
         self._listeners: list[Callable[[], None]] = []
 
     # ----------------------------------------------------------- membership
@@ -161,10 +161,9 @@ class RoutingTable:
                 route.removed = True
                 removed.append(route)
         gone = {r.replica_id for r in removed}
-        dropped = [s for s, rid in self._sticky.items() if rid in gone]
+        dropped = [s for s, (rid, _) in self._sticky.items() if rid in gone]
         for session in dropped:
             del self._sticky[session]
-            self._sticky_used.pop(session, None)
         if removed:
             self._changed()
         return removed, len(dropped)
@@ -237,7 +236,7 @@ class RoutingTable:
         chosen = None
         if session_id:
             self._expire_sticky()
-            pinned = self.routes.get(self._sticky.get(session_id, ""))
+            pinned = self.routes.get(self.sticky_replica(session_id) or "")
             if pinned is not None and pinned in preferred:
                 if pinned.in_flight - least <= self.sticky_max_load_gap:
                     chosen, choice_kw = pinned, {"sticky_hit": True}
@@ -247,11 +246,10 @@ class RoutingTable:
             tied = sorted((r for r in preferred if r.in_flight == least), key=lambda r: r.replica_id)
             chosen = tied[next(self._tie_cursor) % len(tied)]
         if session_id:
-            self._sticky[session_id] = chosen.replica_id
+            self._sticky[session_id] = (chosen.replica_id, self.clock())
             self._sticky.move_to_end(session_id)
-            self._sticky_used[session_id] = self.clock()
             while len(self._sticky) > self.max_sticky_sessions:
-                self._sticky_used.pop(self._sticky.popitem(last=False)[0], None)
+                self._sticky.popitem(last=False)
         ticket = Ticket(request_id, chosen)
         chosen.tickets[request_id] = ticket
         return Choice(ticket, **choice_kw)
@@ -316,15 +314,16 @@ class RoutingTable:
         return len(self._sticky)
 
     def sticky_count(self, replica_id: str) -> int:
-        return sum(1 for rid in self._sticky.values() if rid == replica_id)
+        return sum(1 for rid, _ in self._sticky.values() if rid == replica_id)
 
     def sticky_replica(self, session_id: str) -> str | None:
-        return self._sticky.get(session_id)
+        pin = self._sticky.get(session_id)
+        return pin[0] if pin is not None else None
 
     def drop_session(self, session_id: str) -> str | None:
         """Forget a session's pin; the replica it was pinned to, if any."""
-        self._sticky_used.pop(session_id, None)
-        return self._sticky.pop(session_id, None)
+        pin = self._sticky.pop(session_id, None)
+        return pin[0] if pin is not None else None
 
     def _expire_sticky(self) -> None:
         """Drop pins unused for ``sticky_idle_s`` (least recently used first: they lead the order)."""
@@ -332,18 +331,16 @@ class RoutingTable:
             return
         horizon = self.clock() - self.sticky_idle_s
         while self._sticky:
-            session = next(iter(self._sticky))
-            if self._sticky_used.get(session, horizon) > horizon:
+            session, (_, used) = next(iter(self._sticky.items()))
+            if used > horizon:
                 break
             del self._sticky[session]
-            self._sticky_used.pop(session, None)
 
     def clear_sticky(self, replica_ids: Iterable[str] = ()) -> int:
         ids = set(replica_ids)
-        doomed = [s for s, rid in self._sticky.items() if not ids or rid in ids]
+        doomed = [s for s, (rid, _) in self._sticky.items() if not ids or rid in ids]
         for session in doomed:
             del self._sticky[session]
-            self._sticky_used.pop(session, None)
         return len(doomed)
 
     # ------------------------------------------------------------- rebalance

@@ -34,7 +34,7 @@ from transformers import DynamicCache
 
 from .request_state import RowSpec, StepBatch
 from .sampling import sample_tokens
-from .torch_prefix import PrefixCache
+from .torch_prefix import Entry, PrefixCache
 
 
 class BatchRunner:
@@ -128,18 +128,18 @@ class BatchRunner:
             row.append(token)
         return out.logits[:, -1, :]
 
-    def _plan(self, admitted: list[RowSpec]) -> list[tuple[list[Any] | None, list[RowSpec]]]:
-        """Groups of joining rows with equal context length and equal cached prefix (entry, length)."""
-        groups: dict[tuple[int, int, int], tuple[list[Any] | None, list[RowSpec]]] = {}
+    def _plan(self, admitted: list[RowSpec]) -> list[tuple[tuple[Entry, int] | None, list[RowSpec]]]:
+        """Groups of joining rows with equal context length and equal cached prefix ``(entry, length)``."""
+        groups: dict[tuple[int, int, int], tuple[tuple[Entry, int] | None, list[RowSpec]]] = {}
         for row in admitted:
             entry, length = self.prefix.lookup(row.context) if self.prefix is not None else (None, 0)
             key = (len(row.context), length, id(entry) if entry is not None else 0)
             if key not in groups:
-                groups[key] = ([entry, length] if entry is not None else None, [])
+                groups[key] = ((entry, length) if entry is not None else None, [])
             groups[key][1].append(row)
         return list(groups.values())
 
-    def _prefill(self, rows: list[RowSpec], cached: list[Any] | None = None) -> torch.Tensor:
+    def _prefill(self, rows: list[RowSpec], cached: tuple[Entry, int] | None = None) -> torch.Tensor:
         contexts = list(dict.fromkeys(r.context for r in rows))   # each distinct context prefilled once
         start = cached[1] if cached is not None else 0
         input_ids = torch.tensor([list(c[start:]) for c in contexts], dtype=torch.long, device=self.device)

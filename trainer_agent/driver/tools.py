@@ -36,6 +36,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from mesh_runtime.stand_ins import import_with_stand_ins
+
 log = logging.getLogger(__name__)
 
 
@@ -135,14 +137,7 @@ def import_tool_module(name: str) -> types.ModuleType:
     """``importlib.import_module(name)``, verl's tool modules answered by the stand-ins when verl is absent."""
     if _verl_installed():
         return importlib.import_module(name)
-    added = {key: _module(key, **attrs) for key, attrs in STAND_INS.items() if key not in sys.modules}
-    sys.modules.update(added)
-    try:
-        return importlib.import_module(name)
-    finally:
-        for key, module in added.items():
-            if sys.modules.get(key) is module:
-                del sys.modules[key]
+    return import_with_stand_ins(name, {key: _module(key, **attrs) for key, attrs in STAND_INS.items()})
 
 
 # -- the tool config ---------------------------------------------------------------------------------

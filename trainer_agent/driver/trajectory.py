@@ -96,6 +96,7 @@ class TrajectoryRunner:
         self._close_session = close_session
         self._context_of = context_of or (lambda prompt_id: {})
         self._eos = tokenizer.special_tokens.get("eos_token") or ""
+        self._probe_base: str | None = None   # the template's text up to an assistant turn (rendered once)
 
     @property
     def tool_schemas(self) -> list[dict[str, Any]] | None:
@@ -201,7 +202,9 @@ class TrajectoryRunner:
     def _render(self, replies: list[dict[str, Any]], *, ended_with_eos: bool) -> list[int]:
         """Ids of ``replies`` as the chat template renders them right after an assistant turn."""
         probe = [{"role": "user", "content": _PROBE}]
-        base = self.tokenizer.render(probe, add_generation_prompt=True)
+        if self._probe_base is None:
+            self._probe_base = self.tokenizer.render(probe, add_generation_prompt=True)
+        base = self._probe_base
         full = self.tokenizer.render([*probe, {"role": "assistant", "content": _PROBE}, *replies],
                                      add_generation_prompt=True)
         if not full.startswith(base + _PROBE):

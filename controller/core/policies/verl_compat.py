@@ -38,6 +38,8 @@ import sys
 import types
 from typing import Any
 
+from mesh_runtime.stand_ins import import_with_stand_ins
+
 _STAND_IN_MARK = "__rollmesh_ray_stand_in__"
 
 
@@ -137,13 +139,7 @@ def import_policy_module(name: str) -> types.ModuleType:
     """``importlib.import_module(name)``, with ``import ray`` answered by a stand-in when Ray is absent."""
     if _ray_importable():
         return importlib.import_module(name)
-    stand_in = _stand_in()
-    sys.modules["ray"] = stand_in
-    try:
-        return importlib.import_module(name)
-    finally:
-        if sys.modules.get("ray") is stand_in:
-            del sys.modules["ray"]
+    return import_with_stand_ins(name, {"ray": _stand_in()})
 
 
 def bind_ray(cls: type) -> None:
