@@ -48,16 +48,30 @@ Generations = Callable[[Any, float | None], AsyncIterator[Any]]
 """(a GenerateRequest, seconds it may take or None) -> the messages a ``Generate`` call would stream."""
 
 
-async def batches(queue: asyncio.Queue, end: object) -> AsyncIterator[list[Any]]:
-    """Everything put on ``queue`` since the last batch, as one list (one message on the stream), until
-    ``end`` is taken from it."""
-    while (first := await queue.get()) is not end:
-        batch = [first]
+MAX_BATCH_BYTES = 1 << 20
+"""Most serialized bytes of the items batched into one stream message (a lone larger item goes alone): far
+below gRPC's 4 MiB default receive limit, so a burst of long prompts never makes a message a peer refuses."""
+
+
+async def batches(queue: asyncio.Queue, end: object, max_bytes: int = MAX_BATCH_BYTES) -> AsyncIterator[list[Any]]:
+    """What was put on ``queue`` since the last batch, as lists of at most ``max_bytes`` serialized bytes
+    (one message on the stream each), until ``end`` is taken from it."""
+    carry: Any = None
+    while True:
+        first = carry if carry is not None else await queue.get()
+        carry = None
+        if first is end:
+            return
+        batch, size = [first], first.ByteSize()
         while not queue.empty():
             item = queue.get_nowait()
             if item is end:
                 yield batch
                 return
+            size += item.ByteSize()
+            if size > max_bytes:
+                carry = item
+                break
             batch.append(item)
         yield batch
 

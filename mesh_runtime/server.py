@@ -43,8 +43,11 @@ _MIN_CLEANUP_S = 2.0  # even a zero-grace stop lets cleanups close channels
 
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 
-SERVER_OPTIONS = [("grpc.so_reuseport", 0)]
-"""Options of every rollmesh gRPC server: one server per port."""
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+SERVER_OPTIONS = [("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                  ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+"""Options of every rollmesh gRPC server: one server per port; messages up to the size rollmesh's channels
+send and accept (a prompt of a million tokens fits)."""
 
 
 class PortInUse(OSError):

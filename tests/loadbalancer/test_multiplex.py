@@ -121,3 +121,31 @@ async def test_an_agent_without_generate_many_gets_generate_calls():
         await channel.close()
     finally:
         await server.stop(0)
+
+
+async def test_a_burst_of_long_prompts_travels_in_messages_of_bounded_size(agent):
+    streams, _, address, _ = agent
+    prompt = [(7 * i) % 30000 + 2 for i in range(40_000)]            # ~110 KB a request: 64 of them ~7 MB
+    calls = [streams.generate(address, pb.GenerateRequest(
+        replica_id="r0", request_id=f"long-{i}", prompt_token_ids=prompt,
+        sampling_params=generation_pb2.SamplingParams(max_tokens=2, seed=i)), 60, {}, None) for i in range(64)]
+
+    async def read(call):
+        return [m async for m in call]
+
+    results = await asyncio.gather(*(read(c) for c in calls))
+    assert all(r[-1].finish_reason for r in results)
+
+
+async def test_batches_split_at_the_byte_bound_and_keep_the_order():
+    from mesh_runtime.multiplex import batches
+
+    queue: asyncio.Queue = asyncio.Queue()
+    items = [pb.GenerateRequest(request_id=f"r{i}", prompt_token_ids=[5] * 300) for i in range(10)]
+    for item in items:
+        queue.put_nowait(item)
+    queue.put_nowait(None)
+    size = items[0].ByteSize()
+    got = [batch async for batch in batches(queue, None, max_bytes=3 * size)]
+    assert [len(b) for b in got] == [3, 3, 3, 1]
+    assert [m.request_id for b in got for m in b] == [m.request_id for m in items]
