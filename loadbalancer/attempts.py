@@ -96,6 +96,8 @@ class RequestRun:
     """Replicas an attempt of this request failed on (UNAVAILABLE, broken stream): later attempts avoid them
     while another eligible replica exists."""
     restart_pending: bool = False
+    prefix_keys: list[int] | None = None
+    """The prompt's leading block keys, computed at the first pick of a prefix-aware balancer."""
     clock: Callable[[], float] = time.monotonic
     """The balancer's clock, which ``deadline`` is on."""
 

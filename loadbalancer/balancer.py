@@ -34,6 +34,7 @@ from mesh_runtime.errors import (
 )
 from mesh_runtime.generation import check_generation, check_streaming
 from mesh_runtime.metrics import ServerMetrics
+from mesh_runtime.prefix import block_keys
 from mesh_runtime.reasons import Reason
 from mesh_runtime.retry import retry_elsewhere
 from mesh_runtime.validate import check_session_id
@@ -198,12 +199,19 @@ class Balancer:
         started = self.clock()
         limit = self.config.no_replica_wait_s
         waited = False
+        prefix = self.table.prefix
+        if prefix is not None and run.prefix_keys is None:
+            run.prefix_keys = block_keys(run.request.prompt_token_ids, prefix.index.block_tokens,
+                                         prefix.index.max_blocks)
         while True:
             choice = self.table.pick(run.request_id, session_id=run.request.session_id,
-                                     min_weight_version=min_version, avoid=run.avoid)
+                                     min_weight_version=min_version, avoid=run.avoid,
+                                     prefix_keys=run.prefix_keys or ())
             if choice is not None:
                 self.stats.sticky_hits += int(choice.sticky_hit)
                 self.stats.sticky_migrations += int(choice.sticky_migrated)
+                self.stats.prefix_hits += int(choice.prefix_blocks > 0)
+                self.stats.prefix_spills += int(choice.prefix_spilled)
                 return choice
             if not waited:
                 self.stats.no_replica_waits += 1
@@ -357,7 +365,7 @@ class Balancer:
         caller_resumed = sum(len(s.token_ids) for s in run.request.resume_segments)
         out.usage.CopyFrom(generation_pb2.Usage(prompt_tokens=len(run.request.prompt_token_ids),
                                                 completion_tokens=completion, resumed_tokens=caller_resumed,
-                                                attempts=len(run.attempts)))
+                                                attempts=len(run.attempts), cached_tokens=final.usage.cached_tokens))
         whole = _whole(out, caller_resumed)
         emit(whole if run.request.final_only else out)
         self.completed.put(run.request_id, whole)

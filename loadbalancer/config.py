@@ -52,6 +52,39 @@ class OutlierDetectionConfig:
             raise ConfigError("max_ejection_percent", f"must be in [0, 100], got {self.max_ejection_percent}")
 
 
+@dataclasses.dataclass(frozen=True)
+class PrefixRoutingConfig:
+    """``prefix_routing``: how ``routing_policy: prefix_aware`` weighs cache affinity against load."""
+
+    block_tokens: int = setting(64, help="prompt tokens per indexed block; a prompt shorter than one block is "
+                                         "routed by load alone")
+    max_blocks: int = setting(128, help="leading blocks of a prompt indexed and matched (block_tokens x this "
+                                        "tokens of it)")
+    cache_tokens: int = setting(400_000, help="tokens of prompts remembered per replica, least recently used "
+                                              "first out: set it to the replicas' KV cache size (the engine "
+                                              "evicts beyond it)")
+    max_load_gap: int = setting(32, help="a request goes to the replica holding most of its prefix unless that "
+                                         "replica has more than max(max_load_gap, max_load_ratio x least) "
+                                         "in-flight requests above the least loaded one; then it spills to "
+                                         "the least loaded")
+    max_load_ratio: float = setting(0.5, help="see max_load_gap")
+    warmup_s: float = setting(30.0, help="a replica that joined the table less than this ago counts as loaded as "
+                                         "the others' mean, less in proportion to its age, so a new empty "
+                                         "replica is filled gradually instead of taking every spill at once; "
+                                         "0 = off")
+
+    def validate(self) -> None:
+        for key in ("block_tokens", "max_blocks", "cache_tokens"):
+            if getattr(self, key) < 1:
+                raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")
+        if self.cache_tokens < self.block_tokens:
+            raise ConfigError("cache_tokens", f"must hold a block of block_tokens ({self.block_tokens}), got "
+                                              f"{self.cache_tokens}")
+        for key in ("max_load_gap", "max_load_ratio", "warmup_s"):
+            if getattr(self, key) < 0:
+                raise ConfigError(key, f"must be >= 0, got {getattr(self, key)}")
+
+
 @dataclasses.dataclass
 class LoadBalancerConfig(ServerConfig):
     """Settings of the load balancer (``--print-default-config`` lists them)."""
@@ -70,6 +103,14 @@ class LoadBalancerConfig(ServerConfig):
                                         "else its advertised address")
     replicas: list[StaticReplica] = setting(default_factory=list, help="replicas to route to from the start "
                                             "(the controller adds and removes replicas at run time)")
+    routing_policy: Literal["least_loaded", "prefix_aware"] = setting(
+        "least_loaded", help="least_loaded: the replica with the fewest in-flight requests (round robin among "
+                             "equals); prefix_aware: the replica that was sent most of the prompt's leading "
+                             "tokens (its prefix cache holds them), within a load gap (prefix_routing), else "
+                             "the least loaded. Sessions stick either way")
+    prefix_routing: PrefixRoutingConfig = setting(default_factory=PrefixRoutingConfig,
+                                                  help="cache affinity against load, for routing_policy: "
+                                                       "prefix_aware")
     sticky_max_load_gap: int = setting(4, help="a sticky session leaves its replica when that replica has more "
                                                "than this many in-flight requests above the least loaded one")
     max_sticky_sessions: int = setting(100_000, help="sticky-session pins kept (least recently used dropped)")

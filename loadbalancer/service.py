@@ -20,6 +20,7 @@ from rollmesh.loadbalancer.v1 import loadbalancer_pb2_grpc, routing_pb2
 
 from .balancer import Balancer
 from .config import LoadBalancerConfig
+from .prefix_index import PrefixIndex, PrefixPolicy
 from .table import OutlierDetection, Route, RoutingTable
 from .upstreams import Upstreams
 
@@ -40,12 +41,23 @@ def build_balancer(config: LoadBalancerConfig, tracer_provider: TracerProvider |
                          max_sticky_sessions=config.max_sticky_sessions, max_version_lag=config.max_version_lag,
                          sticky_idle_s=config.sticky_session_idle_s,
                          outlier=OutlierDetection(od.consecutive_failures, od.base_ejection_s, od.max_ejection_s,
-                                                  od.max_ejection_percent))
+                                                  od.max_ejection_percent),
+                         prefix=prefix_policy(config))
     table.add(Route(r.replica_id, r.address, r.kind, r.weight_version) for r in config.replicas)
     upstreams = Upstreams(tracer_provider=tracer_provider, call_timeout_s=config.upstream_call_timeout_s,
                           tls=config.tls, agent_streams=config.agent_streams)
     return Balancer(config, table, upstreams, tracer=tracing.tracer(tracer_provider, "rollmesh.loadbalancer"),
                     **kwargs)
+
+
+def prefix_policy(config: LoadBalancerConfig) -> PrefixPolicy | None:
+    """The table's prefix-aware policy, or None when it routes by load (``routing_policy``)."""
+    if config.routing_policy != "prefix_aware":
+        return None
+    pr = config.prefix_routing
+    return PrefixPolicy(PrefixIndex(block_tokens=pr.block_tokens, capacity_tokens=pr.cache_tokens,
+                                    max_blocks=pr.max_blocks),
+                        max_load_gap=pr.max_load_gap, max_load_ratio=pr.max_load_ratio, warmup_s=pr.warmup_s)
 
 
 def own_name(config: LoadBalancerConfig) -> str:

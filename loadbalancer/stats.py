@@ -26,6 +26,8 @@ class Stats:
     no_replica_waits: int = 0
     outlier_ejections: int = 0
     cancelled: int = 0
+    prefix_hits: int = 0
+    prefix_spills: int = 0
     since: float = dataclasses.field(default_factory=time.time)
 
     def to_proto(self, in_flight: int) -> routing_pb2.LoadBalancerStats:
@@ -73,6 +75,10 @@ COUNTERS = {
     "truncated_dropped": ("rollmesh_lb_dropped_tokens", "Tokens dropped by regenerations"),
     "sticky_hits": ("rollmesh_lb_sticky_hits", "Requests routed to their session's replica"),
     "sticky_migrations": ("rollmesh_lb_sticky_migrations", "Sessions moved off a replica that was too loaded"),
+    "prefix_hits": ("rollmesh_lb_prefix_hits", "Requests routed to a replica holding part of their prompt "
+                    "(routing_policy prefix_aware)"),
+    "prefix_spills": ("rollmesh_lb_prefix_spills", "Requests whose prompt a replica held, routed elsewhere "
+                      "because that replica was too loaded (routing_policy prefix_aware)"),
     "no_replica_waits": ("rollmesh_lb_no_replica_waits", "Times a request waited because no replica was eligible"),
     "outlier_ejections": ("rollmesh_lb_outlier_ejections", "Replicas ejected from picks after consecutive failures"),
 }

@@ -5,9 +5,12 @@ version, the one with the fewest in-flight requests; ties are broken round
 robin (a rotating cursor over the tied replicas, in id order), so new
 sessions spread evenly instead of piling onto the first replica. A session sticks to the replica it was
 routed to until that replica carries more than ``sticky_max_load_gap``
-requests above the least loaded eligible one (bounded-load affinity). Removing
-a replica drops its sticky pins at once and revokes the tickets of requests
-that picked it but have not been sent yet.
+requests above the least loaded eligible one (bounded-load affinity). A
+prefix-aware table (:class:`~.prefix_index.PrefixPolicy`) sends a request
+without a pinned session to the replica that holds most of its prompt's
+leading blocks, within a load gap. Removing a replica drops its sticky pins
+and its prefix entries at once and revokes the tickets of requests that
+picked it but have not been sent yet.
 """
 
 from __future__ import annotations
@@ -17,12 +20,15 @@ import itertools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from mesh_runtime.errors import AlreadyExists, InvalidArgument, NotFound
 from mesh_runtime.reasons import Reason
 from mesh_runtime.validate import check_address
+
+from .prefix_index import PrefixPolicy
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +54,8 @@ class Route:
     ejected_until: float = 0.0
     """``time.monotonic()`` until which the replica is out of picks (0: not ejected)."""
     ejected_reason: str = ""
+    joined_at: float = 0.0
+    """When the table added the route, on the table's clock (a prefix-aware table warms new replicas up)."""
 
     @property
     def in_flight(self) -> int:
@@ -96,6 +104,10 @@ class Choice:
     ticket: Ticket
     sticky_hit: bool = False
     sticky_migrated: bool = False
+    prefix_blocks: int = 0
+    """Leading prompt blocks the chosen replica was found to hold (prefix-aware routing)."""
+    prefix_spilled: bool = False
+    """A replica held part of the prompt but was too loaded (prefix-aware routing)."""
 
 
 class RoutingTable:
@@ -103,7 +115,9 @@ class RoutingTable:
 
     def __init__(self, *, sticky_max_load_gap: int, max_sticky_sessions: int, max_version_lag: int | None,
                  outlier: OutlierDetection | None = None, clock: Callable[[], float] = time.monotonic,
-                 sticky_idle_s: float | None = None) -> None:
+                 sticky_idle_s: float | None = None, prefix: PrefixPolicy | None = None) -> None:
+        """``prefix``: route by cached prompt prefix (``routing_policy: prefix_aware``); None: by load."""
+        self.prefix = prefix
         self.sticky_max_load_gap = sticky_max_load_gap
         self.max_sticky_sessions = max_sticky_sessions
         self.sticky_idle_s = sticky_idle_s
@@ -145,6 +159,7 @@ class RoutingTable:
             existing = self.routes.get(ep.replica_id)
             if existing is None:
                 self.routes[ep.replica_id] = ep
+                ep.joined_at = self.clock()
                 existing = ep
             else:
                 existing.weight_version = max(existing.weight_version, ep.weight_version)
@@ -161,6 +176,9 @@ class RoutingTable:
                 route.removed = True
                 removed.append(route)
         gone = {r.replica_id for r in removed}
+        if self.prefix is not None:
+            for replica_id in gone:
+                self.prefix.index.forget(replica_id)
         dropped = [s for s, (rid, _) in self._sticky.items() if rid in gone]
         for session in dropped:
             del self._sticky[session]
@@ -225,14 +243,17 @@ class RoutingTable:
         return "; ".join(f"{r.replica_id}: {self.unroutable_reason(r, floor)}" for r in self.routes.values())
 
     def pick(self, request_id: str, *, session_id: str = "", min_weight_version: int | None = None,
-             avoid: frozenset[str] = frozenset()) -> Choice | None:
-        """Claim the best eligible route for a request, or ``None`` if there is none."""
+             avoid: frozenset[str] = frozenset(), prefix_keys: Sequence[int] = ()) -> Choice | None:
+        """Claim the best eligible route for a request, or ``None`` if there is none.
+
+        ``prefix_keys``: the prompt's leading block keys (:func:`mesh_runtime.prefix.block_keys`), for a
+        prefix-aware table."""
         candidates = self.eligible(min_weight_version)
         preferred = [r for r in candidates if r.replica_id not in avoid] or candidates
         if not preferred:
             return None
         least = min(r.in_flight for r in preferred)
-        choice_kw = {}
+        choice_kw: dict[str, Any] = {}
         chosen = None
         if session_id:
             self._expire_sticky()
@@ -242,9 +263,18 @@ class RoutingTable:
                     chosen, choice_kw = pinned, {"sticky_hit": True}
                 else:
                     choice_kw = {"sticky_migrated": True}
+        if chosen is None and self.prefix is not None:
+            loads = self.prefix.loads(preferred, self.clock())
+            if prefix_keys:
+                chosen, blocks, spilled = self.prefix.affine(prefix_keys, preferred, loads)
+                choice_kw.update(prefix_blocks=blocks, prefix_spilled=spilled)
+            if chosen is None:
+                lightest = min(loads.values())
+                chosen = self._tie_break([r for r in preferred if loads[r.replica_id] == lightest])
         if chosen is None:
-            tied = sorted((r for r in preferred if r.in_flight == least), key=lambda r: r.replica_id)
-            chosen = tied[next(self._tie_cursor) % len(tied)]
+            chosen = self._tie_break([r for r in preferred if r.in_flight == least])
+        if self.prefix is not None and prefix_keys:
+            self.prefix.index.record(chosen.replica_id, prefix_keys)
         if session_id:
             self._sticky[session_id] = (chosen.replica_id, self.clock())
             self._sticky.move_to_end(session_id)
@@ -253,6 +283,11 @@ class RoutingTable:
         ticket = Ticket(request_id, chosen)
         chosen.tickets[request_id] = ticket
         return Choice(ticket, **choice_kw)
+
+    def _tie_break(self, tied: list[Route]) -> Route:
+        """Round robin over equally good routes (in id order), so new work spreads evenly."""
+        tied.sort(key=lambda r: r.replica_id)
+        return tied[next(self._tie_cursor) % len(tied)]
 
     # ------------------------------------------------------ outlier detection
     def next_ejection_end(self) -> float | None:

@@ -71,7 +71,8 @@ def chunk_to_proto(chunk: GenerationChunk) -> replica_agent_pb2.GenerateResponse
         if chunk.usage is not None:
             out.usage.CopyFrom(generation_pb2.Usage(prompt_tokens=chunk.usage.prompt_tokens,
                                                     completion_tokens=chunk.usage.completion_tokens,
-                                                    resumed_tokens=chunk.usage.resumed_tokens, attempts=1))
+                                                    resumed_tokens=chunk.usage.resumed_tokens, attempts=1,
+                                                    cached_tokens=chunk.usage.cached_tokens))
     return out
 
 
@@ -80,7 +81,9 @@ def load_report(snapshot: LoadSnapshot, **identity) -> load_pb2.LoadReport:
     report = load_pb2.LoadReport(
         running_requests=snapshot.running, waiting_requests=snapshot.waiting,
         kv_cache_usage=snapshot.kv_cache_usage, max_total_tokens=snapshot.max_total_tokens,
-        used_tokens=snapshot.used_tokens, generation_tokens_per_second=snapshot.tokens_per_second, **identity)
+        used_tokens=snapshot.used_tokens, generation_tokens_per_second=snapshot.tokens_per_second,
+        prefix_cache_tokens=snapshot.prefix_cache_tokens, prefix_cache_hit_rate=snapshot.prefix_cache_hit_rate,
+        **identity)
     report.queue_time_p95.FromNanoseconds(int(snapshot.queue_time_p95_s * 1e9))
     report.time_to_first_token_p95.FromNanoseconds(int(snapshot.ttft_p95_s * 1e9))
     report.inter_token_latency_mean.FromNanoseconds(int(snapshot.itl_mean_s * 1e9))

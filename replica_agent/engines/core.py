@@ -151,6 +151,19 @@ class SteppedEngine(LifecycleFlags, Engine):
     async def _swap_weights(self, named_tensors: Mapping[str, Any]) -> None:
         """Install already-checked tensors (called between steps)."""
 
+    def _reserve(self, active: ActiveRequest) -> bool:
+        """Claim KV for a request about to join the batch; False: it must wait. By default its prompt and
+        ``max_tokens`` count against ``max_total_tokens``; an engine with a prefix cache counts what it shares
+        (and sets ``active.cached_tokens``)."""
+        if self._reserved + active.reserved_tokens > self.max_total_tokens:
+            return False
+        self._reserved += active.reserved_tokens
+        return True
+
+    def _unreserve(self, active: ActiveRequest) -> None:
+        """Give back what :meth:`_reserve` claimed (the request left the batch)."""
+        self._reserved -= active.reserved_tokens
+
     def _default_seed(self, request: GenerationRequest) -> int:
         """Sampling seed of a request that brings none (random by default)."""
         return secrets.randbits(63)
@@ -285,10 +298,9 @@ class SteppedEngine(LifecycleFlags, Engine):
             now = self._clock()
             while self._waiting and len(running) + len(admitted) < self.max_batch_size:
                 head = self._waiting[0]
-                if self._reserved + head.reserved_tokens > self.max_total_tokens:
+                if not self._reserve(head):
                     break
                 self._waiting.popleft()
-                self._reserved += head.reserved_tokens
                 head.admitted_at = now
                 self._metrics.record_queue_time(now - head.submitted_at)
                 admitted.append(head)
@@ -357,6 +369,7 @@ class SteppedEngine(LifecycleFlags, Engine):
             prompt_tokens=len(active.request.prompt_token_ids),
             completion_tokens=active.completion_tokens,
             resumed_tokens=len(active.prefix),
+            cached_tokens=active.cached_tokens,
         )
         active.out.finish(reason, usage, active.request.resume_segments, self._weight_version)
         active.finish_reason = reason
@@ -367,7 +380,7 @@ class SteppedEngine(LifecycleFlags, Engine):
         if active in self._running:
             self._running.remove(active)
             self._dropped.append(active.request_id)
-            self._reserved -= active.reserved_tokens
+            self._unreserve(active)
         elif active in self._waiting:
             self._waiting.remove(active)
         active.done.set()

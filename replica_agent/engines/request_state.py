@@ -58,6 +58,8 @@ class ActiveRequest:
         self.enders = enders
         """Token ids that end the request with STOP: its stop ids, and the engine's EOS ids unless ignore_eos."""
         self.abort_requested = False
+        self.cached_tokens = 0
+        """Context tokens whose KV the engine had cached when it admitted the request (not recomputed)."""
         self.finish_reason: FinishReason | None = None
         self.done = asyncio.Event()
 

@@ -18,6 +18,11 @@ token ids come from 64-token blocks drawn at once per ``(seed, block)``,
 still a pure function of the seed and the token's index, so a resumed
 request continues exactly where it stopped.
 
+With ``engine_model`` set, the pace comes from :mod:`.engine_model` instead: prefill that costs its uncached
+prompt tokens, a block prefix cache shared by requests and kept after them, decode steps that cost more with
+the batch and its context, and admission bounded by KV capacity. Results then report ``cached_tokens`` and
+load reports the cache's size and hit rate.
+
 Time is injectable (``clock`` and ``sleep``; see :class:`VirtualClock`).
 Never the default backend. Does not import torch unless weights are read.
 """
@@ -36,10 +41,11 @@ from typing import Any
 
 from .chunking import DEFAULT_FLUSH_INTERVAL_S
 from .core import SteppedEngine
+from .engine_model import EngineModel, EngineModelConfig
 from .errors import EngineUnavailable, InvalidRequest, WeightMismatch
 from .randomness import mix_seed
-from .request_state import StepBatch
-from .types import GenerationRequest, WeightSpec
+from .request_state import ActiveRequest, StepBatch
+from .types import GenerationRequest, LoadSnapshot, WeightSpec
 
 _LENGTH_STREAM = 0x4C454E  # distinct draw index for the response length
 _LOGPROB_SALT = 0x10C9
@@ -146,11 +152,21 @@ class SyntheticEngineConfig:
     triples)."""
     weight_version: int = 0
     """Version reported for the initial weights."""
+    engine_model: EngineModelConfig | None = None
+    """Pace, prefix cache and KV capacity of a modelled GPU engine (an ``EngineModelConfig`` or a dict of its
+    fields; ``{}`` for its defaults, Llama-3.1-8B on an H100); replaces the three rates and
+    ``max_total_tokens``. ``None``: the rates above."""
 
     def __post_init__(self) -> None:
         given: Any = self.lengths   # a config passes a mapping
         if isinstance(given, dict):
             self.lengths = LengthDistribution(**given)
+        model: Any = self.engine_model
+        if isinstance(model, dict):
+            unknown = sorted(set(model) - {f.name for f in dataclasses.fields(EngineModelConfig)})
+            if unknown:
+                raise InvalidRequest(f"synthetic engine: unknown engine_model option(s) {unknown}")
+            self.engine_model = EngineModelConfig(**model)
         self.weight_spec = [WeightSpec(n, d, tuple(s)) for n, d, s in self.weight_spec]
 
     def validate(self) -> None:
@@ -158,6 +174,13 @@ class SyntheticEngineConfig:
         for name in ("tokens_per_second", "aggregate_tokens_per_second", "prefill_tokens_per_second"):
             if not getattr(self, name) > 0:
                 raise InvalidRequest(f"synthetic engine: {name} must be > 0 (inf for instant)")
+        if self.engine_model is not None:
+            self.engine_model.validate()
+            paced = [n for n in ("tokens_per_second", "aggregate_tokens_per_second", "prefill_tokens_per_second")
+                     if getattr(self, n) != math.inf]
+            if paced:
+                raise InvalidRequest(f"synthetic engine: {', '.join(paced)} and engine_model both set; the engine "
+                                     "model times prefill and decode itself")
         if self.tokens_per_step < 1:
             raise InvalidRequest(f"synthetic engine: tokens_per_step must be >= 1, got {self.tokens_per_step}")
         if not 0 <= self.eos_token_id < self.vocab_size or self.vocab_size < 2:
@@ -187,10 +210,15 @@ class SyntheticEngine(SteppedEngine):
             stream_interval=config.stream_interval,
             flush_interval_s=config.flush_interval_s,
             max_batch_size=config.max_batch_size,
-            max_total_tokens=config.max_total_tokens,
+            max_total_tokens=(config.engine_model.kv_capacity_tokens if config.engine_model is not None
+                              else config.max_total_tokens),
             clock=clock or time.monotonic,
         )
         self.config = config
+        self.model = (EngineModel(config.engine_model, iterations_per_step=config.tokens_per_step)
+                      if config.engine_model is not None else None)
+        self._sequences: dict[str, list[int]] = {}
+        """With the engine model: each running request's context and tokens so far (cached when it ends)."""
         self._sleep = sleep or asyncio.sleep
         self._weight_version = config.weight_version
         self._targets: dict[str, int] = {}
@@ -224,6 +252,23 @@ class SyntheticEngine(SteppedEngine):
         self._targets.clear()
         self._blocks.clear()
 
+    def _reserve(self, active: ActiveRequest) -> bool:
+        if self.model is None:
+            return super()._reserve(active)
+        context = [*active.request.prompt_token_ids, *active.prefix]
+        cached = self.model.admit(active.request_id, context,
+                                  active.request.sampling.max_tokens - active.completion_tokens)
+        if cached is None:
+            return False
+        active.cached_tokens = cached
+        self._sequences[active.request_id] = context
+        return True
+
+    def _unreserve(self, active: ActiveRequest) -> None:
+        if self.model is None:
+            return super()._unreserve(active)
+        self.model.release(active.request_id, self._sequences.pop(active.request_id, ()))
+
     def _run_length(self, row) -> int:
         """Tokens the row gets this step: ``tokens_per_step``, fewer where its response ends sooner."""
         left = row.sampling.max_tokens - row.completion_index
@@ -245,8 +290,27 @@ class SyntheticEngine(SteppedEngine):
             self._targets[row.request_id] = self.target_length(row.seed)
         rows = (*batch.running, *batch.admitted)
         runs = [self._run_length(row) for row in rows]
-        await self._sleep(self._step_duration(batch, max(runs, default=1)))
-        return [self._tokens(row, run) for row, run in zip(rows, runs)]
+        if self.model is not None:
+            await self._sleep(self.model.step_seconds([(row.request_id, run) for row, run in zip(rows, runs)]))
+        else:
+            await self._sleep(self._step_duration(batch, max(runs, default=1)))
+        out = [self._tokens(row, run) for row, run in zip(rows, runs)]
+        if self.model is not None:
+            for row, (ids, _) in zip(rows, out):
+                sequence = self._sequences.get(row.request_id)
+                if sequence is not None:
+                    sequence += ids
+        return out
+
+    def load_snapshot(self) -> LoadSnapshot:
+        snapshot = super().load_snapshot()
+        if self.model is None:
+            return snapshot
+        capacity = self.model.config.kv_capacity_tokens
+        return dataclasses.replace(snapshot, used_tokens=self.model.used_tokens,
+                                   kv_cache_usage=min(1.0, self.model.used_tokens / capacity),
+                                   prefix_cache_tokens=self.model.cache_tokens,
+                                   prefix_cache_hit_rate=self.model.hit_rate)
 
     def _tokens(self, row, count: int) -> tuple[list[int], list[float]]:
         """The row's next ``count`` tokens and logprobs; the response's natural last one is EOS."""
@@ -322,6 +386,8 @@ class SyntheticEngine(SteppedEngine):
             raise WeightMismatch("weights do not match the synthetic model: " + "; ".join(problems[:5]))
 
     async def _swap_weights(self, named_tensors: Mapping[str, Any]) -> None:
+        if self.model is not None:
+            self.model.clear()
         if self._store is _LAZY:
             self._store = self._initial_weights()
         elif self._store is None:
@@ -329,6 +395,8 @@ class SyntheticEngine(SteppedEngine):
         self._store.update(named_tensors)
 
     async def _release_weights(self, level: int) -> int:
+        if self.model is not None:
+            self.model.clear()
         freed = 0
         if self._weights_resident:
             freed = self._spec_bytes()

@@ -48,6 +48,7 @@ class BatchRunner:
         self.tokens: list[list[int]] = []      # per row: the tokens its cache columns hold
         self.sessions: list[str] = []
         self.generations: list[int] = []       # per row: the prefix cache's generation at its prefill
+        self.cached: dict[str, int] = {}        # rows admitted by the last step: context tokens found cached
         self.cache: DynamicCache | None = None
         self.mask: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
@@ -73,6 +74,7 @@ class BatchRunner:
             if set(running) != set(self.ids):
                 raise RuntimeError(f"batch out of sync: engine runs {sorted(running)}, cache holds {sorted(self.ids)}")
             rows = [running[rid] for rid in self.ids]  # the cache's row order
+            self.cached = {}
             parts = [self._decode()] if rows else []
             for cached, group in self._plan(batch.admitted):
                 parts.append(self._prefill(group, cached))
@@ -133,6 +135,7 @@ class BatchRunner:
         groups: dict[tuple[int, int, int], tuple[tuple[Entry, int] | None, list[RowSpec]]] = {}
         for row in admitted:
             entry, length = self.prefix.lookup(row.context) if self.prefix is not None else (None, 0)
+            self.cached[row.request_id] = length
             key = (len(row.context), length, id(entry) if entry is not None else 0)
             if key not in groups:
                 groups[key] = ((entry, length) if entry is not None else None, [])

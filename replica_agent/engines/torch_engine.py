@@ -196,7 +196,13 @@ class TorchEngine(SteppedEngine):
         return self._eos
 
     async def _execute_step(self, batch: StepBatch) -> list[tuple[int, float]]:
-        return await self._in_worker(self._loaded(self._runner).step, batch)
+        runner = self._loaded(self._runner)
+        out = await self._in_worker(runner.step, batch)
+        for request_id, cached in runner.cached.items():
+            active = self._requests.get(request_id)
+            if active is not None:
+                active.cached_tokens = cached
+        return out
 
     async def _reset_batch(self) -> None:
         if self._runner is not None:

@@ -114,6 +114,8 @@ class Usage:
     completion_tokens: int
     """All completion tokens, resumed ones included."""
     resumed_tokens: int
+    cached_tokens: int = 0
+    """Context tokens (prompt and resumed prefix) the engine found in its prefix cache instead of computing."""
 
 
 @dataclasses.dataclass
@@ -157,6 +159,10 @@ class LoadSnapshot:
     itl_mean_s: float
     """Mean inter-token latency within a request."""
     itl_p95_s: float
+    prefix_cache_tokens: int = 0
+    """Tokens whose KV the prefix cache holds (0: no prefix cache)."""
+    prefix_cache_hit_rate: float = 0.0
+    """Cached over prompt tokens of recent admissions, 0..1."""
 
 
 def _is_int(value: object) -> bool:

@@ -111,3 +111,24 @@ def test_kv_of_older_weights_is_never_kept():
     assert len(cache) == 0
     cache.insert(list(range(8)), *kv(8), generation=cache.generation)
     assert len(cache) == 1
+
+
+def test_results_report_the_cached_tokens_of_their_context():
+    async def final_usage(engine, rid, prompt):
+        async for chunk in engine.generate(GenerationRequest(rid, prompt, SamplingParams(max_tokens=3,
+                                                                                         ignore_eos=True))):
+            usage = chunk.usage
+        return usage
+
+    async def run():
+        engine = create_engine("torch", preset="tiny-llama", seed=5, prefix_cache_tokens=4096, num_threads=1)
+        await engine.start()
+        try:
+            prompt = list(range(10, 110))
+            first = await final_usage(engine, "a", prompt)
+            second = await final_usage(engine, "b", prompt + [7, 7])
+            return first.cached_tokens, second.cached_tokens
+        finally:
+            await engine.close()
+
+    assert asyncio.run(run()) == (0, 96)   # 6 whole blocks of 16 of the first prompt

@@ -131,11 +131,10 @@ def _first_a_then_b(pick):
     """The first attempt goes to ``a``, every later one to ``b`` (the table's own pick, the other avoided)."""
     picks = []
 
-    def choose(request_id, *, session_id, min_weight_version, avoid):
+    def choose(request_id, *, avoid, **kw):
         picks.append(request_id)
         other = "b" if len(picks) == 1 else "a"
-        return pick(request_id, session_id=session_id, min_weight_version=min_weight_version,
-                    avoid=avoid | {other})
+        return pick(request_id, avoid=avoid | {other}, **kw)
     return choose
 
 

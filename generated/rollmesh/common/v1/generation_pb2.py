@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#rollmesh/common/v1/generation.proto\x12\x12rollmesh.common.v1\"\xa2\x02\n\x0eSamplingParams\x12\x1d\n\nmax_tokens\x18\x01 \x01(\rR\tmaxTokens\x12%\n\x0btemperature\x18\x02 \x01(\x02H\x00R\x0btemperature\x88\x01\x01\x12\x18\n\x05top_p\x18\x03 \x01(\x02H\x01R\x04topP\x88\x01\x01\x12\x13\n\x05top_k\x18\x04 \x01(\x05R\x04topK\x12\x17\n\x04seed\x18\x05 \x01(\x04H\x02R\x04seed\x88\x01\x01\x12$\n\x0estop_token_ids\x18\x06 \x03(\x05R\x0cstopTokenIds\x12\x1a\n\x08logprobs\x18\x07 \x01(\x08R\x08logprobs\x12\x1d\n\nignore_eos\x18\x08 \x01(\x08R\tignoreEosB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\xa6\x01\n\x0cTokenSegment\x12\x1b\n\ttoken_ids\x18\x01 \x03(\x05R\x08tokenIds\x12\x1a\n\x08logprobs\x18\x02 \x03(\x02R\x08logprobs\x12%\n\x0eweight_version\x18\x03 \x01(\x03R\rweightVersion\x12\x1d\n\nreplica_id\x18\x04 \x01(\tR\treplicaId\x12\x17\n\x07node_id\x18\x05 \x01(\tR\x06nodeId\"\x9c\x01\n\x05Usage\x12#\n\rprompt_tokens\x18\x01 \x01(\rR\x0cpromptTokens\x12+\n\x11\x63ompletion_tokens\x18\x02 \x01(\rR\x10\x63ompletionTokens\x12%\n\x0eresumed_tokens\x18\x03 \x01(\rR\rresumedTokens\x12\x1a\n\x08\x61ttempts\x18\x04 \x01(\rR\x08\x61ttempts*z\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#rollmesh/common/v1/generation.proto\x12\x12rollmesh.common.v1\"\xa2\x02\n\x0eSamplingParams\x12\x1d\n\nmax_tokens\x18\x01 \x01(\rR\tmaxTokens\x12%\n\x0btemperature\x18\x02 \x01(\x02H\x00R\x0btemperature\x88\x01\x01\x12\x18\n\x05top_p\x18\x03 \x01(\x02H\x01R\x04topP\x88\x01\x01\x12\x13\n\x05top_k\x18\x04 \x01(\x05R\x04topK\x12\x17\n\x04seed\x18\x05 \x01(\x04H\x02R\x04seed\x88\x01\x01\x12$\n\x0estop_token_ids\x18\x06 \x03(\x05R\x0cstopTokenIds\x12\x1a\n\x08logprobs\x18\x07 \x01(\x08R\x08logprobs\x12\x1d\n\nignore_eos\x18\x08 \x01(\x08R\tignoreEosB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\xa6\x01\n\x0cTokenSegment\x12\x1b\n\ttoken_ids\x18\x01 \x03(\x05R\x08tokenIds\x12\x1a\n\x08logprobs\x18\x02 \x03(\x02R\x08logprobs\x12%\n\x0eweight_version\x18\x03 \x01(\x03R\rweightVersion\x12\x1d\n\nreplica_id\x18\x04 \x01(\tR\treplicaId\x12\x17\n\x07node_id\x18\x05 \x01(\tR\x06nodeId\"\xc1\x01\n\x05Usage\x12#\n\rprompt_tokens\x18\x01 \x01(\rR\x0cpromptTokens\x12+\n\x11\x63ompletion_tokens\x18\x02 \x01(\rR\x10\x63ompletionTokens\x12%\n\x0eresumed_tokens\x18\x03 \x01(\rR\rresumedTokens\x12\x1a\n\x08\x61ttempts\x18\x04 \x01(\rR\x08\x61ttempts\x12#\n\rcached_tokens\x18\x05 \x01(\rR\x0c\x63\x61\x63hedTokens*z\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rollmesh.common.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=680
-  _globals['_FINISHREASON']._serialized_end=802
+  _globals['_FINISHREASON']._serialized_start=717
+  _globals['_FINISHREASON']._serialized_end=839
   _globals['_SAMPLINGPARAMS']._serialized_start=60
   _globals['_SAMPLINGPARAMS']._serialized_end=350
   _globals['_TOKENSEGMENT']._serialized_start=353
   _globals['_TOKENSEGMENT']._serialized_end=519
   _globals['_USAGE']._serialized_start=522
-  _globals['_USAGE']._serialized_end=678
+  _globals['_USAGE']._serialized_end=715
 # @@protoc_insertion_point(module_scope)

@@ -11,7 +11,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class LoadReport(_message.Message):
-    __slots__ = ("replica_id", "node_id", "state", "kind", "weight_version", "running_requests", "waiting_requests", "kv_cache_usage", "max_total_tokens", "used_tokens", "generation_tokens_per_second", "queue_time_p95", "time_to_first_token_p95", "inter_token_latency_mean", "inter_token_latency_p95", "reported_at")
+    __slots__ = ("replica_id", "node_id", "state", "kind", "weight_version", "running_requests", "waiting_requests", "kv_cache_usage", "max_total_tokens", "used_tokens", "generation_tokens_per_second", "queue_time_p95", "time_to_first_token_p95", "inter_token_latency_mean", "inter_token_latency_p95", "reported_at", "prefix_cache_tokens", "prefix_cache_hit_rate")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,8 @@ class LoadReport(_message.Message):
     INTER_TOKEN_LATENCY_MEAN_FIELD_NUMBER: _ClassVar[int]
     INTER_TOKEN_LATENCY_P95_FIELD_NUMBER: _ClassVar[int]
     REPORTED_AT_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     node_id: str
     state: _types_pb2.ReplicaState
@@ -44,4 +46,6 @@ class LoadReport(_message.Message):
     inter_token_latency_mean: _duration_pb2.Duration
     inter_token_latency_p95: _duration_pb2.Duration
     reported_at: _timestamp_pb2.Timestamp
-    def __init__(self, replica_id: _Optional[str] = ..., node_id: _Optional[str] = ..., state: _Optional[_Union[_types_pb2.ReplicaState, str]] = ..., kind: _Optional[_Union[_types_pb2.ReplicaKind, str]] = ..., weight_version: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., max_total_tokens: _Optional[int] = ..., used_tokens: _Optional[int] = ..., generation_tokens_per_second: _Optional[float] = ..., queue_time_p95: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., time_to_first_token_p95: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., inter_token_latency_mean: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., inter_token_latency_p95: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., reported_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    prefix_cache_tokens: int
+    prefix_cache_hit_rate: float
+    def __init__(self, replica_id: _Optional[str] = ..., node_id: _Optional[str] = ..., state: _Optional[_Union[_types_pb2.ReplicaState, str]] = ..., kind: _Optional[_Union[_types_pb2.ReplicaKind, str]] = ..., weight_version: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., max_total_tokens: _Optional[int] = ..., used_tokens: _Optional[int] = ..., generation_tokens_per_second: _Optional[float] = ..., queue_time_p95: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., time_to_first_token_p95: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., inter_token_latency_mean: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., inter_token_latency_p95: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., reported_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., prefix_cache_tokens: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ...) -> None: ...

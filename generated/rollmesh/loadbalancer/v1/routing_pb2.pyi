@@ -83,7 +83,7 @@ class Attempt(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., tokens: _Optional[int] = ..., outcome: _Optional[_Union[AttemptOutcome, str]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., ended_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class LoadBalancerStats(_message.Message):
-    __slots__ = ("requests_total", "completed", "failed", "in_flight", "retries", "resumes", "regenerations", "truncated_dropped", "sticky_hits", "sticky_migrations", "no_replica_waits", "since", "outlier_ejections", "cancelled")
+    __slots__ = ("requests_total", "completed", "failed", "in_flight", "retries", "resumes", "regenerations", "truncated_dropped", "sticky_hits", "sticky_migrations", "no_replica_waits", "since", "outlier_ejections", "cancelled", "prefix_hits", "prefix_spills")
     REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     COMPLETED_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,8 @@ class LoadBalancerStats(_message.Message):
     SINCE_FIELD_NUMBER: _ClassVar[int]
     OUTLIER_EJECTIONS_FIELD_NUMBER: _ClassVar[int]
     CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HITS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_SPILLS_FIELD_NUMBER: _ClassVar[int]
     requests_total: int
     completed: int
     failed: int
@@ -112,4 +114,6 @@ class LoadBalancerStats(_message.Message):
     since: _timestamp_pb2.Timestamp
     outlier_ejections: int
     cancelled: int
-    def __init__(self, requests_total: _Optional[int] = ..., completed: _Optional[int] = ..., failed: _Optional[int] = ..., in_flight: _Optional[int] = ..., retries: _Optional[int] = ..., resumes: _Optional[int] = ..., regenerations: _Optional[int] = ..., truncated_dropped: _Optional[int] = ..., sticky_hits: _Optional[int] = ..., sticky_migrations: _Optional[int] = ..., no_replica_waits: _Optional[int] = ..., since: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., outlier_ejections: _Optional[int] = ..., cancelled: _Optional[int] = ...) -> None: ...
+    prefix_hits: int
+    prefix_spills: int
+    def __init__(self, requests_total: _Optional[int] = ..., completed: _Optional[int] = ..., failed: _Optional[int] = ..., in_flight: _Optional[int] = ..., retries: _Optional[int] = ..., resumes: _Optional[int] = ..., regenerations: _Optional[int] = ..., truncated_dropped: _Optional[int] = ..., sticky_hits: _Optional[int] = ..., sticky_migrations: _Optional[int] = ..., no_replica_waits: _Optional[int] = ..., since: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., outlier_ejections: _Optional[int] = ..., cancelled: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., prefix_spills: _Optional[int] = ...) -> None: ...

@@ -13,7 +13,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file rollmesh/common/v1/generation.proto.
  */
 export const file_rollmesh_common_v1_generation: GenFile = /*@__PURE__*/
-  fileDesc("CiNyb2xsbWVzaC9jb21tb24vdjEvZ2VuZXJhdGlvbi5wcm90bxIScm9sbG1lc2guY29tbW9uLnYxItUBCg5TYW1wbGluZ1BhcmFtcxISCgptYXhfdG9rZW5zGAEgASgNEhgKC3RlbXBlcmF0dXJlGAIgASgCSACIAQESEgoFdG9wX3AYAyABKAJIAYgBARINCgV0b3BfaxgEIAEoBRIRCgRzZWVkGAUgASgESAKIAQESFgoOc3RvcF90b2tlbl9pZHMYBiADKAUSEAoIbG9ncHJvYnMYByABKAgSEgoKaWdub3JlX2VvcxgIIAEoCEIOCgxfdGVtcGVyYXR1cmVCCAoGX3RvcF9wQgcKBV9zZWVkInAKDFRva2VuU2VnbWVudBIRCgl0b2tlbl9pZHMYASADKAUSEAoIbG9ncHJvYnMYAiADKAISFgoOd2VpZ2h0X3ZlcnNpb24YAyABKAMSEgoKcmVwbGljYV9pZBgEIAEoCRIPCgdub2RlX2lkGAUgASgJImMKBVVzYWdlEhUKDXByb21wdF90b2tlbnMYASABKA0SGQoRY29tcGxldGlvbl90b2tlbnMYAiABKA0SFgoOcmVzdW1lZF90b2tlbnMYAyABKA0SEAoIYXR0ZW1wdHMYBCABKA0qegoMRmluaXNoUmVhc29uEh0KGUZJTklTSF9SRUFTT05fVU5TUEVDSUZJRUQQABIWChJGSU5JU0hfUkVBU09OX1NUT1AQARIYChRGSU5JU0hfUkVBU09OX0xFTkdUSBACEhkKFUZJTklTSF9SRUFTT05fQUJPUlRFRBADYgZwcm90bzM");
+  fileDesc("CiNyb2xsbWVzaC9jb21tb24vdjEvZ2VuZXJhdGlvbi5wcm90bxIScm9sbG1lc2guY29tbW9uLnYxItUBCg5TYW1wbGluZ1BhcmFtcxISCgptYXhfdG9rZW5zGAEgASgNEhgKC3RlbXBlcmF0dXJlGAIgASgCSACIAQESEgoFdG9wX3AYAyABKAJIAYgBARINCgV0b3BfaxgEIAEoBRIRCgRzZWVkGAUgASgESAKIAQESFgoOc3RvcF90b2tlbl9pZHMYBiADKAUSEAoIbG9ncHJvYnMYByABKAgSEgoKaWdub3JlX2VvcxgIIAEoCEIOCgxfdGVtcGVyYXR1cmVCCAoGX3RvcF9wQgcKBV9zZWVkInAKDFRva2VuU2VnbWVudBIRCgl0b2tlbl9pZHMYASADKAUSEAoIbG9ncHJvYnMYAiADKAISFgoOd2VpZ2h0X3ZlcnNpb24YAyABKAMSEgoKcmVwbGljYV9pZBgEIAEoCRIPCgdub2RlX2lkGAUgASgJInoKBVVzYWdlEhUKDXByb21wdF90b2tlbnMYASABKA0SGQoRY29tcGxldGlvbl90b2tlbnMYAiABKA0SFgoOcmVzdW1lZF90b2tlbnMYAyABKA0SEAoIYXR0ZW1wdHMYBCABKA0SFQoNY2FjaGVkX3Rva2VucxgFIAEoDSp6CgxGaW5pc2hSZWFzb24SHQoZRklOSVNIX1JFQVNPTl9VTlNQRUNJRklFRBAAEhYKEkZJTklTSF9SRUFTT05fU1RPUBABEhgKFEZJTklTSF9SRUFTT05fTEVOR1RIEAISGQoVRklOSVNIX1JFQVNPTl9BQk9SVEVEEANiBnByb3RvMw");
 
 /**
  * SamplingParams controls how tokens are sampled. The servers never modify the
@@ -179,6 +179,15 @@ export type Usage = Message<"rollmesh.common.v1.Usage"> & {
    * @generated from field: uint32 attempts = 4;
    */
   attempts: number;
+
+  /**
+   * Number of context tokens (prompt and resumed prefix) of the last attempt
+   * that its replica found in its prefix cache instead of computing them
+   * (0 where the engine keeps no prefix cache).
+   *
+   * @generated from field: uint32 cached_tokens = 5;
+   */
+  cachedTokens: number;
 };
 
 /**

@@ -18,7 +18,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file rollmesh/common/v1/load.proto.
  */
 export const file_rollmesh_common_v1_load: GenFile = /*@__PURE__*/
-  fileDesc("Ch1yb2xsbWVzaC9jb21tb24vdjEvbG9hZC5wcm90bxIScm9sbG1lc2guY29tbW9uLnYxIuMECgpMb2FkUmVwb3J0EhIKCnJlcGxpY2FfaWQYASABKAkSDwoHbm9kZV9pZBgCIAEoCRIvCgVzdGF0ZRgDIAEoDjIgLnJvbGxtZXNoLmNvbW1vbi52MS5SZXBsaWNhU3RhdGUSLQoEa2luZBgEIAEoDjIfLnJvbGxtZXNoLmNvbW1vbi52MS5SZXBsaWNhS2luZBIWCg53ZWlnaHRfdmVyc2lvbhgFIAEoAxIYChBydW5uaW5nX3JlcXVlc3RzGAYgASgNEhgKEHdhaXRpbmdfcmVxdWVzdHMYByABKA0SFgoOa3ZfY2FjaGVfdXNhZ2UYCCABKAESGAoQbWF4X3RvdGFsX3Rva2VucxgJIAEoBBITCgt1c2VkX3Rva2VucxgKIAEoBBIkChxnZW5lcmF0aW9uX3Rva2Vuc19wZXJfc2Vjb25kGAsgASgBEjEKDnF1ZXVlX3RpbWVfcDk1GAwgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEjoKF3RpbWVfdG9fZmlyc3RfdG9rZW5fcDk1GA0gASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEjsKGGludGVyX3Rva2VuX2xhdGVuY3lfbWVhbhgOIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhI6ChdpbnRlcl90b2tlbl9sYXRlbmN5X3A5NRgPIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhIvCgtyZXBvcnRlZF9hdBgQIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXBiBnByb3RvMw", [file_google_protobuf_duration, file_google_protobuf_timestamp, file_rollmesh_common_v1_types]);
+  fileDesc("Ch1yb2xsbWVzaC9jb21tb24vdjEvbG9hZC5wcm90bxIScm9sbG1lc2guY29tbW9uLnYxIp8FCgpMb2FkUmVwb3J0EhIKCnJlcGxpY2FfaWQYASABKAkSDwoHbm9kZV9pZBgCIAEoCRIvCgVzdGF0ZRgDIAEoDjIgLnJvbGxtZXNoLmNvbW1vbi52MS5SZXBsaWNhU3RhdGUSLQoEa2luZBgEIAEoDjIfLnJvbGxtZXNoLmNvbW1vbi52MS5SZXBsaWNhS2luZBIWCg53ZWlnaHRfdmVyc2lvbhgFIAEoAxIYChBydW5uaW5nX3JlcXVlc3RzGAYgASgNEhgKEHdhaXRpbmdfcmVxdWVzdHMYByABKA0SFgoOa3ZfY2FjaGVfdXNhZ2UYCCABKAESGAoQbWF4X3RvdGFsX3Rva2VucxgJIAEoBBITCgt1c2VkX3Rva2VucxgKIAEoBBIkChxnZW5lcmF0aW9uX3Rva2Vuc19wZXJfc2Vjb25kGAsgASgBEjEKDnF1ZXVlX3RpbWVfcDk1GAwgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEjoKF3RpbWVfdG9fZmlyc3RfdG9rZW5fcDk1GA0gASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEjsKGGludGVyX3Rva2VuX2xhdGVuY3lfbWVhbhgOIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhI6ChdpbnRlcl90b2tlbl9sYXRlbmN5X3A5NRgPIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhIvCgtyZXBvcnRlZF9hdBgQIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASGwoTcHJlZml4X2NhY2hlX3Rva2VucxgRIAEoBBIdChVwcmVmaXhfY2FjaGVfaGl0X3JhdGUYEiABKAFiBnByb3RvMw", [file_google_protobuf_duration, file_google_protobuf_timestamp, file_rollmesh_common_v1_types]);
 
 /**
  * LoadReport is a snapshot of one replica's load and latency.
@@ -142,6 +142,21 @@ export type LoadReport = Message<"rollmesh.common.v1.LoadReport"> & {
    * @generated from field: google.protobuf.Timestamp reported_at = 16;
    */
   reportedAt?: Timestamp | undefined;
+
+  /**
+   * Tokens whose KV the replica's prefix cache holds, in use or idle (0 where
+   * the engine keeps no prefix cache).
+   *
+   * @generated from field: uint64 prefix_cache_tokens = 17;
+   */
+  prefixCacheTokens: bigint;
+
+  /**
+   * Fraction of recent prompt tokens found in the prefix cache, 0..1.
+   *
+   * @generated from field: double prefix_cache_hit_rate = 18;
+   */
+  prefixCacheHitRate: number;
 };
 
 /**

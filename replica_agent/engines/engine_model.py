@@ -1,0 +1,242 @@
+"""A cost model of one GPU inference engine: what prefill, decode and a prefix cache cost, and when KV runs out.
+
+Used by the synthetic backend (``engine_options: {engine_model: {...}}``) and by the benchmarks' fake SGLang
+worker, so rollmesh's balancer and a peer router are measured on the same engine. Pure Python, no I/O, no
+clock: callers ask what a step costs and sleep that long.
+
+* **Prefix cache.** The KV of full ``block_size``-token blocks, keyed by a hash chain over the tokens
+  (:func:`mesh_runtime.prefix.block_keys`), so a block is shared by every request whose context starts with
+  the same tokens. A request's prompt blocks enter the cache when it is admitted (its siblings admitted later
+  reuse them) and its generated blocks when it ends (a trajectory's next turn starts with them). Blocks no
+  running request uses stay cached and are evicted least recently used when room is needed, a sequence's last
+  blocks first (as vLLM frees them). At least one prompt token is always computed, as in vLLM.
+* **KV capacity.** ``kv_capacity_tokens`` in blocks. Admission needs room for the uncached prompt blocks and
+  the request's ``max_tokens`` (reserved up front, no preemption: vLLM allocates as decoding goes and preempts
+  when out of blocks, so it runs somewhat larger batches at the same capacity); cached blocks nobody uses are
+  evicted to make room, and a request that still does not fit waits. ``max_prefill_tokens`` bounds the
+  uncached prompt tokens admitted per decode iteration (chunked prefill's token budget); one request always
+  fits.
+* **Time.** A step of ``k`` decode iterations over a batch of ``B`` requests with contexts ``c_i`` costs
+  ``k * (decode_step_s + B * decode_per_seq_s) + decode_per_context_token_s * sum over the k iterations of the
+  batch's context tokens``, plus the uncached prompt tokens of the requests it admits over
+  ``prefill_tokens_per_s``; all divided by ``speed`` (1: the modelled GPU; 0.25: four times slower, for runs on
+  CPUs that route slower than a GPU generates).
+
+The defaults model Llama-3.1-8B in bf16 on one H100 SXM under vLLM; the README's "Engine model" section
+derives each from the GPU's and the model's published figures and checks the result against published
+vLLM throughput.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from mesh_runtime.prefix import block_keys
+
+from .errors import InvalidRequest
+
+HIT_WINDOW = 256
+"""Admissions the reported hit rate covers (the most recent ones)."""
+
+
+@dataclasses.dataclass
+class EngineModelConfig:
+    """Costs and capacities of the modelled engine (defaults: Llama-3.1-8B bf16, one H100 SXM, vLLM)."""
+
+    speed: float = 1.0
+    """Every duration is divided by this: 1 is the modelled GPU, 0.25 runs four times slower."""
+    decode_step_s: float = 0.0062
+    """Fixed cost of one decode iteration: the 16.06 GB of weights read at 77% of 3.35 TB/s."""
+    decode_per_seq_s: float = 10e-6
+    """Added per running request per iteration (sampling, scheduling, launch overheads)."""
+    decode_per_context_token_s: float = 51e-9
+    """Added per context token of the batch per iteration: its 128 KiB of KV read at 77% of 3.35 TB/s."""
+    prefill_tokens_per_s: float = 30_000.0
+    """Uncached prompt tokens computed per second: 16.1 GFLOP a token at half of 989 TFLOPS."""
+    kv_capacity_tokens: int = 400_000
+    """KV cache size in tokens: 0.9 of 80 GB less weights and activations, at 128 KiB a token."""
+    block_size: int = 16
+    """Tokens per KV block (vLLM's default); only full blocks are cached."""
+    max_prefill_tokens: int = 8192
+    """Uncached prompt tokens admitted per decode iteration (chunked prefill's budget; one request always
+    fits)."""
+
+    def validate(self) -> None:
+        for name in ("speed", "prefill_tokens_per_s"):
+            if not getattr(self, name) > 0:
+                raise InvalidRequest(f"engine_model: {name} must be > 0, got {getattr(self, name)}")
+        for name in ("decode_step_s", "decode_per_seq_s", "decode_per_context_token_s"):
+            if not getattr(self, name) >= 0:
+                raise InvalidRequest(f"engine_model: {name} must be >= 0, got {getattr(self, name)}")
+        if self.block_size < 1 or self.max_prefill_tokens < 1:
+            raise InvalidRequest("engine_model: block_size and max_prefill_tokens must be >= 1")
+        if self.kv_capacity_tokens < self.block_size:
+            raise InvalidRequest(f"engine_model: kv_capacity_tokens must hold a block, got {self.kv_capacity_tokens}")
+
+
+class BlockCache:
+    """Blocks by key: pinned ones (used by running requests, with a count) and idle ones (LRU order)."""
+
+    def __init__(self, capacity_blocks: int) -> None:
+        self.capacity = capacity_blocks
+        self.pinned: dict[int, int] = {}
+        self.idle: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self.evicted = 0
+
+    def __len__(self) -> int:
+        return len(self.pinned) + len(self.idle)
+
+    def __contains__(self, key: int) -> bool:
+        return key in self.pinned or key in self.idle
+
+    def matched(self, keys: Sequence[int]) -> int:
+        """How many of ``keys`` from the first are cached."""
+        for count, key in enumerate(keys):
+            if key not in self.pinned and key not in self.idle:
+                return count
+        return len(keys)
+
+    def pin(self, key: int) -> None:
+        if key in self.idle:
+            del self.idle[key]
+            self.pinned[key] = 1
+        else:
+            self.pinned[key] = self.pinned.get(key, 0) + 1
+
+    def unpin(self, key: int, keep: bool = True) -> None:
+        """One user fewer; a block nobody uses stays cached (most recently used) when ``keep``, else goes."""
+        left = self.pinned[key] - 1
+        if left:
+            self.pinned[key] = left
+        else:
+            del self.pinned[key]
+            if keep:
+                self.idle[key] = None
+
+    def make_room(self, blocks: int, reserved: int) -> bool:
+        """Evict idle blocks until ``blocks`` more fit beside the cached ones and ``reserved`` others."""
+        while len(self) + reserved + blocks > self.capacity and self.idle:
+            self.idle.popitem(last=False)
+            self.evicted += 1
+        return len(self) + reserved + blocks <= self.capacity
+
+
+@dataclasses.dataclass
+class _Held:
+    keys: list[int]         # the prompt's full blocks, pinned while the request runs
+    generation: int         # the weights' generation at admission
+    private_blocks: int     # reserved for the partial prompt block and max_tokens
+    context: int            # tokens of context now (prompt + generated so far)
+
+
+class EngineModel:
+    """One engine's prefix cache, KV reservations and step costs; see the module docstring."""
+
+    def __init__(self, config: EngineModelConfig | None = None, *, iterations_per_step: int = 1) -> None:
+        """``iterations_per_step``: decode iterations a caller's step stands for (the prefill budget of a step
+        is ``max_prefill_tokens`` per iteration)."""
+        self.config = config or EngineModelConfig()
+        self.config.validate()
+        self.iterations_per_step = iterations_per_step
+        self.blocks = BlockCache(self.config.kv_capacity_tokens // self.config.block_size)
+        self._held: dict[str, _Held] = {}
+        self._private = 0
+        self._prefill = 0                       # uncached prompt tokens admitted since the last step
+        self._generation = 0                    # bumped by clear(): keys of earlier weights never match again
+        self._step_budget = self.config.max_prefill_tokens * iterations_per_step
+        self._recent: collections.deque[tuple[int, int]] = collections.deque(maxlen=HIT_WINDOW)
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+
+    # ----------------------------------------------------------------- requests
+    def admit(self, request_id: str, context: Sequence[int], max_tokens: int) -> int | None:
+        """Admit a request: its cached prompt tokens, or ``None`` when it must wait (KV or prefill budget)."""
+        size = self.config.block_size
+        keys = self._keys(context)
+        usable = (len(context) - 1) // size         # the last prompt token is always computed
+        hit = self.blocks.matched(keys[:usable])
+        uncached = len(context) - hit * size
+        if self._prefill and uncached > self._step_budget:
+            return None
+        private = math.ceil((len(context) - len(keys) * size + max_tokens) / size)
+        for key in keys[:hit]:
+            self.blocks.pin(key)
+        if not self.blocks.make_room(len(keys) - hit, self._private + private):
+            for key in reversed(keys[:hit]):
+                self.blocks.unpin(key)
+            return None
+        for key in keys[hit:]:
+            self.blocks.pin(key)
+        self._private += private
+        self._held[request_id] = _Held(keys, self._generation, private, len(context))
+        self._prefill += uncached
+        self._step_budget -= uncached
+        self._recent.append((len(context), hit * size))
+        self.prompt_tokens += len(context)
+        self.cached_tokens += hit * size
+        return hit * size
+
+    def release(self, request_id: str, sequence: Sequence[int] = ()) -> None:
+        """A request left (finished or aborted): unpin its blocks and cache ``sequence``'s (its prompt and the
+        tokens it generated) for whoever continues it."""
+        held = self._held.pop(request_id, None)
+        if held is None:
+            return
+        self._private -= held.private_blocks
+        size = self.config.block_size
+        current = held.generation == self._generation
+        new = self._keys(sequence)[len(held.keys):] if current and len(sequence) // size > len(held.keys) else []
+        for key in reversed(new):       # freed tail first, so the tail is evicted first (as vLLM frees blocks)
+            if key not in self.blocks and self.blocks.make_room(1, self._private):
+                self.blocks.idle[key] = None
+        for key in reversed(held.keys):
+            self.blocks.unpin(key, keep=current)
+
+    def clear(self) -> None:
+        """New weights make cached KV wrong: forget idle blocks; blocks running requests hold go when they end."""
+        self.blocks.idle.clear()
+        self._generation += 1
+
+    def _keys(self, tokens: Sequence[int]) -> list[int]:
+        keys = block_keys(tokens, self.config.block_size)
+        return [hash((self._generation, k)) for k in keys] if self._generation else keys
+
+    # --------------------------------------------------------------------- time
+    def step_seconds(self, runs: Sequence[tuple[str, int]]) -> float:
+        """Cost of one step in which each ``(request id, tokens)`` row decodes that many tokens, plus the
+        prefill of the requests admitted since the last step; the rows' contexts grow by their tokens."""
+        c = self.config
+        iterations = max((n for _, n in runs), default=0)
+        rows = len(runs)
+        context = 0
+        for request_id, tokens in runs:
+            held = self._held.get(request_id)
+            if held is not None:
+                context += held.context
+                held.context += tokens
+        seconds = (iterations * (c.decode_step_s + rows * c.decode_per_seq_s + c.decode_per_context_token_s * context)
+                   + c.decode_per_context_token_s * rows * iterations * (iterations - 1) / 2
+                   + self._prefill / c.prefill_tokens_per_s)
+        self._prefill = 0
+        self._step_budget = c.max_prefill_tokens * self.iterations_per_step
+        return seconds / c.speed
+
+    # ------------------------------------------------------------------ reports
+    @property
+    def cache_tokens(self) -> int:
+        """Tokens whose KV is cached (in use or idle)."""
+        return len(self.blocks) * self.config.block_size
+
+    @property
+    def used_tokens(self) -> int:
+        """KV in use by running requests: their prompt blocks and their reservations."""
+        return (len(self.blocks.pinned) + self._private) * self.config.block_size
+
+    @property
+    def hit_rate(self) -> float:
+        """Cached over prompt tokens of the last :data:`HIT_WINDOW` admissions (0 before any)."""
+        prompts = sum(p for p, _ in self._recent)
+        return sum(h for _, h in self._recent) / prompts if prompts else 0.0

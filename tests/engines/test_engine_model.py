@@ -1,0 +1,128 @@
+"""The engine model: prefix cache, KV admission and step costs, alone and inside the synthetic engine."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from replica_agent.engines.engine_model import EngineModel, EngineModelConfig
+from replica_agent.engines.errors import InvalidRequest
+from replica_agent.engines.synthetic import SyntheticEngine, SyntheticEngineConfig, VirtualClock
+from replica_agent.engines.types import GenerationRequest, SamplingParams
+
+
+def model(**kw) -> EngineModel:
+    return EngineModel(EngineModelConfig(block_size=4, **kw))
+
+
+def test_siblings_share_a_prompt_and_a_next_turn_reuses_the_whole_sequence():
+    m = model()
+    prompt = list(range(100, 110))                     # 2 whole blocks and 2 tokens
+    assert m.admit("a", prompt, 8) == 0
+    assert m.admit("b", prompt, 8) == 8                # its siblings find both blocks
+    assert m.admit("c", prompt[:8], 8) == 4            # a whole match still computes its last token
+    m.step_seconds([("a", 4), ("b", 4), ("c", 4)])
+    m.release("a", prompt + [1, 2, 3, 4, 5, 6])        # 16 tokens: 4 blocks kept
+    assert m.cache_tokens == 16
+    assert m.admit("turn2", prompt + [1, 2, 3, 4, 5, 6, 9, 9], 8) == 16
+    assert m.prompt_tokens == 10 + 10 + 8 + 18 and m.cached_tokens == 8 + 4 + 16
+    assert m.hit_rate == pytest.approx(28 / 46)
+
+
+def test_idle_blocks_are_evicted_least_recently_used_tail_first():
+    m = model(kv_capacity_tokens=48)                   # 12 blocks
+    m.admit("a", list(range(12)), 4)                   # 3 prompt blocks + 1 reserved
+    m.release("a", list(range(16)))                    # 4 idle blocks
+    m.admit("b", list(range(50, 62)), 4)
+    m.release("b", list(range(50, 66)))                # 8 idle blocks, a's the least recently used
+    m.admit("c", list(range(200, 212)), 8)             # needs 3 + 2: evicts one, a's last block
+    assert m.blocks.evicted == 1
+    assert m.admit("a2", list(range(16)) + [1], 1) == 12   # a's first three blocks are left
+    assert m.blocks.evicted == 3                       # room for a2's 2 blocks: b's last two went
+    assert m.admit("b2", list(range(50, 66)) + [1], 1) is None   # KV is full
+    m.release("c")
+    assert m.admit("b2", list(range(50, 66)) + [1], 1) == 8     # c's idle blocks make room
+
+
+def test_a_request_waits_until_kv_is_free_and_prefill_has_a_budget_per_step():
+    m = model(kv_capacity_tokens=40)
+    assert m.admit("a", list(range(20)), 16) == 0      # 5 + 4 blocks of 10
+    assert m.admit("b", list(range(500, 508)), 4) is None
+    assert m.used_tokens == 36
+    m.release("a")
+    assert m.admit("b", list(range(500, 508)), 4) == 0
+    budget = model(max_prefill_tokens=10)
+    assert budget.admit("x", list(range(8)), 1) == 0
+    assert budget.admit("y", list(range(30, 38)), 1) is None   # past this step's prefill budget
+    budget.step_seconds([("x", 1)])
+    assert budget.admit("y", list(range(30, 38)), 1) == 0
+
+
+def test_step_cost_grows_with_batch_context_and_uncached_prompt():
+    c = EngineModelConfig(decode_step_s=0.005, decode_per_seq_s=0.001, decode_per_context_token_s=1e-6,
+                          prefill_tokens_per_s=1000.0, block_size=4)
+    m = EngineModel(c)
+    m.admit("a", list(range(100)), 10)
+    m.admit("b", list(range(100)), 10)                 # 96 cached: 4 tokens to compute
+    first = m.step_seconds([("a", 2), ("b", 2)])
+    assert first == pytest.approx(2 * (0.005 + 2 * 0.001) + 1e-6 * (2 * 200 + 2 * 1) + 104 / 1000)
+    second = m.step_seconds([("a", 2), ("b", 2)])      # contexts grew by 2 each; no prefill
+    assert second == pytest.approx(2 * (0.005 + 2 * 0.001) + 1e-6 * (2 * 204 + 2 * 1))
+    half = EngineModel(EngineModelConfig(speed=0.5, block_size=4))
+    half.admit("a", [1, 2, 3], 4)
+    full = EngineModel(EngineModelConfig(block_size=4))
+    full.admit("a", [1, 2, 3], 4)
+    assert half.step_seconds([("a", 3)]) == pytest.approx(2 * full.step_seconds([("a", 3)]))
+
+
+def test_new_weights_make_cached_blocks_unusable():
+    m = model()
+    prompt = list(range(20))
+    m.admit("old", prompt, 4)
+    m.release("done", prompt)                          # unknown request: nothing happens
+    m.clear()                                          # new weights while "old" runs
+    assert m.admit("new", prompt, 4) == 0
+    m.release("old", prompt + [1, 2, 3, 4])            # its blocks are of the old weights: not kept
+    assert m.admit("newer", prompt, 4) == 16           # "new"'s blocks are the ones found
+
+
+def test_bad_options_are_refused():
+    for bad in ({"speed": 0}, {"block_size": 0}, {"kv_capacity_tokens": 8, "block_size": 16},
+                {"decode_step_s": -1}):
+        with pytest.raises(InvalidRequest):
+            EngineModel(EngineModelConfig(**bad))
+    with pytest.raises(InvalidRequest, match="both set"):
+        SyntheticEngine(SyntheticEngineConfig(engine_model={}, tokens_per_second=100))
+    with pytest.raises(InvalidRequest, match="unknown engine_model option"):
+        SyntheticEngineConfig(engine_model={"sped": 1})
+
+
+def test_the_synthetic_engine_runs_on_the_model():
+    async def run():
+        clock = VirtualClock()
+        engine = SyntheticEngine(SyntheticEngineConfig(engine_model={"block_size": 16},
+                                                       lengths={"kind": "fixed", "value": 64}),
+                                 clock=clock, sleep=clock.sleep)
+        await engine.start()
+        prompt = list(range(2, 1002))
+
+        async def one(rid, context):
+            async for chunk in engine.generate(GenerationRequest(rid, context, SamplingParams(max_tokens=32))):
+                last = chunk
+            return last
+
+        group = await asyncio.gather(*(one(f"g{i}", prompt) for i in range(4)))
+        took = clock()
+        follow = await one("next", prompt + group[0].token_ids + [5, 6, 7])
+        snapshot = engine.load_snapshot()
+        await engine.close()
+        return group, follow, took, snapshot
+
+    group, follow, took, snapshot = asyncio.run(run())
+    assert [g.usage.cached_tokens for g in group] == [0, 992, 992, 992]
+    assert follow.usage.cached_tokens == 992     # the prompt's blocks; the reply's 32 tokens end in no full block
+    # one prefill of ~1,024 tokens at 30,000/s plus 32 decode iterations of ~6.3 ms
+    assert 0.2 < took < 0.3
+    assert snapshot.max_total_tokens == 400_000 and snapshot.prefix_cache_tokens >= 992
+    assert 0 < snapshot.prefix_cache_hit_rate < 1
