@@ -68,6 +68,10 @@ class PrefixRoutingConfig:
                                          "in-flight requests above the least loaded one; then it spills to "
                                          "the least loaded")
     max_load_ratio: float = setting(0.5, help="see max_load_gap")
+    kv_events: bool = setting(False, help="also follow the replicas' own prefix-cache events (the agents' "
+                                          "WatchPrefixCache, where an engine publishes them): a replica's entries "
+                                          "then leave when its engine evicts them, and all go when new weights "
+                                          "empty its cache. Needs block_tokens equal to the engines' block size")
     warmup_s: float = setting(30.0, help="a replica that joined the table less than this ago counts as loaded as "
                                          "the others' mean, less in proportion to its age, so a new empty "
                                          "replica is filled gradually instead of taking every spill at once; "

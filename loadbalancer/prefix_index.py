@@ -76,6 +76,17 @@ class PrefixIndex:
             old, _ = entries.popitem(last=False)
             self._drop_owner(old, replica_id)
 
+    def apply(self, replica_id: str, *, reset: bool, stored: Sequence[int], removed: Sequence[int]) -> None:
+        """The replica's engine says what it holds: after ``reset`` nothing but ``stored``; ``stored`` keys
+        become its most recently used, ``removed`` ones go."""
+        if reset:
+            self.forget(replica_id)
+        entries = self._replicas.setdefault(replica_id, OrderedDict())
+        for key in removed:
+            if entries.pop(key, 0) is None:
+                self._drop_owner(key, replica_id)
+        self.record(replica_id, stored)
+
     def forget(self, replica_id: str) -> int:
         """Drop a replica's entries (it left the table, or its cache was emptied); how many there were."""
         entries: Mapping[int, None] = self._replicas.pop(replica_id, OrderedDict())

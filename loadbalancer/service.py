@@ -20,6 +20,7 @@ from rollmesh.loadbalancer.v1 import loadbalancer_pb2_grpc, routing_pb2
 
 from .balancer import Balancer
 from .config import LoadBalancerConfig
+from .prefix_events import PrefixWatchers
 from .prefix_index import PrefixIndex, PrefixPolicy
 from .table import OutlierDetection, Route, RoutingTable
 from .upstreams import Upstreams
@@ -92,9 +93,15 @@ class LoadBalancerServicer(loadbalancer_pb2_grpc.LoadBalancerServiceServicer):
         """The OpenAI-compatible HTTP API (``http_listen``), once started."""
         self.link: BalancerLink | None = None
         """The registration with the controller (``controller_address``), once attached."""
+        self.prefix_watchers: PrefixWatchers | None = None
+        """The replicas' prefix-cache event streams (``prefix_routing.kv_events``), once attached."""
 
     async def attach(self, server) -> None:
         server.add_cleanup(self.balancer.upstreams.close)
+        if self.table.prefix is not None and self.config.prefix_routing.kv_events:
+            self.prefix_watchers = PrefixWatchers(self.table, self.balancer.upstreams.stub)
+            await self.prefix_watchers.start()
+            server.add_cleanup(self.prefix_watchers.close)
         if self.config.http_listen:
             from mesh_runtime.chat import ChatError, ChatTokenizer  # noqa: PLC0415
             from mesh_runtime.config import ConfigError  # noqa: PLC0415

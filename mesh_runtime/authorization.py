@@ -97,7 +97,7 @@ RULES: dict[str, dict[str, Rule]] = {
     },
     REPLICA_SERVICE: {
         "GetStatus": READ, "ListReplicas": READ, "GetReplica": READ, "GetLoadReports": READ,
-        "Generate": _r("lb"), "GenerateMany": _r("lb"),
+        "WatchPrefixCache": READ, "Generate": _r("lb"), "GenerateMany": _r("lb"),
         "AbortRequests": _r("controller", "lb"), "CloseSession": _r("lb"),
         "LaunchReplica": FROM_CONTROLLER, "StopReplica": FROM_CONTROLLER, "PauseGeneration": FROM_CONTROLLER,
         "ResumeGeneration": FROM_CONTROLLER, "Sleep": FROM_CONTROLLER, "WakeUp": FROM_CONTROLLER,

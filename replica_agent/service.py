@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -47,7 +48,7 @@ class ReplicaAgentServicer(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
         self.replicas = self.node.replicas
         self.metrics = self.node.server_metrics
         self.status = StatusReporter(config, ["status", "lifecycle", "generate", "generate_many", "sleep", "weights",
-                                              "load_reports"])
+                                              "load_reports", "prefix_events"])
         self.also_serves = [ServiceBinding(WEIGHTS_DESCRIPTOR.full_name, ReplicaWeightSource(self.node),
                                            weight_source_pb2_grpc.add_WeightSourceServiceServicer_to_server)]
 
@@ -166,6 +167,26 @@ class ReplicaAgentServicer(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
     async def GetLoadReports(self, request, context):  # noqa: N802
         replicas = self.replicas.get_many(request.replica_ids)
         return pb.GetLoadReportsResponse(reports=[self.node.load_report(r) for r in replicas])
+
+    async def WatchPrefixCache(self, request, context):  # noqa: N802
+        hubs = []
+        for replica in self.replicas.get_many(request.replica_ids):
+            engine = getattr(replica, "engine", None)
+            hub = engine.prefix_events() if engine is not None else None
+            if hub is not None:
+                hubs.append((replica.replica_id, hub))
+        queue: asyncio.Queue = asyncio.Queue()
+        for replica_id, hub in hubs:
+            hub.subscribe(queue, replica_id)
+        blocks = {replica_id: hub.block_tokens for replica_id, hub in hubs}
+        try:
+            while hubs:
+                replica_id, reset, stored, removed = await queue.get()
+                yield pb.WatchPrefixCacheResponse(replica_id=replica_id, block_tokens=blocks[replica_id],
+                                                  reset=reset, stored=stored, removed=removed)
+        finally:
+            for _, hub in hubs:
+                hub.unsubscribe(queue)
 
     async def ReceiveWeights(self, request, context):  # noqa: N802
         results = await self.node.receive_weights(list(request.replica_ids), request.plan, request.abort_in_flight)

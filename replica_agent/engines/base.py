@@ -10,10 +10,13 @@ from __future__ import annotations
 import abc
 import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from .errors import EngineDead, EngineUnavailable
 from .types import EngineState, GenerationChunk, GenerationRequest, LoadSnapshot, WeightSpec
+
+if TYPE_CHECKING:
+    from .engine_model import PrefixEvents
 
 PauseMode = Literal["wait", "abort"]
 WAKE_TAGS = frozenset({"weights", "kv_cache"})
@@ -55,6 +58,10 @@ class Engine(abc.ABC):
         """The session ``session_id`` ended: release what was kept for its requests (a prefix or KV
         cache). Returns whether anything was held. The default keeps nothing per session."""
         return False
+
+    def prefix_events(self) -> PrefixEvents | None:
+        """The engine's prefix-cache events (blocks stored and removed), or None where it publishes none."""
+        return None
 
     @abc.abstractmethod
     async def abort(self, request_ids: list[str] | None = None) -> list[str]:

@@ -29,10 +29,11 @@ vLLM throughput.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from mesh_runtime.prefix import block_keys
 
@@ -77,6 +78,33 @@ class EngineModelConfig:
             raise InvalidRequest(f"engine_model: kv_capacity_tokens must hold a block, got {self.kv_capacity_tokens}")
 
 
+class PrefixEvents:
+    """What a prefix cache tells subscribers (the agent's ``WatchPrefixCache``): keys of blocks stored and
+    removed, and resets (new weights: nothing cached is valid). A subscriber gets a snapshot first."""
+
+    def __init__(self, block_tokens: int, snapshot: Callable[[], list[int]]) -> None:
+        self.block_tokens = block_tokens
+        self._snapshot = snapshot
+        self._queues: dict[asyncio.Queue, str] = {}
+
+    @property
+    def watched(self) -> bool:
+        return bool(self._queues)
+
+    def subscribe(self, queue: asyncio.Queue, tag: str) -> None:
+        """Put ``(tag, reset, stored, removed)`` on ``queue`` for every change, starting with
+        ``(tag, True, every cached key, [])``."""
+        queue.put_nowait((tag, True, self._snapshot(), []))
+        self._queues[queue] = tag
+
+    def unsubscribe(self, queue: asyncio.Queue) -> None:
+        self._queues.pop(queue, None)
+
+    def publish(self, reset: bool, stored: list[int], removed: list[int]) -> None:
+        for queue, tag in self._queues.items():
+            queue.put_nowait((tag, reset, stored, removed))
+
+
 class BlockCache:
     """Blocks by key: pinned ones (used by running requests, with a count) and idle ones (LRU order)."""
 
@@ -85,6 +113,10 @@ class BlockCache:
         self.pinned: dict[int, int] = {}
         self.idle: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.evicted = 0
+        self.stored: list[int] = []
+        """Keys that entered the cache since the owner last took them (for :class:`PrefixEvents`)."""
+        self.removed: list[int] = []
+        """Keys that left it."""
 
     def __len__(self) -> int:
         return len(self.pinned) + len(self.idle)
@@ -103,11 +135,19 @@ class BlockCache:
         if key in self.idle:
             del self.idle[key]
             self.pinned[key] = 1
+        elif key in self.pinned:
+            self.pinned[key] += 1
         else:
-            self.pinned[key] = self.pinned.get(key, 0) + 1
+            self.pinned[key] = 1
+            self.stored.append(key)
+
+    def add_idle(self, key: int) -> None:
+        self.idle[key] = None
+        self.stored.append(key)
 
     def unpin(self, key: int, keep: bool = True) -> None:
-        """One user fewer; a block nobody uses stays cached (most recently used) when ``keep``, else goes."""
+        """One user fewer; a block nobody uses stays cached (most recently used) when ``keep``, else goes
+        (a block of replaced weights: subscribers forgot it at the reset)."""
         left = self.pinned[key] - 1
         if left:
             self.pinned[key] = left
@@ -119,7 +159,8 @@ class BlockCache:
     def make_room(self, blocks: int, reserved: int) -> bool:
         """Evict idle blocks until ``blocks`` more fit beside the cached ones and ``reserved`` others."""
         while len(self) + reserved + blocks > self.capacity and self.idle:
-            self.idle.popitem(last=False)
+            key, _ = self.idle.popitem(last=False)
+            self.removed.append(key)
             self.evicted += 1
         return len(self) + reserved + blocks <= self.capacity
 
@@ -127,7 +168,7 @@ class BlockCache:
 @dataclasses.dataclass
 class _Held:
     keys: list[int]         # the prompt's full blocks, pinned while the request runs
-    generation: int         # the weights' generation at admission
+    stale: bool             # admitted under weights since replaced: its blocks are not kept
     private_blocks: int     # reserved for the partial prompt block and max_tokens
     context: int            # tokens of context now (prompt + generated so far)
 
@@ -145,7 +186,9 @@ class EngineModel:
         self._held: dict[str, _Held] = {}
         self._private = 0
         self._prefill = 0                       # uncached prompt tokens admitted since the last step
-        self._generation = 0                    # bumped by clear(): keys of earlier weights never match again
+        self._generation = 0                    # bumped by clear(): renames blocks of earlier weights
+        self.events = PrefixEvents(self.config.block_size, lambda: [*self.blocks.pinned, *self.blocks.idle])
+        """Published as blocks come and go (the agent streams them to balancers that route by prefix)."""
         self._step_budget = self.config.max_prefill_tokens * iterations_per_step
         self._recent: collections.deque[tuple[int, int]] = collections.deque(maxlen=HIT_WINDOW)
         self.prompt_tokens = 0
@@ -155,7 +198,7 @@ class EngineModel:
     def admit(self, request_id: str, context: Sequence[int], max_tokens: int) -> int | None:
         """Admit a request: its cached prompt tokens, or ``None`` when it must wait (KV or prefill budget)."""
         size = self.config.block_size
-        keys = self._keys(context)
+        keys = block_keys(context, size)
         usable = (len(context) - 1) // size         # the last prompt token is always computed
         hit = self.blocks.matched(keys[:usable])
         uncached = len(context) - hit * size
@@ -171,12 +214,13 @@ class EngineModel:
         for key in keys[hit:]:
             self.blocks.pin(key)
         self._private += private
-        self._held[request_id] = _Held(keys, self._generation, private, len(context))
+        self._held[request_id] = _Held(keys, False, private, len(context))
         self._prefill += uncached
         self._step_budget -= uncached
         self._recent.append((len(context), hit * size))
         self.prompt_tokens += len(context)
         self.cached_tokens += hit * size
+        self._publish()
         return hit * size
 
     def release(self, request_id: str, sequence: Sequence[int] = ()) -> None:
@@ -187,22 +231,39 @@ class EngineModel:
             return
         self._private -= held.private_blocks
         size = self.config.block_size
-        current = held.generation == self._generation
-        new = self._keys(sequence)[len(held.keys):] if current and len(sequence) // size > len(held.keys) else []
+        current = not held.stale
+        longer = current and len(sequence) // size > len(held.keys)
+        new = block_keys(sequence, size)[len(held.keys):] if longer else []
         for key in reversed(new):       # freed tail first, so the tail is evicted first (as vLLM frees blocks)
             if key not in self.blocks and self.blocks.make_room(1, self._private):
-                self.blocks.idle[key] = None
+                self.blocks.add_idle(key)
         for key in reversed(held.keys):
             self.blocks.unpin(key, keep=current)
+        self._publish()
 
     def clear(self) -> None:
-        """New weights make cached KV wrong: forget idle blocks; blocks running requests hold go when they end."""
+        """New weights make cached KV wrong: idle blocks go; blocks running requests hold are renamed (never
+        matched again) and go when those requests end."""
         self.blocks.idle.clear()
         self._generation += 1
+        stale = {key: hash(("stale", self._generation, key)) for key in self.blocks.pinned}
+        self.blocks.pinned = {stale[key]: count for key, count in self.blocks.pinned.items()}
+        for held in self._held.values():
+            held.keys = [stale[key] for key in held.keys]
+            held.stale = True
+        self.blocks.stored.clear()
+        self.blocks.removed.clear()
+        if self.events.watched:
+            self.events.publish(True, [], [])
 
-    def _keys(self, tokens: Sequence[int]) -> list[int]:
-        keys = block_keys(tokens, self.config.block_size)
-        return [hash((self._generation, k)) for k in keys] if self._generation else keys
+    def _publish(self) -> None:
+        blocks = self.blocks
+        if (blocks.stored or blocks.removed) and self.events.watched:
+            self.events.publish(False, blocks.stored, blocks.removed)
+            blocks.stored, blocks.removed = [], []
+        else:
+            blocks.stored.clear()
+            blocks.removed.clear()
 
     # --------------------------------------------------------------------- time
     def step_seconds(self, runs: Sequence[tuple[str, int]]) -> float:

@@ -41,7 +41,7 @@ from typing import Any
 
 from .chunking import DEFAULT_FLUSH_INTERVAL_S
 from .core import SteppedEngine
-from .engine_model import EngineModel, EngineModelConfig
+from .engine_model import EngineModel, EngineModelConfig, PrefixEvents
 from .errors import EngineUnavailable, InvalidRequest, WeightMismatch
 from .randomness import mix_seed
 from .request_state import ActiveRequest, StepBatch
@@ -301,6 +301,9 @@ class SyntheticEngine(SteppedEngine):
                 if sequence is not None:
                     sequence += ids
         return out
+
+    def prefix_events(self) -> PrefixEvents | None:
+        return self.model.events if self.model is not None else None
 
     def load_snapshot(self) -> LoadSnapshot:
         snapshot = super().load_snapshot()

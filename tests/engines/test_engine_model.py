@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from mesh_runtime.prefix import block_keys
 from replica_agent.engines.engine_model import EngineModel, EngineModelConfig
 from replica_agent.engines.errors import InvalidRequest
 from replica_agent.engines.synthetic import SyntheticEngine, SyntheticEngineConfig, VirtualClock
@@ -126,3 +127,24 @@ def test_the_synthetic_engine_runs_on_the_model():
     assert 0.2 < took < 0.3
     assert snapshot.max_total_tokens == 400_000 and snapshot.prefix_cache_tokens >= 992
     assert 0 < snapshot.prefix_cache_hit_rate < 1
+
+
+def test_the_cache_publishes_what_it_stores_and_removes_and_a_reset_on_new_weights():
+    m = model(kv_capacity_tokens=32)                   # 8 blocks
+    queue: asyncio.Queue = asyncio.Queue()
+    m.admit("a", list(range(12)), 4)                   # stored before anyone watched: in the snapshot
+    m.events.subscribe(queue, "r0")
+    tag, reset, snapshot, removed = queue.get_nowait()
+    assert (tag, reset, removed) == ("r0", True, []) and snapshot == block_keys(list(range(12)), 4)
+    m.release("a", list(range(16)))                    # its generated block is kept too
+    assert queue.get_nowait()[1:] == (False, block_keys(list(range(16)), 4)[3:], [])
+    m.admit("b", list(range(100, 124)), 8)             # 6 blocks + 2 reserved: evicts a's 4 blocks
+    _, reset, stored, removed = queue.get_nowait()
+    assert not reset and len(stored) == 6 and len(removed) == 4
+    m.clear()
+    assert queue.get_nowait()[1:] == (True, [], [])
+    m.release("b", list(range(100, 130)))              # blocks of the old weights are dropped, not kept
+    assert m.cache_tokens == 0
+    m.events.unsubscribe(queue)
+    m.admit("c", list(range(8)), 1)
+    assert queue.empty()

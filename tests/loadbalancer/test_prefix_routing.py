@@ -141,3 +141,22 @@ def test_the_policy_is_chosen_in_config_and_bad_settings_are_refused(tmp_path):
         path.write_text(text)
         with pytest.raises(ConfigError, match=key):
             load_config(LoadBalancerConfig, path).validate()
+
+
+def test_engine_events_replace_predictions_and_other_block_sizes_are_ignored(caplog):
+    from loadbalancer.prefix_events import PrefixWatchers
+    from rollmesh.replica.v1 import replica_agent_pb2
+
+    t = table(2, gap=100)
+    keys = block_keys(prompt(1), BLOCK)
+    watchers = PrefixWatchers(t, lambda address: None)
+    event = replica_agent_pb2.WatchPrefixCacheResponse
+    watchers._apply("127.0.0.1:1000", event(replica_id="r0", block_tokens=BLOCK, reset=True, stored=keys[:4]))
+    assert t.prefix.index.match(keys, {"r0", "r1"}) == {"r0": 4}
+    watchers._apply("127.0.0.1:1000", event(replica_id="r0", block_tokens=BLOCK, removed=keys[2:4]))
+    assert t.prefix.index.match(keys, {"r0"}) == {"r0": 2}
+    watchers._apply("127.0.0.1:1001", event(replica_id="r0", block_tokens=BLOCK, stored=keys))   # wrong agent
+    watchers._apply("127.0.0.1:1001", event(replica_id="r1", block_tokens=16, stored=keys))
+    assert t.prefix.index.match(keys, {"r0", "r1"}) == {"r0": 2} and "ignored" in caplog.text
+    watchers._apply("127.0.0.1:1000", event(replica_id="r0", block_tokens=BLOCK, reset=True))      # new weights
+    assert t.prefix.index.blocks("r0") == 0 and watchers.applied == 3

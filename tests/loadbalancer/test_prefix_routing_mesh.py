@@ -17,8 +17,10 @@ from mesh_runtime.config import load_config
 from rollmesh.common.v1 import generation_pb2
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2 as pb
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2_grpc, routing_pb2
+from mesh_runtime.prefix import block_keys
 from rollmesh.replica.v1 import replica_agent_pb2, replica_agent_pb2_grpc
 from tests.replica_agent.in_process import synthetic_agent
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 MODEL = {"engine_model": {"speed": 50.0, "block_size": 16}, "tokens_per_step": 4}
@@ -75,3 +77,38 @@ async def test_a_group_and_the_next_turn_go_where_the_prompt_is_cached(balancer)
     spread, _, _ = await run_group("least_loaded", balancer)
     assert len({m.attempts[-1].replica_id for m in spread}) == 2
     assert sorted(m.usage.cached_tokens for m in spread).count(0) == 2
+
+
+@pytest.mark.parametrize("kv_events", [True, False])
+async def test_with_kv_events_the_index_forgets_what_the_engine_evicted(kv_events):
+    servicers = []
+    options = {"engine_model": {"speed": 50.0, "block_size": 16, "kv_capacity_tokens": 2048}, "tokens_per_step": 4}
+    async with synthetic_agent(["r0", "r1"], engine_options=options) as (_, address):
+        config = load_config(LoadBalancerConfig, None, overrides={
+            "listen": "127.0.0.1:0", "routing_policy": "prefix_aware",
+            "prefix_routing": {"block_tokens": 16, "kv_events": kv_events}})
+
+        def servicer(c, t):
+            servicers.append(LoadBalancerServicer(c, t))
+            return servicers[-1]
+        lb, port = await dataclasses.replace(SPEC, make_servicer=servicer).create(config, None)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = loadbalancer_pb2_grpc.LoadBalancerServiceStub(channel)
+                await stub.AddReplicas(pb.AddReplicasRequest(replicas=[
+                    routing_pb2.ReplicaEndpoint(replica_id=r, address=address) for r in ("r0", "r1")]))
+                index = servicers[0].table.prefix.index
+                first = [(17 * i) % 30000 + 2 for i in range(400)]
+                home = (await generate(stub, "a", first)).attempts[-1].replica_id
+                keys = block_keys(first, 16, 128)
+                if kv_events:   # the engine's own blocks arrive: 24 prompt blocks and the whole sequence's
+                    await wait_until(lambda: servicers[0].prefix_watchers.applied >= 2, timeout_s=10)
+                for k in range(12):   # other prompts fill both caches (2,048 tokens each) many times over
+                    await generate(stub, f"o{k}", [(31 * i + k) % 30000 + 2 for i in range(400)])
+                left = index.match(keys, {home}).get(home, 0)
+                if kv_events:
+                    await wait_until(lambda: index.match(keys, {home}).get(home, 0) == 0, timeout_s=10)
+                else:
+                    assert left == 25   # predicted: still there, though the engine evicted it long ago
+        finally:
+            await lb.stop(0)

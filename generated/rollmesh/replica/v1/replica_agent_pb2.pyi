@@ -335,3 +335,23 @@ class CloseSessionResponse(_message.Message):
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     released: bool
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class WatchPrefixCacheRequest(_message.Message):
+    __slots__ = ("replica_ids",)
+    REPLICA_IDS_FIELD_NUMBER: _ClassVar[int]
+    replica_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, replica_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class WatchPrefixCacheResponse(_message.Message):
+    __slots__ = ("replica_id", "block_tokens", "reset", "stored", "removed")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    block_tokens: int
+    reset: bool
+    stored: _containers.RepeatedScalarFieldContainer[int]
+    removed: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, replica_id: _Optional[str] = ..., block_tokens: _Optional[int] = ..., reset: _Optional[bool] = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -33,7 +33,8 @@ class ReplicaAgentServiceStub:
     a scaled-out replica's first sync).
 
     Capabilities (see ServerStatus.capabilities): "lifecycle", "generate",
-    "generate_many" (GenerateMany), "sleep", "weights", "load_reports".
+    "generate_many" (GenerateMany), "sleep", "weights", "load_reports",
+    "prefix_events" (WatchPrefixCache).
 
     Security: on a server with mutual TLS every caller presents a certificate
     from the mesh's CA that names its role (spiffe://rollmesh/<role>/<name>);
@@ -124,6 +125,11 @@ class ReplicaAgentServiceStub:
                 request_serializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.GetLoadReportsRequest.SerializeToString,
                 response_deserializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.GetLoadReportsResponse.FromString,
                 _registered_method=True)
+        self.WatchPrefixCache = channel.unary_stream(
+                '/rollmesh.replica.v1.ReplicaAgentService/WatchPrefixCache',
+                request_serializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.WatchPrefixCacheRequest.SerializeToString,
+                response_deserializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.WatchPrefixCacheResponse.FromString,
+                _registered_method=True)
 
 
 class ReplicaAgentServiceServicer:
@@ -134,7 +140,8 @@ class ReplicaAgentServiceServicer:
     a scaled-out replica's first sync).
 
     Capabilities (see ServerStatus.capabilities): "lifecycle", "generate",
-    "generate_many" (GenerateMany), "sleep", "weights", "load_reports".
+    "generate_many" (GenerateMany), "sleep", "weights", "load_reports",
+    "prefix_events" (WatchPrefixCache).
 
     Security: on a server with mutual TLS every caller presents a certificate
     from the mesh's CA that names its role (spiffe://rollmesh/<role>/<name>);
@@ -420,6 +427,25 @@ class ReplicaAgentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchPrefixCache(self, request, context):
+        """Streams the prefix-cache events of the replicas whose engines publish
+        them (the synthetic engine on its engine model): for each, first a reset
+        with every block key it holds, then the keys of blocks stored and
+        removed as they come and go, and a reset whenever new weights empty the
+        cache. Keys are mesh_runtime.prefix.block_keys of block_tokens-token
+        blocks. A balancer that routes by prefix keeps its index exact with it.
+        The stream ends at once when no watched replica publishes, and when the
+        agent stops. Capability: prefix_events.
+
+        Errors:
+        - NOT_FOUND: a listed replica is not on this node.
+
+        Authorization: any authenticated identity.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ReplicaAgentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -498,6 +524,11 @@ def add_ReplicaAgentServiceServicer_to_server(servicer, server):
                     request_deserializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.GetLoadReportsRequest.FromString,
                     response_serializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.GetLoadReportsResponse.SerializeToString,
             ),
+            'WatchPrefixCache': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchPrefixCache,
+                    request_deserializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.WatchPrefixCacheRequest.FromString,
+                    response_serializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.WatchPrefixCacheResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'rollmesh.replica.v1.ReplicaAgentService', rpc_method_handlers)
@@ -514,7 +545,8 @@ class ReplicaAgentService:
     a scaled-out replica's first sync).
 
     Capabilities (see ServerStatus.capabilities): "lifecycle", "generate",
-    "generate_many" (GenerateMany), "sleep", "weights", "load_reports".
+    "generate_many" (GenerateMany), "sleep", "weights", "load_reports",
+    "prefix_events" (WatchPrefixCache).
 
     Security: on a server with mutual TLS every caller presents a certificate
     from the mesh's CA that names its role (spiffe://rollmesh/<role>/<name>);
@@ -919,6 +951,33 @@ class ReplicaAgentService:
             '/rollmesh.replica.v1.ReplicaAgentService/GetLoadReports',
             rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.GetLoadReportsRequest.SerializeToString,
             rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.GetLoadReportsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/rollmesh.replica.v1.ReplicaAgentService/WatchPrefixCache',
+            rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.WatchPrefixCacheRequest.SerializeToString,
+            rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.WatchPrefixCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,

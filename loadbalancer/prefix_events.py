@@ -1,0 +1,108 @@
+"""The replicas' own prefix-cache events in the balancer's prefix index (``prefix_routing.kv_events``).
+
+Without events the index predicts: it records a prompt's blocks where it routes the prompt and ages them out
+least recently used at ``cache_tokens``. With events each agent in the table streams ``WatchPrefixCache``:
+a replica's blocks as its engine stores and evicts them, and a reset when new weights empty its cache, so
+the index forgets exactly what the engine forgot (routing still records blocks at once, for siblings sent
+before their prompt is prefilled). One stream per agent address, opened when a route at that address
+appears, reopened with backoff when it breaks, closed when the address leaves the table. Events of a
+replica whose engine uses another block size than ``block_tokens`` cannot be matched and are ignored (logged
+once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from rollmesh.replica.v1 import replica_agent_pb2
+
+from .table import RoutingTable
+
+log = logging.getLogger(__name__)
+
+
+class PrefixWatchers:
+    """One ``WatchPrefixCache`` stream per agent address of ``table``; see the module docstring."""
+
+    def __init__(self, table: RoutingTable, stub_for: Callable[[str], Any], *, retry_s: float = 1.0,
+                 max_retry_s: float = 30.0) -> None:
+        if table.prefix is None:
+            raise ValueError("prefix events need a prefix-aware routing table")
+        self.table = table
+        self.index = table.prefix.index
+        self._stub_for = stub_for
+        self._retry_s, self._max_retry_s = retry_s, max_retry_s
+        self._tasks: dict[str, tuple[asyncio.Task, frozenset[str]]] = {}
+        self._mismatch: set[str] = set()
+        self.applied = 0
+        """Event messages applied to the index (for tests and logs)."""
+        table.on_change(self.sync)
+
+    def sync(self) -> None:
+        """Start a stream for each new address (or one that gained replicas), stop those that left."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return   # routes from the config, before the server runs: start() syncs
+        by_address: dict[str, set[str]] = {}
+        for route in self.table.routes.values():
+            by_address.setdefault(route.address, set()).add(route.replica_id)
+        for address, (task, _) in list(self._tasks.items()):
+            if address not in by_address:
+                task.cancel()
+                del self._tasks[address]
+        for address, ids in by_address.items():
+            running = self._tasks.get(address)
+            if running is not None and (not running[0].done() or running[1] >= ids):
+                continue
+            if running is not None:
+                running[0].cancel()
+            task = asyncio.get_running_loop().create_task(self._watch(address), name=f"prefix-events {address}")
+            self._tasks[address] = (task, frozenset(ids))
+
+    async def start(self) -> None:
+        self.sync()
+
+    async def close(self) -> None:
+        tasks = [task for task, _ in self._tasks.values()]
+        self._tasks.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _watch(self, address: str) -> None:
+        delay = self._retry_s
+        while True:
+            try:
+                async for message in self._stub_for(address).WatchPrefixCache(
+                        replica_agent_pb2.WatchPrefixCacheRequest()):
+                    delay = self._retry_s
+                    self._apply(address, message)
+                return   # no replica there publishes events
+            except grpc.aio.AioRpcError as err:
+                if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    log.info("agent %s serves no WatchPrefixCache: its replicas' prefixes stay predicted", address)
+                    return
+                log.debug("prefix events of %s broke (%s); again in %.1f s", address, err.code().name, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self._max_retry_s)
+
+    def _apply(self, address: str, message: replica_agent_pb2.WatchPrefixCacheResponse) -> None:
+        route = self.table.routes.get(message.replica_id)
+        if route is None or route.address != address:
+            return   # a replica of that agent this balancer does not route to
+        if message.block_tokens != self.index.block_tokens:
+            if message.replica_id not in self._mismatch:
+                self._mismatch.add(message.replica_id)
+                log.warning("replica %s publishes prefix events of %d-token blocks but prefix_routing.block_tokens "
+                            "is %d: its events are ignored (set block_tokens to the engines' block size)",
+                            message.replica_id, message.block_tokens, self.index.block_tokens,
+                            extra={"replica_id": message.replica_id})
+            return
+        self.index.apply(message.replica_id, reset=message.reset, stored=message.stored, removed=message.removed)
+        self.applied += 1
