@@ -63,19 +63,21 @@ class PrefixRoutingConfig:
     cache_tokens: int = setting(400_000, help="tokens of prompts remembered per replica, least recently used "
                                               "first out: set it to the replicas' KV cache size (the engine "
                                               "evicts beyond it)")
-    max_load_gap: int = setting(32, help="a request goes to the replica holding most of its prefix unless that "
-                                         "replica has more than max(max_load_gap, max_load_ratio x least) "
-                                         "in-flight requests above the least loaded one; then it spills to "
-                                         "the least loaded")
+    max_load_gap: int = setting(4, help="a request goes to the replica holding most of its prefix unless that "
+                                        "replica has more than max(max_load_gap, max_load_ratio x least) "
+                                        "in-flight requests above the least loaded one; then it spills to "
+                                        "the least loaded (so at light load a shared prompt still spreads, "
+                                        "and at heavy load a GRPO group stays together)")
     max_load_ratio: float = setting(0.5, help="see max_load_gap")
     kv_events: bool = setting(False, help="also follow the replicas' own prefix-cache events (the agents' "
                                           "WatchPrefixCache, where an engine publishes them): a replica's entries "
                                           "then leave when its engine evicts them, and all go when new weights "
                                           "empty its cache. Needs block_tokens equal to the engines' block size")
-    warmup_s: float = setting(30.0, help="a replica that joined the table less than this ago counts as loaded as "
-                                         "the others' mean, less in proportion to its age, so a new empty "
-                                         "replica is filled gradually instead of taking every spill at once; "
-                                         "0 = off")
+    warmup_s: float = setting(0.0, help="a replica that joined the table less than this ago counts as loaded as "
+                                        "the others' mean, less in proportion to its age, so a new empty "
+                                        "replica is filled gradually instead of taking every spill at once; "
+                                        "0 = off (the default: replicas are added, scaled out or activated "
+                                        "because capacity is short, and should take load at once)")
 
     def validate(self) -> None:
         for key in ("block_tokens", "max_blocks", "cache_tokens"):
@@ -108,10 +110,10 @@ class LoadBalancerConfig(ServerConfig):
     replicas: list[StaticReplica] = setting(default_factory=list, help="replicas to route to from the start "
                                             "(the controller adds and removes replicas at run time)")
     routing_policy: Literal["least_loaded", "prefix_aware"] = setting(
-        "least_loaded", help="least_loaded: the replica with the fewest in-flight requests (round robin among "
-                             "equals); prefix_aware: the replica that was sent most of the prompt's leading "
-                             "tokens (its prefix cache holds them), within a load gap (prefix_routing), else "
-                             "the least loaded. Sessions stick either way")
+        "prefix_aware", help="prefix_aware: the replica that was sent most of the prompt's leading tokens (its "
+                             "prefix cache holds them), within a load gap (prefix_routing), else the least "
+                             "loaded; least_loaded: the replica with the fewest in-flight requests (round robin "
+                             "among equals). Sessions stick either way")
     prefix_routing: PrefixRoutingConfig = setting(default_factory=PrefixRoutingConfig,
                                                   help="cache affinity against load, for routing_policy: "
                                                        "prefix_aware")

@@ -45,6 +45,7 @@ class ChoiceResult:
     tool_calls: list[ToolCall] = dataclasses.field(default_factory=list)
     segments: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     resumed_tokens: int = 0
+    cached_tokens: int = 0
     attempts: int = 0
 
 
@@ -124,6 +125,7 @@ class ChoiceRun:
         result.segments = [{"weight_version": s.weight_version, "num_tokens": len(s.token_ids),
                             "replica_id": s.replica_id} for s in message.segments]
         result.resumed_tokens = message.usage.resumed_tokens
+        result.cached_tokens = message.usage.cached_tokens
         result.attempts = len(message.attempts)
 
     def _segments_from_versions(self) -> None:

@@ -278,7 +278,7 @@ class OpenAIFront:
         response: dict[str, Any] = {
             "id": plan.response_id, "object": "chat.completion" if plan.kind == "chat" else "text_completion",
             "created": int(time.time()), "model": plan.model, "choices": choices,
-            "usage": _usage(plan, sum(len(r.token_ids) for r in results))}
+            "usage": _usage(plan, sum(len(r.token_ids) for r in results), sum(r.cached_tokens for r in results))}
         if plan.kind == "chat":
             response["prompt_token_ids"] = plan.prompts[0]
         return response
@@ -318,7 +318,8 @@ class OpenAIFront:
                     break
             if plan.include_usage:
                 tokens = sum(len(r.result.token_ids) for r in runs)
-                await response.write(_sse(self._chunk(plan, [], usage=_usage(plan, tokens))))
+                cached = sum(r.result.cached_tokens for r in runs)
+                await response.write(_sse(self._chunk(plan, [], usage=_usage(plan, tokens, cached))))
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
             return response
@@ -350,7 +351,7 @@ class OpenAIFront:
             chunk["prompt_token_ids"] = plan.prompts[0]
         await response.write(_sse(chunk))
 
-    def _chunk(self, plan: Plan, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict:
+    def _chunk(self, plan: Plan, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict:
         chunk: dict[str, Any] = {"id": plan.response_id, "object": "chat.completion.chunk" if plan.kind == "chat" else
                  "text_completion", "created": int(time.time()), "model": plan.model, "choices": choices}
         if usage is not None:
@@ -394,10 +395,13 @@ async def _json(request: web.Request) -> Any:
         raise ApiError(400, f"the request body is not valid JSON: {err}", code="invalid_json") from None
 
 
-def _usage(plan: Plan, completion_tokens: int) -> dict[str, int]:
+def _usage(plan: Plan, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens`` as OpenAI (and vLLM) report it: prompt
+    tokens the replicas found in their prefix caches."""
     prompt_tokens = sum(len(p) for p in plan.prompts)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def _sse(payload: dict[str, Any]) -> bytes:

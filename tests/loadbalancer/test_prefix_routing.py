@@ -132,7 +132,8 @@ def test_the_policy_is_chosen_in_config_and_bad_settings_are_refused(tmp_path):
     config.validate()
     policy = build_balancer(config, None).table.prefix
     assert policy is not None and policy.index.block_tokens == 32 and policy.index.capacity_blocks == 2000
-    assert build_balancer(LoadBalancerConfig(), None).table.prefix is None
+    assert build_balancer(LoadBalancerConfig(), None).table.prefix is not None      # the default
+    assert build_balancer(LoadBalancerConfig(routing_policy="least_loaded"), None).table.prefix is None
     for text, key in (("routing_policy: cache_aware\n", "routing_policy"),
                       ("prefix_routing: {block_tokens: 0}\n", "block_tokens"),
                       ("prefix_routing: {max_load_ratio: -1}\n", "max_load_ratio"),

@@ -32,7 +32,8 @@ async def balancer():
 
     async def make(policy: str):
         config = load_config(LoadBalancerConfig, None, overrides={
-            "listen": "127.0.0.1:0", "routing_policy": policy, "prefix_routing": {"block_tokens": 16}})
+            "listen": "127.0.0.1:0", "routing_policy": policy,
+            "prefix_routing": {"block_tokens": 16, "max_load_gap": 8}})   # a group of 8 sent at once stays
         spec = dataclasses.replace(SPEC, make_servicer=lambda c, t: LoadBalancerServicer(c, t))
         lb, port = await spec.create(config, None)
         servers.append(lb)

@@ -301,3 +301,12 @@ def _kill_busy_agent(mesh) -> str:
     busy = next(r.endpoint.replica_id for r in reply.replicas if r.in_flight)
     mesh.agents[busy][1].send_signal(signal.SIGKILL)
     return busy
+
+
+def test_a_repeated_long_prompt_is_routed_to_its_cache_and_reports_cached_tokens(mesh):
+    prompt = "the same long system prompt, sent twice. " * 4                 # 164 characters: 164 tokens
+    first = mesh.client.completions.create(model=MODEL, prompt=prompt + "a", max_tokens=2, temperature=0)
+    second = mesh.client.completions.create(model=MODEL, prompt=prompt + "b", max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    # the balancer sends it where the prompt's blocks went; that replica's torch engine finds 10 blocks of 16
+    assert second.usage.prompt_tokens_details.cached_tokens == 160
