@@ -1,4 +1,5 @@
-"""The local launcher and the main job, above the servers: ``rollmesh train``, ``up`` and ``status``.
+"""The ``rollmesh`` command (:mod:`.cli`), the local launcher and the main job, above the servers:
+``rollmesh train``, ``up``, ``status`` and ``top``.
 
 It is the only package that knows several servers: it starts them as
 processes (:mod:`.processes`), derives each one's config from one job YAML

@@ -61,7 +61,7 @@ class ServerProcess:
 
 def server_command(server: str, args: Sequence[str] = ()) -> list[str]:
     """The command line that runs ``rollmesh <server>`` with this interpreter."""
-    return [sys.executable, "-m", "mesh_runtime.cli", server, *args]
+    return [sys.executable, "-m", "launcher.cli", server, *args]
 
 
 async def start_server(server: str, args: Sequence[str] = (), *, env: Mapping[str, str] | None = None,

@@ -60,7 +60,7 @@ def run(args: argparse.Namespace, env: dict[str, str]) -> int:
     except ConfigError as err:
         print(f"rollmesh train: error: {err}", file=sys.stderr)
         return 2
-    from mesh_runtime.cli import print_config_notes  # noqa: PLC0415
+    from launcher.cli import print_config_notes  # noqa: PLC0415
 
     print_config_notes("train", job, sys.stdout)
     if args.resume is not None:

@@ -82,7 +82,7 @@ async def serve_workers(config: Any, directory: Path, env: dict[str, str], base_
 
 
 async def _supervise(index: int, path: Path, env: dict[str, str], stop: asyncio.Event) -> None:
-    command = [sys.executable, "-m", "mesh_runtime.cli", "lb", "--config", str(path)]
+    command = [sys.executable, "-m", "launcher.cli", "lb", "--config", str(path)]
     while not stop.is_set():
         proc = await asyncio.create_subprocess_exec(*command, env=env, stdout=asyncio.subprocess.PIPE,
                                                     stderr=asyncio.subprocess.STDOUT)

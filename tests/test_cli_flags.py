@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mesh_runtime.cli import build_parser, server_config
+from launcher.cli import build_parser, server_config
 from mesh_runtime.config import ConfigError
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from mesh_runtime import certs
-from mesh_runtime.cli import SERVERS, build_parser
+from launcher.cli import SERVERS, build_parser
 from mesh_runtime.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]

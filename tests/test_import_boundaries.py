@@ -8,7 +8,8 @@
 - the client library for custom trainers (trainer_client) uses the runtime only: no server, no torch.
 
 Every ``import`` / ``from ... import`` counts, also inside functions: a lazy import is still a
-dependency. A second check imports the runtime and the two model-free servers in a fresh
+dependency, and so is ``importlib.import_module("name")`` (the ``rollmesh`` command, which finds every server
+and tool by name, is in the launcher for that reason). A second check imports the runtime and the two model-free servers in a fresh
 interpreter and asserts torch and transformers were not loaded.
 """
 
@@ -63,7 +64,17 @@ def _imports(path: Path) -> list[tuple[int, str]]:
             else:
                 name = node.module or ""
             found.append((node.lineno, name))
+        elif isinstance(node, ast.Call) and _names_module(node):
+            found.append((node.lineno, node.args[0].value))
     return found
+
+
+def _names_module(call: ast.Call) -> bool:
+    """``importlib.import_module("a.b")`` / ``import_module("a.b")`` with a literal name: an import too."""
+    func = call.func
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+    return (name in ("import_module", "__import__") and bool(call.args) and isinstance(call.args[0], ast.Constant)
+            and isinstance(call.args[0].value, str))
 
 
 def _violations() -> list[str]:
@@ -89,6 +100,9 @@ def test_the_checker_sees_relative_and_lazy_imports(tmp_path, monkeypatch):
         (tmp_path / package).mkdir()
     (tmp_path / "loadbalancer" / "bad.py").write_text(
         "def f():\n    from replica_agent.engines import types\n    import torch\n")
+    (tmp_path / "mesh_runtime" / "hidden.py").write_text(
+        "import importlib\ndef f(name):\n    importlib.import_module('loadbalancer.server')\n"
+        "    importlib.import_module(name)\n")
     (tmp_path / "mesh_runtime" / "sub").mkdir()
     (tmp_path / "mesh_runtime" / "sub" / "x.py").write_text("from ...controller import core\nfrom .. import config\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
@@ -96,13 +110,14 @@ def test_the_checker_sees_relative_and_lazy_imports(tmp_path, monkeypatch):
     assert any("bad.py:2 imports replica_agent.engines" in p for p in problems)
     assert any("bad.py:3 imports torch (loadbalancer must not need torch)" in p for p in problems)
     assert any("x.py:1 imports controller (" in p for p in problems)            # resolved relative import
+    assert any("hidden.py:3 imports loadbalancer.server" in p for p in problems)  # import_module by name
     assert not any("imports mesh_runtime" in p for p in problems)               # ".." stays in the runtime
-    assert len(problems) == 3
+    assert len(problems) == 4
 
 
 def test_the_runtime_and_the_model_free_servers_load_without_torch():
     modules = sorted({f"mesh_runtime.{p.stem}" for p in (ROOT / "mesh_runtime").glob("*.py") if p.stem != "__init__"})
-    modules += ["controller.server", "controller.top", "loadbalancer.server", "simulator.cli"]
+    modules += ["controller.server", "launcher.cli", "launcher.top", "loadbalancer.server", "simulator.cli"]
     code = ("import importlib, sys\n"
             f"for name in {modules!r}:\n    importlib.import_module(name)\n"
             "loaded = sorted(m for m in ('torch', 'transformers', 'weight_transfer', 'modeling') if m in sys.modules)\n"

@@ -12,7 +12,7 @@ import kubernetes_validate
 import pytest
 
 from mesh_runtime import certs
-from mesh_runtime.cli import SERVERS
+from launcher.cli import SERVERS
 from mesh_runtime.config import load_config
 from tests.kustomize_subset import render
 

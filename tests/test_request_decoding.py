@@ -145,7 +145,7 @@ def test_a_port_in_use_exits_2_naming_the_address():
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = subprocess.run([sys.executable, "-m", "mesh_runtime.cli", "lb", "--listen", f"127.0.0.1:{port}"],
+        result = subprocess.run([sys.executable, "-m", "launcher.cli", "lb", "--listen", f"127.0.0.1:{port}"],
                                 capture_output=True, text=True, timeout=60, env=clean_env())
     assert result.returncode == 2, result.stderr
     assert f"rollmesh lb: error: cannot listen on 127.0.0.1:{port}" in result.stderr

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _status(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mesh_runtime.cli", "status", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "launcher.cli", "status", *args], capture_output=True,
                           text=True, env=clean_env(), timeout=30)
 
 

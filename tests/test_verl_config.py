@@ -10,7 +10,7 @@ import yaml
 
 from controller.config import ControllerConfig
 from controller.core.config import SchedulingConfig
-from mesh_runtime.cli import print_config_notes
+from launcher.cli import print_config_notes
 from mesh_runtime.config import ConfigError, config_notes, load_config
 from launcher.job_config import JobAsyncTraining, load_job_config
 from tests.verl_shaped import VERL_ASYNC_TRAINING, VERL_ASYNC_TRAINING_EXTRA

@@ -98,7 +98,7 @@ def test_an_unknown_policy_is_rejected_at_startup():
     import subprocess
     import sys
 
-    result = subprocess.run([sys.executable, "-m", "mesh_runtime.cli", "controller", "--listen", "127.0.0.1:0"],
+    result = subprocess.run([sys.executable, "-m", "launcher.cli", "controller", "--listen", "127.0.0.1:0"],
                             env=clean_env(ROLLMESH_CONTROLLER__ASYNC_TRAINING__DYNAMIC_SCHEDULE_POLICY="nope:Missing"),
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2

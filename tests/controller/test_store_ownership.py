@@ -56,7 +56,7 @@ async def stop(start: asyncio.Task) -> None:
 
 async def status_cli(*args: str) -> subprocess.CompletedProcess:
     """``rollmesh status ARGS`` as a user runs it."""
-    return await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "mesh_runtime.cli", "status", *args],
+    return await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "launcher.cli", "status", *args],
                                    capture_output=True, text=True, env=clean_env(), timeout=60)
 
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from controller.top import Snapshot, render
+from launcher.top import Snapshot, render
 from tests.processes import clean_env, running_server
 
 pytestmark = pytest.mark.timeout(180)
@@ -43,7 +43,7 @@ def controller(tmp_path_factory):
 
 
 def _top(*args: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mesh_runtime.cli", "top", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "launcher.cli", "top", *args], capture_output=True,
                           text=True, env=clean_env(), timeout=60, **kw)
 
 
@@ -78,7 +78,7 @@ def test_once_prints_replicas_scheduler_and_sections(controller):
 def test_pseudo_terminal_shows_replicas_refreshes_and_quits_on_q(controller):
     leader, follower = pty.openpty()
     env = clean_env(TERM="xterm", LINES="40", COLUMNS="140")
-    proc = subprocess.Popen([sys.executable, "-m", "mesh_runtime.cli", "top", controller, "--interval", "60"],
+    proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "top", controller, "--interval", "60"],
                             stdin=follower, stdout=follower, stderr=follower, env=env, start_new_session=True)
     os.close(follower)
     try:

@@ -137,7 +137,7 @@ async def test_node_client_calls_status_of_every_server(node, tmp_path):
 
 
 def test_rollmesh_up_prints_every_server_and_stops(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "mesh_runtime.cli", "up", "--run-dir", str(tmp_path),
+    result = subprocess.run([sys.executable, "-m", "launcher.cli", "up", "--run-dir", str(tmp_path),
                              "--exit-after-status"], capture_output=True, text=True, timeout=120, env=_env())
     assert result.returncode == 0, result.stdout + result.stderr
     for name in SERVICE_OF:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mesh_runtime.cli import main as cli_main
+from launcher.cli import main as cli_main
 from tests.e2e.job_configs import job_config
 from tests.processes import clean_env
 
@@ -36,7 +36,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def _train(config: Path, run_dir: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "mesh_runtime.cli", "train", "--config", str(config),
+    return subprocess.Popen([sys.executable, "-m", "launcher.cli", "train", "--config", str(config),
                              "--run-dir", str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env=clean_env(GLOO_SOCKET_IFNAME="lo"), cwd=ROOT, start_new_session=True)
 

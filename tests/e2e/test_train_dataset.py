@@ -45,7 +45,7 @@ def _files(tmp_path: Path) -> tuple[Path, Path]:
 
 def _train(tmp_path: Path, config: Path, timeout: float = 360) -> tuple[subprocess.CompletedProcess, Path]:
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "mesh_runtime.cli", "train", "--config", str(config),
+    proc = subprocess.run([sys.executable, "-m", "launcher.cli", "train", "--config", str(config),
                            "--run-dir", str(run_dir)], capture_output=True, text=True, cwd=ROOT, timeout=timeout,
                           env=clean_env(GLOO_SOCKET_IFNAME="lo"))
     return proc, run_dir

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_the_multiturn_example_learns_to_call_its_tool(tmp_path):
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "mesh_runtime.cli", "train", "--config",
+    proc = subprocess.run([sys.executable, "-m", "launcher.cli", "train", "--config",
                            str(ROOT / "examples" / "multiturn_tools.yaml"), "--run-dir", str(run_dir)],
                           capture_output=True, text=True, cwd=tmp_path, timeout=400,
                           env=clean_env(GLOO_SOCKET_IFNAME="lo"))

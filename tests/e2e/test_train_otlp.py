@@ -26,7 +26,7 @@ async def test_the_users_collector_receives_every_servers_spans_and_so_does_the_
                     ROLLMESH_LOG_FORMAT="json")
     try:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "mesh_runtime.cli", "train", "--config", str(config), "--run-dir",
+            sys.executable, "-m", "launcher.cli", "train", "--config", str(config), "--run-dir",
             str(tmp_path / "run"), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env, cwd=ROOT)
         out, _ = await asyncio.wait_for(proc.communicate(), 240)
         assert proc.returncode == 0, out.decode()[-3000:]

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from mesh_runtime.cli import main as cli_main
+from launcher.cli import main as cli_main
 from tests.e2e.job_configs import job_config
 from tests.processes import clean_env
 
@@ -39,7 +39,7 @@ STANDALONE = ("s0-0", "s0-1")
 
 
 def _train(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "mesh_runtime.cli", "train", *args], stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "launcher.cli", "train", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, env=clean_env(GLOO_SOCKET_IFNAME="lo"), cwd=ROOT,
                             start_new_session=True)
 

@@ -32,7 +32,7 @@ def test_a_verl_config_and_policy_train_unchanged(tmp_path):
     env = clean_env(GLOO_SOCKET_IFNAME="lo",
                     PYTHONPATH=os.pathsep.join(filter(None, [str(checkout), os.environ.get("PYTHONPATH")])))
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "mesh_runtime.cli", "train", "--config", str(config),
+    proc = subprocess.run([sys.executable, "-m", "launcher.cli", "train", "--config", str(config),
                            "--run-dir", str(run_dir)], capture_output=True, text=True, env=env, cwd=ROOT,
                           timeout=360)
     out = proc.stdout + proc.stderr

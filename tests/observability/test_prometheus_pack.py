@@ -76,7 +76,7 @@ scrape_configs:
     try:
         config = job_config(tmp_path, "quickstart.yaml", **{"trainer.total_training_steps": 40, "mesh.metrics": True})
         train = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "mesh_runtime.cli", "train", "--config", str(config), "--run-dir", str(run_dir),
+            sys.executable, "-m", "launcher.cli", "train", "--config", str(config), "--run-dir", str(run_dir),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=clean_env(GLOO_SOCKET_IFNAME="lo"),
             cwd=ROOT)
         steps_file, last_step_at = run_dir / "trainer" / "steps.jsonl", 0.0

@@ -51,7 +51,7 @@ def _line(proc: subprocess.Popen, prefix: str, timeout_s: float) -> str:
 def test_up_serves_the_model_to_the_readmes_openai_example(tmp_path):
     serve = (ROOT / "examples" / "serve.yaml").read_text().replace("127.0.0.1:8000", "127.0.0.1:0")
     (tmp_path / "serve.yaml").write_text(serve)
-    proc = subprocess.Popen([sys.executable, "-m", "mesh_runtime.cli", "up", "--config", str(tmp_path / "serve.yaml"),
+    proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "up", "--config", str(tmp_path / "serve.yaml"),
                              "--run-dir", str(tmp_path / "run")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env=clean_env(), cwd=tmp_path, start_new_session=True)
     try:
@@ -71,7 +71,7 @@ def test_up_serves_the_model_to_the_readmes_openai_example(tmp_path):
 
 def test_up_refuses_a_bad_serve_config(tmp_path):
     (tmp_path / "serve.yaml").write_text("model: tiny-llama\nreplicas: 0\n")
-    done = subprocess.run([sys.executable, "-m", "mesh_runtime.cli", "up", "--config", str(tmp_path / "serve.yaml"),
+    done = subprocess.run([sys.executable, "-m", "launcher.cli", "up", "--config", str(tmp_path / "serve.yaml"),
                            "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=60,
                           env=clean_env())
     assert done.returncode == 2 and "replicas" in done.stderr and "must be in 1..64" in done.stderr

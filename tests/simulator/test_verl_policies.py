@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from mesh_runtime.cli import main as rollmesh
+from launcher.cli import main as rollmesh
 from simulator.run import simulate_run
 from simulator.scenario import ScenarioError, load_scenario, parse_scenario
 from tests import verl_shaped

@@ -3,8 +3,9 @@
 ``rollmesh controller|lb|replica-agent|trainer-agent [--config FILE] [--listen HOST:PORT]``
 runs one server in this process. A bad flag or config value exits with code 2
 and one line that names the bad key and why. Tools (``train``, ``up``,
-``status``, ``simulate``, ``top``) are modules found by name, so this plumbing
-imports neither the launcher nor any server.
+``status``, ``simulate``, ``top``) are modules found by name and imported only
+when their subcommand runs, so ``rollmesh lb --help`` loads no other server and
+no tool. It lives in the launcher, the one package above the servers.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from typing import Any
 
 import yaml
 
-from . import logs
-from .config import ConfigError, config_notes, describe, load_config
-from .logs import FORMAT_VARIABLE, FORMATS
+from mesh_runtime import logs
+from mesh_runtime.config import ConfigError, config_notes, describe, load_config
+from mesh_runtime.logs import FORMAT_VARIABLE, FORMATS
 
 # Subcommand -> module exposing CONFIG_CLASS, ENV_PREFIX and `async serve(config, env)`.
 SERVERS = {
@@ -39,7 +40,7 @@ TOOLS = {
     "up": "launcher.up",
     "status": "launcher.status",
     "simulate": "simulator.cli",
-    "top": "controller.top",
+    "top": "launcher.top",
     "certs": "mesh_runtime.certs",
 }
 
