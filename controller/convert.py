@@ -7,8 +7,10 @@ The core keeps seconds as floats and enums as Python enums; the wire uses
 from __future__ import annotations
 
 
-from google.protobuf import duration_pb2, struct_pb2, timestamp_pb2
+from google.protobuf import struct_pb2
 
+from mesh_runtime.durations import duration, timestamp
+from mesh_runtime.durations import to_seconds as seconds
 from mesh_runtime.errors import InvalidArgument
 from mesh_runtime.reasons import Reason
 from rollmesh.common.v1 import types_pb2
@@ -26,23 +28,6 @@ from .core.metrics import ClosedCycle, ConcurrencyPoint
 from .core.ports import WeightSyncOutcome
 from .core.records import NodeRecord, ReplicaKind, ReplicaRecord, ReplicaSpec, ReplicaState
 from .core.steps import BeginDecision, CompleteResult, ReleaseResult, StepReport
-
-
-def seconds(d: duration_pb2.Duration) -> float:
-    return d.ToNanoseconds() / 1e9
-
-
-def duration(value: float | None) -> duration_pb2.Duration:
-    out = duration_pb2.Duration()
-    out.FromNanoseconds(int((value or 0.0) * 1e9))
-    return out
-
-
-def timestamp(value: float | None) -> timestamp_pb2.Timestamp:
-    out = timestamp_pb2.Timestamp()
-    if value:
-        out.FromNanoseconds(int(value * 1e9))
-    return out
 
 
 def kind_to_proto(kind: ReplicaKind | str) -> int:
@@ -116,7 +101,7 @@ def step_report(msg: scheduling_pb2.StepReport) -> StepReport:
         step_wait_samples=list(msg.step_wait_samples), queue_size=msg.queue_size,
         timing_raw={k: seconds(v) for k, v in msg.timing_raw.items()}, train_compute_time_s=compute,
         train_allocated_time_s=seconds(msg.train_allocated_time), step_generated_samples=msg.step_generated_samples,
-        rollout_concurrency=[ConcurrencyPoint(t=p.time.ToNanoseconds() / 1e9, active_tasks=p.active_tasks,
+        rollout_concurrency=[ConcurrencyPoint(t=seconds(p.time), active_tasks=p.active_tasks,
                                               capacity=p.capacity) for p in msg.rollout_concurrency],
         samples_consumed=msg.samples_consumed, samples_dropped=msg.samples_dropped)
 

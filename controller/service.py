@@ -8,6 +8,7 @@ from google.longrunning import operations_pb2_grpc
 from opentelemetry.sdk.trace import TracerProvider
 
 from mesh_runtime import pages
+from mesh_runtime.durations import to_seconds
 from mesh_runtime.errors import DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted
 from mesh_runtime.metrics import LoopStallMonitor, ServerMetrics
 from mesh_runtime.reasons import Reason
@@ -194,7 +195,7 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
                                   reason=Reason.INVALID_WEIGHT_VERSION)
         timeout_s = None
         if request.HasField("timeout"):
-            timeout_s = request.timeout.ToNanoseconds() / 1e9
+            timeout_s = to_seconds(request.timeout)
             if timeout_s <= 0:
                 raise InvalidArgument(f"timeout must be positive, got {timeout_s:g} s", reason=Reason.INVALID_TIMEOUT)
         if len(set(request.replica_ids)) != len(request.replica_ids):

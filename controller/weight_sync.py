@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 
+from mesh_runtime.durations import to_seconds
 from rollmesh.common.v1 import weights_pb2
 from rollmesh.replica.v1 import replica_agent_pb2
 
@@ -238,7 +239,7 @@ class WeightBroadcast:
                 ok = r.checksum_ok and r.weight_version == version
                 why = "" if ok else (r.error_message or "checksum mismatch")
                 results.append(ReplicaSyncOutcome(r.replica_id, ok, why,
-                                                  r.duration.ToNanoseconds() / 1e9, r.bytes_received))
+                                                  to_seconds(r.duration), r.bytes_received))
         bytes_sent = 0
         sent_error = None if send.cancelled() else send.exception()
         send_failed = send.cancelled() or sent_error is not None

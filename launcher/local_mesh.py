@@ -23,6 +23,7 @@ import grpc
 
 from mesh_runtime.channels import open_channel, read_methods
 from mesh_runtime.config import TlsConfig
+from mesh_runtime.durations import to_seconds
 from google.protobuf import json_format
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -139,7 +140,7 @@ def status_summary(service: str, response) -> list[str]:
 
     st = response.status
     security = status_pb2.TransportSecurity.Name(st.transport_security).removeprefix("TRANSPORT_SECURITY_")
-    uptime = st.uptime.seconds + st.uptime.nanos / 1e9
+    uptime = to_seconds(st.uptime)
     lines = [f"{st.server_name} {st.version} on node {st.node_id or '?'}, listening on {st.listen_address}",
              f"  ready: {'yes' if st.ready else 'no'}   transport: {security.lower()}"
              f"{'   identity: ' + st.identity if st.identity else ''}   up {uptime:.0f} s",

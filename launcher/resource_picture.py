@@ -25,6 +25,8 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from mesh_runtime.durations import to_seconds
+
 TRAINER_ROW = "trainer"
 
 # activity -> (legend label, colour)
@@ -87,7 +89,7 @@ def event_dict_from_proto(msg: Any) -> dict[str, Any]:
     kind = types_pb2.ReplicaKind.Name(msg.replica_kind) if msg.replica_kind else ""
     return {
         "sequence": msg.sequence,
-        "time": msg.time.seconds + msg.time.nanos / 1e9,
+        "time": to_seconds(msg.time),
         "type": name.removeprefix("EVENT_TYPE_"),
         "replica_id": msg.replica_id, "node_id": msg.node_id, "replica_kind": kind,
         "from_state": msg.from_state, "to_state": msg.to_state, "reason": msg.reason,

@@ -20,6 +20,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from mesh_runtime.durations import to_seconds
+
 HELP = "watch a running controller: replicas, scheduler, autoscaler, operations (q quits, r refreshes)"
 
 _OPERATIONS_SHOWN = 8
@@ -148,10 +150,6 @@ def _enum(name: str, prefix: str) -> str:
     return name.removeprefix(prefix) if name else "?"
 
 
-def _seconds(duration: Any) -> float:
-    return duration.seconds + duration.nanos / 1e9
-
-
 def render(snap: Snapshot, width: int = 100) -> list[str]:
     """The frame as lines of at most ``width`` characters; pure."""
     from rollmesh.common.v1 import types_pb2  # noqa: PLC0415
@@ -208,7 +206,7 @@ def render(snap: Snapshot, width: int = 100) -> list[str]:
             kind = _enum(autoscaler_pb2.ScaleAction.Name(c.type), "SCALE_ACTION_").lower()
             mark = "*" if c.triggered else " "
             lines.append(f"  {mark} {c.name:<28} {kind:<9} value {c.value:>9.3f}  threshold {c.threshold:>8.3f}  "
-                         f"held {_seconds(c.held_for):>5.0f}/{_seconds(c.required_for):.0f} s")
+                         f"held {to_seconds(c.held_for):>5.0f}/{to_seconds(c.required_for):.0f} s")
     lines.append("")
     lines.append("recent operations:")
     if snap.operations is None:

@@ -49,6 +49,7 @@ import grpc
 from mesh_runtime import tracing
 from mesh_runtime.channels import open_channel, read_methods
 from mesh_runtime.config import TlsConfig
+from mesh_runtime.durations import to_seconds
 from mesh_runtime.net import free_port
 import yaml
 from google.protobuf import json_format
@@ -287,8 +288,8 @@ class TrainJob:
         reply = await stub.GetMetrics(observability_pb2.GetMetricsRequest(from_cycle=1, limit=100_000), timeout=10)
         for c in reply.cycles:
             cycles.append({"cycle": c.cycle, "global_step": c.global_step, "weight_version": c.weight_version,
-                           "started_at": c.started_at.ToNanoseconds() / 1e9,
-                           "ended_at": c.ended_at.ToNanoseconds() / 1e9 if c.HasField("ended_at") else None,
+                           "started_at": to_seconds(c.started_at),
+                           "ended_at": to_seconds(c.ended_at) if c.HasField("ended_at") else None,
                            "values": dict(c.values)})
         state = await stub.GetSchedulerState(scheduling_pb2.GetSchedulerStateRequest(), timeout=10)
         return cycles, json_format.MessageToDict(state, preserving_proto_field_name=True)

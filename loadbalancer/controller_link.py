@@ -18,6 +18,7 @@ import secrets
 
 import grpc
 
+from mesh_runtime.durations import to_seconds
 from mesh_runtime.retry import retry_after
 from rollmesh.controller.v1 import controller_pb2_grpc, registry_pb2
 
@@ -55,7 +56,7 @@ class BalancerLink:
                 await asyncio.sleep(wait)
                 continue
             backoff = 0.2
-            seconds = reply.heartbeat_interval.ToNanoseconds() / 1e9
+            seconds = to_seconds(reply.heartbeat_interval)
             if seconds > 0:
                 self.interval_s = seconds
             if not self.registered.is_set():

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from opentelemetry.sdk.trace import TracerProvider
 
 from mesh_runtime import __version__, pages, tracing
+from mesh_runtime.durations import set_seconds
 from mesh_runtime.metrics import ServerMetrics
 from mesh_runtime.multiplex import Multiplexer
 from mesh_runtime.status import StatusReporter
@@ -139,10 +140,10 @@ class LoadBalancerServicer(loadbalancer_pb2_grpc.LoadBalancerServiceServicer):
             in_flight=route.in_flight, sticky_sessions=self.table.sticky_count(route.replica_id),
             completed=route.completed, failed=route.failed, routable=not reason, unroutable_reason=reason,
             consecutive_failures=route.consecutive_failures, ejections=route.ejections)
-        msg.added_at.FromNanoseconds(int(route.added_at * 1e9))
+        set_seconds(msg.added_at, route.added_at)
         left = route.ejected_until - self.table.clock()
         if left > 0:
-            msg.ejected_until.FromNanoseconds(int((time.time() + left) * 1e9))
+            set_seconds(msg.ejected_until, time.time() + left)
         return msg
 
     async def GetStatus(self, request, context):  # noqa: N802 - gRPC method names throughout

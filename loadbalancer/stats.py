@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from mesh_runtime.durations import set_seconds
 from rollmesh.loadbalancer.v1 import routing_pb2
 
 
@@ -33,7 +34,7 @@ class Stats:
     def to_proto(self, in_flight: int) -> routing_pb2.LoadBalancerStats:
         values = {k: v for k, v in dataclasses.asdict(self).items() if k != "since"}
         msg = routing_pb2.LoadBalancerStats(in_flight=in_flight, **values)
-        msg.since.FromNanoseconds(int(self.since * 1e9))
+        set_seconds(msg.since, self.since)
         return msg
 
     def families(self, in_flight: int, completed: Any = None, routes: Any = None, sticky: int | None = None) -> list:

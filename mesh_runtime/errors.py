@@ -16,6 +16,7 @@ from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from .durations import set_seconds, to_seconds
 from .handlers import rewrap
 from .reasons import Reason, known
 
@@ -163,7 +164,7 @@ def status_proto(err: RollmeshError) -> status_pb2.Status:
     details = [detail]
     if err.retry_delay_s is not None:
         retry = error_details_pb2.RetryInfo()
-        retry.retry_delay.FromNanoseconds(int(max(0.0, err.retry_delay_s) * 1e9))
+        set_seconds(retry.retry_delay, err.retry_delay_s)
         details.append(any_pb2.Any())
         details[-1].Pack(retry)
     return status_pb2.Status(code=err.code.value[0], message=_cut(err.message, MAX_MESSAGE), details=details)
@@ -194,7 +195,7 @@ def retry_delay(rpc_error: grpc.RpcError) -> float | None:
         if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
             info = error_details_pb2.RetryInfo()
             detail.Unpack(info)
-            return info.retry_delay.ToNanoseconds() / 1e9
+            return to_seconds(info.retry_delay)
     return None
 
 

@@ -10,6 +10,7 @@ import math
 
 from rollmesh.common.v1 import generation_pb2
 
+from .durations import to_seconds
 from .errors import InvalidArgument
 from .reasons import Reason
 
@@ -62,7 +63,7 @@ def check_generation(request_id: str, prompt_token_ids, sampling: generation_pb2
 
 def flush_interval_of(msg) -> float | None:
     """A Generate request's ``flush_interval`` in seconds; None when unset."""
-    return msg.flush_interval.ToNanoseconds() / 1e9 if msg.HasField("flush_interval") else None
+    return to_seconds(msg.flush_interval) if msg.HasField("flush_interval") else None
 
 
 def check_streaming(msg) -> None:

@@ -37,6 +37,7 @@ from google.rpc import status_pb2
 from opentelemetry import context as otel_context
 from opentelemetry import propagate
 
+from .durations import set_seconds, to_seconds
 from .errors import AlreadyExists, DeadlineExceeded, Internal, canonical, status_proto
 from .reasons import Reason
 
@@ -120,7 +121,7 @@ class Multiplexer:
             self._out.put_nowait(self._item(request_id=request_id, error=status_proto(AlreadyExists(
                 f"request {request_id[:64]!r} is already in flight on this stream", reason=Reason.REQUEST_IN_FLIGHT))))
             return
-        timeout = action.timeout.ToNanoseconds() / 1e9 if action.HasField("timeout") else None
+        timeout = to_seconds(action.timeout) if action.HasField("timeout") else None
         parent = propagate.extract(dict(action.trace_context)) if action.trace_context else None
         token = otel_context.attach(parent) if parent is not None else None
         try:   # the task copies the context: its spans continue the caller's trace
@@ -287,7 +288,7 @@ class SharedStream:
         self._calls[request.request_id] = call
         action = self._action(generate=request, trace_context=trace_context)
         if timeout_s is not None:
-            action.timeout.FromNanoseconds(int(max(0.0, timeout_s) * 1e9))
+            set_seconds(action.timeout, timeout_s)
         self._outgoing.put_nowait(action)
         return call
 

@@ -11,6 +11,7 @@ from rollmesh.common.v1 import status_pb2
 
 from . import __version__
 from .config import summary
+from .durations import set_seconds
 from .server import MeshServer
 
 
@@ -33,8 +34,8 @@ def build_status(server: MeshServer, config: Any, capabilities: Iterable[str]) -
         ready=server.ready, capabilities=sorted(capabilities),
         transport_security=_SECURITY[server.transport_security],
         identity=server.identity.uri if server.identity else "")
-    status.started_at.FromNanoseconds(int(server.started_at * 1e9))
-    status.uptime.FromNanoseconds(int(server.uptime_s() * 1e9))
+    set_seconds(status.started_at, server.started_at)
+    set_seconds(status.uptime, server.uptime_s())
     struct = struct_pb2.Struct()
     struct.update(_jsonable(summary(config)))
     status.config.CopyFrom(struct)

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import grpc
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_random_exponential
 
+from mesh_runtime.durations import to_seconds
 from mesh_runtime.retry import retry_after
 from rollmesh.common.v1 import load_pb2
 from rollmesh.controller.v1 import controller_pb2_grpc, registry_pb2
@@ -101,7 +102,7 @@ class ControllerLink:
         raise LinkLost("load-report stream closed by the controller")
 
     def _set_interval(self, duration) -> None:
-        seconds = duration.ToNanoseconds() / 1e9
+        seconds = to_seconds(duration)
         if seconds > 0:
             self.interval_s = seconds
 

@@ -6,6 +6,7 @@ bad input raises :class:`~mesh_runtime.errors.InvalidArgument` naming the field.
 
 from __future__ import annotations
 
+from mesh_runtime.durations import set_seconds
 from mesh_runtime.errors import InvalidArgument
 from mesh_runtime.generation import (
     check_generation,
@@ -84,10 +85,10 @@ def load_report(snapshot: LoadSnapshot, **identity) -> load_pb2.LoadReport:
         used_tokens=snapshot.used_tokens, generation_tokens_per_second=snapshot.tokens_per_second,
         prefix_cache_tokens=snapshot.prefix_cache_tokens, prefix_cache_hit_rate=snapshot.prefix_cache_hit_rate,
         **identity)
-    report.queue_time_p95.FromNanoseconds(int(snapshot.queue_time_p95_s * 1e9))
-    report.time_to_first_token_p95.FromNanoseconds(int(snapshot.ttft_p95_s * 1e9))
-    report.inter_token_latency_mean.FromNanoseconds(int(snapshot.itl_mean_s * 1e9))
-    report.inter_token_latency_p95.FromNanoseconds(int(snapshot.itl_p95_s * 1e9))
+    set_seconds(report.queue_time_p95, snapshot.queue_time_p95_s)
+    set_seconds(report.time_to_first_token_p95, snapshot.ttft_p95_s)
+    set_seconds(report.inter_token_latency_mean, snapshot.itl_mean_s)
+    set_seconds(report.inter_token_latency_p95, snapshot.itl_p95_s)
     report.reported_at.GetCurrentTime()
     return report
 
@@ -111,5 +112,5 @@ def replica_to_proto(replica, *, node_id: str, address: str, backend: str, model
         state_reason=replica.reason, in_flight_requests=len(replica.in_flight), engine_url=replica.engine_url,
         sleep_level=types_pb2.SleepLevel.Value(f"SLEEP_LEVEL_{replica.sleep_level}")
         if replica.state == "SLEEPING" and replica.sleep_level else types_pb2.SLEEP_LEVEL_UNSPECIFIED)
-    msg.launched_at.FromNanoseconds(int(replica.launched_at * 1e9))
+    set_seconds(msg.launched_at, replica.launched_at)
     return msg

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from opentelemetry.sdk.trace import TracerProvider
 
 from mesh_runtime import pages
+from mesh_runtime.durations import set_seconds, to_seconds
 from mesh_runtime.errors import InvalidArgument
 from mesh_runtime.multiplex import Multiplexer
 from mesh_runtime.reasons import Reason
@@ -37,7 +38,7 @@ def _launch_order(replica) -> str:
 
 
 def _seconds(duration, default: float | None) -> float | None:
-    return duration.ToNanoseconds() / 1e9 if duration.ByteSize() else default
+    return to_seconds(duration) if duration.ByteSize() else default
 
 
 class ReplicaAgentServicer(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
@@ -195,7 +196,7 @@ class ReplicaAgentServicer(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
             item = out.results.add(replica_id=r.replica_id, weight_version=r.weight_version,
                                    checksum_ok=r.checksum_ok, bytes_received=r.bytes_received,
                                    error_message=r.error)
-            item.duration.FromNanoseconds(int(r.duration_s * 1e9))
+            set_seconds(item.duration, r.duration_s)
         return out
 
 
@@ -221,7 +222,7 @@ class ReplicaWeightSource(weight_source_pb2_grpc.WeightSourceServiceServicer):
         sent = await self.node.send_weights(_source_replica(request.source_id), request.plan)
         out = weights_pb.SendWeightsResponse(bytes_sent=sent.bytes_sent, checksum=sent.checksum,
                                              weight_version=sent.weight_version)
-        out.duration.FromNanoseconds(int(sent.duration_s * 1e9))
+        set_seconds(out.duration, sent.duration_s)
         return out
 
 

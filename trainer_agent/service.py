@@ -5,6 +5,7 @@ from __future__ import annotations
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from mesh_runtime.durations import set_seconds
 from mesh_runtime.errors import NotFound
 from mesh_runtime.metrics import ServerMetrics
 from mesh_runtime.reasons import Reason
@@ -85,13 +86,13 @@ class TrainerAgentServicer(trainer_agent_pb2_grpc.TrainerAgentServiceServicer):
     async def OffloadTrainingState(self, request, context):  # noqa: N802
         moved = await self.node.driver.offload(request.include_optimizer)
         out = pb.OffloadTrainingStateResponse(bytes_moved=moved.bytes_moved)
-        out.duration.FromNanoseconds(int(moved.duration_s * 1e9))
+        set_seconds(out.duration, moved.duration_s)
         return out
 
     async def OnloadTrainingState(self, request, context):  # noqa: N802
         moved = await self.node.driver.onload()
         out = pb.OnloadTrainingStateResponse(bytes_moved=moved.bytes_moved)
-        out.duration.FromNanoseconds(int(moved.duration_s * 1e9))
+        set_seconds(out.duration, moved.duration_s)
         return out
 
 
@@ -125,5 +126,5 @@ class TrainerWeightSource(weight_source_pb2_grpc.WeightSourceServiceServicer):
         sent = await self.node.broadcaster.send(plan)
         out = weights_pb.SendWeightsResponse(bytes_sent=sent.bytes_sent, checksum=sent.checksum,
                                              weight_version=sent.weight_version)
-        out.duration.FromNanoseconds(int(sent.duration_s * 1e9))
+        set_seconds(out.duration, sent.duration_s)
         return out

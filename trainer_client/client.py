@@ -10,11 +10,11 @@ from typing import Any, TypeVar
 
 import grpc
 from google.longrunning import operations_pb2, operations_pb2_grpc
-from google.protobuf import duration_pb2
 
 from mesh_runtime import samples
 from mesh_runtime.channels import open_balancer_channel, open_channel, read_methods
 from mesh_runtime.discovery import open_discovered_balancers
+from mesh_runtime.durations import duration, set_seconds
 from mesh_runtime.generate_many import BalancerGenerations
 from mesh_runtime.retry import retry_after, retry_same
 from mesh_runtime.tls import TlsConfig
@@ -81,9 +81,9 @@ class Counters:
             queue_size=self.queued_samples, samples_consumed=self.consumed_samples,
             samples_dropped=self.dropped_samples, step_wait_samples=list(self.step_wait_samples))
         for seconds in self.step_wait_times_s:
-            report.step_wait_times.append(_duration(seconds))
+            report.step_wait_times.append(duration(seconds))
         for key, seconds in self.timing_s.items():
-            report.timing_raw[key].CopyFrom(_duration(seconds))
+            report.timing_raw[key].CopyFrom(duration(seconds))
         return report
 
 
@@ -112,12 +112,6 @@ class CompleteResult:
     failed_replicas: dict[str, str]
     """Replicas whose part of the broadcast failed, with the error (they are synced again or leave routing)."""
     response: scheduling_pb2.CompleteTrainingStepResponse
-
-
-def _duration(seconds: float) -> duration_pb2.Duration:
-    d = duration_pb2.Duration()
-    d.FromNanoseconds(int(seconds * 1e9))
-    return d
 
 
 class MeshClient:
@@ -178,7 +172,7 @@ class MeshClient:
     async def release_hybrids(self, global_step: int, *, buffered_samples: int, waited_s: float,
                               wait_expired: bool) -> ReleaseResult:
         request = scheduling_pb2.ReleaseHybridReplicasRequest(
-            global_step=global_step, buffered_samples=buffered_samples, waited=_duration(waited_s),
+            global_step=global_step, buffered_samples=buffered_samples, waited=duration(waited_s),
             wait_expired=wait_expired)
         reply = await self._retried(f"ReleaseHybridReplicas({global_step})", lambda: self._stub.ReleaseHybridReplicas(
             request, timeout=self._call_timeout, metadata=self._metadata))
@@ -301,7 +295,7 @@ class MeshClient:
         while True:
             wait_s = max(0.1, min(deadline - time.monotonic(), 30.0))   # one wait: at most 30 s
             request = operations_pb2.WaitOperationRequest(name=f"operations/{operation_id}")
-            request.timeout.FromNanoseconds(int(wait_s * 1e9))
+            set_seconds(request.timeout, wait_s)
             reply = await self._retried("WaitOperation", lambda: self._operations.WaitOperation(
                 request, timeout=wait_s + self._call_timeout, metadata=self._metadata))
             if reply.done:

@@ -20,6 +20,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any, Protocol
 
+from mesh_runtime.durations import to_seconds
 from .autoscaler import NONE, SCALE_IN, SCALE_OUT, Autoscaler, AutoscalerConfig, MetricsSample, throughput_cv2
 from ..core.events import EventType
 from .operations import OperationType, ScaleOperation
@@ -113,8 +114,8 @@ class AutoscalerLoop:
             time=now, num_engines=n,
             avg_token_usage=sum(r.kv_cache_usage for r in reports) / n if n else 0.0,
             total_queue_reqs=sum(r.waiting_requests for r in reports),
-            queue_time_p95=max((r.queue_time_p95.ToNanoseconds() / 1e9 for r in reports), default=0.0),
-            ttft_p95=max((r.time_to_first_token_p95.ToNanoseconds() / 1e9 for r in reports), default=0.0),
+            queue_time_p95=max((to_seconds(r.queue_time_p95) for r in reports), default=0.0),
+            ttft_p95=max((to_seconds(r.time_to_first_token_p95) for r in reports), default=0.0),
             throughput=sum(r.generation_tokens_per_second for r in reports))
 
     def throughput_variance(self) -> float:

@@ -19,6 +19,7 @@ from google.longrunning import operations_pb2, operations_pb2_grpc
 from google.protobuf import empty_pb2
 
 from mesh_runtime import pages
+from mesh_runtime.durations import to_seconds
 from mesh_runtime.errors import Aborted, Cancelled, InvalidArgument, status_proto
 from mesh_runtime.reasons import Reason
 from rollmesh.controller.v1 import scaling_pb2
@@ -162,7 +163,7 @@ class OperationsServicer(operations_pb2_grpc.OperationsServicer):
 
     async def WaitOperation(self, request, context):  # noqa: N802
         op_id = operation_id(request.name)
-        limit = request.timeout.ToNanoseconds() / 1e9 if request.HasField("timeout") else None
+        limit = to_seconds(request.timeout) if request.HasField("timeout") else None
         if limit is not None and limit <= 0:
             raise InvalidArgument(f"timeout must be positive, got {limit:g} s", reason=Reason.INVALID_TIMEOUT)
         remaining = context.time_remaining()

@@ -81,6 +81,7 @@ from rollmesh.common.v1 import types_pb2
 from rollmesh.controller.v1 import scheduling_pb2
 
 from mesh_runtime import samples
+from mesh_runtime.durations import set_seconds, to_seconds
 from trainer_agent.driver.mesh_calls import ReplicaCount, accepts_connections, duration, step_call
 from trainer_agent.driver.queue import MessageQueue, Sample
 from trainer_agent.driver.rollouter import Trajectory
@@ -264,7 +265,7 @@ class FullyAsyncLoop:
         waited, expired = 0.0, False
         if begin.deactivate:
             waited, expired = await self._checked(
-                self._wait_for(begin.wait_samples, begin.wait_timeout.ToNanoseconds() / 1e9), rollout)
+                self._wait_for(begin.wait_samples, to_seconds(begin.wait_timeout)), rollout)
             release = await self._checked(step_call(
                 ctl.ReleaseHybridReplicas, scheduling_pb2.ReleaseHybridReplicasRequest(
                     global_step=gs, buffered_samples=self._queued(), waited=duration(waited),
@@ -327,7 +328,7 @@ class FullyAsyncLoop:
         report.samples_dropped = (q.dropped - dropped0) // cfg.n
         for point in window:
             sample = report.rollout_concurrency.add(active_tasks=point.active_tasks, capacity=point.capacity)
-            sample.time.FromNanoseconds(int(point.t * 1e9))
+            set_seconds(sample.time, point.t)
 
         self._on_phase("syncing")
         sync0 = time.perf_counter()

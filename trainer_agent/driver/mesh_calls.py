@@ -10,9 +10,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
-from google.protobuf import duration_pb2
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
 
+from mesh_runtime.durations import duration
 from mesh_runtime.net import AddressError, parse_host_port
 from mesh_runtime.retry import retry_same
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2
@@ -66,12 +66,6 @@ async def step_call(method: Callable[..., Awaitable[Any]], request: Any, *, time
         with attempt:
             return await method(request, timeout=max(0.5, deadline - time.monotonic()))
     raise AssertionError("unreachable")  # pragma: no cover - reraise=True ends the loop with the error
-
-
-def duration(seconds: float) -> duration_pb2.Duration:
-    d = duration_pb2.Duration()
-    d.FromNanoseconds(int(max(0.0, seconds) * 1e9))
-    return d
 
 
 def _detail(err: BaseException | None) -> str:
