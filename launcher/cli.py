@@ -150,7 +150,7 @@ def run_server(name: str, args: argparse.Namespace, env: dict[str, str]) -> int:
         return 2
     logs.configure(name, level=args.log_level, fmt=log_format)
     print_config_notes(name, config)
-    from .server import PortInUse  # noqa: PLC0415
+    from mesh_runtime.server import PortInUse  # noqa: PLC0415
 
     try:
         asyncio.run(module.serve(config, env))
