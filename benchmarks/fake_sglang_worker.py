@@ -121,7 +121,8 @@ class _Job:
         self.rid, self.context, self.max_new = rid, context, max_new
         self.output: list[int] = []
         self.cached = 0
-        self.events: asyncio.Queue[list[int] | None] = asyncio.Queue()
+        self.events: asyncio.Queue[tuple[list[int], bool]] = asyncio.Queue()
+        """(new token ids, whether they are the last)."""
         self.rng = random.Random(rid)
 
 
@@ -160,11 +161,11 @@ class ModelledWorker(Worker):
                 job = self.jobs[rid]
                 ids = [job.rng.randrange(2, 32000) for _ in range(count)]
                 job.output += ids
-                job.events.put_nowait(ids)
-                if len(job.output) >= job.max_new:
+                finished = len(job.output) >= job.max_new
+                job.events.put_nowait((ids, finished))
+                if finished:
                     del self.jobs[rid]
                     self.model.release(rid, job.context + job.output)
-                    job.events.put_nowait(None)
 
     async def generate(self, body: dict, writer: asyncio.StreamWriter) -> None:
         if self.loop_task is None:
@@ -179,10 +180,11 @@ class ModelledWorker(Worker):
         stream = bool(body.get("stream"))
         if stream:
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
-        while (ids := await job.events.get()) is not None:
+        finished = False
+        while not finished:
+            ids, finished = await job.events.get()
             if stream:
-                done = len(job.output) >= n and job.events.qsize() == 1
-                _chunk(writer, f"data: {json.dumps(self._body(job, ids, done))}\n\n".encode())
+                _chunk(writer, f"data: {json.dumps(self._body(job, ids, finished))}\n\n".encode())
                 await writer.drain()
         if stream:
             _chunk(writer, b"data: [DONE]\n\n")

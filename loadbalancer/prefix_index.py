@@ -12,7 +12,7 @@ engine's own LRU would evict them; a replica that leaves the table takes its ent
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol, TypeVar
 
 
@@ -41,9 +41,6 @@ class PrefixIndex:
         self.max_blocks = max_blocks
         self._owners: dict[int, set[str]] = {}
         self._replicas: dict[str, OrderedDict[int, None]] = {}
-
-    def __len__(self) -> int:
-        return len(self._owners)
 
     def blocks(self, replica_id: str) -> int:
         return len(self._replicas.get(replica_id, ()))
@@ -83,16 +80,15 @@ class PrefixIndex:
             self.forget(replica_id)
         entries = self._replicas.setdefault(replica_id, OrderedDict())
         for key in removed:
-            if entries.pop(key, 0) is None:
+            if key in entries:
+                del entries[key]
                 self._drop_owner(key, replica_id)
         self.record(replica_id, stored)
 
-    def forget(self, replica_id: str) -> int:
-        """Drop a replica's entries (it left the table, or its cache was emptied); how many there were."""
-        entries: Mapping[int, None] = self._replicas.pop(replica_id, OrderedDict())
-        for key in entries:
+    def forget(self, replica_id: str) -> None:
+        """Drop a replica's entries (it left the table, or its cache was emptied)."""
+        for key in self._replicas.pop(replica_id, {}):
             self._drop_owner(key, replica_id)
-        return len(entries)
 
     def _drop_owner(self, key: int, replica_id: str) -> None:
         owners = self._owners.get(key)
