@@ -51,13 +51,19 @@ def initialize_parallel(tensor_parallel_size: int = 1) -> None:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel_size)
 
 
-def build_gpt(layout: mapping.GptLayout, *, dtype: torch.dtype, device: torch.device, tensor_parallel_size: int = 1):
+def build_gpt(layout: mapping.GptLayout, *, dtype: torch.dtype, device: torch.device,
+              tensor_parallel_size: int = 1, seed: int = 0):
     """megatron-core's ``GPTModel`` with ``layout``'s dimensions (parallel state must be initialised)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     layout.check_tensor_parallel(tensor_parallel_size)
+    if device.type == "cuda":
+        # Initialising parameters on the GPU draws from megatron's model-parallel CUDA RNG streams, which
+        # exist only once seeded (the values are overwritten by the checkpoint's right after).
+        model_parallel_cuda_manual_seed(seed)
     config = TransformerConfig(
         num_layers=layout.num_layers, hidden_size=layout.hidden_size, num_attention_heads=layout.num_heads,
         num_query_groups=layout.num_query_groups, kv_channels=layout.head_dim,
@@ -132,7 +138,7 @@ class MegatronWeightSource(WeightSource):
         self.layout = mapping.GptLayout.from_hf_config(config)
         initialize_parallel(self.tensor_parallel_size)
         gpt = build_gpt(self.layout, dtype=self.dtype, device=self.device,
-                        tensor_parallel_size=self.tensor_parallel_size)
+                        tensor_parallel_size=self.tensor_parallel_size, seed=self.seed)
         self.module = MegatronCausalLM(gpt)
         self._params = dict(gpt.named_parameters())
         self._write_megatron(mapping.to_megatron(self.layout, hf))
