@@ -61,7 +61,7 @@ def replica_specs(msg: registry_pb2.RegisterNodeRequest) -> list[ReplicaSpec]:
     return [ReplicaSpec(replica_id=r.replica_id, kind=kind_from_proto(r.kind), state=state_from_proto(r.state)
                         if r.state else ReplicaState.LAUNCHING, weight_version=r.weight_version,
                         slots=tuple(r.slots), memory_fraction=r.memory_fraction, initial=r.initial,
-                        engine_url=r.engine_url)
+                        engine_url=r.engine_url, data_address=r.data_address)
             for r in msg.replicas]
 
 
@@ -72,7 +72,7 @@ def replica_record(record: ReplicaRecord) -> registry_pb2.ReplicaRecord:
         initial=record.initial, added_by_operation_id=record.added_by_operation_id,
         intentionally_removed=record.intentionally_removed, state_reason=record.state_reason,
         updated_at=timestamp(record.updated_at), model_name=record.model_name, slots=list(record.slots),
-        memory_fraction=record.memory_fraction, engine_url=record.engine_url)
+        memory_fraction=record.memory_fraction, engine_url=record.engine_url, data_address=record.data_address)
     if record.lease_expires_at:
         msg.lease_expires_at.CopyFrom(timestamp(record.lease_expires_at))
     if record.last_report is not None:

@@ -78,7 +78,7 @@ class OneBalancer:
 
     async def add_replicas(self, records: Sequence[ReplicaRecord]) -> None:
         if records:
-            endpoints = [routing_pb2.ReplicaEndpoint(replica_id=r.replica_id, address=r.address,
+            endpoints = [routing_pb2.ReplicaEndpoint(replica_id=r.replica_id, address=r.route_address,
                                                      kind=kind_to_proto(r.kind), weight_version=r.weight_version,
                                                      node_id=r.node_id) for r in records]
             await self._stub.AddReplicas(loadbalancer_pb2.AddReplicasRequest(replicas=endpoints),

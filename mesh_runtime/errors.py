@@ -199,6 +199,22 @@ def retry_delay(rpc_error: grpc.RpcError) -> float | None:
     return None
 
 
+def relayed(rpc_error: grpc.RpcError) -> RollmeshError:
+    """A failed call's status as a domain error, to pass on unchanged (code, message, reason, metadata and
+    retry delay): what a server that forwards a call to another one raises."""
+    info = error_info(rpc_error)
+    code = rpc_error.code() if isinstance(rpc_error, grpc.aio.AioRpcError) else grpc.StatusCode.UNKNOWN
+    if code is grpc.StatusCode.OK:
+        code = grpc.StatusCode.UNKNOWN
+    reason = info.reason if info is not None and known(info.reason) else None
+    message = (rpc_error.details() or code.name) if isinstance(rpc_error, grpc.aio.AioRpcError) else str(rpc_error)
+    err = RollmeshError(message, reason=reason or (code.name if known(code.name) else None),
+                        metadata=dict(info.metadata) if info is not None else None,
+                        retry_delay_s=retry_delay(rpc_error))
+    err.code = code
+    return err
+
+
 def canonical(exc: BaseException) -> RollmeshError | None:
     """The mesh error for ``exc``: itself, or a domain error that names its canonical code.
 

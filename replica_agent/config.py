@@ -67,6 +67,12 @@ class ReplicaAgentConfig(ServerConfig):
     engine_options: dict[str, Any] = setting(default_factory=dict, help="extra backend-specific engine "
                                              "options (e.g. max_batch_size, device, dtype, tokens_per_second)")
     replicas: list[BootReplica] = setting(default_factory=list, help="replicas to start at boot")
+    replica_processes: bool = setting(False, help="run each replica (its engine and its Generate streams) in a "
+                                                  "process of its own, supervised by this agent, so a node's "
+                                                  "token rate grows with its replicas instead of sharing one "
+                                                  "event loop; balancers stream from the replica's process, "
+                                                  "lifecycle calls still come here; a process that dies is a "
+                                                  "FAILED replica")
     weight_transfer_timeout_s: float = setting(300.0, help="default timeout of a weight transfer when the "
                                                             "sync plan gives none")
     metrics_listen: str = setting("", help="HOST:PORT for a Prometheus /metrics endpoint; empty = off")

@@ -28,6 +28,7 @@ from rollmesh.controller.v1 import registry_pb2
 from . import convert
 from .config import ReplicaAgentConfig
 from .engines import create_engine
+from .processes import ReplicaProcess, ReplicaProcesses
 from .replicas import Replica, ReplicaManager
 
 if TYPE_CHECKING:
@@ -51,6 +52,11 @@ class Node:
                                        default_memory_fraction=config.memory_fraction,
                                        max_waiting_requests=config.max_waiting_requests,
                                        sync_wait_s=config.weight_sync_wait_s)
+        self.processes: ReplicaProcesses | None = None
+        """The replica processes when ``replica_processes`` is on (then ``replicas`` stays empty)."""
+        if config.replica_processes:
+            self.processes = ReplicaProcesses(config, node_id=self.node_id, address=lambda: self.address,
+                                              pool=ChannelPool(tls=config.tls, tracer_provider=tracer_provider))
         self._launch_keys: OrderedDict[str, tuple[tuple, str]] = OrderedDict()
         self._ids = itertools.count()
         self.link: ControllerLink | None = None
@@ -74,7 +80,7 @@ class Node:
     def _next_replica_id(self) -> str:
         while True:
             candidate = f"{self.node_id}-r{next(self._ids)}"
-            if candidate not in {r.replica_id for r in self.replicas.list()}:
+            if candidate not in {r.replica_id for r in self.serving().list()}:
                 return candidate
 
     async def start(self, server: MeshServer) -> None:
@@ -83,9 +89,11 @@ class Node:
             self.address = server.address
         server.add_cleanup(self.replicas.close)
         server.add_cleanup(self.close_weight_groups)
+        if self.processes is not None:
+            server.add_cleanup(self.processes.close)
         for spec in self.config.replicas:
-            await self.replicas.launch(replica_id=spec.replica_id or self._next_replica_id(), kind=spec.kind,
-                                       slots=spec.slots, start_asleep=spec.asleep_at_boot, initial=True)
+            await self._launch(replica_id=spec.replica_id or self._next_replica_id(), kind=spec.kind,
+                               slots=spec.slots, start_asleep=spec.asleep_at_boot, initial=True)
         if self.config.controller_address:
             from .controller_link import ControllerLink  # noqa: PLC0415, F811 - imported here at run time
 
@@ -93,12 +101,19 @@ class Node:
             server.add_cleanup(pool.close)
             address = self.config.controller_address
             link = ControllerLink(channel=lambda: pool.get(address), registration=self.registration,
-                                  reports=lambda: [self.load_report(r) for r in self.replicas.list()],
+                                  reports=lambda: [self.load_report(r) for r in self.serving().list()],
                                   on_rejected=self._stop_rejected)
             self.link = link
             server.spawn(link.run(), name="controller-link")
 
-    async def launch_once(self, *, request_id: str, replica_id: str, **params) -> Replica:
+    def serving(self) -> ReplicaManager | ReplicaProcesses:
+        """Whoever holds this node's replicas: the replica processes, else the in-process manager."""
+        return self.processes if self.processes is not None else self.replicas
+
+    async def _launch(self, **params) -> Replica | ReplicaProcess:
+        return await self.serving().launch(**params)
+
+    async def launch_once(self, *, request_id: str, replica_id: str, **params) -> Replica | ReplicaProcess:
         """Launch a replica; a repeated ``request_id`` returns the first launch's replica."""
         key = (replica_id, tuple(sorted(params.items())))
         if request_id and request_id in self._launch_keys:
@@ -106,8 +121,8 @@ class Node:
             if seen_key != key:
                 raise AlreadyExists(f"request_id {request_id!r} was already used for a different launch",
                                     reason=Reason.IDEMPOTENCY_KEY_REUSED)
-            return self.replicas.get(seen_id)
-        replica = await self.replicas.launch(replica_id=replica_id or self._next_replica_id(), **params)
+            return self.serving().get(seen_id)
+        replica = await self._launch(replica_id=replica_id or self._next_replica_id(), **params)
         if request_id:
             self._launch_keys[request_id] = (key, replica.replica_id)
             while len(self._launch_keys) > _IDEMPOTENCY_KEYS:
@@ -174,25 +189,34 @@ class Node:
     async def _stop_rejected(self, replica_ids: list[str]) -> None:
         for replica_id in replica_ids:
             log.warning("controller rejected replica %s (intentionally removed); stopping it", replica_id)
-            await self.replicas.stop(replica_id, grace_s=0.0, force=True)
+            await self.serving().stop(replica_id, grace_s=0.0, force=True)
 
-    def replica_proto(self, replica: Replica):
+    def replica_proto(self, replica: Replica | ReplicaProcess):
+        if isinstance(replica, ReplicaProcess):
+            return self.processes.proto(replica, node_address=self.address, backend=self.config.backend,
+                                        model=self.config.model)
         return convert.replica_to_proto(replica, node_id=self.node_id, address=self.address,
                                         backend=self.config.backend, model=self.config.model)
 
-    def load_report(self, replica: Replica):
+    def load_report(self, replica: Replica | ReplicaProcess):
+        if isinstance(replica, ReplicaProcess):
+            return self.processes.load_report(replica)
         return convert.load_report(replica.engine.load_snapshot(), replica_id=replica.replica_id,
                                    node_id=self.node_id, state=convert.state_enum(replica.state),
                                    kind=convert.KINDS[replica.kind], weight_version=replica.weight_version)
 
     def registration(self) -> registry_pb2.RegisterNodeRequest:
-        replicas = [registry_pb2.ReplicaRegistration(
-            replica_id=r.replica_id, kind=convert.KINDS[r.kind], state=convert.state_enum(r.state),
-            weight_version=r.weight_version, slots=r.slots, memory_fraction=r.memory_fraction, initial=r.initial,
-            engine_url=r.engine_url)
-            for r in self.replicas.list() if r.state not in ("STOPPED",)]
+        replicas = []
+        for r in self.serving().list():
+            if r.state == "STOPPED":
+                continue
+            msg = self.replica_proto(r)
+            replicas.append(registry_pb2.ReplicaRegistration(
+                replica_id=r.replica_id, kind=msg.kind, state=msg.state, weight_version=msg.weight_version,
+                slots=msg.slots, memory_fraction=msg.memory_fraction, initial=r.initial, engine_url=r.engine_url,
+                data_address=msg.data_address))
         return registry_pb2.RegisterNodeRequest(
-            node_id=self.node_id, address=self.address, slots_total=self.replicas.slots_total,
+            node_id=self.node_id, address=self.address, slots_total=self.serving().slots_total,
             backend=convert.BACKENDS[self.config.backend], model=self.config.model, replicas=replicas,
             agent_version=__version__)
 
@@ -210,12 +234,12 @@ class Node:
             "state": GaugeMetricFamily("rollmesh_replica_state", "1 for the replica's current state",
                                        labels=[*labels, "state"]),
         }
-        for replica in self.replicas.list():
+        for replica in self.serving().list():
             values = [replica.replica_id, self.node_id, replica.kind]
-            snap = replica.engine.load_snapshot()
-            families["running"].add_metric(values, snap.running)
-            families["waiting"].add_metric(values, snap.waiting)
-            families["kv"].add_metric(values, snap.kv_cache_usage)
+            report = self.load_report(replica)
+            families["running"].add_metric(values, report.running_requests)
+            families["waiting"].add_metric(values, report.waiting_requests)
+            families["kv"].add_metric(values, report.kv_cache_usage)
             families["version"].add_metric(values, replica.weight_version)
             families["state"].add_metric([*values, replica.state], 1)
         return list(families.values())

@@ -104,6 +104,37 @@ class Replica:
         return self.state in ("ACTIVE", "PAUSED")
 
 
+def check_launch(*, kind: str, slots: int, engine_url: str, memory_fraction: float | None) -> None:
+    """INVALID_ARGUMENT for a launch that no node could carry out."""
+    if kind not in ("STANDALONE", "HYBRID"):
+        raise errors.InvalidArgument("kind must be STANDALONE or HYBRID", reason=Reason.INVALID_KIND)
+    if engine_url and slots != 0:
+        raise errors.InvalidArgument(f"a replica attached to {engine_url[:80]} uses no slot of this node; "
+                                     f"slots must be 0, got {slots}", reason=Reason.INVALID_SLOTS)
+    if not engine_url and slots < 1:
+        raise errors.InvalidArgument(f"slots must be >= 1, got {slots}", reason=Reason.INVALID_SLOTS)
+    if memory_fraction is not None and not 0 < memory_fraction <= 1:
+        raise errors.InvalidArgument(f"memory_fraction must be in (0, 1], got {memory_fraction}",
+                                     reason=Reason.INVALID_MEMORY_FRACTION)
+
+
+def reserve_slots(node_id: str, replica_id: str, existing, slots: int, slots_total: int,
+                  owners: dict[int, str]) -> list[int]:
+    """Take ``slots`` free slots of the node for ``replica_id`` (recorded in ``owners``): ALREADY_EXISTS while
+    ``existing`` (the replica of that id) is neither STOPPED nor FAILED, RESOURCE_EXHAUSTED when too few are
+    free."""
+    if existing is not None and existing.state not in ("STOPPED", "FAILED"):
+        raise errors.AlreadyExists(f"replica {replica_id!r} already exists on this node ({existing.state})",
+                                   reason=Reason.REPLICA_EXISTS)
+    free = [s for s in range(slots_total) if s not in owners]
+    if slots > len(free):
+        raise errors.ResourceExhausted(f"replica {replica_id!r} needs {slots} slot(s) but node {node_id!r} has "
+                                       f"{len(free)} of {slots_total} free", reason=Reason.NO_FREE_SLOTS)
+    for slot in free[:slots]:
+        owners[slot] = replica_id
+    return free[:slots]
+
+
 EngineFactory = Callable[..., Engine]
 """(replica_id, kind, memory_fraction, weight_version, engine_url=...) -> an engine not started yet."""
 
@@ -155,34 +186,21 @@ class ReplicaManager:
                      engine_url: str = "") -> Replica:
         """Reserve slots, start an engine (or attach to the engine server at ``engine_url``, which takes no
         slot) and (optionally) put it to sleep."""
-        if kind not in ("STANDALONE", "HYBRID"):
-            raise errors.InvalidArgument("kind must be STANDALONE or HYBRID", reason=Reason.INVALID_KIND)
-        if engine_url and slots != 0:
-            raise errors.InvalidArgument(f"a replica attached to {engine_url[:80]} uses no slot of this node; "
-                                         f"slots must be 0, got {slots}", reason=Reason.INVALID_SLOTS)
-        if not engine_url and slots < 1:
-            raise errors.InvalidArgument(f"slots must be >= 1, got {slots}", reason=Reason.INVALID_SLOTS)
-        if memory_fraction is not None and not 0 < memory_fraction <= 1:
-            raise errors.InvalidArgument(f"memory_fraction must be in (0, 1], got {memory_fraction}",
-                                         reason=Reason.INVALID_MEMORY_FRACTION)
+        check_launch(kind=kind, slots=slots, engine_url=engine_url, memory_fraction=memory_fraction)
         async with self._launch_lock:
-            existing = self._replicas.get(replica_id)
-            if existing is not None and existing.state not in ("STOPPED", "FAILED"):
-                raise errors.AlreadyExists(f"replica {replica_id!r} already exists on this node "
-                                           f"({existing.state})", reason=Reason.REPLICA_EXISTS)
-            if slots > self.slots_free:
-                raise errors.ResourceExhausted(f"replica {replica_id!r} needs {slots} slot(s) but node "
-                                               f"{self.node_id!r} has {self.slots_free} of {self.slots_total} free",
-                                               reason=Reason.NO_FREE_SLOTS)
-            free = [s for s in range(self.slots_total) if s not in self._slot_owner][:slots]
+            free = reserve_slots(self.node_id, replica_id, self._replicas.get(replica_id), slots,
+                                 self.slots_total, self._slot_owner)
             fraction = memory_fraction if memory_fraction is not None else self._default_fraction(kind)
-            with engine_errors():
-                engine = (self._factory(replica_id, kind, fraction, weight_version, engine_url=engine_url)
-                          if engine_url else self._factory(replica_id, kind, fraction, weight_version))
+            try:
+                with engine_errors():
+                    engine = (self._factory(replica_id, kind, fraction, weight_version, engine_url=engine_url)
+                              if engine_url else self._factory(replica_id, kind, fraction, weight_version))
+            except BaseException:
+                for slot in free:
+                    del self._slot_owner[slot]
+                raise
             replica = Replica(replica_id, kind, free, fraction, initial, engine, engine_url=engine_url)
             self._replicas[replica_id] = replica
-            for slot in free:
-                self._slot_owner[slot] = replica_id
         async with replica.lock:
             replica.busy = "launch"
             try:

@@ -77,6 +77,8 @@ class ReplicaSpec:
     initial: bool = False
     engine_url: str = ""
     """The running engine server the replica is attached to (external SGLang); empty otherwise."""
+    data_address: str = ""
+    """The replica's own process, which serves its generations; empty when the node's agent does."""
 
 
 @dataclasses.dataclass
@@ -102,6 +104,8 @@ class ReplicaRecord:
     """When the replica first entered the registry (scale-in picks the newest first)."""
     engine_url: str = ""
     """The running engine server the replica is attached to (external SGLang); empty otherwise."""
+    data_address: str = ""
+    """The replica's own process, which serves its generations; empty when the node's agent does."""
     last_report: Any = dataclasses.field(default=None, compare=False)
     """The latest load report, opaque to the core; not persisted."""
 
@@ -116,6 +120,11 @@ class ReplicaRecord:
         fields.update(kind=ReplicaKind(data["kind"]), state=ReplicaState(data["state"]),
                       slots=tuple(data.get("slots", ())))
         return cls(**fields)
+
+    @property
+    def route_address(self) -> str:
+        """Where balancers send the replica's generations: its own process, else its node's agent."""
+        return self.data_address or self.address
 
 
 @dataclasses.dataclass

@@ -195,7 +195,7 @@ class ReplicaRegistry:
                                initial=spec.initial, added_by_operation_id=operation_id,
                                model_name=node.model_name, lease_expires_at=node.lease_expires_at,
                                updated_at=self._clock(), added_at=self._clock(), state_reason=reason or "added",
-                               engine_url=spec.engine_url)
+                               engine_url=spec.engine_url, data_address=spec.data_address)
         self._put(record)
         self._emit_change(record, "", record.state_reason, operation_id=operation_id)
         return record
@@ -382,6 +382,7 @@ class ReplicaRegistry:
             added_by_operation_id=existing.added_by_operation_id if existing else "",
             model_name=model_name, lease_expires_at=expires, updated_at=now,
             added_at=existing.added_at if existing else now, engine_url=spec.engine_url,
+            data_address=spec.data_address,
             state_reason="registered" if existing is None else "reported by agent on registration")
         self._put(record)
         if existing is None or existing.state is not record.state:

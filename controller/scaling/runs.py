@@ -88,7 +88,7 @@ async def _create(s, op, placements: list[str]) -> dict[str, str]:
         with s.mesh.span("replica.launch", replica_id=replica_id, node_id=record.node_id):
             replica = await s.calls.launch(record.address, replica_id, slots=per, timeout_s=op.timeout_s,
                                            request_id=f"{op.operation_id}:{replica_id}")
-        record.slots = tuple(replica.slots)
+        record.slots, record.data_address = tuple(replica.slots), replica.data_address
         registry.touch(record.node_id)
         registry.set_weight_version(replica_id, replica.weight_version)
         registry.transition(replica_id, S.LOADING, "launched; health check next", operation_id=op.operation_id)
@@ -122,7 +122,8 @@ async def _connect(s, op) -> dict[str, str]:
                                             request_id=f"{op.operation_id}:{replica_id}")]
             launched = [replica_id]
         specs = [ReplicaSpec(r.replica_id, ReplicaKind.STANDALONE, S.LOADING, weight_version=r.weight_version,
-                             slots=tuple(r.slots), memory_fraction=r.memory_fraction) for r in serving]
+                             slots=tuple(r.slots), memory_fraction=r.memory_fraction, data_address=r.data_address)
+                 for r in serving]
         registry.register_node(status.node_id, address, replicas=specs, slots_total=status.slots_total,
                                backend=types_pb2.EngineBackend.Name(status.backend), model=status.model,
                                model_name=op.model_name, agent_version="external")

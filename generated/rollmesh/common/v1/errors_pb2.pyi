@@ -179,6 +179,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BALANCER_ADDRESS_TAKEN: _ClassVar[ErrorReason]
     NOT_YOUR_BALANCER: _ClassVar[ErrorReason]
     INVALID_SESSION_ID: _ClassVar[ErrorReason]
+    REPLICA_PROCESS_FAILED: _ClassVar[ErrorReason]
 ERROR_REASON_UNSPECIFIED: ErrorReason
 INTERNAL: ErrorReason
 INVALID_ARGUMENT: ErrorReason
@@ -352,3 +353,4 @@ BALANCER_NOT_FOUND: ErrorReason
 BALANCER_ADDRESS_TAKEN: ErrorReason
 NOT_YOUR_BALANCER: ErrorReason
 INVALID_SESSION_ID: ErrorReason
+REPLICA_PROCESS_FAILED: ErrorReason

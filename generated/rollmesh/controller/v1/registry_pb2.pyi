@@ -14,7 +14,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ReplicaRegistration(_message.Message):
-    __slots__ = ("replica_id", "kind", "state", "weight_version", "slots", "memory_fraction", "initial", "engine_url")
+    __slots__ = ("replica_id", "kind", "state", "weight_version", "slots", "memory_fraction", "initial", "engine_url", "data_address")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,7 @@ class ReplicaRegistration(_message.Message):
     MEMORY_FRACTION_FIELD_NUMBER: _ClassVar[int]
     INITIAL_FIELD_NUMBER: _ClassVar[int]
     ENGINE_URL_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     kind: _types_pb2.ReplicaKind
     state: _types_pb2.ReplicaState
@@ -31,7 +32,8 @@ class ReplicaRegistration(_message.Message):
     memory_fraction: float
     initial: bool
     engine_url: str
-    def __init__(self, replica_id: _Optional[str] = ..., kind: _Optional[_Union[_types_pb2.ReplicaKind, str]] = ..., state: _Optional[_Union[_types_pb2.ReplicaState, str]] = ..., weight_version: _Optional[int] = ..., slots: _Optional[_Iterable[int]] = ..., memory_fraction: _Optional[float] = ..., initial: _Optional[bool] = ..., engine_url: _Optional[str] = ...) -> None: ...
+    data_address: str
+    def __init__(self, replica_id: _Optional[str] = ..., kind: _Optional[_Union[_types_pb2.ReplicaKind, str]] = ..., state: _Optional[_Union[_types_pb2.ReplicaState, str]] = ..., weight_version: _Optional[int] = ..., slots: _Optional[_Iterable[int]] = ..., memory_fraction: _Optional[float] = ..., initial: _Optional[bool] = ..., engine_url: _Optional[str] = ..., data_address: _Optional[str] = ...) -> None: ...
 
 class NodeRecord(_message.Message):
     __slots__ = ("node_id", "address", "slots_total", "backend", "model", "model_name", "agent_version", "registered_at", "lease_expires_at", "last_report_at", "lease_held", "replica_ids")
@@ -62,7 +64,7 @@ class NodeRecord(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., slots_total: _Optional[int] = ..., backend: _Optional[_Union[_types_pb2.EngineBackend, str]] = ..., model: _Optional[str] = ..., model_name: _Optional[str] = ..., agent_version: _Optional[str] = ..., registered_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., lease_expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_report_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., lease_held: _Optional[bool] = ..., replica_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReplicaRecord(_message.Message):
-    __slots__ = ("replica_id", "node_id", "address", "kind", "state", "weight_version", "initial", "added_by_operation_id", "intentionally_removed", "lease_expires_at", "last_report", "state_reason", "updated_at", "model_name", "slots", "memory_fraction", "engine_url")
+    __slots__ = ("replica_id", "node_id", "address", "kind", "state", "weight_version", "initial", "added_by_operation_id", "intentionally_removed", "lease_expires_at", "last_report", "state_reason", "updated_at", "model_name", "slots", "memory_fraction", "engine_url", "data_address")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +82,7 @@ class ReplicaRecord(_message.Message):
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FRACTION_FIELD_NUMBER: _ClassVar[int]
     ENGINE_URL_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     node_id: str
     address: str
@@ -97,7 +100,8 @@ class ReplicaRecord(_message.Message):
     slots: _containers.RepeatedScalarFieldContainer[int]
     memory_fraction: float
     engine_url: str
-    def __init__(self, replica_id: _Optional[str] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., kind: _Optional[_Union[_types_pb2.ReplicaKind, str]] = ..., state: _Optional[_Union[_types_pb2.ReplicaState, str]] = ..., weight_version: _Optional[int] = ..., initial: _Optional[bool] = ..., added_by_operation_id: _Optional[str] = ..., intentionally_removed: _Optional[bool] = ..., lease_expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_report: _Optional[_Union[_load_pb2.LoadReport, _Mapping]] = ..., state_reason: _Optional[str] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., model_name: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ..., memory_fraction: _Optional[float] = ..., engine_url: _Optional[str] = ...) -> None: ...
+    data_address: str
+    def __init__(self, replica_id: _Optional[str] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., kind: _Optional[_Union[_types_pb2.ReplicaKind, str]] = ..., state: _Optional[_Union[_types_pb2.ReplicaState, str]] = ..., weight_version: _Optional[int] = ..., initial: _Optional[bool] = ..., added_by_operation_id: _Optional[str] = ..., intentionally_removed: _Optional[bool] = ..., lease_expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_report: _Optional[_Union[_load_pb2.LoadReport, _Mapping]] = ..., state_reason: _Optional[str] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., model_name: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ..., memory_fraction: _Optional[float] = ..., engine_url: _Optional[str] = ..., data_address: _Optional[str] = ...) -> None: ...
 
 class RegisterNodeRequest(_message.Message):
     __slots__ = ("node_id", "address", "slots_total", "backend", "model", "model_name", "replicas", "agent_version")

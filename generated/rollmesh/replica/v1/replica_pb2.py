@@ -26,15 +26,15 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from rollmesh.common.v1 import types_pb2 as rollmesh_dot_common_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!rollmesh/replica/v1/replica.proto\x12\x13rollmesh.replica.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1erollmesh/common/v1/types.proto\"\x89\x05\n\x07Replica\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\x12\x17\n\x07node_id\x18\x02 \x01(\tR\x06nodeId\x12\x33\n\x04kind\x18\x03 \x01(\x0e\x32\x1f.rollmesh.common.v1.ReplicaKindR\x04kind\x12\x36\n\x05state\x18\x04 \x01(\x0e\x32 .rollmesh.common.v1.ReplicaStateR\x05state\x12%\n\x0eweight_version\x18\x05 \x01(\x03R\rweightVersion\x12\x14\n\x05slots\x18\x06 \x03(\rR\x05slots\x12\'\n\x0fmemory_fraction\x18\x07 \x01(\x01R\x0ememoryFraction\x12;\n\x07\x62\x61\x63kend\x18\x08 \x01(\x0e\x32!.rollmesh.common.v1.EngineBackendR\x07\x62\x61\x63kend\x12\x14\n\x05model\x18\t \x01(\tR\x05model\x12\x18\n\x07\x61\x64\x64ress\x18\n \x01(\tR\x07\x61\x64\x64ress\x12;\n\x0blaunched_at\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.TimestampR\nlaunchedAt\x12?\n\x0bsleep_level\x18\x0c \x01(\x0e\x32\x1e.rollmesh.common.v1.SleepLevelR\nsleepLevel\x12\x18\n\x07initial\x18\r \x01(\x08R\x07initial\x12!\n\x0cstate_reason\x18\x0e \x01(\tR\x0bstateReason\x12,\n\x12in_flight_requests\x18\x0f \x01(\rR\x10inFlightRequests\x12\x1d\n\nengine_url\x18\x10 \x01(\tR\tengineUrl*R\n\tPauseMode\x12\x1a\n\x16PAUSE_MODE_UNSPECIFIED\x10\x00\x12\x13\n\x0fPAUSE_MODE_WAIT\x10\x01\x12\x14\n\x10PAUSE_MODE_ABORT\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!rollmesh/replica/v1/replica.proto\x12\x13rollmesh.replica.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1erollmesh/common/v1/types.proto\"\xac\x05\n\x07Replica\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\x12\x17\n\x07node_id\x18\x02 \x01(\tR\x06nodeId\x12\x33\n\x04kind\x18\x03 \x01(\x0e\x32\x1f.rollmesh.common.v1.ReplicaKindR\x04kind\x12\x36\n\x05state\x18\x04 \x01(\x0e\x32 .rollmesh.common.v1.ReplicaStateR\x05state\x12%\n\x0eweight_version\x18\x05 \x01(\x03R\rweightVersion\x12\x14\n\x05slots\x18\x06 \x03(\rR\x05slots\x12\'\n\x0fmemory_fraction\x18\x07 \x01(\x01R\x0ememoryFraction\x12;\n\x07\x62\x61\x63kend\x18\x08 \x01(\x0e\x32!.rollmesh.common.v1.EngineBackendR\x07\x62\x61\x63kend\x12\x14\n\x05model\x18\t \x01(\tR\x05model\x12\x18\n\x07\x61\x64\x64ress\x18\n \x01(\tR\x07\x61\x64\x64ress\x12;\n\x0blaunched_at\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.TimestampR\nlaunchedAt\x12?\n\x0bsleep_level\x18\x0c \x01(\x0e\x32\x1e.rollmesh.common.v1.SleepLevelR\nsleepLevel\x12\x18\n\x07initial\x18\r \x01(\x08R\x07initial\x12!\n\x0cstate_reason\x18\x0e \x01(\tR\x0bstateReason\x12,\n\x12in_flight_requests\x18\x0f \x01(\rR\x10inFlightRequests\x12\x1d\n\nengine_url\x18\x10 \x01(\tR\tengineUrl\x12!\n\x0c\x64\x61ta_address\x18\x11 \x01(\tR\x0b\x64\x61taAddress*R\n\tPauseMode\x12\x1a\n\x16PAUSE_MODE_UNSPECIFIED\x10\x00\x12\x13\n\x0fPAUSE_MODE_WAIT\x10\x01\x12\x14\n\x10PAUSE_MODE_ABORT\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rollmesh.replica.v1.replica_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PAUSEMODE']._serialized_start=775
-  _globals['_PAUSEMODE']._serialized_end=857
+  _globals['_PAUSEMODE']._serialized_start=810
+  _globals['_PAUSEMODE']._serialized_end=892
   _globals['_REPLICA']._serialized_start=124
-  _globals['_REPLICA']._serialized_end=773
+  _globals['_REPLICA']._serialized_end=808
 # @@protoc_insertion_point(module_scope)

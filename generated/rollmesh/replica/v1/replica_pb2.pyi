@@ -21,7 +21,7 @@ PAUSE_MODE_WAIT: PauseMode
 PAUSE_MODE_ABORT: PauseMode
 
 class Replica(_message.Message):
-    __slots__ = ("replica_id", "node_id", "kind", "state", "weight_version", "slots", "memory_fraction", "backend", "model", "address", "launched_at", "sleep_level", "initial", "state_reason", "in_flight_requests", "engine_url")
+    __slots__ = ("replica_id", "node_id", "kind", "state", "weight_version", "slots", "memory_fraction", "backend", "model", "address", "launched_at", "sleep_level", "initial", "state_reason", "in_flight_requests", "engine_url", "data_address")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class Replica(_message.Message):
     STATE_REASON_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_URL_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     node_id: str
     kind: _types_pb2.ReplicaKind
@@ -54,4 +55,5 @@ class Replica(_message.Message):
     state_reason: str
     in_flight_requests: int
     engine_url: str
-    def __init__(self, replica_id: _Optional[str] = ..., node_id: _Optional[str] = ..., kind: _Optional[_Union[_types_pb2.ReplicaKind, str]] = ..., state: _Optional[_Union[_types_pb2.ReplicaState, str]] = ..., weight_version: _Optional[int] = ..., slots: _Optional[_Iterable[int]] = ..., memory_fraction: _Optional[float] = ..., backend: _Optional[_Union[_types_pb2.EngineBackend, str]] = ..., model: _Optional[str] = ..., address: _Optional[str] = ..., launched_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., sleep_level: _Optional[_Union[_types_pb2.SleepLevel, str]] = ..., initial: _Optional[bool] = ..., state_reason: _Optional[str] = ..., in_flight_requests: _Optional[int] = ..., engine_url: _Optional[str] = ...) -> None: ...
+    data_address: str
+    def __init__(self, replica_id: _Optional[str] = ..., node_id: _Optional[str] = ..., kind: _Optional[_Union[_types_pb2.ReplicaKind, str]] = ..., state: _Optional[_Union[_types_pb2.ReplicaState, str]] = ..., weight_version: _Optional[int] = ..., slots: _Optional[_Iterable[int]] = ..., memory_fraction: _Optional[float] = ..., backend: _Optional[_Union[_types_pb2.EngineBackend, str]] = ..., model: _Optional[str] = ..., address: _Optional[str] = ..., launched_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., sleep_level: _Optional[_Union[_types_pb2.SleepLevel, str]] = ..., initial: _Optional[bool] = ..., state_reason: _Optional[str] = ..., in_flight_requests: _Optional[int] = ..., engine_url: _Optional[str] = ..., data_address: _Optional[str] = ...) -> None: ...

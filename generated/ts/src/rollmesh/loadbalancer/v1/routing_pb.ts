@@ -34,7 +34,9 @@ export type ReplicaEndpoint = Message<"rollmesh.loadbalancer.v1.ReplicaEndpoint"
   replicaId: string;
 
   /**
-   * gRPC address ("host:port") of the replica agent that serves it.
+   * gRPC address ("host:port") of the server that serves its generations:
+   * its replica agent, or the replica's own process where the agent runs
+   * replicas in processes of their own.
    *
    * @generated from field: string address = 2;
    */

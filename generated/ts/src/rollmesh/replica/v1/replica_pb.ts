@@ -17,7 +17,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file rollmesh/replica/v1/replica.proto.
  */
 export const file_rollmesh_replica_v1_replica: GenFile = /*@__PURE__*/
-  fileDesc("CiFyb2xsbWVzaC9yZXBsaWNhL3YxL3JlcGxpY2EucHJvdG8SE3JvbGxtZXNoLnJlcGxpY2EudjEi3wMKB1JlcGxpY2ESEgoKcmVwbGljYV9pZBgBIAEoCRIPCgdub2RlX2lkGAIgASgJEi0KBGtpbmQYAyABKA4yHy5yb2xsbWVzaC5jb21tb24udjEuUmVwbGljYUtpbmQSLwoFc3RhdGUYBCABKA4yIC5yb2xsbWVzaC5jb21tb24udjEuUmVwbGljYVN0YXRlEhYKDndlaWdodF92ZXJzaW9uGAUgASgDEg0KBXNsb3RzGAYgAygNEhcKD21lbW9yeV9mcmFjdGlvbhgHIAEoARIyCgdiYWNrZW5kGAggASgOMiEucm9sbG1lc2guY29tbW9uLnYxLkVuZ2luZUJhY2tlbmQSDQoFbW9kZWwYCSABKAkSDwoHYWRkcmVzcxgKIAEoCRIvCgtsYXVuY2hlZF9hdBgLIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASMwoLc2xlZXBfbGV2ZWwYDCABKA4yHi5yb2xsbWVzaC5jb21tb24udjEuU2xlZXBMZXZlbBIPCgdpbml0aWFsGA0gASgIEhQKDHN0YXRlX3JlYXNvbhgOIAEoCRIaChJpbl9mbGlnaHRfcmVxdWVzdHMYDyABKA0SEgoKZW5naW5lX3VybBgQIAEoCSpSCglQYXVzZU1vZGUSGgoWUEFVU0VfTU9ERV9VTlNQRUNJRklFRBAAEhMKD1BBVVNFX01PREVfV0FJVBABEhQKEFBBVVNFX01PREVfQUJPUlQQAmIGcHJvdG8z", [file_google_protobuf_timestamp, file_rollmesh_common_v1_types]);
+  fileDesc("CiFyb2xsbWVzaC9yZXBsaWNhL3YxL3JlcGxpY2EucHJvdG8SE3JvbGxtZXNoLnJlcGxpY2EudjEi9QMKB1JlcGxpY2ESEgoKcmVwbGljYV9pZBgBIAEoCRIPCgdub2RlX2lkGAIgASgJEi0KBGtpbmQYAyABKA4yHy5yb2xsbWVzaC5jb21tb24udjEuUmVwbGljYUtpbmQSLwoFc3RhdGUYBCABKA4yIC5yb2xsbWVzaC5jb21tb24udjEuUmVwbGljYVN0YXRlEhYKDndlaWdodF92ZXJzaW9uGAUgASgDEg0KBXNsb3RzGAYgAygNEhcKD21lbW9yeV9mcmFjdGlvbhgHIAEoARIyCgdiYWNrZW5kGAggASgOMiEucm9sbG1lc2guY29tbW9uLnYxLkVuZ2luZUJhY2tlbmQSDQoFbW9kZWwYCSABKAkSDwoHYWRkcmVzcxgKIAEoCRIvCgtsYXVuY2hlZF9hdBgLIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASMwoLc2xlZXBfbGV2ZWwYDCABKA4yHi5yb2xsbWVzaC5jb21tb24udjEuU2xlZXBMZXZlbBIPCgdpbml0aWFsGA0gASgIEhQKDHN0YXRlX3JlYXNvbhgOIAEoCRIaChJpbl9mbGlnaHRfcmVxdWVzdHMYDyABKA0SEgoKZW5naW5lX3VybBgQIAEoCRIUCgxkYXRhX2FkZHJlc3MYESABKAkqUgoJUGF1c2VNb2RlEhoKFlBBVVNFX01PREVfVU5TUEVDSUZJRUQQABITCg9QQVVTRV9NT0RFX1dBSVQQARIUChBQQVVTRV9NT0RFX0FCT1JUEAJiBnByb3RvMw", [file_google_protobuf_timestamp, file_rollmesh_common_v1_types]);
 
 /**
  * Replica is one engine replica managed by a replica agent.
@@ -141,6 +141,17 @@ export type Replica = Message<"rollmesh.replica.v1.Replica"> & {
    * @generated from field: string engine_url = 16;
    */
   engineUrl: string;
+
+  /**
+   * gRPC address ("host:port") of the process that serves this replica's
+   * data path (Generate, GenerateMany, AbortRequests, CloseSession,
+   * WatchPrefixCache) when the agent runs each replica in a process of its
+   * own (replica_processes); empty when the agent at address serves it.
+   * Lifecycle calls still go to address.
+   *
+   * @generated from field: string data_address = 17;
+   */
+  dataAddress: string;
 };
 
 /**

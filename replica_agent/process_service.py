@@ -1,0 +1,191 @@
+"""The replica agent's gRPC surface when each replica runs in a process of its own (``replica_processes``).
+
+The agent keeps what is the node's (status, launch, stop, the list of replicas, registration) and forwards
+every call about one replica to that replica's process, which validates and answers it; its errors come
+back unchanged. Calls about several replicas go to each one's process at once and their answers are merged.
+Generate and GenerateMany also work here (forwarded), though balancers stream from the replica's process at
+its ``data_address``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from opentelemetry.sdk.trace import TracerProvider
+
+from mesh_runtime.errors import relayed
+from rollmesh.replica.v1 import replica_agent_pb2 as pb
+from rollmesh.weights.v1 import weight_source_pb2_grpc
+
+from .config import ReplicaAgentConfig
+from .processes import ReplicaProcess, ReplicaProcesses
+from .service import ReplicaAgentServicer, _source_replica
+
+
+async def _call(proc: ReplicaProcess, processes: ReplicaProcesses, method: str, request: Any) -> Any:
+    stub = processes.running(proc)
+    try:
+        return await getattr(stub, method)(request)
+    except grpc.aio.AioRpcError as err:
+        raise relayed(err) from None
+
+
+def _keep(proc: ReplicaProcess, replica) -> None:
+    """Remember the process's latest account of its replica (from a lifecycle call's answer)."""
+    if replica.replica_id == proc.replica_id:
+        proc.replica = replica
+
+
+class ProcessReplicaAgentServicer(ReplicaAgentServicer):
+    """``rollmesh.replica.v1.ReplicaAgentService`` of an agent that runs its replicas in processes."""
+
+    def __init__(self, config: ReplicaAgentConfig, tracer_provider: TracerProvider | None = None) -> None:
+        super().__init__(config, tracer_provider)
+        assert self.node.processes is not None
+        self.processes: ReplicaProcesses = self.node.processes
+        self.replicas = self.processes   # status, list, get and stop read the processes
+        self.also_serves = [dataclasses.replace(self.also_serves[0], servicer=ProcessWeightSource(self.processes))]
+
+    async def _each(self, replica_ids, call: Callable[[ReplicaProcess, list[str]], Awaitable[Any]]) -> list[Any]:
+        """``call(process, [its replica id])`` for each named replica (all when none are named), at once."""
+        procs = self.processes.get_many(replica_ids)
+        if not replica_ids:
+            procs = [p for p in procs if p.stub is not None and not p.ended and p.state != "STOPPED"]
+        return list(await asyncio.gather(*(call(p, [p.replica_id]) for p in procs)))
+
+    async def generations(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+        proc = self.processes.get(request.replica_id)
+        stream = self.processes.running(proc).Generate(request)
+        try:
+            async for message in stream:
+                yield message
+        except grpc.aio.AioRpcError as err:
+            raise relayed(err) from None
+        finally:
+            stream.cancel()
+
+    async def AbortRequests(self, request, context):  # noqa: N802 - gRPC method names throughout
+        return await _call(self.processes.get(request.replica_id), self.processes, "AbortRequests", request)
+
+    async def CloseSession(self, request, context):  # noqa: N802
+        return await _call(self.processes.get(request.replica_id), self.processes, "CloseSession", request)
+
+    async def Sleep(self, request, context):  # noqa: N802
+        proc = self.processes.get(request.replica_id)
+        reply = await _call(proc, self.processes, "Sleep", request)
+        _keep(proc, reply.replica)
+        return pb.SleepResponse(freed_bytes=reply.freed_bytes, replica=self._proto(proc))
+
+    async def WakeUp(self, request, context):  # noqa: N802
+        proc = self.processes.get(request.replica_id)
+        reply = await _call(proc, self.processes, "WakeUp", request)
+        _keep(proc, reply.replica)
+        return pb.WakeUpResponse(replica=self._proto(proc))
+
+    async def PauseGeneration(self, request, context):  # noqa: N802
+        async def one(proc: ReplicaProcess, ids: list[str]):
+            part = pb.PauseGenerationRequest()
+            part.CopyFrom(request)
+            part.replica_ids[:] = ids
+            reply = await _call(proc, self.processes, "PauseGeneration", part)
+            for replica in reply.replicas:
+                _keep(proc, replica)
+            return proc, reply
+
+        answers = await self._each(list(request.replica_ids), one)
+        return pb.PauseGenerationResponse(replicas=[self._proto(p) for p, _ in answers],
+                                          aborted_request_ids=[i for _, r in answers for i in r.aborted_request_ids])
+
+    async def ResumeGeneration(self, request, context):  # noqa: N802
+        async def one(proc: ReplicaProcess, ids: list[str]):
+            reply = await _call(proc, self.processes, "ResumeGeneration", pb.ResumeGenerationRequest(replica_ids=ids))
+            for replica in reply.replicas:
+                _keep(proc, replica)
+            return proc
+
+        procs = await self._each(list(request.replica_ids), one)
+        return pb.ResumeGenerationResponse(replicas=[self._proto(p) for p in procs])
+
+    async def GetLoadReports(self, request, context):  # noqa: N802
+        async def one(proc: ReplicaProcess, ids: list[str]):
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                reply = await proc.stub.GetLoadReports(pb.GetLoadReportsRequest(replica_ids=ids), timeout=5.0)
+                if reply.reports:
+                    proc.report = reply.reports[0]
+            return self.node.load_report(proc)
+
+        procs = self.processes.get_many(request.replica_ids)
+        live = [p for p in procs if p.stub is not None and not p.ended and p.state != "STOPPED"]
+        fresh = {r.replica_id: r for r in await asyncio.gather(*(one(p, [p.replica_id]) for p in live))}
+        return pb.GetLoadReportsResponse(reports=[fresh.get(p.replica_id) or self.node.load_report(p)
+                                                  for p in procs])
+
+    async def WatchPrefixCache(self, request, context):  # noqa: N802
+        procs = [p for p in self.processes.get_many(request.replica_ids)
+                 if p.stub is not None and not p.ended and p.state != "STOPPED"]
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def follow(proc: ReplicaProcess) -> None:
+            stream = proc.stub.WatchPrefixCache(pb.WatchPrefixCacheRequest(replica_ids=[proc.replica_id]))
+            try:
+                async for message in stream:
+                    await queue.put(message)
+            except grpc.aio.AioRpcError as err:
+                await queue.put(relayed(err))
+            finally:
+                await queue.put(None)
+
+        tasks = [asyncio.create_task(follow(p)) for p in procs]
+        try:
+            open_streams = len(tasks)
+            while open_streams:
+                item = await queue.get()
+                if item is None:
+                    open_streams -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def ReceiveWeights(self, request, context):  # noqa: N802
+        async def one(proc: ReplicaProcess, ids: list[str]):
+            part = pb.ReceiveWeightsRequest()
+            part.CopyFrom(request)
+            part.replica_ids[:] = ids
+            return await _call(proc, self.processes, "ReceiveWeights", part)
+
+        if not request.replica_ids:   # the in-process agent's message for an empty list
+            return await super().ReceiveWeights(request, context)
+        out = pb.ReceiveWeightsResponse()
+        for reply in await self._each(list(request.replica_ids), one):
+            out.results.extend(reply.results)
+        return out
+
+
+class ProcessWeightSource(weight_source_pb2_grpc.WeightSourceServiceServicer):
+    """``rollmesh.weights.v1.WeightSourceService``: a seed replica's weights, from its process."""
+
+    def __init__(self, processes: ReplicaProcesses) -> None:
+        self.processes = processes
+
+    async def _forward(self, method: str, request):
+        proc = self.processes.get(_source_replica(request.source_id))
+        stub = self.processes.running(proc) and proc.weights
+        try:
+            return await getattr(stub, method)(request)
+        except grpc.aio.AioRpcError as err:
+            raise relayed(err) from None
+
+    async def PrepareWeightSync(self, request, context):  # noqa: N802 - gRPC method names throughout
+        return await self._forward("PrepareWeightSync", request)
+
+    async def SendWeights(self, request, context):  # noqa: N802
+        return await self._forward("SendWeights", request)
