@@ -130,8 +130,10 @@ TokenCheck = Callable[[grpc.aio.ServicerContext], bool]
 """Whether a call carries a valid operator bearer token."""
 
 
-def authorize(full_method: str, auth_context: dict, token_ok: Callable[[], bool] | None = None) -> Identity:
-    """The caller's identity if it may call ``full_method``; raises otherwise."""
+def authorize(full_method: str, auth_context: dict, token_ok: Callable[[], bool] | None = None,
+              own: Identity | None = None) -> Identity:
+    """The caller's identity if it may call ``full_method``; raises otherwise. ``own``: the server's own
+    identity, which may call every method that has a rule (a replica process takes its agent's calls)."""
     method = full_method.rsplit("/", 1)[-1]
     identity = peer_identity(auth_context)
     if identity is None:
@@ -142,7 +144,7 @@ def authorize(full_method: str, auth_context: dict, token_ok: Callable[[], bool]
     if rule is None:
         raise PermissionDenied(f"{full_method[:120]} has no authorization rule; nobody may call it",
                                reason=Reason.NO_RULE)
-    if identity.role in rule.roles:
+    if identity.role in rule.roles or (own is not None and identity == own):
         return identity
     if rule.token_alternative and token_ok is not None and token_ok():
         return identity
@@ -153,8 +155,9 @@ def authorize(full_method: str, auth_context: dict, token_ok: Callable[[], bool]
 class AuthorizationInterceptor(grpc.aio.ServerInterceptor):
     """Enforces :data:`RULES` on a server with mutual TLS; errors are mapped by the error interceptor."""
 
-    def __init__(self, token_check: TokenCheck | None = None) -> None:
+    def __init__(self, token_check: TokenCheck | None = None, own: Identity | None = None) -> None:
         self._token_check = token_check
+        self._own = own
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -166,7 +169,7 @@ class AuthorizationInterceptor(grpc.aio.ServerInterceptor):
 
         def check(context) -> None:
             token_ok = (lambda: token_check(context)) if token_check is not None else None
-            set_current_identity(authorize(full_method, context.auth_context(), token_ok))
+            set_current_identity(authorize(full_method, context.auth_context(), token_ok, self._own))
 
         def unary(behavior):
             async def wrapper(request_or_iterator, context):

@@ -72,7 +72,9 @@ class MeshServer:
                  interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
                  tls: TlsConfig | None = None, insecure: bool = False, health_listen: str = "",
                  token_check: TokenCheck | None = None, metrics: ServerMetrics | None = None,
-                 metrics_listen: str = "") -> None:
+                 metrics_listen: str = "", admit_own_identity: bool = False) -> None:
+        """``admit_own_identity``: callers with this server's own certificate identity may call every method
+        that has an authorization rule (a replica process, which its agent's certificate names too)."""
         self.server_name = server_name
         self.listen = listen
         self.tls = tls
@@ -86,7 +88,8 @@ class MeshServer:
         self.shutdown_grace_s = shutdown_grace_s
         self.started_at = time.time()
         self._started_monotonic = time.monotonic()
-        authorization = [AuthorizationInterceptor(token_check)] if tls is not None else []
+        own = self.identity if admit_own_identity else None
+        authorization = [AuthorizationInterceptor(token_check, own)] if tls is not None else []
         counting = [RpcMetricsInterceptor(metrics)] if metrics is not None else []   # outermost: sees every code
         # tracing inside the error mapping: it sees the domain error (and its reason) a handler raised
         self._interceptors = [*counting, RequestDecodingInterceptor(), ErrorMappingInterceptor(),
@@ -285,7 +288,8 @@ class ServerSpec:
                             token_check=getattr(servicer, "token_check", None),
                             metrics=getattr(servicer, "metrics", None),
                             interceptors=getattr(servicer, "interceptors", ()),
-                            metrics_listen=getattr(config, "metrics_listen", ""))
+                            metrics_listen=getattr(config, "metrics_listen", ""),
+                            admit_own_identity=getattr(servicer, "admits_own_identity", False))
         servicer.status.bind(server)
         attach = getattr(servicer, "attach", None)
         if attach is not None:

@@ -28,7 +28,7 @@ import grpc
 
 from mesh_runtime import errors
 from mesh_runtime.channels import ChannelPool
-from mesh_runtime.net import format_host_port, free_port, is_wildcard, parse_host_port
+from mesh_runtime.net import format_host_port, free_port, parse_host_port
 from mesh_runtime.reasons import Reason
 from rollmesh.common.v1 import load_pb2, types_pb2
 from rollmesh.replica.v1 import replica_agent_pb2 as pb
@@ -194,8 +194,7 @@ class ReplicaProcesses:
                                   f"agent's stderr)", reason=Reason.REPLICA_PROCESS_FAILED) from None
         proc.tasks.append(asyncio.create_task(self._drain(process), name=f"stdout-{proc.replica_id}"))
         proc.tasks.append(asyncio.create_task(self._watch(proc), name=f"watch-{proc.replica_id}"))
-        local = format_host_port("127.0.0.1" if is_wildcard(listen_host) else listen_host, port)
-        channel = self._pool.get(local)
+        channel = self._pool.get(proc.address)   # the address balancers use, which its certificate names
         proc.stub = replica_agent_pb2_grpc.ReplicaAgentServiceStub(channel)
         proc.weights = weight_source_pb2_grpc.WeightSourceServiceStub(channel)
 

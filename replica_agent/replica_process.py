@@ -9,6 +9,7 @@ the agent that started it is gone (SIGTERM to itself, so it shuts down as on any
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -18,9 +19,18 @@ import sys
 from mesh_runtime.config import ConfigError, load_config
 from mesh_runtime import logs
 
-from .server import SPEC
+from .server import SPEC, make_servicer
 
 PARENT_POLL_S = 1.0
+
+
+def _servicer(config, tracer_provider):
+    servicer = make_servicer(config, tracer_provider)
+    servicer.admits_own_identity = True   # its agent forwards the controller's calls with the same certificate
+    return servicer
+
+
+CHILD = dataclasses.replace(SPEC, name="replica-process", make_servicer=_servicer)
 
 
 async def _follow_parent(parent: int) -> None:
@@ -33,7 +43,7 @@ async def _follow_parent(parent: int) -> None:
 async def _run(config, parent: int) -> None:
     watcher = asyncio.create_task(_follow_parent(parent))
     try:
-        await SPEC.serve(config, dict(os.environ))
+        await CHILD.serve(config, dict(os.environ))
     finally:
         watcher.cancel()
 
@@ -45,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
               "stdin)", file=sys.stderr)
         return 2
     try:
-        config = load_config(SPEC.config_class, overrides=json.loads(sys.stdin.read()))
+        config = load_config(CHILD.config_class, overrides=json.loads(sys.stdin.read()))
     except (ConfigError, ValueError) as err:
         print(f"replica process: bad configuration: {err}", file=sys.stderr)
         return 2

@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from mesh_runtime.channels import open_channel
 from mesh_runtime.config import load_config
 from replica_agent.config import ReplicaAgentConfig
 from replica_agent.server import SPEC
@@ -44,13 +45,16 @@ def replica_processes(parent: int) -> list[int]:
 
 
 @contextlib.asynccontextmanager
-async def agent(replica_ids: list[str], tokens_per_second: float = 400):
+async def agent(replica_ids: list[str], tokens_per_second: float = 400, tls: dict | None = None):
     config = load_config(ReplicaAgentConfig, None, overrides={
         "listen": "127.0.0.1:0", "node_id": "n0", "slots": len(replica_ids), "backend": "synthetic",
-        "replica_processes": True, "replicas": [{"replica_id": r} for r in replica_ids],
+        "replica_processes": True, "replicas": [{"replica_id": r} for r in replica_ids], "tls": tls,
         "engine_options": {"tokens_per_second": tokens_per_second, "lengths": {"kind": "fixed", "value": 100000}}})
     server, port = await SPEC.create(config, None)
     try:
+        if tls is not None:
+            yield server, f"127.0.0.1:{port}"
+            return
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             yield server, replica_agent_pb2_grpc.ReplicaAgentServiceStub(channel)
     finally:
@@ -152,6 +156,24 @@ async def test_a_killed_replica_process_fails_that_replica_only_and_can_be_launc
         stopped = await stub.StopReplica(pb.StopReplicaRequest(replica_id=alive))
         assert stopped.replica.state == types_pb2.REPLICA_STATE_STOPPED
         assert len(replica_processes(os.getpid())) == 1
+
+
+async def test_with_mutual_tls_the_process_takes_its_agents_calls_and_no_other_nodes(pki):
+    async with agent(["a"], tls=pki.section("replica-agent", "n0")) as (server, address):
+        async with open_channel(address, tls=pki.tls("controller")) as channel:
+            stub = replica_agent_pb2_grpc.ReplicaAgentServiceStub(channel)
+            replica = (await stub.GetReplica(pb.GetReplicaRequest(replica_id="a"))).replica
+            slept = await stub.Sleep(pb.SleepRequest(replica_id="a", level=types_pb2.SLEEP_LEVEL_1))
+            assert slept.replica.state == SLEEPING   # forwarded with the agent's certificate
+            await stub.WakeUp(pb.WakeUpRequest(replica_id="a", resume_generation=True))
+        async with open_channel(replica.data_address, tls=pki.tls("lb")) as channel:
+            got, _ = await tokens(replica_agent_pb2_grpc.ReplicaAgentServiceStub(channel), request("a", "t1"))
+            assert len(got) == 40   # a balancer streams from the process
+        async with open_channel(replica.data_address, tls=pki.tls("replica-agent", "n1")) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as denied:   # another node's agent is not its agent
+                await replica_agent_pb2_grpc.ReplicaAgentServiceStub(channel).Sleep(
+                    pb.SleepRequest(replica_id="a", level=types_pb2.SLEEP_LEVEL_1))
+            assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
 
 
 CONTROLLER = """state_dir: {state}

@@ -29,10 +29,10 @@ weight_transfer: {gloo_interface: lo, setup_timeout_s: 60}
 """
 
 
-@pytest.fixture(scope="module")
-def agent(tmp_path_factory):
+@pytest.fixture(scope="module", params=[False, True], ids=["in-process", "replica-processes"])
+def agent(tmp_path_factory, request):
     tmp = tmp_path_factory.mktemp("wagent")
-    (tmp / "agent.yaml").write_text(AGENT_YAML)
+    (tmp / "agent.yaml").write_text(AGENT_YAML + f"replica_processes: {str(request.param).lower()}\n")
     with running_server("replica-agent", ["--config", str(tmp / "agent.yaml"), "--listen", "127.0.0.1:0"],
                         log_path=tmp / "agent.log", env=clean_env(GLOO_SOCKET_IFNAME="lo")) as (address, _):
         yield address
