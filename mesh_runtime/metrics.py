@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -53,6 +53,7 @@ class ServerMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._before: list[Callable[[], Awaitable[None]]] = []
         process_collector.ProcessCollector(registry=self.registry)
         platform_collector.PlatformCollector(registry=self.registry)
         gc_collector.GCCollector(registry=self.registry)
@@ -76,6 +77,20 @@ class ServerMetrics:
     def on_scrape(self, collect: Callable[[], Iterable]) -> None:
         """Add metric families computed from current state at each scrape (``prometheus_client.core``)."""
         self.registry.register(_Callback(collect))
+
+    def before_scrape(self, gather: Callable[[], Awaitable[None]]) -> None:
+        """Await ``gather`` before each scrape's collection (what an :meth:`on_scrape` collector reads from
+        other processes, fetched without blocking the event loop)."""
+        self._before.append(gather)
+
+    async def gathered_exposition(self) -> bytes:
+        """The exposition after the :meth:`before_scrape` hooks (a failed one is logged, not fatal)."""
+        for gather in self._before:
+            try:
+                await gather()
+            except Exception:  # noqa: BLE001 - a scrape still answers with what this process knows
+                log.exception("metrics: gathering before the scrape failed")
+        return self.exposition()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -148,7 +163,7 @@ class MetricsEndpoint:
             parts = request_line.decode(errors="replace").split()
             method = parts[0] if parts else ""
             if len(parts) >= 2 and method in ("GET", "HEAD") and parts[1].split("?")[0] == "/metrics":
-                body, status, ctype = self._metrics.exposition(), "200 OK", CONTENT_TYPE_LATEST
+                body, status, ctype = await self._metrics.gathered_exposition(), "200 OK", CONTENT_TYPE_LATEST
             else:
                 body, status, ctype = b"not found; try GET /metrics\n", "404 Not Found", "text/plain"
             head = (f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"

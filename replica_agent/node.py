@@ -28,6 +28,7 @@ from rollmesh.controller.v1 import registry_pb2
 from . import convert
 from .config import ReplicaAgentConfig
 from .engines import create_engine
+from .process_metrics import ChildMetrics
 from .processes import ReplicaProcess, ReplicaProcesses
 from .replicas import Replica, ReplicaManager
 
@@ -37,6 +38,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _IDEMPOTENCY_KEYS = 1024
+REPLICA_GAUGES = ("rollmesh_replica_running_requests", "rollmesh_replica_waiting_requests",
+                  "rollmesh_replica_kv_cache_usage_ratio", "rollmesh_replica_weight_version", "rollmesh_replica_state")
+"""The gauges :meth:`Node.metric_families` computes from load reports."""
 
 
 class Node:
@@ -61,8 +65,14 @@ class Node:
         self._ids = itertools.count()
         self.link: ControllerLink | None = None
         self.server_metrics = ServerMetrics()
-        self.timing = _Timing(self.server_metrics)
         self.server_metrics.on_scrape(self.metric_families)
+        if self.processes is None:
+            self.timing: _Timing | None = _Timing(self.server_metrics)
+        else:   # the replicas count in their processes; their counters join this node's endpoint at scrape
+            self.timing = None
+            children, processes = ChildMetrics(skip=REPLICA_GAUGES), self.processes
+            self.server_metrics.before_scrape(lambda: children.gather(processes.metrics_addresses()))
+            self.server_metrics.on_scrape(children.families)
         self._groups = None
 
     def _create_engine(self, replica_id: str, kind: str, memory_fraction: float, weight_version: int,
@@ -223,16 +233,13 @@ class Node:
     def metric_families(self) -> list:
         """Gauges of what each replica holds now (its counters and histograms live in :class:`_Timing`)."""
         labels = ["replica_id", "node_id", "kind"]
+        running, waiting, kv, version, state = REPLICA_GAUGES
         families = {
-            "running": GaugeMetricFamily("rollmesh_replica_running_requests", "Requests being decoded", labels=labels),
-            "waiting": GaugeMetricFamily("rollmesh_replica_waiting_requests", "Requests waiting to be admitted",
-                                         labels=labels),
-            "kv": GaugeMetricFamily("rollmesh_replica_kv_cache_usage_ratio", "Share of the KV cache (tokens) in use",
-                                    labels=labels),
-            "version": GaugeMetricFamily("rollmesh_replica_weight_version", "Weight version the replica serves",
-                                         labels=labels),
-            "state": GaugeMetricFamily("rollmesh_replica_state", "1 for the replica's current state",
-                                       labels=[*labels, "state"]),
+            "running": GaugeMetricFamily(running, "Requests being decoded", labels=labels),
+            "waiting": GaugeMetricFamily(waiting, "Requests waiting to be admitted", labels=labels),
+            "kv": GaugeMetricFamily(kv, "Share of the KV cache (tokens) in use", labels=labels),
+            "version": GaugeMetricFamily(version, "Weight version the replica serves", labels=labels),
+            "state": GaugeMetricFamily(state, "1 for the replica's current state", labels=[*labels, "state"]),
         }
         for replica in self.serving().list():
             values = [replica.replica_id, self.node_id, replica.kind]

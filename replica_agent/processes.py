@@ -63,6 +63,8 @@ class ReplicaProcess:
     launched_at: float = dataclasses.field(default_factory=time.time)
     address: str = ""
     """Where balancers reach the process (the node's advertised host, the process's port)."""
+    metrics_address: str = ""
+    """The process's loopback ``/metrics`` (when the agent serves metrics)."""
     process: asyncio.subprocess.Process | None = None
     stub: replica_agent_pb2_grpc.ReplicaAgentServiceStub | None = None
     weights: weight_source_pb2_grpc.WeightSourceServiceStub | None = None
@@ -123,6 +125,11 @@ class ReplicaProcesses:
     def slots_free(self) -> int:
         return self.slots_total - len(self._slot_owner)
 
+    def metrics_addresses(self) -> list[str]:
+        """The ``/metrics`` of every running replica process."""
+        return [p.metrics_address for p in self._procs.values()
+                if p.metrics_address and p.stub is not None and not p.ended and p.state != "STOPPED"]
+
     def running(self, proc: ReplicaProcess) -> replica_agent_pb2_grpc.ReplicaAgentServiceStub:
         """The stub of a replica whose process runs; FAILED_PRECONDITION for one that ended or stopped."""
         if proc.stub is None or proc.ended or proc.state == "STOPPED":
@@ -169,9 +176,11 @@ class ReplicaProcesses:
                          else listen_host)
         advertised = parse_host_port(self._address())[0]
         proc.address = format_host_port(advertised, port)
+        if self.config.metrics_listen:
+            proc.metrics_address = format_host_port("127.0.0.1", free_port("127.0.0.1"))
         child = dataclasses.asdict(self.config)
         child.update(listen=format_host_port(listen_host, port), advertise_address=proc.address,
-                     controller_address="", metrics_listen="", health_listen="", replicas=[],
+                     controller_address="", metrics_listen=proc.metrics_address, health_listen="", replicas=[],
                      replica_processes=False, slots=max(len(proc.slots), 1), node_id=self.node_id)
         env = dict(os.environ)
         if proc.slots:   # the process sees its own accelerators only, as its slots 0..n-1

@@ -111,6 +111,7 @@ class ReplicaAgentServicer(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
         """One generation's messages, as a Generate call streams them (GenerateMany runs many of them)."""
         generation = convert.generation_request(request)
         timing = self.node.timing
+        assert timing is not None   # an agent that serves generations itself counts them
         replica_id = request.replica_id
         started, outcome, tokens = time.perf_counter(), "failed", 0
         try:

@@ -12,14 +12,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
+import subprocess
 from pathlib import Path
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from mesh_runtime.channels import open_channel
 from mesh_runtime.config import load_config
+from replica_agent.process_metrics import fetch_metrics
 from replica_agent.config import ReplicaAgentConfig
 from replica_agent.server import SPEC
 from rollmesh.common.v1 import generation_pb2, types_pb2
@@ -28,6 +32,7 @@ from rollmesh.loadbalancer.v1 import loadbalancer_pb2 as lb_pb
 from rollmesh.replica.v1 import replica_agent_pb2 as pb
 from rollmesh.replica.v1 import replica_agent_pb2_grpc
 from tests.controller.scaling.helpers import Procs, lb_stub, replicas, routed, until
+from tests.processes import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 ACTIVE, SLEEPING, FAILED = (types_pb2.REPLICA_STATE_ACTIVE, types_pb2.REPLICA_STATE_SLEEPING,
@@ -45,8 +50,9 @@ def replica_processes(parent: int) -> list[int]:
 
 
 @contextlib.asynccontextmanager
-async def agent(replica_ids: list[str], tokens_per_second: float = 400, tls: dict | None = None):
-    config = load_config(ReplicaAgentConfig, None, overrides={
+async def agent(replica_ids: list[str], tokens_per_second: float = 400, tls: dict | None = None,
+                metrics_listen: str = ""):
+    config = load_config(ReplicaAgentConfig, None, overrides={"metrics_listen": metrics_listen,
         "listen": "127.0.0.1:0", "node_id": "n0", "slots": len(replica_ids), "backend": "synthetic",
         "replica_processes": True, "replicas": [{"replica_id": r} for r in replica_ids], "tls": tls,
         "engine_options": {"tokens_per_second": tokens_per_second, "lengths": {"kind": "fixed", "value": 100000}}})
@@ -156,6 +162,29 @@ async def test_a_killed_replica_process_fails_that_replica_only_and_can_be_launc
         stopped = await stub.StopReplica(pb.StopReplicaRequest(replica_id=alive))
         assert stopped.replica.state == types_pb2.REPLICA_STATE_STOPPED
         assert len(replica_processes(os.getpid())) == 1
+
+
+async def test_the_agents_metrics_include_what_each_replica_process_counted():
+    metrics = f"127.0.0.1:{free_port()}"
+    async with agent(["a", "b"], metrics_listen=metrics) as (server, stub):
+        await tokens(stub, request("a", "m1", max_tokens=40))
+        await tokens(stub, request("b", "m2", max_tokens=25))
+        await tokens(stub, request("b", "m3", max_tokens=5))
+        text = await fetch_metrics(metrics)
+    families = list(text_string_to_metric_families(text))
+    names = [f.name for f in families]
+    assert len(names) == len(set(names))   # one family per name: the processes' are merged
+    by_name = {f.name: f for f in families}
+    generated = {s.labels["replica_id"]: s.value for s in by_name["rollmesh_replica_generated_tokens"].samples
+                 if s.name.endswith("_total")}
+    assert generated == {"a": 40, "b": 30}
+    states = {s.labels["replica_id"]: s.labels["state"] for s in by_name["rollmesh_replica_state"].samples}
+    assert states == {"a": "ACTIVE", "b": "ACTIVE"}
+    assert any(s.labels.get("replica_id") == "b" for s in by_name["rollmesh_replica_time_to_first_token_seconds"].samples)
+    promtool = shutil.which("promtool")
+    if promtool is not None:   # the merged exposition keeps Prometheus' format and naming rules
+        checked = subprocess.run([promtool, "check", "metrics"], input=text.encode(), capture_output=True, timeout=60)
+        assert checked.returncode == 0, checked.stdout.decode() + checked.stderr.decode()
 
 
 async def test_with_mutual_tls_the_process_takes_its_agents_calls_and_no_other_nodes(pki):
