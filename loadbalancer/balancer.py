@@ -2,7 +2,7 @@
 
 Each request runs in its own task that feeds the caller's stream through a
 queue, so cancelling the call cancels the task, which cancels the upstream
-call. Attempts are driven by tenacity: an aborted attempt resumes at once on
+call. Attempts run in one loop per request: an aborted attempt resumes at once on
 another replica (with the tokens so far as prefix when partial rollout is on,
 from scratch otherwise), an unavailable replica is retried with jittered
 exponential backoff, and the whole is bounded by the retry budget and the
@@ -21,7 +21,6 @@ from typing import NoReturn
 
 import grpc
 from opentelemetry import trace
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt
 
 from mesh_runtime.errors import (
     AlreadyExists,
@@ -33,6 +32,8 @@ from mesh_runtime.errors import (
     Unavailable,
 )
 from mesh_runtime.generation import check_generation, check_streaming
+from mesh_runtime import tracing
+from mesh_runtime.durations import set_seconds
 from mesh_runtime.metrics import ServerMetrics
 from mesh_runtime.prefix import block_keys
 from mesh_runtime.reasons import Reason
@@ -142,7 +143,7 @@ class Balancer:
 
     async def _produce(self, run: RequestRun, queue: asyncio.Queue) -> None:
         try:
-            with self.tracer.start_as_current_span("lb.generate", attributes={
+            with tracing.span(self.tracer, "lb.generate", attributes={
                     "rollmesh.request_id": run.request_id, "rollmesh.session_id": run.request.session_id,
                     "rollmesh.max_tokens": run.request.sampling_params.max_tokens}) as span:
                 await self._run_attempts(run, queue.put_nowait, span)
@@ -153,38 +154,45 @@ class Balancer:
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
             queue.put_nowait(exc)
 
-    def _backoff(self, run: RequestRun) -> Callable[[RetryCallState], float]:
-        """No wait after an abort; jittered exponential backoff after a failure, within the deadline."""
-        def wait(state: RetryCallState) -> float:
-            exc = state.outcome.exception() if state.outcome else None
-            if not isinstance(exc, RetryAttempt) or not exc.backoff:
-                return 0.0
-            base = self.config.retry_initial_backoff_s * 2 ** max(0, state.attempt_number - 1)
-            delay = min(self.config.retry_max_backoff_s, base) * (0.5 + 0.5 * random.random())
-            remaining = run.remaining()
-            return delay if remaining is None else max(0.0, min(delay, remaining))
-        return wait
+    def _backoff(self, run: RequestRun, retry: RetryAttempt, tries: int) -> float:
+        """No wait after an abort; jittered exponential backoff after a failure (``tries`` so far), within
+        the deadline."""
+        if not retry.backoff:
+            return 0.0
+        base = self.config.retry_initial_backoff_s * 2 ** max(0, tries - 1)
+        delay = min(self.config.retry_max_backoff_s, base) * (0.5 + 0.5 * random.random())
+        remaining = run.remaining()
+        return delay if remaining is None else max(0.0, min(delay, remaining))
 
     async def _run_attempts(self, run: RequestRun, emit, span) -> None:
-        retrying = AsyncRetrying(stop=stop_after_attempt(run.budget + 1), wait=self._backoff(run),
-                                 retry=retry_if_exception_type(RetryAttempt), reraise=True)
+        """Attempts until one completes the request or ``run.budget`` retries are spent (a plain loop: this
+        is every request's path, where a retry library's per-attempt bookkeeping would cost more than it
+        does)."""
+        tries = 0
         try:
-            async for attempt in retrying:
-                with attempt:
-                    remaining = run.remaining()
-                    if remaining is not None and remaining <= 0:
-                        raise DeadlineExceeded(f"request {run.request_id!r} ran out of time after "
-                                               f"{len(run.attempts)} attempt(s)", reason=Reason.DEADLINE_EXCEEDED)
-                    if attempt.retry_state.attempt_number > 1:
-                        self.stats.retries += 1
-                        last = run.attempts[-1]
-                        log.info("request %s: try %d of %d, after %s on %s: %s", run.request_id,
-                                 attempt.retry_state.attempt_number, run.budget + 1,
-                                 routing_pb2.AttemptOutcome.Name(last.outcome).removeprefix("ATTEMPT_OUTCOME_"),
-                                 last.replica_id, last.reason or "-",
-                                 extra={"request_id": run.request_id, "replica_id": last.replica_id})
-                        span.add_event("retry", {"rollmesh.attempt": attempt.retry_state.attempt_number})
+            while True:
+                tries += 1
+                remaining = run.remaining()
+                if remaining is not None and remaining <= 0:
+                    raise DeadlineExceeded(f"request {run.request_id!r} ran out of time after "
+                                           f"{len(run.attempts)} attempt(s)", reason=Reason.DEADLINE_EXCEEDED)
+                if tries > 1:
+                    self.stats.retries += 1
+                    last = run.attempts[-1]
+                    log.info("request %s: try %d of %d, after %s on %s: %s", run.request_id, tries, run.budget + 1,
+                             routing_pb2.AttemptOutcome.Name(last.outcome).removeprefix("ATTEMPT_OUTCOME_"),
+                             last.replica_id, last.reason or "-",
+                             extra={"request_id": run.request_id, "replica_id": last.replica_id})
+                    span.add_event("retry", {"rollmesh.attempt": tries})
+                try:
                     await self._attempt(run, emit)
+                    return
+                except RetryAttempt as retry:
+                    if tries > run.budget:
+                        raise
+                    delay = self._backoff(run, retry, tries)
+                    if delay > 0:
+                        await asyncio.sleep(delay)
         except RetryAttempt as last:
             outcomes = ", ".join(f"{a.replica_id}:{routing_pb2.AttemptOutcome.Name(a.outcome)}"
                                  for a in run.attempts)
@@ -266,9 +274,9 @@ class Balancer:
         streamed: list[replica_agent_pb2.GenerateResponse] = []   # this attempt's messages with tokens
         final = None
         forward = not run.request.final_only
-        with self.tracer.start_as_current_span("lb.attempt", record_exception=False, set_status_on_exception=False,
-                                               attributes={"rollmesh.replica_id": route.replica_id,
-                                                           "rollmesh.request_id": run.request_id}) as span:
+        with tracing.span(self.tracer, "lb.attempt", record_exception=False, set_status_on_exception=False,
+                          attributes={"rollmesh.replica_id": route.replica_id,
+                                      "rollmesh.request_id": run.request_id}) as span:
             try:
                 # No await between the revocation check above and this send: a removal either
                 # happened before the check (and we re-picked) or sees this request in flight.
@@ -356,7 +364,7 @@ class Balancer:
 
     def _finish(self, run: RequestRun, record, final, replica_id: str, emit) -> None:
         record.outcome = routing_pb2.ATTEMPT_OUTCOME_COMPLETED
-        record.ended_at.GetCurrentTime()
+        set_seconds(record.ended_at, time.time())
         out = self._chunk(run, final, replica_id)
         out.finish_reason = final.finish_reason
         out.segments.extend(final.segments)
@@ -379,7 +387,7 @@ class Balancer:
 
     def _aborted(self, run: RequestRun, record, final, ticket: Ticket, emit) -> None:
         record.outcome = routing_pb2.ATTEMPT_OUTCOME_ABORTED
-        record.ended_at.GetCurrentTime()
+        set_seconds(record.ended_at, time.time())
         record.reason = "moved by rebalance" if ticket.move_requested else "aborted by the replica"
         if final.token_ids and not run.request.final_only:  # the abort's own last tokens still reach the caller
             emit(self._chunk(run, final, ticket.route.replica_id))
@@ -404,7 +412,7 @@ class Balancer:
     def _attempt_moved(self, run: RequestRun, record, streamed, route, why: str) -> NoReturn:
         """The control plane removed the attempt's replica with abort: keep what arrived, go on elsewhere now."""
         record.outcome = routing_pb2.ATTEMPT_OUTCOME_ABORTED
-        record.ended_at.GetCurrentTime()
+        set_seconds(record.ended_at, time.time())
         record.tokens = token_count(streamed)
         record.reason = why
         self._keep(run, streamed, route)
@@ -414,7 +422,7 @@ class Balancer:
     def _attempt_failed(self, run: RequestRun, record, streamed, route, err: grpc.aio.AioRpcError | None,
                         why: str = "") -> NoReturn:
         """An attempt broke off without a final message (or was cut): keep what arrived, retry with backoff."""
-        record.ended_at.GetCurrentTime()
+        set_seconds(record.ended_at, time.time())
         record.tokens = token_count(streamed)
         if err is not None and not retry_elsewhere(err):
             record.outcome = routing_pb2.ATTEMPT_OUTCOME_FAILED

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import grpc
 
 from .errors import PermissionDenied, Unauthenticated
-from .handlers import rewrap
+from .handlers import Rewrapped, rewrap
 from .identity import ROLES, Identity, peer_identity, set_current_identity
 from .reasons import Reason
 
@@ -158,13 +158,16 @@ class AuthorizationInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, token_check: TokenCheck | None = None, own: Identity | None = None) -> None:
         self._token_check = token_check
         self._own = own
+        self._wrapped = Rewrapped()
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
         full_method = handler_call_details.method
+        return self._wrapped.get(full_method, handler, lambda inner: self._wrap(inner, full_method))
 
+    def _wrap(self, handler, full_method: str):
         token_check = self._token_check
 
         def check(context) -> None:

@@ -37,7 +37,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
 from .errors import InvalidArgument, to_status
-from .handlers import rewrap
+from .handlers import Rewrapped, rewrap
 from .reasons import Reason
 
 _MAX_QUOTE = 100
@@ -185,11 +185,18 @@ class RequiredFieldsInterceptor(grpc.aio.ServerInterceptor):
     """Refuses a request whose REQUIRED fields are unset; the innermost check, after authorization, so a
     caller that may not call the method learns nothing about its request."""
 
+    def __init__(self) -> None:
+        self._wrapped = Rewrapped()
+
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
         method = handler_call_details.method
+        return self._wrapped.get(method, handler, lambda inner: self._wrap(inner, method))
+
+    @staticmethod
+    def _wrap(handler, method: str):
         client_streaming = bool(handler.stream_unary or handler.stream_stream)
 
         def checked(request_or_iterator):
@@ -218,11 +225,19 @@ async def _checked_stream(messages: AsyncIterator[Any], method: str) -> AsyncIte
 class RequestDecodingInterceptor(grpc.aio.ServerInterceptor):
     """Decodes and checks every request before any other interceptor or servicer sees it."""
 
+    def __init__(self) -> None:
+        self._wrapped = Rewrapped()
+
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None or handler.request_deserializer is None:
             return handler
-        method, deserializer = handler_call_details.method, handler.request_deserializer
+        method = handler_call_details.method
+        return self._wrapped.get(method, handler, lambda inner: self._wrap(inner, method))
+
+    @staticmethod
+    def _wrap(handler, method: str):
+        deserializer = handler.request_deserializer
         if handler.unary_unary or handler.unary_stream:
             inner = handler.unary_unary or handler.unary_stream
             behavior = _unary_request(inner, deserializer, method)

@@ -17,7 +17,7 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from .durations import set_seconds, to_seconds
-from .handlers import rewrap
+from .handlers import Rewrapped, rewrap
 from .reasons import Reason, known
 
 log = logging.getLogger(__name__)
@@ -269,9 +269,13 @@ def _wrap_streaming(behavior: Callable, method: str) -> Callable:
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
     """Maps :class:`RollmeshError` (and stray exceptions) raised by handlers."""
 
+    def __init__(self) -> None:
+        self._wrapped = Rewrapped()
+
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
         method = handler_call_details.method
-        return rewrap(handler, lambda b: _wrap_unary(b, method), lambda b: _wrap_streaming(b, method))
+        return self._wrapped.get(method, handler, lambda inner: rewrap(
+            inner, lambda b: _wrap_unary(b, method), lambda b: _wrap_streaming(b, method)))

@@ -27,6 +27,24 @@ def rewrap(handler: grpc.RpcMethodHandler, unary: Wrap, streaming: Wrap) -> grpc
     return factory(wrapped, handler.request_deserializer, handler.response_serializer)
 
 
+class Rewrapped:
+    """An interceptor's wrapped handlers by method: a handler is wrapped once and the wrapping reused for
+    every call while the handler it wraps is the same object (what a wrapping depends on must be the method
+    and that handler alone; per-call state is read from the call's context when it runs)."""
+
+    def __init__(self) -> None:
+        self._by_method: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
+    def get(self, method: str, inner: grpc.RpcMethodHandler,
+            build: Callable[[grpc.RpcMethodHandler], grpc.RpcMethodHandler]) -> grpc.RpcMethodHandler:
+        seen = self._by_method.get(method)
+        if seen is not None and seen[0] is inner:
+            return seen[1]
+        wrapped = build(inner)
+        self._by_method[method] = (inner, wrapped)
+        return wrapped
+
+
 Around = Callable[[grpc.aio.ServicerContext], AbstractContextManager[Callable[[BaseException | None], None]]]
 
 

@@ -29,7 +29,7 @@ from prometheus_client import gc_collector, platform_collector, process_collecto
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-from .handlers import observe
+from .handlers import Rewrapped, observe
 from .net import format_host_port, parse_host_port
 
 log = logging.getLogger(__name__)
@@ -101,12 +101,17 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, metrics: ServerMetrics) -> None:
         self._metrics = metrics
+        self._wrapped = Rewrapped()
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
-        service, _, method = handler_call_details.method.lstrip("/").rpartition("/")
+        full_method = handler_call_details.method
+        return self._wrapped.get(full_method, handler, lambda inner: self._wrap(inner, full_method))
+
+    def _wrap(self, handler, full_method: str):
+        service, _, method = full_method.lstrip("/").rpartition("/")
         handled, seconds = self._metrics.rpc_handled, self._metrics.rpc_seconds.labels(service, method)
 
         @contextlib.contextmanager

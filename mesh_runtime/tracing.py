@@ -14,6 +14,7 @@ health checks and reflection are not traced.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from collections.abc import Mapping
@@ -61,6 +62,15 @@ def create_tracer_provider(service_name: str, env: Mapping[str, str],
         provider.add_span_processor(processor)
     provider.rollmesh_exports = exporting or bool(extra_processors)  # type: ignore[attr-defined]
     return provider
+
+
+def span(tracer: trace.Tracer, name: str, **options):
+    """``tracer.start_as_current_span(name, **options)``; where ``tracer`` is the no-op one (nothing is
+    exported), a context holding the invalid span instead, which costs nothing and leaves the caller's trace
+    context current (so it still reaches the calls made inside)."""
+    if isinstance(tracer, trace.NoOpTracer):
+        return contextlib.nullcontext(trace.INVALID_SPAN)
+    return tracer.start_as_current_span(name, **options)
 
 
 def install_global(provider: TracerProvider) -> None:
