@@ -1,9 +1,9 @@
-"""Who may call what: the one authorization table of every rollmesh RPC, and the interceptor enforcing it.
+"""Who may call what: the one authorization table of every rollmesh RPC, and the check enforcing it.
 
 On a server with mutual TLS every call carries the caller's verified identity
 (:mod:`mesh_runtime.identity`). :data:`RULES` names, for every RPC of every
-rollmesh service, the roles allowed to call it; :class:`AuthorizationInterceptor`
-looks the method up before the handler runs: a wrong role is
+rollmesh service, the roles allowed to call it; :func:`authorize`, run by every
+server's :class:`~mesh_runtime.pipeline.ServerPipeline`, looks the method up before the handler runs: a wrong role is
 ``PERMISSION_DENIED`` naming the roles required, a certificate without a
 rollmesh identity is ``UNAUTHENTICATED``, and an RPC missing from the table is
 refused (a new RPC without a rule cannot be called, and the suite's table test
@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import grpc
 
 from .errors import PermissionDenied, Unauthenticated
-from .handlers import Rewrapped, rewrap
 from .identity import ROLES, Identity, peer_identity, set_current_identity
 from .reasons import Reason
 
@@ -150,41 +149,3 @@ def authorize(full_method: str, auth_context: dict, token_ok: Callable[[], bool]
         return identity
     raise PermissionDenied(f"{method} needs the role {rule.describe()}; the caller is {identity}",
                            reason=Reason.ROLE_NOT_ALLOWED, metadata={"caller": identity.uri})
-
-
-class AuthorizationInterceptor(grpc.aio.ServerInterceptor):
-    """Enforces :data:`RULES` on a server with mutual TLS; errors are mapped by the error interceptor."""
-
-    def __init__(self, token_check: TokenCheck | None = None, own: Identity | None = None) -> None:
-        self._token_check = token_check
-        self._own = own
-        self._wrapped = Rewrapped()
-
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
-        full_method = handler_call_details.method
-        return self._wrapped.get(full_method, handler, lambda inner: self._wrap(inner, full_method))
-
-    def _wrap(self, handler, full_method: str):
-        token_check = self._token_check
-
-        def check(context) -> None:
-            token_ok = (lambda: token_check(context)) if token_check is not None else None
-            set_current_identity(authorize(full_method, context.auth_context(), token_ok, self._own))
-
-        def unary(behavior):
-            async def wrapper(request_or_iterator, context):
-                check(context)
-                return await behavior(request_or_iterator, context)
-            return wrapper
-
-        def streaming(behavior):
-            async def wrapper(request_or_iterator, context):
-                check(context)
-                async for item in behavior(request_or_iterator, context):
-                    yield item
-            return wrapper
-
-        return rewrap(handler, unary, streaming)

@@ -1,9 +1,9 @@
 """Request decoding, written once for every server: malformed input is INVALID_ARGUMENT, never UNKNOWN.
 
-:class:`RequestDecodingInterceptor` is the outermost interceptor of every
-rollmesh server. It hands gRPC a handler that receives the request's raw
-bytes, decodes them itself with the method's own deserializer and, before the
-servicer sees anything:
+:class:`~mesh_runtime.pipeline.ServerPipeline`, the one interceptor of every
+rollmesh server, hands gRPC a handler that receives the request's raw bytes,
+decodes them with :func:`decode` (the method's own deserializer) and, before
+the servicer sees anything:
 
 * bytes that do not parse as the request message -> ``INVALID_ARGUMENT``
   (reason ``MALFORMED_REQUEST``) naming the message type. gRPC Python would
@@ -13,8 +13,7 @@ servicer sees anything:
   naming the field path and the enum. proto3 keeps such numbers, and a
   servicer converting them would raise ``KeyError`` / ``ValueError``, i.e.
   ``INTERNAL``;
-* and, in :class:`RequiredFieldsInterceptor` (the innermost interceptor,
-  after authorization), a field the contract marks
+* and, with :func:`check_required` (the last step, after authorization), a field the contract marks
   ``(google.api.field_behavior) = REQUIRED`` (at any depth of what was sent)
   left unset or empty -> ``INVALID_ARGUMENT`` (reason
   ``REQUIRED_FIELD_MISSING``) naming its path: the contract's annotation is
@@ -27,17 +26,14 @@ call with the same status. Nothing reaches a servicer, so nothing changes state.
 from __future__ import annotations
 
 import functools
-import inspect
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
-import grpc
 from google.api import field_behavior_pb2
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
-from .errors import InvalidArgument, to_status
-from .handlers import Rewrapped, rewrap
+from .errors import InvalidArgument
 from .reasons import Reason
 
 _MAX_QUOTE = 100
@@ -179,110 +175,3 @@ def check_required(message: Any, method: str) -> Any:
         raise InvalidArgument(f"{method}: {missing} is required; nothing was changed",
                               reason=Reason.REQUIRED_FIELD_MISSING, metadata={"field": missing})
     return message
-
-
-class RequiredFieldsInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses a request whose REQUIRED fields are unset; the innermost check, after authorization, so a
-    caller that may not call the method learns nothing about its request."""
-
-    def __init__(self) -> None:
-        self._wrapped = Rewrapped()
-
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return handler
-        method = handler_call_details.method
-        return self._wrapped.get(method, handler, lambda inner: self._wrap(inner, method))
-
-    @staticmethod
-    def _wrap(handler, method: str):
-        client_streaming = bool(handler.stream_unary or handler.stream_stream)
-
-        def checked(request_or_iterator):
-            return (_checked_stream(request_or_iterator, method) if client_streaming
-                    else check_required(request_or_iterator, method))
-
-        def unary(behavior):
-            async def wrapper(request_or_iterator, context):
-                return await behavior(checked(request_or_iterator), context)
-            return wrapper
-
-        def streaming(behavior):
-            async def wrapper(request_or_iterator, context):
-                async for item in behavior(checked(request_or_iterator), context):
-                    yield item
-            return wrapper
-
-        return rewrap(handler, unary, streaming)
-
-
-async def _checked_stream(messages: AsyncIterator[Any], method: str) -> AsyncIterator[Any]:
-    async for message in messages:
-        yield check_required(message, method)   # raised inside the servicer's loop: mapped there
-
-
-class RequestDecodingInterceptor(grpc.aio.ServerInterceptor):
-    """Decodes and checks every request before any other interceptor or servicer sees it."""
-
-    def __init__(self) -> None:
-        self._wrapped = Rewrapped()
-
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        if handler is None or handler.request_deserializer is None:
-            return handler
-        method = handler_call_details.method
-        return self._wrapped.get(method, handler, lambda inner: self._wrap(inner, method))
-
-    @staticmethod
-    def _wrap(handler, method: str):
-        deserializer = handler.request_deserializer
-        if handler.unary_unary or handler.unary_stream:
-            inner = handler.unary_unary or handler.unary_stream
-            behavior = _unary_request(inner, deserializer, method)
-            factory = (grpc.unary_unary_rpc_method_handler if handler.unary_unary
-                       else grpc.unary_stream_rpc_method_handler)
-        else:
-            inner = handler.stream_unary or handler.stream_stream
-            behavior = _streaming_request(inner, deserializer, method)
-            factory = (grpc.stream_unary_rpc_method_handler if handler.stream_unary
-                       else grpc.stream_stream_rpc_method_handler)
-        return factory(behavior, None, handler.response_serializer)
-
-
-def _unary_request(inner: Callable, deserializer: Callable, method: str) -> Callable:
-    if inspect.isasyncgenfunction(inner):
-        async def stream_behavior(data: bytes, context):
-            request = await _decode_or_abort(deserializer, data, method, context)
-            async for item in inner(request, context):
-                yield item
-        return stream_behavior
-
-    async def behavior(data: bytes, context):
-        request = await _decode_or_abort(deserializer, data, method, context)
-        return await inner(request, context)
-    return behavior
-
-
-def _streaming_request(inner: Callable, deserializer: Callable, method: str) -> Callable:
-    async def messages(raw: AsyncIterator[bytes]) -> AsyncIterator[Any]:
-        async for data in raw:
-            yield decode(deserializer, data, method)   # raised inside the servicer's loop: mapped there
-
-    if inspect.isasyncgenfunction(inner):
-        async def stream_behavior(raw, context):
-            async for item in inner(messages(raw), context):
-                yield item
-        return stream_behavior
-
-    async def behavior(raw, context):
-        return await inner(messages(raw), context)
-    return behavior
-
-
-async def _decode_or_abort(deserializer: Callable, data: bytes, method: str, context) -> Any:
-    try:
-        return decode(deserializer, data, method)
-    except InvalidArgument as err:
-        await context.abort_with_status(to_status(err))

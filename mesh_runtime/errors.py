@@ -1,6 +1,7 @@
 """Domain errors and their one mapping onto canonical gRPC statuses.
 
-Servicers raise these exceptions; :class:`ErrorMappingInterceptor` turns them
+Servicers raise these exceptions; :func:`abort_mapped` (run by every server's
+:class:`~mesh_runtime.pipeline.ServerPipeline`) turns them
 into a ``grpc.Status`` with a ``google.rpc.ErrorInfo`` detail (reason in
 UPPER_SNAKE, domain ``rollmesh``), so no servicer builds a status by hand.
 Anything else that escapes a handler becomes ``INTERNAL`` and is logged.
@@ -17,7 +18,6 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from .durations import set_seconds, to_seconds
-from .handlers import Rewrapped, rewrap
 from .reasons import Reason, known
 
 log = logging.getLogger(__name__)
@@ -234,48 +234,12 @@ def canonical(exc: BaseException) -> RollmeshError | None:
     return None
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str):
+async def abort_mapped(context: grpc.aio.ServicerContext, exc: BaseException, method: str):
+    """End the call with the canonical status of ``exc`` (an unexpected one is logged and INTERNAL): the
+    one mapping point, used by :class:`~mesh_runtime.pipeline.ServerPipeline`."""
     mapped = canonical(exc)
     if mapped is not None:
         await context.abort_with_status(to_status(mapped))
     log.exception("unhandled error in %s", method, exc_info=exc)
     await context.abort_with_status(
         to_status(Internal(f"internal error in {method}: {type(exc).__name__}: {exc}")))
-
-
-def _wrap_unary(behavior: Callable, method: str) -> Callable:
-    async def wrapper(request_or_iterator, context):
-        try:
-            return await behavior(request_or_iterator, context)
-        except (grpc.aio.AbortError, KeyboardInterrupt):
-            raise
-        except Exception as exc:  # noqa: BLE001 - this is the single mapping point
-            await _abort(context, exc, method)
-    return wrapper
-
-
-def _wrap_streaming(behavior: Callable, method: str) -> Callable:
-    async def wrapper(request_or_iterator, context):
-        try:
-            async for item in behavior(request_or_iterator, context):
-                yield item
-        except (grpc.aio.AbortError, KeyboardInterrupt):
-            raise
-        except Exception as exc:  # noqa: BLE001
-            await _abort(context, exc, method)
-    return wrapper
-
-
-class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
-    """Maps :class:`RollmeshError` (and stray exceptions) raised by handlers."""
-
-    def __init__(self) -> None:
-        self._wrapped = Rewrapped()
-
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
-        method = handler_call_details.method
-        return self._wrapped.get(method, handler, lambda inner: rewrap(
-            inner, lambda b: _wrap_unary(b, method), lambda b: _wrap_streaming(b, method)))

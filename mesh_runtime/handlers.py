@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 
 import grpc
 
@@ -43,37 +42,3 @@ class Rewrapped:
         wrapped = build(inner)
         self._by_method[method] = (inner, wrapped)
         return wrapped
-
-
-Around = Callable[[grpc.aio.ServicerContext], AbstractContextManager[Callable[[BaseException | None], None]]]
-
-
-def observe(handler: grpc.RpcMethodHandler, around: Around) -> grpc.RpcMethodHandler:
-    """``handler`` with each call run inside ``around(context)``: the callable it yields is told how the call
-    ended (None, or the exception it raised, which still propagates). For interceptors that time, count or
-    trace every call, whatever its arity."""
-    def unary(behavior):
-        async def wrapper(request_or_iterator, context):
-            with around(context) as ended:
-                try:
-                    result = await behavior(request_or_iterator, context)
-                except BaseException as exc:
-                    ended(exc)
-                    raise
-                ended(None)
-                return result
-        return wrapper
-
-    def streaming(behavior):
-        async def wrapper(request_or_iterator, context):
-            with around(context) as ended:
-                try:
-                    async for item in behavior(request_or_iterator, context):
-                        yield item
-                except BaseException as exc:
-                    ended(exc)
-                    raise
-                ended(None)
-        return wrapper
-
-    return rewrap(handler, unary, streaming)

@@ -2,7 +2,7 @@
 
 Each server owns one :class:`ServerMetrics`: a registry holding the process
 metrics (``process_*``, ``python_gc_*``, ``python_info``), the per-RPC gRPC
-server metrics of :class:`RpcMetricsInterceptor` (``grpc_server_handled_total``
+server metrics counted by :class:`~mesh_runtime.pipeline.ServerPipeline` (``grpc_server_handled_total``
 by service, method and code; ``grpc_server_handling_seconds``), and the
 server's own counters, histograms and state gauges. Names follow the
 Prometheus guide: base units (``_seconds``, ``_bytes``), ``_total`` on
@@ -29,7 +29,6 @@ from prometheus_client import gc_collector, platform_collector, process_collecto
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-from .handlers import Rewrapped, observe
 from .net import format_host_port, parse_host_port
 
 log = logging.getLogger(__name__)
@@ -96,37 +95,8 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
-    """Counts every RPC by status code and times it, in one place for every service."""
-
-    def __init__(self, metrics: ServerMetrics) -> None:
-        self._metrics = metrics
-        self._wrapped = Rewrapped()
-
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
-        full_method = handler_call_details.method
-        return self._wrapped.get(full_method, handler, lambda inner: self._wrap(inner, full_method))
-
-    def _wrap(self, handler, full_method: str):
-        service, _, method = full_method.lstrip("/").rpartition("/")
-        handled, seconds = self._metrics.rpc_handled, self._metrics.rpc_seconds.labels(service, method)
-
-        @contextlib.contextmanager
-        def timed(context):
-            started = time.perf_counter()
-
-            def ended(failed: BaseException | None) -> None:
-                handled.labels(service, method, _code(context, failed)).inc()
-                seconds.observe(time.perf_counter() - started)
-            yield ended
-
-        return observe(handler, timed)
-
-
-def _code(context, failed: BaseException | None) -> str:
+def rpc_code(context, failed: BaseException | None) -> str:
+    """The status code name a call ended with (``failed``: what its handler raised, if anything)."""
     code = None
     with contextlib.suppress(Exception):
         code = context.code()

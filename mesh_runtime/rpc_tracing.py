@@ -26,16 +26,13 @@ for a mesh whose interruptions are planned:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import grpc
 from google.rpc import error_details_pb2, status_pb2
-from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from .errors import canonical
-from .handlers import observe
 from .net import AddressError, parse_host_port
 
 UNTRACED_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
@@ -133,7 +130,7 @@ def end_status(span: trace.Span, code: grpc.StatusCode, description: str, reason
     span.set_status(Status(StatusCode.ERROR, f"{code.name}: {description[:_MAX_DESCRIPTION]}"))
 
 
-def _server_outcome(context, exc: BaseException | None) -> tuple[grpc.StatusCode, str, str]:
+def server_outcome(context, exc: BaseException | None) -> tuple[grpc.StatusCode, str, str]:
     """(code, description, reason) of a handler that returned or raised ``exc``."""
     if exc is None or isinstance(exc, grpc.aio.AbortError):
         code = None
@@ -155,67 +152,6 @@ def _server_outcome(context, exc: BaseException | None) -> tuple[grpc.StatusCode
     if mapped is not None:
         return mapped.code, mapped.message, mapped.reason or ""
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}", ""
-
-
-class ServerTracingInterceptor(grpc.aio.ServerInterceptor):
-    """A SERVER span around every traced handler, child of the caller's span.
-
-    Sits inside the error mapping, so it sees the domain error (and its
-    reason) a handler raised before it becomes a status.
-    """
-
-    def __init__(self, tracer_provider=None) -> None:
-        self._tracer = trace.get_tracer(__name__, tracer_provider=tracer_provider)
-        self._exports = exports(tracer_provider)
-
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        method = handler_call_details.method
-        if handler is None or not traced(method):
-            return handler
-        if not self._exports:   # no span; the caller's context still reaches the handler and what it calls
-            return _with_callers_context(handler, handler_call_details.invocation_metadata or ())
-        attributes = rpc_attributes(method)
-        name = f"{attributes['rpc.service']}/{attributes['rpc.method']}"
-        metadata = handler_call_details.invocation_metadata or ()
-        tracer = self._tracer
-
-        @contextlib.contextmanager
-        def span_of(context):
-            carrier = {key: value for key, value in metadata if isinstance(value, str)}
-            peer = None
-            try:
-                peer = context.peer()
-            except Exception:  # noqa: BLE001
-                pass
-            with tracer.start_as_current_span(name, context=propagate.extract(carrier), kind=SpanKind.SERVER,
-                                              attributes={**attributes, **peer_attributes(peer)},
-                                              record_exception=False, set_status_on_exception=False) as span:
-                def ended(exc: BaseException | None) -> None:
-                    code, description, reason = _server_outcome(context, exc)
-                    end_status(span, code, description, reason, server=True)
-                yield ended
-
-        return observe(handler, span_of)
-
-
-def _with_callers_context(handler, metadata) -> grpc.RpcMethodHandler:
-    carrier = {key: value for key, value in metadata if key in ("traceparent", "tracestate")}
-    if not carrier:
-        return handler
-
-    @contextlib.contextmanager
-    def attached(context):
-        token = otel_context.attach(propagate.extract(carrier))
-        try:
-            yield _ignore
-        finally:
-            otel_context.detach(token)
-    return observe(handler, attached)
-
-
-def _ignore(exc: BaseException | None) -> None:
-    return None
 
 
 class _ClientTracing:

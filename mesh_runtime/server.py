@@ -29,11 +29,10 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry.sdk.trace import TracerProvider
 
 from . import sdnotify, tracing
-from .authorization import AuthorizationInterceptor, TokenCheck
+from .authorization import TokenCheck
 from .config import TlsConfig
-from .decoding import RequestDecodingInterceptor, RequiredFieldsInterceptor
-from .errors import ErrorMappingInterceptor
-from .metrics import MetricsEndpoint, RpcMetricsInterceptor, ServerMetrics
+from .metrics import MetricsEndpoint, ServerMetrics
+from .pipeline import ServerPipeline
 from .net import format_host_port, is_loopback, parse_host_port
 from .tls import read_identity, server_credentials
 
@@ -88,12 +87,11 @@ class MeshServer:
         self.shutdown_grace_s = shutdown_grace_s
         self.started_at = time.time()
         self._started_monotonic = time.monotonic()
-        own = self.identity if admit_own_identity else None
-        authorization = [AuthorizationInterceptor(token_check, own)] if tls is not None else []
-        counting = [RpcMetricsInterceptor(metrics)] if metrics is not None else []   # outermost: sees every code
-        # tracing inside the error mapping: it sees the domain error (and its reason) a handler raised
-        self._interceptors = [*counting, RequestDecodingInterceptor(), ErrorMappingInterceptor(),
-                              tracing.server_interceptor(tracer_provider), *authorization, RequiredFieldsInterceptor(),
+        # one wrapping per method: count, decode, map errors, trace, authorize (mutual TLS), check required
+        # fields; the server's own interceptors run inside it
+        self._interceptors = [ServerPipeline(metrics=metrics, tracer_provider=tracer_provider,
+                                             authorization=tls is not None, token_check=token_check,
+                                             own=self.identity if admit_own_identity else None),
                               *interceptors]
         self._server: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None

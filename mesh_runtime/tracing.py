@@ -78,11 +78,6 @@ def install_global(provider: TracerProvider) -> None:
     trace.set_tracer_provider(provider)
 
 
-def server_interceptor(provider: TracerProvider | None):
-    """Server-side span per RPC, continuing the caller's W3C context."""
-    return rpc_tracing.ServerTracingInterceptor(provider)
-
-
 def client_interceptors(provider: TracerProvider | None, target: str | None = None) -> list:
     """Client-side spans (to ``target``) that inject their context into the call metadata."""
     return rpc_tracing.client_interceptors(provider, target)

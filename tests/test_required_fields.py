@@ -1,7 +1,7 @@
 """The contract's REQUIRED fields ((google.api.field_behavior) = REQUIRED) are what every server refuses unset.
 
-The check is generic (mesh_runtime.decoding.RequiredFieldsInterceptor, after authorization, before any
-servicer), so these tests walk the contract: every REQUIRED field of every request message, at the depth it
+The check is generic (mesh_runtime.decoding.check_required in every server's ServerPipeline, after
+authorization, before any servicer), so these tests walk the contract: every REQUIRED field of every request message, at the depth it
 is declared, is refused when left unset with INVALID_ARGUMENT / REQUIRED_FIELD_MISSING naming its path,
 and a request with every REQUIRED field set passes. (tests/security/test_authorization_table.py sends empty
 requests: a caller that may not call a method gets PERMISSION_DENIED, not this.)

@@ -12,7 +12,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from mesh_runtime import errors, rpc_tracing
-from mesh_runtime.errors import ErrorMappingInterceptor
+from mesh_runtime.pipeline import ServerPipeline
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -54,7 +54,7 @@ async def traced():
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor(), rpc_tracing.ServerTracingInterceptor(provider)])
+    server = grpc.aio.server(interceptors=[ServerPipeline(tracer_provider=provider)])
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("test.v1.Probe", HANDLERS)])
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()

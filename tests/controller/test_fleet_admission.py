@@ -13,8 +13,8 @@ import pytest
 from controller.core.admission import Admission
 from controller.server import SPEC
 from mesh_runtime.config import load_config
-from mesh_runtime.errors import DeadlineExceeded, ErrorMappingInterceptor, error_info, retry_delay, \
-    ResourceExhausted, to_status
+from mesh_runtime.errors import DeadlineExceeded, ResourceExhausted, error_info, retry_delay, to_status
+from mesh_runtime.pipeline import ServerPipeline
 from replica_agent.controller_link import ControllerLink
 from rollmesh.common.v1 import types_pb2
 from rollmesh.controller.v1 import controller_pb2_grpc, registry_pb2
@@ -121,7 +121,7 @@ class ThrottlingController(controller_pb2_grpc.ControllerServiceServicer):
 
 async def test_an_agent_waits_as_long_as_retry_info_says():
     fake = ThrottlingController(delay_s=1.5)
-    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()])
+    server = grpc.aio.server(interceptors=[ServerPipeline()])
     controller_pb2_grpc.add_ControllerServiceServicer_to_server(fake, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
