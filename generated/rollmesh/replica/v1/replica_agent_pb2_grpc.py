@@ -41,7 +41,10 @@ class ReplicaAgentServiceStub:
     each RPC's "Authorization:" line says which roles may call it. Any other
     role gets PERMISSION_DENIED (ErrorInfo reason ROLE_NOT_ALLOWED) before
     anything runs; a certificate without a rollmesh identity gets
-    UNAUTHENTICATED. Plaintext on a loopback address authorizes nothing.
+    UNAUTHENTICATED. Plaintext on a loopback address authorizes nothing. A
+    replica's own process (replica_processes) holds its agent's certificate
+    and also takes every call from that identity: its agent forwards the
+    controller's calls to it.
     """
 
     def __init__(self, channel):
@@ -148,7 +151,10 @@ class ReplicaAgentServiceServicer:
     each RPC's "Authorization:" line says which roles may call it. Any other
     role gets PERMISSION_DENIED (ErrorInfo reason ROLE_NOT_ALLOWED) before
     anything runs; a certificate without a rollmesh identity gets
-    UNAUTHENTICATED. Plaintext on a loopback address authorizes nothing.
+    UNAUTHENTICATED. Plaintext on a loopback address authorizes nothing. A
+    replica's own process (replica_processes) holds its agent's certificate
+    and also takes every call from that identity: its agent forwards the
+    controller's calls to it.
     """
 
     def GetStatus(self, request, context):
@@ -553,7 +559,10 @@ class ReplicaAgentService:
     each RPC's "Authorization:" line says which roles may call it. Any other
     role gets PERMISSION_DENIED (ErrorInfo reason ROLE_NOT_ALLOWED) before
     anything runs; a certificate without a rollmesh identity gets
-    UNAUTHENTICATED. Plaintext on a loopback address authorizes nothing.
+    UNAUTHENTICATED. Plaintext on a loopback address authorizes nothing. A
+    replica's own process (replica_processes) holds its agent's certificate
+    and also takes every call from that identity: its agent forwards the
+    controller's calls to it.
     """
 
     @staticmethod

@@ -1275,7 +1275,10 @@ export const WatchPrefixCacheResponseSchema: GenMessage<WatchPrefixCacheResponse
  * each RPC's "Authorization:" line says which roles may call it. Any other
  * role gets PERMISSION_DENIED (ErrorInfo reason ROLE_NOT_ALLOWED) before
  * anything runs; a certificate without a rollmesh identity gets
- * UNAUTHENTICATED. Plaintext on a loopback address authorizes nothing.
+ * UNAUTHENTICATED. Plaintext on a loopback address authorizes nothing. A
+ * replica's own process (replica_processes) holds its agent's certificate
+ * and also takes every call from that identity: its agent forwards the
+ * controller's calls to it.
  *
  * @generated from service rollmesh.replica.v1.ReplicaAgentService
  */
