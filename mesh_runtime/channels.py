@@ -320,7 +320,7 @@ class _FollowingStream:
 
 
 class _ObservedStreamCall:
-    def __init__(self, call, owner: FollowingChannel, address: str) -> None:
+    def __init__(self, call, owner: FollowingChannel | HashRingChannel, address: str) -> None:
         self._call, self._owner, self._address = call, owner, address
 
     def __aiter__(self):

@@ -34,6 +34,7 @@ from .replicas import Replica, ReplicaManager
 
 if TYPE_CHECKING:
     from .controller_link import ControllerLink
+    from .weights import WeightGroups
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ class Node:
             children, processes = ChildMetrics(skip=REPLICA_GAUGES), self.processes
             self.server_metrics.before_scrape(lambda: children.gather(processes.metrics_addresses()))
             self.server_metrics.on_scrape(children.families)
-        self._groups = None
+        self._groups: WeightGroups | None = None
 
     def _create_engine(self, replica_id: str, kind: str, memory_fraction: float, weight_version: int,
                        engine_url: str = ""):
@@ -203,6 +204,7 @@ class Node:
 
     def replica_proto(self, replica: Replica | ReplicaProcess):
         if isinstance(replica, ReplicaProcess):
+            assert self.processes is not None
             return self.processes.proto(replica, node_address=self.address, backend=self.config.backend,
                                         model=self.config.model)
         return convert.replica_to_proto(replica, node_id=self.node_id, address=self.address,
@@ -210,6 +212,7 @@ class Node:
 
     def load_report(self, replica: Replica | ReplicaProcess):
         if isinstance(replica, ReplicaProcess):
+            assert self.processes is not None
             return self.processes.load_report(replica)
         return convert.load_report(replica.engine.load_snapshot(), replica_id=replica.replica_id,
                                    node_id=self.node_id, state=convert.state_enum(replica.state),

@@ -48,7 +48,6 @@ class ProcessReplicaAgentServicer(ReplicaAgentServicer):
         super().__init__(config, tracer_provider)
         assert self.node.processes is not None
         self.processes: ReplicaProcesses = self.node.processes
-        self.replicas = self.processes   # status, list, get and stop read the processes
         self.also_serves = [dataclasses.replace(self.also_serves[0], servicer=ProcessWeightSource(self.processes))]
 
     async def _each(self, replica_ids, call: Callable[[ReplicaProcess, list[str]], Awaitable[Any]]) -> list[Any]:
@@ -114,7 +113,7 @@ class ProcessReplicaAgentServicer(ReplicaAgentServicer):
     async def GetLoadReports(self, request, context):  # noqa: N802
         async def one(proc: ReplicaProcess, ids: list[str]):
             with contextlib.suppress(grpc.aio.AioRpcError):
-                reply = await proc.stub.GetLoadReports(pb.GetLoadReportsRequest(replica_ids=ids), timeout=5.0)
+                reply = await self.processes.running(proc).GetLoadReports(pb.GetLoadReportsRequest(replica_ids=ids), timeout=5.0)
                 if reply.reports:
                     proc.report = reply.reports[0]
             return self.node.load_report(proc)
@@ -131,7 +130,7 @@ class ProcessReplicaAgentServicer(ReplicaAgentServicer):
         queue: asyncio.Queue = asyncio.Queue()
 
         async def follow(proc: ReplicaProcess) -> None:
-            stream = proc.stub.WatchPrefixCache(pb.WatchPrefixCacheRequest(replica_ids=[proc.replica_id]))
+            stream = self.processes.running(proc).WatchPrefixCache(pb.WatchPrefixCacheRequest(replica_ids=[proc.replica_id]))
             try:
                 async for message in stream:
                     await queue.put(message)

@@ -14,6 +14,7 @@ around it, as for an engine that dies in process). The child watches this agent:
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import dataclasses
 import json
@@ -112,11 +113,11 @@ class ReplicaProcesses:
                                   reason=Reason.REPLICA_NOT_FOUND, metadata={"replica_id": replica_id[:80]})
         return proc
 
-    def get_many(self, replica_ids: Iterable[str]) -> list[ReplicaProcess]:
+    def get_many(self, replica_ids: Iterable[str]) -> builtins.list[ReplicaProcess]:
         ids = list(replica_ids)
         return [self.get(i) for i in ids] if ids else list(self._procs.values())
 
-    def list(self, kinds: Iterable[str] = (), states: Iterable[str] = ()) -> list[ReplicaProcess]:
+    def list(self, kinds: Iterable[str] = (), states: Iterable[str] = ()) -> builtins.list[ReplicaProcess]:
         kinds, states = set(kinds), set(states)
         return [p for p in self._procs.values()
                 if (not kinds or p.kind in kinds) and (not states or p.state in states)]
@@ -125,7 +126,7 @@ class ReplicaProcesses:
     def slots_free(self) -> int:
         return self.slots_total - len(self._slot_owner)
 
-    def metrics_addresses(self) -> list[str]:
+    def metrics_addresses(self) -> builtins.list[str]:
         """The ``/metrics`` of every running replica process."""
         return [p.metrics_address for p in self._procs.values()
                 if p.metrics_address and p.stub is not None and not p.ended and p.state != "STOPPED"]
@@ -157,7 +158,7 @@ class ReplicaProcesses:
             if memory_fraction is not None:
                 request.memory_fraction = memory_fraction
             try:
-                reply = await proc.stub.LaunchReplica(request, timeout=LAUNCH_TIMEOUT_S)
+                reply = await self.running(proc).LaunchReplica(request, timeout=LAUNCH_TIMEOUT_S)
             except grpc.aio.AioRpcError as err:
                 raise errors.relayed(err) from None
             proc.replica = reply.replica
@@ -166,8 +167,8 @@ class ReplicaProcesses:
             await self._end(proc)
             raise
         proc.tasks.append(asyncio.create_task(self._refresh(proc), name=f"refresh-{replica_id}"))
-        log.info("replica %s (%s) launched in process %d on slots %s, serving at %s: %s", replica_id, kind,
-                 proc.process.pid, free, proc.address, proc.state)
+        log.info("replica %s (%s) launched in process %s on slots %s, serving at %s: %s", replica_id, kind,
+                 proc.process and proc.process.pid, free, proc.address, proc.state)
         return proc
 
     async def _spawn(self, proc: ReplicaProcess) -> None:
@@ -192,6 +193,7 @@ class ReplicaProcesses:
             logging.getLevelName(logging.getLogger().getEffectiveLevel()), stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE, env=env)
         proc.process = process
+        assert process.stdin is not None and process.stdout is not None   # both are pipes
         process.stdin.write(json.dumps(child, default=str).encode())
         await process.stdin.drain()
         process.stdin.close()
@@ -209,6 +211,7 @@ class ReplicaProcesses:
 
     @staticmethod
     async def _listening(process: asyncio.subprocess.Process) -> None:
+        assert process.stdout is not None
         while True:
             line = await process.stdout.readline()
             if not line:
@@ -218,27 +221,32 @@ class ReplicaProcesses:
 
     @staticmethod
     async def _drain(process: asyncio.subprocess.Process) -> None:
+        assert process.stdout is not None
         while await process.stdout.readline():
             pass
 
     async def _watch(self, proc: ReplicaProcess) -> None:
-        code = await proc.process.wait()
+        process = proc.process
+        assert process is not None
+        code = await process.wait()
         if proc.stopping or proc.ended:
             return
         how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-        proc.ended = f"replica process {proc.process.pid} ended ({how})"
+        proc.ended = f"replica process {process.pid} ended ({how})"
         log.warning("replica %s: %s -> FAILED (%s)", proc.replica_id, proc.replica and
                     convert.state_name(proc.replica.state), proc.ended, extra={"replica_id": proc.replica_id})
         self._release(proc)
 
     async def _refresh(self, proc: ReplicaProcess) -> None:
+        stub = proc.stub
+        assert stub is not None
         while not proc.ended and not proc.stopping:
             with contextlib.suppress(grpc.aio.AioRpcError):
-                reply = await proc.stub.GetLoadReports(pb.GetLoadReportsRequest(replica_ids=[proc.replica_id]),
-                                                       timeout=5.0)
+                reply = await stub.GetLoadReports(pb.GetLoadReportsRequest(replica_ids=[proc.replica_id]),
+                                                  timeout=5.0)
                 if reply.reports:
                     proc.report = reply.reports[0]
-                got = await proc.stub.GetReplica(pb.GetReplicaRequest(replica_id=proc.replica_id), timeout=5.0)
+                got = await stub.GetReplica(pb.GetReplicaRequest(replica_id=proc.replica_id), timeout=5.0)
                 proc.replica = got.replica
             await asyncio.sleep(REFRESH_S)
 
@@ -270,7 +278,8 @@ class ReplicaProcesses:
             return proc
         proc.stopping = True
         try:
-            if proc.stub is not None and not proc.ended and proc.process.returncode is None:
+            if (proc.stub is not None and not proc.ended and proc.process is not None
+                    and proc.process.returncode is None):
                 request = pb.StopReplicaRequest(replica_id=replica_id, force=force)
                 request.grace.FromNanoseconds(int(grace_s * 1e9))
                 with contextlib.suppress(grpc.aio.AioRpcError):

@@ -24,11 +24,12 @@ from rollmesh.weights.v1 import weight_source_pb2_grpc
 
 from . import convert
 from .config import ReplicaAgentConfig
+from .engines import PauseMode
 from .node import Node
 
 DESCRIPTOR = pb.DESCRIPTOR.services_by_name["ReplicaAgentService"]
 WEIGHTS_DESCRIPTOR = weights_pb.DESCRIPTOR.services_by_name["WeightSourceService"]
-PAUSE_MODES = {replica_pb2.PAUSE_MODE_UNSPECIFIED: "wait", replica_pb2.PAUSE_MODE_WAIT: "wait",
+PAUSE_MODES: dict[int, PauseMode] = {replica_pb2.PAUSE_MODE_UNSPECIFIED: "wait", replica_pb2.PAUSE_MODE_WAIT: "wait",
                replica_pb2.PAUSE_MODE_ABORT: "abort"}
 
 
@@ -61,9 +62,9 @@ class ReplicaAgentServicer(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
 
     async def GetStatus(self, request, context):  # noqa: N802 - gRPC method names throughout
         return pb.GetStatusResponse(
-            status=self.status.status(), node_id=self.node.node_id, slots_total=self.replicas.slots_total,
-            slots_free=self.replicas.slots_free, backend=convert.BACKENDS[self.node.config.backend],
-            model=self.node.config.model, replica_count=len(self.replicas.list()))
+            status=self.status.status(), node_id=self.node.node_id, slots_total=self.node.serving().slots_total,
+            slots_free=self.node.serving().slots_free, backend=convert.BACKENDS[self.node.config.backend],
+            model=self.node.config.model, replica_count=len(self.node.serving().list()))
 
     async def LaunchReplica(self, request, context):  # noqa: N802
         check_id(request.replica_id, "replica_id")
@@ -82,20 +83,20 @@ class ReplicaAgentServicer(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
         return pb.LaunchReplicaResponse(replica=self._proto(replica))
 
     async def StopReplica(self, request, context):  # noqa: N802
-        replica = await self.replicas.stop(request.replica_id, force=request.force,
-                                           grace_s=_seconds(request.grace, self.node.config.shutdown_grace_s))
+        grace_s = to_seconds(request.grace) if request.grace.ByteSize() else self.node.config.shutdown_grace_s
+        replica = await self.node.serving().stop(request.replica_id, force=request.force, grace_s=grace_s)
         return pb.StopReplicaResponse(replica=self._proto(replica))
 
     async def ListReplicas(self, request, context):  # noqa: N802
         kinds = [convert.KIND_NAMES[k] for k in request.kinds if k in convert.KIND_NAMES]
         states = [convert.state_name(s) for s in request.states]
-        chosen, token = pages.page(sorted(self.replicas.list(kinds, states), key=_launch_order), key=_launch_order,
-                                   page_size=request.page_size, page_token=request.page_token,
+        chosen, token = pages.page(sorted(self.node.serving().list(kinds, states), key=_launch_order),
+                                   key=_launch_order, page_size=request.page_size, page_token=request.page_token,
                                    filters=(sorted(kinds), sorted(states)))
         return pb.ListReplicasResponse(replicas=[self._proto(r) for r in chosen], next_page_token=token)
 
     async def GetReplica(self, request, context):  # noqa: N802
-        return pb.GetReplicaResponse(replica=self._proto(self.replicas.get(request.replica_id)))
+        return pb.GetReplicaResponse(replica=self._proto(self.node.serving().get(request.replica_id)))
 
     async def Generate(self, request, context):  # noqa: N802
         async for message in self.generations(request):

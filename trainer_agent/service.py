@@ -114,7 +114,9 @@ class TrainerWeightSource(weight_source_pb2_grpc.WeightSourceServiceServicer):
             request.weight_version,
             bucket_size_bytes=request.bucket_size_bytes if request.HasField("bucket_size_bytes") else None,
             checksum_algorithm=request.checksum_algorithm if request.HasField("checksum_algorithm") else None)
-        host, port = broadcaster.rendezvous
+        rendezvous = broadcaster.rendezvous
+        assert rendezvous is not None   # prepare() started it
+        host, port = rendezvous
         return weights_pb.PrepareWeightSyncResponse(weight_version=prepared.weight_version,
                                                     manifest=manifest_to_proto(prepared.manifest),
                                                     rendezvous_host=host, rendezvous_port=port,
