@@ -9,6 +9,7 @@ an abort); :class:`AttemptCut` is an attempt the balancer ended itself.
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -74,6 +75,15 @@ def attempt_ended(span: trace.Span, record: routing_pb2.Attempt, retry: RetryAtt
         span.add_event("attempt.refused", {"rollmesh.reason": record.reason})
     else:
         span.set_status(trace.Status(trace.StatusCode.ERROR, record.reason[:300]))
+
+
+def backoff_s(retry: RetryAttempt, tries: int, initial_s: float, max_s: float, remaining_s: float | None) -> float:
+    """The wait before the next attempt: none after an abort; after a failure, jittered exponential backoff
+    from ``initial_s`` (``tries`` so far), at most ``max_s``, within the ``remaining_s`` of the deadline."""
+    if not retry.backoff:
+        return 0.0
+    delay = min(max_s, initial_s * 2 ** max(0, tries - 1)) * (0.5 + 0.5 * random.random())
+    return delay if remaining_s is None else max(0.0, min(delay, remaining_s))
 
 
 def now_ts() -> Timestamp:

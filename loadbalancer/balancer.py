@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import NoReturn
@@ -49,6 +48,7 @@ from .attempts import (
     Timing,
     Watch,
     attempt_ended,
+    backoff_s,
     error_reason,
     now_ts,
     segments_of,
@@ -154,16 +154,6 @@ class Balancer:
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
             queue.put_nowait(exc)
 
-    def _backoff(self, run: RequestRun, retry: RetryAttempt, tries: int) -> float:
-        """No wait after an abort; jittered exponential backoff after a failure (``tries`` so far), within
-        the deadline."""
-        if not retry.backoff:
-            return 0.0
-        base = self.config.retry_initial_backoff_s * 2 ** max(0, tries - 1)
-        delay = min(self.config.retry_max_backoff_s, base) * (0.5 + 0.5 * random.random())
-        remaining = run.remaining()
-        return delay if remaining is None else max(0.0, min(delay, remaining))
-
     async def _run_attempts(self, run: RequestRun, emit, span) -> None:
         """Attempts until one completes the request or ``run.budget`` retries are spent (a plain loop: this
         is every request's path, where a retry library's per-attempt bookkeeping would cost more than it
@@ -190,7 +180,8 @@ class Balancer:
                 except RetryAttempt as retry:
                     if tries > run.budget:
                         raise
-                    delay = self._backoff(run, retry, tries)
+                    delay = backoff_s(retry, tries, self.config.retry_initial_backoff_s,
+                                      self.config.retry_max_backoff_s, run.remaining())
                     if delay > 0:
                         await asyncio.sleep(delay)
         except RetryAttempt as last:

@@ -58,7 +58,7 @@ _RELOAD_CHECK_S = 30.0
 
 def api_error(err: RollmeshError) -> ApiError:
     """The HTTP form of a mesh error."""
-    name = err.code.name
+    name = err.code
     status = HTTP_STATUS.get(name, 500)
     headers = {"Retry-After": "1"} if status in (429, 503) else {}
     return ApiError(status, err.message, param=(err.metadata or {}).get("field"),

@@ -1,7 +1,7 @@
 """Domain errors and their one mapping onto canonical gRPC statuses.
 
-Servicers raise these exceptions; :func:`abort_mapped` (run by every server's
-:class:`~mesh_runtime.pipeline.ServerPipeline`) turns them
+Servicers, the controller core and the engines raise :mod:`mesh_runtime.failures`' errors (re-exported
+here); :func:`abort_mapped` (run by every server's :class:`~mesh_runtime.pipeline.ServerPipeline`) turns them
 into a ``grpc.Status`` with a ``google.rpc.ErrorInfo`` detail (reason in
 UPPER_SNAKE, domain ``rollmesh``), so no servicer builds a status by hand.
 Anything else that escapes a handler becomes ``INTERNAL`` and is logged.
@@ -10,7 +10,6 @@ Anything else that escapes a handler becomes ``INTERNAL`` and is logged.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
 
 import grpc
 from google.protobuf import any_pb2
@@ -18,130 +17,28 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from .durations import set_seconds, to_seconds
-from .reasons import Reason, known
+from .failures import (  # noqa: F401 - the error classes, re-exported where servers import them
+    RollmeshError,
+    InvalidArgument,
+    NotFound,
+    AlreadyExists,
+    FailedPrecondition,
+    Aborted,
+    Cancelled,
+    OutOfRange,
+    ResourceExhausted,
+    Unavailable,
+    DeadlineExceeded,
+    Unauthenticated,
+    PermissionDenied,
+    Unimplemented,
+    Internal,
+)
+from .reasons import known
 
 log = logging.getLogger(__name__)
 
 ERROR_DOMAIN = "rollmesh"
-
-
-class RollmeshError(Exception):
-    """Base of every error that crosses an RPC boundary.
-
-    ``reason`` is one of the contract's :class:`~mesh_runtime.reasons.Reason` values
-    (``ValueError`` for any other string); ``metadata`` carries structured context
-    (for example the id of a conflicting operation).
-    """
-
-    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
-    default_reason = Reason.INTERNAL
-
-    def __init__(self, message: str, *, reason: str | None = None,
-                 metadata: Mapping[str, object] | None = None, retry_delay_s: float | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.reason = Reason(reason or self.default_reason)
-        self.metadata = {k: str(v) for k, v in (metadata or {}).items()}
-        self.retry_delay_s = retry_delay_s
-        """When set, the status also carries a ``google.rpc.RetryInfo``: retry after this long."""
-
-
-class InvalidArgument(RollmeshError):
-    """The request itself is malformed; retrying it unchanged cannot succeed."""
-
-    code = grpc.StatusCode.INVALID_ARGUMENT
-    default_reason = Reason.INVALID_ARGUMENT
-
-
-class NotFound(RollmeshError):
-    """A named resource (replica, node, operation, request) does not exist."""
-
-    code = grpc.StatusCode.NOT_FOUND
-    default_reason = Reason.NOT_FOUND
-
-
-class AlreadyExists(RollmeshError):
-    """A resource with this id already exists or is in flight."""
-
-    code = grpc.StatusCode.ALREADY_EXISTS
-    default_reason = Reason.ALREADY_EXISTS
-
-
-class FailedPrecondition(RollmeshError):
-    """The system is not in a state that allows the call."""
-
-    code = grpc.StatusCode.FAILED_PRECONDITION
-    default_reason = Reason.FAILED_PRECONDITION
-
-
-class Aborted(RollmeshError):
-    """A conflicting concurrent operation prevents this one."""
-
-    code = grpc.StatusCode.ABORTED
-    default_reason = Reason.ABORTED
-
-
-class Cancelled(RollmeshError):
-    """The work was cancelled (a cancelled long-running operation's error)."""
-
-    code = grpc.StatusCode.CANCELLED
-    default_reason = Reason.CANCELLED
-
-
-class OutOfRange(RollmeshError):
-    """A position (sequence number, cycle index) is outside the valid range."""
-
-    code = grpc.StatusCode.OUT_OF_RANGE
-    default_reason = Reason.OUT_OF_RANGE
-
-
-class ResourceExhausted(RollmeshError):
-    """A quota or capacity (slots, retry budget, buffer) is used up."""
-
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
-    default_reason = Reason.RESOURCE_EXHAUSTED
-
-
-class Unavailable(RollmeshError):
-    """Transiently unable to serve; the caller may retry (possibly elsewhere)."""
-
-    code = grpc.StatusCode.UNAVAILABLE
-    default_reason = Reason.UNAVAILABLE
-
-
-class DeadlineExceeded(RollmeshError):
-    """The work did not finish within its deadline or timeout."""
-
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
-    default_reason = Reason.DEADLINE_EXCEEDED
-
-
-class Unauthenticated(RollmeshError):
-    """The call carries no valid credential."""
-
-    code = grpc.StatusCode.UNAUTHENTICATED
-    default_reason = Reason.UNAUTHENTICATED
-
-
-class PermissionDenied(RollmeshError):
-    """The credential is valid but does not allow this call."""
-
-    code = grpc.StatusCode.PERMISSION_DENIED
-    default_reason = Reason.PERMISSION_DENIED
-
-
-class Unimplemented(RollmeshError):
-    """The RPC belongs to a capability this server does not offer (yet)."""
-
-    code = grpc.StatusCode.UNIMPLEMENTED
-    default_reason = Reason.CAPABILITY_NOT_IMPLEMENTED
-
-
-class Internal(RollmeshError):
-    """An invariant broke inside the server."""
-
-    code = grpc.StatusCode.INTERNAL
-    default_reason = Reason.INTERNAL
 
 
 MAX_MESSAGE = 2000
@@ -167,7 +64,7 @@ def status_proto(err: RollmeshError) -> status_pb2.Status:
         set_seconds(retry.retry_delay, err.retry_delay_s)
         details.append(any_pb2.Any())
         details[-1].Pack(retry)
-    return status_pb2.Status(code=err.code.value[0], message=_cut(err.message, MAX_MESSAGE), details=details)
+    return status_pb2.Status(code=grpc.StatusCode[err.code].value[0], message=_cut(err.message, MAX_MESSAGE), details=details)
 
 
 def to_status(err: RollmeshError) -> grpc.Status:
@@ -211,27 +108,13 @@ def relayed(rpc_error: grpc.RpcError) -> RollmeshError:
     err = RollmeshError(message, reason=reason or (code.name if known(code.name) else None),
                         metadata=dict(info.metadata) if info is not None else None,
                         retry_delay_s=retry_delay(rpc_error))
-    err.code = code
+    err.code = code.name
     return err
 
 
 def canonical(exc: BaseException) -> RollmeshError | None:
-    """The mesh error for ``exc``: itself, or a domain error that names its canonical code.
-
-    Packages that must not import grpc (the controller core) raise exceptions
-    carrying ``code`` (a ``grpc.StatusCode`` name), ``reason`` and ``metadata``.
-    """
-    if isinstance(exc, RollmeshError):
-        return exc
-    code = getattr(exc, "code", None)
-    if isinstance(code, str) and code in grpc.StatusCode.__members__ and code != "OK":
-        reason = getattr(exc, "reason", None)
-        err = RollmeshError(getattr(exc, "message", str(exc)),
-                            reason=reason if reason and known(reason) else code if known(code) else None,
-                            metadata=getattr(exc, "metadata", None))
-        err.code = grpc.StatusCode[code]
-        return err
-    return None
+    """The mesh error ``exc`` is (every layer's errors derive from :class:`RollmeshError`), else None."""
+    return exc if isinstance(exc, RollmeshError) else None
 
 
 async def abort_mapped(context: grpc.aio.ServicerContext, exc: BaseException, method: str):

@@ -150,7 +150,7 @@ def server_outcome(context, exc: BaseException | None) -> tuple[grpc.StatusCode,
         return grpc.StatusCode.CANCELLED, "the caller cancelled", ""
     mapped = canonical(exc)
     if mapped is not None:
-        return mapped.code, mapped.message, mapped.reason or ""
+        return grpc.StatusCode[mapped.code], mapped.message, mapped.reason or ""
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}", ""
 
 

@@ -6,7 +6,7 @@ per launched engine. Each replica has exactly one state (the
 (LAUNCHING, SYNCING, STOPPED, FAILED) take precedence over the engine's
 (LOADING, ACTIVE, PAUSED, SLEEPING). Lifecycle calls on one replica are
 serialised by its lock; while one runs, the replica takes no new requests.
-Engine exceptions are translated to the mesh's domain errors here.
+Engine exceptions are mesh errors already (their canonical codes are theirs) and pass through.
 """
 
 from __future__ import annotations
@@ -22,19 +22,7 @@ from dataclasses import dataclass, field
 from mesh_runtime import errors
 from mesh_runtime.reasons import Reason
 
-from .engines import (
-    DuplicateRequest,
-    Engine,
-    EngineDead,
-    EngineError,
-    EngineState,
-    EngineUnavailable,
-    GenerationChunk,
-    GenerationRequest,
-    InvalidRequest,
-    PauseMode,
-    WeightMismatch,
-)
+from .engines import Engine, EngineError, EngineState, GenerationChunk, GenerationRequest, PauseMode
 
 log = logging.getLogger(__name__)
 
@@ -44,22 +32,6 @@ _ENGINE_STATES = {
     EngineState.SLEEPING: "SLEEPING", EngineState.AWAITING_WEIGHTS: "SLEEPING",
     EngineState.CLOSED: "STOPPED", EngineState.DEAD: "FAILED",
 }
-
-
-def translate(exc: EngineError) -> errors.RollmeshError:
-    """Map an engine error onto the mesh's canonical error."""
-    kind = {InvalidRequest: errors.InvalidArgument, EngineUnavailable: errors.Unavailable,
-            DuplicateRequest: errors.AlreadyExists, WeightMismatch: errors.FailedPrecondition,
-            EngineDead: errors.Internal}.get(type(exc), errors.Internal)
-    return kind(str(exc), reason=getattr(exc, "reason", None))
-
-
-@contextlib.contextmanager
-def engine_errors():
-    try:
-        yield
-    except EngineError as exc:
-        raise translate(exc) from exc
 
 
 @dataclass
@@ -192,9 +164,8 @@ class ReplicaManager:
                                  self.slots_total, self._slot_owner)
             fraction = memory_fraction if memory_fraction is not None else self._default_fraction(kind)
             try:
-                with engine_errors():
-                    engine = (self._factory(replica_id, kind, fraction, weight_version, engine_url=engine_url)
-                              if engine_url else self._factory(replica_id, kind, fraction, weight_version))
+                engine = (self._factory(replica_id, kind, fraction, weight_version, engine_url=engine_url)
+                          if engine_url else self._factory(replica_id, kind, fraction, weight_version))
             except BaseException:
                 for slot in free:
                     del self._slot_owner[slot]
@@ -214,7 +185,7 @@ class ReplicaManager:
                 with contextlib.suppress(Exception):
                     await engine.close()
                 if isinstance(exc, EngineError):
-                    raise translate(exc) from exc
+                    raise
                 raise errors.Internal(f"replica {replica_id!r} failed to start: {exc}") from exc
             finally:
                 replica.busy = ""
@@ -302,9 +273,8 @@ class ReplicaManager:
                                            "requests", reason=Reason.QUEUE_FULL)
         replica.in_flight.add(request.request_id)
         try:
-            with engine_errors():
-                async for chunk in replica.engine.generate(request):
-                    yield chunk
+            async for chunk in replica.engine.generate(request):
+                yield chunk
         except errors.Internal:
             if replica.engine.state == EngineState.DEAD:
                 self._fail(replica, "engine died")
@@ -319,8 +289,7 @@ class ReplicaManager:
         for replica in targets:
             if replica.state in ("STOPPED", "FAILED"):
                 continue
-            with engine_errors():
-                aborted += await replica.engine.abort(None if request_ids is None else list(request_ids))
+            aborted += await replica.engine.abort(None if request_ids is None else list(request_ids))
         return aborted
 
     async def close_session(self, replica_id: str, session_id: str) -> bool:
@@ -328,8 +297,7 @@ class ReplicaManager:
         replica = self.get(replica_id)
         if replica.state in ("STOPPED", "FAILED"):
             return False
-        with engine_errors():
-            return await replica.engine.close_session(session_id)
+        return await replica.engine.close_session(session_id)
 
     async def pause(self, replica_ids: Sequence[str], *, mode: PauseMode,
                     timeout_s: float | None) -> builtins.list[str]:
@@ -343,7 +311,7 @@ class ReplicaManager:
         aborted: list[str] = []
         for replica in replicas:
             before = set(replica.in_flight)
-            with engine_errors(), self._logged([replica], f"pause, mode {mode}"):
+            with self._logged([replica], f"pause, mode {mode}"):
                 try:
                     await asyncio.wait_for(replica.engine.pause(mode), timeout=timeout_s)
                 except asyncio.TimeoutError:
@@ -365,7 +333,7 @@ class ReplicaManager:
                     f"replica {replica.replica_id!r} is {replica.busy or replica.state}; only PAUSED or ACTIVE "
                     "replicas can be resumed", reason=Reason.WRONG_REPLICA_STATE)
         for replica in replicas:
-            with engine_errors(), self._logged([replica], "resume"):
+            with self._logged([replica], "resume"):
                 await replica.engine.resume()
         return replicas
 
@@ -384,7 +352,7 @@ class ReplicaManager:
                     "first or set abort_in_flight", reason=Reason.REQUESTS_IN_FLIGHT)
             replica.busy = "sleep"
             try:
-                with engine_errors(), self._logged([replica], f"sleep level {level}"):
+                with self._logged([replica], f"sleep level {level}"):
                     freed = await replica.engine.sleep(level)
             finally:
                 replica.busy = ""
@@ -409,7 +377,7 @@ class ReplicaManager:
                     "ReceiveWeights first, or wake WAKE_TAG_KV_CACHE alone", reason=Reason.WEIGHTS_DISCARDED)
             replica.busy = "wake"
             try:
-                with engine_errors(), self._logged([replica], f"wake {', '.join(sorted(tags))}"):
+                with self._logged([replica], f"wake {', '.join(sorted(tags))}"):
                     await replica.engine.wake_up(tags)
                     if _ENGINE_STATES[replica.engine.state] == "ACTIVE":
                         replica.sleep_level = 0

@@ -17,7 +17,7 @@ import time
 from mesh_runtime.errors import Aborted, FailedPrecondition
 from mesh_runtime.reasons import Reason
 
-from .replicas import Replica, ReplicaManager, engine_errors
+from .replicas import Replica, ReplicaManager
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +85,7 @@ async def _receive_one(groups, replica: Replica, plan) -> ReceiveResult:
             replica.synced.clear()
         try:
             if replica.in_flight:
-                with engine_errors():
-                    await replica.engine.abort(None)
+                await replica.engine.abort(None)
             group = await asyncio.to_thread(groups.cache(replica.replica_id).get, plan.group_id, plan.members,
                                             plan.rendezvous, plan.backend, plan.sync_key)
             try:
@@ -98,10 +97,9 @@ async def _receive_one(groups, replica: Replica, plan) -> ReceiveResult:
                                        time.monotonic() - started, str(err))
                 groups.record(plan.sync_id, replica.replica_id, result)
                 return result
-            with engine_errors():
-                if weights_asleep:
-                    await replica.engine.wake_up({"weights"})
-                await replica.engine.load_weights(tensors, plan.weight_version)
+            if weights_asleep:
+                await replica.engine.wake_up({"weights"})
+            await replica.engine.load_weights(tensors, plan.weight_version)
             replica.weights_discarded = False
             groups.forget(replica.replica_id)  # its preparation as a source described the old weights
         finally:
@@ -155,8 +153,7 @@ async def prepare(manager: ReplicaManager, groups, replica_id: str, *, weight_ve
     async with replica.lock:  # no weight load swaps the tensors while they are hashed
         _check_servable(replica)
         version = replica.weight_version
-        with engine_errors():
-            named = list(replica.engine.named_weights())
+        named = list(replica.engine.named_weights())
         manifest = await asyncio.to_thread(build_manifest, named, bucket_size_bytes,
                                            checksum_algorithm=checksum_algorithm)
     port = await asyncio.to_thread(groups.cache(replica_id).host_rendezvous, host, groups.ports.get(replica_id, 0))
@@ -190,8 +187,7 @@ async def send(manager: ReplicaManager, groups, replica_id: str, plan) -> SendRe
         await asyncio.to_thread(cache.host_rendezvous, *plan.rendezvous)
         group = await asyncio.to_thread(cache.get, plan.group_id, plan.members, plan.rendezvous, plan.backend,
                                         plan.sync_key)
-        with engine_errors():
-            named = dict(replica.engine.named_weights())
+        named = dict(replica.engine.named_weights())
         sent = await send_weights_async(group, plan.manifest,
                                         ((e.name, named[e.name]) for e in plan.manifest.tensors),
                                         timeout=plan.timeout_s, key=plan.sync_key)

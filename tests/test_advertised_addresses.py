@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import grpc
 import pytest
 
 from mesh_runtime.config import ConfigError, load_config
@@ -61,7 +60,7 @@ def test_a_trainer_on_a_network_address_cannot_rendezvous_on_loopback():
 def test_an_unreachable_advertised_address_is_invalid(address, peer, reason):
     with pytest.raises(InvalidArgument) as err:
         check_reachable(address, peer, "node 'n1'")
-    assert err.value.reason == reason and err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.reason == reason and err.value.code == "INVALID_ARGUMENT"
     assert "node 'n1'" in err.value.message and "advertise_address" in err.value.message
 
 

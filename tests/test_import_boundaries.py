@@ -127,6 +127,20 @@ def test_the_runtime_and_the_model_free_servers_load_without_torch():
     assert result.stdout.strip() == "", f"loaded without need: {result.stdout.strip()}"
 
 
+def test_the_controller_core_and_the_error_base_load_without_grpc():
+    """The core is I/O-free and the engines know no gRPC, yet both raise the mesh's errors: the error base
+    (mesh_runtime.failures) and everything they import load without grpc."""
+    modules = sorted(f"controller.core.{p.stem}" for p in (ROOT / "controller" / "core").glob("*.py")
+                     if p.stem != "__init__")
+    modules += ["mesh_runtime.failures", "replica_agent.engines.errors"]
+    code = ("import importlib, sys\n"
+            f"for name in {modules!r}:\n    importlib.import_module(name)\n"
+            "print(','.join(sorted(m for m in sys.modules if m == 'grpc' or m.startswith('grpc.'))))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=90)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "", f"grpc loaded by: {result.stdout.strip()[:300]}"
+
+
 MAX_MODULE_LINES = 520   # "about 500": a module that grows past it is split along what it owns
 
 

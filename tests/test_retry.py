@@ -28,13 +28,13 @@ def test_the_same_server_is_tried_again_only_when_that_can_help():
 
 @pytest.mark.parametrize("error", [ResourceExhausted("busy", retry_delay_s=0.25), Aborted("again", retry_delay_s=0.25)])
 def test_busy_or_aborted_is_tried_again_when_the_server_said_when(error):
-    told = rpc_error(error.code, to_status(error))
+    told = rpc_error(grpc.StatusCode[error.code], to_status(error))
     assert retry_after(told) == 0.25 and retry_same(told)
-    untold = rpc_error(error.code)
+    untold = rpc_error(grpc.StatusCode[error.code])
     assert retry_after(untold) is None and not retry_same(untold)
     assert retry_after(rpc_error(Code.UNAVAILABLE, to_status(Unavailable("down")))) is None
     status = to_status(error)   # details that do not match the status's message: no RetryInfo believed
-    mismatched = grpc.aio.AioRpcError(error.code, grpc.aio.Metadata(), grpc.aio.Metadata(*status.trailing_metadata),
+    mismatched = grpc.aio.AioRpcError(grpc.StatusCode[error.code], grpc.aio.Metadata(), grpc.aio.Metadata(*status.trailing_metadata),
                                       details="changed on the way")
     assert retry_after(mismatched) is None
 

@@ -1,29 +1,22 @@
 """Domain errors of the controller core.
 
-The core never imports grpc, so these exceptions carry the name of the
-canonical status code they stand for (``code``) and a stable UPPER_SNAKE
-``reason``; the gRPC layer maps them onto ``mesh_runtime.errors`` in one
-place. Messages say what was wrong and, where it helps, how to fix it.
+The core never imports grpc: these exceptions derive from the mesh's grpc-free
+error base (:mod:`mesh_runtime.failures`) and name the canonical status code
+they stand for (``code``) and a contract ``reason``; a server maps them like
+any mesh error. Messages say what was wrong and, where it helps, how to fix it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from mesh_runtime.failures import RollmeshError
 from mesh_runtime.reasons import Reason
 
 
-class CoreError(Exception):
+class CoreError(RollmeshError):
     """Base of every error the controller core raises on purpose."""
 
     code = "INTERNAL"
     default_reason = Reason.INTERNAL
-
-    def __init__(self, message: str, *, reason: str | None = None,
-                 metadata: Mapping[str, object] | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.reason = reason or self.default_reason
-        self.metadata = {key: str(value) for key, value in (metadata or {}).items()}
 
 
 class InvalidArgumentError(CoreError):

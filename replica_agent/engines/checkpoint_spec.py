@@ -50,7 +50,7 @@ _MAX_HEADER_BYTES = 100 * 1024 * 1024
 class CheckpointError(EngineError):
     """The model directory holds no readable safetensors checkpoint."""
 
-    reason = Reason.CHECKPOINT_UNREADABLE
+    default_reason = Reason.CHECKPOINT_UNREADABLE
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:

@@ -1,27 +1,22 @@
 """Exceptions raised by inference engines.
 
-The engine library knows nothing about gRPC. Each exception carries a stable,
-UPPER_SNAKE ``reason`` and documents the canonical status a server should map
-it to; the replica agent's single error-mapping module does the translation.
+The engine library knows nothing about gRPC. Each exception derives from the
+mesh's grpc-free error base (:mod:`mesh_runtime.failures`), naming the
+canonical status code it stands for (``code``) and a contract ``reason``, so a
+server answers with it as it is, without a translation table.
 """
 
 from __future__ import annotations
+
+from mesh_runtime.failures import RollmeshError
 from mesh_runtime.reasons import Reason
 
 
-class EngineError(Exception):
-    """Base class of every error an engine raises on purpose.
+class EngineError(RollmeshError):
+    """Base class of every error an engine raises on purpose: ``INTERNAL`` unless a subclass says otherwise."""
 
-    Maps to ``INTERNAL`` unless a subclass says otherwise.
-    """
-
-    reason = Reason.ENGINE_ERROR
-
-    def __init__(self, message: str, *, reason: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        if reason is not None:
-            self.reason = reason
+    code = "INTERNAL"
+    default_reason = Reason.ENGINE_ERROR
 
 
 class InvalidRequest(EngineError):
@@ -30,7 +25,8 @@ class InvalidRequest(EngineError):
     vocabulary...). Retrying it unchanged cannot succeed. ``INVALID_ARGUMENT``.
     """
 
-    reason = Reason.INVALID_REQUEST
+    code = "INVALID_ARGUMENT"
+    default_reason = Reason.INVALID_REQUEST
 
 
 class EngineUnavailable(EngineError):
@@ -39,7 +35,8 @@ class EngineUnavailable(EngineError):
     typically on another replica).
     """
 
-    reason = Reason.ENGINE_UNAVAILABLE
+    code = "UNAVAILABLE"
+    default_reason = Reason.ENGINE_UNAVAILABLE
 
 
 class DuplicateRequest(EngineError):
@@ -47,7 +44,8 @@ class DuplicateRequest(EngineError):
     ``ALREADY_EXISTS``.
     """
 
-    reason = Reason.DUPLICATE_REQUEST
+    code = "ALREADY_EXISTS"
+    default_reason = Reason.DUPLICATE_REQUEST
 
 
 class WeightMismatch(EngineError):
@@ -56,7 +54,8 @@ class WeightMismatch(EngineError):
     changed; the old weights still serve. ``FAILED_PRECONDITION``.
     """
 
-    reason = Reason.WEIGHT_MISMATCH
+    code = "FAILED_PRECONDITION"
+    default_reason = Reason.WEIGHT_MISMATCH
 
 
 class EngineDead(EngineError):
@@ -65,4 +64,5 @@ class EngineDead(EngineError):
     replica should be reported unhealthy.
     """
 
-    reason = Reason.ENGINE_DEAD
+    code = "INTERNAL"
+    default_reason = Reason.ENGINE_DEAD
