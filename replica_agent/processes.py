@@ -23,7 +23,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import grpc
 
@@ -38,7 +38,7 @@ from rollmesh.weights.v1 import weight_source_pb2_grpc
 
 from . import convert
 from .config import ReplicaAgentConfig
-from .replicas import check_launch, reserve_slots
+from .replicas import ReplicaIndex, check_launch, reserve_slots
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class ReplicaProcess:
         return self.replica.weight_version if self.replica is not None else 0
 
 
-class ReplicaProcesses:
+class ReplicaProcesses(ReplicaIndex[ReplicaProcess]):
     """Launches, watches and stops the replica processes of one node (see the module docstring)."""
 
     def __init__(self, config: ReplicaAgentConfig, *, node_id: str, address: Callable[[], str],
@@ -98,37 +98,13 @@ class ReplicaProcesses:
         self.slots_total = config.slots
         self._address = address
         self._pool = pool
-        self._procs: dict[str, ReplicaProcess] = {}
+        self._replicas: dict[str, ReplicaProcess] = {}
         self._slot_owner: dict[int, str] = {}
         self._launch_lock = asyncio.Lock()
 
-    # ------------------------------------------------------------------ lookup
-    def get(self, replica_id: str) -> ReplicaProcess:
-        if not replica_id:
-            raise errors.InvalidArgument("replica_id must not be empty", reason=Reason.EMPTY_REPLICA_ID)
-        proc = self._procs.get(replica_id)
-        if proc is None:
-            raise errors.NotFound(f"no replica {replica_id[:80]!r} on node {self.node_id!r} "
-                                  f"(it has: {', '.join(sorted(self._procs)) or 'none'})",
-                                  reason=Reason.REPLICA_NOT_FOUND, metadata={"replica_id": replica_id[:80]})
-        return proc
-
-    def get_many(self, replica_ids: Iterable[str]) -> builtins.list[ReplicaProcess]:
-        ids = list(replica_ids)
-        return [self.get(i) for i in ids] if ids else list(self._procs.values())
-
-    def list(self, kinds: Iterable[str] = (), states: Iterable[str] = ()) -> builtins.list[ReplicaProcess]:
-        kinds, states = set(kinds), set(states)
-        return [p for p in self._procs.values()
-                if (not kinds or p.kind in kinds) and (not states or p.state in states)]
-
-    @property
-    def slots_free(self) -> int:
-        return self.slots_total - len(self._slot_owner)
-
     def metrics_addresses(self) -> builtins.list[str]:
         """The ``/metrics`` of every running replica process."""
-        return [p.metrics_address for p in self._procs.values()
+        return [p.metrics_address for p in self._replicas.values()
                 if p.metrics_address and p.stub is not None and not p.ended and p.state != "STOPPED"]
 
     def running(self, proc: ReplicaProcess) -> replica_agent_pb2_grpc.ReplicaAgentServiceStub:
@@ -146,10 +122,10 @@ class ReplicaProcesses:
         """Reserve slots, start the replica's process and launch the replica in it."""
         check_launch(kind=kind, slots=slots, engine_url=engine_url, memory_fraction=memory_fraction)
         async with self._launch_lock:
-            free = reserve_slots(self.node_id, replica_id, self._procs.get(replica_id), slots, self.slots_total,
+            free = reserve_slots(self.node_id, replica_id, self._replicas.get(replica_id), slots, self.slots_total,
                                  self._slot_owner)
             proc = ReplicaProcess(replica_id, kind, free, initial, engine_url)
-            self._procs[replica_id] = proc
+            self._replicas[replica_id] = proc
         try:
             await self._spawn(proc)
             request = pb.LaunchReplicaRequest(replica_id=replica_id, kind=convert.KINDS[kind], slots=slots,
@@ -297,7 +273,7 @@ class ReplicaProcesses:
 
     async def close(self) -> None:
         """Stop every replica and end its process (at the agent's shutdown)."""
-        for proc in list(self._procs.values()):
+        for proc in list(self._replicas.values()):
             if proc.state != "STOPPED":
                 with contextlib.suppress(Exception):
                     await self.stop(proc.replica_id, grace_s=0.0, force=True)

@@ -17,6 +17,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from typing import Generic, Protocol, TypeVar
 from dataclasses import dataclass, field
 
 from mesh_runtime import errors
@@ -111,7 +112,52 @@ EngineFactory = Callable[..., Engine]
 """(replica_id, kind, memory_fraction, weight_version, engine_url=...) -> an engine not started yet."""
 
 
-class ReplicaManager:
+class _Held(Protocol):
+    replica_id: str
+    kind: str
+
+    @property
+    def state(self) -> str: ...
+
+
+H = TypeVar("H", bound=_Held)
+
+
+class ReplicaIndex(Generic[H]):
+    """The replicas a node holds, by id, and its slots: the lookups every holder of replicas answers the same
+    way (this module's in-process replicas, :mod:`replica_agent.processes`' replica processes)."""
+
+    node_id: str
+    slots_total: int
+    _replicas: dict[str, H]
+    _slot_owner: dict[int, str]
+
+    def get(self, replica_id: str) -> H:
+        if not replica_id:
+            raise errors.InvalidArgument("replica_id must not be empty", reason=Reason.EMPTY_REPLICA_ID)
+        replica = self._replicas.get(replica_id)
+        if replica is None:
+            raise errors.NotFound(f"no replica {replica_id[:80]!r} on node {self.node_id!r} "
+                                  f"(it has: {', '.join(sorted(self._replicas)) or 'none'})",
+                                  reason=Reason.REPLICA_NOT_FOUND, metadata={"replica_id": replica_id[:80]})
+        return replica
+
+    def get_many(self, replica_ids: Iterable[str]) -> list[H]:
+        """The named replicas (all when none are named); NOT_FOUND before any change."""
+        ids = list(replica_ids)
+        return [self.get(i) for i in ids] if ids else list(self._replicas.values())
+
+    def list(self, kinds: Iterable[str] = (), states: Iterable[str] = ()) -> builtins.list[H]:
+        kinds, states = set(kinds), set(states)
+        return [r for r in self._replicas.values()
+                if (not kinds or r.kind in kinds) and (not states or r.state in states)]
+
+    @property
+    def slots_free(self) -> int:
+        return self.slots_total - len(self._slot_owner)
+
+
+class ReplicaManager(ReplicaIndex[Replica]):
     """Launches, serves, sleeps, wakes and stops the replicas of one node."""
 
     def __init__(self, *, node_id: str, slots_total: int, engine_factory: EngineFactory,
@@ -126,31 +172,6 @@ class ReplicaManager:
         self._replicas: dict[str, Replica] = {}
         self._slot_owner: dict[int, str] = {}
         self._launch_lock = asyncio.Lock()
-
-    # ------------------------------------------------------------------ lookup
-    def get(self, replica_id: str) -> Replica:
-        if not replica_id:
-            raise errors.InvalidArgument("replica_id must not be empty", reason=Reason.EMPTY_REPLICA_ID)
-        replica = self._replicas.get(replica_id)
-        if replica is None:
-            raise errors.NotFound(f"no replica {replica_id!r} on node {self.node_id!r} "
-                                  f"(it has: {', '.join(sorted(self._replicas)) or 'none'})",
-                                  reason=Reason.REPLICA_NOT_FOUND, metadata={"replica_id": replica_id})
-        return replica
-
-    def get_many(self, replica_ids: Iterable[str]) -> list[Replica]:
-        """The named replicas (all when none are named); NOT_FOUND before any change."""
-        ids = list(replica_ids)
-        return [self.get(i) for i in ids] if ids else list(self._replicas.values())
-
-    def list(self, kinds: Iterable[str] = (), states: Iterable[str] = ()) -> list[Replica]:
-        kinds, states = set(kinds), set(states)
-        return [r for r in self._replicas.values()
-                if (not kinds or r.kind in kinds) and (not states or r.state in states)]
-
-    @property
-    def slots_free(self) -> int:
-        return self.slots_total - len(self._slot_owner)
 
     # --------------------------------------------------------------- lifecycle
     async def launch(self, *, replica_id: str, kind: str, slots: int, memory_fraction: float | None = None,
