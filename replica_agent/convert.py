@@ -10,7 +10,6 @@ from mesh_runtime.durations import set_seconds
 from mesh_runtime.errors import InvalidArgument
 from mesh_runtime.generation import (
     check_generation,
-    check_sampling,
     check_streaming,
     flush_interval_of,
     temperature_of,
@@ -35,7 +34,7 @@ WAKE_TAGS = {types_pb2.WAKE_TAG_WEIGHTS: "weights", types_pb2.WAKE_TAG_KV_CACHE:
 
 
 def sampling_from_proto(sp: generation_pb2.SamplingParams) -> SamplingParams:
-    check_sampling(sp)
+    """The engine's sampling parameters of ``sp`` (checked by :func:`check_generation` first)."""
     return SamplingParams(max_tokens=sp.max_tokens, temperature=temperature_of(sp), top_p=top_p_of(sp),
                           top_k=sp.top_k, seed=sp.seed if sp.HasField("seed") else None,
                           stop_token_ids=list(sp.stop_token_ids), logprobs=sp.logprobs, ignore_eos=sp.ignore_eos)
@@ -53,14 +52,14 @@ def segment_to_proto(seg: TokenSegment) -> generation_pb2.TokenSegment:
 
 
 def generation_request(msg: replica_agent_pb2.GenerateRequest) -> GenerationRequest:
-    """Decode and validate a Generate request (the engine checks model limits)."""
+    """Decode and validate a Generate request, once: the engine checks only its own limits (``checked``)."""
     check_generation(msg.request_id, msg.prompt_token_ids, msg.sampling_params, msg.resume_segments)
     check_streaming(msg)
     return GenerationRequest(request_id=msg.request_id, prompt_token_ids=list(msg.prompt_token_ids),
                              sampling=sampling_from_proto(msg.sampling_params),
                              resume_segments=[segment_from_proto(s) for s in msg.resume_segments],
                              stream_interval=msg.stream_interval if msg.HasField("stream_interval") else None,
-                             flush_interval_s=flush_interval_of(msg), session_id=msg.session_id)
+                             flush_interval_s=flush_interval_of(msg), session_id=msg.session_id, checked=True)
 
 
 def chunk_to_proto(chunk: GenerationChunk) -> replica_agent_pb2.GenerateResponse:

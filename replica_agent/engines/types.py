@@ -100,6 +100,11 @@ class GenerationRequest:
     session_id: str = ""
     """The session (trajectory) the request belongs to; an engine may keep its context until
     ``close_session``. Empty: none."""
+    checked: bool = False
+    """True when the request passed the mesh's checks where it entered this process (the replica agent's
+    decoding of a Generate call, :func:`replica_agent.convert.generation_request`): the engine then checks
+    only what is its own (token ids against its vocabulary, lengths against its context and KV capacity),
+    so a request is validated once per process."""
 
     def resumed_token_ids(self) -> list[int]:
         """The resumed completion prefix, in order."""
@@ -209,8 +214,12 @@ def validate_request(
 
     The keyword limits are the engine's: token ids must be below
     ``vocab_size``; prompt plus ``max_tokens`` must fit ``max_model_len``
-    (the model's context) and ``max_total_tokens`` (the KV capacity).
+    (the model's context) and ``max_total_tokens`` (the KV capacity). A request already ``checked`` where it
+    entered the process is checked against these limits only.
     """
+    if req.checked:
+        _check_limits(req, vocab_size, max_model_len, max_total_tokens)
+        return
     if not isinstance(req.request_id, str) or not req.request_id:
         raise InvalidRequest("request_id must be a non-empty string")
     if not req.prompt_token_ids:
@@ -230,6 +239,18 @@ def validate_request(
             f"request {req.request_id}: the resumed prefix already holds {resumed} tokens, "
             f"which meets max_tokens={sp.max_tokens}; nothing is left to generate"
         )
+    _check_limits(req, None, max_model_len, max_total_tokens)
+
+
+def _check_limits(req: GenerationRequest, vocab_size: int | None, max_model_len: int | None,
+                  max_total_tokens: int | None) -> None:
+    """The engine's own limits: the vocabulary (when ``vocab_size`` is given here), the context, the KV
+    capacity."""
+    if vocab_size is not None:
+        _check_token_ids(req.prompt_token_ids, "prompt_token_ids", vocab_size)
+        for i, seg in enumerate(req.resume_segments):
+            _check_token_ids(seg.token_ids, f"resume_segments[{i}].token_ids", vocab_size)
+    sp = req.sampling
     total = len(req.prompt_token_ids) + sp.max_tokens
     if max_model_len is not None and total > max_model_len:
         raise InvalidRequest(

@@ -152,6 +152,22 @@ def test_validate_request_limits():
         validate_request(GenerationRequest("r", [1], SamplingParams(max_tokens=4), [TokenSegment([1], [0.1, 0.2])]))
 
 
+def test_a_request_checked_on_entry_is_checked_against_the_engines_limits_only():
+    # what the agent's decoding already refused is not looked at again ...
+    checked = GenerationRequest("", [1, 2], SamplingParams(max_tokens=10, temperature=-1.0), checked=True)
+    validate_request(checked, vocab_size=3, max_model_len=12, max_total_tokens=12)
+    # ... the engine's own limits still are
+    with pytest.raises(InvalidRequest, match="vocabulary"):
+        validate_request(checked, vocab_size=2)
+    with pytest.raises(InvalidRequest, match="vocabulary"):
+        validate_request(GenerationRequest("r", [1], SamplingParams(max_tokens=4), [TokenSegment([7])], checked=True),
+                         vocab_size=5)
+    with pytest.raises(InvalidRequest, match="context"):
+        validate_request(checked, max_model_len=11)
+    with pytest.raises(InvalidRequest, match="KV capacity"):
+        validate_request(checked, max_total_tokens=11)
+
+
 def test_percentile_nearest_rank():
     assert percentile([], 95) == 0.0
     assert percentile([3.0], 95) == 3.0
