@@ -6,7 +6,7 @@ import grpc
 import pytest
 
 from mesh_runtime.errors import Aborted, ResourceExhausted, Unavailable, to_status
-from mesh_runtime.retry import permanent, retry_after, retry_elsewhere, retry_same
+from mesh_runtime.retry import call_again, permanent, retry_after, retry_elsewhere, retry_same
 
 Code = grpc.StatusCode
 
@@ -46,3 +46,41 @@ def test_failover_and_permanent_statuses_do_not_overlap():
     assert retry_elsewhere(rpc_error(Code.FAILED_PRECONDITION))     # a replica that is not serving
     assert not retry_elsewhere(rpc_error(Code.DEADLINE_EXCEEDED))   # the caller's deadline is the same elsewhere
     assert permanent(rpc_error(Code.INVALID_ARGUMENT)) and not permanent(RuntimeError("x"))
+
+
+async def test_a_call_is_repeated_unchanged_waiting_what_the_server_asks_until_the_deadline():
+    tries: list[float] = []
+    waits: list[float] = []
+    answers = [rpc_error(Code.UNAVAILABLE),
+               rpc_error(Code.RESOURCE_EXHAUSTED, to_status(ResourceExhausted("busy", retry_delay_s=0.05)))]
+
+    async def call(timeout: float) -> str:
+        tries.append(timeout)
+        if answers:
+            raise answers.pop(0)
+        return "answer"
+
+    got = await call_again(call, within_s=5.0, backoff_s=0.01, on_retry=lambda err, wait: waits.append(wait))
+    assert got == "answer" and len(tries) == 3
+    assert waits == [0.01, 0.05]                     # its backoff, then the wait the server asked for
+    assert all(0.5 <= t <= 5.0 for t in tries)       # each try gets what remains of the deadline
+
+    fixed: list[float] = []
+
+    async def down(timeout: float) -> str:
+        fixed.append(timeout)
+        raise rpc_error(Code.UNAVAILABLE)
+
+    with pytest.raises(grpc.aio.AioRpcError):        # given up once the next try would start past the deadline
+        await call_again(down, within_s=0.2, timeout_s=7.0, backoff_s=0.05)
+    assert 2 <= len(fixed) <= 4 and set(fixed) == {7.0}
+
+    refused: list[float] = []
+
+    async def wrong(timeout: float) -> str:
+        refused.append(timeout)
+        raise rpc_error(Code.INVALID_ARGUMENT)
+
+    with pytest.raises(grpc.aio.AioRpcError):        # no repeat can fix it: raised at once
+        await call_again(wrong, within_s=5.0)
+    assert len(refused) == 1

@@ -16,7 +16,7 @@ from mesh_runtime.channels import open_balancer_channel, open_channel, read_meth
 from mesh_runtime.discovery import open_discovered_balancers
 from mesh_runtime.durations import duration, set_seconds
 from mesh_runtime.generate_many import BalancerGenerations
-from mesh_runtime.retry import retry_after, retry_same
+from mesh_runtime.retry import call_again, retry_same
 from mesh_runtime.tls import TlsConfig
 from rollmesh.controller.v1 import events_pb2
 from rollmesh.controller.v1 import controller_pb2, controller_pb2_grpc, observability_pb2, scaling_pb2
@@ -146,26 +146,21 @@ class MeshClient:
         self._generations.clear()
         await self._channel.close()
 
-    async def _retried(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
-        """``call()`` again with the same request while the controller is unreachable, until the deadline."""
-        deadline, backoff = time.monotonic() + self._retry_deadline, 0.2
-        while True:
-            try:
-                return await call()
-            except grpc.aio.AioRpcError as err:
-                # the step protocol's calls are idempotent: a repeated call gets the recorded answer
-                told = retry_after(err)
-                if not retry_same(err, idempotent=True) or time.monotonic() + (told or backoff) > deadline:
-                    raise StepProtocolError(f"{what} failed: {err.code().name}: {err.details()}", err.code()) from err
-            await asyncio.sleep(told if told is not None else backoff)
-            backoff = min(2.0, backoff * 2)
+    async def _retried(self, what: str, call: Callable[[float], Awaitable[T]], timeout_s: float) -> T:
+        """``call(timeout)`` again with the same request while the controller cannot answer, until the retry
+        deadline (:func:`mesh_runtime.retry.call_again`, the loop the built-in driver uses too): the step
+        protocol's calls are idempotent, a repeated call gets the recorded answer."""
+        try:
+            return await call_again(call, within_s=self._retry_deadline, timeout_s=timeout_s)
+        except grpc.aio.AioRpcError as err:
+            raise StepProtocolError(f"{what} failed: {err.code().name}: {err.details()}", err.code()) from err
 
     # -- the step protocol ------------------------------------------------------------------------
 
     async def begin_step(self, global_step: int, counters: Counters) -> BeginResult:
         request = scheduling_pb2.BeginTrainingStepRequest(global_step=global_step, report=counters.report(global_step))
-        reply = await self._retried(f"BeginTrainingStep({global_step})", lambda: self._stub.BeginTrainingStep(
-            request, timeout=self._call_timeout, metadata=self._metadata))
+        reply = await self._retried(f"BeginTrainingStep({global_step})", lambda timeout: self._stub.BeginTrainingStep(
+            request, timeout=timeout, metadata=self._metadata), self._call_timeout)
         return BeginResult(reply.deactivate, reply.wait_samples, reply.wait_timeout.ToTimedelta().total_seconds(),
                            reply)
 
@@ -174,8 +169,8 @@ class MeshClient:
         request = scheduling_pb2.ReleaseHybridReplicasRequest(
             global_step=global_step, buffered_samples=buffered_samples, waited=duration(waited_s),
             wait_expired=wait_expired)
-        reply = await self._retried(f"ReleaseHybridReplicas({global_step})", lambda: self._stub.ReleaseHybridReplicas(
-            request, timeout=self._call_timeout, metadata=self._metadata))
+        reply = await self._retried(f"ReleaseHybridReplicas({global_step})", lambda timeout: (
+            self._stub.ReleaseHybridReplicas(request, timeout=timeout, metadata=self._metadata)), self._call_timeout)
         return ReleaseResult(list(reply.released_replica_ids), list(reply.failed_replica_ids), reply)
 
     async def complete_step(self, global_step: int, weight_version: int, counters: Counters) -> CompleteResult:
@@ -183,8 +178,8 @@ class MeshClient:
         source must hold it) and may activate the hybrid replicas."""
         request = scheduling_pb2.CompleteTrainingStepRequest(global_step=global_step, weight_version=weight_version,
                                                              report=counters.report(global_step))
-        reply = await self._retried(f"CompleteTrainingStep({global_step})", lambda: self._stub.CompleteTrainingStep(
-            request, timeout=self._sync_timeout, metadata=self._metadata))
+        reply = await self._retried(f"CompleteTrainingStep({global_step})", lambda timeout: (
+            self._stub.CompleteTrainingStep(request, timeout=timeout, metadata=self._metadata)), self._sync_timeout)
         failed = {r.replica_id: r.error_message for sync in (reply.standalone_sync, reply.hybrid_sync)
                   for r in sync.replica_results if not r.ok}
         return CompleteResult(reply.hybrid_activated, reply.bytes_sent, reply.bytes_saved, failed, reply)
@@ -193,9 +188,9 @@ class MeshClient:
 
     async def balancers(self, *, ready_only: bool = False) -> list[registry_pb2.BalancerRecord]:
         """The load balancers the controller keeps in line (configured and registered), by id."""
-        reply = await self._retried("ListBalancers", lambda: self._stub.ListBalancers(
-            registry_pb2.ListBalancersRequest(ready_only=ready_only), timeout=self._call_timeout,
-            metadata=self._metadata))
+        reply = await self._retried("ListBalancers", lambda timeout: self._stub.ListBalancers(
+            registry_pb2.ListBalancersRequest(ready_only=ready_only), timeout=timeout, metadata=self._metadata),
+            self._call_timeout)
         return list(reply.balancers)
 
     async def generation_channel(self, balancer_address: str = "", *, timeout_s: float = 60.0) -> grpc.aio.Channel:
@@ -263,8 +258,8 @@ class MeshClient:
             request.num_replicas = num_replicas
         if engine_addresses:
             request.external.addresses.extend(engine_addresses)
-        reply = await self._retried("ScaleOut", lambda: self._stub.ScaleOut(request, timeout=self._call_timeout,
-                                                                           metadata=self._metadata))
+        reply = await self._retried("ScaleOut", lambda timeout: self._stub.ScaleOut(
+            request, timeout=timeout, metadata=self._metadata), self._call_timeout)
         return await self._progress(reply, wait, timeout_s)
 
     async def scale_in(self, *, num_replicas: int = 0, replica_ids: Sequence[str] = (),
@@ -278,8 +273,8 @@ class MeshClient:
         if replica_ids or engine_addresses:
             request.replicas.replica_ids.extend(replica_ids)
             request.replicas.engine_addresses.extend(engine_addresses)
-        reply = await self._retried("ScaleIn", lambda: self._stub.ScaleIn(request, timeout=self._call_timeout,
-                                                                         metadata=self._metadata))
+        reply = await self._retried("ScaleIn", lambda timeout: self._stub.ScaleIn(
+            request, timeout=timeout, metadata=self._metadata), self._call_timeout)
         return await self._progress(reply, wait, timeout_s)
 
     async def _progress(self, reply: operations_pb2.Operation, wait: bool, timeout_s: float
@@ -296,8 +291,8 @@ class MeshClient:
             wait_s = max(0.1, min(deadline - time.monotonic(), 30.0))   # one wait: at most 30 s
             request = operations_pb2.WaitOperationRequest(name=f"operations/{operation_id}")
             set_seconds(request.timeout, wait_s)
-            reply = await self._retried("WaitOperation", lambda: self._operations.WaitOperation(
-                request, timeout=wait_s + self._call_timeout, metadata=self._metadata))
+            reply = await self._retried("WaitOperation", lambda timeout: self._operations.WaitOperation(
+                request, timeout=timeout, metadata=self._metadata), wait_s + self._call_timeout)
             if reply.done:
                 return operation_metadata(reply)
             if time.monotonic() > deadline:
@@ -305,5 +300,5 @@ class MeshClient:
                                         f"({scaling_pb2.OperationState.Name(operation_metadata(reply).state)})")
 
     async def status(self) -> controller_pb2.GetStatusResponse:
-        return await self._retried("GetStatus", lambda: self._stub.GetStatus(
-            controller_pb2.GetStatusRequest(), timeout=self._call_timeout, metadata=self._metadata))
+        return await self._retried("GetStatus", lambda timeout: self._stub.GetStatus(
+            controller_pb2.GetStatusRequest(), timeout=timeout, metadata=self._metadata), self._call_timeout)

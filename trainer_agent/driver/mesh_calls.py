@@ -5,16 +5,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
-from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
 
-from mesh_runtime.durations import duration
+from mesh_runtime.durations import duration  # noqa: F401 - re-exported to the driver loop
 from mesh_runtime.net import AddressError, parse_host_port
-from mesh_runtime.retry import retry_same
+from mesh_runtime.retry import call_again
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2
 
 log = logging.getLogger("trainer_agent.driver.loop")   # the step protocol's retries log as the loop's
@@ -45,28 +43,18 @@ async def accepts_connections(address: str, timeout_s: float = 2.0) -> bool:
 
 async def step_call(method: Callable[..., Awaitable[Any]], request: Any, *, timeout_s: float,
                     backoff_s: float = 0.2, max_backoff_s: float = 2.0) -> Any:
-    """One call of the step protocol, retried while :func:`~mesh_runtime.retry.retry_same` says so (``UNAVAILABLE``)
-    until ``timeout_s`` has passed.
+    """One call of the step protocol, repeated while the controller cannot answer it, until ``timeout_s`` has
+    passed (:func:`~mesh_runtime.retry.call_again`, the loop ``trainer_client.MeshClient`` uses too).
 
     The controller answers a repeated call for the current step with the
     answer it recorded (and stored before replying), so a retry after a
-    controller restart is safe. Bounded exponential backoff; the last
-    attempt's deadline is what remains of ``timeout_s``. Any other status is
-    raised at once.
+    controller restart is safe. Bounded exponential backoff (or the wait the
+    controller asks for); each attempt's deadline is what remains of
+    ``timeout_s``. Any status no repeat can fix is raised at once.
     """
-    deadline = time.monotonic() + timeout_s
+    def told(err: grpc.RpcError, wait: float) -> None:
+        details = err.details() if isinstance(err, grpc.aio.AioRpcError) else str(err)
+        log.warning("step protocol: the controller is unavailable (%s); retrying in %.2f s", details, wait)
 
-    retrying = AsyncRetrying(retry=retry_if_exception(retry_same), reraise=True,
-                             stop=stop_after_delay(timeout_s),
-                             wait=wait_exponential(multiplier=backoff_s, max=max_backoff_s),
-                             before_sleep=lambda state: log.warning(
-                                 "step protocol: the controller is unavailable (%s); retrying",
-                                 _detail(state.outcome.exception() if state.outcome else None)))
-    async for attempt in retrying:
-        with attempt:
-            return await method(request, timeout=max(0.5, deadline - time.monotonic()))
-    raise AssertionError("unreachable")  # pragma: no cover - reraise=True ends the loop with the error
-
-
-def _detail(err: BaseException | None) -> str:
-    return err.details() or "" if isinstance(err, grpc.aio.AioRpcError) else str(err)
+    return await call_again(lambda timeout: method(request, timeout=timeout), within_s=timeout_s,
+                            backoff_s=backoff_s, max_backoff_s=max_backoff_s, on_retry=told)
