@@ -5,7 +5,8 @@ service config whose ``retryPolicy`` retries only the methods the caller names
 as idempotent, and only on ``UNAVAILABLE``. :data:`READ_METHODS` is that set
 for reads: every unary ``Get*`` / ``List*`` method of rollmesh's four
 services, read once from the generated descriptors. Application-level
-retries (tenacity) must never be stacked on the methods a channel retries.
+retries (:func:`mesh_runtime.retry.call_again` and the servers' own loops)
+must never be stacked on the methods a channel retries.
 :func:`open_channel` (``grpc.aio``) also carries the tracing interceptors (W3C
 context in metadata); :func:`open_sync_channel` is the blocking variant for
 tools that have no event loop (``rollmesh top``). Given a ``tls`` config,

@@ -103,8 +103,8 @@ class Node:
         if self.processes is not None:
             server.add_cleanup(self.processes.close)
         for spec in self.config.replicas:
-            await self._launch(replica_id=spec.replica_id or self._next_replica_id(), kind=spec.kind,
-                               slots=spec.slots, start_asleep=spec.asleep_at_boot, initial=True)
+            await self.serving().launch(replica_id=spec.replica_id or self._next_replica_id(), kind=spec.kind,
+                                        slots=spec.slots, start_asleep=spec.asleep_at_boot, initial=True)
         if self.config.controller_address:
             from .controller_link import ControllerLink  # noqa: PLC0415, F811 - imported here at run time
 
@@ -121,9 +121,6 @@ class Node:
         """Whoever holds this node's replicas: the replica processes, else the in-process manager."""
         return self.processes if self.processes is not None else self.replicas
 
-    async def _launch(self, **params) -> Replica | ReplicaProcess:
-        return await self.serving().launch(**params)
-
     async def launch_once(self, *, request_id: str, replica_id: str, **params) -> Replica | ReplicaProcess:
         """Launch a replica; a repeated ``request_id`` returns the first launch's replica."""
         key = (replica_id, tuple(sorted(params.items())))
@@ -133,7 +130,7 @@ class Node:
                 raise AlreadyExists(f"request_id {request_id!r} was already used for a different launch",
                                     reason=Reason.IDEMPOTENCY_KEY_REUSED)
             return self.serving().get(seen_id)
-        replica = await self._launch(replica_id=replica_id or self._next_replica_id(), **params)
+        replica = await self.serving().launch(replica_id=replica_id or self._next_replica_id(), **params)
         if request_id:
             self._launch_keys[request_id] = (key, replica.replica_id)
             while len(self._launch_keys) > _IDEMPOTENCY_KEYS:

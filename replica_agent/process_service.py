@@ -177,9 +177,9 @@ class ProcessWeightSource(weight_source_pb2_grpc.WeightSourceServiceServicer):
 
     async def _forward(self, method: str, request):
         proc = self.processes.get(_source_replica(request.source_id))
-        stub = self.processes.running(proc) and proc.weights
+        self.processes.running(proc)   # FAILED_PRECONDITION unless its process serves
         try:
-            return await getattr(stub, method)(request)
+            return await getattr(proc.weights, method)(request)
         except grpc.aio.AioRpcError as err:
             raise relayed(err) from None
 
