@@ -27,7 +27,7 @@ TLS_DIR = "/etc/rollmesh/tls/"
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory) -> Path:
-    """The certificates the example configs name, made as the README's walkthrough makes them."""
+    """The certificates the example configs name, made as docs/deploying.md's walkthrough makes them."""
     root = tmp_path_factory.mktemp("tls")
     certs.create_ca(root)
     for role, name, host in (("controller", "controller", "10.0.0.1"), ("lb", "lb", "10.0.0.1"),

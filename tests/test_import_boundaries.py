@@ -1,4 +1,4 @@
-"""The package boundaries of DESIGN.md and CONVENTIONS.md (rule 12), checked on every import statement.
+"""The package boundaries of docs/architecture.md (conventions, rule 12), checked on every import statement.
 
 - servers (controller, loadbalancer, replica_agent, trainer_agent) never import each other;
 - the shared runtime (mesh_runtime) imports no server, no tool and nothing that needs torch;

@@ -8,7 +8,7 @@ policies read; retries each call with the same request until its deadline
 (the controller answers a repeated call of the current step with the answer
 it recorded, so a retry across a controller restart is safe); streams
 lifecycle events as an async iterator that resumes from its last sequence;
-and runs scale operations to their end. See the README's "Custom trainers".
+and runs scale operations to their end. See docs/custom-trainers.md.
 """
 
 from .client import (

@@ -1,6 +1,6 @@
 """The ordered transitions of hybrid and serving replicas, driven through the ports.
 
-Orders (DESIGN.md, principle 2), each replica state change through the
+Orders (docs/architecture.md, principle 2), each replica state change through the
 registry's state machine:
 
 * deactivate: ``remove_replicas`` (routing first, so retries never land on a

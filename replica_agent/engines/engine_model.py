@@ -22,7 +22,7 @@ clock: callers ask what a step costs and sleep that long.
   ``prefill_tokens_per_s``; all divided by ``speed`` (1: the modelled GPU; 0.25: four times slower, for runs on
   CPUs that route slower than a GPU generates).
 
-The defaults model Llama-3.1-8B in bf16 on one H100 SXM under vLLM; the README's "Engine model" section
+The defaults model Llama-3.1-8B in bf16 on one H100 SXM under vLLM; docs/load-balancer.md's "Engine model" section
 derives each from the GPU's and the model's published figures and checks the result against published
 vLLM throughput.
 """

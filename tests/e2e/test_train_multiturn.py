@@ -1,6 +1,6 @@
 """``rollmesh train --config examples/multiturn_tools.yaml`` as shipped, on the real processes: the tiny model
 learns to call a tool written for verl and to answer with what it returned. The thresholds leave room for
-the run-to-run spread measured over five runs (README, "Agentic rollouts")."""
+the run-to-run spread measured over five runs (docs/agentic-rollouts.md)."""
 
 from __future__ import annotations
 

