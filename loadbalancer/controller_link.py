@@ -4,8 +4,9 @@ With ``controller_address`` set, the balancer calls ``RegisterBalancer`` at star
 ``heartbeat_interval`` the controller answers (its lease); the controller then keeps this balancer's routing
 table in line and lists it to clients (``ListBalancers``) once the table is filled. A controller that cannot
 be reached is tried again with jittered backoff (with several controller addresses the channel follows the
-leader); a refusal (a bad or taken address, a certificate for another balancer) is logged and retried slowly,
-since an operator's fix of the other side heals it. At shutdown it deregisters, so no client keeps choosing
+leader); a refusal (a bad or taken address, a certificate for another balancer) is logged as an error and
+retried ever more slowly, since an operator's fix of the other side heals it: the replica agents' loop,
+:func:`mesh_runtime.registration.keep_registered`. At shutdown it deregisters, so no client keeps choosing
 a balancer that is gone until its lease runs out.
 """
 
@@ -19,7 +20,7 @@ import secrets
 import grpc
 
 from mesh_runtime.durations import to_seconds
-from mesh_runtime.retry import retry_after
+from mesh_runtime.registration import LinkLost, keep_registered
 from rollmesh.controller.v1 import controller_pb2_grpc, registry_pb2
 
 log = logging.getLogger(__name__)
@@ -41,21 +42,18 @@ class BalancerLink:
 
     async def run(self) -> None:
         """Register, then renew every heartbeat interval, until cancelled."""
-        backoff = 0.2
+        await keep_registered(self._session, what=f"balancer {self.request.balancer_id}'s registration",
+                              max_backoff_s=self._max_backoff_s)
+
+    async def _session(self) -> None:
+        renewed = False
         while True:
             try:
                 reply = await self._stub.RegisterBalancer(self.request, timeout=self._call_timeout_s)
             except grpc.aio.AioRpcError as err:
-                self.registered.clear()
-                told = retry_after(err)
-                wait = told if told is not None else backoff * (0.5 + secrets.randbelow(1000) / 1000)
-                level = logging.WARNING if err.code() == grpc.StatusCode.UNAVAILABLE else logging.ERROR
-                log.log(level, "RegisterBalancer %s failed (%s: %s); trying again in %.2f s",
-                        self.request.balancer_id, err.code().name, err.details(), wait)
-                backoff = min(self._max_backoff_s, backoff * 2)
-                await asyncio.sleep(wait)
-                continue
-            backoff = 0.2
+                self.registered.clear()   # (not on cancellation: the shutdown's deregister needs it set)
+                raise LinkLost.from_rpc("RegisterBalancer failed", err, registered=renewed) from None
+            renewed = True
             seconds = to_seconds(reply.heartbeat_interval)
             if seconds > 0:
                 self.interval_s = seconds

@@ -3,7 +3,7 @@
 The agent registers its node and replicas, then pushes load reports on a
 bidirectional stream at the interval the controller sets (the Envoy
 load-reporting pattern). When the stream breaks (controller restart, network)
-it re-registers by itself, with jittered exponential backoff between tries.
+it re-registers by itself (:func:`mesh_runtime.registration.keep_registered`, the balancer's loop too).
 """
 
 from __future__ import annotations
@@ -13,23 +13,13 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
-from tenacity import AsyncRetrying, retry_if_exception_type, wait_random_exponential
 
 from mesh_runtime.durations import to_seconds
-from mesh_runtime.retry import retry_after
+from mesh_runtime.registration import LinkLost, keep_registered
 from rollmesh.common.v1 import load_pb2
 from rollmesh.controller.v1 import controller_pb2_grpc, registry_pb2
 
 log = logging.getLogger(__name__)
-
-
-class LinkLost(Exception):
-    """The registration or the load-report stream ended; register again."""
-
-    def __init__(self, why: str, *, retry_after_s: float | None = None) -> None:
-        super().__init__(why)
-        self.retry_after_s = retry_after_s
-        """The controller's RetryInfo: register again after exactly this long (it spreads a storm out)."""
 
 
 class ControllerLink:
@@ -55,19 +45,7 @@ class ControllerLink:
 
     async def run(self) -> None:
         """Register and report forever; cancelled at shutdown."""
-        backoff = wait_random_exponential(multiplier=0.2, max=self._max_backoff_s)
-
-        def wait(state) -> float:
-            told = getattr(state.outcome.exception(), "retry_after_s", None) if state.outcome else None
-            return told if told is not None else backoff(state)
-
-        retrying = AsyncRetrying(retry=retry_if_exception_type(LinkLost), wait=wait,
-                                 before_sleep=lambda state: log.warning(
-                                     "controller link lost (%s); registering again",
-                                     state.outcome.exception() if state.outcome else "?"))
-        async for attempt in retrying:
-            with attempt:
-                await self._session()
+        await keep_registered(self._session, what="the node's registration", max_backoff_s=self._max_backoff_s)
 
     async def _session(self) -> None:
         channel = self._channel()
@@ -77,8 +55,7 @@ class ControllerLink:
         try:
             reply = await self._stub.RegisterNode(request, timeout=self._call_timeout_s)
         except grpc.aio.AioRpcError as err:
-            raise LinkLost(f"RegisterNode failed: {err.code().name}: {err.details()}",
-                           retry_after_s=retry_after(err)) from None
+            raise LinkLost.from_rpc("RegisterNode failed", err) from None
         self.registrations += 1
         self._set_interval(reply.load_report_interval)
         if reply.rejected_replica_ids and self._on_rejected is not None:
@@ -93,13 +70,13 @@ class ControllerLink:
             async for response in call:
                 self._set_interval(response.load_report_interval)
                 if response.register_again:
-                    raise LinkLost("the controller does not hold every replica this node hosts; registering again")
+                    raise LinkLost("the controller does not hold every replica this node hosts", registered=True)
         except grpc.aio.AioRpcError as err:
-            raise LinkLost(f"load-report stream ended: {err.code().name}: {err.details()}") from None
+            raise LinkLost.from_rpc("load-report stream ended", err, registered=True) from None
         finally:
             self.registered.clear()
             call.cancel()
-        raise LinkLost("load-report stream closed by the controller")
+        raise LinkLost("load-report stream closed by the controller", registered=True)
 
     def _set_interval(self, duration) -> None:
         seconds = to_seconds(duration)
