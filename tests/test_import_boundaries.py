@@ -40,7 +40,7 @@ ALLOWED: dict[str, set[str]] = {
     "controller": RUNTIME | {"controller"},
     "loadbalancer": RUNTIME | {"loadbalancer"},
     "replica_agent": RUNTIME | MODEL_SHARED | {"replica_agent"},
-    "trainer_agent": RUNTIME | MODEL_SHARED | {"trainer_agent"},
+    "trainer_agent": RUNTIME | MODEL_SHARED | CLIENTS | {"trainer_agent"},   # its driver calls as a client does
     "simulator": RUNTIME | {"simulator", "controller"},
     "launcher": OURS,
     "trainer_client": RUNTIME | {"trainer_client"},

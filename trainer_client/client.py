@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -11,17 +10,18 @@ from typing import Any, TypeVar
 import grpc
 from google.longrunning import operations_pb2, operations_pb2_grpc
 
-from mesh_runtime import samples
 from mesh_runtime.channels import open_balancer_channel, open_channel, read_methods
 from mesh_runtime.discovery import open_discovered_balancers
-from mesh_runtime.durations import duration, set_seconds
+from mesh_runtime.durations import set_seconds
 from mesh_runtime.generate_many import BalancerGenerations
 from mesh_runtime.retry import call_again, retry_same
 from mesh_runtime.tls import TlsConfig
 from rollmesh.controller.v1 import events_pb2
 from rollmesh.controller.v1 import controller_pb2, controller_pb2_grpc, observability_pb2, scaling_pb2
-from rollmesh.controller.v1 import registry_pb2, scheduling_pb2
+from rollmesh.controller.v1 import registry_pb2
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2
+
+from .steps import BeginResult, CompleteResult, Counters, ReleaseResult, StepProtocol, StepProtocolError
 
 T = TypeVar("T")
 
@@ -31,87 +31,6 @@ def operation_metadata(operation: operations_pb2.Operation) -> scaling_pb2.Scale
     metadata = scaling_pb2.ScaleOperation()
     operation.metadata.Unpack(metadata)
     return metadata
-
-
-class StepProtocolError(RuntimeError):
-    """A step-protocol call the controller refused for good, or that found no controller before its deadline."""
-
-    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-@dataclasses.dataclass
-class Counters:
-    """What the trainer tells the controller, in samples (one prompt with its ``rollout.n`` responses).
-
-    Set the first three once from the trainer's config; update the others as the trainer runs. The client
-    derives the rest of the step report (``expected_samples``, ``buffer_samples``) with verl's formulas.
-    """
-
-    required_samples: int
-    """Samples one training step consumes: verl's ``ppo_mini_batch_size x require_batches``."""
-    trigger_parameter_sync_step: int = 1
-    """Training steps between weight syncs."""
-    staleness_threshold: float = 0.0
-    """verl's ``async_training.staleness_threshold`` (headroom the rollout may run ahead)."""
-    generated_samples: int = 0
-    """Samples generated so far in the whole run (cumulative; the policies compare it with
-    ``required_samples x trigger x global_step``)."""
-    queued_samples: int = 0
-    """Samples waiting in the trainer's buffer now."""
-    consumed_samples: int = 0
-    """Samples the last step consumed (informational)."""
-    dropped_samples: int = 0
-    """Samples the last step dropped as too stale (informational)."""
-    step_wait_times_s: list[float] = dataclasses.field(default_factory=list)
-    """How long each collection of the last step waited for its samples."""
-    step_wait_samples: list[int] = dataclasses.field(default_factory=list)
-    """How many samples each of those collections had to wait for."""
-    timing_s: dict[str, float] = dataclasses.field(default_factory=dict)
-    """verl's ``timing_raw`` of the last step in seconds (``gen``, ``update_actor``, ...)."""
-
-    def report(self, global_step: int) -> scheduling_pb2.StepReport:
-        step_required = samples.step_required_samples(self.required_samples, self.trigger_parameter_sync_step)
-        report = scheduling_pb2.StepReport(
-            required_samples=self.required_samples, trigger_parameter_sync_step=self.trigger_parameter_sync_step,
-            total_generated_samples=self.generated_samples,
-            expected_samples=samples.expected_samples(step_required, global_step),
-            buffer_samples=samples.buffer_samples(step_required, self.staleness_threshold),
-            queue_size=self.queued_samples, samples_consumed=self.consumed_samples,
-            samples_dropped=self.dropped_samples, step_wait_samples=list(self.step_wait_samples))
-        for seconds in self.step_wait_times_s:
-            report.step_wait_times.append(duration(seconds))
-        for key, seconds in self.timing_s.items():
-            report.timing_raw[key].CopyFrom(duration(seconds))
-        return report
-
-
-@dataclasses.dataclass(frozen=True)
-class BeginResult:
-    deactivate: bool
-    """Whether hybrid replicas are to be released before this step: wait until the buffer holds
-    ``wait_samples`` (at most ``wait_timeout_s``), then call :meth:`MeshClient.release_hybrids`."""
-    wait_samples: int
-    wait_timeout_s: float
-    response: scheduling_pb2.BeginTrainingStepResponse
-
-
-@dataclasses.dataclass(frozen=True)
-class ReleaseResult:
-    released_replica_ids: list[str]
-    failed_replica_ids: list[str]
-    response: scheduling_pb2.ReleaseHybridReplicasResponse
-
-
-@dataclasses.dataclass(frozen=True)
-class CompleteResult:
-    hybrid_activated: bool
-    bytes_sent: int
-    bytes_saved: int
-    failed_replicas: dict[str, str]
-    """Replicas whose part of the broadcast failed, with the error (they are synced again or leave routing)."""
-    response: scheduling_pb2.CompleteTrainingStepResponse
 
 
 class MeshClient:
@@ -131,6 +50,11 @@ class MeshClient:
         self._sync_timeout = sync_timeout_s
         self._metadata = tuple(metadata)
         self._generations: dict[int, tuple[grpc.aio.Channel, BalancerGenerations]] = {}
+        self.steps = StepProtocol(self._stub, window_s=retry_deadline_s, sync_window_s=retry_deadline_s,
+                                  try_timeout_s=call_timeout_s, sync_try_timeout_s=sync_timeout_s,
+                                  metadata=self._metadata)
+        """The step protocol's calls, each repeated while the controller cannot answer it until the retry
+        deadline (the controller answers a repeated call with its recorded answer)."""
 
     async def __aenter__(self) -> MeshClient:
         return self
@@ -147,42 +71,30 @@ class MeshClient:
         await self._channel.close()
 
     async def _retried(self, what: str, call: Callable[[float], Awaitable[T]], timeout_s: float) -> T:
-        """``call(timeout)`` again with the same request while the controller cannot answer, until the retry
-        deadline (:func:`mesh_runtime.retry.call_again`, the loop the built-in driver uses too): the step
-        protocol's calls are idempotent, a repeated call gets the recorded answer."""
+        """``call(timeout)`` again while the controller cannot answer, until the retry deadline
+        (:func:`mesh_runtime.retry.call_again`, the step protocol's loop too)."""
         try:
             return await call_again(call, within_s=self._retry_deadline, timeout_s=timeout_s)
         except grpc.aio.AioRpcError as err:
             raise StepProtocolError(f"{what} failed: {err.code().name}: {err.details()}", err.code()) from err
 
-    # -- the step protocol ------------------------------------------------------------------------
+    # -- the step protocol (:class:`trainer_client.steps.StepProtocol`) ----------------------------------
 
     async def begin_step(self, global_step: int, counters: Counters) -> BeginResult:
-        request = scheduling_pb2.BeginTrainingStepRequest(global_step=global_step, report=counters.report(global_step))
-        reply = await self._retried(f"BeginTrainingStep({global_step})", lambda timeout: self._stub.BeginTrainingStep(
-            request, timeout=timeout, metadata=self._metadata), self._call_timeout)
-        return BeginResult(reply.deactivate, reply.wait_samples, reply.wait_timeout.ToTimedelta().total_seconds(),
-                           reply)
+        """Start training step ``global_step``: whether to release the hybrid replicas first, and after how
+        many buffered samples."""
+        return await self.steps.begin_step(global_step, counters)
 
     async def release_hybrids(self, global_step: int, *, buffered_samples: int, waited_s: float,
                               wait_expired: bool) -> ReleaseResult:
-        request = scheduling_pb2.ReleaseHybridReplicasRequest(
-            global_step=global_step, buffered_samples=buffered_samples, waited=duration(waited_s),
-            wait_expired=wait_expired)
-        reply = await self._retried(f"ReleaseHybridReplicas({global_step})", lambda timeout: (
-            self._stub.ReleaseHybridReplicas(request, timeout=timeout, metadata=self._metadata)), self._call_timeout)
-        return ReleaseResult(list(reply.released_replica_ids), list(reply.failed_replica_ids), reply)
+        """Release the hybrid replicas (only after a begin that said ``deactivate``)."""
+        return await self.steps.release_hybrids(global_step, buffered_samples=buffered_samples, waited_s=waited_s,
+                                                wait_expired=wait_expired)
 
     async def complete_step(self, global_step: int, weight_version: int, counters: Counters) -> CompleteResult:
         """End the step: the controller broadcasts ``weight_version`` from the trainer agent (whose weight
         source must hold it) and may activate the hybrid replicas."""
-        request = scheduling_pb2.CompleteTrainingStepRequest(global_step=global_step, weight_version=weight_version,
-                                                             report=counters.report(global_step))
-        reply = await self._retried(f"CompleteTrainingStep({global_step})", lambda timeout: (
-            self._stub.CompleteTrainingStep(request, timeout=timeout, metadata=self._metadata)), self._sync_timeout)
-        failed = {r.replica_id: r.error_message for sync in (reply.standalone_sync, reply.hybrid_sync)
-                  for r in sync.replica_results if not r.ok}
-        return CompleteResult(reply.hybrid_activated, reply.bytes_sent, reply.bytes_saved, failed, reply)
+        return await self.steps.complete_step(global_step, weight_version, counters)
 
     # -- balancers ----------------------------------------------------------------------------------
 

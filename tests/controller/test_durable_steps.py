@@ -16,7 +16,7 @@ import pytest
 
 from rollmesh.controller.v1 import controller_pb2_grpc, scheduling_pb2
 from tests.processes import running_server
-from trainer_agent.driver.mesh_calls import step_call
+from trainer_client import Counters, StepProtocol, StepProtocolError
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -64,17 +64,35 @@ def _unavailable() -> grpc.aio.AioRpcError:
                                 details="connection refused")
 
 
+class _Controller:
+    """A controller stub whose BeginTrainingStep answers with ``behaviour(request, timeout)``."""
+
+    def __init__(self, behaviour) -> None:
+        self.BeginTrainingStep = behaviour
+
+
+def _steps(behaviour, window_s: float) -> StepProtocol:
+    return StepProtocol(_Controller(behaviour), window_s=window_s, sync_window_s=window_s)
+
+
 async def test_step_calls_ride_out_a_restarting_controller():
     attempts = []
 
     async def flaky(request, timeout):
-        attempts.append(timeout)
+        attempts.append((request, timeout))
         if len(attempts) < 3:
             raise _unavailable()
-        return "answer"
+        return scheduling_pb2.BeginTrainingStepResponse(deactivate=True, wait_samples=6)
 
-    assert await step_call(flaky, object(), timeout_s=10, backoff_s=0.01) == "answer"
-    assert len(attempts) == 3 and all(0 < t <= 10 for t in attempts)
+    counters = Counters(required_samples=8, trigger_parameter_sync_step=2, staleness_threshold=0.5,
+                        generated_samples=20, queued_samples=3)
+    begin = await _steps(flaky, 10).begin_step(2, counters)
+    assert begin.deactivate and begin.wait_samples == 6
+    assert len(attempts) == 3 and all(0 < t <= 10 for _, t in attempts)
+    assert all(r == attempts[0][0] for r, _ in attempts)      # the same request each time
+    report = attempts[0][0].report   # verl's formulas: expected = 8 x 2 x 2, buffer = 16 x 0.5
+    assert (report.expected_samples, report.buffer_samples, report.total_generated_samples, report.queue_size) == \
+        (32, 8.0, 20, 3)
 
 
 async def test_step_calls_give_up_at_the_deadline_and_never_retry_other_errors():
@@ -83,9 +101,10 @@ async def test_step_calls_give_up_at_the_deadline_and_never_retry_other_errors()
 
     loop = asyncio.get_running_loop()
     started = loop.time()
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await step_call(down, object(), timeout_s=0.5, backoff_s=0.05)
-    assert info.value.code() is grpc.StatusCode.UNAVAILABLE and loop.time() - started < 3
+    with pytest.raises(StepProtocolError) as info:
+        await _steps(down, 0.5).begin_step(1, Counters(required_samples=8))
+    assert info.value.code is grpc.StatusCode.UNAVAILABLE and loop.time() - started < 3
+    assert "BeginTrainingStep(1) failed: UNAVAILABLE" in str(info.value)
 
     calls = []
 
@@ -94,6 +113,6 @@ async def test_step_calls_give_up_at_the_deadline_and_never_retry_other_errors()
         raise grpc.aio.AioRpcError(grpc.StatusCode.FAILED_PRECONDITION, grpc.aio.Metadata(), grpc.aio.Metadata(),
                                    details="out of order")
 
-    with pytest.raises(grpc.aio.AioRpcError):
-        await step_call(refused, object(), timeout_s=5)
+    with pytest.raises(StepProtocolError):
+        await _steps(refused, 5).begin_step(1, Counters(required_samples=8))
     assert calls == [1]

@@ -78,16 +78,14 @@ from typing import Any
 import grpc
 
 from rollmesh.common.v1 import types_pb2
-from rollmesh.controller.v1 import scheduling_pb2
 
-from mesh_runtime import samples
-from mesh_runtime.durations import set_seconds, to_seconds
-from trainer_agent.driver.mesh_calls import ReplicaCount, accepts_connections, duration, step_call
+from trainer_agent.driver.mesh_calls import ReplicaCount, accepts_connections
 from trainer_agent.driver.queue import MessageQueue, Sample
 from trainer_agent.driver.rollouter import Trajectory
 from trainer_agent.driver.rollouter import GenerateFn, Prompt, RolloutConfig, Rollouter
 from trainer_agent.training.grpo import GrpoTrainer
 from trainer_agent.training.grpo import Sample as GrpoSample
+from trainer_client.steps import Counters, StepProtocol
 
 from .sample_metrics import step_sample_metrics
 
@@ -162,6 +160,8 @@ class FullyAsyncLoop:
                  on_phase: Callable[[str], None] | None = None, offload_during_hybrid: bool = False,
                  scorer: Scorer | None = None, trajectory: Trajectory | None = None) -> None:
         self.controller = controller
+        self.steps = StepProtocol(controller, window_s=rpc_timeout_s, sync_window_s=sync_timeout_s)
+        """The step protocol's calls, as a custom trainer's MeshClient makes them (one report builder)."""
         self.trainer = trainer
         self.config = config
         self.reward_fn = reward_fn
@@ -257,20 +257,16 @@ class FullyAsyncLoop:
         return taken
 
     async def _step(self, gs: int, rollout: asyncio.Task) -> StepRecord | None:
-        cfg, q, ctl = self.config, self.queue, self.controller
+        cfg, q = self.config, self.queue
         self._on_phase("waiting")
-        begin = await self._checked(step_call(ctl.BeginTrainingStep, scheduling_pb2.BeginTrainingStepRequest(
-            global_step=gs, report=self._report(gs)), timeout_s=self._rpc_timeout), rollout)
+        begin = await self._checked(self.steps.begin_step(gs, self._counters()), rollout)
         released: list[str] = []
         waited, expired = 0.0, False
         if begin.deactivate:
-            waited, expired = await self._checked(
-                self._wait_for(begin.wait_samples, to_seconds(begin.wait_timeout)), rollout)
-            release = await self._checked(step_call(
-                ctl.ReleaseHybridReplicas, scheduling_pb2.ReleaseHybridReplicasRequest(
-                    global_step=gs, buffered_samples=self._queued(), waited=duration(waited),
-                    wait_expired=expired), timeout_s=self._rpc_timeout), rollout)
-            released = list(release.released_replica_ids)
+            waited, expired = await self._checked(self._wait_for(begin.wait_samples, begin.wait_timeout_s), rollout)
+            release = await self._checked(self.steps.release_hybrids(
+                gs, buffered_samples=self._queued(), waited_s=waited, wait_expired=expired), rollout)
+            released = release.released_replica_ids
             await self._refresh_replicas()
 
         consumed0, dropped0 = q.consumed, q.dropped
@@ -320,20 +316,17 @@ class FullyAsyncLoop:
         version = self.trainer.weight_version
         rollout_metrics = self.rollouter.reset_staleness(version)
         window = self.rollouter.last_window_history
-        report = self._report(gs, timing=timing, wait_times=wait_times, wait_samples=wait_samples)
-        report.train_allocated_time.CopyFrom(duration(allocated))
-        report.train_compute_time.CopyFrom(duration(sum(timing[k] for k in STEP_TIMING_KEYS)))
-        report.step_generated_samples = int(rollout_metrics.get("fully_async/rollouter/step_generated_samples", 0))
-        report.samples_consumed = (q.consumed - consumed0) // cfg.n
-        report.samples_dropped = (q.dropped - dropped0) // cfg.n
-        for point in window:
-            sample = report.rollout_concurrency.add(active_tasks=point.active_tasks, capacity=point.capacity)
-            set_seconds(sample.time, point.t)
+        counters = self._counters(
+            timing={**timing, "param_sync": self._last_sync_s}, wait_times=wait_times, wait_samples=wait_samples,
+            train_allocated_s=allocated, train_compute_s=sum(timing[k] for k in STEP_TIMING_KEYS),
+            step_generated_samples=int(rollout_metrics.get("fully_async/rollouter/step_generated_samples", 0)),
+            consumed_samples=(q.consumed - consumed0) // cfg.n, dropped_samples=(q.dropped - dropped0) // cfg.n,
+            rollout_concurrency=[(point.t, point.active_tasks, point.capacity) for point in window])
 
         self._on_phase("syncing")
         sync0 = time.perf_counter()
-        done = await self._checked(step_call(ctl.CompleteTrainingStep, scheduling_pb2.CompleteTrainingStepRequest(
-            global_step=gs, weight_version=version, report=report), timeout_s=self._sync_timeout), rollout)
+        completed = await self._checked(self.steps.complete_step(gs, version, counters), rollout)
+        done = completed.response
         self._last_sync_s = time.perf_counter() - sync0
         await self._refresh_replicas()
         timing["param_sync"] = self._last_sync_s
@@ -494,19 +487,12 @@ class FullyAsyncLoop:
                 reward=0.0 if s.reward is None else s.reward, loss_mask=s.loss_mask))
         return [g for g in groups.values() if g]
 
-    def _report(self, gs: int, *, timing: dict[str, float] | None = None, wait_times: Sequence[float] = (),
-                wait_samples: Sequence[int] = ()) -> scheduling_pb2.StepReport:
-        cfg, q = self.config, self.queue
-        report = scheduling_pb2.StepReport(
-            required_samples=cfg.required_samples, trigger_parameter_sync_step=cfg.trigger_parameter_sync_step,
-            total_generated_samples=q.generated // cfg.n,
-            expected_samples=samples.expected_samples(cfg.step_required_samples, gs),
-            buffer_samples=cfg.buffer_samples, step_wait_samples=list(wait_samples), queue_size=self._queued())
-        for t in wait_times:
-            report.step_wait_times.append(duration(t))
-        for key, value in (timing or {}).items():
-            if key != "param_sync":
-                report.timing_raw[key].CopyFrom(duration(value))
-        if timing is not None:
-            report.timing_raw["param_sync"].CopyFrom(duration(self._last_sync_s))
-        return report
+    def _counters(self, *, timing: dict[str, float] | None = None, wait_times: Sequence[float] = (),
+                  wait_samples: Sequence[int] = (), **measured: Any) -> Counters:
+        """What the step report says (:meth:`Counters.report` builds it, as for a custom trainer)."""
+        cfg = self.config
+        return Counters(required_samples=cfg.required_samples,
+                        trigger_parameter_sync_step=cfg.trigger_parameter_sync_step,
+                        staleness_threshold=cfg.staleness_threshold, generated_samples=self.queue.generated // cfg.n,
+                        queued_samples=self._queued(), step_wait_times_s=list(wait_times),
+                        step_wait_samples=list(wait_samples), timing_s=dict(timing or {}), **measured)
