@@ -92,8 +92,9 @@ def test_the_container_image_copies_files_that_exist_and_every_package():
 def test_the_container_image_installs_as_the_install_script_does():
     install = (ROOT / "scripts" / "install").read_text()
     image = DOCKERFILE.read_text()
-    # the same constraints file and the same extras, less the test-only dev extra
+    # the same constraints file and the same extras, less the ones only the suite uses (dev: test tools,
+    # docs: the site builder)
     assert "-c constraints/cpu.txt" in install and "-c constraints/cpu.txt" in image
     script_extras = set(re.search(r'-e "\.\[([a-z,]+)\]"', install).group(1).split(","))
     image_extras = {tuple(m.split(",")) for m in re.findall(r'"\.\[([a-z,]+)\]"', image)}
-    assert image_extras == {tuple(sorted(script_extras - {"dev"}))}
+    assert image_extras == {tuple(sorted(script_extras - {"dev", "docs"}))}
