@@ -39,6 +39,7 @@ from .core.replicas import ReplicaRegistry
 from .core.steps import StepReport
 from .balancers import Balancers
 from .ports import AgentReplicas, Channels, LoadBalancerRouting
+from .routing import Routing
 from .weight_sync import WeightBroadcast
 from .store import StateStore
 from .store_backends import StoreBackend, parse_store
@@ -50,10 +51,6 @@ S = ReplicaState
 _NOT_HOSTED = frozenset({types_pb2.REPLICA_STATE_STOPPED, types_pb2.REPLICA_STATE_FAILED,
                          types_pb2.REPLICA_STATE_REMOVED})
 """Load-report states of a replica its agent no longer runs."""
-_CANNOT_SERVE = frozenset({S.FAILED, S.STOPPED, S.REMOVED, S.SLEEPING, S.DRAINING, S.LAUNCHING, S.LOADING})
-"""States in which a replica must not be in the balancer's table."""
-
-
 def _trace_ids() -> tuple[str, str]:
     ctx = trace.get_current_span().get_span_context()
     if not ctx.is_valid:
@@ -97,8 +94,9 @@ class Mesh:
         self.channels = Channels(tracer_provider, tls=config.tls)
         sched = config.async_training
         self.balancers = Balancers(self)
-        self.routing = LoadBalancerRouting(self.channels, config.load_balancer_address, sched.port_timeout_s,
-                                           registered=self.balancers.registered)
+        self.routing = Routing(self.registry, LoadBalancerRouting(
+            self.channels, config.load_balancer_address, sched.port_timeout_s, registered=self.balancers.registered))
+        """Who is routed: the rule and the one writer of the balancers' tables (:mod:`controller.routing`)."""
         self.replica_port = AgentReplicas(self.channels, self.registry, sched.port_timeout_s)
         self.weights = WeightBroadcast(self.channels, self.registry, self.routing,
                                        trainer_address=config.trainer_address, timeout_s=sched.weight_sync_timeout_s,
@@ -128,6 +126,8 @@ class Mesh:
         from .scaling.scaler import Scaler  # noqa: PLC0415
 
         self.scaler = Scaler(self)
+        self.routing.bind(weight_version=lambda: self.scheduler.weight_version,
+                          hybrid_active=lambda: self.scheduler.is_hybrid_active, owned=self.scaler.blocks_routing)
         self.autoscaler = AutoscalerLoop(self, config.load_autoscaler())
 
     # ----------------------------------------------------------- persistence
@@ -240,7 +240,8 @@ class Mesh:
             if result.ok:
                 self.registry.set_weight_version(result.replica_id, version)
         if failed:
-            await self.routing.remove_replicas(list(failed))
+            self.routing.stale.update(failed)
+            await self.routing.converge(list(failed))
             for replica_id, why in failed.items():
                 self.emit(EventType.WEIGHT_SYNC_FAILED, replica_id=replica_id, weight_version=version,
                           reason=f"{why}; removed from routing until it holds the current version")
@@ -277,78 +278,16 @@ class Mesh:
                 request.node_id, request.address, replicas=specs, slots_total=request.slots_total,
                 backend=convert.types_pb2.EngineBackend.Name(request.backend), model=request.model,
                 model_name=request.model_name or "default", agent_version=request.agent_version)
-            await self._route_serving(registration.accepted)
+            await self.routing.converge(registration.accepted)
         await self.commit()
         return registration
 
-    async def _route_serving(self, replica_ids) -> None:
-        """Put newly registered serving replicas into routing (standalone only; hybrids are the scheduler's)."""
-        current = self.scheduler.weight_version
-        serving = [self.registry.get(r) for r in replica_ids]
-        serving = [r for r in serving if r.state is S.ACTIVE and r.kind is ReplicaKind.STANDALONE
-                   and not self.scaler.blocks_routing(r)]
-        routable = [r for r in serving if current is None or r.weight_version >= current]
-        # A replica behind the current version takes no traffic; the next weight sync
-        # brings it up to date and routes it (it is tracked as stale until then).
-        self.weights.stale.update(r.replica_id for r in serving if r not in routable)
-        if routable:
-            await self.routing.add_replicas(routable)
-
-    def desired_routes(self) -> set[str]:
-        """The replicas the balancer must route to: what the controller would put there itself."""
-        current = self.scheduler.weight_version
-        wanted: set[str] = set()
-        for r in self.registry.replicas(states=[S.ACTIVE]):
-            if self.scaler.blocks_routing(r) or r.replica_id in self.weights.stale:
-                continue
-            if r.kind is ReplicaKind.STANDALONE and (current is None or r.weight_version >= current):
-                wanted.add(r.replica_id)
-            elif r.kind is ReplicaKind.HYBRID and self.scheduler.is_hybrid_active:
-                wanted.add(r.replica_id)
-        return wanted
-
     async def reconcile_routing(self) -> tuple[list[str], list[str]]:
-        """One level-triggered round: make every balancer's table match the registry; ``(added, removed)``.
-
-        Runs under ``transitions``, after whatever step call, sync or scale
-        operation holds it (each owns routing while it runs). Adds
-        the desired replicas the balancer lacks (a restarted balancer, a stray
-        RemoveReplicas); removes only replicas the registry does not know or
-        that cannot serve (failed, stopped, removed, asleep, draining, still
-        launching) - never an ambiguous one.
-        """
-        added: list[str] = []
-        removed: list[str] = []
+        """One level-triggered round (:meth:`controller.routing.Routing.reconcile`), under ``transitions``:
+        after whatever step call, sync or scale operation holds it (each owns routing while it runs)."""
         async with self.transitions:
-            failures: list[BaseException] = []
-            balancers = self.routing.balancers
-            for index, balancer in enumerate(balancers):   # each balancer's table on its own
-                try:
-                    routed = await balancer.routed()
-                    if index == 0:
-                        self._report_ejections(routed)
-                    actual = set(routed)
-                    wanted = self.desired_routes()
-                    missing = sorted(wanted - actual)
-                    extra = sorted(r for r in actual - wanted
-                                   if r not in self.registry or self.registry.get(r).state in _CANNOT_SERVE)
-                    if missing:
-                        await balancer.add_replicas([self.registry.get(r) for r in missing])
-                    if extra:
-                        await balancer.remove_replicas(extra, abort_in_flight=True)
-                except grpc.aio.AioRpcError as err:   # this one is down: the others are still reconciled
-                    failures.append(err)
-                    self.balancers.after_round(balancer.address, ok=False)
-                    continue
-                self.balancers.after_round(balancer.address, ok=True)
-                if missing or extra:
-                    log.warning("routing of balancer %s reconciled: re-added %s, removed %s", balancer.address,
-                                missing or "none", extra or "none")
-                added += [r for r in missing if r not in added]
-                removed += [r for r in extra if r not in removed]
-            if failures and len(failures) == len(balancers):
-                raise failures[0]
-        return added, removed
+            return await self.routing.reconcile(observe=self._report_ejections,
+                                                after_round=self.balancers.after_round)
 
     def _report_ejections(self, routed) -> None:
         """An event for each replica the balancer ejected since the last round (outlier detection)."""
@@ -448,7 +387,7 @@ class Mesh:
             log.warning("lease expired: replicas %s FAILED, removed from routing; their requests resume elsewhere",
                         ids)
             with contextlib.suppress(Exception):   # the agent may be frozen: the balancer cuts its attempts there
-                await self.routing.remove_replicas(ids, abort_in_flight=True)
+                await self.routing.converge(ids, abort_in_flight=True)
             self.changed()
 
     async def run_leases(self) -> None:

@@ -108,7 +108,7 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
     async def DeregisterNode(self, request, context):  # noqa: N802
         require_own_node(request.node_id, "DeregisterNode")
         stopped = self.mesh.registry.deregister_node(request.node_id, request.reason)
-        await self.mesh.routing.remove_replicas(stopped)
+        await self.mesh.routing.converge(stopped)
         await self.mesh.commit()
         return registry_pb2.DeregisterNodeResponse(stopped_replica_ids=stopped)
 

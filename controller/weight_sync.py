@@ -27,7 +27,8 @@ from rollmesh.replica.v1 import replica_agent_pb2
 from .convert import duration
 from .core.ports import ReplicaSyncOutcome, WeightSyncOutcome
 from .core.replicas import ReplicaRegistry
-from .ports import Channels, LoadBalancerRouting, describe_error
+from .ports import Channels, describe_error
+from .routing import Routing
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class WeightBroadcast:
     the replica agent's PrepareWeightSync and SendWeights).
     """
 
-    def __init__(self, channels: Channels, registry: ReplicaRegistry, routing: LoadBalancerRouting, *,
+    def __init__(self, channels: Channels, registry: ReplicaRegistry, routing: Routing, *,
                  trainer_address: str, timeout_s: float, backend: str = "gloo", bucket_size_bytes: int = 0) -> None:
         self.channels = channels
         self.registry = registry
@@ -60,8 +61,6 @@ class WeightBroadcast:
         self.backend = backend
         self.bucket_size_bytes = bucket_size_bytes
         self._model_bytes = 0
-        self.stale: set[str] = set()
-        """Replicas taken out of routing because their last sync failed."""
         self.in_progress = 0
         """Weight syncs running now (a scale-in waits until none is)."""
         self._idle: asyncio.Event | None = None
@@ -303,26 +302,24 @@ class WeightBroadcast:
         return plan
 
     async def _push_versions(self, results: list[ReplicaSyncOutcome], version: int) -> None:
-        """Tell the balancer the new versions; take replicas whose sync failed out of routing.
+        """Tell the balancers the new versions; a replica whose sync failed is stale, one that synced is not.
 
-        A replica that missed a version is stale: it leaves routing until a
-        later sync succeeds, and is stale no more once one has. One that is
-        ACTIVE now comes back at once; one still in its transition (a serving
-        sync holds it SYNCING until this returns, an activation wakes it after)
-        is routed by that transition or by the next routing reconcile round.
+        A stale replica leaves routing until a later sync succeeds (the rule of
+        :mod:`controller.routing`); the routing of the replicas whose staleness
+        changed converges now. One still in its transition (a serving sync holds
+        it SYNCING until this returns, an activation wakes it after) is routed
+        by that transition or by the next routing reconcile round.
         """
+        stale = self.routing.stale
         done = {r.replica_id: version for r in results if r.ok}
         failed = [r.replica_id for r in results if not r.ok]
-        back = [self.registry.get(r) for r in done
-                if r in self.stale and self.registry.get(r).state.value == "ACTIVE"]
-        self.stale.difference_update(done)   # at the current version now, whatever its state
+        changed = [*failed, *(r for r in done if r in stale)]
+        stale.difference_update(done)   # at the current version now, whatever its state
+        stale.update(failed)
         try:
-            if failed:
-                await self.routing.remove_replicas(failed)
-                self.stale.update(failed)
+            await self.routing.converge(failed)
             await self.routing.update_versions(done)
-            if back:
-                await self.routing.add_replicas(back)
+            await self.routing.converge([r for r in changed if r not in failed])
         except grpc.aio.AioRpcError as err:
             log.warning("could not update the load balancer after sync: %s", describe_error(err))
 

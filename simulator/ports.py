@@ -15,7 +15,6 @@ import asyncio
 from collections.abc import Sequence
 
 from controller.core.ports import ReplicaCallResult, ReplicaSyncOutcome, WeightSyncOutcome
-from controller.core.records import ReplicaRecord
 
 from .scenario import Transitions
 from .world import World
@@ -31,13 +30,13 @@ class SimRouting:
         self.world, self.cost = world, transitions.routing_s
         self.calls: list[Call] = [] if log is None else log
 
-    async def remove_replicas(self, replica_ids: Sequence[str], *, abort_in_flight: bool = False) -> None:
+    async def take_out(self, replica_ids: Sequence[str], *, why: str = "", abort_in_flight: bool = False) -> None:
         self.calls.append((self.world.now, "remove", tuple(replica_ids)))
         self.world.set_routed(list(replica_ids), False)
         await asyncio.sleep(self.cost)
 
-    async def add_replicas(self, records: Sequence[ReplicaRecord]) -> None:
-        ids = [r.replica_id for r in records]
+    async def bring_in(self, replica_ids: Sequence[str]) -> None:
+        ids = list(replica_ids)
         self.calls.append((self.world.now, "add", tuple(ids)))
         await asyncio.sleep(self.cost)
         self.world.set_routed(ids, True)

@@ -3,12 +3,12 @@
 Orders (docs/architecture.md, principle 2), each replica state change through the
 registry's state machine:
 
-* deactivate: ``remove_replicas`` (routing first, so retries never land on a
+* deactivate: ``take_out`` (routing first, so retries never land on a
   dying replica) -> ACTIVE/PAUSED to DRAINING -> ``abort`` -> ``sleep`` ->
   SLEEPING.
 * activate: SLEEPING to SYNCING -> weight ``sync`` (only replicas behind the
   target version, or all with sleep level 2) -> ``wake`` -> PAUSED ->
-  ``add_replicas`` -> ``resume`` -> ACTIVE.
+  ``bring_in`` -> ``resume`` -> ACTIVE.
 * sync of serving replicas: ACTIVE/PAUSED to SYNCING -> ``sync`` -> back to
   the previous state (a replica whose part failed keeps its old version and
   keeps serving; the load balancer's version floors decide whether it may).
@@ -87,7 +87,7 @@ class HybridOperations:
             return DeactivationResult((), {}, 0, 0.0)
         with self.tracer("hybrid.deactivate", replica_ids=ids, global_step=global_step):
             try:
-                await self._bounded(self.routing.remove_replicas(ids))
+                await self._bounded(self.routing.take_out(ids, why="released for training"))
             except Exception as err:
                 raise PortUnavailable(f"the load balancer did not remove hybrid replicas {ids} from "
                                       f"routing ({_describe(err)}); nothing was slept, retry the call") from err
@@ -149,7 +149,7 @@ class HybridOperations:
             if not woken:
                 return ActivationResult((), failed, sync, self.clock() - start, "no hybrid replica woke up")
             try:
-                await self._bounded(self.routing.add_replicas([self.registry.get(rid) for rid in woken]))
+                await self._bounded(self.routing.bring_in(woken))
             except Exception as err:  # noqa: BLE001
                 reason = f"the load balancer did not add hybrid replicas ({_describe(err)})"
                 await self._put_back_to_sleep(woken, reason, global_step, failed)
@@ -290,7 +290,7 @@ class HybridOperations:
         routing_note = ""
         if routed:
             try:
-                await self._bounded(self.routing.remove_replicas(ids))
+                await self._bounded(self.routing.take_out(ids, why="failed"))
             except Exception as err:  # noqa: BLE001 - best effort, recorded in the reason
                 routing_note = f"; removal from routing failed: {_describe(err)}"
         stop_failed, _ = await self._per_node(self.replica_port.stop, ids, "stop")

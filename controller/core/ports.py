@@ -79,13 +79,20 @@ class WeightSyncOutcome:
 
 
 class RoutingPort(Protocol):
-    """The load balancer's routing table."""
+    """Who the load balancers route: transitions say which replicas leave or enter service, the routing
+    reconciler (:mod:`controller.routing`; the simulator's balancer) writes the tables."""
 
-    async def remove_replicas(self, replica_ids: Sequence[str], *, abort_in_flight: bool = False) -> None:
-        """Take replicas out of routing; ``abort_in_flight`` also ends their open requests there, which then
-        resume elsewhere (a replica that lost its lease may be frozen and never finish them)."""
+    async def take_out(self, replica_ids: Sequence[str], *, why: str = "taken out of service",
+                       abort_in_flight: bool = False) -> None:
+        """Take replicas out of service: out of routing before this returns, and kept out until a transition
+        brings them back. ``abort_in_flight`` also ends their open requests there, which then resume elsewhere
+        (a replica that lost its lease may be frozen and never finish them). Raises when no balancer took it
+        (nothing changed)."""
         ...
-    async def add_replicas(self, records: Sequence[ReplicaRecord]) -> None: ...
+    async def bring_in(self, replica_ids: Sequence[str]) -> None:
+        """Put replicas into service now, ahead of their becoming ACTIVE (a woken hybrid replica is routed
+        before it resumes). Raises when no balancer took it (nothing changed)."""
+        ...
     async def rebalance(self) -> int | None:
         """Move in-flight requests toward less loaded replicas; the number moved (None: unknown)."""
         ...

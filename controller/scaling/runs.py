@@ -218,7 +218,7 @@ async def _sync(s, op, alive: list[str]) -> None:
                 if result.ok:
                     registry.set_weight_version(result.replica_id, version)
             failed = dict(outcome.failed)
-            mesh.weights.stale.difference_update(behind)
+            mesh.routing.stale.difference_update(behind)
             kind = EventType.WEIGHT_SYNC_FAILED if failed else EventType.WEIGHT_SYNC_COMPLETED
             mesh.emit(kind, weight_version=version, operation_id=op.operation_id,
                       reason=f"scale-out {op.operation_id}: " + ("; ".join(failed.values()) or "ok"),
@@ -238,7 +238,7 @@ def seed_replicas(s, op, version: int) -> list[str]:
     registry = s.mesh.registry
     candidates = [r for r in registry.replicas()
                   if r.model_name == op.model_name and r.state is S.ACTIVE and r.weight_version == version
-                  and r.replica_id not in op.replica_ids and r.replica_id not in s.mesh.weights.stale
+                  and r.replica_id not in op.replica_ids and r.replica_id not in s.mesh.routing.stale
                   and not s.blocks_routing(r)]
     candidates.sort(key=lambda r: (r.kind is not ReplicaKind.STANDALONE, r.replica_id))
     return [r.replica_id for r in candidates]
@@ -250,7 +250,7 @@ async def _route(s, op, alive: list[str]) -> None:
         for replica_id in alive:
             registry.transition(replica_id, S.ACTIVE, f"holds weight version {op.weight_version}; routed",
                                 operation_id=op.operation_id)
-        await mesh.routing.add_replicas([registry.get(r) for r in alive])
+        await mesh.routing.bring_in(alive)
         await s.move(op, OS.READY, f"{alive} at weight version {op.weight_version} added to the load balancer")
     routed = await s.calls.routed()
     missing = sorted(set(alive) - routed) if routed is not None else []
@@ -267,8 +267,8 @@ async def release(s, op, replica_ids: list[str], reason: str) -> None:
     if not ids:
         return
     with contextlib.suppress(Exception):
-        await mesh.routing.remove_replicas(ids)
-    mesh.weights.stale.difference_update(ids)
+        await mesh.routing.take_out(ids, why=reason)
+    mesh.routing.stale.difference_update(ids)
 
     async def stop(replica_id: str) -> None:
         await s.calls.stop(registry.get(replica_id).address, replica_id, grace_s=0.0, force=True)
@@ -306,7 +306,7 @@ async def resume_ready(s, op) -> None:
              and s.mesh.registry.get(r).state is S.ACTIVE]
     if not alive:
         raise ScaleFailed("controller restarted and none of its replicas is serving")
-    await s.mesh.routing.add_replicas([s.mesh.registry.get(r) for r in alive])
+    await s.mesh.routing.bring_in(alive)
     await s.move(op, OS.ACTIVE, f"resumed after controller restart: {alive} serve requests")
 
 
@@ -328,7 +328,7 @@ async def run_in(s, op, *, resumed: bool = False) -> None:
                     if registry.get(replica_id).state in (S.ACTIVE, S.PAUSED, S.SYNCING):
                         registry.transition(replica_id, S.DRAINING, f"scale-in {op.operation_id}: draining",
                                             operation_id=op.operation_id)
-                await mesh.routing.remove_replicas(ids)
+                await mesh.routing.take_out(ids, why=f"scale-in {op.operation_id}")
                 await s.move(op, OS.DRAINING, "out of routing; " + ("force: in-flight requests are aborted now"
                                                              if op.force else "in-flight requests finish"))
         s.removing.update(ids)
@@ -411,5 +411,5 @@ async def restore_in(s, op) -> None:
         registry.transition(replica_id, S.ACTIVE, f"scale-in {op.operation_id} did not finish; serving again",
                             operation_id=op.operation_id)
     if back:
-        await s.mesh.routing.add_replicas([registry.get(r) for r in back])
+        await s.mesh.routing.to_rule(back)
     await s.save()

@@ -49,7 +49,8 @@ if TYPE_CHECKING:
     from ..config import ControllerConfig
     from ..core.hybrid import DynamicResourceController
     from ..core.replicas import ReplicaRegistry
-    from ..ports import Channels, LoadBalancerRouting
+    from ..ports import Channels
+    from ..routing import Routing
     from ..store import StateStore
     from ..weight_sync import WeightBroadcast
 
@@ -61,7 +62,7 @@ class ScalingMesh(Protocol):
     store: StateStore
     channels: Channels
     registry: ReplicaRegistry
-    routing: LoadBalancerRouting
+    routing: Routing
     weights: WeightBroadcast
     scheduler: DynamicResourceController
     transitions: asyncio.Lock

@@ -8,16 +8,19 @@ from controller.core.ports import ReplicaSyncOutcome
 from controller.core.records import ReplicaKind, ReplicaSpec, ReplicaState
 from controller.core.replicas import ReplicaRegistry
 from controller.ports import Channels
+from controller.routing import Routing
 from controller.weight_sync import WeightBroadcast
 
 pytestmark = pytest.mark.timeout(30)
 
 
-class FakeRouting:
+class FakeTables:
+    """The balancers' tables, as the routing reconciler writes them."""
+
     def __init__(self) -> None:
         self.calls: list[tuple] = []
 
-    async def remove_replicas(self, ids) -> None:
+    async def remove_replicas(self, ids, abort_in_flight: bool = False) -> None:
         self.calls.append(("remove", sorted(ids)))
 
     async def add_replicas(self, records) -> None:
@@ -32,24 +35,25 @@ async def test_a_failed_sync_takes_the_replica_out_of_routing_until_a_later_one_
     registry.register_node("n", "127.0.0.1:1", slots_total=2, replicas=[
         ReplicaSpec("s0", ReplicaKind.STANDALONE, ReplicaState.ACTIVE),
         ReplicaSpec("s1", ReplicaKind.STANDALONE, ReplicaState.ACTIVE)])
-    routing = FakeRouting()
-    port = WeightBroadcast(Channels(None), registry, routing, trainer_address="", timeout_s=1.0)
+    routing = FakeTables()
+    port = WeightBroadcast(Channels(None), registry, Routing(registry, routing), trainer_address="", timeout_s=1.0)
 
     await port._push_versions([ReplicaSyncOutcome("s0", True), ReplicaSyncOutcome("s1", False, "timeout")], 3)
     assert routing.calls == [("remove", ["s1"]), ("versions", {"s0": 3})]
-    assert port.stale == {"s1"}
+    assert port.routing.stale == {"s1"}
 
     routing.calls.clear()
     await port._push_versions([ReplicaSyncOutcome("s0", True), ReplicaSyncOutcome("s1", True)], 4)
     assert routing.calls == [("versions", {"s0": 4, "s1": 4}), ("add", ["s1"])]
-    assert port.stale == set()
+    assert port.routing.stale == set()
 
 
 async def test_without_a_trainer_every_replica_fails_with_a_clear_reason():
     registry = ReplicaRegistry(clock=lambda: 0.0)
     registry.register_node("n", "127.0.0.1:1", slots_total=1,
                            replicas=[ReplicaSpec("s0", ReplicaKind.STANDALONE, ReplicaState.ACTIVE)])
-    port = WeightBroadcast(Channels(None), registry, FakeRouting(), trainer_address="", timeout_s=1.0)
+    port = WeightBroadcast(Channels(None), registry, Routing(registry, FakeTables()), trainer_address="",
+                           timeout_s=1.0)
     outcome = await port.sync(["s0"], 2)
     assert outcome.failed == {"s0": "no trainer_address configured"}
 
@@ -58,7 +62,8 @@ async def test_a_replica_back_behind_the_version_is_routed_again_after_its_next_
     """The multi-host partition test's defect: a node whose lease lapsed during a weight sync re-registers one
     version behind, so its replica is stale. A serving sync holds it SYNCING until the broadcast returns, and
     the stale mark was cleared only for replicas ACTIVE at that moment: it stayed stale, and out of routing
-    (reconciliation skips stale replicas), through every later sync."""
+    (reconciliation skips stale replicas), through every later sync. Behind the version, the routing rule
+    keeps it out; synced, the rule routes it, and one reconcile round puts it back."""
     from controller.config import ControllerConfig
     from controller.core.ports import WeightSyncOutcome
     from controller.mesh import Mesh
@@ -74,7 +79,7 @@ async def test_a_replica_back_behind_the_version_is_routed_again_after_its_next_
             node_id="n", address="127.0.0.1:2", slots_total=1, replicas=[registry_pb2.ReplicaRegistration(
                 replica_id="s0", kind=types_pb2.REPLICA_KIND_STANDALONE, state=types_pb2.REPLICA_STATE_ACTIVE,
                 weight_version=4, slots=[0])]))
-        assert mesh.weights.stale == {"s0"} and "s0" not in mesh.desired_routes()   # behind: no traffic
+        assert "s0" not in mesh.routing.wanted() and mesh.routing.must_not_route("s0") is False   # behind: no traffic
 
         states: list[str] = []
 
@@ -86,7 +91,7 @@ async def test_a_replica_back_behind_the_version_is_routed_again_after_its_next_
         mesh.scheduler.weight_version = 6
         assert outcome.failed == {} and states == ["SYNCING"]   # as every serving sync runs
         assert mesh.registry.get("s0").state.value == "ACTIVE" and mesh.registry.get("s0").weight_version == 6
-        assert mesh.weights.stale == set() and "s0" in mesh.desired_routes()
+        assert mesh.routing.stale == set() and "s0" in mesh.routing.wanted()
 
         class Balancer:   # one reconcile round puts it back
             address = "lb:1"
@@ -98,7 +103,7 @@ async def test_a_replica_back_behind_the_version_is_routed_again_after_its_next_
             async def add_replicas(self, records):
                 self.added += [r.replica_id for r in records]
         balancer = Balancer()
-        monkeypatch.setattr(mesh.routing, "configured", [balancer])
+        monkeypatch.setattr(mesh.routing.tables, "configured", [balancer])
         assert await mesh.reconcile_routing() == (["s0"], []) and balancer.added == ["s0"]
     finally:
         await mesh.close()

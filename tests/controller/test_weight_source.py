@@ -14,6 +14,7 @@ import pytest
 from controller.core.records import ReplicaKind, ReplicaSpec, ReplicaState
 
 from controller.core.replicas import ReplicaRegistry
+from controller.routing import Routing
 from controller.weight_sync import WeightBroadcast
 from controller.scaling.runs import seed_replicas
 from rollmesh.common.v1 import weights_pb2
@@ -54,8 +55,8 @@ class Stub:
             for r in request.replica_ids])
 
 
-class Routing:
-    async def remove_replicas(self, ids) -> None:
+class Tables:
+    async def remove_replicas(self, ids, abort_in_flight: bool = False) -> None:
         pass
 
     async def add_replicas(self, records) -> None:
@@ -82,7 +83,7 @@ def mesh(trainer=None, **agents):
     trainer_stub = Stub("trainer", log, trainer)
     stubs_by_address = {**stubs, "t:1": trainer_stub}   # every agent serves WeightSourceService
     channels = types.SimpleNamespace(agent=lambda address: stubs[address], weight_source=stubs_by_address.get)
-    port = WeightBroadcast(channels, registry, Routing(), trainer_address="t:1" if trainer is not None else "",
+    port = WeightBroadcast(channels, registry, Routing(registry, Tables()), trainer_address="t:1" if trainer is not None else "",
                            timeout_s=5.0)
     return port, log, stubs, trainer_stub
 
@@ -146,7 +147,7 @@ def test_seeds_are_healthy_replicas_at_the_version_standalone_first():
     registry.register_node("m", "m:1", slots_total=1, model_name="other",
                            replicas=[ReplicaSpec("o0", K.STANDALONE, S.ACTIVE, 3)])
     scaler = types.SimpleNamespace(
-        mesh=types.SimpleNamespace(registry=registry, weights=types.SimpleNamespace(stale={"s3"})),
+        mesh=types.SimpleNamespace(registry=registry, routing=types.SimpleNamespace(stale={"s3"})),
         blocks_routing=lambda record: record.replica_id == "s4")
     op = types.SimpleNamespace(model_name="default", replica_ids=["x0", "s5"])
     # s1: older version; s2: not ACTIVE; s3: missed a sync; s4: owned by a scale-in; s5: this operation's;

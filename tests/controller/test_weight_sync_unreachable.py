@@ -18,6 +18,7 @@ import pytest
 from controller.core.records import ReplicaKind, ReplicaSpec, ReplicaState
 
 from controller.core.replicas import ReplicaRegistry
+from controller.routing import Routing
 from controller.weight_sync import WeightBroadcast
 from rollmesh.common.v1 import weights_pb2
 from rollmesh.replica.v1 import replica_agent_pb2 as agent_pb
@@ -85,12 +86,14 @@ class Agent:
             for r in request.replica_ids])
 
 
-class Routing:
+class Tables:
+    """The balancers' tables, as the routing reconciler writes them."""
+
     def __init__(self) -> None:
         self.removed: list[str] = []
         self.versions: dict[str, int] = {}
 
-    async def remove_replicas(self, ids) -> None:
+    async def remove_replicas(self, ids, abort_in_flight: bool = False) -> None:
         self.removed += list(ids)
 
     async def add_replicas(self, records) -> None:
@@ -107,10 +110,11 @@ def build(*, dead=("b:1",), send_error=None):
                                replicas=[ReplicaSpec(r, K.STANDALONE, S.ACTIVE, 0) for r in replicas])
     group = Group()
     agents = {a: Agent(a, group, dead=a in dead) for a in ("a:1", "b:1", "c:1")}
-    routing = Routing()
+    routing = Tables()
     trainer = Trainer(group, send_error=send_error)
     channels = types.SimpleNamespace(agent=lambda address: agents[address], weight_source={"t:1": trainer}.get)
-    port = WeightBroadcast(channels, registry, routing, trainer_address="t:1", timeout_s=TIMEOUT_S)
+    port = WeightBroadcast(channels, registry, Routing(registry, routing), trainer_address="t:1",
+                           timeout_s=TIMEOUT_S)
     return port, agents, trainer, routing, group
 
 
@@ -130,7 +134,7 @@ async def test_a_dead_agent_is_left_out_and_the_others_get_the_version_without_w
     assert agents["b:1"].calls == 1  # the dead agent is not asked again
     assert (first.group_id, 0) in group.cancelled  # the sender stopped waiting for the first group
     assert routing.removed == ["b0"] and routing.versions == {"a0": 1, "a1": 1, "c0": 1}
-    assert "b0" in port.stale and port.in_progress == 0
+    assert "b0" in port.routing.stale and port.in_progress == 0
 
 
 async def test_every_agent_dead_fails_all_at_once_without_a_retry():

@@ -37,13 +37,13 @@ class FakeRouting:
         if name in self.fail:
             raise ConnectionError(f"{name} refused")
 
-    async def remove_replicas(self, replica_ids: Sequence[str]) -> None:
+    async def take_out(self, replica_ids: Sequence[str], *, why: str = "", abort_in_flight: bool = False) -> None:
         await self._do("remove", tuple(replica_ids))
         self.routed -= set(replica_ids)
 
-    async def add_replicas(self, records: Sequence[Any]) -> None:
-        await self._do("add", tuple(r.replica_id for r in records))
-        self.routed |= {r.replica_id for r in records}
+    async def bring_in(self, replica_ids: Sequence[str]) -> None:
+        await self._do("add", tuple(replica_ids))
+        self.routed |= set(replica_ids)
 
     async def rebalance(self) -> None:
         await self._do("rebalance")
