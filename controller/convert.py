@@ -27,15 +27,15 @@ from .core.events import EventType, LifecycleEvent
 from .core.metrics import ClosedCycle, ConcurrencyPoint
 from .core.ports import WeightSyncOutcome
 from .core.records import NodeRecord, ReplicaKind, ReplicaRecord, ReplicaSpec, ReplicaState
-from .core.steps import BeginDecision, CompleteResult, ReleaseResult, StepReport
+from .core.steps import BeginDecision, CompleteResult, HybridState, ReleaseResult, StepCall, StepReport
 
 
-def kind_to_proto(kind: ReplicaKind | str) -> int:
+def kind_to_proto(kind: ReplicaKind | str) -> types_pb2.ReplicaKind.ValueType:
     name = kind.value if isinstance(kind, ReplicaKind) else kind
     return types_pb2.ReplicaKind.Value(name if name.startswith("REPLICA_KIND_") else f"REPLICA_KIND_{name}")
 
 
-def kind_from_proto(value: int) -> ReplicaKind:
+def kind_from_proto(value: types_pb2.ReplicaKind.ValueType) -> ReplicaKind:
     """The replica kind of a request; INVALID_ARGUMENT for an unset or unknown one."""
     try:
         return ReplicaKind(types_pb2.ReplicaKind.Name(value).removeprefix("REPLICA_KIND_"))
@@ -44,11 +44,11 @@ def kind_from_proto(value: int) -> ReplicaKind:
                               f"{value} ({'unset' if value == 0 else 'unknown'})", reason=Reason.INVALID_KIND) from None
 
 
-def state_to_proto(state: ReplicaState) -> int:
+def state_to_proto(state: ReplicaState) -> types_pb2.ReplicaState.ValueType:
     return types_pb2.ReplicaState.Value(f"REPLICA_STATE_{state.value}")
 
 
-def state_from_proto(value: int) -> ReplicaState:
+def state_from_proto(value: types_pb2.ReplicaState.ValueType) -> ReplicaState:
     """The replica state of a request; INVALID_ARGUMENT for an unset or unknown one."""
     try:
         return ReplicaState(types_pb2.ReplicaState.Name(value).removeprefix("REPLICA_STATE_"))
@@ -106,11 +106,11 @@ def step_report(msg: scheduling_pb2.StepReport) -> StepReport:
         samples_consumed=msg.samples_consumed, samples_dropped=msg.samples_dropped)
 
 
-def _hybrid(state) -> int:
+def _hybrid(state: HybridState) -> scheduling_pb2.HybridState.ValueType:
     return scheduling_pb2.HybridState.Value(state.proto_name)
 
 
-def _call(call) -> int:
+def _call(call: StepCall) -> scheduling_pb2.StepCall.ValueType:
     return scheduling_pb2.StepCall.Value(call.proto_name)
 
 

@@ -31,6 +31,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 from opentelemetry.sdk.trace import TracerProvider
@@ -248,7 +249,7 @@ class Leadership:
                           metadata={"leader": leader, "leader_name": self.leader_name},
                           retry_delay_s=0.2 if leader else 1.0)
 
-    def status_fields(self) -> dict[str, object]:
+    def status_fields(self) -> dict[str, Any]:
         """GetStatus's role, leader_address and leader_name."""
         from rollmesh.controller.v1 import controller_pb2  # noqa: PLC0415
 

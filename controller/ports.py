@@ -13,12 +13,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING
 
 import grpc
 from opentelemetry.sdk.trace import TracerProvider
 
 from mesh_runtime.channels import ChannelPool, address_list
 from mesh_runtime.config import TlsConfig
+from rollmesh.common.v1 import types_pb2
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2, loadbalancer_pb2_grpc, routing_pb2
 from rollmesh.replica.v1 import replica_agent_pb2, replica_agent_pb2_grpc
 from rollmesh.weights.v1 import weight_source_pb2_grpc
@@ -29,6 +31,8 @@ from .core.records import ReplicaRecord
 from .core.replicas import ReplicaRegistry
 
 log = logging.getLogger(__name__)
+if TYPE_CHECKING:   # the typed grpc.aio stub exists in the .pyi only
+    AgentStub = replica_agent_pb2_grpc.ReplicaAgentServiceAsyncStub
 
 
 
@@ -41,10 +45,10 @@ class Channels:
     def channel(self, address: str) -> grpc.aio.Channel:
         return self._pool.get(address)
 
-    def agent(self, address: str) -> replica_agent_pb2_grpc.ReplicaAgentServiceStub:
+    def agent(self, address: str) -> replica_agent_pb2_grpc.ReplicaAgentServiceAsyncStub:
         return replica_agent_pb2_grpc.ReplicaAgentServiceStub(self.channel(address))
 
-    def weight_source(self, address: str) -> weight_source_pb2_grpc.WeightSourceServiceStub:
+    def weight_source(self, address: str) -> weight_source_pb2_grpc.WeightSourceServiceAsyncStub:
         """The WeightSourceService of the trainer agent or replica agent at ``address``."""
         return weight_source_pb2_grpc.WeightSourceServiceStub(self.channel(address))
 
@@ -187,7 +191,7 @@ class AgentReplicas:
         self.timeout_s = timeout_s
 
     async def _each(self, replica_ids: Sequence[str],
-                    call: Callable[[replica_agent_pb2_grpc.ReplicaAgentServiceStub, str], Awaitable]) -> ReplicaCallResult:
+                    call: Callable[[AgentStub, str], Awaitable]) -> ReplicaCallResult:
         failed: dict[str, str] = {}
         results: list = []
 
@@ -209,7 +213,8 @@ class AgentReplicas:
 
     async def sleep(self, replica_ids: Sequence[str], level: int) -> ReplicaCallResult:
         return await self._each(replica_ids, lambda stub, r: stub.Sleep(
-            replica_agent_pb2.SleepRequest(replica_id=r, level=level, abort_in_flight=True)))
+            replica_agent_pb2.SleepRequest(replica_id=r, level=types_pb2.SleepLevel.ValueType(level),
+                                           abort_in_flight=True)))
 
     async def wake(self, replica_ids: Sequence[str]) -> ReplicaCallResult:
         return await self._each(replica_ids, lambda stub, r: stub.WakeUp(

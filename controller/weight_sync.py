@@ -16,7 +16,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import grpc
 
@@ -230,8 +230,8 @@ class WeightBroadcast:
             if task.cancelled():
                 results += [ReplicaSyncOutcome(r, False, abandoned) for r in ids]
                 continue
-            if task.exception() is not None:
-                why = f"ReceiveWeights on {address}: {describe_error(task.exception())}"
+            if (error := task.exception()) is not None:
+                why = f"ReceiveWeights on {address}: {describe_error(error)}"
                 results += [ReplicaSyncOutcome(r, False, why) for r in ids]
                 continue
             for r in task.result().results:
@@ -244,7 +244,8 @@ class WeightBroadcast:
         send_failed = send.cancelled() or sent_error is not None
         if send_failed:
             if sent_error is not None:
-                log.warning("SendWeights from %s for %s failed: %s", prepared.source, sync_id, describe_error(sent_error))
+                log.warning("SendWeights from %s for %s failed: %s", prepared.source, sync_id,
+                            describe_error(sent_error))
             cause = abandoned if sent_error is None else f"{prepared.source}: {describe_error(sent_error)}"
             results = [ReplicaSyncOutcome(r.replica_id, False, r.error_message or cause, r.duration_s,
                                           r.bytes_received) if not r.ok else r for r in results]
@@ -258,7 +259,7 @@ class WeightBroadcast:
                                  source=prepared.source), "", unreachable
 
     @staticmethod
-    async def _until_done_or_unreachable(send: asyncio.Future, receives: dict[str, asyncio.Future]) -> set[str]:
+    async def _until_done_or_unreachable(send: asyncio.Future, receives: Mapping[str, asyncio.Future]) -> set[str]:
         """Wait for every call; cancel the rest once the group cannot form. Returns unreachable addresses.
 
         The group cannot form when a receiver's agent is unreachable (UNAVAILABLE)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import grpc
 from opentelemetry import trace
@@ -16,6 +17,9 @@ from rollmesh.replica.v1 import replica_agent_pb2, replica_agent_pb2_grpc
 from . import multiplex
 from .table import Route
 
+if TYPE_CHECKING:   # the typed grpc.aio stub exists in the .pyi only
+    AgentStub = replica_agent_pb2_grpc.ReplicaAgentServiceAsyncStub
+
 log = logging.getLogger(__name__)
 
 
@@ -26,11 +30,11 @@ class Upstreams:
                  tls: TlsConfig | None = None, agent_streams: bool = True) -> None:
         self._pool = ChannelPool(tls=tls, tracer_provider=tracer_provider)
         self._call_timeout_s = call_timeout_s
-        self._stubs: dict[str, tuple[grpc.aio.Channel, replica_agent_pb2_grpc.ReplicaAgentServiceStub]] = {}
-        self._untraced_stubs: dict[str, tuple[grpc.aio.Channel, replica_agent_pb2_grpc.ReplicaAgentServiceStub]] = {}
+        self._stubs: dict[str, tuple[grpc.aio.Channel, AgentStub]] = {}
+        self._untraced_stubs: dict[str, tuple[grpc.aio.Channel, AgentStub]] = {}
         self._streams = multiplex.agent_streams(self._untraced) if agent_streams else None
 
-    def stub(self, address: str) -> replica_agent_pb2_grpc.ReplicaAgentServiceStub:
+    def stub(self, address: str) -> replica_agent_pb2_grpc.ReplicaAgentServiceAsyncStub:
         channel = self._pool.get(address)   # a new one after a certificate rotation
         cached = self._stubs.get(address)
         if cached is None or cached[0] is not channel:
@@ -52,7 +56,7 @@ class Upstreams:
         return self._streams.generate(route.address, request, timeout_s, dict(metadata),
                                       lambda: untraced.Generate(request, timeout=timeout_s, metadata=metadata))
 
-    def _untraced(self, address: str) -> replica_agent_pb2_grpc.ReplicaAgentServiceStub:
+    def _untraced(self, address: str) -> replica_agent_pb2_grpc.ReplicaAgentServiceAsyncStub:
         channel = self._pool.get(address, traced=False)
         cached = self._untraced_stubs.get(address)
         if cached is None or cached[0] is not channel:

@@ -20,6 +20,7 @@ import asyncio
 import functools
 import json
 import time
+import typing
 from collections.abc import Sequence
 from typing import Any
 
@@ -90,9 +91,9 @@ def open_channel(address: str, *, tls: TlsConfig | None = None, tracer_provider:
     (:func:`mesh_runtime.rpc_tracing.context_metadata`)."""
     addresses = address_list(address)
     if len(addresses) > 1:
-        return FollowingChannel(addresses, functools.partial(
+        return as_channel(FollowingChannel(addresses, functools.partial(
             open_channel, tls=tls, tracer_provider=tracer_provider, idempotent=idempotent,
-            max_message_bytes=max_message_bytes, traced=traced))
+            max_message_bytes=max_message_bytes, traced=traced)))
     options = channel_options(idempotent, max_message_bytes)
     interceptors = tracing.client_interceptors(tracer_provider, address) if traced else []
     if tls is not None:
@@ -180,6 +181,12 @@ def address_list(address: str) -> list[str]:
 
 _NEVER_SENT = ("failed to connect", "connection refused", "dns resolution failed", "name resolution")
 """Words of the UNAVAILABLE details of a call that never reached a server: safe to send elsewhere."""
+
+
+def as_channel(channel: _PerAddress) -> grpc.aio.Channel:
+    """A channel over several addresses, typed as the ``grpc.aio.Channel`` the generated stubs take: it serves
+    the methods they call (the multi-callables, ``channel_ready``, ``close``, ``async with``)."""
+    return typing.cast(grpc.aio.Channel, channel)
 
 
 class _PerAddress:
@@ -460,6 +467,6 @@ def open_balancer_channel(address: str, *, tls: TlsConfig | None = None,
     :class:`HashRingChannel` (requests spread by ``request_id``) for ``HOST:PORT,HOST:PORT,...``."""
     addresses = address_list(address)
     if len(addresses) > 1:
-        return HashRingChannel(addresses, functools.partial(open_channel, tls=tls, tracer_provider=tracer_provider,
-                                                            idempotent=idempotent))
+        return as_channel(HashRingChannel(addresses, functools.partial(
+            open_channel, tls=tls, tracer_provider=tracer_provider, idempotent=idempotent)))
     return open_channel(address, tls=tls, tracer_provider=tracer_provider, idempotent=idempotent)

@@ -49,10 +49,21 @@ def _type_name(deserializer: Callable[[bytes], Any]) -> str:
     return getattr(descriptor, "full_name", "the request message")
 
 
+def _of(field: FieldDescriptor) -> Descriptor:
+    """The message type of a message-typed field."""
+    message_type = field.message_type
+    assert message_type is not None, field.full_name
+    return message_type
+
+
+def _descriptor(message: Message) -> Descriptor:
+    return message.DESCRIPTOR  # type: ignore[return-value]  # upb's Descriptor is the same class at runtime
+
+
 def _held(field: FieldDescriptor, value: Any, name: str) -> Iterator[tuple[str, Message]]:
     """The messages one message-typed field holds, with their paths (a map's values when they are messages)."""
-    if field.message_type.GetOptions().map_entry:
-        if field.message_type.fields_by_name["value"].type == FieldDescriptor.TYPE_MESSAGE:
+    if _of(field).GetOptions().map_entry:
+        if _of(field).fields_by_name["value"].type == FieldDescriptor.TYPE_MESSAGE:
             yield from ((f"{name}[{_short(str(k))!r}]", v) for k, v in value.items())
     elif field.is_repeated:
         yield from ((f"{name}[{i}]", v) for i, v in enumerate(value))
@@ -69,7 +80,7 @@ def _plan(descriptor: Descriptor, plans: dict, relevant: Callable[[FieldDescript
         plans[descriptor] = tuple(f for f in descriptor.fields if relevant(f) or f.type == FieldDescriptor.TYPE_MESSAGE)
         plans[descriptor] = plan = tuple(
             f for f in descriptor.fields
-            if relevant(f) or (f.type == FieldDescriptor.TYPE_MESSAGE and _plan(f.message_type, plans, relevant)))
+            if relevant(f) or (f.type == FieldDescriptor.TYPE_MESSAGE and _plan(_of(f), plans, relevant)))
     return plan
 
 
@@ -94,7 +105,7 @@ def _sent(message: Message, field: FieldDescriptor) -> bool:
 
 def unknown_enum_value(message: Message, path: str = "") -> str | None:
     """``"field.path: 99 is not a value of pkg.Enum"`` for the first unknown enum number, else None."""
-    for field in _plan(message.DESCRIPTOR, _ENUM_PLANS, _is_enum):
+    for field in _plan(_descriptor(message), _ENUM_PLANS, _is_enum):
         name = f"{path}.{field.name}" if path else field.name
         if field.type == FieldDescriptor.TYPE_ENUM:
             value = getattr(message, field.name)
@@ -141,7 +152,7 @@ def missing_required(message: Message, path: str = "") -> str | None:
     for field in required_fields(message.DESCRIPTOR):
         if not _is_set(message, field):
             return f"{path}.{field.name}" if path else field.name
-    for field in _plan(message.DESCRIPTOR, _REQUIRED_PLANS, _is_required):
+    for field in _plan(_descriptor(message), _REQUIRED_PLANS, _is_required):
         if field.type == FieldDescriptor.TYPE_MESSAGE and _sent(message, field):
             name = f"{path}.{field.name}" if path else field.name
             for sub_path, sub in _held(field, getattr(message, field.name), name):

@@ -30,7 +30,7 @@ from .config import TlsConfig
 log = logging.getLogger(__name__)
 
 
-async def ready_balancers(controller: controller_pb2_grpc.ControllerServiceStub, *,
+async def ready_balancers(controller: controller_pb2_grpc.ControllerServiceAsyncStub, *,
                           timeout_s: float = 5.0) -> list[str]:
     """Addresses of the balancers the controller lists as ready, in its order (by balancer id)."""
     reply = await controller.ListBalancers(registry_pb2.ListBalancersRequest(ready_only=True), timeout=timeout_s)

@@ -43,7 +43,7 @@ class BalancerGenerations:
             action=pb.GenerateManyAction, request=pb.GenerateManyRequest, what="balancer",
             on_broken=self._broken)
 
-    def _stub_at(self, address: str) -> loadbalancer_pb2_grpc.LoadBalancerServiceStub:
+    def _stub_at(self, address: str) -> loadbalancer_pb2_grpc.LoadBalancerServiceAsyncStub:
         if self._ring is None:
             return self._stub
         return loadbalancer_pb2_grpc.LoadBalancerServiceStub(self._ring.channel(address))

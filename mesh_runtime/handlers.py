@@ -4,10 +4,19 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 
 Wrap = Callable[[Callable], Callable]
+
+
+def behavior_of(handler: grpc.RpcMethodHandler) -> Callable[..., Any]:
+    """The servicer method a handler calls (under grpc.aio a coroutine or async-generator function)."""
+    behavior = handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
+    if behavior is None:
+        raise ValueError("a gRPC method handler without a behaviour")
+    return behavior
 
 
 def rewrap(handler: grpc.RpcMethodHandler, unary: Wrap, streaming: Wrap) -> grpc.RpcMethodHandler:
@@ -19,7 +28,7 @@ def rewrap(handler: grpc.RpcMethodHandler, unary: Wrap, streaming: Wrap) -> grpc
     if handler.stream_unary:
         return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary), handler.request_deserializer,
                                                     handler.response_serializer)
-    behavior = handler.unary_stream or handler.stream_stream
+    behavior = behavior_of(handler)
     wrapped = streaming(behavior) if inspect.isasyncgenfunction(behavior) else unary(behavior)
     factory = (grpc.unary_stream_rpc_method_handler if handler.unary_stream
                else grpc.stream_stream_rpc_method_handler)

@@ -38,7 +38,7 @@ from . import rpc_tracing
 from .authorization import TokenCheck, authorize
 from .decoding import check_required, decode
 from .errors import abort_mapped
-from .handlers import Rewrapped
+from .handlers import Rewrapped, behavior_of
 from .identity import Identity, set_current_identity
 from .metrics import ServerMetrics, rpc_code
 
@@ -127,7 +127,7 @@ class ServerPipeline(grpc.aio.ServerInterceptor):
     def _build(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         deserializer = handler.request_deserializer
         client_streaming = bool(handler.stream_unary or handler.stream_stream)
-        behavior = handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
+        behavior = behavior_of(handler)
         traced, counted, authorizing = self._tracing(method), self._counting(method), self._authorization
 
         def decoded(raw):
@@ -142,7 +142,8 @@ class ServerPipeline(grpc.aio.ServerInterceptor):
 
         if inspect.isasyncgenfunction(behavior):
             async def wrapper(raw, context) -> AsyncIterator[Any]:
-                started, failed = time.perf_counter(), None
+                started = time.perf_counter()
+                failed: BaseException | None = None
                 try:
                     request = decoded(raw)
                     with traced(context) as ended:
@@ -166,7 +167,8 @@ class ServerPipeline(grpc.aio.ServerInterceptor):
                     counted(context, failed, started)
         else:
             async def wrapper(raw, context):   # type: ignore[misc]
-                started, failed = time.perf_counter(), None
+                started = time.perf_counter()
+                failed: BaseException | None = None
                 try:
                     request = decoded(raw)
                     with traced(context) as ended:

@@ -48,7 +48,7 @@ def _code(err: BaseException) -> grpc.StatusCode | None:
 
 def retry_after(err: BaseException) -> float | None:
     """Seconds the server asked the caller to wait before the next try (its ``RetryInfo``), or None."""
-    if _code(err) is None:
+    if not isinstance(err, grpc.RpcError) or _code(err) is None:
         return None
     try:
         return retry_delay(err)

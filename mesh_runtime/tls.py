@@ -92,7 +92,8 @@ def _files(tls: TlsConfig) -> tuple[bytes, bytes, bytes]:
 def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials:
     """TLS server credentials requiring a client certificate from ``tls.ca``, reloaded on change."""
     reloader = _Reloader(tls)
-    return grpc.dynamic_ssl_server_credentials(reloader.configuration(), reloader,
+    # grpc documents a fetcher's None as "keep the current certificate"; typeshed's stub leaves None out
+    return grpc.dynamic_ssl_server_credentials(reloader.configuration(), reloader,  # type: ignore[arg-type]
                                                require_client_authentication=True)
 
 

@@ -92,11 +92,11 @@ def load_report(snapshot: LoadSnapshot, **identity) -> load_pb2.LoadReport:
     return report
 
 
-def state_enum(name: str) -> int:
+def state_enum(name: str) -> types_pb2.ReplicaState.ValueType:
     return types_pb2.ReplicaState.Value(f"REPLICA_STATE_{name}")
 
 
-def state_name(value: int) -> str:
+def state_name(value: types_pb2.ReplicaState.ValueType) -> str:
     return types_pb2.ReplicaState.Name(value).removeprefix("REPLICA_STATE_")
 
 

@@ -67,8 +67,8 @@ class ReplicaProcess:
     metrics_address: str = ""
     """The process's loopback ``/metrics`` (when the agent serves metrics)."""
     process: asyncio.subprocess.Process | None = None
-    stub: replica_agent_pb2_grpc.ReplicaAgentServiceStub | None = None
-    weights: weight_source_pb2_grpc.WeightSourceServiceStub | None = None
+    stub: replica_agent_pb2_grpc.ReplicaAgentServiceAsyncStub | None = None
+    weights: weight_source_pb2_grpc.WeightSourceServiceAsyncStub | None = None
     replica: replica_pb2.Replica | None = None
     """The process's latest account of the replica."""
     report: load_pb2.LoadReport | None = None
@@ -107,7 +107,7 @@ class ReplicaProcesses(ReplicaIndex[ReplicaProcess]):
         return [p.metrics_address for p in self._replicas.values()
                 if p.metrics_address and p.stub is not None and not p.ended and p.state != "STOPPED"]
 
-    def running(self, proc: ReplicaProcess) -> replica_agent_pb2_grpc.ReplicaAgentServiceStub:
+    def running(self, proc: ReplicaProcess) -> replica_agent_pb2_grpc.ReplicaAgentServiceAsyncStub:
         """The stub of a replica whose process runs; FAILED_PRECONDITION for one that ended or stopped."""
         if proc.stub is None or proc.ended or proc.state == "STOPPED":
             raise errors.FailedPrecondition(

@@ -45,6 +45,10 @@ def _seconds(duration, default: float | None) -> float | None:
 class ReplicaAgentServicer(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
     """Implements ``rollmesh.replica.v1.ReplicaAgentService``."""
 
+    admits_own_identity = False
+    """Whether callers presenting this server's own certificate are admitted (a replica process, whose agent
+    forwards the controller's calls with the agent's certificate)."""
+
     def __init__(self, config: ReplicaAgentConfig, tracer_provider: TracerProvider | None = None) -> None:
         self.node = Node(config, tracer_provider)
         self.replicas = self.node.replicas

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 import grpc
 from google.longrunning import operations_pb2, operations_pb2_grpc
 
-from mesh_runtime.channels import open_balancer_channel, open_channel, read_methods
+from mesh_runtime.channels import as_channel, open_balancer_channel, open_channel, read_methods
 from mesh_runtime.discovery import open_discovered_balancers
 from mesh_runtime.durations import set_seconds
 from mesh_runtime.generate_many import BalancerGenerations
@@ -112,8 +112,8 @@ class MeshClient:
         balancers registered with this controller, re-read in the background. Close it when done."""
         if balancer_address:
             return open_balancer_channel(balancer_address, tls=self._tls, idempotent=read_methods())
-        return await open_discovered_balancers(self.address, tls=self._tls, idempotent=read_methods(),
-                                               timeout_s=timeout_s)
+        return as_channel(await open_discovered_balancers(self.address, tls=self._tls, idempotent=read_methods(),
+                                               timeout_s=timeout_s))
 
     async def generate(self, channel: grpc.aio.Channel, request: loadbalancer_pb2.GenerateRequest, *,
                        timeout_s: float | None = None) -> loadbalancer_pb2.GenerateResponse:
@@ -138,7 +138,7 @@ class MeshClient:
     # -- events ------------------------------------------------------------------------------------
 
     async def events(self, *, from_sequence: int = 0, include_history: bool = False,
-                     types: Sequence[int] = ()) -> AsyncIterator[events_pb2.LifecycleEvent]:
+                     types: Sequence[events_pb2.EventType.ValueType] = ()) -> AsyncIterator[events_pb2.LifecycleEvent]:
         """Lifecycle events, forever; after a broken stream (a controller restart) it reconnects and resumes
         from the sequence after the last event it yielded, so none is seen twice."""
         next_sequence = from_sequence

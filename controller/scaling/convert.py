@@ -13,16 +13,17 @@ from .operations import OperationState, OperationType, ScaleOperation
 POLICY_NAMES = {scaling_pb2.PARTIAL_SUCCESS_POLICY_ROLLBACK_ALL: "rollback_all",
                 scaling_pb2.PARTIAL_SUCCESS_POLICY_KEEP_PARTIAL: "keep_partial"}
 POLICY_VALUES = {v: k for k, v in POLICY_NAMES.items()}
+_NO_POLICY = scaling_pb2.PARTIAL_SUCCESS_POLICY_UNSPECIFIED
 ACTIONS = {SCALE_OUT: autoscaler_pb2.SCALE_ACTION_SCALE_OUT, SCALE_IN: autoscaler_pb2.SCALE_ACTION_SCALE_IN,
            "none": autoscaler_pb2.SCALE_ACTION_NONE}
 ACTION_NAMES = {v: k for k, v in ACTIONS.items()}
 
 
-def state_from_proto(value: int) -> OperationState:
+def state_from_proto(value: scaling_pb2.OperationState.ValueType) -> OperationState:
     return OperationState(scaling_pb2.OperationState.Name(value).removeprefix("OPERATION_STATE_"))
 
 
-def type_from_proto(value: int) -> OperationType:
+def type_from_proto(value: scaling_pb2.OperationType.ValueType) -> OperationType:
     return OperationType(scaling_pb2.OperationType.Name(value).removeprefix("OPERATION_TYPE_"))
 
 
@@ -34,8 +35,8 @@ def operation(op: ScaleOperation) -> scaling_pb2.ScaleOperation:
         failed_replica_ids=op.failed_replica_ids, created_at=timestamp(op.created_at),
         updated_at=timestamp(op.updated_at), error_message=op.error_message, force=op.force, dry_run=op.dry_run,
         timeout=duration(op.timeout_s), triggered_by=op.triggered_by, request_id=op.request_id,
-        partial_success_policy=POLICY_VALUES.get(op.partial_success_policy, 0)
-        if op.type is OperationType.SCALE_OUT else 0,
+        partial_success_policy=POLICY_VALUES.get(op.partial_success_policy, _NO_POLICY)
+        if op.type is OperationType.SCALE_OUT else _NO_POLICY,
         state_history=[scaling_pb2.OperationStateChange(
             state=scaling_pb2.OperationState.Value(c.state.proto_name), at=timestamp(c.at), reason=c.reason)
             for c in op.state_history])

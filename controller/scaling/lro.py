@@ -100,8 +100,9 @@ def _value(field: str, text: str) -> object:
     name = text if text.startswith(prefix) else prefix + text
     if name not in enum.keys() or name.endswith("_UNSPECIFIED"):
         raise InvalidArgument(f"filter: unknown {field} {text[:40]!r}", reason=Reason.INVALID_FILTER)
-    return (convert_scaling.state_from_proto if field == "state" else convert_scaling.type_from_proto)(
-        enum.Value(name))
+    if field == "state":
+        return convert_scaling.state_from_proto(scaling_pb2.OperationState.Value(name))
+    return convert_scaling.type_from_proto(scaling_pb2.OperationType.Value(name))
 
 
 def parse_filter(text: str) -> Callable[[ScaleOperation], bool]:

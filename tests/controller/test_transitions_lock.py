@@ -48,7 +48,7 @@ async def test_reconciliation_takes_its_turn_on_a_busy_lock(mesh, monkeypatch):
             order.append("reconcile")
             return {}   # an empty table, as the empty registry wants: the round ends after reading it
 
-    monkeypatch.setattr(mesh.routing, "configured", [Balancer()])
+    monkeypatch.setattr(mesh.routing.tables, "configured", [Balancer()])
 
     async def step_call(name: str) -> None:
         async with mesh.transitions:

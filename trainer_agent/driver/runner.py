@@ -39,7 +39,7 @@ from typing import Any
 
 import grpc
 
-from mesh_runtime.channels import open_balancer_channel, open_channel, read_methods
+from mesh_runtime.channels import as_channel, open_balancer_channel, open_channel, read_methods
 from mesh_runtime.discovery import open_discovered_balancers
 from mesh_runtime.generate_many import BalancerGenerations
 from mesh_runtime.errors import FailedPrecondition, InvalidArgument
@@ -223,9 +223,9 @@ class TrainingDriver:
             lb_channel = open_balancer_channel(s.load_balancer_address, tls=tls, tracer_provider=self._tracer_provider,
                                                idempotent=read_methods())
         else:   # the balancers registered with the controller
-            lb_channel = await open_discovered_balancers(s.controller_address, tls=tls,
-                                                         tracer_provider=self._tracer_provider,
-                                                         idempotent=read_methods(), timeout_s=s.start_timeout_s)
+            lb_channel = as_channel(await open_discovered_balancers(
+                s.controller_address, tls=tls, tracer_provider=self._tracer_provider, idempotent=read_methods(),
+                timeout_s=s.start_timeout_s))
         generations = BalancerGenerations(lb_channel)   # the rollouts on GenerateMany streams
         try:
             controller = controller_pb2_grpc.ControllerServiceStub(ctl_channel)
