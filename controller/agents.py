@@ -17,6 +17,7 @@ import grpc
 from rollmesh.common.v1 import types_pb2
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2, loadbalancer_pb2_grpc
 from rollmesh.replica.v1 import replica_agent_pb2 as pb
+from rollmesh.replica.v1 import replica_pb2
 
 from .convert import duration
 from .ports import Channels
@@ -47,13 +48,13 @@ class AgentCalls:
         return list(reply.replicas)
 
     async def launch(self, address: str, replica_id: str, *, slots: int, request_id: str, timeout_s: float,
-                     engine_url: str = ""):
+                     engine_url: str = "") -> replica_pb2.Replica:
         reply = await self.channels.agent(address).LaunchReplica(
             pb.LaunchReplicaRequest(replica_id=replica_id, kind=types_pb2.REPLICA_KIND_STANDALONE, slots=slots,
                                     request_id=request_id, engine_url=engine_url), timeout=timeout_s)
         return reply.replica
 
-    async def replica(self, address: str, replica_id: str):
+    async def replica(self, address: str, replica_id: str) -> replica_pb2.Replica:
         reply = await self.channels.agent(address).GetReplica(pb.GetReplicaRequest(replica_id=replica_id),
                                                               timeout=self.timeout_s)
         return reply.replica

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import hmac
 
+import grpc
+
 from mesh_runtime.errors import PermissionDenied, Unauthenticated
 from mesh_runtime.identity import current_identity
 from mesh_runtime.reasons import Reason
@@ -27,13 +29,14 @@ def _same(a: str, b: str) -> bool:
     return bool(b) and hmac.compare_digest(a.encode(), b.encode())
 
 
-def _authorization(context) -> str:
+def _authorization(context: grpc.aio.ServicerContext) -> str:
     """The call's ``authorization`` metadata value ("" without one)."""
     metadata = {k.lower(): v for k, v in (context.invocation_metadata() or ())}
-    return metadata.get("authorization", "")
+    value = metadata.get("authorization", "")
+    return value if isinstance(value, str) else ""   # (bytes only for "-bin" keys)
 
 
-def has_scale_token(context, config: ControllerConfig) -> bool:
+def has_scale_token(context: grpc.aio.ServicerContext, config: ControllerConfig) -> bool:
     """Whether the call carries ``scale_api_token`` as a bearer token (the operator's alternative to an
     operator certificate on a server with mutual TLS)."""
     scheme, _, token = _authorization(context).partition(" ")
@@ -48,7 +51,7 @@ def require_own_node(node_id: str, method: str) -> None:
                                f"not {node_id[:64]!r}", reason=Reason.NOT_YOUR_NODE)
 
 
-def require_scale_credential(context, config: ControllerConfig, method: str) -> None:
+def require_scale_credential(context: grpc.aio.ServicerContext, config: ControllerConfig, method: str) -> None:
     """Raise unless the call carries the credential that may change the mesh (no-op when none is configured,
     and for a caller whose certificate says it is an operator)."""
     identity = current_identity()

@@ -69,7 +69,7 @@ class Balancers:
         return self.registry.addresses()
 
     # ------------------------------------------------------------------ RPCs
-    async def register(self, request) -> registry_pb2.RegisterBalancerResponse:
+    async def register(self, request: registry_pb2.RegisterBalancerRequest) -> registry_pb2.RegisterBalancerResponse:
         check_id(request.balancer_id, "balancer_id")
         check_address(request.address, "address")
         require_own_balancer(request.balancer_id, "RegisterBalancer")
@@ -89,7 +89,8 @@ class Balancers:
         reply.lease_expires_at.CopyFrom(convert.timestamp(member.lease_expires_at))
         return reply
 
-    async def deregister(self, request) -> registry_pb2.DeregisterBalancerResponse:
+    async def deregister(self, request: registry_pb2.DeregisterBalancerRequest
+                         ) -> registry_pb2.DeregisterBalancerResponse:
         check_id(request.balancer_id, "balancer_id")
         require_own_balancer(request.balancer_id, "DeregisterBalancer")
         self.registry.deregister(request.balancer_id, request.reason[:200])

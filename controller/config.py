@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import yaml
 
 from mesh_runtime.config import ConfigError, ServerConfig, check_addresses, setting
 
 from .core.config import SchedulingConfig
+
+if TYPE_CHECKING:
+    from .scaling.autoscaler import AutoscalerConfig
 
 
 @dataclasses.dataclass
@@ -180,7 +183,7 @@ class ControllerConfig(ServerConfig):
         except CoreError as err:
             raise ConfigError("async_training.dynamic_schedule_policy", str(err)) from None
 
-    def load_autoscaler(self):
+    def load_autoscaler(self) -> AutoscalerConfig | None:
         """The parsed autoscaler config, or None without ``autoscaler_config``; ConfigError when invalid."""
         from .scaling.autoscaler import AutoscalerConfig  # noqa: PLC0415
 

@@ -24,6 +24,7 @@ from rollmesh.controller.v1 import (
 )
 
 from .core.events import EventType, LifecycleEvent
+from .core.hybrid import SchedulerState
 from .core.metrics import ClosedCycle, ConcurrencyPoint
 from .core.ports import WeightSyncOutcome
 from .core.records import NodeRecord, ReplicaKind, ReplicaRecord, ReplicaSpec, ReplicaState
@@ -153,7 +154,7 @@ def complete_response(c: CompleteResult) -> scheduling_pb2.CompleteTrainingStepR
     return msg
 
 
-def scheduler_state(s) -> scheduling_pb2.GetSchedulerStateResponse:
+def scheduler_state(s: SchedulerState) -> scheduling_pb2.GetSchedulerStateResponse:
     params = struct_pb2.Struct()
     params.update({k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in s.policy_parameters.items()})
     msg = scheduling_pb2.GetSchedulerStateResponse(

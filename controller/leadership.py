@@ -30,7 +30,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -45,7 +45,7 @@ from mesh_runtime.server import MeshServer
 
 from .config import ControllerConfig
 from .mesh import Mesh
-from .store_backends import EtcdBackend, StoreUnavailable, parse_store
+from .store_backends import EtcdBackend, StoreBackend, StoreUnavailable, parse_store
 from .store_owner import StoreOwnership
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class Leadership:
             self.mesh = self._copy()
 
     # -------------------------------------------------------------- startup
-    def _backend(self):
+    def _backend(self) -> StoreBackend | None:
         """A fresh backend (sessions of its own) on the configured store."""
         return parse_store(self.config.store, self.config.state_dir, self.config.store_tls)
 
@@ -264,7 +264,9 @@ class StandbyGate(grpc.aio.ServerInterceptor):
         self.leadership = leadership
         self._reads = {f"/{service}/{method}" for service, method in read_methods()}
 
-    async def intercept_service(self, continuation, handler_call_details):
+    async def intercept_service(
+            self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+            handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         handler = await continuation(handler_call_details)
         method = handler_call_details.method
         if handler is None or method in self._reads or not method.lstrip("/").startswith(GATED_SERVICES):
@@ -272,14 +274,14 @@ class StandbyGate(grpc.aio.ServerInterceptor):
         name = method.rsplit("/", 1)[-1]
         leadership = self.leadership
 
-        def unary(behavior):
-            async def gated(request_or_iterator, context):
+        def unary(behavior: Callable[..., Any]) -> Callable[..., Any]:
+            async def gated(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
                 leadership.require_leader(name)
                 return await behavior(request_or_iterator, context)
             return gated
 
-        def streaming(behavior):
-            async def gated(request_or_iterator, context):
+        def streaming(behavior: Callable[..., Any]) -> Callable[..., Any]:
+            async def gated(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 leadership.require_leader(name)
                 async for item in behavior(request_or_iterator, context):
                     yield item

@@ -16,7 +16,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -26,15 +26,17 @@ from opentelemetry.sdk.trace import TracerProvider
 from mesh_runtime import tracing
 from mesh_runtime.errors import FailedPrecondition
 from mesh_runtime.reasons import Reason
-from rollmesh.common.v1 import types_pb2
+from rollmesh.common.v1 import load_pb2, types_pb2
+from rollmesh.controller.v1 import registry_pb2
+from rollmesh.loadbalancer.v1 import routing_pb2
 
 from .config import ControllerConfig
 from .core.admission import Admission
-from .core.events import EventLog, EventType, log_event
+from .core.events import EventLog, EventType, LifecycleEvent, log_event
 from .core.hybrid import DynamicResourceController
 from .core.metrics import CycleMetrics
 from .core.ports import WeightSyncOutcome
-from .core.records import TERMINAL_STATES, ReplicaKind, ReplicaState
+from .core.records import TERMINAL_STATES, Registration, ReplicaKind, ReplicaRecord, ReplicaState
 from .core.replicas import ReplicaRegistry
 from .core.steps import StepReport
 from .balancers import Balancers
@@ -179,7 +181,7 @@ class Mesh:
         await self.store.commit()
 
     # ---------------------------------------------------------------- events
-    def emit(self, type: EventType, /, **fields: Any):
+    def emit(self, type: EventType, /, **fields: Any) -> LifecycleEvent:
         event = self.events.append(type, **fields)
         log_event(event, log)
         for listener in self.event_listeners:
@@ -189,7 +191,7 @@ class Mesh:
         return event
 
     @contextlib.contextmanager
-    def span(self, name: str, **attributes: Any):
+    def span(self, name: str, **attributes: Any) -> Iterator[trace.Span]:
         attrs = {f"rollmesh.{k}": (list(v) if isinstance(v, (list, tuple)) else v)
                  for k, v in attributes.items() if v is not None}
         with self.tracer.start_as_current_span(name, attributes=attrs) as span:
@@ -251,7 +253,7 @@ class Mesh:
         return outcome
 
     # ----------------------------------------------------------- registration
-    async def register_node(self, request) -> Any:
+    async def register_node(self, request: registry_pb2.RegisterNodeRequest) -> Registration:
         from mesh_runtime.validate import check_address, check_id, check_number, quote  # noqa: PLC0415
 
         from . import convert  # noqa: PLC0415
@@ -289,7 +291,7 @@ class Mesh:
             return await self.routing.reconcile(observe=self._report_ejections,
                                                 after_round=self.balancers.after_round)
 
-    def _report_ejections(self, routed) -> None:
+    def _report_ejections(self, routed: dict[str, routing_pb2.RoutedReplica]) -> None:
         """An event for each replica the balancer ejected since the last round (outlier detection)."""
         seen = self._ejections_seen
         for replica_id, route in routed.items():
@@ -326,7 +328,7 @@ class Mesh:
             self.registry.lease_ttl_s = ttl
         return interval, ttl
 
-    def renew(self, node_id: str, reports) -> tuple[float, bool]:
+    def renew(self, node_id: str, reports: Sequence[load_pb2.LoadReport]) -> tuple[float, bool]:
         """Renew the node's lease with one load report and reconcile its replicas with what the agent hosts.
 
         A load-report message lists every replica the agent hosts. A replica
@@ -368,7 +370,7 @@ class Mesh:
                 self.store.mark("registry/node")
         return expires, register_again
 
-    def _stop_leftover(self, record) -> None:
+    def _stop_leftover(self, record: ReplicaRecord) -> None:
         """A replica the controller stopped or removed still runs on its agent: stop it again (once a minute)."""
         now = time.monotonic()
         if now - self._leftover_stops.get(record.replica_id, -1e9) < 60.0:
@@ -425,7 +427,7 @@ class Mesh:
 
 
 
-def _invalid(message: str):
+def _invalid(message: str) -> Exception:
     from mesh_runtime.errors import InvalidArgument  # noqa: PLC0415
 
     return InvalidArgument(message, reason=Reason.INVALID_REGISTRATION)

@@ -20,6 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from mesh_runtime.metrics import LATENCY_BUCKETS, RATIO_BUCKETS, ServerMetrics
 
 from .core import metrics as cycle_metrics
+from .core.events import LifecycleEvent
 
 _GAUGES = {cycle_metrics.MQ_SIZE}
 _HISTOGRAMS = (cycle_metrics.TRAIN_UTILIZATION, cycle_metrics.TRAIN_COMPUTE_TIME, cycle_metrics.TRAIN_ALLOCATED_TIME,
@@ -102,7 +103,7 @@ class ControllerMetrics:
         closed = mesh.metrics.closed
         self._observed = max(self._observed, closed[-1].cycle if closed else 0)
 
-    def count_event(self, event) -> None:
+    def count_event(self, event: LifecycleEvent) -> None:
         kind, attrs = event.type.value, event.attributes or {}
         self._events.labels(kind).inc()
         if kind == "CONTROLLER_STATE_CHANGED" and event.from_state:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 import logging
 
+import grpc
 from google.longrunning import operations_pb2_grpc
 from opentelemetry.sdk.trace import TracerProvider
 
@@ -21,7 +23,7 @@ from rollmesh.controller.v1 import scheduling_pb2, weight_sync_pb2
 from . import convert
 from .auth import has_scale_token, require_own_node
 from .config import ControllerConfig
-from .core.events import EventType
+from .core.events import EventType, LifecycleEvent
 from .leadership import Leadership, StandbyGate
 from .mesh import Mesh
 from .ports import Channels
@@ -66,7 +68,8 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
         await self.leadership.start(server)
 
     # ---------------------------------------------------------------- status
-    async def GetStatus(self, request, context):  # noqa: N802 - gRPC method names throughout
+    async def GetStatus(self, request: controller_pb2.GetStatusRequest,  # noqa: N802 - gRPC method names throughout
+                        context: grpc.aio.ServicerContext) -> controller_pb2.GetStatusResponse:
         registry = self.mesh.registry
         present, active = registry.present_and_active()
         return controller_pb2.GetStatusResponse(
@@ -78,11 +81,12 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
             state_store=self.mesh.store.description, **self.leadership.status_fields())
 
     # -------------------------------------------------------------- registry
-    def token_check(self, context) -> bool:
+    def token_check(self, context: grpc.aio.ServicerContext) -> bool:
         """The operator bearer-token alternative of the authorization table (ScaleOut, ScaleIn, ...)."""
         return has_scale_token(context, self.config)
 
-    async def RegisterNode(self, request, context):  # noqa: N802
+    async def RegisterNode(self, request: registry_pb2.RegisterNodeRequest,  # noqa: N802
+                           context: grpc.aio.ServicerContext) -> registry_pb2.RegisterNodeResponse:
         require_own_node(request.node_id, "RegisterNode")
         remaining = context.time_remaining()
         if remaining is not None and remaining <= 0:   # its caller gave up: doing it now would help nobody
@@ -105,14 +109,17 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
         reply.load_report_interval.CopyFrom(convert.duration(interval))
         return reply
 
-    async def DeregisterNode(self, request, context):  # noqa: N802
+    async def DeregisterNode(self, request: registry_pb2.DeregisterNodeRequest,  # noqa: N802
+                             context: grpc.aio.ServicerContext) -> registry_pb2.DeregisterNodeResponse:
         require_own_node(request.node_id, "DeregisterNode")
         stopped = self.mesh.registry.deregister_node(request.node_id, request.reason)
         await self.mesh.routing.converge(stopped)
         await self.mesh.commit()
         return registry_pb2.DeregisterNodeResponse(stopped_replica_ids=stopped)
 
-    async def StreamLoadReports(self, request_iterator, context):  # noqa: N802
+    async def StreamLoadReports(  # noqa: N802
+            self, request_iterator: AsyncIterator[registry_pb2.StreamLoadReportsRequest],
+            context: grpc.aio.ServicerContext) -> AsyncIterator[registry_pb2.StreamLoadReportsResponse]:
         node_id, told = "", None
         async for message in request_iterator:
             if not message.node_id or (node_id and message.node_id != node_id):
@@ -131,17 +138,21 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
                 reply.lease_expires_at.CopyFrom(convert.timestamp(expires))
                 yield reply
 
-    async def RegisterBalancer(self, request, context):  # noqa: N802
+    async def RegisterBalancer(self, request: registry_pb2.RegisterBalancerRequest,  # noqa: N802
+                               context: grpc.aio.ServicerContext) -> registry_pb2.RegisterBalancerResponse:
         check_reachable(request.address, context.peer(), f"balancer {request.balancer_id[:64]!r}")
         return await self.mesh.balancers.register(request)
 
-    async def DeregisterBalancer(self, request, context):  # noqa: N802
+    async def DeregisterBalancer(self, request: registry_pb2.DeregisterBalancerRequest,  # noqa: N802
+                                 context: grpc.aio.ServicerContext) -> registry_pb2.DeregisterBalancerResponse:
         return await self.mesh.balancers.deregister(request)
 
-    async def ListBalancers(self, request, context):  # noqa: N802
+    async def ListBalancers(self, request: registry_pb2.ListBalancersRequest,  # noqa: N802
+                            context: grpc.aio.ServicerContext) -> registry_pb2.ListBalancersResponse:
         return registry_pb2.ListBalancersResponse(balancers=self.mesh.balancers.records(ready_only=request.ready_only))
 
-    async def ListNodes(self, request, context):  # noqa: N802
+    async def ListNodes(self, request: registry_pb2.ListNodesRequest,  # noqa: N802
+                        context: grpc.aio.ServicerContext) -> registry_pb2.ListNodesResponse:
         registry = self.mesh.registry
         nodes, token = pages.page(registry.nodes(), key=lambda n: n.node_id, page_size=request.page_size,
                                   page_token=request.page_token, filters=())
@@ -149,14 +160,16 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
             n, [r.replica_id for r in registry.replicas(node_id=n.node_id)]))
         return registry_pb2.ListNodesResponse(nodes=records, next_page_token=token)
 
-    async def GetNode(self, request, context):  # noqa: N802
+    async def GetNode(self, request: registry_pb2.GetNodeRequest,  # noqa: N802
+                      context: grpc.aio.ServicerContext) -> registry_pb2.GetNodeResponse:
         registry = self.mesh.registry
         node = registry.node(request.node_id)
         replicas = registry.replicas(node_id=node.node_id)
         return registry_pb2.GetNodeResponse(node=convert.node_record(node, [r.replica_id for r in replicas]),
                                             replicas=[convert.replica_record(r) for r in replicas])
 
-    async def ListReplicas(self, request, context):  # noqa: N802
+    async def ListReplicas(self, request: registry_pb2.ListReplicasRequest,  # noqa: N802
+                           context: grpc.aio.ServicerContext) -> registry_pb2.ListReplicasResponse:
         kinds = {convert.kind_from_proto(k) for k in request.kinds}
         states = {convert.state_from_proto(s) for s in request.states}
         records = [r for r in self.mesh.registry.replicas(node_id=request.node_id or None)
@@ -168,28 +181,34 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
         replicas = await pages.convert_all(chosen, convert.replica_record)
         return registry_pb2.ListReplicasResponse(replicas=replicas, next_page_token=token)
 
-    async def GetReplica(self, request, context):  # noqa: N802
+    async def GetReplica(self, request: registry_pb2.GetReplicaRequest,  # noqa: N802
+                         context: grpc.aio.ServicerContext) -> registry_pb2.GetReplicaResponse:
         return registry_pb2.GetReplicaResponse(replica=convert.replica_record(self.mesh.registry.get(request.replica_id)))
 
     # ------------------------------------------------------------ scheduling
-    async def BeginTrainingStep(self, request, context):  # noqa: N802
+    async def BeginTrainingStep(self, request: scheduling_pb2.BeginTrainingStepRequest,  # noqa: N802
+                                context: grpc.aio.ServicerContext) -> scheduling_pb2.BeginTrainingStepResponse:
         decision = await self.mesh.begin_step(request.global_step, convert.step_report(request.report))
         return convert.begin_response(decision)
 
-    async def ReleaseHybridReplicas(self, request, context):  # noqa: N802
+    async def ReleaseHybridReplicas(self, request: scheduling_pb2.ReleaseHybridReplicasRequest,  # noqa: N802
+                                    context: grpc.aio.ServicerContext) -> scheduling_pb2.ReleaseHybridReplicasResponse:
         result = await self.mesh.release_hybrid(request.global_step, request.buffered_samples,
                                                 convert.seconds(request.waited), request.wait_expired)
         return convert.release_response(result)
 
-    async def CompleteTrainingStep(self, request, context):  # noqa: N802
+    async def CompleteTrainingStep(self, request: scheduling_pb2.CompleteTrainingStepRequest,  # noqa: N802
+                                   context: grpc.aio.ServicerContext) -> scheduling_pb2.CompleteTrainingStepResponse:
         result = await self.mesh.complete_step(request.global_step, request.weight_version,
                                                convert.step_report(request.report))
         return convert.complete_response(result)
 
-    async def GetSchedulerState(self, request, context):  # noqa: N802
+    async def GetSchedulerState(self, request: scheduling_pb2.GetSchedulerStateRequest,  # noqa: N802
+                                context: grpc.aio.ServicerContext) -> scheduling_pb2.GetSchedulerStateResponse:
         return convert.scheduler_state(self.mesh.scheduler.scheduler_state())
 
-    async def SyncWeights(self, request, context):  # noqa: N802
+    async def SyncWeights(self, request: weight_sync_pb2.SyncWeightsRequest,  # noqa: N802
+                          context: grpc.aio.ServicerContext) -> weight_sync_pb2.SyncWeightsResponse:
         if request.HasField("weight_version") and request.weight_version < 0:
             raise InvalidArgument(f"weight_version must be >= 0, got {request.weight_version}",
                                   reason=Reason.INVALID_WEIGHT_VERSION)
@@ -206,7 +225,8 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
         return weight_sync_pb2.SyncWeightsResponse(result=convert.sync_result(outcome))
 
     # -------------------------------------------------------- events/metrics
-    async def WatchEvents(self, request, context):  # noqa: N802
+    async def WatchEvents(self, request: observability_pb2.WatchEventsRequest,  # noqa: N802
+                          context: grpc.aio.ServicerContext) -> AsyncIterator[observability_pb2.WatchEventsResponse]:
         if request.from_sequence > self.mesh.events.last_sequence + 1:
             from mesh_runtime.errors import OutOfRange  # noqa: PLC0415
 
@@ -215,7 +235,7 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
         replica_ids = set(request.replica_ids)
         types = {events_pb2.EventType.Name(t) for t in request.types}
 
-        def accept(event) -> bool:
+        def accept(event: LifecycleEvent) -> bool:
             if event.type is EventType.GAP:
                 return True
             return ((not replica_ids or not event.replica_id or event.replica_id in replica_ids)
@@ -224,7 +244,8 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
         async for event in self.mesh.hub.watch(request.from_sequence, accept, request.include_history):
             yield observability_pb2.WatchEventsResponse(event=convert.event(event))
 
-    async def GetMetrics(self, request, context):  # noqa: N802
+    async def GetMetrics(self, request: observability_pb2.GetMetricsRequest,  # noqa: N802
+                         context: grpc.aio.ServicerContext) -> observability_pb2.GetMetricsResponse:
         metrics = self.mesh.metrics
         limit = request.limit or 100
         if request.HasField("cycle"):

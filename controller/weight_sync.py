@@ -23,6 +23,7 @@ import grpc
 from mesh_runtime.durations import to_seconds
 from rollmesh.common.v1 import weights_pb2
 from rollmesh.replica.v1 import replica_agent_pb2
+from rollmesh.weights.v1 import weight_source_pb2
 
 from .convert import duration
 from .core.ports import ReplicaSyncOutcome, WeightSyncOutcome
@@ -149,11 +150,10 @@ class WeightBroadcast:
                 timeout: float) -> _Source:
         """The WeightSourceService at ``address`` (a trainer agent: ``source_id`` empty; a replica agent: the
         seed replica) as the source of one broadcast."""
-        from rollmesh.weights.v1 import weight_source_pb2  # noqa: PLC0415
 
         stub = self.channels.weight_source(address)
 
-        def prepare(version: int):
+        def prepare(version: int) -> Awaitable[weight_source_pb2.PrepareWeightSyncResponse]:
             request = weight_source_pb2.PrepareWeightSyncRequest(source_id=source_id, weight_version=version)
             if self.bucket_size_bytes:
                 request.bucket_size_bytes = self.bucket_size_bytes
@@ -283,8 +283,8 @@ class WeightBroadcast:
             raise
         return unreachable
 
-    def _plan(self, sync_id: str, prepared, replica_ids: list[str], rank0: weights_pb2.WeightSyncMember,
-              timeout_s: float) -> weights_pb2.WeightSyncPlan:
+    def _plan(self, sync_id: str, prepared: weight_source_pb2.PrepareWeightSyncResponse, replica_ids: list[str],
+              rank0: weights_pb2.WeightSyncMember, timeout_s: float) -> weights_pb2.WeightSyncPlan:
         members = sorted(replica_ids)
         key = (prepared.source, *members)
         digest = hashlib.sha1("\0".join(key).encode()).hexdigest()[:12]
@@ -325,7 +325,8 @@ class WeightBroadcast:
             log.warning("could not update the load balancer after sync: %s", describe_error(err))
 
     @staticmethod
-    def _all_failed(replica_ids, version: int, sync_id: str, why: str, started: float) -> WeightSyncOutcome:
+    def _all_failed(replica_ids: Sequence[str], version: int, sync_id: str, why: str,
+                    started: float) -> WeightSyncOutcome:
         return WeightSyncOutcome(weight_version=version, sync_id=sync_id, duration_s=time.monotonic() - started,
                                  replica_results=tuple(ReplicaSyncOutcome(r, False, why) for r in replica_ids))
 

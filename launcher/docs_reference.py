@@ -21,6 +21,7 @@ import tempfile
 import textwrap
 import types
 import typing
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -190,8 +191,8 @@ def _type_link(field: descriptor_pb2.FieldDescriptorProto, ours: set[str],
     return text
 
 
-def _messages(out: list[str], package: str, messages, comments: _Comments, path: tuple[int, ...],
-              ours: set[str], maps: dict[str, descriptor_pb2.DescriptorProto]) -> None:
+def _messages(out: list[str], package: str, messages: Iterable[descriptor_pb2.DescriptorProto], comments: _Comments,
+              path: tuple[int, ...], ours: set[str], maps: dict[str, descriptor_pb2.DescriptorProto]) -> None:
     for index, message in enumerate(messages):
         full = f"{package}.{message.name}"
         here = (*path, index)
@@ -209,7 +210,8 @@ def _messages(out: list[str], package: str, messages, comments: _Comments, path:
         _messages(out, full, message.nested_type, comments, (*here, 3), ours, maps)
 
 
-def _enums(out: list[str], package: str, enums, comments: _Comments, path: tuple[int, ...]) -> None:
+def _enums(out: list[str], package: str, enums: Iterable[descriptor_pb2.EnumDescriptorProto], comments: _Comments,
+           path: tuple[int, ...]) -> None:
     for index, enum_type in enumerate(enums):
         full = f"{package}.{enum_type.name}"
         here = (*path, index)
@@ -221,12 +223,14 @@ def _enums(out: list[str], package: str, enums, comments: _Comments, path: tuple
             out.append(f"| `{value.name}` | {value.number} | {_one_line(comments.get(*here, 2, v_index))} |\n")
 
 
-def _names(files) -> tuple[set[str], dict[str, descriptor_pb2.DescriptorProto]]:
+def _names(files: Iterable[descriptor_pb2.FileDescriptorProto]
+           ) -> tuple[set[str], dict[str, descriptor_pb2.DescriptorProto]]:
     """Every message and enum the contracts define, and the synthesized map-entry messages among them."""
     ours: set[str] = set()
     maps: dict[str, descriptor_pb2.DescriptorProto] = {}
 
-    def walk(prefix: str, messages, enums) -> None:
+    def walk(prefix: str, messages: Iterable[descriptor_pb2.DescriptorProto],
+             enums: Iterable[descriptor_pb2.EnumDescriptorProto]) -> None:
         ours.update(f"{prefix}.{e.name}" for e in enums)
         for m in messages:
             ours.add(f"{prefix}.{m.name}")

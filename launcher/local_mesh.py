@@ -49,7 +49,8 @@ async def list_services(channel: grpc.aio.Channel, timeout_s: float) -> list[str
     return []
 
 
-async def fetch_status(address: str, timeout_s: float = 5.0, tls: TlsConfig | None = None):
+async def fetch_status(address: str, timeout_s: float = 5.0,
+                       tls: TlsConfig | None = None) -> tuple[str, Any]:
     """``(service name, GetStatusResponse)`` of the rollmesh server at ``address``."""
     async with open_channel(address, tls=tls, idempotent=read_methods()) as channel:
         names = await list_services(channel, timeout_s)
@@ -110,7 +111,7 @@ def _failure(error: BaseException) -> str:
     return str(error)
 
 
-def _member_line(answer) -> str:
+def _member_line(answer: tuple[str, Any] | BaseException) -> str:
     """One controller that is not the leader: a standby and whom it names, else why it did not answer."""
     from rollmesh.controller.v1 import controller_pb2  # noqa: PLC0415
 
@@ -123,7 +124,7 @@ def _member_line(answer) -> str:
     return f"{role}, leader: {response.leader_address or 'unknown'}"
 
 
-def _integral(value):
+def _integral(value: Any) -> Any:
     """JSON numbers that are whole as integers (a Struct holds every number as a double)."""
     if isinstance(value, dict):
         return {k: _integral(v) for k, v in value.items()}
@@ -134,7 +135,7 @@ def _integral(value):
     return value
 
 
-def status_summary(service: str, response) -> list[str]:
+def status_summary(service: str, response: Any) -> list[str]:
     """A few readable lines: who answered, how it is reached, what it holds."""
     from rollmesh.common.v1 import status_pb2  # noqa: PLC0415
 
@@ -155,7 +156,7 @@ def status_summary(service: str, response) -> list[str]:
     return lines
 
 
-def _readable(value) -> str:
+def _readable(value: object) -> str:
     if isinstance(value, bool):
         return "yes" if value else "no"
     return str(value) if value != "" else "-"

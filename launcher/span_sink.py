@@ -35,7 +35,8 @@ class SpanSink(trace_service_pb2_grpc.TraceServiceServicer):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("")
 
-    async def Export(self, request, context):  # noqa: N802 - gRPC method name
+    async def Export(self, request: trace_service_pb2.ExportTraceServiceRequest,  # noqa: N802 - gRPC method name
+                     context: grpc.aio.ServicerContext) -> trace_service_pb2.ExportTraceServiceResponse:
         lines = []
         for resource_spans in request.resource_spans:
             service = next((a.value.string_value for a in resource_spans.resource.attributes

@@ -30,6 +30,10 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .job_config import JobConfig
 
 HELP = "train on a local mesh (controller, balancer, replica agents, trainer agent) and summarise the run"
 
@@ -74,7 +78,7 @@ def run(args: argparse.Namespace, env: dict[str, str]) -> int:
     return asyncio.run(_main(job, run_dir, env))
 
 
-def _resume(args: argparse.Namespace, job, env: dict[str, str]) -> int:
+def _resume(args: argparse.Namespace, job: JobConfig, env: dict[str, str]) -> int:
     from .job_config import resume_problem  # noqa: PLC0415
 
     run_dir = Path(args.resume)
@@ -98,7 +102,7 @@ def _resume(args: argparse.Namespace, job, env: dict[str, str]) -> int:
     return asyncio.run(_main(job, run_dir, env, resume=info))
 
 
-async def _main(job, run_dir: Path, env: dict[str, str], resume=None) -> int:
+async def _main(job: JobConfig, run_dir: Path, env: dict[str, str], resume: Any = None) -> int:
     from .train_job import TrainJob  # noqa: PLC0415
 
     runner = TrainJob(job, run_dir, env, resume=resume)

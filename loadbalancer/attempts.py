@@ -25,6 +25,11 @@ from rollmesh.common.v1 import generation_pb2
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2, routing_pb2
 from rollmesh.replica.v1 import replica_agent_pb2
 
+from .table import Route, Ticket
+
+AgentCall = grpc.aio.UnaryStreamCall
+"""An attempt's Generate call on an agent (its messages, ``cancel()``)."""
+
 
 def error_reason(err: grpc.aio.AioRpcError) -> str:
     info = error_info(err)
@@ -123,7 +128,8 @@ def token_count(streamed: list[replica_agent_pb2.GenerateResponse]) -> int:
     return sum(len(msg.token_ids) for msg in streamed)
 
 
-def segments_of(streamed: list[replica_agent_pb2.GenerateResponse], route) -> list[generation_pb2.TokenSegment]:
+def segments_of(streamed: list[replica_agent_pb2.GenerateResponse],
+                route: Route) -> list[generation_pb2.TokenSegment]:
     """Token segments (one per weight version) from the messages of a broken attempt."""
     out: list[generation_pb2.TokenSegment] = []
     for msg in streamed:
@@ -140,7 +146,7 @@ class Watch:
     (:meth:`Ticket.cut`), or no message came for ``stall_timeout_s``. It costs one timer per stall period and
     a clock read per message, instead of a future per message."""
 
-    def __init__(self, ticket, call, stall_s: float) -> None:
+    def __init__(self, ticket: Ticket, call: AgentCall, stall_s: float) -> None:
         self._ticket, self._call, self._stall_s = ticket, call, stall_s
         self._loop = asyncio.get_running_loop()
         self.last = self._loop.time()

@@ -57,8 +57,12 @@ from .attempts import (
 from .completed import CompletedCache
 from .config import LoadBalancerConfig
 from .stats import Stats
-from .table import Choice, RoutingTable, Ticket
+from .table import Choice, Route, RoutingTable, Ticket
 from .upstreams import Upstreams
+
+AgentMessage = replica_agent_pb2.GenerateResponse
+Emit = Callable[[loadbalancer_pb2.GenerateResponse], object]
+"""Where a request's messages to its caller go."""
 
 FINISHED = (generation_pb2.FINISH_REASON_STOP, generation_pb2.FINISH_REASON_LENGTH)
 log = logging.getLogger(__name__)
@@ -154,7 +158,7 @@ class Balancer:
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
             queue.put_nowait(exc)
 
-    async def _run_attempts(self, run: RequestRun, emit, span) -> None:
+    async def _run_attempts(self, run: RequestRun, emit: Emit, span: trace.Span) -> None:
         """Attempts until one completes the request or ``run.budget`` retries are spent (a plain loop: this
         is every request's path, where a retry library's per-attempt bookkeeping would cost more than it
         does)."""
@@ -244,7 +248,7 @@ class Balancer:
             msg.flush_interval.CopyFrom(request.flush_interval)
         return msg
 
-    async def _attempt(self, run: RequestRun, emit) -> None:
+    async def _attempt(self, run: RequestRun, emit: Emit) -> None:
         if self._budget_spent(run):
             # an attempt streamed the whole budget, then broke before its final message: the request is done
             self._complete_from_segments(run, emit)
@@ -332,7 +336,7 @@ class Balancer:
                 span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(exc).__name__}: {str(exc)[:300]}"))
                 raise
 
-    def _chunk(self, run: RequestRun, msg, replica_id: str) -> loadbalancer_pb2.GenerateResponse:
+    def _chunk(self, run: RequestRun, msg: AgentMessage, replica_id: str) -> loadbalancer_pb2.GenerateResponse:
         out = loadbalancer_pb2.GenerateResponse(request_id=run.request_id, token_ids=msg.token_ids,
                                                 logprobs=msg.logprobs, weight_version=msg.weight_version,
                                                 replica_id=replica_id)
@@ -345,7 +349,7 @@ class Balancer:
         held = sum(len(s.token_ids) for s in run.segments)
         return run.partial_rollout and held > 0 and held >= run.request.sampling_params.max_tokens
 
-    def _complete_from_segments(self, run: RequestRun, emit) -> None:
+    def _complete_from_segments(self, run: RequestRun, emit: Emit) -> None:
         """Finish with FINISH_REASON_LENGTH from the tokens already held (no further attempt can add any)."""
         last = run.segments[-1]
         final = replica_agent_pb2.GenerateResponse(request_id=run.request_id, weight_version=last.weight_version,
@@ -353,7 +357,8 @@ class Balancer:
                                                    segments=run.segments)
         self._finish(run, routing_pb2.Attempt(), final, last.replica_id, emit)
 
-    def _finish(self, run: RequestRun, record, final, replica_id: str, emit) -> None:
+    def _finish(self, run: RequestRun, record: routing_pb2.Attempt, final: AgentMessage, replica_id: str,
+                emit: Emit) -> None:
         record.outcome = routing_pb2.ATTEMPT_OUTCOME_COMPLETED
         set_seconds(record.ended_at, time.time())
         out = self._chunk(run, final, replica_id)
@@ -376,7 +381,8 @@ class Balancer:
         run.segments = list(run.request.resume_segments)
         run.restart_pending = True
 
-    def _aborted(self, run: RequestRun, record, final, ticket: Ticket, emit) -> None:
+    def _aborted(self, run: RequestRun, record: routing_pb2.Attempt, final: AgentMessage, ticket: Ticket,
+                 emit: Emit) -> None:
         record.outcome = routing_pb2.ATTEMPT_OUTCOME_ABORTED
         set_seconds(record.ended_at, time.time())
         record.reason = "moved by rebalance" if ticket.move_requested else "aborted by the replica"
@@ -391,7 +397,7 @@ class Balancer:
         run.avoid = moved | run.failed_on
         raise RetryAttempt(f"aborted on {ticket.route.replica_id}", backoff=False)
 
-    def _keep(self, run: RequestRun, streamed, route) -> None:
+    def _keep(self, run: RequestRun, streamed: list[AgentMessage], route: Route) -> None:
         """What a broken-off attempt streamed: resumed from (partial rollout) or dropped for a regeneration."""
         if streamed:
             if run.partial_rollout:
@@ -400,7 +406,8 @@ class Balancer:
             else:
                 self._restart(run, token_count(streamed))
 
-    def _attempt_moved(self, run: RequestRun, record, streamed, route, why: str) -> NoReturn:
+    def _attempt_moved(self, run: RequestRun, record: routing_pb2.Attempt, streamed: list[AgentMessage],
+                       route: Route, why: str) -> NoReturn:
         """The control plane removed the attempt's replica with abort: keep what arrived, go on elsewhere now."""
         record.outcome = routing_pb2.ATTEMPT_OUTCOME_ABORTED
         set_seconds(record.ended_at, time.time())
@@ -410,7 +417,8 @@ class Balancer:
         run.avoid = frozenset({route.replica_id}) | run.failed_on
         raise RetryAttempt(f"{route.replica_id}: {why}", backoff=False)
 
-    def _attempt_failed(self, run: RequestRun, record, streamed, route, err: grpc.aio.AioRpcError | None,
+    def _attempt_failed(self, run: RequestRun, record: routing_pb2.Attempt, streamed: list[AgentMessage],
+                        route: Route, err: grpc.aio.AioRpcError | None,
                         why: str = "") -> NoReturn:
         """An attempt broke off without a final message (or was cut): keep what arrived, retry with backoff."""
         set_seconds(record.ended_at, time.time())

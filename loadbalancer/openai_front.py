@@ -30,6 +30,7 @@ import os
 import ssl
 import time
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -40,6 +41,7 @@ from mesh_runtime.chat import ChatTokenizer
 from mesh_runtime.errors import RollmeshError
 from mesh_runtime.net import format_host_port, parse_host_port
 from mesh_runtime.validate import quote
+from rollmesh.loadbalancer.v1.loadbalancer_pb2 import GenerateRequest, GenerateResponse
 
 from .balancer import Balancer
 from .config import LoadBalancerConfig
@@ -140,7 +142,8 @@ class OpenAIFront:
 
     # ------------------------------------------------------------ middleware
     @web.middleware
-    async def _guard(self, request: web.Request, handler) -> web.StreamResponse:
+    async def _guard(self, request: web.Request,
+                     handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
         try:
             if request.path != "/health":
                 self._authorize(request)
@@ -252,8 +255,8 @@ class OpenAIFront:
             otel_context.detach(token)
             self.in_flight -= count
 
-    def _generator(self, plan: Plan):
-        def generate(request):
+    def _generator(self, plan: Plan) -> Callable[[GenerateRequest], AsyncIterator[GenerateResponse]]:
+        def generate(request: GenerateRequest) -> AsyncIterator[GenerateResponse]:
             return self.balancer.generate(request, plan.timeout_s)
         return generate
 

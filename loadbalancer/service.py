@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 import logging
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import grpc
 from opentelemetry.sdk.trace import TracerProvider
 
 from mesh_runtime import __version__, pages, tracing
@@ -27,6 +29,7 @@ from .table import OutlierDetection, Route, RoutingTable
 from .upstreams import Upstreams
 
 if TYPE_CHECKING:
+    from mesh_runtime.server import MeshServer
     from .controller_link import BalancerLink
     from .openai_front import OpenAIFront
 
@@ -37,7 +40,7 @@ KINDS = {types_pb2.REPLICA_KIND_STANDALONE: "STANDALONE", types_pb2.REPLICA_KIND
 KIND_VALUES = {"STANDALONE": types_pb2.REPLICA_KIND_STANDALONE, "HYBRID": types_pb2.REPLICA_KIND_HYBRID}
 
 
-def build_balancer(config: LoadBalancerConfig, tracer_provider: TracerProvider | None, **kwargs) -> Balancer:
+def build_balancer(config: LoadBalancerConfig, tracer_provider: TracerProvider | None, **kwargs: Any) -> Balancer:
     od = config.outlier_detection
     table = RoutingTable(sticky_max_load_gap=config.sticky_max_load_gap,
                          max_sticky_sessions=config.max_sticky_sessions, max_version_lag=config.max_version_lag,
@@ -78,7 +81,7 @@ class LoadBalancerServicer(loadbalancer_pb2_grpc.LoadBalancerServiceServicer):
     """Implements ``rollmesh.loadbalancer.v1.LoadBalancerService``."""
 
     def __init__(self, config: LoadBalancerConfig, tracer_provider: TracerProvider | None = None,
-                 **balancer_kwargs) -> None:
+                 **balancer_kwargs: Any) -> None:
         self.config = config
         self.metrics = ServerMetrics()
         self.balancer = build_balancer(config, tracer_provider, metrics=self.metrics, **balancer_kwargs)
@@ -97,7 +100,7 @@ class LoadBalancerServicer(loadbalancer_pb2_grpc.LoadBalancerServiceServicer):
         self.prefix_watchers: PrefixWatchers | None = None
         """The replicas' prefix-cache event streams (``prefix_routing.kv_events``), once attached."""
 
-    async def attach(self, server) -> None:
+    async def attach(self, server: MeshServer) -> None:
         server.add_cleanup(self.balancer.upstreams.close)
         if self.table.prefix is not None and self.config.prefix_routing.kv_events:
             self.prefix_watchers = PrefixWatchers(self.table, self.balancer.upstreams.stub)
@@ -146,21 +149,25 @@ class LoadBalancerServicer(loadbalancer_pb2_grpc.LoadBalancerServiceServicer):
             set_seconds(msg.ejected_until, time.time() + left)
         return msg
 
-    async def GetStatus(self, request, context):  # noqa: N802 - gRPC method names throughout
+    async def GetStatus(self, request: pb.GetStatusRequest,  # noqa: N802 - gRPC method names throughout
+                        context: grpc.aio.ServicerContext) -> pb.GetStatusResponse:
         return pb.GetStatusResponse(status=self.status.status(), replica_count=len(self.table.routes),
                                     routable_replica_count=len(self.table.eligible(None)),
                                     in_flight=self.balancer.in_flight)
 
-    async def Generate(self, request, context):  # noqa: N802
+    async def Generate(self, request: pb.GenerateRequest,  # noqa: N802
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         async for message in self.balancer.generate(request, context.time_remaining()):
             yield message
 
-    async def GenerateMany(self, request_iterator, context):  # noqa: N802
+    async def GenerateMany(self, request_iterator: AsyncIterator[pb.GenerateManyRequest],  # noqa: N802
+                           context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateManyResponse]:
         multiplexer = Multiplexer(self.balancer.generate, item=pb.GenerateManyItem, response=pb.GenerateManyResponse)
         async for response in multiplexer.serve(request_iterator):
             yield response
 
-    async def AddReplicas(self, request, context):  # noqa: N802
+    async def AddReplicas(self, request: pb.AddReplicasRequest,  # noqa: N802
+                          context: grpc.aio.ServicerContext) -> pb.AddReplicasResponse:
         for index, e in enumerate(request.replicas):   # validate everything before changing anything
             check_id(e.replica_id, f"replicas[{index}].replica_id")
             if e.node_id:
@@ -171,13 +178,15 @@ class LoadBalancerServicer(loadbalancer_pb2_grpc.LoadBalancerServiceServicer):
         added = self.table.add(routes)
         return pb.AddReplicasResponse(replicas=[self._routed(r) for r in added])
 
-    async def RemoveReplicas(self, request, context):  # noqa: N802
+    async def RemoveReplicas(self, request: pb.RemoveReplicasRequest,  # noqa: N802
+                             context: grpc.aio.ServicerContext) -> pb.RemoveReplicasResponse:
         removed, dropped, in_flight = await self.balancer.remove(list(request.replica_ids),
                                                                  request.abort_in_flight)
         return pb.RemoveReplicasResponse(removed_replica_ids=removed, dropped_sticky_sessions=dropped,
                                          in_flight_request_ids=in_flight)
 
-    async def UpdateReplicas(self, request, context):  # noqa: N802
+    async def UpdateReplicas(self, request: pb.UpdateReplicasRequest,  # noqa: N802
+                             context: grpc.aio.ServicerContext) -> pb.UpdateReplicasResponse:
         for update in request.updates:  # validate everything before changing anything
             if update.HasField("address"):
                 check_address(update.address, f"replica {update.replica_id!r} address")
@@ -190,7 +199,8 @@ class LoadBalancerServicer(loadbalancer_pb2_grpc.LoadBalancerServiceServicer):
                   for u in request.updates if u.replica_id in self.table.routes]
         return pb.UpdateReplicasResponse(replicas=[self._routed(r) for r in routes], skipped_replica_ids=skipped)
 
-    async def ListReplicas(self, request, context):  # noqa: N802
+    async def ListReplicas(self, request: pb.ListReplicasRequest,  # noqa: N802
+                           context: grpc.aio.ServicerContext) -> pb.ListReplicasResponse:
         kinds = {KINDS[k] for k in request.kinds}
         routed = [self._routed(r) for r in sorted(self.table.routes.values(), key=lambda r: r.replica_id)
                   if not kinds or r.kind in kinds]
@@ -199,14 +209,17 @@ class LoadBalancerServicer(loadbalancer_pb2_grpc.LoadBalancerServiceServicer):
                                    page_token=request.page_token, filters=(sorted(kinds), request.routable_only))
         return pb.ListReplicasResponse(replicas=chosen, next_page_token=token)
 
-    async def ClearStickySessions(self, request, context):  # noqa: N802
+    async def ClearStickySessions(self, request: pb.ClearStickySessionsRequest,  # noqa: N802
+                                  context: grpc.aio.ServicerContext) -> pb.ClearStickySessionsResponse:
         return pb.ClearStickySessionsResponse(cleared_sessions=self.table.clear_sticky(request.replica_ids))
 
-    async def CloseSession(self, request, context):  # noqa: N802
+    async def CloseSession(self, request: pb.CloseSessionRequest,  # noqa: N802
+                           context: grpc.aio.ServicerContext) -> pb.CloseSessionResponse:
         replica_id, released = await self.balancer.close_session(request.session_id)
         return pb.CloseSessionResponse(replica_id=replica_id, released=released)
 
-    async def Rebalance(self, request, context):  # noqa: N802
+    async def Rebalance(self, request: pb.RebalanceRequest,  # noqa: N802
+                        context: grpc.aio.ServicerContext) -> pb.RebalanceResponse:
         if request.request_id and request.request_id in self._rebalances:
             return self._rebalances[request.request_id]
         moved, counts = await self.balancer.rebalance(request.max_moves if request.HasField("max_moves") else None)
@@ -218,5 +231,6 @@ class LoadBalancerServicer(loadbalancer_pb2_grpc.LoadBalancerServiceServicer):
                 self._rebalances.popitem(last=False)
         return reply
 
-    async def GetStats(self, request, context):  # noqa: N802
+    async def GetStats(self, request: pb.GetStatsRequest,  # noqa: N802
+                       context: grpc.aio.ServicerContext) -> pb.GetStatsResponse:
         return pb.GetStatsResponse(stats=self.balancer.stats.to_proto(self.balancer.in_flight))

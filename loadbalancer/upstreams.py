@@ -41,7 +41,8 @@ class Upstreams:
             cached = self._stubs[address] = (channel, replica_agent_pb2_grpc.ReplicaAgentServiceStub(channel))
         return cached[1]
 
-    def generate(self, route: Route, request: replica_agent_pb2.GenerateRequest, timeout_s: float | None):
+    def generate(self, route: Route, request: replica_agent_pb2.GenerateRequest,
+                 timeout_s: float | None) -> grpc.aio.UnaryStreamCall:
         """Start a generation on the route's agent (sent now); returns its call (an async iterator of the
         agent's messages, with ``cancel()``). A traced attempt is a Generate call of its own, with its client
         span. An untraced one goes on the agent's GenerateMany stream (:mod:`.multiplex`; with

@@ -19,7 +19,7 @@ authenticated identity, for humans with a plain client certificate.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import grpc
@@ -129,7 +129,7 @@ TokenCheck = Callable[[grpc.aio.ServicerContext], bool]
 """Whether a call carries a valid operator bearer token."""
 
 
-def authorize(full_method: str, auth_context: dict, token_ok: Callable[[], bool] | None = None,
+def authorize(full_method: str, auth_context: Mapping[str, Iterable[bytes]], token_ok: Callable[[], bool] | None = None,
               own: Identity | None = None) -> Identity:
     """The caller's identity if it may call ``full_method``; raises otherwise. ``own``: the server's own
     identity, which may call every method that has a rule (a replica process takes its agent's calls)."""

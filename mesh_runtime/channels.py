@@ -21,8 +21,8 @@ import functools
 import json
 import time
 import typing
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, Self
 
 import grpc
 from opentelemetry.sdk.trace import TracerProvider
@@ -30,6 +30,11 @@ from opentelemetry.sdk.trace import TracerProvider
 from . import tracing
 from .config import TlsConfig
 from .tls import channel_credentials, tls_stamp
+
+OpenOne = Callable[[str], grpc.aio.Channel]
+"""Opens the channel to one address of a multi-address channel."""
+Serializer = Callable[[Any], bytes] | None
+Deserializer = Callable[[bytes], Any] | None
 
 _SERVICE_MODULES = ("rollmesh.controller.v1.controller_pb2", "rollmesh.loadbalancer.v1.loadbalancer_pb2",
                     "rollmesh.replica.v1.replica_agent_pb2", "rollmesh.trainer.v1.trainer_agent_pb2",
@@ -192,7 +197,7 @@ def as_channel(channel: _PerAddress) -> grpc.aio.Channel:
 class _PerAddress:
     """One channel per address, opened on first use by ``open_one``; closed together."""
 
-    def __init__(self, addresses: Sequence[str], open_one) -> None:
+    def __init__(self, addresses: Sequence[str], open_one: OpenOne) -> None:
         if not addresses:
             raise ValueError(f"{type(self).__name__} needs at least one address")
         self.addresses = list(addresses)
@@ -209,10 +214,10 @@ class _PerAddress:
             await channel.close(grace)
         self._channels.clear()
 
-    async def __aenter__(self):
+    async def __aenter__(self) -> Self:
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
 
@@ -233,7 +238,7 @@ class FollowingChannel(_PerAddress):
     last sequence); their failures move the channel the same way.
     """
 
-    def __init__(self, addresses: Sequence[str], open_one, *, failover_s: float = 30.0) -> None:
+    def __init__(self, addresses: Sequence[str], open_one: OpenOne, *, failover_s: float = 30.0) -> None:
         super().__init__(addresses, open_one)
         self.current = self.addresses[0]
         self.failover_s = failover_s
@@ -267,16 +272,20 @@ class FollowingChannel(_PerAddress):
             index = self.addresses.index(address) if address in self.addresses else -1
             self.current = self.addresses[(index + 1) % len(self.addresses)]
 
-    def unary_unary(self, method: str, request_serializer=None, response_deserializer=None, **_):
+    def unary_unary(self, method: str, request_serializer: Serializer = None,
+                      response_deserializer: Deserializer = None, **_: Any) -> Any:
         return _FollowingUnary(self, method, request_serializer, response_deserializer)
 
-    def unary_stream(self, method: str, request_serializer=None, response_deserializer=None, **_):
+    def unary_stream(self, method: str, request_serializer: Serializer = None,
+                      response_deserializer: Deserializer = None, **_: Any) -> Any:
         return _FollowingStream(self, "unary_stream", method, request_serializer, response_deserializer)
 
-    def stream_stream(self, method: str, request_serializer=None, response_deserializer=None, **_):
+    def stream_stream(self, method: str, request_serializer: Serializer = None,
+                      response_deserializer: Deserializer = None, **_: Any) -> Any:
         return _FollowingStream(self, "stream_stream", method, request_serializer, response_deserializer)
 
-    def stream_unary(self, method: str, request_serializer=None, response_deserializer=None, **_):
+    def stream_unary(self, method: str, request_serializer: Serializer = None,
+                      response_deserializer: Deserializer = None, **_: Any) -> Any:
         return self.channel().stream_unary(method, request_serializer=request_serializer,
                                            response_deserializer=response_deserializer)
 
@@ -285,14 +294,15 @@ class FollowingChannel(_PerAddress):
 
 
 class _FollowingUnary:
-    def __init__(self, owner: FollowingChannel, method: str, serializer, deserializer) -> None:
+    def __init__(self, owner: FollowingChannel, method: str, serializer: Serializer,
+                 deserializer: Deserializer) -> None:
         self._owner, self._method = owner, method
         self._serializer, self._deserializer = serializer, deserializer
 
-    def __call__(self, request, *, timeout: float | None = None, **kwargs):
+    def __call__(self, request: Any, *, timeout: float | None = None, **kwargs: Any) -> Awaitable[Any]:
         return self._call(request, timeout, kwargs)
 
-    async def _call(self, request, timeout: float | None, kwargs):
+    async def _call(self, request: Any, timeout: float | None, kwargs: dict[str, Any]) -> Any:
         owner = self._owner
         deadline = time.monotonic() + (timeout if timeout is not None else owner.failover_s)
         pause = 0.05
@@ -315,11 +325,12 @@ class _FollowingUnary:
 class _FollowingStream:
     """A streaming call on the current address; its failure moves the channel (the caller resumes)."""
 
-    def __init__(self, owner: FollowingChannel, kind: str, method: str, serializer, deserializer) -> None:
+    def __init__(self, owner: FollowingChannel, kind: str, method: str, serializer: Serializer,
+                 deserializer: Deserializer) -> None:
         self._owner, self._kind, self._method = owner, kind, method
         self._serializer, self._deserializer = serializer, deserializer
 
-    def __call__(self, request, **kwargs):
+    def __call__(self, request: Any, **kwargs: Any) -> _ObservedStreamCall:
         address = self._owner.current
         factory = getattr(self._owner.channel(address), self._kind)
         call = factory(self._method, request_serializer=self._serializer,
@@ -328,13 +339,13 @@ class _FollowingStream:
 
 
 class _ObservedStreamCall:
-    def __init__(self, call, owner: FollowingChannel | HashRingChannel, address: str) -> None:
+    def __init__(self, call: Any, owner: FollowingChannel | HashRingChannel, address: str) -> None:
         self._call, self._owner, self._address = call, owner, address
 
-    def __aiter__(self):
+    def __aiter__(self) -> AsyncIterator[Any]:
         return self._iterate()
 
-    async def _iterate(self):
+    async def _iterate(self) -> AsyncIterator[Any]:
         try:
             async for message in self._call:
                 yield message
@@ -342,14 +353,14 @@ class _ObservedStreamCall:
             self._owner.observe(err, self._address)
             raise
 
-    async def read(self):
+    async def read(self) -> Any:
         try:
             return await self._call.read()
         except grpc.aio.AioRpcError as err:
             self._owner.observe(err, self._address)
             raise
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self._call, name)
 
 
@@ -374,7 +385,8 @@ class HashRingChannel(_PerAddress):
     in turn. Looks like a ``grpc.aio.Channel`` to generated stubs.
     """
 
-    def __init__(self, addresses: Sequence[str], open_one, *, points: int = 64, down_s: float = 5.0) -> None:
+    def __init__(self, addresses: Sequence[str], open_one: OpenOne, *, points: int = 64,
+                 down_s: float = 5.0) -> None:
         import hashlib  # noqa: PLC0415
         import itertools  # noqa: PLC0415
 
@@ -422,10 +434,11 @@ class HashRingChannel(_PerAddress):
         self._down[address] = time.monotonic() + self.down_s
         return True
 
-    def unary_unary(self, method: str, request_serializer=None, response_deserializer=None, **_):
+    def unary_unary(self, method: str, request_serializer: Serializer = None,
+                      response_deserializer: Deserializer = None, **_: Any) -> Any:
         ring = self
 
-        async def call(request, **kwargs):
+        async def call(request: Any, **kwargs: Any) -> Any:
             order = ring.order(ring_key(request))
             for index, address in enumerate(order):
                 try:
@@ -437,22 +450,24 @@ class HashRingChannel(_PerAddress):
                         raise
         return call
 
-    def unary_stream(self, method: str, request_serializer=None, response_deserializer=None, **_):
+    def unary_stream(self, method: str, request_serializer: Serializer = None,
+                      response_deserializer: Deserializer = None, **_: Any) -> Any:
         ring = self
 
-        def call(request, **kwargs):
+        def call(request: Any, **kwargs: Any) -> _ObservedStreamCall:
             address = ring.order(ring_key(request))[0]
             inner = ring.channel(address).unary_stream(method, request_serializer=request_serializer,
                                                        response_deserializer=response_deserializer)(request, **kwargs)
             return _ObservedStreamCall(inner, ring, address)
         return call
 
-    def stream_stream(self, method: str, request_serializer=None, response_deserializer=None, **_):
+    def stream_stream(self, method: str, request_serializer: Serializer = None,
+                      response_deserializer: Deserializer = None, **_: Any) -> Any:
         """A stream carries no request id to hash: it goes to the next live balancer in turn (a caller that
         wants one per balancer opens it on :meth:`channel`, as :mod:`mesh_runtime.generate_many` does)."""
         ring = self
 
-        def call(request_iterator=None, **kwargs):
+        def call(request_iterator: Any = None, **kwargs: Any) -> Any:
             address = ring.order("")[0]
             return ring.channel(address).stream_stream(method, request_serializer=request_serializer,
                                                        response_deserializer=response_deserializer)(

@@ -20,7 +20,11 @@ import functools
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
+
+if TYPE_CHECKING:   # both load only when a tokenizer or template is built
+    import jinja2
+    from tokenizers import Tokenizer
 
 VOCAB_SIZE = 256
 SPECIALS = ("<pad>", "</s>", "<sep>", "<unk>", "<s>", "<|system|>", "<|user|>", "<|assistant|>")
@@ -65,7 +69,7 @@ def preset_vocab() -> dict[str, int]:
     return vocab
 
 
-def build_preset_core(*, with_specials: bool = True):
+def build_preset_core(*, with_specials: bool = True) -> Tokenizer:
     """A new presets' ``tokenizers.Tokenizer`` (one character per token); ``with_specials``: the special
     tokens registered as such (whole, skipped by decode), as ``transformers`` registers them."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers  # noqa: PLC0415
@@ -79,7 +83,7 @@ def build_preset_core(*, with_specials: bool = True):
 
 
 @functools.cache
-def preset_core_tokenizer():
+def preset_core_tokenizer() -> Tokenizer:
     """The presets' tokenizer, built once per process."""
     return build_preset_core()
 
@@ -150,7 +154,7 @@ def parse_tool_calls(text: str, *, id_prefix: str = "call") -> ParsedOutput:
 class ChatTokenizer:
     """Encode, decode and render chats for one model, with ``tokenizers`` and Jinja2 only."""
 
-    def __init__(self, core, *, chat_template: str | None, special_tokens: dict[str, str | None],
+    def __init__(self, core: Tokenizer, *, chat_template: str | None, special_tokens: dict[str, str | None],
                  max_model_len: int | None = None, name: str = "") -> None:
         self.core = core
         self.chat_template = chat_template
@@ -247,7 +251,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _compile(source: str):
+def _compile(source: str) -> jinja2.Template:
     """A sandboxed template with what ``transformers`` gives chat templates: ``raise_exception``,
     ``strftime_now``, a ``tojson`` that keeps non-ASCII, loop controls, trimmed blocks."""
     import datetime  # noqa: PLC0415
@@ -256,10 +260,11 @@ def _compile(source: str):
     from jinja2.ext import loopcontrols  # noqa: PLC0415
     from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: PLC0415
 
-    def raise_exception(message: str):
+    def raise_exception(message: str) -> NoReturn:
         raise jinja2.TemplateError(message)
 
-    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                           sort_keys=sort_keys)
 

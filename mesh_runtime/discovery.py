@@ -24,7 +24,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from rollmesh.controller.v1 import controller_pb2_grpc, registry_pb2
 
-from .channels import HashRingChannel, open_channel
+from .channels import HashRingChannel, OpenOne, open_channel
 from .config import TlsConfig
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ async def ready_balancers(controller: controller_pb2_grpc.ControllerServiceAsync
 class DiscoveredBalancers(HashRingChannel):
     """A :class:`HashRingChannel` whose balancers are the controller's ready ones, refreshed in the background."""
 
-    def __init__(self, addresses: Sequence[str], open_one, controller_channel: grpc.aio.Channel, *,
+    def __init__(self, addresses: Sequence[str], open_one: OpenOne, controller_channel: grpc.aio.Channel, *,
                  refresh_s: float, owns_controller_channel: bool) -> None:
         super().__init__(addresses, open_one)
         self._controller_channel = controller_channel

@@ -10,6 +10,7 @@ Anything else that escapes a handler becomes ``INTERNAL`` and is logged.
 from __future__ import annotations
 
 import logging
+from typing import NoReturn
 
 import grpc
 from google.protobuf import any_pb2
@@ -117,7 +118,7 @@ def canonical(exc: BaseException) -> RollmeshError | None:
     return exc if isinstance(exc, RollmeshError) else None
 
 
-async def abort_mapped(context: grpc.aio.ServicerContext, exc: BaseException, method: str):
+async def abort_mapped(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> NoReturn:
     """End the call with the canonical status of ``exc`` (an unexpected one is logged and INTERNAL): the
     one mapping point, used by :class:`~mesh_runtime.pipeline.ServerPipeline`."""
     mapped = canonical(exc)

@@ -58,7 +58,7 @@ class BalancerGenerations:
         trace = context_metadata()
         metadata = self._metadata + trace
 
-        def generate_call():
+        def generate_call() -> Any:
             return self._stub.Generate(request, timeout=timeout_s, metadata=metadata or None)
         return self._pool.generate(address, request, timeout_s, dict(trace), generate_call)
 

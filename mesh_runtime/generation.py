@@ -7,12 +7,20 @@ message before any routing or engine work happens.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from rollmesh.common.v1 import generation_pb2
 
 from .durations import to_seconds
 from .errors import InvalidArgument
 from .reasons import Reason
+
+if TYPE_CHECKING:
+    from rollmesh.loadbalancer.v1 import loadbalancer_pb2
+    from rollmesh.replica.v1 import replica_agent_pb2
+
+    AnyGenerateRequest = loadbalancer_pb2.GenerateRequest | replica_agent_pb2.GenerateRequest
 
 
 def temperature_of(sp: generation_pb2.SamplingParams) -> float:
@@ -41,8 +49,8 @@ def check_sampling(sp: generation_pb2.SamplingParams) -> None:
         raise bad("stop_token_ids must not be negative")
 
 
-def check_generation(request_id: str, prompt_token_ids, sampling: generation_pb2.SamplingParams,
-                     resume_segments) -> None:
+def check_generation(request_id: str, prompt_token_ids: Sequence[int], sampling: generation_pb2.SamplingParams,
+                     resume_segments: Sequence[generation_pb2.TokenSegment]) -> None:
     """Raise ``InvalidArgument`` for a request no replica could serve."""
     if not request_id:
         raise InvalidArgument("request_id must not be empty", reason=Reason.EMPTY_REQUEST_ID)
@@ -61,12 +69,12 @@ def check_generation(request_id: str, prompt_token_ids, sampling: generation_pb2
                               f"budget of {sampling.max_tokens}", reason=Reason.BUDGET_SPENT)
 
 
-def flush_interval_of(msg) -> float | None:
+def flush_interval_of(msg: AnyGenerateRequest) -> float | None:
     """A Generate request's ``flush_interval`` in seconds; None when unset."""
     return to_seconds(msg.flush_interval) if msg.HasField("flush_interval") else None
 
 
-def check_streaming(msg) -> None:
+def check_streaming(msg: AnyGenerateRequest) -> None:
     """Raise ``InvalidArgument`` for a Generate request's bad ``stream_interval`` or ``flush_interval``."""
     if msg.HasField("stream_interval") and msg.stream_interval == 0:
         raise InvalidArgument("stream_interval must be > 0 when set", reason=Reason.INVALID_STREAM_INTERVAL)

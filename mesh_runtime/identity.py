@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 ROLES = ("controller", "lb", "replica-agent", "trainer-agent", "client", "operator", "operator-readonly")
@@ -77,13 +78,13 @@ def identity_from_pem(pem: bytes) -> Identity | None:
     return found.pop() if len(found) == 1 else None   # two rollmesh identities in one certificate: none
 
 
-def peer_identity(auth_context: dict[str, list[bytes]]) -> Identity | None:
+def peer_identity(auth_context: Mapping[str, Iterable[bytes]]) -> Identity | None:
     """The identity of a TLS peer from ``context.auth_context()`` (None: no TLS, or no rollmesh identity)."""
     uris = auth_context.get("peer_uri")
     if uris is not None:   # gRPC lists the verified certificate's URI SANs: no parsing per call
         found = {parse_uri(u.decode("utf-8", "replace")) for u in uris} - {None}
         return found.pop() if len(found) == 1 else None
-    pems = auth_context.get("x509_pem_cert") or []
+    pems = list(auth_context.get("x509_pem_cert") or [])
     return identity_from_pem(pems[0]) if pems else None
 
 

@@ -21,12 +21,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import gc_collector, platform_collector, process_collector
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from .net import format_host_port, parse_host_port
@@ -43,7 +44,7 @@ class _Callback(Collector):
     def __init__(self, collect: Callable[[], Iterable]) -> None:
         self._collect = collect
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         yield from self._collect()
 
 
@@ -95,7 +96,7 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-def rpc_code(context, failed: BaseException | None) -> str:
+def rpc_code(context: grpc.aio.ServicerContext, failed: BaseException | None) -> str:
     """The status code name a call ended with (``failed``: what its handler raised, if anything)."""
     code = None
     with contextlib.suppress(Exception):

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import grpc
@@ -44,6 +44,8 @@ from .metrics import ServerMetrics, rpc_code
 
 _CONTEXT_KEYS = ("traceparent", "tracestate")
 
+Context = grpc.aio.ServicerContext
+
 
 def _ignore(exc: BaseException | None) -> None:
     return None
@@ -52,7 +54,8 @@ def _ignore(exc: BaseException | None) -> None:
 class ServerPipeline(grpc.aio.ServerInterceptor):
     """The per-call steps of every rollmesh server (see the module docstring)."""
 
-    def __init__(self, *, metrics: ServerMetrics | None = None, tracer_provider=None, authorization: bool = False,
+    def __init__(self, *, metrics: ServerMetrics | None = None, tracer_provider: trace.TracerProvider | None = None,
+                 authorization: bool = False,
                  token_check: TokenCheck | None = None, own: Identity | None = None) -> None:
         self._metrics = metrics
         self._tracer = trace.get_tracer(rpc_tracing.__name__, tracer_provider=tracer_provider)
@@ -62,7 +65,9 @@ class ServerPipeline(grpc.aio.ServerInterceptor):
         self._own = own
         self._wrapped = Rewrapped()
 
-    async def intercept_service(self, continuation, handler_call_details):
+    async def intercept_service(
+            self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+            handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
@@ -70,7 +75,7 @@ class ServerPipeline(grpc.aio.ServerInterceptor):
         return self._wrapped.get(method, handler, lambda inner: self._build(inner, method))
 
     # ------------------------------------------------------------------ steps
-    def _authorize(self, method: str, context) -> None:
+    def _authorize(self, method: str, context: Context) -> None:
         token_check = self._token_check
         token_ok = (lambda: token_check(context)) if token_check is not None else None
         set_current_identity(authorize(method, context.auth_context(), token_ok, self._own))
@@ -82,7 +87,7 @@ class ServerPipeline(grpc.aio.ServerInterceptor):
             return lambda context: contextlib.nullcontext(_ignore)
         if not self._exports:
             @contextlib.contextmanager
-            def callers_context(context):
+            def callers_context(context: Context) -> Iterator[Callable[[BaseException | None], None]]:
                 carrier = {k: v for k, v in context.invocation_metadata() or () if k in _CONTEXT_KEYS}
                 if not carrier:
                     yield _ignore
@@ -98,7 +103,7 @@ class ServerPipeline(grpc.aio.ServerInterceptor):
         tracer = self._tracer
 
         @contextlib.contextmanager
-        def span_of(context):
+        def span_of(context: Context) -> Iterator[Callable[[BaseException | None], None]]:
             carrier = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
             peer = None
             with contextlib.suppress(Exception):
@@ -118,7 +123,7 @@ class ServerPipeline(grpc.aio.ServerInterceptor):
         service, _, name = method.lstrip("/").rpartition("/")
         handled, seconds = self._metrics.rpc_handled, self._metrics.rpc_seconds.labels(service, name)
 
-        def counted(context, failed: BaseException | None, started: float) -> None:
+        def counted(context: Context, failed: BaseException | None, started: float) -> None:
             handled.labels(service, name, rpc_code(context, failed)).inc()
             seconds.observe(time.perf_counter() - started)
         return counted
@@ -130,18 +135,18 @@ class ServerPipeline(grpc.aio.ServerInterceptor):
         behavior = behavior_of(handler)
         traced, counted, authorizing = self._tracing(method), self._counting(method), self._authorization
 
-        def decoded(raw):
+        def decoded(raw: Any) -> Any:
             if client_streaming:
                 return _decoded_stream(raw, deserializer, method) if deserializer is not None else raw
             return decode(deserializer, raw, method) if deserializer is not None else raw
 
-        def checked(request, context):
+        def checked(request: Any, context: Context) -> Any:
             if authorizing:
                 self._authorize(method, context)
             return _checked_stream(request, method) if client_streaming else check_required(request, method)
 
         if inspect.isasyncgenfunction(behavior):
-            async def wrapper(raw, context) -> AsyncIterator[Any]:
+            async def wrapper(raw: Any, context: Context) -> AsyncIterator[Any]:
                 started = time.perf_counter()
                 failed: BaseException | None = None
                 try:
@@ -166,7 +171,7 @@ class ServerPipeline(grpc.aio.ServerInterceptor):
                 finally:
                     counted(context, failed, started)
         else:
-            async def wrapper(raw, context):   # type: ignore[misc]
+            async def wrapper(raw: Any, context: Context) -> Any:   # type: ignore[misc]
                 started = time.perf_counter()
                 failed: BaseException | None = None
                 try:
@@ -198,7 +203,8 @@ class ServerPipeline(grpc.aio.ServerInterceptor):
         return factory(wrapper, None, handler.response_serializer)
 
 
-async def _decoded_stream(raw: AsyncIterator[bytes], deserializer, method: str) -> AsyncIterator[Any]:
+async def _decoded_stream(raw: AsyncIterator[bytes], deserializer: Callable[[bytes], Any],
+                          method: str) -> AsyncIterator[Any]:
     async for data in raw:
         yield decode(deserializer, data, method)   # raised inside the servicer's loop: mapped by the pipeline
 

@@ -26,6 +26,8 @@ for a mesh whose interruptions are planned:
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
+from typing import Any
 
 import grpc
 from google.rpc import error_details_pb2, status_pb2
@@ -34,6 +36,9 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from .errors import canonical
 from .net import AddressError, parse_host_port
+
+Continuation = Callable[..., Any]
+"""The next step of a client interceptor chain (it starts the call)."""
 
 UNTRACED_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
@@ -48,7 +53,7 @@ _DETAILS_KEY = "grpc-status-details-bin"
 _MAX_DESCRIPTION = 300
 
 
-def exports(provider) -> bool:
+def exports(provider: trace.TracerProvider | None) -> bool:
     """Whether spans made with ``provider`` go anywhere: False for a provider
     :func:`mesh_runtime.tracing.create_tracer_provider` made without an exporter (its spans are not made
     at all, so the data path pays nothing for tracing that is off); True for any other provider."""
@@ -93,7 +98,7 @@ def target_attributes(target: str | None) -> dict[str, str | int]:
     return {"server.address": host, "server.port": port}
 
 
-def reason_in(trailing_metadata) -> str:
+def reason_in(trailing_metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
     """The ``ErrorInfo`` reason carried in a call's trailing metadata ('' without one)."""
     for key, value in trailing_metadata or ():
         if key == _DETAILS_KEY and isinstance(value, bytes):
@@ -130,7 +135,7 @@ def end_status(span: trace.Span, code: grpc.StatusCode, description: str, reason
     span.set_status(Status(StatusCode.ERROR, f"{code.name}: {description[:_MAX_DESCRIPTION]}"))
 
 
-def server_outcome(context, exc: BaseException | None) -> tuple[grpc.StatusCode, str, str]:
+def server_outcome(context: grpc.aio.ServicerContext, exc: BaseException | None) -> tuple[grpc.StatusCode, str, str]:
     """(code, description, reason) of a handler that returned or raised ``exc``."""
     if exc is None or isinstance(exc, grpc.aio.AbortError):
         code = None
@@ -157,12 +162,12 @@ def server_outcome(context, exc: BaseException | None) -> tuple[grpc.StatusCode,
 class _ClientTracing:
     """What the four client interceptors share: span start, context injection, end."""
 
-    def __init__(self, tracer_provider=None, target: str | None = None) -> None:
+    def __init__(self, tracer_provider: trace.TracerProvider | None = None, target: str | None = None) -> None:
         self._tracer = trace.get_tracer(__name__, tracer_provider=tracer_provider)
         self._target = target_attributes(target)
         self._exports = exports(tracer_provider)
 
-    def _start(self, details: grpc.aio.ClientCallDetails):
+    def _start(self, details: grpc.aio.ClientCallDetails) -> tuple[trace.Span | None, grpc.aio.ClientCallDetails]:
         method = details.method.decode() if isinstance(details.method, bytes) else details.method
         if not traced(method):
             return None, details
@@ -186,7 +191,7 @@ class _ClientTracing:
                                                 details.wait_for_ready)
 
     @staticmethod
-    def _failed(span, err: BaseException) -> None:
+    def _failed(span: trace.Span, err: BaseException) -> None:
         if isinstance(err, grpc.aio.AioRpcError):
             cancelled = err.code() == grpc.StatusCode.CANCELLED and "locally" in (err.details() or "").lower()
             end_status(span, err.code(), err.details() or "", reason_in(err.trailing_metadata()),
@@ -197,7 +202,7 @@ class _ClientTracing:
         else:
             end_status(span, grpc.StatusCode.UNKNOWN, f"{type(err).__name__}: {err}", "", server=False)
 
-    async def _unary(self, continuation, details, request):
+    async def _unary(self, continuation: Continuation, details: grpc.aio.ClientCallDetails, request: Any) -> Any:
         span, details = self._start(details)
         if span is None:
             return await continuation(details, request)
@@ -217,7 +222,8 @@ class _ClientTracing:
         finally:
             span.end()
 
-    async def _streaming(self, continuation, details, request):
+    async def _streaming(self, continuation: Continuation, details: grpc.aio.ClientCallDetails,
+                         request: Any) -> Any:
         span, details = self._start(details)
         if span is None:
             return await continuation(details, request)
@@ -229,7 +235,7 @@ class _ClientTracing:
             raise
         return self._responses(span, call)
 
-    async def _responses(self, span, call):
+    async def _responses(self, span: trace.Span, call: AsyncIterable[Any]) -> AsyncIterator[Any]:
         try:
             async for response in call:
                 yield response
@@ -243,22 +249,26 @@ class _ClientTracing:
 
 
 class UnaryUnaryTracing(_ClientTracing, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation, client_call_details, request):
+    async def intercept_unary_unary(self, continuation: Continuation, client_call_details: grpc.aio.ClientCallDetails,
+                                    request: Any) -> Any:
         return await self._unary(continuation, client_call_details, request)
 
 
 class StreamUnaryTracing(_ClientTracing, grpc.aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+    async def intercept_stream_unary(self, continuation: Continuation,
+                                     client_call_details: grpc.aio.ClientCallDetails, request_iterator: Any) -> Any:
         return await self._unary(continuation, client_call_details, request_iterator)
 
 
 class UnaryStreamTracing(_ClientTracing, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation, client_call_details, request):
+    async def intercept_unary_stream(self, continuation: Continuation,
+                                     client_call_details: grpc.aio.ClientCallDetails, request: Any) -> Any:
         return await self._streaming(continuation, client_call_details, request)
 
 
 class StreamStreamTracing(_ClientTracing, grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+    async def intercept_stream_stream(self, continuation: Continuation,
+                                      client_call_details: grpc.aio.ClientCallDetails, request_iterator: Any) -> Any:
         return await self._streaming(continuation, client_call_details, request_iterator)
 
 
@@ -270,7 +280,8 @@ def context_metadata() -> tuple[tuple[str, str], ...]:
     return tuple(carrier.items())
 
 
-def client_interceptors(tracer_provider=None, target: str | None = None) -> list:
+def client_interceptors(tracer_provider: trace.TracerProvider | None = None,
+                        target: str | None = None) -> list[grpc.aio.ClientInterceptor]:
     """The four client interceptors of one channel to ``target``."""
     return [cls(tracer_provider, target) for cls in
             (UnaryUnaryTracing, UnaryStreamTracing, StreamUnaryTracing, StreamStreamTracing)]

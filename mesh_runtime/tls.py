@@ -13,21 +13,26 @@ new certificate.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 
 from .config import ConfigError, TlsConfig
+
+if TYPE_CHECKING:
+    from .identity import Identity
 
 __all__ = ["TlsConfig", "channel_credentials", "read_identity", "server_credentials"]
 
 log = logging.getLogger(__name__)
 
 
-def read_identity(tls: TlsConfig):
+def read_identity(tls: TlsConfig) -> Identity:
     """The identity ``tls.cert`` names; :class:`ConfigError` if it names none."""
     from .identity import identity_from_pem  # noqa: PLC0415
 
@@ -103,14 +108,14 @@ def channel_credentials(tls: TlsConfig) -> grpc.ChannelCredentials:
     return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
 
 
-def add_client_arguments(parser) -> None:
+def add_client_arguments(parser: argparse.ArgumentParser) -> None:
     """``--cacert/--cert/--key``: the mutual-TLS identity a tool presents (grpcurl's and buf curl's names)."""
     parser.add_argument("--cacert", metavar="PEM", help="CA the server's certificate must chain to")
     parser.add_argument("--cert", metavar="PEM", help="this tool's certificate (e.g. an operator-readonly one)")
     parser.add_argument("--key", metavar="PEM", help="private key of --cert")
 
 
-def client_tls(args) -> TlsConfig | None:
+def client_tls(args: argparse.Namespace) -> TlsConfig | None:
     """The TlsConfig the three flags give (None when none is given); ConfigError when only some are."""
     given = {name: getattr(args, name, None) for name in ("cacert", "cert", "key")}
     if not any(given.values()):

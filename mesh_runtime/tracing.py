@@ -18,6 +18,7 @@ import contextlib
 import os
 import socket
 from collections.abc import Mapping
+from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
@@ -64,7 +65,7 @@ def create_tracer_provider(service_name: str, env: Mapping[str, str],
     return provider
 
 
-def span(tracer: trace.Tracer, name: str, **options):
+def span(tracer: trace.Tracer, name: str, **options: Any) -> contextlib.AbstractContextManager[trace.Span]:
     """``tracer.start_as_current_span(name, **options)``; where ``tracer`` is the no-op one (nothing is
     exported), a context holding the invalid span instead, which costs nothing and leaves the caller's trace
     context current (so it still reaches the calls made inside)."""

@@ -12,9 +12,12 @@ would hinge on float rounding.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:   # transformers loads only when a model is built
+    from transformers import PretrainedConfig
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=256,
@@ -43,7 +46,7 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def preset_config(name: str):
+def preset_config(name: str) -> PretrainedConfig:
     """The transformers config object of preset ``name``."""
     from transformers import LlamaConfig, Qwen2Config
 
@@ -55,7 +58,8 @@ def preset_config(name: str):
     return config_class(**kwargs)
 
 
-def build_preset_model(name: str, seed: int, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"):
+def build_preset_model(name: str, seed: int, dtype: torch.dtype = torch.float32,
+                       attn_implementation: str = "sdpa") -> Any:   # a PreTrainedModel; its stubs type .to() oddly
     """Build preset ``name`` with weights drawn from ``seed``, leaving the
     global torch RNG untouched."""
     from transformers import AutoModelForCausalLM

@@ -19,14 +19,18 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mesh_runtime.chat import CHAT_TEMPLATE, SPECIALS, VOCAB_SIZE, build_preset_core
+
+if TYPE_CHECKING:   # transformers loads only when a tokenizer is built
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = ["CHAT_TEMPLATE", "SPECIALS", "VOCAB_SIZE", "load_tokenizer", "preset_tokenizer", "save_preset_tokenizer"]
 
 
 @functools.cache
-def preset_tokenizer():
+def preset_tokenizer() -> PreTrainedTokenizerBase:
     """The presets' tokenizer (a ``transformers`` fast tokenizer; built once per process)."""
     from transformers import PreTrainedTokenizerFast
 
@@ -41,7 +45,7 @@ def save_preset_tokenizer(directory: str | Path) -> None:
     preset_tokenizer().save_pretrained(str(directory))
 
 
-def load_tokenizer(model: str):
+def load_tokenizer(model: str) -> PreTrainedTokenizerBase:
     """The tokenizer of a local Hugging Face directory, or the presets' for a preset name."""
     if "/" in model or model.startswith("."):
         from transformers import AutoTokenizer

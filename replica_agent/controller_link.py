@@ -13,6 +13,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
+from google.protobuf import duration_pb2
 
 from mesh_runtime.durations import to_seconds
 from mesh_runtime.registration import LinkLost, keep_registered
@@ -78,7 +79,7 @@ class ControllerLink:
             call.cancel()
         raise LinkLost("load-report stream closed by the controller", registered=True)
 
-    def _set_interval(self, duration) -> None:
+    def _set_interval(self, duration: duration_pb2.Duration) -> None:
         seconds = to_seconds(duration)
         if seconds > 0:
             self.interval_s = seconds

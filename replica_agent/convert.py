@@ -6,6 +6,8 @@ bad input raises :class:`~mesh_runtime.errors.InvalidArgument` naming the field.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from mesh_runtime.durations import set_seconds
 from mesh_runtime.errors import InvalidArgument
 from mesh_runtime.generation import (
@@ -31,6 +33,11 @@ KIND_NAMES = {v: k for k, v in KINDS.items()}
 BACKENDS = {"torch": types_pb2.ENGINE_BACKEND_TORCH, "vllm": types_pb2.ENGINE_BACKEND_VLLM,
             "synthetic": types_pb2.ENGINE_BACKEND_SYNTHETIC, "sglang": types_pb2.ENGINE_BACKEND_SGLANG}
 WAKE_TAGS = {types_pb2.WAKE_TAG_WEIGHTS: "weights", types_pb2.WAKE_TAG_KV_CACHE: "kv_cache"}
+
+if TYPE_CHECKING:
+    from rollmesh.replica.v1 import replica_pb2
+
+    from .replicas import Replica
 
 
 def sampling_from_proto(sp: generation_pb2.SamplingParams) -> SamplingParams:
@@ -76,7 +83,7 @@ def chunk_to_proto(chunk: GenerationChunk) -> replica_agent_pb2.GenerateResponse
     return out
 
 
-def load_report(snapshot: LoadSnapshot, **identity) -> load_pb2.LoadReport:
+def load_report(snapshot: LoadSnapshot, **identity: Any) -> load_pb2.LoadReport:
     """A LoadReport from an engine snapshot; ``identity`` fills id, state, kind, version."""
     report = load_pb2.LoadReport(
         running_requests=snapshot.running, waiting_requests=snapshot.waiting,
@@ -100,7 +107,8 @@ def state_name(value: types_pb2.ReplicaState.ValueType) -> str:
     return types_pb2.ReplicaState.Name(value).removeprefix("REPLICA_STATE_")
 
 
-def replica_to_proto(replica, *, node_id: str, address: str, backend: str, model: str):
+def replica_to_proto(replica: Replica, *, node_id: str, address: str, backend: str,
+                     model: str) -> replica_pb2.Replica:
     """The wire form of a :class:`~replica_agent.replicas.Replica`."""
     from rollmesh.replica.v1 import replica_pb2  # noqa: PLC0415 - keep the module import light
 

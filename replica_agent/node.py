@@ -11,7 +11,7 @@ import asyncio
 import itertools
 import logging
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client.core import GaugeMetricFamily
@@ -23,17 +23,20 @@ from mesh_runtime.metrics import ServerMetrics
 from mesh_runtime.reasons import Reason
 from mesh_runtime.server import MeshServer
 from mesh_runtime.status import node_name
+from rollmesh.common.v1 import load_pb2, weights_pb2
 from rollmesh.controller.v1 import registry_pb2
+from rollmesh.replica.v1 import replica_pb2
 
 from . import convert
 from .config import ReplicaAgentConfig
-from .engines import create_engine
+from .engines import Engine, create_engine
 from .process_metrics import ChildMetrics
 from .processes import ReplicaProcess, ReplicaProcesses
 from .replicas import Replica, ReplicaManager
 
 if TYPE_CHECKING:
     from .controller_link import ControllerLink
+    from .syncing import PreparedSource, ReceiveResult, SendResult
     from .weights import WeightGroups
 
 log = logging.getLogger(__name__)
@@ -77,7 +80,7 @@ class Node:
         self._groups: WeightGroups | None = None
 
     def _create_engine(self, replica_id: str, kind: str, memory_fraction: float, weight_version: int,
-                       engine_url: str = ""):
+                       engine_url: str = "") -> Engine:
         options = self.config.engine_options_for(kind, replica_id, weight_version, memory_fraction)
         options["node_id"] = self.node_id
         if engine_url:
@@ -121,7 +124,7 @@ class Node:
         """Whoever holds this node's replicas: the replica processes, else the in-process manager."""
         return self.processes if self.processes is not None else self.replicas
 
-    async def launch_once(self, *, request_id: str, replica_id: str, **params) -> Replica | ReplicaProcess:
+    async def launch_once(self, *, request_id: str, replica_id: str, **params: Any) -> Replica | ReplicaProcess:
         """Launch a replica; a repeated ``request_id`` returns the first launch's replica."""
         key = (replica_id, tuple(sorted(params.items())))
         if request_id and request_id in self._launch_keys:
@@ -137,7 +140,7 @@ class Node:
                 self._launch_keys.popitem(last=False)
         return replica
 
-    def _weight_groups(self):
+    def _weight_groups(self) -> WeightGroups:
         if self._groups is None:
             from .weights import WeightGroups  # noqa: PLC0415 - imports torch, only when weights move
             from weight_transfer import WeightTransferConfig  # noqa: PLC0415
@@ -145,7 +148,8 @@ class Node:
             self._groups = WeightGroups(WeightTransferConfig(**self.config.weight_transfer))
         return self._groups
 
-    async def receive_weights(self, replica_ids: list[str], plan_msg, abort_in_flight: bool):
+    async def receive_weights(self, replica_ids: list[str], plan_msg: weights_pb2.WeightSyncPlan,
+                              abort_in_flight: bool) -> list[ReceiveResult]:
         from . import syncing, weights  # noqa: PLC0415
 
         if not replica_ids:
@@ -153,14 +157,14 @@ class Node:
         plan = weights.plan_from_proto(plan_msg, self.config.weight_transfer_timeout_s)
         return await syncing.receive(self.replicas, self._weight_groups(), replica_ids, plan, abort_in_flight)
 
-    async def send_weights(self, replica_id: str, plan_msg):
+    async def send_weights(self, replica_id: str, plan_msg: weights_pb2.WeightSyncPlan) -> SendResult:
         from . import syncing, weights  # noqa: PLC0415
 
         plan = weights.plan_from_proto(plan_msg, self.config.weight_transfer_timeout_s)
         return await syncing.send(self.replicas, self._weight_groups(), replica_id, plan)
 
     async def prepare_weight_sync(self, replica_id: str, *, weight_version: int, bucket_size_bytes: int | None,
-                                  checksum_algorithm: str | None):
+                                  checksum_algorithm: str | None) -> PreparedSource:
         from weight_transfer import CHECKSUM_ALGORITHMS  # noqa: PLC0415
 
         from . import syncing  # noqa: PLC0415
@@ -199,7 +203,7 @@ class Node:
             log.warning("controller rejected replica %s (intentionally removed); stopping it", replica_id)
             await self.serving().stop(replica_id, grace_s=0.0, force=True)
 
-    def replica_proto(self, replica: Replica | ReplicaProcess):
+    def replica_proto(self, replica: Replica | ReplicaProcess) -> replica_pb2.Replica:
         if isinstance(replica, ReplicaProcess):
             assert self.processes is not None
             return self.processes.proto(replica, node_address=self.address, backend=self.config.backend,
@@ -207,7 +211,7 @@ class Node:
         return convert.replica_to_proto(replica, node_id=self.node_id, address=self.address,
                                         backend=self.config.backend, model=self.config.model)
 
-    def load_report(self, replica: Replica | ReplicaProcess):
+    def load_report(self, replica: Replica | ReplicaProcess) -> load_pb2.LoadReport:
         if isinstance(replica, ReplicaProcess):
             assert self.processes is not None
             return self.processes.load_report(replica)

@@ -12,14 +12,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
 from opentelemetry.sdk.trace import TracerProvider
 
+from rollmesh.weights.v1 import weight_source_pb2
 from mesh_runtime.errors import relayed
 from rollmesh.replica.v1 import replica_agent_pb2 as pb
+from rollmesh.replica.v1 import replica_pb2
+from rollmesh.common.v1 import load_pb2
 from rollmesh.weights.v1 import weight_source_pb2_grpc
 
 from .config import ReplicaAgentConfig
@@ -35,7 +38,7 @@ async def _call(proc: ReplicaProcess, processes: ReplicaProcesses, method: str, 
         raise relayed(err) from None
 
 
-def _keep(proc: ReplicaProcess, replica) -> None:
+def _keep(proc: ReplicaProcess, replica: replica_pb2.Replica) -> None:
     """Remember the process's latest account of its replica (from a lifecycle call's answer)."""
     if replica.replica_id == proc.replica_id:
         proc.replica = replica
@@ -50,7 +53,8 @@ class ProcessReplicaAgentServicer(ReplicaAgentServicer):
         self.processes: ReplicaProcesses = self.node.processes
         self.also_serves = [dataclasses.replace(self.also_serves[0], servicer=ProcessWeightSource(self.processes))]
 
-    async def _each(self, replica_ids, call: Callable[[ReplicaProcess, list[str]], Awaitable[Any]]) -> list[Any]:
+    async def _each(self, replica_ids: Sequence[str],
+                    call: Callable[[ReplicaProcess, list[str]], Awaitable[Any]]) -> list[Any]:
         """``call(process, [its replica id])`` for each named replica (all when none are named), at once."""
         procs = self.processes.get_many(replica_ids)
         if not replica_ids:
@@ -68,26 +72,31 @@ class ProcessReplicaAgentServicer(ReplicaAgentServicer):
         finally:
             stream.cancel()
 
-    async def AbortRequests(self, request, context):  # noqa: N802 - gRPC method names throughout
+    async def AbortRequests(self, request: pb.AbortRequestsRequest,  # noqa: N802 - gRPC method names
+                            context: grpc.aio.ServicerContext) -> pb.AbortRequestsResponse:
         return await _call(self.processes.get(request.replica_id), self.processes, "AbortRequests", request)
 
-    async def CloseSession(self, request, context):  # noqa: N802
+    async def CloseSession(self, request: pb.CloseSessionRequest,  # noqa: N802
+                           context: grpc.aio.ServicerContext) -> pb.CloseSessionResponse:
         return await _call(self.processes.get(request.replica_id), self.processes, "CloseSession", request)
 
-    async def Sleep(self, request, context):  # noqa: N802
+    async def Sleep(self, request: pb.SleepRequest,  # noqa: N802
+                    context: grpc.aio.ServicerContext) -> pb.SleepResponse:
         proc = self.processes.get(request.replica_id)
         reply = await _call(proc, self.processes, "Sleep", request)
         _keep(proc, reply.replica)
         return pb.SleepResponse(freed_bytes=reply.freed_bytes, replica=self._proto(proc))
 
-    async def WakeUp(self, request, context):  # noqa: N802
+    async def WakeUp(self, request: pb.WakeUpRequest,  # noqa: N802
+                     context: grpc.aio.ServicerContext) -> pb.WakeUpResponse:
         proc = self.processes.get(request.replica_id)
         reply = await _call(proc, self.processes, "WakeUp", request)
         _keep(proc, reply.replica)
         return pb.WakeUpResponse(replica=self._proto(proc))
 
-    async def PauseGeneration(self, request, context):  # noqa: N802
-        async def one(proc: ReplicaProcess, ids: list[str]):
+    async def PauseGeneration(self, request: pb.PauseGenerationRequest,  # noqa: N802
+                              context: grpc.aio.ServicerContext) -> pb.PauseGenerationResponse:
+        async def one(proc: ReplicaProcess, ids: list[str]) -> tuple[ReplicaProcess, pb.PauseGenerationResponse]:
             part = pb.PauseGenerationRequest()
             part.CopyFrom(request)
             part.replica_ids[:] = ids
@@ -100,8 +109,9 @@ class ProcessReplicaAgentServicer(ReplicaAgentServicer):
         return pb.PauseGenerationResponse(replicas=[self._proto(p) for p, _ in answers],
                                           aborted_request_ids=[i for _, r in answers for i in r.aborted_request_ids])
 
-    async def ResumeGeneration(self, request, context):  # noqa: N802
-        async def one(proc: ReplicaProcess, ids: list[str]):
+    async def ResumeGeneration(self, request: pb.ResumeGenerationRequest,  # noqa: N802
+                               context: grpc.aio.ServicerContext) -> pb.ResumeGenerationResponse:
+        async def one(proc: ReplicaProcess, ids: list[str]) -> ReplicaProcess:
             reply = await _call(proc, self.processes, "ResumeGeneration", pb.ResumeGenerationRequest(replica_ids=ids))
             for replica in reply.replicas:
                 _keep(proc, replica)
@@ -110,8 +120,9 @@ class ProcessReplicaAgentServicer(ReplicaAgentServicer):
         procs = await self._each(list(request.replica_ids), one)
         return pb.ResumeGenerationResponse(replicas=[self._proto(p) for p in procs])
 
-    async def GetLoadReports(self, request, context):  # noqa: N802
-        async def one(proc: ReplicaProcess, ids: list[str]):
+    async def GetLoadReports(self, request: pb.GetLoadReportsRequest,  # noqa: N802
+                             context: grpc.aio.ServicerContext) -> pb.GetLoadReportsResponse:
+        async def one(proc: ReplicaProcess, ids: list[str]) -> load_pb2.LoadReport:
             with contextlib.suppress(grpc.aio.AioRpcError):
                 reply = await self.processes.running(proc).GetLoadReports(pb.GetLoadReportsRequest(replica_ids=ids), timeout=5.0)
                 if reply.reports:
@@ -124,7 +135,8 @@ class ProcessReplicaAgentServicer(ReplicaAgentServicer):
         return pb.GetLoadReportsResponse(reports=[fresh.get(p.replica_id) or self.node.load_report(p)
                                                   for p in procs])
 
-    async def WatchPrefixCache(self, request, context):  # noqa: N802
+    async def WatchPrefixCache(self, request: pb.WatchPrefixCacheRequest,  # noqa: N802
+                               context: grpc.aio.ServicerContext) -> AsyncIterator[pb.WatchPrefixCacheResponse]:
         procs = [p for p in self.processes.get_many(request.replica_ids)
                  if p.stub is not None and not p.ended and p.state != "STOPPED"]
         queue: asyncio.Queue = asyncio.Queue()
@@ -154,8 +166,9 @@ class ProcessReplicaAgentServicer(ReplicaAgentServicer):
             for task in tasks:
                 task.cancel()
 
-    async def ReceiveWeights(self, request, context):  # noqa: N802
-        async def one(proc: ReplicaProcess, ids: list[str]):
+    async def ReceiveWeights(self, request: pb.ReceiveWeightsRequest,  # noqa: N802
+                             context: grpc.aio.ServicerContext) -> pb.ReceiveWeightsResponse:
+        async def one(proc: ReplicaProcess, ids: list[str]) -> pb.ReceiveWeightsResponse:
             part = pb.ReceiveWeightsRequest()
             part.CopyFrom(request)
             part.replica_ids[:] = ids
@@ -175,7 +188,7 @@ class ProcessWeightSource(weight_source_pb2_grpc.WeightSourceServiceServicer):
     def __init__(self, processes: ReplicaProcesses) -> None:
         self.processes = processes
 
-    async def _forward(self, method: str, request):
+    async def _forward(self, method: str, request: Any) -> Any:
         proc = self.processes.get(_source_replica(request.source_id))
         self.processes.running(proc)   # FAILED_PRECONDITION unless its process serves
         try:
@@ -183,8 +196,10 @@ class ProcessWeightSource(weight_source_pb2_grpc.WeightSourceServiceServicer):
         except grpc.aio.AioRpcError as err:
             raise relayed(err) from None
 
-    async def PrepareWeightSync(self, request, context):  # noqa: N802 - gRPC method names throughout
+    async def PrepareWeightSync(self, request: weight_source_pb2.PrepareWeightSyncRequest,  # noqa: N802
+                                context: grpc.aio.ServicerContext) -> weight_source_pb2.PrepareWeightSyncResponse:
         return await self._forward("PrepareWeightSync", request)
 
-    async def SendWeights(self, request, context):  # noqa: N802
+    async def SendWeights(self, request: weight_source_pb2.SendWeightsRequest,  # noqa: N802
+                          context: grpc.aio.ServicerContext) -> weight_source_pb2.SendWeightsResponse:
         return await self._forward("SendWeights", request)

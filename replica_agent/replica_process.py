@@ -16,15 +16,19 @@ import os
 import signal
 import sys
 
+from opentelemetry.sdk.trace import TracerProvider
+
 from mesh_runtime.config import ConfigError, load_config
 from mesh_runtime import logs
 
+from .config import ReplicaAgentConfig
 from .server import SPEC, make_servicer
+from .service import ReplicaAgentServicer
 
 PARENT_POLL_S = 1.0
 
 
-def _servicer(config, tracer_provider):
+def _servicer(config: ReplicaAgentConfig, tracer_provider: TracerProvider | None) -> ReplicaAgentServicer:
     servicer = make_servicer(config, tracer_provider)
     servicer.admits_own_identity = True   # its agent forwards the controller's calls with the same certificate
     return servicer
@@ -40,7 +44,7 @@ async def _follow_parent(parent: int) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-async def _run(config, parent: int) -> None:
+async def _run(config: ReplicaAgentConfig, parent: int) -> None:
     watcher = asyncio.create_task(_follow_parent(parent))
     try:
         await CHILD.serve(config, dict(os.environ))

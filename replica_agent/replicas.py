@@ -16,14 +16,17 @@ import builtins
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from typing import Generic, Protocol, TypeVar
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 from dataclasses import dataclass, field
 
 from mesh_runtime import errors
 from mesh_runtime.reasons import Reason
 
 from .engines import Engine, EngineError, EngineState, GenerationChunk, GenerationRequest, PauseMode
+
+if TYPE_CHECKING:
+    from .processes import ReplicaProcess
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +94,8 @@ def check_launch(*, kind: str, slots: int, engine_url: str, memory_fraction: flo
                                      reason=Reason.INVALID_MEMORY_FRACTION)
 
 
-def reserve_slots(node_id: str, replica_id: str, existing, slots: int, slots_total: int,
+def reserve_slots(node_id: str, replica_id: str, existing: Replica | ReplicaProcess | None, slots: int,
+                  slots_total: int,
                   owners: dict[int, str]) -> list[int]:
     """Take ``slots`` free slots of the node for ``replica_id`` (recorded in ``owners``): ALREADY_EXISTS while
     ``existing`` (the replica of that id) is neither STOPPED nor FAILED, RESOURCE_EXHAUSTED when too few are
@@ -225,7 +229,7 @@ class ReplicaManager(ReplicaIndex[Replica]):
         self._release_slots(replica)
 
     @contextlib.contextmanager
-    def _logged(self, replicas: Iterable[Replica], why: str):
+    def _logged(self, replicas: Iterable[Replica], why: str) -> Iterator[None]:
         """Log each replica whose state the block changed: ``replica ID: FROM -> TO (why)``."""
         replicas = list(replicas)
         before = [r.state for r in replicas]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from opentelemetry.sdk.trace import TracerProvider
+
 from mesh_runtime.server import ServerSpec
 from rollmesh.replica.v1 import replica_agent_pb2_grpc
 
@@ -9,7 +11,7 @@ from .config import ReplicaAgentConfig
 from .service import DESCRIPTOR, ReplicaAgentServicer
 
 
-def make_servicer(config: ReplicaAgentConfig, tracer_provider) -> ReplicaAgentServicer:
+def make_servicer(config: ReplicaAgentConfig, tracer_provider: TracerProvider | None) -> ReplicaAgentServicer:
     """The agent's servicer: its replicas in this process, or each in a process of its own."""
     if config.replica_processes:
         from .process_service import ProcessReplicaAgentServicer  # noqa: PLC0415

@@ -6,6 +6,10 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
+from typing import TYPE_CHECKING
+
+import grpc
+from google.protobuf import duration_pb2
 from opentelemetry.sdk.trace import TracerProvider
 
 from mesh_runtime import pages
@@ -27,18 +31,24 @@ from .config import ReplicaAgentConfig
 from .engines import PauseMode
 from .node import Node
 
+if TYPE_CHECKING:
+    from mesh_runtime.server import MeshServer
+
+    from .processes import ReplicaProcess
+    from .replicas import Replica
+
 DESCRIPTOR = pb.DESCRIPTOR.services_by_name["ReplicaAgentService"]
 WEIGHTS_DESCRIPTOR = weights_pb.DESCRIPTOR.services_by_name["WeightSourceService"]
 PAUSE_MODES: dict[int, PauseMode] = {replica_pb2.PAUSE_MODE_UNSPECIFIED: "wait", replica_pb2.PAUSE_MODE_WAIT: "wait",
                replica_pb2.PAUSE_MODE_ABORT: "abort"}
 
 
-def _launch_order(replica) -> str:
+def _launch_order(replica: Replica | ReplicaProcess) -> str:
     """A key that sorts replicas by launch time, ties by id: ListReplicas' order and its page tokens."""
     return f"{replica.launched_at:020.6f}|{replica.replica_id}"
 
 
-def _seconds(duration, default: float | None) -> float | None:
+def _seconds(duration: duration_pb2.Duration, default: float | None) -> float | None:
     return to_seconds(duration) if duration.ByteSize() else default
 
 
@@ -58,19 +68,21 @@ class ReplicaAgentServicer(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
         self.also_serves = [ServiceBinding(WEIGHTS_DESCRIPTOR.full_name, ReplicaWeightSource(self.node),
                                            weight_source_pb2_grpc.add_WeightSourceServiceServicer_to_server)]
 
-    async def attach(self, server) -> None:
+    async def attach(self, server: MeshServer) -> None:
         await self.node.start(server)
 
-    def _proto(self, replica) -> replica_pb2.Replica:
+    def _proto(self, replica: Replica | ReplicaProcess) -> replica_pb2.Replica:
         return self.node.replica_proto(replica)
 
-    async def GetStatus(self, request, context):  # noqa: N802 - gRPC method names throughout
+    async def GetStatus(self, request: pb.GetStatusRequest,  # noqa: N802 - gRPC method names
+                        context: grpc.aio.ServicerContext) -> pb.GetStatusResponse:
         return pb.GetStatusResponse(
             status=self.status.status(), node_id=self.node.node_id, slots_total=self.node.serving().slots_total,
             slots_free=self.node.serving().slots_free, backend=convert.BACKENDS[self.node.config.backend],
             model=self.node.config.model, replica_count=len(self.node.serving().list()))
 
-    async def LaunchReplica(self, request, context):  # noqa: N802
+    async def LaunchReplica(self, request: pb.LaunchReplicaRequest,  # noqa: N802
+                            context: grpc.aio.ServicerContext) -> pb.LaunchReplicaResponse:
         check_id(request.replica_id, "replica_id")
         if request.kind == types_pb2.REPLICA_KIND_UNSPECIFIED:
             raise InvalidArgument("kind must be REPLICA_KIND_STANDALONE or REPLICA_KIND_HYBRID",
@@ -86,27 +98,33 @@ class ReplicaAgentServicer(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
             start_asleep=request.start_asleep, weight_version=request.weight_version)
         return pb.LaunchReplicaResponse(replica=self._proto(replica))
 
-    async def StopReplica(self, request, context):  # noqa: N802
+    async def StopReplica(self, request: pb.StopReplicaRequest,  # noqa: N802
+                          context: grpc.aio.ServicerContext) -> pb.StopReplicaResponse:
         grace_s = to_seconds(request.grace) if request.grace.ByteSize() else self.node.config.shutdown_grace_s
         replica = await self.node.serving().stop(request.replica_id, force=request.force, grace_s=grace_s)
         return pb.StopReplicaResponse(replica=self._proto(replica))
 
-    async def ListReplicas(self, request, context):  # noqa: N802
+    async def ListReplicas(self, request: pb.ListReplicasRequest,  # noqa: N802
+                           context: grpc.aio.ServicerContext) -> pb.ListReplicasResponse:
         kinds = [convert.KIND_NAMES[k] for k in request.kinds if k in convert.KIND_NAMES]
         states = [convert.state_name(s) for s in request.states]
-        chosen, token = pages.page(sorted(self.node.serving().list(kinds, states), key=_launch_order),
+        held: list[Replica | ReplicaProcess] = list(self.node.serving().list(kinds, states))
+        chosen, token = pages.page(sorted(held, key=_launch_order),
                                    key=_launch_order, page_size=request.page_size, page_token=request.page_token,
                                    filters=(sorted(kinds), sorted(states)))
         return pb.ListReplicasResponse(replicas=[self._proto(r) for r in chosen], next_page_token=token)
 
-    async def GetReplica(self, request, context):  # noqa: N802
+    async def GetReplica(self, request: pb.GetReplicaRequest,  # noqa: N802
+                         context: grpc.aio.ServicerContext) -> pb.GetReplicaResponse:
         return pb.GetReplicaResponse(replica=self._proto(self.node.serving().get(request.replica_id)))
 
-    async def Generate(self, request, context):  # noqa: N802
+    async def Generate(self, request: pb.GenerateRequest,  # noqa: N802
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         async for message in self.generations(request):
             yield message
 
-    async def GenerateMany(self, request_iterator, context):  # noqa: N802
+    async def GenerateMany(self, request_iterator: AsyncIterator[pb.GenerateManyRequest],  # noqa: N802
+                           context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateManyResponse]:
         multiplexer = Multiplexer(lambda request, _: self.generations(request), item=pb.GenerateManyItem,
                                   response=pb.GenerateManyResponse)
         async for response in multiplexer.serve(request_iterator):
@@ -133,19 +151,22 @@ class ReplicaAgentServicer(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
             timing.requests.labels(replica_id, outcome).inc()
             timing.duration.labels(replica_id).observe(time.perf_counter() - started)
 
-    async def AbortRequests(self, request, context):  # noqa: N802
+    async def AbortRequests(self, request: pb.AbortRequestsRequest,  # noqa: N802
+                            context: grpc.aio.ServicerContext) -> pb.AbortRequestsResponse:
         if request.WhichOneof("selection") is None or (request.HasField("all") and not request.all):
             raise InvalidArgument("name requests.request_ids or set all", reason=Reason.NOTHING_TO_ABORT)
         ids = None if request.all else list(request.requests.request_ids)
         aborted = await self.replicas.abort(request.replica_id, ids)
         return pb.AbortRequestsResponse(aborted_request_ids=aborted)
 
-    async def CloseSession(self, request, context):  # noqa: N802
+    async def CloseSession(self, request: pb.CloseSessionRequest,  # noqa: N802
+                           context: grpc.aio.ServicerContext) -> pb.CloseSessionResponse:
         check_session_id(request.session_id, "session_id")
         released = await self.replicas.close_session(request.replica_id, request.session_id)
         return pb.CloseSessionResponse(released=released)
 
-    async def PauseGeneration(self, request, context):  # noqa: N802
+    async def PauseGeneration(self, request: pb.PauseGenerationRequest,  # noqa: N802
+                              context: grpc.aio.ServicerContext) -> pb.PauseGenerationResponse:
         if request.mode not in PAUSE_MODES:
             raise InvalidArgument(f"unknown pause mode {request.mode}", reason=Reason.INVALID_PAUSE_MODE)
         aborted = await self.replicas.pause(list(request.replica_ids), mode=PAUSE_MODES[request.mode],
@@ -153,16 +174,19 @@ class ReplicaAgentServicer(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
         replicas = self.replicas.get_many(request.replica_ids)
         return pb.PauseGenerationResponse(replicas=[self._proto(r) for r in replicas], aborted_request_ids=aborted)
 
-    async def ResumeGeneration(self, request, context):  # noqa: N802
+    async def ResumeGeneration(self, request: pb.ResumeGenerationRequest,  # noqa: N802
+                               context: grpc.aio.ServicerContext) -> pb.ResumeGenerationResponse:
         replicas = await self.replicas.resume(list(request.replica_ids))
         return pb.ResumeGenerationResponse(replicas=[self._proto(r) for r in replicas])
 
-    async def Sleep(self, request, context):  # noqa: N802
+    async def Sleep(self, request: pb.SleepRequest,  # noqa: N802
+                    context: grpc.aio.ServicerContext) -> pb.SleepResponse:
         freed = await self.replicas.sleep(request.replica_id, level=int(request.level),
                                           abort_in_flight=request.abort_in_flight)
         return pb.SleepResponse(freed_bytes=freed, replica=self._proto(self.replicas.get(request.replica_id)))
 
-    async def WakeUp(self, request, context):  # noqa: N802
+    async def WakeUp(self, request: pb.WakeUpRequest,  # noqa: N802
+                     context: grpc.aio.ServicerContext) -> pb.WakeUpResponse:
         unknown = [t for t in request.tags if t not in convert.WAKE_TAGS]
         if unknown:
             raise InvalidArgument(f"unknown wake tag(s) {unknown}; use WAKE_TAG_WEIGHTS or WAKE_TAG_KV_CACHE",
@@ -171,11 +195,13 @@ class ReplicaAgentServicer(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
                                            resume_generation=request.resume_generation)
         return pb.WakeUpResponse(replica=self._proto(replica))
 
-    async def GetLoadReports(self, request, context):  # noqa: N802
+    async def GetLoadReports(self, request: pb.GetLoadReportsRequest,  # noqa: N802
+                             context: grpc.aio.ServicerContext) -> pb.GetLoadReportsResponse:
         replicas = self.replicas.get_many(request.replica_ids)
         return pb.GetLoadReportsResponse(reports=[self.node.load_report(r) for r in replicas])
 
-    async def WatchPrefixCache(self, request, context):  # noqa: N802
+    async def WatchPrefixCache(self, request: pb.WatchPrefixCacheRequest,  # noqa: N802
+                               context: grpc.aio.ServicerContext) -> AsyncIterator[pb.WatchPrefixCacheResponse]:
         hubs = []
         for replica in self.replicas.get_many(request.replica_ids):
             engine = getattr(replica, "engine", None)
@@ -195,7 +221,8 @@ class ReplicaAgentServicer(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
             for _, hub in hubs:
                 hub.unsubscribe(queue)
 
-    async def ReceiveWeights(self, request, context):  # noqa: N802
+    async def ReceiveWeights(self, request: pb.ReceiveWeightsRequest,  # noqa: N802
+                             context: grpc.aio.ServicerContext) -> pb.ReceiveWeightsResponse:
         results = await self.node.receive_weights(list(request.replica_ids), request.plan, request.abort_in_flight)
         out = pb.ReceiveWeightsResponse()
         for r in results:
@@ -212,7 +239,8 @@ class ReplicaWeightSource(weight_source_pb2_grpc.WeightSourceServiceServicer):
     def __init__(self, node: Node) -> None:
         self.node = node
 
-    async def PrepareWeightSync(self, request, context):  # noqa: N802 - gRPC method names throughout
+    async def PrepareWeightSync(self, request: weights_pb.PrepareWeightSyncRequest,  # noqa: N802 - gRPC method names
+                                context: grpc.aio.ServicerContext) -> weights_pb.PrepareWeightSyncResponse:
         from weight_transfer.wire import manifest_to_proto  # noqa: PLC0415
 
         prepared = await self.node.prepare_weight_sync(
@@ -224,7 +252,8 @@ class ReplicaWeightSource(weight_source_pb2_grpc.WeightSourceServiceServicer):
             rendezvous_host=prepared.rendezvous[0], rendezvous_port=prepared.rendezvous[1],
             source=prepared.replica_id)
 
-    async def SendWeights(self, request, context):  # noqa: N802
+    async def SendWeights(self, request: weights_pb.SendWeightsRequest,  # noqa: N802
+                          context: grpc.aio.ServicerContext) -> weights_pb.SendWeightsResponse:
         sent = await self.node.send_weights(_source_replica(request.source_id), request.plan)
         out = weights_pb.SendWeightsResponse(bytes_sent=sent.bytes_sent, checksum=sent.checksum,
                                              weight_version=sent.weight_version)

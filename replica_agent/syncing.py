@@ -13,11 +13,18 @@ import asyncio
 import dataclasses
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from mesh_runtime.errors import Aborted, FailedPrecondition
 from mesh_runtime.reasons import Reason
 
 from .replicas import Replica, ReplicaManager
+
+if TYPE_CHECKING:   # torch loads only when weights move
+    from weight_transfer import Manifest
+    from weight_transfer.wire import SyncPlan
+
+    from .weights import WeightGroups
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +49,7 @@ class SendResult:
     weight_version: int
 
 
-def _check_receivable(replica: Replica, plan, abort_in_flight: bool) -> None:
+def _check_receivable(replica: Replica, plan: SyncPlan, abort_in_flight: bool) -> None:
     from weight_transfer import validate_against  # noqa: PLC0415 - torch only when syncing
 
     if replica.state in _CANNOT_SYNC:
@@ -60,19 +67,19 @@ def _check_receivable(replica: Replica, plan, abort_in_flight: bool) -> None:
                                  "flight; abort them first or set abort_in_flight", reason=Reason.REQUESTS_IN_FLIGHT)
 
 
-async def receive(manager: ReplicaManager, groups, replica_ids: list[str], plan,
+async def receive(manager: ReplicaManager, groups: WeightGroups, replica_ids: list[str], plan: SyncPlan,
                   abort_in_flight: bool) -> list[ReceiveResult]:
     """Receive ``plan`` into every listed replica concurrently; all are checked before any starts."""
     replicas = [manager.get(i) for i in replica_ids]
     recorded = [groups.results.get((plan.sync_id, r.replica_id)) for r in replicas]
     if all(recorded):
-        return list(recorded)
+        return [r for r in recorded if r is not None]
     for replica in replicas:
         _check_receivable(replica, plan, abort_in_flight)
     return list(await asyncio.gather(*(_receive_one(groups, r, plan) for r in replicas)))
 
 
-async def _receive_one(groups, replica: Replica, plan) -> ReceiveResult:
+async def _receive_one(groups: WeightGroups, replica: Replica, plan: SyncPlan) -> ReceiveResult:
     from weight_transfer import VerificationFailed, receive_weights_async  # noqa: PLC0415
 
     started = time.monotonic()
@@ -120,7 +127,7 @@ class PreparedSource:
 
     replica_id: str
     weight_version: int
-    manifest: object
+    manifest: Manifest
     rendezvous: tuple[str, int]
 
 
@@ -130,8 +137,8 @@ def _check_servable(replica: Replica) -> None:
                                  reason=Reason.NO_WEIGHTS)
 
 
-async def prepare(manager: ReplicaManager, groups, replica_id: str, *, weight_version: int, bucket_size_bytes: int,
-                  checksum_algorithm: str, host: str) -> PreparedSource:
+async def prepare(manager: ReplicaManager, groups: WeightGroups, replica_id: str, *, weight_version: int,
+                  bucket_size_bytes: int, checksum_algorithm: str, host: str) -> PreparedSource:
     """Lay a replica's current weights out in a manifest and host its rendezvous store on ``host``.
 
     A repeat with the same version, bucket size and algorithm returns the recorded
@@ -165,7 +172,7 @@ async def prepare(manager: ReplicaManager, groups, replica_id: str, *, weight_ve
     return prepared
 
 
-async def send(manager: ReplicaManager, groups, replica_id: str, plan) -> SendResult:
+async def send(manager: ReplicaManager, groups: WeightGroups, replica_id: str, plan: SyncPlan) -> SendResult:
     """Send a replica's weights as rank 0 of ``plan`` (seed-replica sync for new replicas)."""
     from weight_transfer import send_weights_async  # noqa: PLC0415
 
@@ -184,7 +191,7 @@ async def send(manager: ReplicaManager, groups, replica_id: str, plan) -> SendRe
     replica.busy = "weights"
     try:
         cache = groups.cache(replica_id)
-        await asyncio.to_thread(cache.host_rendezvous, *plan.rendezvous)
+        await asyncio.to_thread(cache.host_rendezvous, plan.rendezvous[0], plan.rendezvous[1])
         group = await asyncio.to_thread(cache.get, plan.group_id, plan.members, plan.rendezvous, plan.backend,
                                         plan.sync_key)
         named = dict(replica.engine.named_weights())

@@ -11,6 +11,7 @@ repeated call returns them instead of transferring twice.
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 from weight_transfer import GroupCache, WeightTransferConfig
 from weight_transfer.wire import (  # noqa: F401 - the plan/manifest wire helpers, shared with the trainer
@@ -23,6 +24,9 @@ from weight_transfer.wire import (  # noqa: F401 - the plan/manifest wire helper
 
 _RECORDED_SYNCS = 256
 
+if TYPE_CHECKING:
+    from .syncing import PreparedSource, ReceiveResult
+
 
 class WeightGroups:
     """Process groups of this node's replicas (one cache per replica) and recorded syncs."""
@@ -30,10 +34,10 @@ class WeightGroups:
     def __init__(self, config: WeightTransferConfig) -> None:
         self.config = config
         self._caches: dict[str, GroupCache] = {}
-        self.results: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self.results: OrderedDict[tuple[str, str], ReceiveResult] = OrderedDict()
         self.ports: dict[str, int] = {}
         """Replica id -> port of the rendezvous store it hosts as a sync source (kept for its life)."""
-        self.prepared: dict[str, tuple[tuple, object]] = {}
+        self.prepared: dict[str, tuple[tuple[int, int, str], PreparedSource]] = {}
         """Replica id -> ((version, bucket size, algorithm), its last preparation as a source)."""
 
     def cache(self, member: str) -> GroupCache:
@@ -42,7 +46,7 @@ class WeightGroups:
             cache = self._caches[member] = GroupCache(member, self.config)
         return cache
 
-    def record(self, sync_id: str, member: str, result: object) -> None:
+    def record(self, sync_id: str, member: str, result: ReceiveResult) -> None:
         self.results[(sync_id, member)] = result
         while len(self.results) > _RECORDED_SYNCS:
             self.results.popitem(last=False)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+import grpc
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -20,6 +23,9 @@ from rollmesh.weights.v1 import weight_source_pb2_grpc
 from .config import TrainerAgentConfig
 from .node import TrainerNode
 
+if TYPE_CHECKING:
+    from mesh_runtime.server import MeshServer
+
 DESCRIPTOR = pb.DESCRIPTOR.services_by_name["TrainerAgentService"]
 WEIGHTS_DESCRIPTOR = weights_pb.DESCRIPTOR.services_by_name["WeightSourceService"]
 
@@ -35,7 +41,7 @@ class TrainerAgentServicer(trainer_agent_pb2_grpc.TrainerAgentServiceServicer):
         self.also_serves = [ServiceBinding(WEIGHTS_DESCRIPTOR.full_name, TrainerWeightSource(self.node),
                                            weight_source_pb2_grpc.add_WeightSourceServiceServicer_to_server)]
 
-    async def attach(self, server) -> None:
+    async def attach(self, server: MeshServer) -> None:
         await self.node.start(server)
 
     def _progress_families(self) -> list:
@@ -61,13 +67,15 @@ class TrainerAgentServicer(trainer_agent_pb2_grpc.TrainerAgentServiceServicer):
         out.append(state)
         return out
 
-    async def GetStatus(self, request, context):  # noqa: N802 - gRPC method names throughout
+    async def GetStatus(self, request: pb.GetStatusRequest,  # noqa: N802 - gRPC method names
+                        context: grpc.aio.ServicerContext) -> pb.GetStatusResponse:
         node = self.node
         return pb.GetStatusResponse(status=self.status.status(), rank=node.rank, world_size=node.world_size,
                                     model=node.config.model, training_backend=node.source.backend,
                                     weight_rendezvous_address=node.broadcaster.rendezvous_address)
 
-    async def GetTrainingProgress(self, request, context):  # noqa: N802
+    async def GetTrainingProgress(self, request: pb.GetTrainingProgressRequest,  # noqa: N802
+                                  context: grpc.aio.ServicerContext) -> pb.GetTrainingProgressResponse:
         p = self.node.driver.progress()
         out = pb.GetTrainingProgressResponse(
             global_step=p.global_step, weight_version=p.weight_version, param_version=p.param_version,
@@ -79,17 +87,20 @@ class TrainerAgentServicer(trainer_agent_pb2_grpc.TrainerAgentServiceServicer):
             out.last_reward_mean = p.last_reward_mean
         return out
 
-    async def StopTraining(self, request, context):  # noqa: N802
+    async def StopTraining(self, request: pb.StopTrainingRequest,  # noqa: N802
+                           context: grpc.aio.ServicerContext) -> pb.StopTrainingResponse:
         final = self.node.driver.stop(request.after_step if request.HasField("after_step") else None)
         return pb.StopTrainingResponse(final_step=final)
 
-    async def OffloadTrainingState(self, request, context):  # noqa: N802
+    async def OffloadTrainingState(self, request: pb.OffloadTrainingStateRequest,  # noqa: N802
+                                   context: grpc.aio.ServicerContext) -> pb.OffloadTrainingStateResponse:
         moved = await self.node.driver.offload(request.include_optimizer)
         out = pb.OffloadTrainingStateResponse(bytes_moved=moved.bytes_moved)
         set_seconds(out.duration, moved.duration_s)
         return out
 
-    async def OnloadTrainingState(self, request, context):  # noqa: N802
+    async def OnloadTrainingState(self, request: pb.OnloadTrainingStateRequest,  # noqa: N802
+                                  context: grpc.aio.ServicerContext) -> pb.OnloadTrainingStateResponse:
         moved = await self.node.driver.onload()
         out = pb.OnloadTrainingStateResponse(bytes_moved=moved.bytes_moved)
         set_seconds(out.duration, moved.duration_s)
@@ -107,7 +118,8 @@ class TrainerWeightSource(weight_source_pb2_grpc.WeightSourceServiceServicer):
             raise NotFound(f"this trainer agent's one weight source is {self.node.member_id}, not "
                            f"{source_id[:80]!r} (leave source_id empty)", reason=Reason.UNKNOWN_WEIGHT_SOURCE)
 
-    async def PrepareWeightSync(self, request, context):  # noqa: N802 - gRPC method names throughout
+    async def PrepareWeightSync(self, request: weights_pb.PrepareWeightSyncRequest,  # noqa: N802 - gRPC method names
+                                context: grpc.aio.ServicerContext) -> weights_pb.PrepareWeightSyncResponse:
         self._check_source(request.source_id)
         broadcaster = self.node.broadcaster
         prepared = await broadcaster.prepare(
@@ -122,7 +134,8 @@ class TrainerWeightSource(weight_source_pb2_grpc.WeightSourceServiceServicer):
                                                     rendezvous_host=host, rendezvous_port=port,
                                                     source=self.node.member_id)
 
-    async def SendWeights(self, request, context):  # noqa: N802
+    async def SendWeights(self, request: weights_pb.SendWeightsRequest,  # noqa: N802
+                          context: grpc.aio.ServicerContext) -> weights_pb.SendWeightsResponse:
         self._check_source(request.source_id)
         plan = plan_from_proto(request.plan, self.node.config.weight_transfer_timeout_s)
         sent = await self.node.broadcaster.send(plan)

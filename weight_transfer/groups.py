@@ -33,8 +33,9 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+import types
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,8 @@ from mesh_runtime.config import ConfigError, setting
 
 from .errors import GroupBusy, GroupClosed, PeerLost, TransferTimeout, WeightTransferError
 from .manifest import CHECKSUM_ALGORITHMS
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +203,8 @@ class _Claim:
             raise GroupBusy(f"a transfer is already running on weight group {self._group.key.group_id!r}")
         return self._group
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: types.TracebackType | None) -> None:
         try:
             if exc is not None:
                 # Closing now (not when the cache retires it) makes the peers'
@@ -245,7 +249,7 @@ def _wait_for_listener(host: str, port: int, deadline: float) -> None:
             delay = min(delay * 2, 0.5)
 
 
-def _call_with_deadline(build, deadline: float, what: str):
+def _call_with_deadline(build: Callable[[], T], deadline: float, what: str) -> T:
     """Run ``build()`` in a helper thread; give up at ``deadline`` (monotonic seconds).
 
     On giving up the helper is left to finish on its own, and whatever it
@@ -294,7 +298,7 @@ class GroupCache:
     def __enter__(self) -> GroupCache:
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     # -- rendezvous stores -------------------------------------------------------------------

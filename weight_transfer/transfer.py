@@ -54,12 +54,15 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 
 from .errors import ChecksumMismatch, GroupClosed, ManifestMismatch, NotAuthentic, TransferCancelled
 from .groups import TransferGroup, translate_error
-from .manifest import Manifest, StreamHasher, bucket_digest, dtype_name, manifest_tag, tensor_bytes, views_of
+from .manifest import (Manifest, StreamHasher, TensorEntry, bucket_digest, dtype_name, manifest_tag, tensor_bytes,
+                       views_of)
 
 TOPOLOGIES = ("auto", "broadcast", "chain")
 
@@ -68,6 +71,8 @@ BucketHook = Callable[[int, torch.Tensor], None]
 _TAG_INDEX = 1 << 24
 """The point-to-point tag of the manifest-tag message (buckets use their index)."""
 TAG_BYTES = 32
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +104,7 @@ class _Link:
                         else group.op_timeout)
 
     @property
-    def pg(self):
+    def pg(self) -> dist.ProcessGroup:
         # Read through the group each time: once it is closed nothing here may
         # keep the backend group (and so its connections) alive.
         pg = self._group.backend_group
@@ -107,7 +112,7 @@ class _Link:
             raise GroupClosed(f"weight group {self._group.key.group_id!r} was closed during the transfer")
         return pg
 
-    def send(self, index: int, buf: torch.Tensor) -> list:
+    def send(self, index: int, buf: torch.Tensor) -> list[dist.Work]:
         """Rank 0: start sending bucket ``index``."""
         if self.size == 1:
             return []
@@ -115,19 +120,19 @@ class _Link:
             return [self._call(lambda: self.pg.send([buf], 1, index), index)]
         return [self._call(lambda: self.pg.broadcast(buf, 0, self.timeout), index)]
 
-    def receive(self, index: int, buf: torch.Tensor) -> object:
+    def receive(self, index: int, buf: torch.Tensor) -> dist.Work:
         """Other ranks: start receiving bucket ``index`` into ``buf``."""
         if self.chain:
             return self._call(lambda: self.pg.recv([buf], self.rank - 1, index), index)
         return self._call(lambda: self.pg.broadcast(buf, 0, self.timeout), index)
 
-    def forward(self, index: int, buf: torch.Tensor) -> object | None:
+    def forward(self, index: int, buf: torch.Tensor) -> dist.Work | None:
         """Chain relays: start passing a received bucket on to the next rank."""
         if not self.chain or self.rank + 1 >= self.size:
             return None
         return self._call(lambda: self.pg.send([buf], self.rank + 1, index), index)
 
-    def wait(self, work, what: str) -> None:
+    def wait(self, work: dist.Work, what: str) -> None:
         try:
             if self.nccl or self.chain:
                 work.wait(self.timeout)
@@ -137,11 +142,11 @@ class _Link:
             # The traceback keeps this frame alive; a work object left in it
             # would keep the group's connections open after the group is
             # closed, and the peers would wait for their timeouts.
-            work = None  # noqa: F841
+            del work
             raise translate_error(err, what) from err
 
     @staticmethod
-    def _call(post, index: int):
+    def _call(post: Callable[[], T], index: int) -> T:
         try:
             return post()
         except Exception as err:
@@ -218,7 +223,7 @@ class _Packer:
         self._src = None  # nothing left: the rest of the stream is padding
         self._src_start = self._src_end = self._manifest.total_bytes
 
-    def _take(self, entry) -> torch.Tensor:
+    def _take(self, entry: TensorEntry) -> torch.Tensor:
         item = next(self._tensors, None)
         if item is None:
             raise ManifestMismatch(f"the sender has no tensor {entry.name!r}", tensor_name=entry.name)
@@ -421,7 +426,7 @@ def broadcast_manifest(group: TransferGroup, manifest: Manifest | None = None, *
 
 
 async def send_weights_async(group: TransferGroup, manifest: Manifest,
-                             named_tensors: Iterable[tuple[str, torch.Tensor]], **kwargs) -> SendResult:
+                             named_tensors: Iterable[tuple[str, torch.Tensor]], **kwargs: Any) -> SendResult:
     """:func:`send_weights` in a worker thread; cancelling the caller cancels the transfer."""
     cancel = threading.Event()
     try:
@@ -432,7 +437,7 @@ async def send_weights_async(group: TransferGroup, manifest: Manifest,
 
 
 async def receive_weights_async(group: TransferGroup, manifest: Manifest,
-                                **kwargs) -> dict[str, torch.Tensor]:
+                                **kwargs: Any) -> dict[str, torch.Tensor]:
     """:func:`receive_weights` in a worker thread; cancelling the caller cancels the transfer."""
     cancel = threading.Event()
     try:

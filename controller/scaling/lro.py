@@ -15,6 +15,7 @@ import re
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
+import grpc
 from google.longrunning import operations_pb2, operations_pb2_grpc
 from google.protobuf import empty_pb2
 
@@ -144,12 +145,14 @@ class OperationsServicer(operations_pb2_grpc.OperationsServicer):
         self._scaler = scaler
         self.config = config
 
-    async def GetOperation(self, request, context):  # noqa: N802 - gRPC method names throughout
+    async def GetOperation(self, request: operations_pb2.GetOperationRequest,  # noqa: N802 - gRPC method names
+                           context: grpc.aio.ServicerContext) -> operations_pb2.Operation:
         scaler = self._scaler()
         await scaler.mesh.store.settled()   # only what a crash cannot undo: a state whose save is still in
         return long_running(scaler.book.get(operation_id(request.name)))   # flight is shown once it is stored
 
-    async def ListOperations(self, request, context):  # noqa: N802
+    async def ListOperations(self, request: operations_pb2.ListOperationsRequest,  # noqa: N802
+                             context: grpc.aio.ServicerContext) -> operations_pb2.ListOperationsResponse:
         if request.name not in ("", COLLECTION):
             raise InvalidArgument(f"name {request.name[:64]!r} is not \"operations\" (or empty)",
                                   reason=Reason.INVALID_OPERATION_NAME)
@@ -162,7 +165,8 @@ class OperationsServicer(operations_pb2_grpc.OperationsServicer):
         return operations_pb2.ListOperationsResponse(
             operations=await pages.convert_all(chosen, long_running), next_page_token=token)
 
-    async def WaitOperation(self, request, context):  # noqa: N802
+    async def WaitOperation(self, request: operations_pb2.WaitOperationRequest,  # noqa: N802
+                            context: grpc.aio.ServicerContext) -> operations_pb2.Operation:
         op_id = operation_id(request.name)
         limit = to_seconds(request.timeout) if request.HasField("timeout") else None
         if limit is not None and limit <= 0:
@@ -174,13 +178,15 @@ class OperationsServicer(operations_pb2_grpc.OperationsServicer):
         op = await self._scaler().book.wait(op_id, None if limit is None else max(limit, 0.0))
         return long_running(op)
 
-    async def CancelOperation(self, request, context):  # noqa: N802
+    async def CancelOperation(self, request: operations_pb2.CancelOperationRequest,  # noqa: N802
+                              context: grpc.aio.ServicerContext) -> empty_pb2.Empty:
         require_scale_credential(context, self.config, "CancelOperation")
         op_id = operation_id(request.name)
         await self._scaler().cancel(op_id)
         return empty_pb2.Empty()
 
-    async def DeleteOperation(self, request, context):  # noqa: N802
+    async def DeleteOperation(self, request: operations_pb2.DeleteOperationRequest,  # noqa: N802
+                              context: grpc.aio.ServicerContext) -> empty_pb2.Empty:
         require_scale_credential(context, self.config, "DeleteOperation")
         op_id = operation_id(request.name)
         await self._scaler().delete(op_id)

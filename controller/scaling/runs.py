@@ -27,16 +27,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING
 
 from mesh_runtime.validate import is_engine_url
 from rollmesh.common.v1 import types_pb2
 
 from ..agents import why
 from ..core.events import EventType
-from .operations import OperationState
+from .operations import OperationState, ScaleOperation
 from ..core.records import ReplicaKind, ReplicaSpec, ReplicaState
 
 log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from .scaler import Scaler
+
 OS = OperationState
 S = ReplicaState
 _POLL_S = 0.2
@@ -46,7 +51,7 @@ class ScaleFailed(Exception):
     """A stage failed in a way the operation cannot go on from (the message says why)."""
 
 
-async def _gather(items, one) -> dict[str, str]:
+async def _gather(items: Sequence[str], one: Callable[[str], Awaitable[object]]) -> dict[str, str]:
     """Run ``one(item)`` for each item concurrently; item -> why for the failures."""
     results = await asyncio.gather(*(one(i) for i in items), return_exceptions=True)
     failed = {}
@@ -59,7 +64,7 @@ async def _gather(items, one) -> dict[str, str]:
 
 
 # ------------------------------------------------------------------ scale-out
-async def run_out(s, op, placements: list[str]) -> None:
+async def run_out(s: Scaler, op: ScaleOperation, placements: list[str]) -> None:
     with s.mesh.span("scale.out", operation_id=op.operation_id, model_name=op.model_name,
                       target=op.num_replicas, addresses=op.engine_addresses):
         if op.engine_addresses:
@@ -73,7 +78,7 @@ async def run_out(s, op, placements: list[str]) -> None:
         await _route(s, op, [r for r in op.replica_ids if r not in op.failed_replica_ids])
 
 
-async def _create(s, op, placements: list[str]) -> dict[str, str]:
+async def _create(s: Scaler, op: ScaleOperation, placements: list[str]) -> dict[str, str]:
     registry, per = s.mesh.registry, s.config.rollout_num_gpus_per_engine
     for index, node_id in enumerate(placements):
         replica_id = f"{node_id}-x{op.operation_id[:6]}{index}"
@@ -97,7 +102,7 @@ async def _create(s, op, placements: list[str]) -> dict[str, str]:
         return await _gather(list(op.replica_ids), launch)
 
 
-async def _connect(s, op) -> dict[str, str]:
+async def _connect(s: Scaler, op: ScaleOperation) -> dict[str, str]:
     registry, per = s.mesh.registry, s.config.rollout_num_gpus_per_engine
     await s.move(op, OS.CONNECTING, f"connecting to {op.engine_addresses}")
 
@@ -157,7 +162,7 @@ async def _connect(s, op) -> dict[str, str]:
         registry.transition(replica_id, S.LOADING, f"attached to {url}; health check next",
                             operation_id=op.operation_id)
 
-    def one(address: str):
+    def one(address: str) -> Awaitable[object]:
         return attach(address) if is_engine_url(address) else connect(address)
 
     with s.mesh.span("scale.out.connect", operation_id=op.operation_id, addresses=op.engine_addresses):
@@ -166,7 +171,7 @@ async def _connect(s, op) -> dict[str, str]:
     return failed
 
 
-async def _health(s, op, alive: list[str]) -> dict[str, str]:
+async def _health(s: Scaler, op: ScaleOperation, alive: list[str]) -> dict[str, str]:
     registry = s.mesh.registry
 
     async def check(replica_id: str) -> None:
@@ -179,7 +184,7 @@ async def _health(s, op, alive: list[str]) -> dict[str, str]:
         return await _gather(alive, check)
 
 
-async def _settle(s, op, failed: dict[str, str], stage: str) -> list[str]:
+async def _settle(s: Scaler, op: ScaleOperation, failed: dict[str, str], stage: str) -> list[str]:
     """Apply the partial-success policy to a stage's failures; the replicas that go on."""
     if failed:
         op.failed_replica_ids.extend(f for f in failed if f not in op.failed_replica_ids)
@@ -195,7 +200,7 @@ async def _settle(s, op, failed: dict[str, str], stage: str) -> list[str]:
     return [r for r in op.replica_ids if r not in op.failed_replica_ids]
 
 
-async def _sync(s, op, alive: list[str]) -> None:
+async def _sync(s: Scaler, op: ScaleOperation, alive: list[str]) -> None:
     mesh, registry = s.mesh, s.mesh.registry
     version = s.current_version(op.model_name, exclude=set(op.replica_ids))
     behind = [r for r in alive if version is not None and registry.get(r).weight_version < version]
@@ -204,7 +209,7 @@ async def _sync(s, op, alive: list[str]) -> None:
     for replica_id in alive:
         registry.transition(replica_id, S.SYNCING, "weight sync before serving", operation_id=op.operation_id)
     failed: dict[str, str] = {}
-    if behind:
+    if behind and version is not None:   # (behind is empty without a version)
         async with mesh.transitions:
             mesh.emit(EventType.WEIGHT_SYNC_STARTED, weight_version=version, operation_id=op.operation_id,
                       reason=f"scale-out {op.operation_id}", attributes={"replicas": len(behind)})
@@ -229,7 +234,7 @@ async def _sync(s, op, alive: list[str]) -> None:
     op.weight_version = version if version is not None else min(registry.get(r).weight_version for r in alive)
 
 
-def seed_replicas(s, op, version: int) -> list[str]:
+def seed_replicas(s: Scaler, op: ScaleOperation, version: int) -> list[str]:
     """Healthy replicas that may seed new ones: ACTIVE, of the model, at ``version``, owned by no operation.
 
     Standalone ones first (a hybrid replica may be put to sleep by the next step); never one that
@@ -244,7 +249,7 @@ def seed_replicas(s, op, version: int) -> list[str]:
     return [r.replica_id for r in candidates]
 
 
-async def _route(s, op, alive: list[str]) -> None:
+async def _route(s: Scaler, op: ScaleOperation, alive: list[str]) -> None:
     mesh, registry = s.mesh, s.mesh.registry
     async with mesh.transitions:
         for replica_id in alive:
@@ -260,7 +265,7 @@ async def _route(s, op, alive: list[str]) -> None:
     await s.move(op, OS.ACTIVE, f"{alive} serve requests{kept}")
 
 
-async def release(s, op, replica_ids: list[str], reason: str) -> None:
+async def release(s: Scaler, op: ScaleOperation, replica_ids: list[str], reason: str) -> None:
     """Take replicas an operation added out of routing and out of the mesh, stopping what it launched."""
     mesh, registry = s.mesh, s.mesh.registry
     ids = [r for r in replica_ids if r in registry]
@@ -292,7 +297,7 @@ async def release(s, op, replica_ids: list[str], reason: str) -> None:
             registry.forget_node(node_id, f"external connection {reason} ({op.operation_id})")
 
 
-async def rollback_out(s, op) -> None:
+async def rollback_out(s: Scaler, op: ScaleOperation) -> None:
     owned = [r.replica_id for r in s.mesh.registry.replicas() if r.added_by_operation_id == op.operation_id]
     ids = list(dict.fromkeys([*op.replica_ids, *owned]))
     with s.mesh.span("scale.out.rollback", operation_id=op.operation_id, replica_ids=ids):
@@ -300,7 +305,7 @@ async def rollback_out(s, op) -> None:
     await s.save()
 
 
-async def resume_ready(s, op) -> None:
+async def resume_ready(s: Scaler, op: ScaleOperation) -> None:
     """After a restart: a READY scale-out has synced its replicas; route them again and finish."""
     alive = [r for r in op.replica_ids if r not in op.failed_replica_ids and r in s.mesh.registry
              and s.mesh.registry.get(r).state is S.ACTIVE]
@@ -310,12 +315,12 @@ async def resume_ready(s, op) -> None:
     await s.move(op, OS.ACTIVE, f"resumed after controller restart: {alive} serve requests")
 
 
-async def restart_failed(s, op) -> None:
+async def restart_failed(s: Scaler, op: ScaleOperation) -> None:
     raise ScaleFailed("controller restarted; the operation was rolled back")
 
 
 # ------------------------------------------------------------------- scale-in
-async def run_in(s, op, *, resumed: bool = False) -> None:
+async def run_in(s: Scaler, op: ScaleOperation, *, resumed: bool = False) -> None:
     mesh, registry = s.mesh, s.mesh.registry
     ids = list(op.replica_ids)
     with mesh.span("scale.in", operation_id=op.operation_id, replica_ids=ids, force=op.force):
@@ -346,7 +351,7 @@ async def run_in(s, op, *, resumed: bool = False) -> None:
                f"removed {[r for r in ids if r not in failed]}" + (f"; failed {sorted(failed)}" if failed else ""))
 
 
-async def _drain(s, op, ids: list[str], *, force: bool) -> str:
+async def _drain(s: Scaler, op: ScaleOperation, ids: list[str], *, force: bool) -> str:
     registry, timeout = s.mesh.registry, s.config.scale_in_drain_timeout
     # Every replica that may still run requests (an agent that re-registered meanwhile reports ACTIVE again).
     live = [r for r in ids if registry.get(r).state not in (S.REMOVED, S.STOPPED, S.FAILED)]
@@ -372,7 +377,7 @@ async def _drain(s, op, ids: list[str], *, force: bool) -> str:
             "resumes them elsewhere" + (f"; abort failed on {failed}" if failed else ""))
 
 
-async def _remove(s, op, ids: list[str]) -> dict[str, str]:
+async def _remove(s: Scaler, op: ScaleOperation, ids: list[str]) -> dict[str, str]:
     registry, grace = s.mesh.registry, s.config.scale_in_shutdown_timeout
 
     async def stop(replica_id: str) -> None:
@@ -398,11 +403,11 @@ async def _remove(s, op, ids: list[str]) -> dict[str, str]:
     return failed
 
 
-async def resume_in(s, op) -> None:
+async def resume_in(s: Scaler, op: ScaleOperation) -> None:
     await run_in(s, op, resumed=True)
 
 
-async def restore_in(s, op) -> None:
+async def restore_in(s: Scaler, op: ScaleOperation) -> None:
     """A scale-in that fails or times out puts the replicas it had not removed back into routing."""
     registry = s.mesh.registry
     back = [r for r in op.replica_ids if r in registry and registry.get(r).state in (S.DRAINING, S.ACTIVE)]

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -53,6 +53,9 @@ if TYPE_CHECKING:
     from ..routing import Routing
     from ..store import StateStore
     from ..weight_sync import WeightBroadcast
+
+Run = Callable[["Scaler", ScaleOperation], Awaitable[None]]
+"""A scale operation's body, or what undoes it (:mod:`controller.scaling.runs`)."""
 
 
 class ScalingMesh(Protocol):
@@ -162,11 +165,11 @@ class Scaler:
             raise InvalidArgument(f"timeout must be positive, got {given} s", reason=Reason.INVALID_TIMEOUT)
         return given
 
-    def _spawn(self, op: ScaleOperation, body, undo) -> None:
+    def _spawn(self, op: ScaleOperation, body: Run, undo: Run) -> None:
         task = asyncio.get_running_loop().create_task(self._drive(op, body, undo), name=f"scale-{op.operation_id}")
         self.tasks[op.operation_id] = task
 
-    async def _drive(self, op: ScaleOperation, body, undo) -> None:
+    async def _drive(self, op: ScaleOperation, body: Run, undo: Run) -> None:
         try:
             async with asyncio.timeout(op.timeout_s):
                 await body(self, op)
@@ -183,7 +186,7 @@ class Scaler:
         finally:
             self.tasks.pop(op.operation_id, None)
 
-    async def _end(self, op: ScaleOperation, state: OperationState, reason: str, undo) -> None:
+    async def _end(self, op: ScaleOperation, state: OperationState, reason: str, undo: Run) -> None:
         try:
             await undo(self, op)
         except Exception:  # noqa: BLE001 - the operation still ends; the log says what was left

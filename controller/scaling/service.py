@@ -9,8 +9,11 @@ refused call changes nothing.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from google.longrunning import operations_pb2
+import grpc
 from mesh_runtime.errors import FailedPrecondition, InvalidArgument
 from mesh_runtime.reasons import Reason
 from rollmesh.controller.v1 import autoscaler_pb2, scaling_pb2
@@ -19,16 +22,18 @@ from .. import convert
 from . import convert as convert_scaling
 from . import lro
 from ..auth import require_scale_credential
-from .autoscaler_loop import MODEL
+from .autoscaler import Autoscaler
+from .autoscaler_loop import MODEL, AutoscalerLoop
+from .operations import OperationState
 
 _POLICY_VALUES = set(convert_scaling.POLICY_NAMES) | {scaling_pb2.PARTIAL_SUCCESS_POLICY_UNSPECIFIED}
 
 
-def _timeout(request) -> float | None:
+def _timeout(request: scaling_pb2.ScaleOutRequest | scaling_pb2.ScaleInRequest) -> float | None:
     return convert.seconds(request.timeout) if request.HasField("timeout") else None
 
 
-def _states(values) -> set:
+def _states(values: Iterable[scaling_pb2.OperationState.ValueType]) -> set[OperationState]:
     try:
         return {convert_scaling.state_from_proto(v) for v in values if v}
     except ValueError:
@@ -47,7 +52,8 @@ class ScalingRpcs:
         @property
         def mesh(self) -> Mesh: ...
 
-    async def ScaleOut(self, request, context):  # noqa: N802 - gRPC method names throughout
+    async def ScaleOut(self, request: scaling_pb2.ScaleOutRequest,  # noqa: N802 - gRPC method names throughout
+                       context: grpc.aio.ServicerContext) -> operations_pb2.Operation:
         require_scale_credential(context, self.config, "ScaleOut")
         if request.partial_success_policy not in _POLICY_VALUES:
             raise InvalidArgument(f"unknown partial_success_policy {request.partial_success_policy}",
@@ -66,7 +72,8 @@ class ScalingRpcs:
             policy=convert_scaling.POLICY_NAMES.get(request.partial_success_policy, ""))
         return lro.long_running(op, summary=message)
 
-    async def ScaleIn(self, request, context):  # noqa: N802
+    async def ScaleIn(self, request: scaling_pb2.ScaleInRequest,  # noqa: N802
+                      context: grpc.aio.ServicerContext) -> operations_pb2.Operation:
         require_scale_credential(context, self.config, "ScaleIn")
         target = request.WhichOneof("target")
         if target is None:
@@ -84,7 +91,8 @@ class ScalingRpcs:
             force=request.force, timeout_s=_timeout(request), dry_run=request.dry_run, request_id=request.request_id)
         return lro.long_running(op, summary=message, would_remove=would_remove if request.dry_run else ())
 
-    async def CancelOperations(self, request, context):  # noqa: N802
+    async def CancelOperations(self, request: scaling_pb2.CancelOperationsRequest,  # noqa: N802
+                               context: grpc.aio.ServicerContext) -> scaling_pb2.CancelOperationsResponse:
         require_scale_credential(context, self.config, "CancelOperations")
         ids = await self.mesh.scaler.cancel_many(_states(request.states), request.dry_run)
         return scaling_pb2.CancelOperationsResponse(cancelled_operation_ids=ids)
@@ -109,30 +117,36 @@ class ScalingRpcs:
         msg.recent_metrics.CopyFrom(convert_scaling.metrics(core.latest, loop.throughput_variance()))
         return msg
 
-    def _configured_autoscaler(self):
-        if not self.mesh.autoscaler.configured:
+    def _configured_autoscaler(self) -> tuple[AutoscalerLoop, Autoscaler]:
+        """The autoscaler loop and its decision core; FAILED_PRECONDITION without an autoscaler_config."""
+        if self.mesh.autoscaler.core is None:
             raise FailedPrecondition("the controller was started without autoscaler_config "
                                      "(--autoscaler-config FILE); there is no autoscaler",
                                      reason=Reason.AUTOSCALER_NOT_CONFIGURED)
-        return self.mesh.autoscaler
+        return self.mesh.autoscaler, self.mesh.autoscaler.core
 
-    async def GetAutoscalerStatus(self, request, context):  # noqa: N802
+    async def GetAutoscalerStatus(self, request: autoscaler_pb2.GetAutoscalerStatusRequest,  # noqa: N802
+                                  context: grpc.aio.ServicerContext) -> autoscaler_pb2.GetAutoscalerStatusResponse:
         return autoscaler_pb2.GetAutoscalerStatusResponse(status=self._autoscaler_status())
 
-    async def SetAutoscalerEnabled(self, request, context):  # noqa: N802
+    async def SetAutoscalerEnabled(self, request: autoscaler_pb2.SetAutoscalerEnabledRequest,  # noqa: N802
+                                   context: grpc.aio.ServicerContext) -> autoscaler_pb2.SetAutoscalerEnabledResponse:
         require_scale_credential(context, self.config, "SetAutoscalerEnabled")
-        self._configured_autoscaler().set_enabled(request.enabled)
+        self._configured_autoscaler()[0].set_enabled(request.enabled)
         return autoscaler_pb2.SetAutoscalerEnabledResponse(status=self._autoscaler_status())
 
-    async def GetAutoscalerConditions(self, request, context):  # noqa: N802
-        loop = self._configured_autoscaler()
+    async def GetAutoscalerConditions(  # noqa: N802
+            self, request: autoscaler_pb2.GetAutoscalerConditionsRequest,
+            context: grpc.aio.ServicerContext) -> autoscaler_pb2.GetAutoscalerConditionsResponse:
+        loop, core = self._configured_autoscaler()
         now = self.mesh.clock()
-        conditions = loop.core.conditions(now)
+        conditions = core.conditions(now)
         return autoscaler_pb2.GetAutoscalerConditionsResponse(
             conditions=[convert_scaling.condition(c) for c in conditions.values()],
-            metrics=convert_scaling.metrics(loop.core.latest, loop.throughput_variance()))
+            metrics=convert_scaling.metrics(core.latest, loop.throughput_variance()))
 
-    async def ListScaleHistory(self, request, context):  # noqa: N802
+    async def ListScaleHistory(self, request: autoscaler_pb2.ListScaleHistoryRequest,  # noqa: N802
+                               context: grpc.aio.ServicerContext) -> autoscaler_pb2.ListScaleHistoryResponse:
         if request.action not in convert_scaling.ACTION_NAMES and request.action:
             raise InvalidArgument(f"unknown action {request.action}", reason=Reason.INVALID_ACTION)
         action = convert_scaling.ACTION_NAMES.get(request.action) if request.action else None

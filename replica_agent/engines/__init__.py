@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 
-def _build_config(config_class: type, backend: str, options: dict[str, Any]):
+def _build_config(config_class: type[Any], backend: str, options: dict[str, Any]) -> Any:
     known = {f.name for f in dataclasses.fields(config_class)}
     unknown = sorted(set(options) - known)
     if unknown:

@@ -44,7 +44,7 @@ from .core import SteppedEngine
 from .engine_model import EngineModel, EngineModelConfig, PrefixEvents
 from .errors import EngineUnavailable, InvalidRequest, WeightMismatch
 from .randomness import mix_seed
-from .request_state import ActiveRequest, StepBatch
+from .request_state import ActiveRequest, RowSpec, StepBatch
 from .types import GenerationRequest, LoadSnapshot, WeightSpec
 
 _LENGTH_STREAM = 0x4C454E  # distinct draw index for the response length
@@ -269,7 +269,7 @@ class SyntheticEngine(SteppedEngine):
             return super()._unreserve(active)
         self.model.release(active.request_id, self._sequences.pop(active.request_id, ()))
 
-    def _run_length(self, row) -> int:
+    def _run_length(self, row: RowSpec) -> int:
         """Tokens the row gets this step: ``tokens_per_step``, fewer where its response ends sooner."""
         left = row.sampling.max_tokens - row.completion_index
         if not row.sampling.ignore_eos:
@@ -315,7 +315,7 @@ class SyntheticEngine(SteppedEngine):
                                    prefix_cache_tokens=self.model.cache_tokens,
                                    prefix_cache_hit_rate=self.model.hit_rate)
 
-    def _tokens(self, row, count: int) -> tuple[list[int], list[float]]:
+    def _tokens(self, row: RowSpec, count: int) -> tuple[list[int], list[float]]:
         """The row's next ``count`` tokens and logprobs; the response's natural last one is EOS."""
         start = row.completion_index
         ids: list[int] = []

@@ -16,7 +16,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -34,6 +34,7 @@ from .types import WeightSpec
 
 log = logging.getLogger(__name__)
 _Part = TypeVar("_Part")
+R = TypeVar("R")
 
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 65536
 
@@ -128,7 +129,7 @@ class TorchEngine(SteppedEngine):
         self._vocab_size: int | None = None
         self._max_model_len: int | None = None
 
-    async def _in_worker(self, fn, *args):
+    async def _in_worker(self, fn: Callable[..., R], *args: Any) -> R:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     # ------------------------------------------------------------ model load

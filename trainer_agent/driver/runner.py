@@ -34,8 +34,9 @@ import dataclasses
 import json
 import logging
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -52,10 +53,14 @@ from ..training import task as copy_task
 from ..training.grpo import GrpoConfig, GrpoTrainer, parameter_bytes
 from .checkpoint import load_checkpoint, save_checkpoint
 from .lb_client import LoadBalancerGenerate
-from .loop import FullyAsyncLoop, StepRecord, task_prompts
+from .loop import FullyAsyncLoop, Scorer, StepRecord, task_prompts
 from .mesh_calls import lb_replica_count
 from .rollouter import Prompt, RolloutConfig
 from .settings import queue_bound
+
+if TYPE_CHECKING:
+    from .tools import ToolBox
+    from .trajectory import TrajectoryRunner
 
 log = logging.getLogger(__name__)
 
@@ -275,7 +280,8 @@ class TrainingDriver:
                     generations: BalancerGenerations | None = None) -> FullyAsyncLoop:
         s, at, arr, t = self.settings, self.config.async_training, self.config.actor_rollout_ref, self.config.task
         actor, sampling = arr.actor, arr.rollout
-        scorer, stop_ids = None, ()
+        scorer: Scorer | None = None
+        stop_ids: tuple[int, ...] = ()
         toolbox = self._toolbox()
         if self.config.data.enabled:
             prompts, scorer, stop_ids = self._dataset(tools=toolbox.schemas if toolbox is not None else None)
@@ -301,7 +307,7 @@ class TrainingDriver:
             on_step=self._after_step, on_phase=self._phase, offload_during_hybrid=s.offload_during_hybrid,
             scorer=scorer, trajectory=trajectory)
 
-    def _toolbox(self):
+    def _toolbox(self) -> ToolBox | None:
         """The multi-turn tools of ``multi_turn.tool_config_path`` (verl's tool config), or None."""
         mt = self.config.actor_rollout_ref.rollout.multi_turn
         if not (mt.enable and mt.tool_config_path):
@@ -311,7 +317,7 @@ class TrainingDriver:
         return ToolBox(load_tools(mt.tool_config_path), timeout_s=mt.tool_timeout_s,
                        max_response_length=mt.max_tool_response_length, truncate_side=mt.tool_response_truncate_side)
 
-    def _trajectories(self, balancer: Any, toolbox: Any, max_tokens: int):
+    def _trajectories(self, balancer: Any, toolbox: ToolBox | None, max_tokens: int) -> TrajectoryRunner:
         """The multi-turn runner: the model's chat template, the tools, the environment, CloseSession."""
         from mesh_runtime.chat import ChatTokenizer  # noqa: PLC0415
         from rollmesh.loadbalancer.v1 import loadbalancer_pb2  # noqa: PLC0415
@@ -336,7 +342,8 @@ class TrainingDriver:
                                 toolbox=toolbox, environment=environment, close_session=close_session,
                                 context_of=context_of)
 
-    def _dataset(self, tools: list[dict[str, Any]] | None = None):
+    def _dataset(self, tools: list[dict[str, Any]] | None = None
+                 ) -> tuple[Iterator[Prompt], Scorer, tuple[int, ...]]:
         """Prompts, scorer and stop tokens of the configured verl-format dataset and reward function."""
         from modeling.tokenizer import load_tokenizer  # noqa: PLC0415 - transformers, only with a dataset
 
@@ -353,7 +360,7 @@ class TrainingDriver:
         log.info("dataset: %d prompts from %s; reward %s from %s", len(rows), data.train_files, reward.name,
                  reward.path)
 
-        def score(items):
+        def score(items: Sequence[tuple[str, Sequence[int]]]) -> tuple[list[float], dict[str, float]]:
             return self._scorer.score([(by_id[prompt_id], ids) for prompt_id, ids in items])
 
         prompts = (Prompt(r.prompt_id, list(r.token_ids)) for r in prompt_order(rows, shuffle=data.shuffle,

@@ -33,6 +33,7 @@ import sys
 import traceback
 import types
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -184,7 +185,7 @@ def load_tools(path: str | Path) -> list[Any]:
 
 
 @contextlib.contextmanager
-def _importable_from(directory: Path):
+def _importable_from(directory: Path) -> Iterator[None]:
     """Modules next to the tool config import too (as they would with it as the working directory)."""
     sys.path.insert(0, str(directory))
     try:

@@ -52,7 +52,7 @@ def initialize_parallel(tensor_parallel_size: int = 1) -> None:
 
 
 def build_gpt(layout: mapping.GptLayout, *, dtype: torch.dtype, device: torch.device,
-              tensor_parallel_size: int = 1, seed: int = 0):
+              tensor_parallel_size: int = 1, seed: int = 0) -> torch.nn.Module:
     """megatron-core's ``GPTModel`` with ``layout``'s dimensions (parallel state must be initialised)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -89,7 +89,7 @@ class MegatronCausalLM(torch.nn.Module):
         super().__init__()
         self.gpt = gpt
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> types.SimpleNamespace:
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0).expand_as(input_ids)
         logits = self.gpt(input_ids, positions, attention_mask=None)
         return types.SimpleNamespace(logits=logits)

@@ -15,8 +15,12 @@ import json
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..config import is_model_directory
+
+if TYPE_CHECKING:
+    from ..weight_source import WeightSource
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json")
@@ -30,7 +34,7 @@ def _config(model: str) -> dict:
     return preset_config(model).to_dict()
 
 
-def export_model(source, directory: str | Path) -> Path:
+def export_model(source: WeightSource, directory: str | Path) -> Path:
     """Write ``source``'s current weights (a loaded :class:`~trainer_agent.weight_source.WeightSource`) as a
     Hugging Face model directory at ``directory`` (replaced if it exists); returns it."""
     from safetensors.torch import save_file
