@@ -325,7 +325,7 @@ class Mesh:
             interval = math.ceil(interval / (config.load_report_interval_s / 4)) * (config.load_report_interval_s / 4)
         ttl = config.lease_ttl_s * interval / config.load_report_interval_s
         if ttl != self.registry.lease_ttl_s:
-            self.registry.lease_ttl_s = ttl
+            self.registry.leases.ttl_s = ttl
         return interval, ttl
 
     def renew(self, node_id: str, reports: Sequence[load_pb2.LoadReport]) -> tuple[float, bool]:

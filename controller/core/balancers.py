@@ -21,6 +21,7 @@ from mesh_runtime.reasons import Reason
 
 from .errors import AlreadyExistsError, NotFoundError
 from .events import EventType
+from .leases import Lease, Lessor
 
 Clock = Callable[[], float]
 
@@ -33,9 +34,14 @@ class BalancerMember:
     address: str
     version: str = ""
     registered_at: float = 0.0
-    lease_expires_at: float = 0.0
     instance_id: str = ""
     """The run of the balancer process: a new one (a restarted balancer) starts with an empty table."""
+    lease: Lease = dataclasses.field(default_factory=Lease)
+    """Its lease (:mod:`controller.core.leases`): renewed by each registration, its heartbeat."""
+
+    @property
+    def lease_expires_at(self) -> float:
+        return self.lease.expires_at
 
     def to_dict(self) -> dict[str, Any]:
         return {"balancer_id": self.balancer_id, "address": self.address, "version": self.version,
@@ -48,12 +54,17 @@ class BalancerRegistry:
     def __init__(self, *, clock: Clock, emit: Callable[..., Any] | None = None, lease_ttl_s: float = 10.0) -> None:
         self._clock = clock
         self._emit = emit or (lambda *args, **kwargs: None)
-        self.lease_ttl_s = lease_ttl_s
+        self.leases = Lessor(lease_ttl_s, clock)
+        """The members' leases (:mod:`controller.core.leases`)."""
         self._members: dict[str, BalancerMember] = {}
         self.ready: set[str] = set()
         """Addresses of the balancers (registered or configured) whose table a reconcile round filled and that
         answered the latest round: the ones clients should send requests to. Durable, so a standby and the
         next leader know them (a failover does not empty any balancer's table)."""
+
+    @property
+    def lease_ttl_s(self) -> float:
+        return self.leases.ttl_s
 
     def register(self, balancer_id: str, address: str, version: str = "",
                  instance_id: str = "") -> tuple[BalancerMember, bool, bool]:
@@ -79,7 +90,7 @@ class BalancerRegistry:
         if fresh:
             self.ready.discard(address)
         member.version, member.instance_id = version, instance_id
-        member.lease_expires_at = now + self.lease_ttl_s
+        member.lease = self.leases.grant(now)
         if changed:
             self._emit(EventType.BALANCER_REGISTERED, reason=f"balancer {balancer_id} registered at {address}",
                        attributes={"balancer_id": balancer_id, "address": address})
@@ -95,9 +106,8 @@ class BalancerRegistry:
 
     def expire(self, now: float | None = None) -> list[BalancerMember]:
         """Drop every member whose lease ran out; returns them."""
-        now = self._clock() if now is None else now
-        lapsed = [m for m in self._members.values() if m.lease_expires_at <= now]
-        for member in sorted(lapsed, key=lambda m: m.balancer_id):
+        lapsed = self.leases.lapse(((m, m.lease) for m in self.members()), now)
+        for member in lapsed:
             del self._members[member.balancer_id]
             self.ready.discard(member.address)
             self._emit(EventType.BALANCER_LEASE_EXPIRED,
@@ -134,7 +144,6 @@ class BalancerRegistry:
 
     def load_state_dict(self, data: dict[str, Any]) -> None:
         """Restore the members; each gets a fresh lease from now."""
-        expires = self._clock() + self.lease_ttl_s
-        self._members = {m["balancer_id"]: BalancerMember(**m, lease_expires_at=expires)
+        self._members = {m["balancer_id"]: BalancerMember(**m, lease=self.leases.grant())
                          for m in data.get("members", [])}
         self.ready = set(data.get("ready", []))

@@ -12,6 +12,8 @@ import dataclasses
 import enum
 from typing import Any
 
+from .leases import Lease
+
 
 class ReplicaKind(enum.Enum):
     """Which GPU pool a replica runs on (``rollmesh.common.v1.ReplicaKind``)."""
@@ -139,18 +141,30 @@ class NodeRecord:
     model_name: str = "default"
     agent_version: str = ""
     registered_at: float = 0.0
-    lease_expires_at: float = 0.0
     last_report_at: float | None = None
-    lease_held: bool = True
     external: bool = False
     """Connected by an external scale-out: the controller polls its load reports to hold the lease."""
+    lease: Lease = dataclasses.field(default_factory=Lease)
+    """The node's lease (:mod:`controller.core.leases`): held while its agent reports."""
+
+    @property
+    def lease_held(self) -> bool:
+        return self.lease.held
+
+    @property
+    def lease_expires_at(self) -> float:
+        return self.lease.expires_at
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        lease = data.pop("lease")
+        return {**data, "lease_expires_at": lease["expires_at"], "lease_held": lease["held"]}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> NodeRecord:
-        return cls(**data)
+        fields = dict(data)
+        lease = Lease(expires_at=fields.pop("lease_expires_at", 0.0), held=fields.pop("lease_held", True))
+        return cls(**fields, lease=lease)
 
 
 @dataclasses.dataclass(frozen=True)

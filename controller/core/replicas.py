@@ -23,9 +23,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from mesh_runtime.reasons import Reason
-from .errors import FailedPreconditionError, InvalidArgumentError, InvalidTransition, NotFoundError
+from .errors import InvalidArgumentError, InvalidTransition, NotFoundError
 from .events import Clock, EventSink, EventType
+from .leases import Lessor
 from .records import (
     ALLOWED_TRANSITIONS,
     TERMINAL_STATES,
@@ -48,11 +48,10 @@ class ReplicaRegistry:
     """Nodes, replicas, leases and the replica state machine."""
 
     def __init__(self, *, clock: Clock, emit: EventSink | None = None, lease_ttl_s: float = 10.0) -> None:
-        if lease_ttl_s <= 0:
-            raise InvalidArgumentError(f"lease_ttl_s must be > 0, got {lease_ttl_s}")
         self._clock = clock
         self._emit: EventSink = emit or _ignore
-        self.lease_ttl_s = float(lease_ttl_s)
+        self.leases = Lessor(lease_ttl_s, clock)
+        """The nodes' leases (:mod:`controller.core.leases`)."""
         self._nodes: dict[str, NodeRecord] = {}
         self._replicas: dict[str, ReplicaRecord] = {}
         self._by_node: dict[str, set[str]] = {}
@@ -80,6 +79,10 @@ class ReplicaRegistry:
                 del self._by_node[record.node_id]
         return record
 
+    @property
+    def lease_ttl_s(self) -> float:
+        return self.leases.ttl_s
+
     # --- nodes and leases ---
 
     def register_node(self, node_id: str, address: str, *, replicas: Sequence[ReplicaSpec] = (),
@@ -93,12 +96,12 @@ class ReplicaRegistry:
         seen = [spec.replica_id for spec in replicas]
         if len(seen) != len(set(seen)):
             raise InvalidArgumentError(f"registration of node {node_id!r} repeats a replica id: {seen}")
-        expires = now + self.lease_ttl_s
+        lease = self.leases.grant(now)
+        expires = lease.expires_at
         self._dirty.add(node_id)
         self._nodes[node_id] = NodeRecord(node_id=node_id, address=address, slots_total=slots_total,
                                           backend=backend, model=model, model_name=model_name or "default",
-                                          agent_version=agent_version, registered_at=now,
-                                          lease_expires_at=expires)
+                                          agent_version=agent_version, registered_at=now, lease=lease)
         accepted: list[str] = []
         rejected: dict[str, str] = {}
         for spec in replicas:
@@ -138,24 +141,17 @@ class ReplicaRegistry:
         never written (at thousands of reports a second that would be all the controller does)."""
         node = self.node(node_id)
         now = self._clock() if now is None else now
-        if not node.lease_held:
-            raise FailedPreconditionError(f"the lease of node {node_id!r} expired at "
-                                          f"{node.lease_expires_at}; register the node again",
-                                          reason=Reason.LEASE_EXPIRED)
-        node.lease_expires_at = now + self.lease_ttl_s
+        expires = self.leases.renew(node.lease, "node", node_id, now)
         node.last_report_at = now
         for record in self.replicas(node_id=node_id):
-            record.lease_expires_at = node.lease_expires_at
-        return node.lease_expires_at
+            record.lease_expires_at = expires
+        return expires
 
     def expire_leases(self, now: float | None = None) -> list[ReplicaRecord]:
         """Mark FAILED the live replicas of every node whose lease ran out; returns them."""
-        now = self._clock() if now is None else now
         failed: list[ReplicaRecord] = []
-        for node in sorted(self._nodes.values(), key=lambda n: n.node_id):
-            if not node.lease_held or node.lease_expires_at > now:
-                continue
-            node.lease_held = False
+        nodes = sorted(self._nodes.values(), key=lambda n: n.node_id)
+        for node in self.leases.lapse(((n, n.lease) for n in nodes), now):
             self._dirty.add(node.node_id)
             self._emit(EventType.LEASE_EXPIRED, node_id=node.node_id, reason="lease expired",
                        attributes={"lease_expires_at": node.lease_expires_at})
@@ -334,7 +330,7 @@ class ReplicaRegistry:
         return registry
 
     def to_dict(self) -> dict[str, Any]:
-        return {"lease_ttl_s": self.lease_ttl_s,
+        return {"lease_ttl_s": self.leases.ttl_s,
                 "nodes": [node.to_dict() for node in self.nodes()],
                 "replicas": [record.to_dict() for record in self.replicas()]}
 
@@ -346,8 +342,7 @@ class ReplicaRegistry:
         now = clock() if now is None else now
         for node_data in data.get("nodes", []):
             node = NodeRecord.from_dict(node_data)
-            if node.lease_held:
-                node.lease_expires_at = max(node.lease_expires_at, now + registry.lease_ttl_s)
+            registry.leases.restore(node.lease, now)
             registry._nodes[node.node_id] = node
         for replica_data in data.get("replicas", []):
             record = ReplicaRecord.from_dict(replica_data)
