@@ -26,8 +26,9 @@ hybrid deactivation and a scale-in drain take replicas out of service the same w
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -131,29 +132,21 @@ class Routing:
         replica): held out of routing from now on, and out of every balancer before this returns. When no
         balancer takes the change, nothing changed and the error is raised."""
         ids = list(replica_ids)
-        before = ({r: self.held.get(r) for r in ids}, self.admitted & set(ids))
-        self.held.update(dict.fromkeys(ids, why))
-        self.admitted.difference_update(ids)
-        try:
+        with self._marks_kept_on_failure(ids):
+            self.held.update(dict.fromkeys(ids, why))
+            self.admitted.difference_update(ids)
             await self.converge(ids, abort_in_flight=abort_in_flight)
-        except BaseException:
-            self._restore(*before)
-            raise
 
     async def bring_in(self, replica_ids: Sequence[str]) -> None:
         """A transition puts these replicas into service now (a woken hybrid replica before it resumes, a
         scale-out's synced replicas): routed ahead of the rule until the rule routes them by itself. When
         no balancer takes the change, nothing changed and the error is raised."""
         ids = list(replica_ids)
-        before = ({r: self.held.get(r) for r in ids}, self.admitted & set(ids))
-        for replica_id in ids:
-            self.held.pop(replica_id, None)
-        self.admitted.update(ids)
-        try:
+        with self._marks_kept_on_failure(ids):
+            for replica_id in ids:
+                self.held.pop(replica_id, None)
+            self.admitted.update(ids)
             await self.converge(ids)
-        except BaseException:
-            self._restore(*before)
-            raise
 
     async def to_rule(self, replica_ids: Sequence[str]) -> None:
         """The transition that held or admitted these replicas is over without taking them where it meant
@@ -163,6 +156,16 @@ class Routing:
             self.held.pop(replica_id, None)
         self.admitted.difference_update(ids)
         await self.converge(ids)
+
+    @contextlib.contextmanager
+    def _marks_kept_on_failure(self, ids: list[str]) -> Iterator[None]:
+        """The marks of ``ids`` as they were before the block, back again when it raises (nothing changed)."""
+        held, admitted = {r: self.held.get(r) for r in ids}, self.admitted & set(ids)
+        try:
+            yield
+        except BaseException:
+            self._restore(held, admitted)
+            raise
 
     def _restore(self, held: dict[str, str | None], admitted: set[str]) -> None:
         for replica_id, why in held.items():

@@ -314,13 +314,13 @@ class WeightBroadcast:
         stale = self.routing.stale
         done = {r.replica_id: version for r in results if r.ok}
         failed = [r.replica_id for r in results if not r.ok]
-        changed = [*failed, *(r for r in done if r in stale)]
+        recovered = [r for r in done if r in stale]
         stale.difference_update(done)   # at the current version now, whatever its state
         stale.update(failed)
         try:
             await self.routing.converge(failed)
             await self.routing.update_versions(done)
-            await self.routing.converge([r for r in changed if r not in failed])
+            await self.routing.converge(recovered)
         except grpc.aio.AioRpcError as err:
             log.warning("could not update the load balancer after sync: %s", describe_error(err))
 
