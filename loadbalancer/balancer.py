@@ -22,13 +22,7 @@ import grpc
 from opentelemetry import trace
 
 from mesh_runtime.errors import (
-    AlreadyExists,
-    DeadlineExceeded,
-    InvalidArgument,
-    FailedPrecondition,
-    Internal,
-    ResourceExhausted,
-    Unavailable,
+    AlreadyExists, DeadlineExceeded, FailedPrecondition, Internal, InvalidArgument, ResourceExhausted, Unavailable,
 )
 from mesh_runtime.generation import check_generation, check_streaming
 from mesh_runtime import tracing
