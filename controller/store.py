@@ -1,7 +1,8 @@
 """The controller's durable state, in the backend its ``store`` names (:mod:`controller.store_backends`):
 an embedded SQLite file in its state directory (the default) or an etcd cluster.
 
-State is kept as JSON documents by key (scheduler, metrics, ...), collections
+State is kept as documents by key (scheduler, metrics, ...; each a message of
+``proto/rollmesh/controller/state/v1``, checked by :mod:`controller.state_schema`), collections
 of documents written one member at a time (the registry: one document per
 node, with its replicas; a change rewrites that node's document only, so the
 cost of a write does not grow with the fleet), plus an append-only table of
@@ -20,23 +21,26 @@ on every state change. Background changes (lease renewals) are batched.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from .state_schema import EVENT, DocumentMismatch, DocumentSchema
 from .store_backends import StoreBackend, StoreUnavailable, parse_store
 
 log = logging.getLogger(__name__)
 
 
 class StateStore:
-    """JSON documents in ``backend`` (None keeps nothing); a string is a state directory (SQLite in it)."""
+    """Documents of ``schema`` in ``backend`` (None keeps nothing); a string is a state directory (SQLite in it)."""
 
-    def __init__(self, backend: StoreBackend | str | None, keep_events: int = 10_000) -> None:
+    def __init__(self, backend: StoreBackend | str | None, keep_events: int = 10_000,
+                 schema: DocumentSchema | None = None) -> None:
         self.backend = parse_store("", backend) if isinstance(backend, str) else backend
+        self.schema = schema or DocumentSchema()
+        """What each document is (:mod:`controller.state_schema`): checked when written and when read."""
         self.keep_events = keep_events
         self._written_since_prune = 0
         self._sources: dict[str, Callable[[], Any]] = {}
@@ -73,13 +77,13 @@ class StateStore:
         if self.backend is None:
             return None
         value = self.backend.load(key)
-        return json.loads(value) if value is not None else None
+        return self.schema.decode(key, value) if value is not None else None
 
     def load_collection(self, key: str) -> list[Any]:
         """Every member document of collection ``key``, in member order."""
         if self.backend is None:
             return []
-        return [json.loads(value) for value in self.backend.load_prefix(f"{key}/")]
+        return [self.schema.decode(key, value) for value in self.backend.load_prefix(f"{key}/")]
 
     def delete(self, key: str) -> None:
         """Drop document ``key`` now (a format migration)."""
@@ -90,10 +94,12 @@ class StateStore:
     def track_collection(self, key: str, changes: Callable[[], list[tuple[str, Any | None]]]) -> None:
         """Persist collection ``key``: at each write, ``changes()`` gives (member, document or None to delete)
         for the members changed since its last call, and only those are written."""
+        self.schema.message_of(key)   # a key without a schema fails here, not at the first write
         self._collections[key] = changes
 
     def track(self, key: str, source: Callable[[], Any]) -> None:
         """Persist ``source()`` under ``key`` whenever :meth:`mark` names it."""
+        self.schema.message_of(key)
         self._sources[key] = source
 
     def mark(self, *keys: str) -> None:
@@ -106,7 +112,7 @@ class StateStore:
             if self.on_events_stored is not None:
                 self.on_events_stored(sequence)   # kept nowhere: nothing to wait for
             return
-        self._events.append((sequence, json.dumps(event)))
+        self._events.append((sequence, self.schema.encode(EVENT, event)))
         self._wakeup.set()
 
     def _stored(self, events: list[tuple[int, str]]) -> None:
@@ -117,7 +123,7 @@ class StateStore:
         """The newest ``limit`` persisted events, oldest first."""
         if self.backend is None:
             return []
-        return [json.loads(value) for value in self.backend.load_events(limit)]
+        return [self.schema.decode(EVENT, value) for value in self.backend.load_events(limit)]
 
     def _collect(self) -> tuple[int, list[tuple[str, Any]], list[tuple[int, str]]]:
         """Snapshot what changed (on the event loop, so it is consistent): the marked documents and the
@@ -133,7 +139,8 @@ class StateStore:
             return self._generation, [], []
         # the tracked documents are encoded here (their sources may hand out live structures); the members
         # of collections are fresh objects, encoded in the writer thread
-        return (self._generation, [(key, json.dumps(self._sources[key]())) for key in keys] + list(members.items()),
+        return (self._generation,
+                [(key, self.schema.encode(key, self._sources[key]())) for key in keys] + list(members.items()),
                 events)
 
     def _requeue(self, documents: list[tuple[str, Any]], events: list[tuple[int, str]]) -> None:
@@ -154,8 +161,13 @@ class StateStore:
             raise StoreUnavailable("this controller is a standby: it does not write the state store")
         with self._write_lock:
             documents = [(k, v) for k, v in documents if self._written.get(k, 0) < generation]
-            upserts = [(k, v if isinstance(v, str) else json.dumps(v)) for k, v in documents if v is not None]
+            upserts = [(k, v if isinstance(v, str) else self.schema.encode(k, v))
+                       for k, v in documents if v is not None]
             deletes = [k for k, v in documents if v is None]
+            for key, text in upserts:   # in the writer thread: a document its message does not describe is refused
+                self.schema.check(key, text)
+            for _, text in events:
+                self.schema.check(EVENT, text)
             assert self.backend is not None
             self.backend.write(upserts, deletes, events)
             for key, _ in documents:
@@ -252,8 +264,10 @@ class StateStore:
                     await self._until_durable(self._generation + 1)  # the disk never blocks the loop
                     pause = interval_s
                 except Exception as err:  # noqa: BLE001 - the writer must outlive a store outage
-                    log.warning("state store %s: write failed (%s); retrying in %.1f s", self.description,
-                                err, min(pause * 2, retry_max_s))
+                    # a document its message does not describe is a defect, not an outage: said louder
+                    log.log(logging.ERROR if isinstance(err, DocumentMismatch) else logging.WARNING,
+                            "state store %s: write failed (%s); retrying in %.1f s", self.description,
+                            err, min(pause * 2, retry_max_s))
                     pause = min(pause * 2, retry_max_s)
         finally:
             self.flush()

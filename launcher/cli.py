@@ -150,6 +150,7 @@ def run_server(name: str, args: argparse.Namespace, env: dict[str, str]) -> int:
         return 2
     logs.configure(name, level=args.log_level, fmt=log_format)
     print_config_notes(name, config)
+    from mesh_runtime.errors import RollmeshError  # noqa: PLC0415
     from mesh_runtime.server import PortInUse  # noqa: PLC0415
 
     try:
@@ -157,6 +158,9 @@ def run_server(name: str, args: argparse.Namespace, env: dict[str, str]) -> int:
     except PortInUse as err:  # a usage error, like a bad flag: exit 2 naming the address
         print(f"rollmesh {name}: error: {err}", file=sys.stderr)
         return 2
+    except RollmeshError as err:   # a refusal to start that says why (a state store of a newer release, ...)
+        print(f"rollmesh {name}: error: {err.message}", file=sys.stderr)
+        return 1
     except OSError as err:
         print(f"rollmesh {name}: error: {err}", file=sys.stderr)
         return 1

@@ -21,7 +21,8 @@ import logging
 from typing import TYPE_CHECKING, Any, Protocol
 
 from mesh_runtime.durations import to_seconds
-from .autoscaler import NONE, SCALE_IN, SCALE_OUT, Autoscaler, AutoscalerConfig, MetricsSample, throughput_cv2
+from .autoscaler import (
+    NONE, SCALE_IN, SCALE_OUT, Autoscaler, AutoscalerConfig, Decision, MetricsSample, throughput_cv2)
 from ..core.events import EventType
 from .operations import OperationType, ScaleOperation
 from ..core.records import ReplicaState
@@ -184,14 +185,7 @@ class AutoscalerLoop:
         if op is not None and op.state.value != "NOOP":
             self._active.record_scale(decision.action, now)
             self.pending.add(op.operation_id)
-            snapshot = {k: float(v) for k, v in decision.metrics_snapshot.items() if k != "time"}
-            self.history.append({
-                "operation_id": op.operation_id, "action": decision.action, "state": op.state.value,
-                "triggered_at": now, "completed_at": None, "from_engines": op.engines_before,
-                "to_engines": op.num_replicas, "delta": decision.delta if decision.action == SCALE_OUT
-                else -decision.delta, "reason": decision.reason,
-                "triggered_conditions": list(decision.triggered_conditions), "metrics_snapshot": snapshot,
-                "error_message": ""})
+            self.history.append(history_entry(op, decision, now))
         self.mesh.changed()
 
     def _finished(self, op: ScaleOperation) -> None:
@@ -216,3 +210,14 @@ class AutoscalerLoop:
     def records(self, action: str | None, limit: int) -> tuple[list[dict[str, Any]], int]:
         matching = [h for h in reversed(self.history) if action is None or h["action"] == action]
         return matching[:limit], len(matching)
+
+
+def history_entry(op: ScaleOperation, decision: Decision, now: float) -> dict[str, Any]:
+    """The autoscaler history's record of ``decision``, which started ``op`` (``AutoscalerAction`` in the
+    state schema); :meth:`AutoscalerLoop._finished` fills in how it ended."""
+    return {"operation_id": op.operation_id, "action": decision.action, "state": op.state.value,
+            "triggered_at": now, "completed_at": None, "from_engines": op.engines_before,
+            "to_engines": op.num_replicas, "delta": decision.delta if decision.action == SCALE_OUT else -decision.delta,
+            "reason": decision.reason, "triggered_conditions": list(decision.triggered_conditions),
+            "metrics_snapshot": {k: float(v) for k, v in decision.metrics_snapshot.items() if k != "time"},
+            "error_message": ""}

@@ -68,18 +68,18 @@ def test_a_batch_past_the_transaction_limits_is_written_whole(etcd, tmp_path):
 async def test_state_store_commits_are_durable_in_etcd(etcd):
     url = etcd.url("/durable")
     store = StateStore(parse_store(url, ""))
-    state = {"step": 0}
+    state = {"current_step": 0}
     store.track("scheduler", lambda: dict(state))
     changes: list[tuple[str, object]] = []
     store.track_collection("registry/node", lambda: [changes.pop() for _ in list(changes)])
-    state["step"] = 7
-    changes.append(("n1", {"node_id": "n1"}))
+    state["current_step"] = 7
+    changes.append(("n1", {"node": {"node_id": "n1"}, "replicas": []}))
     store.append_event(1, {"type": "NODE_REGISTERED"})
     await store.commit()
     store.close()
     again = StateStore(parse_store(url, ""))   # a new controller, another machine: nothing on a local disk
-    assert again.load("scheduler") == {"step": 7}
-    assert again.load_collection("registry/node") == [{"node_id": "n1"}]
+    assert again.load("scheduler") == {"current_step": 7}
+    assert again.load_collection("registry/node") == [{"node": {"node_id": "n1"}, "replicas": []}]
     assert again.load_events(10) == [{"type": "NODE_REGISTERED"}]
     again.close()
 
@@ -144,15 +144,15 @@ def test_store_urls_are_checked():
 async def test_three_members_survive_one_lost_and_stop_without_quorum_then_resume(tmp_path):
     with etcd_cluster(tmp_path / "etcd3", size=3) as cluster:
         store = StateStore(parse_store(cluster.url("/ha"), ""))
-        state = {"n": 0}
-        store.track("doc", lambda: dict(state))
+        state = {"next_cycle": 0}
+        store.track("metrics", lambda: dict(state))
         cluster.stop(cluster.members[0], kill=True)   # the first endpoint: calls move to the next member
-        state["n"] = 1
+        state["next_cycle"] = 1
         await store.commit()
-        assert store.load("doc") == {"n": 1}
+        assert store.load("metrics") == {"next_cycle": 1}
 
         cluster.stop(cluster.members[1], kill=True)   # one of three left: no quorum, no write acknowledged
-        state["n"] = 2
+        state["next_cycle"] = 2
         started = time.monotonic()
         with pytest.raises(StoreUnavailable) as info:
             await store.commit()
@@ -163,7 +163,7 @@ async def test_three_members_survive_one_lost_and_stop_without_quorum_then_resum
             cluster.start(member, state="existing")
         cluster.wait_healthy()
         await store.commit()   # the refused batch was kept: it is written now
-        assert StateStore(parse_store(cluster.url("/ha"), "")).load("doc") == {"n": 2}
+        assert StateStore(parse_store(cluster.url("/ha"), "")).load("metrics") == {"next_cycle": 2}
         store.close()
 
 

@@ -16,19 +16,19 @@ from tests.waiting import wait_until
 
 def test_a_late_background_write_cannot_overwrite_a_newer_flush(tmp_path):
     store = StateStore(str(tmp_path))
-    state = {"value": 1}
-    store.track("doc", lambda: dict(state))
-    store.mark("doc")
+    state = {"next_cycle": 1}
+    store.track("metrics", lambda: dict(state))
+    store.mark("metrics")
     older = store._collect()  # a background write that is slow to reach the disk
-    state["value"] = 2
-    store.mark("doc")
+    state["next_cycle"] = 2
+    store.mark("metrics")
     store.flush()  # a synchronous flush of the newer state lands first
     store._write(*older)
-    assert store.load("doc") == {"value": 2}
-    state["value"] = 3
-    store.mark("doc")
+    assert store.load("metrics") == {"next_cycle": 2}
+    state["next_cycle"] = 3
+    store.mark("metrics")
     store.flush()
-    assert StateStore(str(tmp_path)).load("doc") == {"value": 3}
+    assert StateStore(str(tmp_path)).load("metrics") == {"next_cycle": 3}
 
 
 class Refusing(SqliteBackend):
@@ -47,20 +47,20 @@ async def test_a_refused_batch_is_kept_for_the_next_one_and_counted(tmp_path):
     store = StateStore(backend)
     outcomes: list[bool] = []
     store.on_write = lambda seconds, ok: outcomes.append(ok)
-    doc = {"v": 1}
-    store.track("doc", lambda: dict(doc))
-    changes = [("n1", {"node_id": "n1"})]
+    doc = {"next_cycle": 1}
+    store.track("metrics", lambda: dict(doc))
+    changes = [("n1", {"node": {"node_id": "n1"}, "replicas": []})]
     store.track_collection("registry/node", lambda: [changes.pop() for _ in list(changes)])   # handed out once
     store.append_event(1, {"type": "NODE_REGISTERED"})
     backend.down = True
     with pytest.raises(StoreUnavailable):
         await store.commit()
-    assert backend.load("doc") is None and store.load_events(5) == []
-    doc["v"] = 2
+    assert backend.load("metrics") is None and store.load_events(5) == []
+    doc["next_cycle"] = 2
     backend.down = False
     await store.commit()
-    assert store.load("doc") == {"v": 2}   # a fresh snapshot of the tracked document
-    assert store.load_collection("registry/node") == [{"node_id": "n1"}]   # the member the refused batch had
+    assert store.load("metrics") == {"next_cycle": 2}   # a fresh snapshot of the tracked document
+    assert store.load_collection("registry/node") == [{"node": {"node_id": "n1"}, "replicas": []}]   # the member the refused batch had
     assert store.load_events(5) == [{"type": "NODE_REGISTERED"}]
     assert outcomes == [False, True]
 
@@ -68,19 +68,19 @@ async def test_a_refused_batch_is_kept_for_the_next_one_and_counted(tmp_path):
 async def test_the_background_writer_outlives_a_store_outage(tmp_path):
     backend = Refusing(tmp_path / "s.sqlite")
     store = StateStore(backend)
-    doc = {"v": 1}
-    store.track("doc", lambda: dict(doc))
+    doc = {"next_cycle": 1}
+    store.track("metrics", lambda: dict(doc))
     refused: list[bool] = []
     store.on_write = lambda seconds, ok: refused.append(ok) if not ok else None
     backend.down = True
     writer = asyncio.create_task(store.run(interval_s=0.01, retry_max_s=0.05))
     try:
-        store.mark("doc")
+        store.mark("metrics")
         await wait_until(lambda: len(refused) >= 3, 5, what="the writer to retry a refused batch")
-        assert not writer.done() and backend.load("doc") is None
+        assert not writer.done() and backend.load("metrics") is None
         backend.down = False
-        await wait_until(lambda: backend.load("doc") is not None, 5, what="the retried write")
-        assert json.loads(backend.load("doc")) == {"v": 1}
+        await wait_until(lambda: backend.load("metrics") is not None, 5, what="the retried write")
+        assert json.loads(backend.load("metrics")) == {"schema_version": 1, "next_cycle": 1}
     finally:
         writer.cancel()
         with contextlib.suppress(asyncio.CancelledError):
