@@ -11,7 +11,6 @@ no tool. It lives in the launcher, the one package above the servers.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import importlib
 import os
 import sys
@@ -20,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from mesh_runtime import logs
+from mesh_runtime import event_loop, logs
 from mesh_runtime.config import ConfigError, config_notes, describe, load_config
 from mesh_runtime.logs import FORMAT_VARIABLE, FORMATS
 
@@ -148,13 +147,18 @@ def run_server(name: str, args: argparse.Namespace, env: dict[str, str]) -> int:
         print(f"rollmesh {name}: error: {FORMAT_VARIABLE} must be one of {', '.join(FORMATS)}, "
               f"got {log_format[:20]!r}", file=sys.stderr)
         return 2
+    try:
+        event_loop.loop_choice(env)
+    except ValueError as err:
+        print(f"rollmesh {name}: error: {err}", file=sys.stderr)
+        return 2
     logs.configure(name, level=args.log_level, fmt=log_format)
     print_config_notes(name, config)
     from mesh_runtime.errors import RollmeshError  # noqa: PLC0415
     from mesh_runtime.server import PortInUse  # noqa: PLC0415
 
     try:
-        asyncio.run(module.serve(config, env))
+        event_loop.run(module.serve(config, env), env)
     except PortInUse as err:  # a usage error, like a bad flag: exit 2 naming the address
         print(f"rollmesh {name}: error: {err}", file=sys.stderr)
         return 2

@@ -19,7 +19,7 @@ import sys
 from opentelemetry.sdk.trace import TracerProvider
 
 from mesh_runtime.config import ConfigError, load_config
-from mesh_runtime import logs
+from mesh_runtime import event_loop, logs
 
 from .config import ReplicaAgentConfig
 from .server import SPEC, make_servicer
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logs.configure(f"replica-agent/{config.replicas[0].replica_id}" if config.replicas else "replica-process",
                    level=args[1], fmt=os.environ.get(logs.FORMAT_VARIABLE) or "text")
-    asyncio.run(_run(config, int(args[0])))
+    event_loop.run(_run(config, int(args[0])), os.environ)   # as every server process (the agent's choice of loop)
     return 0
 
 
