@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -29,6 +29,64 @@ from .table import Route, Ticket
 
 AgentCall = grpc.aio.UnaryStreamCall
 """An attempt's Generate call on an agent (its messages, ``cancel()``)."""
+
+
+class Outbox:
+    """A request's messages on their way to its caller: ``put`` queues one (synchronously, from anywhere in
+    the attempt loop) and ``drain`` writes what is queued, in order, at the loop's await points. The Generate
+    servicer drains straight into its call's ``write``: no task and no queue of its own per request."""
+
+    __slots__ = ("_write", "_pending", "_first_token")
+
+    def __init__(self, write: Callable[[loadbalancer_pb2.GenerateResponse], Awaitable[object]],
+                 first_token: Callable[[], None] | None = None) -> None:
+        """``first_token()`` is called once, as the first message with tokens is written."""
+        self._write = write
+        self._pending: list[loadbalancer_pb2.GenerateResponse] = []
+        self._first_token = first_token
+
+    def put(self, message: loadbalancer_pb2.GenerateResponse) -> None:
+        self._pending.append(message)
+
+    async def drain(self) -> None:
+        while self._pending:
+            pending, self._pending = self._pending, []
+            for message in pending:
+                if self._first_token is not None and message.token_ids:
+                    self._first_token()
+                    self._first_token = None
+                await self._write(message)
+
+
+_DONE = object()
+
+
+async def as_iterator(serve: Callable[[Callable[[loadbalancer_pb2.GenerateResponse], Awaitable[object]]],
+                                      Awaitable[None]]) -> AsyncIterator[loadbalancer_pb2.GenerateResponse]:
+    """The messages ``serve(write)`` writes, as an async iterator: it runs in a task of its own that feeds a
+    queue; its error is raised after the messages before it; closing the iterator cancels the task."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def put(message: loadbalancer_pb2.GenerateResponse) -> None:
+        queue.put_nowait(message)
+
+    async def run() -> None:
+        try:
+            await serve(put)
+            queue.put_nowait(_DONE)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait(exc)
+
+    task = asyncio.get_running_loop().create_task(run())
+    try:
+        while (item := await queue.get()) is not _DONE:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        task.cancel()
 
 
 def error_reason(err: grpc.aio.AioRpcError) -> str:
@@ -150,6 +208,7 @@ class Watch:
         self._ticket, self._call, self._stall_s = ticket, call, stall_s
         self._loop = asyncio.get_running_loop()
         self.last = self._loop.time()
+        self.paused = False
         self._why: AttemptCut | None = None
         self._timer = self._loop.call_later(stall_s, self._check)
         ticket.on_cut = self._removed
@@ -157,10 +216,18 @@ class Watch:
             self._removed(ticket.cut_reason)
 
     def heard(self) -> None:
-        """A message arrived."""
+        """A message arrived (or the caller took the last one: see :meth:`pause`)."""
         self.last = self._loop.time()
+        self.paused = False
+
+    def pause(self) -> None:
+        """The attempt waits for its caller to take a message: no stall is counted until :meth:`heard`."""
+        self.paused = True
 
     def _check(self) -> None:
+        if self.paused:
+            self._timer = self._loop.call_later(self._stall_s, self._check)
+            return
         idle = self._loop.time() - self.last
         if idle >= self._stall_s:
             self._end(AttemptCut(f"no message for {self._stall_s:g} s (stall_timeout_s)", removed=False))
@@ -186,3 +253,26 @@ class Watch:
     def stop(self) -> None:
         self._timer.cancel()
         self._ticket.on_cut = None
+
+
+def whole_result(final: loadbalancer_pb2.GenerateResponse, caller_resumed: int) -> loadbalancer_pb2.GenerateResponse:
+    """The final message with every token this call generated in ``token_ids`` (the caller's resumed
+    tokens left out): the answer of a final-only call and of a repeated request id."""
+    whole = loadbalancer_pb2.GenerateResponse()
+    whole.CopyFrom(final)
+    whole.ClearField("token_ids")
+    whole.ClearField("logprobs")
+    whole.ClearField("restarted")
+    for segment in final.segments:
+        whole.token_ids.extend(segment.token_ids)
+        whole.logprobs.extend(segment.logprobs)
+    if caller_resumed:
+        del whole.token_ids[:caller_resumed]
+        del whole.logprobs[:min(caller_resumed, len(whole.logprobs))]
+    return whole
+
+
+def cut_all(tickets: list[Ticket], why: str) -> None:
+    """Cut every ticket's attempt (a removal with abort, after its grace)."""
+    for ticket in tickets:
+        ticket.cut(why)

@@ -1,8 +1,9 @@
 """Runs generation requests through the mesh: route, stream, retry and resume.
 
-Each request runs in its own task that feeds the caller's stream through a
-queue, so cancelling the call cancels the task, which cancels the upstream
-call. Attempts run in one loop per request: an aborted attempt resumes at once on
+A Generate call's request runs in the call's own task, which writes the
+caller's stream at the attempt loop's await points (``GenerateMany`` and the
+HTTP front read it as an iterator fed by a task of its own), so cancelling
+the call cancels the upstream call. Attempts run in one loop per request: an aborted attempt resumes at once on
 another replica (with the tokens so far as prefix when partial rollout is on,
 from scratch otherwise), an unavailable replica is retried with jittered
 exponential backoff, and the whole is bounded by the retry budget and the
@@ -37,16 +38,20 @@ from rollmesh.loadbalancer.v1 import loadbalancer_pb2, routing_pb2
 from rollmesh.replica.v1 import replica_agent_pb2
 
 from .attempts import (
+    Outbox,
     RequestRun,
     RetryAttempt,
     Timing,
     Watch,
+    as_iterator,
     attempt_ended,
     backoff_s,
+    cut_all,
     error_reason,
     now_ts,
     segments_of,
     token_count,
+    whole_result,
 )
 from .completed import CompletedCache
 from .config import LoadBalancerConfig
@@ -60,7 +65,6 @@ Emit = Callable[[loadbalancer_pb2.GenerateResponse], object]
 
 FINISHED = (generation_pb2.FINISH_REASON_STOP, generation_pb2.FINISH_REASON_LENGTH)
 log = logging.getLogger(__name__)
-_DONE = object()
 
 
 class Balancer:
@@ -94,9 +98,9 @@ class Balancer:
         return len(self._running)
 
     # ------------------------------------------------------------ generation
-    async def generate(self, request: loadbalancer_pb2.GenerateRequest,
-                       time_remaining: float | None) -> AsyncIterator[loadbalancer_pb2.GenerateResponse]:
-        """Stream one request's result; see the module docstring."""
+    def _start(self, request: loadbalancer_pb2.GenerateRequest,
+               time_remaining: float | None) -> RequestRun | loadbalancer_pb2.GenerateResponse:
+        """Check a request and register its run (or, for a recently completed request id, its record)."""
         check_generation(request.request_id, request.prompt_token_ids, request.sampling_params,
                          request.resume_segments)
         check_streaming(request)
@@ -105,8 +109,7 @@ class Balancer:
             raise AlreadyExists(f"request {request.request_id!r} is already in flight", reason=Reason.REQUEST_IN_FLIGHT)
         record = self.completed.get(request.request_id)
         if record is not None:
-            yield record
-            return
+            return record
         run = RequestRun(
             request=request,
             partial_rollout=request.partial_rollout if request.HasField("partial_rollout")
@@ -116,43 +119,50 @@ class Balancer:
             segments=list(request.resume_segments), clock=self.clock)
         self._running[request.request_id] = run
         self.stats.requests_total += 1
-        queue: asyncio.Queue = asyncio.Queue()
-        task = asyncio.get_running_loop().create_task(self._produce(run, queue))
-        ok, cancelled, started, first_token = False, False, time.perf_counter(), True
-        try:
-            while (item := await queue.get()) is not _DONE:
-                if isinstance(item, BaseException):
-                    raise item
-                if first_token and item.token_ids and self._timing is not None:
-                    first_token = False
-                    self._timing.ttft.observe(time.perf_counter() - started)
-                yield item
-            ok = True
-        except (GeneratorExit, asyncio.CancelledError):   # the caller went away: not a failure of ours
-            cancelled = True
-            raise
-        finally:
-            task.cancel()
-            del self._running[request.request_id]
-            outcome = "completed" if ok else "cancelled" if cancelled else "failed"
-            setattr(self.stats, outcome, getattr(self.stats, outcome) + 1)
-            if self._timing is not None:
-                self._timing.request.labels(outcome).observe(time.perf_counter() - started)
+        return run
 
-    async def _produce(self, run: RequestRun, queue: asyncio.Queue) -> None:
+    async def serve(self, request: loadbalancer_pb2.GenerateRequest, time_remaining: float | None,
+                    write: Callable[[loadbalancer_pb2.GenerateResponse], Awaitable[object]]) -> None:
+        """Run one request in the calling task, handing its messages to ``write`` in order (the Generate
+        servicer's ``context.write``); raises the request's error. Cancelling the task (the caller went
+        away) cancels the upstream call."""
+        run = self._start(request, time_remaining)
+        if not isinstance(run, RequestRun):
+            await write(run)
+            return
+        started = time.perf_counter()
+        timing = self._timing
+        first_token = None if timing is None else lambda: timing.ttft.observe(time.perf_counter() - started)
+        out = Outbox(write, first_token)
+        outcome = "failed"
         try:
             with tracing.span(self.tracer, "lb.generate", attributes={
-                    "rollmesh.request_id": run.request_id, "rollmesh.session_id": run.request.session_id,
-                    "rollmesh.max_tokens": run.request.sampling_params.max_tokens}) as span:
-                await self._run_attempts(run, queue.put_nowait, span)
+                    "rollmesh.request_id": run.request_id, "rollmesh.session_id": request.session_id,
+                    "rollmesh.max_tokens": request.sampling_params.max_tokens}) as span:
+                try:
+                    await self._run_attempts(run, out, span)
+                except Exception:
+                    await out.drain()   # what an attempt emitted before the request failed still reaches the caller
+                    raise
                 span.set_attribute("rollmesh.attempts", len(run.attempts))
-            queue.put_nowait(_DONE)
-        except asyncio.CancelledError:
+            await out.drain()
+            outcome = "completed"
+        except asyncio.CancelledError:   # the caller went away: not a failure of ours
+            outcome = "cancelled"
             raise
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
-            queue.put_nowait(exc)
+        finally:
+            del self._running[request.request_id]
+            setattr(self.stats, outcome, getattr(self.stats, outcome) + 1)
+            if timing is not None:
+                timing.request.labels(outcome).observe(time.perf_counter() - started)
 
-    async def _run_attempts(self, run: RequestRun, emit: Emit, span: trace.Span) -> None:
+    def generate(self, request: loadbalancer_pb2.GenerateRequest,
+                 time_remaining: float | None) -> AsyncIterator[loadbalancer_pb2.GenerateResponse]:
+        """One request's messages as an async iterator (for ``GenerateMany`` and the HTTP front): :meth:`serve`
+        in a task of its own; closing the iterator cancels it."""
+        return as_iterator(lambda write: self.serve(request, time_remaining, write))
+
+    async def _run_attempts(self, run: RequestRun, out: Outbox, span: trace.Span) -> None:
         """Attempts until one completes the request or ``run.budget`` retries are spent (a plain loop: this
         is every request's path, where a retry library's per-attempt bookkeeping would cost more than it
         does)."""
@@ -173,7 +183,7 @@ class Balancer:
                              extra={"request_id": run.request_id, "replica_id": last.replica_id})
                     span.add_event("retry", {"rollmesh.attempt": tries})
                 try:
-                    await self._attempt(run, emit)
+                    await self._attempt(run, out)
                     return
                 except RetryAttempt as retry:
                     if tries > run.budget:
@@ -242,7 +252,8 @@ class Balancer:
             msg.flush_interval.CopyFrom(request.flush_interval)
         return msg
 
-    async def _attempt(self, run: RequestRun, emit: Emit) -> None:
+    async def _attempt(self, run: RequestRun, out: Outbox) -> None:
+        emit = out.put
         if self._budget_spent(run):
             # an attempt streamed the whole budget, then broke before its final message: the request is done
             self._complete_from_segments(run, emit)
@@ -287,6 +298,9 @@ class Balancer:
                                 final = msg
                             elif forward and msg.token_ids:
                                 emit(self._chunk(run, msg, route.replica_id))
+                                watch.pause()   # a slow caller is not a stalled replica
+                                await out.drain()
+                                watch.heard()
                     except grpc.aio.AioRpcError as err:
                         if final is None:   # once the final message is in, how the stream ends does not matter
                             self._attempt_failed(run, record, streamed, route, err)
@@ -364,7 +378,7 @@ class Balancer:
         out.usage.CopyFrom(generation_pb2.Usage(prompt_tokens=len(run.request.prompt_token_ids),
                                                 completion_tokens=completion, resumed_tokens=caller_resumed,
                                                 attempts=len(run.attempts), cached_tokens=final.usage.cached_tokens))
-        whole = _whole(out, caller_resumed)
+        whole = whole_result(out, caller_resumed)
         emit(whole if run.request.final_only else out)
         self.completed.put(run.request_id, whole)
 
@@ -466,7 +480,7 @@ class Balancer:
                 # a live agent ends each attempt with its abort reply (a clean stream, a span without error);
                 # what is still open after abort_grace_s (a frozen agent) is cut and resumed elsewhere
                 reason = f"{route.replica_id} was removed from routing with abort"
-                asyncio.get_running_loop().call_later(self.config.abort_grace_s, _cut_all, sent, reason)
+                asyncio.get_running_loop().call_later(self.config.abort_grace_s, cut_all, sent, reason)
                 aborts.append(self.upstreams.abort(route, [t.request_id for t in sent]))
         if aborts:
             await asyncio.gather(*aborts)
@@ -492,24 +506,3 @@ class Balancer:
                                for ts in by_route.values()))
         return [t.request_id for t in moves], {rid: (before[rid], projected[rid]) for rid in before}
 
-
-def _whole(final: loadbalancer_pb2.GenerateResponse, caller_resumed: int) -> loadbalancer_pb2.GenerateResponse:
-    """The final message with every token this call generated in ``token_ids`` (the caller's resumed
-    tokens left out): the answer of a final-only call and of a repeated request id."""
-    whole = loadbalancer_pb2.GenerateResponse()
-    whole.CopyFrom(final)
-    whole.ClearField("token_ids")
-    whole.ClearField("logprobs")
-    whole.ClearField("restarted")
-    for segment in final.segments:
-        whole.token_ids.extend(segment.token_ids)
-        whole.logprobs.extend(segment.logprobs)
-    if caller_resumed:
-        del whole.token_ids[:caller_resumed]
-        del whole.logprobs[:min(caller_resumed, len(whole.logprobs))]
-    return whole
-
-
-def _cut_all(tickets: list[Ticket], why: str) -> None:
-    for ticket in tickets:
-        ticket.cut(why)

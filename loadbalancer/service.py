@@ -155,10 +155,11 @@ class LoadBalancerServicer(loadbalancer_pb2_grpc.LoadBalancerServiceServicer):
                                     routable_replica_count=len(self.table.eligible(None)),
                                     in_flight=self.balancer.in_flight)
 
-    async def Generate(self, request: pb.GenerateRequest,  # noqa: N802
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
-        async for message in self.balancer.generate(request, context.time_remaining()):
-            yield message
+    async def Generate(self, request: pb.GenerateRequest,  # type: ignore[override]  # noqa: N802
+                       context: grpc.aio.ServicerContext) -> None:
+        # gRPC's writer API (a coroutine calling context.write) in place of an async generator: the request
+        # runs in the call's own task, with no generator, task or queue between its attempts and the caller.
+        await self.balancer.serve(request, context.time_remaining(), context.write)
 
     async def GenerateMany(self, request_iterator: AsyncIterator[pb.GenerateManyRequest],  # noqa: N802
                            context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateManyResponse]:

@@ -148,6 +148,34 @@ def test_a_frozen_stream_is_given_up_after_stall_timeout_s_and_resumed_elsewhere
     assert [(s.replica_id, len(s.token_ids)) for s in last.segments] == [("frozen", 3), ("b", 5)]
 
 
+def test_a_caller_that_reads_slowly_is_not_taken_for_a_stalled_replica():
+    """``serve`` writes each chunk at the attempt loop's await point: while the caller takes 300 s to take
+    one (longer than stall_timeout_s), the attempt waits for it, is not cut, and the stall watch resumes
+    after; the replica's own later silence is still caught."""
+    async def scenario():
+        lb = balancer({"only": "ok"}, stall_timeout_s=120.0)
+        loop, written = asyncio.get_running_loop(), []
+
+        async def write(msg):
+            written.append((loop.time(), msg))
+            if len(written) == 2:
+                await asyncio.sleep(300.0)
+
+        request = pb.GenerateRequest(request_id="slow", prompt_token_ids=[1, 2, 3],
+                                     sampling_params=generation_pb2.SamplingParams(max_tokens=6))
+        await lb.serve(request, None, write)
+        return written, loop.time()
+
+    written, ended = run_virtual(Idle(), scenario())
+    last = written[-1][1]
+    assert [m.token_ids[0] for _, m in written[:-1]] == [1000, 1001, 1002, 1003, 1004]
+    assert list(last.token_ids) == [1005] and last.finish_reason == generation_pb2.FINISH_REASON_LENGTH
+    assert [(a.replica_id, a.outcome) for a in last.attempts] == [("only", routing_pb2.ATTEMPT_OUTCOME_COMPLETED)]
+    # the fake replica makes a token when it is read: the attempt reads on once the caller took the second
+    assert written[2][0] == pytest.approx(3 * PER_TOKEN_S + 300.0)
+    assert ended == pytest.approx(6 * PER_TOKEN_S + 300.0)
+
+
 def test_an_ejected_replica_gets_no_picks_until_its_ejection_ends_then_gets_them_again():
     async def scenario():
         lb = balancer({"flaky": "down", "ok": "ok"}, outlier_detection={
