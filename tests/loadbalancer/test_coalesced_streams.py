@@ -17,6 +17,7 @@ import pytest
 from loadbalancer.config import LoadBalancerConfig
 from loadbalancer.service import build_balancer
 from mesh_runtime.config import load_config
+from mesh_runtime.errors import ResourceExhausted
 from rollmesh.common.v1 import generation_pb2
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2 as pb
 from rollmesh.replica.v1 import replica_agent_pb2 as replica_pb
@@ -85,24 +86,35 @@ def balancer(upstreams: ChunkingUpstreams):
     return lb
 
 
-async def run(lb, request_id: str, *, final_only: bool):
+async def run(lb, request_id: str, *, final_only: bool, caller: str = "iterator"):
+    """The messages a caller gets: ``iterator`` reads ``Balancer.generate`` (GenerateMany, the HTTP front),
+    ``writer`` is what a Generate call gets (``Balancer.serve`` writing each message)."""
     request = pb.GenerateRequest(request_id=request_id, prompt_token_ids=[1, 2, 3], final_only=final_only,
                                  sampling_params=generation_pb2.SamplingParams(max_tokens=MAX_TOKENS))
-    messages = [msg async for msg in lb.generate(request, None)]
+    if caller == "iterator":
+        return [msg async for msg in lb.generate(request, None)]
+    messages = []
+
+    async def write(msg):
+        messages.append(msg)
+        await asyncio.sleep(0)   # a write gives the loop a turn, as gRPC's does
+
+    await lb.serve(request, None, write)
     return messages
 
 
+@pytest.mark.parametrize("caller", ["iterator", "writer"])
 @pytest.mark.parametrize("mode", ["abort", "kill", "freeze"])
 @pytest.mark.parametrize("final_only", [False, True])
-def test_a_break_at_any_point_of_a_chunk_yields_exactly_the_unbroken_result_once(mode, final_only):
+def test_a_break_at_any_point_of_a_chunk_yields_exactly_the_unbroken_result_once(mode, final_only, caller):
     expected = [1000 + i for i in range(MAX_TOKENS)]
     for break_at in range(MAX_TOKENS):   # 0 .. MAX_TOKENS-1 tokens generated on a: on, before and after flushes
         async def scenario():
             upstreams = ChunkingUpstreams(mode, break_at)
             lb = balancer(upstreams)
             lb.table.pick = _first_a_then_b(lb.table.pick)
-            messages = await run(lb, f"r-{mode}-{break_at}", final_only=final_only)
-            repeat = await run(lb, f"r-{mode}-{break_at}", final_only=final_only)
+            messages = await run(lb, f"r-{mode}-{break_at}", final_only=final_only, caller=caller)
+            repeat = await run(lb, f"r-{mode}-{break_at}", final_only=final_only, caller=caller)
             return upstreams, messages, repeat
 
         upstreams, messages, repeat = run_virtual(Idle(), scenario())
@@ -138,12 +150,13 @@ def _first_a_then_b(pick):
     return choose
 
 
-def test_final_only_and_streaming_callers_get_the_same_result():
+@pytest.mark.parametrize("caller", ["iterator", "writer"])
+def test_final_only_and_streaming_callers_get_the_same_result(caller):
     async def scenario():
         upstreams = ChunkingUpstreams("none", -1)
         lb = balancer(upstreams)
-        streamed = await run(lb, "s", final_only=False)
-        final_only = await run(lb, "f", final_only=True)
+        streamed = await run(lb, "s", final_only=False, caller=caller)
+        final_only = await run(lb, "f", final_only=True, caller=caller)
         return streamed, final_only
 
     streamed, final_only = run_virtual(Idle(), scenario())
@@ -152,3 +165,30 @@ def test_final_only_and_streaming_callers_get_the_same_result():
     assert [list(seg.token_ids) for seg in streamed[-1].segments] == \
         [list(seg.token_ids) for seg in final_only[0].segments]
     assert streamed[-1].usage == final_only[0].usage and streamed[-1].finish_reason == final_only[0].finish_reason
+
+
+@pytest.mark.parametrize("caller", ["iterator", "writer"])
+def test_tokens_an_abort_returned_reach_the_caller_before_the_request_fails(caller):
+    """Replica ``a`` aborts after 5 tokens (its reply carries the fifth, unflushed) and the request may not
+    be retried (``retry_budget`` 0): the caller gets every token that came back, then the error."""
+    async def scenario():
+        lb = balancer(ChunkingUpstreams("abort", 5))
+        lb.table.pick = _first_a_then_b(lb.table.pick)
+        request = pb.GenerateRequest(request_id="once", prompt_token_ids=[1, 2, 3], retry_budget=0,
+                                     sampling_params=generation_pb2.SamplingParams(max_tokens=MAX_TOKENS))
+        messages = []
+        try:
+            if caller == "iterator":
+                async for msg in lb.generate(request, None):
+                    messages.append(msg)
+            else:
+                async def write(msg):
+                    messages.append(msg)
+                await lb.serve(request, None, write)
+        except Exception as exc:  # noqa: BLE001 - what the caller sees
+            return messages, exc
+        return messages, None
+
+    messages, error = run_virtual(Idle(), scenario())
+    assert [list(m.token_ids) for m in messages] == [[1000, 1001, 1002, 1003], [1004]]
+    assert isinstance(error, ResourceExhausted) and "retry budget of 0" in str(error)
