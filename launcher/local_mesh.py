@@ -183,6 +183,7 @@ async def start_local_mesh(run_dir: Path, env: dict[str, str], *, tls: bool = Tr
     controller."""
     import yaml  # noqa: PLC0415
 
+    run_dir = run_dir.resolve()   # the configs written here name their files absolutely
     run_dir.mkdir(parents=True, exist_ok=True)
     pki = LocalPki(run_dir / "pki")
     started: dict[str, ServerProcess] = {}

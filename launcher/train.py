@@ -70,7 +70,9 @@ def run(args: argparse.Namespace, env: dict[str, str]) -> int:
     if args.resume is not None:
         return _resume(args, job, env)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    run_dir = Path(args.run_dir or Path("runs") / f"{Path(args.config).stem}-{stamp}")
+    # Resolved once, here: every config the launcher writes names its files by absolute path, since a relative
+    # path in a config file is read against that file's own directory.
+    run_dir = Path(args.run_dir or Path("runs") / f"{Path(args.config).stem}-{stamp}").resolve()
     if (run_dir / "checkpoint").exists() or (run_dir / "events.jsonl").exists():
         print(f"rollmesh train: error: run directory {run_dir} holds an earlier run; pass a new --run-dir, "
               f"remove it, or continue it with --resume {run_dir}", file=sys.stderr)
@@ -81,7 +83,7 @@ def run(args: argparse.Namespace, env: dict[str, str]) -> int:
 def _resume(args: argparse.Namespace, job: JobConfig, env: dict[str, str]) -> int:
     from .job_config import resume_problem  # noqa: PLC0415
 
-    run_dir = Path(args.resume)
+    run_dir = Path(args.resume).resolve()
     if args.run_dir is not None and Path(args.run_dir).resolve() != run_dir.resolve():
         print(f"rollmesh train: error: --run-dir {args.run_dir} and --resume {args.resume} name different "
               "directories; a resumed run continues in RUN_DIR", file=sys.stderr)

@@ -102,7 +102,7 @@ class TrainJob:
         """``resume``: the :class:`~trainer_agent.driver.checkpoint.CheckpointInfo` being resumed, or None."""
         self.job = job
         self.resume = resume
-        self.run_dir = run_dir
+        self.run_dir = run_dir.resolve()   # the configs it writes name their files absolutely
         self.env = env
         self.console = Console(out)
         self.processes: dict[str, ServerProcess] = {}

@@ -1,22 +1,27 @@
 """``rollmesh train`` end to end on CPU: the whole mesh as processes, two real training runs.
 
-Run A (the quick start, shortened) shows steps 1-2 of the reference's figure:
-the hybrid replica joins rollout while the trainer waits and sleeps before
-each training step. Run B (``examples/hybrid_skips.yaml``) shows step 3: the
-standalone replicas keep up, the hybrid replica skips rollout and its weight
-sync; in run B one rollout node's replica agent is killed mid-run and
-training still finishes without losing a sample. Each run is shared by the
-tests that read its run directory.
+Run A is the README's first command exactly as written (``scripts/quickstart``
+from the repository root, its default run directory); it shows steps 1-2 of the
+reference's figure: the hybrid replica joins rollout while the trainer waits and
+sleeps before each training step. Run B (``examples/hybrid_skips.yaml``, run from
+another directory with the default run directory) shows step 3: the standalone
+replicas keep up, the hybrid replica skips rollout and its weight sync; in run B
+one rollout node's replica agent is killed mid-run and training still finishes
+without losing a sample. Each run is shared by the tests that read its run
+directory.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,10 +40,12 @@ REQUIRED = 8 * 8  # ppo_mini_batch_size x require_batches x rollout.n in both ex
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def _train(config: Path, run_dir: Path) -> subprocess.Popen:
+def _train(config: Path, run_dir: Path | None, cwd: Path = ROOT) -> subprocess.Popen:
+    """``rollmesh train --config CONFIG [--run-dir RUN_DIR]`` run in ``cwd``."""
     return subprocess.Popen([sys.executable, "-m", "launcher.cli", "train", "--config", str(config),
-                             "--run-dir", str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env=clean_env(GLOO_SOCKET_IFNAME="lo"), cwd=ROOT, start_new_session=True)
+                             *(["--run-dir", str(run_dir)] if run_dir is not None else [])],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=clean_env(GLOO_SOCKET_IFNAME="lo"), cwd=cwd, start_new_session=True)
 
 
 def _finish(proc: subprocess.Popen, timeout_s: float = 360) -> tuple[int, str]:
@@ -62,32 +69,53 @@ class Run:
         self.summary = self.metrics["summary"]
 
 
+def _quickstart() -> subprocess.Popen:
+    """The README's first command as written: ``scripts/quickstart``, no flags, from the repository root (its
+    default run directory, ``runs/quickstart-<time>``)."""
+    command = [str(ROOT / "scripts" / "quickstart")]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=clean_env(GLOO_SOCKET_IFNAME="lo"), cwd=ROOT, start_new_session=True)
+
+
+def run_dir_of(output: str) -> Path:
+    """The run directory ``rollmesh train`` printed (``events: DIR/events.jsonl``)."""
+    found = re.search(r"^events: (\S+)/events\.jsonl", output, re.MULTILINE)
+    assert found, output[-3000:]
+    return Path(found.group(1))
+
+
 @pytest.fixture(scope="module")
-def hybrid_run(tmp_path_factory) -> Run:
-    tmp = tmp_path_factory.mktemp("train-hybrid")
-    config = job_config(tmp, "quickstart.yaml")   # the quick start as shipped
-    code, out = _finish(_train(config, tmp / "run"))
-    return Run(tmp / "run", code, out)
+def hybrid_run() -> Iterator[Run]:
+    code, out = _finish(_quickstart())
+    run_dir = run_dir_of(out)
+    try:
+        assert run_dir.parent == ROOT / "runs" and run_dir.name.startswith("quickstart-"), run_dir
+        yield Run(run_dir, code, out)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
 def skip_run_with_a_kill(tmp_path_factory) -> tuple[Run, str]:
     tmp = tmp_path_factory.mktemp("train-skip")
     config = job_config(tmp, "hybrid_skips.yaml", **{"trainer.total_training_steps": SKIP_STEPS})
-    run_dir = tmp / "run"
-    proc = _train(config, run_dir)
-    events_file = run_dir / "events.jsonl"
+    work = tmp / "elsewhere"   # run from another directory than the repository's, with the default run directory
+    work.mkdir()
+    proc = _train(config, None, cwd=work)
     deadline = time.monotonic() + 240
     # Kill as step 3's weight sync starts: the worst moment, when the dead agent's replica is in the
     # broadcast group with the healthy one (the driver then syncs the healthy one again on its own).
     while time.monotonic() < deadline and proc.poll() is None:
-        if events_file.exists() and any('"WEIGHT_SYNC_STARTED"' in line and '"global_step": 3' in line
-                                        for line in events_file.read_text().splitlines()):
+        found = list((work / "runs").glob("hybrid_skips-*/events.jsonl"))
+        if found and any('"WEIGHT_SYNC_STARTED"' in line and '"global_step": 3' in line
+                         for line in found[0].read_text().splitlines()):
             break
         time.sleep(0.005)
+    (run_dir,) = (work / "runs").glob("hybrid_skips-*")
     processes = json.loads((run_dir / "processes.json").read_text())
     os.kill(processes["rollout-1"]["pid"], signal.SIGKILL)  # the replica agent dies without a goodbye
     code, out = _finish(proc)
+    assert run_dir_of(out) == run_dir
     return Run(run_dir, code, out), "s1-0"
 
 

@@ -50,9 +50,10 @@ def _line(proc: subprocess.Popen, prefix: str, timeout_s: float) -> str:
 def test_up_serves_the_model_to_the_readmes_openai_example(tmp_path):
     serve = (ROOT / "examples" / "serve.yaml").read_text().replace("127.0.0.1:8000", "127.0.0.1:0")
     (tmp_path / "serve.yaml").write_text(serve)
-    proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "up", "--config", str(tmp_path / "serve.yaml"),
-                             "--run-dir", str(tmp_path / "run")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env=clean_env(), cwd=tmp_path, start_new_session=True)
+    # as the docs run it: from the directory it is in, with the default run directory (runs/up, relative)
+    proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "up", "--config", "serve.yaml"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=clean_env(), cwd=tmp_path,
+                            start_new_session=True)
     try:
         base = _line(proc, "openai: ", 150)
         assert re.fullmatch(r"http://127\.0\.0\.1:\d+/v1", base)
@@ -66,6 +67,7 @@ def test_up_serves_the_model_to_the_readmes_openai_example(tmp_path):
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
+    assert (tmp_path / "runs" / "up" / "lb.yaml").is_file() and (tmp_path / "runs" / "up" / "pki" / "ca.pem").is_file()
 
 
 def test_up_refuses_a_bad_serve_config(tmp_path):
