@@ -217,6 +217,9 @@ class TorchWeightSource(WeightSource):
         self._aliases: dict[str, str] = {}
 
     def _load(self) -> None:
+        from modeling.versions import check_supported  # noqa: PLC0415 - imports transformers
+
+        check_supported()   # an unsupported torch or transformers is refused before any model is built
         if is_model_directory(self.model):
             from transformers import AutoModelForCausalLM  # noqa: PLC0415 - heavy, only when loading
 

@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from modeling.versions import cache_keyword
+
 from .request_state import RowSpec, StepBatch
 from .sampling import sample_tokens
 from .torch_prefix import Entry, PrefixCache
@@ -42,6 +44,7 @@ class BatchRunner:
 
     def __init__(self, model: torch.nn.Module, device: torch.device, prefix: PrefixCache | None = None) -> None:
         self.model = model
+        self.cache_keyword = cache_keyword(model)   # ``cache`` or ``past_key_values``, by transformers release
         self.device = device
         self.prefix = prefix
         self.ids: list[str] = []
@@ -121,8 +124,8 @@ class BatchRunner:
             input_ids=self.last_tokens[:, None],
             attention_mask=mask,
             position_ids=self.positions[:, None],
-            cache=self.cache,
             use_cache=True,
+            **{self.cache_keyword: self.cache},
         )
         self.mask = mask
         self.positions = self.positions + 1
@@ -152,7 +155,7 @@ class BatchRunner:
             for layer_index, (keys, values) in enumerate(zip(entry.keys, entry.values)):
                 cache.update(keys[None, :, :start].expand(len(contexts), -1, -1, -1).to(self.device),
                              values[None, :, :start].expand(len(contexts), -1, -1, -1).to(self.device), layer_index)
-        out = self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{self.cache_keyword: cache})
         if self.prefix is not None:
             layers = layers_of(cache)
             for u, context in enumerate(contexts):

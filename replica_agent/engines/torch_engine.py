@@ -26,6 +26,7 @@ from .chunking import DEFAULT_FLUSH_INTERVAL_S
 from .core import SteppedEngine
 from .errors import EngineError, EngineUnavailable, InvalidRequest
 from modeling.presets import PRESETS, build_preset_model
+from modeling.versions import check_supported
 from .request_state import StepBatch
 from .torch_batch import BatchRunner
 from .torch_prefix import PrefixCache
@@ -137,6 +138,7 @@ class TorchEngine(SteppedEngine):
         await self._in_worker(self._load_sync)
 
     def _load_sync(self) -> None:
+        check_supported()   # an unsupported torch or transformers is refused before any model is built
         threads = self.config.num_threads or len(os.sched_getaffinity(0))
         torch.set_num_threads(threads)
         if self.config.preset is not None:

@@ -19,7 +19,7 @@ from replica_agent.engines import (
 )
 from modeling.presets import save_preset
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.pins]
 
 
 def prompt(i: int) -> list[int]:
@@ -276,3 +276,11 @@ async def test_forward_passes_run_off_the_event_loop_thread(torch_engine, collec
     finally:
         handle.remove()
     assert threads and threading.get_ident() not in threads
+
+
+async def test_the_torch_engine_refuses_to_start_on_an_unsupported_release(torch_engine_factory, monkeypatch):
+    from modeling import versions
+
+    monkeypatch.setattr(versions, "installed", lambda: {"torch": "2.13.0", "transformers": "5.19.0"})
+    with pytest.raises(versions.UnsupportedVersion, match=r"transformers 5\.19\.0 \(rollmesh needs >= 5\.20\)"):
+        await torch_engine_factory()
