@@ -71,8 +71,12 @@ class Run:
 
 def _quickstart() -> subprocess.Popen:
     """The README's first command as written: ``scripts/quickstart``, no flags, from the repository root (its
-    default run directory, ``runs/quickstart-<time>``)."""
-    command = [str(ROOT / "scripts" / "quickstart")]
+    default run directory, ``runs/quickstart-<time>``). Under another virtual environment than the project's
+    (the pinned dependency sets' leg, ``scripts/test --pins``) the same job from that environment's CLI."""
+    if Path(sys.prefix).resolve() == (ROOT / ".venv").resolve():
+        command = [str(ROOT / "scripts" / "quickstart")]
+    else:
+        command = [sys.executable, "-m", "launcher.cli", "train", "--config", "examples/quickstart.yaml"]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env=clean_env(GLOO_SOCKET_IFNAME="lo"), cwd=ROOT, start_new_session=True)
 
@@ -122,6 +126,7 @@ def skip_run_with_a_kill(tmp_path_factory) -> tuple[Run, str]:
 # -- run A: the hybrid replica helps ------------------------------------------------------------------
 
 
+@pytest.mark.pins
 def test_the_reward_rises(hybrid_run):
     """The quick start visibly learns: from near 0 to most of the way (measured 0.79-0.97 at the end for
     model seeds 0-4; the threshold leaves room for a run that learns one kind of answer only)."""
@@ -129,6 +134,9 @@ def test_the_reward_rises(hybrid_run):
     assert len(rewards) == STEPS
     first, last = sum(rewards[:3]) / 3, sum(rewards[-5:]) / 5
     assert first < 0.25 and last >= 0.45 and last >= first + 0.3, rewards
+    # the engine and the trainer compute the same model: at step 1 every sample is on-policy
+    assert hybrid_run.steps[0]["metrics"]["actor/rollout_logprob_abs_diff"] <= 1e-3
+    assert hybrid_run.steps[0]["metrics"]["actor/on_policy_logprob_abs_diff"] <= 1e-3
     assert "reward, step 1 -> last" in hybrid_run.output
     assert all("reward_extra/chars_of_kind" in s["metrics"] for s in hybrid_run.steps)
     from PIL import Image
@@ -138,6 +146,7 @@ def test_the_reward_rises(hybrid_run):
     assert curve["hybrid_activated"] == [s["global_step"] for s in hybrid_run.steps if s["hybrid_activated"]]
 
 
+@pytest.mark.pins
 def test_every_generated_sample_is_consumed_dropped_or_still_queued(hybrid_run):
     s = hybrid_run.summary["samples"]
     assert s["samples_generated"] == s["samples_consumed"] + s["samples_dropped"] + s["queue_size"]
@@ -147,6 +156,7 @@ def test_every_generated_sample_is_consumed_dropped_or_still_queued(hybrid_run):
         assert step["generated"] == step["consumed"] + step["dropped"] + step["queue_size"]
 
 
+@pytest.mark.pins
 def test_replicas_hold_the_trainers_version_after_each_sync(hybrid_run):
     for step in hybrid_run.steps:
         assert step["weight_version"] == step["trainer_param_version"] == step["global_step"]
@@ -157,6 +167,7 @@ def test_replicas_hold_the_trainers_version_after_each_sync(hybrid_run):
     assert {e["weight_version"] for e in completed} == set(range(1, STEPS + 1))
 
 
+@pytest.mark.pins
 def test_the_hybrid_replica_is_activated_to_help_and_released_before_training(hybrid_run):
     t = hybrid_run.summary["transitions"]
     assert t["activations"] >= STEPS // 2
@@ -166,6 +177,7 @@ def test_the_hybrid_replica_is_activated_to_help_and_released_before_training(hy
     assert any(s["offload_s"] > 0 for s in hybrid_run.steps if s["hybrid_activated"])
 
 
+@pytest.mark.pins
 def test_summary_counts_match_a_hand_count_of_the_event_log(hybrid_run):
     events, t = hybrid_run.events, hybrid_run.summary["transitions"]
     assert [e["sequence"] for e in events] == list(range(1, len(events) + 1))
@@ -184,6 +196,7 @@ def test_summary_counts_match_a_hand_count_of_the_event_log(hybrid_run):
     assert t["weight_syncs"] == len([e for e in events if e["type"] == "WEIGHT_SYNC_COMPLETED"])
 
 
+@pytest.mark.pins
 def test_dynamic_resource_metrics_match_the_trainers_own_records(hybrid_run):
     cycles = hybrid_run.metrics["cycles"]
     assert len(cycles) >= STEPS - 1
@@ -208,6 +221,7 @@ def test_dynamic_resource_metrics_match_the_trainers_own_records(hybrid_run):
         assert v["dynamic_resource/resource_utilization"] == pytest.approx(expected, rel=1e-6, abs=1e-9)
 
 
+@pytest.mark.pins
 def test_the_run_directory_holds_events_metrics_spans_and_the_picture(hybrid_run):
     d = hybrid_run.dir
     png = (d / "resource_time.png").read_bytes()
@@ -241,6 +255,7 @@ def test_the_run_directory_holds_events_metrics_spans_and_the_picture(hybrid_run
     assert AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).config.model_type == "llama"
 
 
+@pytest.mark.pins
 def test_the_mesh_runs_with_mutual_tls_and_no_call_is_refused(hybrid_run):
     d = hybrid_run.dir
     assert (d / "pki" / "ca.pem").is_file()

@@ -18,16 +18,37 @@ pytestmark = pytest.mark.timeout(420)
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_multiturn_example_learns_to_call_its_tool(tmp_path):
+def _train(tmp_path: Path, *args: str) -> list[dict]:
+    """Run the example as shipped (``args``: more flags); its step records."""
     run_dir = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "launcher.cli", "train", "--config",
-                           str(ROOT / "examples" / "multiturn_tools.yaml"), "--run-dir", str(run_dir)],
+                           str(ROOT / "examples" / "multiturn_tools.yaml"), "--run-dir", str(run_dir), *args],
                           capture_output=True, text=True, cwd=tmp_path, timeout=400,
                           env=clean_env(GLOO_SOCKET_IFNAME="lo"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     steps = [json.loads(line) for line in (run_dir / "trainer" / "steps.jsonl").read_text().splitlines()]
-    steps = [s for s in steps if s.get("event") == "step"]
+    return [s for s in steps if s.get("event") == "step"]
+
+
+def _agrees(step: dict) -> None:
+    """At step 1 every sample is on-policy: the engine's logprobs are the trainer's, to float rounding."""
+    assert step["metrics"]["actor/rollout_logprob_abs_diff"] <= 1e-3, step["metrics"]
+    assert step["metrics"]["actor/on_policy_logprob_abs_diff"] <= 1e-3, step["metrics"]
+
+
+@pytest.mark.pins
+def test_the_multiturn_examples_first_steps_agree_with_the_trainer(tmp_path):
+    """The example's first steps, under every dependency set (its whole run below takes minutes)."""
+    steps = _train(tmp_path, "--steps", "2")
+    assert len(steps) == 2
+    _agrees(steps[0])
+
+
+def test_the_multiturn_example_learns_to_call_its_tool(tmp_path):
+    run_dir = tmp_path / "run"
+    steps = _train(tmp_path)
     assert len(steps) == 50
+    _agrees(steps[0])
     rewards = [s["reward_mean"] for s in steps]
     calls = [s["samples"].get("multi_turn/tool_calls/mean", 0.0) for s in steps]
     assert sum(rewards[:2]) / 2 < 0.3                      # it starts by guessing, rarely calling

@@ -87,7 +87,7 @@ from trainer_agent.training.grpo import GrpoTrainer
 from trainer_agent.training.grpo import Sample as GrpoSample
 from trainer_client.steps import Counters, StepProtocol
 
-from .sample_metrics import step_sample_metrics
+from .sample_metrics import single_version, step_sample_metrics
 
 log = logging.getLogger(__name__)
 
@@ -484,7 +484,8 @@ class FullyAsyncLoop:
                 continue
             groups.setdefault(s.group_id, []).append(GrpoSample(
                 prompt_ids=s.prompt_ids, completion_ids=s.completion_ids, rollout_logprobs=s.logprobs,
-                reward=0.0 if s.reward is None else s.reward, loss_mask=s.loss_mask))
+                reward=0.0 if s.reward is None else s.reward, loss_mask=s.loss_mask,
+                weight_version=single_version(s)))
         return [g for g in groups.values() if g]
 
     def _counters(self, *, timing: dict[str, float] | None = None, wait_times: Sequence[float] = (),

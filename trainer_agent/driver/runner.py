@@ -296,7 +296,9 @@ class TrainingDriver:
             concurrent_samples_per_replica=at.concurrent_samples_per_replica, partial_rollout=at.partial_rollout,
             max_tokens=max_tokens, temperature=sampling.temperature, stop_token_ids=stop_ids)
         self.trainer = GrpoTrainer.from_weight_source(self.source, GrpoConfig(
-            lr=actor.optim.lr, weight_decay=actor.optim.weight_decay, clip_ratio=actor.clip_ratio))
+            lr=actor.optim.lr, weight_decay=actor.optim.weight_decay, clip_ratio=actor.clip_ratio,
+            temperature=sampling.temperature, logprob_mismatch_bound=actor.logprob_mismatch_bound,
+            logprob_mismatch_action=actor.logprob_mismatch_action))
         trajectory = self._trajectories(balancer, toolbox, max_tokens).run if sampling.multi_turn.enable else None
         return FullyAsyncLoop(
             controller, LoadBalancerGenerate(balancer, timeout_s=s.generate_timeout_s, generations=generations),

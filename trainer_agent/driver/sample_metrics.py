@@ -22,6 +22,12 @@ def oldest_version(sample: Sample) -> int | None:
     return min(versions) if versions else None
 
 
+def single_version(sample: Sample) -> int | None:
+    """The one weight version all of ``sample``'s generated tokens were sampled under; None if several or none."""
+    versions = {v for v, n in zip(sample.weight_versions, sample.segment_lengths) if v >= 0 and n > 0}
+    return versions.pop() if len(versions) == 1 else None
+
+
 def step_sample_metrics(samples: Sequence[Sample], trainer_version: int) -> dict[str, Any]:
     """``staleness/mean`` and ``/max``, ``multi_turn/*`` means when any sample has more than one turn, and
     ``tokens_by_weight_version`` (model tokens per version, for ``steps.jsonl``)."""

@@ -28,6 +28,7 @@ from typing import Any, ClassVar, Literal
 
 from mesh_runtime import samples
 from mesh_runtime.config import ConfigError, check_addresses, setting
+from trainer_agent.training.limits import DEFAULT_LOGPROB_MISMATCH_BOUND
 
 
 @dataclasses.dataclass
@@ -130,8 +131,18 @@ class ActorSettings:
     ppo_mini_batch_size: int = setting(8, help="prompts per ppo_mini_batch (each sampled rollout.n times)")
     clip_ratio: float = setting(0.2, help="PPO clip of the importance ratio against the rollout logprobs")
     optim: OptimSettings = setting(default_factory=OptimSettings, help="optimizer settings")
+    logprob_mismatch_bound: float = setting(
+        DEFAULT_LOGPROB_MISMATCH_BOUND,
+        help="largest mean absolute difference (nats per token) between the rollout logprobs of samples generated "
+             "under the trainer's current weights and the trainer's own; beyond it the run stops "
+             "(logprob_mismatch_action) naming the torch and transformers versions; 0 = no check")
+    logprob_mismatch_action: Literal["error", "warn"] = setting(
+        "error", help="error: a step over logprob_mismatch_bound stops the run before it trains; warn: log a "
+                      "warning and train anyway")
 
     def validate(self) -> None:
+        if not self.logprob_mismatch_bound >= 0:
+            raise ConfigError("logprob_mismatch_bound", f"must be >= 0, got {self.logprob_mismatch_bound}")
         if self.ppo_mini_batch_size < 1:
             raise ConfigError("ppo_mini_batch_size", f"must be >= 1, got {self.ppo_mini_batch_size}")
         if not 0 < self.clip_ratio < 1:

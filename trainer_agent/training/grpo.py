@@ -34,6 +34,7 @@ memory is released.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -44,8 +45,14 @@ from mesh_runtime.errors import FailedPrecondition, InvalidArgument
 from mesh_runtime.reasons import Reason
 
 from ..weight_source import WeightSource
+from .limits import DEFAULT_LOGPROB_MISMATCH_BOUND
 
 RewardFn = Callable[[Sequence[int], Sequence[int]], float]
+log = logging.getLogger(__name__)
+
+
+class LogprobMismatch(FailedPrecondition):
+    """On-policy samples' rollout logprobs differ from the trainer's beyond the configured bound."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +69,10 @@ class Sample:
     """Scalar reward; replaced when :meth:`GrpoTrainer.step` gets a ``reward_fn``."""
     loss_mask: Sequence[int] = ()
     """Per completion token, 1 to train on it, 0 not (tool and user turns of a trajectory); empty = all."""
+    weight_version: int | None = None
+    """The one weight version every generated token was sampled under; None when they span several or it is
+    unknown. A sample at the trainer's own current version is on-policy: its rollout logprobs must equal the
+    trainer's recomputation (see :attr:`GrpoConfig.logprob_mismatch_bound`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,10 +91,26 @@ class GrpoConfig:
     """AdamW weight decay."""
     betas: tuple[float, float] = (0.9, 0.999)
     """AdamW betas."""
+    temperature: float = 1.0
+    """The rollout's sampling temperature: the trainer's logits are divided by it before the log-softmax, so its
+    log-probabilities are those of the distribution the engine sampled from (as verl's actor does)."""
+    logprob_mismatch_bound: float = DEFAULT_LOGPROB_MISMATCH_BOUND
+    """Largest mean absolute difference (nats per token) between the rollout logprobs of on-policy samples (all
+    tokens at the trainer's current weight version) and the trainer's recomputation; beyond it the step is
+    refused (``logprob_mismatch_action``). ``<= 0`` turns the check off."""
+    logprob_mismatch_action: str = "error"
+    """``error``: a step over the bound raises :class:`LogprobMismatch` before any update; ``warn``: it logs a
+    warning and trains."""
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
             raise InvalidArgument(f"lr must be positive, got {self.lr}", reason=Reason.INVALID_TRAINING_CONFIG)
+        if not self.temperature > 0:
+            raise InvalidArgument(f"temperature must be positive, got {self.temperature}",
+                                  reason=Reason.INVALID_TRAINING_CONFIG)
+        if self.logprob_mismatch_action not in ("error", "warn"):
+            raise InvalidArgument(f"logprob_mismatch_action must be 'error' or 'warn', got "
+                                  f"{self.logprob_mismatch_action[:32]!r}", reason=Reason.INVALID_TRAINING_CONFIG)
         if not 0 < self.clip_ratio < 1:
             raise InvalidArgument(f"clip_ratio must lie in (0, 1), got {self.clip_ratio}",
                                   reason=Reason.INVALID_TRAINING_CONFIG)
@@ -148,9 +175,10 @@ def clipped_policy_loss(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, 
     return loss, {"clip_fraction": clip_fraction, "ratio_mean": ratio_mean}
 
 
-def completion_logprobs(model: torch.nn.Module, samples: Sequence[Sample],
-                        device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probabilities of each sample's completion tokens under ``model``: ``(logprobs, mask)``, ``[B, T]``.
+def completion_logprobs(model: torch.nn.Module, samples: Sequence[Sample], device: torch.device,
+                        temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probabilities of each sample's completion tokens under ``model`` sampled at ``temperature``:
+    ``(logprobs, mask)``, ``[B, T]``.
 
     Sequences are right-padded (so positions start at 0 for every sample);
     ``T`` is the longest completion. ``mask`` is each sample's ``loss_mask`` (all of it when empty).
@@ -165,6 +193,8 @@ def completion_logprobs(model: torch.nn.Module, samples: Sequence[Sample],
         attention[row, :len(tokens)] = 1
     input_ids, attention = input_ids.to(device), attention.to(device)
     logits = model(input_ids=input_ids, attention_mask=attention).logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
     token_logprobs = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
     rows = []
     for row, sample in enumerate(samples):
@@ -250,7 +280,8 @@ class GrpoTrainer:
 
         started = time.perf_counter()
         self.model.train()
-        logprobs, mask = completion_logprobs(self.model, samples, self.device)
+        logprobs, mask = completion_logprobs(self.model, samples, self.device, self.config.temperature)
+        on_policy = self._check_on_policy(samples, rollout, logprobs.detach(), mask)
         loss, stats = clipped_policy_loss(logprobs, rollout, adv, mask, self.config.clip_ratio)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -269,6 +300,7 @@ class GrpoTrainer:
             "actor/grad_norm": grad_norm,
             "actor/lr": self.config.lr,
             "actor/rollout_logprob_abs_diff": mismatch,
+            **on_policy,
             "critic/rewards/mean": sum(flat) / len(flat),
             "critic/rewards/max": max(flat),
             "critic/rewards/min": min(flat),
@@ -278,6 +310,38 @@ class GrpoTrainer:
             "num_groups": float(len(groups)),
         }
         return StepResult(metrics, timing, self.weight_version)
+
+    def _check_on_policy(self, samples: Sequence[Sample], rollout: torch.Tensor, logprobs: torch.Tensor,
+                         mask: torch.Tensor) -> dict[str, float]:
+        """Compare the rollout logprobs of the samples generated under this trainer's current weights with its
+        own; over the bound, refuse the step (before any update) or warn, as configured. Returns the metrics
+        ``actor/on_policy_logprob_abs_diff`` and ``actor/on_policy_tokens`` (none without on-policy samples)."""
+        rows = [i for i, s in enumerate(samples) if s.weight_version == self.weight_version]
+        if not rows:
+            return {}
+        index = torch.tensor(rows, dtype=torch.long, device=rollout.device)
+        on_mask = mask.index_select(0, index)
+        tokens = int(on_mask.sum())
+        if tokens == 0:
+            return {}
+        diff = float(((rollout.index_select(0, index) - logprobs.index_select(0, index)).abs() * on_mask).sum()
+                     / tokens)
+        bound = self.config.logprob_mismatch_bound
+        if bound > 0 and not diff <= bound:   # a NaN is over any bound
+            from modeling.versions import describe  # noqa: PLC0415
+
+            message = (f"the rollout engine's log-probabilities of {len(rows)} sample(s) generated under the "
+                       f"trainer's current weights (version {self.weight_version}) differ from the trainer's "
+                       f"by {diff:.4g} nats per token on average (bound {bound:g}, "
+                       f"actor.logprob_mismatch_bound) with {describe()}: the engine and the trainer do not "
+                       f"compute the same model, and training on these samples would learn nothing. Check that "
+                       f"both run a supported torch and transformers and the same model and tokenizer; set "
+                       f"actor.logprob_mismatch_action: warn to train anyway")
+            if self.config.logprob_mismatch_action == "error":
+                raise LogprobMismatch(message, reason=Reason.LOGPROB_MISMATCH,
+                                      metadata={"difference": f"{diff:.6g}", "bound": f"{bound:g}"})
+            log.warning("%s", message)
+        return {"actor/on_policy_logprob_abs_diff": diff, "actor/on_policy_tokens": float(tokens)}
 
     def _apply_and_publish(self) -> None:
         version = self.weight_version + 1

@@ -10,8 +10,10 @@ from rollmesh.controller.v1 import registry_pb2, scheduling_pb2, weight_sync_pb2
 from trainer_agent.driver.loop import FullyAsyncLoop, task_prompts
 from trainer_agent.driver.rollouter import GenerationResult, RolloutConfig, Segment
 from trainer_agent.training import task
-from trainer_agent.training.grpo import GrpoTrainer
+from trainer_agent.training.grpo import GrpoConfig, GrpoTrainer
 from trainer_agent.weight_source import TorchWeightSource
+
+UNCHECKED = GrpoConfig(logprob_mismatch_bound=0)   # the fake generator's logprobs are made up, not the model's
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -60,7 +62,7 @@ async def test_healthy_replicas_get_the_version_and_dead_ones_are_given_up():
     source = TorchWeightSource("tiny-llama", seed=1)
     source.load()
     controller = _Controller()
-    loop = FullyAsyncLoop(controller, _generate, GrpoTrainer.from_weight_source(source),
+    loop = FullyAsyncLoop(controller, _generate, GrpoTrainer.from_weight_source(source, UNCHECKED),
                           RolloutConfig(n=2, ppo_mini_batch_size=1, trigger_parameter_sync_step=1, max_tokens=2),
                           task_prompts(task, 4, 1), task.reward, replica_count=_one, collect_timeout_s=10)
     [record] = await loop.run(1)
@@ -93,7 +95,7 @@ async def test_a_replica_lost_between_listing_and_syncing_is_given_up_not_fatal(
     source = TorchWeightSource("tiny-llama", seed=1)
     source.load()
     controller = _LostBetweenListAndSync()
-    loop = FullyAsyncLoop(controller, _generate, GrpoTrainer.from_weight_source(source),
+    loop = FullyAsyncLoop(controller, _generate, GrpoTrainer.from_weight_source(source, UNCHECKED),
                           RolloutConfig(n=2, ppo_mini_batch_size=1, trigger_parameter_sync_step=1, max_tokens=2),
                           task_prompts(task, 4, 1), task.reward, replica_count=_one, collect_timeout_s=10)
     [record] = await loop.run(1)

@@ -15,7 +15,7 @@ from trainer_agent.training.grpo import (GrpoConfig, GrpoTrainer, Sample, clippe
 from trainer_agent.training.local_rollout import sample_group, train_toy_task
 from trainer_agent.weight_source import TorchWeightSource
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.pins]
 
 PROMPT = [task.DIGIT_IDS[1], task.DIGIT_IDS[2], task.DIGIT_IDS[3], task.SEPARATOR_ID]
 
@@ -163,3 +163,74 @@ def test_reward_rises_on_the_copy_task(seed):
     first, last = sum(run.mean_rewards[:5]) / 5, sum(run.mean_rewards[-5:]) / 5
     assert last > first + 0.1, run.mean_rewards
     assert run.seconds < 60
+
+
+# -- the on-policy check: the engine's and the trainer's logprobs of the same weights must agree ----------------
+
+
+def _on_policy(t: GrpoTrainer, shift: float = 0.0, version: int | None = 0) -> list[list[Sample]]:
+    completions = [[task.DIGIT_IDS[1], task.EOS_ID], [task.DIGIT_IDS[2], task.DIGIT_IDS[3], task.EOS_ID]]
+    plain = [Sample(PROMPT, c, [0.0] * len(c)) for c in completions]
+    now = current_logprobs(t, plain)
+    return [[Sample(PROMPT, c, [lp + shift for lp in now[i]], reward=float(i), weight_version=version)
+             for i, c in enumerate(completions)]]
+
+
+def test_on_policy_samples_that_agree_train_and_report_the_difference():
+    t = trainer()
+    result = t.step(_on_policy(t))
+    assert result.metrics["actor/on_policy_logprob_abs_diff"] <= 1e-6
+    assert result.metrics["actor/on_policy_tokens"] == 5
+    assert t.weight_version == 1
+
+
+def test_a_mismatch_on_on_policy_samples_stops_the_step_before_any_update():
+    from trainer_agent.training.grpo import LogprobMismatch
+
+    t = trainer()
+    before = {n: w.clone() for n, w in t.named_weights()}
+    with pytest.raises(LogprobMismatch) as caught:
+        t.step(_on_policy(t, shift=0.5))
+    message = str(caught.value)
+    assert "0.5 nats per token" in message and "bound 0.1" in message and "logprob_mismatch_bound" in message
+    assert f"torch {torch.__version__}" in message and "transformers " in message
+    assert caught.value.reason == "LOGPROB_MISMATCH" and caught.value.metadata["difference"].startswith("0.5")
+    assert t.weight_version == 0 and all(torch.equal(before[n], w) for n, w in t.named_weights())
+
+
+def test_warn_trains_through_a_mismatch_and_logs_it(caplog):
+    t = trainer(logprob_mismatch_action="warn")
+    with caplog.at_level("WARNING", logger="trainer_agent.training.grpo"):
+        result = t.step(_on_policy(t, shift=0.5))
+    assert result.metrics["actor/on_policy_logprob_abs_diff"] == pytest.approx(0.5, abs=1e-5)
+    assert t.weight_version == 1 and "differ from the trainer's by 0.5" in caplog.text
+
+
+@pytest.mark.parametrize("version", [None, 3])
+def test_samples_of_other_or_mixed_versions_are_not_checked(version):
+    t = trainer()   # version 0; stale samples legitimately differ, the importance ratio corrects for them
+    result = t.step(_on_policy(t, shift=0.5, version=version))
+    assert "actor/on_policy_logprob_abs_diff" not in result.metrics and t.weight_version == 1
+
+
+def test_a_zero_bound_turns_the_check_off():
+    t = trainer(logprob_mismatch_bound=0)
+    assert t.step(_on_policy(t, shift=3.0)).metrics["actor/on_policy_logprob_abs_diff"] == pytest.approx(3.0, abs=1e-5)
+
+
+def test_the_trainer_scores_tokens_at_the_rollouts_temperature():
+    t = trainer()
+    samples = [Sample(PROMPT, [task.DIGIT_IDS[4], task.EOS_ID], [0.0, 0.0])]
+    with torch.no_grad():
+        cooled, _ = completion_logprobs(t.model, samples, t.device, temperature=0.5)
+        ids = torch.tensor([[*PROMPT, task.DIGIT_IDS[4], task.EOS_ID]])
+        logits = t.model(input_ids=ids).logits[0, len(PROMPT) - 1:-1] / 0.5
+    expected = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, len(PROMPT):, None])[:, 0]
+    assert torch.allclose(cooled[0], expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("config, field", [({"temperature": 0}, "temperature"),
+                                           ({"logprob_mismatch_action": "ignore"}, "logprob_mismatch_action")])
+def test_bad_check_settings_are_refused(config, field):
+    with pytest.raises(InvalidArgument, match=field):
+        GrpoConfig(**config)

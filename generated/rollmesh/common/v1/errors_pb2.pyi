@@ -482,6 +482,13 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """A replica's own process (replica_processes) could not start, or ended;
     the replica is FAILED.
     """
+    LOGPROB_MISMATCH: _ErrorReason.ValueType  # 177
+    """The log-probabilities the rollout engine reported for samples generated
+    under the trainer's own current weights differ from the trainer's
+    recomputation by more than actor.logprob_mismatch_bound: the two sides
+    do not compute the same model (a dependency version, a model or tokenizer
+    mismatch), and training on the samples would learn nothing.
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """ErrorReason lists every reason a rollmesh server raises, grouped by where
@@ -941,5 +948,12 @@ characters.
 REPLICA_PROCESS_FAILED: ErrorReason.ValueType  # 176
 """A replica's own process (replica_processes) could not start, or ended;
 the replica is FAILED.
+"""
+LOGPROB_MISMATCH: ErrorReason.ValueType  # 177
+"""The log-probabilities the rollout engine reported for samples generated
+under the trainer's own current weights differ from the trainer's
+recomputation by more than actor.logprob_mismatch_bound: the two sides
+do not compute the same model (a dependency version, a model or tokenizer
+mismatch), and training on the samples would learn nothing.
 """
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015
