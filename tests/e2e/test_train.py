@@ -344,3 +344,26 @@ def test_a_second_ctrl_c_stops_every_process_at_once(tmp_path):
     assert code == 130, out[-3000:]
     assert "interrupted" in out and "stopped: " in out
     assert not [name for name, pid in pids.items() if _alive(pid)]
+
+
+# -- the engine and the trainer must compute the same model ------------------------------------------------------
+
+
+def test_a_trainer_on_other_weights_than_the_fleets_stops_the_run_naming_the_versions(tmp_path):
+    """Forced: the trainer agent's model seed differs from the replicas', so step 1's on-policy samples disagree
+    with the trainer's recomputation; the run stops before training on them (exit 1), saying why."""
+    config = job_config(tmp_path, "quickstart.yaml", **{"trainer.total_training_steps": 3})
+    proc = subprocess.run([sys.executable, "-m", "launcher.cli", "train", "--config", str(config), "--run-dir",
+                           str(tmp_path / "run")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=300, cwd=tmp_path,
+                          env=clean_env(GLOO_SOCKET_IFNAME="lo", ROLLMESH_TRAINER_AGENT__MODEL_SEED="99"))
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    error = proc.stdout.strip().splitlines()[-1]
+    import torch
+    import transformers
+
+    assert error.startswith("rollmesh train: error: training failed: LogprobMismatch:"), error
+    assert f"torch {torch.__version__}, transformers {transformers.__version__}" in error
+    assert "(version 0)" in error and "bound 0.1, actor.logprob_mismatch_bound" in error
+    assert re.search(r"differ from the trainer's by \d+\.\d+ nats per token", error)
+    assert "steps                  0 / 3" in proc.stdout   # nothing trained
