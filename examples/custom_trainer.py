@@ -26,7 +26,7 @@ import grpc
 
 from rollmesh.common.v1 import generation_pb2
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2
-from trainer_agent.published_weights import publish
+from weight_transfer.published import publish
 from trainer_agent.training import task
 from trainer_agent.training.grpo import GrpoConfig, GrpoTrainer, Sample
 from trainer_client import Counters, MeshClient

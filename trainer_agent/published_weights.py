@@ -26,20 +26,11 @@ from pathlib import Path
 
 import torch
 
+from weight_transfer.published import publish
+
 from .weight_source import TorchWeightSource, WeightSnapshot, WeightSource
 
-
-def publish(directory: str | Path, tensors: Mapping[str, torch.Tensor], weight_version: int) -> Path:
-    """Write ``tensors`` as version ``weight_version`` for a :class:`DirectoryWeightSource` (atomically)."""
-    from safetensors.torch import save_file
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    final = directory / f"{int(weight_version)}.safetensors"
-    partial = directory / f".{int(weight_version)}.safetensors.partial"
-    save_file({n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}, str(partial))
-    partial.rename(final)
-    return final
+__all__ = ["DirectoryWeightSource", "publish"]   # publish: the client library's, named here as before
 
 
 class DirectoryWeightSource(WeightSource):

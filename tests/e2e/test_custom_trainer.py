@@ -17,7 +17,7 @@ import torch
 from rollmesh.controller.v1 import registry_pb2, scaling_pb2
 from tests.controller.scaling.helpers import Procs, controller_stub, replicas, until
 from tests.processes import clean_env, free_port
-from trainer_agent.published_weights import publish
+from weight_transfer.published import publish
 from trainer_client import Counters, MeshClient, StepProtocolError
 
 pytestmark = pytest.mark.timeout(300)
