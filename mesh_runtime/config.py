@@ -172,6 +172,12 @@ def _set_path(data: dict, path: list[str], value: Any) -> None:
     node[path[-1]] = value
 
 
+def build_config(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
+    """Build ``cls`` from a mapping already in memory (a section of a host framework's config), checked as
+    :func:`load_config` checks a file; every :class:`ConfigError` names its key under ``prefix``."""
+    return _build(cls, data, prefix)
+
+
 def load_config(cls: type, path: str | Path | None = None, *,
                 env: Mapping[str, str] | None = None, env_prefix: str = "",
                 overrides: Mapping[str, Any] | None = None) -> Any:

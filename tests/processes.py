@@ -31,12 +31,13 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 @contextlib.contextmanager
 def running_server(name: str, args: list[str], *, log_path: Path, env: dict[str, str] | None = None,
-                   ready_timeout_s: float = 90.0, prefix: list[str] | None = None
+                   ready_timeout_s: float = 90.0, prefix: list[str] | None = None, python: str | None = None
                    ) -> Iterator[tuple[str, subprocess.Popen]]:
-    """Start ``rollmesh NAME ARGS`` (under the command ``prefix``); yield ``(address, process)``; SIGTERM it
-    afterwards."""
+    """Start ``rollmesh NAME ARGS`` (under the command ``prefix``; with the interpreter ``python``, default this
+    one); yield ``(address, process)``; SIGTERM it afterwards."""
+    command = server_command(name, args) if python is None else [python, "-m", "launcher.cli", name, *args]
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen([*(prefix or []), *server_command(name, args)], stdout=subprocess.PIPE, stderr=log,
+        proc = subprocess.Popen([*(prefix or []), *command], stdout=subprocess.PIPE, stderr=log,
                                 env=env if env is not None else clean_env(), start_new_session=True)
     try:
         address = _await_ready(proc, name, ready_timeout_s, log_path)
