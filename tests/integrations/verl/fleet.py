@@ -70,7 +70,10 @@ def write_model(directory: Path, seed: int = 0, preset: str = "tiny-llama") -> s
 
 
 @contextlib.contextmanager
-def fleet(tmp_path: Path, *, agents: int = 2, model: str | None = None) -> Iterator[Fleet]:
+def fleet(tmp_path: Path, *, agents: int = 2, model: str | None = None, trainer: str = TRAINER) -> Iterator[Fleet]:
+    """``trainer``: the trainer agent's config (a format string of ``model`` and ``weights``); the default serves
+    the versions published into ``weights_dir``."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     model = model or write_model(tmp_path / "model")
     weights = tmp_path / "weights"
     env = clean_env(GLOO_SOCKET_IFNAME="lo")
@@ -82,10 +85,10 @@ def fleet(tmp_path: Path, *, agents: int = 2, model: str | None = None) -> Itera
 
     with contextlib.ExitStack() as stack:
         lb, _ = stack.enter_context(start("lb", "lb", ""))
-        trainer, _ = stack.enter_context(start("trainer", "trainer-agent", TRAINER.format(model=model,
-                                                                                          weights=weights)))
+        agent, _ = stack.enter_context(start("trainer", "trainer-agent", trainer.format(model=model,
+                                                                                        weights=weights)))
         controller, _ = stack.enter_context(start("controller", "controller", CONTROLLER.format(lb=lb,
-                                                                                                trainer=trainer)))
+                                                                                                trainer=agent)))
         procs = {}
         for i in range(agents):
             node = f"n{i}"
