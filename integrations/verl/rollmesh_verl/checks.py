@@ -25,7 +25,8 @@ SUPPORTED_VERL = ((0, 9), (0, 10))
 """verl releases the backend is tested with: >= 0.9, < 0.10 (its seams: ``RolloutReplicaRegistry``,
 ``CheckpointEngineRegistry``, ``FullyAsyncLLMServerClient``)."""
 
-_checked: set[tuple[str, str]] = set()
+_checked: set[tuple[Any, ...]] = set()
+"""(controller, model, credentials) already checked in this process."""
 
 
 class FleetCheckFailed(RuntimeError):
@@ -42,11 +43,12 @@ def check_verl_version(version: str) -> None:
 
 
 async def check_fleet(settings: MeshSettings, model_config: Any) -> None:
-    """All the checks of the module docstring (once per controller and model in this process)."""
+    """All the checks of the module docstring (once per controller, model and credentials in this process)."""
     import verl  # noqa: PLC0415
 
     model_path = str(getattr(model_config, "local_path", None) or getattr(model_config, "path", "") or "")
-    key = (settings.controller, model_path)
+    tls = settings.tls
+    key = (settings.controller, model_path, (tls.cert, tls.key, tls.ca) if tls is not None else ())
     if key in _checked:
         return
     check_verl_version(getattr(verl, "__version__", "0"))

@@ -53,6 +53,7 @@ class ControlledByRollmesh(RuntimeError):
 class _InFlight:
     """One generation in flight: what it streamed so far, and how to end it."""
 
+    request_id: str
     call: Any
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -116,8 +117,8 @@ class RollmeshServer:
             request_id=str(request_id), prompt_token_ids=prompt, sampling_params=params, partial_rollout=True,
             stream_interval=self.settings.stream_interval)
         key = next(self._ids)
-        flight = self._in_flight[key] = _InFlight(generations.call(request,
-                                                                   timeout_s=self.settings.generate_timeout_s))
+        flight = self._in_flight[key] = _InFlight(str(request_id), generations.call(
+            request, timeout_s=self.settings.generate_timeout_s))
         try:
             final = None
             try:
@@ -135,8 +136,8 @@ class RollmeshServer:
                 if not flight.aborted:
                     raise RuntimeError(f"rollmesh: generation {str(request_id)[:64]!r} failed: "
                                        f"{err.code().name}: {err.details()}") from None
-            if flight.aborted or final is None:
-                if final is None and not flight.aborted:
+            if final is None:   # ended by an abort of ours (one that came after the result changes nothing)
+                if not flight.aborted:
                     raise RuntimeError(f"rollmesh: generation {str(request_id)[:64]!r} ended without a result")
                 return self._output(flight.tokens, flight.logprobs, flight.versions, "aborted",
                                     params.logprobs, cached=None)
@@ -176,7 +177,7 @@ class RollmeshServer:
         for flight in aborted:
             flight.aborted = True
             flight.call.cancel()
-        return {"aborted_count": len(aborted), "request_ids": []}
+        return {"aborted_count": len(aborted), "request_ids": [f.request_id for f in aborted]}
 
     async def resume_generation(self) -> None:
         """Open the gate: parked requests go on, new ones are admitted."""

@@ -34,7 +34,9 @@ def verl_config(f: Fleet, *overrides: str, model: str | None = None, replicas: i
     from hydra import compose, initialize_config_dir
 
     block = "actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.rollmesh"
-    kwargs = f.engine_kwargs(**engine_kwargs)
+    kwargs = {}
+    for key, value in f.engine_kwargs(**engine_kwargs).items():   # a section ({cert, key, ca}) key by key
+        kwargs.update({f"{key}.{k}": v for k, v in value.items()} if isinstance(value, dict) else {key: value})
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
         return compose(config_name="fully_async_ppo_trainer", overrides=[
             f"actor_rollout_ref.model.path={model or f.model}",
@@ -59,7 +61,9 @@ def ray_cluster() -> Iterator[None]:
     ray.shutdown()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def rollmesh_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """One fleet for the session (2 replica agents): tests that kill an agent start their own, and the weight
+    tests, which move its weights, run last (test_weights.py)."""
     with fleet(tmp_path_factory.mktemp("fleet")) as f:
         yield f

@@ -17,16 +17,21 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from tests.processes import clean_env, running_server
 
 ROOT = Path(__file__).resolve().parents[3]
 ROLLMESH_PYTHON = str(ROOT / ".venv" / "bin" / "python")
 
+# the fleet stops fast: a test's clients may hold streams open (their Ray actors outlive a test)
+STOP_FAST = "shutdown_grace_s: 1\n"
 TRAINER = """model: {model}
 weight_source: trainer_agent.published_weights:DirectoryWeightSource
 weight_source_options: {{directory: {weights}}}
 """
+PREFIX = {"lb": "ROLLMESH_LB", "controller": "ROLLMESH_CONTROLLER", "replica-agent": "ROLLMESH_REPLICA_AGENT",
+          "trainer-agent": "ROLLMESH_TRAINER_AGENT"}
 CONTROLLER = """load_balancer_address: {lb}
 trainer_address: {trainer}
 lease_ttl_s: 5
@@ -70,9 +75,11 @@ def write_model(directory: Path, seed: int = 0, preset: str = "tiny-llama") -> s
 
 
 @contextlib.contextmanager
-def fleet(tmp_path: Path, *, agents: int = 2, model: str | None = None, trainer: str = TRAINER) -> Iterator[Fleet]:
+def fleet(tmp_path: Path, *, agents: int = 2, model: str | None = None, trainer: str = TRAINER,
+          pki: Any = None) -> Iterator[Fleet]:
     """``trainer``: the trainer agent's config (a format string of ``model`` and ``weights``); the default serves
-    the versions published into ``weights_dir``."""
+    the versions published into ``weights_dir``. ``pki`` (a :class:`launcher.pki.LocalPki`): a secure mesh, every
+    server with a certificate of its CA (mutual TLS, roles, signed weight manifests)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     model = model or write_model(tmp_path / "model")
     weights = tmp_path / "weights"
@@ -80,33 +87,34 @@ def fleet(tmp_path: Path, *, agents: int = 2, model: str | None = None, trainer:
 
     def start(name: str, server: str, config: str) -> contextlib.AbstractContextManager[tuple[str, subprocess.Popen]]:
         (tmp_path / f"{name}.yaml").write_text(config)
+        identity = pki.env(PREFIX[server], server, name) if pki is not None else {}
         return running_server(server, ["--config", str(tmp_path / f"{name}.yaml"), "--listen", "127.0.0.1:0"],
-                              log_path=tmp_path / f"{name}.log", env=env, python=ROLLMESH_PYTHON)
+                              log_path=tmp_path / f"{name}.log", env={**env, **identity}, python=ROLLMESH_PYTHON)
 
     with contextlib.ExitStack() as stack:
-        lb, _ = stack.enter_context(start("lb", "lb", ""))
-        agent, _ = stack.enter_context(start("trainer", "trainer-agent", trainer.format(model=model,
-                                                                                        weights=weights)))
-        controller, _ = stack.enter_context(start("controller", "controller", CONTROLLER.format(lb=lb,
-                                                                                                trainer=agent)))
+        lb, _ = stack.enter_context(start("lb", "lb", STOP_FAST))
+        agent, _ = stack.enter_context(start("trainer", "trainer-agent", STOP_FAST + trainer.format(
+            model=model, weights=weights)))
+        controller, _ = stack.enter_context(start("controller", "controller", STOP_FAST + CONTROLLER.format(
+            lb=lb, trainer=agent)))
         procs = {}
         for i in range(agents):
             node = f"n{i}"
-            _, procs[node] = stack.enter_context(start(node, "replica-agent", AGENT.format(
+            _, procs[node] = stack.enter_context(start(node, "replica-agent", STOP_FAST + AGENT.format(
                 node=node, model=model, controller=controller)))
-        _wait_serving(controller, [f"{node}-s0" for node in procs])
+        _wait_serving(controller, [f"{node}-s0" for node in procs],
+                      pki.tls("operator", "tests") if pki is not None else None)
         yield Fleet(controller, lb, model, str(weights), procs)
 
 
-def _wait_serving(controller: str, replica_ids: list[str], timeout_s: float = 90.0) -> None:
+def _wait_serving(controller: str, replica_ids: list[str], tls: Any = None, timeout_s: float = 90.0) -> None:
     """Until the controller lists every replica ACTIVE (registered, routed)."""
-    import grpc
-
+    from mesh_runtime.channels import open_sync_channel
     from rollmesh.common.v1 import types_pb2
     from rollmesh.controller.v1 import controller_pb2_grpc, registry_pb2
 
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(controller) as channel:
+    with open_sync_channel(controller, tls=tls) as channel:
         stub = controller_pb2_grpc.ControllerServiceStub(channel)
         while True:
             listed = stub.ListReplicas(registry_pb2.ListReplicasRequest(), timeout=5).replicas

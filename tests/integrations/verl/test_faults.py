@@ -32,8 +32,8 @@ async def test_a_replica_agent_killed_mid_rollout_costs_verl_no_request(tmp_path
         manager = await FullyAsyncLLMServerManager.create(config=verl_config(f), worker_group=None)
         client = manager.get_client(client_cls=FullyAsyncLLMServerClient)
         tasks = [asyncio.create_task(client.generate(f"k{i}", prompt_ids=[5, 6, 7 + i],
-                                                     sampling_params={**SAMPLING, "max_tokens": 300}))
-                 for i in range(24)]
+                                                     sampling_params={**SAMPLING, "max_tokens": 200}))
+                 for i in range(16)]
         deadline = time.monotonic() + 60
         while not any(s["streamed"] for s in await asyncio.gather(*(r.server_handle.status.remote()
                                                                      for r in manager.get_replicas()))):
@@ -42,7 +42,7 @@ async def test_a_replica_agent_killed_mid_rollout_costs_verl_no_request(tmp_path
         f.kill_agent("n0")   # its replica dies without a goodbye, mid-generation
         outputs = await asyncio.wait_for(asyncio.gather(*tasks), 180)
         stats = await _balancer_stats(f.lb)
-    assert all(len(o.token_ids) == len(o.log_probs) == 300 for o in outputs)
+    assert all(len(o.token_ids) == len(o.log_probs) == 200 for o in outputs)
     assert all(o.stop_reason == "length" for o in outputs)
     assert stats.retries > 0 and stats.failed == 0   # the dead replica's generations went on elsewhere
 
@@ -58,30 +58,24 @@ async def _balancer_stats(address: str) -> Any:
     return reply.stats
 
 
-@pytest.fixture(scope="module")
-def one_replica(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    with fleet(tmp_path_factory.mktemp("fleet"), agents=1) as f:
-        yield f
-
-
-def test_an_unreachable_controller_is_refused_naming_it(one_replica: Fleet):
+def test_an_unreachable_controller_is_refused_naming_it(rollmesh_fleet: Fleet):
     from rollmesh_verl.checks import FleetCheckFailed
 
-    bad = Fleet("127.0.0.1:1", one_replica.lb, one_replica.model, one_replica.weights_dir, {})
+    bad = Fleet("127.0.0.1:1", rollmesh_fleet.lb, rollmesh_fleet.model, rollmesh_fleet.weights_dir, {})
     with pytest.raises(FleetCheckFailed, match=r"controller at 127\.0\.0\.1:1 did not answer"):
-        _manager(verl_config(bad, replicas=1, call_timeout_s=3))
+        _manager(verl_config(bad, call_timeout_s=3))
 
 
-def test_a_model_other_than_the_fleets_is_refused(one_replica: Fleet, tmp_path):
+def test_a_model_other_than_the_fleets_is_refused(rollmesh_fleet: Fleet, tmp_path):
     from rollmesh_verl.checks import FleetCheckFailed
 
     other = write_model(tmp_path / "qwen", preset="tiny-qwen2")
     with pytest.raises(FleetCheckFailed, match="node n0 of the rollmesh fleet serves .* not verl's model .*"
                                                "model_type 'llama' vs verl's 'qwen2'"):
-        _manager(verl_config(one_replica, replicas=1, model=other))
+        _manager(verl_config(rollmesh_fleet, model=other))
 
 
-def test_a_model_with_another_tokenizer_is_refused(one_replica: Fleet, tmp_path):
+def test_a_model_with_another_tokenizer_is_refused(rollmesh_fleet: Fleet, tmp_path):
     """The same architecture, another vocabulary (a token renamed): refused too."""
     import json
     import shutil
@@ -89,13 +83,13 @@ def test_a_model_with_another_tokenizer_is_refused(one_replica: Fleet, tmp_path)
     from rollmesh_verl.checks import FleetCheckFailed
 
     changed = tmp_path / "renamed"
-    shutil.copytree(one_replica.model, changed)
+    shutil.copytree(rollmesh_fleet.model, changed)
     tokenizer = json.loads((changed / "tokenizer.json").read_text())
     vocab = tokenizer["model"]["vocab"]
     vocab["#renamed#"] = vocab.pop(next(k for k in vocab if k == "A"))
     (changed / "tokenizer.json").write_text(json.dumps(tokenizer))
     with pytest.raises(FleetCheckFailed, match="the tokenizers' vocabularies differ"):
-        _manager(verl_config(one_replica, replicas=1, model=str(changed)))
+        _manager(verl_config(rollmesh_fleet, model=str(changed)))
 
 
 def test_a_verl_outside_the_tested_range_is_refused():
@@ -122,8 +116,8 @@ def test_a_malformed_rollmesh_block_names_the_key(block, message):
         mesh_settings(block)
 
 
-def test_the_rollmesh_replica_needs_the_rollmesh_checkpoint_engine(one_replica: Fleet):
+def test_the_rollmesh_replica_needs_the_rollmesh_checkpoint_engine(rollmesh_fleet: Fleet):
     from mesh_runtime.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"checkpoint_engine\.backend.*must be 'rollmesh'.*got 'nccl'"):
-        _manager(verl_config(one_replica, "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl", replicas=1))
+        _manager(verl_config(rollmesh_fleet, "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"))
