@@ -159,9 +159,11 @@ async def _until(predicate: Any, timeout_s: float, what: str) -> None:
         await asyncio.sleep(0.02)
 
 
-async def _streaming(manager: Any) -> bool:
+async def _streaming(manager: Any, generations: int) -> bool:
+    """Whether ``generations`` are in flight and every one of them has streamed tokens."""
     states = await asyncio.gather(*(r.server_handle.status.remote() for r in manager.get_replicas()))
-    return any(n > 0 for s in states for n in s["streamed"])
+    streamed = [n for s in states for n in s["streamed"]]
+    return len(streamed) == generations and all(n > 0 for n in streamed)
 
 
 async def test_an_abort_returns_partial_tokens_and_verls_client_resumes_them(manager):
@@ -171,7 +173,7 @@ async def test_an_abort_returns_partial_tokens_and_verls_client_resumes_them(man
     plain = asyncio.create_task(_client(manager, resuming=False).generate("ab1", prompt_ids=PROMPT,
                                                                           sampling_params=long))
     resumed = asyncio.create_task(_client(manager).generate("ab2", prompt_ids=PROMPT, sampling_params=long))
-    await _until(lambda: _streaming(manager), 60, "tokens to stream")
+    await _until(lambda: _streaming(manager, 2), 60, "both generations to stream tokens")
     replicas = manager.get_replicas()
     await asyncio.gather(*(r.abort_all_requests() for r in replicas))
     partial = await asyncio.wait_for(plain, 30)
