@@ -30,7 +30,7 @@ import os
 import ssl
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 from aiohttp import web
@@ -46,25 +46,14 @@ from rollmesh.loadbalancer.v1.loadbalancer_pb2 import GenerateRequest, GenerateR
 from .balancer import Balancer
 from .config import LoadBalancerConfig
 from .openai_choices import ChoiceResult, ChoiceRun, Delta
-from .openai_requests import ApiError, Plan, check_request_id, parse_chat, parse_completion
+from .openai_requests import ApiError, Plan, api_error, check_request_id, parse_chat, parse_completion
+from .sglang_front import SglangApi
 
 log = logging.getLogger(__name__)
 
-HTTP_STATUS = {"INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "OUT_OF_RANGE": 400, "NOT_FOUND": 404,
-               "ALREADY_EXISTS": 409, "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504,
-               "UNAUTHENTICATED": 401, "PERMISSION_DENIED": 403, "ABORTED": 409, "CANCELLED": 499}
 CALLER_ROLES = frozenset({"client", "trainer-agent", "operator"})
 MAX_BODY_BYTES = 32 * 1024 * 1024
 _RELOAD_CHECK_S = 30.0
-
-
-def api_error(err: RollmeshError) -> ApiError:
-    """The HTTP form of a mesh error."""
-    name = err.code
-    status = HTTP_STATUS.get(name, 500)
-    headers = {"Retry-After": "1"} if status in (429, 503) else {}
-    return ApiError(status, err.message, param=(err.metadata or {}).get("field"),
-                    code=str(err.reason).lower() if err.reason else name.lower(), headers=headers)
 
 
 class OpenAIFront:
@@ -92,6 +81,7 @@ class OpenAIFront:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_delete("/v1/sessions/{session_id}", self.close_session)
         app.router.add_get("/health", self.health)
+        SglangApi(self).add_routes(app)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
         host, port = parse_host_port(self.config.http_listen)
@@ -157,7 +147,9 @@ class OpenAIFront:
         except web.HTTPNotFound:
             return _error_response(ApiError(404, f"no such endpoint: {request.method} {quote(request.path)}; "
                                                  "this server has /v1/models, /v1/completions, "
-                                                 "/v1/chat/completions and DELETE /v1/sessions/ID",
+                                                 "/v1/chat/completions, DELETE /v1/sessions/ID and SGLang's "
+                                                 "/generate, /abort_request, /health, /health_generate, "
+                                                 "/get_model_info, /get_server_info",
                                             code="unknown_url"))
         except web.HTTPMethodNotAllowed as err:
             return _error_response(ApiError(405, f"{request.method} is not allowed on {request.path}; use "
@@ -205,15 +197,16 @@ class OpenAIFront:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await _json(request)
-        plan = parse_completion(body, self.tokenizer, self.served, **self._call(request))
+        plan = parse_completion(body, self.tokenizer, self.served, **self.call_options(request))
         return await self._serve(request, plan)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await _json(request)
-        plan = parse_chat(body, self.tokenizer, self.served, **self._call(request))
+        plan = parse_chat(body, self.tokenizer, self.served, **self.call_options(request))
         return await self._serve(request, plan)
 
-    def _call(self, request: web.Request) -> dict[str, Any]:
+    def call_options(self, request: web.Request) -> dict[str, Any]:
+        """The request id, session and deadline a call's headers give."""
         headers = request.headers
         timeouts = []
         for name in ("x-request-timeout", "x-stainless-timeout"):
@@ -236,12 +229,23 @@ class OpenAIFront:
 
     # ------------------------------------------------------------ generation
     async def _serve(self, request: web.Request, plan: Plan) -> web.StreamResponse:
-        count = len(plan.requests)
+        with self.admitted(len(plan.requests)):
+            return await self._serve_admitted(request, plan)
+
+    @contextlib.contextmanager
+    def admitted(self, count: int) -> Iterator[None]:
+        """``count`` generations admitted for as long as the block runs (429 beyond ``http_max_in_flight``)."""
         if self.in_flight + count > self.config.http_max_in_flight:
             raise ApiError(429, f"the HTTP API runs {self.in_flight} generations and admits at most "
                                 f"{self.config.http_max_in_flight}; retry later", code="front_overloaded",
                            headers={"Retry-After": "1"})
         self.in_flight += count
+        try:
+            yield
+        finally:
+            self.in_flight -= count
+
+    async def _serve_admitted(self, request: web.Request, plan: Plan) -> web.StreamResponse:
         token = otel_context.attach(propagate.extract(dict(request.headers)))
         try:
             runs = [ChoiceRun(r, self.tokenizer, stop=plan.stop, parse_tools=plan.tools is not None,
@@ -253,7 +257,6 @@ class OpenAIFront:
             return web.json_response(self._response(plan, results))
         finally:
             otel_context.detach(token)
-            self.in_flight -= count
 
     def _generator(self, plan: Plan) -> Callable[[GenerateRequest], AsyncIterator[GenerateResponse]]:
         def generate(request: GenerateRequest) -> AsyncIterator[GenerateResponse]:

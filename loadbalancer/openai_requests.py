@@ -21,6 +21,7 @@ import uuid
 from typing import Any
 
 from mesh_runtime.chat import ChatError, ChatTokenizer
+from mesh_runtime.errors import RollmeshError
 from mesh_runtime.validate import ID_MAX_LENGTH, ID_PATTERN, SESSION_ID_MAX_LENGTH, quote
 from rollmesh.common.v1 import generation_pb2
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2 as pb
@@ -50,6 +51,20 @@ class ApiError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "server_error"),
                           "param": self.param, "code": self.code}}
+
+
+HTTP_STATUS = {"INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "OUT_OF_RANGE": 400, "NOT_FOUND": 404,
+               "ALREADY_EXISTS": 409, "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504,
+               "UNAUTHENTICATED": 401, "PERMISSION_DENIED": 403, "ABORTED": 409, "CANCELLED": 499}
+
+
+def api_error(err: RollmeshError) -> ApiError:
+    """The HTTP form of a mesh error."""
+    name = err.code
+    status = HTTP_STATUS.get(name, 500)
+    headers = {"Retry-After": "1"} if status in (429, 503) else {}
+    return ApiError(status, err.message, param=(err.metadata or {}).get("field"),
+                    code=str(err.reason).lower() if err.reason else name.lower(), headers=headers)
 
 
 def bad(param: str, message: str) -> ApiError:

@@ -1,0 +1,269 @@
+"""SGLang's native API on the balancer's HTTP front against a real mesh (two replica agents running the torch
+engine on the tiny-llama preset), called as slime calls SGLang's router: ``/generate`` with token ids and
+SGLang's sampling names, answers with the engine's exact ids and logprobs, streams, stop strings and tokens,
+stickiness by ``X-SMG-Routing-Key``, ``/abort_request`` handing back partial outputs that slime's partial
+rollout sends again, the server queries, and bad input refused by name."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import aiohttp
+import grpc
+import pytest
+
+from mesh_runtime.chat import ChatTokenizer
+from rollmesh.common.v1 import generation_pb2
+from rollmesh.replica.v1 import replica_agent_pb2 as agent_pb
+from rollmesh.replica.v1 import replica_agent_pb2_grpc
+from tests.processes import free_port, running_server
+
+pytestmark = pytest.mark.timeout(300)
+
+AGENT = """node_id: {node}
+backend: torch
+model: tiny-llama
+stream_interval: 4
+flush_interval_s: 0.05
+engine_options: {{max_batch_size: 16, num_threads: 1}}
+replicas:
+  - {{replica_id: {node}-s0, kind: STANDALONE}}
+"""
+PROMPT = [5, 72, 101, 108, 108, 111]
+
+
+class Mesh:
+    def __init__(self, base: str, agents: dict[str, str], bare: str) -> None:
+        self.base, self.agents, self.bare = base, agents, bare
+        self.tokenizer = ChatTokenizer.from_model("tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    tmp: Path = tmp_path_factory.mktemp("sglang")
+    for node in ("a", "b"):
+        (tmp / f"{node}.yaml").write_text(AGENT.format(node=node))
+    with running_server("replica-agent", ["--config", str(tmp / "a.yaml"), "--listen", "127.0.0.1:0"],
+                        log_path=tmp / "a.log") as a, \
+            running_server("replica-agent", ["--config", str(tmp / "b.yaml"), "--listen", "127.0.0.1:0"],
+                           log_path=tmp / "b.log") as b:
+        http, bare_http = free_port(), free_port()
+        (tmp / "lb.yaml").write_text(
+            f"http_listen: 127.0.0.1:{http}\nmodel: tiny-llama\nhttp_max_in_flight: 16\nreplicas:\n"
+            f"  - {{replica_id: a-s0, address: {a[0]}}}\n  - {{replica_id: b-s0, address: {b[0]}}}\n")
+        (tmp / "bare.yaml").write_text(f"http_listen: 127.0.0.1:{bare_http}\nmodel: tiny-llama\n"
+                                       "no_replica_wait_s: 0.3\n")
+        with running_server("lb", ["--config", str(tmp / "lb.yaml"), "--listen", "127.0.0.1:0"],
+                            log_path=tmp / "lb.log"), \
+                running_server("lb", ["--config", str(tmp / "bare.yaml"), "--listen", "127.0.0.1:0"],
+                               log_path=tmp / "bare.log"):
+            yield Mesh(f"http://127.0.0.1:{http}", {"a-s0": a[0], "b-s0": b[0]}, f"http://127.0.0.1:{bare_http}")
+
+
+def _engine(agent: str, replica: str, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+    """Greedy ids and logprobs straight from a replica agent (no balancer, no HTTP)."""
+    with grpc.insecure_channel(agent) as channel:
+        stub = replica_agent_pb2_grpc.ReplicaAgentServiceStub(channel)
+        ids: list[int] = []
+        logprobs: list[float] = []
+        for msg in stub.Generate(agent_pb.GenerateRequest(
+                replica_id=replica, request_id=f"direct-{time.monotonic_ns()}", prompt_token_ids=prompt,
+                sampling_params=generation_pb2.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True,
+                                                              logprobs=True)), timeout=60):
+            ids.extend(msg.token_ids)
+            logprobs.extend(msg.logprobs)
+        return ids, logprobs
+
+
+async def _post(base: str, path: str, body: dict, headers: dict | None = None) -> tuple[int, object]:
+    async with aiohttp.ClientSession() as session, \
+            session.post(f"{base}{path}", json=body, headers=headers or {}) as response:
+        return response.status, await response.json()
+
+
+def _greedy(max_new: int, **extra) -> dict:
+    return {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True, **extra}
+
+
+async def test_generate_returns_the_engines_ids_and_logprobs_as_sglang_does(mesh):
+    status, out = await _post(mesh.base, "/generate", {"input_ids": PROMPT, "return_logprob": True,
+                                                       "return_text_in_logprobs": True,
+                                                       "sampling_params": _greedy(12)})
+    assert status == 200, out
+    ids, logprobs = _engine(mesh.agents["a-s0"], "a-s0", PROMPT, 12)
+    assert out["output_ids"] == ids and out["text"] == mesh.tokenizer.decode(ids)
+    meta = out["meta_info"]
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == ids       # slime reads ids and logprobs here
+    assert [lp for lp, _, _ in meta["output_token_logprobs"]] == pytest.approx(logprobs, abs=1e-5)
+    assert [text for _, _, text in meta["output_token_logprobs"]] == [mesh.tokenizer.token_text(t) for t in ids]
+    assert meta["finish_reason"] == {"type": "length", "length": 12}
+    assert (meta["prompt_tokens"], meta["completion_tokens"], meta["weight_version"]) == (6, 12, "0")
+    assert len(meta["id"]) == 32 and meta["e2e_latency"] > 0
+    assert sum(s["num_tokens"] for s in meta["segments"]) == 12
+    # text in, SGLang's default sampling: the prompt is tokenized here
+    status, out = await _post(mesh.base, "/generate", {"text": "hello", "sampling_params": {"max_new_tokens": 4}})
+    assert status == 200 and out["meta_info"]["prompt_tokens"] == len(mesh.tokenizer.encode("hello"))
+    assert "output_token_logprobs" not in out["meta_info"]
+
+
+async def test_a_batch_with_n_answers_a_list_in_prompt_order(mesh):
+    status, out = await _post(mesh.base, "/generate", {
+        "input_ids": [PROMPT, PROMPT[:3]], "rid": "batch-1", "return_logprob": True,
+        "sampling_params": [{"n": 2, "max_new_tokens": 5, "sampling_seed": 3}, {"max_new_tokens": 3}]})
+    assert status == 200, out
+    assert [o["meta_info"]["id"] for o in out] == ["batch-1/0", "batch-1/1", "batch-1/2"]
+    assert [o["meta_info"]["prompt_tokens"] for o in out] == [6, 6, 3]
+    assert [len(o["output_ids"]) for o in out if o["meta_info"]["finish_reason"]["type"] == "length"]
+    status, none = await _post(mesh.base, "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 0}})
+    assert status == 200 and none["output_ids"] == [] and none["meta_info"]["finish_reason"] == {"type": "length",
+                                                                                                  "length": 0}
+
+
+async def test_stop_strings_and_stop_tokens_end_as_sglang_reports_them(mesh):
+    _, whole = await _post(mesh.base, "/generate", {"input_ids": PROMPT, "sampling_params": _greedy(24)})
+    ids, text = whole["output_ids"], whole["text"]
+    stop = text[4:6]
+    assert stop and stop not in text[:5]
+    _, cut = await _post(mesh.base, "/generate", {"input_ids": PROMPT, "sampling_params": _greedy(24, stop=[stop])})
+    assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert cut["text"] == text[:text.find(stop)] and cut["output_ids"] == ids[:len(cut["output_ids"])]
+    _, kept = await _post(mesh.base, "/generate", {"input_ids": PROMPT,
+                                                   "sampling_params": _greedy(24, stop=stop, no_stop_trim=True)})
+    assert kept["output_ids"] == cut["output_ids"]     # the text keeps the stop string: all the tokens' text
+    assert kept["text"] == mesh.tokenizer.decode(kept["output_ids"]) and stop in kept["text"]
+    token = ids[7]
+    first = ids.index(token)
+    _, by_token = await _post(mesh.base, "/generate", {"input_ids": PROMPT,
+                                                       "sampling_params": _greedy(24, stop_token_ids=[token])})
+    assert by_token["meta_info"]["finish_reason"] == {"type": "stop", "matched": token}
+    assert by_token["output_ids"] == ids[:first + 1]
+
+
+async def test_a_stream_holds_the_whole_output_so_far_and_ends_as_the_answer(mesh):
+    body = {"input_ids": PROMPT, "return_logprob": True, "stream": True, "sampling_params": _greedy(40)}
+    _, whole = await _post(mesh.base, "/generate", {**body, "stream": False})
+    events = []
+    async with aiohttp.ClientSession() as session, session.post(f"{mesh.base}/generate", json=body) as response:
+        assert response.headers["Content-Type"].startswith("text/event-stream")
+        async for line in response.content:
+            if line.strip():
+                events.append(line.decode().strip())
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert len(chunks) > 2
+    lengths = [len(c["output_ids"]) for c in chunks]
+    assert lengths == sorted(lengths) and all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+    last = chunks[-1]
+    assert last["output_ids"] == whole["output_ids"] and last["text"] == whole["text"]
+    assert [lp for lp, _, _ in last["meta_info"]["output_token_logprobs"]] == pytest.approx(
+        [lp for lp, _, _ in whole["meta_info"]["output_token_logprobs"]], abs=1e-5)
+    assert last["meta_info"]["finish_reason"] == {"type": "length", "length": 40}
+
+
+async def test_a_routing_key_keeps_a_trajectory_on_one_replica(mesh):
+    for key in ("traj-1", "traj-2"):
+        replicas = set()
+        for turn in range(3):
+            _, out = await _post(mesh.base, "/generate", {"input_ids": PROMPT + [turn + 7],
+                                                          "sampling_params": {"max_new_tokens": 3}},
+                                 headers={"X-SMG-Routing-Key": key})
+            replicas |= {s["replica_id"] for s in out["meta_info"]["segments"]}
+        assert len(replicas) == 1, (key, replicas)
+
+
+async def test_an_abort_returns_the_partial_output_and_slimes_resume_completes_it(mesh):
+    """slime's partial rollout: /abort_request ends the generation with what it made (finish_reason abort);
+    slime sends prompt + partial output again for the rest, and the whole equals an uninterrupted run."""
+    _, whole = await _post(mesh.base, "/generate", {"input_ids": PROMPT, "sampling_params": _greedy(300)})
+    body = {"input_ids": PROMPT, "rid": "to-abort", "return_logprob": True, "stream": True,
+            "sampling_params": _greedy(300)}
+    chunks = []
+    async with aiohttp.ClientSession() as session, session.post(f"{mesh.base}/generate", json=body) as response:
+        async for line in response.content:
+            line = line.strip()
+            if not line or line == b"data: [DONE]":
+                continue
+            chunks.append(json.loads(line[len(b"data: "):]))
+            if len(chunks) == 2:
+                status, aborted = await _post(mesh.base, "/abort_request", {"rid": "to-abort"})
+                assert status == 200 and aborted == {"aborted": ["to-abort"]}
+    partial = chunks[-1]
+    assert partial["meta_info"]["finish_reason"]["type"] == "abort"
+    done = partial["output_ids"]
+    assert 0 < len(done) < 300 and done == whole["output_ids"][:len(done)]
+    assert len(partial["meta_info"]["output_token_logprobs"]) == len(done)
+    _, rest = await _post(mesh.base, "/generate", {"input_ids": PROMPT + done,
+                                                   "sampling_params": _greedy(300 - len(done))})
+    assert done + rest["output_ids"] == whole["output_ids"]
+
+
+async def test_abort_all_ends_every_generation_through_the_front(mesh):
+    async def long(i: int) -> dict:
+        return (await _post(mesh.base, "/generate", {"input_ids": PROMPT, "rid": f"all-{i}",
+                                                     "sampling_params": _greedy(400)}))[1]
+
+    tasks = [asyncio.create_task(long(i)) for i in range(3)]
+    deadline = time.monotonic() + 60
+    while True:
+        _, info = await _post_get(mesh.base, "/get_server_info")
+        if info["in_flight"] == 3:
+            break
+        assert time.monotonic() < deadline, info
+        await asyncio.sleep(0.05)
+    status, aborted = await _post(mesh.base, "/abort_request", {"abort_all": True})
+    assert status == 200 and aborted["aborted"] == ["all-0", "all-1", "all-2"]
+    outs = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+    assert all(o["meta_info"]["finish_reason"]["type"] == "abort" and len(o["output_ids"]) < 400 for o in outs)
+
+
+async def _post_get(base: str, path: str) -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as session, session.get(f"{base}{path}") as response:
+        return response.status, await response.json()
+
+
+async def test_server_queries(mesh):
+    status, info = await _post_get(mesh.base, "/get_model_info")
+    assert status == 200 and info["model_path"] == "tiny-llama" and info["is_generation"] is True
+    assert info["weight_version"] == "0"
+    status, server = await _post_get(mesh.base, "/get_server_info")
+    assert status == 200 and server["routable_replicas"] == 2 and server["context_length"] == 512
+    assert (await _post_get(mesh.base, "/health_generate"))[0] == 200
+    status, body = await _post_get(mesh.bare, "/health_generate")   # a balancer without replicas
+    assert status == 503 and "cannot generate" in body["error"]["message"]
+
+
+async def test_bad_input_is_refused_by_name_and_starts_nothing(mesh):
+    cases = [({"input_ids": PROMPT, "sampling_params": {"frequency_penalty": 0.3}}, "sampling_params.frequency_penalty"),
+             ({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1000}}, "sampling_params.max_new_tokens"),
+             ({"input_ids": [10**7]}, "input_ids"),
+             ({"input_ids": PROMPT, "rid": "x" * 300}, "rid")]
+    for body, field in cases:
+        status, out = await _post(mesh.base, "/generate", body)
+        assert status == 400 and out["error"]["param"] == field, out
+        assert len(out["error"]["message"]) < 400
+    status, out = await _post(mesh.base, "/generate", {"input_ids": PROMPT},
+                              headers={"X-SMG-Routing-Key": "k" * 300})
+    assert status == 400 and out["error"]["param"] == "X-SMG-Routing-Key"
+    status, out = await _post(mesh.base, "/abort_request", {})
+    assert status == 400 and out["error"]["param"] == "rid"
+    async with aiohttp.ClientSession() as session, \
+            session.post(f"{mesh.base}/generate", data=b"{not json") as response:
+        assert response.status == 400 and (await response.json())["error"]["code"] == "invalid_json"
+    _, server = await _post_get(mesh.base, "/get_server_info")
+    assert server["in_flight"] == 0
+
+
+async def test_a_rid_in_flight_is_refused(mesh):
+    first = asyncio.create_task(_post(mesh.base, "/generate", {"input_ids": PROMPT, "rid": "busy",
+                                                               "sampling_params": _greedy(200)}))
+    deadline = time.monotonic() + 60
+    while (await _post_get(mesh.base, "/get_server_info"))[1]["in_flight"] == 0:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
+    status, out = await _post(mesh.base, "/generate", {"input_ids": PROMPT, "rid": "busy"})
+    assert status == 409 and out["error"]["code"] == "request_in_flight"
+    status, done = await first
+    assert status == 200 and len(done["output_ids"]) == 200
