@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2
 from rollmesh.common.v1 import generation_pb2
@@ -73,6 +74,26 @@ async def test_verls_client_gets_the_engines_tokens_and_logprobs(manager, rollme
     assert all(o.stop_reason == "completed" and len(o.token_ids) == len(o.log_probs) == 8 for o in sampled)
     assert all(o.extra_fields["weight_versions"] == [0] * 8 for o in sampled)
     assert len({tuple(o.token_ids) for o in sampled}) > 1   # seeded sampling, not greedy
+
+
+async def test_the_fleets_logprobs_equal_verls_recomputation_in_verls_environment(manager, rollmesh_fleet):
+    """verl's actor recomputes old log-probabilities with the transformers verl pins (5.10.x here, below rollmesh's
+    own floor): sampled tokens' rollout logprobs from the fleet (transformers of rollmesh's pins) agree with a
+    one-pass forward of the same model in verl's environment, as the engine and rollmesh's trainer agree."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(rollmesh_fleet.model, local_files_only=True).eval()
+    outs = await asyncio.gather(*(_client(manager, resuming=False).generate(
+        f"agree{i}", prompt_ids=PROMPT, sampling_params={**SAMPLING, "max_tokens": 16, "seed": 100 + i})
+        for i in range(4)))
+    worst = 0.0
+    for out in outs:
+        ids = torch.tensor([PROMPT + list(out.token_ids)])
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0, len(PROMPT) - 1:-1]
+        mine = torch.log_softmax(logits.float(), dim=-1).gather(-1, ids[0, len(PROMPT):, None])[:, 0]
+        worst = max(worst, float((mine - torch.tensor(out.log_probs)).abs().max()))
+    assert worst <= 1e-4, f"the fleet's and verl's logprobs differ by {worst:.3g} nats at most"
 
 
 async def test_a_sampling_parameter_that_changes_output_is_refused_by_name(manager):
