@@ -97,6 +97,12 @@ class Balancer:
     def in_flight(self) -> int:
         return len(self._running)
 
+    def replica_of(self, request_id: str) -> str | None:
+        """The replica that request ``request_id``'s current attempt runs on (None: not running, or waiting for
+        a replica)."""
+        run = self._running.get(request_id)
+        return run.attempts[-1].replica_id if run is not None and run.attempts else None
+
     # ------------------------------------------------------------ generation
     def _start(self, request: loadbalancer_pb2.GenerateRequest,
                time_remaining: float | None) -> RequestRun | loadbalancer_pb2.GenerateResponse:

@@ -33,6 +33,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
+import grpc
 from aiohttp import web
 from opentelemetry import context as otel_context
 from opentelemetry import propagate
@@ -48,6 +49,7 @@ from .config import LoadBalancerConfig
 from .openai_choices import ChoiceResult, ChoiceRun, Delta
 from .openai_requests import ApiError, Plan, api_error, check_request_id, parse_chat, parse_completion
 from .sglang_front import SglangApi
+from .sglang_workers import WorkerApi
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +61,11 @@ _RELOAD_CHECK_S = 30.0
 class OpenAIFront:
     """Serves the HTTP API on ``config.http_listen`` for ``balancer``."""
 
-    def __init__(self, config: LoadBalancerConfig, balancer: Balancer, tokenizer: ChatTokenizer) -> None:
+    def __init__(self, config: LoadBalancerConfig, balancer: Balancer, tokenizer: ChatTokenizer, *,
+                 controller: grpc.aio.Channel | None = None) -> None:
+        """``controller``: a channel to the controller, through which SGLang's worker API changes the fleet."""
         self.config = config
+        self.controller = controller
         self.balancer = balancer
         self.tokenizer = tokenizer
         self.model_name = config.served_model_name or tokenizer.name or config.model
@@ -81,7 +86,9 @@ class OpenAIFront:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_delete("/v1/sessions/{session_id}", self.close_session)
         app.router.add_get("/health", self.health)
-        SglangApi(self).add_routes(app)
+        sglang = SglangApi(self)
+        sglang.add_routes(app)
+        WorkerApi(self, sglang, self.controller).add_routes(app)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
         host, port = parse_host_port(self.config.http_listen)
@@ -149,7 +156,8 @@ class OpenAIFront:
                                                  "this server has /v1/models, /v1/completions, "
                                                  "/v1/chat/completions, DELETE /v1/sessions/ID and SGLang's "
                                                  "/generate, /abort_request, /health, /health_generate, "
-                                                 "/get_model_info, /get_server_info",
+                                                 "/get_model_info, /get_server_info, /v1/loads and "
+                                                 "/workers",
                                             code="unknown_url"))
         except web.HTTPMethodNotAllowed as err:
             return _error_response(ApiError(405, f"{request.method} is not allowed on {request.path}; use "

@@ -97,6 +97,8 @@ class LoadBalancerServicer(loadbalancer_pb2_grpc.LoadBalancerServiceServicer):
         """The OpenAI-compatible HTTP API (``http_listen``), once started."""
         self.link: BalancerLink | None = None
         """The registration with the controller (``controller_address``), once attached."""
+        self.controller_channel: grpc.aio.Channel | None = None
+        """The channel to the controller (``controller_address``), once attached."""
         self.prefix_watchers: PrefixWatchers | None = None
         """The replicas' prefix-cache event streams (``prefix_routing.kv_events``), once attached."""
 
@@ -106,6 +108,20 @@ class LoadBalancerServicer(loadbalancer_pb2_grpc.LoadBalancerServiceServicer):
             self.prefix_watchers = PrefixWatchers(self.table, self.balancer.upstreams.stub)
             await self.prefix_watchers.start()
             server.add_cleanup(self.prefix_watchers.close)
+        if self.config.controller_address:
+            from mesh_runtime.channels import open_channel  # noqa: PLC0415
+
+            from .controller_link import BalancerLink  # noqa: PLC0415, F811 - imported here at run time
+
+            config = self.config
+            address = config.advertise_address or server.address
+            channel = open_channel(config.controller_address, tls=config.tls)
+            server.add_cleanup(channel.close)
+            self.controller_channel = channel
+            self.link = link = BalancerLink(channel, balancer_id=config.balancer_id or own_name(config) or address,
+                                     address=address, version=__version__)
+            server.add_cleanup(link.deregister)   # cleanups run in reverse: before the channel closes
+            server.spawn(link.run(), name="controller-link")
         if self.config.http_listen:
             from mesh_runtime.chat import ChatError, ChatTokenizer  # noqa: PLC0415
             from mesh_runtime.config import ConfigError  # noqa: PLC0415
@@ -116,22 +132,9 @@ class LoadBalancerServicer(loadbalancer_pb2_grpc.LoadBalancerServiceServicer):
                 tokenizer = ChatTokenizer.from_model(self.config.model)
             except ChatError as err:
                 raise ConfigError("model", str(err)) from None
-            self.http = OpenAIFront(self.config, self.balancer, tokenizer)
+            self.http = OpenAIFront(self.config, self.balancer, tokenizer, controller=self.controller_channel)
             await self.http.start()
             server.add_cleanup(self.http.close)
-        if self.config.controller_address:
-            from mesh_runtime.channels import open_channel  # noqa: PLC0415
-
-            from .controller_link import BalancerLink  # noqa: PLC0415, F811 - imported here at run time
-
-            config = self.config
-            address = config.advertise_address or server.address
-            channel = open_channel(config.controller_address, tls=config.tls)
-            server.add_cleanup(channel.close)
-            self.link = link = BalancerLink(channel, balancer_id=config.balancer_id or own_name(config) or address,
-                                     address=address, version=__version__)
-            server.add_cleanup(link.deregister)   # cleanups run in reverse: before the channel closes
-            server.spawn(link.run(), name="controller-link")
 
     def _routed(self, route: Route) -> routing_pb2.RoutedReplica:
         floor = self.table.version_floor(None)

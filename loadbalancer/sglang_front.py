@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -239,12 +240,21 @@ class SglangApi:
             raise bad("abort_all", f"must be true or false, got {quote(abort_all)}")
         if not rid and not abort_all:
             raise bad("rid", "give the rid of a generation, or abort_all: true")
-        ended = [r for r in self._flights if abort_all or r == rid or r.startswith(f"{rid}/")]
+        return web.json_response({"aborted": self.end(
+            lambda r: abort_all or r == rid or r.startswith(f"{rid}/"))})
+
+    def end(self, which: Callable[[str], bool]) -> list[str]:
+        """Abort the generations in flight whose rid ``which`` accepts; their ids, sorted."""
+        ended = sorted(r for r in self._flights if which(r))
         for r in ended:
             flight = self._flights[r]
             flight.aborted = True
             flight.task.cancel()
-        return web.json_response({"aborted": sorted(ended)})
+        return ended
+
+    def running(self) -> list[str]:
+        """The rids of the generations in flight through these endpoints."""
+        return list(self._flights)
 
     # ------------------------------------------------------------ server queries
     async def health_generate(self, request: web.Request) -> web.Response:

@@ -267,3 +267,36 @@ async def test_a_rid_in_flight_is_refused(mesh):
     assert status == 409 and out["error"]["code"] == "request_in_flight"
     status, done = await first
     assert status == 200 and len(done["output_ids"]) == 200
+
+
+async def test_the_worker_list_names_urls_that_take_slimes_abort(mesh):
+    """Without a controller the balancer lists the replicas its config names; each worker's URL is the
+    balancer's own, taking slime's abort and load polls for that replica's generations."""
+    status, listed = await _post_get(mesh.base, "/workers")
+    assert status == 200 and [w["id"] for w in listed["workers"]] == ["a-s0", "b-s0"]
+    assert all(w["url"] == f"{mesh.base}/workers/{w['id']}" and w["engine_url"] is None and w["is_healthy"]
+               for w in listed["workers"])
+    assert (await _post_get(mesh.base, "/workers/a-s0"))[1]["id"] == "a-s0"
+    assert (await _post_get(mesh.base, "/workers/a-s0/health_generate"))[0] == 200
+    assert (await _post_get(mesh.base, "/workers/zz"))[0] == 404
+    pinned = {"X-SMG-Routing-Key": "pinned-trajectory"}
+    _, first = await _post(mesh.base, "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}},
+                           headers=pinned)
+    replica = first["meta_info"]["segments"][0]["replica_id"]
+    other = "b-s0" if replica == "a-s0" else "a-s0"
+    task = asyncio.create_task(_post(mesh.base, "/generate", {"input_ids": PROMPT, "sampling_params": _greedy(400)},
+                                     headers=pinned))
+    deadline = time.monotonic() + 60
+    while (await _post_get(mesh.base, f"/workers/{replica}/v1/loads"))[1]["loads"][0]["num_running_reqs"] != 1:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
+    assert (await _post_get(mesh.base, "/v1/loads"))[1]["loads"][0]["num_total_reqs"] == 1
+    await asyncio.sleep(0.2)
+    assert (await _post(mesh.base, f"/workers/{other}/abort_request", {"abort_all": True}))[1] == {"aborted": []}
+    status, aborted = await _post(mesh.base, f"/workers/{replica}/abort_request", {"abort_all": True})
+    assert status == 200 and len(aborted["aborted"]) == 1
+    _, out = await task
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert (await _post_get(mesh.base, f"/workers/{replica}/v1/loads"))[1]["loads"][0]["num_running_reqs"] == 0
+    status, refused = await _post(mesh.base, "/workers", {"url": "http://127.0.0.1:9"})
+    assert status == 503 and refused["error"]["code"] == "no_controller"
