@@ -71,6 +71,33 @@ def bad(param: str, message: str) -> ApiError:
     return ApiError(400, f"{param}: {message}", param=param, code="invalid_argument")
 
 
+VERSION_POLICY_HEADER = "x-weight-version-policy"
+
+
+def apply_version_policy(requests: list[pb.GenerateRequest], policy: str | None, newest: int) -> None:
+    """A request's weight-version policy (the ``x-weight-version-policy`` header), as a floor on the versions
+    its tokens may come from, on top of its own ``min_weight_version`` and the balancer's ``max_version_lag``:
+    ``any`` (no floor), ``latest-only`` (the newest version a routed replica holds now, ``newest``),
+    ``min-version:V``, ``max-staleness:K`` (at most K versions behind the newest)."""
+    if policy is None:
+        return
+    text = policy.strip()
+    floor: int | None = None
+    kind, _, value = text.partition(":")
+    if text == "latest-only":
+        floor = newest
+    elif kind in ("min-version", "max-staleness") and value.isdigit() and len(value) <= 18:
+        floor = int(value) if kind == "min-version" else max(0, newest - int(value))
+    elif text != "any":
+        raise ApiError(400, f"{VERSION_POLICY_HEADER} must be any, latest-only, min-version:V or max-staleness:K; "
+                            f"got {quote(policy)}", param=VERSION_POLICY_HEADER, code="invalid_argument")
+    if floor is None:
+        return
+    for request in requests:
+        if not request.HasField("min_weight_version") or request.min_weight_version < floor:
+            request.min_weight_version = floor
+
+
 @dataclasses.dataclass
 class Plan:
     """What one HTTP request asks for."""

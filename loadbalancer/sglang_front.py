@@ -43,7 +43,7 @@ from mesh_runtime.chat import ChatTokenizer
 from .balancer import Balancer
 from .config import LoadBalancerConfig
 from .openai_choices import ChoiceRun
-from .openai_requests import ApiError, api_error, bad
+from .openai_requests import VERSION_POLICY_HEADER, ApiError, api_error, apply_version_policy, bad
 from .sglang_requests import GeneratePlan, Sample, parse_generate
 
 ROUTING_KEY = "X-SMG-Routing-Key"
@@ -98,6 +98,8 @@ class SglangApi:
             raise bad(ROUTING_KEY, f"must be at most {SESSION_ID_MAX_LENGTH} characters, got {quote(key)}")
         plan = parse_generate(body, self.front.tokenizer, routing_key=key or call["session_id"],
                               timeout_s=call["timeout_s"])
+        apply_version_policy([s.request for s in plan.samples], request.headers.get(VERSION_POLICY_HEADER),
+                             self.front.balancer.table.newest_version)
         busy = [s.request.request_id for s in plan.samples if s.request.request_id in self._flights]
         if busy:
             raise ApiError(409, f"rid {quote(busy[0])} is already in flight", param="rid", code="request_in_flight")
@@ -181,6 +183,9 @@ class SglangApi:
         if reason is not None:
             meta["e2e_latency"] = time.monotonic() - started
             meta["segments"] = result.segments
+            versions = sorted({s["weight_version"] for s in result.segments})
+            meta["weight_versions"] = versions
+            meta["spans_versions"] = len(versions) > 1
         out: dict[str, Any] = {"text": text, "output_ids": ids, "meta_info": meta}
         if plan.batched and plan.stream:
             out["index"] = sample.index

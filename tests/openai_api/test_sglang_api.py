@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 from pathlib import Path
 
@@ -36,8 +37,8 @@ PROMPT = [5, 72, 101, 108, 108, 111]
 
 
 class Mesh:
-    def __init__(self, base: str, agents: dict[str, str], bare: str) -> None:
-        self.base, self.agents, self.bare = base, agents, bare
+    def __init__(self, base: str, agents: dict[str, str], bare: str, procs: dict) -> None:
+        self.base, self.agents, self.bare, self.procs = base, agents, bare, procs
         self.tokenizer = ChatTokenizer.from_model("tiny-llama")
 
 
@@ -60,7 +61,8 @@ def mesh(tmp_path_factory):
                             log_path=tmp / "lb.log"), \
                 running_server("lb", ["--config", str(tmp / "bare.yaml"), "--listen", "127.0.0.1:0"],
                                log_path=tmp / "bare.log"):
-            yield Mesh(f"http://127.0.0.1:{http}", {"a-s0": a[0], "b-s0": b[0]}, f"http://127.0.0.1:{bare_http}")
+            yield Mesh(f"http://127.0.0.1:{http}", {"a-s0": a[0], "b-s0": b[0]}, f"http://127.0.0.1:{bare_http}",
+                       {"a-s0": a[1], "b-s0": b[1]})
 
 
 def _engine(agent: str, replica: str, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
@@ -300,3 +302,42 @@ async def test_the_worker_list_names_urls_that_take_slimes_abort(mesh):
     assert (await _post_get(mesh.base, f"/workers/{replica}/v1/loads"))[1]["loads"][0]["num_running_reqs"] == 0
     status, refused = await _post(mesh.base, "/workers", {"url": "http://127.0.0.1:9"})
     assert status == 503 and refused["error"]["code"] == "no_controller"
+
+
+async def test_a_version_policy_per_request_and_the_versions_stamped_on_the_answer(mesh):
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 3}}
+    for policy in ("any", "latest-only", "max-staleness:0", "min-version:0"):
+        status, out = await _post(mesh.base, "/generate", body, headers={"x-weight-version-policy": policy})
+        assert status == 200, out
+        assert out["meta_info"]["weight_versions"] == [0] and out["meta_info"]["spans_versions"] is False
+    # no replica holds version 1: the request waits for one until its deadline
+    status, out = await _post(mesh.base, "/generate", body, headers={"x-weight-version-policy": "min-version:1",
+                                                                     "x-request-timeout": "0.5"})
+    assert status == 504, out
+    status, out = await _post(mesh.base, "/generate", body, headers={"x-weight-version-policy": "newest"})
+    assert status == 400 and out["error"]["param"] == "x-weight-version-policy"
+
+
+async def test_a_replica_sigkilled_mid_rollout_costs_slime_no_request(mesh):
+    """Requests shaped as slime's generate sends them (token ids, its sampling parameters, logprobs, one routing
+    key per sample); one replica agent is SIGKILLed while they run: every request completes (last test here:
+    it leaves one replica)."""
+    sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 60, "stop": None,
+                "stop_token_ids": None, "skip_special_tokens": False, "no_stop_trim": True,
+                "spaces_between_special_tokens": False, "ignore_eos": True}
+
+    async def sample(i: int) -> tuple[int, dict]:
+        return await _post(mesh.base, "/generate", {"input_ids": PROMPT + [i + 7], "return_logprob": True,
+                                                     "sampling_params": sampling},
+                           headers={"X-SMG-Routing-Key": f"sample-{i}"})
+
+    tasks = [asyncio.create_task(sample(i)) for i in range(16)]
+    deadline = time.monotonic() + 60
+    while (await _post_get(mesh.base, "/workers/a-s0/v1/loads"))[1]["loads"][0]["num_running_reqs"] < 2:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+    mesh.procs["a-s0"].send_signal(signal.SIGKILL)
+    results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+    assert [status for status, _ in results] == [200] * 16, results
+    assert all(len(out["output_ids"]) == 60 and len(out["meta_info"]["output_token_logprobs"]) == 60
+               and out["meta_info"]["finish_reason"] == {"type": "length", "length": 60} for _, out in results)

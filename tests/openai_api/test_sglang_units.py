@@ -113,3 +113,28 @@ def test_the_stop_string_that_ended_a_generation():
     assert _matched_string("abc</s>", "abc", ["\n", "</s>"]) == "</s>"
     assert _matched_string("abc", "abc", ["</s>"]) is None          # a token stopped it
     assert _matched_string("abcd", "ab", []) is None
+
+
+@pytest.mark.parametrize("policy,own,newest,floor", [
+    (None, None, 7, None), ("any", None, 7, None), ("latest-only", None, 7, 7), ("min-version:3", None, 7, 3),
+    ("max-staleness:2", None, 7, 5), ("max-staleness:9", None, 7, 0), ("latest-only", 9, 7, 9),
+    (" min-version:8 ", 2, 7, 8)])
+def test_a_version_policy_is_a_floor_on_top_of_the_requests_own(policy, own, newest, floor):
+    from loadbalancer.openai_requests import apply_version_policy
+    from rollmesh.loadbalancer.v1 import loadbalancer_pb2 as pb
+
+    request = pb.GenerateRequest(request_id="r")
+    if own is not None:
+        request.min_weight_version = own
+    apply_version_policy([request], policy, newest)
+    assert (request.min_weight_version if request.HasField("min_weight_version") else None) == floor
+
+
+@pytest.mark.parametrize("policy", ["latest", "min-version:", "max-staleness:-1", "min-version:x", "all"])
+def test_an_unknown_version_policy_is_refused_naming_the_header(policy):
+    from loadbalancer.openai_requests import apply_version_policy
+    from rollmesh.loadbalancer.v1 import loadbalancer_pb2 as pb
+
+    with pytest.raises(ApiError) as err:
+        apply_version_policy([pb.GenerateRequest(request_id="r")], policy, 3)
+    assert err.value.status == 400 and err.value.param == "x-weight-version-policy"
