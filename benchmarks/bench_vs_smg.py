@@ -13,8 +13,9 @@ router and, for the baseline, straight to the workers. Printed per system:
 3. one of the 4 workers SIGKILLed when half of ``--kill-requests`` streaming requests have completed: how
    many requests failed.
 
-Both systems' clients make a call per request (HTTP keep-alive for SMG, a gRPC ``Generate`` per request for
-rollmesh). rollmesh is also measured as its trainer's rollouter calls it: every request on the balancer's
+The same HTTP client code (keep-alive, SGLang's ``/generate``) runs against SMG and against rollmesh's balancer
+with its HTTP front on (column "rollmesh /generate"): like with like. rollmesh's own clients are measured too
+(column "rollmesh gRPC": a ``Generate`` call per request). rollmesh is also measured as its trainer's rollouter calls it: every request on the balancer's
 ``GenerateMany`` stream (:class:`mesh_runtime.generate_many.BalancerGenerations`), for short requests,
 streamed and final-only responses, and the kill.
 
@@ -24,6 +25,7 @@ logs two lines per request). CPU is read from ``/proc`` (user + system time of t
 children). Everything shares this machine's cores, clients included; the figures say how many it has.
 
     .venv/bin/python -m benchmarks.bench_vs_smg [--rate 200] [--short 2000] [--stream 768] [--kill-requests 1000]
+        [--only smg|rollmesh|rollmesh-http]
 """
 
 from __future__ import annotations
@@ -259,14 +261,16 @@ async def smg_runs(args, tmp: Path) -> dict:
 
 # ------------------------------------------------------------------------------------------- rollmesh side
 
-async def start_mesh(tmp: Path, rate: float):
+async def start_mesh(tmp: Path, rate: float, http_port: int | None = None):
+    """4 replica agents and a balancer routing them (with ``http_port``: its HTTP front on, SGLang's API)."""
     agents = []
     for i in range(4):
         node = f"n{i}"
         (tmp / f"{node}.yaml").write_text(AGENT.format(node=node, rate=rate))
         agents.append(await start_server("replica-agent", ["--config", str(tmp / f"{node}.yaml"),
                                                            "--listen", "127.0.0.1:0"], log_path=tmp / f"{node}.log"))
-    (tmp / "lb.yaml").write_text("{}\n")
+    (tmp / "lb.yaml").write_text(f"http_listen: 127.0.0.1:{http_port}\nmodel: tiny-llama\nhttp_max_in_flight: 100000\n"
+                                 if http_port else "{}\n")
     lb = await start_server("lb", ["--config", str(tmp / "lb.yaml"), "--listen", "127.0.0.1:0"],
                             log_path=tmp / "lb.log")
     replicas = [(f"n{i}-0", a.address) for i, a in enumerate(agents)]
@@ -383,18 +387,60 @@ async def rollmesh_runs(args, tmp: Path) -> dict:
     return out
 
 
+async def rollmesh_http_runs(args, tmp: Path) -> dict:
+    """rollmesh's balancer through SGLang's /generate on its HTTP front: the client code of the SMG runs."""
+    out: dict = {}
+    port = free_port()
+    lb, agents, replicas = await start_mesh(tmp, args.rate, port)
+    via = [("127.0.0.1", port)]
+    try:
+        await http_load(via, 200, 32, 16, False)   # warm
+        wall_d, _, _, _ = await grpc_load(None, replicas, args.short, 128, 16, "hsd")
+        cpu, agent_cpu = cpu_seconds(lb.pid), sum(cpu_seconds(a.pid) for a in agents)
+        wall, lat, _, fail = await http_load(via, args.short, 128, 16, False)
+        out["short"] = (args.short / wall, args.short / wall_d, (cpu_seconds(lb.pid) - cpu) / args.short, fail,
+                        pct(lat, 50))
+        out["agent_short"] = (sum(cpu_seconds(a.pid) for a in agents) - agent_cpu) / args.short
+        wall_d, _, _, _ = await grpc_load(None, replicas, args.stream, 256, 256, "hd")
+        cpu, agent_cpu = cpu_seconds(lb.pid), sum(cpu_seconds(a.pid) for a in agents)
+        wall, lat, tokens, fail = await http_load(via, args.stream, 256, 256, True)
+        out["stream"] = ((cpu_seconds(lb.pid) - cpu) / max(tokens, 1) * 1000, wall_d / wall, fail, pct(lat, 50))
+        out["agent_stream"] = (sum(cpu_seconds(a.pid) for a in agents) - agent_cpu) / max(tokens, 1) * 1000
+    finally:
+        await asyncio.gather(*(p.terminate() for p in (lb, *agents)))
+    port = free_port()
+    lb, agents, replicas = await start_mesh(tmp, args.rate, port)
+    killed = []
+    try:
+        done = 0
+
+        def on_done() -> None:
+            nonlocal done
+            done += 1
+            if done == args.kill_requests // 2:
+                os.kill(agents[0].pid, signal.SIGKILL)
+                killed.append(agents[0])
+
+        _, _, _, fail = await http_load([("127.0.0.1", port)], args.kill_requests, 256, 256, True, on_done)
+        out["kill"] = fail
+    finally:
+        await asyncio.gather(*(p.terminate() for p in (lb, *agents) if p not in killed))
+    return out
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rate", type=float, default=200.0, help="tokens/s per request of every worker")
     parser.add_argument("--short", type=int, default=2000, help="short requests per run")
     parser.add_argument("--stream", type=int, default=768, help="streaming requests per run")
     parser.add_argument("--kill-requests", type=int, default=1000)
-    parser.add_argument("--only", choices=("smg", "rollmesh"), help="run one system only")
+    parser.add_argument("--only", choices=("smg", "rollmesh", "rollmesh-http"), help="run one system only")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmpdir:
         tmp = Path(tmpdir)
         smg = await smg_runs(args, tmp) if args.only != "rollmesh" else None
-        mesh = await rollmesh_runs(args, tmp) if args.only != "smg" else None
+        mesh = await rollmesh_runs(args, tmp) if args.only not in ("smg", "rollmesh-http") else None
+        http = await rollmesh_http_runs(args, tmp) if args.only not in ("smg", "rollmesh") else None
     print(f"\nrollmesh lb vs SMG {SMG_VERSION}: 4 workers at {args.rate:g} tokens/s per request, "
           f"{os.cpu_count()} cores shared by everything")
     rows = [
@@ -406,9 +452,14 @@ async def main() -> None:
         ("failed of the streaming requests", lambda r: f"{r['stream'][2]}"),
         (f"failed with a worker SIGKILLed ({args.kill_requests} streams)", lambda r: f"{r['kill']}"),
     ]
-    print(f"  {'':52} {'SMG':>18} {'rollmesh':>18}")
+    print(f"  {'':52} {'SMG':>18} {'rollmesh /generate':>18} {'rollmesh gRPC':>18}")
     for name, cell in rows:
-        print(f"  {name:52} {cell(smg) if smg else '-':>18} {cell(mesh) if mesh else '-':>18}")
+        print(f"  {name:52} {cell(smg) if smg else '-':>18} {cell(http) if http else '-':>18} "
+              f"{cell(mesh) if mesh else '-':>18}")
+    if http:
+        print(f"  rollmesh /generate: the SMG column's client code against the balancer's HTTP front; agents' CPU "
+              f"per short request {http['agent_short'] * 1e3:.3f} ms, per 1,000 streamed tokens "
+              f"{http['agent_stream'] * 1e3:.2f} ms")
     if mesh:
         print(f"  rollmesh, final_only callers: balancer CPU per 1,000 tokens {mesh['final'][0] * 1e3:.2f} ms, "
               f"throughput vs direct {mesh['final'][1]:.3f}x")

@@ -54,8 +54,11 @@ class ChoiceRun:
 
     def __init__(self, request: pb.GenerateRequest, tokenizer: ChatTokenizer, *, stop: list[str],
                  parse_tools: bool, generate: Callable[[pb.GenerateRequest], AsyncIterator[pb.GenerateResponse]],
-                 call_prefix: str) -> None:
+                 call_prefix: str, text_deltas: bool = True) -> None:
+        """``text_deltas``: False leaves each delta's ``text`` empty (a caller that renders the text itself saves
+        decoding the output on every step; the final ``result.text`` is still set)."""
         self.request = request
+        self.text_deltas = text_deltas
         self.tokenizer = tokenizer
         self.stop = stop
         self.parse_tools = parse_tools
@@ -80,7 +83,7 @@ class ChoiceRun:
                 if final and not stopped:
                     self._finish(message)
                 finish, calls = self._close() if final else (None, [])
-                visible = self._visible(final)
+                visible = self._visible(final) if self.text_deltas else ""
                 delta = Delta(text=visible[self._sent:], token_ids=result.token_ids[start:],
                               logprobs=result.logprobs[start:] if message.logprobs else [],
                               weight_version=message.weight_version, finish_reason=finish, tool_calls=calls)

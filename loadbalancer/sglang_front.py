@@ -119,7 +119,8 @@ class SglangApi:
         started = time.monotonic()
         rid = sample.request.request_id
         run = ChoiceRun(sample.request, self.front.tokenizer, stop=sample.stop, parse_tools=False,
-                        generate=lambda r: self.front.balancer.generate(r, timeout_s), call_prefix="")
+                        generate=lambda r: self.front.balancer.generate(r, timeout_s), call_prefix="",
+                        text_deltas=False)
         state = {"version": 0}
 
         async def consume() -> None:
