@@ -23,7 +23,7 @@ import grpc
 from opentelemetry import trace
 
 from mesh_runtime.errors import (
-    AlreadyExists, DeadlineExceeded, FailedPrecondition, Internal, InvalidArgument, ResourceExhausted, Unavailable,
+    AlreadyExists, DeadlineExceeded, Internal, InvalidArgument, ResourceExhausted, Unavailable,
 )
 from mesh_runtime.generation import check_generation, check_streaming
 from mesh_runtime import tracing
@@ -46,7 +46,6 @@ from .attempts import (
     as_iterator,
     attempt_ended,
     backoff_s,
-    cut_all,
     error_reason,
     now_ts,
     segments_of,
@@ -54,6 +53,7 @@ from .attempts import (
     whole_result,
 )
 from .completed import CompletedCache
+from .control import FleetControl
 from .config import LoadBalancerConfig
 from .stats import Stats
 from .table import Choice, Route, RoutingTable, Ticket
@@ -88,6 +88,8 @@ class Balancer:
                                         max_bytes=config.completed_cache_bytes, ttl_s=config.completed_cache_ttl_s)
         self._table_changed = asyncio.Event()
         table.on_change(self._notify)
+        self.control = FleetControl(table, upstreams, abort_grace_s=config.abort_grace_s)
+        """Operations on the fleet as a whole (sessions, removal, pauses, rebalancing)."""
 
     def _notify(self) -> None:
         self._table_changed.set()
@@ -229,6 +231,8 @@ class Balancer:
             if not waited:
                 self.stats.no_replica_waits += 1
                 waited = True
+            if self.table.any_paused:   # a pause holds requests until it ends, whatever no_replica_wait_s says
+                started = self.clock()
             budget = limit - (self.clock() - started)
             remaining = run.remaining()
             if remaining is not None and remaining < budget:
@@ -463,52 +467,3 @@ class Balancer:
         run.avoid = run.avoid | run.failed_on
         self._keep(run, streamed, route)
         raise RetryAttempt(f"{route.replica_id}: {record.reason}", backoff=True, refused=refused)
-
-    # --------------------------------------------------------------- control
-    async def close_session(self, session_id: str) -> tuple[str, bool]:
-        """End a session: drop its pin and tell its replica (``(replica_id, released)``; ``("", False)`` when
-        it was pinned to no routed replica)."""
-        check_session_id(session_id, "session_id")
-        replica_id = self.table.drop_session(session_id)
-        route = self.table.routes.get(replica_id or "")
-        if route is None:
-            return "", False
-        return route.replica_id, await self.upstreams.close_session(route, session_id)
-
-    async def remove(self, replica_ids: list[str], abort_in_flight: bool) -> tuple[list[str], int, list[str]]:
-        removed, dropped = self.table.remove(replica_ids)
-        in_flight: list[str] = []
-        aborts = []
-        for route in removed:
-            sent = [t for t in route.tickets.values() if t.sent]
-            in_flight += [t.request_id for t in sent]
-            if abort_in_flight and sent:
-                # a live agent ends each attempt with its abort reply (a clean stream, a span without error);
-                # what is still open after abort_grace_s (a frozen agent) is cut and resumed elsewhere
-                reason = f"{route.replica_id} was removed from routing with abort"
-                asyncio.get_running_loop().call_later(self.config.abort_grace_s, cut_all, sent, reason)
-                aborts.append(self.upstreams.abort(route, [t.request_id for t in sent]))
-        if aborts:
-            await asyncio.gather(*aborts)
-        return [r.replica_id for r in removed], dropped, in_flight
-
-    async def rebalance(self, max_moves: int | None) -> tuple[list[str], dict[str, tuple[int, int]]]:
-        routes = self.table.eligible(None)
-        if len(routes) < 2:
-            raise FailedPrecondition(f"rebalance needs at least two routable replicas, there are {len(routes)}",
-                                     reason=Reason.TOO_FEW_REPLICAS)
-        self.table.clear_sticky()
-        before = {r.replica_id: r.in_flight for r in routes}
-        moves = self.table.plan_moves(max_moves)
-        projected = dict(before)
-        by_route: dict[str, list[Ticket]] = {}
-        for ticket in moves:
-            ticket.move_requested = True
-            by_route.setdefault(ticket.route.replica_id, []).append(ticket)
-            projected[ticket.route.replica_id] -= 1
-            target = min((rid for rid in projected if rid != ticket.route.replica_id), key=lambda rid: projected[rid])
-            projected[target] += 1
-        await asyncio.gather(*(self.upstreams.abort(ts[0].route, [t.request_id for t in ts])
-                               for ts in by_route.values()))
-        return [t.request_id for t in moves], {rid: (before[rid], projected[rid]) for rid in before}
-

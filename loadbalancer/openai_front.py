@@ -51,6 +51,7 @@ from .openai_requests import (VERSION_POLICY_HEADER, ApiError, Plan, api_error, 
                               check_request_id, parse_chat, parse_completion)
 from .sglang_front import SglangApi
 from .sglang_workers import WorkerApi
+from .smg_rl import RlApi
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ class OpenAIFront:
         sglang = SglangApi(self)
         sglang.add_routes(app)
         WorkerApi(self, sglang, self.controller).add_routes(app)
+        RlApi(self, self.controller).add_routes(app)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
         host, port = parse_host_port(self.config.http_listen)
@@ -142,14 +144,15 @@ class OpenAIFront:
     @web.middleware
     async def _guard(self, request: web.Request,
                      handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        smg = request.path.startswith("/v1/rl/")   # SMG's error shape there: {"error": CODE, "message"}
         try:
             if request.path != "/health":
                 self._authorize(request)
             return await handler(request)
         except ApiError as err:
-            return _error_response(err)
+            return _error_response(err, smg)
         except RollmeshError as err:
-            return _error_response(api_error(err))
+            return _error_response(api_error(err), smg)
         except web.HTTPRequestEntityTooLarge:
             return _error_response(ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes"))
         except web.HTTPNotFound:
@@ -157,9 +160,9 @@ class OpenAIFront:
                                                  "this server has /v1/models, /v1/completions, "
                                                  "/v1/chat/completions, DELETE /v1/sessions/ID and SGLang's "
                                                  "/generate, /abort_request, /health, /health_generate, "
-                                                 "/get_model_info, /get_server_info, /v1/loads and "
-                                                 "/workers",
-                                            code="unknown_url"))
+                                                 "/get_model_info, /get_server_info, /v1/loads, "
+                                                 "/workers and /v1/rl/*",
+                                            code="unknown_url"), smg)
         except web.HTTPMethodNotAllowed as err:
             return _error_response(ApiError(405, f"{request.method} is not allowed on {request.path}; use "
                                                  f"{', '.join(sorted(err.allowed_methods))}",
@@ -200,7 +203,7 @@ class OpenAIFront:
 
     async def close_session(self, request: web.Request) -> web.Response:
         session_id = request.match_info["session_id"]
-        replica_id, released = await self.balancer.close_session(session_id)
+        replica_id, released = await self.balancer.control.close_session(session_id)
         return web.json_response({"session_id": session_id, "closed": True, "replica_id": replica_id or None,
                                   "released": released})
 
@@ -425,6 +428,7 @@ def _sse(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
-def _error_response(err: ApiError) -> web.Response:
-    return web.json_response(err.body(), status=err.status, headers=err.headers)
+def _error_response(err: ApiError, smg: bool = False) -> web.Response:
+    body = {"error": err.code or "error", "message": err.message} if smg else err.body()
+    return web.json_response(body, status=err.status, headers=err.headers)
 

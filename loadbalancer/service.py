@@ -184,7 +184,7 @@ class LoadBalancerServicer(loadbalancer_pb2_grpc.LoadBalancerServiceServicer):
 
     async def RemoveReplicas(self, request: pb.RemoveReplicasRequest,  # noqa: N802
                              context: grpc.aio.ServicerContext) -> pb.RemoveReplicasResponse:
-        removed, dropped, in_flight = await self.balancer.remove(list(request.replica_ids),
+        removed, dropped, in_flight = await self.balancer.control.remove(list(request.replica_ids),
                                                                  request.abort_in_flight)
         return pb.RemoveReplicasResponse(removed_replica_ids=removed, dropped_sticky_sessions=dropped,
                                          in_flight_request_ids=in_flight)
@@ -219,14 +219,14 @@ class LoadBalancerServicer(loadbalancer_pb2_grpc.LoadBalancerServiceServicer):
 
     async def CloseSession(self, request: pb.CloseSessionRequest,  # noqa: N802
                            context: grpc.aio.ServicerContext) -> pb.CloseSessionResponse:
-        replica_id, released = await self.balancer.close_session(request.session_id)
+        replica_id, released = await self.balancer.control.close_session(request.session_id)
         return pb.CloseSessionResponse(replica_id=replica_id, released=released)
 
     async def Rebalance(self, request: pb.RebalanceRequest,  # noqa: N802
                         context: grpc.aio.ServicerContext) -> pb.RebalanceResponse:
         if request.request_id and request.request_id in self._rebalances:
             return self._rebalances[request.request_id]
-        moved, counts = await self.balancer.rebalance(request.max_moves if request.HasField("max_moves") else None)
+        moved, counts = await self.balancer.control.rebalance(request.max_moves if request.HasField("max_moves") else None)
         reply = pb.RebalanceResponse(moved_request_ids=moved, replicas=[
             pb.ReplicaInFlight(replica_id=rid, in_flight_before=b, in_flight_after=a) for rid, (b, a) in counts.items()])
         if request.request_id:

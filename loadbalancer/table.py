@@ -56,6 +56,8 @@ class Route:
     ejected_reason: str = ""
     joined_at: float = 0.0
     """When the table added the route, on the table's clock (a prefix-aware table warms new replicas up)."""
+    paused: bool = False
+    """Out of picks until resumed (a caller's pause_generation through the RL control plane)."""
 
     @property
     def in_flight(self) -> int:
@@ -195,6 +197,19 @@ class RoutingTable:
         self._changed()
         return route
 
+    def set_paused(self, replica_ids: Iterable[str], paused: bool) -> list[Route]:
+        """Pause (out of picks) or resume routes; the ones whose state changed."""
+        changed = [r for r in (self.routes.get(i) for i in replica_ids) if r is not None and r.paused != paused]
+        for route in changed:
+            route.paused = paused
+        if changed:
+            self._changed()
+        return changed
+
+    @property
+    def any_paused(self) -> bool:
+        return any(r.paused for r in self.routes.values())
+
     def get(self, replica_id: str) -> Route:
         route = self.routes.get(replica_id)
         if route is None:
@@ -224,6 +239,8 @@ class RoutingTable:
     def unroutable_reason(self, route: Route, floor: int | None) -> str:
         if route.removed:
             return "removed"
+        if route.paused:
+            return "paused (pause_generation)"
         if route.ejected_until:
             left = route.ejected_until - self.clock()
             if left > 0:

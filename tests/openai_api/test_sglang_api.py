@@ -318,6 +318,60 @@ async def test_a_version_policy_per_request_and_the_versions_stamped_on_the_answ
     assert status == 400 and out["error"]["param"] == "x-weight-version-policy"
 
 
+async def test_smgs_own_rl_client_lists_workers_and_pauses_the_fleet(mesh):
+    """SMG 1.13's RL client (smg.rl, unchanged) against the balancer: workers in SMG's shape; a paused section
+    (pause_generation abort ... continue_generation) holds new requests and aborts the running one, which
+    resumes with its tokens so far and completes; single calls; weight updates refused, as is a selector that
+    matches nothing."""
+    from smg.rl import RL, RlError, paused
+
+    rl = RL(mesh.base, timeout=30)
+    workers = await asyncio.to_thread(rl.workers)
+    assert [w.id for w in workers] == ["a-s0", "b-s0"]
+    assert all(w.engine == "rollmesh" and w.health == "healthy" and w.weight_version == "0"
+               and w.control_url == f"{mesh.base}/v1/rl/workers/{w.id}/engine" for w in workers)
+    assert (await asyncio.to_thread(rl.worker, "b-s0")).labels["node"] == ""
+    with pytest.raises(RlError) as err:
+        await asyncio.to_thread(rl.worker, "zz")
+    assert err.value.status == 404 and err.value.code == "worker_not_found"
+    call = await asyncio.to_thread(rl.call, "a-s0", "get_weight_version", {})
+    assert call.status == 200 and call.body == {"weight_version": "0"}
+
+    whole = asyncio.create_task(_post(mesh.base, "/generate", {"input_ids": PROMPT, "sampling_params": _greedy(300)}))
+    deadline = time.monotonic() + 60
+    while (await _post_get(mesh.base, "/v1/loads"))[1]["loads"][0]["num_running_reqs"] == 0:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.2)
+    with paused(rl, "engine=rollmesh") as result:
+        assert result.total == result.succeeded == 2 and not result.failed
+        assert {w.health for w in rl.workers()} == {"paused"}
+        held = asyncio.create_task(_post(mesh.base, "/generate", {"input_ids": PROMPT,
+                                                                  "sampling_params": {"max_new_tokens": 3}}))
+        await asyncio.sleep(0.8)
+        assert not held.done() and not whole.done()   # nothing is served while the fleet is paused
+    status, out = await asyncio.wait_for(held, 30)
+    assert status == 200 and len(out["output_ids"]) == 3
+    status, out = await asyncio.wait_for(whole, 60)
+    assert status == 200 and len(out["output_ids"]) == 300 and out["meta_info"]["finish_reason"]["type"] == "length"
+    _, direct = await _post(mesh.base, "/generate", {"input_ids": PROMPT, "sampling_params": _greedy(300)})
+    assert out["output_ids"] == direct["output_ids"]   # resumed with its tokens so far: the same greedy ids
+
+    with pytest.raises(RlError) as err:
+        await asyncio.to_thread(rl.fanout, "update_weights_from_disk", {"model_path": "/x", "weight_version": "1"},
+                                selector="engine=rollmesh")
+    assert err.value.status == 501 and err.value.code == "not_supported"
+    with pytest.raises(RlError) as err:
+        await asyncio.to_thread(rl.fanout, "pause_generation", {}, selector="engine=sglang")
+    assert err.value.status == 404 and err.value.code == "no_workers_matched"
+    with pytest.raises(RlError) as err:
+        await asyncio.to_thread(rl.fanout, "pause_generation", {}, selector="engine")
+    assert err.value.status == 400 and err.value.code == "invalid_selector"
+    with pytest.raises(RlError) as err:
+        await asyncio.to_thread(rl.fanout, "pause_generation", {"mode": "nap"}, selector="all")
+    assert err.value.status == 400
+    assert {w.health for w in await asyncio.to_thread(rl.workers)} == {"healthy"}   # nothing changed
+
 async def test_a_replica_sigkilled_mid_rollout_costs_slime_no_request(mesh):
     """Requests shaped as slime's generate sends them (token ids, its sampling parameters, logprobs, one routing
     key per sample); one replica agent is SIGKILLed while they run: every request completes (last test here:

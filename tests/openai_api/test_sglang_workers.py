@@ -82,15 +82,22 @@ async def test_slime_registers_generates_aborts_and_removes_engines_through_the_
         assert out["meta_info"]["segments"][0]["replica_id"] in {w["id"] for w in listed["workers"]}
 
         # slime's abort: /abort_request {"abort_all": true} on every listed URL, then /v1/loads until idle
-        long = [asyncio.create_task(_call("POST", f"{router}/generate", {
-            "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 120, "ignore_eos": True}}))
-            for _ in range(4)]
+        streamed = [0] * 4
 
-        async def busy() -> bool:
-            loads = [(await _call("GET", f"{w['url']}/v1/loads"))[1] for w in listed["workers"]]
-            return sum(entry["loads"][0]["num_running_reqs"] for entry in loads) >= 4
-        await until(busy, 30, what="four generations on the engines")
-        await asyncio.sleep(0.3)   # some tokens made
+        async def long(i: int) -> dict:
+            body = {"input_ids": [1, 2, 3], "stream": True, "sampling_params": {"max_new_tokens": 120,
+                                                                                 "ignore_eos": True}}
+            last = {}
+            async with aiohttp.ClientSession() as session, \
+                    session.post(f"{router}/generate", json=body) as response:
+                async for line in response.content:
+                    if line.startswith(b"data: {"):
+                        last = json.loads(line[6:])
+                        streamed[i] = len(last["output_ids"])
+            return last
+
+        tasks = [asyncio.create_task(long(i)) for i in range(4)]
+        await until(lambda: all(streamed), 60, what="four generations streaming tokens")
         for worker in listed["workers"]:
             status, _ = await _call("POST", f"{worker['url']}/abort_request", {"abort_all": True})
             assert status == 200
@@ -99,10 +106,11 @@ async def test_slime_registers_generates_aborts_and_removes_engines_through_the_
             loads = [(await _call("GET", f"{w['url']}/v1/loads"))[1] for w in listed["workers"]]
             return all(entry["loads"][0]["num_running_reqs"] == 0 for entry in loads)
         await until(idle, 30, what="the workers to report idle")
-        partial = [body for _, body in await asyncio.wait_for(asyncio.gather(*long), 30)]
+        partial = await asyncio.wait_for(asyncio.gather(*tasks), 30)
         assert all(p["meta_info"]["finish_reason"]["type"] == "abort" for p in partial), partial
         assert all(0 < len(p["output_ids"]) < 120 for p in partial), [len(p["output_ids"]) for p in partial]
-        assert all(s.state()["running"] == [] for s in servers)   # nothing left running on the engines
+        await until(lambda: all(s.state()["running"] == [] for s in servers), 10,
+                    what="nothing left running on the engines")
 
         # slime's shutdown: DELETE the engine's worker; the replica drains, the server keeps running
         status, removed = await _call("DELETE", f"{router}/workers/{first['id']}")
