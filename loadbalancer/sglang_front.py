@@ -88,10 +88,7 @@ class SglangApi:
 
     # ------------------------------------------------------------ generate
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ApiError(400, f"the request body is not valid JSON: {err}", code="invalid_json") from None
+        body = await json_body(request)
         call = self.front.call_options(request)
         key = request.headers.get(ROUTING_KEY, "")
         if len(key) > SESSION_ID_MAX_LENGTH:
@@ -233,12 +230,7 @@ class SglangApi:
 
     # ------------------------------------------------------------ abort
     async def abort_request(self, request: web.Request) -> web.Response:
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ApiError(400, f"the request body is not valid JSON: {err}", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+        body = await json_object(request)
         rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
         if not isinstance(rid, str):
             raise bad("rid", f"must be a string, got {quote(rid)}")
@@ -297,6 +289,22 @@ class SglangApi:
         return web.json_response({**self._info(), "router": "rollmesh", "skip_tokenizer_init": False,
                                   "routable_replicas": len(table.eligible(None)),
                                   "in_flight": self.front.balancer.in_flight})
+
+
+async def json_body(request: web.Request) -> Any:
+    """The request's JSON body (400 ``invalid_json`` when it is not JSON)."""
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ApiError(400, f"the request body is not valid JSON: {err}", code="invalid_json") from None
+
+
+async def json_object(request: web.Request) -> dict[str, Any]:
+    """The request's JSON body, which must be an object."""
+    body = await json_body(request)
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    return body
 
 
 def _matched_string(full: str, kept: str, stops: list[str]) -> str | None:

@@ -24,7 +24,6 @@ caller's ``Authorization`` header goes to the controller with the call.
 
 from __future__ import annotations
 
-import json
 import uuid
 from typing import Any
 
@@ -37,7 +36,7 @@ from mesh_runtime.validate import quote
 from rollmesh.controller.v1 import controller_pb2_grpc, registry_pb2, scaling_pb2
 
 from .openai_requests import HTTP_STATUS, ApiError, bad
-from .sglang_front import Front, SglangApi
+from .sglang_front import Front, SglangApi, json_object
 
 CHANGE_TIMEOUT_S = 600.0
 LIST_TIMEOUT_S = 5.0
@@ -68,7 +67,7 @@ class WorkerApi:
 
     # ------------------------------------------------------------ the fleet
     async def add(self, request: web.Request) -> web.Response:
-        body = await _json_object(request)
+        body = await json_object(request)
         url = body.get("url")
         if not isinstance(url, str) or not url.startswith(("http://", "https://")) or len(url) > 512:
             raise bad("url", f"must be the SGLang server's http(s)://HOST:PORT, got {quote(url)}")
@@ -159,7 +158,7 @@ class WorkerApi:
 
     async def abort(self, request: web.Request) -> web.Response:
         route = self._route(request)
-        body = await _json_object(request)
+        body = await json_object(request)
         rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
         if not isinstance(rid, str) or not isinstance(abort_all, bool) or not (rid or abort_all):
             raise bad("rid", "give the rid of a generation, or abort_all: true")
@@ -227,14 +226,3 @@ def _controller_error(what: str, err: grpc.aio.AioRpcError) -> ApiError:
     status = HTTP_STATUS.get(code, 502)
     return ApiError(status, f"the controller refused to {what}: {code}: {(err.details() or '')[:300]}",
                     code=code.lower())
-
-
-async def _json_object(request: web.Request) -> dict[str, Any]:
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ApiError(400, f"the request body is not valid JSON: {err}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
-    return body
-
