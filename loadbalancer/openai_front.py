@@ -56,6 +56,8 @@ from .smg_rl import RlApi
 log = logging.getLogger(__name__)
 
 CALLER_ROLES = frozenset({"client", "trainer-agent", "operator"})
+CONTROL_ROLES = frozenset({"trainer-agent", "operator"})
+"""Roles that may change the fleet over HTTP (add or remove workers, pause): on a mutual-TLS listener."""
 MAX_BODY_BYTES = 32 * 1024 * 1024
 _RELOAD_CHECK_S = 30.0
 
@@ -186,10 +188,21 @@ class OpenAIFront:
         ssl_object = request.transport.get_extra_info("ssl_object") if request.transport else None
         der = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
         identity = identity_from_pem(ssl.DER_cert_to_PEM_cert(der).encode()) if der else None
+        request["rollmesh.identity"] = identity
         if identity is None or identity.role not in CALLER_ROLES:
             role = identity.role if identity is not None else "none"
             raise ApiError(403, f"this API takes callers whose certificate names a role of "
                                 f"{', '.join(sorted(CALLER_ROLES))}; yours names {quote(role)}",
+                           code="permission_denied")
+
+    def require_control(self, request: web.Request) -> None:
+        """On a mutual-TLS listener, only a trainer agent's or an operator's certificate may change the fleet
+        (add or remove workers, pause and resume them); a client's may generate and read."""
+        identity = request.get("rollmesh.identity")
+        if self._ssl is not None and (identity is None or identity.role not in CONTROL_ROLES):
+            role = identity.role if identity is not None else "none"
+            raise ApiError(403, f"changing the fleet takes a certificate naming a role of "
+                                f"{', '.join(sorted(CONTROL_ROLES))}; yours names {quote(role)}",
                            code="permission_denied")
 
     # ------------------------------------------------------------ endpoints

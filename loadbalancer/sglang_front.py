@@ -62,6 +62,8 @@ class Front(Protocol):
 
     def admitted(self, count: int) -> contextlib.AbstractContextManager[None]: ...
 
+    def require_control(self, request: web.Request) -> None: ...
+
 
 @dataclasses.dataclass
 class _Flight:

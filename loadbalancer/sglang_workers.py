@@ -18,8 +18,9 @@ count them. ``engine_url`` is the SGLang server's own URL (null for replicas of 
 and ``GET health_generate`` (200 while the replica is routable, else 503 with the reason), ``GET
 get_model_info``, ``GET get_server_info``.
 
-Changing the fleet needs the controller's scale credential when it has one (``scale_api_token``): the
-caller's ``Authorization`` header goes to the controller with the call.
+Changing the fleet takes, on a mutual-TLS listener, a trainer agent's or an operator's certificate, and the
+controller's scale credential when it has one (``scale_api_token``): the caller's ``Authorization`` header goes
+to the controller with the call.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class WorkerApi:
 
     # ------------------------------------------------------------ the fleet
     async def add(self, request: web.Request) -> web.Response:
+        self.front.require_control(request)
         body = await json_object(request)
         url = body.get("url")
         if not isinstance(url, str) or not url.startswith(("http://", "https://")) or len(url) > 512:
@@ -100,6 +102,7 @@ class WorkerApi:
                                   "message": f"{url} serves as replica {ids[0] if ids else '?'}"})
 
     async def remove(self, request: web.Request) -> web.Response:
+        self.front.require_control(request)
         worker = request.match_info["id"]
         records = await self._records()
         replica_id = worker if worker in records or worker in self.front.balancer.table.routes else next(

@@ -21,7 +21,8 @@ with the tokens so far, once routing allows, so none is lost; ``in_place`` and `
 ``_from_tensor``, ``_from_distributed``, ``init_weights_update_group``) are refused (501): rollmesh moves
 weights with its own broadcast, committed fleet-wide by the controller (``SyncWeights``, the trainer
 agent), where a replica that cannot take a version leaves routing rather than serving a mixed fleet.
-Errors are SMG's shape, ``{"error": CODE, "message": ...}``.
+Errors are SMG's shape, ``{"error": CODE, "message": ...}``. Engine calls take, on a mutual-TLS listener, a
+trainer agent's or an operator's certificate (a client's may list workers).
 """
 
 from __future__ import annotations
@@ -110,6 +111,7 @@ class RlApi:
 
     # ------------------------------------------------------------ engine calls
     async def call(self, request: web.Request) -> web.Response:
+        self.front.require_control(request)
         worker_id, path = request.match_info["id"], request.match_info["path"]
         workers = {w["id"]: w for w in await self._all(request)}
         if worker_id not in workers:
@@ -120,6 +122,7 @@ class RlApi:
         return web.json_response({"worker_id": worker_id, **results[worker_id]})
 
     async def fanout(self, request: web.Request) -> web.Response:
+        self.front.require_control(request)
         path = request.match_info["path"]
         selector = request.query.get("selector")
         if selector is None:

@@ -1,6 +1,6 @@
 """``rollmesh up --config`` serving a model to the openai client (docs/openai-api.md's own example), and the HTTP
 API behind mutual TLS: a client certificate of a caller role gets in, another role gets 403, none gets no
-connection."""
+connection; changing the fleet takes a trainer agent's or an operator's certificate."""
 
 from __future__ import annotations
 
@@ -104,3 +104,20 @@ def test_the_http_api_behind_mutual_tls(tmp_path):
             client(None).models.list()
         with pytest.raises(openai.APIConnectionError):   # plain HTTP to the TLS listener
             openai.OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="x", max_retries=0).models.list()
+
+        # changing the fleet (SGLang's worker API, SMG's RL engine calls) takes a trainer agent or an operator
+        def raw(role: str) -> httpx.Client:
+            context = ssl.create_default_context(cafile=str(tmp_path / "pki" / "ca.pem"))
+            section = pki.section(role, "tester")
+            context.load_cert_chain(section["cert"], section["key"])
+            return httpx.Client(base_url=f"https://127.0.0.1:{http}", verify=context, timeout=10)
+
+        with raw("client") as client_role, raw("operator") as operator:
+            pause = "/v1/rl/engine/pause_generation?selector=all"
+            refused = client_role.post(pause, json={})
+            assert refused.status_code == 403 and refused.json()["error"] == "permission_denied"
+            assert "operator" in refused.json()["message"]
+            assert client_role.post("/workers", json={"url": "http://127.0.0.1:9"}).status_code == 403
+            assert client_role.get("/v1/rl/workers").json() == {"workers": []}   # reading is a client's
+            assert operator.post(pause, json={}).json()["error"] == "no_workers_matched"   # past the gate
+            assert operator.post("/workers", json={"url": "http://127.0.0.1:9"}).status_code == 503
