@@ -271,6 +271,15 @@ async def test_a_rid_in_flight_is_refused(mesh):
     assert status == 200 and len(done["output_ids"]) == 200
 
 
+async def test_a_repeated_rid_answers_the_recorded_result(mesh):
+    body = {"input_ids": PROMPT, "rid": f"again-{time.monotonic_ns()}", "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 24, "temperature": 1.0}}
+    _, first = await _post(mesh.base, "/generate", body)
+    _, second = await _post(mesh.base, "/generate", body)
+    assert second["output_ids"] == first["output_ids"] and len(first["output_ids"]) == 24
+    assert second["meta_info"]["output_token_logprobs"] == first["meta_info"]["output_token_logprobs"]
+
+
 async def test_the_worker_list_names_urls_that_take_slimes_abort(mesh):
     """Without a controller the balancer lists the replicas its config names; each worker's URL is the
     balancer's own, taking slime's abort and load polls for that replica's generations."""
