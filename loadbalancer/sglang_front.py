@@ -35,10 +35,9 @@ from aiohttp import web
 from opentelemetry import context as otel_context
 from opentelemetry import propagate
 
+from mesh_runtime.chat import ChatTokenizer
 from mesh_runtime.errors import RollmeshError
 from mesh_runtime.validate import SESSION_ID_MAX_LENGTH, quote
-
-from mesh_runtime.chat import ChatTokenizer
 
 from .balancer import Balancer
 from .config import LoadBalancerConfig
