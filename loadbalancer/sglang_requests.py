@@ -77,8 +77,7 @@ class GeneratePlan:
     text_in_logprobs: bool
 
 
-def parse_generate(body: Any, tokenizer: ChatTokenizer, *, routing_key: str, timeout_s: float | None
-                   ) -> GeneratePlan:
+def parse_generate(body: Any, tokenizer: ChatTokenizer, *, routing_key: str) -> GeneratePlan:
     """The plan of a ``/generate`` body; ``routing_key``: the ``X-SMG-Routing-Key`` header (the session that
     keeps a trajectory's requests on one replica)."""
     if not isinstance(body, dict):

@@ -26,6 +26,7 @@ to the controller with the call.
 from __future__ import annotations
 
 import uuid
+from collections import Counter
 from typing import Any
 
 import grpc
@@ -135,10 +136,13 @@ class WorkerApi:
         floor = table.version_floor(None)
         engines = {r.replica_id: r.engine_url for r in (await self._records(optional=True)).values()}
         base = f"{request.scheme}://{request.host}"
+        placed = Counter(self.front.balancer.replica_of(rid) for rid in self.sglang.running())
+        waiting = placed.pop(None, 0)   # not on a replica yet: part of every worker's load (see _on)
         return [{"id": route.replica_id, "url": f"{base}/workers/{route.replica_id}",
                  "engine_url": engines.get(route.replica_id) or None, "model_id": self.front.model_name,
                  "worker_type": "regular", "connection_mode": "http",
-                 "is_healthy": not table.unroutable_reason(route, floor), "load": self._load(route.replica_id),
+                 "is_healthy": not table.unroutable_reason(route, floor),
+                 "load": placed[route.replica_id] + waiting,
                  "weight_version": route.weight_version, "node_id": route.node_id or None}
                 for route in sorted(table.routes.values(), key=lambda r: r.replica_id)]
 
@@ -156,9 +160,6 @@ class WorkerApi:
         return [rid for rid in self.sglang.running()
                 if replica_id is None or balancer.replica_of(rid) in (replica_id, None)]
 
-    def _load(self, replica_id: str | None) -> int:
-        return len(self._on(replica_id))
-
     async def abort(self, request: web.Request) -> web.Response:
         route = self._route(request)
         body = await json_object(request)
@@ -171,7 +172,7 @@ class WorkerApi:
 
     async def loads(self, request: web.Request) -> web.Response:
         replica_id = self._route(request).replica_id if "id" in request.match_info else None
-        count = self._load(replica_id)
+        count = len(self._on(replica_id))
         return web.json_response({"loads": [{"dp_rank": 0, "num_running_reqs": count, "num_waiting_reqs": 0,
                                              "num_total_reqs": count}]})
 

@@ -17,7 +17,7 @@ def tokenizer():
 
 
 def _parse(tokenizer, body, key=""):
-    return parse_generate(body, tokenizer, routing_key=key, timeout_s=None)
+    return parse_generate(body, tokenizer, routing_key=key)
 
 
 def test_slimes_body_maps_to_the_balancers_request(tokenizer):
