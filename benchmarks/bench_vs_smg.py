@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from benchmarks.bench_loadbalancer import pct
@@ -82,6 +83,24 @@ def tree_cpu(pid: int) -> float:
             except (FileNotFoundError, ProcessLookupError):
                 pass
     return total
+
+
+def kill_halfway(requests: int, kill: Callable[[], None]) -> Callable[[], None]:
+    """A load's ``on_done``: calls ``kill`` once, when half of ``requests`` have completed."""
+    done = 0
+
+    def on_done() -> None:
+        nonlocal done
+        done += 1
+        if done == requests // 2:
+            kill()
+    return on_done
+
+
+def kill_first(agents: list, killed: list) -> None:
+    """SIGKILL the first replica agent and note it (its process is not terminated again afterwards)."""
+    os.kill(agents[0].pid, signal.SIGKILL)
+    killed.append(agents[0])
 
 
 # ---------------------------------------------------------------------------------------------- HTTP side
@@ -240,14 +259,7 @@ async def smg_runs(args, tmp: Path) -> dict:
     workers = await start_workers(args.rate)
     smg, port = await start_smg([p for _, p in workers], tmp / "smg-kill.log")
     try:
-        done = 0
-
-        def on_done() -> None:
-            nonlocal done
-            done += 1
-            if done == args.kill_requests // 2:
-                workers[0][0].send_signal(signal.SIGKILL)
-
+        on_done = kill_halfway(args.kill_requests, lambda: workers[0][0].send_signal(signal.SIGKILL))
         _, _, _, fail = await http_load([("127.0.0.1", port)], args.kill_requests, 256, 256, True, on_done)
         out["kill"] = fail
     finally:
@@ -369,16 +381,8 @@ async def rollmesh_runs(args, tmp: Path) -> dict:
     for key, many in (("kill", False), ("kill_many", True)):   # per-call clients, then GenerateMany clients
         lb, agents, replicas = await start_mesh(tmp, args.rate)
         try:
-            done = 0
-            killed = []
-
-            def on_done() -> None:
-                nonlocal done
-                done += 1
-                if done == args.kill_requests // 2:
-                    os.kill(agents[0].pid, signal.SIGKILL)
-                    killed.append(agents[0])
-
+            killed: list = []
+            on_done = kill_halfway(args.kill_requests, lambda: kill_first(agents, killed))
             _, _, _, fail = await grpc_load(lb.address, replicas, args.kill_requests, 256, 256, key, many=many,
                                             on_done=on_done)
             out[key] = fail
@@ -412,15 +416,7 @@ async def rollmesh_http_runs(args, tmp: Path) -> dict:
     lb, agents, replicas = await start_mesh(tmp, args.rate, port)
     killed = []
     try:
-        done = 0
-
-        def on_done() -> None:
-            nonlocal done
-            done += 1
-            if done == args.kill_requests // 2:
-                os.kill(agents[0].pid, signal.SIGKILL)
-                killed.append(agents[0])
-
+        on_done = kill_halfway(args.kill_requests, lambda: kill_first(agents, killed))
         _, _, _, fail = await http_load([("127.0.0.1", port)], args.kill_requests, 256, 256, True, on_done)
         out["kill"] = fail
     finally:
