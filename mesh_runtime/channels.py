@@ -188,6 +188,14 @@ _NEVER_SENT = ("failed to connect", "connection refused", "dns resolution failed
 """Words of the UNAVAILABLE details of a call that never reached a server: safe to send elsewhere."""
 
 
+@functools.cache
+def effect_free_methods() -> frozenset[str]:
+    """Paths (``/service/method``) of the unary calls that change nothing: the reads, and
+    ``google.longrunning.Operations/WaitOperation`` (a long poll). Resending one is always safe."""
+    reads = {f"/{service}/{method}" for service, method in read_methods()}
+    return frozenset(reads | {"/google.longrunning.Operations/WaitOperation"})
+
+
 def as_channel(channel: _PerAddress) -> grpc.aio.Channel:
     """A channel over several addresses, typed as the ``grpc.aio.Channel`` the generated stubs take: it serves
     the methods they call (the multi-callables, ``channel_ready``, ``close``, ``async with``)."""
@@ -233,7 +241,9 @@ class FollowingChannel(_PerAddress):
     ``failover_s`` when it has none) is spent, so a caller rides through a
     failover without seeing it. Any other failure (including a connection
     lost after the call was sent, whose effect is unknown) is the caller's, as
-    on a plain channel, but the next call goes to the next address. Streams
+    on a plain channel, but the next call goes to the next address; a call
+    that changes nothing (:func:`effect_free_methods`) is resent after any
+    ``UNAVAILABLE``, as a call that never arrived is. Streams
     are not resent (their caller resumes them, e.g. ``WatchEvents`` from its
     last sequence); their failures move the channel the same way.
     """
@@ -274,7 +284,8 @@ class FollowingChannel(_PerAddress):
 
     def unary_unary(self, method: str, request_serializer: Serializer = None,
                       response_deserializer: Deserializer = None, **_: Any) -> Any:
-        return _FollowingUnary(self, method, request_serializer, response_deserializer)
+        return _FollowingUnary(self, method, request_serializer, response_deserializer,
+                               effect_free=method in effect_free_methods())
 
     def unary_stream(self, method: str, request_serializer: Serializer = None,
                       response_deserializer: Deserializer = None, **_: Any) -> Any:
@@ -295,8 +306,8 @@ class FollowingChannel(_PerAddress):
 
 class _FollowingUnary:
     def __init__(self, owner: FollowingChannel, method: str, serializer: Serializer,
-                 deserializer: Deserializer) -> None:
-        self._owner, self._method = owner, method
+                 deserializer: Deserializer, *, effect_free: bool) -> None:
+        self._owner, self._method, self._effect_free = owner, method, effect_free
         self._serializer, self._deserializer = serializer, deserializer
 
     def __call__(self, request: Any, *, timeout: float | None = None, **kwargs: Any) -> Awaitable[Any]:
@@ -315,6 +326,7 @@ class _FollowingUnary:
                 return await callable_(request, timeout=left if timeout is not None else None, **kwargs)
             except grpc.aio.AioRpcError as err:
                 resend = owner.observe(err, address)
+                resend = resend or (self._effect_free and err.code() == grpc.StatusCode.UNAVAILABLE)
                 if not resend or time.monotonic() + pause >= deadline:
                     raise
             if owner.current == address or len(owner.addresses) == 1:   # nowhere new to go: pause first

@@ -8,7 +8,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from mesh_runtime.channels import open_channel, open_sync_channel, read_methods
+from mesh_runtime.channels import effect_free_methods, open_channel, open_sync_channel, read_methods
 from rollmesh.controller.v1 import controller_pb2, controller_pb2_grpc, registry_pb2
 
 pytestmark = pytest.mark.timeout(60)
@@ -133,3 +133,59 @@ def test_the_hash_ring_keeps_an_id_on_one_balancer_and_skips_a_dead_one():
     for key, order in first.items():   # a's ids go to their next balancer in the ring; the others stay put
         now = ring.order(key)
         assert now[-1] == "a:1" and now[:2] == [x for x in order if x != "a:1"]
+
+
+class _Lost(controller_pb2_grpc.ControllerServiceServicer):
+    """Every call is lost after it arrived (UNAVAILABLE without ErrorInfo, as when the server dies mid-call)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    async def GetStatus(self, request, context):
+        self.calls.append("GetStatus")
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "Stream removed (Socket closed)")
+
+    async def RegisterNode(self, request, context):
+        self.calls.append("RegisterNode")
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "Stream removed (Socket closed)")
+
+
+class _Fine(controller_pb2_grpc.ControllerServiceServicer):
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    async def GetStatus(self, request, context):
+        self.calls.append("GetStatus")
+        return controller_pb2.GetStatusResponse(last_event_sequence=7)
+
+    async def RegisterNode(self, request, context):
+        self.calls.append("RegisterNode")
+        return registry_pb2.RegisterNodeResponse()
+
+
+async def test_a_following_channel_resends_a_lost_read_elsewhere_but_never_a_lost_write():
+    servers, servicers, addresses = [], [_Lost(), _Fine()], []
+    for servicer in servicers:
+        server = grpc.aio.server()
+        controller_pb2_grpc.add_ControllerServiceServicer_to_server(servicer, server)
+        addresses.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
+        await server.start()
+        servers.append(server)
+    lost, fine = servicers
+    try:
+        async with open_channel(",".join(addresses)) as channel:     # no idempotent methods named
+            stub = controller_pb2_grpc.ControllerServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.RegisterNode(registry_pb2.RegisterNodeRequest(), timeout=10)
+            assert info.value.code() is grpc.StatusCode.UNAVAILABLE      # its effect is unknown: the caller's
+            assert (lost.calls, fine.calls) == (["RegisterNode"], [])
+        async with open_channel(",".join(addresses)) as channel:
+            stub = controller_pb2_grpc.ControllerServiceStub(channel)
+            reply = await stub.GetStatus(controller_pb2.GetStatusRequest(), timeout=10)
+            assert reply.last_event_sequence == 7                         # a read: resent to the next address
+            assert (lost.calls, fine.calls) == (["RegisterNode", "GetStatus"], ["GetStatus"])
+    finally:
+        for server in servers:
+            await server.stop(None)
+    assert "/google.longrunning.Operations/WaitOperation" in effect_free_methods()
+    assert "/rollmesh.controller.v1.ControllerService/RegisterNode" not in effect_free_methods()
