@@ -40,6 +40,7 @@ from .core.records import TERMINAL_STATES, Registration, ReplicaKind, ReplicaRec
 from .core.replicas import ReplicaRegistry
 from .core.steps import StepReport
 from .balancers import Balancers
+from .checkpoint_load import CheckpointFlip, FlipOutcome
 from .ports import AgentReplicas, Channels, LoadBalancerRouting
 from .routing import Routing
 from .weight_sync import WeightBroadcast
@@ -104,6 +105,7 @@ class Mesh:
                                        trainer_address=config.trainer_address, timeout_s=sched.weight_sync_timeout_s,
                                        backend=config.weight_sync_backend,
                                        bucket_size_bytes=config.weight_bucket_size_bytes)
+        self.checkpoints = CheckpointFlip(self.channels, self.registry, self.weights.push_versions)
         self.metrics = CycleMetrics(hybrid_gpus=config.hybrid_gpus, standalone_gpus=config.standalone_gpus,
                                     concurrent_samples_per_replica=config.concurrent_samples_per_replica,
                                     max_required_samples=config.max_required_samples)
@@ -219,17 +221,7 @@ class Mesh:
         """A requested weight sync (SyncWeights): ``version`` (None: the trainer's current one) to the named
         replicas, or to every serving one (hybrid replicas while they are active). A replica that does not
         take it leaves routing until it holds the current version."""
-        if replica_ids:
-            records = [self.registry.get(r) for r in replica_ids]   # NOT_FOUND for an unknown one
-            cannot = [f"{r.replica_id} ({r.state.value})" for r in records
-                      if r.state not in (ReplicaState.ACTIVE, ReplicaState.PAUSED, ReplicaState.SLEEPING)]
-            if cannot:
-                raise FailedPrecondition(f"only ACTIVE, PAUSED or SLEEPING replicas can receive weights: "
-                                         f"{', '.join(cannot)}", reason=Reason.WRONG_REPLICA_STATE)
-            targets = list(replica_ids)
-        else:
-            targets = [r.replica_id for r in self.registry.replicas(states=[ReplicaState.ACTIVE, ReplicaState.PAUSED])
-                       if r.kind is ReplicaKind.STANDALONE or self.scheduler.is_hybrid_active]
+        targets = self._weight_targets(replica_ids)
         if version is None:
             version = self.scheduler.weight_version or 0
         self.emit(EventType.WEIGHT_SYNC_STARTED, weight_version=version, reason="SyncWeights",
@@ -251,6 +243,49 @@ class Mesh:
                   attributes={"ok": len(targets) - len(failed), "failed": len(failed), "bytes_sent": outcome.bytes_sent})
         await self.commit()
         return outcome
+
+    def _weight_targets(self, replica_ids: list[str]) -> list[str]:
+        """The named replicas (each must be able to receive), or every serving one: standalone replicas, and
+        hybrid replicas while they are active."""
+        if replica_ids:
+            records = [self.registry.get(r) for r in replica_ids]   # NOT_FOUND for an unknown one
+            cannot = [f"{r.replica_id} ({r.state.value})" for r in records
+                      if r.state not in (ReplicaState.ACTIVE, ReplicaState.PAUSED, ReplicaState.SLEEPING)]
+            if cannot:
+                raise FailedPrecondition(f"only ACTIVE, PAUSED or SLEEPING replicas can receive weights: "
+                                         f"{', '.join(cannot)}", reason=Reason.WRONG_REPLICA_STATE)
+            return list(replica_ids)
+        return [r.replica_id for r in self.registry.replicas(states=[ReplicaState.ACTIVE, ReplicaState.PAUSED])
+                if r.kind is ReplicaKind.STANDALONE or self.scheduler.is_hybrid_active]
+
+    async def load_weights(self, path: str, version: int | None, replica_ids: list[str], *, rollback: bool,
+                           timeout_s: float | None) -> FlipOutcome:
+        """A checkpoint on disk as one fleet-wide version flip (LoadWeights, :mod:`controller.checkpoint_load`):
+        ``version`` None is one above the highest version a registered replica serves."""
+        targets = self._weight_targets(replica_ids)
+        if not targets:
+            raise FailedPrecondition("no replica serves to load the checkpoint into", reason=Reason.NO_ELIGIBLE_REPLICA)
+        if version is None:
+            version = max((r.weight_version for r in self.registry.replicas()), default=0) + 1
+        self.emit(EventType.WEIGHT_SYNC_STARTED, weight_version=version, reason="LoadWeights",
+                  attributes={"replicas": len(targets), "checkpoint": path[:200]})
+        async with self.transitions:
+            with self.span("weights.load_checkpoint", weight_version=version, replica_ids=targets,
+                           rollback=rollback):
+                flip = await self.checkpoints.load(targets, path, version, rollback=rollback,
+                                                   timeout_s=timeout_s or self.weights.timeout_s)
+        for result in flip.outcome.replica_results:
+            if result.ok:
+                self.registry.set_weight_version(result.replica_id, version)
+            else:
+                self.emit(EventType.WEIGHT_SYNC_FAILED, replica_id=result.replica_id, weight_version=version,
+                          reason=result.error_message)
+        failed = flip.outcome.failed
+        self.emit(EventType.WEIGHT_SYNC_COMPLETED, weight_version=version, reason="LoadWeights",
+                  attributes={"ok": len(targets) - len(failed), "failed": len(failed),
+                              "committed": flip.committed, "rolled_back": flip.rolled_back})
+        await self.commit()
+        return flip
 
     # ----------------------------------------------------------- registration
     async def register_node(self, request: registry_pb2.RegisterNodeRequest) -> Registration:

@@ -12,6 +12,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from mesh_runtime import pages
 from mesh_runtime.durations import to_seconds
 from mesh_runtime.errors import DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted
+from mesh_runtime.identity import current_identity
 from mesh_runtime.metrics import LoopStallMonitor, ServerMetrics
 from mesh_runtime.reasons import Reason
 from mesh_runtime.server import MeshServer, ServiceBinding
@@ -21,7 +22,7 @@ from rollmesh.controller.v1 import controller_pb2, controller_pb2_grpc, events_p
 from rollmesh.controller.v1 import scheduling_pb2, weight_sync_pb2
 
 from . import convert
-from .auth import has_scale_token, require_own_node
+from .auth import has_scale_token, require_own_node, require_scale_credential
 from .config import ControllerConfig
 from .core.events import EventType, LifecycleEvent
 from .leadership import Leadership, StandbyGate
@@ -209,20 +210,32 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
 
     async def SyncWeights(self, request: weight_sync_pb2.SyncWeightsRequest,  # noqa: N802
                           context: grpc.aio.ServicerContext) -> weight_sync_pb2.SyncWeightsResponse:
-        if request.HasField("weight_version") and request.weight_version < 0:
-            raise InvalidArgument(f"weight_version must be >= 0, got {request.weight_version}",
-                                  reason=Reason.INVALID_WEIGHT_VERSION)
-        timeout_s = None
-        if request.HasField("timeout"):
-            timeout_s = to_seconds(request.timeout)
-            if timeout_s <= 0:
-                raise InvalidArgument(f"timeout must be positive, got {timeout_s:g} s", reason=Reason.INVALID_TIMEOUT)
-        if len(set(request.replica_ids)) != len(request.replica_ids):
-            raise InvalidArgument("replica_ids lists a replica more than once", reason=Reason.DUPLICATE_REPLICA)
+        timeout_s = _weights_call(request)
         outcome = await self.mesh.sync_weights(
             list(request.replica_ids), request.weight_version if request.HasField("weight_version") else None,
             timeout_s=timeout_s)
         return weight_sync_pb2.SyncWeightsResponse(result=convert.sync_result(outcome))
+
+    async def LoadWeights(self, request: weight_sync_pb2.LoadWeightsRequest,  # noqa: N802
+                          context: grpc.aio.ServicerContext) -> weight_sync_pb2.LoadWeightsResponse:
+        identity = current_identity()
+        if identity is None or identity.role != "trainer-agent":
+            require_scale_credential(context, self.config, "LoadWeights")
+        if not request.checkpoint_path.strip():
+            raise InvalidArgument("checkpoint_path must name a safetensors checkpoint's directory on the replicas' "
+                                  "nodes", reason=Reason.INVALID_ARGUMENT)
+        if len(request.checkpoint_path) > 4096:
+            raise InvalidArgument(f"checkpoint_path is {len(request.checkpoint_path)} characters long (at most 4096)",
+                                  reason=Reason.INVALID_ARGUMENT)
+        timeout_s = _weights_call(request)
+        if request.on_failure not in weight_sync_pb2.WeightUpdateOnFailure.values():
+            raise InvalidArgument(f"unknown on_failure {request.on_failure}", reason=Reason.INVALID_ARGUMENT)
+        flip = await self.mesh.load_weights(
+            request.checkpoint_path, request.weight_version if request.HasField("weight_version") else None,
+            list(request.replica_ids), rollback=request.on_failure == weight_sync_pb2.WEIGHT_UPDATE_ON_FAILURE_ROLLBACK,
+            timeout_s=timeout_s)
+        return weight_sync_pb2.LoadWeightsResponse(result=convert.sync_result(flip.outcome), committed=flip.committed,
+                                                   rolled_back=flip.rolled_back)
 
     # -------------------------------------------------------- events/metrics
     async def WatchEvents(self, request: observability_pb2.WatchEventsRequest,  # noqa: N802
@@ -258,3 +271,18 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
         else:
             cycles = metrics.closed[-1:]
         return observability_pb2.GetMetricsResponse(cycles=[convert.metrics_cycle(c) for c in cycles])
+
+
+def _weights_call(request: weight_sync_pb2.SyncWeightsRequest | weight_sync_pb2.LoadWeightsRequest) -> float | None:
+    """Check what SyncWeights and LoadWeights share (version, timeout, replica list); the timeout in seconds."""
+    if request.HasField("weight_version") and request.weight_version < 0:
+        raise InvalidArgument(f"weight_version must be >= 0, got {request.weight_version}",
+                              reason=Reason.INVALID_WEIGHT_VERSION)
+    timeout_s = None
+    if request.HasField("timeout"):
+        timeout_s = to_seconds(request.timeout)
+        if timeout_s <= 0:
+            raise InvalidArgument(f"timeout must be positive, got {timeout_s:g} s", reason=Reason.INVALID_TIMEOUT)
+    if len(set(request.replica_ids)) != len(request.replica_ids):
+        raise InvalidArgument("replica_ids lists a replica more than once", reason=Reason.DUPLICATE_REPLICA)
+    return timeout_s

@@ -190,7 +190,7 @@ class WeightBroadcast:
                 outcome = dataclasses.replace(retry, replica_results=(*failed, *retry.replica_results),
                                               duration_s=time.monotonic() - started)
         if not why:  # a source that could not prepare moved nothing: the caller may try another
-            await self._push_versions(list(outcome.replica_results), version)
+            await self.push_versions(list(outcome.replica_results), version)
         return outcome, why
 
     async def _attempt(self, replica_ids: Sequence[str], version: int, source: _Source,
@@ -302,7 +302,7 @@ class WeightBroadcast:
         plan.timeout.CopyFrom(duration(timeout_s))
         return plan
 
-    async def _push_versions(self, results: list[ReplicaSyncOutcome], version: int) -> None:
+    async def push_versions(self, results: list[ReplicaSyncOutcome], version: int) -> None:
         """Tell the balancers the new versions; a replica whose sync failed is stale, one that synced is not.
 
         A stale replica leaves routing until a later sync succeeds (the rule of

@@ -1,5 +1,5 @@
 """The balancer's operations on the fleet as a whole, beside request execution (:mod:`.balancer`): end a
-session, remove replicas (optionally aborting their requests, which resume elsewhere), pause and resume
+session, flush prefix caches, remove replicas (optionally aborting their requests, which resume elsewhere), pause and resume
 replicas, and rebalance requests in flight. Requests these operations abort come back to the balancer as
 aborted attempts and resume with their tokens so far (:meth:`~loadbalancer.balancer.Balancer._aborted`)."""
 
@@ -33,6 +33,13 @@ class FleetControl:
         if route is None:
             return "", False
         return route.replica_id, await self.upstreams.close_session(route, session_id)
+
+    async def flush_cache(self, replica_ids: list[str]) -> dict[str, str]:
+        """Flush the routed replicas' prefix caches (SGLang's ``/flush_cache``), all at once: per replica "" when
+        it flushed, else why not (an engine keeps its cache while running requests hold blocks of it)."""
+        routes = [self.table.routes[i] for i in replica_ids if i in self.table.routes]
+        answers = await asyncio.gather(*(self.upstreams.flush_cache(route) for route in routes))
+        return {route.replica_id: why for route, why in zip(routes, answers)}
 
     async def remove(self, replica_ids: list[str], abort_in_flight: bool) -> tuple[list[str], int, list[str]]:
         removed, dropped = self.table.remove(replica_ids)

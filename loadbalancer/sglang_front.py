@@ -1,5 +1,6 @@
-"""SGLang's native HTTP API on the balancer's HTTP front: ``/generate``, ``/abort_request`` and the server
-queries slime and SGLang's router call (``/health_generate``, ``/get_model_info``, ``/get_server_info``).
+"""SGLang's native HTTP API on the balancer's HTTP front: ``/generate``, ``/abort_request``, ``/flush_cache`` and
+the server queries slime and SGLang's router call (``/health_generate``, ``/get_model_info``,
+``/get_server_info``).
 
 A ``/generate`` call (parsed in :mod:`.sglang_requests`) runs each of its generations through the same
 :class:`~loadbalancer.balancer.Balancer` as gRPC ``Generate`` and the OpenAI API: the same routing (the
@@ -88,6 +89,8 @@ class SglangApi:
         app.router.add_get("/health_generate", self.health_generate)
         app.router.add_get("/get_model_info", self.model_info)
         app.router.add_get("/get_server_info", self.server_info)
+        app.router.add_route("GET", "/flush_cache", self.flush_cache)
+        app.router.add_route("POST", "/flush_cache", self.flush_cache)
 
     # ------------------------------------------------------------ generate
     async def generate(self, request: web.Request) -> web.StreamResponse:
@@ -286,6 +289,22 @@ class SglangApi:
         return web.json_response({**self._info(), "router": "rollmesh", "skip_tokenizer_init": False,
                                   "routable_replicas": len(table.eligible(None)),
                                   "in_flight": self.front.balancer.in_flight})
+
+
+    async def flush_cache(self, request: web.Request, replica_ids: list[str] | None = None) -> web.Response:
+        """SGLang's ``/flush_cache`` on every routed replica (``replica_ids``: those): each drops its cached
+        prefixes; one whose engine keeps its cache while requests hold blocks of it (SGLang, vLLM) makes the
+        answer a 400 naming it, as SGLang's is, and the others are flushed."""
+        self.front.require_control(request)
+        ids = replica_ids if replica_ids is not None else sorted(self.front.balancer.table.routes)
+        answers = await self.front.balancer.control.flush_cache(ids)
+        refused = {rid: why for rid, why in answers.items() if why}
+        flushed = [rid for rid in answers if rid not in refused]
+        if refused:
+            first = next(iter(refused))
+            raise ApiError(400, f"Cache not flushed on {len(refused)} replica(s) ({first}: {refused[first]}); "
+                                f"flushed on {len(flushed)}", code="cache_in_use")
+        return web.json_response({"message": "Cache flushed.", "flushed": flushed})
 
 
 async def json_body(request: web.Request) -> Any:

@@ -65,6 +65,8 @@ class WorkerApi:
         app.router.add_get("/workers/{id}/health_generate", self.health)
         app.router.add_get("/workers/{id}/get_model_info", self.sglang.model_info)
         app.router.add_get("/workers/{id}/get_server_info", self.sglang.server_info)
+        app.router.add_route("GET", "/workers/{id}/flush_cache", self.flush_cache)
+        app.router.add_route("POST", "/workers/{id}/flush_cache", self.flush_cache)
         app.router.add_get("/v1/loads", self.loads)
 
     # ------------------------------------------------------------ the fleet
@@ -169,6 +171,9 @@ class WorkerApi:
         mine = set(self._on(route.replica_id))
         return web.json_response({"aborted": self.sglang.end(
             lambda r: r in mine and (abort_all or r == rid or r.startswith(f"{rid}/")))})
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        return await self.sglang.flush_cache(request, [self._route(request).replica_id])
 
     async def loads(self, request: web.Request) -> web.Response:
         replica_id = self._route(request).replica_id if "id" in request.match_info else None

@@ -17,12 +17,21 @@ Engine paths, as rollmesh's own operations: ``pause_generation`` (``{"mode": "ab
 ``continue_generation``; requests wait for a routable replica meanwhile (the no-replica limit does not run
 during a pause, their deadlines do); with ``abort`` the requests in flight on them are aborted and resume,
 with the tokens so far, once routing allows, so none is lost; ``in_place`` and ``retract`` let them finish.
-``get_weight_version``: the version the worker serves. Weight updates (``update_weights_from_disk``,
-``_from_tensor``, ``_from_distributed``, ``init_weights_update_group``) are refused (501): rollmesh moves
-weights with its own broadcast, committed fleet-wide by the controller (``SyncWeights``, the trainer
-agent), where a replica that cannot take a version leaves routing rather than serving a mixed fleet.
-Errors are SMG's shape, ``{"error": CODE, "message": ...}``. Engine calls take, on a mutual-TLS listener, a
-trainer agent's or an operator's certificate (a client's may list workers).
+``get_weight_version``: the version the worker serves. ``flush_cache``: SGLang's, per worker (a 400 result for
+one whose engine keeps its cache while requests hold blocks of it). ``update_weights_from_disk`` (``model_path``,
+``weight_version``, SGLang's body) is the controller's ``LoadWeights`` on the selected workers, one fleet-wide
+flip: the balancer holds new requests off them while it runs (those in flight are aborted by the load and
+resume on the new weights), every node checks the checkpoint before any replica changes, and the versions
+flip together. A worker that cannot load it leaves routing and the version commits on the rest (a 207 that
+lists it), or with ``"on_failure": "rollback"`` (rollmesh's extension) every worker goes back to what it
+served (a 207 listing all, ``rolled_back`` true); a checkpoint no worker can load changes nothing (400).
+``update_weights_from_tensor`` (pickled tensors in the body: a remote code execution risk, and CUDA IPC
+handles that only mean something on the sender's host) and ``update_weights_from_distributed`` /
+``init_weights_update_group`` (the trainer's own NCCL group to each engine) are refused (501): rollmesh's
+trainer agent broadcasts through the controller (``SyncWeights``) instead. Errors are SMG's shape,
+``{"error": CODE, "message": ...}``. Engine calls take, on a mutual-TLS listener, a trainer agent's or an
+operator's certificate (a client's may list workers); the caller's ``Authorization`` header goes on to the
+controller (its operator token).
 """
 
 from __future__ import annotations
@@ -42,8 +51,13 @@ from .openai_requests import ApiError
 from .sglang_front import Front
 
 PAUSE_MODES = ("abort", "in_place", "retract")
-WEIGHT_PATHS = ("update_weights_from_disk", "update_weights_from_tensor", "update_weights_from_distributed",
-                "init_weights_update_group", "destroy_weights_update_group")
+REFUSED_WEIGHT_PATHS = ("update_weights_from_tensor", "update_weights_from_distributed", "init_weights_update_group",
+                        "destroy_weights_update_group")
+DISK_FIELDS = {"model_path", "load_format", "weight_version", "abort_all_requests", "flush_cache", "is_async",
+               "torch_empty_cache", "keep_pause", "recapture_cuda_graph", "token_step", "on_failure"}
+"""The keys of SGLang's UpdateWeightFromDiskReqInput rollmesh takes (the engine-side tuning ones change no
+output and are accepted as no-ops), plus ``on_failure``."""
+LOAD_TIMEOUT_S = 600.0
 LABELS = ("engine", "node", "kind", "model", "id")
 LIST_TIMEOUT_S = 5.0
 
@@ -96,7 +110,8 @@ class RlApi:
                 "labels": {"engine": engine, "node": route.node_id, "kind": route.kind.lower(),
                            "model": self.front.model_name},
                 "capabilities": {"pause_generation": True, "continue_generation": True,
-                                 "get_weight_version": True, "weight_updates": False}})
+                                 "get_weight_version": True, "flush_cache": True,
+                                 "weight_updates": self.controller is not None}})
         return out
 
     async def workers(self, request: web.Request) -> web.Response:
@@ -118,7 +133,10 @@ class RlApi:
             raise _rl_error(404, "worker_not_found", f"no worker {quote(worker_id)}")
         action = _action(path)
         body = await _body(request)
-        results = await self._run(action, body, [workers[worker_id]])
+        if action == "update_weights_from_disk":
+            results, _ = await self._load(request, body, [workers[worker_id]])
+        else:
+            results = await self._run(action, body, [workers[worker_id]])
         return web.json_response({"worker_id": worker_id, **results[worker_id]})
 
     async def fanout(self, request: web.Request) -> web.Response:
@@ -133,18 +151,70 @@ class RlApi:
         matched = [w for w in await self._all(request) if _matches(w, selector)]
         if not matched:
             raise _rl_error(404, "no_workers_matched", f"selector {quote(selector)} matches no worker")
-        results = await self._run(action, body, matched)
+        extra: dict[str, Any] = {}
+        if action == "update_weights_from_disk":
+            results, extra = await self._load(request, body, matched)
+        else:
+            results = await self._run(action, body, matched)
         ok = {wid: r for wid, r in results.items() if r["status"] < 400}
         failed = [{"worker_id": wid, "url": r["url"], "status": r["status"], "error": "engine_error",
-                   "message": json.dumps(r["body"])[:300]} for wid, r in results.items() if r["status"] >= 400]
-        return web.json_response({"results": ok, "failed": failed, "total": len(results), "succeeded": len(ok)},
-                                 status=207 if failed else 200)
+                   "message": r["body"].get("message", json.dumps(r["body"]))[:300]}
+                  for wid, r in results.items() if r["status"] >= 400]
+        return web.json_response({"results": ok, "failed": failed, "total": len(results), "succeeded": len(ok),
+                                  **extra}, status=207 if failed else 200)
+
+    async def _load(self, request: web.Request, body: dict[str, Any],
+                    workers: list[dict[str, Any]]) -> tuple[dict[str, dict], dict[str, Any]]:
+        """``update_weights_from_disk`` on ``workers`` as one LoadWeights; per worker ``{url, status,
+        latency_ms, body}``, and what the flip did (``weight_version``, ``committed``, ``rolled_back``)."""
+        from rollmesh.controller.v1 import controller_pb2_grpc  # noqa: PLC0415
+
+        load = _load_request(body)
+        if self.controller is None:
+            raise _rl_error(503, "no_controller", "weight updates go through rollmesh's controller, and this "
+                                                  "balancer has none (controller_address)")
+        load.replica_ids.extend(w["id"] for w in workers)
+        auth = request.headers.get("Authorization")
+        metadata = (("authorization", auth),) if auth else ()
+        balancer = self.front.balancer
+        routes = balancer.table.routes
+        held = [w["id"] for w in workers if w["id"] in routes and not routes[w["id"]].paused]
+        started = time.perf_counter()
+        await balancer.control.pause(held, abort=False)   # nothing new starts on a worker while it flips
+        try:
+            reply = await controller_pb2_grpc.ControllerServiceStub(self.controller).LoadWeights(
+                load, metadata=metadata, timeout=LOAD_TIMEOUT_S)
+        except grpc.aio.AioRpcError as err:
+            code = err.code().name
+            status = {"INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "NOT_FOUND": 404,
+                      "UNAUTHENTICATED": 401, "PERMISSION_DENIED": 403}.get(code, 502)
+            raise _rl_error(status, code.lower(), f"update_weights_from_disk: {(err.details() or '')[:400]}") from None
+        finally:
+            balancer.control.resume(held)
+        result = reply.result
+        latency = int((time.perf_counter() - started) * 1000)
+        version = str(result.weight_version)
+        outcome = {"weight_version": version, "committed": reply.committed, "rolled_back": reply.rolled_back}
+        by_id = {r.replica_id: r for r in result.replica_results}
+        out = {}
+        for w in workers:
+            r = by_id.get(w["id"])
+            if r is not None and r.ok:
+                answer = {"success": True, "message": f"serving weight version {version} from {load.checkpoint_path}",
+                          **outcome}
+            else:
+                why = r.error_message if r is not None else "not part of the update"
+                answer = {"success": False, "message": why, **outcome}
+            out[w["id"]] = {"url": w["url"], "status": 200 if answer["success"] else 500, "latency_ms": latency,
+                            "body": answer}
+        return out, {**outcome, "weight_version": version}
 
     async def _run(self, action: str, body: dict[str, Any], workers: list[dict[str, Any]]) -> dict[str, dict]:
         """Do ``action`` on ``workers``; per worker ``{url, status, latency_ms, body}``."""
         started = time.perf_counter()
         balancer = self.front.balancer
         ids = [w["id"] for w in workers]
+        statuses: dict[str, int] = {}
         if action == "pause_generation":
             mode = body.get("mode", "abort")
             if mode not in PAUSE_MODES:
@@ -156,23 +226,64 @@ class RlApi:
         elif action == "continue_generation":
             balancer.control.resume(ids)
             bodies = {i: {"success": True, "message": "continued"} for i in ids}
+        elif action == "flush_cache":
+            refused = await balancer.control.flush_cache(ids)
+            statuses = {i: 400 if refused.get(i) else 200 for i in ids}
+            bodies = {i: {"success": False, "message": refused[i]} if refused.get(i)
+                      else {"success": True, "message": "Cache flushed."} for i in ids}
         else:   # get_weight_version
             bodies = {w["id"]: {"weight_version": w["weight_version"]} for w in workers}
         latency = int((time.perf_counter() - started) * 1000)
-        return {w["id"]: {"url": w["url"], "status": 200, "latency_ms": latency, "body": bodies[w["id"]]}
-                for w in workers}
+        return {w["id"]: {"url": w["url"], "status": statuses.get(w["id"], 200), "latency_ms": latency,
+                          "body": bodies[w["id"]]} for w in workers}
+
+
+ACTIONS = ("pause_generation", "continue_generation", "get_weight_version", "flush_cache",
+           "update_weights_from_disk")
 
 
 def _action(path: str) -> str:
     path = path.strip("/")
-    if path in ("pause_generation", "continue_generation", "get_weight_version"):
+    if path in ACTIONS:
         return path
-    if path in WEIGHT_PATHS:
+    if path in REFUSED_WEIGHT_PATHS:
         raise _rl_error(501, "not_supported",
-                        f"{path}: rollmesh moves weights with its own broadcast, committed fleet-wide by the "
-                        "controller (SyncWeights through the trainer agent); see docs/coming-from-sglang-router.md")
+                        f"{path}: rollmesh takes weights from disk (update_weights_from_disk) or from its trainer "
+                        "agent's broadcast through the controller (SyncWeights); see "
+                        "docs/coming-from-sglang-router.md")
     raise _rl_error(404, "unknown_engine_path", f"{quote(path)} is not an engine path rollmesh serves "
-                                                "(pause_generation, continue_generation, get_weight_version)")
+                                                f"({', '.join(ACTIONS)})")
+
+
+def _load_request(body: dict[str, Any]) -> Any:
+    """SGLang's update_weights_from_disk body as a LoadWeightsRequest (400 for what rollmesh cannot honour)."""
+    from rollmesh.controller.v1 import weight_sync_pb2  # noqa: PLC0415
+
+    unknown = sorted(set(body) - DISK_FIELDS)
+    if unknown:
+        raise _rl_error(400, "invalid_argument", f"update_weights_from_disk does not take {quote(unknown[0])} "
+                                                 f"(it takes {', '.join(sorted(DISK_FIELDS))})")
+    path = body.get("model_path")
+    if not isinstance(path, str) or not path.strip():
+        raise _rl_error(400, "invalid_argument", "model_path must name the checkpoint's directory, readable at "
+                                                 "that path on every worker's node")
+    if body.get("load_format") not in (None, "auto", "safetensors"):
+        raise _rl_error(400, "invalid_argument", f"load_format {quote(body['load_format'])}: rollmesh loads "
+                                                 "safetensors checkpoints only")
+    load = weight_sync_pb2.LoadWeightsRequest(checkpoint_path=path)
+    version = body.get("weight_version")
+    if version is not None:
+        text = str(version).strip()
+        if isinstance(version, bool) or not text.isdigit() or len(text) > 18:
+            raise _rl_error(400, "invalid_argument", f"weight_version {quote(version)}: rollmesh's versions are "
+                                                     "integers >= 0")
+        load.weight_version = int(text)
+    on_failure = body.get("on_failure", "exclude")
+    if on_failure not in ("exclude", "rollback"):
+        raise _rl_error(400, "invalid_argument", f"on_failure must be exclude or rollback, got {quote(on_failure)}")
+    load.on_failure = (weight_sync_pb2.WEIGHT_UPDATE_ON_FAILURE_ROLLBACK if on_failure == "rollback"
+                       else weight_sync_pb2.WEIGHT_UPDATE_ON_FAILURE_EXCLUDE)
+    return load
 
 
 def _matches(worker: dict[str, Any], selector: str) -> bool:

@@ -79,6 +79,15 @@ class Upstreams:
             return []
         return list(reply.aborted_request_ids)
 
+    async def flush_cache(self, route: Route) -> str:
+        """Ask the route's agent to flush the replica's prefix cache; "" when it did, else why not."""
+        try:
+            await self.stub(route.address).FlushCache(
+                replica_agent_pb2.FlushCacheRequest(replica_ids=[route.replica_id]), timeout=self._call_timeout_s)
+        except grpc.aio.AioRpcError as err:
+            return f"{err.code().name}: {(err.details() or '')[:300]}"
+        return ""
+
     async def close_session(self, route: Route, session_id: str) -> bool:
         """Tell the route's agent that a session ended; whether its engine released anything (a failure is
         logged and counts as nothing released: the engine's own idle expiry still frees it)."""

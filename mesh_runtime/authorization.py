@@ -78,7 +78,7 @@ RULES: dict[str, dict[str, Rule]] = {
         "DeregisterBalancer": _r("lb", "operator", scope="a balancer only the one named in its certificate"),
         "ListBalancers": READ,
         "BeginTrainingStep": TRAINER, "ReleaseHybridReplicas": TRAINER, "CompleteTrainingStep": TRAINER,
-        "SyncWeights": TRAINER,
+        "SyncWeights": TRAINER, "LoadWeights": _r("trainer-agent", "operator", token=True),
         "ScaleOut": OPERATOR, "ScaleIn": OPERATOR, "CancelOperations": OPERATOR,
         "SetAutoscalerEnabled": OPERATOR,
     },
@@ -100,7 +100,7 @@ RULES: dict[str, dict[str, Rule]] = {
         "AbortRequests": _r("controller", "lb"), "CloseSession": _r("lb"),
         "LaunchReplica": FROM_CONTROLLER, "StopReplica": FROM_CONTROLLER, "PauseGeneration": FROM_CONTROLLER,
         "ResumeGeneration": FROM_CONTROLLER, "Sleep": FROM_CONTROLLER, "WakeUp": FROM_CONTROLLER,
-        "ReceiveWeights": FROM_CONTROLLER,
+        "ReceiveWeights": FROM_CONTROLLER, "LoadCheckpoint": FROM_CONTROLLER, "FlushCache": _r("controller", "lb"),
     },
     TRAINER_SERVICE: {
         "GetStatus": READ, "GetTrainingProgress": READ, "StopTraining": _r("operator"),

@@ -35,6 +35,7 @@ from .processes import ReplicaProcess, ReplicaProcesses
 from .replicas import Replica, ReplicaManager
 
 if TYPE_CHECKING:
+    from .checkpoint_load import CheckpointLoads
     from .controller_link import ControllerLink
     from .syncing import PreparedSource, ReceiveResult, SendResult
     from .weights import WeightGroups
@@ -78,6 +79,7 @@ class Node:
             self.server_metrics.before_scrape(lambda: children.gather(processes.metrics_addresses()))
             self.server_metrics.on_scrape(children.families)
         self._groups: WeightGroups | None = None
+        self._checkpoint_loads: CheckpointLoads | None = None
 
     def _create_engine(self, replica_id: str, kind: str, memory_fraction: float, weight_version: int,
                        engine_url: str = "") -> Engine:
@@ -156,6 +158,16 @@ class Node:
             raise InvalidArgument("replica_ids must not be empty", reason=Reason.EMPTY_REPLICA_IDS)
         plan = weights.plan_from_proto(plan_msg, self.config.weight_transfer_timeout_s)
         return await syncing.receive(self.replicas, self._weight_groups(), replica_ids, plan, abort_in_flight)
+
+    async def load_checkpoint(self, replica_ids: list[str], step: str, *, path: str, version: int, update_id: str,
+                              keep_previous: bool) -> list[ReceiveResult]:
+        """One step of a checkpoint load on this node's replicas (:mod:`replica_agent.checkpoint_load`)."""
+        from .checkpoint_load import CheckpointLoads  # noqa: PLC0415 - torch only when weights move
+
+        if self._checkpoint_loads is None:
+            self._checkpoint_loads = CheckpointLoads(self.replicas)
+        return await self._checkpoint_loads.run(replica_ids, step, path=path, version=version, update_id=update_id,
+                                                keep_previous=keep_previous)
 
     async def send_weights(self, replica_id: str, plan_msg: weights_pb2.WeightSyncPlan) -> SendResult:
         from . import syncing, weights  # noqa: PLC0415

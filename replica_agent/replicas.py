@@ -324,6 +324,21 @@ class ReplicaManager(ReplicaIndex[Replica]):
             return False
         return await replica.engine.close_session(session_id)
 
+    async def flush_cache(self, replica_ids: Sequence[str]) -> builtins.list[str]:
+        """Flush the named replicas' prefix caches (every ACTIVE or PAUSED one when none is named); the ids
+        flushed. An engine that cannot flush now raises ``CacheInUse`` (those before it are flushed)."""
+        replicas = self.get_many(replica_ids) if replica_ids else self.list(states=("ACTIVE", "PAUSED"))
+        for replica in replicas:
+            if replica.state not in ("ACTIVE", "PAUSED"):
+                raise errors.FailedPrecondition(f"replica {replica.replica_id!r} is {replica.state}; only ACTIVE or "
+                                                "PAUSED replicas have a cache to flush",
+                                                reason=Reason.WRONG_REPLICA_STATE)
+        flushed = []
+        for replica in replicas:
+            await replica.engine.flush_cache()
+            flushed.append(replica.replica_id)
+        return flushed
+
     async def pause(self, replica_ids: Sequence[str], *, mode: PauseMode,
                     timeout_s: float | None) -> builtins.list[str]:
         """Pause replicas; returns the ids of requests aborted (``mode='abort'``)."""

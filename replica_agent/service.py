@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
     from .processes import ReplicaProcess
     from .replicas import Replica
+    from .syncing import ReceiveResult
 
 DESCRIPTOR = pb.DESCRIPTOR.services_by_name["ReplicaAgentService"]
 WEIGHTS_DESCRIPTOR = weights_pb.DESCRIPTOR.services_by_name["WeightSourceService"]
@@ -165,6 +166,10 @@ class ReplicaAgentServicer(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
         released = await self.replicas.close_session(request.replica_id, request.session_id)
         return pb.CloseSessionResponse(released=released)
 
+    async def FlushCache(self, request: pb.FlushCacheRequest,  # noqa: N802
+                         context: grpc.aio.ServicerContext) -> pb.FlushCacheResponse:
+        return pb.FlushCacheResponse(replica_ids=await self.replicas.flush_cache(list(request.replica_ids)))
+
     async def PauseGeneration(self, request: pb.PauseGenerationRequest,  # noqa: N802
                               context: grpc.aio.ServicerContext) -> pb.PauseGenerationResponse:
         if request.mode not in PAUSE_MODES:
@@ -224,13 +229,27 @@ class ReplicaAgentServicer(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
     async def ReceiveWeights(self, request: pb.ReceiveWeightsRequest,  # noqa: N802
                              context: grpc.aio.ServicerContext) -> pb.ReceiveWeightsResponse:
         results = await self.node.receive_weights(list(request.replica_ids), request.plan, request.abort_in_flight)
-        out = pb.ReceiveWeightsResponse()
-        for r in results:
-            item = out.results.add(replica_id=r.replica_id, weight_version=r.weight_version,
-                                   checksum_ok=r.checksum_ok, bytes_received=r.bytes_received,
-                                   error_message=r.error)
-            set_seconds(item.duration, r.duration_s)
-        return out
+        return pb.ReceiveWeightsResponse(results=_weights_results(results))
+
+
+    async def LoadCheckpoint(self, request: pb.LoadCheckpointRequest,  # noqa: N802
+                             context: grpc.aio.ServicerContext) -> pb.LoadCheckpointResponse:
+        step = pb.CheckpointStep.Name(request.step).removeprefix("CHECKPOINT_STEP_")
+        results = await self.node.load_checkpoint(
+            list(request.replica_ids), step, path=request.checkpoint_path, version=request.weight_version,
+            update_id=request.update_id, keep_previous=request.keep_previous)
+        return pb.LoadCheckpointResponse(results=_weights_results(results))
+
+
+def _weights_results(results: list[ReceiveResult]) -> list[pb.ReplicaWeightsResult]:
+    out = []
+    for r in results:
+        item = pb.ReplicaWeightsResult(replica_id=r.replica_id, weight_version=r.weight_version,
+                                       checksum_ok=r.checksum_ok, bytes_received=r.bytes_received,
+                                       error_message=r.error)
+        set_seconds(item.duration, r.duration_s)
+        out.append(item)
+    return out
 
 
 class ReplicaWeightSource(weight_source_pb2_grpc.WeightSourceServiceServicer):

@@ -10,9 +10,11 @@ A sleeping replica receives into freshly woken weight memory and stays asleep.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from mesh_runtime.errors import Aborted, FailedPrecondition
@@ -79,10 +81,11 @@ async def receive(manager: ReplicaManager, groups: WeightGroups, replica_ids: li
     return list(await asyncio.gather(*(_receive_one(groups, r, plan) for r in replicas)))
 
 
-async def _receive_one(groups: WeightGroups, replica: Replica, plan: SyncPlan) -> ReceiveResult:
-    from weight_transfer import VerificationFailed, receive_weights_async  # noqa: PLC0415
-
-    started = time.monotonic()
+@contextlib.asynccontextmanager
+async def swapping_weights(replica: Replica) -> AsyncIterator[bool]:
+    """Hold ``replica`` while its weights change (a broadcast received, a checkpoint loaded or reverted): its
+    lock, the SYNCING phase (new requests wait for the end when it was serving, see ``sync_wait_s``), its
+    in-flight requests aborted (they resume through the balancer). Yields whether its weights were asleep."""
     async with replica.lock:
         weights_asleep = replica.state == "SLEEPING"
         serving = replica.state == "ACTIVE"
@@ -93,26 +96,34 @@ async def _receive_one(groups: WeightGroups, replica: Replica, plan: SyncPlan) -
         try:
             if replica.in_flight:
                 await replica.engine.abort(None)
-            group = await asyncio.to_thread(groups.cache(replica.replica_id).get, plan.group_id, plan.members,
-                                            plan.rendezvous, plan.backend, plan.sync_key)
-            try:
-                tensors = await receive_weights_async(group, plan.manifest, timeout=plan.timeout_s, key=plan.sync_key)
-            except VerificationFailed as err:   # a bad checksum, or not from the sender the controller chose
-                log.warning("replica %s: %s; keeping weight version %d", replica.replica_id, err,
-                            replica.weight_version)
-                result = ReceiveResult(replica.replica_id, replica.weight_version, False, plan.manifest.total_bytes,
-                                       time.monotonic() - started, str(err))
-                groups.record(plan.sync_id, replica.replica_id, result)
-                return result
-            if weights_asleep:
-                await replica.engine.wake_up({"weights"})
-            await replica.engine.load_weights(tensors, plan.weight_version)
-            replica.weights_discarded = False
-            groups.forget(replica.replica_id)  # its preparation as a source described the old weights
+            yield weights_asleep
         finally:
             replica.phase, replica.busy = previous_phase, ""
             replica.serving_through_sync = False
             replica.synced.set()
+
+
+async def _receive_one(groups: WeightGroups, replica: Replica, plan: SyncPlan) -> ReceiveResult:
+    from weight_transfer import VerificationFailed, receive_weights_async  # noqa: PLC0415
+
+    started = time.monotonic()
+    async with swapping_weights(replica) as weights_asleep:
+        group = await asyncio.to_thread(groups.cache(replica.replica_id).get, plan.group_id, plan.members,
+                                        plan.rendezvous, plan.backend, plan.sync_key)
+        try:
+            tensors = await receive_weights_async(group, plan.manifest, timeout=plan.timeout_s, key=plan.sync_key)
+        except VerificationFailed as err:   # a bad checksum, or not from the sender the controller chose
+            log.warning("replica %s: %s; keeping weight version %d", replica.replica_id, err,
+                        replica.weight_version)
+            result = ReceiveResult(replica.replica_id, replica.weight_version, False, plan.manifest.total_bytes,
+                                   time.monotonic() - started, str(err))
+            groups.record(plan.sync_id, replica.replica_id, result)
+            return result
+        if weights_asleep:
+            await replica.engine.wake_up({"weights"})
+        await replica.engine.load_weights(tensors, plan.weight_version)
+        replica.weights_discarded = False
+        groups.forget(replica.replica_id)  # its preparation as a source described the old weights
     result = ReceiveResult(replica.replica_id, plan.weight_version, True, plan.manifest.total_bytes,
                            time.monotonic() - started)
     groups.record(plan.sync_id, replica.replica_id, result)

@@ -10,7 +10,8 @@ import dataclasses
 from typing import Any
 
 from .base import Engine, PauseMode
-from .errors import DuplicateRequest, EngineDead, EngineError, EngineUnavailable, InvalidRequest, WeightMismatch
+from .errors import (CacheInUse, DuplicateRequest, EngineDead, EngineError, EngineUnavailable, InvalidRequest,
+                     WeightMismatch)
 from .types import (
     EngineState,
     FinishReason,
@@ -28,7 +29,7 @@ from .types import (
 BACKENDS = ("torch", "synthetic", "vllm", "sglang")
 
 __all__ = [
-    "BACKENDS", "DuplicateRequest", "Engine", "EngineDead", "EngineError", "EngineState", "EngineUnavailable",
+    "BACKENDS", "CacheInUse", "DuplicateRequest", "Engine", "EngineDead", "EngineError", "EngineState", "EngineUnavailable",
     "FinishReason", "GenerationChunk", "GenerationRequest", "InvalidRequest", "LoadSnapshot", "PauseMode",
     "SamplingParams", "TokenSegment", "Usage", "WeightMismatch", "WeightSpec", "create_engine",
     "validate_request", "validate_sampling",

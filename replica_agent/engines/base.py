@@ -99,6 +99,12 @@ class Engine(abc.ABC):
         :meth:`load_weights`. Raises ``InvalidRequest`` for unknown tags."""
 
     @abc.abstractmethod
+    async def flush_cache(self) -> None:
+        """Drop every cached prefix (the KV kept from earlier requests for reuse), as SGLang's ``/flush_cache``
+        does. Raises ``CacheInUse`` where the engine cannot while running requests hold cache blocks (SGLang,
+        vLLM: nothing changes), ``EngineDead``."""
+
+    @abc.abstractmethod
     def named_weights(self) -> Iterator[tuple[str, Any]]:
         """Yield ``(hf_name, tensor)`` for every weight, tied ones once.
         Raises ``EngineUnavailable`` while the weights are not resident."""

@@ -148,6 +148,10 @@ class SteppedEngine(LifecycleFlags, Engine):
         """Raise ``WeightMismatch`` unless ``named_tensors`` fit the model."""
 
     @abc.abstractmethod
+    async def _flush_cache(self) -> None:
+        """Drop the cached prefixes (between steps)."""
+
+    @abc.abstractmethod
     async def _swap_weights(self, named_tensors: Mapping[str, Any]) -> None:
         """Install already-checked tensors (called between steps)."""
 
@@ -437,6 +441,11 @@ class SteppedEngine(LifecycleFlags, Engine):
             if "kv_cache" in tags:
                 self._kv_resident = True
         self._work.set()
+
+    async def flush_cache(self) -> None:
+        self._check_alive()
+        async with self._step_lock:
+            await self._flush_cache()
 
     # ---------------------------------------------------------------- weights
     async def load_weights(self, named_tensors: Mapping[str, Any], version: int) -> None:

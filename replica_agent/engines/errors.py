@@ -48,6 +48,13 @@ class DuplicateRequest(EngineError):
     default_reason = Reason.DUPLICATE_REQUEST
 
 
+class CacheInUse(EngineError):
+    """The cache cannot be flushed while requests hold blocks of it (SGLang's and vLLM's rule)."""
+
+    code = "FAILED_PRECONDITION"
+    default_reason = Reason.CACHE_IN_USE
+
+
 class WeightMismatch(EngineError):
     """Offered weights do not match the model (unknown name, wrong shape or
     dtype, or an incomplete set where a complete one is required). Nothing was

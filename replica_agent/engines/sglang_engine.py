@@ -42,7 +42,7 @@ from mesh_runtime.reasons import Reason
 
 from .base import WAKE_TAGS, Engine, LifecycleFlags, PauseMode
 from .delta_stream import RequestStream
-from .errors import DuplicateRequest, EngineDead, EngineError, EngineUnavailable, InvalidRequest
+from .errors import CacheInUse, DuplicateRequest, EngineDead, EngineError, EngineUnavailable, InvalidRequest
 from .metrics import EngineMetrics
 from .remote_streams import RemoteStreams
 from .randomness import mix_seed
@@ -167,6 +167,13 @@ class SglangEngine(RemoteStreams, LifecycleFlags, Engine):
         if self._dead is None and self._process is not None and self._process.poll() is not None:
             self._mark_dead(RuntimeError(f"the sglang server exited with code {self._process.returncode}"))
         super()._check_alive()
+
+    async def flush_cache(self) -> None:
+        self._check_alive()
+        try:
+            await self._post("/flush_cache")
+        except InvalidRequest as exc:   # SGLang answers 400 while requests are pending
+            raise CacheInUse(str(exc)) from exc
 
     async def _post(self, path: str, body: dict[str, Any] | None = None, **kw: Any) -> Any:
         try:

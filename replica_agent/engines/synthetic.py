@@ -388,6 +388,10 @@ class SyntheticEngine(SteppedEngine):
         if problems:
             raise WeightMismatch("weights do not match the synthetic model: " + "; ".join(problems[:5]))
 
+    async def _flush_cache(self) -> None:
+        if self.model is not None:
+            self.model.clear()   # idle blocks go; those running requests hold go when they end
+
     async def _swap_weights(self, named_tensors: Mapping[str, Any]) -> None:
         if self.model is not None:
             self.model.clear()

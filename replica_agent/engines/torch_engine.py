@@ -242,6 +242,9 @@ class TorchEngine(SteppedEngine):
         await self._in_worker(self._clear_prefixes)
         return await self._in_worker(self._loaded(self._weights).release, level, self._weights_resident)
 
+    async def _flush_cache(self) -> None:
+        await self._in_worker(self._clear_prefixes)   # running requests own their rows' KV, not the cache's
+
     def _clear_prefixes(self) -> None:
         if self._runner is not None and self._runner.prefix is not None:
             self._runner.prefix.clear()

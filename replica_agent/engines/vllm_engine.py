@@ -52,6 +52,7 @@ from mesh_runtime.reasons import Reason
 from .base import WAKE_TAGS, Engine, LifecycleFlags, PauseMode
 from .checkpoint_spec import checkpoint_files
 from .errors import (
+    CacheInUse,
     DuplicateRequest,
     EngineDead,
     EngineError,
@@ -453,6 +454,12 @@ class VllmEngine(RemoteStreams, LifecycleFlags, Engine):
             self.catalog.record(named_tensors)
             if freeze:
                 await self._call("resume_generation", self._client.resume_generation())
+
+    async def flush_cache(self) -> None:
+        self._check_alive()
+        if await self._call("reset_prefix_cache", self._client.reset_prefix_cache()) is False:
+            raise CacheInUse("vllm keeps its prefix cache while running requests hold blocks of it; flush when "
+                             "they have ended")
 
     async def _reset_prefix_cache(self) -> None:
         """Drop every prefix block computed with the old weights, or fail the load.

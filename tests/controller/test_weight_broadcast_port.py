@@ -38,12 +38,12 @@ async def test_a_failed_sync_takes_the_replica_out_of_routing_until_a_later_one_
     routing = FakeTables()
     port = WeightBroadcast(Channels(None), registry, Routing(registry, routing), trainer_address="", timeout_s=1.0)
 
-    await port._push_versions([ReplicaSyncOutcome("s0", True), ReplicaSyncOutcome("s1", False, "timeout")], 3)
+    await port.push_versions([ReplicaSyncOutcome("s0", True), ReplicaSyncOutcome("s1", False, "timeout")], 3)
     assert routing.calls == [("remove", ["s1"]), ("versions", {"s0": 3})]
     assert port.routing.stale == {"s1"}
 
     routing.calls.clear()
-    await port._push_versions([ReplicaSyncOutcome("s0", True), ReplicaSyncOutcome("s1", True)], 4)
+    await port.push_versions([ReplicaSyncOutcome("s0", True), ReplicaSyncOutcome("s1", True)], 4)
     assert routing.calls == [("versions", {"s0": 4, "s1": 4}), ("add", ["s1"])]
     assert port.routing.stale == set()
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from replica_agent.engines import (
+    CacheInUse,
     EngineDead,
     EngineState,
     EngineUnavailable,
@@ -239,6 +240,18 @@ async def test_pause_refuses_new_requests_until_resume(make):
     await asyncio.sleep(0.1)
     await engine.pause("abort")
     assert (await asyncio.wait_for(aborted, 5))[-1].finish_reason is FinishReason.ABORTED
+
+
+async def test_flush_cache_is_sglangs_and_refused_while_requests_hold_the_cache(make):
+    engine, server = await make("--fake-token-delay", "0.05")
+    await engine.flush_cache()
+    assert server.state()["calls"].count("/flush_cache") == 1
+    running = asyncio.ensure_future(drain(engine.generate(req("h", max_tokens=30))))
+    await wait_until(lambda: server.state()["running"], 10, what="a running request")
+    with pytest.raises(CacheInUse, match="pending requests"):
+        await engine.flush_cache()
+    assert (await asyncio.wait_for(running, 10))[-1].finish_reason is FinishReason.LENGTH
+    await engine.flush_cache()
 
 
 # ---------------------------------------------------------------- memory

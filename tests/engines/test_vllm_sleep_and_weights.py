@@ -14,6 +14,7 @@ from fake_vllm import (
 )
 
 from replica_agent.engines import (
+    CacheInUse,
     EngineState,
     EngineUnavailable,
     FinishReason,
@@ -44,6 +45,18 @@ async def test_pause_wait_drains_then_refuses_until_resume(make_vllm):
         await anext(engine.generate(req("next")))
     await engine.resume()
     assert fake.names()[-1] == "resume_generation" and engine.state is EngineState.ACTIVE
+
+
+async def test_flush_cache_resets_the_prefix_cache_unless_requests_hold_it(make_vllm):
+    engine, fake = await make_vllm(FakeAsyncLLM(auto=False))
+    await engine.flush_cache()
+    assert fake.calls[-1] == ("reset_prefix_cache", {})
+    task = await in_flight(engine, fake, req(max_tokens=5), 2)
+    with pytest.raises(CacheInUse):
+        await engine.flush_cache()                      # never preempts a running request for a flush
+    assert fake.calls[-1] == ("reset_prefix_cache", {})
+    fake.emit("r", 3)
+    assert (await task)[-1].finish_reason is FinishReason.LENGTH
 
 
 async def test_pause_abort_aborts_in_flight_first(make_vllm):

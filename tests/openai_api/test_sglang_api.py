@@ -330,8 +330,8 @@ async def test_a_version_policy_per_request_and_the_versions_stamped_on_the_answ
 async def test_smgs_own_rl_client_lists_workers_and_pauses_the_fleet(mesh):
     """SMG 1.13's RL client (smg.rl, unchanged) against the balancer: workers in SMG's shape; a paused section
     (pause_generation abort ... continue_generation) holds new requests and aborts the running one, which
-    resumes with its tokens so far and completes; single calls; weight updates refused, as is a selector that
-    matches nothing."""
+    resumes with its tokens so far and completes; single calls; weight updates by tensor refused, by disk
+    refused without a controller, as is a selector that matches nothing."""
     from smg.rl import RL, RlError, paused
 
     rl = RL(mesh.base, timeout=30)
@@ -369,6 +369,10 @@ async def test_smgs_own_rl_client_lists_workers_and_pauses_the_fleet(mesh):
     with pytest.raises(RlError) as err:
         await asyncio.to_thread(rl.fanout, "update_weights_from_disk", {"model_path": "/x", "weight_version": "1"},
                                 selector="engine=rollmesh")
+    assert err.value.status == 503 and err.value.code == "no_controller"   # this balancer has no controller
+    with pytest.raises(RlError) as err:
+        await asyncio.to_thread(rl.fanout, "update_weights_from_tensor", {"serialized_named_tensors": ["x"]},
+                                selector="engine=rollmesh")
     assert err.value.status == 501 and err.value.code == "not_supported"
     with pytest.raises(RlError) as err:
         await asyncio.to_thread(rl.fanout, "pause_generation", {}, selector="engine=sglang")
@@ -380,6 +384,37 @@ async def test_smgs_own_rl_client_lists_workers_and_pauses_the_fleet(mesh):
         await asyncio.to_thread(rl.fanout, "pause_generation", {"mode": "nap"}, selector="all")
     assert err.value.status == 400
     assert {w.health for w in await asyncio.to_thread(rl.workers)} == {"healthy"}   # nothing changed
+
+async def test_flush_cache_drops_the_replicas_cached_prefixes(mesh):
+    """/flush_cache (the fleet), /workers/{id}/flush_cache (one worker) and SMG's engine path: the next request
+    with a prompt the cache held computes it again."""
+    from smg.rl import RL
+
+    prompt = [(i * 7 + 3) % 200 for i in range(48)]
+    headers = {"X-SMG-Routing-Key": "flush"}   # one replica for every request of this test
+
+    async def cached() -> int:
+        status, out = await _post(mesh.base, "/generate", {"input_ids": prompt, "sampling_params": _greedy(2)},
+                                  headers)
+        assert status == 200
+        return out["meta_info"]["cached_tokens"]
+    await cached()
+    assert await cached() > 0
+    status, out = await _post(mesh.base, "/flush_cache", {})
+    assert status == 200 and out == {"message": "Cache flushed.", "flushed": ["a-s0", "b-s0"]}
+    assert await cached() == 0
+    assert await cached() > 0
+    status, out = await _post(mesh.base, "/workers/a-s0/flush_cache", {})
+    assert status == 200 and out["flushed"] == ["a-s0"]
+    status, out = await _post(mesh.base, "/workers/b-s0/flush_cache", {})
+    assert status == 200 and out["flushed"] == ["b-s0"]
+    assert await cached() == 0
+    result = await asyncio.to_thread(RL(mesh.base, timeout=30).fanout, "flush_cache", {}, selector="all")
+    assert result.succeeded == result.total == 2
+    assert await cached() == 0
+    status, out = await _post(mesh.base, "/workers/zz/flush_cache", {})
+    assert status == 404
+
 
 async def test_a_replica_sigkilled_mid_rollout_costs_slime_no_request(mesh):
     """Requests shaped as slime's generate sends them (token ids, its sampling parameters, logprobs, one routing

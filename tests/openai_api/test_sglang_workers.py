@@ -98,6 +98,8 @@ async def test_slime_registers_generates_aborts_and_removes_engines_through_the_
 
         tasks = [asyncio.create_task(long(i)) for i in range(4)]
         await until(lambda: all(streamed), 60, what="four generations streaming tokens")
+        status, refused = await _call("POST", f"{router}/flush_cache")   # SGLang keeps a cache requests hold
+        assert status == 400 and refused["error"]["code"] == "cache_in_use", refused
         for worker in listed["workers"]:
             status, _ = await _call("POST", f"{worker['url']}/abort_request", {"abort_all": True})
             assert status == 200
@@ -107,6 +109,12 @@ async def test_slime_registers_generates_aborts_and_removes_engines_through_the_
             return all(entry["loads"][0]["num_running_reqs"] == 0 for entry in loads)
         await until(idle, 30, what="the workers to report idle")
         partial = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+
+        async def flushed() -> dict | None:   # once the servers have let go of the aborted requests' KV
+            status, answer = await _call("POST", f"{router}/flush_cache")
+            return answer if status == 200 else None
+        answer = await until(flushed, 20, every_s=0.2, what="a flush of every engine's cache")
+        assert sorted(answer["flushed"]) == sorted(w["id"] for w in listed["workers"])
         assert all(p["meta_info"]["finish_reason"]["type"] == "abort" for p in partial), partial
         assert all(0 < len(p["output_ids"]) < 120 for p in partial), [len(p["output_ids"]) for p in partial]
         await until(lambda: all(s.state()["running"] == [] for s in servers), 10,

@@ -489,6 +489,10 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     do not compute the same model (a dependency version, a model or tokenizer
     mismatch), and training on the samples would learn nothing.
     """
+    CACHE_IN_USE: _ErrorReason.ValueType  # 178
+    """The engine's cache holds blocks of running requests and cannot be flushed
+    now (SGLang's /flush_cache with requests pending).
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """ErrorReason lists every reason a rollmesh server raises, grouped by where
@@ -955,5 +959,9 @@ under the trainer's own current weights differ from the trainer's
 recomputation by more than actor.logprob_mismatch_bound: the two sides
 do not compute the same model (a dependency version, a model or tokenizer
 mismatch), and training on the samples would learn nothing.
+"""
+CACHE_IN_USE: ErrorReason.ValueType  # 178
+"""The engine's cache holds blocks of running requests and cannot be flushed
+now (SGLang's /flush_cache with requests pending).
 """
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015

@@ -139,6 +139,11 @@ class ControllerServiceStub:
                 request_serializer=rollmesh_dot_controller_dot_v1_dot_weight__sync__pb2.SyncWeightsRequest.SerializeToString,
                 response_deserializer=rollmesh_dot_controller_dot_v1_dot_weight__sync__pb2.SyncWeightsResponse.FromString,
                 _registered_method=True)
+        self.LoadWeights = channel.unary_unary(
+                '/rollmesh.controller.v1.ControllerService/LoadWeights',
+                request_serializer=rollmesh_dot_controller_dot_v1_dot_weight__sync__pb2.LoadWeightsRequest.SerializeToString,
+                response_deserializer=rollmesh_dot_controller_dot_v1_dot_weight__sync__pb2.LoadWeightsResponse.FromString,
+                _registered_method=True)
         self.WatchEvents = channel.unary_stream(
                 '/rollmesh.controller.v1.ControllerService/WatchEvents',
                 request_serializer=rollmesh_dot_controller_dot_v1_dot_observability__pb2.WatchEventsRequest.SerializeToString,
@@ -483,6 +488,34 @@ class ControllerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadWeights(self, request, context):
+        """Loads a Hugging Face safetensors checkpoint from disk into replicas as
+        one fleet-wide version flip (SGLang's update_weights_from_disk). Every
+        replica's node first checks the checkpoint against the replica's
+        weights; then each replica loads it (its in-flight requests are aborted
+        and resume through the balancer) and the balancers learn the new
+        versions together. on_failure says what a replica that cannot take the
+        checkpoint does to the rest: EXCLUDE (the default) takes it out of
+        routing until it holds the fleet's version and commits the version on
+        the others; ROLLBACK puts every replica back on the weights and version
+        it served before (the replaced weights are kept on each replica's host
+        until the flip commits). Never a silently mixed fleet. Capability:
+        weight_sync.
+
+        Errors:
+        - INVALID_ARGUMENT: no checkpoint_path, a negative weight_version, a
+        timeout that is not positive, a replica listed twice.
+        - NOT_FOUND: a listed replica is not in the registry.
+        - FAILED_PRECONDITION: a listed replica cannot receive (not ACTIVE,
+        PAUSED or SLEEPING), or no replica would.
+        - UNAUTHENTICATED, PERMISSION_DENIED: auth.
+
+        Authorization: trainer-agent, operator (or the operator bearer token).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def WatchEvents(self, request, context):
         """Streams lifecycle events: the requested backlog first, then new events
         as they happen, in sequence order. An event is sent once the state store
@@ -732,6 +765,11 @@ def add_ControllerServiceServicer_to_server(servicer, server):
                     servicer.SyncWeights,
                     request_deserializer=rollmesh_dot_controller_dot_v1_dot_weight__sync__pb2.SyncWeightsRequest.FromString,
                     response_serializer=rollmesh_dot_controller_dot_v1_dot_weight__sync__pb2.SyncWeightsResponse.SerializeToString,
+            ),
+            'LoadWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadWeights,
+                    request_deserializer=rollmesh_dot_controller_dot_v1_dot_weight__sync__pb2.LoadWeightsRequest.FromString,
+                    response_serializer=rollmesh_dot_controller_dot_v1_dot_weight__sync__pb2.LoadWeightsResponse.SerializeToString,
             ),
             'WatchEvents': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchEvents,
@@ -1229,6 +1267,33 @@ class ControllerService:
             '/rollmesh.controller.v1.ControllerService/SyncWeights',
             rollmesh_dot_controller_dot_v1_dot_weight__sync__pb2.SyncWeightsRequest.SerializeToString,
             rollmesh_dot_controller_dot_v1_dot_weight__sync__pb2.SyncWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollmesh.controller.v1.ControllerService/LoadWeights',
+            rollmesh_dot_controller_dot_v1_dot_weight__sync__pb2.LoadWeightsRequest.SerializeToString,
+            rollmesh_dot_controller_dot_v1_dot_weight__sync__pb2.LoadWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -276,6 +276,30 @@ class ControllerServiceStub:
 
     Authorization: trainer-agent.
     """
+    LoadWeights: _grpc.UnaryUnaryMultiCallable[_weight_sync_pb2.LoadWeightsRequest, _weight_sync_pb2.LoadWeightsResponse]
+    """Loads a Hugging Face safetensors checkpoint from disk into replicas as
+    one fleet-wide version flip (SGLang's update_weights_from_disk). Every
+    replica's node first checks the checkpoint against the replica's
+    weights; then each replica loads it (its in-flight requests are aborted
+    and resume through the balancer) and the balancers learn the new
+    versions together. on_failure says what a replica that cannot take the
+    checkpoint does to the rest: EXCLUDE (the default) takes it out of
+    routing until it holds the fleet's version and commits the version on
+    the others; ROLLBACK puts every replica back on the weights and version
+    it served before (the replaced weights are kept on each replica's host
+    until the flip commits). Never a silently mixed fleet. Capability:
+    weight_sync.
+
+    Errors:
+    - INVALID_ARGUMENT: no checkpoint_path, a negative weight_version, a
+      timeout that is not positive, a replica listed twice.
+    - NOT_FOUND: a listed replica is not in the registry.
+    - FAILED_PRECONDITION: a listed replica cannot receive (not ACTIVE,
+      PAUSED or SLEEPING), or no replica would.
+    - UNAUTHENTICATED, PERMISSION_DENIED: auth.
+
+    Authorization: trainer-agent, operator (or the operator bearer token).
+    """
     WatchEvents: _grpc.UnaryStreamMultiCallable[_observability_pb2.WatchEventsRequest, _observability_pb2.WatchEventsResponse]
     """Streams lifecycle events: the requested backlog first, then new events
     as they happen, in sequence order. An event is sent once the state store
@@ -642,6 +666,30 @@ class ControllerServiceAsyncStub(ControllerServiceStub):
     - UNAUTHENTICATED, PERMISSION_DENIED: auth.
 
     Authorization: trainer-agent.
+    """
+    LoadWeights: _aio.UnaryUnaryMultiCallable[_weight_sync_pb2.LoadWeightsRequest, _weight_sync_pb2.LoadWeightsResponse]  # type: ignore[assignment]
+    """Loads a Hugging Face safetensors checkpoint from disk into replicas as
+    one fleet-wide version flip (SGLang's update_weights_from_disk). Every
+    replica's node first checks the checkpoint against the replica's
+    weights; then each replica loads it (its in-flight requests are aborted
+    and resume through the balancer) and the balancers learn the new
+    versions together. on_failure says what a replica that cannot take the
+    checkpoint does to the rest: EXCLUDE (the default) takes it out of
+    routing until it holds the fleet's version and commits the version on
+    the others; ROLLBACK puts every replica back on the weights and version
+    it served before (the replaced weights are kept on each replica's host
+    until the flip commits). Never a silently mixed fleet. Capability:
+    weight_sync.
+
+    Errors:
+    - INVALID_ARGUMENT: no checkpoint_path, a negative weight_version, a
+      timeout that is not positive, a replica listed twice.
+    - NOT_FOUND: a listed replica is not in the registry.
+    - FAILED_PRECONDITION: a listed replica cannot receive (not ACTIVE,
+      PAUSED or SLEEPING), or no replica would.
+    - UNAUTHENTICATED, PERMISSION_DENIED: auth.
+
+    Authorization: trainer-agent, operator (or the operator bearer token).
     """
     WatchEvents: _aio.UnaryStreamMultiCallable[_observability_pb2.WatchEventsRequest, _observability_pb2.WatchEventsResponse]  # type: ignore[assignment]
     """Streams lifecycle events: the requested backlog first, then new events
@@ -1102,6 +1150,36 @@ class ControllerServiceServicer(metaclass=_abc_1.ABCMeta):
         - UNAUTHENTICATED, PERMISSION_DENIED: auth.
 
         Authorization: trainer-agent.
+        """
+
+    @_abc_1.abstractmethod
+    def LoadWeights(
+        self,
+        request: _weight_sync_pb2.LoadWeightsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_weight_sync_pb2.LoadWeightsResponse, _abc.Awaitable[_weight_sync_pb2.LoadWeightsResponse]]:
+        """Loads a Hugging Face safetensors checkpoint from disk into replicas as
+        one fleet-wide version flip (SGLang's update_weights_from_disk). Every
+        replica's node first checks the checkpoint against the replica's
+        weights; then each replica loads it (its in-flight requests are aborted
+        and resume through the balancer) and the balancers learn the new
+        versions together. on_failure says what a replica that cannot take the
+        checkpoint does to the rest: EXCLUDE (the default) takes it out of
+        routing until it holds the fleet's version and commits the version on
+        the others; ROLLBACK puts every replica back on the weights and version
+        it served before (the replaced weights are kept on each replica's host
+        until the flip commits). Never a silently mixed fleet. Capability:
+        weight_sync.
+
+        Errors:
+        - INVALID_ARGUMENT: no checkpoint_path, a negative weight_version, a
+          timeout that is not positive, a replica listed twice.
+        - NOT_FOUND: a listed replica is not in the registry.
+        - FAILED_PRECONDITION: a listed replica cannot receive (not ACTIVE,
+          PAUSED or SLEEPING), or no replica would.
+        - UNAUTHENTICATED, PERMISSION_DENIED: auth.
+
+        Authorization: trainer-agent, operator (or the operator bearer token).
         """
 
     @_abc_1.abstractmethod

@@ -25,13 +25,15 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(rollmesh/controller/v1/weight_sync.proto\x12\x16rollmesh.controller.v1\x1a\x1egoogle/protobuf/duration.proto\"\xc5\x01\n\x11ReplicaSyncResult\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\x12\x0e\n\x02ok\x18\x02 \x01(\x08R\x02ok\x12#\n\rerror_message\x18\x03 \x01(\tR\x0c\x65rrorMessage\x12\x35\n\x08\x64uration\x18\x04 \x01(\x0b\x32\x19.google.protobuf.DurationR\x08\x64uration\x12%\n\x0e\x62ytes_received\x18\x05 \x01(\x04R\rbytesReceived\"\xe5\x02\n\x10WeightSyncResult\x12\x17\n\x07sync_id\x18\x01 \x01(\tR\x06syncId\x12%\n\x0eweight_version\x18\x02 \x01(\x03R\rweightVersion\x12R\n\x0freplica_results\x18\x03 \x03(\x0b\x32).rollmesh.controller.v1.ReplicaSyncResultR\x0ereplicaResults\x12\x1d\n\nbytes_sent\x18\x04 \x01(\x04R\tbytesSent\x12.\n\x13skipped_replica_ids\x18\x05 \x03(\tR\x11skippedReplicaIds\x12\x1f\n\x0b\x62ytes_saved\x18\x06 \x01(\x04R\nbytesSaved\x12\x35\n\x08\x64uration\x18\x07 \x01(\x0b\x32\x19.google.protobuf.DurationR\x08\x64uration\x12\x16\n\x06source\x18\x08 \x01(\tR\x06source\"\xc8\x01\n\x12SyncWeightsRequest\x12*\n\x0eweight_version\x18\x01 \x01(\x03H\x00R\rweightVersion\x88\x01\x01\x12\x1f\n\x0breplica_ids\x18\x02 \x03(\tR\nreplicaIds\x12\x33\n\x07timeout\x18\x03 \x01(\x0b\x32\x19.google.protobuf.DurationR\x07timeout\x12\x1d\n\nrequest_id\x18\x04 \x01(\tR\trequestIdB\x11\n\x0f_weight_version\"W\n\x13SyncWeightsResponse\x12@\n\x06result\x18\x01 \x01(\x0b\x32(.rollmesh.controller.v1.WeightSyncResultR\x06resultb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(rollmesh/controller/v1/weight_sync.proto\x12\x16rollmesh.controller.v1\x1a\x1egoogle/protobuf/duration.proto\"\xc5\x01\n\x11ReplicaSyncResult\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\x12\x0e\n\x02ok\x18\x02 \x01(\x08R\x02ok\x12#\n\rerror_message\x18\x03 \x01(\tR\x0c\x65rrorMessage\x12\x35\n\x08\x64uration\x18\x04 \x01(\x0b\x32\x19.google.protobuf.DurationR\x08\x64uration\x12%\n\x0e\x62ytes_received\x18\x05 \x01(\x04R\rbytesReceived\"\xe5\x02\n\x10WeightSyncResult\x12\x17\n\x07sync_id\x18\x01 \x01(\tR\x06syncId\x12%\n\x0eweight_version\x18\x02 \x01(\x03R\rweightVersion\x12R\n\x0freplica_results\x18\x03 \x03(\x0b\x32).rollmesh.controller.v1.ReplicaSyncResultR\x0ereplicaResults\x12\x1d\n\nbytes_sent\x18\x04 \x01(\x04R\tbytesSent\x12.\n\x13skipped_replica_ids\x18\x05 \x03(\tR\x11skippedReplicaIds\x12\x1f\n\x0b\x62ytes_saved\x18\x06 \x01(\x04R\nbytesSaved\x12\x35\n\x08\x64uration\x18\x07 \x01(\x0b\x32\x19.google.protobuf.DurationR\x08\x64uration\x12\x16\n\x06source\x18\x08 \x01(\tR\x06source\"\xc8\x01\n\x12SyncWeightsRequest\x12*\n\x0eweight_version\x18\x01 \x01(\x03H\x00R\rweightVersion\x88\x01\x01\x12\x1f\n\x0breplica_ids\x18\x02 \x03(\tR\nreplicaIds\x12\x33\n\x07timeout\x18\x03 \x01(\x0b\x32\x19.google.protobuf.DurationR\x07timeout\x12\x1d\n\nrequest_id\x18\x04 \x01(\tR\trequestIdB\x11\n\x0f_weight_version\"W\n\x13SyncWeightsResponse\x12@\n\x06result\x18\x01 \x01(\x0b\x32(.rollmesh.controller.v1.WeightSyncResultR\x06result\"\xa0\x02\n\x12LoadWeightsRequest\x12\'\n\x0f\x63heckpoint_path\x18\x01 \x01(\tR\x0e\x63heckpointPath\x12*\n\x0eweight_version\x18\x02 \x01(\x03H\x00R\rweightVersion\x88\x01\x01\x12\x1f\n\x0breplica_ids\x18\x03 \x03(\tR\nreplicaIds\x12\x33\n\x07timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.DurationR\x07timeout\x12L\n\non_failure\x18\x05 \x01(\x0e\x32-.rollmesh.controller.v1.WeightUpdateOnFailureR\tonFailureB\x11\n\x0f_weight_version\"\x96\x01\n\x13LoadWeightsResponse\x12@\n\x06result\x18\x01 \x01(\x0b\x32(.rollmesh.controller.v1.WeightSyncResultR\x06result\x12\x1c\n\tcommitted\x18\x02 \x01(\x08R\tcommitted\x12\x1f\n\x0brolled_back\x18\x03 \x01(\x08R\nrolledBack*\x8e\x01\n\x15WeightUpdateOnFailure\x12(\n$WEIGHT_UPDATE_ON_FAILURE_UNSPECIFIED\x10\x00\x12$\n WEIGHT_UPDATE_ON_FAILURE_EXCLUDE\x10\x01\x12%\n!WEIGHT_UPDATE_ON_FAILURE_ROLLBACK\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rollmesh.controller.v1.weight_sync_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_WEIGHTUPDATEONFAILURE']._serialized_start=1397
+  _globals['_WEIGHTUPDATEONFAILURE']._serialized_end=1539
   _globals['_REPLICASYNCRESULT']._serialized_start=101
   _globals['_REPLICASYNCRESULT']._serialized_end=298
   _globals['_WEIGHTSYNCRESULT']._serialized_start=301
@@ -40,4 +42,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SYNCWEIGHTSREQUEST']._serialized_end=861
   _globals['_SYNCWEIGHTSRESPONSE']._serialized_start=863
   _globals['_SYNCWEIGHTSRESPONSE']._serialized_end=950
+  _globals['_LOADWEIGHTSREQUEST']._serialized_start=953
+  _globals['_LOADWEIGHTSREQUEST']._serialized_end=1241
+  _globals['_LOADWEIGHTSRESPONSE']._serialized_start=1244
+  _globals['_LOADWEIGHTSRESPONSE']._serialized_end=1394
 # @@protoc_insertion_point(module_scope)

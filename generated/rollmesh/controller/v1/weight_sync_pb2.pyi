@@ -11,6 +11,7 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -21,6 +22,34 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _WeightUpdateOnFailure:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _WeightUpdateOnFailureEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_WeightUpdateOnFailure.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    WEIGHT_UPDATE_ON_FAILURE_UNSPECIFIED: _WeightUpdateOnFailure.ValueType  # 0
+    """Not set: EXCLUDE."""
+    WEIGHT_UPDATE_ON_FAILURE_EXCLUDE: _WeightUpdateOnFailure.ValueType  # 1
+    """The replicas that failed leave routing until they hold the fleet's
+    version; the version commits on the rest.
+    """
+    WEIGHT_UPDATE_ON_FAILURE_ROLLBACK: _WeightUpdateOnFailure.ValueType  # 2
+    """Every replica goes back to the weights and version it served before."""
+
+class WeightUpdateOnFailure(_WeightUpdateOnFailure, metaclass=_WeightUpdateOnFailureEnumTypeWrapper):
+    """What a fleet-wide weight update does when some replicas cannot take it."""
+
+WEIGHT_UPDATE_ON_FAILURE_UNSPECIFIED: WeightUpdateOnFailure.ValueType  # 0
+"""Not set: EXCLUDE."""
+WEIGHT_UPDATE_ON_FAILURE_EXCLUDE: WeightUpdateOnFailure.ValueType  # 1
+"""The replicas that failed leave routing until they hold the fleet's
+version; the version commits on the rest.
+"""
+WEIGHT_UPDATE_ON_FAILURE_ROLLBACK: WeightUpdateOnFailure.ValueType  # 2
+"""Every replica goes back to the weights and version it served before."""
+Global___WeightUpdateOnFailure: _TypeAlias = WeightUpdateOnFailure  # noqa: Y015
 
 @_typing.final
 class ReplicaSyncResult(_message.Message):
@@ -190,3 +219,89 @@ class SyncWeightsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SyncWeightsResponse: _TypeAlias = SyncWeightsResponse  # noqa: Y015
+
+@_typing.final
+class LoadWeightsRequest(_message.Message):
+    """Request of LoadWeights."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHECKPOINT_PATH_FIELD_NUMBER: _builtins.int
+    WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
+    REPLICA_IDS_FIELD_NUMBER: _builtins.int
+    TIMEOUT_FIELD_NUMBER: _builtins.int
+    ON_FAILURE_FIELD_NUMBER: _builtins.int
+    checkpoint_path: _builtins.str
+    """Directory of a Hugging Face safetensors checkpoint, readable at the same
+    path on every replica's node (a shared file system).
+    """
+    weight_version: _builtins.int
+    """Version the replicas serve once the flip commits. Unset: one above the
+    highest version any registered replica serves.
+    """
+    on_failure: Global___WeightUpdateOnFailure.ValueType
+    """What a failed replica does to the rest."""
+    @_builtins.property
+    def replica_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Replicas to update. Empty: every standalone replica and every active
+        hybrid replica.
+        """
+
+    @_builtins.property
+    def timeout(self) -> _duration_pb2.Duration:
+        """Limit for each step on each node. Unset: the controller's configured
+        weight-sync timeout.
+        """
+
+    def __init__(
+        self,
+        *,
+        checkpoint_path: _builtins.str = ...,
+        weight_version: _builtins.int | None = ...,
+        replica_ids: _abc.Iterable[_builtins.str] | None = ...,
+        timeout: _duration_pb2.Duration | None = ...,
+        on_failure: Global___WeightUpdateOnFailure.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_weight_version", b"_weight_version", "timeout", b"timeout", "weight_version", b"weight_version"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_weight_version", b"_weight_version", "checkpoint_path", b"checkpoint_path", "on_failure", b"on_failure", "replica_ids", b"replica_ids", "timeout", b"timeout", "weight_version", b"weight_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__weight_version: _TypeAlias = _typing.Literal["weight_version"]  # noqa: Y015
+    _WhichOneofArgType__weight_version: _TypeAlias = _typing.Literal["_weight_version", b"_weight_version"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__weight_version) -> _WhichOneofReturnType__weight_version | None: ...
+
+Global___LoadWeightsRequest: _TypeAlias = LoadWeightsRequest  # noqa: Y015
+
+@_typing.final
+class LoadWeightsResponse(_message.Message):
+    """Response of LoadWeights."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULT_FIELD_NUMBER: _builtins.int
+    COMMITTED_FIELD_NUMBER: _builtins.int
+    ROLLED_BACK_FIELD_NUMBER: _builtins.int
+    committed: _builtins.bool
+    """True when weight_version serves on every replica that stays routed."""
+    rolled_back: _builtins.bool
+    """True when a failure put every replica back on its previous weights."""
+    @_builtins.property
+    def result(self) -> Global___WeightSyncResult:
+        """One result per replica (source "checkpoint"; ok: the replica serves
+        weight_version now).
+        """
+
+    def __init__(
+        self,
+        *,
+        result: Global___WeightSyncResult | None = ...,
+        committed: _builtins.bool = ...,
+        rolled_back: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed", b"committed", "result", b"result", "rolled_back", b"rolled_back"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadWeightsResponse: _TypeAlias = LoadWeightsResponse  # noqa: Y015

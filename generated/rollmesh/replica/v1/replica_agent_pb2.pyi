@@ -12,6 +12,7 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.rpc import status_pb2 as _status_pb2_1
 from rollmesh.common.v1 import generation_pb2 as _generation_pb2
 from rollmesh.common.v1 import load_pb2 as _load_pb2
@@ -29,6 +30,38 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _CheckpointStep:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _CheckpointStepEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_CheckpointStep.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    CHECKPOINT_STEP_UNSPECIFIED: _CheckpointStep.ValueType  # 0
+    """Not set: refused."""
+    CHECKPOINT_STEP_CHECK: _CheckpointStep.ValueType  # 1
+    """Compare the checkpoint with each replica's weights; change nothing."""
+    CHECKPOINT_STEP_INSTALL: _CheckpointStep.ValueType  # 2
+    """Load the checkpoint into each replica as weight_version."""
+    CHECKPOINT_STEP_RELEASE: _CheckpointStep.ValueType  # 3
+    """Drop the weights an INSTALL with keep_previous kept."""
+    CHECKPOINT_STEP_REVERT: _CheckpointStep.ValueType  # 4
+    """Put back the weights (and version) an INSTALL with keep_previous kept."""
+
+class CheckpointStep(_CheckpointStep, metaclass=_CheckpointStepEnumTypeWrapper):
+    """What one LoadCheckpoint call does."""
+
+CHECKPOINT_STEP_UNSPECIFIED: CheckpointStep.ValueType  # 0
+"""Not set: refused."""
+CHECKPOINT_STEP_CHECK: CheckpointStep.ValueType  # 1
+"""Compare the checkpoint with each replica's weights; change nothing."""
+CHECKPOINT_STEP_INSTALL: CheckpointStep.ValueType  # 2
+"""Load the checkpoint into each replica as weight_version."""
+CHECKPOINT_STEP_RELEASE: CheckpointStep.ValueType  # 3
+"""Drop the weights an INSTALL with keep_previous kept."""
+CHECKPOINT_STEP_REVERT: CheckpointStep.ValueType  # 4
+"""Put back the weights (and version) an INSTALL with keep_previous kept."""
+Global___CheckpointStep: _TypeAlias = CheckpointStep  # noqa: Y015
 
 @_typing.final
 class GetStatusRequest(_message.Message):
@@ -1079,6 +1112,129 @@ class ReceiveWeightsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReceiveWeightsResponse: _TypeAlias = ReceiveWeightsResponse  # noqa: Y015
+
+@_typing.final
+class FlushCacheRequest(_message.Message):
+    """Request of FlushCache."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLICA_IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def replica_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Replicas of this node. Empty: every one."""
+
+    def __init__(
+        self,
+        *,
+        replica_ids: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["replica_ids", b"replica_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FlushCacheRequest: _TypeAlias = FlushCacheRequest  # noqa: Y015
+
+@_typing.final
+class FlushCacheResponse(_message.Message):
+    """Response of FlushCache."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLICA_IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def replica_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The replicas whose cache was flushed."""
+
+    def __init__(
+        self,
+        *,
+        replica_ids: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["replica_ids", b"replica_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FlushCacheResponse: _TypeAlias = FlushCacheResponse  # noqa: Y015
+
+@_typing.final
+class LoadCheckpointRequest(_message.Message):
+    """Request of LoadCheckpoint."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLICA_IDS_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_PATH_FIELD_NUMBER: _builtins.int
+    WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    UPDATE_ID_FIELD_NUMBER: _builtins.int
+    KEEP_PREVIOUS_FIELD_NUMBER: _builtins.int
+    checkpoint_path: _builtins.str
+    """Directory of the checkpoint on this node: *.safetensors files, with or
+    without model.safetensors.index.json.
+    """
+    weight_version: _builtins.int
+    """Version the replicas serve after INSTALL."""
+    step: Global___CheckpointStep.ValueType
+    """The step."""
+    update_id: _builtins.str
+    """Names the weights INSTALL keeps (keep_previous) for RELEASE or REVERT."""
+    keep_previous: _builtins.bool
+    """INSTALL: keep the replaced weights on the host; CHECK: also check that
+    each replica can hand its weights over for keeping.
+    """
+    @_builtins.property
+    def replica_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Replicas of this node."""
+
+    def __init__(
+        self,
+        *,
+        replica_ids: _abc.Iterable[_builtins.str] | None = ...,
+        checkpoint_path: _builtins.str = ...,
+        weight_version: _builtins.int = ...,
+        step: Global___CheckpointStep.ValueType = ...,
+        update_id: _builtins.str = ...,
+        keep_previous: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_path", b"checkpoint_path", "keep_previous", b"keep_previous", "replica_ids", b"replica_ids", "step", b"step", "update_id", b"update_id", "weight_version", b"weight_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadCheckpointRequest: _TypeAlias = LoadCheckpointRequest  # noqa: Y015
+
+@_typing.final
+class LoadCheckpointResponse(_message.Message):
+    """Response of LoadCheckpoint."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReplicaWeightsResult]:
+        """One result per requested replica, in request order: weight_version is
+        what the replica serves after the step, checksum_ok whether the step
+        succeeded on it, bytes_received the checkpoint bytes read for it.
+        """
+
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___ReplicaWeightsResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadCheckpointResponse: _TypeAlias = LoadCheckpointResponse  # noqa: Y015
 
 @_typing.final
 class GetLoadReportsRequest(_message.Message):

@@ -123,6 +123,16 @@ class ReplicaAgentServiceStub:
                 request_serializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.ReceiveWeightsRequest.SerializeToString,
                 response_deserializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.ReceiveWeightsResponse.FromString,
                 _registered_method=True)
+        self.LoadCheckpoint = channel.unary_unary(
+                '/rollmesh.replica.v1.ReplicaAgentService/LoadCheckpoint',
+                request_serializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.LoadCheckpointRequest.SerializeToString,
+                response_deserializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.LoadCheckpointResponse.FromString,
+                _registered_method=True)
+        self.FlushCache = channel.unary_unary(
+                '/rollmesh.replica.v1.ReplicaAgentService/FlushCache',
+                request_serializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.FlushCacheRequest.SerializeToString,
+                response_deserializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.FlushCacheResponse.FromString,
+                _registered_method=True)
         self.GetLoadReports = channel.unary_unary(
                 '/rollmesh.replica.v1.ReplicaAgentService/GetLoadReports',
                 request_serializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.GetLoadReportsRequest.SerializeToString,
@@ -420,6 +430,50 @@ class ReplicaAgentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadCheckpoint(self, request, context):
+        """One step of loading a Hugging Face safetensors checkpoint from this
+        node's disk into the listed replicas, as the controller's LoadWeights
+        runs it fleet-wide. CHECK reads the checkpoint's headers and compares
+        them with each replica's weights (names, shapes; floating-point tensors
+        are cast to the served dtype): nothing changes. INSTALL reads the
+        tensors and swaps them in as weight_version (in-flight requests are
+        aborted first and resume through the balancer); with keep_previous the
+        replaced weights stay on the host under update_id until RELEASE drops
+        them or REVERT puts them back. A replica that fails a step reports ok
+        false and keeps serving what it served before the step. Capability:
+        weights.
+
+        Errors:
+        - INVALID_ARGUMENT: no replica_ids, no checkpoint_path (CHECK, INSTALL),
+        a negative weight_version, step unspecified, or no update_id where
+        keep_previous, RELEASE or REVERT needs one.
+        - NOT_FOUND: a listed replica is not on this node.
+
+        Authorization: controller.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FlushCache(self, request, context):
+        """Drops the cached prefixes (KV kept from earlier requests for reuse) of
+        the listed replicas, every replica of the node when none is listed:
+        SGLang's /flush_cache. Requests running keep their own KV. Capability:
+        generate.
+
+        Errors:
+        - NOT_FOUND: a listed replica is not on this node.
+        - FAILED_PRECONDITION: a replica is not ACTIVE or PAUSED, or (reason
+        CACHE_IN_USE) its engine keeps its cache while running requests hold
+        blocks of it (SGLang, vLLM); the replicas before it in the list were
+        flushed.
+
+        Authorization: controller, lb.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetLoadReports(self, request, context):
         """Returns a fresh load report for each requested replica (all replicas when
         none are named). Capability: load_reports.
@@ -524,6 +578,16 @@ def add_ReplicaAgentServiceServicer_to_server(servicer, server):
                     servicer.ReceiveWeights,
                     request_deserializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.ReceiveWeightsRequest.FromString,
                     response_serializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.ReceiveWeightsResponse.SerializeToString,
+            ),
+            'LoadCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadCheckpoint,
+                    request_deserializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.LoadCheckpointRequest.FromString,
+                    response_serializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.LoadCheckpointResponse.SerializeToString,
+            ),
+            'FlushCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.FlushCache,
+                    request_deserializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.FlushCacheRequest.FromString,
+                    response_serializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.FlushCacheResponse.SerializeToString,
             ),
             'GetLoadReports': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLoadReports,
@@ -933,6 +997,60 @@ class ReplicaAgentService:
             '/rollmesh.replica.v1.ReplicaAgentService/ReceiveWeights',
             rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.ReceiveWeightsRequest.SerializeToString,
             rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.ReceiveWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollmesh.replica.v1.ReplicaAgentService/LoadCheckpoint',
+            rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.LoadCheckpointRequest.SerializeToString,
+            rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.LoadCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FlushCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollmesh.replica.v1.ReplicaAgentService/FlushCache',
+            rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.FlushCacheRequest.SerializeToString,
+            rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.FlushCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,

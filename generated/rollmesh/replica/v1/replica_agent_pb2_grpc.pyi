@@ -263,6 +263,42 @@ class ReplicaAgentServiceStub:
 
     Authorization: controller.
     """
+    LoadCheckpoint: _grpc.UnaryUnaryMultiCallable[_replica_agent_pb2.LoadCheckpointRequest, _replica_agent_pb2.LoadCheckpointResponse]
+    """One step of loading a Hugging Face safetensors checkpoint from this
+    node's disk into the listed replicas, as the controller's LoadWeights
+    runs it fleet-wide. CHECK reads the checkpoint's headers and compares
+    them with each replica's weights (names, shapes; floating-point tensors
+    are cast to the served dtype): nothing changes. INSTALL reads the
+    tensors and swaps them in as weight_version (in-flight requests are
+    aborted first and resume through the balancer); with keep_previous the
+    replaced weights stay on the host under update_id until RELEASE drops
+    them or REVERT puts them back. A replica that fails a step reports ok
+    false and keeps serving what it served before the step. Capability:
+    weights.
+
+    Errors:
+    - INVALID_ARGUMENT: no replica_ids, no checkpoint_path (CHECK, INSTALL),
+      a negative weight_version, step unspecified, or no update_id where
+      keep_previous, RELEASE or REVERT needs one.
+    - NOT_FOUND: a listed replica is not on this node.
+
+    Authorization: controller.
+    """
+    FlushCache: _grpc.UnaryUnaryMultiCallable[_replica_agent_pb2.FlushCacheRequest, _replica_agent_pb2.FlushCacheResponse]
+    """Drops the cached prefixes (KV kept from earlier requests for reuse) of
+    the listed replicas, every replica of the node when none is listed:
+    SGLang's /flush_cache. Requests running keep their own KV. Capability:
+    generate.
+
+    Errors:
+    - NOT_FOUND: a listed replica is not on this node.
+    - FAILED_PRECONDITION: a replica is not ACTIVE or PAUSED, or (reason
+      CACHE_IN_USE) its engine keeps its cache while running requests hold
+      blocks of it (SGLang, vLLM); the replicas before it in the list were
+      flushed.
+
+    Authorization: controller, lb.
+    """
     GetLoadReports: _grpc.UnaryUnaryMultiCallable[_replica_agent_pb2.GetLoadReportsRequest, _replica_agent_pb2.GetLoadReportsResponse]
     """Returns a fresh load report for each requested replica (all replicas when
     none are named). Capability: load_reports.
@@ -518,6 +554,42 @@ class ReplicaAgentServiceAsyncStub(ReplicaAgentServiceStub):
       plan.timeout; the old weights keep serving.
 
     Authorization: controller.
+    """
+    LoadCheckpoint: _aio.UnaryUnaryMultiCallable[_replica_agent_pb2.LoadCheckpointRequest, _replica_agent_pb2.LoadCheckpointResponse]  # type: ignore[assignment]
+    """One step of loading a Hugging Face safetensors checkpoint from this
+    node's disk into the listed replicas, as the controller's LoadWeights
+    runs it fleet-wide. CHECK reads the checkpoint's headers and compares
+    them with each replica's weights (names, shapes; floating-point tensors
+    are cast to the served dtype): nothing changes. INSTALL reads the
+    tensors and swaps them in as weight_version (in-flight requests are
+    aborted first and resume through the balancer); with keep_previous the
+    replaced weights stay on the host under update_id until RELEASE drops
+    them or REVERT puts them back. A replica that fails a step reports ok
+    false and keeps serving what it served before the step. Capability:
+    weights.
+
+    Errors:
+    - INVALID_ARGUMENT: no replica_ids, no checkpoint_path (CHECK, INSTALL),
+      a negative weight_version, step unspecified, or no update_id where
+      keep_previous, RELEASE or REVERT needs one.
+    - NOT_FOUND: a listed replica is not on this node.
+
+    Authorization: controller.
+    """
+    FlushCache: _aio.UnaryUnaryMultiCallable[_replica_agent_pb2.FlushCacheRequest, _replica_agent_pb2.FlushCacheResponse]  # type: ignore[assignment]
+    """Drops the cached prefixes (KV kept from earlier requests for reuse) of
+    the listed replicas, every replica of the node when none is listed:
+    SGLang's /flush_cache. Requests running keep their own KV. Capability:
+    generate.
+
+    Errors:
+    - NOT_FOUND: a listed replica is not on this node.
+    - FAILED_PRECONDITION: a replica is not ACTIVE or PAUSED, or (reason
+      CACHE_IN_USE) its engine keeps its cache while running requests hold
+      blocks of it (SGLang, vLLM); the replicas before it in the list were
+      flushed.
+
+    Authorization: controller, lb.
     """
     GetLoadReports: _aio.UnaryUnaryMultiCallable[_replica_agent_pb2.GetLoadReportsRequest, _replica_agent_pb2.GetLoadReportsResponse]  # type: ignore[assignment]
     """Returns a fresh load report for each requested replica (all replicas when
@@ -855,6 +927,54 @@ class ReplicaAgentServiceServicer(metaclass=_abc_1.ABCMeta):
           plan.timeout; the old weights keep serving.
 
         Authorization: controller.
+        """
+
+    @_abc_1.abstractmethod
+    def LoadCheckpoint(
+        self,
+        request: _replica_agent_pb2.LoadCheckpointRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_replica_agent_pb2.LoadCheckpointResponse, _abc.Awaitable[_replica_agent_pb2.LoadCheckpointResponse]]:
+        """One step of loading a Hugging Face safetensors checkpoint from this
+        node's disk into the listed replicas, as the controller's LoadWeights
+        runs it fleet-wide. CHECK reads the checkpoint's headers and compares
+        them with each replica's weights (names, shapes; floating-point tensors
+        are cast to the served dtype): nothing changes. INSTALL reads the
+        tensors and swaps them in as weight_version (in-flight requests are
+        aborted first and resume through the balancer); with keep_previous the
+        replaced weights stay on the host under update_id until RELEASE drops
+        them or REVERT puts them back. A replica that fails a step reports ok
+        false and keeps serving what it served before the step. Capability:
+        weights.
+
+        Errors:
+        - INVALID_ARGUMENT: no replica_ids, no checkpoint_path (CHECK, INSTALL),
+          a negative weight_version, step unspecified, or no update_id where
+          keep_previous, RELEASE or REVERT needs one.
+        - NOT_FOUND: a listed replica is not on this node.
+
+        Authorization: controller.
+        """
+
+    @_abc_1.abstractmethod
+    def FlushCache(
+        self,
+        request: _replica_agent_pb2.FlushCacheRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_replica_agent_pb2.FlushCacheResponse, _abc.Awaitable[_replica_agent_pb2.FlushCacheResponse]]:
+        """Drops the cached prefixes (KV kept from earlier requests for reuse) of
+        the listed replicas, every replica of the node when none is listed:
+        SGLang's /flush_cache. Requests running keep their own KV. Capability:
+        generate.
+
+        Errors:
+        - NOT_FOUND: a listed replica is not on this node.
+        - FAILED_PRECONDITION: a replica is not ACTIVE or PAUSED, or (reason
+          CACHE_IN_USE) its engine keeps its cache while running requests hold
+          blocks of it (SGLang, vLLM); the replicas before it in the list were
+          flushed.
+
+        Authorization: controller, lb.
         """
 
     @_abc_1.abstractmethod

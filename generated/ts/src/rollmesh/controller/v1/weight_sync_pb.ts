@@ -6,8 +6,8 @@
 // broadcast from the trainer (or a seed replica) to replicas. The RPCs are in
 // controller.proto.
 
-import type { GenFile, GenMessage } from "@bufbuild/protobuf/codegenv2";
-import { fileDesc, messageDesc } from "@bufbuild/protobuf/codegenv2";
+import type { GenEnum, GenFile, GenMessage } from "@bufbuild/protobuf/codegenv2";
+import { enumDesc, fileDesc, messageDesc } from "@bufbuild/protobuf/codegenv2";
 import type { Duration } from "@bufbuild/protobuf/wkt";
 import { file_google_protobuf_duration } from "@bufbuild/protobuf/wkt";
 import type { Message } from "@bufbuild/protobuf";
@@ -16,7 +16,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file rollmesh/controller/v1/weight_sync.proto.
  */
 export const file_rollmesh_controller_v1_weight_sync: GenFile = /*@__PURE__*/
-  fileDesc("Cihyb2xsbWVzaC9jb250cm9sbGVyL3YxL3dlaWdodF9zeW5jLnByb3RvEhZyb2xsbWVzaC5jb250cm9sbGVyLnYxIo8BChFSZXBsaWNhU3luY1Jlc3VsdBISCgpyZXBsaWNhX2lkGAEgASgJEgoKAm9rGAIgASgIEhUKDWVycm9yX21lc3NhZ2UYAyABKAkSKwoIZHVyYXRpb24YBCABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SFgoOYnl0ZXNfcmVjZWl2ZWQYBSABKAQiggIKEFdlaWdodFN5bmNSZXN1bHQSDwoHc3luY19pZBgBIAEoCRIWCg53ZWlnaHRfdmVyc2lvbhgCIAEoAxJCCg9yZXBsaWNhX3Jlc3VsdHMYAyADKAsyKS5yb2xsbWVzaC5jb250cm9sbGVyLnYxLlJlcGxpY2FTeW5jUmVzdWx0EhIKCmJ5dGVzX3NlbnQYBCABKAQSGwoTc2tpcHBlZF9yZXBsaWNhX2lkcxgFIAMoCRITCgtieXRlc19zYXZlZBgGIAEoBBIrCghkdXJhdGlvbhgHIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhIOCgZzb3VyY2UYCCABKAkimQEKElN5bmNXZWlnaHRzUmVxdWVzdBIbCg53ZWlnaHRfdmVyc2lvbhgBIAEoA0gAiAEBEhMKC3JlcGxpY2FfaWRzGAIgAygJEioKB3RpbWVvdXQYAyABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SEgoKcmVxdWVzdF9pZBgEIAEoCUIRCg9fd2VpZ2h0X3ZlcnNpb24iTwoTU3luY1dlaWdodHNSZXNwb25zZRI4CgZyZXN1bHQYASABKAsyKC5yb2xsbWVzaC5jb250cm9sbGVyLnYxLldlaWdodFN5bmNSZXN1bHRiBnByb3RvMw", [file_google_protobuf_duration]);
+  fileDesc("Cihyb2xsbWVzaC9jb250cm9sbGVyL3YxL3dlaWdodF9zeW5jLnByb3RvEhZyb2xsbWVzaC5jb250cm9sbGVyLnYxIo8BChFSZXBsaWNhU3luY1Jlc3VsdBISCgpyZXBsaWNhX2lkGAEgASgJEgoKAm9rGAIgASgIEhUKDWVycm9yX21lc3NhZ2UYAyABKAkSKwoIZHVyYXRpb24YBCABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SFgoOYnl0ZXNfcmVjZWl2ZWQYBSABKAQiggIKEFdlaWdodFN5bmNSZXN1bHQSDwoHc3luY19pZBgBIAEoCRIWCg53ZWlnaHRfdmVyc2lvbhgCIAEoAxJCCg9yZXBsaWNhX3Jlc3VsdHMYAyADKAsyKS5yb2xsbWVzaC5jb250cm9sbGVyLnYxLlJlcGxpY2FTeW5jUmVzdWx0EhIKCmJ5dGVzX3NlbnQYBCABKAQSGwoTc2tpcHBlZF9yZXBsaWNhX2lkcxgFIAMoCRITCgtieXRlc19zYXZlZBgGIAEoBBIrCghkdXJhdGlvbhgHIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhIOCgZzb3VyY2UYCCABKAkimQEKElN5bmNXZWlnaHRzUmVxdWVzdBIbCg53ZWlnaHRfdmVyc2lvbhgBIAEoA0gAiAEBEhMKC3JlcGxpY2FfaWRzGAIgAygJEioKB3RpbWVvdXQYAyABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SEgoKcmVxdWVzdF9pZBgEIAEoCUIRCg9fd2VpZ2h0X3ZlcnNpb24iTwoTU3luY1dlaWdodHNSZXNwb25zZRI4CgZyZXN1bHQYASABKAsyKC5yb2xsbWVzaC5jb250cm9sbGVyLnYxLldlaWdodFN5bmNSZXN1bHQi4QEKEkxvYWRXZWlnaHRzUmVxdWVzdBIXCg9jaGVja3BvaW50X3BhdGgYASABKAkSGwoOd2VpZ2h0X3ZlcnNpb24YAiABKANIAIgBARITCgtyZXBsaWNhX2lkcxgDIAMoCRIqCgd0aW1lb3V0GAQgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEkEKCm9uX2ZhaWx1cmUYBSABKA4yLS5yb2xsbWVzaC5jb250cm9sbGVyLnYxLldlaWdodFVwZGF0ZU9uRmFpbHVyZUIRCg9fd2VpZ2h0X3ZlcnNpb24idwoTTG9hZFdlaWdodHNSZXNwb25zZRI4CgZyZXN1bHQYASABKAsyKC5yb2xsbWVzaC5jb250cm9sbGVyLnYxLldlaWdodFN5bmNSZXN1bHQSEQoJY29tbWl0dGVkGAIgASgIEhMKC3JvbGxlZF9iYWNrGAMgASgIKo4BChVXZWlnaHRVcGRhdGVPbkZhaWx1cmUSKAokV0VJR0hUX1VQREFURV9PTl9GQUlMVVJFX1VOU1BFQ0lGSUVEEAASJAogV0VJR0hUX1VQREFURV9PTl9GQUlMVVJFX0VYQ0xVREUQARIlCiFXRUlHSFRfVVBEQVRFX09OX0ZBSUxVUkVfUk9MTEJBQ0sQAmIGcHJvdG8z", [file_google_protobuf_duration]);
 
 /**
  * ReplicaSyncResult is the outcome of a weight broadcast for one replica.
@@ -204,4 +204,128 @@ export type SyncWeightsResponse = Message<"rollmesh.controller.v1.SyncWeightsRes
  */
 export const SyncWeightsResponseSchema: GenMessage<SyncWeightsResponse> = /*@__PURE__*/
   messageDesc(file_rollmesh_controller_v1_weight_sync, 3);
+
+/**
+ * Request of LoadWeights.
+ *
+ * @generated from message rollmesh.controller.v1.LoadWeightsRequest
+ */
+export type LoadWeightsRequest = Message<"rollmesh.controller.v1.LoadWeightsRequest"> & {
+  /**
+   * Directory of a Hugging Face safetensors checkpoint, readable at the same
+   * path on every replica's node (a shared file system).
+   *
+   * @generated from field: string checkpoint_path = 1;
+   */
+  checkpointPath: string;
+
+  /**
+   * Version the replicas serve once the flip commits. Unset: one above the
+   * highest version any registered replica serves.
+   *
+   * @generated from field: optional int64 weight_version = 2;
+   */
+  weightVersion?: bigint | undefined;
+
+  /**
+   * Replicas to update. Empty: every standalone replica and every active
+   * hybrid replica.
+   *
+   * @generated from field: repeated string replica_ids = 3;
+   */
+  replicaIds: string[];
+
+  /**
+   * Limit for each step on each node. Unset: the controller's configured
+   * weight-sync timeout.
+   *
+   * @generated from field: google.protobuf.Duration timeout = 4;
+   */
+  timeout?: Duration | undefined;
+
+  /**
+   * What a failed replica does to the rest.
+   *
+   * @generated from field: rollmesh.controller.v1.WeightUpdateOnFailure on_failure = 5;
+   */
+  onFailure: WeightUpdateOnFailure;
+};
+
+/**
+ * Describes the message rollmesh.controller.v1.LoadWeightsRequest.
+ * Use `create(LoadWeightsRequestSchema)` to create a new message.
+ */
+export const LoadWeightsRequestSchema: GenMessage<LoadWeightsRequest> = /*@__PURE__*/
+  messageDesc(file_rollmesh_controller_v1_weight_sync, 4);
+
+/**
+ * Response of LoadWeights.
+ *
+ * @generated from message rollmesh.controller.v1.LoadWeightsResponse
+ */
+export type LoadWeightsResponse = Message<"rollmesh.controller.v1.LoadWeightsResponse"> & {
+  /**
+   * One result per replica (source "checkpoint"; ok: the replica serves
+   * weight_version now).
+   *
+   * @generated from field: rollmesh.controller.v1.WeightSyncResult result = 1;
+   */
+  result?: WeightSyncResult | undefined;
+
+  /**
+   * True when weight_version serves on every replica that stays routed.
+   *
+   * @generated from field: bool committed = 2;
+   */
+  committed: boolean;
+
+  /**
+   * True when a failure put every replica back on its previous weights.
+   *
+   * @generated from field: bool rolled_back = 3;
+   */
+  rolledBack: boolean;
+};
+
+/**
+ * Describes the message rollmesh.controller.v1.LoadWeightsResponse.
+ * Use `create(LoadWeightsResponseSchema)` to create a new message.
+ */
+export const LoadWeightsResponseSchema: GenMessage<LoadWeightsResponse> = /*@__PURE__*/
+  messageDesc(file_rollmesh_controller_v1_weight_sync, 5);
+
+/**
+ * What a fleet-wide weight update does when some replicas cannot take it.
+ *
+ * @generated from enum rollmesh.controller.v1.WeightUpdateOnFailure
+ */
+export enum WeightUpdateOnFailure {
+  /**
+   * Not set: EXCLUDE.
+   *
+   * @generated from enum value: WEIGHT_UPDATE_ON_FAILURE_UNSPECIFIED = 0;
+   */
+  UNSPECIFIED = 0,
+
+  /**
+   * The replicas that failed leave routing until they hold the fleet's
+   * version; the version commits on the rest.
+   *
+   * @generated from enum value: WEIGHT_UPDATE_ON_FAILURE_EXCLUDE = 1;
+   */
+  EXCLUDE = 1,
+
+  /**
+   * Every replica goes back to the weights and version it served before.
+   *
+   * @generated from enum value: WEIGHT_UPDATE_ON_FAILURE_ROLLBACK = 2;
+   */
+  ROLLBACK = 2,
+}
+
+/**
+ * Describes the enum rollmesh.controller.v1.WeightUpdateOnFailure.
+ */
+export const WeightUpdateOnFailureSchema: GenEnum<WeightUpdateOnFailure> = /*@__PURE__*/
+  enumDesc(file_rollmesh_controller_v1_weight_sync, 0);
 

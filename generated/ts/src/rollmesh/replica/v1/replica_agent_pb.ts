@@ -7,8 +7,8 @@
 // there. The controller drives their lifecycle; the load balancer calls
 // Generate.
 
-import type { GenFile, GenMessage, GenService } from "@bufbuild/protobuf/codegenv2";
-import { fileDesc, messageDesc, serviceDesc } from "@bufbuild/protobuf/codegenv2";
+import type { GenEnum, GenFile, GenMessage, GenService } from "@bufbuild/protobuf/codegenv2";
+import { enumDesc, fileDesc, messageDesc, serviceDesc } from "@bufbuild/protobuf/codegenv2";
 import { file_google_api_field_behavior } from "../../../google/api/field_behavior_pb.js";
 import type { Duration } from "@bufbuild/protobuf/wkt";
 import { file_google_protobuf_duration } from "@bufbuild/protobuf/wkt";
@@ -32,7 +32,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file rollmesh/replica/v1/replica_agent.proto.
  */
 export const file_rollmesh_replica_v1_replica_agent: GenFile = /*@__PURE__*/
-  fileDesc("Cidyb2xsbWVzaC9yZXBsaWNhL3YxL3JlcGxpY2FfYWdlbnQucHJvdG8SE3JvbGxtZXNoLnJlcGxpY2EudjEiEgoQR2V0U3RhdHVzUmVxdWVzdCLZAQoRR2V0U3RhdHVzUmVzcG9uc2USMAoGc3RhdHVzGAEgASgLMiAucm9sbG1lc2guY29tbW9uLnYxLlNlcnZlclN0YXR1cxIPCgdub2RlX2lkGAIgASgJEhMKC3Nsb3RzX3RvdGFsGAMgASgNEhIKCnNsb3RzX2ZyZWUYBCABKA0SMgoHYmFja2VuZBgFIAEoDjIhLnJvbGxtZXNoLmNvbW1vbi52MS5FbmdpbmVCYWNrZW5kEg0KBW1vZGVsGAYgASgJEhUKDXJlcGxpY2FfY291bnQYByABKA0i9gEKFExhdW5jaFJlcGxpY2FSZXF1ZXN0EhIKCnJlcGxpY2FfaWQYASABKAkSMwoEa2luZBgCIAEoDjIfLnJvbGxtZXNoLmNvbW1vbi52MS5SZXBsaWNhS2luZEIE4kEBAhIcCg9tZW1vcnlfZnJhY3Rpb24YAyABKAFIAIgBARINCgVzbG90cxgEIAEoDRIUCgxzdGFydF9hc2xlZXAYBSABKAgSFgoOd2VpZ2h0X3ZlcnNpb24YBiABKAMSEgoKcmVxdWVzdF9pZBgHIAEoCRISCgplbmdpbmVfdXJsGAggASgJQhIKEF9tZW1vcnlfZnJhY3Rpb24iRgoVTGF1bmNoUmVwbGljYVJlc3BvbnNlEi0KB3JlcGxpY2EYASABKAsyHC5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlcGxpY2EiYQoSU3RvcFJlcGxpY2FSZXF1ZXN0EhIKCnJlcGxpY2FfaWQYASABKAkSKAoFZ3JhY2UYAiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SDQoFZm9yY2UYAyABKAgiRAoTU3RvcFJlcGxpY2FSZXNwb25zZRItCgdyZXBsaWNhGAEgASgLMhwucm9sbG1lc2gucmVwbGljYS52MS5SZXBsaWNhIp4BChNMaXN0UmVwbGljYXNSZXF1ZXN0Ei4KBWtpbmRzGAEgAygOMh8ucm9sbG1lc2guY29tbW9uLnYxLlJlcGxpY2FLaW5kEjAKBnN0YXRlcxgCIAMoDjIgLnJvbGxtZXNoLmNvbW1vbi52MS5SZXBsaWNhU3RhdGUSEQoJcGFnZV9zaXplGAMgASgFEhIKCnBhZ2VfdG9rZW4YBCABKAkiXwoUTGlzdFJlcGxpY2FzUmVzcG9uc2USLgoIcmVwbGljYXMYASADKAsyHC5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlcGxpY2ESFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJIicKEUdldFJlcGxpY2FSZXF1ZXN0EhIKCnJlcGxpY2FfaWQYASABKAkiQwoSR2V0UmVwbGljYVJlc3BvbnNlEi0KB3JlcGxpY2EYASABKAsyHC5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlcGxpY2Ei1gIKD0dlbmVyYXRlUmVxdWVzdBIYCgpyZXBsaWNhX2lkGAEgASgJQgTiQQECEhgKCnJlcXVlc3RfaWQYAiABKAlCBOJBAQISHgoQcHJvbXB0X3Rva2VuX2lkcxgDIAMoBUIE4kEBAhI7Cg9zYW1wbGluZ19wYXJhbXMYBCABKAsyIi5yb2xsbWVzaC5jb21tb24udjEuU2FtcGxpbmdQYXJhbXMSOQoPcmVzdW1lX3NlZ21lbnRzGAUgAygLMiAucm9sbG1lc2guY29tbW9uLnYxLlRva2VuU2VnbWVudBIcCg9zdHJlYW1faW50ZXJ2YWwYBiABKA1IAIgBARIxCg5mbHVzaF9pbnRlcnZhbBgHIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhISCgpzZXNzaW9uX2lkGAggASgJQhIKEF9zdHJlYW1faW50ZXJ2YWwi+gEKEEdlbmVyYXRlUmVzcG9uc2USEgoKcmVxdWVzdF9pZBgBIAEoCRIRCgl0b2tlbl9pZHMYAiADKAUSEAoIbG9ncHJvYnMYAyADKAISFgoOd2VpZ2h0X3ZlcnNpb24YBCABKAMSNwoNZmluaXNoX3JlYXNvbhgFIAEoDjIgLnJvbGxtZXNoLmNvbW1vbi52MS5GaW5pc2hSZWFzb24SKAoFdXNhZ2UYBiABKAsyGS5yb2xsbWVzaC5jb21tb24udjEuVXNhZ2USMgoIc2VnbWVudHMYByADKAsyIC5yb2xsbWVzaC5jb21tb24udjEuVG9rZW5TZWdtZW50Ik8KE0dlbmVyYXRlTWFueVJlcXVlc3QSOAoHYWN0aW9ucxgBIAMoCzInLnJvbGxtZXNoLnJlcGxpY2EudjEuR2VuZXJhdGVNYW55QWN0aW9uIqgCChJHZW5lcmF0ZU1hbnlBY3Rpb24SOAoIZ2VuZXJhdGUYASABKAsyJC5yb2xsbWVzaC5yZXBsaWNhLnYxLkdlbmVyYXRlUmVxdWVzdEgAEhsKEWNhbmNlbF9yZXF1ZXN0X2lkGAIgASgJSAASUAoNdHJhY2VfY29udGV4dBgDIAMoCzI5LnJvbGxtZXNoLnJlcGxpY2EudjEuR2VuZXJhdGVNYW55QWN0aW9uLlRyYWNlQ29udGV4dEVudHJ5EioKB3RpbWVvdXQYBCABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24aMwoRVHJhY2VDb250ZXh0RW50cnkSCwoDa2V5GAEgASgJEg0KBXZhbHVlGAIgASgJOgI4AUIICgZhY3Rpb24iTAoUR2VuZXJhdGVNYW55UmVzcG9uc2USNAoFaXRlbXMYASADKAsyJS5yb2xsbWVzaC5yZXBsaWNhLnYxLkdlbmVyYXRlTWFueUl0ZW0iggEKEEdlbmVyYXRlTWFueUl0ZW0SEgoKcmVxdWVzdF9pZBgBIAEoCRI3CghyZXNwb25zZRgCIAEoCzIlLnJvbGxtZXNoLnJlcGxpY2EudjEuR2VuZXJhdGVSZXNwb25zZRIhCgVlcnJvchgDIAEoCzISLmdvb2dsZS5ycGMuU3RhdHVzIo4BChRBYm9ydFJlcXVlc3RzUmVxdWVzdBISCgpyZXBsaWNhX2lkGAEgASgJEjMKCHJlcXVlc3RzGAQgASgLMh8ucm9sbG1lc2gucmVwbGljYS52MS5SZXF1ZXN0SWRzSAASDQoDYWxsGAMgASgISABCCwoJc2VsZWN0aW9uSgQIAhADUgtyZXF1ZXN0X2lkcyInCgpSZXF1ZXN0SWRzEhkKC3JlcXVlc3RfaWRzGAEgAygJQgTiQQECIjQKFUFib3J0UmVxdWVzdHNSZXNwb25zZRIbChNhYm9ydGVkX3JlcXVlc3RfaWRzGAEgAygJIocBChZQYXVzZUdlbmVyYXRpb25SZXF1ZXN0EhMKC3JlcGxpY2FfaWRzGAEgAygJEiwKBG1vZGUYAiABKA4yHi5yb2xsbWVzaC5yZXBsaWNhLnYxLlBhdXNlTW9kZRIqCgd0aW1lb3V0GAMgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uImYKF1BhdXNlR2VuZXJhdGlvblJlc3BvbnNlEi4KCHJlcGxpY2FzGAEgAygLMhwucm9sbG1lc2gucmVwbGljYS52MS5SZXBsaWNhEhsKE2Fib3J0ZWRfcmVxdWVzdF9pZHMYAiADKAkiLgoXUmVzdW1lR2VuZXJhdGlvblJlcXVlc3QSEwoLcmVwbGljYV9pZHMYASADKAkiSgoYUmVzdW1lR2VuZXJhdGlvblJlc3BvbnNlEi4KCHJlcGxpY2FzGAEgAygLMhwucm9sbG1lc2gucmVwbGljYS52MS5SZXBsaWNhInYKDFNsZWVwUmVxdWVzdBIYCgpyZXBsaWNhX2lkGAEgASgJQgTiQQECEjMKBWxldmVsGAIgASgOMh4ucm9sbG1lc2guY29tbW9uLnYxLlNsZWVwTGV2ZWxCBOJBAQISFwoPYWJvcnRfaW5fZmxpZ2h0GAMgASgIIlMKDVNsZWVwUmVzcG9uc2USEwoLZnJlZWRfYnl0ZXMYASABKAQSLQoHcmVwbGljYRgCIAEoCzIcLnJvbGxtZXNoLnJlcGxpY2EudjEuUmVwbGljYSJpCg1XYWtlVXBSZXF1ZXN0EhIKCnJlcGxpY2FfaWQYASABKAkSKQoEdGFncxgCIAMoDjIbLnJvbGxtZXNoLmNvbW1vbi52MS5XYWtlVGFnEhkKEXJlc3VtZV9nZW5lcmF0aW9uGAMgASgIIj8KDldha2VVcFJlc3BvbnNlEi0KB3JlcGxpY2EYASABKAsyHC5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlcGxpY2EidwoVUmVjZWl2ZVdlaWdodHNSZXF1ZXN0EhMKC3JlcGxpY2FfaWRzGAEgAygJEjAKBHBsYW4YAiABKAsyIi5yb2xsbWVzaC5jb21tb24udjEuV2VpZ2h0U3luY1BsYW4SFwoPYWJvcnRfaW5fZmxpZ2h0GAMgASgIIrMBChRSZXBsaWNhV2VpZ2h0c1Jlc3VsdBISCgpyZXBsaWNhX2lkGAEgASgJEhYKDndlaWdodF92ZXJzaW9uGAIgASgDEhMKC2NoZWNrc3VtX29rGAMgASgIEhYKDmJ5dGVzX3JlY2VpdmVkGAQgASgEEisKCGR1cmF0aW9uGAUgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEhUKDWVycm9yX21lc3NhZ2UYBiABKAkiVAoWUmVjZWl2ZVdlaWdodHNSZXNwb25zZRI6CgdyZXN1bHRzGAEgAygLMikucm9sbG1lc2gucmVwbGljYS52MS5SZXBsaWNhV2VpZ2h0c1Jlc3VsdCIsChVHZXRMb2FkUmVwb3J0c1JlcXVlc3QSEwoLcmVwbGljYV9pZHMYASADKAkiSQoWR2V0TG9hZFJlcG9ydHNSZXNwb25zZRIvCgdyZXBvcnRzGAEgAygLMh4ucm9sbG1lc2guY29tbW9uLnYxLkxvYWRSZXBvcnQiSQoTQ2xvc2VTZXNzaW9uUmVxdWVzdBIYCgpyZXBsaWNhX2lkGAEgASgJQgTiQQECEhgKCnNlc3Npb25faWQYAiABKAlCBOJBAQIiKAoUQ2xvc2VTZXNzaW9uUmVzcG9uc2USEAoIcmVsZWFzZWQYASABKAgiLgoXV2F0Y2hQcmVmaXhDYWNoZVJlcXVlc3QSEwoLcmVwbGljYV9pZHMYASADKAkidAoYV2F0Y2hQcmVmaXhDYWNoZVJlc3BvbnNlEhIKCnJlcGxpY2FfaWQYASABKAkSFAoMYmxvY2tfdG9rZW5zGAIgASgNEg0KBXJlc2V0GAMgASgIEg4KBnN0b3JlZBgEIAMoAxIPCgdyZW1vdmVkGAUgAygDMtsMChNSZXBsaWNhQWdlbnRTZXJ2aWNlEloKCUdldFN0YXR1cxIlLnJvbGxtZXNoLnJlcGxpY2EudjEuR2V0U3RhdHVzUmVxdWVzdBomLnJvbGxtZXNoLnJlcGxpY2EudjEuR2V0U3RhdHVzUmVzcG9uc2USZgoNTGF1bmNoUmVwbGljYRIpLnJvbGxtZXNoLnJlcGxpY2EudjEuTGF1bmNoUmVwbGljYVJlcXVlc3QaKi5yb2xsbWVzaC5yZXBsaWNhLnYxLkxhdW5jaFJlcGxpY2FSZXNwb25zZRJgCgtTdG9wUmVwbGljYRInLnJvbGxtZXNoLnJlcGxpY2EudjEuU3RvcFJlcGxpY2FSZXF1ZXN0Gigucm9sbG1lc2gucmVwbGljYS52MS5TdG9wUmVwbGljYVJlc3BvbnNlEmMKDExpc3RSZXBsaWNhcxIoLnJvbGxtZXNoLnJlcGxpY2EudjEuTGlzdFJlcGxpY2FzUmVxdWVzdBopLnJvbGxtZXNoLnJlcGxpY2EudjEuTGlzdFJlcGxpY2FzUmVzcG9uc2USXQoKR2V0UmVwbGljYRImLnJvbGxtZXNoLnJlcGxpY2EudjEuR2V0UmVwbGljYVJlcXVlc3QaJy5yb2xsbWVzaC5yZXBsaWNhLnYxLkdldFJlcGxpY2FSZXNwb25zZRJZCghHZW5lcmF0ZRIkLnJvbGxtZXNoLnJlcGxpY2EudjEuR2VuZXJhdGVSZXF1ZXN0GiUucm9sbG1lc2gucmVwbGljYS52MS5HZW5lcmF0ZVJlc3BvbnNlMAESZwoMR2VuZXJhdGVNYW55Eigucm9sbG1lc2gucmVwbGljYS52MS5HZW5lcmF0ZU1hbnlSZXF1ZXN0Gikucm9sbG1lc2gucmVwbGljYS52MS5HZW5lcmF0ZU1hbnlSZXNwb25zZSgBMAESZgoNQWJvcnRSZXF1ZXN0cxIpLnJvbGxtZXNoLnJlcGxpY2EudjEuQWJvcnRSZXF1ZXN0c1JlcXVlc3QaKi5yb2xsbWVzaC5yZXBsaWNhLnYxLkFib3J0UmVxdWVzdHNSZXNwb25zZRJjCgxDbG9zZVNlc3Npb24SKC5yb2xsbWVzaC5yZXBsaWNhLnYxLkNsb3NlU2Vzc2lvblJlcXVlc3QaKS5yb2xsbWVzaC5yZXBsaWNhLnYxLkNsb3NlU2Vzc2lvblJlc3BvbnNlEmwKD1BhdXNlR2VuZXJhdGlvbhIrLnJvbGxtZXNoLnJlcGxpY2EudjEuUGF1c2VHZW5lcmF0aW9uUmVxdWVzdBosLnJvbGxtZXNoLnJlcGxpY2EudjEuUGF1c2VHZW5lcmF0aW9uUmVzcG9uc2USbwoQUmVzdW1lR2VuZXJhdGlvbhIsLnJvbGxtZXNoLnJlcGxpY2EudjEuUmVzdW1lR2VuZXJhdGlvblJlcXVlc3QaLS5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlc3VtZUdlbmVyYXRpb25SZXNwb25zZRJOCgVTbGVlcBIhLnJvbGxtZXNoLnJlcGxpY2EudjEuU2xlZXBSZXF1ZXN0GiIucm9sbG1lc2gucmVwbGljYS52MS5TbGVlcFJlc3BvbnNlElEKBldha2VVcBIiLnJvbGxtZXNoLnJlcGxpY2EudjEuV2FrZVVwUmVxdWVzdBojLnJvbGxtZXNoLnJlcGxpY2EudjEuV2FrZVVwUmVzcG9uc2USaQoOUmVjZWl2ZVdlaWdodHMSKi5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlY2VpdmVXZWlnaHRzUmVxdWVzdBorLnJvbGxtZXNoLnJlcGxpY2EudjEuUmVjZWl2ZVdlaWdodHNSZXNwb25zZRJpCg5HZXRMb2FkUmVwb3J0cxIqLnJvbGxtZXNoLnJlcGxpY2EudjEuR2V0TG9hZFJlcG9ydHNSZXF1ZXN0Gisucm9sbG1lc2gucmVwbGljYS52MS5HZXRMb2FkUmVwb3J0c1Jlc3BvbnNlEnEKEFdhdGNoUHJlZml4Q2FjaGUSLC5yb2xsbWVzaC5yZXBsaWNhLnYxLldhdGNoUHJlZml4Q2FjaGVSZXF1ZXN0Gi0ucm9sbG1lc2gucmVwbGljYS52MS5XYXRjaFByZWZpeENhY2hlUmVzcG9uc2UwAWIGcHJvdG8z", [file_google_api_field_behavior, file_google_protobuf_duration, file_google_rpc_status, file_rollmesh_common_v1_generation, file_rollmesh_common_v1_load, file_rollmesh_common_v1_status, file_rollmesh_common_v1_types, file_rollmesh_common_v1_weights, file_rollmesh_replica_v1_replica]);
+  fileDesc("Cidyb2xsbWVzaC9yZXBsaWNhL3YxL3JlcGxpY2FfYWdlbnQucHJvdG8SE3JvbGxtZXNoLnJlcGxpY2EudjEiEgoQR2V0U3RhdHVzUmVxdWVzdCLZAQoRR2V0U3RhdHVzUmVzcG9uc2USMAoGc3RhdHVzGAEgASgLMiAucm9sbG1lc2guY29tbW9uLnYxLlNlcnZlclN0YXR1cxIPCgdub2RlX2lkGAIgASgJEhMKC3Nsb3RzX3RvdGFsGAMgASgNEhIKCnNsb3RzX2ZyZWUYBCABKA0SMgoHYmFja2VuZBgFIAEoDjIhLnJvbGxtZXNoLmNvbW1vbi52MS5FbmdpbmVCYWNrZW5kEg0KBW1vZGVsGAYgASgJEhUKDXJlcGxpY2FfY291bnQYByABKA0i9gEKFExhdW5jaFJlcGxpY2FSZXF1ZXN0EhIKCnJlcGxpY2FfaWQYASABKAkSMwoEa2luZBgCIAEoDjIfLnJvbGxtZXNoLmNvbW1vbi52MS5SZXBsaWNhS2luZEIE4kEBAhIcCg9tZW1vcnlfZnJhY3Rpb24YAyABKAFIAIgBARINCgVzbG90cxgEIAEoDRIUCgxzdGFydF9hc2xlZXAYBSABKAgSFgoOd2VpZ2h0X3ZlcnNpb24YBiABKAMSEgoKcmVxdWVzdF9pZBgHIAEoCRISCgplbmdpbmVfdXJsGAggASgJQhIKEF9tZW1vcnlfZnJhY3Rpb24iRgoVTGF1bmNoUmVwbGljYVJlc3BvbnNlEi0KB3JlcGxpY2EYASABKAsyHC5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlcGxpY2EiYQoSU3RvcFJlcGxpY2FSZXF1ZXN0EhIKCnJlcGxpY2FfaWQYASABKAkSKAoFZ3JhY2UYAiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SDQoFZm9yY2UYAyABKAgiRAoTU3RvcFJlcGxpY2FSZXNwb25zZRItCgdyZXBsaWNhGAEgASgLMhwucm9sbG1lc2gucmVwbGljYS52MS5SZXBsaWNhIp4BChNMaXN0UmVwbGljYXNSZXF1ZXN0Ei4KBWtpbmRzGAEgAygOMh8ucm9sbG1lc2guY29tbW9uLnYxLlJlcGxpY2FLaW5kEjAKBnN0YXRlcxgCIAMoDjIgLnJvbGxtZXNoLmNvbW1vbi52MS5SZXBsaWNhU3RhdGUSEQoJcGFnZV9zaXplGAMgASgFEhIKCnBhZ2VfdG9rZW4YBCABKAkiXwoUTGlzdFJlcGxpY2FzUmVzcG9uc2USLgoIcmVwbGljYXMYASADKAsyHC5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlcGxpY2ESFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJIicKEUdldFJlcGxpY2FSZXF1ZXN0EhIKCnJlcGxpY2FfaWQYASABKAkiQwoSR2V0UmVwbGljYVJlc3BvbnNlEi0KB3JlcGxpY2EYASABKAsyHC5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlcGxpY2Ei1gIKD0dlbmVyYXRlUmVxdWVzdBIYCgpyZXBsaWNhX2lkGAEgASgJQgTiQQECEhgKCnJlcXVlc3RfaWQYAiABKAlCBOJBAQISHgoQcHJvbXB0X3Rva2VuX2lkcxgDIAMoBUIE4kEBAhI7Cg9zYW1wbGluZ19wYXJhbXMYBCABKAsyIi5yb2xsbWVzaC5jb21tb24udjEuU2FtcGxpbmdQYXJhbXMSOQoPcmVzdW1lX3NlZ21lbnRzGAUgAygLMiAucm9sbG1lc2guY29tbW9uLnYxLlRva2VuU2VnbWVudBIcCg9zdHJlYW1faW50ZXJ2YWwYBiABKA1IAIgBARIxCg5mbHVzaF9pbnRlcnZhbBgHIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhISCgpzZXNzaW9uX2lkGAggASgJQhIKEF9zdHJlYW1faW50ZXJ2YWwi+gEKEEdlbmVyYXRlUmVzcG9uc2USEgoKcmVxdWVzdF9pZBgBIAEoCRIRCgl0b2tlbl9pZHMYAiADKAUSEAoIbG9ncHJvYnMYAyADKAISFgoOd2VpZ2h0X3ZlcnNpb24YBCABKAMSNwoNZmluaXNoX3JlYXNvbhgFIAEoDjIgLnJvbGxtZXNoLmNvbW1vbi52MS5GaW5pc2hSZWFzb24SKAoFdXNhZ2UYBiABKAsyGS5yb2xsbWVzaC5jb21tb24udjEuVXNhZ2USMgoIc2VnbWVudHMYByADKAsyIC5yb2xsbWVzaC5jb21tb24udjEuVG9rZW5TZWdtZW50Ik8KE0dlbmVyYXRlTWFueVJlcXVlc3QSOAoHYWN0aW9ucxgBIAMoCzInLnJvbGxtZXNoLnJlcGxpY2EudjEuR2VuZXJhdGVNYW55QWN0aW9uIqgCChJHZW5lcmF0ZU1hbnlBY3Rpb24SOAoIZ2VuZXJhdGUYASABKAsyJC5yb2xsbWVzaC5yZXBsaWNhLnYxLkdlbmVyYXRlUmVxdWVzdEgAEhsKEWNhbmNlbF9yZXF1ZXN0X2lkGAIgASgJSAASUAoNdHJhY2VfY29udGV4dBgDIAMoCzI5LnJvbGxtZXNoLnJlcGxpY2EudjEuR2VuZXJhdGVNYW55QWN0aW9uLlRyYWNlQ29udGV4dEVudHJ5EioKB3RpbWVvdXQYBCABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24aMwoRVHJhY2VDb250ZXh0RW50cnkSCwoDa2V5GAEgASgJEg0KBXZhbHVlGAIgASgJOgI4AUIICgZhY3Rpb24iTAoUR2VuZXJhdGVNYW55UmVzcG9uc2USNAoFaXRlbXMYASADKAsyJS5yb2xsbWVzaC5yZXBsaWNhLnYxLkdlbmVyYXRlTWFueUl0ZW0iggEKEEdlbmVyYXRlTWFueUl0ZW0SEgoKcmVxdWVzdF9pZBgBIAEoCRI3CghyZXNwb25zZRgCIAEoCzIlLnJvbGxtZXNoLnJlcGxpY2EudjEuR2VuZXJhdGVSZXNwb25zZRIhCgVlcnJvchgDIAEoCzISLmdvb2dsZS5ycGMuU3RhdHVzIo4BChRBYm9ydFJlcXVlc3RzUmVxdWVzdBISCgpyZXBsaWNhX2lkGAEgASgJEjMKCHJlcXVlc3RzGAQgASgLMh8ucm9sbG1lc2gucmVwbGljYS52MS5SZXF1ZXN0SWRzSAASDQoDYWxsGAMgASgISABCCwoJc2VsZWN0aW9uSgQIAhADUgtyZXF1ZXN0X2lkcyInCgpSZXF1ZXN0SWRzEhkKC3JlcXVlc3RfaWRzGAEgAygJQgTiQQECIjQKFUFib3J0UmVxdWVzdHNSZXNwb25zZRIbChNhYm9ydGVkX3JlcXVlc3RfaWRzGAEgAygJIocBChZQYXVzZUdlbmVyYXRpb25SZXF1ZXN0EhMKC3JlcGxpY2FfaWRzGAEgAygJEiwKBG1vZGUYAiABKA4yHi5yb2xsbWVzaC5yZXBsaWNhLnYxLlBhdXNlTW9kZRIqCgd0aW1lb3V0GAMgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uImYKF1BhdXNlR2VuZXJhdGlvblJlc3BvbnNlEi4KCHJlcGxpY2FzGAEgAygLMhwucm9sbG1lc2gucmVwbGljYS52MS5SZXBsaWNhEhsKE2Fib3J0ZWRfcmVxdWVzdF9pZHMYAiADKAkiLgoXUmVzdW1lR2VuZXJhdGlvblJlcXVlc3QSEwoLcmVwbGljYV9pZHMYASADKAkiSgoYUmVzdW1lR2VuZXJhdGlvblJlc3BvbnNlEi4KCHJlcGxpY2FzGAEgAygLMhwucm9sbG1lc2gucmVwbGljYS52MS5SZXBsaWNhInYKDFNsZWVwUmVxdWVzdBIYCgpyZXBsaWNhX2lkGAEgASgJQgTiQQECEjMKBWxldmVsGAIgASgOMh4ucm9sbG1lc2guY29tbW9uLnYxLlNsZWVwTGV2ZWxCBOJBAQISFwoPYWJvcnRfaW5fZmxpZ2h0GAMgASgIIlMKDVNsZWVwUmVzcG9uc2USEwoLZnJlZWRfYnl0ZXMYASABKAQSLQoHcmVwbGljYRgCIAEoCzIcLnJvbGxtZXNoLnJlcGxpY2EudjEuUmVwbGljYSJpCg1XYWtlVXBSZXF1ZXN0EhIKCnJlcGxpY2FfaWQYASABKAkSKQoEdGFncxgCIAMoDjIbLnJvbGxtZXNoLmNvbW1vbi52MS5XYWtlVGFnEhkKEXJlc3VtZV9nZW5lcmF0aW9uGAMgASgIIj8KDldha2VVcFJlc3BvbnNlEi0KB3JlcGxpY2EYASABKAsyHC5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlcGxpY2EidwoVUmVjZWl2ZVdlaWdodHNSZXF1ZXN0EhMKC3JlcGxpY2FfaWRzGAEgAygJEjAKBHBsYW4YAiABKAsyIi5yb2xsbWVzaC5jb21tb24udjEuV2VpZ2h0U3luY1BsYW4SFwoPYWJvcnRfaW5fZmxpZ2h0GAMgASgIIrMBChRSZXBsaWNhV2VpZ2h0c1Jlc3VsdBISCgpyZXBsaWNhX2lkGAEgASgJEhYKDndlaWdodF92ZXJzaW9uGAIgASgDEhMKC2NoZWNrc3VtX29rGAMgASgIEhYKDmJ5dGVzX3JlY2VpdmVkGAQgASgEEisKCGR1cmF0aW9uGAUgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEhUKDWVycm9yX21lc3NhZ2UYBiABKAkiVAoWUmVjZWl2ZVdlaWdodHNSZXNwb25zZRI6CgdyZXN1bHRzGAEgAygLMikucm9sbG1lc2gucmVwbGljYS52MS5SZXBsaWNhV2VpZ2h0c1Jlc3VsdCIoChFGbHVzaENhY2hlUmVxdWVzdBITCgtyZXBsaWNhX2lkcxgBIAMoCSIpChJGbHVzaENhY2hlUmVzcG9uc2USEwoLcmVwbGljYV9pZHMYASADKAkiugEKFUxvYWRDaGVja3BvaW50UmVxdWVzdBITCgtyZXBsaWNhX2lkcxgBIAMoCRIXCg9jaGVja3BvaW50X3BhdGgYAiABKAkSFgoOd2VpZ2h0X3ZlcnNpb24YAyABKAMSMQoEc3RlcBgEIAEoDjIjLnJvbGxtZXNoLnJlcGxpY2EudjEuQ2hlY2twb2ludFN0ZXASEQoJdXBkYXRlX2lkGAUgASgJEhUKDWtlZXBfcHJldmlvdXMYBiABKAgiVAoWTG9hZENoZWNrcG9pbnRSZXNwb25zZRI6CgdyZXN1bHRzGAEgAygLMikucm9sbG1lc2gucmVwbGljYS52MS5SZXBsaWNhV2VpZ2h0c1Jlc3VsdCIsChVHZXRMb2FkUmVwb3J0c1JlcXVlc3QSEwoLcmVwbGljYV9pZHMYASADKAkiSQoWR2V0TG9hZFJlcG9ydHNSZXNwb25zZRIvCgdyZXBvcnRzGAEgAygLMh4ucm9sbG1lc2guY29tbW9uLnYxLkxvYWRSZXBvcnQiSQoTQ2xvc2VTZXNzaW9uUmVxdWVzdBIYCgpyZXBsaWNhX2lkGAEgASgJQgTiQQECEhgKCnNlc3Npb25faWQYAiABKAlCBOJBAQIiKAoUQ2xvc2VTZXNzaW9uUmVzcG9uc2USEAoIcmVsZWFzZWQYASABKAgiLgoXV2F0Y2hQcmVmaXhDYWNoZVJlcXVlc3QSEwoLcmVwbGljYV9pZHMYASADKAkidAoYV2F0Y2hQcmVmaXhDYWNoZVJlc3BvbnNlEhIKCnJlcGxpY2FfaWQYASABKAkSFAoMYmxvY2tfdG9rZW5zGAIgASgNEg0KBXJlc2V0GAMgASgIEg4KBnN0b3JlZBgEIAMoAxIPCgdyZW1vdmVkGAUgAygDKqIBCg5DaGVja3BvaW50U3RlcBIfChtDSEVDS1BPSU5UX1NURVBfVU5TUEVDSUZJRUQQABIZChVDSEVDS1BPSU5UX1NURVBfQ0hFQ0sQARIbChdDSEVDS1BPSU5UX1NURVBfSU5TVEFMTBACEhsKF0NIRUNLUE9JTlRfU1RFUF9SRUxFQVNFEAMSGgoWQ0hFQ0tQT0lOVF9TVEVQX1JFVkVSVBAEMqUOChNSZXBsaWNhQWdlbnRTZXJ2aWNlEloKCUdldFN0YXR1cxIlLnJvbGxtZXNoLnJlcGxpY2EudjEuR2V0U3RhdHVzUmVxdWVzdBomLnJvbGxtZXNoLnJlcGxpY2EudjEuR2V0U3RhdHVzUmVzcG9uc2USZgoNTGF1bmNoUmVwbGljYRIpLnJvbGxtZXNoLnJlcGxpY2EudjEuTGF1bmNoUmVwbGljYVJlcXVlc3QaKi5yb2xsbWVzaC5yZXBsaWNhLnYxLkxhdW5jaFJlcGxpY2FSZXNwb25zZRJgCgtTdG9wUmVwbGljYRInLnJvbGxtZXNoLnJlcGxpY2EudjEuU3RvcFJlcGxpY2FSZXF1ZXN0Gigucm9sbG1lc2gucmVwbGljYS52MS5TdG9wUmVwbGljYVJlc3BvbnNlEmMKDExpc3RSZXBsaWNhcxIoLnJvbGxtZXNoLnJlcGxpY2EudjEuTGlzdFJlcGxpY2FzUmVxdWVzdBopLnJvbGxtZXNoLnJlcGxpY2EudjEuTGlzdFJlcGxpY2FzUmVzcG9uc2USXQoKR2V0UmVwbGljYRImLnJvbGxtZXNoLnJlcGxpY2EudjEuR2V0UmVwbGljYVJlcXVlc3QaJy5yb2xsbWVzaC5yZXBsaWNhLnYxLkdldFJlcGxpY2FSZXNwb25zZRJZCghHZW5lcmF0ZRIkLnJvbGxtZXNoLnJlcGxpY2EudjEuR2VuZXJhdGVSZXF1ZXN0GiUucm9sbG1lc2gucmVwbGljYS52MS5HZW5lcmF0ZVJlc3BvbnNlMAESZwoMR2VuZXJhdGVNYW55Eigucm9sbG1lc2gucmVwbGljYS52MS5HZW5lcmF0ZU1hbnlSZXF1ZXN0Gikucm9sbG1lc2gucmVwbGljYS52MS5HZW5lcmF0ZU1hbnlSZXNwb25zZSgBMAESZgoNQWJvcnRSZXF1ZXN0cxIpLnJvbGxtZXNoLnJlcGxpY2EudjEuQWJvcnRSZXF1ZXN0c1JlcXVlc3QaKi5yb2xsbWVzaC5yZXBsaWNhLnYxLkFib3J0UmVxdWVzdHNSZXNwb25zZRJjCgxDbG9zZVNlc3Npb24SKC5yb2xsbWVzaC5yZXBsaWNhLnYxLkNsb3NlU2Vzc2lvblJlcXVlc3QaKS5yb2xsbWVzaC5yZXBsaWNhLnYxLkNsb3NlU2Vzc2lvblJlc3BvbnNlEmwKD1BhdXNlR2VuZXJhdGlvbhIrLnJvbGxtZXNoLnJlcGxpY2EudjEuUGF1c2VHZW5lcmF0aW9uUmVxdWVzdBosLnJvbGxtZXNoLnJlcGxpY2EudjEuUGF1c2VHZW5lcmF0aW9uUmVzcG9uc2USbwoQUmVzdW1lR2VuZXJhdGlvbhIsLnJvbGxtZXNoLnJlcGxpY2EudjEuUmVzdW1lR2VuZXJhdGlvblJlcXVlc3QaLS5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlc3VtZUdlbmVyYXRpb25SZXNwb25zZRJOCgVTbGVlcBIhLnJvbGxtZXNoLnJlcGxpY2EudjEuU2xlZXBSZXF1ZXN0GiIucm9sbG1lc2gucmVwbGljYS52MS5TbGVlcFJlc3BvbnNlElEKBldha2VVcBIiLnJvbGxtZXNoLnJlcGxpY2EudjEuV2FrZVVwUmVxdWVzdBojLnJvbGxtZXNoLnJlcGxpY2EudjEuV2FrZVVwUmVzcG9uc2USaQoOUmVjZWl2ZVdlaWdodHMSKi5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlY2VpdmVXZWlnaHRzUmVxdWVzdBorLnJvbGxtZXNoLnJlcGxpY2EudjEuUmVjZWl2ZVdlaWdodHNSZXNwb25zZRJpCg5Mb2FkQ2hlY2twb2ludBIqLnJvbGxtZXNoLnJlcGxpY2EudjEuTG9hZENoZWNrcG9pbnRSZXF1ZXN0Gisucm9sbG1lc2gucmVwbGljYS52MS5Mb2FkQ2hlY2twb2ludFJlc3BvbnNlEl0KCkZsdXNoQ2FjaGUSJi5yb2xsbWVzaC5yZXBsaWNhLnYxLkZsdXNoQ2FjaGVSZXF1ZXN0Gicucm9sbG1lc2gucmVwbGljYS52MS5GbHVzaENhY2hlUmVzcG9uc2USaQoOR2V0TG9hZFJlcG9ydHMSKi5yb2xsbWVzaC5yZXBsaWNhLnYxLkdldExvYWRSZXBvcnRzUmVxdWVzdBorLnJvbGxtZXNoLnJlcGxpY2EudjEuR2V0TG9hZFJlcG9ydHNSZXNwb25zZRJxChBXYXRjaFByZWZpeENhY2hlEiwucm9sbG1lc2gucmVwbGljYS52MS5XYXRjaFByZWZpeENhY2hlUmVxdWVzdBotLnJvbGxtZXNoLnJlcGxpY2EudjEuV2F0Y2hQcmVmaXhDYWNoZVJlc3BvbnNlMAFiBnByb3RvMw", [file_google_api_field_behavior, file_google_protobuf_duration, file_google_rpc_status, file_rollmesh_common_v1_generation, file_rollmesh_common_v1_load, file_rollmesh_common_v1_status, file_rollmesh_common_v1_types, file_rollmesh_common_v1_weights, file_rollmesh_replica_v1_replica]);
 
 /**
  * Request of GetStatus. It has no fields.
@@ -1098,6 +1098,129 @@ export const ReceiveWeightsResponseSchema: GenMessage<ReceiveWeightsResponse> = 
   messageDesc(file_rollmesh_replica_v1_replica_agent, 29);
 
 /**
+ * Request of FlushCache.
+ *
+ * @generated from message rollmesh.replica.v1.FlushCacheRequest
+ */
+export type FlushCacheRequest = Message<"rollmesh.replica.v1.FlushCacheRequest"> & {
+  /**
+   * Replicas of this node. Empty: every one.
+   *
+   * @generated from field: repeated string replica_ids = 1;
+   */
+  replicaIds: string[];
+};
+
+/**
+ * Describes the message rollmesh.replica.v1.FlushCacheRequest.
+ * Use `create(FlushCacheRequestSchema)` to create a new message.
+ */
+export const FlushCacheRequestSchema: GenMessage<FlushCacheRequest> = /*@__PURE__*/
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 30);
+
+/**
+ * Response of FlushCache.
+ *
+ * @generated from message rollmesh.replica.v1.FlushCacheResponse
+ */
+export type FlushCacheResponse = Message<"rollmesh.replica.v1.FlushCacheResponse"> & {
+  /**
+   * The replicas whose cache was flushed.
+   *
+   * @generated from field: repeated string replica_ids = 1;
+   */
+  replicaIds: string[];
+};
+
+/**
+ * Describes the message rollmesh.replica.v1.FlushCacheResponse.
+ * Use `create(FlushCacheResponseSchema)` to create a new message.
+ */
+export const FlushCacheResponseSchema: GenMessage<FlushCacheResponse> = /*@__PURE__*/
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 31);
+
+/**
+ * Request of LoadCheckpoint.
+ *
+ * @generated from message rollmesh.replica.v1.LoadCheckpointRequest
+ */
+export type LoadCheckpointRequest = Message<"rollmesh.replica.v1.LoadCheckpointRequest"> & {
+  /**
+   * Replicas of this node.
+   *
+   * @generated from field: repeated string replica_ids = 1;
+   */
+  replicaIds: string[];
+
+  /**
+   * Directory of the checkpoint on this node: *.safetensors files, with or
+   * without model.safetensors.index.json.
+   *
+   * @generated from field: string checkpoint_path = 2;
+   */
+  checkpointPath: string;
+
+  /**
+   * Version the replicas serve after INSTALL.
+   *
+   * @generated from field: int64 weight_version = 3;
+   */
+  weightVersion: bigint;
+
+  /**
+   * The step.
+   *
+   * @generated from field: rollmesh.replica.v1.CheckpointStep step = 4;
+   */
+  step: CheckpointStep;
+
+  /**
+   * Names the weights INSTALL keeps (keep_previous) for RELEASE or REVERT.
+   *
+   * @generated from field: string update_id = 5;
+   */
+  updateId: string;
+
+  /**
+   * INSTALL: keep the replaced weights on the host; CHECK: also check that
+   * each replica can hand its weights over for keeping.
+   *
+   * @generated from field: bool keep_previous = 6;
+   */
+  keepPrevious: boolean;
+};
+
+/**
+ * Describes the message rollmesh.replica.v1.LoadCheckpointRequest.
+ * Use `create(LoadCheckpointRequestSchema)` to create a new message.
+ */
+export const LoadCheckpointRequestSchema: GenMessage<LoadCheckpointRequest> = /*@__PURE__*/
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 32);
+
+/**
+ * Response of LoadCheckpoint.
+ *
+ * @generated from message rollmesh.replica.v1.LoadCheckpointResponse
+ */
+export type LoadCheckpointResponse = Message<"rollmesh.replica.v1.LoadCheckpointResponse"> & {
+  /**
+   * One result per requested replica, in request order: weight_version is
+   * what the replica serves after the step, checksum_ok whether the step
+   * succeeded on it, bytes_received the checkpoint bytes read for it.
+   *
+   * @generated from field: repeated rollmesh.replica.v1.ReplicaWeightsResult results = 1;
+   */
+  results: ReplicaWeightsResult[];
+};
+
+/**
+ * Describes the message rollmesh.replica.v1.LoadCheckpointResponse.
+ * Use `create(LoadCheckpointResponseSchema)` to create a new message.
+ */
+export const LoadCheckpointResponseSchema: GenMessage<LoadCheckpointResponse> = /*@__PURE__*/
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 33);
+
+/**
  * Request of GetLoadReports.
  *
  * @generated from message rollmesh.replica.v1.GetLoadReportsRequest
@@ -1116,7 +1239,7 @@ export type GetLoadReportsRequest = Message<"rollmesh.replica.v1.GetLoadReportsR
  * Use `create(GetLoadReportsRequestSchema)` to create a new message.
  */
 export const GetLoadReportsRequestSchema: GenMessage<GetLoadReportsRequest> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 30);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 34);
 
 /**
  * Response of GetLoadReports.
@@ -1137,7 +1260,7 @@ export type GetLoadReportsResponse = Message<"rollmesh.replica.v1.GetLoadReports
  * Use `create(GetLoadReportsResponseSchema)` to create a new message.
  */
 export const GetLoadReportsResponseSchema: GenMessage<GetLoadReportsResponse> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 31);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 35);
 
 /**
  * Request of CloseSession.
@@ -1165,7 +1288,7 @@ export type CloseSessionRequest = Message<"rollmesh.replica.v1.CloseSessionReque
  * Use `create(CloseSessionRequestSchema)` to create a new message.
  */
 export const CloseSessionRequestSchema: GenMessage<CloseSessionRequest> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 32);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 36);
 
 /**
  * Response of CloseSession.
@@ -1186,7 +1309,7 @@ export type CloseSessionResponse = Message<"rollmesh.replica.v1.CloseSessionResp
  * Use `create(CloseSessionResponseSchema)` to create a new message.
  */
 export const CloseSessionResponseSchema: GenMessage<CloseSessionResponse> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 33);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 37);
 
 /**
  * Request of WatchPrefixCache.
@@ -1207,7 +1330,7 @@ export type WatchPrefixCacheRequest = Message<"rollmesh.replica.v1.WatchPrefixCa
  * Use `create(WatchPrefixCacheRequestSchema)` to create a new message.
  */
 export const WatchPrefixCacheRequestSchema: GenMessage<WatchPrefixCacheRequest> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 34);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 38);
 
 /**
  * One replica's prefix-cache change.
@@ -1257,7 +1380,55 @@ export type WatchPrefixCacheResponse = Message<"rollmesh.replica.v1.WatchPrefixC
  * Use `create(WatchPrefixCacheResponseSchema)` to create a new message.
  */
 export const WatchPrefixCacheResponseSchema: GenMessage<WatchPrefixCacheResponse> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 35);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 39);
+
+/**
+ * What one LoadCheckpoint call does.
+ *
+ * @generated from enum rollmesh.replica.v1.CheckpointStep
+ */
+export enum CheckpointStep {
+  /**
+   * Not set: refused.
+   *
+   * @generated from enum value: CHECKPOINT_STEP_UNSPECIFIED = 0;
+   */
+  UNSPECIFIED = 0,
+
+  /**
+   * Compare the checkpoint with each replica's weights; change nothing.
+   *
+   * @generated from enum value: CHECKPOINT_STEP_CHECK = 1;
+   */
+  CHECK = 1,
+
+  /**
+   * Load the checkpoint into each replica as weight_version.
+   *
+   * @generated from enum value: CHECKPOINT_STEP_INSTALL = 2;
+   */
+  INSTALL = 2,
+
+  /**
+   * Drop the weights an INSTALL with keep_previous kept.
+   *
+   * @generated from enum value: CHECKPOINT_STEP_RELEASE = 3;
+   */
+  RELEASE = 3,
+
+  /**
+   * Put back the weights (and version) an INSTALL with keep_previous kept.
+   *
+   * @generated from enum value: CHECKPOINT_STEP_REVERT = 4;
+   */
+  REVERT = 4,
+}
+
+/**
+ * Describes the enum rollmesh.replica.v1.CheckpointStep.
+ */
+export const CheckpointStepSchema: GenEnum<CheckpointStep> = /*@__PURE__*/
+  enumDesc(file_rollmesh_replica_v1_replica_agent, 0);
 
 /**
  * ReplicaAgentService manages the engine replicas of one node: launch and
@@ -1587,6 +1758,56 @@ export const ReplicaAgentService: GenService<{
     methodKind: "unary";
     input: typeof ReceiveWeightsRequestSchema;
     output: typeof ReceiveWeightsResponseSchema;
+  },
+  /**
+   * One step of loading a Hugging Face safetensors checkpoint from this
+   * node's disk into the listed replicas, as the controller's LoadWeights
+   * runs it fleet-wide. CHECK reads the checkpoint's headers and compares
+   * them with each replica's weights (names, shapes; floating-point tensors
+   * are cast to the served dtype): nothing changes. INSTALL reads the
+   * tensors and swaps them in as weight_version (in-flight requests are
+   * aborted first and resume through the balancer); with keep_previous the
+   * replaced weights stay on the host under update_id until RELEASE drops
+   * them or REVERT puts them back. A replica that fails a step reports ok
+   * false and keeps serving what it served before the step. Capability:
+   * weights.
+   *
+   * Errors:
+   * - INVALID_ARGUMENT: no replica_ids, no checkpoint_path (CHECK, INSTALL),
+   *   a negative weight_version, step unspecified, or no update_id where
+   *   keep_previous, RELEASE or REVERT needs one.
+   * - NOT_FOUND: a listed replica is not on this node.
+   *
+   * Authorization: controller.
+   *
+   * @generated from rpc rollmesh.replica.v1.ReplicaAgentService.LoadCheckpoint
+   */
+  loadCheckpoint: {
+    methodKind: "unary";
+    input: typeof LoadCheckpointRequestSchema;
+    output: typeof LoadCheckpointResponseSchema;
+  },
+  /**
+   * Drops the cached prefixes (KV kept from earlier requests for reuse) of
+   * the listed replicas, every replica of the node when none is listed:
+   * SGLang's /flush_cache. Requests running keep their own KV. Capability:
+   * generate.
+   *
+   * Errors:
+   * - NOT_FOUND: a listed replica is not on this node.
+   * - FAILED_PRECONDITION: a replica is not ACTIVE or PAUSED, or (reason
+   *   CACHE_IN_USE) its engine keeps its cache while running requests hold
+   *   blocks of it (SGLang, vLLM); the replicas before it in the list were
+   *   flushed.
+   *
+   * Authorization: controller, lb.
+   *
+   * @generated from rpc rollmesh.replica.v1.ReplicaAgentService.FlushCache
+   */
+  flushCache: {
+    methodKind: "unary";
+    input: typeof FlushCacheRequestSchema;
+    output: typeof FlushCacheResponseSchema;
   },
   /**
    * Returns a fresh load report for each requested replica (all replicas when
