@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
 
 from mesh_runtime.channels import address_list
 from mesh_runtime.errors import PermissionDenied
@@ -25,7 +27,7 @@ from . import convert
 from .core.balancers import BalancerRegistry
 
 if TYPE_CHECKING:
-    from .mesh import Mesh
+    from .store import StateStore
 
 log = logging.getLogger(__name__)
 KEY = "balancers"
@@ -46,16 +48,20 @@ def _own(name: str, balancer_id: str) -> bool:
 
 
 class Balancers:
-    """The configured and the registered balancers of one :class:`~controller.mesh.Mesh`."""
+    """The configured (``load_balancer_address``) and the registered balancers of one controller; their
+    registry is durable in ``store`` (``commit`` makes a change durable), events go to ``emit``, spans come
+    from ``span``."""
 
-    def __init__(self, mesh: Mesh) -> None:
-        self.mesh = mesh
-        self.configured = address_list(mesh.config.load_balancer_address)
-        self.registry = BalancerRegistry(clock=mesh.clock, emit=mesh.emit, lease_ttl_s=mesh.config.lease_ttl_s)
-        saved = mesh.store.load(KEY)
+    def __init__(self, load_balancer_address: str, *, lease_ttl_s: float, store: StateStore,
+                 clock: Callable[[], float], emit: Callable[..., Any],
+                 span: Callable[..., AbstractContextManager[Any]], commit: Callable[[], Awaitable[None]]) -> None:
+        self.configured = address_list(load_balancer_address)
+        self.registry = BalancerRegistry(clock=clock, emit=emit, lease_ttl_s=lease_ttl_s)
+        self.store, self.clock, self.span, self.commit = store, clock, span, commit
+        saved = store.load(KEY)
         if saved:
             self.registry.load_state_dict(saved)
-        mesh.store.track(KEY, self.registry.state_dict)
+        store.track(KEY, self.registry.state_dict)
         self._wakeup = asyncio.Event()
         self._wakeup.set()   # the first round right away: restored and configured balancers are filled at once
 
@@ -76,12 +82,12 @@ class Balancers:
         if request.address in self.configured:
             log.info("balancer %s registers at %s, which load_balancer_address names too: it is kept in line once",
                      request.balancer_id, request.address)
-        with self.mesh.span("registry.register_balancer", balancer_id=request.balancer_id, address=request.address):
+        with self.span("registry.register_balancer", balancer_id=request.balancer_id, address=request.address):
             member, changed, fresh = self.registry.register(request.balancer_id, request.address, request.version,
                                                             request.instance_id)
             if changed or fresh:
-                self.mesh.store.mark(KEY)
-                await self.mesh.commit()   # a new member is durable before it is acknowledged
+                self.store.mark(KEY)
+                await self.commit()   # a new member is durable before it is acknowledged
                 self.wake_reconcile()
         reply = registry_pb2.RegisterBalancerResponse(routing_ready=member.address in self.registry.ready)
         reply.lease_ttl.CopyFrom(convert.duration(self.registry.lease_ttl_s))
@@ -94,14 +100,14 @@ class Balancers:
         check_id(request.balancer_id, "balancer_id")
         require_own_balancer(request.balancer_id, "DeregisterBalancer")
         self.registry.deregister(request.balancer_id, request.reason[:200])
-        self.mesh.store.mark(KEY)
-        await self.mesh.commit()
+        self.store.mark(KEY)
+        await self.commit()
         return registry_pb2.DeregisterBalancerResponse()
 
     def records(self, *, ready_only: bool = False) -> list[registry_pb2.BalancerRecord]:
         """Every balancer, ordered by id; with ``ready_only`` those clients should send requests to."""
         ready = self.registry.ready
-        now = self.mesh.clock()
+        now = self.clock()
         records = [registry_pb2.BalancerRecord(balancer_id=address, address=address, configured=True,
                                                lease_held=True, routing_ready=address in ready)
                    for address in self.configured]
@@ -120,7 +126,7 @@ class Balancers:
     # ------------------------------------------------------- leases, rounds
     def expire(self) -> None:
         if self.registry.expire():   # each lapse is an event (logged as a warning by the event log)
-            self.mesh.store.mark(KEY)
+            self.store.mark(KEY)
 
     async def run_leases(self) -> None:
         interval = min(1.0, self.registry.lease_ttl_s / 4)
@@ -148,4 +154,4 @@ class Balancers:
         if self.registry.set_ready(address, ok):
             log.info("balancer %s is %s", address, "ready: its routing table is filled" if ok
                      else "not ready: it did not answer the routing reconcile round")
-            self.mesh.store.mark(KEY)
+            self.store.mark(KEY)

@@ -96,7 +96,8 @@ class Mesh:
         self._background: set[asyncio.Future] = set()
         self.channels = Channels(tracer_provider, tls=config.tls)
         sched = config.async_training
-        self.balancers = Balancers(self)
+        self.balancers = Balancers(config.load_balancer_address, lease_ttl_s=config.lease_ttl_s, store=self.store,
+                                   clock=self.clock, emit=self.emit, span=self.span, commit=self.commit)
         self.routing = Routing(self.registry, LoadBalancerRouting(
             self.channels, config.load_balancer_address, sched.port_timeout_s, registered=self.balancers.registered))
         """Who is routed: the rule and the one writer of the balancers' tables (:mod:`controller.routing`)."""

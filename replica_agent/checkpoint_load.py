@@ -33,7 +33,8 @@ from mesh_runtime.reasons import Reason
 from .engines.checkpoint_spec import FLOAT_DTYPES, checkpoint_spec
 from .engines.types import WeightSpec
 from .replicas import Replica, ReplicaManager
-from .syncing import ReceiveResult, swapping_weights
+from .syncing import swapping_weights
+from .weights import ReceiveResult
 
 log = logging.getLogger(__name__)
 

@@ -37,8 +37,7 @@ from .replicas import Replica, ReplicaManager
 if TYPE_CHECKING:
     from .checkpoint_load import CheckpointLoads
     from .controller_link import ControllerLink
-    from .syncing import PreparedSource, ReceiveResult, SendResult
-    from .weights import WeightGroups
+    from .weights import PreparedSource, ReceiveResult, SendResult, WeightGroups
 
 log = logging.getLogger(__name__)
 

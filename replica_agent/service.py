@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
     from .processes import ReplicaProcess
     from .replicas import Replica
-    from .syncing import ReceiveResult
+    from .weights import ReceiveResult
 
 DESCRIPTOR = pb.DESCRIPTOR.services_by_name["ReplicaAgentService"]
 WEIGHTS_DESCRIPTOR = weights_pb.DESCRIPTOR.services_by_name["WeightSourceService"]

@@ -22,33 +22,14 @@ from mesh_runtime.reasons import Reason
 
 from .replicas import Replica, ReplicaManager
 
-if TYPE_CHECKING:   # torch loads only when weights move
-    from weight_transfer import Manifest
-    from weight_transfer.wire import SyncPlan
+from .weights import PreparedSource, ReceiveResult, SendResult, WeightGroups
 
-    from .weights import WeightGroups
+if TYPE_CHECKING:
+    from weight_transfer.wire import SyncPlan
 
 log = logging.getLogger(__name__)
 
 _CANNOT_SYNC = ("LAUNCHING", "LOADING", "FAILED", "STOPPED")
-
-
-@dataclasses.dataclass
-class ReceiveResult:
-    replica_id: str
-    weight_version: int
-    checksum_ok: bool
-    bytes_received: int
-    duration_s: float
-    error: str = ""
-
-
-@dataclasses.dataclass
-class SendResult:
-    bytes_sent: int
-    duration_s: float
-    checksum: str
-    weight_version: int
 
 
 def _check_receivable(replica: Replica, plan: SyncPlan, abort_in_flight: bool) -> None:
@@ -130,16 +111,6 @@ async def _receive_one(groups: WeightGroups, replica: Replica, plan: SyncPlan) -
     log.info("replica %s now serves weight version %d (%d bytes in %.3f s)", replica.replica_id,
              plan.weight_version, result.bytes_received, result.duration_s)
     return result
-
-
-@dataclasses.dataclass(frozen=True)
-class PreparedSource:
-    """A replica's weights laid out as the source of a seed-replica sync."""
-
-    replica_id: str
-    weight_version: int
-    manifest: Manifest
-    rendezvous: tuple[str, int]
 
 
 def _check_servable(replica: Replica) -> None:

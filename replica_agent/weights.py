@@ -10,10 +10,10 @@ repeated call returns them instead of transferring twice.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
-from typing import TYPE_CHECKING
 
-from weight_transfer import GroupCache, WeightTransferConfig
+from weight_transfer import GroupCache, Manifest, WeightTransferConfig
 from weight_transfer.wire import (  # noqa: F401 - the plan/manifest wire helpers, shared with the trainer
     BACKENDS,
     SyncPlan,
@@ -24,8 +24,33 @@ from weight_transfer.wire import (  # noqa: F401 - the plan/manifest wire helper
 
 _RECORDED_SYNCS = 256
 
-if TYPE_CHECKING:
-    from .syncing import PreparedSource, ReceiveResult
+
+@dataclasses.dataclass
+class ReceiveResult:
+    replica_id: str
+    weight_version: int
+    checksum_ok: bool
+    bytes_received: int
+    duration_s: float
+    error: str = ""
+
+
+@dataclasses.dataclass
+class SendResult:
+    bytes_sent: int
+    duration_s: float
+    checksum: str
+    weight_version: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedSource:
+    """A replica's weights laid out as the source of a seed-replica sync."""
+
+    replica_id: str
+    weight_version: int
+    manifest: Manifest
+    rendezvous: tuple[str, int]
 
 
 class WeightGroups:
