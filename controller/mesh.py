@@ -41,6 +41,7 @@ from .core.replicas import ReplicaRegistry
 from .core.steps import StepReport
 from .balancers import Balancers
 from .checkpoint_load import CheckpointFlip, FlipOutcome
+from .group_update import GroupUpdate
 from .ports import AgentReplicas, Channels, LoadBalancerRouting
 from .routing import Routing
 from .weight_sync import WeightBroadcast
@@ -107,6 +108,7 @@ class Mesh:
                                        backend=config.weight_sync_backend,
                                        bucket_size_bytes=config.weight_bucket_size_bytes)
         self.checkpoints = CheckpointFlip(self.channels, self.registry, self.weights.push_versions)
+        self.groups = GroupUpdate(self.channels, self.registry, self.weights.push_versions)
         self.metrics = CycleMetrics(hybrid_gpus=config.hybrid_gpus, standalone_gpus=config.standalone_gpus,
                                     concurrent_samples_per_replica=config.concurrent_samples_per_replica,
                                     max_required_samples=config.max_required_samples)
@@ -287,6 +289,35 @@ class Mesh:
                               "committed": flip.committed, "rolled_back": flip.rolled_back})
         await self.commit()
         return flip
+
+    async def update_from_group(self, replica_ids: list[str], group_name: str, step: str, body: Any, *,
+                                timeout_s: float | None) -> tuple[WeightSyncOutcome, bool]:
+        """One step of weights from a trainer's own group (UpdateWeightsFromGroup, :mod:`controller.group_update`):
+        ``join`` / ``receive`` / ``leave`` on the listed replicas; the outcome and, for a receive with a
+        version, whether it committed."""
+        targets = self._weight_targets(replica_ids)
+        timeout_s = timeout_s or self.weights.timeout_s
+        if step == "join":
+            return await self.groups.join(targets, group_name, body, timeout_s), False
+        if step == "leave":
+            return await self.groups.leave(targets, group_name, timeout_s), False
+        version = body.weight_version if body.HasField("weight_version") else None
+        self.emit(EventType.WEIGHT_SYNC_STARTED, weight_version=version or 0, reason="UpdateWeightsFromGroup",
+                  attributes={"replicas": len(targets), "group": group_name[:64], "tensors": len(body.tensors)})
+        async with self.transitions:
+            with self.span("weights.receive_from_group", group=group_name[:64], replica_ids=targets):
+                outcome, committed = await self.groups.receive(targets, group_name, list(body.tensors), version,
+                                                               timeout_s)
+        for result in outcome.replica_results:
+            if result.ok and version is not None:
+                self.registry.set_weight_version(result.replica_id, version)
+            elif not result.ok:
+                self.emit(EventType.WEIGHT_SYNC_FAILED, replica_id=result.replica_id, weight_version=version or 0,
+                          reason=f"{result.error_message}; removed from routing until a sync reaches it")
+        self.emit(EventType.WEIGHT_SYNC_COMPLETED, weight_version=version or 0, reason="UpdateWeightsFromGroup",
+                  attributes={"ok": len(targets) - len(outcome.failed), "failed": len(outcome.failed)})
+        await self.commit()
+        return outcome, committed
 
     # ----------------------------------------------------------- registration
     async def register_node(self, request: registry_pb2.RegisterNodeRequest) -> Registration:

@@ -19,6 +19,7 @@ from mesh_runtime.server import MeshServer, ServiceBinding
 from mesh_runtime.status import StatusReporter
 from mesh_runtime.validate import check_reachable
 from rollmesh.controller.v1 import controller_pb2, controller_pb2_grpc, events_pb2, observability_pb2, registry_pb2
+from rollmesh.common.v1 import weights_pb2
 from rollmesh.controller.v1 import scheduling_pb2, weight_sync_pb2
 
 from . import convert
@@ -237,6 +238,40 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
         return weight_sync_pb2.LoadWeightsResponse(result=convert.sync_result(flip.outcome), committed=flip.committed,
                                                    rolled_back=flip.rolled_back)
 
+    async def UpdateWeightsFromGroup(self, request: weight_sync_pb2.UpdateWeightsFromGroupRequest,  # noqa: N802
+                                     context: grpc.aio.ServicerContext
+                                     ) -> weight_sync_pb2.UpdateWeightsFromGroupResponse:
+        identity = current_identity()
+        if identity is None or identity.role != "trainer-agent":
+            require_scale_credential(context, self.config, "UpdateWeightsFromGroup")
+        step = request.WhichOneof("step")
+        if step is None:
+            raise InvalidArgument("set one step: join, receive or leave", reason=Reason.INVALID_ARGUMENT)
+        if not request.replica_ids:
+            raise InvalidArgument("replica_ids must list the replicas", reason=Reason.EMPTY_REPLICA_IDS)
+        if not request.group_name or len(request.group_name) > 200:
+            raise InvalidArgument("group_name must be 1 to 200 characters", reason=Reason.INVALID_ARGUMENT)
+        body = getattr(request, step)
+        if step == "join":
+            if not body.master_address or not 0 < body.master_port < 65536:
+                raise InvalidArgument("join needs the trainer's master_address and master_port",
+                                      reason=Reason.INVALID_ADDRESS)
+            if body.rank_offset < 1 or body.rank_offset + len(request.replica_ids) > body.world_size:
+                raise InvalidArgument(f"ranks {body.rank_offset}..{body.rank_offset + len(request.replica_ids) - 1} "
+                                      f"do not fit world_size {body.world_size} with rank 0 the trainer's",
+                                      reason=Reason.INVALID_ARGUMENT)
+            if body.backend == weights_pb2.PROCESS_GROUP_BACKEND_UNSPECIFIED:
+                raise InvalidArgument("join needs a backend (gloo or nccl)", reason=Reason.INVALID_ARGUMENT)
+        if step == "receive":
+            if not body.tensors:
+                raise InvalidArgument("receive needs the tensors rank 0 broadcasts", reason=Reason.INVALID_ARGUMENT)
+            _check_version(body)
+        timeout_s = _weights_call(request)
+        outcome, committed = await self.mesh.update_from_group(list(request.replica_ids), request.group_name, step,
+                                                               body, timeout_s=timeout_s)
+        return weight_sync_pb2.UpdateWeightsFromGroupResponse(result=convert.sync_result(outcome),
+                                                              committed=committed)
+
     # -------------------------------------------------------- events/metrics
     async def WatchEvents(self, request: observability_pb2.WatchEventsRequest,  # noqa: N802
                           context: grpc.aio.ServicerContext) -> AsyncIterator[observability_pb2.WatchEventsResponse]:
@@ -273,11 +308,18 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
         return observability_pb2.GetMetricsResponse(cycles=[convert.metrics_cycle(c) for c in cycles])
 
 
-def _weights_call(request: weight_sync_pb2.SyncWeightsRequest | weight_sync_pb2.LoadWeightsRequest) -> float | None:
-    """Check what SyncWeights and LoadWeights share (version, timeout, replica list); the timeout in seconds."""
-    if request.HasField("weight_version") and request.weight_version < 0:
-        raise InvalidArgument(f"weight_version must be >= 0, got {request.weight_version}",
+def _check_version(message: weight_sync_pb2.SyncWeightsRequest | weight_sync_pb2.LoadWeightsRequest
+                   | weight_sync_pb2.ReceiveTensorsStep) -> None:
+    if message.HasField("weight_version") and message.weight_version < 0:
+        raise InvalidArgument(f"weight_version must be >= 0, got {message.weight_version}",
                               reason=Reason.INVALID_WEIGHT_VERSION)
+
+
+def _weights_call(request: weight_sync_pb2.SyncWeightsRequest | weight_sync_pb2.LoadWeightsRequest
+                  | weight_sync_pb2.UpdateWeightsFromGroupRequest) -> float | None:
+    """Check what the weight RPCs share (version, timeout, replica list); the timeout in seconds."""
+    if not isinstance(request, weight_sync_pb2.UpdateWeightsFromGroupRequest):
+        _check_version(request)
     timeout_s = None
     if request.HasField("timeout"):
         timeout_s = to_seconds(request.timeout)

@@ -25,10 +25,12 @@ resume on the new weights), every node checks the checkpoint before any replica 
 flip together. A worker that cannot load it leaves routing and the version commits on the rest (a 207 that
 lists it), or with ``"on_failure": "rollback"`` (rollmesh's extension) every worker goes back to what it
 served (a 207 listing all, ``rolled_back`` true); a checkpoint no worker can load changes nothing (400).
-``update_weights_from_tensor`` (pickled tensors in the body: a remote code execution risk, and CUDA IPC
-handles that only mean something on the sender's host) and ``update_weights_from_distributed`` /
-``init_weights_update_group`` (the trainer's own NCCL group to each engine) are refused (501): rollmesh's
-trainer agent broadcasts through the controller (``SyncWeights``) instead. Errors are SMG's shape,
+``init_weights_update_group``, ``update_weights_from_distributed`` and ``destroy_weights_update_group`` are the
+controller's ``UpdateWeightsFromGroup``: the workers join the trainer's own process group as SGLang engines do
+(worker i of a call takes rank ``rank_offset + i``), receive what its rank 0 broadcasts (new requests wait
+meanwhile; a worker that fails leaves routing; with ``weight_version`` the rest serve it), and leave.
+``update_weights_from_tensor`` (pickled tensors in the body: code the engines would run, and CUDA IPC handles
+that mean something only on the sender's host) is refused (501). Errors are SMG's shape,
 ``{"error": CODE, "message": ...}``. Engine calls take, on a mutual-TLS listener, a trainer agent's or an
 operator's certificate (a client's may list workers); the caller's ``Authorization`` header goes on to the
 controller (its operator token).
@@ -51,8 +53,9 @@ from .openai_requests import ApiError
 from .sglang_front import Front
 
 PAUSE_MODES = ("abort", "in_place", "retract")
-REFUSED_WEIGHT_PATHS = ("update_weights_from_tensor", "update_weights_from_distributed", "init_weights_update_group",
-                        "destroy_weights_update_group")
+REFUSED_WEIGHT_PATHS = ("update_weights_from_tensor",)
+WEIGHT_ACTIONS = ("update_weights_from_disk", "init_weights_update_group", "update_weights_from_distributed",
+                  "destroy_weights_update_group")
 DISK_FIELDS = {"model_path", "load_format", "weight_version", "abort_all_requests", "flush_cache", "is_async",
                "torch_empty_cache", "keep_pause", "recapture_cuda_graph", "token_step", "on_failure"}
 """The keys of SGLang's UpdateWeightFromDiskReqInput rollmesh takes (the engine-side tuning ones change no
@@ -133,8 +136,8 @@ class RlApi:
             raise _rl_error(404, "worker_not_found", f"no worker {quote(worker_id)}")
         action = _action(path)
         body = await _body(request)
-        if action == "update_weights_from_disk":
-            results, _ = await self._load(request, body, [workers[worker_id]])
+        if action in WEIGHT_ACTIONS:
+            results, _ = await self._weights(request, action, body, [workers[worker_id]])
         else:
             results = await self._run(action, body, [workers[worker_id]])
         return web.json_response({"worker_id": worker_id, **results[worker_id]})
@@ -152,8 +155,8 @@ class RlApi:
         if not matched:
             raise _rl_error(404, "no_workers_matched", f"selector {quote(selector)} matches no worker")
         extra: dict[str, Any] = {}
-        if action == "update_weights_from_disk":
-            results, extra = await self._load(request, body, matched)
+        if action in WEIGHT_ACTIONS:
+            results, extra = await self._weights(request, action, body, matched)
         else:
             results = await self._run(action, body, matched)
         ok = {wid: r for wid, r in results.items() if r["status"] < 400}
@@ -163,51 +166,64 @@ class RlApi:
         return web.json_response({"results": ok, "failed": failed, "total": len(results), "succeeded": len(ok),
                                   **extra}, status=207 if failed else 200)
 
-    async def _load(self, request: web.Request, body: dict[str, Any],
-                    workers: list[dict[str, Any]]) -> tuple[dict[str, dict], dict[str, Any]]:
-        """``update_weights_from_disk`` on ``workers`` as one LoadWeights; per worker ``{url, status,
-        latency_ms, body}``, and what the flip did (``weight_version``, ``committed``, ``rolled_back``)."""
+    async def _weights(self, request: web.Request, action: str, body: dict[str, Any],
+                       workers: list[dict[str, Any]]) -> tuple[dict[str, dict], dict[str, Any]]:
+        """A weight update on ``workers`` through the controller (``update_weights_from_disk``: LoadWeights; the
+        group steps: UpdateWeightsFromGroup); per worker ``{url, status, latency_ms, body}``, and what the
+        update did. New requests wait while weights change (``update_weights_from_disk``,
+        ``update_weights_from_distributed``)."""
         from rollmesh.controller.v1 import controller_pb2_grpc  # noqa: PLC0415
 
-        load = _load_request(body)
+        ids = [w["id"] for w in workers]
+        if action == "update_weights_from_disk":
+            call = _load_request(body)
+            call.replica_ids.extend(ids)
+        else:
+            call = _group_request(action, body, ids)
         if self.controller is None:
             raise _rl_error(503, "no_controller", "weight updates go through rollmesh's controller, and this "
                                                   "balancer has none (controller_address)")
-        load.replica_ids.extend(w["id"] for w in workers)
+        stub = controller_pb2_grpc.ControllerServiceStub(self.controller)
+        method = stub.LoadWeights if action == "update_weights_from_disk" else stub.UpdateWeightsFromGroup
         auth = request.headers.get("Authorization")
         metadata = (("authorization", auth),) if auth else ()
         balancer = self.front.balancer
         routes = balancer.table.routes
-        held = [w["id"] for w in workers if w["id"] in routes and not routes[w["id"]].paused]
+        changing = action in ("update_weights_from_disk", "update_weights_from_distributed")
+        held = [i for i in ids if changing and i in routes and not routes[i].paused]
         started = time.perf_counter()
-        await balancer.control.pause(held, abort=False)   # nothing new starts on a worker while it flips
+        await balancer.control.pause(held, abort=False)   # nothing new starts on a worker while it changes
         try:
-            reply = await controller_pb2_grpc.ControllerServiceStub(self.controller).LoadWeights(
-                load, metadata=metadata, timeout=LOAD_TIMEOUT_S)
+            reply = await method(call, metadata=metadata, timeout=LOAD_TIMEOUT_S)
         except grpc.aio.AioRpcError as err:
             code = err.code().name
             status = {"INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "NOT_FOUND": 404,
                       "UNAUTHENTICATED": 401, "PERMISSION_DENIED": 403}.get(code, 502)
-            raise _rl_error(status, code.lower(), f"update_weights_from_disk: {(err.details() or '')[:400]}") from None
+            raise _rl_error(status, code.lower(), f"{action}: {(err.details() or '')[:400]}") from None
         finally:
             balancer.control.resume(held)
         result = reply.result
         latency = int((time.perf_counter() - started) * 1000)
-        version = str(result.weight_version)
-        outcome = {"weight_version": version, "committed": reply.committed, "rolled_back": reply.rolled_back}
+        outcome: dict[str, Any] = {}
+        if action == "update_weights_from_disk":
+            outcome = {"weight_version": str(result.weight_version), "committed": reply.committed,
+                       "rolled_back": getattr(reply, "rolled_back", False)}
+            done = f"serving weight version {result.weight_version} from {call.checkpoint_path}"
+        elif action == "update_weights_from_distributed":
+            if call.receive.HasField("weight_version"):
+                outcome = {"weight_version": str(result.weight_version), "committed": reply.committed}
+            done = f"received {len(call.receive.tensors)} tensor(s) from group {call.group_name}"
+        else:
+            done = f"{'joined' if action == 'init_weights_update_group' else 'left'} group {call.group_name}"
         by_id = {r.replica_id: r for r in result.replica_results}
         out = {}
         for w in workers:
             r = by_id.get(w["id"])
-            if r is not None and r.ok:
-                answer = {"success": True, "message": f"serving weight version {version} from {load.checkpoint_path}",
-                          **outcome}
-            else:
-                why = r.error_message if r is not None else "not part of the update"
-                answer = {"success": False, "message": why, **outcome}
-            out[w["id"]] = {"url": w["url"], "status": 200 if answer["success"] else 500, "latency_ms": latency,
-                            "body": answer}
-        return out, {**outcome, "weight_version": version}
+            ok = r is not None and r.ok
+            answer = {"success": ok, "message": done if ok else (r.error_message if r is not None
+                                                                 else "not part of the update"), **outcome}
+            out[w["id"]] = {"url": w["url"], "status": 200 if ok else 500, "latency_ms": latency, "body": answer}
+        return out, outcome
 
     async def _run(self, action: str, body: dict[str, Any], workers: list[dict[str, Any]]) -> dict[str, dict]:
         """Do ``action`` on ``workers``; per worker ``{url, status, latency_ms, body}``."""
@@ -238,8 +254,7 @@ class RlApi:
                           "body": bodies[w["id"]]} for w in workers}
 
 
-ACTIONS = ("pause_generation", "continue_generation", "get_weight_version", "flush_cache",
-           "update_weights_from_disk")
+ACTIONS = ("pause_generation", "continue_generation", "get_weight_version", "flush_cache", *WEIGHT_ACTIONS)
 
 
 def _action(path: str) -> str:
@@ -248,11 +263,79 @@ def _action(path: str) -> str:
         return path
     if path in REFUSED_WEIGHT_PATHS:
         raise _rl_error(501, "not_supported",
-                        f"{path}: rollmesh takes weights from disk (update_weights_from_disk) or from its trainer "
-                        "agent's broadcast through the controller (SyncWeights); see "
+                        f"{path}: pickled tensors (code the engines would run, handles that mean something on "
+                        "the sender's host only); send weights from disk (update_weights_from_disk) or over "
+                        "your process group (update_weights_from_distributed); see "
                         "docs/coming-from-sglang-router.md")
     raise _rl_error(404, "unknown_engine_path", f"{quote(path)} is not an engine path rollmesh serves "
                                                 f"({', '.join(ACTIONS)})")
+
+
+GROUP_FIELDS = {
+    "init_weights_update_group": {"master_address", "master_port", "rank_offset", "world_size", "group_name",
+                                  "backend"},
+    "update_weights_from_distributed": {"names", "dtypes", "shapes", "group_name", "flush_cache",
+                                        "abort_all_requests", "weight_version", "load_format"},
+    "destroy_weights_update_group": {"group_name"},
+}
+DEFAULT_GROUP = "weight_update_group"   # SGLang's default group_name
+
+
+def _group_request(action: str, body: dict[str, Any], ids: list[str]) -> Any:
+    """SGLang's body of a group step as an UpdateWeightsFromGroupRequest (400 for what rollmesh cannot take)."""
+    from rollmesh.common.v1 import weights_pb2  # noqa: PLC0415
+    from rollmesh.controller.v1 import weight_sync_pb2  # noqa: PLC0415
+
+    unknown = sorted(set(body) - GROUP_FIELDS[action])
+    if unknown:
+        raise _rl_error(400, "invalid_argument", f"{action} does not take {quote(unknown[0])} "
+                                                 f"(it takes {', '.join(sorted(GROUP_FIELDS[action]))})")
+    group = body.get("group_name", DEFAULT_GROUP)
+    if not isinstance(group, str) or not group or len(group) > 200:
+        raise _rl_error(400, "invalid_argument", f"group_name must be 1 to 200 characters, got {quote(group)}")
+    call = weight_sync_pb2.UpdateWeightsFromGroupRequest(replica_ids=ids, group_name=group)
+    if action == "destroy_weights_update_group":
+        call.leave.SetInParent()
+        return call
+    if action == "init_weights_update_group":
+        address = body.get("master_address")
+        numbers = [body.get(k) for k in ("master_port", "rank_offset", "world_size")]
+        if not isinstance(address, str) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                                   for n in numbers):
+            raise _rl_error(400, "invalid_argument", "init_weights_update_group needs master_address (a string) "
+                                                     "and master_port, rank_offset, world_size (integers)")
+        backend = body.get("backend", "nccl")
+        if backend not in ("nccl", "gloo"):
+            raise _rl_error(400, "invalid_argument", f"backend must be nccl or gloo, got {quote(backend)}")
+        call.join.master_address = address
+        call.join.master_port, call.join.rank_offset, call.join.world_size = (int(n or 0) for n in numbers)
+        call.join.backend = (weights_pb2.PROCESS_GROUP_BACKEND_NCCL if backend == "nccl"
+                             else weights_pb2.PROCESS_GROUP_BACKEND_GLOO)
+        return call
+    names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+    if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
+            and len(names) == len(dtypes) == len(shapes) and names):
+        raise _rl_error(400, "invalid_argument", "names, dtypes and shapes must be lists of one length, not empty")
+    if body.get("load_format") not in (None, "auto"):
+        raise _rl_error(400, "invalid_argument", f"load_format {quote(body['load_format'])} is not supported")
+    for name, dtype, shape in zip(names, dtypes, shapes):
+        if not (isinstance(name, str) and isinstance(dtype, str) and isinstance(shape, list)
+                and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+            raise _rl_error(400, "invalid_argument", f"tensor {quote(name)}: a name, a dtype string and a shape "
+                                                     "of integers")
+        call.receive.tensors.add(name=name, dtype=dtype.removeprefix("torch."), shape=shape)
+    version = body.get("weight_version")
+    if version is not None:
+        call.receive.weight_version = _version(version)
+    return call
+
+
+def _version(version: Any) -> int:
+    text = str(version).strip()
+    if isinstance(version, bool) or not text.isdigit() or len(text) > 18:
+        raise _rl_error(400, "invalid_argument", f"weight_version {quote(version)}: rollmesh's versions are "
+                                                 "integers >= 0")
+    return int(text)
 
 
 def _load_request(body: dict[str, Any]) -> Any:
@@ -273,11 +356,7 @@ def _load_request(body: dict[str, Any]) -> Any:
     load = weight_sync_pb2.LoadWeightsRequest(checkpoint_path=path)
     version = body.get("weight_version")
     if version is not None:
-        text = str(version).strip()
-        if isinstance(version, bool) or not text.isdigit() or len(text) > 18:
-            raise _rl_error(400, "invalid_argument", f"weight_version {quote(version)}: rollmesh's versions are "
-                                                     "integers >= 0")
-        load.weight_version = int(text)
+        load.weight_version = _version(version)
     on_failure = body.get("on_failure", "exclude")
     if on_failure not in ("exclude", "rollback"):
         raise _rl_error(400, "invalid_argument", f"on_failure must be exclude or rollback, got {quote(on_failure)}")

@@ -79,6 +79,7 @@ RULES: dict[str, dict[str, Rule]] = {
         "ListBalancers": READ,
         "BeginTrainingStep": TRAINER, "ReleaseHybridReplicas": TRAINER, "CompleteTrainingStep": TRAINER,
         "SyncWeights": TRAINER, "LoadWeights": _r("trainer-agent", "operator", token=True),
+        "UpdateWeightsFromGroup": _r("trainer-agent", "operator", token=True),
         "ScaleOut": OPERATOR, "ScaleIn": OPERATOR, "CancelOperations": OPERATOR,
         "SetAutoscalerEnabled": OPERATOR,
     },
@@ -101,6 +102,8 @@ RULES: dict[str, dict[str, Rule]] = {
         "LaunchReplica": FROM_CONTROLLER, "StopReplica": FROM_CONTROLLER, "PauseGeneration": FROM_CONTROLLER,
         "ResumeGeneration": FROM_CONTROLLER, "Sleep": FROM_CONTROLLER, "WakeUp": FROM_CONTROLLER,
         "ReceiveWeights": FROM_CONTROLLER, "LoadCheckpoint": FROM_CONTROLLER, "FlushCache": _r("controller", "lb"),
+        "JoinWeightGroup": FROM_CONTROLLER, "ReceiveGroupWeights": FROM_CONTROLLER,
+        "LeaveWeightGroup": FROM_CONTROLLER,
     },
     TRAINER_SERVICE: {
         "GetStatus": READ, "GetTrainingProgress": READ, "StopTraining": _r("operator"),

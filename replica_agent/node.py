@@ -36,6 +36,7 @@ from .replicas import Replica, ReplicaManager
 
 if TYPE_CHECKING:
     from .checkpoint_load import CheckpointLoads
+    from .group_weights import GroupWeights
     from .controller_link import ControllerLink
     from .weights import PreparedSource, ReceiveResult, SendResult, WeightGroups
 
@@ -79,6 +80,7 @@ class Node:
             self.server_metrics.on_scrape(children.families)
         self._groups: WeightGroups | None = None
         self._checkpoint_loads: CheckpointLoads | None = None
+        self._trainer_groups: GroupWeights | None = None
 
     def _create_engine(self, replica_id: str, kind: str, memory_fraction: float, weight_version: int,
                        engine_url: str = "") -> Engine:
@@ -205,9 +207,19 @@ class Node:
         host = parse_host_port(self.address)[0]
         return socket.getfqdn() if host in ("0.0.0.0", "::", "") else host
 
+    def trainer_groups(self) -> GroupWeights:
+        """The trainer groups this node's replicas joined (:mod:`replica_agent.group_weights`)."""
+        if self._trainer_groups is None:
+            from .group_weights import GroupWeights  # noqa: PLC0415 - torch only when weights move
+
+            self._trainer_groups = GroupWeights(self.replicas, self.config.weight_transfer_timeout_s)
+        return self._trainer_groups
+
     async def close_weight_groups(self) -> None:
         if self._groups is not None:
             await asyncio.to_thread(self._groups.close)
+        if self._trainer_groups is not None:
+            await asyncio.to_thread(self._trainer_groups.close)
 
     async def _stop_rejected(self, replica_ids: list[str]) -> None:
         for replica_id in replica_ids:

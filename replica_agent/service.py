@@ -20,7 +20,7 @@ from mesh_runtime.reasons import Reason
 from mesh_runtime.server import ServiceBinding
 from mesh_runtime.status import StatusReporter
 from mesh_runtime.validate import check_engine_url, check_id, check_number, check_session_id
-from rollmesh.common.v1 import types_pb2
+from rollmesh.common.v1 import types_pb2, weights_pb2
 from rollmesh.replica.v1 import replica_agent_pb2 as pb
 from rollmesh.replica.v1 import replica_agent_pb2_grpc, replica_pb2
 from rollmesh.weights.v1 import weight_source_pb2 as weights_pb
@@ -165,6 +165,30 @@ class ReplicaAgentServicer(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
         check_session_id(request.session_id, "session_id")
         released = await self.replicas.close_session(request.replica_id, request.session_id)
         return pb.CloseSessionResponse(released=released)
+
+    async def JoinWeightGroup(self, request: pb.JoinWeightGroupRequest,  # noqa: N802
+                              context: grpc.aio.ServicerContext) -> pb.JoinWeightGroupResponse:
+        backend = weights_pb2.ProcessGroupBackend.Name(request.backend).removeprefix("PROCESS_GROUP_BACKEND_").lower()
+        await self.node.trainer_groups().join(
+            request.replica_id, host=request.master_address, port=request.master_port, rank=request.rank,
+            world_size=request.world_size, group_name=request.group_name, backend=backend,
+            timeout_s=_seconds(request.timeout, None))
+        return pb.JoinWeightGroupResponse()
+
+    async def ReceiveGroupWeights(self, request: pb.ReceiveGroupWeightsRequest,  # noqa: N802
+                                  context: grpc.aio.ServicerContext) -> pb.ReceiveGroupWeightsResponse:
+        from .engines.types import WeightSpec  # noqa: PLC0415
+
+        tensors = [WeightSpec(t.name, t.dtype, tuple(t.shape)) for t in request.tensors]
+        result = await self.node.trainer_groups().receive(
+            request.replica_id, request.group_name, tensors,
+            request.weight_version if request.HasField("weight_version") else None, _seconds(request.timeout, None))
+        return pb.ReceiveGroupWeightsResponse(result=_weights_results([result])[0])
+
+    async def LeaveWeightGroup(self, request: pb.LeaveWeightGroupRequest,  # noqa: N802
+                               context: grpc.aio.ServicerContext) -> pb.LeaveWeightGroupResponse:
+        left = await asyncio.to_thread(self.node.trainer_groups().leave, request.replica_id, request.group_name)
+        return pb.LeaveWeightGroupResponse(left=left)
 
     async def FlushCache(self, request: pb.FlushCacheRequest,  # noqa: N802
                          context: grpc.aio.ServicerContext) -> pb.FlushCacheResponse:

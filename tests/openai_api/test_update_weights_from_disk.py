@@ -4,7 +4,8 @@ llama checkpoint fits), called with SMG 1.13's own client and as raw HTTP: one f
 controller's LoadWeights. The worker that cannot load the checkpoint leaves routing and the version commits on
 the rest (207 naming it); the replicas then compute the checkpoint's model; a generation in flight across the
 flip is aborted and resumes on the new weights, none lost; a rollback changes nothing; bad input is refused with
-SMG's error shape, nothing changed."""
+SMG's error shape, nothing changed. And the same through a trainer's own process group
+(``init_weights_update_group`` / ``update_weights_from_distributed`` / ``destroy_weights_update_group``)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,24 @@ async def _workers(router: str) -> dict[str, dict]:
     return {w["id"]: w for w in (await _call("GET", f"{router}/v1/rl/workers"))[1]["workers"]}
 
 
+async def _mesh(procs: Procs, tmp_path, presets: tuple[str, ...]) -> tuple[str, str]:
+    """A controller, a balancer with its HTTP front, and one torch agent per preset (nodes a, b, c, ...), all
+    routed; the front's URL and the controller's address."""
+    controller = procs.start("controller", "controller", CONTROLLER.format(state=tmp_path / "state"))
+    http = free_port()
+    procs.start("lb", "lb", f"controller_address: {controller}\nhttp_listen: 127.0.0.1:{http}\n"
+                            "model: tiny-llama\nno_replica_wait_s: 30\n")
+    nodes = "abcdefgh"[:len(presets)]
+    for node, preset in zip(nodes, presets):
+        procs.start(node, "replica-agent", AGENT.format(node=node, preset=preset, controller=controller))
+    router = f"http://127.0.0.1:{http}"
+
+    async def all_routed() -> bool:
+        return sorted(await _workers(router)) == [f"{n}-s0" for n in nodes]
+    await until(all_routed, 90, every_s=0.3, what=f"{len(nodes)} routed workers")
+    return router, controller
+
+
 def _gap(model, out: dict) -> float:
     """Largest difference between the logprobs an answer reports and ``model``'s recomputation."""
     triples = out["meta_info"]["output_token_logprobs"]
@@ -61,17 +80,7 @@ async def test_a_checkpoint_flips_the_fleet_through_smgs_rl_api(tmp_path):
     v7, v9 = save_preset("tiny-llama", 7, tmp_path / "v7"), save_preset("tiny-llama", 9, tmp_path / "v9")
     procs = Procs(tmp_path)
     try:
-        controller = procs.start("controller", "controller", CONTROLLER.format(state=tmp_path / "state"))
-        http = free_port()
-        procs.start("lb", "lb", f"controller_address: {controller}\nhttp_listen: 127.0.0.1:{http}\n"
-                                "model: tiny-llama\nno_replica_wait_s: 30\n")
-        for node, preset in (("a", "tiny-llama"), ("b", "tiny-llama"), ("c", "tiny-qwen2")):
-            procs.start(node, "replica-agent", AGENT.format(node=node, preset=preset, controller=controller))
-        router = f"http://127.0.0.1:{http}"
-
-        async def all_routed() -> bool:
-            return sorted(await _workers(router)) == ["a-s0", "b-s0", "c-s0"]
-        await until(all_routed, 90, every_s=0.3, what="three routed workers")
+        router, controller = await _mesh(procs, tmp_path, ("tiny-llama", "tiny-llama", "tiny-qwen2"))
         rl = RL(router, timeout=120)
         assert all(w["capabilities"]["weight_updates"] for w in (await _workers(router)).values())
 
@@ -146,5 +155,85 @@ async def test_a_checkpoint_flips_the_fleet_through_smgs_rl_api(tmp_path):
             await asyncio.to_thread(rl.call, "a-s0", "update_weights_from_tensor", {"serialized_named_tensors": []})
         assert err.value.status == 501
         assert {w.weight_version for w in await asyncio.to_thread(rl.workers)} == {"6"}
+    finally:
+        procs.close()
+
+
+def _trainer_group(port: int, world_size: int, name: str):
+    """Rank 0 of a trainer's weight group, built as a trainer that drives SGLang engines builds it."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _new_process_group_helper
+
+    timeout = datetime.timedelta(seconds=60)
+    store = dist.TCPStore("127.0.0.1", port, world_size, True, timeout)
+    group, _ = _new_process_group_helper(world_size, 0, [], "gloo", dist.PrefixStore(name, store), group_name=name,
+                                         timeout=timeout)
+    return store, group
+
+
+async def test_a_trainers_own_group_sends_weights_as_smgs_distributed_update(tmp_path):
+    """SGLang's init_weights_update_group / update_weights_from_distributed / destroy_weights_update_group through
+    SMG's RL API: two replicas join the test's rank-0 group, receive its broadcast and serve the new version;
+    the third, in no group, fails and leaves routing (207)."""
+    import threading
+
+    import torch.distributed as dist
+    from smg.rl import RL, RlError
+
+    procs = Procs(tmp_path)
+    try:
+        router, _ = await _mesh(procs, tmp_path, ("tiny-llama",) * 3)
+        rl = RL(router, timeout=120)
+
+        port, made = free_port(), {}
+        trainer = threading.Thread(target=lambda: made.update(group=_trainer_group(port, 3, "g")))
+        trainer.start()
+        joins = [asyncio.to_thread(rl.call, worker, "init_weights_update_group",
+                                   {"master_address": "127.0.0.1", "master_port": port, "rank_offset": rank,
+                                    "world_size": 3, "group_name": "g", "backend": "gloo"})
+                 for worker, rank in (("a-s0", 1), ("b-s0", 2))]
+        joined = await asyncio.gather(*joins)
+        trainer.join(60)
+        assert all(j.status == 200 and j.body["success"] for j in joined), joined
+        store, group = made["group"]
+
+        model7 = build_preset_model("tiny-llama", 7)
+        named = [(n, p.detach().contiguous()) for n, p in model7.named_parameters()]
+        body = {"names": [n for n, _ in named], "dtypes": ["float32"] * len(named),
+                "shapes": [list(p.shape) for _, p in named], "group_name": "g", "weight_version": "3"}
+
+        def broadcast() -> None:
+            for _, tensor in named:
+                dist.broadcast(tensor, group=group, group_src=0)
+        sender = threading.Thread(target=broadcast)
+        sender.start()
+        status, sent = await _call("POST", f"{router}/v1/rl/engine/update_weights_from_distributed?selector=all",
+                                   body)
+        sender.join(60)
+        assert status == 207 and sent["succeeded"] == 2 and sent["committed"], sent
+        assert [f["worker_id"] for f in sent["failed"]] == ["c-s0"] and "no group" in sent["failed"][0]["message"]
+        workers = await _workers(router)
+        assert sorted(workers) == ["a-s0", "b-s0"] and {w["weight_version"] for w in workers.values()} == {"3"}
+        for _ in range(3):
+            status, out = await _call("POST", f"{router}/generate", {
+                "input_ids": PROMPT, "return_logprob": True, "sampling_params": {"max_new_tokens": 10,
+                                                                                  "temperature": 1.0}})
+            assert status == 200 and out["meta_info"]["weight_version"] == "3" and _gap(model7, out) < 1e-4
+
+        left = await asyncio.to_thread(rl.fanout, "destroy_weights_update_group", {"group_name": "g"},
+                                       selector="all")
+        assert left.succeeded == left.total == 2
+        for bad in ({"master_address": "127.0.0.1", "master_port": port, "rank_offset": 0, "world_size": 3},
+                    {"master_address": "127.0.0.1", "master_port": "x", "rank_offset": 1, "world_size": 3}):
+            with pytest.raises(RlError) as err:
+                await asyncio.to_thread(rl.call, "a-s0", "init_weights_update_group", bad)
+            assert err.value.status == 400, bad
+        with pytest.raises(RlError) as err:
+            await asyncio.to_thread(rl.fanout, "update_weights_from_distributed",
+                                    {**body, "dtypes": ["float32"]}, selector="all")
+        assert err.value.status == 400
+        del store
     finally:
         procs.close()

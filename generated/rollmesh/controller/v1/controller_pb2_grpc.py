@@ -144,6 +144,11 @@ class ControllerServiceStub:
                 request_serializer=rollmesh_dot_controller_dot_v1_dot_weight__sync__pb2.LoadWeightsRequest.SerializeToString,
                 response_deserializer=rollmesh_dot_controller_dot_v1_dot_weight__sync__pb2.LoadWeightsResponse.FromString,
                 _registered_method=True)
+        self.UpdateWeightsFromGroup = channel.unary_unary(
+                '/rollmesh.controller.v1.ControllerService/UpdateWeightsFromGroup',
+                request_serializer=rollmesh_dot_controller_dot_v1_dot_weight__sync__pb2.UpdateWeightsFromGroupRequest.SerializeToString,
+                response_deserializer=rollmesh_dot_controller_dot_v1_dot_weight__sync__pb2.UpdateWeightsFromGroupResponse.FromString,
+                _registered_method=True)
         self.WatchEvents = channel.unary_stream(
                 '/rollmesh.controller.v1.ControllerService/WatchEvents',
                 request_serializer=rollmesh_dot_controller_dot_v1_dot_observability__pb2.WatchEventsRequest.SerializeToString,
@@ -516,6 +521,33 @@ class ControllerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateWeightsFromGroup(self, request, context):
+        """Moves weights from a trainer's own process group into replicas, as
+        SGLang's /init_weights_update_group, /update_weights_from_distributed
+        and /destroy_weights_update_group do, one step per call on every listed
+        replica at once: join (replica i of replica_ids takes rank
+        rank_offset + i), receive (the tensors rank 0 broadcasts, loaded into
+        each replica), leave. A replica that fails to receive holds weights of
+        no one version: it leaves routing until a later sync reaches it. With
+        weight_version, the replicas that received serve that version and the
+        balancers learn it together. Capability: weight_sync.
+
+        Errors:
+        - INVALID_ARGUMENT: no replica_ids, a replica listed twice, no
+        group_name, no step, a malformed step (no tensors; rank_offset 0 or
+        ranks beyond world_size; no master address or port; no backend), a
+        timeout that is not positive, a negative weight_version.
+        - NOT_FOUND: a listed replica is not in the registry.
+        - FAILED_PRECONDITION: a listed replica cannot receive (not ACTIVE,
+        PAUSED or SLEEPING).
+        - UNAUTHENTICATED, PERMISSION_DENIED: auth.
+
+        Authorization: trainer-agent, operator (or the operator bearer token).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def WatchEvents(self, request, context):
         """Streams lifecycle events: the requested backlog first, then new events
         as they happen, in sequence order. An event is sent once the state store
@@ -770,6 +802,11 @@ def add_ControllerServiceServicer_to_server(servicer, server):
                     servicer.LoadWeights,
                     request_deserializer=rollmesh_dot_controller_dot_v1_dot_weight__sync__pb2.LoadWeightsRequest.FromString,
                     response_serializer=rollmesh_dot_controller_dot_v1_dot_weight__sync__pb2.LoadWeightsResponse.SerializeToString,
+            ),
+            'UpdateWeightsFromGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeightsFromGroup,
+                    request_deserializer=rollmesh_dot_controller_dot_v1_dot_weight__sync__pb2.UpdateWeightsFromGroupRequest.FromString,
+                    response_serializer=rollmesh_dot_controller_dot_v1_dot_weight__sync__pb2.UpdateWeightsFromGroupResponse.SerializeToString,
             ),
             'WatchEvents': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchEvents,
@@ -1294,6 +1331,33 @@ class ControllerService:
             '/rollmesh.controller.v1.ControllerService/LoadWeights',
             rollmesh_dot_controller_dot_v1_dot_weight__sync__pb2.LoadWeightsRequest.SerializeToString,
             rollmesh_dot_controller_dot_v1_dot_weight__sync__pb2.LoadWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeightsFromGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollmesh.controller.v1.ControllerService/UpdateWeightsFromGroup',
+            rollmesh_dot_controller_dot_v1_dot_weight__sync__pb2.UpdateWeightsFromGroupRequest.SerializeToString,
+            rollmesh_dot_controller_dot_v1_dot_weight__sync__pb2.UpdateWeightsFromGroupResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -300,6 +300,29 @@ class ControllerServiceStub:
 
     Authorization: trainer-agent, operator (or the operator bearer token).
     """
+    UpdateWeightsFromGroup: _grpc.UnaryUnaryMultiCallable[_weight_sync_pb2.UpdateWeightsFromGroupRequest, _weight_sync_pb2.UpdateWeightsFromGroupResponse]
+    """Moves weights from a trainer's own process group into replicas, as
+    SGLang's /init_weights_update_group, /update_weights_from_distributed
+    and /destroy_weights_update_group do, one step per call on every listed
+    replica at once: join (replica i of replica_ids takes rank
+    rank_offset + i), receive (the tensors rank 0 broadcasts, loaded into
+    each replica), leave. A replica that fails to receive holds weights of
+    no one version: it leaves routing until a later sync reaches it. With
+    weight_version, the replicas that received serve that version and the
+    balancers learn it together. Capability: weight_sync.
+
+    Errors:
+    - INVALID_ARGUMENT: no replica_ids, a replica listed twice, no
+      group_name, no step, a malformed step (no tensors; rank_offset 0 or
+      ranks beyond world_size; no master address or port; no backend), a
+      timeout that is not positive, a negative weight_version.
+    - NOT_FOUND: a listed replica is not in the registry.
+    - FAILED_PRECONDITION: a listed replica cannot receive (not ACTIVE,
+      PAUSED or SLEEPING).
+    - UNAUTHENTICATED, PERMISSION_DENIED: auth.
+
+    Authorization: trainer-agent, operator (or the operator bearer token).
+    """
     WatchEvents: _grpc.UnaryStreamMultiCallable[_observability_pb2.WatchEventsRequest, _observability_pb2.WatchEventsResponse]
     """Streams lifecycle events: the requested backlog first, then new events
     as they happen, in sequence order. An event is sent once the state store
@@ -687,6 +710,29 @@ class ControllerServiceAsyncStub(ControllerServiceStub):
     - NOT_FOUND: a listed replica is not in the registry.
     - FAILED_PRECONDITION: a listed replica cannot receive (not ACTIVE,
       PAUSED or SLEEPING), or no replica would.
+    - UNAUTHENTICATED, PERMISSION_DENIED: auth.
+
+    Authorization: trainer-agent, operator (or the operator bearer token).
+    """
+    UpdateWeightsFromGroup: _aio.UnaryUnaryMultiCallable[_weight_sync_pb2.UpdateWeightsFromGroupRequest, _weight_sync_pb2.UpdateWeightsFromGroupResponse]  # type: ignore[assignment]
+    """Moves weights from a trainer's own process group into replicas, as
+    SGLang's /init_weights_update_group, /update_weights_from_distributed
+    and /destroy_weights_update_group do, one step per call on every listed
+    replica at once: join (replica i of replica_ids takes rank
+    rank_offset + i), receive (the tensors rank 0 broadcasts, loaded into
+    each replica), leave. A replica that fails to receive holds weights of
+    no one version: it leaves routing until a later sync reaches it. With
+    weight_version, the replicas that received serve that version and the
+    balancers learn it together. Capability: weight_sync.
+
+    Errors:
+    - INVALID_ARGUMENT: no replica_ids, a replica listed twice, no
+      group_name, no step, a malformed step (no tensors; rank_offset 0 or
+      ranks beyond world_size; no master address or port; no backend), a
+      timeout that is not positive, a negative weight_version.
+    - NOT_FOUND: a listed replica is not in the registry.
+    - FAILED_PRECONDITION: a listed replica cannot receive (not ACTIVE,
+      PAUSED or SLEEPING).
     - UNAUTHENTICATED, PERMISSION_DENIED: auth.
 
     Authorization: trainer-agent, operator (or the operator bearer token).
@@ -1177,6 +1223,35 @@ class ControllerServiceServicer(metaclass=_abc_1.ABCMeta):
         - NOT_FOUND: a listed replica is not in the registry.
         - FAILED_PRECONDITION: a listed replica cannot receive (not ACTIVE,
           PAUSED or SLEEPING), or no replica would.
+        - UNAUTHENTICATED, PERMISSION_DENIED: auth.
+
+        Authorization: trainer-agent, operator (or the operator bearer token).
+        """
+
+    @_abc_1.abstractmethod
+    def UpdateWeightsFromGroup(
+        self,
+        request: _weight_sync_pb2.UpdateWeightsFromGroupRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_weight_sync_pb2.UpdateWeightsFromGroupResponse, _abc.Awaitable[_weight_sync_pb2.UpdateWeightsFromGroupResponse]]:
+        """Moves weights from a trainer's own process group into replicas, as
+        SGLang's /init_weights_update_group, /update_weights_from_distributed
+        and /destroy_weights_update_group do, one step per call on every listed
+        replica at once: join (replica i of replica_ids takes rank
+        rank_offset + i), receive (the tensors rank 0 broadcasts, loaded into
+        each replica), leave. A replica that fails to receive holds weights of
+        no one version: it leaves routing until a later sync reaches it. With
+        weight_version, the replicas that received serve that version and the
+        balancers learn it together. Capability: weight_sync.
+
+        Errors:
+        - INVALID_ARGUMENT: no replica_ids, a replica listed twice, no
+          group_name, no step, a malformed step (no tensors; rank_offset 0 or
+          ranks beyond world_size; no master address or port; no backend), a
+          timeout that is not positive, a negative weight_version.
+        - NOT_FOUND: a listed replica is not in the registry.
+        - FAILED_PRECONDITION: a listed replica cannot receive (not ACTIVE,
+          PAUSED or SLEEPING).
         - UNAUTHENTICATED, PERMISSION_DENIED: auth.
 
         Authorization: trainer-agent, operator (or the operator bearer token).

@@ -12,6 +12,7 @@ from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from rollmesh.common.v1 import weights_pb2 as _weights_pb2
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -305,3 +306,176 @@ class LoadWeightsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___LoadWeightsResponse: _TypeAlias = LoadWeightsResponse  # noqa: Y015
+
+@_typing.final
+class UpdateWeightsFromGroupRequest(_message.Message):
+    """Request of UpdateWeightsFromGroup."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLICA_IDS_FIELD_NUMBER: _builtins.int
+    GROUP_NAME_FIELD_NUMBER: _builtins.int
+    JOIN_FIELD_NUMBER: _builtins.int
+    RECEIVE_FIELD_NUMBER: _builtins.int
+    LEAVE_FIELD_NUMBER: _builtins.int
+    TIMEOUT_FIELD_NUMBER: _builtins.int
+    group_name: _builtins.str
+    """The trainer's group."""
+    @_builtins.property
+    def replica_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The replicas, in rank order for a join."""
+
+    @_builtins.property
+    def join(self) -> Global___JoinGroupStep:
+        """Join the group."""
+
+    @_builtins.property
+    def receive(self) -> Global___ReceiveTensorsStep:
+        """Receive tensors rank 0 broadcasts."""
+
+    @_builtins.property
+    def leave(self) -> Global___LeaveGroupStep:
+        """Leave the group."""
+
+    @_builtins.property
+    def timeout(self) -> _duration_pb2.Duration:
+        """Limit for the step on each replica. Unset: the controller's configured
+        weight-sync timeout.
+        """
+
+    def __init__(
+        self,
+        *,
+        replica_ids: _abc.Iterable[_builtins.str] | None = ...,
+        group_name: _builtins.str = ...,
+        join: Global___JoinGroupStep | None = ...,
+        receive: Global___ReceiveTensorsStep | None = ...,
+        leave: Global___LeaveGroupStep | None = ...,
+        timeout: _duration_pb2.Duration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["join", b"join", "leave", b"leave", "receive", b"receive", "step", b"step", "timeout", b"timeout"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_name", b"group_name", "join", b"join", "leave", b"leave", "receive", b"receive", "replica_ids", b"replica_ids", "step", b"step", "timeout", b"timeout"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_step: _TypeAlias = _typing.Literal["join", "receive", "leave"]  # noqa: Y015
+    _WhichOneofArgType_step: _TypeAlias = _typing.Literal["step", b"step"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_step) -> _WhichOneofReturnType_step | None: ...
+
+Global___UpdateWeightsFromGroupRequest: _TypeAlias = UpdateWeightsFromGroupRequest  # noqa: Y015
+
+@_typing.final
+class JoinGroupStep(_message.Message):
+    """Joining a trainer's group."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MASTER_ADDRESS_FIELD_NUMBER: _builtins.int
+    MASTER_PORT_FIELD_NUMBER: _builtins.int
+    RANK_OFFSET_FIELD_NUMBER: _builtins.int
+    WORLD_SIZE_FIELD_NUMBER: _builtins.int
+    BACKEND_FIELD_NUMBER: _builtins.int
+    master_address: _builtins.str
+    """Host of the group's TCP store (the trainer's rank 0)."""
+    master_port: _builtins.int
+    """Port of the group's TCP store."""
+    rank_offset: _builtins.int
+    """Rank of the first listed replica (at least 1: rank 0 is the trainer's)."""
+    world_size: _builtins.int
+    """Ranks in the group, the trainer's included."""
+    backend: _weights_pb2.ProcessGroupBackend.ValueType
+    """gloo (CPU) or NCCL (GPU)."""
+    def __init__(
+        self,
+        *,
+        master_address: _builtins.str = ...,
+        master_port: _builtins.int = ...,
+        rank_offset: _builtins.int = ...,
+        world_size: _builtins.int = ...,
+        backend: _weights_pb2.ProcessGroupBackend.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "master_address", b"master_address", "master_port", b"master_port", "rank_offset", b"rank_offset", "world_size", b"world_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JoinGroupStep: _TypeAlias = JoinGroupStep  # noqa: Y015
+
+@_typing.final
+class ReceiveTensorsStep(_message.Message):
+    """Receiving tensors from the group's rank 0."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENSORS_FIELD_NUMBER: _builtins.int
+    WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
+    weight_version: _builtins.int
+    """The version the replicas serve afterwards. Unset: theirs do not change."""
+    @_builtins.property
+    def tensors(self) -> _containers.RepeatedCompositeFieldContainer[_weights_pb2.TensorSpec]:
+        """The tensors, in the order rank 0 broadcasts them."""
+
+    def __init__(
+        self,
+        *,
+        tensors: _abc.Iterable[_weights_pb2.TensorSpec] | None = ...,
+        weight_version: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_weight_version", b"_weight_version", "weight_version", b"weight_version"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_weight_version", b"_weight_version", "tensors", b"tensors", "weight_version", b"weight_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__weight_version: _TypeAlias = _typing.Literal["weight_version"]  # noqa: Y015
+    _WhichOneofArgType__weight_version: _TypeAlias = _typing.Literal["_weight_version", b"_weight_version"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__weight_version) -> _WhichOneofReturnType__weight_version | None: ...
+
+Global___ReceiveTensorsStep: _TypeAlias = ReceiveTensorsStep  # noqa: Y015
+
+@_typing.final
+class LeaveGroupStep(_message.Message):
+    """Leaving a trainer's group."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LeaveGroupStep: _TypeAlias = LeaveGroupStep  # noqa: Y015
+
+@_typing.final
+class UpdateWeightsFromGroupResponse(_message.Message):
+    """Response of UpdateWeightsFromGroup."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULT_FIELD_NUMBER: _builtins.int
+    COMMITTED_FIELD_NUMBER: _builtins.int
+    committed: _builtins.bool
+    """Receive with weight_version: true when that version serves on every
+    replica that stays routed.
+    """
+    @_builtins.property
+    def result(self) -> Global___WeightSyncResult:
+        """One result per replica (source "group:<name>"; ok: the step succeeded
+        on it).
+        """
+
+    def __init__(
+        self,
+        *,
+        result: Global___WeightSyncResult | None = ...,
+        committed: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed", b"committed", "result", b"result"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpdateWeightsFromGroupResponse: _TypeAlias = UpdateWeightsFromGroupResponse  # noqa: Y015

@@ -1114,6 +1114,195 @@ class ReceiveWeightsResponse(_message.Message):
 Global___ReceiveWeightsResponse: _TypeAlias = ReceiveWeightsResponse  # noqa: Y015
 
 @_typing.final
+class JoinWeightGroupRequest(_message.Message):
+    """Request of JoinWeightGroup."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLICA_ID_FIELD_NUMBER: _builtins.int
+    MASTER_ADDRESS_FIELD_NUMBER: _builtins.int
+    MASTER_PORT_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    WORLD_SIZE_FIELD_NUMBER: _builtins.int
+    GROUP_NAME_FIELD_NUMBER: _builtins.int
+    BACKEND_FIELD_NUMBER: _builtins.int
+    TIMEOUT_FIELD_NUMBER: _builtins.int
+    replica_id: _builtins.str
+    """The replica that joins."""
+    master_address: _builtins.str
+    """Host of the group's TCP store (the trainer's rank 0)."""
+    master_port: _builtins.int
+    """Port of the group's TCP store."""
+    rank: _builtins.int
+    """The replica's rank, 1 .. world_size - 1."""
+    world_size: _builtins.int
+    """Ranks in the group, the trainer's included."""
+    group_name: _builtins.str
+    """The group's name (the store's key prefix)."""
+    backend: _weights_pb2.ProcessGroupBackend.ValueType
+    """gloo (CPU) or NCCL (GPU)."""
+    @_builtins.property
+    def timeout(self) -> _duration_pb2.Duration:
+        """How long to wait for every rank. Unset: the agent's weight transfer
+        timeout.
+        """
+
+    def __init__(
+        self,
+        *,
+        replica_id: _builtins.str = ...,
+        master_address: _builtins.str = ...,
+        master_port: _builtins.int = ...,
+        rank: _builtins.int = ...,
+        world_size: _builtins.int = ...,
+        group_name: _builtins.str = ...,
+        backend: _weights_pb2.ProcessGroupBackend.ValueType = ...,
+        timeout: _duration_pb2.Duration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["timeout", b"timeout"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "group_name", b"group_name", "master_address", b"master_address", "master_port", b"master_port", "rank", b"rank", "replica_id", b"replica_id", "timeout", b"timeout", "world_size", b"world_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JoinWeightGroupRequest: _TypeAlias = JoinWeightGroupRequest  # noqa: Y015
+
+@_typing.final
+class JoinWeightGroupResponse(_message.Message):
+    """Response of JoinWeightGroup."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JoinWeightGroupResponse: _TypeAlias = JoinWeightGroupResponse  # noqa: Y015
+
+@_typing.final
+class ReceiveGroupWeightsRequest(_message.Message):
+    """Request of ReceiveGroupWeights."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLICA_ID_FIELD_NUMBER: _builtins.int
+    GROUP_NAME_FIELD_NUMBER: _builtins.int
+    TENSORS_FIELD_NUMBER: _builtins.int
+    WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
+    TIMEOUT_FIELD_NUMBER: _builtins.int
+    replica_id: _builtins.str
+    """The receiving replica."""
+    group_name: _builtins.str
+    """A group the replica joined."""
+    weight_version: _builtins.int
+    """The version the replica serves once they are loaded. Unset: its
+    version does not change.
+    """
+    @_builtins.property
+    def tensors(self) -> _containers.RepeatedCompositeFieldContainer[_weights_pb2.TensorSpec]:
+        """The tensors rank 0 broadcasts, in its order (name, dtype, shape)."""
+
+    @_builtins.property
+    def timeout(self) -> _duration_pb2.Duration:
+        """Limit for the receive. Unset: the agent's weight transfer timeout."""
+
+    def __init__(
+        self,
+        *,
+        replica_id: _builtins.str = ...,
+        group_name: _builtins.str = ...,
+        tensors: _abc.Iterable[_weights_pb2.TensorSpec] | None = ...,
+        weight_version: _builtins.int | None = ...,
+        timeout: _duration_pb2.Duration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_weight_version", b"_weight_version", "timeout", b"timeout", "weight_version", b"weight_version"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_weight_version", b"_weight_version", "group_name", b"group_name", "replica_id", b"replica_id", "tensors", b"tensors", "timeout", b"timeout", "weight_version", b"weight_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__weight_version: _TypeAlias = _typing.Literal["weight_version"]  # noqa: Y015
+    _WhichOneofArgType__weight_version: _TypeAlias = _typing.Literal["_weight_version", b"_weight_version"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__weight_version) -> _WhichOneofReturnType__weight_version | None: ...
+
+Global___ReceiveGroupWeightsRequest: _TypeAlias = ReceiveGroupWeightsRequest  # noqa: Y015
+
+@_typing.final
+class ReceiveGroupWeightsResponse(_message.Message):
+    """Response of ReceiveGroupWeights."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def result(self) -> Global___ReplicaWeightsResult:
+        """What the replica holds now."""
+
+    def __init__(
+        self,
+        *,
+        result: Global___ReplicaWeightsResult | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReceiveGroupWeightsResponse: _TypeAlias = ReceiveGroupWeightsResponse  # noqa: Y015
+
+@_typing.final
+class LeaveWeightGroupRequest(_message.Message):
+    """Request of LeaveWeightGroup."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLICA_ID_FIELD_NUMBER: _builtins.int
+    GROUP_NAME_FIELD_NUMBER: _builtins.int
+    replica_id: _builtins.str
+    """The replica."""
+    group_name: _builtins.str
+    """The group."""
+    def __init__(
+        self,
+        *,
+        replica_id: _builtins.str = ...,
+        group_name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_name", b"group_name", "replica_id", b"replica_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LeaveWeightGroupRequest: _TypeAlias = LeaveWeightGroupRequest  # noqa: Y015
+
+@_typing.final
+class LeaveWeightGroupResponse(_message.Message):
+    """Response of LeaveWeightGroup."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEFT_FIELD_NUMBER: _builtins.int
+    left: _builtins.bool
+    """False when the replica was in no group of that name."""
+    def __init__(
+        self,
+        *,
+        left: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["left", b"left"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LeaveWeightGroupResponse: _TypeAlias = LeaveWeightGroupResponse  # noqa: Y015
+
+@_typing.final
 class FlushCacheRequest(_message.Message):
     """Request of FlushCache."""
 

@@ -133,6 +133,21 @@ class ReplicaAgentServiceStub:
                 request_serializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.FlushCacheRequest.SerializeToString,
                 response_deserializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.FlushCacheResponse.FromString,
                 _registered_method=True)
+        self.JoinWeightGroup = channel.unary_unary(
+                '/rollmesh.replica.v1.ReplicaAgentService/JoinWeightGroup',
+                request_serializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.JoinWeightGroupRequest.SerializeToString,
+                response_deserializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.JoinWeightGroupResponse.FromString,
+                _registered_method=True)
+        self.ReceiveGroupWeights = channel.unary_unary(
+                '/rollmesh.replica.v1.ReplicaAgentService/ReceiveGroupWeights',
+                request_serializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.ReceiveGroupWeightsRequest.SerializeToString,
+                response_deserializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.ReceiveGroupWeightsResponse.FromString,
+                _registered_method=True)
+        self.LeaveWeightGroup = channel.unary_unary(
+                '/rollmesh.replica.v1.ReplicaAgentService/LeaveWeightGroup',
+                request_serializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.LeaveWeightGroupRequest.SerializeToString,
+                response_deserializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.LeaveWeightGroupResponse.FromString,
+                _registered_method=True)
         self.GetLoadReports = channel.unary_unary(
                 '/rollmesh.replica.v1.ReplicaAgentService/GetLoadReports',
                 request_serializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.GetLoadReportsRequest.SerializeToString,
@@ -474,6 +489,60 @@ class ReplicaAgentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def JoinWeightGroup(self, request, context):
+        """Joins a trainer's own process group as one of its ranks, as SGLang's
+        /init_weights_update_group does: a TCP store at master_address:
+        master_port (rank 0, the trainer, hosts it), the group named group_name.
+        Returns once the group is up (every rank joined) or fails within
+        timeout. Capability: weights.
+
+        Errors:
+        - INVALID_ARGUMENT: a field is missing or out of range (rank 0 is the
+        trainer's; rank < world_size).
+        - NOT_FOUND: the replica is not on this node.
+        - ALREADY_EXISTS: the replica is in a group of that name already.
+        - FAILED_PRECONDITION: the replica cannot take weights now.
+        - DEADLINE_EXCEEDED, UNAVAILABLE: the group did not come up.
+
+        Authorization: controller.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReceiveGroupWeights(self, request, context):
+        """Receives tensors that rank 0 of a joined group broadcasts, in the order
+        listed, and loads them into the replica (a subset of its weights is
+        fine), as SGLang's /update_weights_from_distributed does. With
+        weight_version the replica serves that version afterwards. A failure is
+        the result's (checksum_ok false, error_message): what was received is
+        not loaded. Capability: weights.
+
+        Errors:
+        - INVALID_ARGUMENT: no tensors, a tensor the replica does not have or
+        of another shape or dtype (nothing is received).
+        - NOT_FOUND: the replica is not on this node, or is in no group of that
+        name.
+
+        Authorization: controller.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LeaveWeightGroup(self, request, context):
+        """Leaves a group joined with JoinWeightGroup (SGLang's
+        /destroy_weights_update_group). Capability: weights.
+
+        Errors:
+        - NOT_FOUND: the replica is not on this node.
+
+        Authorization: controller.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetLoadReports(self, request, context):
         """Returns a fresh load report for each requested replica (all replicas when
         none are named). Capability: load_reports.
@@ -588,6 +657,21 @@ def add_ReplicaAgentServiceServicer_to_server(servicer, server):
                     servicer.FlushCache,
                     request_deserializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.FlushCacheRequest.FromString,
                     response_serializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.FlushCacheResponse.SerializeToString,
+            ),
+            'JoinWeightGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.JoinWeightGroup,
+                    request_deserializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.JoinWeightGroupRequest.FromString,
+                    response_serializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.JoinWeightGroupResponse.SerializeToString,
+            ),
+            'ReceiveGroupWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReceiveGroupWeights,
+                    request_deserializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.ReceiveGroupWeightsRequest.FromString,
+                    response_serializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.ReceiveGroupWeightsResponse.SerializeToString,
+            ),
+            'LeaveWeightGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.LeaveWeightGroup,
+                    request_deserializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.LeaveWeightGroupRequest.FromString,
+                    response_serializer=rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.LeaveWeightGroupResponse.SerializeToString,
             ),
             'GetLoadReports': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLoadReports,
@@ -1051,6 +1135,87 @@ class ReplicaAgentService:
             '/rollmesh.replica.v1.ReplicaAgentService/FlushCache',
             rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.FlushCacheRequest.SerializeToString,
             rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.FlushCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JoinWeightGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollmesh.replica.v1.ReplicaAgentService/JoinWeightGroup',
+            rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.JoinWeightGroupRequest.SerializeToString,
+            rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.JoinWeightGroupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReceiveGroupWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollmesh.replica.v1.ReplicaAgentService/ReceiveGroupWeights',
+            rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.ReceiveGroupWeightsRequest.SerializeToString,
+            rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.ReceiveGroupWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LeaveWeightGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollmesh.replica.v1.ReplicaAgentService/LeaveWeightGroup',
+            rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.LeaveWeightGroupRequest.SerializeToString,
+            rollmesh_dot_replica_dot_v1_dot_replica__agent__pb2.LeaveWeightGroupResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -299,6 +299,48 @@ class ReplicaAgentServiceStub:
 
     Authorization: controller, lb.
     """
+    JoinWeightGroup: _grpc.UnaryUnaryMultiCallable[_replica_agent_pb2.JoinWeightGroupRequest, _replica_agent_pb2.JoinWeightGroupResponse]
+    """Joins a trainer's own process group as one of its ranks, as SGLang's
+    /init_weights_update_group does: a TCP store at master_address:
+    master_port (rank 0, the trainer, hosts it), the group named group_name.
+    Returns once the group is up (every rank joined) or fails within
+    timeout. Capability: weights.
+
+    Errors:
+    - INVALID_ARGUMENT: a field is missing or out of range (rank 0 is the
+      trainer's; rank < world_size).
+    - NOT_FOUND: the replica is not on this node.
+    - ALREADY_EXISTS: the replica is in a group of that name already.
+    - FAILED_PRECONDITION: the replica cannot take weights now.
+    - DEADLINE_EXCEEDED, UNAVAILABLE: the group did not come up.
+
+    Authorization: controller.
+    """
+    ReceiveGroupWeights: _grpc.UnaryUnaryMultiCallable[_replica_agent_pb2.ReceiveGroupWeightsRequest, _replica_agent_pb2.ReceiveGroupWeightsResponse]
+    """Receives tensors that rank 0 of a joined group broadcasts, in the order
+    listed, and loads them into the replica (a subset of its weights is
+    fine), as SGLang's /update_weights_from_distributed does. With
+    weight_version the replica serves that version afterwards. A failure is
+    the result's (checksum_ok false, error_message): what was received is
+    not loaded. Capability: weights.
+
+    Errors:
+    - INVALID_ARGUMENT: no tensors, a tensor the replica does not have or
+      of another shape or dtype (nothing is received).
+    - NOT_FOUND: the replica is not on this node, or is in no group of that
+      name.
+
+    Authorization: controller.
+    """
+    LeaveWeightGroup: _grpc.UnaryUnaryMultiCallable[_replica_agent_pb2.LeaveWeightGroupRequest, _replica_agent_pb2.LeaveWeightGroupResponse]
+    """Leaves a group joined with JoinWeightGroup (SGLang's
+    /destroy_weights_update_group). Capability: weights.
+
+    Errors:
+    - NOT_FOUND: the replica is not on this node.
+
+    Authorization: controller.
+    """
     GetLoadReports: _grpc.UnaryUnaryMultiCallable[_replica_agent_pb2.GetLoadReportsRequest, _replica_agent_pb2.GetLoadReportsResponse]
     """Returns a fresh load report for each requested replica (all replicas when
     none are named). Capability: load_reports.
@@ -590,6 +632,48 @@ class ReplicaAgentServiceAsyncStub(ReplicaAgentServiceStub):
       flushed.
 
     Authorization: controller, lb.
+    """
+    JoinWeightGroup: _aio.UnaryUnaryMultiCallable[_replica_agent_pb2.JoinWeightGroupRequest, _replica_agent_pb2.JoinWeightGroupResponse]  # type: ignore[assignment]
+    """Joins a trainer's own process group as one of its ranks, as SGLang's
+    /init_weights_update_group does: a TCP store at master_address:
+    master_port (rank 0, the trainer, hosts it), the group named group_name.
+    Returns once the group is up (every rank joined) or fails within
+    timeout. Capability: weights.
+
+    Errors:
+    - INVALID_ARGUMENT: a field is missing or out of range (rank 0 is the
+      trainer's; rank < world_size).
+    - NOT_FOUND: the replica is not on this node.
+    - ALREADY_EXISTS: the replica is in a group of that name already.
+    - FAILED_PRECONDITION: the replica cannot take weights now.
+    - DEADLINE_EXCEEDED, UNAVAILABLE: the group did not come up.
+
+    Authorization: controller.
+    """
+    ReceiveGroupWeights: _aio.UnaryUnaryMultiCallable[_replica_agent_pb2.ReceiveGroupWeightsRequest, _replica_agent_pb2.ReceiveGroupWeightsResponse]  # type: ignore[assignment]
+    """Receives tensors that rank 0 of a joined group broadcasts, in the order
+    listed, and loads them into the replica (a subset of its weights is
+    fine), as SGLang's /update_weights_from_distributed does. With
+    weight_version the replica serves that version afterwards. A failure is
+    the result's (checksum_ok false, error_message): what was received is
+    not loaded. Capability: weights.
+
+    Errors:
+    - INVALID_ARGUMENT: no tensors, a tensor the replica does not have or
+      of another shape or dtype (nothing is received).
+    - NOT_FOUND: the replica is not on this node, or is in no group of that
+      name.
+
+    Authorization: controller.
+    """
+    LeaveWeightGroup: _aio.UnaryUnaryMultiCallable[_replica_agent_pb2.LeaveWeightGroupRequest, _replica_agent_pb2.LeaveWeightGroupResponse]  # type: ignore[assignment]
+    """Leaves a group joined with JoinWeightGroup (SGLang's
+    /destroy_weights_update_group). Capability: weights.
+
+    Errors:
+    - NOT_FOUND: the replica is not on this node.
+
+    Authorization: controller.
     """
     GetLoadReports: _aio.UnaryUnaryMultiCallable[_replica_agent_pb2.GetLoadReportsRequest, _replica_agent_pb2.GetLoadReportsResponse]  # type: ignore[assignment]
     """Returns a fresh load report for each requested replica (all replicas when
@@ -975,6 +1059,66 @@ class ReplicaAgentServiceServicer(metaclass=_abc_1.ABCMeta):
           flushed.
 
         Authorization: controller, lb.
+        """
+
+    @_abc_1.abstractmethod
+    def JoinWeightGroup(
+        self,
+        request: _replica_agent_pb2.JoinWeightGroupRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_replica_agent_pb2.JoinWeightGroupResponse, _abc.Awaitable[_replica_agent_pb2.JoinWeightGroupResponse]]:
+        """Joins a trainer's own process group as one of its ranks, as SGLang's
+        /init_weights_update_group does: a TCP store at master_address:
+        master_port (rank 0, the trainer, hosts it), the group named group_name.
+        Returns once the group is up (every rank joined) or fails within
+        timeout. Capability: weights.
+
+        Errors:
+        - INVALID_ARGUMENT: a field is missing or out of range (rank 0 is the
+          trainer's; rank < world_size).
+        - NOT_FOUND: the replica is not on this node.
+        - ALREADY_EXISTS: the replica is in a group of that name already.
+        - FAILED_PRECONDITION: the replica cannot take weights now.
+        - DEADLINE_EXCEEDED, UNAVAILABLE: the group did not come up.
+
+        Authorization: controller.
+        """
+
+    @_abc_1.abstractmethod
+    def ReceiveGroupWeights(
+        self,
+        request: _replica_agent_pb2.ReceiveGroupWeightsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_replica_agent_pb2.ReceiveGroupWeightsResponse, _abc.Awaitable[_replica_agent_pb2.ReceiveGroupWeightsResponse]]:
+        """Receives tensors that rank 0 of a joined group broadcasts, in the order
+        listed, and loads them into the replica (a subset of its weights is
+        fine), as SGLang's /update_weights_from_distributed does. With
+        weight_version the replica serves that version afterwards. A failure is
+        the result's (checksum_ok false, error_message): what was received is
+        not loaded. Capability: weights.
+
+        Errors:
+        - INVALID_ARGUMENT: no tensors, a tensor the replica does not have or
+          of another shape or dtype (nothing is received).
+        - NOT_FOUND: the replica is not on this node, or is in no group of that
+          name.
+
+        Authorization: controller.
+        """
+
+    @_abc_1.abstractmethod
+    def LeaveWeightGroup(
+        self,
+        request: _replica_agent_pb2.LeaveWeightGroupRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_replica_agent_pb2.LeaveWeightGroupResponse, _abc.Awaitable[_replica_agent_pb2.LeaveWeightGroupResponse]]:
+        """Leaves a group joined with JoinWeightGroup (SGLang's
+        /destroy_weights_update_group). Capability: weights.
+
+        Errors:
+        - NOT_FOUND: the replica is not on this node.
+
+        Authorization: controller.
         """
 
     @_abc_1.abstractmethod

@@ -10,13 +10,15 @@ import type { GenEnum, GenFile, GenMessage } from "@bufbuild/protobuf/codegenv2"
 import { enumDesc, fileDesc, messageDesc } from "@bufbuild/protobuf/codegenv2";
 import type { Duration } from "@bufbuild/protobuf/wkt";
 import { file_google_protobuf_duration } from "@bufbuild/protobuf/wkt";
+import type { ProcessGroupBackend, TensorSpec } from "../../common/v1/weights_pb.js";
+import { file_rollmesh_common_v1_weights } from "../../common/v1/weights_pb.js";
 import type { Message } from "@bufbuild/protobuf";
 
 /**
  * Describes the file rollmesh/controller/v1/weight_sync.proto.
  */
 export const file_rollmesh_controller_v1_weight_sync: GenFile = /*@__PURE__*/
-  fileDesc("Cihyb2xsbWVzaC9jb250cm9sbGVyL3YxL3dlaWdodF9zeW5jLnByb3RvEhZyb2xsbWVzaC5jb250cm9sbGVyLnYxIo8BChFSZXBsaWNhU3luY1Jlc3VsdBISCgpyZXBsaWNhX2lkGAEgASgJEgoKAm9rGAIgASgIEhUKDWVycm9yX21lc3NhZ2UYAyABKAkSKwoIZHVyYXRpb24YBCABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SFgoOYnl0ZXNfcmVjZWl2ZWQYBSABKAQiggIKEFdlaWdodFN5bmNSZXN1bHQSDwoHc3luY19pZBgBIAEoCRIWCg53ZWlnaHRfdmVyc2lvbhgCIAEoAxJCCg9yZXBsaWNhX3Jlc3VsdHMYAyADKAsyKS5yb2xsbWVzaC5jb250cm9sbGVyLnYxLlJlcGxpY2FTeW5jUmVzdWx0EhIKCmJ5dGVzX3NlbnQYBCABKAQSGwoTc2tpcHBlZF9yZXBsaWNhX2lkcxgFIAMoCRITCgtieXRlc19zYXZlZBgGIAEoBBIrCghkdXJhdGlvbhgHIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhIOCgZzb3VyY2UYCCABKAkimQEKElN5bmNXZWlnaHRzUmVxdWVzdBIbCg53ZWlnaHRfdmVyc2lvbhgBIAEoA0gAiAEBEhMKC3JlcGxpY2FfaWRzGAIgAygJEioKB3RpbWVvdXQYAyABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SEgoKcmVxdWVzdF9pZBgEIAEoCUIRCg9fd2VpZ2h0X3ZlcnNpb24iTwoTU3luY1dlaWdodHNSZXNwb25zZRI4CgZyZXN1bHQYASABKAsyKC5yb2xsbWVzaC5jb250cm9sbGVyLnYxLldlaWdodFN5bmNSZXN1bHQi4QEKEkxvYWRXZWlnaHRzUmVxdWVzdBIXCg9jaGVja3BvaW50X3BhdGgYASABKAkSGwoOd2VpZ2h0X3ZlcnNpb24YAiABKANIAIgBARITCgtyZXBsaWNhX2lkcxgDIAMoCRIqCgd0aW1lb3V0GAQgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEkEKCm9uX2ZhaWx1cmUYBSABKA4yLS5yb2xsbWVzaC5jb250cm9sbGVyLnYxLldlaWdodFVwZGF0ZU9uRmFpbHVyZUIRCg9fd2VpZ2h0X3ZlcnNpb24idwoTTG9hZFdlaWdodHNSZXNwb25zZRI4CgZyZXN1bHQYASABKAsyKC5yb2xsbWVzaC5jb250cm9sbGVyLnYxLldlaWdodFN5bmNSZXN1bHQSEQoJY29tbWl0dGVkGAIgASgIEhMKC3JvbGxlZF9iYWNrGAMgASgIKo4BChVXZWlnaHRVcGRhdGVPbkZhaWx1cmUSKAokV0VJR0hUX1VQREFURV9PTl9GQUlMVVJFX1VOU1BFQ0lGSUVEEAASJAogV0VJR0hUX1VQREFURV9PTl9GQUlMVVJFX0VYQ0xVREUQARIlCiFXRUlHSFRfVVBEQVRFX09OX0ZBSUxVUkVfUk9MTEJBQ0sQAmIGcHJvdG8z", [file_google_protobuf_duration]);
+  fileDesc("Cihyb2xsbWVzaC9jb250cm9sbGVyL3YxL3dlaWdodF9zeW5jLnByb3RvEhZyb2xsbWVzaC5jb250cm9sbGVyLnYxIo8BChFSZXBsaWNhU3luY1Jlc3VsdBISCgpyZXBsaWNhX2lkGAEgASgJEgoKAm9rGAIgASgIEhUKDWVycm9yX21lc3NhZ2UYAyABKAkSKwoIZHVyYXRpb24YBCABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SFgoOYnl0ZXNfcmVjZWl2ZWQYBSABKAQiggIKEFdlaWdodFN5bmNSZXN1bHQSDwoHc3luY19pZBgBIAEoCRIWCg53ZWlnaHRfdmVyc2lvbhgCIAEoAxJCCg9yZXBsaWNhX3Jlc3VsdHMYAyADKAsyKS5yb2xsbWVzaC5jb250cm9sbGVyLnYxLlJlcGxpY2FTeW5jUmVzdWx0EhIKCmJ5dGVzX3NlbnQYBCABKAQSGwoTc2tpcHBlZF9yZXBsaWNhX2lkcxgFIAMoCRITCgtieXRlc19zYXZlZBgGIAEoBBIrCghkdXJhdGlvbhgHIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhIOCgZzb3VyY2UYCCABKAkimQEKElN5bmNXZWlnaHRzUmVxdWVzdBIbCg53ZWlnaHRfdmVyc2lvbhgBIAEoA0gAiAEBEhMKC3JlcGxpY2FfaWRzGAIgAygJEioKB3RpbWVvdXQYAyABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SEgoKcmVxdWVzdF9pZBgEIAEoCUIRCg9fd2VpZ2h0X3ZlcnNpb24iTwoTU3luY1dlaWdodHNSZXNwb25zZRI4CgZyZXN1bHQYASABKAsyKC5yb2xsbWVzaC5jb250cm9sbGVyLnYxLldlaWdodFN5bmNSZXN1bHQi4QEKEkxvYWRXZWlnaHRzUmVxdWVzdBIXCg9jaGVja3BvaW50X3BhdGgYASABKAkSGwoOd2VpZ2h0X3ZlcnNpb24YAiABKANIAIgBARITCgtyZXBsaWNhX2lkcxgDIAMoCRIqCgd0aW1lb3V0GAQgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEkEKCm9uX2ZhaWx1cmUYBSABKA4yLS5yb2xsbWVzaC5jb250cm9sbGVyLnYxLldlaWdodFVwZGF0ZU9uRmFpbHVyZUIRCg9fd2VpZ2h0X3ZlcnNpb24idwoTTG9hZFdlaWdodHNSZXNwb25zZRI4CgZyZXN1bHQYASABKAsyKC5yb2xsbWVzaC5jb250cm9sbGVyLnYxLldlaWdodFN5bmNSZXN1bHQSEQoJY29tbWl0dGVkGAIgASgIEhMKC3JvbGxlZF9iYWNrGAMgASgIIqsCCh1VcGRhdGVXZWlnaHRzRnJvbUdyb3VwUmVxdWVzdBITCgtyZXBsaWNhX2lkcxgBIAMoCRISCgpncm91cF9uYW1lGAIgASgJEjUKBGpvaW4YAyABKAsyJS5yb2xsbWVzaC5jb250cm9sbGVyLnYxLkpvaW5Hcm91cFN0ZXBIABI9CgdyZWNlaXZlGAQgASgLMioucm9sbG1lc2guY29udHJvbGxlci52MS5SZWNlaXZlVGVuc29yc1N0ZXBIABI3CgVsZWF2ZRgFIAEoCzImLnJvbGxtZXNoLmNvbnRyb2xsZXIudjEuTGVhdmVHcm91cFN0ZXBIABIqCgd0aW1lb3V0GAYgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uQgYKBHN0ZXAinwEKDUpvaW5Hcm91cFN0ZXASFgoObWFzdGVyX2FkZHJlc3MYASABKAkSEwoLbWFzdGVyX3BvcnQYAiABKA0SEwoLcmFua19vZmZzZXQYAyABKA0SEgoKd29ybGRfc2l6ZRgEIAEoDRI4CgdiYWNrZW5kGAUgASgOMicucm9sbG1lc2guY29tbW9uLnYxLlByb2Nlc3NHcm91cEJhY2tlbmQidQoSUmVjZWl2ZVRlbnNvcnNTdGVwEi8KB3RlbnNvcnMYASADKAsyHi5yb2xsbWVzaC5jb21tb24udjEuVGVuc29yU3BlYxIbCg53ZWlnaHRfdmVyc2lvbhgCIAEoA0gAiAEBQhEKD193ZWlnaHRfdmVyc2lvbiIQCg5MZWF2ZUdyb3VwU3RlcCJtCh5VcGRhdGVXZWlnaHRzRnJvbUdyb3VwUmVzcG9uc2USOAoGcmVzdWx0GAEgASgLMigucm9sbG1lc2guY29udHJvbGxlci52MS5XZWlnaHRTeW5jUmVzdWx0EhEKCWNvbW1pdHRlZBgCIAEoCCqOAQoVV2VpZ2h0VXBkYXRlT25GYWlsdXJlEigKJFdFSUdIVF9VUERBVEVfT05fRkFJTFVSRV9VTlNQRUNJRklFRBAAEiQKIFdFSUdIVF9VUERBVEVfT05fRkFJTFVSRV9FWENMVURFEAESJQohV0VJR0hUX1VQREFURV9PTl9GQUlMVVJFX1JPTExCQUNLEAJiBnByb3RvMw", [file_google_protobuf_duration, file_rollmesh_common_v1_weights]);
 
 /**
  * ReplicaSyncResult is the outcome of a weight broadcast for one replica.
@@ -293,6 +295,195 @@ export type LoadWeightsResponse = Message<"rollmesh.controller.v1.LoadWeightsRes
  */
 export const LoadWeightsResponseSchema: GenMessage<LoadWeightsResponse> = /*@__PURE__*/
   messageDesc(file_rollmesh_controller_v1_weight_sync, 5);
+
+/**
+ * Request of UpdateWeightsFromGroup.
+ *
+ * @generated from message rollmesh.controller.v1.UpdateWeightsFromGroupRequest
+ */
+export type UpdateWeightsFromGroupRequest = Message<"rollmesh.controller.v1.UpdateWeightsFromGroupRequest"> & {
+  /**
+   * The replicas, in rank order for a join.
+   *
+   * @generated from field: repeated string replica_ids = 1;
+   */
+  replicaIds: string[];
+
+  /**
+   * The trainer's group.
+   *
+   * @generated from field: string group_name = 2;
+   */
+  groupName: string;
+
+  /**
+   * What to do.
+   *
+   * @generated from oneof rollmesh.controller.v1.UpdateWeightsFromGroupRequest.step
+   */
+  step: {
+    /**
+     * Join the group.
+     *
+     * @generated from field: rollmesh.controller.v1.JoinGroupStep join = 3;
+     */
+    value: JoinGroupStep;
+    case: "join";
+  } | {
+    /**
+     * Receive tensors rank 0 broadcasts.
+     *
+     * @generated from field: rollmesh.controller.v1.ReceiveTensorsStep receive = 4;
+     */
+    value: ReceiveTensorsStep;
+    case: "receive";
+  } | {
+    /**
+     * Leave the group.
+     *
+     * @generated from field: rollmesh.controller.v1.LeaveGroupStep leave = 5;
+     */
+    value: LeaveGroupStep;
+    case: "leave";
+  } | { case: undefined; value?: undefined };
+
+  /**
+   * Limit for the step on each replica. Unset: the controller's configured
+   * weight-sync timeout.
+   *
+   * @generated from field: google.protobuf.Duration timeout = 6;
+   */
+  timeout?: Duration | undefined;
+};
+
+/**
+ * Describes the message rollmesh.controller.v1.UpdateWeightsFromGroupRequest.
+ * Use `create(UpdateWeightsFromGroupRequestSchema)` to create a new message.
+ */
+export const UpdateWeightsFromGroupRequestSchema: GenMessage<UpdateWeightsFromGroupRequest> = /*@__PURE__*/
+  messageDesc(file_rollmesh_controller_v1_weight_sync, 6);
+
+/**
+ * Joining a trainer's group.
+ *
+ * @generated from message rollmesh.controller.v1.JoinGroupStep
+ */
+export type JoinGroupStep = Message<"rollmesh.controller.v1.JoinGroupStep"> & {
+  /**
+   * Host of the group's TCP store (the trainer's rank 0).
+   *
+   * @generated from field: string master_address = 1;
+   */
+  masterAddress: string;
+
+  /**
+   * Port of the group's TCP store.
+   *
+   * @generated from field: uint32 master_port = 2;
+   */
+  masterPort: number;
+
+  /**
+   * Rank of the first listed replica (at least 1: rank 0 is the trainer's).
+   *
+   * @generated from field: uint32 rank_offset = 3;
+   */
+  rankOffset: number;
+
+  /**
+   * Ranks in the group, the trainer's included.
+   *
+   * @generated from field: uint32 world_size = 4;
+   */
+  worldSize: number;
+
+  /**
+   * gloo (CPU) or NCCL (GPU).
+   *
+   * @generated from field: rollmesh.common.v1.ProcessGroupBackend backend = 5;
+   */
+  backend: ProcessGroupBackend;
+};
+
+/**
+ * Describes the message rollmesh.controller.v1.JoinGroupStep.
+ * Use `create(JoinGroupStepSchema)` to create a new message.
+ */
+export const JoinGroupStepSchema: GenMessage<JoinGroupStep> = /*@__PURE__*/
+  messageDesc(file_rollmesh_controller_v1_weight_sync, 7);
+
+/**
+ * Receiving tensors from the group's rank 0.
+ *
+ * @generated from message rollmesh.controller.v1.ReceiveTensorsStep
+ */
+export type ReceiveTensorsStep = Message<"rollmesh.controller.v1.ReceiveTensorsStep"> & {
+  /**
+   * The tensors, in the order rank 0 broadcasts them.
+   *
+   * @generated from field: repeated rollmesh.common.v1.TensorSpec tensors = 1;
+   */
+  tensors: TensorSpec[];
+
+  /**
+   * The version the replicas serve afterwards. Unset: theirs do not change.
+   *
+   * @generated from field: optional int64 weight_version = 2;
+   */
+  weightVersion?: bigint | undefined;
+};
+
+/**
+ * Describes the message rollmesh.controller.v1.ReceiveTensorsStep.
+ * Use `create(ReceiveTensorsStepSchema)` to create a new message.
+ */
+export const ReceiveTensorsStepSchema: GenMessage<ReceiveTensorsStep> = /*@__PURE__*/
+  messageDesc(file_rollmesh_controller_v1_weight_sync, 8);
+
+/**
+ * Leaving a trainer's group.
+ *
+ * @generated from message rollmesh.controller.v1.LeaveGroupStep
+ */
+export type LeaveGroupStep = Message<"rollmesh.controller.v1.LeaveGroupStep"> & {
+};
+
+/**
+ * Describes the message rollmesh.controller.v1.LeaveGroupStep.
+ * Use `create(LeaveGroupStepSchema)` to create a new message.
+ */
+export const LeaveGroupStepSchema: GenMessage<LeaveGroupStep> = /*@__PURE__*/
+  messageDesc(file_rollmesh_controller_v1_weight_sync, 9);
+
+/**
+ * Response of UpdateWeightsFromGroup.
+ *
+ * @generated from message rollmesh.controller.v1.UpdateWeightsFromGroupResponse
+ */
+export type UpdateWeightsFromGroupResponse = Message<"rollmesh.controller.v1.UpdateWeightsFromGroupResponse"> & {
+  /**
+   * One result per replica (source "group:<name>"; ok: the step succeeded
+   * on it).
+   *
+   * @generated from field: rollmesh.controller.v1.WeightSyncResult result = 1;
+   */
+  result?: WeightSyncResult | undefined;
+
+  /**
+   * Receive with weight_version: true when that version serves on every
+   * replica that stays routed.
+   *
+   * @generated from field: bool committed = 2;
+   */
+  committed: boolean;
+};
+
+/**
+ * Describes the message rollmesh.controller.v1.UpdateWeightsFromGroupResponse.
+ * Use `create(UpdateWeightsFromGroupResponseSchema)` to create a new message.
+ */
+export const UpdateWeightsFromGroupResponseSchema: GenMessage<UpdateWeightsFromGroupResponse> = /*@__PURE__*/
+  messageDesc(file_rollmesh_controller_v1_weight_sync, 10);
 
 /**
  * What a fleet-wide weight update does when some replicas cannot take it.

@@ -22,7 +22,7 @@ import type { ServerStatus } from "../../common/v1/status_pb.js";
 import { file_rollmesh_common_v1_status } from "../../common/v1/status_pb.js";
 import type { EngineBackend, ReplicaKind, ReplicaState, SleepLevel, WakeTag } from "../../common/v1/types_pb.js";
 import { file_rollmesh_common_v1_types } from "../../common/v1/types_pb.js";
-import type { WeightSyncPlan } from "../../common/v1/weights_pb.js";
+import type { ProcessGroupBackend, TensorSpec, WeightSyncPlan } from "../../common/v1/weights_pb.js";
 import { file_rollmesh_common_v1_weights } from "../../common/v1/weights_pb.js";
 import type { PauseMode, Replica } from "./replica_pb.js";
 import { file_rollmesh_replica_v1_replica } from "./replica_pb.js";
@@ -32,7 +32,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file rollmesh/replica/v1/replica_agent.proto.
  */
 export const file_rollmesh_replica_v1_replica_agent: GenFile = /*@__PURE__*/
-  fileDesc("Cidyb2xsbWVzaC9yZXBsaWNhL3YxL3JlcGxpY2FfYWdlbnQucHJvdG8SE3JvbGxtZXNoLnJlcGxpY2EudjEiEgoQR2V0U3RhdHVzUmVxdWVzdCLZAQoRR2V0U3RhdHVzUmVzcG9uc2USMAoGc3RhdHVzGAEgASgLMiAucm9sbG1lc2guY29tbW9uLnYxLlNlcnZlclN0YXR1cxIPCgdub2RlX2lkGAIgASgJEhMKC3Nsb3RzX3RvdGFsGAMgASgNEhIKCnNsb3RzX2ZyZWUYBCABKA0SMgoHYmFja2VuZBgFIAEoDjIhLnJvbGxtZXNoLmNvbW1vbi52MS5FbmdpbmVCYWNrZW5kEg0KBW1vZGVsGAYgASgJEhUKDXJlcGxpY2FfY291bnQYByABKA0i9gEKFExhdW5jaFJlcGxpY2FSZXF1ZXN0EhIKCnJlcGxpY2FfaWQYASABKAkSMwoEa2luZBgCIAEoDjIfLnJvbGxtZXNoLmNvbW1vbi52MS5SZXBsaWNhS2luZEIE4kEBAhIcCg9tZW1vcnlfZnJhY3Rpb24YAyABKAFIAIgBARINCgVzbG90cxgEIAEoDRIUCgxzdGFydF9hc2xlZXAYBSABKAgSFgoOd2VpZ2h0X3ZlcnNpb24YBiABKAMSEgoKcmVxdWVzdF9pZBgHIAEoCRISCgplbmdpbmVfdXJsGAggASgJQhIKEF9tZW1vcnlfZnJhY3Rpb24iRgoVTGF1bmNoUmVwbGljYVJlc3BvbnNlEi0KB3JlcGxpY2EYASABKAsyHC5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlcGxpY2EiYQoSU3RvcFJlcGxpY2FSZXF1ZXN0EhIKCnJlcGxpY2FfaWQYASABKAkSKAoFZ3JhY2UYAiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SDQoFZm9yY2UYAyABKAgiRAoTU3RvcFJlcGxpY2FSZXNwb25zZRItCgdyZXBsaWNhGAEgASgLMhwucm9sbG1lc2gucmVwbGljYS52MS5SZXBsaWNhIp4BChNMaXN0UmVwbGljYXNSZXF1ZXN0Ei4KBWtpbmRzGAEgAygOMh8ucm9sbG1lc2guY29tbW9uLnYxLlJlcGxpY2FLaW5kEjAKBnN0YXRlcxgCIAMoDjIgLnJvbGxtZXNoLmNvbW1vbi52MS5SZXBsaWNhU3RhdGUSEQoJcGFnZV9zaXplGAMgASgFEhIKCnBhZ2VfdG9rZW4YBCABKAkiXwoUTGlzdFJlcGxpY2FzUmVzcG9uc2USLgoIcmVwbGljYXMYASADKAsyHC5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlcGxpY2ESFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJIicKEUdldFJlcGxpY2FSZXF1ZXN0EhIKCnJlcGxpY2FfaWQYASABKAkiQwoSR2V0UmVwbGljYVJlc3BvbnNlEi0KB3JlcGxpY2EYASABKAsyHC5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlcGxpY2Ei1gIKD0dlbmVyYXRlUmVxdWVzdBIYCgpyZXBsaWNhX2lkGAEgASgJQgTiQQECEhgKCnJlcXVlc3RfaWQYAiABKAlCBOJBAQISHgoQcHJvbXB0X3Rva2VuX2lkcxgDIAMoBUIE4kEBAhI7Cg9zYW1wbGluZ19wYXJhbXMYBCABKAsyIi5yb2xsbWVzaC5jb21tb24udjEuU2FtcGxpbmdQYXJhbXMSOQoPcmVzdW1lX3NlZ21lbnRzGAUgAygLMiAucm9sbG1lc2guY29tbW9uLnYxLlRva2VuU2VnbWVudBIcCg9zdHJlYW1faW50ZXJ2YWwYBiABKA1IAIgBARIxCg5mbHVzaF9pbnRlcnZhbBgHIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhISCgpzZXNzaW9uX2lkGAggASgJQhIKEF9zdHJlYW1faW50ZXJ2YWwi+gEKEEdlbmVyYXRlUmVzcG9uc2USEgoKcmVxdWVzdF9pZBgBIAEoCRIRCgl0b2tlbl9pZHMYAiADKAUSEAoIbG9ncHJvYnMYAyADKAISFgoOd2VpZ2h0X3ZlcnNpb24YBCABKAMSNwoNZmluaXNoX3JlYXNvbhgFIAEoDjIgLnJvbGxtZXNoLmNvbW1vbi52MS5GaW5pc2hSZWFzb24SKAoFdXNhZ2UYBiABKAsyGS5yb2xsbWVzaC5jb21tb24udjEuVXNhZ2USMgoIc2VnbWVudHMYByADKAsyIC5yb2xsbWVzaC5jb21tb24udjEuVG9rZW5TZWdtZW50Ik8KE0dlbmVyYXRlTWFueVJlcXVlc3QSOAoHYWN0aW9ucxgBIAMoCzInLnJvbGxtZXNoLnJlcGxpY2EudjEuR2VuZXJhdGVNYW55QWN0aW9uIqgCChJHZW5lcmF0ZU1hbnlBY3Rpb24SOAoIZ2VuZXJhdGUYASABKAsyJC5yb2xsbWVzaC5yZXBsaWNhLnYxLkdlbmVyYXRlUmVxdWVzdEgAEhsKEWNhbmNlbF9yZXF1ZXN0X2lkGAIgASgJSAASUAoNdHJhY2VfY29udGV4dBgDIAMoCzI5LnJvbGxtZXNoLnJlcGxpY2EudjEuR2VuZXJhdGVNYW55QWN0aW9uLlRyYWNlQ29udGV4dEVudHJ5EioKB3RpbWVvdXQYBCABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24aMwoRVHJhY2VDb250ZXh0RW50cnkSCwoDa2V5GAEgASgJEg0KBXZhbHVlGAIgASgJOgI4AUIICgZhY3Rpb24iTAoUR2VuZXJhdGVNYW55UmVzcG9uc2USNAoFaXRlbXMYASADKAsyJS5yb2xsbWVzaC5yZXBsaWNhLnYxLkdlbmVyYXRlTWFueUl0ZW0iggEKEEdlbmVyYXRlTWFueUl0ZW0SEgoKcmVxdWVzdF9pZBgBIAEoCRI3CghyZXNwb25zZRgCIAEoCzIlLnJvbGxtZXNoLnJlcGxpY2EudjEuR2VuZXJhdGVSZXNwb25zZRIhCgVlcnJvchgDIAEoCzISLmdvb2dsZS5ycGMuU3RhdHVzIo4BChRBYm9ydFJlcXVlc3RzUmVxdWVzdBISCgpyZXBsaWNhX2lkGAEgASgJEjMKCHJlcXVlc3RzGAQgASgLMh8ucm9sbG1lc2gucmVwbGljYS52MS5SZXF1ZXN0SWRzSAASDQoDYWxsGAMgASgISABCCwoJc2VsZWN0aW9uSgQIAhADUgtyZXF1ZXN0X2lkcyInCgpSZXF1ZXN0SWRzEhkKC3JlcXVlc3RfaWRzGAEgAygJQgTiQQECIjQKFUFib3J0UmVxdWVzdHNSZXNwb25zZRIbChNhYm9ydGVkX3JlcXVlc3RfaWRzGAEgAygJIocBChZQYXVzZUdlbmVyYXRpb25SZXF1ZXN0EhMKC3JlcGxpY2FfaWRzGAEgAygJEiwKBG1vZGUYAiABKA4yHi5yb2xsbWVzaC5yZXBsaWNhLnYxLlBhdXNlTW9kZRIqCgd0aW1lb3V0GAMgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uImYKF1BhdXNlR2VuZXJhdGlvblJlc3BvbnNlEi4KCHJlcGxpY2FzGAEgAygLMhwucm9sbG1lc2gucmVwbGljYS52MS5SZXBsaWNhEhsKE2Fib3J0ZWRfcmVxdWVzdF9pZHMYAiADKAkiLgoXUmVzdW1lR2VuZXJhdGlvblJlcXVlc3QSEwoLcmVwbGljYV9pZHMYASADKAkiSgoYUmVzdW1lR2VuZXJhdGlvblJlc3BvbnNlEi4KCHJlcGxpY2FzGAEgAygLMhwucm9sbG1lc2gucmVwbGljYS52MS5SZXBsaWNhInYKDFNsZWVwUmVxdWVzdBIYCgpyZXBsaWNhX2lkGAEgASgJQgTiQQECEjMKBWxldmVsGAIgASgOMh4ucm9sbG1lc2guY29tbW9uLnYxLlNsZWVwTGV2ZWxCBOJBAQISFwoPYWJvcnRfaW5fZmxpZ2h0GAMgASgIIlMKDVNsZWVwUmVzcG9uc2USEwoLZnJlZWRfYnl0ZXMYASABKAQSLQoHcmVwbGljYRgCIAEoCzIcLnJvbGxtZXNoLnJlcGxpY2EudjEuUmVwbGljYSJpCg1XYWtlVXBSZXF1ZXN0EhIKCnJlcGxpY2FfaWQYASABKAkSKQoEdGFncxgCIAMoDjIbLnJvbGxtZXNoLmNvbW1vbi52MS5XYWtlVGFnEhkKEXJlc3VtZV9nZW5lcmF0aW9uGAMgASgIIj8KDldha2VVcFJlc3BvbnNlEi0KB3JlcGxpY2EYASABKAsyHC5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlcGxpY2EidwoVUmVjZWl2ZVdlaWdodHNSZXF1ZXN0EhMKC3JlcGxpY2FfaWRzGAEgAygJEjAKBHBsYW4YAiABKAsyIi5yb2xsbWVzaC5jb21tb24udjEuV2VpZ2h0U3luY1BsYW4SFwoPYWJvcnRfaW5fZmxpZ2h0GAMgASgIIrMBChRSZXBsaWNhV2VpZ2h0c1Jlc3VsdBISCgpyZXBsaWNhX2lkGAEgASgJEhYKDndlaWdodF92ZXJzaW9uGAIgASgDEhMKC2NoZWNrc3VtX29rGAMgASgIEhYKDmJ5dGVzX3JlY2VpdmVkGAQgASgEEisKCGR1cmF0aW9uGAUgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEhUKDWVycm9yX21lc3NhZ2UYBiABKAkiVAoWUmVjZWl2ZVdlaWdodHNSZXNwb25zZRI6CgdyZXN1bHRzGAEgAygLMikucm9sbG1lc2gucmVwbGljYS52MS5SZXBsaWNhV2VpZ2h0c1Jlc3VsdCIoChFGbHVzaENhY2hlUmVxdWVzdBITCgtyZXBsaWNhX2lkcxgBIAMoCSIpChJGbHVzaENhY2hlUmVzcG9uc2USEwoLcmVwbGljYV9pZHMYASADKAkiugEKFUxvYWRDaGVja3BvaW50UmVxdWVzdBITCgtyZXBsaWNhX2lkcxgBIAMoCRIXCg9jaGVja3BvaW50X3BhdGgYAiABKAkSFgoOd2VpZ2h0X3ZlcnNpb24YAyABKAMSMQoEc3RlcBgEIAEoDjIjLnJvbGxtZXNoLnJlcGxpY2EudjEuQ2hlY2twb2ludFN0ZXASEQoJdXBkYXRlX2lkGAUgASgJEhUKDWtlZXBfcHJldmlvdXMYBiABKAgiVAoWTG9hZENoZWNrcG9pbnRSZXNwb25zZRI6CgdyZXN1bHRzGAEgAygLMikucm9sbG1lc2gucmVwbGljYS52MS5SZXBsaWNhV2VpZ2h0c1Jlc3VsdCIsChVHZXRMb2FkUmVwb3J0c1JlcXVlc3QSEwoLcmVwbGljYV9pZHMYASADKAkiSQoWR2V0TG9hZFJlcG9ydHNSZXNwb25zZRIvCgdyZXBvcnRzGAEgAygLMh4ucm9sbG1lc2guY29tbW9uLnYxLkxvYWRSZXBvcnQiSQoTQ2xvc2VTZXNzaW9uUmVxdWVzdBIYCgpyZXBsaWNhX2lkGAEgASgJQgTiQQECEhgKCnNlc3Npb25faWQYAiABKAlCBOJBAQIiKAoUQ2xvc2VTZXNzaW9uUmVzcG9uc2USEAoIcmVsZWFzZWQYASABKAgiLgoXV2F0Y2hQcmVmaXhDYWNoZVJlcXVlc3QSEwoLcmVwbGljYV9pZHMYASADKAkidAoYV2F0Y2hQcmVmaXhDYWNoZVJlc3BvbnNlEhIKCnJlcGxpY2FfaWQYASABKAkSFAoMYmxvY2tfdG9rZW5zGAIgASgNEg0KBXJlc2V0GAMgASgIEg4KBnN0b3JlZBgEIAMoAxIPCgdyZW1vdmVkGAUgAygDKqIBCg5DaGVja3BvaW50U3RlcBIfChtDSEVDS1BPSU5UX1NURVBfVU5TUEVDSUZJRUQQABIZChVDSEVDS1BPSU5UX1NURVBfQ0hFQ0sQARIbChdDSEVDS1BPSU5UX1NURVBfSU5TVEFMTBACEhsKF0NIRUNLUE9JTlRfU1RFUF9SRUxFQVNFEAMSGgoWQ0hFQ0tQT0lOVF9TVEVQX1JFVkVSVBAEMqUOChNSZXBsaWNhQWdlbnRTZXJ2aWNlEloKCUdldFN0YXR1cxIlLnJvbGxtZXNoLnJlcGxpY2EudjEuR2V0U3RhdHVzUmVxdWVzdBomLnJvbGxtZXNoLnJlcGxpY2EudjEuR2V0U3RhdHVzUmVzcG9uc2USZgoNTGF1bmNoUmVwbGljYRIpLnJvbGxtZXNoLnJlcGxpY2EudjEuTGF1bmNoUmVwbGljYVJlcXVlc3QaKi5yb2xsbWVzaC5yZXBsaWNhLnYxLkxhdW5jaFJlcGxpY2FSZXNwb25zZRJgCgtTdG9wUmVwbGljYRInLnJvbGxtZXNoLnJlcGxpY2EudjEuU3RvcFJlcGxpY2FSZXF1ZXN0Gigucm9sbG1lc2gucmVwbGljYS52MS5TdG9wUmVwbGljYVJlc3BvbnNlEmMKDExpc3RSZXBsaWNhcxIoLnJvbGxtZXNoLnJlcGxpY2EudjEuTGlzdFJlcGxpY2FzUmVxdWVzdBopLnJvbGxtZXNoLnJlcGxpY2EudjEuTGlzdFJlcGxpY2FzUmVzcG9uc2USXQoKR2V0UmVwbGljYRImLnJvbGxtZXNoLnJlcGxpY2EudjEuR2V0UmVwbGljYVJlcXVlc3QaJy5yb2xsbWVzaC5yZXBsaWNhLnYxLkdldFJlcGxpY2FSZXNwb25zZRJZCghHZW5lcmF0ZRIkLnJvbGxtZXNoLnJlcGxpY2EudjEuR2VuZXJhdGVSZXF1ZXN0GiUucm9sbG1lc2gucmVwbGljYS52MS5HZW5lcmF0ZVJlc3BvbnNlMAESZwoMR2VuZXJhdGVNYW55Eigucm9sbG1lc2gucmVwbGljYS52MS5HZW5lcmF0ZU1hbnlSZXF1ZXN0Gikucm9sbG1lc2gucmVwbGljYS52MS5HZW5lcmF0ZU1hbnlSZXNwb25zZSgBMAESZgoNQWJvcnRSZXF1ZXN0cxIpLnJvbGxtZXNoLnJlcGxpY2EudjEuQWJvcnRSZXF1ZXN0c1JlcXVlc3QaKi5yb2xsbWVzaC5yZXBsaWNhLnYxLkFib3J0UmVxdWVzdHNSZXNwb25zZRJjCgxDbG9zZVNlc3Npb24SKC5yb2xsbWVzaC5yZXBsaWNhLnYxLkNsb3NlU2Vzc2lvblJlcXVlc3QaKS5yb2xsbWVzaC5yZXBsaWNhLnYxLkNsb3NlU2Vzc2lvblJlc3BvbnNlEmwKD1BhdXNlR2VuZXJhdGlvbhIrLnJvbGxtZXNoLnJlcGxpY2EudjEuUGF1c2VHZW5lcmF0aW9uUmVxdWVzdBosLnJvbGxtZXNoLnJlcGxpY2EudjEuUGF1c2VHZW5lcmF0aW9uUmVzcG9uc2USbwoQUmVzdW1lR2VuZXJhdGlvbhIsLnJvbGxtZXNoLnJlcGxpY2EudjEuUmVzdW1lR2VuZXJhdGlvblJlcXVlc3QaLS5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlc3VtZUdlbmVyYXRpb25SZXNwb25zZRJOCgVTbGVlcBIhLnJvbGxtZXNoLnJlcGxpY2EudjEuU2xlZXBSZXF1ZXN0GiIucm9sbG1lc2gucmVwbGljYS52MS5TbGVlcFJlc3BvbnNlElEKBldha2VVcBIiLnJvbGxtZXNoLnJlcGxpY2EudjEuV2FrZVVwUmVxdWVzdBojLnJvbGxtZXNoLnJlcGxpY2EudjEuV2FrZVVwUmVzcG9uc2USaQoOUmVjZWl2ZVdlaWdodHMSKi5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlY2VpdmVXZWlnaHRzUmVxdWVzdBorLnJvbGxtZXNoLnJlcGxpY2EudjEuUmVjZWl2ZVdlaWdodHNSZXNwb25zZRJpCg5Mb2FkQ2hlY2twb2ludBIqLnJvbGxtZXNoLnJlcGxpY2EudjEuTG9hZENoZWNrcG9pbnRSZXF1ZXN0Gisucm9sbG1lc2gucmVwbGljYS52MS5Mb2FkQ2hlY2twb2ludFJlc3BvbnNlEl0KCkZsdXNoQ2FjaGUSJi5yb2xsbWVzaC5yZXBsaWNhLnYxLkZsdXNoQ2FjaGVSZXF1ZXN0Gicucm9sbG1lc2gucmVwbGljYS52MS5GbHVzaENhY2hlUmVzcG9uc2USaQoOR2V0TG9hZFJlcG9ydHMSKi5yb2xsbWVzaC5yZXBsaWNhLnYxLkdldExvYWRSZXBvcnRzUmVxdWVzdBorLnJvbGxtZXNoLnJlcGxpY2EudjEuR2V0TG9hZFJlcG9ydHNSZXNwb25zZRJxChBXYXRjaFByZWZpeENhY2hlEiwucm9sbG1lc2gucmVwbGljYS52MS5XYXRjaFByZWZpeENhY2hlUmVxdWVzdBotLnJvbGxtZXNoLnJlcGxpY2EudjEuV2F0Y2hQcmVmaXhDYWNoZVJlc3BvbnNlMAFiBnByb3RvMw", [file_google_api_field_behavior, file_google_protobuf_duration, file_google_rpc_status, file_rollmesh_common_v1_generation, file_rollmesh_common_v1_load, file_rollmesh_common_v1_status, file_rollmesh_common_v1_types, file_rollmesh_common_v1_weights, file_rollmesh_replica_v1_replica]);
+  fileDesc("Cidyb2xsbWVzaC9yZXBsaWNhL3YxL3JlcGxpY2FfYWdlbnQucHJvdG8SE3JvbGxtZXNoLnJlcGxpY2EudjEiEgoQR2V0U3RhdHVzUmVxdWVzdCLZAQoRR2V0U3RhdHVzUmVzcG9uc2USMAoGc3RhdHVzGAEgASgLMiAucm9sbG1lc2guY29tbW9uLnYxLlNlcnZlclN0YXR1cxIPCgdub2RlX2lkGAIgASgJEhMKC3Nsb3RzX3RvdGFsGAMgASgNEhIKCnNsb3RzX2ZyZWUYBCABKA0SMgoHYmFja2VuZBgFIAEoDjIhLnJvbGxtZXNoLmNvbW1vbi52MS5FbmdpbmVCYWNrZW5kEg0KBW1vZGVsGAYgASgJEhUKDXJlcGxpY2FfY291bnQYByABKA0i9gEKFExhdW5jaFJlcGxpY2FSZXF1ZXN0EhIKCnJlcGxpY2FfaWQYASABKAkSMwoEa2luZBgCIAEoDjIfLnJvbGxtZXNoLmNvbW1vbi52MS5SZXBsaWNhS2luZEIE4kEBAhIcCg9tZW1vcnlfZnJhY3Rpb24YAyABKAFIAIgBARINCgVzbG90cxgEIAEoDRIUCgxzdGFydF9hc2xlZXAYBSABKAgSFgoOd2VpZ2h0X3ZlcnNpb24YBiABKAMSEgoKcmVxdWVzdF9pZBgHIAEoCRISCgplbmdpbmVfdXJsGAggASgJQhIKEF9tZW1vcnlfZnJhY3Rpb24iRgoVTGF1bmNoUmVwbGljYVJlc3BvbnNlEi0KB3JlcGxpY2EYASABKAsyHC5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlcGxpY2EiYQoSU3RvcFJlcGxpY2FSZXF1ZXN0EhIKCnJlcGxpY2FfaWQYASABKAkSKAoFZ3JhY2UYAiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SDQoFZm9yY2UYAyABKAgiRAoTU3RvcFJlcGxpY2FSZXNwb25zZRItCgdyZXBsaWNhGAEgASgLMhwucm9sbG1lc2gucmVwbGljYS52MS5SZXBsaWNhIp4BChNMaXN0UmVwbGljYXNSZXF1ZXN0Ei4KBWtpbmRzGAEgAygOMh8ucm9sbG1lc2guY29tbW9uLnYxLlJlcGxpY2FLaW5kEjAKBnN0YXRlcxgCIAMoDjIgLnJvbGxtZXNoLmNvbW1vbi52MS5SZXBsaWNhU3RhdGUSEQoJcGFnZV9zaXplGAMgASgFEhIKCnBhZ2VfdG9rZW4YBCABKAkiXwoUTGlzdFJlcGxpY2FzUmVzcG9uc2USLgoIcmVwbGljYXMYASADKAsyHC5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlcGxpY2ESFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJIicKEUdldFJlcGxpY2FSZXF1ZXN0EhIKCnJlcGxpY2FfaWQYASABKAkiQwoSR2V0UmVwbGljYVJlc3BvbnNlEi0KB3JlcGxpY2EYASABKAsyHC5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlcGxpY2Ei1gIKD0dlbmVyYXRlUmVxdWVzdBIYCgpyZXBsaWNhX2lkGAEgASgJQgTiQQECEhgKCnJlcXVlc3RfaWQYAiABKAlCBOJBAQISHgoQcHJvbXB0X3Rva2VuX2lkcxgDIAMoBUIE4kEBAhI7Cg9zYW1wbGluZ19wYXJhbXMYBCABKAsyIi5yb2xsbWVzaC5jb21tb24udjEuU2FtcGxpbmdQYXJhbXMSOQoPcmVzdW1lX3NlZ21lbnRzGAUgAygLMiAucm9sbG1lc2guY29tbW9uLnYxLlRva2VuU2VnbWVudBIcCg9zdHJlYW1faW50ZXJ2YWwYBiABKA1IAIgBARIxCg5mbHVzaF9pbnRlcnZhbBgHIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhISCgpzZXNzaW9uX2lkGAggASgJQhIKEF9zdHJlYW1faW50ZXJ2YWwi+gEKEEdlbmVyYXRlUmVzcG9uc2USEgoKcmVxdWVzdF9pZBgBIAEoCRIRCgl0b2tlbl9pZHMYAiADKAUSEAoIbG9ncHJvYnMYAyADKAISFgoOd2VpZ2h0X3ZlcnNpb24YBCABKAMSNwoNZmluaXNoX3JlYXNvbhgFIAEoDjIgLnJvbGxtZXNoLmNvbW1vbi52MS5GaW5pc2hSZWFzb24SKAoFdXNhZ2UYBiABKAsyGS5yb2xsbWVzaC5jb21tb24udjEuVXNhZ2USMgoIc2VnbWVudHMYByADKAsyIC5yb2xsbWVzaC5jb21tb24udjEuVG9rZW5TZWdtZW50Ik8KE0dlbmVyYXRlTWFueVJlcXVlc3QSOAoHYWN0aW9ucxgBIAMoCzInLnJvbGxtZXNoLnJlcGxpY2EudjEuR2VuZXJhdGVNYW55QWN0aW9uIqgCChJHZW5lcmF0ZU1hbnlBY3Rpb24SOAoIZ2VuZXJhdGUYASABKAsyJC5yb2xsbWVzaC5yZXBsaWNhLnYxLkdlbmVyYXRlUmVxdWVzdEgAEhsKEWNhbmNlbF9yZXF1ZXN0X2lkGAIgASgJSAASUAoNdHJhY2VfY29udGV4dBgDIAMoCzI5LnJvbGxtZXNoLnJlcGxpY2EudjEuR2VuZXJhdGVNYW55QWN0aW9uLlRyYWNlQ29udGV4dEVudHJ5EioKB3RpbWVvdXQYBCABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24aMwoRVHJhY2VDb250ZXh0RW50cnkSCwoDa2V5GAEgASgJEg0KBXZhbHVlGAIgASgJOgI4AUIICgZhY3Rpb24iTAoUR2VuZXJhdGVNYW55UmVzcG9uc2USNAoFaXRlbXMYASADKAsyJS5yb2xsbWVzaC5yZXBsaWNhLnYxLkdlbmVyYXRlTWFueUl0ZW0iggEKEEdlbmVyYXRlTWFueUl0ZW0SEgoKcmVxdWVzdF9pZBgBIAEoCRI3CghyZXNwb25zZRgCIAEoCzIlLnJvbGxtZXNoLnJlcGxpY2EudjEuR2VuZXJhdGVSZXNwb25zZRIhCgVlcnJvchgDIAEoCzISLmdvb2dsZS5ycGMuU3RhdHVzIo4BChRBYm9ydFJlcXVlc3RzUmVxdWVzdBISCgpyZXBsaWNhX2lkGAEgASgJEjMKCHJlcXVlc3RzGAQgASgLMh8ucm9sbG1lc2gucmVwbGljYS52MS5SZXF1ZXN0SWRzSAASDQoDYWxsGAMgASgISABCCwoJc2VsZWN0aW9uSgQIAhADUgtyZXF1ZXN0X2lkcyInCgpSZXF1ZXN0SWRzEhkKC3JlcXVlc3RfaWRzGAEgAygJQgTiQQECIjQKFUFib3J0UmVxdWVzdHNSZXNwb25zZRIbChNhYm9ydGVkX3JlcXVlc3RfaWRzGAEgAygJIocBChZQYXVzZUdlbmVyYXRpb25SZXF1ZXN0EhMKC3JlcGxpY2FfaWRzGAEgAygJEiwKBG1vZGUYAiABKA4yHi5yb2xsbWVzaC5yZXBsaWNhLnYxLlBhdXNlTW9kZRIqCgd0aW1lb3V0GAMgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uImYKF1BhdXNlR2VuZXJhdGlvblJlc3BvbnNlEi4KCHJlcGxpY2FzGAEgAygLMhwucm9sbG1lc2gucmVwbGljYS52MS5SZXBsaWNhEhsKE2Fib3J0ZWRfcmVxdWVzdF9pZHMYAiADKAkiLgoXUmVzdW1lR2VuZXJhdGlvblJlcXVlc3QSEwoLcmVwbGljYV9pZHMYASADKAkiSgoYUmVzdW1lR2VuZXJhdGlvblJlc3BvbnNlEi4KCHJlcGxpY2FzGAEgAygLMhwucm9sbG1lc2gucmVwbGljYS52MS5SZXBsaWNhInYKDFNsZWVwUmVxdWVzdBIYCgpyZXBsaWNhX2lkGAEgASgJQgTiQQECEjMKBWxldmVsGAIgASgOMh4ucm9sbG1lc2guY29tbW9uLnYxLlNsZWVwTGV2ZWxCBOJBAQISFwoPYWJvcnRfaW5fZmxpZ2h0GAMgASgIIlMKDVNsZWVwUmVzcG9uc2USEwoLZnJlZWRfYnl0ZXMYASABKAQSLQoHcmVwbGljYRgCIAEoCzIcLnJvbGxtZXNoLnJlcGxpY2EudjEuUmVwbGljYSJpCg1XYWtlVXBSZXF1ZXN0EhIKCnJlcGxpY2FfaWQYASABKAkSKQoEdGFncxgCIAMoDjIbLnJvbGxtZXNoLmNvbW1vbi52MS5XYWtlVGFnEhkKEXJlc3VtZV9nZW5lcmF0aW9uGAMgASgIIj8KDldha2VVcFJlc3BvbnNlEi0KB3JlcGxpY2EYASABKAsyHC5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlcGxpY2EidwoVUmVjZWl2ZVdlaWdodHNSZXF1ZXN0EhMKC3JlcGxpY2FfaWRzGAEgAygJEjAKBHBsYW4YAiABKAsyIi5yb2xsbWVzaC5jb21tb24udjEuV2VpZ2h0U3luY1BsYW4SFwoPYWJvcnRfaW5fZmxpZ2h0GAMgASgIIrMBChRSZXBsaWNhV2VpZ2h0c1Jlc3VsdBISCgpyZXBsaWNhX2lkGAEgASgJEhYKDndlaWdodF92ZXJzaW9uGAIgASgDEhMKC2NoZWNrc3VtX29rGAMgASgIEhYKDmJ5dGVzX3JlY2VpdmVkGAQgASgEEisKCGR1cmF0aW9uGAUgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEhUKDWVycm9yX21lc3NhZ2UYBiABKAkiVAoWUmVjZWl2ZVdlaWdodHNSZXNwb25zZRI6CgdyZXN1bHRzGAEgAygLMikucm9sbG1lc2gucmVwbGljYS52MS5SZXBsaWNhV2VpZ2h0c1Jlc3VsdCL1AQoWSm9pbldlaWdodEdyb3VwUmVxdWVzdBISCgpyZXBsaWNhX2lkGAEgASgJEhYKDm1hc3Rlcl9hZGRyZXNzGAIgASgJEhMKC21hc3Rlcl9wb3J0GAMgASgNEgwKBHJhbmsYBCABKA0SEgoKd29ybGRfc2l6ZRgFIAEoDRISCgpncm91cF9uYW1lGAYgASgJEjgKB2JhY2tlbmQYByABKA4yJy5yb2xsbWVzaC5jb21tb24udjEuUHJvY2Vzc0dyb3VwQmFja2VuZBIqCgd0aW1lb3V0GAggASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uIhkKF0pvaW5XZWlnaHRHcm91cFJlc3BvbnNlItEBChpSZWNlaXZlR3JvdXBXZWlnaHRzUmVxdWVzdBISCgpyZXBsaWNhX2lkGAEgASgJEhIKCmdyb3VwX25hbWUYAiABKAkSLwoHdGVuc29ycxgDIAMoCzIeLnJvbGxtZXNoLmNvbW1vbi52MS5UZW5zb3JTcGVjEhsKDndlaWdodF92ZXJzaW9uGAQgASgDSACIAQESKgoHdGltZW91dBgFIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbkIRCg9fd2VpZ2h0X3ZlcnNpb24iWAobUmVjZWl2ZUdyb3VwV2VpZ2h0c1Jlc3BvbnNlEjkKBnJlc3VsdBgBIAEoCzIpLnJvbGxtZXNoLnJlcGxpY2EudjEuUmVwbGljYVdlaWdodHNSZXN1bHQiQQoXTGVhdmVXZWlnaHRHcm91cFJlcXVlc3QSEgoKcmVwbGljYV9pZBgBIAEoCRISCgpncm91cF9uYW1lGAIgASgJIigKGExlYXZlV2VpZ2h0R3JvdXBSZXNwb25zZRIMCgRsZWZ0GAEgASgIIigKEUZsdXNoQ2FjaGVSZXF1ZXN0EhMKC3JlcGxpY2FfaWRzGAEgAygJIikKEkZsdXNoQ2FjaGVSZXNwb25zZRITCgtyZXBsaWNhX2lkcxgBIAMoCSK6AQoVTG9hZENoZWNrcG9pbnRSZXF1ZXN0EhMKC3JlcGxpY2FfaWRzGAEgAygJEhcKD2NoZWNrcG9pbnRfcGF0aBgCIAEoCRIWCg53ZWlnaHRfdmVyc2lvbhgDIAEoAxIxCgRzdGVwGAQgASgOMiMucm9sbG1lc2gucmVwbGljYS52MS5DaGVja3BvaW50U3RlcBIRCgl1cGRhdGVfaWQYBSABKAkSFQoNa2VlcF9wcmV2aW91cxgGIAEoCCJUChZMb2FkQ2hlY2twb2ludFJlc3BvbnNlEjoKB3Jlc3VsdHMYASADKAsyKS5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlcGxpY2FXZWlnaHRzUmVzdWx0IiwKFUdldExvYWRSZXBvcnRzUmVxdWVzdBITCgtyZXBsaWNhX2lkcxgBIAMoCSJJChZHZXRMb2FkUmVwb3J0c1Jlc3BvbnNlEi8KB3JlcG9ydHMYASADKAsyHi5yb2xsbWVzaC5jb21tb24udjEuTG9hZFJlcG9ydCJJChNDbG9zZVNlc3Npb25SZXF1ZXN0EhgKCnJlcGxpY2FfaWQYASABKAlCBOJBAQISGAoKc2Vzc2lvbl9pZBgCIAEoCUIE4kEBAiIoChRDbG9zZVNlc3Npb25SZXNwb25zZRIQCghyZWxlYXNlZBgBIAEoCCIuChdXYXRjaFByZWZpeENhY2hlUmVxdWVzdBITCgtyZXBsaWNhX2lkcxgBIAMoCSJ0ChhXYXRjaFByZWZpeENhY2hlUmVzcG9uc2USEgoKcmVwbGljYV9pZBgBIAEoCRIUCgxibG9ja190b2tlbnMYAiABKA0SDQoFcmVzZXQYAyABKAgSDgoGc3RvcmVkGAQgAygDEg8KB3JlbW92ZWQYBSADKAMqogEKDkNoZWNrcG9pbnRTdGVwEh8KG0NIRUNLUE9JTlRfU1RFUF9VTlNQRUNJRklFRBAAEhkKFUNIRUNLUE9JTlRfU1RFUF9DSEVDSxABEhsKF0NIRUNLUE9JTlRfU1RFUF9JTlNUQUxMEAISGwoXQ0hFQ0tQT0lOVF9TVEVQX1JFTEVBU0UQAxIaChZDSEVDS1BPSU5UX1NURVBfUkVWRVJUEAQy/hAKE1JlcGxpY2FBZ2VudFNlcnZpY2USWgoJR2V0U3RhdHVzEiUucm9sbG1lc2gucmVwbGljYS52MS5HZXRTdGF0dXNSZXF1ZXN0GiYucm9sbG1lc2gucmVwbGljYS52MS5HZXRTdGF0dXNSZXNwb25zZRJmCg1MYXVuY2hSZXBsaWNhEikucm9sbG1lc2gucmVwbGljYS52MS5MYXVuY2hSZXBsaWNhUmVxdWVzdBoqLnJvbGxtZXNoLnJlcGxpY2EudjEuTGF1bmNoUmVwbGljYVJlc3BvbnNlEmAKC1N0b3BSZXBsaWNhEicucm9sbG1lc2gucmVwbGljYS52MS5TdG9wUmVwbGljYVJlcXVlc3QaKC5yb2xsbWVzaC5yZXBsaWNhLnYxLlN0b3BSZXBsaWNhUmVzcG9uc2USYwoMTGlzdFJlcGxpY2FzEigucm9sbG1lc2gucmVwbGljYS52MS5MaXN0UmVwbGljYXNSZXF1ZXN0Gikucm9sbG1lc2gucmVwbGljYS52MS5MaXN0UmVwbGljYXNSZXNwb25zZRJdCgpHZXRSZXBsaWNhEiYucm9sbG1lc2gucmVwbGljYS52MS5HZXRSZXBsaWNhUmVxdWVzdBonLnJvbGxtZXNoLnJlcGxpY2EudjEuR2V0UmVwbGljYVJlc3BvbnNlElkKCEdlbmVyYXRlEiQucm9sbG1lc2gucmVwbGljYS52MS5HZW5lcmF0ZVJlcXVlc3QaJS5yb2xsbWVzaC5yZXBsaWNhLnYxLkdlbmVyYXRlUmVzcG9uc2UwARJnCgxHZW5lcmF0ZU1hbnkSKC5yb2xsbWVzaC5yZXBsaWNhLnYxLkdlbmVyYXRlTWFueVJlcXVlc3QaKS5yb2xsbWVzaC5yZXBsaWNhLnYxLkdlbmVyYXRlTWFueVJlc3BvbnNlKAEwARJmCg1BYm9ydFJlcXVlc3RzEikucm9sbG1lc2gucmVwbGljYS52MS5BYm9ydFJlcXVlc3RzUmVxdWVzdBoqLnJvbGxtZXNoLnJlcGxpY2EudjEuQWJvcnRSZXF1ZXN0c1Jlc3BvbnNlEmMKDENsb3NlU2Vzc2lvbhIoLnJvbGxtZXNoLnJlcGxpY2EudjEuQ2xvc2VTZXNzaW9uUmVxdWVzdBopLnJvbGxtZXNoLnJlcGxpY2EudjEuQ2xvc2VTZXNzaW9uUmVzcG9uc2USbAoPUGF1c2VHZW5lcmF0aW9uEisucm9sbG1lc2gucmVwbGljYS52MS5QYXVzZUdlbmVyYXRpb25SZXF1ZXN0Giwucm9sbG1lc2gucmVwbGljYS52MS5QYXVzZUdlbmVyYXRpb25SZXNwb25zZRJvChBSZXN1bWVHZW5lcmF0aW9uEiwucm9sbG1lc2gucmVwbGljYS52MS5SZXN1bWVHZW5lcmF0aW9uUmVxdWVzdBotLnJvbGxtZXNoLnJlcGxpY2EudjEuUmVzdW1lR2VuZXJhdGlvblJlc3BvbnNlEk4KBVNsZWVwEiEucm9sbG1lc2gucmVwbGljYS52MS5TbGVlcFJlcXVlc3QaIi5yb2xsbWVzaC5yZXBsaWNhLnYxLlNsZWVwUmVzcG9uc2USUQoGV2FrZVVwEiIucm9sbG1lc2gucmVwbGljYS52MS5XYWtlVXBSZXF1ZXN0GiMucm9sbG1lc2gucmVwbGljYS52MS5XYWtlVXBSZXNwb25zZRJpCg5SZWNlaXZlV2VpZ2h0cxIqLnJvbGxtZXNoLnJlcGxpY2EudjEuUmVjZWl2ZVdlaWdodHNSZXF1ZXN0Gisucm9sbG1lc2gucmVwbGljYS52MS5SZWNlaXZlV2VpZ2h0c1Jlc3BvbnNlEmkKDkxvYWRDaGVja3BvaW50Eioucm9sbG1lc2gucmVwbGljYS52MS5Mb2FkQ2hlY2twb2ludFJlcXVlc3QaKy5yb2xsbWVzaC5yZXBsaWNhLnYxLkxvYWRDaGVja3BvaW50UmVzcG9uc2USXQoKRmx1c2hDYWNoZRImLnJvbGxtZXNoLnJlcGxpY2EudjEuRmx1c2hDYWNoZVJlcXVlc3QaJy5yb2xsbWVzaC5yZXBsaWNhLnYxLkZsdXNoQ2FjaGVSZXNwb25zZRJsCg9Kb2luV2VpZ2h0R3JvdXASKy5yb2xsbWVzaC5yZXBsaWNhLnYxLkpvaW5XZWlnaHRHcm91cFJlcXVlc3QaLC5yb2xsbWVzaC5yZXBsaWNhLnYxLkpvaW5XZWlnaHRHcm91cFJlc3BvbnNlEngKE1JlY2VpdmVHcm91cFdlaWdodHMSLy5yb2xsbWVzaC5yZXBsaWNhLnYxLlJlY2VpdmVHcm91cFdlaWdodHNSZXF1ZXN0GjAucm9sbG1lc2gucmVwbGljYS52MS5SZWNlaXZlR3JvdXBXZWlnaHRzUmVzcG9uc2USbwoQTGVhdmVXZWlnaHRHcm91cBIsLnJvbGxtZXNoLnJlcGxpY2EudjEuTGVhdmVXZWlnaHRHcm91cFJlcXVlc3QaLS5yb2xsbWVzaC5yZXBsaWNhLnYxLkxlYXZlV2VpZ2h0R3JvdXBSZXNwb25zZRJpCg5HZXRMb2FkUmVwb3J0cxIqLnJvbGxtZXNoLnJlcGxpY2EudjEuR2V0TG9hZFJlcG9ydHNSZXF1ZXN0Gisucm9sbG1lc2gucmVwbGljYS52MS5HZXRMb2FkUmVwb3J0c1Jlc3BvbnNlEnEKEFdhdGNoUHJlZml4Q2FjaGUSLC5yb2xsbWVzaC5yZXBsaWNhLnYxLldhdGNoUHJlZml4Q2FjaGVSZXF1ZXN0Gi0ucm9sbG1lc2gucmVwbGljYS52MS5XYXRjaFByZWZpeENhY2hlUmVzcG9uc2UwAWIGcHJvdG8z", [file_google_api_field_behavior, file_google_protobuf_duration, file_google_rpc_status, file_rollmesh_common_v1_generation, file_rollmesh_common_v1_load, file_rollmesh_common_v1_status, file_rollmesh_common_v1_types, file_rollmesh_common_v1_weights, file_rollmesh_replica_v1_replica]);
 
 /**
  * Request of GetStatus. It has no fields.
@@ -1098,6 +1098,212 @@ export const ReceiveWeightsResponseSchema: GenMessage<ReceiveWeightsResponse> = 
   messageDesc(file_rollmesh_replica_v1_replica_agent, 29);
 
 /**
+ * Request of JoinWeightGroup.
+ *
+ * @generated from message rollmesh.replica.v1.JoinWeightGroupRequest
+ */
+export type JoinWeightGroupRequest = Message<"rollmesh.replica.v1.JoinWeightGroupRequest"> & {
+  /**
+   * The replica that joins.
+   *
+   * @generated from field: string replica_id = 1;
+   */
+  replicaId: string;
+
+  /**
+   * Host of the group's TCP store (the trainer's rank 0).
+   *
+   * @generated from field: string master_address = 2;
+   */
+  masterAddress: string;
+
+  /**
+   * Port of the group's TCP store.
+   *
+   * @generated from field: uint32 master_port = 3;
+   */
+  masterPort: number;
+
+  /**
+   * The replica's rank, 1 .. world_size - 1.
+   *
+   * @generated from field: uint32 rank = 4;
+   */
+  rank: number;
+
+  /**
+   * Ranks in the group, the trainer's included.
+   *
+   * @generated from field: uint32 world_size = 5;
+   */
+  worldSize: number;
+
+  /**
+   * The group's name (the store's key prefix).
+   *
+   * @generated from field: string group_name = 6;
+   */
+  groupName: string;
+
+  /**
+   * gloo (CPU) or NCCL (GPU).
+   *
+   * @generated from field: rollmesh.common.v1.ProcessGroupBackend backend = 7;
+   */
+  backend: ProcessGroupBackend;
+
+  /**
+   * How long to wait for every rank. Unset: the agent's weight transfer
+   * timeout.
+   *
+   * @generated from field: google.protobuf.Duration timeout = 8;
+   */
+  timeout?: Duration | undefined;
+};
+
+/**
+ * Describes the message rollmesh.replica.v1.JoinWeightGroupRequest.
+ * Use `create(JoinWeightGroupRequestSchema)` to create a new message.
+ */
+export const JoinWeightGroupRequestSchema: GenMessage<JoinWeightGroupRequest> = /*@__PURE__*/
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 30);
+
+/**
+ * Response of JoinWeightGroup.
+ *
+ * @generated from message rollmesh.replica.v1.JoinWeightGroupResponse
+ */
+export type JoinWeightGroupResponse = Message<"rollmesh.replica.v1.JoinWeightGroupResponse"> & {
+};
+
+/**
+ * Describes the message rollmesh.replica.v1.JoinWeightGroupResponse.
+ * Use `create(JoinWeightGroupResponseSchema)` to create a new message.
+ */
+export const JoinWeightGroupResponseSchema: GenMessage<JoinWeightGroupResponse> = /*@__PURE__*/
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 31);
+
+/**
+ * Request of ReceiveGroupWeights.
+ *
+ * @generated from message rollmesh.replica.v1.ReceiveGroupWeightsRequest
+ */
+export type ReceiveGroupWeightsRequest = Message<"rollmesh.replica.v1.ReceiveGroupWeightsRequest"> & {
+  /**
+   * The receiving replica.
+   *
+   * @generated from field: string replica_id = 1;
+   */
+  replicaId: string;
+
+  /**
+   * A group the replica joined.
+   *
+   * @generated from field: string group_name = 2;
+   */
+  groupName: string;
+
+  /**
+   * The tensors rank 0 broadcasts, in its order (name, dtype, shape).
+   *
+   * @generated from field: repeated rollmesh.common.v1.TensorSpec tensors = 3;
+   */
+  tensors: TensorSpec[];
+
+  /**
+   * The version the replica serves once they are loaded. Unset: its
+   * version does not change.
+   *
+   * @generated from field: optional int64 weight_version = 4;
+   */
+  weightVersion?: bigint | undefined;
+
+  /**
+   * Limit for the receive. Unset: the agent's weight transfer timeout.
+   *
+   * @generated from field: google.protobuf.Duration timeout = 5;
+   */
+  timeout?: Duration | undefined;
+};
+
+/**
+ * Describes the message rollmesh.replica.v1.ReceiveGroupWeightsRequest.
+ * Use `create(ReceiveGroupWeightsRequestSchema)` to create a new message.
+ */
+export const ReceiveGroupWeightsRequestSchema: GenMessage<ReceiveGroupWeightsRequest> = /*@__PURE__*/
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 32);
+
+/**
+ * Response of ReceiveGroupWeights.
+ *
+ * @generated from message rollmesh.replica.v1.ReceiveGroupWeightsResponse
+ */
+export type ReceiveGroupWeightsResponse = Message<"rollmesh.replica.v1.ReceiveGroupWeightsResponse"> & {
+  /**
+   * What the replica holds now.
+   *
+   * @generated from field: rollmesh.replica.v1.ReplicaWeightsResult result = 1;
+   */
+  result?: ReplicaWeightsResult | undefined;
+};
+
+/**
+ * Describes the message rollmesh.replica.v1.ReceiveGroupWeightsResponse.
+ * Use `create(ReceiveGroupWeightsResponseSchema)` to create a new message.
+ */
+export const ReceiveGroupWeightsResponseSchema: GenMessage<ReceiveGroupWeightsResponse> = /*@__PURE__*/
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 33);
+
+/**
+ * Request of LeaveWeightGroup.
+ *
+ * @generated from message rollmesh.replica.v1.LeaveWeightGroupRequest
+ */
+export type LeaveWeightGroupRequest = Message<"rollmesh.replica.v1.LeaveWeightGroupRequest"> & {
+  /**
+   * The replica.
+   *
+   * @generated from field: string replica_id = 1;
+   */
+  replicaId: string;
+
+  /**
+   * The group.
+   *
+   * @generated from field: string group_name = 2;
+   */
+  groupName: string;
+};
+
+/**
+ * Describes the message rollmesh.replica.v1.LeaveWeightGroupRequest.
+ * Use `create(LeaveWeightGroupRequestSchema)` to create a new message.
+ */
+export const LeaveWeightGroupRequestSchema: GenMessage<LeaveWeightGroupRequest> = /*@__PURE__*/
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 34);
+
+/**
+ * Response of LeaveWeightGroup.
+ *
+ * @generated from message rollmesh.replica.v1.LeaveWeightGroupResponse
+ */
+export type LeaveWeightGroupResponse = Message<"rollmesh.replica.v1.LeaveWeightGroupResponse"> & {
+  /**
+   * False when the replica was in no group of that name.
+   *
+   * @generated from field: bool left = 1;
+   */
+  left: boolean;
+};
+
+/**
+ * Describes the message rollmesh.replica.v1.LeaveWeightGroupResponse.
+ * Use `create(LeaveWeightGroupResponseSchema)` to create a new message.
+ */
+export const LeaveWeightGroupResponseSchema: GenMessage<LeaveWeightGroupResponse> = /*@__PURE__*/
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 35);
+
+/**
  * Request of FlushCache.
  *
  * @generated from message rollmesh.replica.v1.FlushCacheRequest
@@ -1116,7 +1322,7 @@ export type FlushCacheRequest = Message<"rollmesh.replica.v1.FlushCacheRequest">
  * Use `create(FlushCacheRequestSchema)` to create a new message.
  */
 export const FlushCacheRequestSchema: GenMessage<FlushCacheRequest> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 30);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 36);
 
 /**
  * Response of FlushCache.
@@ -1137,7 +1343,7 @@ export type FlushCacheResponse = Message<"rollmesh.replica.v1.FlushCacheResponse
  * Use `create(FlushCacheResponseSchema)` to create a new message.
  */
 export const FlushCacheResponseSchema: GenMessage<FlushCacheResponse> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 31);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 37);
 
 /**
  * Request of LoadCheckpoint.
@@ -1195,7 +1401,7 @@ export type LoadCheckpointRequest = Message<"rollmesh.replica.v1.LoadCheckpointR
  * Use `create(LoadCheckpointRequestSchema)` to create a new message.
  */
 export const LoadCheckpointRequestSchema: GenMessage<LoadCheckpointRequest> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 32);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 38);
 
 /**
  * Response of LoadCheckpoint.
@@ -1218,7 +1424,7 @@ export type LoadCheckpointResponse = Message<"rollmesh.replica.v1.LoadCheckpoint
  * Use `create(LoadCheckpointResponseSchema)` to create a new message.
  */
 export const LoadCheckpointResponseSchema: GenMessage<LoadCheckpointResponse> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 33);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 39);
 
 /**
  * Request of GetLoadReports.
@@ -1239,7 +1445,7 @@ export type GetLoadReportsRequest = Message<"rollmesh.replica.v1.GetLoadReportsR
  * Use `create(GetLoadReportsRequestSchema)` to create a new message.
  */
 export const GetLoadReportsRequestSchema: GenMessage<GetLoadReportsRequest> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 34);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 40);
 
 /**
  * Response of GetLoadReports.
@@ -1260,7 +1466,7 @@ export type GetLoadReportsResponse = Message<"rollmesh.replica.v1.GetLoadReports
  * Use `create(GetLoadReportsResponseSchema)` to create a new message.
  */
 export const GetLoadReportsResponseSchema: GenMessage<GetLoadReportsResponse> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 35);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 41);
 
 /**
  * Request of CloseSession.
@@ -1288,7 +1494,7 @@ export type CloseSessionRequest = Message<"rollmesh.replica.v1.CloseSessionReque
  * Use `create(CloseSessionRequestSchema)` to create a new message.
  */
 export const CloseSessionRequestSchema: GenMessage<CloseSessionRequest> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 36);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 42);
 
 /**
  * Response of CloseSession.
@@ -1309,7 +1515,7 @@ export type CloseSessionResponse = Message<"rollmesh.replica.v1.CloseSessionResp
  * Use `create(CloseSessionResponseSchema)` to create a new message.
  */
 export const CloseSessionResponseSchema: GenMessage<CloseSessionResponse> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 37);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 43);
 
 /**
  * Request of WatchPrefixCache.
@@ -1330,7 +1536,7 @@ export type WatchPrefixCacheRequest = Message<"rollmesh.replica.v1.WatchPrefixCa
  * Use `create(WatchPrefixCacheRequestSchema)` to create a new message.
  */
 export const WatchPrefixCacheRequestSchema: GenMessage<WatchPrefixCacheRequest> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 38);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 44);
 
 /**
  * One replica's prefix-cache change.
@@ -1380,7 +1586,7 @@ export type WatchPrefixCacheResponse = Message<"rollmesh.replica.v1.WatchPrefixC
  * Use `create(WatchPrefixCacheResponseSchema)` to create a new message.
  */
 export const WatchPrefixCacheResponseSchema: GenMessage<WatchPrefixCacheResponse> = /*@__PURE__*/
-  messageDesc(file_rollmesh_replica_v1_replica_agent, 39);
+  messageDesc(file_rollmesh_replica_v1_replica_agent, 45);
 
 /**
  * What one LoadCheckpoint call does.
@@ -1808,6 +2014,69 @@ export const ReplicaAgentService: GenService<{
     methodKind: "unary";
     input: typeof FlushCacheRequestSchema;
     output: typeof FlushCacheResponseSchema;
+  },
+  /**
+   * Joins a trainer's own process group as one of its ranks, as SGLang's
+   * /init_weights_update_group does: a TCP store at master_address:
+   * master_port (rank 0, the trainer, hosts it), the group named group_name.
+   * Returns once the group is up (every rank joined) or fails within
+   * timeout. Capability: weights.
+   *
+   * Errors:
+   * - INVALID_ARGUMENT: a field is missing or out of range (rank 0 is the
+   *   trainer's; rank < world_size).
+   * - NOT_FOUND: the replica is not on this node.
+   * - ALREADY_EXISTS: the replica is in a group of that name already.
+   * - FAILED_PRECONDITION: the replica cannot take weights now.
+   * - DEADLINE_EXCEEDED, UNAVAILABLE: the group did not come up.
+   *
+   * Authorization: controller.
+   *
+   * @generated from rpc rollmesh.replica.v1.ReplicaAgentService.JoinWeightGroup
+   */
+  joinWeightGroup: {
+    methodKind: "unary";
+    input: typeof JoinWeightGroupRequestSchema;
+    output: typeof JoinWeightGroupResponseSchema;
+  },
+  /**
+   * Receives tensors that rank 0 of a joined group broadcasts, in the order
+   * listed, and loads them into the replica (a subset of its weights is
+   * fine), as SGLang's /update_weights_from_distributed does. With
+   * weight_version the replica serves that version afterwards. A failure is
+   * the result's (checksum_ok false, error_message): what was received is
+   * not loaded. Capability: weights.
+   *
+   * Errors:
+   * - INVALID_ARGUMENT: no tensors, a tensor the replica does not have or
+   *   of another shape or dtype (nothing is received).
+   * - NOT_FOUND: the replica is not on this node, or is in no group of that
+   *   name.
+   *
+   * Authorization: controller.
+   *
+   * @generated from rpc rollmesh.replica.v1.ReplicaAgentService.ReceiveGroupWeights
+   */
+  receiveGroupWeights: {
+    methodKind: "unary";
+    input: typeof ReceiveGroupWeightsRequestSchema;
+    output: typeof ReceiveGroupWeightsResponseSchema;
+  },
+  /**
+   * Leaves a group joined with JoinWeightGroup (SGLang's
+   * /destroy_weights_update_group). Capability: weights.
+   *
+   * Errors:
+   * - NOT_FOUND: the replica is not on this node.
+   *
+   * Authorization: controller.
+   *
+   * @generated from rpc rollmesh.replica.v1.ReplicaAgentService.LeaveWeightGroup
+   */
+  leaveWeightGroup: {
+    methodKind: "unary";
+    input: typeof LeaveWeightGroupRequestSchema;
+    output: typeof LeaveWeightGroupResponseSchema;
   },
   /**
    * Returns a fresh load report for each requested replica (all replicas when
