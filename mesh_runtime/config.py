@@ -25,16 +25,12 @@ from typing import Any
 
 import yaml
 
+from .failures import ConfigError
+
+if typing.TYPE_CHECKING:
+    from .identity import Identity
+
 _MISSING = dataclasses.MISSING
-
-
-class ConfigError(ValueError):
-    """A configuration value is missing, unknown, mistyped or inconsistent."""
-
-    def __init__(self, key: str, why: str) -> None:
-        super().__init__(f"config key '{key}': {why}" if key else why)
-        self.key = key
-        self.why = why
 
 
 def setting(default: Any = _MISSING, *, help: str, secret: bool = False, path: bool | str = False,
@@ -329,9 +325,20 @@ class TlsConfig:
                 raise ConfigError(name, "is required")
             if not Path(path).is_file():
                 raise ConfigError(name, f"no such file: {path[:200]}")
-        from .tls import read_identity  # noqa: PLC0415
+        self.identity()   # a certificate without a rollmesh identity is refused at start
 
-        read_identity(self)   # a certificate without a rollmesh identity is refused at start
+    def identity(self) -> Identity:
+        """The identity ``cert`` names; :class:`ConfigError` if it names none."""
+        from .identity import identity_from_pem  # noqa: PLC0415
+
+        try:
+            identity = identity_from_pem(Path(self.cert).read_bytes())
+        except ValueError as err:
+            raise ConfigError("cert", f"{self.cert[:200]} is not a PEM certificate ({err})") from None
+        if identity is None:
+            raise ConfigError("cert", f"{self.cert[:200]} names no rollmesh identity "
+                                      "(a URI SAN spiffe://rollmesh/<role>/<name>; see rollmesh certs create)")
+        return identity
 
 
 @dataclasses.dataclass

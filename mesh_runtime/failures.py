@@ -15,6 +15,16 @@ from collections.abc import Mapping
 from .reasons import Reason
 
 
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown, mistyped or inconsistent (raised at start-up, before any
+    server runs; :mod:`mesh_runtime.config` hands it on)."""
+
+    def __init__(self, key: str, why: str) -> None:
+        super().__init__(f"config key '{key}': {why}" if key else why)
+        self.key = key
+        self.why = why
+
+
 class RollmeshError(Exception):
     """Base of every error rollmesh raises on purpose: servers, the controller core and the engines.
 

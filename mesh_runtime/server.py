@@ -34,7 +34,7 @@ from .config import TlsConfig
 from .metrics import MetricsEndpoint, ServerMetrics
 from .pipeline import ServerPipeline
 from .net import format_host_port, is_loopback, parse_host_port
-from .tls import read_identity, server_credentials
+from .tls import server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class MeshServer:
         self.tls = tls
         self.insecure = insecure
         self.health_listen = health_listen
-        self.identity = read_identity(tls) if tls is not None else None
+        self.identity = tls.identity() if tls is not None else None
         self.metrics = metrics
         self.metrics_listen = metrics_listen
         self.services = list(services)

@@ -18,32 +18,14 @@ import logging
 import os
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import grpc
 
 from .config import ConfigError, TlsConfig
 
-if TYPE_CHECKING:
-    from .identity import Identity
-
-__all__ = ["TlsConfig", "channel_credentials", "read_identity", "server_credentials"]
+__all__ = ["TlsConfig", "channel_credentials", "server_credentials"]
 
 log = logging.getLogger(__name__)
-
-
-def read_identity(tls: TlsConfig) -> Identity:
-    """The identity ``tls.cert`` names; :class:`ConfigError` if it names none."""
-    from .identity import identity_from_pem  # noqa: PLC0415
-
-    try:
-        identity = identity_from_pem(Path(tls.cert).read_bytes())
-    except ValueError as err:
-        raise ConfigError("cert", f"{tls.cert[:200]} is not a PEM certificate ({err})") from None
-    if identity is None:
-        raise ConfigError("cert", f"{tls.cert[:200]} names no rollmesh identity "
-                                  "(a URI SAN spiffe://rollmesh/<role>/<name>; see rollmesh certs create)")
-    return identity
 
 
 def tls_stamp(tls: TlsConfig | None) -> tuple:

@@ -20,6 +20,8 @@ import difflib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from .failures import ConfigError
+
 DEACTIVATE_WAIT_TIMEOUT_S = 600.0
 """Longest the trainer waits for ``deactivate_wait_samples`` before releasing anyway (controller and job).
 verl's wait has no bound at all (known weakness 3); ten minutes covers the rollout phase of one sync cycle
@@ -80,7 +82,6 @@ def split_async_training(data: Mapping[str, Any], prefix: str, fields: Iterable[
     note; an unknown key close to a known one raises ``ConfigError`` with a
     suggestion; other unknown keys are dropped with a note.
     """
-    from .config import ConfigError  # noqa: PLC0415 - config imports this module lazily too
 
     own = set(fields)
     known = own | set(honoured_by) | set(no_effect_keys)

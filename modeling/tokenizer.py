@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 
 from mesh_runtime.chat import CHAT_TEMPLATE, SPECIALS, VOCAB_SIZE, build_preset_core
 
+from .model_names import is_model_directory
+
 if TYPE_CHECKING:   # transformers loads only when a tokenizer is built
     from transformers import PreTrainedTokenizerBase
 
@@ -47,7 +49,7 @@ def save_preset_tokenizer(directory: str | Path) -> None:
 
 def load_tokenizer(model: str) -> PreTrainedTokenizerBase:
     """The tokenizer of a local Hugging Face directory, or the presets' for a preset name."""
-    if "/" in model or model.startswith("."):
+    if is_model_directory(model):
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(model, local_files_only=True)

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from mesh_runtime.config import ConfigError, ServerConfig, check_addresses, setting
 from mesh_runtime.net import is_wildcard, parse_host_port
+from modeling.model_names import is_model_directory
 
 Kind = Literal["STANDALONE", "HYBRID"]
 
@@ -136,7 +137,7 @@ class ReplicaAgentConfig(ServerConfig):
                                    "stream_interval": self.stream_interval, "flush_interval_s": self.flush_interval_s,
                                    "weight_version": weight_version}
         if self.backend == "torch":
-            key = "model_path" if ("/" in self.model or self.model.startswith(".")) else "preset"
+            key = "model_path" if is_model_directory(self.model) else "preset"
             options.update({key: self.model, "seed": self.model_seed,
                             "memory_fraction": memory_fraction or self.memory_fraction(kind)})
         elif self.backend in ("vllm", "sglang"):

@@ -6,7 +6,7 @@ bad input raises :class:`~mesh_runtime.errors.InvalidArgument` naming the field.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mesh_runtime.durations import set_seconds
 from mesh_runtime.errors import InvalidArgument
@@ -33,11 +33,6 @@ KIND_NAMES = {v: k for k, v in KINDS.items()}
 BACKENDS = {"torch": types_pb2.ENGINE_BACKEND_TORCH, "vllm": types_pb2.ENGINE_BACKEND_VLLM,
             "synthetic": types_pb2.ENGINE_BACKEND_SYNTHETIC, "sglang": types_pb2.ENGINE_BACKEND_SGLANG}
 WAKE_TAGS = {types_pb2.WAKE_TAG_WEIGHTS: "weights", types_pb2.WAKE_TAG_KV_CACHE: "kv_cache"}
-
-if TYPE_CHECKING:
-    from rollmesh.replica.v1 import replica_pb2
-
-    from .replicas import Replica
 
 
 def sampling_from_proto(sp: generation_pb2.SamplingParams) -> SamplingParams:
@@ -105,19 +100,3 @@ def state_enum(name: str) -> types_pb2.ReplicaState.ValueType:
 
 def state_name(value: types_pb2.ReplicaState.ValueType) -> str:
     return types_pb2.ReplicaState.Name(value).removeprefix("REPLICA_STATE_")
-
-
-def replica_to_proto(replica: Replica, *, node_id: str, address: str, backend: str,
-                     model: str) -> replica_pb2.Replica:
-    """The wire form of a :class:`~replica_agent.replicas.Replica`."""
-    from rollmesh.replica.v1 import replica_pb2  # noqa: PLC0415 - keep the module import light
-
-    msg = replica_pb2.Replica(
-        replica_id=replica.replica_id, node_id=node_id, kind=KINDS[replica.kind], state=state_enum(replica.state),
-        weight_version=replica.weight_version, slots=replica.slots, memory_fraction=replica.memory_fraction,
-        backend=BACKENDS[backend], model=model, address=address, initial=replica.initial,
-        state_reason=replica.reason, in_flight_requests=len(replica.in_flight), engine_url=replica.engine_url,
-        sleep_level=types_pb2.SleepLevel.Value(f"SLEEP_LEVEL_{replica.sleep_level}")
-        if replica.state == "SLEEPING" and replica.sleep_level else types_pb2.SLEEP_LEVEL_UNSPECIFIED)
-    set_seconds(msg.launched_at, replica.launched_at)
-    return msg

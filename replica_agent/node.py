@@ -231,8 +231,8 @@ class Node:
             assert self.processes is not None
             return self.processes.proto(replica, node_address=self.address, backend=self.config.backend,
                                         model=self.config.model)
-        return convert.replica_to_proto(replica, node_id=self.node_id, address=self.address,
-                                        backend=self.config.backend, model=self.config.model)
+        return replica.to_proto(node_id=self.node_id, address=self.address, backend=self.config.backend,
+                                model=self.config.model)
 
     def load_report(self, replica: Replica | ReplicaProcess) -> load_pb2.LoadReport:
         if isinstance(replica, ReplicaProcess):

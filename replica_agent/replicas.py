@@ -21,12 +21,15 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 from dataclasses import dataclass, field
 
 from mesh_runtime import errors
+from mesh_runtime.durations import set_seconds
 from mesh_runtime.reasons import Reason
+from rollmesh.common.v1 import types_pb2
 
+from . import convert
 from .engines import Engine, EngineError, EngineState, GenerationChunk, GenerationRequest, PauseMode
 
 if TYPE_CHECKING:
-    from .processes import ReplicaProcess
+    from rollmesh.replica.v1 import replica_pb2
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +82,21 @@ class Replica:
     def awake(self) -> bool:
         return self.state in ("ACTIVE", "PAUSED")
 
+    def to_proto(self, *, node_id: str, address: str, backend: str, model: str) -> replica_pb2.Replica:
+        """The wire form."""
+        from rollmesh.replica.v1 import replica_pb2  # noqa: PLC0415 - keep the module import light
+
+        msg = replica_pb2.Replica(
+            replica_id=self.replica_id, node_id=node_id, kind=convert.KINDS[self.kind],
+            state=convert.state_enum(self.state), weight_version=self.weight_version, slots=self.slots,
+            memory_fraction=self.memory_fraction, backend=convert.BACKENDS[backend], model=model, address=address,
+            initial=self.initial, state_reason=self.reason, in_flight_requests=len(self.in_flight),
+            engine_url=self.engine_url,
+            sleep_level=types_pb2.SleepLevel.Value(f"SLEEP_LEVEL_{self.sleep_level}")
+            if self.state == "SLEEPING" and self.sleep_level else types_pb2.SLEEP_LEVEL_UNSPECIFIED)
+        set_seconds(msg.launched_at, self.launched_at)
+        return msg
+
 
 def check_launch(*, kind: str, slots: int, engine_url: str, memory_fraction: float | None) -> None:
     """INVALID_ARGUMENT for a launch that no node could carry out."""
@@ -94,7 +112,15 @@ def check_launch(*, kind: str, slots: int, engine_url: str, memory_fraction: flo
                                      reason=Reason.INVALID_MEMORY_FRACTION)
 
 
-def reserve_slots(node_id: str, replica_id: str, existing: Replica | ReplicaProcess | None, slots: int,
+class _Held(Protocol):
+    replica_id: str
+    kind: str
+
+    @property
+    def state(self) -> str: ...
+
+
+def reserve_slots(node_id: str, replica_id: str, existing: _Held | None, slots: int,
                   slots_total: int,
                   owners: dict[int, str]) -> list[int]:
     """Take ``slots`` free slots of the node for ``replica_id`` (recorded in ``owners``): ALREADY_EXISTS while
@@ -114,14 +140,6 @@ def reserve_slots(node_id: str, replica_id: str, existing: Replica | ReplicaProc
 
 EngineFactory = Callable[..., Engine]
 """(replica_id, kind, memory_fraction, weight_version, engine_url=...) -> an engine not started yet."""
-
-
-class _Held(Protocol):
-    replica_id: str
-    kind: str
-
-    @property
-    def state(self) -> str: ...
 
 
 H = TypeVar("H", bound=_Held)

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from mesh_runtime.config import ConfigError, ServerConfig, check_addresses, setting
 from mesh_runtime.net import AddressError, is_loopback, parse_host_port
+from modeling.model_names import is_model_directory
 from weight_transfer import WeightTransferConfig
 
 from .driver.settings import (
@@ -22,11 +23,6 @@ from .driver.settings import (
 )
 
 WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
-
-
-def is_model_directory(model: str) -> bool:
-    """Whether ``model`` names a local directory rather than a built-in preset (the replica agent's rule)."""
-    return "/" in model or model.startswith(".")
 
 
 @dataclasses.dataclass
@@ -113,9 +109,7 @@ class TrainerAgentConfig(ServerConfig):
         if self.device != "cpu" and not (self.device == "cuda" or self.device.startswith("cuda:")):
             raise ConfigError("device", f"must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.training_backend == "megatron":
-            from .megatron.source import megatron_available  # noqa: PLC0415
-
-            if not megatron_available():
+            if not _megatron_available():
                 raise ConfigError("training_backend", "megatron needs megatron-core (pip install 'rollmesh[megatron]')")
             if self.driver.enabled and self.device == "cpu":
                 raise ConfigError("device", "megatron-core's forward pass needs CUDA: training with "
@@ -135,3 +129,11 @@ class TrainerAgentConfig(ServerConfig):
             raise ConfigError("weight_transfer_timeout_s", f"must be > 0, got {self.weight_transfer_timeout_s}")
         check_driver(self.async_training, self.actor_rollout_ref)
         check_data(self.data, self.custom_reward_function)
+
+
+def _megatron_available() -> bool:
+    try:
+        import megatron.core  # noqa: F401, PLC0415
+    except ImportError:
+        return False
+    return True

@@ -24,7 +24,7 @@ from mesh_runtime.status import node_name
 from .broadcast import WeightBroadcaster
 from .config import TrainerAgentConfig
 from .driver.runner import TrainingDriver
-from .weight_source import create_weight_source
+from .weight_source import TorchWeightSource, WeightSource, load_source_class
 
 log = logging.getLogger(__name__)
 
@@ -62,3 +62,20 @@ class TrainerNode:
     async def close(self) -> None:
         await self.broadcaster.close()
         await asyncio.to_thread(self.source.close)
+
+
+def create_weight_source(config: TrainerAgentConfig) -> WeightSource:
+    """The weight source of ``config.weight_source`` or ``config.training_backend`` (not loaded yet)."""
+    if config.weight_source:
+        cls = load_source_class(config.weight_source)
+        return cls(config.model, weight_version=config.initial_weight_version, seed=config.model_seed,
+                   dtype=config.weight_dtype, **config.weight_source_options)
+    if config.training_backend == "torch":
+        return TorchWeightSource(config.model, seed=config.model_seed, dtype=config.weight_dtype,
+                                 device=config.device, weight_version=config.initial_weight_version)
+    if config.training_backend == "megatron":
+        from .megatron.source import MegatronWeightSource  # noqa: PLC0415 - megatron-core only when chosen
+
+        return MegatronWeightSource(config.model, seed=config.model_seed, dtype=config.weight_dtype,
+                                    device=config.device, weight_version=config.initial_weight_version)
+    raise ValueError(f"unknown training backend {config.training_backend!r}")

@@ -35,9 +35,9 @@ import torch
 
 from mesh_runtime.errors import FailedPrecondition, InvalidArgument
 from mesh_runtime.reasons import Reason
+from modeling.model_names import is_model_directory
 from weight_transfer.spec import WeightSpec
 
-from .config import TrainerAgentConfig, is_model_directory
 
 log = logging.getLogger(__name__)
 
@@ -266,20 +266,3 @@ def load_source_class(path: str) -> type[WeightSource]:
     if not (isinstance(cls, type) and issubclass(cls, WeightSource)):
         raise TypeError(f"{path[:100]!r} is not a WeightSource subclass")
     return cls
-
-
-def create_weight_source(config: TrainerAgentConfig) -> WeightSource:
-    """The weight source of ``config.weight_source`` or ``config.training_backend`` (not loaded yet)."""
-    if config.weight_source:
-        cls = load_source_class(config.weight_source)
-        return cls(config.model, weight_version=config.initial_weight_version, seed=config.model_seed,
-                   dtype=config.weight_dtype, **config.weight_source_options)
-    if config.training_backend == "torch":
-        return TorchWeightSource(config.model, seed=config.model_seed, dtype=config.weight_dtype,
-                                 device=config.device, weight_version=config.initial_weight_version)
-    if config.training_backend == "megatron":
-        from .megatron.source import MegatronWeightSource  # noqa: PLC0415 - megatron-core only when chosen
-
-        return MegatronWeightSource(config.model, seed=config.model_seed, dtype=config.weight_dtype,
-                                    device=config.device, weight_version=config.initial_weight_version)
-    raise ValueError(f"unknown training backend {config.training_backend!r}")

@@ -40,7 +40,7 @@ from ..core.records import ReplicaKind, ReplicaSpec, ReplicaState
 
 log = logging.getLogger(__name__)
 if TYPE_CHECKING:
-    from .scaler import Scaler
+    from .ports import ScaleHost
 
 OS = OperationState
 S = ReplicaState
@@ -64,7 +64,7 @@ async def _gather(items: Sequence[str], one: Callable[[str], Awaitable[object]])
 
 
 # ------------------------------------------------------------------ scale-out
-async def run_out(s: Scaler, op: ScaleOperation, placements: list[str]) -> None:
+async def run_out(s: ScaleHost, op: ScaleOperation, placements: list[str]) -> None:
     with s.mesh.span("scale.out", operation_id=op.operation_id, model_name=op.model_name,
                       target=op.num_replicas, addresses=op.engine_addresses):
         if op.engine_addresses:
@@ -78,7 +78,7 @@ async def run_out(s: Scaler, op: ScaleOperation, placements: list[str]) -> None:
         await _route(s, op, [r for r in op.replica_ids if r not in op.failed_replica_ids])
 
 
-async def _create(s: Scaler, op: ScaleOperation, placements: list[str]) -> dict[str, str]:
+async def _create(s: ScaleHost, op: ScaleOperation, placements: list[str]) -> dict[str, str]:
     registry, per = s.mesh.registry, s.config.rollout_num_gpus_per_engine
     for index, node_id in enumerate(placements):
         replica_id = f"{node_id}-x{op.operation_id[:6]}{index}"
@@ -102,7 +102,7 @@ async def _create(s: Scaler, op: ScaleOperation, placements: list[str]) -> dict[
         return await _gather(list(op.replica_ids), launch)
 
 
-async def _connect(s: Scaler, op: ScaleOperation) -> dict[str, str]:
+async def _connect(s: ScaleHost, op: ScaleOperation) -> dict[str, str]:
     registry, per = s.mesh.registry, s.config.rollout_num_gpus_per_engine
     await s.move(op, OS.CONNECTING, f"connecting to {op.engine_addresses}")
 
@@ -171,7 +171,7 @@ async def _connect(s: Scaler, op: ScaleOperation) -> dict[str, str]:
     return failed
 
 
-async def _health(s: Scaler, op: ScaleOperation, alive: list[str]) -> dict[str, str]:
+async def _health(s: ScaleHost, op: ScaleOperation, alive: list[str]) -> dict[str, str]:
     registry = s.mesh.registry
 
     async def check(replica_id: str) -> None:
@@ -184,7 +184,7 @@ async def _health(s: Scaler, op: ScaleOperation, alive: list[str]) -> dict[str, 
         return await _gather(alive, check)
 
 
-async def _settle(s: Scaler, op: ScaleOperation, failed: dict[str, str], stage: str) -> list[str]:
+async def _settle(s: ScaleHost, op: ScaleOperation, failed: dict[str, str], stage: str) -> list[str]:
     """Apply the partial-success policy to a stage's failures; the replicas that go on."""
     if failed:
         op.failed_replica_ids.extend(f for f in failed if f not in op.failed_replica_ids)
@@ -200,7 +200,7 @@ async def _settle(s: Scaler, op: ScaleOperation, failed: dict[str, str], stage: 
     return [r for r in op.replica_ids if r not in op.failed_replica_ids]
 
 
-async def _sync(s: Scaler, op: ScaleOperation, alive: list[str]) -> None:
+async def _sync(s: ScaleHost, op: ScaleOperation, alive: list[str]) -> None:
     mesh, registry = s.mesh, s.mesh.registry
     version = s.current_version(op.model_name, exclude=set(op.replica_ids))
     behind = [r for r in alive if version is not None and registry.get(r).weight_version < version]
@@ -234,7 +234,7 @@ async def _sync(s: Scaler, op: ScaleOperation, alive: list[str]) -> None:
     op.weight_version = version if version is not None else min(registry.get(r).weight_version for r in alive)
 
 
-def seed_replicas(s: Scaler, op: ScaleOperation, version: int) -> list[str]:
+def seed_replicas(s: ScaleHost, op: ScaleOperation, version: int) -> list[str]:
     """Healthy replicas that may seed new ones: ACTIVE, of the model, at ``version``, owned by no operation.
 
     Standalone ones first (a hybrid replica may be put to sleep by the next step); never one that
@@ -249,7 +249,7 @@ def seed_replicas(s: Scaler, op: ScaleOperation, version: int) -> list[str]:
     return [r.replica_id for r in candidates]
 
 
-async def _route(s: Scaler, op: ScaleOperation, alive: list[str]) -> None:
+async def _route(s: ScaleHost, op: ScaleOperation, alive: list[str]) -> None:
     mesh, registry = s.mesh, s.mesh.registry
     async with mesh.transitions:
         for replica_id in alive:
@@ -265,7 +265,7 @@ async def _route(s: Scaler, op: ScaleOperation, alive: list[str]) -> None:
     await s.move(op, OS.ACTIVE, f"{alive} serve requests{kept}")
 
 
-async def release(s: Scaler, op: ScaleOperation, replica_ids: list[str], reason: str) -> None:
+async def release(s: ScaleHost, op: ScaleOperation, replica_ids: list[str], reason: str) -> None:
     """Take replicas an operation added out of routing and out of the mesh, stopping what it launched."""
     mesh, registry = s.mesh, s.mesh.registry
     ids = [r for r in replica_ids if r in registry]
@@ -297,7 +297,7 @@ async def release(s: Scaler, op: ScaleOperation, replica_ids: list[str], reason:
             registry.forget_node(node_id, f"external connection {reason} ({op.operation_id})")
 
 
-async def rollback_out(s: Scaler, op: ScaleOperation) -> None:
+async def rollback_out(s: ScaleHost, op: ScaleOperation) -> None:
     owned = [r.replica_id for r in s.mesh.registry.replicas() if r.added_by_operation_id == op.operation_id]
     ids = list(dict.fromkeys([*op.replica_ids, *owned]))
     with s.mesh.span("scale.out.rollback", operation_id=op.operation_id, replica_ids=ids):
@@ -305,7 +305,7 @@ async def rollback_out(s: Scaler, op: ScaleOperation) -> None:
     await s.save()
 
 
-async def resume_ready(s: Scaler, op: ScaleOperation) -> None:
+async def resume_ready(s: ScaleHost, op: ScaleOperation) -> None:
     """After a restart: a READY scale-out has synced its replicas; route them again and finish."""
     alive = [r for r in op.replica_ids if r not in op.failed_replica_ids and r in s.mesh.registry
              and s.mesh.registry.get(r).state is S.ACTIVE]
@@ -315,12 +315,12 @@ async def resume_ready(s: Scaler, op: ScaleOperation) -> None:
     await s.move(op, OS.ACTIVE, f"resumed after controller restart: {alive} serve requests")
 
 
-async def restart_failed(s: Scaler, op: ScaleOperation) -> None:
+async def restart_failed(s: ScaleHost, op: ScaleOperation) -> None:
     raise ScaleFailed("controller restarted; the operation was rolled back")
 
 
 # ------------------------------------------------------------------- scale-in
-async def run_in(s: Scaler, op: ScaleOperation, *, resumed: bool = False) -> None:
+async def run_in(s: ScaleHost, op: ScaleOperation, *, resumed: bool = False) -> None:
     mesh, registry = s.mesh, s.mesh.registry
     ids = list(op.replica_ids)
     with mesh.span("scale.in", operation_id=op.operation_id, replica_ids=ids, force=op.force):
@@ -351,7 +351,7 @@ async def run_in(s: Scaler, op: ScaleOperation, *, resumed: bool = False) -> Non
                f"removed {[r for r in ids if r not in failed]}" + (f"; failed {sorted(failed)}" if failed else ""))
 
 
-async def _drain(s: Scaler, op: ScaleOperation, ids: list[str], *, force: bool) -> str:
+async def _drain(s: ScaleHost, op: ScaleOperation, ids: list[str], *, force: bool) -> str:
     registry, timeout = s.mesh.registry, s.config.scale_in_drain_timeout
     # Every replica that may still run requests (an agent that re-registered meanwhile reports ACTIVE again).
     live = [r for r in ids if registry.get(r).state not in (S.REMOVED, S.STOPPED, S.FAILED)]
@@ -377,7 +377,7 @@ async def _drain(s: Scaler, op: ScaleOperation, ids: list[str], *, force: bool) 
             "resumes them elsewhere" + (f"; abort failed on {failed}" if failed else ""))
 
 
-async def _remove(s: Scaler, op: ScaleOperation, ids: list[str]) -> dict[str, str]:
+async def _remove(s: ScaleHost, op: ScaleOperation, ids: list[str]) -> dict[str, str]:
     registry, grace = s.mesh.registry, s.config.scale_in_shutdown_timeout
 
     async def stop(replica_id: str) -> None:
@@ -403,11 +403,11 @@ async def _remove(s: Scaler, op: ScaleOperation, ids: list[str]) -> dict[str, st
     return failed
 
 
-async def resume_in(s: Scaler, op: ScaleOperation) -> None:
+async def resume_in(s: ScaleHost, op: ScaleOperation) -> None:
     await run_in(s, op, resumed=True)
 
 
-async def restore_in(s: Scaler, op: ScaleOperation) -> None:
+async def restore_in(s: ScaleHost, op: ScaleOperation) -> None:
     """A scale-in that fails or times out puts the replicas it had not removed back into routing."""
     registry = s.mesh.registry
     back = [r for r in op.replica_ids if r in registry and registry.get(r).state in (S.DRAINING, S.ACTIVE)]

@@ -27,7 +27,7 @@ import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from collections.abc import Set as AbstractSet
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 from mesh_runtime.errors import FailedPrecondition, InvalidArgument, NotFound
 from mesh_runtime.net import AddressError, parse_host_port
@@ -35,6 +35,7 @@ from mesh_runtime.reasons import Reason
 from mesh_runtime.validate import check_engine_url, is_engine_url
 
 from . import runs as scale_runs
+from .ports import ScalingMesh
 from ..agents import AgentCalls
 from .operations import TERMINAL, OperationBook, OperationState, OperationType, ScaleOperation, cancellable
 from ..core.events import EventType
@@ -43,41 +44,9 @@ from ..core.records import TERMINAL_STATES, ReplicaKind, ReplicaRecord
 log = logging.getLogger(__name__)
 OS = OperationState
 
-if TYPE_CHECKING:
-    from contextlib import AbstractContextManager
-
-    from ..config import ControllerConfig
-    from ..core.hybrid import DynamicResourceController
-    from ..core.replicas import ReplicaRegistry
-    from ..ports import Channels
-    from ..routing import Routing
-    from ..store import StateStore
-    from ..weight_sync import WeightBroadcast
 
 Run = Callable[["Scaler", ScaleOperation], Awaitable[None]]
 """A scale operation's body, or what undoes it (:mod:`controller.scaling.runs`)."""
-
-
-class ScalingMesh(Protocol):
-    """What scale operations use of the controller (its :class:`~controller.mesh.Mesh` provides it)."""
-
-    config: ControllerConfig
-    store: StateStore
-    channels: Channels
-    registry: ReplicaRegistry
-    routing: Routing
-    weights: WeightBroadcast
-    scheduler: DynamicResourceController
-    transitions: asyncio.Lock
-    """Held around every change of routing or weights, by hybrid transitions and scale operations alike."""
-
-    def clock(self) -> float: ...
-
-    def emit(self, type: EventType, /, **fields: Any) -> Any: ...
-
-    def span(self, name: str, **attributes: Any) -> AbstractContextManager[Any]: ...
-
-    def renew(self, node_id: str, reports: Any) -> tuple[float, bool]: ...
 
 
 def check_addresses(addresses: list[str], what: str) -> list[str]:

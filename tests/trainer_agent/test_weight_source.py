@@ -103,7 +103,7 @@ def test_a_plugin_that_keeps_the_base_init_is_built_with_the_agents_seed_and_dty
     import types
 
     from trainer_agent.config import TrainerAgentConfig
-    from trainer_agent.weight_source import create_weight_source
+    from trainer_agent.node import create_weight_source
 
     module = types.ModuleType("user_weights")
     module.Plugin = _PluginWithoutInit

@@ -29,6 +29,7 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from mesh_runtime.net import free_port
+from modeling.model_names import is_model_directory
 
 from ..weight_source import WeightSource
 from . import mapping
@@ -97,8 +98,6 @@ class MegatronCausalLM(torch.nn.Module):
 
 def hf_checkpoint(model: str, seed: int) -> tuple[dict, dict[str, torch.Tensor]]:
     """``(config, tensors)`` of a local Hugging Face directory or a built-in preset, by HF names."""
-    from ..config import is_model_directory
-
     if is_model_directory(model):
         import json
         from pathlib import Path
@@ -202,11 +201,4 @@ class MegatronWeightSource(WeightSource):
         self.module = None
         self._params.clear()
 
-
-def megatron_available() -> bool:
-    try:
-        import megatron.core  # noqa: F401
-    except ImportError:
-        return False
-    return True
 

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..config import is_model_directory
+from modeling.model_names import is_model_directory
 
 if TYPE_CHECKING:
     from ..weight_source import WeightSource
