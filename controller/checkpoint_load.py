@@ -77,15 +77,13 @@ class CheckpointFlip:
             done = [r for r in fit if installed[r].ok]
             reverted = await run(done, step.CHECKPOINT_STEP_REVERT) if done else {}
             why = _rolled_back_because(failed)
-            stuck = [ReplicaSyncOutcome(r, False, f"{why}; could not go back: {o.error_message}")
-                     for r, o in reverted.items() if not o.ok]
+            stuck = {r: ReplicaSyncOutcome(r, False, f"{why}; could not go back: {o.error_message}")
+                     for r, o in reverted.items() if not o.ok}
             if stuck:   # neither version for sure: out of routing until a later sync reaches it
-                await self.push_versions(stuck, version)
-            stuck_ids = {o.replica_id for o in stuck}
-            results = [failed.get(r) or next((o for o in stuck if o.replica_id == r), None)
-                       or ReplicaSyncOutcome(r, False, why) for r in replica_ids]
+                await self.push_versions(list(stuck.values()), version)
+            results = [failed.get(r) or stuck.get(r) or ReplicaSyncOutcome(r, False, why) for r in replica_ids]
             log.warning("checkpoint %s as version %d rolled back on %d replica(s)%s", path, version,
-                        len(done) - len(stuck_ids), f"; {sorted(stuck_ids)} left routing" if stuck_ids else "")
+                        len(done) - len(stuck), f"; {sorted(stuck)} left routing" if stuck else "")
             return self._done(results, version, started, update_id, committed=False, rolled_back=True)
         results = [failed.get(r) or installed[r] for r in replica_ids]
         await self.push_versions(results, version)

@@ -22,12 +22,10 @@ from mesh_runtime.durations import set_seconds, to_seconds
 from rollmesh.common.v1 import weights_pb2
 from rollmesh.replica.v1 import replica_agent_pb2
 
+from .checkpoint_load import PushVersions
 from .core.ports import ReplicaSyncOutcome, WeightSyncOutcome
 from .core.replicas import ReplicaRegistry
 from .ports import Channels, describe_error
-
-PushVersions = Callable[[list[ReplicaSyncOutcome], int], Awaitable[None]]
-
 
 class GroupUpdate:
     """See the module docstring."""

@@ -217,11 +217,15 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
             timeout_s=timeout_s)
         return weight_sync_pb2.SyncWeightsResponse(result=convert.sync_result(outcome))
 
-    async def LoadWeights(self, request: weight_sync_pb2.LoadWeightsRequest,  # noqa: N802
-                          context: grpc.aio.ServicerContext) -> weight_sync_pb2.LoadWeightsResponse:
+    def _require_weights_caller(self, context: grpc.aio.ServicerContext, method: str) -> None:
+        """A trainer agent's certificate, or what an operator's mutation needs (the scale credential)."""
         identity = current_identity()
         if identity is None or identity.role != "trainer-agent":
-            require_scale_credential(context, self.config, "LoadWeights")
+            require_scale_credential(context, self.config, method)
+
+    async def LoadWeights(self, request: weight_sync_pb2.LoadWeightsRequest,  # noqa: N802
+                          context: grpc.aio.ServicerContext) -> weight_sync_pb2.LoadWeightsResponse:
+        self._require_weights_caller(context, "LoadWeights")
         if not request.checkpoint_path.strip():
             raise InvalidArgument("checkpoint_path must name a safetensors checkpoint's directory on the replicas' "
                                   "nodes", reason=Reason.INVALID_ARGUMENT)
@@ -241,9 +245,7 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
     async def UpdateWeightsFromGroup(self, request: weight_sync_pb2.UpdateWeightsFromGroupRequest,  # noqa: N802
                                      context: grpc.aio.ServicerContext
                                      ) -> weight_sync_pb2.UpdateWeightsFromGroupResponse:
-        identity = current_identity()
-        if identity is None or identity.role != "trainer-agent":
-            require_scale_credential(context, self.config, "UpdateWeightsFromGroup")
+        self._require_weights_caller(context, "UpdateWeightsFromGroup")
         step = request.WhichOneof("step")
         if step is None:
             raise InvalidArgument("set one step: join, receive or leave", reason=Reason.INVALID_ARGUMENT)

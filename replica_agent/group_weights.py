@@ -87,10 +87,13 @@ class GroupWeights:
         if version is not None and version < 0:
             raise InvalidArgument(f"weight_version must be >= 0, got {version}", reason=Reason.INVALID_WEIGHT_VERSION)
         spec = {s.name: s for s in replica.engine.weight_spec()}
-        wrong = [t.name if t.name not in spec else f"{t.name} {t.dtype}{list(t.shape)} is "
-                 f"{spec[t.name].dtype}{list(spec[t.name].shape)} here"
-                 for t in tensors if t.name not in spec or (t.dtype, tuple(t.shape)) != (spec[t.name].dtype,
-                                                                                        tuple(spec[t.name].shape))]
+        wrong = []
+        for t in tensors:
+            have = spec.get(t.name)
+            if have is None:
+                wrong.append(t.name)
+            elif (t.dtype, tuple(t.shape)) != (have.dtype, tuple(have.shape)):
+                wrong.append(f"{t.name} {t.dtype}{list(t.shape)} is {have.dtype}{list(have.shape)} here")
         if wrong:
             raise InvalidArgument(f"tensors the replica does not have as listed: {', '.join(wrong[:3])[:300]}",
                                   reason=Reason.INVALID_ARGUMENT)
