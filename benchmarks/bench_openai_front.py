@@ -4,10 +4,11 @@
 presets so every id decodes), one ``rollmesh lb`` with ``http_listen`` on. The same requests go through
 gRPC ``Generate`` (a call per request) and through ``POST /v1/completions`` (a keep-alive HTTP connection
 per client, aiohttp): prompts of 16-240 tokens (the tiny presets take 512 in all), each different, as
-token ids. Printed per shape:
+token ids. A third shape streams long completions (4,096 tokens each), where the cost of turning tokens into
+text deltas shows: decoding the whole completion again on every chunk is quadratic in its length. Printed per shape:
 requests/s, p50/p99 latency, and the balancer's CPU per request or per 1,000 streamed tokens.
 
-    .venv/bin/python -m benchmarks.bench_openai_front [--short 2000] [--stream 600]
+    .venv/bin/python -m benchmarks.bench_openai_front [--short 2000] [--stream 600] [--long 16]
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import aiohttp
 from benchmarks.cpu_quota import cpu_seconds
 from launcher.processes import start_server
 from mesh_runtime.channels import open_channel
+from mesh_runtime.chat import build_preset_core
 from mesh_runtime.net import free_port
 from rollmesh.common.v1 import generation_pb2
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2, loadbalancer_pb2_grpc
@@ -54,9 +56,14 @@ async def start_mesh(tmp: Path, rate: float):
         (tmp / f"n{i}.yaml").write_text(AGENT.format(node=f"n{i}", rate=rate))
         agents.append(await start_server("replica-agent", ["--config", str(tmp / f"n{i}.yaml"), "--listen",
                                                            "127.0.0.1:0"], log_path=tmp / f"n{i}.log"))
+    model = tmp / "model"   # the presets' tokenizer with a context long enough for the long shape
+    model.mkdir()
+    build_preset_core().save(str(model / "tokenizer.json"))
+    (model / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "bos_token": "<s>"}))
+    (model / "config.json").write_text(json.dumps({"max_position_embeddings": 8192}))
     http = free_port()
     replicas = "".join(f"  - {{replica_id: n{i}-0, address: {a.address}}}\n" for i, a in enumerate(agents))
-    (tmp / "lb.yaml").write_text(f"http_listen: 127.0.0.1:{http}\nmodel: tiny-llama\nreplicas:\n{replicas}")
+    (tmp / "lb.yaml").write_text(f"http_listen: 127.0.0.1:{http}\nmodel: {model}\nreplicas:\n{replicas}")
     lb = await start_server("lb", ["--config", str(tmp / "lb.yaml"), "--listen", "127.0.0.1:0"],
                             log_path=tmp / "lb.log")
     return lb, agents, f"http://127.0.0.1:{http}/v1/completions"
@@ -102,7 +109,7 @@ async def http_load(url: str, work: list[list[int]], concurrency: int, max_token
             nonlocal tokens, failures
             while left:
                 _, prompt = left.pop()
-                body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+                body = {"model": "model", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
                         "stream": stream}
                 start = time.perf_counter()
                 try:
@@ -133,6 +140,7 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--short", type=int, default=2000, help="short requests (16 out) per front")
     parser.add_argument("--stream", type=int, default=600, help="streamed 256-token requests per front")
+    parser.add_argument("--long", type=int, default=16, help="streamed 4,096-token requests per front")
     parser.add_argument("--rate", type=float, default=200.0, help="tokens/s per request")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -142,7 +150,10 @@ async def main() -> None:
             await http_load(url, prompts(200, 0), 32, 16, False)
             rows = []
             for shape, count, concurrency, max_tokens in (("short", args.short, 128, 16),
-                                                          ("stream", args.stream, 256, 256)):
+                                                          ("stream", args.stream, 256, 256),
+                                                          ("long", args.long, 16, 4096)):
+                if not count:
+                    continue
                 work = prompts(count, 1)
                 for front in ("gRPC Generate", "HTTP /v1/completions"):
                     cpu = cpu_seconds(lb.pid)
@@ -150,7 +161,7 @@ async def main() -> None:
                         wall, lat, tokens, fail = await grpc_load(lb.address, work, concurrency, max_tokens, shape)
                     else:
                         wall, lat, tokens, fail = await http_load(url, work, concurrency, max_tokens,
-                                                                  stream=shape == "stream")
+                                                                  stream=shape != "short")
                     used = cpu_seconds(lb.pid) - cpu
                     per = f"{used / count * 1000:.3f} ms/request" if shape == "short" else \
                         f"{used / max(tokens, 1) * 1e6:.2f} ms/1k tokens"

@@ -31,7 +31,7 @@ from .upstreams import Upstreams
 if TYPE_CHECKING:
     from mesh_runtime.server import MeshServer
     from .controller_link import BalancerLink
-    from .openai_front import OpenAIFront
+    from .fronts.openai_front import OpenAIFront
 
 log = logging.getLogger(__name__)
 DESCRIPTOR = pb.DESCRIPTOR.services_by_name["LoadBalancerService"]
@@ -126,7 +126,7 @@ class LoadBalancerServicer(loadbalancer_pb2_grpc.LoadBalancerServiceServicer):
             from mesh_runtime.chat import ChatError, ChatTokenizer  # noqa: PLC0415
             from mesh_runtime.config import ConfigError  # noqa: PLC0415
 
-            from .openai_front import OpenAIFront  # noqa: PLC0415 - aiohttp only where the API is on
+            from .fronts.openai_front import OpenAIFront  # noqa: PLC0415 - aiohttp only where the API is on
 
             try:
                 tokenizer = ChatTokenizer.from_model(self.config.model)

@@ -9,8 +9,8 @@ import json
 import pytest
 
 from loadbalancer.config import LoadBalancerConfig
-from loadbalancer.openai_choices import ChoiceRun
-from loadbalancer.openai_requests import ApiError, check_request_id, parse_chat, parse_completion
+from loadbalancer.fronts.openai_choices import ChoiceRun
+from loadbalancer.fronts.openai_requests import ApiError, check_request_id, parse_chat, parse_completion
 from mesh_runtime.chat import PRESET_CONTEXT, ChatTokenizer, parse_tool_calls
 from mesh_runtime.config import ConfigError
 from rollmesh.common.v1 import generation_pb2

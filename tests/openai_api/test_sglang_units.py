@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from loadbalancer.openai_requests import ApiError
-from loadbalancer.sglang_front import _matched_string
-from loadbalancer.sglang_requests import DEFAULT_MAX_NEW_TOKENS, parse_generate
+from loadbalancer.fronts.openai_requests import ApiError
+from loadbalancer.fronts.sglang_front import _matched_string
+from loadbalancer.fronts.sglang_requests import DEFAULT_MAX_NEW_TOKENS, parse_generate
 from mesh_runtime.chat import ChatTokenizer
 
 
@@ -120,7 +120,7 @@ def test_the_stop_string_that_ended_a_generation():
     ("max-staleness:2", None, 7, 5), ("max-staleness:9", None, 7, 0), ("latest-only", 9, 7, 9),
     (" min-version:8 ", 2, 7, 8)])
 def test_a_version_policy_is_a_floor_on_top_of_the_requests_own(policy, own, newest, floor):
-    from loadbalancer.openai_requests import apply_version_policy
+    from loadbalancer.fronts.openai_requests import apply_version_policy
     from rollmesh.loadbalancer.v1 import loadbalancer_pb2 as pb
 
     request = pb.GenerateRequest(request_id="r")
@@ -132,7 +132,7 @@ def test_a_version_policy_is_a_floor_on_top_of_the_requests_own(policy, own, new
 
 @pytest.mark.parametrize("policy", ["latest", "min-version:", "max-staleness:-1", "min-version:x", "all"])
 def test_an_unknown_version_policy_is_refused_naming_the_header(policy):
-    from loadbalancer.openai_requests import apply_version_policy
+    from loadbalancer.fronts.openai_requests import apply_version_policy
     from rollmesh.loadbalancer.v1 import loadbalancer_pb2 as pb
 
     with pytest.raises(ApiError) as err:

@@ -2,7 +2,8 @@
 
 :class:`ChoiceRun` consumes one generation's ``GenerateResponse`` messages and yields :class:`Delta`
 values: the new token ids (with logprobs and the weight version that made them) and the text they add,
-decoded incrementally (a token that ends inside a multi-byte character waits for the next one). Stop
+decoded incrementally (:mod:`.detokenize`: each step decodes its new tokens with a little context, never the
+whole completion again; a token that ends inside a multi-byte character waits for the next one). Stop
 strings end the choice at the token that completes one (its text left out, as OpenAI does, its token ids
 kept) and cancel the generation upstream. With tools, text from the first ``<tool_call>`` on is held
 back and parsed for calls at the end; text that could still become ``<tool_call>`` waits too.
@@ -17,6 +18,8 @@ from typing import Any
 from mesh_runtime.chat import TOOL_CALL_OPEN, ChatTokenizer, ToolCall, parse_tool_calls
 from rollmesh.common.v1 import generation_pb2
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2 as pb
+
+from .detokenize import IncrementalDecoder
 
 FINISH = {generation_pb2.FINISH_REASON_STOP: "stop", generation_pb2.FINISH_REASON_LENGTH: "length",
           generation_pb2.FINISH_REASON_ABORTED: "abort"}
@@ -68,6 +71,9 @@ class ChoiceRun:
         self._versions: list[tuple[int, str]] = []   # (weight version, replica) per token
         self._sent = 0                                 # characters of visible text already yielded
         self._held = len(max(stop, key=len)) - 1 if stop else 0
+        self._scanned = 0                              # characters of the text searched for stop strings
+        self.decoder = IncrementalDecoder(tokenizer)
+        """The completion's text so far (only decoded when deltas carry text or stop strings are checked)."""
 
     async def deltas(self) -> AsyncIterator[Delta]:
         result = self.result
@@ -78,6 +84,8 @@ class ChoiceRun:
                 result.token_ids.extend(message.token_ids)
                 result.logprobs.extend(message.logprobs)
                 self._versions.extend([(message.weight_version, message.replica_id)] * len(message.token_ids))
+                if self.text_deltas or self.stop:
+                    self.decoder.extend(message.token_ids)
                 stopped = self._stop_at(start)
                 final = stopped or message.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED
                 if final and not stopped:
@@ -98,9 +106,10 @@ class ChoiceRun:
         """Cut the choice at the first token that completes a stop string (True when one did)."""
         if not self.stop:
             return False
-        text = self.tokenizer.decode(self.result.token_ids)
-        window = max(0, self._sent - self._held)
+        text = self.decoder.text
+        window = max(0, self._scanned - self._held)   # a stop string found now ends in the new text
         if not any(s in text[window:] for s in self.stop):
+            self._scanned = len(text)
             return False
         for end in range(start + 1, len(self.result.token_ids) + 1):
             prefix = self.tokenizer.decode(self.result.token_ids[:end])
@@ -147,7 +156,7 @@ class ChoiceRun:
         if final:
             text = self.result.text
             return text[:text.find(TOOL_CALL_OPEN)] if self.result.tool_calls else text
-        text = self.tokenizer.decode(self.result.token_ids).rstrip("\ufffd")
+        text = self.decoder.text
         text = text[:len(text) - self._held]
         if self.parse_tools:
             cut = text.find(TOOL_CALL_OPEN)

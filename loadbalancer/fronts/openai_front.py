@@ -44,8 +44,8 @@ from mesh_runtime.net import format_host_port, parse_host_port
 from mesh_runtime.validate import quote
 from rollmesh.loadbalancer.v1.loadbalancer_pb2 import GenerateRequest, GenerateResponse
 
-from .balancer import Balancer
-from .config import LoadBalancerConfig
+from ..balancer import Balancer
+from ..config import LoadBalancerConfig
 from .openai_choices import ChoiceResult, ChoiceRun, Delta
 from .openai_requests import (VERSION_POLICY_HEADER, ApiError, Plan, api_error, apply_version_policy,
                               check_request_id, parse_chat, parse_completion)

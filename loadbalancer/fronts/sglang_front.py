@@ -42,8 +42,9 @@ from mesh_runtime.validate import SESSION_ID_MAX_LENGTH, quote
 from rollmesh.common.v1 import generation_pb2
 from rollmesh.loadbalancer.v1.loadbalancer_pb2 import GenerateRequest
 
-from .balancer import Balancer
-from .config import LoadBalancerConfig
+from ..balancer import Balancer
+from ..config import LoadBalancerConfig
+from .detokenize import IncrementalDecoder
 from .openai_choices import ChoiceRun
 from .openai_requests import VERSION_POLICY_HEADER, ApiError, api_error, apply_version_policy, bad
 from .sglang_requests import GeneratePlan, Sample, parse_generate
@@ -76,7 +77,7 @@ class _Flight:
 
 
 class SglangApi:
-    """See the module docstring. ``front``: the :class:`~loadbalancer.openai_front.OpenAIFront` whose
+    """See the module docstring. ``front``: the :class:`~loadbalancer.fronts.openai_front.OpenAIFront` whose
     listener, balancer, tokenizer and admission these endpoints share."""
 
     def __init__(self, front: Front) -> None:
@@ -124,6 +125,7 @@ class SglangApi:
                         generate=lambda r: self.front.balancer.generate(r, timeout_s), call_prefix="",
                         text_deltas=False)
         state = {"version": 0}
+        decoder = IncrementalDecoder(self.front.tokenizer, skip_special_tokens=sample.skip_special_tokens)
 
         async def consume() -> None:
             if sample.request.sampling_params.max_tokens == 0:   # SGLang's prefill-only call: nothing to make
@@ -132,7 +134,8 @@ class SglangApi:
             async for delta in run.deltas():
                 state["version"] = delta.weight_version
                 if queue is not None and delta.finish_reason is None:
-                    await queue.put(self._output(sample, plan, run, state["version"], None, started))
+                    decoder.extend(delta.token_ids)   # each chunk carries the whole text so far
+                    await queue.put(self._output(sample, plan, run, state["version"], None, started, decoder.text))
 
         flight = _Flight(asyncio.get_running_loop().create_task(consume()))
         self._flights[rid] = flight
@@ -152,20 +155,20 @@ class SglangApi:
         return out
 
     def _output(self, sample: Sample, plan: GeneratePlan, run: ChoiceRun, version: int, reason: str | None,
-                started: float) -> dict[str, Any]:
+                started: float, text_so_far: str = "") -> dict[str, Any]:
+        """One step's output (``reason`` None: ``text_so_far`` is its text, without a character still being
+        decoded) or the last one (the whole completion decoded once)."""
         tokenizer = self.front.tokenizer
         result = run.result
         ids = list(result.token_ids)
-        text = tokenizer.decode(ids, skip_special_tokens=sample.skip_special_tokens)
         finish: dict[str, Any] | None = None
-        if reason is None:
-            text = text.rstrip("\ufffd")   # a character still being decoded
-        elif reason == "length":
+        text = text_so_far if reason is None else tokenizer.decode(ids, skip_special_tokens=sample.skip_special_tokens)
+        if reason == "length":
             finish = {"type": "length", "length": len(ids)}
         elif reason in ("abort", "aborted here"):
             finish = {"type": "abort", "message": "aborted by /abort_request" if reason == "aborted here"
                       else "the fleet aborted the request"}
-        else:
+        elif reason is not None:
             matched = _matched_string(tokenizer.decode(ids), result.text, sample.stop)
             if matched is not None:
                 finish = {"type": "stop", "matched": matched}
