@@ -459,10 +459,10 @@ class Balancer:
         if not refused and self.table.unreachable(route, record.reason):
             self.stats.outlier_ejections += 1
             log.warning("replica %s ejected from picks for %.1f s: %s", route.replica_id,
-                        route.ejected_until - self.table.clock(), route.ejected_reason)
+                        route.breaker.ejected_until - self.table.clock(), route.breaker.ejected_reason)
             trace.get_current_span().add_event("outlier.ejected", {
-                "rollmesh.replica_id": route.replica_id, "rollmesh.reason": route.ejected_reason,
-                "rollmesh.ejections": route.ejections})
+                "rollmesh.replica_id": route.replica_id, "rollmesh.reason": route.breaker.ejected_reason,
+                "rollmesh.ejections": route.breaker.ejections})
         run.failed_on = run.failed_on | {route.replica_id}   # never back to it while another one is eligible
         run.avoid = run.avoid | run.failed_on
         self._keep(run, streamed, route)

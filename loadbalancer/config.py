@@ -10,6 +10,7 @@ from mesh_runtime.errors import InvalidArgument
 from mesh_runtime.net import AddressError, is_loopback, is_wildcard, parse_host_port
 from mesh_runtime.validate import check_id
 
+from .routing import POLICIES
 from .workers import check_workers
 
 
@@ -109,11 +110,12 @@ class LoadBalancerConfig(ServerConfig):
                                         "else its advertised address")
     replicas: list[StaticReplica] = setting(default_factory=list, help="replicas to route to from the start "
                                             "(the controller adds and removes replicas at run time)")
-    routing_policy: Literal["least_loaded", "prefix_aware"] = setting(
+    routing_policy: str = setting(
         "prefix_aware", help="prefix_aware: the replica that was sent most of the prompt's leading tokens (its "
                              "prefix cache holds them), within a load gap (prefix_routing), else the least "
                              "loaded; least_loaded: the replica with the fewest in-flight requests (round robin "
-                             "among equals). Sessions stick either way")
+                             "among equals); a plug-in's name (loadbalancer.routing.register). Sessions stick "
+                             "either way")
     prefix_routing: PrefixRoutingConfig = setting(default_factory=PrefixRoutingConfig,
                                                   help="cache affinity against load, for routing_policy: "
                                                        "prefix_aware")
@@ -188,6 +190,9 @@ class LoadBalancerConfig(ServerConfig):
         for key in positive:
             if getattr(self, key) < 1:
                 raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")
+        if self.routing_policy not in POLICIES:
+            raise ConfigError("routing_policy", f"unknown policy {self.routing_policy[:64]!r}; known: "
+                                                f"{', '.join(sorted(POLICIES))}")
         if self.max_version_lag is not None and self.max_version_lag < 0:
             raise ConfigError("max_version_lag", f"must be >= 0 or null, got {self.max_version_lag}")
         if self.sticky_session_idle_s is not None and not self.sticky_session_idle_s > 0:

@@ -24,7 +24,7 @@ from rollmesh.loadbalancer.v1 import loadbalancer_pb2_grpc, routing_pb2
 from .balancer import Balancer
 from .config import LoadBalancerConfig
 from .prefix_events import PrefixWatchers
-from .prefix_index import PrefixIndex, PrefixPolicy
+from . import routing
 from .table import OutlierDetection, Route, RoutingTable
 from .upstreams import Upstreams
 
@@ -42,27 +42,14 @@ KIND_VALUES = {"STANDALONE": types_pb2.REPLICA_KIND_STANDALONE, "HYBRID": types_
 
 def build_balancer(config: LoadBalancerConfig, tracer_provider: TracerProvider | None, **kwargs: Any) -> Balancer:
     od = config.outlier_detection
-    table = RoutingTable(sticky_max_load_gap=config.sticky_max_load_gap,
-                         max_sticky_sessions=config.max_sticky_sessions, max_version_lag=config.max_version_lag,
-                         sticky_idle_s=config.sticky_session_idle_s,
+    table = RoutingTable(routing.selectors(config), max_version_lag=config.max_version_lag,
                          outlier=OutlierDetection(od.consecutive_failures, od.base_ejection_s, od.max_ejection_s,
-                                                  od.max_ejection_percent),
-                         prefix=prefix_policy(config))
+                                                  od.max_ejection_percent))
     table.add(Route(r.replica_id, r.address, r.kind, r.weight_version) for r in config.replicas)
     upstreams = Upstreams(tracer_provider=tracer_provider, call_timeout_s=config.upstream_call_timeout_s,
                           tls=config.tls, agent_streams=config.agent_streams)
     return Balancer(config, table, upstreams, tracer=tracing.tracer(tracer_provider, "rollmesh.loadbalancer"),
                     **kwargs)
-
-
-def prefix_policy(config: LoadBalancerConfig) -> PrefixPolicy | None:
-    """The table's prefix-aware policy, or None when it routes by load (``routing_policy``)."""
-    if config.routing_policy != "prefix_aware":
-        return None
-    pr = config.prefix_routing
-    return PrefixPolicy(PrefixIndex(block_tokens=pr.block_tokens, capacity_tokens=pr.cache_tokens,
-                                    max_blocks=pr.max_blocks),
-                        max_load_gap=pr.max_load_gap, max_load_ratio=pr.max_load_ratio, warmup_s=pr.warmup_s)
 
 
 def own_name(config: LoadBalancerConfig) -> str:
@@ -88,7 +75,7 @@ class LoadBalancerServicer(loadbalancer_pb2_grpc.LoadBalancerServiceServicer):
         self.table = self.balancer.table
         self.metrics.on_scrape(lambda: self.balancer.stats.families(
             self.balancer.in_flight, self.balancer.completed,
-            [not self.table.unroutable_reason(r, self.table.version_floor(None)) for r in self.table.routes.values()],
+            [not self.table.unroutable_reason(r) for r in self.table.routes.values()],
             self.table.sticky_sessions))
         self.status = StatusReporter(config, ["status", "generate", "generate_many", "replicas", "rebalance",
                                                       "stats", "sessions"])
@@ -137,17 +124,16 @@ class LoadBalancerServicer(loadbalancer_pb2_grpc.LoadBalancerServiceServicer):
             server.add_cleanup(self.http.close)
 
     def _routed(self, route: Route) -> routing_pb2.RoutedReplica:
-        floor = self.table.version_floor(None)
-        reason = self.table.unroutable_reason(route, floor)
+        reason = self.table.unroutable_reason(route)
         msg = routing_pb2.RoutedReplica(
             endpoint=routing_pb2.ReplicaEndpoint(replica_id=route.replica_id, address=route.address,
                                                  kind=KIND_VALUES[route.kind], weight_version=route.weight_version,
                                                  node_id=route.node_id),
             in_flight=route.in_flight, sticky_sessions=self.table.sticky_count(route.replica_id),
             completed=route.completed, failed=route.failed, routable=not reason, unroutable_reason=reason,
-            consecutive_failures=route.consecutive_failures, ejections=route.ejections)
+            consecutive_failures=route.breaker.consecutive_failures, ejections=route.breaker.ejections)
         set_seconds(msg.added_at, route.added_at)
-        left = route.ejected_until - self.table.clock()
+        left = route.breaker.ejected_until - self.table.clock()
         if left > 0:
             set_seconds(msg.ejected_until, time.time() + left)
         return msg

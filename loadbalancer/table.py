@@ -1,36 +1,31 @@
-"""The routing table and the routing policy, free of I/O.
+"""The routing table, free of I/O: membership, tickets and the run of the routing pieces.
 
-Routing picks, among routable replicas that satisfy the request's weight
-version, the one with the fewest in-flight requests; ties are broken round
-robin (a rotating cursor over the tied replicas, in id order), so new
-sessions spread evenly instead of piling onto the first replica. A session sticks to the replica it was
-routed to until that replica carries more than ``sticky_max_load_gap``
-requests above the least loaded eligible one (bounded-load affinity). A
-prefix-aware table (:class:`~.prefix_index.PrefixPolicy`) sends a request
-without a pinned session to the replica that holds most of its prompt's
-leading blocks, within a load gap. Removing a replica drops its sticky pins
-and its prefix entries at once and revokes the tickets of requests that
-picked it but have not been sent yet.
+The table holds the replicas (routes), each request's claim on one (tickets) and the pieces of its policy
+(:mod:`loadbalancer.routing`): filters take replicas out of a pick (a weight version too old, a breaker
+open), then selectors choose (a session's pinned replica, the replica that caches most of the prompt, the
+least loaded one). Removing a replica tells every piece at once (its sticky pins and prefix entries go) and
+revokes the tickets of requests that picked it but have not been sent yet.
 """
 
 from __future__ import annotations
 
-import asyncio
-import itertools
-import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from mesh_runtime.errors import AlreadyExists, InvalidArgument, NotFound
 from mesh_runtime.reasons import Reason
 from mesh_runtime.validate import check_address
 
 from .prefix_index import PrefixPolicy
+from .routing.breaker import Breaker, Breakers, OutlierDetection
+from .routing.least_loaded import LeastLoaded
+from .routing.policy import Filter, Pick, Selector
+from .routing.prefix_aware import PrefixAware
+from .routing.sticky import SessionAffinity
+from .routing.version import VersionFloor
 
-log = logging.getLogger(__name__)
+__all__ = ["Choice", "OutlierDetection", "Route", "RoutingTable", "Ticket"]
 
 
 @dataclass
@@ -47,13 +42,8 @@ class Route:
     completed: int = 0
     failed: int = 0
     removed: bool = False
-    consecutive_failures: int = 0
-    """Attempts in a row that failed to reach the replica (UNAVAILABLE, a broken or stalled stream)."""
-    ejections: int = 0
-    """Ejections since the replica last answered; each one lasts longer (outlier detection)."""
-    ejected_until: float = 0.0
-    """``time.monotonic()`` until which the replica is out of picks (0: not ejected)."""
-    ejected_reason: str = ""
+    breaker: Breaker = field(default_factory=Breaker)
+    """Out of picks while open (outlier detection: :mod:`loadbalancer.routing.breaker`)."""
     joined_at: float = 0.0
     """When the table added the route, on the table's clock (a prefix-aware table warms new replicas up)."""
     paused: bool = False
@@ -89,47 +79,49 @@ class Ticket:
         return self.route.removed
 
 
-@dataclass(frozen=True)
-class OutlierDetection:
-    """Envoy-style ejection of replicas that keep failing (see the balancer config's ``outlier_detection``)."""
-
-    consecutive_failures: int = 3
-    base_ejection_s: float = 5.0
-    max_ejection_s: float = 300.0
-    max_ejection_percent: float = 50.0
-
-
 @dataclass
 class Choice:
-    """The result of a pick: the ticket and how stickiness played out."""
+    """The result of a pick: the ticket, and how the selectors chose (``pick``'s notes)."""
 
     ticket: Ticket
-    sticky_hit: bool = False
-    sticky_migrated: bool = False
-    prefix_blocks: int = 0
-    """Leading prompt blocks the chosen replica was found to hold (prefix-aware routing)."""
-    prefix_spilled: bool = False
-    """A replica held part of the prompt but was too loaded (prefix-aware routing)."""
+    pick: Pick
+
+    @property
+    def sticky_hit(self) -> bool:
+        return self.pick.sticky_hit
+
+    @property
+    def sticky_migrated(self) -> bool:
+        return self.pick.sticky_migrated
+
+    @property
+    def prefix_blocks(self) -> int:
+        return self.pick.prefix_blocks
+
+    @property
+    def prefix_spilled(self) -> bool:
+        return self.pick.prefix_spilled
 
 
 class RoutingTable:
-    """Replicas, sticky sessions and tickets; every method is synchronous."""
+    """Replicas, tickets and the routing pieces; every method is synchronous.
 
-    def __init__(self, *, sticky_max_load_gap: int, max_sticky_sessions: int, max_version_lag: int | None,
-                 outlier: OutlierDetection | None = None, clock: Callable[[], float] = time.monotonic,
-                 sticky_idle_s: float | None = None, prefix: PrefixPolicy | None = None) -> None:
-        """``prefix``: route by cached prompt prefix (``routing_policy: prefix_aware``); None: by load."""
-        self.prefix = prefix
-        self.sticky_max_load_gap = sticky_max_load_gap
-        self.max_sticky_sessions = max_sticky_sessions
-        self.sticky_idle_s = sticky_idle_s
-        self.max_version_lag = max_version_lag
-        self.outlier = outlier or OutlierDetection()
+    ``selectors``: the chain that chooses (:func:`loadbalancer.routing.selectors` builds the configured one;
+    default: least loaded); the last one must always choose."""
+
+    def __init__(self, selectors: Sequence[Selector] = (), *, max_version_lag: int | None = None,
+                 outlier: OutlierDetection | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.selectors: list[Selector] = list(selectors) or [LeastLoaded()]
+        self.versions = VersionFloor(max_version_lag)
+        self.breakers = Breakers(outlier or OutlierDetection())
+        self.filters: list[Filter[Route]] = [self.breakers, self.versions]
         self.clock = clock
-        self._tie_cursor = itertools.count()
         self.routes: dict[str, Route] = {}
-        self._sticky: OrderedDict[str, tuple[str, float]] = OrderedDict()
-        """Session -> (replica it is pinned to, when it was last used), least recently used first."""
+        self.sessions = next((s for s in self.selectors if isinstance(s, SessionAffinity)), None)
+        """The chain's session affinity, if it has one (sticky pins)."""
+        self.prefix: PrefixPolicy | None = next(
+            (s.policy for s in self.selectors if isinstance(s, PrefixAware)), None)
+        """The chain's prefix policy and its index, if it routes by prefix (the balancer keys prompts for it)."""
         self._listeners: list[Callable[[], None]] = []
 
     # ----------------------------------------------------------- membership
@@ -170,23 +162,20 @@ class RoutingTable:
         return added
 
     def remove(self, replica_ids: Iterable[str]) -> tuple[list[Route], int]:
-        """Remove routes: revoke unsent tickets, drop sticky pins. Returns (removed, pins dropped)."""
+        """Remove routes: revoke unsent tickets, tell every selector. Returns (removed, sticky pins dropped)."""
         removed = []
         for replica_id in replica_ids:
             route = self.routes.pop(replica_id, None)
             if route is not None:
                 route.removed = True
                 removed.append(route)
+        pins = self.sticky_sessions
         gone = {r.replica_id for r in removed}
-        if self.prefix is not None:
-            for replica_id in gone:
-                self.prefix.index.forget(replica_id)
-        dropped = [s for s, (rid, _) in self._sticky.items() if rid in gone]
-        for session in dropped:
-            del self._sticky[session]
-        if removed:
+        if gone:
+            for selector in self.selectors:
+                selector.forget(gone)
             self._changed()
-        return removed, len(dropped)
+        return removed, pins - self.sticky_sessions
 
     def update(self, replica_id: str, *, weight_version: int | None = None, address: str | None = None) -> Route:
         route = self.get(replica_id)
@@ -229,130 +218,68 @@ class RoutingTable:
         return max((r.weight_version for r in self.routes.values()), default=0)
 
     def version_floor(self, min_weight_version: int | None) -> int | None:
-        floors = []
-        if min_weight_version is not None:
-            floors.append(min_weight_version)
-        if self.max_version_lag is not None and self.routes:
-            floors.append(self.newest_version - self.max_version_lag)
-        return max(floors) if floors else None
+        return self.versions.floor(min_weight_version, self.newest_version if self.routes else None)
 
-    def unroutable_reason(self, route: Route, floor: int | None) -> str:
+    def _pick(self, request_id: str = "", *, session_id: str = "", min_weight_version: int | None = None,
+              prefix_keys: Sequence[int] = ()) -> Pick:
+        return Pick(request_id, self.clock(), session_id=session_id, prefix_keys=prefix_keys,
+                    min_weight_version=min_weight_version, newest_version=self.newest_version)
+
+    def unroutable_reason(self, route: Route, min_weight_version: int | None = None, *,
+                          pick: Pick | None = None) -> str:
+        """Why ``route`` is out of picks (for a request asking ``min_weight_version``); empty when it is in."""
         if route.removed:
             return "removed"
         if route.paused:
             return "paused (pause_generation)"
-        if route.ejected_until:
-            left = route.ejected_until - self.clock()
-            if left > 0:
-                return f"ejected for {left:.1f} s more: {route.ejected_reason}"
-        if floor is not None and route.weight_version < floor:
-            return f"weight_version {route.weight_version} < required {floor}"
-        return ""
+        pick = pick or self._pick(min_weight_version=min_weight_version)
+        return next((why for why in (f.why_not(route, pick) for f in self.filters) if why), "")
 
-    def eligible(self, min_weight_version: int | None) -> list[Route]:
-        floor = self.version_floor(min_weight_version)
-        return [r for r in self.routes.values() if not self.unroutable_reason(r, floor)]
+    def eligible(self, min_weight_version: int | None, *, pick: Pick | None = None) -> list[Route]:
+        pick = pick or self._pick(min_weight_version=min_weight_version)
+        return [r for r in self.routes.values() if not self.unroutable_reason(r, pick=pick)]
 
     def explain_ineligible(self, min_weight_version: int | None) -> str:
-        floor = self.version_floor(min_weight_version)
         if not self.routes:
             return "the routing table is empty"
-        return "; ".join(f"{r.replica_id}: {self.unroutable_reason(r, floor)}" for r in self.routes.values())
+        pick = self._pick(min_weight_version=min_weight_version)
+        return "; ".join(f"{r.replica_id}: {self.unroutable_reason(r, pick=pick)}" for r in self.routes.values())
 
     def pick(self, request_id: str, *, session_id: str = "", min_weight_version: int | None = None,
              avoid: frozenset[str] = frozenset(), prefix_keys: Sequence[int] = ()) -> Choice | None:
         """Claim the best eligible route for a request, or ``None`` if there is none.
 
+        ``avoid``: replicas to pass over while another is eligible (ones this request failed on).
         ``prefix_keys``: the prompt's leading block keys (:func:`mesh_runtime.prefix.block_keys`), for a
-        prefix-aware table."""
-        candidates = self.eligible(min_weight_version)
+        prefix-aware chain."""
+        pick = self._pick(request_id, session_id=session_id, min_weight_version=min_weight_version,
+                          prefix_keys=prefix_keys)
+        candidates = self.eligible(None, pick=pick)
         preferred = [r for r in candidates if r.replica_id not in avoid] or candidates
         if not preferred:
             return None
-        least = min(r.in_flight for r in preferred)
-        choice_kw: dict[str, Any] = {}
-        chosen = None
-        if session_id:
-            self._expire_sticky()
-            pinned = self.routes.get(self.sticky_replica(session_id) or "")
-            if pinned is not None and pinned in preferred:
-                if pinned.in_flight - least <= self.sticky_max_load_gap:
-                    chosen, choice_kw = pinned, {"sticky_hit": True}
-                else:
-                    choice_kw = {"sticky_migrated": True}
-        if chosen is None and self.prefix is not None:
-            loads = self.prefix.loads(preferred, self.clock())
-            if prefix_keys:
-                chosen, blocks, spilled = self.prefix.affine(prefix_keys, preferred, loads)
-                choice_kw.update(prefix_blocks=blocks, prefix_spilled=spilled)
-            if chosen is None:
-                lightest = min(loads.values())
-                chosen = self._tie_break([r for r in preferred if loads[r.replica_id] == lightest])
-        if chosen is None:
-            chosen = self._tie_break([r for r in preferred if r.in_flight == least])
-        if self.prefix is not None and prefix_keys:
-            self.prefix.index.record(chosen.replica_id, prefix_keys)
-        if session_id:
-            self._sticky[session_id] = (chosen.replica_id, self.clock())
-            self._sticky.move_to_end(session_id)
-            while len(self._sticky) > self.max_sticky_sessions:
-                self._sticky.popitem(last=False)
+        chosen = next(route for route in (s.select(pick, preferred) for s in self.selectors) if route is not None)
+        for selector in self.selectors:
+            selector.chosen(pick, chosen)
         ticket = Ticket(request_id, chosen)
         chosen.tickets[request_id] = ticket
-        return Choice(ticket, **choice_kw)
-
-    def _tie_break(self, tied: list[Route]) -> Route:
-        """Round robin over equally good routes (in id order), so new work spreads evenly."""
-        tied.sort(key=lambda r: r.replica_id)
-        return tied[next(self._tie_cursor) % len(tied)]
+        return Choice(ticket, pick)
 
     # ------------------------------------------------------ outlier detection
     def next_ejection_end(self) -> float | None:
         """Seconds until the soonest ejection ends (None: nothing is ejected)."""
-        now = self.clock()
-        ends = [r.ejected_until - now for r in self.routes.values() if r.ejected_until > now]
-        return min(ends) if ends else None
+        return self.breakers.next_close(self.routes.values(), self.clock())
 
     def answered(self, route: Route) -> None:
         """The replica answered an attempt (tokens or a final message): it is healthy again."""
-        if route.ejections:
-            log.info("replica %s answered after %d ejection(s): back in picks", route.replica_id, route.ejections,
-                     extra={"replica_id": route.replica_id})
-        route.consecutive_failures = 0
-        route.ejections = 0
-        route.ejected_until = 0.0
+        self.breakers.answered(route)
 
     def unreachable(self, route: Route, why: str) -> bool:
-        """An attempt could not reach the replica; returns True when this ejected it.
-
-        After ``consecutive_failures`` in a row the replica leaves picks for
-        ``base_ejection_s`` x the number of its ejections (at most
-        ``max_ejection_s``), unless that would eject more than
-        ``max_ejection_percent`` of the table (always leaving one replica).
-        When an ejection ends the replica gets one attempt: a failure ejects
-        it again at once, for longer; an answer clears it.
-        """
-        route.consecutive_failures += 1
-        od = self.outlier
-        if route.removed or route.consecutive_failures < od.consecutive_failures:
-            return False
-        now = self.clock()
-        if route.ejected_until > now:
-            return False
-        ejected = sum(1 for r in self.routes.values() if r.ejected_until > now)
-        allowed = max(1, int(len(self.routes) * od.max_ejection_percent / 100))
-        if ejected >= min(allowed, len(self.routes) - 1):
-            log.info("replica %s not ejected after %d consecutive failures: %d of %d replicas are ejected "
-                     "already (max_ejection_percent %g, never the last one)", route.replica_id,
-                     route.consecutive_failures, ejected, len(self.routes), od.max_ejection_percent,
-                     extra={"replica_id": route.replica_id})
-            return False
-        route.ejections += 1
-        route.ejected_until = now + min(od.base_ejection_s * route.ejections, od.max_ejection_s)
-        route.ejected_reason = f"{route.consecutive_failures} consecutive failures, last: {why[:120]}"
-        route.consecutive_failures = od.consecutive_failures - 1   # one more failure after it ends re-ejects
-        self._changed()
-        return True
+        """An attempt could not reach the replica; returns True when this ejected it (its breaker opened)."""
+        opened = self.breakers.unreachable(route, why, list(self.routes.values()), self.clock())
+        if opened:
+            self._changed()
+        return opened
 
     def release(self, ticket: Ticket, *, completed: bool = False, failed: bool = False) -> None:
         if ticket.route.tickets.get(ticket.request_id) is ticket:
@@ -363,37 +290,20 @@ class RoutingTable:
     # -------------------------------------------------------------- sessions
     @property
     def sticky_sessions(self) -> int:
-        return len(self._sticky)
+        return len(self.sessions) if self.sessions is not None else 0
 
     def sticky_count(self, replica_id: str) -> int:
-        return sum(1 for rid, _ in self._sticky.values() if rid == replica_id)
+        return self.sessions.count(replica_id) if self.sessions is not None else 0
 
     def sticky_replica(self, session_id: str) -> str | None:
-        pin = self._sticky.get(session_id)
-        return pin[0] if pin is not None else None
+        return self.sessions.replica(session_id) if self.sessions is not None else None
 
     def drop_session(self, session_id: str) -> str | None:
         """Forget a session's pin; the replica it was pinned to, if any."""
-        pin = self._sticky.pop(session_id, None)
-        return pin[0] if pin is not None else None
-
-    def _expire_sticky(self) -> None:
-        """Drop pins unused for ``sticky_idle_s`` (least recently used first: they lead the order)."""
-        if self.sticky_idle_s is None:
-            return
-        horizon = self.clock() - self.sticky_idle_s
-        while self._sticky:
-            session, (_, used) = next(iter(self._sticky.items()))
-            if used > horizon:
-                break
-            del self._sticky[session]
+        return self.sessions.drop(session_id) if self.sessions is not None else None
 
     def clear_sticky(self, replica_ids: Iterable[str] = ()) -> int:
-        ids = set(replica_ids)
-        doomed = [s for s, (rid, _) in self._sticky.items() if not ids or rid in ids]
-        for session in doomed:
-            del self._sticky[session]
-        return len(doomed)
+        return self.sessions.clear(replica_ids) if self.sessions is not None else 0
 
     # ------------------------------------------------------------- rebalance
     def plan_moves(self, max_moves: int | None) -> list[Ticket]:

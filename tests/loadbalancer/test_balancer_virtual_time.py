@@ -183,10 +183,10 @@ def test_an_ejected_replica_gets_no_picks_until_its_ejection_ends_then_gets_them
             retry_initial_backoff_s=0.01, retry_max_backoff_s=0.01)
         loop, flaky = asyncio.get_running_loop(), lb.table.routes["flaky"]
         i = 0
-        while not flaky.ejected_until:   # least-loaded ties alternate: flaky is tried until it is ejected
+        while not flaky.breaker.ejected_until:   # least-loaded ties alternate: flaky is tried until it is ejected
             await generate(lb, f"e{i}", 2)
             i += 1
-        ejected_at, until = loop.time(), flaky.ejected_until
+        ejected_at, until = loop.time(), flaky.breaker.ejected_until
         lb.upstreams.modes["flaky"] = "ok"   # it recovers at once, but stays out until its ejection ends
         while loop.time() < until - 2:
             await generate(lb, f"during{i}", 2)
@@ -203,7 +203,7 @@ def test_an_ejected_replica_gets_no_picks_until_its_ejection_ends_then_gets_them
     assert until == pytest.approx(failures[-1] + 30.0, abs=0.01)           # ... for base_ejection_s from the 2nd
     assert not [t for t in flaky_calls if ejected_at < t < until]          # none while ejected
     assert [t for t in flaky_calls if t >= until]                          # picked again afterwards
-    assert flaky.consecutive_failures == 0 and flaky.completed >= 1 and flaky.ejected_until == 0
+    assert flaky.breaker.consecutive_failures == 0 and flaky.completed >= 1 and flaky.breaker.ejected_until == 0
 
 
 def test_a_request_without_a_replica_waits_until_its_deadline():

@@ -8,6 +8,8 @@ from collections import Counter
 import pytest
 
 from loadbalancer.prefix_index import PrefixIndex, PrefixPolicy
+from loadbalancer.routing.prefix_aware import PrefixAware
+from loadbalancer.routing.sticky import SessionAffinity
 from loadbalancer.table import Route, RoutingTable
 from mesh_runtime.prefix import block_keys
 
@@ -27,7 +29,7 @@ def table(n: int = 4, *, gap: int = 2, ratio: float = 0.0, capacity: int = 4096,
           clock: Clock | None = None) -> RoutingTable:
     policy = PrefixPolicy(PrefixIndex(block_tokens=BLOCK, capacity_tokens=capacity, max_blocks=64),
                           max_load_gap=gap, max_load_ratio=ratio, warmup_s=warmup)
-    t = RoutingTable(sticky_max_load_gap=4, max_sticky_sessions=1000, max_version_lag=None, prefix=policy,
+    t = RoutingTable([SessionAffinity(max_load_gap=4, max_sessions=1000, idle_s=None), PrefixAware(policy)],
                      clock=clock or Clock())
     t.add(Route(f"r{i}", f"127.0.0.1:{1000 + i}") for i in range(n))
     return t

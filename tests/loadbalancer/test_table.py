@@ -6,14 +6,20 @@ from collections import Counter
 
 import pytest
 
+from loadbalancer.routing.least_loaded import LeastLoaded
+from loadbalancer.routing.sticky import SessionAffinity
 from loadbalancer.table import OutlierDetection, Route, RoutingTable
 from mesh_runtime.errors import AlreadyExists, InvalidArgument, NotFound
 
 pytestmark = pytest.mark.timeout(30)
 
 
+def chain(gap: int = 2, idle_s: float | None = None) -> list:
+    return [SessionAffinity(max_load_gap=gap, max_sessions=1000, idle_s=idle_s), LeastLoaded()]
+
+
 def table(n: int = 4, *, gap: int = 2, lag: int | None = None, versions=None) -> RoutingTable:
-    t = RoutingTable(sticky_max_load_gap=gap, max_sticky_sessions=1000, max_version_lag=lag)
+    t = RoutingTable(chain(gap), max_version_lag=lag)
     t.add(Route(f"r{i}", f"127.0.0.1:{1000 + i}", weight_version=(versions or [0] * n)[i]) for i in range(n))
     return t
 
@@ -103,8 +109,7 @@ class _Clock:
 
 def outlier_table(n: int = 4, **od) -> tuple[RoutingTable, _Clock]:
     clock = _Clock()
-    t = RoutingTable(sticky_max_load_gap=2, max_sticky_sessions=1000, max_version_lag=None,
-                     outlier=OutlierDetection(**{"consecutive_failures": 3, "base_ejection_s": 5.0, **od}),
+    t = RoutingTable(chain(), outlier=OutlierDetection(**{"consecutive_failures": 3, "base_ejection_s": 5.0, **od}),
                      clock=clock)
     t.add(Route(f"r{i}", f"127.0.0.1:{1000 + i}") for i in range(n))
     return t, clock
@@ -123,7 +128,7 @@ def test_consecutive_failures_eject_a_replica_for_longer_each_time_until_it_answ
     assert t.next_ejection_end() == pytest.approx(10.0)
     clock.now += 10.1
     t.answered(r0)                                                         # it answers: all forgotten
-    assert (r0.consecutive_failures, r0.ejections) == (0, 0) and r0 in t.eligible(None)
+    assert (r0.breaker.consecutive_failures, r0.breaker.ejections) == (0, 0) and r0 in t.eligible(None)
     assert not t.unreachable(r0, "x")
 
 
@@ -151,8 +156,7 @@ def test_ejection_is_capped_and_never_takes_the_last_replica():
 
 def test_idle_sticky_pins_expire_and_closed_sessions_are_forgotten():
     now = [0.0]
-    t = RoutingTable(sticky_max_load_gap=2, max_sticky_sessions=1000, max_version_lag=None,
-                     clock=lambda: now[0], sticky_idle_s=60)
+    t = RoutingTable(chain(idle_s=60), clock=lambda: now[0])
     t.add(Route(f"r{i}", f"127.0.0.1:{1000 + i}") for i in range(2))
     t.release(t.pick("a", session_id="old").ticket, completed=True)
     now[0] = 30.0

@@ -1,0 +1,117 @@
+"""What a routing piece is: a filter that takes replicas out of a pick, or a selector that chooses among the
+rest (or passes to the next selector). The table runs its filters, then its selectors in order, and tells
+every selector which replica was chosen (a session's pin, a prefix index, a cursor learn from it)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+
+class Candidate(Protocol):
+    """What the pieces read of a replica in the table (:class:`loadbalancer.table.Route`)."""
+
+    @property
+    def replica_id(self) -> str: ...
+
+    @property
+    def in_flight(self) -> int: ...
+
+    @property
+    def weight_version(self) -> int: ...
+
+    @property
+    def joined_at(self) -> float: ...
+
+    @property
+    def completed(self) -> int: ...
+
+
+C = TypeVar("C", bound=Candidate)
+R_contra = TypeVar("R_contra", contravariant=True)
+
+
+class PrefixSettings(Protocol):
+    """The prefix-aware piece's settings (the balancer config's ``prefix_routing``)."""
+
+    @property
+    def block_tokens(self) -> int: ...
+
+    @property
+    def cache_tokens(self) -> int: ...
+
+    @property
+    def max_blocks(self) -> int: ...
+
+    @property
+    def max_load_gap(self) -> int: ...
+
+    @property
+    def max_load_ratio(self) -> float: ...
+
+    @property
+    def warmup_s(self) -> float: ...
+
+
+class Settings(Protocol):
+    """What a policy's factory may read of the balancer's config (:class:`loadbalancer.config.LoadBalancerConfig`)."""
+
+    @property
+    def routing_policy(self) -> str: ...
+
+    @property
+    def prefix_routing(self) -> PrefixSettings: ...
+
+    @property
+    def sticky_max_load_gap(self) -> int: ...
+
+    @property
+    def max_sticky_sessions(self) -> int: ...
+
+    @property
+    def sticky_session_idle_s(self) -> float | None: ...
+
+
+@dataclass
+class Pick:
+    """One request's pick, as the pieces see it; selectors note how they chose in its fields."""
+
+    request_id: str
+    now: float
+    session_id: str = ""
+    prefix_keys: Sequence[int] = ()
+    """The prompt's leading block keys (:func:`mesh_runtime.prefix.block_keys`), for a prefix-aware piece."""
+    min_weight_version: int | None = None
+    newest_version: int = 0
+    """The newest weight version in the table, for a version-aware filter."""
+    sticky_hit: bool = False
+    sticky_migrated: bool = False
+    prefix_blocks: int = 0
+    """Leading prompt blocks the chosen replica was found to hold (prefix-aware routing)."""
+    prefix_spilled: bool = False
+    """A replica held part of the prompt but was too loaded (prefix-aware routing)."""
+
+
+class Filter(Protocol[R_contra]):
+    """Takes replicas out of picks (a weight version too old, a breaker open)."""
+
+    def why_not(self, route: R_contra, pick: Pick) -> str:
+        """Why ``route`` may not serve this pick; empty when it may."""
+        ...
+
+
+class Selector(Protocol):
+    """Chooses a replica among eligible ones, or leaves the choice to the next selector."""
+
+    def select(self, pick: Pick, routes: Sequence[C]) -> C | None:
+        """The route for this pick among ``routes`` (never empty), or None."""
+        ...
+
+    def chosen(self, pick: Pick, route: Candidate) -> None:
+        """The table gave ``route`` to this pick (whichever selector chose it)."""
+        ...
+
+    def forget(self, replica_ids: set[str]) -> None:
+        """These replicas left the table."""
+        ...

@@ -1,0 +1,82 @@
+"""Session affinity with bounded load: a session sticks to the replica it was routed to until that replica
+carries more than ``max_load_gap`` requests above the least loaded eligible one; then the session moves (and
+sticks to its new replica). Pins are kept least recently used first, at most ``max_sessions`` of them, and
+one unused for ``idle_s`` is dropped."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+from .policy import C, Candidate, Pick
+
+
+class SessionAffinity:
+    """See the module docstring; a pick without a session id passes to the next selector."""
+
+    def __init__(self, *, max_load_gap: int, max_sessions: int, idle_s: float | None) -> None:
+        self.max_load_gap = max_load_gap
+        self.max_sessions = max_sessions
+        self.idle_s = idle_s
+        self._pins: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        """Session -> (replica it is pinned to, when it was last used), least recently used first."""
+
+    def select(self, pick: Pick, routes: Sequence[C]) -> C | None:
+        if not pick.session_id:
+            return None
+        self._expire(pick.now)
+        pinned = self.replica(pick.session_id)
+        route = next((r for r in routes if r.replica_id == pinned), None)
+        if route is None:
+            return None
+        if route.in_flight - min(r.in_flight for r in routes) <= self.max_load_gap:
+            pick.sticky_hit = True
+            return route
+        pick.sticky_migrated = True
+        return None
+
+    def chosen(self, pick: Pick, route: Candidate) -> None:
+        if not pick.session_id:
+            return
+        self._pins[pick.session_id] = (route.replica_id, pick.now)
+        self._pins.move_to_end(pick.session_id)
+        while len(self._pins) > self.max_sessions:
+            self._pins.popitem(last=False)
+
+    def forget(self, replica_ids: set[str]) -> None:
+        self.clear(replica_ids)
+
+    # -------------------------------------------------------------- sessions
+    def __len__(self) -> int:
+        return len(self._pins)
+
+    def count(self, replica_id: str) -> int:
+        return sum(1 for rid, _ in self._pins.values() if rid == replica_id)
+
+    def replica(self, session_id: str) -> str | None:
+        pin = self._pins.get(session_id)
+        return pin[0] if pin is not None else None
+
+    def drop(self, session_id: str) -> str | None:
+        """Forget a session's pin; the replica it was pinned to, if any."""
+        pin = self._pins.pop(session_id, None)
+        return pin[0] if pin is not None else None
+
+    def clear(self, replica_ids: Iterable[str] = ()) -> int:
+        """Drop the pins to these replicas (all pins when none are named); how many were dropped."""
+        ids = set(replica_ids)
+        doomed = [s for s, (rid, _) in self._pins.items() if not ids or rid in ids]
+        for session in doomed:
+            del self._pins[session]
+        return len(doomed)
+
+    def _expire(self, now: float) -> None:
+        """Drop pins unused for ``idle_s`` (least recently used first: they lead the order)."""
+        if self.idle_s is None:
+            return
+        horizon = now - self.idle_s
+        while self._pins:
+            session, (_, used) = next(iter(self._pins.items()))
+            if used > horizon:
+                break
+            del self._pins[session]
