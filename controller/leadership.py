@@ -41,6 +41,7 @@ from mesh_runtime.channels import read_methods
 from mesh_runtime.errors import Unavailable
 from mesh_runtime.handlers import rewrap
 from mesh_runtime.reasons import Reason
+from mesh_runtime.retry import RetryPolicy
 from mesh_runtime.server import MeshServer
 
 from .config import ControllerConfig
@@ -49,6 +50,8 @@ from .store_backends import EtcdBackend, StoreBackend, StoreUnavailable, parse_s
 from .store_owner import StoreOwnership
 
 log = logging.getLogger(__name__)
+STORE_RETRY = RetryPolicy(initial_s=0.2, max_s=2.0)
+"""Reaching the state store at start-up: until it answers (there is nothing to serve without it)."""
 LEADER, STANDBY = "leader", "standby"
 GATED_SERVICES = ("rollmesh.controller.v1.ControllerService", "google.longrunning.Operations")
 """The services whose non-read calls only the leader answers (health and reflection answer everywhere)."""
@@ -99,21 +102,23 @@ class Leadership:
 
     def _first_attempt(self) -> bool:
         """Own the store or learn who does; while etcd cannot be reached at all, wait (nothing to serve)."""
-        assert self.ownership is not None
-        pause = 0.2
-        while True:
-            try:
-                if self.ownership.try_acquire():
-                    return True
-                self.leader_name, self.leader_address = self.ownership.holder_info()
-                log.warning("state store %s is led by %s; serving as a standby (reads only) until it can be "
-                            "taken over (lease %d s)", self.ownership.backend.description,
-                            self.leader_name or "(nobody yet)", self.ownership.ttl_s)
-                return False
-            except StoreUnavailable as err:
-                log.warning("state store %s: %s; retrying in %.1f s", self.ownership.backend.description, err, pause)
-                time.sleep(pause)
-                pause = min(pause * 2, 2.0)
+        ownership = self.ownership
+        assert ownership is not None
+
+        def attempt() -> bool:
+            if ownership.try_acquire():
+                return True
+            self.leader_name, self.leader_address = ownership.holder_info()
+            log.warning("state store %s is led by %s; serving as a standby (reads only) until it can be "
+                        "taken over (lease %d s)", ownership.backend.description,
+                        self.leader_name or "(nobody yet)", ownership.ttl_s)
+            return False
+
+        def unreachable(err: BaseException, wait: float) -> None:
+            log.warning("state store %s: %s; retrying in %.1f s", ownership.backend.description, err, wait)
+
+        return STORE_RETRY.run_sync(attempt, retry_if=lambda err: isinstance(err, StoreUnavailable),
+                                    on_retry=unreachable)
 
     def _leader_mesh(self) -> Mesh:
         assert self.ownership is not None

@@ -27,6 +27,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from mesh_runtime.retry import RetryPolicy
+
 from .state_schema import EVENT, DocumentMismatch, DocumentSchema
 from .store_backends import StoreBackend, StoreUnavailable, parse_store
 
@@ -253,21 +255,22 @@ class StateStore:
 
     async def run(self, interval_s: float = 0.1, retry_max_s: float = 5.0) -> None:
         """Flush shortly after changes, until cancelled (then flush once more). A backend that cannot be
-        written (etcd without quorum) is retried with a growing pause; nothing is dropped meanwhile."""
-        pause = interval_s
+        written (etcd without quorum) is retried with a growing pause (from twice ``interval_s`` up to
+        ``retry_max_s``); nothing is dropped meanwhile, and changes made meanwhile join the next try."""
+        policy = RetryPolicy(initial_s=2 * interval_s, max_s=max(retry_max_s, 2 * interval_s))
+
+        def failed(err: BaseException, wait: float) -> None:
+            # a document its message does not describe is a defect, not an outage: said louder
+            log.log(logging.ERROR if isinstance(err, DocumentMismatch) else logging.WARNING,
+                    "state store %s: write failed (%s); retrying in %.1f s", self.description, err, wait)
+
         try:
             while True:
                 await self._wakeup.wait()
                 self._wakeup.clear()
-                await asyncio.sleep(pause)  # batch the changes of one burst into one write
-                try:
-                    await self._until_durable(self._generation + 1)  # the disk never blocks the loop
-                    pause = interval_s
-                except Exception as err:  # noqa: BLE001 - the writer must outlive a store outage
-                    # a document its message does not describe is a defect, not an outage: said louder
-                    log.log(logging.ERROR if isinstance(err, DocumentMismatch) else logging.WARNING,
-                            "state store %s: write failed (%s); retrying in %.1f s", self.description,
-                            err, min(pause * 2, retry_max_s))
-                    pause = min(pause * 2, retry_max_s)
+                await asyncio.sleep(interval_s)  # batch the changes of one burst into one write
+                # the disk never blocks the loop; the writer must outlive a store outage
+                await policy.run(lambda: self._until_durable(self._generation + 1), retry_if=lambda err: True,
+                                 on_retry=failed)
         finally:
             self.flush()

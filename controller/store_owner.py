@@ -24,9 +24,15 @@ import threading
 import time
 from collections.abc import Callable
 
+from mesh_runtime.retry import RetryPolicy
+
 from .store_backends import EtcdBackend, StoreUnavailable, b64
 
 log = logging.getLogger(__name__)
+
+
+class _Owned(Exception):
+    """Another process owns the store: :meth:`StoreOwnership.acquire` tries again at its next poll."""
 
 
 class StoreOwnership:
@@ -88,21 +94,28 @@ class StoreOwnership:
         poll = poll_s if poll_s is not None else min(1.0, max(0.2, self.ttl_s / 4))   # a released store is taken
         # within a second; a dead owner's within its lease and a second
         started, told = time.monotonic(), ""
-        while True:
-            try:
-                if self._try_once():
-                    break
-                holder = self.holder()
-                self.previous = holder or self.previous
-                if holder != told:
-                    log.warning("state store %s is owned by %s; waiting to take over (lease %d s)",
-                                self.backend.description, holder or "(released)", self.ttl_s)
-                    told = holder
-            except StoreUnavailable as err:
-                log.warning("state store %s: %s; retrying", self.backend.description, err)
-            if deadline_s is not None and time.monotonic() - started > deadline_s:
-                raise StoreUnavailable(f"could not own the state store within {deadline_s:g} s")
-            time.sleep(poll)
+
+        def attempt() -> None:
+            nonlocal told
+            if self._try_once():
+                return
+            holder = self.holder()
+            self.previous = holder or self.previous
+            if holder != told:
+                log.warning("state store %s is owned by %s; waiting to take over (lease %d s)",
+                            self.backend.description, holder or "(released)", self.ttl_s)
+                told = holder
+            raise _Owned(holder)
+
+        def failed(err: BaseException, wait: float) -> None:
+            if isinstance(err, StoreUnavailable):
+                log.warning("state store %s: %s; retrying in %.1f s", self.backend.description, err, wait)
+
+        policy = RetryPolicy(initial_s=poll, max_s=poll, multiplier=1.0, within_s=deadline_s)
+        try:
+            policy.run_sync(attempt, retry_if=lambda err: isinstance(err, _Owned | StoreUnavailable), on_retry=failed)
+        except _Owned:
+            raise StoreUnavailable(f"could not own the state store within {deadline_s:g} s") from None
         self.waited_s = time.monotonic() - started
         self._start_keeping()
 

@@ -9,7 +9,6 @@ an abort); :class:`AttemptCut` is an attempt the balancer ended itself.
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from opentelemetry import trace
 from mesh_runtime.durations import set_seconds
 from mesh_runtime.errors import error_info
 from mesh_runtime.metrics import ServerMetrics
+from mesh_runtime.retry import RetryPolicy
 from rollmesh.common.v1 import generation_pb2
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2, routing_pb2
 from rollmesh.replica.v1 import replica_agent_pb2
@@ -140,12 +140,18 @@ def attempt_ended(span: trace.Span, record: routing_pb2.Attempt, retry: RetryAtt
         span.set_status(trace.Status(trace.StatusCode.ERROR, record.reason[:300]))
 
 
-def backoff_s(retry: RetryAttempt, tries: int, initial_s: float, max_s: float, remaining_s: float | None) -> float:
-    """The wait before the next attempt: none after an abort; after a failure, jittered exponential backoff
-    from ``initial_s`` (``tries`` so far), at most ``max_s``, within the ``remaining_s`` of the deadline."""
+def backoff_s(retry: RetryAttempt, tries: int, policy: RetryPolicy, remaining_s: float | None) -> float:
+    """The wait before the next attempt: none after an abort; after a failure, the balancer's retry policy's
+    (jittered exponential, ``tries`` so far), within the ``remaining_s`` of the deadline.
+
+    The attempt loop itself stays a plain loop (its tries interleave with the budget, the deadline and the
+    replica choice), and a request that needs one attempt pays nothing for retries: run through
+    :class:`~mesh_runtime.retry.RetryPolicy` (tenacity) a call that succeeds at once costs 24 us of CPU
+    against 0.9 us for the plain loop (``benchmarks/bench_retry_overhead.py``), 4.7% of the balancer's CPU
+    per short request on Generate and 11% on GenerateMany."""
     if not retry.backoff:
         return 0.0
-    delay = min(max_s, initial_s * 2 ** max(0, tries - 1)) * (0.5 + 0.5 * random.random())
+    delay = policy.delay(tries)
     return delay if remaining_s is None else max(0.0, min(delay, remaining_s))
 
 

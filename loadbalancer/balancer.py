@@ -31,7 +31,7 @@ from mesh_runtime.durations import set_seconds
 from mesh_runtime.metrics import ServerMetrics
 from mesh_runtime.prefix import block_keys
 from mesh_runtime.reasons import Reason
-from mesh_runtime.retry import retry_elsewhere
+from mesh_runtime.retry import RetryPolicy, retry_elsewhere
 from mesh_runtime.validate import check_session_id
 from rollmesh.common.v1 import generation_pb2
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2, routing_pb2
@@ -83,6 +83,9 @@ class Balancer:
         self.tracer = tracer
         self.stats = stats or Stats()
         self._before_send = before_send
+        self.retry_policy = RetryPolicy(initial_s=config.retry_initial_backoff_s, max_s=config.retry_max_backoff_s,
+                                        jitter=(0.5, 1.0))
+        """The waits between a request's attempts (its budget and deadline bound how many)."""
         self._running: dict[str, RequestRun] = {}
         self.completed = CompletedCache(max_entries=config.completed_cache_size,
                                         max_bytes=config.completed_cache_bytes, ttl_s=config.completed_cache_ttl_s)
@@ -196,8 +199,7 @@ class Balancer:
                 except RetryAttempt as retry:
                     if tries > run.budget:
                         raise
-                    delay = backoff_s(retry, tries, self.config.retry_initial_backoff_s,
-                                      self.config.retry_max_backoff_s, run.remaining())
+                    delay = backoff_s(retry, tries, self.retry_policy, run.remaining())
                     if delay > 0:
                         await asyncio.sleep(delay)
         except RetryAttempt as last:
@@ -206,7 +208,8 @@ class Balancer:
             log.warning("request %s spent its retry budget of %d (last: %s); attempts: %s", run.request_id,
                         run.budget, last, outcomes, extra={"request_id": run.request_id})
             raise ResourceExhausted(f"request {run.request_id!r} spent its retry budget of {run.budget} "
-                                    f"(last: {last}); attempts: {outcomes}", reason=Reason.RETRY_BUDGET_SPENT) from None
+                                    f"(last: {last}); attempts: {outcomes}", reason=Reason.RETRY_BUDGET_SPENT,
+                                    non_retryable=True) from None
 
     async def _acquire(self, run: RequestRun) -> Choice:
         """Pick a replica, waiting (event-driven) for one to become eligible."""

@@ -203,6 +203,9 @@ class LoadBalancerConfig(ServerConfig):
                     "stall_timeout_s"):
             if getattr(self, key) <= 0:
                 raise ConfigError(key, f"must be > 0, got {getattr(self, key)}")
+        if self.retry_max_backoff_s < self.retry_initial_backoff_s:
+            raise ConfigError("retry_max_backoff_s", f"must be >= retry_initial_backoff_s "
+                                                     f"({self.retry_initial_backoff_s}), got {self.retry_max_backoff_s}")
         if self.abort_grace_s < 0:
             raise ConfigError("abort_grace_s", f"must be >= 0, got {self.abort_grace_s}")
         check_addresses(self, "advertise_address", listen_keys=("metrics_listen", "http_listen"),

@@ -19,11 +19,20 @@ from typing import Any
 
 import grpc
 
+from mesh_runtime.retry import RetryPolicy
 from rollmesh.replica.v1 import replica_agent_pb2
 
 from .table import RoutingTable
 
 log = logging.getLogger(__name__)
+
+
+class _Delivered(grpc.aio.AioRpcError):
+    """A stream that broke after delivering events (its backoff starts over)."""
+
+    def __init__(self, err: grpc.aio.AioRpcError) -> None:
+        super().__init__(err.code(), err.initial_metadata(), err.trailing_metadata(), err.details(),
+                         err.debug_error_string())
 
 
 class PrefixWatchers:
@@ -76,21 +85,37 @@ class PrefixWatchers:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _watch(self, address: str) -> None:
-        delay = self._retry_s
-        while True:
-            try:
-                async for message in self._stub_for(address).WatchPrefixCache(
-                        replica_agent_pb2.WatchPrefixCacheRequest()):
-                    delay = self._retry_s
-                    self._apply(address, message)
-                return   # no replica there publishes events
-            except grpc.aio.AioRpcError as err:
-                if err.code() == grpc.StatusCode.UNIMPLEMENTED:
-                    log.info("agent %s serves no WatchPrefixCache: its replicas' prefixes stay predicted", address)
-                    return
-                log.debug("prefix events of %s broke (%s); again in %.1f s", address, err.code().name, delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, self._max_retry_s)
+        """Follow one agent's events until it says it has none; a broken stream is opened again after a
+        growing pause (from ``retry_s`` up to ``max_retry_s``), which starts over once it delivered anything."""
+        policy = RetryPolicy(initial_s=self._retry_s, max_s=max(self._max_retry_s, self._retry_s))
+
+        def broke(err: BaseException, wait: float) -> None:
+            code = err.code().name if isinstance(err, grpc.aio.AioRpcError) else type(err).__name__
+            log.debug("prefix events of %s broke (%s); again in %.1f s", address, code, wait)
+
+        def again(err: BaseException) -> bool:
+            return isinstance(err, grpc.aio.AioRpcError) and err.code() != grpc.StatusCode.UNIMPLEMENTED
+
+        try:
+            await policy.run(lambda: self._follow(address), retry_if=again, on_retry=broke,
+                             progressed=lambda err: isinstance(err, _Delivered))
+        except grpc.aio.AioRpcError as err:
+            if err.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            log.info("agent %s serves no WatchPrefixCache: its replicas' prefixes stay predicted", address)
+
+    async def _follow(self, address: str) -> None:
+        """Apply one stream's events until it ends (its agent publishes none); a break after some events is
+        raised as :class:`_Delivered`."""
+        delivered = False
+        try:
+            async for message in self._stub_for(address).WatchPrefixCache(replica_agent_pb2.WatchPrefixCacheRequest()):
+                delivered = True
+                self._apply(address, message)
+        except grpc.aio.AioRpcError as err:
+            if delivered and err.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise _Delivered(err) from err
+            raise
 
     def _apply(self, address: str, message: replica_agent_pb2.WatchPrefixCacheResponse) -> None:
         route = self.table.routes.get(message.replica_id)

@@ -29,6 +29,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from . import tracing
 from .config import TlsConfig
+from .retry import RetryPolicy
 from .tls import channel_credentials, tls_stamp
 
 OpenOne = Callable[[str], grpc.aio.Channel]
@@ -315,23 +316,30 @@ class _FollowingUnary:
 
     async def _call(self, request: Any, timeout: float | None, kwargs: dict[str, Any]) -> Any:
         owner = self._owner
-        deadline = time.monotonic() + (timeout if timeout is not None else owner.failover_s)
-        pause = 0.05
-        while True:
-            address = owner.current
-            callable_ = owner.channel(address).unary_unary(self._method, request_serializer=self._serializer,
-                                                           response_deserializer=self._deserializer)
+        within = timeout if timeout is not None else owner.failover_s
+        deadline = time.monotonic() + within
+        tried = owner.current
+
+        async def attempt() -> Any:
+            nonlocal tried
+            tried = owner.current
+            callable_ = owner.channel(tried).unary_unary(self._method, request_serializer=self._serializer,
+                                                         response_deserializer=self._deserializer)
             left = deadline - time.monotonic()
-            try:
-                return await callable_(request, timeout=left if timeout is not None else None, **kwargs)
-            except grpc.aio.AioRpcError as err:
-                resend = owner.observe(err, address)
-                resend = resend or (self._effect_free and err.code() == grpc.StatusCode.UNAVAILABLE)
-                if not resend or time.monotonic() + pause >= deadline:
-                    raise
-            if owner.current == address or len(owner.addresses) == 1:   # nowhere new to go: pause first
-                await asyncio.sleep(pause)
-                pause = min(pause * 2, 1.0)
+            return await callable_(request, timeout=left if timeout is not None else None, **kwargs)
+
+        def resend(err: BaseException) -> bool:
+            if not isinstance(err, grpc.aio.AioRpcError):
+                return False
+            moved = owner.observe(err, tried)
+            return moved or (self._effect_free and err.code() == grpc.StatusCode.UNAVAILABLE)
+
+        def elsewhere(err: BaseException) -> float | None:
+            """A new address to go to: at once; the same one again: after the backoff."""
+            return 0.0 if owner.current != tried and len(owner.addresses) > 1 else None
+
+        policy = RetryPolicy(initial_s=0.05, max_s=1.0, within_s=within)
+        return await policy.run(attempt, retry_if=resend, wait_hint=elsewhere)
 
 
 class _FollowingStream:

@@ -25,6 +25,10 @@ class ConfigError(ValueError):
         self.why = why
 
 
+NON_RETRYABLE = "non_retryable"
+"""The ``ErrorInfo`` metadata key of an error its caller must not retry (:attr:`RollmeshError.non_retryable`)."""
+
+
 class RollmeshError(Exception):
     """Base of every error rollmesh raises on purpose: servers, the controller core and the engines.
 
@@ -38,13 +42,22 @@ class RollmeshError(Exception):
     default_reason = Reason.INTERNAL
 
     def __init__(self, message: str, *, reason: str | None = None,
-                 metadata: Mapping[str, object] | None = None, retry_delay_s: float | None = None) -> None:
+                 metadata: Mapping[str, object] | None = None, retry_delay_s: float | None = None,
+                 non_retryable: bool = False) -> None:
         super().__init__(message)
         self.message = message
         self.reason = Reason(reason or self.default_reason)
         self.metadata = {k: str(v) for k, v in (metadata or {}).items()}
         self.retry_delay_s = retry_delay_s
         """When set, the status also carries a ``google.rpc.RetryInfo``: retry after this long."""
+        if non_retryable:
+            self.metadata[NON_RETRYABLE] = "true"
+
+    @property
+    def non_retryable(self) -> bool:
+        """The server already retried this (and spent its budget): the caller must not retry it again. Carried
+        as ``non_retryable: true`` in the ``ErrorInfo`` metadata, so it crosses every hop."""
+        return self.metadata.get(NON_RETRYABLE) == "true"
 
 
 class InvalidArgument(RollmeshError):

@@ -12,14 +12,13 @@ another server) is logged as an error; a controller that is down or busy, as a w
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
 from collections.abc import Awaitable, Callable
 
 import grpc
 
-from .retry import permanent, retry_after
+from .retry import RetryPolicy, permanent, retry_after
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +49,10 @@ async def keep_registered(session: Callable[[], Awaitable[object]], *, what: str
                           max_backoff_s: float = 5.0, rng: random.Random | None = None) -> None:
     """Run ``session()`` again and again until cancelled (see the module's docstring). ``what`` names the
     registration in the log lines."""
-    draw = (rng or random.Random()).uniform
-    backoff = first_backoff_s
-    while True:
+    policy = RetryPolicy(initial_s=first_backoff_s, max_s=max(max_backoff_s, first_backoff_s), jitter=(0.5, 1.5),
+                         rng=rng)
+
+    async def once() -> None:   # a session only ever ends in a LinkLost
         try:
             await session()
             lost = LinkLost("the session ended")
@@ -60,10 +60,13 @@ async def keep_registered(session: Callable[[], Awaitable[object]], *, what: str
             lost = err
         except grpc.aio.AioRpcError as err:
             lost = LinkLost.from_rpc("a call failed", err)
-        if lost.registered:
-            backoff = first_backoff_s
-        wait = lost.retry_after_s if lost.retry_after_s is not None else backoff * draw(0.5, 1.5)
-        log.log(logging.ERROR if lost.refused else logging.WARNING, "%s lost (%s); registering again in %.2f s",
-                what, lost, wait)
-        await asyncio.sleep(wait)
-        backoff = min(max_backoff_s, backoff * 2)
+        raise lost
+
+    def told(err: BaseException, wait: float) -> None:
+        refused = isinstance(err, LinkLost) and err.refused
+        log.log(logging.ERROR if refused else logging.WARNING, "%s lost (%s); registering again in %.2f s",
+                what, err, wait)
+
+    await policy.run(once, retry_if=lambda err: isinstance(err, LinkLost), on_retry=told,
+                     wait_hint=lambda err: err.retry_after_s if isinstance(err, LinkLost) else None,
+                     progressed=lambda err: isinstance(err, LinkLost) and err.registered)

@@ -12,7 +12,6 @@ import random
 import grpc
 import pytest
 
-from mesh_runtime import registration
 from mesh_runtime.errors import status_proto
 from mesh_runtime.failures import ResourceExhausted
 from mesh_runtime.registration import LinkLost, keep_registered
@@ -40,7 +39,7 @@ async def run(outcomes: list, monkeypatch) -> list[float]:
     async def sleep(seconds: float) -> None:
         waits.append(seconds)
 
-    monkeypatch.setattr(registration.asyncio, "sleep", sleep)
+    monkeypatch.setattr(asyncio, "sleep", sleep)   # where the retry policy sleeps
     left = list(outcomes)
 
     async def session() -> None:

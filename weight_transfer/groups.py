@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from mesh_runtime.config import ConfigError, setting
+from mesh_runtime.retry import RetryPolicy
 
 from .errors import GroupBusy, GroupClosed, PeerLost, TransferTimeout, WeightTransferError
 from .manifest import CHECKSUM_ALGORITHMS
@@ -236,17 +237,18 @@ def _wait_for_listener(host: str, port: int, deadline: float) -> None:
     Done before creating the ``TCPStore`` client, whose own retry loop can
     overrun its timeout by a back-off delay of seconds.
     """
-    delay = 0.02
-    while True:
+    def connect() -> None:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise TransferTimeout(f"no rendezvous store is listening at {host}:{port}")
-        try:
-            socket.create_connection((host, port), timeout=remaining).close()
-            return
-        except OSError:
-            time.sleep(min(delay, max(deadline - time.monotonic(), 0)))
-            delay = min(delay * 2, 0.5)
+        socket.create_connection((host, port), timeout=remaining).close()
+
+    try:
+        policy = RetryPolicy(initial_s=0.02, max_s=0.5, within_s=max(0.0, deadline - time.monotonic()),
+                             try_at_bound=True)
+        policy.run_sync(connect, retry_if=lambda err: isinstance(err, OSError))
+    except OSError:
+        raise TransferTimeout(f"no rendezvous store is listening at {host}:{port}") from None
 
 
 def _call_with_deadline(build: Callable[[], T], deadline: float, what: str) -> T:

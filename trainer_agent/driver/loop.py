@@ -66,6 +66,7 @@ prompt source is exhausted does the loop end early, normally.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -77,6 +78,7 @@ from typing import Any
 
 import grpc
 
+from mesh_runtime.retry import RetryPolicy
 from rollmesh.common.v1 import types_pb2
 
 from trainer_agent.driver.mesh_calls import ReplicaCount, accepts_connections
@@ -104,6 +106,10 @@ _SYNCABLE_STATES = frozenset({types_pb2.REPLICA_STATE_ACTIVE, types_pb2.REPLICA_
 # The loop's phases as activities of the resource-time picture's trainer row.
 _PHASE_ACTIVITY = {"waiting": "wait", "training": "train", "syncing": "weight_sync"}
 STEP_TIMING_KEYS = ("reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor")
+
+
+class _StillPending(Exception):
+    """A resync pass left replicas without the step's version (the next pass tries them again)."""
 
 
 @dataclass
@@ -420,12 +426,13 @@ class FullyAsyncLoop:
         from rollmesh.controller.v1 import registry_pb2, weight_sync_pb2
 
         pending, done, attempt = list(replica_ids), [], 0
-        deadline = time.monotonic() + self._sync_timeout
-        while pending and time.monotonic() < deadline:
+
+        async def one_pass() -> None:
+            nonlocal attempt
             attempt += 1
             listed = await self.controller.ListReplicas(registry_pb2.ListReplicasRequest(), timeout=self._rpc_timeout)
             live = {r.replica_id: r.address for r in listed.replicas if r.state not in _GONE_STATES}
-            pending = [rid for rid in pending if rid in live]
+            pending[:] = [rid for rid in pending if rid in live]
             for rid in list(pending):
                 if live[rid] and not await accepts_connections(live[rid]):
                     continue
@@ -444,7 +451,12 @@ class FullyAsyncLoop:
                     pending.remove(rid)
                     done.append(rid)
             if pending:
-                await asyncio.sleep(min(2.0, 0.25 * attempt))
+                raise _StillPending(pending)
+
+        if pending:
+            policy = RetryPolicy(initial_s=0.25, max_s=2.0, within_s=self._sync_timeout)
+            with contextlib.suppress(_StillPending):   # given up after sync_timeout
+                await policy.run(one_pass, retry_if=lambda err: isinstance(err, _StillPending))
         return done
 
     def _queued(self) -> int:

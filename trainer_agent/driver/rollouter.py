@@ -40,7 +40,9 @@ Multi-turn: with a ``trajectory`` (:mod:`.trajectory`), each sample is a
 trajectory of several requests (each turn retried as a request is) instead
 of one request.
 
-Failures: a request is retried ``max_retries`` times; when it still fails,
+Failures: a request is retried ``max_retries`` times (waits from ``retry_backoff_s``, doubling), unless
+the balancer already retried it and says so (``non_retryable``: no call is retried by two layers); when it
+still fails,
 every in-flight request is cancelled, the queue is failed
 (``MessageQueue.fail``) and ``run()`` raises :class:`RolloutFailed`. A
 failure never looks like a normal end of data (known weakness 16).
@@ -59,7 +61,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from mesh_runtime.retry import permanent
+from mesh_runtime.retry import RetryPolicy, permanent
 from trainer_agent.driver.queue import MessageQueue, RolloutFailed, Sample
 from trainer_agent.driver.rollout_types import (  # noqa: F401 - the rollouter's vocabulary, re-exported
     GenerateFn,
@@ -121,6 +123,9 @@ class Rollouter:
         self._active_replicas = active_replicas
         self._clock = clock
         self._is_retryable = is_retryable or (lambda exc: not permanent(exc))
+        backoff = config.retry_backoff_s
+        self._retry_policy = RetryPolicy(initial_s=backoff, max_s=backoff * 2 ** config.max_retries,
+                                         max_attempts=config.max_retries + 1)
         self._poll = capacity_poll_interval
         self._trajectory = trajectory
 
@@ -398,22 +403,19 @@ class Rollouter:
         self._record(kind)
 
     async def _call_with_retries(self, request: GenerationRequest) -> GenerationResult:
-        attempt = 0
-        while True:
-            try:
-                result = await self._generate(request)
-                if result.finish_reason == "aborted":
-                    raise GenerationError(f"generation {request.request_id} was aborted")
-                return result
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                if attempt >= self.config.max_retries or not self._is_retryable(exc):
-                    raise
-                attempt += 1
-                self._totals.retries += 1
-                if self.config.retry_backoff_s > 0:
-                    await asyncio.sleep(self.config.retry_backoff_s * attempt)
+        """One request through the rollouter's retry policy: a failure the balancer did not already retry (it
+        could not be reached, its stream broke, the request came back aborted) is tried again; one the
+        balancer spent its own retry budget on says so (``non_retryable``) and is raised at once."""
+        async def call() -> GenerationResult:
+            result = await self._generate(request)
+            if result.finish_reason == "aborted":
+                raise GenerationError(f"generation {request.request_id} was aborted")
+            return result
+
+        def retried(err: BaseException, wait: float) -> None:
+            self._totals.retries += 1
+
+        return await self._retry_policy.run(call, retry_if=self._is_retryable, on_retry=retried)
 
     @staticmethod
     def _to_sample(group: _Group, index: int, request: GenerationRequest, result: GenerationResult) -> Sample:
