@@ -21,13 +21,13 @@ import statistics
 import time
 
 from replica_agent.engines import create_engine
-from replica_agent.engines.types import GenerationRequest, SamplingParams
+from replica_agent.engines.types import EngineRequest, SamplingParams
 
 
 async def first_and_all(engine, rid: str, prompt: list[int], max_tokens: int, session: str = ""):
     start = time.perf_counter()
     first, ids = None, []
-    async for chunk in engine.generate(GenerationRequest(rid, prompt, SamplingParams(
+    async for chunk in engine.generate(EngineRequest(rid, prompt, SamplingParams(
             max_tokens=max_tokens, temperature=1.0, seed=hash(rid) % 1000, ignore_eos=True),
             stream_interval=1, session_id=session)):
         if first is None and chunk.token_ids:

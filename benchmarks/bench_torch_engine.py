@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from replica_agent.engines import GenerationRequest, SamplingParams, create_engine
+from replica_agent.engines import EngineRequest, SamplingParams, create_engine
 from modeling.presets import PRESETS, build_preset_model
 
 
@@ -31,7 +31,7 @@ async def engine_run(engine, batch: list[list[int]], new_tokens: int, tag: str) 
     async def one(i: int, ids: list[int]) -> list[int]:
         sp = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
         out: list[int] = []
-        async for chunk in engine.generate(GenerationRequest(f"{tag}-{i}", ids, sp)):
+        async for chunk in engine.generate(EngineRequest(f"{tag}-{i}", ids, sp)):
             out.extend(chunk.token_ids)
         return out
 

@@ -21,7 +21,7 @@ from mesh_runtime.reasons import Reason
 from rollmesh.common.v1 import generation_pb2, load_pb2, types_pb2
 from rollmesh.replica.v1 import replica_agent_pb2
 
-from .engines import FinishReason, GenerationChunk, GenerationRequest, LoadSnapshot, SamplingParams, TokenSegment
+from .engines import FinishReason, GenerationChunk, EngineRequest, LoadSnapshot, SamplingParams, TokenSegment
 
 FINISH_REASONS = {
     FinishReason.STOP: generation_pb2.FINISH_REASON_STOP,
@@ -53,11 +53,11 @@ def segment_to_proto(seg: TokenSegment) -> generation_pb2.TokenSegment:
                                        node_id=seg.node_id)
 
 
-def generation_request(msg: replica_agent_pb2.GenerateRequest) -> GenerationRequest:
+def generation_request(msg: replica_agent_pb2.GenerateRequest) -> EngineRequest:
     """Decode and validate a Generate request, once: the engine checks only its own limits (``checked``)."""
     check_generation(msg.request_id, msg.prompt_token_ids, msg.sampling_params, msg.resume_segments)
     check_streaming(msg)
-    return GenerationRequest(request_id=msg.request_id, prompt_token_ids=list(msg.prompt_token_ids),
+    return EngineRequest(request_id=msg.request_id, prompt_token_ids=list(msg.prompt_token_ids),
                              sampling=sampling_from_proto(msg.sampling_params),
                              resume_segments=[segment_from_proto(s) for s in msg.resume_segments],
                              stream_interval=msg.stream_interval if msg.HasField("stream_interval") else None,

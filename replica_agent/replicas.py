@@ -26,7 +26,7 @@ from mesh_runtime.reasons import Reason
 from rollmesh.common.v1 import types_pb2
 
 from . import convert
-from .engines import Engine, EngineError, EngineState, GenerationChunk, GenerationRequest, PauseMode
+from .engines import Engine, EngineError, EngineState, GenerationChunk, EngineRequest, PauseMode
 
 if TYPE_CHECKING:
     from rollmesh.replica.v1 import replica_pb2
@@ -295,7 +295,7 @@ class ReplicaManager(ReplicaIndex[Replica]):
             return f"replica {replica.replica_id!r} is {replica.state}{why}, not ACTIVE"
         return None
 
-    async def generate(self, replica_id: str, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+    async def generate(self, replica_id: str, request: EngineRequest) -> AsyncIterator[GenerationChunk]:
         """Stream a generation on one replica; refused with UNAVAILABLE unless it is ACTIVE."""
         replica = self.get(replica_id)
         refusal = self._refusal(replica)

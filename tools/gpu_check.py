@@ -76,7 +76,7 @@ def environment(args: argparse.Namespace) -> dict:
 
 
 def torch_engine(args: argparse.Namespace) -> dict:
-    from replica_agent.engines import FinishReason, GenerationRequest, SamplingParams, create_engine
+    from replica_agent.engines import FinishReason, EngineRequest, SamplingParams, create_engine
 
     where = device(args)
 
@@ -86,7 +86,7 @@ def torch_engine(args: argparse.Namespace) -> dict:
         await engine.start()
         try:
             async def one(i: int, tokens: int):
-                request = GenerationRequest(f"g{i}", [1 + i % 7, 2, 3], SamplingParams(max_tokens=tokens,
+                request = EngineRequest(f"g{i}", [1 + i % 7, 2, 3], SamplingParams(max_tokens=tokens,
                                                                                    ignore_eos=True, seed=i))
                 return [c async for c in engine.generate(request)]
 
@@ -106,7 +106,7 @@ def torch_engine(args: argparse.Namespace) -> dict:
             from modeling.presets import preset_config
 
             longest = preset_config(args.preset).max_position_embeddings - 8
-            stream = engine.generate(GenerationRequest("long", [1, 2, 3], SamplingParams(max_tokens=longest,
+            stream = engine.generate(EngineRequest("long", [1, 2, 3], SamplingParams(max_tokens=longest,
                                                                                        ignore_eos=True)))
             await stream.__anext__()
             started = time.perf_counter()

@@ -16,7 +16,7 @@ from .types import (
     EngineState,
     FinishReason,
     GenerationChunk,
-    GenerationRequest,
+    EngineRequest,
     LoadSnapshot,
     SamplingParams,
     TokenSegment,
@@ -30,7 +30,7 @@ BACKENDS = ("torch", "synthetic", "vllm", "sglang")
 
 __all__ = [
     "BACKENDS", "CacheInUse", "DuplicateRequest", "Engine", "EngineDead", "EngineError", "EngineState", "EngineUnavailable",
-    "FinishReason", "GenerationChunk", "GenerationRequest", "InvalidRequest", "LoadSnapshot", "PauseMode",
+    "FinishReason", "GenerationChunk", "EngineRequest", "InvalidRequest", "LoadSnapshot", "PauseMode",
     "SamplingParams", "TokenSegment", "Usage", "WeightMismatch", "WeightSpec", "create_engine",
     "validate_request", "validate_sampling",
 ]

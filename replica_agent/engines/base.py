@@ -13,7 +13,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, M
 from typing import TYPE_CHECKING, Any, Literal
 
 from .errors import EngineDead, EngineUnavailable
-from .types import EngineState, GenerationChunk, GenerationRequest, LoadSnapshot, WeightSpec
+from .types import EngineState, GenerationChunk, EngineRequest, LoadSnapshot, WeightSpec
 
 if TYPE_CHECKING:
     from .engine_model import PrefixEvents
@@ -39,7 +39,7 @@ class Engine(abc.ABC):
         model. Idempotent."""
 
     @abc.abstractmethod
-    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+    def generate(self, request: EngineRequest) -> AsyncIterator[GenerationChunk]:
         """Stream the completion of ``request``.
 
         An async generator: nothing happens until it is first iterated. Chunks

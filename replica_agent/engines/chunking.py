@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 
-from .types import FinishReason, GenerationChunk, GenerationRequest, TokenSegment, Usage
+from .types import FinishReason, GenerationChunk, EngineRequest, TokenSegment, Usage
 
 DEFAULT_FLUSH_INTERVAL_S = 0.2
 """Engines' default ``flush_interval_s``: at 50-200 tokens/s per request a chunk carries 10-40 tokens."""
@@ -55,7 +55,7 @@ class ChunkBuffer:
         self.pending_since = 0.0
 
     @classmethod
-    def for_request(cls, request: GenerationRequest, *, stream_interval: int, flush_interval_s: float | None,
+    def for_request(cls, request: EngineRequest, *, stream_interval: int, flush_interval_s: float | None,
                     replica_id: str, node_id: str) -> ChunkBuffer:
         """The buffer of ``request``: its own ``stream_interval`` and ``flush_interval_s`` where it sets them,
         else the engine's (the two keyword arguments)."""

@@ -36,7 +36,7 @@ from .request_state import ActiveRequest, StepBatch
 from .types import (
     FinishReason,
     GenerationChunk,
-    GenerationRequest,
+    EngineRequest,
     LoadSnapshot,
     Usage,
     validate_request,
@@ -168,7 +168,7 @@ class SteppedEngine(LifecycleFlags, Engine):
         """Give back what :meth:`_reserve` claimed (the request left the batch)."""
         self._reserved -= active.reserved_tokens
 
-    def _default_seed(self, request: GenerationRequest) -> int:
+    def _default_seed(self, request: EngineRequest) -> int:
         """Sampling seed of a request that brings none (random by default)."""
         return secrets.randbits(63)
 
@@ -205,7 +205,7 @@ class SteppedEngine(LifecycleFlags, Engine):
             await self._unload_model()
 
     # ------------------------------------------------------------- generation
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[GenerationChunk]:
         active = self._submit(request)
         chunks = self._chunks(active.out.queue, lambda: self._abort_nowait(active))
         try:
@@ -214,7 +214,7 @@ class SteppedEngine(LifecycleFlags, Engine):
         finally:
             await chunks.aclose()
 
-    def _submit(self, request: GenerationRequest) -> ActiveRequest:
+    def _submit(self, request: EngineRequest) -> ActiveRequest:
         self._check_alive()
         validate_request(request, max_total_tokens=self.max_total_tokens, **self._request_limits())
         self._check_serving()
@@ -480,7 +480,7 @@ class SteppedEngine(LifecycleFlags, Engine):
         )
 
 
-def _private_copy(request: GenerationRequest) -> GenerationRequest:
+def _private_copy(request: EngineRequest) -> EngineRequest:
     """A copy the caller cannot change under a running request."""
     sampling = dataclasses.replace(request.sampling, stop_token_ids=list(request.sampling.stop_token_ids))
     segments = [dataclasses.replace(s, token_ids=list(s.token_ids), logprobs=list(s.logprobs))

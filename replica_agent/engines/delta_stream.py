@@ -27,7 +27,7 @@ from typing import Any
 
 from .chunking import DEFAULT_FLUSH_INTERVAL_S, ChunkBuffer
 from .metrics import EngineMetrics
-from .types import FinishReason, GenerationRequest, Usage
+from .types import FinishReason, EngineRequest, Usage
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class RequestStream:
 
     def __init__(
         self,
-        request: GenerationRequest,
+        request: EngineRequest,
         *,
         stream_interval: int,
         flush_interval_s: float | None = DEFAULT_FLUSH_INTERVAL_S,

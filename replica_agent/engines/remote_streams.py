@@ -20,7 +20,7 @@ from typing import Any
 from .delta_stream import RequestStream
 from .errors import EngineDead, EngineError, EngineUnavailable, InvalidRequest
 from .served_weights import WeightCatalog
-from .types import FinishReason, GenerationChunk, GenerationRequest, WeightSpec
+from .types import FinishReason, GenerationChunk, EngineRequest, WeightSpec
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class RemoteStreams:
     _weights_resident: bool
     _weights_loaded: bool
 
-    def _submit(self, request: GenerationRequest) -> RequestStream:
+    def _submit(self, request: EngineRequest) -> RequestStream:
         raise NotImplementedError
 
     async def _abort_remote(self, request_ids: list[str]) -> None:
@@ -68,7 +68,7 @@ class RemoteStreams:
         await asyncio.gather(*self._background, return_exceptions=True)
         await self._shutdown()
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[GenerationChunk]:
         stream = self._submit(request)
 
         def abandon() -> None:

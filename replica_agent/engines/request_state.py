@@ -11,7 +11,7 @@ import asyncio
 import dataclasses
 
 from .chunking import ChunkBuffer
-from .types import FinishReason, GenerationRequest, SamplingParams
+from .types import FinishReason, EngineRequest, SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +45,7 @@ class StepBatch:
 class ActiveRequest:
     """Mutable state of one in-flight request. Only the event-loop thread touches it."""
 
-    def __init__(self, request: GenerationRequest, seed: int, now: float, out: ChunkBuffer,
+    def __init__(self, request: EngineRequest, seed: int, now: float, out: ChunkBuffer,
                  enders: frozenset[int]) -> None:
         self.request = request
         self.prefix = request.resumed_token_ids()

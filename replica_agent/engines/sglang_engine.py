@@ -51,7 +51,7 @@ from .sglang_config import SglangEngineConfig, model_dtype, model_limits
 from .sglang_http import SglangClient, finish_reason, new_tokens
 from .sglang_load import ServerLoad
 from .sglang_weights import WeightUpdateGroup, update_request, weight_bytes
-from .types import FinishReason, GenerationRequest, LoadSnapshot, validate_request
+from .types import FinishReason, EngineRequest, LoadSnapshot, validate_request
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +183,7 @@ class SglangEngine(RemoteStreams, LifecycleFlags, Engine):
             raise
 
     # ------------------------------------------------------------- generation
-    def _submit(self, request: GenerationRequest) -> RequestStream:
+    def _submit(self, request: EngineRequest) -> RequestStream:
         self._check_alive()
         validate_request(request, vocab_size=self._vocab_size, max_model_len=self._max_model_len)
         self._check_serving()

@@ -45,7 +45,7 @@ from .engine_model import EngineModel, EngineModelConfig, PrefixEvents
 from .errors import EngineUnavailable, InvalidRequest, WeightMismatch
 from .randomness import mix_seed
 from .request_state import ActiveRequest, RowSpec, StepBatch
-from .types import GenerationRequest, LoadSnapshot, WeightSpec
+from .types import EngineRequest, LoadSnapshot, WeightSpec
 
 _LENGTH_STREAM = 0x4C454E  # distinct draw index for the response length
 _LOGPROB_SALT = 0x10C9
@@ -227,7 +227,7 @@ class SyntheticEngine(SteppedEngine):
         self._store: Any = _LAZY
         self._host: Any = None
 
-    def _default_seed(self, request: GenerationRequest) -> int:
+    def _default_seed(self, request: EngineRequest) -> int:
         digest = hashlib.blake2b(request.request_id.encode(), digest_size=8).digest()
         return mix_seed(self.config.seed, int.from_bytes(digest, "little"))
 

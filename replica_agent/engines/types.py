@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
 
+from mesh_runtime.generation import check_request_head, check_resumed, check_sampling_values, check_token_ids
 from weight_transfer.spec import WeightSpec  # noqa: F401 - defined once there; engines import it from here
 
 from .errors import InvalidRequest
-
-MAX_SEED = 2**64 - 1
 
 
 class FinishReason(enum.Enum):
@@ -84,8 +82,9 @@ class TokenSegment:
 
 
 @dataclasses.dataclass
-class GenerationRequest:
-    """One completion to generate (or to continue, when ``resume_segments`` is set)."""
+class EngineRequest:
+    """What an engine serves: one completion to generate (or to continue, when ``resume_segments`` is set).
+    The trainer's side of a generation is :class:`trainer_agent.driver.rollout_types.RolloutRequest`."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -170,41 +169,16 @@ class LoadSnapshot:
     """Cached over prompt tokens of recent admissions, 0..1."""
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_token_ids(ids: object, what: str, vocab_size: int | None) -> None:
-    if not isinstance(ids, (list, tuple)):
-        raise InvalidRequest(f"{what} must be a list of token ids")
-    if ids and set(map(type, ids)) == {int} and min(ids) >= 0 and (vocab_size is None or max(ids) < vocab_size):
-        return   # the usual case, checked at C speed; otherwise find the first bad one below
-    for t in ids:
-        if not _is_int(t) or t < 0:
-            raise InvalidRequest(f"{what} holds {t!r}; token ids are non-negative integers")
-        if vocab_size is not None and t >= vocab_size:
-            raise InvalidRequest(f"{what} holds token id {t}, outside the vocabulary of {vocab_size}")
-
-
 def validate_sampling(sp: SamplingParams) -> None:
-    """Raise :class:`InvalidRequest` if ``sp`` is not a usable set of sampling parameters."""
-    if not _is_int(sp.max_tokens) or sp.max_tokens < 1:
-        raise InvalidRequest(f"max_tokens must be an integer >= 1, got {sp.max_tokens!r}")
-    temp = sp.temperature
-    if isinstance(temp, bool) or not isinstance(temp, (int, float)) or not math.isfinite(temp) or temp < 0:
-        raise InvalidRequest(f"temperature must be a finite number >= 0, got {temp!r}")
-    top_p = sp.top_p
-    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
-        raise InvalidRequest(f"top_p must be in (0, 1], got {top_p!r}")
-    if not _is_int(sp.top_k):
-        raise InvalidRequest(f"top_k must be an integer (<= 0 disables it), got {sp.top_k!r}")
-    if sp.seed is not None and (not _is_int(sp.seed) or not 0 <= sp.seed <= MAX_SEED):
-        raise InvalidRequest(f"seed must be an integer in [0, 2**64), got {sp.seed!r}")
-    _check_token_ids(sp.stop_token_ids, "stop_token_ids", None)
+    """Raise :class:`InvalidRequest` if ``sp`` is not a usable set of sampling parameters (the mesh's one rule
+    set: :func:`mesh_runtime.generation.check_sampling_values`)."""
+    check_sampling_values(max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
+                          seed=sp.seed, stop_token_ids=sp.stop_token_ids, error=InvalidRequest, prefix="",
+                          typed=False)
 
 
 def validate_request(
-    req: GenerationRequest,
+    req: EngineRequest,
     *,
     vocab_size: int | None = None,
     max_model_len: int | None = None,
@@ -212,44 +186,30 @@ def validate_request(
 ) -> None:
     """Raise :class:`InvalidRequest` unless ``req`` can be served.
 
-    The keyword limits are the engine's: token ids must be below
-    ``vocab_size``; prompt plus ``max_tokens`` must fit ``max_model_len``
-    (the model's context) and ``max_total_tokens`` (the KV capacity). A request already ``checked`` where it
-    entered the process is checked against these limits only.
+    The mesh's rules of a generation request (:mod:`mesh_runtime.generation`, the same the balancer and the
+    agents apply on the wire), then the engine's own limits: token ids must be below ``vocab_size``; prompt
+    plus ``max_tokens`` must fit ``max_model_len`` (the model's context) and ``max_total_tokens`` (the KV
+    capacity). A request already ``checked`` where it entered the process is checked against these limits
+    only.
     """
-    if req.checked:
-        _check_limits(req, vocab_size, max_model_len, max_total_tokens)
-        return
-    if not isinstance(req.request_id, str) or not req.request_id:
-        raise InvalidRequest("request_id must be a non-empty string")
-    if not req.prompt_token_ids:
-        raise InvalidRequest(f"request {req.request_id}: the prompt is empty")
-    _check_token_ids(req.prompt_token_ids, "prompt_token_ids", vocab_size)
-    sp = req.sampling
-    validate_sampling(sp)
-    for i, seg in enumerate(req.resume_segments):
-        _check_token_ids(seg.token_ids, f"resume_segments[{i}].token_ids", vocab_size)
-        if seg.logprobs and len(seg.logprobs) != len(seg.token_ids):
-            raise InvalidRequest(
-                f"resume_segments[{i}] has {len(seg.logprobs)} logprobs for {len(seg.token_ids)} tokens"
-            )
-    resumed = sum(len(seg.token_ids) for seg in req.resume_segments)
-    if resumed >= sp.max_tokens:
-        raise InvalidRequest(
-            f"request {req.request_id}: the resumed prefix already holds {resumed} tokens, "
-            f"which meets max_tokens={sp.max_tokens}; nothing is left to generate"
-        )
-    _check_limits(req, None, max_model_len, max_total_tokens)
+    if not req.checked:
+        check_request_head(req.request_id, req.prompt_token_ids, error=InvalidRequest, typed=False)
+        validate_sampling(req.sampling)
+        check_resumed(req.request_id, [(s.token_ids, s.logprobs) for s in req.resume_segments],
+                      req.sampling.max_tokens, error=InvalidRequest, typed=False)
+    _check_limits(req, vocab_size, max_model_len, max_total_tokens)
 
 
-def _check_limits(req: GenerationRequest, vocab_size: int | None, max_model_len: int | None,
+def _check_limits(req: EngineRequest, vocab_size: int | None, max_model_len: int | None,
                   max_total_tokens: int | None) -> None:
     """The engine's own limits: the vocabulary (when ``vocab_size`` is given here), the context, the KV
     capacity."""
     if vocab_size is not None:
-        _check_token_ids(req.prompt_token_ids, "prompt_token_ids", vocab_size)
+        check_token_ids(req.prompt_token_ids, "prompt_token_ids", error=InvalidRequest, typed=False,
+                        vocab_size=vocab_size)
         for i, seg in enumerate(req.resume_segments):
-            _check_token_ids(seg.token_ids, f"resume_segments[{i}].token_ids", vocab_size)
+            check_token_ids(seg.token_ids, f"resume_segments[{i}].token_ids", error=InvalidRequest, typed=False,
+                            vocab_size=vocab_size)
     sp = req.sampling
     total = len(req.prompt_token_ids) + sp.max_tokens
     if max_model_len is not None and total > max_model_len:

@@ -64,7 +64,7 @@ from .remote_streams import RemoteStreams
 from .randomness import mix_seed
 from .types import (
     FinishReason,
-    GenerationRequest,
+    EngineRequest,
     LoadSnapshot,
     validate_request,
 )
@@ -240,7 +240,7 @@ class VllmEngine(RemoteStreams, LifecycleFlags, Engine):
             raise EngineError(f"vllm {what} failed: {exc!r}", reason=Reason.VLLM_CALL_FAILED) from exc
 
     # ------------------------------------------------------------- generation
-    def _submit(self, request: GenerationRequest) -> RequestStream:
+    def _submit(self, request: EngineRequest) -> RequestStream:
         self._check_alive()
         validate_request(request, vocab_size=self._vocab_size, max_model_len=self._max_model_len)
         if request.sampling.temperature > MAX_VLLM_TEMPERATURE:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from replica_agent.engines import Engine, GenerationChunk, GenerationRequest, create_engine
+from replica_agent.engines import Engine, GenerationChunk, EngineRequest, create_engine
 
 
 @dataclasses.dataclass
@@ -30,7 +30,7 @@ class Outcome:
         return self.chunks[-1]
 
 
-async def drain(engine: Engine, request: GenerationRequest) -> Outcome:
+async def drain(engine: Engine, request: EngineRequest) -> Outcome:
     """Consume a whole stream; check that only the last chunk is final."""
     chunks = [chunk async for chunk in engine.generate(request)]
     assert chunks and chunks[-1].finish_reason is not None

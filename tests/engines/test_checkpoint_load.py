@@ -11,7 +11,7 @@ import torch
 from mesh_runtime.errors import InvalidArgument, NotFound
 from modeling.presets import build_preset_model, save_preset
 from replica_agent.checkpoint_load import CheckpointLoads
-from replica_agent.engines import GenerationRequest, SamplingParams
+from replica_agent.engines import EngineRequest, SamplingParams
 from replica_agent.replicas import Replica
 from trainer_agent.training.grpo import Sample, completion_logprobs
 
@@ -37,7 +37,7 @@ def _distance(engine, model) -> float:
 
 
 async def _logprob_gap(engine, collect, model) -> float:
-    request = GenerationRequest("g", PROMPT, SamplingParams(max_tokens=12, temperature=1.0, seed=3, logprobs=True))
+    request = EngineRequest("g", PROMPT, SamplingParams(max_tokens=12, temperature=1.0, seed=3, logprobs=True))
     out = await collect(engine, request)
     with torch.no_grad():
         logprobs, mask = completion_logprobs(model.eval(), [Sample(PROMPT, out.tokens, out.logprobs)],

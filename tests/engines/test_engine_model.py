@@ -10,7 +10,7 @@ from mesh_runtime.prefix import block_keys
 from replica_agent.engines.engine_model import EngineModel, EngineModelConfig
 from replica_agent.engines.errors import InvalidRequest
 from replica_agent.engines.synthetic import SyntheticEngine, SyntheticEngineConfig, VirtualClock
-from replica_agent.engines.types import GenerationRequest, SamplingParams
+from replica_agent.engines.types import EngineRequest, SamplingParams
 
 
 def model(**kw) -> EngineModel:
@@ -109,7 +109,7 @@ def test_the_synthetic_engine_runs_on_the_model():
         prompt = list(range(2, 1002))
 
         async def one(rid, context):
-            async for chunk in engine.generate(GenerationRequest(rid, context, SamplingParams(max_tokens=32))):
+            async for chunk in engine.generate(EngineRequest(rid, context, SamplingParams(max_tokens=32))):
                 last = chunk
             return last
 

@@ -7,14 +7,14 @@ import asyncio
 
 import pytest
 
-from replica_agent.engines import GenerationRequest, SamplingParams, create_engine
+from replica_agent.engines import EngineRequest, SamplingParams, create_engine
 
 pytestmark = pytest.mark.timeout(60)
 PROMPT = [(i * 7 + 3) % 200 for i in range(40)]
 
 
-def _req(rid: str, max_tokens: int = 4) -> GenerationRequest:
-    return GenerationRequest(rid, PROMPT, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+def _req(rid: str, max_tokens: int = 4) -> EngineRequest:
+    return EngineRequest(rid, PROMPT, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
 
 
 async def _cached(engine, collect, rid: str) -> int:

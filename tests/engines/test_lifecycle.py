@@ -16,7 +16,7 @@ from replica_agent.engines import (
     EngineState,
     EngineUnavailable,
     FinishReason,
-    GenerationRequest,
+    EngineRequest,
     InvalidRequest,
     SamplingParams,
     TokenSegment,
@@ -29,8 +29,8 @@ from replica_agent.engines.synthetic import SyntheticEngine, SyntheticEngineConf
 pytestmark = pytest.mark.timeout(30)
 
 
-def req(rid: str = "r", max_tokens: int = 100, **kw) -> GenerationRequest:
-    return GenerationRequest(rid, [1, 2, 3], SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw))
+def req(rid: str = "r", max_tokens: int = 100, **kw) -> EngineRequest:
+    return EngineRequest(rid, [1, 2, 3], SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw))
 
 
 class Exploding(SyntheticEngine):
@@ -131,11 +131,11 @@ def test_synthetic_engine_does_not_import_torch():
 )
 def test_validate_sampling_messages(sampling, message):
     with pytest.raises(InvalidRequest, match=message):
-        validate_request(GenerationRequest("r", [1], sampling))
+        validate_request(EngineRequest("r", [1], sampling))
 
 
 def test_validate_request_limits():
-    ok = GenerationRequest("r", [1, 2], SamplingParams(max_tokens=10))
+    ok = EngineRequest("r", [1, 2], SamplingParams(max_tokens=10))
     validate_request(ok, vocab_size=3, max_model_len=12, max_total_tokens=12)
     with pytest.raises(InvalidRequest, match="context"):
         validate_request(ok, max_model_len=11)
@@ -144,23 +144,23 @@ def test_validate_request_limits():
     with pytest.raises(InvalidRequest, match="vocabulary"):
         validate_request(ok, vocab_size=2)
     with pytest.raises(InvalidRequest, match="request_id"):
-        validate_request(GenerationRequest("", [1]))
-    resumed = GenerationRequest("r", [1], SamplingParams(max_tokens=4), [TokenSegment([1, 2]), TokenSegment([3, 4])])
+        validate_request(EngineRequest("", [1]))
+    resumed = EngineRequest("r", [1], SamplingParams(max_tokens=4), [TokenSegment([1, 2]), TokenSegment([3, 4])])
     with pytest.raises(InvalidRequest, match="meets max_tokens"):
         validate_request(resumed)
     with pytest.raises(InvalidRequest, match="logprobs"):
-        validate_request(GenerationRequest("r", [1], SamplingParams(max_tokens=4), [TokenSegment([1], [0.1, 0.2])]))
+        validate_request(EngineRequest("r", [1], SamplingParams(max_tokens=4), [TokenSegment([1], [0.1, 0.2])]))
 
 
 def test_a_request_checked_on_entry_is_checked_against_the_engines_limits_only():
     # what the agent's decoding already refused is not looked at again ...
-    checked = GenerationRequest("", [1, 2], SamplingParams(max_tokens=10, temperature=-1.0), checked=True)
+    checked = EngineRequest("", [1, 2], SamplingParams(max_tokens=10, temperature=-1.0), checked=True)
     validate_request(checked, vocab_size=3, max_model_len=12, max_total_tokens=12)
     # ... the engine's own limits still are
     with pytest.raises(InvalidRequest, match="vocabulary"):
         validate_request(checked, vocab_size=2)
     with pytest.raises(InvalidRequest, match="vocabulary"):
-        validate_request(GenerationRequest("r", [1], SamplingParams(max_tokens=4), [TokenSegment([7])], checked=True),
+        validate_request(EngineRequest("r", [1], SamplingParams(max_tokens=4), [TokenSegment([7])], checked=True),
                          vocab_size=5)
     with pytest.raises(InvalidRequest, match="context"):
         validate_request(checked, max_model_len=11)

@@ -21,7 +21,7 @@ from replica_agent.engines import (
     EngineState,
     EngineUnavailable,
     FinishReason,
-    GenerationRequest,
+    EngineRequest,
     InvalidRequest,
     SamplingParams,
     TokenSegment,
@@ -42,9 +42,9 @@ SHAPES = {"lm_head.weight": (32, 8), "model.embed_tokens.weight": (32, 8)}
 VOCAB, EOS = 32, 31
 
 
-def req(rid: str = "r", max_tokens: int = 9, prompt=(1, 2, 3), **sampling) -> GenerationRequest:
+def req(rid: str = "r", max_tokens: int = 9, prompt=(1, 2, 3), **sampling) -> EngineRequest:
     sampling.setdefault("ignore_eos", True)
-    return GenerationRequest(rid, list(prompt), SamplingParams(max_tokens=max_tokens, **sampling))
+    return EngineRequest(rid, list(prompt), SamplingParams(max_tokens=max_tokens, **sampling))
 
 
 def expected_tokens(context: list[int], count: int, weight_sum: float) -> list[int]:
@@ -186,7 +186,7 @@ async def test_stop_token_and_resume_within_the_budget(make):
     stop_at = full[5]
     chunks = await drain(engine.generate(req(max_tokens=12, stop_token_ids=[stop_at])))
     assert chunks[-1].finish_reason is FinishReason.STOP and tokens(chunks)[-1] == stop_at
-    resumed = GenerationRequest("r2", [1, 2, 3], SamplingParams(max_tokens=6, ignore_eos=True),
+    resumed = EngineRequest("r2", [1, 2, 3], SamplingParams(max_tokens=6, ignore_eos=True),
                                 resume_segments=[TokenSegment([9, 9], [], 0, "old", "n0")])
     chunks = await drain(engine.generate(resumed))
     assert len(tokens(chunks)) == 4 and chunks[-1].usage.completion_tokens == 6

@@ -13,7 +13,7 @@ from replica_agent.engines import (
     EngineState,
     EngineUnavailable,
     FinishReason,
-    GenerationRequest,
+    EngineRequest,
     SamplingParams,
     WeightMismatch,
 )
@@ -22,8 +22,8 @@ from replica_agent.engines.synthetic import VirtualClock
 pytestmark = pytest.mark.timeout(30)
 
 
-def req(rid: str, max_tokens: int = 1000, **kw) -> GenerationRequest:
-    return GenerationRequest(rid, [1, 2, 3, 4], SamplingParams(max_tokens=max_tokens, **kw))
+def req(rid: str, max_tokens: int = 1000, **kw) -> EngineRequest:
+    return EngineRequest(rid, [1, 2, 3, 4], SamplingParams(max_tokens=max_tokens, **kw))
 
 
 async def lengths(engine, collect, n: int, max_tokens: int = 1000) -> list[int]:

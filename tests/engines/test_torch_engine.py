@@ -12,7 +12,7 @@ from replica_agent.engines import (
     EngineState,
     EngineUnavailable,
     FinishReason,
-    GenerationRequest,
+    EngineRequest,
     InvalidRequest,
     SamplingParams,
     TokenSegment,
@@ -27,13 +27,13 @@ def prompt(i: int) -> list[int]:
     return [(i * 37 + j * 11 + 5) % 256 for j in range(3 + i % 7)]
 
 
-def greedy(request_id: str, i: int, max_tokens: int = 24, **kw) -> GenerationRequest:
-    return GenerationRequest(request_id, prompt(i), SamplingParams(max_tokens=max_tokens, temperature=0, **kw))
+def greedy(request_id: str, i: int, max_tokens: int = 24, **kw) -> EngineRequest:
+    return EngineRequest(request_id, prompt(i), SamplingParams(max_tokens=max_tokens, temperature=0, **kw))
 
 
-def seeded(request_id: str, i: int, max_tokens: int = 24) -> GenerationRequest:
+def seeded(request_id: str, i: int, max_tokens: int = 24) -> EngineRequest:
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.9, top_p=0.9, top_k=50, seed=1000 + i, logprobs=True)
-    return GenerationRequest(request_id, prompt(i), sp)
+    return EngineRequest(request_id, prompt(i), sp)
 
 
 async def test_sixteen_concurrent_requests_complete_with_right_counts(torch_engine, collect):

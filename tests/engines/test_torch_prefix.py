@@ -9,7 +9,7 @@ import torch
 
 from replica_agent.engines import create_engine
 from replica_agent.engines.torch_prefix import PrefixCache
-from replica_agent.engines.types import GenerationRequest, SamplingParams
+from replica_agent.engines.types import EngineRequest, SamplingParams
 
 
 def kv(n: int, fill: float = 1.0):
@@ -49,7 +49,7 @@ def test_capacity_expiry_and_sessions():
 
 async def _gen(engine, rid, prompt, n, session=""):
     ids, lps = [], []
-    async for chunk in engine.generate(GenerationRequest(rid, prompt, SamplingParams(
+    async for chunk in engine.generate(EngineRequest(rid, prompt, SamplingParams(
             max_tokens=n, temperature=0, ignore_eos=True, logprobs=True), session_id=session)):
         ids += chunk.token_ids
         lps += chunk.logprobs
@@ -115,7 +115,7 @@ def test_kv_of_older_weights_is_never_kept():
 
 def test_results_report_the_cached_tokens_of_their_context():
     async def final_usage(engine, rid, prompt):
-        async for chunk in engine.generate(GenerationRequest(rid, prompt, SamplingParams(max_tokens=3,
+        async for chunk in engine.generate(EngineRequest(rid, prompt, SamplingParams(max_tokens=3,
                                                                                          ignore_eos=True))):
             usage = chunk.usage
         return usage

@@ -13,7 +13,7 @@ from replica_agent.engines import (
     EngineState,
     EngineUnavailable,
     FinishReason,
-    GenerationRequest,
+    EngineRequest,
     SamplingParams,
     WeightMismatch,
 )
@@ -22,8 +22,8 @@ from modeling.presets import build_preset_model
 pytestmark = pytest.mark.timeout(60)
 
 
-def request(rid: str = "w", max_tokens: int = 24) -> GenerationRequest:
-    return GenerationRequest(rid, [5, 17, 99, 3], SamplingParams(max_tokens=max_tokens, temperature=0))
+def request(rid: str = "w", max_tokens: int = 24) -> EngineRequest:
+    return EngineRequest(rid, [5, 17, 99, 3], SamplingParams(max_tokens=max_tokens, temperature=0))
 
 
 def snapshot(engine) -> dict[str, torch.Tensor]:

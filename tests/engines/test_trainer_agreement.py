@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from modeling.presets import build_preset_model
-from replica_agent.engines import GenerationRequest, SamplingParams
+from replica_agent.engines import EngineRequest, SamplingParams
 from trainer_agent.training.grpo import Sample, completion_logprobs
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.pins]
@@ -29,11 +29,11 @@ def _prompt(i: int) -> list[int]:
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 async def test_engine_logprobs_equal_the_trainers(torch_engine_factory, collect, preset, temperature):
     engine = await torch_engine_factory(preset=preset, seed=4)
-    requests = [GenerationRequest(f"r{i}", _prompt(i), SamplingParams(max_tokens=24, temperature=temperature,
+    requests = [EngineRequest(f"r{i}", _prompt(i), SamplingParams(max_tokens=24, temperature=temperature,
                                                                       seed=100 + i, logprobs=True))
                 for i in range(12)]
     # a shared prefix: the last four repeat the first prompt and extend it, so the prefix cache serves them
-    requests += [GenerationRequest(f"p{i}", _prompt(0) + [50 + i] * (i + 1),
+    requests += [EngineRequest(f"p{i}", _prompt(0) + [50 + i] * (i + 1),
                                    SamplingParams(max_tokens=24, temperature=temperature, seed=200 + i,
                                                   logprobs=True)) for i in range(4)]
     outcomes = await asyncio.gather(*(collect(engine, r) for r in requests))

@@ -21,7 +21,7 @@ from replica_agent.engines import (
     EngineState,
     EngineUnavailable,
     FinishReason,
-    GenerationRequest,
+    EngineRequest,
     SamplingParams,
     TokenSegment,
     create_engine,
@@ -54,9 +54,9 @@ def tiny_llama(tmp_path_factory):
     return path
 
 
-def greedy(rid: str, max_tokens: int = 8, prefix: list[int] | None = None) -> GenerationRequest:
+def greedy(rid: str, max_tokens: int = 8, prefix: list[int] | None = None) -> EngineRequest:
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=True, ignore_eos=True)
-    request = GenerationRequest(rid, [1, 5, 7, 9], sampling)
+    request = EngineRequest(rid, [1, 5, 7, 9], sampling)
     if prefix:
         request.resume_segments = [TokenSegment(list(prefix), [0.0] * len(prefix))]
     return request

@@ -11,7 +11,7 @@ from fake_vllm import (
 )
 
 from replica_agent.engines import (
-    GenerationRequest,
+    EngineRequest,
     SamplingParams,
 )
 from replica_agent.engines.vllm_engine import VllmEngine
@@ -24,9 +24,9 @@ CHECKPOINT = {  # float32 on disk; the fake serves bfloat16
 }
 
 
-def req(rid: str = "r", max_tokens: int = 10, prompt=(1, 2, 3), **sampling) -> GenerationRequest:
+def req(rid: str = "r", max_tokens: int = 10, prompt=(1, 2, 3), **sampling) -> EngineRequest:
     sampling.setdefault("ignore_eos", True)
-    return GenerationRequest(rid, list(prompt), SamplingParams(max_tokens=max_tokens, **sampling))
+    return EngineRequest(rid, list(prompt), SamplingParams(max_tokens=max_tokens, **sampling))
 
 
 def new_weights(names=CHECKPOINT, value: float = 0.5) -> dict[str, torch.Tensor]:
@@ -41,7 +41,7 @@ def tokens(chunks) -> list[int]:
     return [t for c in chunks for t in c.token_ids]
 
 
-async def in_flight(engine: VllmEngine, fake: FakeAsyncLLM, request: GenerationRequest, emitted: int):
+async def in_flight(engine: VllmEngine, fake: FakeAsyncLLM, request: EngineRequest, emitted: int):
     """Start consuming ``request`` (manual fake) and release ``emitted`` tokens."""
     task = asyncio.create_task(drain(engine.generate(request)))
     await fake.generate_started.wait()

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from replica_agent.engines import GenerationRequest, SamplingParams, create_engine
+from replica_agent.engines import EngineRequest, SamplingParams, create_engine
 from trainer_agent.training.export import export_model
 from trainer_agent.training.grpo import GrpoConfig, GrpoTrainer, Sample
 from trainer_agent.weight_source import TorchWeightSource
@@ -58,7 +58,7 @@ async def test_the_exported_model_loads_and_serves_the_trainers_greedy_output(tm
     engine = create_engine("torch", model_path=str(directory), device="cpu", stream_interval=4)
     await engine.start()
     try:
-        chunks = [c async for c in engine.generate(GenerationRequest("g", prompt, SamplingParams(
+        chunks = [c async for c in engine.generate(EngineRequest("g", prompt, SamplingParams(
             max_tokens=12, temperature=0.0, ignore_eos=True)))]
     finally:
         await engine.close()

@@ -12,7 +12,7 @@ import yaml
 from mesh_runtime.chat import ChatTokenizer
 from mesh_runtime.config import ConfigError, load_config
 from trainer_agent.driver.queue import Sample
-from trainer_agent.driver.rollout_types import GenerationRequest, GenerationResult, Segment
+from trainer_agent.driver.rollout_types import RolloutRequest, GenerationResult, Segment
 from trainer_agent.driver.sample_metrics import step_sample_metrics
 from trainer_agent.driver.settings import MultiTurnSettings, RolloutSamplingSettings
 from trainer_agent.driver.tools import ToolBox, ToolConfigError, import_tool_module, load_tools
@@ -46,9 +46,9 @@ class Script:
     def __init__(self, turns, finish="stop"):
         self.turns = turns
         self.finish = finish
-        self.requests: list[GenerationRequest] = []
+        self.requests: list[RolloutRequest] = []
 
-    async def __call__(self, request: GenerationRequest) -> GenerationResult:
+    async def __call__(self, request: RolloutRequest) -> GenerationResult:
         self.requests.append(request)
         parts = self.turns[len(self.requests) - 1]
         segments = [Segment(token_ids=ids(text, eos), logprobs=[-0.5] * len(ids(text, eos)), weight_version=v,
@@ -81,8 +81,8 @@ def runner(tmp_path, settings=None, *, max_tokens=400, environment=None, closed=
                                 "extra_info": {"tools_kwargs": {"lookup": {"create_kwargs": {"expected_key": "x"}}}}})
 
 
-def first_request(prompt: list[int]) -> GenerationRequest:
-    return GenerationRequest(request_id="g#0/1", prompt_token_ids=prompt, session_id="g#0", partial_rollout=True,
+def first_request(prompt: list[int]) -> RolloutRequest:
+    return RolloutRequest(request_id="g#0/1", prompt_token_ids=prompt, session_id="g#0", partial_rollout=True,
                              param_version=3, max_tokens=400)
 
 

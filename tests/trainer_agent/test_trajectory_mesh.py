@@ -17,7 +17,7 @@ from rollmesh.replica.v1 import replica_agent_pb2, replica_agent_pb2_grpc
 from tests.openai_api.tool_model import ANSWER, MESSAGES, TOOLS, fit_tool_model
 from tests.processes import running_server
 from trainer_agent.driver.lb_client import LoadBalancerGenerate
-from trainer_agent.driver.rollout_types import GenerationRequest
+from trainer_agent.driver.rollout_types import RolloutRequest
 from trainer_agent.driver.settings import MultiTurnSettings
 from trainer_agent.driver.tools import ToolBox, load_tools
 from trainer_agent.driver.trajectory import TrajectoryRunner
@@ -55,7 +55,7 @@ async def _trajectory(lb: str, agent: str, model, tools) -> None:
         runner = TrajectoryRunner(tokenizer, settings, max_response_tokens=200, toolbox=toolbox,
                                   close_session=close_session)
         prompt = tokenizer.encode_chat(MESSAGES, tools=runner.tool_schemas)
-        request = GenerationRequest(request_id="g#0/0", prompt_token_ids=prompt, session_id="g#0",
+        request = RolloutRequest(request_id="g#0/0", prompt_token_ids=prompt, session_id="g#0",
                                     partial_rollout=True, param_version=0, max_tokens=200, temperature=0.0,
                                     stop_token_ids=[tokenizer.eos_token_id])
         sample = await runner.run("g#0", 0, request, LoadBalancerGenerate(stub, timeout_s=60))

@@ -14,7 +14,7 @@ from rollmesh.loadbalancer.v1 import loadbalancer_pb2, loadbalancer_pb2_grpc
 from rollmesh.replica.v1 import replica_agent_pb2, replica_agent_pb2_grpc
 from tests.processes import running_server
 from trainer_agent.driver.lb_client import LoadBalancerGenerate
-from trainer_agent.driver.rollout_types import GenerationRequest
+from trainer_agent.driver.rollout_types import RolloutRequest
 from trainer_agent.driver.settings import MultiTurnSettings
 from trainer_agent.driver.trajectory import Environment, TrajectoryRunner
 
@@ -55,7 +55,7 @@ async def _run(lb: str, agents: dict[str, str]) -> None:
     runner = TrajectoryRunner(tokenizer, settings, max_response_tokens=200, environment=OneMore(),
                               context_of=lambda prompt_id: {"messages": messages})
     prompt = tokenizer.encode_chat(messages)
-    request = GenerationRequest(request_id="g#0/0", prompt_token_ids=prompt, session_id="g#0",
+    request = RolloutRequest(request_id="g#0/0", prompt_token_ids=prompt, session_id="g#0",
                                 partial_rollout=True, param_version=0, max_tokens=200, stop_token_ids=[1])
     async with grpc.aio.insecure_channel(lb) as channel:
         stub = loadbalancer_pb2_grpc.LoadBalancerServiceStub(channel)

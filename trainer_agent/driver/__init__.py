@@ -8,7 +8,7 @@ from trainer_agent.driver.queue import (
     Sample,
 )
 from trainer_agent.driver.rollouter import (
-    GenerationRequest,
+    RolloutRequest,
     GenerationResult,
     HistoryPoint,
     Prompt,
@@ -20,7 +20,7 @@ from trainer_agent.driver.rollouter import (
 
 __all__ = [
     "BatchResult",
-    "GenerationRequest",
+    "RolloutRequest",
     "GenerationResult",
     "HistoryPoint",
     "MessageQueue",

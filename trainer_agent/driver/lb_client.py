@@ -14,7 +14,7 @@ from typing import Any
 from mesh_runtime.generate_many import BalancerGenerations
 from rollmesh.common.v1 import generation_pb2
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2
-from trainer_agent.driver.rollouter import GenerationError, GenerationRequest, GenerationResult, Segment
+from trainer_agent.driver.rollouter import GenerationError, RolloutRequest, GenerationResult, Segment
 
 _FINISH = {
     generation_pb2.FINISH_REASON_STOP: "stop",
@@ -23,7 +23,7 @@ _FINISH = {
 }
 
 
-def to_proto(request: GenerationRequest) -> loadbalancer_pb2.GenerateRequest:
+def to_proto(request: RolloutRequest) -> loadbalancer_pb2.GenerateRequest:
     sampling = generation_pb2.SamplingParams(max_tokens=request.max_tokens, logprobs=request.logprobs,
                                              stop_token_ids=request.stop_token_ids)
     if request.temperature is not None:
@@ -56,7 +56,7 @@ class LoadBalancerGenerate:
         self._metadata = metadata
         self._generations = generations
 
-    async def __call__(self, request: GenerationRequest) -> GenerationResult:
+    async def __call__(self, request: RolloutRequest) -> GenerationResult:
         if self._generations is not None:
             call = self._generations.call(to_proto(request), timeout_s=self._timeout_s)
         else:

@@ -52,7 +52,7 @@ class Segment:
 
 
 @dataclass
-class GenerationRequest:
+class RolloutRequest:
     """What the rollouter asks the load balancer for (one completion)."""
 
     request_id: str
@@ -75,7 +75,7 @@ class GenerationResult:
     finish_reason: str = "stop"  # "stop" | "length" | "aborted"
 
 
-GenerateFn = Callable[[GenerationRequest], Awaitable[GenerationResult]]
+GenerateFn = Callable[[RolloutRequest], Awaitable[GenerationResult]]
 
 
 @dataclass

@@ -66,7 +66,7 @@ from trainer_agent.driver.queue import MessageQueue, RolloutFailed, Sample
 from trainer_agent.driver.rollout_types import (  # noqa: F401 - the rollouter's vocabulary, re-exported
     GenerateFn,
     GenerationError,
-    GenerationRequest,
+    RolloutRequest,
     GenerationResult,
     HistoryPoint,
     Prompt,
@@ -78,7 +78,7 @@ from trainer_agent.driver.rollout_types import (  # noqa: F401 - the rollouter's
 
 STATE_VERSION = 1
 
-Trajectory = Callable[[str, int, GenerationRequest, Callable[[GenerationRequest], Awaitable[GenerationResult]]],
+Trajectory = Callable[[str, int, RolloutRequest, Callable[[RolloutRequest], Awaitable[GenerationResult]]],
                       Awaitable[Sample]]
 """A multi-turn sample: ``(group_id, index, first request, call) -> Sample``, each turn through ``call`` (the
 rollouter's retrying generate); see :mod:`.trajectory`."""
@@ -350,7 +350,7 @@ class Rollouter:
     def _submit(self, group: _Group, index: int) -> None:
         cfg = self.config
         suffix = f"@{self._epoch}" if self._epoch else ""
-        request = GenerationRequest(
+        request = RolloutRequest(
             request_id=f"{group.group_id}/{index}{suffix}",
             prompt_token_ids=list(group.prompt.token_ids),
             session_id=group.group_id,
@@ -369,7 +369,7 @@ class Rollouter:
         self._totals.submitted_samples += 1
         self._record("submit")
 
-    async def _run_one(self, group: _Group, index: int, request: GenerationRequest) -> None:
+    async def _run_one(self, group: _Group, index: int, request: RolloutRequest) -> None:
         key = (group.group_id, index)
         try:
             if self._trajectory is not None:
@@ -402,7 +402,7 @@ class Rollouter:
         group.in_flight.discard(index)
         self._record(kind)
 
-    async def _call_with_retries(self, request: GenerationRequest) -> GenerationResult:
+    async def _call_with_retries(self, request: RolloutRequest) -> GenerationResult:
         """One request through the rollouter's retry policy: a failure the balancer did not already retry (it
         could not be reached, its stream broke, the request came back aborted) is tried again; one the
         balancer spent its own retry budget on says so (``non_retryable``) and is raised at once."""
@@ -418,7 +418,7 @@ class Rollouter:
         return await self._retry_policy.run(call, retry_if=self._is_retryable, on_retry=retried)
 
     @staticmethod
-    def _to_sample(group: _Group, index: int, request: GenerationRequest, result: GenerationResult) -> Sample:
+    def _to_sample(group: _Group, index: int, request: RolloutRequest, result: GenerationResult) -> Sample:
         completion: list[int] = []
         logprobs: list[float] = []
         for seg in result.segments:

@@ -37,13 +37,13 @@ from typing import Any
 
 from mesh_runtime.chat import ChatTokenizer, parse_tool_calls
 from trainer_agent.driver.queue import Sample
-from trainer_agent.driver.rollout_types import GenerationRequest, GenerationResult
+from trainer_agent.driver.rollout_types import RolloutRequest, GenerationResult
 
 from .settings import MultiTurnSettings
 from .tools import ToolBox
 
 log = logging.getLogger(__name__)
-CallFn = Callable[[GenerationRequest], Awaitable[GenerationResult]]
+CallFn = Callable[[RolloutRequest], Awaitable[GenerationResult]]
 TOOL_VERSION = -1
 """Weight version recorded for tokens the model did not generate (tool and user turns)."""
 _PROBE = "\x00rollmesh-probe\x00"
@@ -102,7 +102,7 @@ class TrajectoryRunner:
     def tool_schemas(self) -> list[dict[str, Any]] | None:
         return self.toolbox.schemas if self.toolbox is not None else None
 
-    async def run(self, group_id: str, index: int, request: GenerationRequest, call: CallFn) -> Sample:
+    async def run(self, group_id: str, index: int, request: RolloutRequest, call: CallFn) -> Sample:
         session = f"{group_id}/{index}"
         context = self._context_of(group_id.rsplit("#", 1)[0])
         tools_kwargs = (context.get("extra_info") or {}).get("tools_kwargs") or {} \

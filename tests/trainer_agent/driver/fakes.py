@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from trainer_agent.driver import GenerationRequest, GenerationResult, Segment
+from trainer_agent.driver import RolloutRequest, GenerationResult, Segment
 
 
 class ManualClock:
@@ -32,10 +32,10 @@ class FakeGenerate:
     """Each call blocks until the test completes or fails it by request id."""
 
     def __init__(self) -> None:
-        self.calls: list[GenerationRequest] = []
+        self.calls: list[RolloutRequest] = []
         self.waiting: dict[str, asyncio.Future[GenerationResult]] = {}
 
-    async def __call__(self, request: GenerationRequest) -> GenerationResult:
+    async def __call__(self, request: RolloutRequest) -> GenerationResult:
         self.calls.append(request)
         fut: asyncio.Future[GenerationResult] = asyncio.get_running_loop().create_future()
         self.waiting[request.request_id] = fut

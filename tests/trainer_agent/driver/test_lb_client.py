@@ -7,7 +7,7 @@ import pytest
 from rollmesh.common.v1 import generation_pb2
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2
 from trainer_agent.driver.lb_client import LoadBalancerGenerate
-from trainer_agent.driver.rollouter import GenerationError, GenerationRequest
+from trainer_agent.driver.rollouter import GenerationError, RolloutRequest
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -29,8 +29,8 @@ class FakeStub:
         return stream()
 
 
-def request() -> GenerationRequest:
-    return GenerationRequest(request_id="g#0/1", prompt_token_ids=[1, 2], session_id="g#0",
+def request() -> RolloutRequest:
+    return RolloutRequest(request_id="g#0/1", prompt_token_ids=[1, 2], session_id="g#0",
                              partial_rollout=False, param_version=3, max_tokens=16, temperature=0.7,
                              retry_budget=4)
 
