@@ -174,7 +174,7 @@ async def balancer_runs(tmp: Path, args) -> None:
     import os  # noqa: PLC0415
 
     from benchmarks.cpu_quota import cpu_quota, cpu_seconds, machine_busy_seconds  # noqa: PLC0415
-    from mesh_runtime.channels import open_balancer_channel  # noqa: PLC0415
+    from mesh_runtime.hash_ring import open_balancer_channel  # noqa: PLC0415
 
     procs, first, replicas = await start_cluster(tmp, ".inf")
     extra = []

@@ -2,7 +2,7 @@
 
 Balancers that register with the controller (``controller_address`` in their config) are listed by
 ``ListBalancers``, with ``routing_ready`` once the controller has filled their table. A client given no
-balancer address opens :func:`open_discovered_balancers`: a :class:`~mesh_runtime.channels.HashRingChannel`
+balancer address opens :func:`open_discovered_balancers`: a :class:`~mesh_runtime.hash_ring.HashRingChannel`
 over the ready balancers, whose membership a background task refreshes every ``refresh_s`` from the
 controller (any controller: standbys answer it from their copy of the store). A balancer that joins takes
 about 1/N of the request ids; one that leaves (deregistered, lease lapsed, not answering the controller)
@@ -24,7 +24,8 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from rollmesh.controller.v1 import controller_pb2_grpc, registry_pb2
 
-from .channels import HashRingChannel, OpenOne, open_channel
+from .channels import OpenOne, open_channel
+from .hash_ring import HashRingChannel
 from .config import TlsConfig
 
 log = logging.getLogger(__name__)

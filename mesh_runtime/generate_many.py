@@ -7,7 +7,7 @@ call (an async iterator of ``GenerateResponse`` that raises
 ``grpc.aio.AioRpcError``; ``cancel()``), but the generation travels on one
 ``GenerateMany`` stream per balancer (:mod:`mesh_runtime.multiplex`), so
 neither side pays a call per request. Over several balancers (a
-:class:`~mesh_runtime.channels.HashRingChannel`) a request goes to the first
+:class:`~mesh_runtime.hash_ring.HashRingChannel`) a request goes to the first
 balancer of its id's ring order, as a ``Generate`` call would; a stream that
 breaks marks its balancer down in the ring, so the caller's retry of the same
 id goes to the next one. A balancer that does not serve ``GenerateMany`` (an
@@ -23,7 +23,7 @@ import grpc
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2 as pb
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2_grpc
 
-from .channels import HashRingChannel, ring_key
+from .hash_ring import HashRingChannel, ring_key
 from .multiplex import StreamPool, serves_generate_many
 from .rpc_tracing import context_metadata
 

@@ -4,7 +4,7 @@
 contract is the one list: ``Reason.REPLICA_NOT_SERVING == "REPLICA_NOT_SERVING"``,
 the ``google.rpc.ErrorInfo.reason`` on the wire. Every error raised on
 purpose names one (``reason=Reason.<NAME>``); a name not in the contract is an
-``AttributeError`` where it is written, and ``tests/test_error_reasons.py``
+``AttributeError`` where it is written, and ``tests/mesh_runtime/test_error_reasons.py``
 checks that every name the code uses exists and every value is used.
 """
 
@@ -18,7 +18,7 @@ from rollmesh.common.v1 import errors_pb2
 _NAMES = [name for name in errors_pb2.ErrorReason.keys() if name != "ERROR_REASON_UNSPECIFIED"]
 
 if TYPE_CHECKING:
-    Reason: Any   # built at run time from the contract; tests/test_error_reasons.py checks the names used
+    Reason: Any   # built at run time from the contract; tests/mesh_runtime/test_error_reasons.py checks the names used
 else:
     Reason = enum.StrEnum("Reason", [(name, name) for name in _NAMES], module=__name__)
     """Every reason of the contract's ErrorReason, as strings."""

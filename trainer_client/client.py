@@ -10,7 +10,8 @@ from typing import Any, TypeVar
 import grpc
 from google.longrunning import operations_pb2, operations_pb2_grpc
 
-from mesh_runtime.channels import as_channel, open_balancer_channel, open_channel, read_methods
+from mesh_runtime.channels import as_channel, open_channel, read_methods
+from mesh_runtime.hash_ring import open_balancer_channel
 from mesh_runtime.discovery import open_discovered_balancers
 from mesh_runtime.durations import set_seconds
 from mesh_runtime.generate_many import BalancerGenerations

@@ -121,7 +121,7 @@ async def test_node_client_calls_status_of_every_server(node, tmp_path):
     try:
         targets = [f"{SERVICE_OF[name]}={proc.address}" for name, proc in servers.items()]
         env = {**_env(), "ROLLMESH_TLS_CA": tls.ca, "ROLLMESH_TLS_CERT": tls.cert, "ROLLMESH_TLS_KEY": tls.key}
-        result = await asyncio.to_thread(subprocess.run, [node, "tests/node/status_client.js", *targets],
+        result = await asyncio.to_thread(subprocess.run, [node, "tests/e2e/clients/status_client.js", *targets],
                                          capture_output=True, text=True, timeout=60, env=env)
     finally:
         codes = await stop_all(servers)

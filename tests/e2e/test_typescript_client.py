@@ -20,7 +20,7 @@ from tests.processes import clean_env
 
 ROOT = Path(__file__).resolve().parents[2]
 TSC = ROOT / "node_modules" / ".bin" / "tsc"
-BUILD = ROOT / "tests" / "node" / "ts" / ".build"
+BUILD = ROOT / "tests" / "e2e" / "clients" / "ts" / ".build"
 pytestmark = pytest.mark.timeout(180)
 
 
@@ -40,11 +40,11 @@ def test_the_generated_package_type_checks_strictly(tsc):
 
 
 def _build(tsc: Path) -> Path:
-    built = subprocess.run([str(tsc), "-p", "tests/node/ts/tsconfig.json", "--outDir", str(BUILD)], cwd=ROOT,
+    built = subprocess.run([str(tsc), "-p", "tests/e2e/clients/ts/tsconfig.json", "--outDir", str(BUILD)], cwd=ROOT,
                            capture_output=True, text=True, timeout=120)
     assert built.returncode == 0, built.stdout[-3000:]
     (BUILD / "package.json").write_text('{"type": "module"}\n')
-    return BUILD / "tests" / "node" / "ts" / "client.js"
+    return BUILD / "tests" / "e2e" / "clients" / "ts" / "client.js"
 
 
 def _calls(stdout: str) -> dict[str, list[dict]]:

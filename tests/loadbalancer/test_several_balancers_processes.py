@@ -7,7 +7,8 @@ import collections
 
 import pytest
 
-from mesh_runtime.channels import HashRingChannel, open_balancer_channel, open_channel
+from mesh_runtime.channels import open_channel
+from mesh_runtime.hash_ring import HashRingChannel, open_balancer_channel
 from tests.controller.scaling.helpers import Procs, lb_stub, routed, until
 from tests.loadbalancer.under_load import requests_through_a_kill
 

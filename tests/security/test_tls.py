@@ -183,7 +183,7 @@ async def test_the_node_client_and_buf_curl_speak_mutual_tls_with_reflection(pki
     try:
         env = {**os.environ, "ROLLMESH_TLS_CA": client.ca, "ROLLMESH_TLS_CERT": client.cert,
                "ROLLMESH_TLS_KEY": client.key}
-        result = await asyncio.to_thread(subprocess.run, [node, "tests/node/status_client.js",
+        result = await asyncio.to_thread(subprocess.run, [node, "tests/e2e/clients/status_client.js",
                                                           f"rollmesh.loadbalancer.v1.LoadBalancerService=127.0.0.1:{port}"],
                                          capture_output=True, text=True, timeout=60, env=env)
         assert result.returncode == 0, result.stdout + result.stderr

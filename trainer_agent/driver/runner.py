@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from mesh_runtime.channels import as_channel, open_balancer_channel, open_channel, read_methods
+from mesh_runtime.channels import as_channel, open_channel, read_methods
+from mesh_runtime.hash_ring import open_balancer_channel
 from mesh_runtime.discovery import open_discovered_balancers
 from mesh_runtime.generate_many import BalancerGenerations
 from mesh_runtime.errors import FailedPrecondition, InvalidArgument

@@ -10,9 +10,9 @@ const path = require("path");
 const grpc = require("@grpc/grpc-js");
 const protoLoader = require("@grpc/proto-loader");
 
-const root = path.resolve(__dirname, "..", "..", "proto");
+const root = path.resolve(__dirname, "..", "..", "..", "proto");
 // google/api/field_behavior.proto (and google/rpc's error details) come with the buf workspace's second module
-const googleapis = path.resolve(__dirname, "..", "..", "third_party", "googleapis");
+const googleapis = path.resolve(__dirname, "..", "..", "..", "third_party", "googleapis");
 const files = [
   "rollmesh/controller/v1/controller.proto",
   "rollmesh/loadbalancer/v1/loadbalancer.proto",

@@ -16,7 +16,7 @@ from launcher.cli import SERVERS
 from mesh_runtime.config import load_config
 from tests.kustomize_subset import render
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KUBE = ROOT / "deploy" / "kubernetes"
 TARGETS = {"base": KUBE / "base", "cpu-demo": KUBE / "overlays" / "cpu-demo", "gpu": KUBE / "overlays" / "gpu"}
 KUBERNETES_VERSION = "1.34.0"

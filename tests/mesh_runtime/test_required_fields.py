@@ -25,7 +25,7 @@ from mesh_runtime.errors import InvalidArgument, error_info
 from mesh_runtime.reasons import Reason
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2, loadbalancer_pb2_grpc
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("rollmesh.controller.v1.controller_pb2", "rollmesh.loadbalancer.v1.loadbalancer_pb2",
             "rollmesh.replica.v1.replica_agent_pb2", "rollmesh.trainer.v1.trainer_agent_pb2",
             "rollmesh.weights.v1.weight_source_pb2")

@@ -13,7 +13,7 @@ from rollmesh.controller.v1 import controller_pb2, controller_pb2_grpc, registry
 
 pytestmark = pytest.mark.timeout(60)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("mesh_runtime", "controller", "loadbalancer", "replica_agent", "trainer_agent", "launcher",
             "simulator", "weight_transfer", "modeling")
 FACTORY = ROOT / "mesh_runtime" / "channels.py"
@@ -111,7 +111,7 @@ async def test_the_sync_channel_has_the_same_retry_policy(flaky_server):
 def test_the_hash_ring_keeps_an_id_on_one_balancer_and_skips_a_dead_one():
     import grpc
 
-    from mesh_runtime.channels import HashRingChannel
+    from mesh_runtime.hash_ring import HashRingChannel
 
     ring = HashRingChannel(["a:1", "b:1", "c:1"], open_one=lambda address: None)
     first = {f"id-{i}": ring.order(f"id-{i}") for i in range(3000)}

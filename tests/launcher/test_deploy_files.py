@@ -19,7 +19,7 @@ from mesh_runtime import certs
 from launcher.cli import SERVERS, build_parser
 from mesh_runtime.config import load_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "deploy" / "configs").glob("*/*.yaml"))
 UNITS = sorted((ROOT / "deploy" / "systemd").glob("*.service"))
 TLS_DIR = "/etc/rollmesh/tls/"

@@ -104,7 +104,7 @@ def test_relative_paths_in_a_config_file_are_relative_to_that_file(tmp_path, mon
     from launcher.job_config import JobConfig
     from replica_agent.config import ReplicaAgentConfig
 
-    examples = Path(__file__).resolve().parent.parent / "examples"
+    examples = Path(__file__).resolve().parents[2] / "examples"
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)

@@ -11,7 +11,7 @@ from mesh_runtime.errors import FailedPrecondition, InvalidArgument, to_status
 from mesh_runtime.reasons import Reason, known
 from rollmesh.common.v1 import errors_pb2
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("mesh_runtime", "controller", "loadbalancer", "replica_agent", "trainer_agent", "trainer_client",
             "launcher", "weight_transfer", "modeling", "simulator")
 

@@ -9,15 +9,15 @@ import { readFileSync } from "node:fs";
 import { Code, ConnectError, createClient, type Transport } from "@connectrpc/connect";
 import { createGrpcTransport } from "@connectrpc/connect-node";
 import { anyUnpack } from "@bufbuild/protobuf/wkt";
-import { Operations } from "../../../generated/ts/src/google/longrunning/operations_pb.js";
-import { ErrorInfoSchema } from "../../../generated/ts/src/google/rpc/error_details_pb.js";
-import { ControllerService } from "../../../generated/ts/src/rollmesh/controller/v1/controller_pb.js";
-import { LoadBalancerService } from "../../../generated/ts/src/rollmesh/loadbalancer/v1/loadbalancer_pb.js";
-import { ReplicaAgentService } from "../../../generated/ts/src/rollmesh/replica/v1/replica_agent_pb.js";
-import { TrainerAgentService } from "../../../generated/ts/src/rollmesh/trainer/v1/trainer_agent_pb.js";
-import { EventType } from "../../../generated/ts/src/rollmesh/controller/v1/events_pb.js";
-import { OperationState, ScaleOperationSchema } from "../../../generated/ts/src/rollmesh/controller/v1/scaling_pb.js";
-import { TransportSecurity } from "../../../generated/ts/src/rollmesh/common/v1/status_pb.js";
+import { Operations } from "../../../../generated/ts/src/google/longrunning/operations_pb.js";
+import { ErrorInfoSchema } from "../../../../generated/ts/src/google/rpc/error_details_pb.js";
+import { ControllerService } from "../../../../generated/ts/src/rollmesh/controller/v1/controller_pb.js";
+import { LoadBalancerService } from "../../../../generated/ts/src/rollmesh/loadbalancer/v1/loadbalancer_pb.js";
+import { ReplicaAgentService } from "../../../../generated/ts/src/rollmesh/replica/v1/replica_agent_pb.js";
+import { TrainerAgentService } from "../../../../generated/ts/src/rollmesh/trainer/v1/trainer_agent_pb.js";
+import { EventType } from "../../../../generated/ts/src/rollmesh/controller/v1/events_pb.js";
+import { OperationState, ScaleOperationSchema } from "../../../../generated/ts/src/rollmesh/controller/v1/scaling_pb.js";
+import { TransportSecurity } from "../../../../generated/ts/src/rollmesh/common/v1/status_pb.js";
 
 function transport(address: string): Transport {
   const { ROLLMESH_TLS_CA: ca, ROLLMESH_TLS_CERT: cert, ROLLMESH_TLS_KEY: key } = process.env;
