@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import grpc
 
 from .errors import PermissionDenied, Unauthenticated
-from .identity import ROLES, Identity, peer_identity, set_current_identity
+from .identity import ROLES, Identity, peer_identity
 from .reasons import Reason
 
 ANY = frozenset(ROLES)

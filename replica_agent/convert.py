@@ -17,11 +17,10 @@ from mesh_runtime.generation import (
     temperature_of,
     top_p_of,
 )
-from mesh_runtime.reasons import Reason
 from rollmesh.common.v1 import generation_pb2, load_pb2, types_pb2
 from rollmesh.replica.v1 import replica_agent_pb2
 
-from .engines import FinishReason, GenerationChunk, EngineRequest, LoadSnapshot, SamplingParams, TokenSegment
+from .engines import EngineRequest, FinishReason, GenerationChunk, LoadSnapshot, SamplingParams, TokenSegment
 
 FINISH_REASONS = {
     FinishReason.STOP: generation_pb2.FINISH_REASON_STOP,

@@ -19,7 +19,6 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
-from .records import ReplicaRecord
 
 Clock = Callable[[], float]
 """Seconds on the controller's clock (wall or virtual)."""

@@ -38,7 +38,6 @@ from . import runs as scale_runs
 from .ports import ScalingMesh
 from ..agents import AgentCalls
 from .operations import TERMINAL, OperationBook, OperationState, OperationType, ScaleOperation, cancellable
-from ..core.events import EventType
 from ..core.records import TERMINAL_STATES, ReplicaKind, ReplicaRecord
 
 log = logging.getLogger(__name__)

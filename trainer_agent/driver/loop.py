@@ -66,7 +66,6 @@ prompt source is exhausted does the loop end early, normally.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import itertools
 import logging
@@ -76,12 +75,10 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
 
-from mesh_runtime.retry import RetryPolicy
 from rollmesh.common.v1 import types_pb2
 
-from trainer_agent.driver.mesh_calls import ReplicaCount, accepts_connections
+from trainer_agent.driver.mesh_calls import GONE_STATES, ReplicaCount, resync_replicas
 from trainer_agent.driver.queue import MessageQueue, Sample
 from trainer_agent.driver.rollouter import Trajectory
 from trainer_agent.driver.rollouter import GenerateFn, Prompt, RolloutConfig, Rollouter
@@ -97,19 +94,12 @@ RewardFn = Callable[[Sequence[int], Sequence[int]], float]
 Scorer = Callable[[Sequence[tuple[str, Sequence[int]]]], tuple[list[float], dict[str, float]]]
 """Scores ``(prompt_id, completion_ids)`` pairs: ``(scores, extra metrics)``; replaces ``reward_fn`` for prompts
 that carry more than their tokens (a dataset row's ground truth). Runs in a worker thread."""
-# ReplicaState values of replicas that no longer take part (FAILED, STOPPED, REMOVED).
-_GONE_STATES = frozenset({types_pb2.REPLICA_STATE_FAILED, types_pb2.REPLICA_STATE_STOPPED,
-                          types_pb2.REPLICA_STATE_REMOVED})
 # ReplicaState values in which the controller's SyncWeights accepts a replica.
 _SYNCABLE_STATES = frozenset({types_pb2.REPLICA_STATE_ACTIVE, types_pb2.REPLICA_STATE_PAUSED,
                               types_pb2.REPLICA_STATE_SLEEPING})
 # The loop's phases as activities of the resource-time picture's trainer row.
 _PHASE_ACTIVITY = {"waiting": "wait", "training": "train", "syncing": "weight_sync"}
 STEP_TIMING_KEYS = ("reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor")
-
-
-class _StillPending(Exception):
-    """A resync pass left replicas without the step's version (the next pass tries them again)."""
 
 
 @dataclass
@@ -403,7 +393,7 @@ class FullyAsyncLoop:
             listed = await self.controller.ListReplicas(registry_pb2.ListReplicasRequest(),
                                                         timeout=self._rpc_timeout)
         stale = sorted(f"{r.replica_id} (version {r.weight_version})" for r in listed.replicas
-                       if r.kind == types_pb2.REPLICA_KIND_STANDALONE and r.state not in _GONE_STATES
+                       if r.kind == types_pb2.REPLICA_KIND_STANDALONE and r.state not in GONE_STATES
                        and r.weight_version < version)
         if stale:
             raise RuntimeError(f"standalone replicas {', '.join(stale)} could not be brought to the checkpoint's "
@@ -411,53 +401,10 @@ class FullyAsyncLoop:
         return {r.replica_id: r.weight_version for r in listed.replicas}
 
     async def _resync(self, gs: int, version: int, replica_ids: list[str]) -> list[str]:
-        """Sync standalone replicas whose part of the step's broadcast failed again, one per group.
-
-        The controller already reruns a broadcast without agents it cannot
-        reach; what is left for this pass is a receiver that joined and then
-        died mid-transfer (its lease not yet expired), which fails the whole
-        group, so the healthy replicas miss the version too and leave routing.
-        Syncing each replica on its own brings the healthy ones back. A replica whose agent does not accept a
-        connection is not synced (its broadcast would wait for a receiver that
-        never comes); it is given up once the controller no longer lists it as
-        live (its lease expired), and every replica after ``sync_timeout``.
-        Returns the replicas that now hold ``version``.
-        """
-        from rollmesh.controller.v1 import registry_pb2, weight_sync_pb2
-
-        pending, done, attempt = list(replica_ids), [], 0
-
-        async def one_pass() -> None:
-            nonlocal attempt
-            attempt += 1
-            listed = await self.controller.ListReplicas(registry_pb2.ListReplicasRequest(), timeout=self._rpc_timeout)
-            live = {r.replica_id: r.address for r in listed.replicas if r.state not in _GONE_STATES}
-            pending[:] = [rid for rid in pending if rid in live]
-            for rid in list(pending):
-                if live[rid] and not await accepts_connections(live[rid]):
-                    continue
-                try:
-                    reply = await self.controller.SyncWeights(weight_sync_pb2.SyncWeightsRequest(
-                        weight_version=version, replica_ids=[rid], request_id=f"resync-{gs}-{rid}-{attempt}"),
-                        timeout=self._sync_timeout)
-                except grpc.aio.AioRpcError as err:
-                    if err.code() not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
-                        raise
-                    # lost since it was listed (lease expired, removed): the controller keeps it out of routing
-                    log.info("step %d: %s is no longer syncable (%s); not resyncing it", gs, rid, err.details())
-                    pending.remove(rid)
-                    continue
-                if any(r.ok for r in reply.result.replica_results):
-                    pending.remove(rid)
-                    done.append(rid)
-            if pending:
-                raise _StillPending(pending)
-
-        if pending:
-            policy = RetryPolicy(initial_s=0.25, max_s=2.0, within_s=self._sync_timeout)
-            with contextlib.suppress(_StillPending):   # given up after sync_timeout
-                await policy.run(one_pass, retry_if=lambda err: isinstance(err, _StillPending))
-        return done
+        """Sync standalone replicas whose part of the step's broadcast failed again, one per group
+        (:func:`~trainer_agent.driver.mesh_calls.resync_replicas`); the replicas that now hold ``version``."""
+        return await resync_replicas(self.controller, gs, version, replica_ids, rpc_timeout=self._rpc_timeout,
+                                     sync_timeout=self._sync_timeout)
 
     def _queued(self) -> int:
         """Samples (prompt groups) in the queue; it holds whole groups only."""
