@@ -39,6 +39,7 @@ from .core.ports import WeightSyncOutcome
 from .core.records import TERMINAL_STATES, Registration, ReplicaKind, ReplicaRecord, ReplicaState
 from .core.replicas import ReplicaRegistry
 from .core.steps import StepReport
+from .agents import AgentCalls
 from .balancers import Balancers
 from .checkpoint_load import CheckpointFlip, FlipOutcome
 from .group_update import GroupUpdate
@@ -132,10 +133,16 @@ class Mesh:
         from .scaling.autoscaler_loop import AutoscalerLoop  # noqa: PLC0415
         from .scaling.scaler import Scaler  # noqa: PLC0415
 
-        self.scaler = Scaler(self)
+        calls = AgentCalls(self.channels, timeout_s=sched.port_timeout_s,
+                           balancers=lambda: [b.address for b in self.routing.balancers])
+        self.scaler = Scaler(config, store=self.store, registry=self.registry, routing=self.routing,
+                             weights=self.weights, scheduler=self.scheduler, transitions=self.transitions,
+                             calls=calls, clock=self.clock, emit=self.emit, span=self.span, renew=self.renew)
         self.routing.bind(weight_version=lambda: self.scheduler.weight_version,
                           hybrid_active=lambda: self.scheduler.is_hybrid_active, owned=self.scaler.blocks_routing)
-        self.autoscaler = AutoscalerLoop(self, config.load_autoscaler())
+        self.autoscaler = AutoscalerLoop(config.load_autoscaler(), controller_config=config, store=self.store,
+                                         registry=self.registry, scaler=self.scaler, clock=self.clock,
+                                         emit=self.emit, span=self.span, changed=self.changed)
 
     # ----------------------------------------------------------- persistence
     def _restore_registry(self) -> ReplicaRegistry:

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from mesh_runtime.durations import to_seconds
 from .autoscaler import (
@@ -40,43 +41,32 @@ if TYPE_CHECKING:
     from .scaler import Scaler
 
 
-class AutoscalerMesh(Protocol):
-    """What the autoscaler uses of the controller (its :class:`~controller.mesh.Mesh` provides it)."""
-
-    config: ControllerConfig
-    store: StateStore
-    registry: ReplicaRegistry
-    scaler: Scaler
-
-    def clock(self) -> float: ...
-
-    def emit(self, type: EventType, /, **fields: Any) -> Any: ...
-
-    def span(self, name: str, **attributes: Any) -> AbstractContextManager[Any]: ...
-
-    def changed(self) -> None:
-        """Persist the controller's state soon (it changed)."""
-
-
 class AutoscalerLoop:
     """Collects metrics, runs the decision core, starts scale operations, keeps the history."""
 
-    def __init__(self, mesh: AutoscalerMesh, config: AutoscalerConfig | None) -> None:
-        self.mesh = mesh
+    def __init__(self, config: AutoscalerConfig | None, *, controller_config: ControllerConfig, store: StateStore,
+                 registry: ReplicaRegistry, scaler: Scaler, clock: Callable[[], float], emit: Callable[..., Any],
+                 span: Callable[..., AbstractContextManager[Any]], changed: Callable[[], None]) -> None:
+        """The controller's parts the autoscaler uses, as explicit ports (the :class:`~controller.mesh.Mesh`
+        wires them): ``scaler`` runs the operations it decides, ``changed`` persists the controller's state
+        soon."""
+        self.controller_config = controller_config
+        self.store, self.registry, self.scaler = store, registry, scaler
+        self.clock, self.emit, self.span, self.changed = clock, emit, span, changed
         self.core = Autoscaler(config) if config is not None else None
         self.running = False
         self.history: list[dict[str, Any]] = []
         self.pending: set[str] = set()
         self.decided_at: float | None = None
-        mesh.store.track("autoscaler", self.state_dict)
-        saved = mesh.store.load("autoscaler")
+        store.track("autoscaler", self.state_dict)
+        saved = store.load("autoscaler")
         if saved and self.core is not None:
             self.core.enabled = saved.get("enabled", self.core.enabled)
             self.core.last_scale_action = saved.get("last_scale_action")
             self.core.last_scale_time = saved.get("last_scale_time")
             self.history = saved.get("history", [])
             self.pending = {h["operation_id"] for h in self.history if not h.get("completed_at")}
-        mesh.scaler.on_finished.append(self._finished)
+        scaler.on_finished.append(self._finished)
 
     @property
     def configured(self) -> bool:
@@ -98,10 +88,10 @@ class AutoscalerLoop:
     # ----------------------------------------------------------------- inputs
     def engines(self) -> int:
         """Replicas of the model serving now (what the metrics describe)."""
-        return len([r for r in self.mesh.registry.replicas(states=[ReplicaState.ACTIVE]) if r.model_name == MODEL])
+        return len([r for r in self.registry.replicas(states=[ReplicaState.ACTIVE]) if r.model_name == MODEL])
 
     def collect(self, now: float) -> MetricsSample:
-        registry, cfg = self.mesh.registry, self.mesh.config
+        registry, cfg = self.registry, self.controller_config
         fresh_for = 3 * cfg.load_report_interval_s + self._active.config.metrics_interval_secs
         nodes = {n.node_id: n for n in registry.nodes()}
         reports = []
@@ -137,7 +127,7 @@ class AutoscalerLoop:
         try:
             while True:
                 await asyncio.sleep(min(cfg.metrics_interval_secs, cfg.evaluation_interval_secs))
-                now = self.mesh.clock()
+                now = self.clock()
                 try:
                     self._active.record_metrics(self.collect(now))
                 except Exception:  # noqa: BLE001 - one bad sample must not stop the loop
@@ -153,10 +143,10 @@ class AutoscalerLoop:
             self.running = False
 
     async def evaluate(self, now: float) -> None:
-        scaler = self.mesh.scaler
+        scaler = self.scaler
         running = scaler.book.running() is not None or bool(self.pending)
         engines = self.engines()
-        with self.mesh.span("autoscaler.decide", engines=engines) as span:
+        with self.span("autoscaler.decide", engines=engines) as span:
             decision = self._active.evaluate(now, running, current_engines=engines)
             self.decided_at = now
             if span is not None:
@@ -176,7 +166,7 @@ class AutoscalerLoop:
                                                          triggered_by="autoscaler")
                 except Exception as err:  # noqa: BLE001 - reported in the decision event
                     error = f"{type(err).__name__}: {getattr(err, 'message', err)}"
-            self.mesh.emit(EventType.AUTOSCALER_DECISION, reason=decision.reason + (f"; not started: {error}"
+            self.emit(EventType.AUTOSCALER_DECISION, reason=decision.reason + (f"; not started: {error}"
                                                                                     if error else ""),
                            operation_id=op.operation_id if op else "",
                            attributes={"action": decision.action, "delta": decision.delta, "engines": engines,
@@ -186,7 +176,7 @@ class AutoscalerLoop:
             self._active.record_scale(decision.action, now)
             self.pending.add(op.operation_id)
             self.history.append(history_entry(op, decision, now))
-        self.mesh.changed()
+        self.changed()
 
     def _finished(self, op: ScaleOperation) -> None:
         if op.operation_id not in self.pending:
@@ -197,15 +187,15 @@ class AutoscalerLoop:
                 record.update(state=op.state.value, completed_at=op.updated_at, error_message=op.error_message)
         if self.core is not None:
             self.core.record_scale(SCALE_OUT if op.type is OperationType.SCALE_OUT else SCALE_IN, op.updated_at)
-        self.mesh.changed()
+        self.changed()
 
     # ---------------------------------------------------------------- queries
     def set_enabled(self, enabled: bool) -> None:
         if self._active.enabled != enabled:
             self._active.enabled = enabled
-            self.mesh.emit(EventType.AUTOSCALER_DECISION, reason=f"autoscaler {'enabled' if enabled else 'disabled'}",
+            self.emit(EventType.AUTOSCALER_DECISION, reason=f"autoscaler {'enabled' if enabled else 'disabled'}",
                            attributes={"action": NONE, "enabled": enabled})
-            self.mesh.changed()
+            self.changed()
 
     def records(self, action: str | None, limit: int) -> tuple[list[dict[str, Any]], int]:
         matching = [h for h in reversed(self.history) if action is None or h["action"] == action]

@@ -148,7 +148,7 @@ class OperationsServicer(operations_pb2_grpc.OperationsServicer):
     async def GetOperation(self, request: operations_pb2.GetOperationRequest,  # noqa: N802 - gRPC method names
                            context: grpc.aio.ServicerContext) -> operations_pb2.Operation:
         scaler = self._scaler()
-        await scaler.mesh.store.settled()   # only what a crash cannot undo: a state whose save is still in
+        await scaler.store.settled()   # only what a crash cannot undo: a state whose save is still in
         return long_running(scaler.book.get(operation_id(request.name)))   # flight is shown once it is stored
 
     async def ListOperations(self, request: operations_pb2.ListOperationsRequest,  # noqa: N802
@@ -158,7 +158,7 @@ class OperationsServicer(operations_pb2_grpc.OperationsServicer):
                                   reason=Reason.INVALID_OPERATION_NAME)
         keep = parse_filter(request.filter)
         scaler = self._scaler()
-        await scaler.mesh.store.settled()
+        await scaler.store.settled()
         ops = sorted((op for op in scaler.book.list() if keep(op)), key=_newest_first)
         chosen, token = pages.page(ops, key=_newest_first, page_size=request.page_size,
                                    page_token=request.page_token, filters=(request.filter.strip(),))

@@ -1,6 +1,6 @@
-"""What a scale operation uses, as ports: of the controller (:class:`ScalingMesh`, which
-:class:`~controller.mesh.Mesh` provides) and, in its body (:mod:`controller.scaling.runs`), of the scaler that
-runs it (:class:`ScaleHost`, which :class:`~controller.scaling.scaler.Scaler` provides)."""
+"""What a scale operation's body (:mod:`controller.scaling.runs`) uses, as a port: :class:`ScaleHost`, which
+:class:`~controller.scaling.scaler.Scaler` provides with the controller's parts the
+:class:`~controller.mesh.Mesh` wires into it."""
 
 from __future__ import annotations
 
@@ -13,26 +13,24 @@ if TYPE_CHECKING:
     from ..agents import AgentCalls
     from ..config import ControllerConfig
     from ..core.events import EventType
-    from ..core.hybrid import DynamicResourceController
     from ..core.records import ReplicaRecord
     from ..core.replicas import ReplicaRegistry
-    from ..ports import Channels
     from ..routing import Routing
     from ..store import StateStore
     from ..weight_sync import WeightBroadcast
     from .operations import OperationState, ScaleOperation
 
 
-class ScalingMesh(Protocol):
-    """What scale operations use of the controller (its :class:`~controller.mesh.Mesh` provides it)."""
+class ScaleHost(Protocol):
+    """What a scale operation's body uses of the scaler that runs it: the controller's parts it was given
+    (explicit ports, wired by the :class:`~controller.mesh.Mesh`) and its bookkeeping."""
 
     config: ControllerConfig
+    calls: AgentCalls
     store: StateStore
-    channels: Channels
     registry: ReplicaRegistry
     routing: Routing
     weights: WeightBroadcast
-    scheduler: DynamicResourceController
     transitions: asyncio.Lock
     """Held around every change of routing or weights, by hybrid transitions and scale operations alike."""
 
@@ -42,15 +40,6 @@ class ScalingMesh(Protocol):
 
     def span(self, name: str, **attributes: Any) -> AbstractContextManager[Any]: ...
 
-    def renew(self, node_id: str, reports: Any) -> tuple[float, bool]: ...
-
-
-class ScaleHost(Protocol):
-    """What a scale operation's body uses of the scaler that runs it."""
-
-    mesh: ScalingMesh
-    config: ControllerConfig
-    calls: AgentCalls
     removing: set[str]
     """Replicas a scale-in is taking out: routed by no rule meanwhile."""
 

@@ -65,7 +65,7 @@ async def _gather(items: Sequence[str], one: Callable[[str], Awaitable[object]])
 
 # ------------------------------------------------------------------ scale-out
 async def run_out(s: ScaleHost, op: ScaleOperation, placements: list[str]) -> None:
-    with s.mesh.span("scale.out", operation_id=op.operation_id, model_name=op.model_name,
+    with s.span("scale.out", operation_id=op.operation_id, model_name=op.model_name,
                       target=op.num_replicas, addresses=op.engine_addresses):
         if op.engine_addresses:
             failed = await _connect(s, op)
@@ -79,7 +79,7 @@ async def run_out(s: ScaleHost, op: ScaleOperation, placements: list[str]) -> No
 
 
 async def _create(s: ScaleHost, op: ScaleOperation, placements: list[str]) -> dict[str, str]:
-    registry, per = s.mesh.registry, s.config.rollout_num_gpus_per_engine
+    registry, per = s.registry, s.config.rollout_num_gpus_per_engine
     for index, node_id in enumerate(placements):
         replica_id = f"{node_id}-x{op.operation_id[:6]}{index}"
         registry.add_replica(ReplicaSpec(replica_id, ReplicaKind.STANDALONE), node_id=node_id,
@@ -90,7 +90,7 @@ async def _create(s: ScaleHost, op: ScaleOperation, placements: list[str]) -> di
 
     async def launch(replica_id: str) -> None:
         record = registry.get(replica_id)
-        with s.mesh.span("replica.launch", replica_id=replica_id, node_id=record.node_id):
+        with s.span("replica.launch", replica_id=replica_id, node_id=record.node_id):
             replica = await s.calls.launch(record.address, replica_id, slots=per, timeout_s=op.timeout_s,
                                            request_id=f"{op.operation_id}:{replica_id}")
         record.slots, record.data_address = tuple(replica.slots), replica.data_address
@@ -98,12 +98,12 @@ async def _create(s: ScaleHost, op: ScaleOperation, placements: list[str]) -> di
         registry.set_weight_version(replica_id, replica.weight_version)
         registry.transition(replica_id, S.LOADING, "launched; health check next", operation_id=op.operation_id)
 
-    with s.mesh.span("scale.out.create", operation_id=op.operation_id, replica_ids=op.replica_ids):
+    with s.span("scale.out.create", operation_id=op.operation_id, replica_ids=op.replica_ids):
         return await _gather(list(op.replica_ids), launch)
 
 
 async def _connect(s: ScaleHost, op: ScaleOperation) -> dict[str, str]:
-    registry, per = s.mesh.registry, s.config.rollout_num_gpus_per_engine
+    registry, per = s.registry, s.config.rollout_num_gpus_per_engine
     await s.move(op, OS.CONNECTING, f"connecting to {op.engine_addresses}")
 
     async def connect(address: str) -> None:
@@ -155,7 +155,7 @@ async def _connect(s: ScaleHost, op: ScaleOperation) -> dict[str, str]:
         op.replica_ids.append(replica_id)
         op.launched_replica_ids.append(replica_id)
         await s.save()
-        with s.mesh.span("replica.attach", replica_id=replica_id, node_id=node.node_id, engine_url=url):
+        with s.span("replica.attach", replica_id=replica_id, node_id=node.node_id, engine_url=url):
             replica = await s.calls.launch(node.address, replica_id, slots=0, engine_url=url, timeout_s=op.timeout_s,
                                            request_id=f"{op.operation_id}:{replica_id}")
         registry.set_weight_version(replica_id, replica.weight_version)
@@ -165,14 +165,14 @@ async def _connect(s: ScaleHost, op: ScaleOperation) -> dict[str, str]:
     def one(address: str) -> Awaitable[object]:
         return attach(address) if is_engine_url(address) else connect(address)
 
-    with s.mesh.span("scale.out.connect", operation_id=op.operation_id, addresses=op.engine_addresses):
+    with s.span("scale.out.connect", operation_id=op.operation_id, addresses=op.engine_addresses):
         failed = await _gather(list(op.engine_addresses), one)
     await s.save()
     return failed
 
 
 async def _health(s: ScaleHost, op: ScaleOperation, alive: list[str]) -> dict[str, str]:
-    registry = s.mesh.registry
+    registry = s.registry
 
     async def check(replica_id: str) -> None:
         replica = await s.calls.replica(registry.get(replica_id).address, replica_id)
@@ -180,7 +180,7 @@ async def _health(s: ScaleHost, op: ScaleOperation, alive: list[str]) -> dict[st
             raise ScaleFailed(f"agent reports {types_pb2.ReplicaState.Name(replica.state)} "
                               f"({replica.state_reason or 'no reason'})")
 
-    with s.mesh.span("scale.out.health_check", operation_id=op.operation_id, replica_ids=alive):
+    with s.span("scale.out.health_check", operation_id=op.operation_id, replica_ids=alive):
         return await _gather(alive, check)
 
 
@@ -201,7 +201,7 @@ async def _settle(s: ScaleHost, op: ScaleOperation, failed: dict[str, str], stag
 
 
 async def _sync(s: ScaleHost, op: ScaleOperation, alive: list[str]) -> None:
-    mesh, registry = s.mesh, s.mesh.registry
+    registry = s.registry
     version = s.current_version(op.model_name, exclude=set(op.replica_ids))
     behind = [r for r in alive if version is not None and registry.get(r).weight_version < version]
     await s.move(op, OS.WEIGHT_SYNCING, f"syncing {behind} to weight version {version}" if behind else
@@ -210,22 +210,22 @@ async def _sync(s: ScaleHost, op: ScaleOperation, alive: list[str]) -> None:
         registry.transition(replica_id, S.SYNCING, "weight sync before serving", operation_id=op.operation_id)
     failed: dict[str, str] = {}
     if behind and version is not None:   # (behind is empty without a version)
-        async with mesh.transitions:
-            mesh.emit(EventType.WEIGHT_SYNC_STARTED, weight_version=version, operation_id=op.operation_id,
+        async with s.transitions:
+            s.emit(EventType.WEIGHT_SYNC_STARTED, weight_version=version, operation_id=op.operation_id,
                       reason=f"scale-out {op.operation_id}", attributes={"replicas": len(behind)})
             seeds = seed_replicas(s, op, version)
-            with mesh.span("weights.broadcast", weight_version=version, replica_ids=behind,
+            with s.span("weights.broadcast", weight_version=version, replica_ids=behind,
                             operation_id=op.operation_id, weight_source=s.config.scale_out_weight_source,
                             seeds=seeds):
-                outcome = await mesh.weights.sync_new_replicas(behind, version, seeds=seeds,
+                outcome = await s.weights.sync_new_replicas(behind, version, seeds=seeds,
                                                                source=s.config.scale_out_weight_source)
             for result in outcome.replica_results:
                 if result.ok:
                     registry.set_weight_version(result.replica_id, version)
             failed = dict(outcome.failed)
-            mesh.routing.stale.difference_update(behind)
+            s.routing.stale.difference_update(behind)
             kind = EventType.WEIGHT_SYNC_FAILED if failed else EventType.WEIGHT_SYNC_COMPLETED
-            mesh.emit(kind, weight_version=version, operation_id=op.operation_id,
+            s.emit(kind, weight_version=version, operation_id=op.operation_id,
                       reason=f"scale-out {op.operation_id}: " + ("; ".join(failed.values()) or "ok"),
                       attributes={"ok": len(behind) - len(failed), "failed": len(failed),
                                   "source": outcome.source if len(failed) < len(behind) else "none",
@@ -240,22 +240,22 @@ def seed_replicas(s: ScaleHost, op: ScaleOperation, version: int) -> list[str]:
     Standalone ones first (a hybrid replica may be put to sleep by the next step); never one that
     missed a sync (stale), that a scale-in is removing, or that this operation added.
     """
-    registry = s.mesh.registry
+    registry = s.registry
     candidates = [r for r in registry.replicas()
                   if r.model_name == op.model_name and r.state is S.ACTIVE and r.weight_version == version
-                  and r.replica_id not in op.replica_ids and r.replica_id not in s.mesh.routing.stale
+                  and r.replica_id not in op.replica_ids and r.replica_id not in s.routing.stale
                   and not s.blocks_routing(r)]
     candidates.sort(key=lambda r: (r.kind is not ReplicaKind.STANDALONE, r.replica_id))
     return [r.replica_id for r in candidates]
 
 
 async def _route(s: ScaleHost, op: ScaleOperation, alive: list[str]) -> None:
-    mesh, registry = s.mesh, s.mesh.registry
-    async with mesh.transitions:
+    registry = s.registry
+    async with s.transitions:
         for replica_id in alive:
             registry.transition(replica_id, S.ACTIVE, f"holds weight version {op.weight_version}; routed",
                                 operation_id=op.operation_id)
-        await mesh.routing.bring_in(alive)
+        await s.routing.bring_in(alive)
         await s.move(op, OS.READY, f"{alive} at weight version {op.weight_version} added to the load balancer")
     routed = await s.calls.routed()
     missing = sorted(set(alive) - routed) if routed is not None else []
@@ -267,13 +267,13 @@ async def _route(s: ScaleHost, op: ScaleOperation, alive: list[str]) -> None:
 
 async def release(s: ScaleHost, op: ScaleOperation, replica_ids: list[str], reason: str) -> None:
     """Take replicas an operation added out of routing and out of the mesh, stopping what it launched."""
-    mesh, registry = s.mesh, s.mesh.registry
+    registry = s.registry
     ids = [r for r in replica_ids if r in registry]
     if not ids:
         return
     with contextlib.suppress(Exception):
-        await mesh.routing.take_out(ids, why=reason)
-    mesh.routing.stale.difference_update(ids)
+        await s.routing.take_out(ids, why=reason)
+    s.routing.stale.difference_update(ids)
 
     async def stop(replica_id: str) -> None:
         await s.calls.stop(registry.get(replica_id).address, replica_id, grace_s=0.0, force=True)
@@ -298,20 +298,20 @@ async def release(s: ScaleHost, op: ScaleOperation, replica_ids: list[str], reas
 
 
 async def rollback_out(s: ScaleHost, op: ScaleOperation) -> None:
-    owned = [r.replica_id for r in s.mesh.registry.replicas() if r.added_by_operation_id == op.operation_id]
+    owned = [r.replica_id for r in s.registry.replicas() if r.added_by_operation_id == op.operation_id]
     ids = list(dict.fromkeys([*op.replica_ids, *owned]))
-    with s.mesh.span("scale.out.rollback", operation_id=op.operation_id, replica_ids=ids):
+    with s.span("scale.out.rollback", operation_id=op.operation_id, replica_ids=ids):
         await release(s, op, ids, "rolled back")
     await s.save()
 
 
 async def resume_ready(s: ScaleHost, op: ScaleOperation) -> None:
     """After a restart: a READY scale-out has synced its replicas; route them again and finish."""
-    alive = [r for r in op.replica_ids if r not in op.failed_replica_ids and r in s.mesh.registry
-             and s.mesh.registry.get(r).state is S.ACTIVE]
+    alive = [r for r in op.replica_ids if r not in op.failed_replica_ids and r in s.registry
+             and s.registry.get(r).state is S.ACTIVE]
     if not alive:
         raise ScaleFailed("controller restarted and none of its replicas is serving")
-    await s.mesh.routing.bring_in(alive)
+    await s.routing.bring_in(alive)
     await s.move(op, OS.ACTIVE, f"resumed after controller restart: {alive} serve requests")
 
 
@@ -321,19 +321,19 @@ async def restart_failed(s: ScaleHost, op: ScaleOperation) -> None:
 
 # ------------------------------------------------------------------- scale-in
 async def run_in(s: ScaleHost, op: ScaleOperation, *, resumed: bool = False) -> None:
-    mesh, registry = s.mesh, s.mesh.registry
+    registry = s.registry
     ids = list(op.replica_ids)
-    with mesh.span("scale.in", operation_id=op.operation_id, replica_ids=ids, force=op.force):
+    with s.span("scale.in", operation_id=op.operation_id, replica_ids=ids, force=op.force):
         if op.state is OS.PENDING:
-            while mesh.weights.in_progress:
-                await mesh.weights.wait_idle()
-            async with mesh.transitions:  # never while a hybrid transition or weight sync runs
+            while s.weights.in_progress:
+                await s.weights.wait_idle()
+            async with s.transitions:  # never while a hybrid transition or weight sync runs
                 s.removing.update(ids)
                 for replica_id in ids:
                     if registry.get(replica_id).state in (S.ACTIVE, S.PAUSED, S.SYNCING):
                         registry.transition(replica_id, S.DRAINING, f"scale-in {op.operation_id}: draining",
                                             operation_id=op.operation_id)
-                await mesh.routing.take_out(ids, why=f"scale-in {op.operation_id}")
+                await s.routing.take_out(ids, why=f"scale-in {op.operation_id}")
                 await s.move(op, OS.DRAINING, "out of routing; " + ("force: in-flight requests are aborted now"
                                                              if op.force else "in-flight requests finish"))
         s.removing.update(ids)
@@ -352,11 +352,11 @@ async def run_in(s: ScaleHost, op: ScaleOperation, *, resumed: bool = False) -> 
 
 
 async def _drain(s: ScaleHost, op: ScaleOperation, ids: list[str], *, force: bool) -> str:
-    registry, timeout = s.mesh.registry, s.config.scale_in_drain_timeout
+    registry, timeout = s.registry, s.config.scale_in_drain_timeout
     # Every replica that may still run requests (an agent that re-registered meanwhile reports ACTIVE again).
     live = [r for r in ids if registry.get(r).state not in (S.REMOVED, S.STOPPED, S.FAILED)]
     busy: dict[str, int] = {}
-    with s.mesh.span("scale.in.drain", operation_id=op.operation_id, replica_ids=live, force=force):
+    with s.span("scale.in.drain", operation_id=op.operation_id, replica_ids=live, force=force):
         deadline = asyncio.get_running_loop().time() + (0.0 if force else timeout)
         while live:
             counts = await asyncio.gather(*(s.calls.in_flight(registry.get(r).address, r) for r in live),
@@ -378,7 +378,7 @@ async def _drain(s: ScaleHost, op: ScaleOperation, ids: list[str], *, force: boo
 
 
 async def _remove(s: ScaleHost, op: ScaleOperation, ids: list[str]) -> dict[str, str]:
-    registry, grace = s.mesh.registry, s.config.scale_in_shutdown_timeout
+    registry, grace = s.registry, s.config.scale_in_shutdown_timeout
 
     async def stop(replica_id: str) -> None:
         address = registry.get(replica_id).address
@@ -388,7 +388,7 @@ async def _remove(s: ScaleHost, op: ScaleOperation, ids: list[str]) -> dict[str,
             log.warning("clean stop of %s failed (%s); stopping it by force", replica_id, why(err))
             await s.calls.stop(address, replica_id, grace_s=0.0, force=True)
 
-    with s.mesh.span("scale.in.remove", operation_id=op.operation_id, replica_ids=ids):
+    with s.span("scale.in.remove", operation_id=op.operation_id, replica_ids=ids):
         failed = await _gather([r for r in ids if registry.get(r).state is not S.REMOVED], stop)
     for replica_id in ids:
         record = registry.get(replica_id)
@@ -409,12 +409,12 @@ async def resume_in(s: ScaleHost, op: ScaleOperation) -> None:
 
 async def restore_in(s: ScaleHost, op: ScaleOperation) -> None:
     """A scale-in that fails or times out puts the replicas it had not removed back into routing."""
-    registry = s.mesh.registry
+    registry = s.registry
     back = [r for r in op.replica_ids if r in registry and registry.get(r).state in (S.DRAINING, S.ACTIVE)]
     s.removing.difference_update(op.replica_ids)
     for replica_id in back:
         registry.transition(replica_id, S.ACTIVE, f"scale-in {op.operation_id} did not finish; serving again",
                             operation_id=op.operation_id)
     if back:
-        await s.mesh.routing.to_rule(back)
+        await s.routing.to_rule(back)
     await s.save()

@@ -27,7 +27,8 @@ import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from collections.abc import Set as AbstractSet
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
 
 from mesh_runtime.errors import FailedPrecondition, InvalidArgument, NotFound
 from mesh_runtime.net import AddressError, parse_host_port
@@ -35,11 +36,18 @@ from mesh_runtime.reasons import Reason
 from mesh_runtime.validate import check_engine_url, is_engine_url
 
 from . import runs as scale_runs
-from .ports import ScalingMesh
 from ..agents import AgentCalls
 from .operations import TERMINAL, OperationBook, OperationState, OperationType, ScaleOperation, cancellable
 from ..core.records import TERMINAL_STATES, ReplicaKind, ReplicaRecord
 
+
+if TYPE_CHECKING:
+    from ..config import ControllerConfig
+    from ..core.hybrid import DynamicResourceController
+    from ..core.replicas import ReplicaRegistry
+    from ..routing import Routing
+    from ..store import StateStore
+    from ..weight_sync import WeightBroadcast
 log = logging.getLogger(__name__)
 OS = OperationState
 
@@ -68,16 +76,23 @@ def check_addresses(addresses: list[str], what: str) -> list[str]:
 class Scaler:
     """Scale operations of one controller."""
 
-    def __init__(self, mesh: ScalingMesh) -> None:
-        self.mesh = mesh
-        self.config = mesh.config
-        self.book = OperationBook(clock=mesh.clock, emit=mesh.emit)
-        saved = mesh.store.load("operations")
+    def __init__(self, config: ControllerConfig, *, store: StateStore, registry: ReplicaRegistry, routing: Routing,
+                 weights: WeightBroadcast, scheduler: DynamicResourceController, transitions: asyncio.Lock,
+                 calls: AgentCalls, clock: Callable[[], float], emit: Callable[..., Any],
+                 span: Callable[..., AbstractContextManager[Any]],
+                 renew: Callable[[str, Any], tuple[float, bool]]) -> None:
+        """The controller's parts a scale operation uses, as explicit ports (the :class:`~controller.mesh.Mesh`
+        wires them; a test wires fakes): ``calls`` reaches the agents and balancers, ``transitions`` is the one
+        lock of routing and weight changes, ``renew`` renews an external node's lease from its reports."""
+        self.config = config
+        self.store, self.registry, self.routing, self.weights = store, registry, routing, weights
+        self.scheduler, self.transitions, self.calls = scheduler, transitions, calls
+        self.clock, self.emit, self.span, self.renew = clock, emit, span, renew
+        self.book = OperationBook(clock=clock, emit=emit)
+        saved = store.load("operations")
         if saved:
             self.book.load_dict(saved)
-        mesh.store.track("operations", self.book.to_dict)
-        self.calls = AgentCalls(mesh.channels, timeout_s=self.config.async_training.port_timeout_s,
-                                balancers=lambda: [b.address for b in mesh.routing.balancers])
+        store.track("operations", self.book.to_dict)
         self.tasks: dict[str, asyncio.Task] = {}
         self.removing: set[str] = set()
         """Replicas a scale-in is taking out: never routed again, even if their agent re-registers."""
@@ -92,7 +107,7 @@ class Scaler:
         """Persist operations and registry before going on: a crash right after must find them. The write runs
         off the event loop (a slow or unreachable store never stalls the controller); when the store refuses
         it, the error ends the caller and the batch is kept for the store's next write."""
-        await self.mesh.store.commit("operations", "registry/node", "events")
+        await self.store.commit("operations", "registry/node", "events")
 
     async def move(self, op: ScaleOperation, state: OperationState, reason: str = "") -> None:
         self.book.transition(op, state, reason, wake=False)
@@ -116,14 +131,14 @@ class Scaler:
 
     def pool(self, model_name: str) -> list[ReplicaRecord]:
         """STANDALONE replicas of the model that count: neither failed, stopped nor removed."""
-        return [r for r in self.mesh.registry.replicas(kind=ReplicaKind.STANDALONE)
+        return [r for r in self.registry.replicas(kind=ReplicaKind.STANDALONE)
                 if r.model_name == model_name and r.state not in TERMINAL_STATES]
 
     def current_version(self, model_name: str, exclude: AbstractSet[str] = frozenset()) -> int | None:
         """The weight version new replicas must hold: the trainer's latest, or the newest one serving."""
         versions = [r.weight_version for r in self.pool(model_name)
                     if r.replica_id not in exclude and r.state.value == "ACTIVE"]
-        candidates = [v for v in (self.mesh.scheduler.weight_version, max(versions, default=None)) if v is not None]
+        candidates = [v for v in (self.scheduler.weight_version, max(versions, default=None)) if v is not None]
         return max(candidates) if candidates else None
 
     def _timeout(self, given: float | None, default: float) -> float:
@@ -201,7 +216,7 @@ class Scaler:
         else:
             running = self.book.running()
             busy = set(running.engine_addresses) if running and running.type is OperationType.SCALE_OUT else set()
-            known = {a for r in self.mesh.registry.replicas() if r.state not in TERMINAL_STATES
+            known = {a for r in self.registry.replicas() if r.state not in TERMINAL_STATES
                      for a in (r.address, r.engine_url) if a}
             fresh = [a for a in addresses if a not in known | busy]
             skipped = [a for a in addresses if a not in fresh]
@@ -223,7 +238,7 @@ class Scaler:
         """Node ids for ``need`` new replicas, most free slots first; FAILED_PRECONDITION when they do not fit."""
         per = self.config.rollout_num_gpus_per_engine
         free: dict[str, int] = {}
-        registry = self.mesh.registry
+        registry = self.registry
         for node in registry.nodes():
             if node.lease_held and not node.external and node.model_name == model:
                 used = sum(len(r.slots) or per for r in registry.replicas(node_id=node.node_id)
@@ -296,7 +311,7 @@ class Scaler:
         return op, chosen, "Scale-in request accepted"
 
     def _named(self, model: str, ids: list[str], addresses: list[str]) -> list[str]:
-        registry = self.mesh.registry
+        registry = self.registry
         records = [registry.get(r) for r in ids]
         for address in addresses:
             at = [r for r in registry.replicas() if address in (r.address, r.engine_url)]
@@ -363,8 +378,8 @@ class Scaler:
             elif op.state is OS.PENDING:   # at start, before serving: written at once
                 self.book.transition(op, OS.FAILED, "controller restarted before the scale-in started; "
                                                     "nothing was changed")
-                self.mesh.store.mark("operations", "registry/node", "events")
-                self.mesh.store.flush()
+                self.store.mark("operations", "registry/node", "events")
+                self.store.flush()
                 self._finished(op)
             else:
                 self._spawn(op, scale_runs.resume_in, scale_runs.restore_in)
@@ -379,7 +394,7 @@ class Scaler:
         """
         while True:
             await asyncio.sleep(self.config.load_report_interval_s)
-            nodes = [n for n in self.mesh.registry.nodes() if n.external and n.lease_held]
+            nodes = [n for n in self.registry.nodes() if n.external and n.lease_held]
             if nodes:
                 await asyncio.gather(*(self._poll_external(n.node_id, n.address) for n in nodes))
 
@@ -389,11 +404,11 @@ class Scaler:
         except Exception as err:  # noqa: BLE001 - the lease then runs out on its own
             log.debug("external node %s did not report: %s", node_id, err)
             return
-        node = next((n for n in self.mesh.registry.nodes() if n.node_id == node_id), None)
+        node = next((n for n in self.registry.nodes() if n.node_id == node_id), None)
         if node is None or not node.lease_held or node.address != address:
             return  # forgotten, expired or replaced while the poll was in flight
         try:
-            self.mesh.renew(node_id, reports)
+            self.renew(node_id, reports)
         except Exception as err:  # noqa: BLE001 - a bad report must not end the loop for every node
             log.warning("external node %s: its load reports could not renew the lease: %s", node_id, err)
 

@@ -24,14 +24,6 @@ class Clock:
         return self.now
 
 
-class Mesh:
-    def __init__(self, registry: ReplicaRegistry) -> None:
-        self.registry = registry
-
-    def renew(self, node_id, reports) -> None:
-        self.registry.renew(node_id)
-
-
 def external_registry(clock: Clock) -> ReplicaRegistry:
     registry = ReplicaRegistry(clock=clock, lease_ttl_s=3.0)
     for node in ("e1", "e2"):
@@ -52,7 +44,8 @@ async def test_a_node_forgotten_while_polled_does_not_stop_the_others_renewals()
             await release_e1.wait()  # e1 is slow; meanwhile it is rolled back
         return []
 
-    scaler = types.SimpleNamespace(calls=types.SimpleNamespace(load_reports=load_reports), mesh=Mesh(registry),
+    scaler = types.SimpleNamespace(calls=types.SimpleNamespace(load_reports=load_reports), registry=registry,
+                                   renew=lambda node_id, reports: registry.renew(node_id),
                                    config=types.SimpleNamespace(load_report_interval_s=0.01))
     scaler._poll_external = lambda node_id, address: Scaler._poll_external(scaler, node_id, address)
     loop = asyncio.create_task(Scaler.hold_external_leases(scaler))
