@@ -24,7 +24,6 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
 from mesh_runtime import tracing
-from mesh_runtime.errors import FailedPrecondition
 from mesh_runtime.reasons import Reason
 from rollmesh.common.v1 import load_pb2, types_pb2
 from rollmesh.controller.v1 import registry_pb2
@@ -35,16 +34,16 @@ from .core.admission import Admission
 from .core.events import EventLog, EventType, LifecycleEvent, log_event
 from .core.hybrid import DynamicResourceController
 from .core.metrics import CycleMetrics
-from .core.ports import WeightSyncOutcome
-from .core.records import TERMINAL_STATES, Registration, ReplicaKind, ReplicaRecord, ReplicaState
+from .core.records import TERMINAL_STATES, Registration, ReplicaRecord, ReplicaState
 from .core.replicas import ReplicaRegistry
 from .core.steps import StepReport
 from .agents import AgentCalls
 from .balancers import Balancers
-from .checkpoint_load import CheckpointFlip, FlipOutcome
+from .checkpoint_load import CheckpointFlip
 from .group_update import GroupUpdate
 from .ports import AgentReplicas, Channels, LoadBalancerRouting
 from .routing import Routing
+from .weight_requests import WeightRequests
 from .weight_sync import WeightBroadcast
 from .store import StateStore
 from .store_backends import StoreBackend, parse_store
@@ -108,8 +107,6 @@ class Mesh:
                                        trainer_address=config.trainer_address, timeout_s=sched.weight_sync_timeout_s,
                                        backend=config.weight_sync_backend,
                                        bucket_size_bytes=config.weight_bucket_size_bytes)
-        self.checkpoints = CheckpointFlip(self.channels, self.registry, self.weights.push_versions)
-        self.groups = GroupUpdate(self.channels, self.registry, self.weights.push_versions)
         self.metrics = CycleMetrics(hybrid_gpus=config.hybrid_gpus, standalone_gpus=config.standalone_gpus,
                                     concurrent_samples_per_replica=config.concurrent_samples_per_replica,
                                     max_required_samples=config.max_required_samples)
@@ -130,6 +127,12 @@ class Mesh:
             self.store.flush()
             self.store.delete("registry")
         self._restore_rest()
+        self.weight_requests = WeightRequests(
+            registry=self.registry, routing=self.routing, scheduler=self.scheduler, weights=self.weights,
+            checkpoints=CheckpointFlip(self.channels, self.registry, self.weights.push_versions),
+            groups=GroupUpdate(self.channels, self.registry, self.weights.push_versions),
+            transitions=self.transitions, emit=self.emit, span=self.span, commit=self.commit)
+        """The operator's weight requests: SyncWeights, LoadWeights, UpdateWeightsFromGroup."""
         from .scaling.autoscaler_loop import AutoscalerLoop  # noqa: PLC0415
         from .scaling.scaler import Scaler  # noqa: PLC0415
 
@@ -225,106 +228,6 @@ class Mesh:
         result = await self.scheduler.complete_step(global_step, weight_version, report)
         await self.commit()
         return result
-
-    async def sync_weights(self, replica_ids: list[str], version: int | None, *,
-                           timeout_s: float | None) -> WeightSyncOutcome:
-        """A requested weight sync (SyncWeights): ``version`` (None: the trainer's current one) to the named
-        replicas, or to every serving one (hybrid replicas while they are active). A replica that does not
-        take it leaves routing until it holds the current version."""
-        targets = self._weight_targets(replica_ids)
-        if version is None:
-            version = self.scheduler.weight_version or 0
-        self.emit(EventType.WEIGHT_SYNC_STARTED, weight_version=version, reason="SyncWeights",
-                  attributes={"replicas": len(targets)})
-        async with self.transitions:
-            with self.span("weights.broadcast", weight_version=version, replica_ids=targets):
-                outcome = await self.weights.sync(targets, version, timeout_s=timeout_s)
-        failed = outcome.failed
-        for result in outcome.replica_results:
-            if result.ok:
-                self.registry.set_weight_version(result.replica_id, version)
-        if failed:
-            self.routing.stale.update(failed)
-            await self.routing.converge(list(failed))
-            for replica_id, why in failed.items():
-                self.emit(EventType.WEIGHT_SYNC_FAILED, replica_id=replica_id, weight_version=version,
-                          reason=f"{why}; removed from routing until it holds the current version")
-        self.emit(EventType.WEIGHT_SYNC_COMPLETED, weight_version=version, reason="SyncWeights",
-                  attributes={"ok": len(targets) - len(failed), "failed": len(failed), "bytes_sent": outcome.bytes_sent})
-        await self.commit()
-        return outcome
-
-    def _weight_targets(self, replica_ids: list[str]) -> list[str]:
-        """The named replicas (each must be able to receive), or every serving one: standalone replicas, and
-        hybrid replicas while they are active."""
-        if replica_ids:
-            records = [self.registry.get(r) for r in replica_ids]   # NOT_FOUND for an unknown one
-            cannot = [f"{r.replica_id} ({r.state.value})" for r in records
-                      if r.state not in (ReplicaState.ACTIVE, ReplicaState.PAUSED, ReplicaState.SLEEPING)]
-            if cannot:
-                raise FailedPrecondition(f"only ACTIVE, PAUSED or SLEEPING replicas can receive weights: "
-                                         f"{', '.join(cannot)}", reason=Reason.WRONG_REPLICA_STATE)
-            return list(replica_ids)
-        return [r.replica_id for r in self.registry.replicas(states=[ReplicaState.ACTIVE, ReplicaState.PAUSED])
-                if r.kind is ReplicaKind.STANDALONE or self.scheduler.is_hybrid_active]
-
-    async def load_weights(self, path: str, version: int | None, replica_ids: list[str], *, rollback: bool,
-                           timeout_s: float | None) -> FlipOutcome:
-        """A checkpoint on disk as one fleet-wide version flip (LoadWeights, :mod:`controller.checkpoint_load`):
-        ``version`` None is one above the highest version a registered replica serves."""
-        targets = self._weight_targets(replica_ids)
-        if not targets:
-            raise FailedPrecondition("no replica serves to load the checkpoint into", reason=Reason.NO_ELIGIBLE_REPLICA)
-        if version is None:
-            version = max((r.weight_version for r in self.registry.replicas()), default=0) + 1
-        self.emit(EventType.WEIGHT_SYNC_STARTED, weight_version=version, reason="LoadWeights",
-                  attributes={"replicas": len(targets), "checkpoint": path[:200]})
-        async with self.transitions:
-            with self.span("weights.load_checkpoint", weight_version=version, replica_ids=targets,
-                           rollback=rollback):
-                flip = await self.checkpoints.load(targets, path, version, rollback=rollback,
-                                                   timeout_s=timeout_s or self.weights.timeout_s)
-        for result in flip.outcome.replica_results:
-            if result.ok:
-                self.registry.set_weight_version(result.replica_id, version)
-            else:
-                self.emit(EventType.WEIGHT_SYNC_FAILED, replica_id=result.replica_id, weight_version=version,
-                          reason=result.error_message)
-        failed = flip.outcome.failed
-        self.emit(EventType.WEIGHT_SYNC_COMPLETED, weight_version=version, reason="LoadWeights",
-                  attributes={"ok": len(targets) - len(failed), "failed": len(failed),
-                              "committed": flip.committed, "rolled_back": flip.rolled_back})
-        await self.commit()
-        return flip
-
-    async def update_from_group(self, replica_ids: list[str], group_name: str, step: str, body: Any, *,
-                                timeout_s: float | None) -> tuple[WeightSyncOutcome, bool]:
-        """One step of weights from a trainer's own group (UpdateWeightsFromGroup, :mod:`controller.group_update`):
-        ``join`` / ``receive`` / ``leave`` on the listed replicas; the outcome and, for a receive with a
-        version, whether it committed."""
-        targets = self._weight_targets(replica_ids)
-        timeout_s = timeout_s or self.weights.timeout_s
-        if step == "join":
-            return await self.groups.join(targets, group_name, body, timeout_s), False
-        if step == "leave":
-            return await self.groups.leave(targets, group_name, timeout_s), False
-        version = body.weight_version if body.HasField("weight_version") else None
-        self.emit(EventType.WEIGHT_SYNC_STARTED, weight_version=version or 0, reason="UpdateWeightsFromGroup",
-                  attributes={"replicas": len(targets), "group": group_name[:64], "tensors": len(body.tensors)})
-        async with self.transitions:
-            with self.span("weights.receive_from_group", group=group_name[:64], replica_ids=targets):
-                outcome, committed = await self.groups.receive(targets, group_name, list(body.tensors), version,
-                                                               timeout_s)
-        for result in outcome.replica_results:
-            if result.ok and version is not None:
-                self.registry.set_weight_version(result.replica_id, version)
-            elif not result.ok:
-                self.emit(EventType.WEIGHT_SYNC_FAILED, replica_id=result.replica_id, weight_version=version or 0,
-                          reason=f"{result.error_message}; removed from routing until a sync reaches it")
-        self.emit(EventType.WEIGHT_SYNC_COMPLETED, weight_version=version or 0, reason="UpdateWeightsFromGroup",
-                  attributes={"ok": len(targets) - len(outcome.failed), "failed": len(outcome.failed)})
-        await self.commit()
-        return outcome, committed
 
     # ----------------------------------------------------------- registration
     async def register_node(self, request: registry_pb2.RegisterNodeRequest) -> Registration:

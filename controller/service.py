@@ -212,7 +212,7 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
     async def SyncWeights(self, request: weight_sync_pb2.SyncWeightsRequest,  # noqa: N802
                           context: grpc.aio.ServicerContext) -> weight_sync_pb2.SyncWeightsResponse:
         timeout_s = _weights_call(request)
-        outcome = await self.mesh.sync_weights(
+        outcome = await self.mesh.weight_requests.sync_weights(
             list(request.replica_ids), request.weight_version if request.HasField("weight_version") else None,
             timeout_s=timeout_s)
         return weight_sync_pb2.SyncWeightsResponse(result=convert.sync_result(outcome))
@@ -235,7 +235,7 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
         timeout_s = _weights_call(request)
         if request.on_failure not in weight_sync_pb2.WeightUpdateOnFailure.values():
             raise InvalidArgument(f"unknown on_failure {request.on_failure}", reason=Reason.INVALID_ARGUMENT)
-        flip = await self.mesh.load_weights(
+        flip = await self.mesh.weight_requests.load_weights(
             request.checkpoint_path, request.weight_version if request.HasField("weight_version") else None,
             list(request.replica_ids), rollback=request.on_failure == weight_sync_pb2.WEIGHT_UPDATE_ON_FAILURE_ROLLBACK,
             timeout_s=timeout_s)
@@ -269,7 +269,7 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
                 raise InvalidArgument("receive needs the tensors rank 0 broadcasts", reason=Reason.INVALID_ARGUMENT)
             _check_version(body)
         timeout_s = _weights_call(request)
-        outcome, committed = await self.mesh.update_from_group(list(request.replica_ids), request.group_name, step,
+        outcome, committed = await self.mesh.weight_requests.update_from_group(list(request.replica_ids), request.group_name, step,
                                                                body, timeout_s=timeout_s)
         return weight_sync_pb2.UpdateWeightsFromGroupResponse(result=convert.sync_result(outcome),
                                                               committed=committed)
