@@ -58,11 +58,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from mesh_runtime.retry import RetryPolicy, permanent
 from trainer_agent.driver.queue import MessageQueue, RolloutFailed, Sample
+from trainer_agent.driver.rollout_state import STATE_VERSION, Group, decode_pending, encode_pending
 from trainer_agent.driver.rollout_types import (  # noqa: F401 - the rollouter's vocabulary, re-exported
     GenerateFn,
     GenerationError,
@@ -76,8 +76,6 @@ from trainer_agent.driver.rollout_types import (  # noqa: F401 - the rollouter's
     rollout_resource_utilization,
 )
 
-STATE_VERSION = 1
-
 Trajectory = Callable[[str, int, RolloutRequest, Callable[[RolloutRequest], Awaitable[GenerationResult]]],
                       Awaitable[Sample]]
 """A multi-turn sample: ``(group_id, index, first request, call) -> Sample``, each turn through ``call`` (the
@@ -85,14 +83,6 @@ rollouter's retrying generate); see :mod:`.trajectory`."""
 
 UTILIZATION_METRIC = "dynamic_resource/rollout_resource_utilization"
 STEP_GENERATED_METRIC = "fully_async/rollouter/step_generated_samples"
-
-
-@dataclass
-class _Group:
-    group_id: str
-    prompt: Prompt
-    done: dict[int, Sample] = field(default_factory=dict)
-    in_flight: set[int] = field(default_factory=set)
 
 
 class Rollouter:
@@ -130,7 +120,7 @@ class Rollouter:
         self._trajectory = trajectory
 
         self._param_version = int(param_version)
-        self._pending: dict[str, _Group] = {}
+        self._pending: dict[str, Group] = {}
         self._active: dict[tuple[str, int], asyncio.Task[None]] = {}
         self._capacity = 0
         self._paused: str | None = None
@@ -299,7 +289,7 @@ class Rollouter:
                 return
             self._submit(*job)
 
-    def _unsubmitted(self) -> tuple[_Group, int] | None:
+    def _unsubmitted(self) -> tuple[Group, int] | None:
         for group in self._pending.values():
             if len(group.done) + len(group.in_flight) == self.config.n:
                 continue
@@ -328,7 +318,7 @@ class Rollouter:
                 self._data_exhausted = True
         return self._lookahead
 
-    def _next_job(self) -> tuple[_Group, int] | None:
+    def _next_job(self) -> tuple[Group, int] | None:
         job = self._unsubmitted()
         if job is not None:
             return job
@@ -343,11 +333,11 @@ class Rollouter:
         group_id = f"{prompt.prompt_id}#{self._groups_admitted}"
         self._groups_admitted += 1
         self._staleness_samples += self.config.n
-        group = _Group(group_id=group_id, prompt=prompt)
+        group = Group(group_id=group_id, prompt=prompt)
         self._pending[group_id] = group
         return group, 0
 
-    def _submit(self, group: _Group, index: int) -> None:
+    def _submit(self, group: Group, index: int) -> None:
         cfg = self.config
         suffix = f"@{self._epoch}" if self._epoch else ""
         request = RolloutRequest(
@@ -369,7 +359,7 @@ class Rollouter:
         self._totals.submitted_samples += 1
         self._record("submit")
 
-    async def _run_one(self, group: _Group, index: int, request: RolloutRequest) -> None:
+    async def _run_one(self, group: Group, index: int, request: RolloutRequest) -> None:
         key = (group.group_id, index)
         try:
             if self._trajectory is not None:
@@ -397,7 +387,7 @@ class Rollouter:
             self._step_generated += 1  # verl's step_generated_samples: fully generated samples (groups)
         self._wake.set()
 
-    def _finish_task(self, key: tuple[str, int], group: _Group, index: int, kind: str) -> None:
+    def _finish_task(self, key: tuple[str, int], group: Group, index: int, kind: str) -> None:
         self._active.pop(key, None)
         group.in_flight.discard(index)
         self._record(kind)
@@ -418,7 +408,7 @@ class Rollouter:
         return await self._retry_policy.run(call, retry_if=self._is_retryable, on_retry=retried)
 
     @staticmethod
-    def _to_sample(group: _Group, index: int, request: RolloutRequest, result: GenerationResult) -> Sample:
+    def _to_sample(group: Group, index: int, request: RolloutRequest, result: GenerationResult) -> Sample:
         completion: list[int] = []
         logprobs: list[float] = []
         for seg in result.segments:
@@ -468,15 +458,7 @@ class Rollouter:
             "groups_admitted": self._groups_admitted,
             "prompts_taken": self._prompts_taken,
             "totals": self._totals.as_dict(),
-            "pending": [
-                {
-                    "group_id": g.group_id,
-                    "prompt_id": g.prompt.prompt_id,
-                    "prompt_ids": list(g.prompt.token_ids),
-                    "done": [g.done[i].to_dict() for i in sorted(g.done)],
-                }
-                for g in self._pending.values()
-            ],
+            "pending": encode_pending(self._pending.values()),
         }
 
     def load_state_dict(self, state: dict[str, Any], *, skip_taken_prompts: bool = False) -> None:
@@ -497,16 +479,7 @@ class Rollouter:
         self._groups_admitted = int(state["groups_admitted"])
         self._prompts_taken = int(state["prompts_taken"])
         self._totals = RolloutTotals.from_dict(state["totals"])
-        self._pending = {}
-        for entry in state["pending"]:
-            group = _Group(
-                group_id=str(entry["group_id"]),
-                prompt=Prompt(str(entry["prompt_id"]), [int(t) for t in entry["prompt_ids"]]),
-            )
-            for d in entry["done"]:
-                sample = Sample.from_dict(d)
-                group.done[sample.index] = sample
-            self._pending[group.group_id] = group
+        self._pending = {group.group_id: group for group in decode_pending(state["pending"])}
         if skip_taken_prompts:
             self._lookahead = None
             for _ in range(self._prompts_taken):
