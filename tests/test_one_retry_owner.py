@@ -14,6 +14,7 @@ import pytest
 from loadbalancer.config import LoadBalancerConfig
 from loadbalancer.server import SPEC
 from mesh_runtime.config import load_config
+from mesh_runtime.generate_many import BalancerGenerations
 from mesh_runtime.net import free_port
 from mesh_runtime.retry import non_retryable
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2 as pb
@@ -45,7 +46,10 @@ async def rollout(generate, budget: int) -> tuple[Rollouter, BaseException]:
     return rollouter, info.value.__cause__
 
 
-async def test_a_spent_balancer_budget_is_not_retried_again_by_the_rollouter():
+@pytest.mark.parametrize("path", ["Generate", "GenerateMany"])
+async def test_a_spent_balancer_budget_is_not_retried_again_by_the_rollouter(path):
+    """On a call per request and on the trainer's shared GenerateMany stream (where the flag travels in the
+    item's status) alike."""
     fake_server, fake, address = await start_fake({"a": "abort", "b": "abort"})
     config = load_config(LoadBalancerConfig, None, overrides={"listen": "127.0.0.1:0",
                                                                "retry_initial_backoff_s": 0.01})
@@ -55,7 +59,8 @@ async def test_a_spent_balancer_budget_is_not_retried_again_by_the_rollouter():
             stub = loadbalancer_pb2_grpc.LoadBalancerServiceStub(channel)
             await stub.AddReplicas(pb.AddReplicasRequest(replicas=[
                 routing_pb2.ReplicaEndpoint(replica_id=r, address=address) for r in ("a", "b")]))
-            generate = Counted(LoadBalancerGenerate(stub, timeout_s=20))
+            generations = BalancerGenerations(channel) if path == "GenerateMany" else None
+            generate = Counted(LoadBalancerGenerate(stub, timeout_s=20, generations=generations))
             rollouter, cause = await rollout(generate, budget=3)
     finally:
         await lb.stop(0)
