@@ -146,9 +146,8 @@ def test_seeds_are_healthy_replicas_at_the_version_standalone_first():
         ReplicaSpec("s5", K.STANDALONE, S.ACTIVE, 3), ReplicaSpec("x0", K.STANDALONE, S.SYNCING, 0)])
     registry.register_node("m", "m:1", slots_total=1, model_name="other",
                            replicas=[ReplicaSpec("o0", K.STANDALONE, S.ACTIVE, 3)])
-    scaler = types.SimpleNamespace(
-        mesh=types.SimpleNamespace(registry=registry, routing=types.SimpleNamespace(stale={"s3"})),
-        blocks_routing=lambda record: record.replica_id == "s4")
+    scaler = types.SimpleNamespace(registry=registry, routing=types.SimpleNamespace(stale={"s3"}),
+                                   blocks_routing=lambda record: record.replica_id == "s4")
     op = types.SimpleNamespace(model_name="default", replica_ids=["x0", "s5"])
     # s1: older version; s2: not ACTIVE; s3: missed a sync; s4: owned by a scale-in; s5: this operation's;
     # o0: another model. The hybrid one comes after every standalone one.
