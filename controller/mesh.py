@@ -82,7 +82,7 @@ class Mesh:
         self.store.read_only = read_only
         self.events = EventLog(self.clock, max_events=config.event_retention, max_age_s=config.event_retention_s,
                                hard_max=config.event_retention_max, trace_ids=_trace_ids)
-        self.event_listeners: list[Any] = []
+        self.event_listeners: list[Callable[[LifecycleEvent], None]] = []
         """Called with every event as it is recorded (the Prometheus counters)."""
         self.hub = EventHub(self.events, config.watcher_queue_size)
         self.store.on_events_stored = self.hub.stored   # a stream shows an event once no crash can undo it

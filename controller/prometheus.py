@@ -12,7 +12,8 @@ Cycles restored from the state directory at start-up count as already observed.
 from __future__ import annotations
 
 from collections import Counter as Tally
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -20,7 +21,27 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from mesh_runtime.metrics import LATENCY_BUCKETS, RATIO_BUCKETS, ServerMetrics
 
 from .core import metrics as cycle_metrics
-from .core.events import LifecycleEvent
+from .core.events import EventLog, LifecycleEvent
+
+if TYPE_CHECKING:
+    from .balancers import Balancers
+    from .core.metrics import CycleMetrics
+    from .core.replicas import ReplicaRegistry
+    from .store import StateStore
+    from .watchers import EventHub
+
+
+class Observed(Protocol):
+    """What the metrics read of the controller (its :class:`~controller.mesh.Mesh`, the leader's or a
+    standby's copy): a typed port, not the whole mesh."""
+
+    store: StateStore
+    registry: ReplicaRegistry
+    balancers: Balancers
+    metrics: CycleMetrics
+    events: EventLog
+    hub: EventHub
+    event_listeners: list[Callable[[LifecycleEvent], None]]
 
 _GAUGES = {cycle_metrics.MQ_SIZE}
 _HISTOGRAMS = (cycle_metrics.TRAIN_UTILIZATION, cycle_metrics.TRAIN_COMPUTE_TIME, cycle_metrics.TRAIN_ALLOCATED_TIME,
@@ -52,7 +73,7 @@ def _number(value: Any) -> float:
 class ControllerMetrics:
     """Registers the controller's metrics on ``server`` and observes cycles as they close."""
 
-    def __init__(self, mesh: Any, server: ServerMetrics) -> None:
+    def __init__(self, mesh: Observed, server: ServerMetrics) -> None:
         self._mesh = mesh
         self._server = server
         self._histograms: dict[str, Histogram] = {}
@@ -93,7 +114,7 @@ class ControllerMetrics:
             self._histogram(name)
         self.bind(mesh)
 
-    def bind(self, mesh: Any) -> None:
+    def bind(self, mesh: Observed) -> None:
         """Observe ``mesh`` from now on (a standby's refreshed copy, a promoted leader's mesh): its store's
         writes, its events, its cycles from the newest it has."""
         self._mesh = mesh
