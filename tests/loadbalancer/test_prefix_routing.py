@@ -163,3 +163,55 @@ def test_engine_events_replace_predictions_and_other_block_sizes_are_ignored(cap
     assert t.prefix.index.match(keys, {"r0", "r1"}) == {"r0": 2} and "ignored" in caplog.text
     watchers._apply("127.0.0.1:1000", event(replica_id="r0", block_tokens=BLOCK, reset=True))      # new weights
     assert t.prefix.index.blocks("r0") == 0 and watchers.applied == 3
+
+
+async def test_a_broken_event_stream_is_opened_again_with_a_backoff_that_starts_over_after_events(monkeypatch):
+    """Streams that break before delivering wait longer each time; one that delivered starts the backoff over;
+    an agent that serves no WatchPrefixCache is left alone."""
+    import asyncio
+
+    import grpc
+
+    from loadbalancer.prefix_events import PrefixWatchers
+    from rollmesh.replica.v1 import replica_agent_pb2
+
+    waits: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def sleep(seconds: float, result=None):
+        waits.append(seconds)
+        await real_sleep(0)
+        return result
+
+    monkeypatch.setattr(asyncio, "sleep", sleep)
+    t = table(1, gap=100)
+    keys = block_keys(prompt(1), BLOCK)
+    event = replica_agent_pb2.WatchPrefixCacheResponse(replica_id="r0", block_tokens=BLOCK, stored=keys[:2])
+    broken = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "gone")
+    script = [[broken], [broken], [event, broken], [broken], [event]]   # then the stream ends: no more events
+    opened: list[int] = []
+
+    class Stub:
+        def WatchPrefixCache(self, request):  # noqa: N802
+            steps = script[len(opened)]
+            opened.append(1)
+
+            async def stream():
+                for step in steps:
+                    if isinstance(step, Exception):
+                        raise step
+                    yield step
+            return stream()
+
+    watchers = PrefixWatchers(t, lambda address: Stub(), retry_s=0.5, max_retry_s=10.0)
+    await watchers._watch("127.0.0.1:1000")
+    assert len(opened) == 5 and watchers.applied == 2
+    assert waits == [0.5, 1.0, 0.5, 1.0]       # growing; after the stream that delivered it starts over
+
+    class Unimplemented:
+        def WatchPrefixCache(self, request):  # noqa: N802
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNIMPLEMENTED, grpc.aio.Metadata(), grpc.aio.Metadata(), "")
+
+    waits.clear()
+    await PrefixWatchers(t, lambda address: Unimplemented())._watch("127.0.0.1:1000")
+    assert waits == []
