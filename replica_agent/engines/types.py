@@ -56,7 +56,7 @@ class SamplingParams:
     top_p: float = 1.0
     """Nucleus sampling mass in (0, 1]; 1 disables it."""
     top_k: int = 0
-    """Keep only the k most likely tokens; 0 or negative disables it."""
+    """Keep only the k most likely tokens; 0 or -1 disables it (below -1 is refused, as on the wire)."""
     seed: int | None = None
     """Seed for this request's sampling. Token ``i`` of the completion draws its
     random number from ``(seed, i)`` only, so a resumed request with the same

@@ -111,7 +111,7 @@ async def test_generate_streams_chunks_logprobs_and_segments(make_vllm):
     [
         ({"temperature": 0.0, "top_k": 0},
          {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": None, "logprobs": None}),
-        ({"temperature": 0.7, "top_p": 0.9, "top_k": -3, "seed": 1234},
+        ({"temperature": 0.7, "top_p": 0.9, "top_k": -1, "seed": 1234},
          {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "seed": 1234}),
         ({"top_k": 40, "logprobs": True, "stop_token_ids": [5, 6]},
          {"top_k": 40, "logprobs": 0, "stop_token_ids": [5, 6]}),
