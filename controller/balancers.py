@@ -21,6 +21,7 @@ from mesh_runtime.errors import PermissionDenied
 from mesh_runtime.identity import current_identity
 from mesh_runtime.reasons import Reason
 from mesh_runtime.validate import check_address, check_id
+from rollmesh.controller.state.v1 import documents_pb2 as state_pb2
 from rollmesh.controller.v1 import registry_pb2
 
 from . import convert
@@ -58,10 +59,10 @@ class Balancers:
         self.configured = address_list(load_balancer_address)
         self.registry = BalancerRegistry(clock=clock, emit=emit, lease_ttl_s=lease_ttl_s)
         self.store, self.clock, self.span, self.commit = store, clock, span, commit
-        saved = store.load(KEY)
-        if saved:
-            self.registry.load_state_dict(saved)
-        store.track(KEY, self.registry.state_dict)
+        saved = store.load(KEY, state_pb2.BalancersDocument)
+        if saved is not None:
+            self.registry.restore(saved)
+        store.track(KEY, self.registry.to_document)
         self._wakeup = asyncio.Event()
         self._wakeup.set()   # the first round right away: restored and configured balancers are filled at once
 

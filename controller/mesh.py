@@ -26,6 +26,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from mesh_runtime import tracing
 from mesh_runtime.reasons import Reason
 from rollmesh.common.v1 import load_pb2, types_pb2
+from rollmesh.controller.state.v1 import documents_pb2 as state_pb2
 from rollmesh.controller.v1 import registry_pb2
 from rollmesh.loadbalancer.v1 import routing_pb2
 
@@ -118,9 +119,8 @@ class Mesh:
         self.scheduler = DynamicResourceController(
             sched, registry=self.registry, routing=self.routing, replicas=self.replica_port, weights=self.weights,
             clock=self.clock, emit=self.emit, tracer=self.span, metrics=self.metrics, lock=self.transitions)
-        events_counter = lambda: self.events.state_dict(include_events=False)  # noqa: E731
-        for key, source in {"events": events_counter, "scheduler": self.scheduler.state_dict,
-                            "metrics": self.metrics.state_dict}.items():
+        for key, source in {"events": self.events.to_document, "scheduler": self.scheduler.to_document,
+                            "metrics": self.metrics.to_document}.items():
             self.store.track(key, source)
         self.store.track_collection("registry/node", self.registry.take_changes)   # one document per node
         if self._migrated_registry and not read_only:   # the old single document goes once every node's is on disk
@@ -149,33 +149,32 @@ class Mesh:
 
     # ----------------------------------------------------------- persistence
     def _restore_registry(self) -> ReplicaRegistry:
-        saved_events = self.store.load("events")
-        if saved_events:
-            saved_events["events"] = self.store.load_events(self.config.event_retention_max)
-            self.events.load_state_dict(saved_events)
+        saved_events = self.store.load("events", state_pb2.EventsDocument)
+        if saved_events is not None:
+            self.events.restore(saved_events, self.store.load_events(self.config.event_retention_max))
             self.hub.stored_sequence = self.events.last_sequence   # loaded from the store: stored
             self.store.prune_events(self.config.event_retention_max)
-        documents = self.store.load_collection("registry/node")
+        documents = self.store.load_collection("registry/node", state_pb2.NodeDocument)
         if documents:
             return ReplicaRegistry.from_documents(documents, clock=self.clock, emit=self.emit,
                                                   lease_ttl_s=self.config.lease_ttl_s)
-        saved = self.store.load("registry")   # the format before one document per node: migrated on next write
-        if saved:
+        saved = self.store.load("registry", state_pb2.RegistryDocument)   # the format before one document per
+        if saved is not None:                                              # node: migrated on next write
             self._migrated_registry = True
-            return ReplicaRegistry.from_dict({**saved, "lease_ttl_s": self.config.lease_ttl_s},
-                                             clock=self.clock, emit=self.emit)
+            return ReplicaRegistry.restore(saved.nodes, saved.replicas, clock=self.clock, emit=self.emit,
+                                           lease_ttl_s=self.config.lease_ttl_s)
         return ReplicaRegistry(clock=self.clock, emit=self.emit, lease_ttl_s=self.config.lease_ttl_s)
 
     def _restore_rest(self) -> None:
-        saved = self.store.load("scheduler")
-        if saved:
-            self.scheduler.load_state_dict(saved)
-        saved_metrics = self.store.load("metrics")
-        if saved_metrics:
-            self.metrics.load_state_dict(saved_metrics)
+        saved = self.store.load("scheduler", state_pb2.SchedulerDocument)
+        if saved is not None:
+            self.scheduler.restore(saved)
+        saved_metrics = self.store.load("metrics", state_pb2.MetricsDocument)
+        if saved_metrics is not None:
+            self.metrics.restore(saved_metrics)
         if self.read_only:
             return
-        if saved or saved_metrics:
+        if saved is not None or saved_metrics is not None:
             self.emit(EventType.CONTROLLER_STATE_CHANGED, reason="controller restarted; state restored",
                       to_state=self.scheduler.hybrid_state.proto_name)
         if self.ownership is not None:
@@ -201,7 +200,7 @@ class Mesh:
         log_event(event, log)
         for listener in self.event_listeners:
             listener(event)
-        self.store.append_event(event.sequence, event.to_dict())
+        self.store.append_event(event.sequence, event.to_document())
         self.store.mark("events", "registry/node")
         return event
 

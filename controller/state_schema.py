@@ -2,13 +2,17 @@
 ``proto/rollmesh/controller/state/v1/documents.proto``, stored in the proto3 JSON mapping with the proto field
 names (readable with sqlite3 or etcdctl, parseable by any language's generated classes).
 
-The controller's components keep handing the store plain dicts (``state_dict()``); this module is the
-boundary where they meet the schema. :meth:`DocumentSchema.encode` stamps a document with its
-``schema_version``; :meth:`DocumentSchema.check` (in the store's writer thread) refuses to write a document
-its message does not describe, so a component that drifts from the schema fails its tests rather than
-writing what the next release cannot read; :meth:`DocumentSchema.decode` checks what it reads the same way
-and refuses a document of a newer version than this controller knows. Documents written before the schema
-(no ``schema_version``) have the shape of version 1 and are read as they are.
+The controller's components hand the store these messages (each component's ``to_document()``) and are
+restored from them (``from_document()`` / ``restore()``); no dict form lies between. :meth:`DocumentSchema.encode`
+refuses a message of the wrong type for its key and stamps the document with its ``schema_version``;
+:meth:`DocumentSchema.decode` parses what it reads into the key's message, refusing a document its message
+does not describe (edited by hand, or written by a release that drifted) and one of a newer version than this
+controller knows. Documents written before the schema (no ``schema_version``) have the shape of version 1
+and are read as they are.
+
+The stored JSON is the form the controller has always written (:func:`stored_form`): every field by its proto
+name, integers as JSON numbers and absent values as null, which proto3 JSON parsers accept; so a store written
+by this release is read by the release before it too (a rollback finds its state).
 
 A change to a document is a change to its message first (``buf breaking`` holds it to the FILE rules, as
 it does the wire): a new field is compatible both ways; a change that is not bumps :data:`SCHEMA_VERSION`
@@ -25,6 +29,7 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from mesh_runtime.errors import FailedPrecondition, Internal
+from mesh_runtime.json_values import from_struct
 from rollmesh.controller.state.v1 import documents_pb2 as state_pb2
 
 SCHEMA_VERSION = 1
@@ -76,34 +81,56 @@ class DocumentSchema:
                                   "proto/rollmesh/controller/state/v1/documents.proto and controller/state_schema.py")
         return found
 
-    def encode(self, key: str, document: Mapping[str, Any]) -> str:
-        """``document`` as stored: JSON with its ``schema_version``; checked by :meth:`check` when written."""
-        self.message_of(key)
-        return json.dumps({"schema_version": SCHEMA_VERSION, **document})
+    def encode(self, key: str, document: Message) -> str:
+        """``document`` as stored: its JSON (proto field names) with its ``schema_version``."""
+        message = self.message_of(key)
+        if not isinstance(document, message):
+            raise DocumentMismatch(f"state document {key[:_SHOWN]!r} must be a {message.DESCRIPTOR.full_name}, "
+                                   f"not {type(document).__name__}")
+        if "schema_version" in message.DESCRIPTOR.fields_by_name:   # the components hand over fresh messages
+            document.schema_version = SCHEMA_VERSION   # type: ignore[attr-defined]
+        return json.dumps(stored_form(document))
 
-    def check(self, key: str, text: str) -> None:
-        """Raise :class:`DocumentMismatch` unless ``text`` is a document of ``key``'s message."""
-        self._parse(key, text)
-
-    def decode(self, key: str, text: str) -> dict[str, Any]:
-        """The document as its component wrote it (without ``schema_version``), once checked."""
-        document = self._parse(key, text)
-        version = document.pop("schema_version", 0)
+    def decode(self, key: str, text: str) -> Message:
+        """The document of ``key`` stored as ``text``, parsed into its message."""
+        message = self.message_of(key)
+        try:
+            document = json_format.Parse(text, message())
+        except (ValueError, json_format.ParseError) as err:   # JSONDecodeError is a ValueError
+            raise DocumentMismatch(
+                f"state document {key[:_SHOWN]!r} is not a {message.DESCRIPTOR.full_name}: {str(err)[:200]} "
+                f"(document starts {text[:_SHOWN]!r})") from err
+        version = getattr(document, "schema_version", 0)
         if version > SCHEMA_VERSION:
             raise NewerDocument(f"state document {key[:_SHOWN]!r} has schema version {version}, newer than this "
                                 f"controller's {SCHEMA_VERSION}: a newer rollmesh wrote the state store; run that "
                                 "release or a newer one")
         return document
 
-    def _parse(self, key: str, text: str) -> dict[str, Any]:
-        message = self.message_of(key)
-        try:
-            document = json.loads(text)
-            if not isinstance(document, dict):
-                raise ValueError(f"a JSON object is expected, not {type(document).__name__}")
-            json_format.ParseDict(document, message())
-        except (ValueError, json_format.ParseError) as err:   # JSONDecodeError is a ValueError
-            raise DocumentMismatch(
-                f"state document {key[:_SHOWN]!r} is not a {message.DESCRIPTOR.full_name}: {str(err)[:200]} "
-                f"(document starts {text[:_SHOWN]!r})") from err
-        return document
+
+def stored_form(message: Message) -> dict[str, Any]:
+    """``message`` as the JSON object stored: every field by its proto name; integers as numbers (proto3 JSON
+    writes 64-bit ones as strings, which the release before the schema would misread); an unset message or
+    optional field as null; a ``Struct`` as its object, whole numbers as integers."""
+    plain: dict[str, Any] = {}
+    for field in message.DESCRIPTOR.fields:
+        value = getattr(message, field.name)
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            value_field = field.message_type.fields_by_name["value"]
+            plain[field.name] = {key: _stored_value(value_field, item) for key, item in value.items()}
+        elif field.is_repeated:
+            plain[field.name] = [_stored_value(field, item) for item in value]
+        elif field.has_presence and not message.HasField(field.name):
+            plain[field.name] = None
+        else:
+            plain[field.name] = _stored_value(field, value)
+    return plain
+
+
+def _stored_value(field: Any, value: Any) -> Any:
+    """One value of ``field`` (a field descriptor) in its stored form."""
+    if field.message_type is None:
+        return value   # str, int, float, bool (the state schema has no enums)
+    if field.message_type.full_name == "google.protobuf.Struct":
+        return from_struct(value)
+    return stored_form(value)

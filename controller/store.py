@@ -6,8 +6,9 @@ State is kept as documents by key (scheduler, metrics, ...; each a message of
 of documents written one member at a time (the registry: one document per
 node, with its replicas; a change rewrites that node's document only, so the
 cost of a write does not grow with the fleet), plus an append-only table of
-lifecycle events (each written once). JSON encoding and the disk happen in the
-writer thread; the event loop only takes the snapshot of what changed.
+lifecycle events (each written once). The components hand over messages (their
+``to_document()``), built on the event loop, so each is a consistent snapshot;
+JSON encoding and the disk happen in the writer thread.
 Writes are batched: callers mark what changed and :meth:`StateStore.flush`
 writes it in one transaction (a background task flushes shortly after each
 change, and shutdown flushes whatever is left), so a restart finds the
@@ -24,15 +25,19 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from google.protobuf.message import Message
 
 from mesh_runtime.retry import RetryPolicy
+from rollmesh.controller.state.v1 import documents_pb2 as state_pb2
 
 from .state_schema import EVENT, DocumentMismatch, DocumentSchema
 from .store_backends import StoreBackend, StoreUnavailable, parse_store
 
 log = logging.getLogger(__name__)
+M = TypeVar("M", bound=Message)
 
 
 class StateStore:
@@ -42,13 +47,13 @@ class StateStore:
                  schema: DocumentSchema | None = None) -> None:
         self.backend = parse_store("", backend) if isinstance(backend, str) else backend
         self.schema = schema or DocumentSchema()
-        """What each document is (:mod:`controller.state_schema`): checked when written and when read."""
+        """What each document is (:mod:`controller.state_schema`): the message of each key."""
         self.keep_events = keep_events
         self._written_since_prune = 0
-        self._sources: dict[str, Callable[[], Any]] = {}
-        self._collections: dict[str, Callable[[], list[tuple[str, Any | None]]]] = {}
+        self._sources: dict[str, Callable[[], Message]] = {}
+        self._collections: dict[str, Callable[[], Sequence[tuple[str, Message | None]]]] = {}
         self._dirty: set[str] = set()
-        self._events: list[tuple[int, str]] = []
+        self._events: list[tuple[int, Message]] = []
         self._wakeup = asyncio.Event()
         self._generation = 0
         self._written: dict[str, int] = {}
@@ -59,7 +64,7 @@ class StateStore:
         """Generation of the newest batch on disk."""
         self._inflight: asyncio.Future | None = None
         """The batch being written (one at a time: a commit arriving meanwhile shares the next one)."""
-        self._unwritten: dict[str, Any] = {}
+        self._unwritten: dict[str, Message | None] = {}
         """Collection members of a batch the backend refused, for the next batch."""
         self.read_only = False
         """A standby's copy (or a deposed leader's): nothing is written, whatever is marked (the leader owns
@@ -75,17 +80,25 @@ class StateStore:
     def description(self) -> str:
         return self.backend.description if self.backend is not None else "none (nothing kept across restarts)"
 
-    def load(self, key: str) -> Any | None:
+    def load(self, key: str, message: type[M]) -> M | None:
+        """Document ``key`` (a ``message``, as the schema says), or None when there is none."""
+        self._expect(key, message)
         if self.backend is None:
             return None
         value = self.backend.load(key)
-        return self.schema.decode(key, value) if value is not None else None
+        return self.schema.decode(key, value) if value is not None else None   # type: ignore[return-value]
 
-    def load_collection(self, key: str) -> list[Any]:
-        """Every member document of collection ``key``, in member order."""
+    def load_collection(self, key: str, message: type[M]) -> list[M]:
+        """Every member document of collection ``key`` (each a ``message``), in member order."""
+        self._expect(key, message)
         if self.backend is None:
             return []
-        return [self.schema.decode(key, value) for value in self.backend.load_prefix(f"{key}/")]
+        return [self.schema.decode(key, value) for value in self.backend.load_prefix(f"{key}/")]  # type: ignore[misc]
+
+    def _expect(self, key: str, message: type[Message]) -> None:
+        if self.schema.message_of(key) is not message:
+            raise DocumentMismatch(f"state document {key!r} is a {self.schema.message_of(key).__name__}, "
+                                   f"not a {message.__name__}")
 
     def delete(self, key: str) -> None:
         """Drop document ``key`` now (a format migration)."""
@@ -93,14 +106,14 @@ class StateStore:
             with self._write_lock:
                 self.backend.delete(key)
 
-    def track_collection(self, key: str, changes: Callable[[], list[tuple[str, Any | None]]]) -> None:
+    def track_collection(self, key: str, changes: Callable[[], Sequence[tuple[str, Message | None]]]) -> None:
         """Persist collection ``key``: at each write, ``changes()`` gives (member, document or None to delete)
         for the members changed since its last call, and only those are written."""
         self.schema.message_of(key)   # a key without a schema fails here, not at the first write
         self._collections[key] = changes
 
-    def track(self, key: str, source: Callable[[], Any]) -> None:
-        """Persist ``source()`` under ``key`` whenever :meth:`mark` names it."""
+    def track(self, key: str, source: Callable[[], Message]) -> None:
+        """Persist ``source()`` (a fresh message of ``key``'s schema) under ``key`` whenever :meth:`mark` names it."""
         self.schema.message_of(key)
         self._sources[key] = source
 
@@ -108,26 +121,26 @@ class StateStore:
         self._dirty.update(keys or self._sources)
         self._wakeup.set()
 
-    def append_event(self, sequence: int, event: Any) -> None:
+    def append_event(self, sequence: int, event: Message) -> None:
         """Queue one lifecycle event for the append-only events table."""
         if self.backend is None:
             if self.on_events_stored is not None:
                 self.on_events_stored(sequence)   # kept nowhere: nothing to wait for
             return
-        self._events.append((sequence, self.schema.encode(EVENT, event)))
+        self._events.append((sequence, event))
         self._wakeup.set()
 
-    def _stored(self, events: list[tuple[int, str]]) -> None:
+    def _stored(self, events: list[tuple[int, Message]]) -> None:
         if events and self.on_events_stored is not None:
             self.on_events_stored(max(sequence for sequence, _ in events))
 
-    def load_events(self, limit: int) -> list[Any]:
+    def load_events(self, limit: int) -> list[state_pb2.Event]:
         """The newest ``limit`` persisted events, oldest first."""
         if self.backend is None:
             return []
-        return [self.schema.decode(EVENT, value) for value in self.backend.load_events(limit)]
+        return [self.schema.decode(EVENT, value) for value in self.backend.load_events(limit)]  # type: ignore[misc]
 
-    def _collect(self) -> tuple[int, list[tuple[str, Any]], list[tuple[int, str]]]:
+    def _collect(self) -> tuple[int, list[tuple[str, Message | None]], list[tuple[int, Message]]]:
         """Snapshot what changed (on the event loop, so it is consistent): the marked documents and the
         changed members of every collection."""
         keys, self._dirty = sorted(k for k in self._dirty if k in self._sources), set()
@@ -139,13 +152,10 @@ class StateStore:
                 members[f"{key}/{member}"] = document
         if self.backend is None:
             return self._generation, [], []
-        # the tracked documents are encoded here (their sources may hand out live structures); the members
-        # of collections are fresh objects, encoded in the writer thread
-        return (self._generation,
-                [(key, self.schema.encode(key, self._sources[key]())) for key in keys] + list(members.items()),
-                events)
+        # the documents are built here (each a snapshot), encoded in the writer thread
+        return self._generation, [(key, self._sources[key]()) for key in keys] + list(members.items()), events
 
-    def _requeue(self, documents: list[tuple[str, Any]], events: list[tuple[int, str]]) -> None:
+    def _requeue(self, documents: list[tuple[str, Message | None]], events: list[tuple[int, Message]]) -> None:
         """A batch that could not be written goes into the next one: tracked documents are marked again (the
         next batch takes a fresh snapshot), collection members and events are kept as they were."""
         for key, document in documents:
@@ -156,22 +166,19 @@ class StateStore:
         self._events = events + self._events
         self._wakeup.set()
 
-    def _write(self, generation: int, documents: list[tuple[str, Any]], events: list[tuple[int, str]]) -> None:
+    def _write(self, generation: int, documents: list[tuple[str, Message | None]],
+               events: list[tuple[int, Message]]) -> None:
         if not documents and not events:
             return
         if self.read_only:
             raise StoreUnavailable("this controller is a standby: it does not write the state store")
         with self._write_lock:
             documents = [(k, v) for k, v in documents if self._written.get(k, 0) < generation]
-            upserts = [(k, v if isinstance(v, str) else self.schema.encode(k, v))
-                       for k, v in documents if v is not None]
+            upserts = [(k, self.schema.encode(k, v)) for k, v in documents if v is not None]
             deletes = [k for k, v in documents if v is None]
-            for key, text in upserts:   # in the writer thread: a document its message does not describe is refused
-                self.schema.check(key, text)
-            for _, text in events:
-                self.schema.check(EVENT, text)
+            rows = [(sequence, self.schema.encode(EVENT, event)) for sequence, event in events]
             assert self.backend is not None
-            self.backend.write(upserts, deletes, events)
+            self.backend.write(upserts, deletes, rows)
             for key, _ in documents:
                 self._written[key] = generation
         self._written_since_prune += len(events)

@@ -24,6 +24,7 @@ import grpc
 from mesh_runtime.channels import open_channel, read_methods
 from mesh_runtime.config import TlsConfig
 from mesh_runtime.durations import to_seconds
+from mesh_runtime.json_values import integral
 from google.protobuf import json_format
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -72,7 +73,7 @@ async def print_status(address: str, timeout_s: float, tls: TlsConfig | None = N
         print(f"rollmesh status: error: {address}: {_failure(err)}", file=sys.stderr)
         return 1
     if as_json:
-        print(json.dumps(_integral(json_format.MessageToDict(response)), indent=2))
+        print(json.dumps(integral(json_format.MessageToDict(response)), indent=2))
     else:
         print("\n".join(status_summary(service, response)))
     return 0
@@ -90,7 +91,7 @@ async def print_leader_status(addresses: list[str], timeout_s: float, tls: TlsCo
     if as_json:
         print(json.dumps({"leader": leader or "", "controllers": {
             a: {"error": _failure(answer)} if isinstance(answer, BaseException)
-            else _integral(json_format.MessageToDict(answer[1])) for a, answer in zip(addresses, answers)}},
+            else integral(json_format.MessageToDict(answer[1])) for a, answer in zip(addresses, answers)}},
             indent=2))
     else:
         if leading is not None:
@@ -123,16 +124,6 @@ def _member_line(answer: tuple[str, Any] | BaseException) -> str:
     role = controller_pb2.ControllerRole.Name(response.role).removeprefix("CONTROLLER_ROLE_").lower()
     return f"{role}, leader: {response.leader_address or 'unknown'}"
 
-
-def _integral(value: Any) -> Any:
-    """JSON numbers that are whole as integers (a Struct holds every number as a double)."""
-    if isinstance(value, dict):
-        return {k: _integral(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_integral(v) for v in value]
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
 
 
 def status_summary(service: str, response: Any) -> list[str]:

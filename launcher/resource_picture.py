@@ -12,9 +12,9 @@ asleep has no ``release``; the trainer's time from ``begin`` to the sync is
 then drawn as training. Where the caller knows better (the trainer's own
 timings), ``activities`` adds or overrides segments.
 
-Events are dicts in the form of
-``controller.core.events.LifecycleEvent.to_dict()`` (what the main job writes
-to ``events.jsonl``); :func:`event_dict_from_proto` converts the gRPC message.
+Events are dicts of the fields of ``controller.core.events.LifecycleEvent``,
+its ``type`` by name (what the main job writes to ``events.jsonl``);
+:func:`event_dict_from_proto` converts the gRPC message.
 matplotlib is imported only when drawing.
 """
 
@@ -79,9 +79,9 @@ class Picture:
 
 
 def event_dict_from_proto(msg: Any) -> dict[str, Any]:
-    """A ``rollmesh.controller.v1.LifecycleEvent`` as a ``LifecycleEvent.to_dict()`` dict."""
-    from google.protobuf import json_format  # noqa: PLC0415
-
+    """A ``rollmesh.controller.v1.LifecycleEvent`` as a dict of ``controller.core.events.LifecycleEvent``'s
+    fields (the events.jsonl form)."""
+    from mesh_runtime.json_values import from_struct  # noqa: PLC0415
     from rollmesh.common.v1 import types_pb2  # noqa: PLC0415
     from rollmesh.controller.v1 import events_pb2  # noqa: PLC0415
 
@@ -97,19 +97,9 @@ def event_dict_from_proto(msg: Any) -> dict[str, Any]:
         "global_step": msg.global_step if msg.HasField("global_step") else None,
         "weight_version": msg.weight_version if msg.HasField("weight_version") else None,
         "operation_id": msg.operation_id, "attributes": dict(msg.attributes),
-        "missed_events": msg.missed_events, "details": _integral(json_format.MessageToDict(msg.details)),
+        "missed_events": msg.missed_events, "details": from_struct(msg.details),
     }
 
-
-def _integral(value: Any) -> Any:
-    """JSON numbers as the controller recorded them: a Struct holds every number as a double."""
-    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
-        return int(value)
-    if isinstance(value, list):
-        return [_integral(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _integral(v) for k, v in value.items()}
-    return value
 
 
 def read_events(path: str) -> list[dict[str, Any]]:

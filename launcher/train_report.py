@@ -1,7 +1,7 @@
 """What ``rollmesh train`` prints and saves: transition lines, the progress bar and the summary.
 
-Pure functions over plain data: lifecycle events as
-``controller.core.events.LifecycleEvent.to_dict()`` dicts (the lines of
+Pure functions over plain data: lifecycle events as dicts of
+``controller.core.events.LifecycleEvent``'s fields (the lines of
 ``events.jsonl``), the trainer's step lines (``trainer/steps.jsonl``), the
 controller's metrics cycles (GetMetrics) and the trainer's final progress.
 Every count in the summary is computed here from those records, so a test

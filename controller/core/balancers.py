@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mesh_runtime.reasons import Reason
+from rollmesh.controller.state.v1 import documents_pb2 as state_pb2
 
 from .errors import AlreadyExistsError, NotFoundError
 from .events import EventType
@@ -43,9 +44,9 @@ class BalancerMember:
     def lease_expires_at(self) -> float:
         return self.lease.expires_at
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"balancer_id": self.balancer_id, "address": self.address, "version": self.version,
-                "registered_at": self.registered_at, "instance_id": self.instance_id}
+    def to_document(self) -> state_pb2.Balancer:
+        return state_pb2.Balancer(balancer_id=self.balancer_id, address=self.address, version=self.version,
+                                  registered_at=self.registered_at, instance_id=self.instance_id)
 
 
 class BalancerRegistry:
@@ -139,11 +140,13 @@ class BalancerRegistry:
             self.ready.discard(address)
         return True
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"members": [m.to_dict() for m in self.members()], "ready": sorted(self.ready)}
+    def to_document(self) -> state_pb2.BalancersDocument:
+        return state_pb2.BalancersDocument(members=[m.to_document() for m in self.members()],
+                                           ready=sorted(self.ready))
 
-    def load_state_dict(self, data: dict[str, Any]) -> None:
+    def restore(self, document: state_pb2.BalancersDocument) -> None:
         """Restore the members; each gets a fresh lease from now."""
-        self._members = {m["balancer_id"]: BalancerMember(**m, lease=self.leases.grant())
-                         for m in data.get("members", [])}
-        self.ready = set(data.get("ready", []))
+        self._members = {m.balancer_id: BalancerMember(m.balancer_id, m.address, m.version, m.registered_at,
+                                                       m.instance_id, lease=self.leases.grant())
+                         for m in document.members}
+        self.ready = set(document.ready)

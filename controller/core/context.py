@@ -20,7 +20,8 @@ activation of the cycle adds to them) and reset to 0 after
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+
+from rollmesh.controller.state.v1 import documents_pb2 as state_pb2
 
 
 @dataclasses.dataclass
@@ -55,19 +56,22 @@ class DynamicScheduleContext:
         """Samples expected in one weight-sync cycle: ``required_samples x trigger_parameter_sync_step``."""
         return self.required_samples * self.trigger_parameter_sync_step
 
-    def to_dict(self) -> dict[str, Any]:
-        """Plain-dict form (for persistence and GetSchedulerState)."""
-        data = dataclasses.asdict(self)
-        data["step_wait_times"] = list(self.step_wait_times)
-        data["step_wait_samples"] = list(self.step_wait_samples)
-        return data
+    def to_document(self) -> state_pb2.ScheduleContext:
+        """The context as the scheduler's document keeps it."""
+        return state_pb2.ScheduleContext(
+            required_samples=self.required_samples, trigger_parameter_sync_step=self.trigger_parameter_sync_step,
+            total_generated_samples=self.total_generated_samples, expected_samples=self.expected_samples,
+            buffer_samples=self.buffer_samples, step_wait_times=self.step_wait_times,
+            step_wait_samples=self.step_wait_samples, only_hybrid=self.only_hybrid,
+            last_activate_duration_s=self.last_activate_duration_s,
+            last_deactivate_duration_s=self.last_deactivate_duration_s)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> DynamicScheduleContext:
-        """Inverse of :meth:`to_dict`; unknown keys (e.g. the derived one) are ignored."""
-        names = {field.name for field in dataclasses.fields(cls)}
-        ctx = cls(**{key: value for key, value in data.items() if key in names})
-        ctx.step_wait_times = [float(v) for v in ctx.step_wait_times]
-        ctx.step_wait_samples = [int(v) for v in ctx.step_wait_samples]
-        ctx.buffer_samples = float(ctx.buffer_samples)
-        return ctx
+    def from_document(cls, doc: state_pb2.ScheduleContext) -> DynamicScheduleContext:
+        return cls(
+            required_samples=doc.required_samples, trigger_parameter_sync_step=doc.trigger_parameter_sync_step,
+            total_generated_samples=doc.total_generated_samples, expected_samples=doc.expected_samples,
+            buffer_samples=doc.buffer_samples, step_wait_times=list(doc.step_wait_times),
+            step_wait_samples=list(doc.step_wait_samples), only_hybrid=doc.only_hybrid,
+            last_activate_duration_s=doc.last_activate_duration_s,
+            last_deactivate_duration_s=doc.last_deactivate_duration_s)

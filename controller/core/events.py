@@ -7,7 +7,7 @@ so the gRPC layer maps them with ``Enum.Value(name)``. ``EventType`` members
 carry the same names via ``.proto_name``.
 
 ``EventLog`` is pure: it numbers events (1, 2, 3, ... - continuing after
-:meth:`EventLog.load_state_dict`), keeps the newest ``max_events`` of them and
+:meth:`EventLog.restore`), keeps the newest ``max_events`` of them and
 answers ``since(sequence)`` with the retained events and how many were
 missed. Watchers and streaming are the gRPC layer's business. Anything that
 produces events takes an :data:`EventSink` - ``EventLog.append`` is one.
@@ -20,8 +20,11 @@ import dataclasses
 import enum
 import itertools
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
+
+from mesh_runtime.json_values import from_struct, to_struct
+from rollmesh.controller.state.v1 import documents_pb2 as state_pb2
 
 
 class EventType(enum.Enum):
@@ -79,21 +82,27 @@ class LifecycleEvent:
     details: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     """The details with their JSON types: str, int, float, bool, or a list of them."""
 
-    def to_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
-        data["type"] = self.type.value
-        data["attributes"] = dict(self.attributes)
-        data["details"] = dict(self.details)
-        return data
+    def to_document(self) -> state_pb2.Event:
+        """The event as the store keeps it (``Event`` in the state schema)."""
+        return state_pb2.Event(
+            sequence=self.sequence, time=self.time, type=self.type.value, replica_id=self.replica_id,
+            node_id=self.node_id, replica_kind=self.replica_kind, from_state=self.from_state,
+            to_state=self.to_state, reason=self.reason, trace_id=self.trace_id, span_id=self.span_id,
+            global_step=self.global_step, weight_version=self.weight_version, operation_id=self.operation_id,
+            attributes=self.attributes, missed_events=self.missed_events, details=to_struct(self.details))
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> LifecycleEvent:
-        fields = dict(data)
-        fields["type"] = EventType(fields["type"])
-        fields["attributes"] = dict(fields.get("attributes") or {})
+    def from_document(cls, doc: state_pb2.Event) -> LifecycleEvent:
         # an event saved before details existed keeps its strings as its details
-        fields["details"] = dict(fields["details"]) if fields.get("details") is not None else dict(fields["attributes"])
-        return cls(**fields)
+        details = from_struct(doc.details) if doc.HasField("details") else dict(doc.attributes)
+        return cls(
+            sequence=doc.sequence, time=doc.time, type=EventType(doc.type), replica_id=doc.replica_id,
+            node_id=doc.node_id, replica_kind=doc.replica_kind, from_state=doc.from_state, to_state=doc.to_state,
+            reason=doc.reason, trace_id=doc.trace_id, span_id=doc.span_id,
+            global_step=doc.global_step if doc.HasField("global_step") else None,
+            weight_version=doc.weight_version if doc.HasField("weight_version") else None,
+            operation_id=doc.operation_id, attributes=dict(doc.attributes), missed_events=doc.missed_events,
+            details=details)
 
 
 _WARNING_TYPES = frozenset({EventType.LEASE_EXPIRED, EventType.WEIGHT_SYNC_FAILED, EventType.WAIT_EXPIRED,
@@ -214,19 +223,19 @@ class EventLog:
     def __len__(self) -> int:
         return len(self._events)
 
-    def state_dict(self, *, include_events: bool = True) -> dict[str, Any]:
-        """Persisted form: the next sequence number and (optionally) the retained events."""
-        return {"next_sequence": self._next_sequence,
-                "events": [event.to_dict() for event in self._events] if include_events else []}
+    def to_document(self) -> state_pb2.EventsDocument:
+        """The event numbering as the store keeps it; the events themselves are rows of their own table."""
+        return state_pb2.EventsDocument(next_sequence=self._next_sequence)
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore; later events continue the numbering after the restored ones."""
+    def restore(self, document: state_pb2.EventsDocument, events: Iterable[state_pb2.Event]) -> None:
+        """Restore the numbering and the stored ``events`` (oldest first); later events continue the numbering
+        after the restored ones."""
         self._events.clear()
-        for data in state.get("events", []):
-            self._events.append(LifecycleEvent.from_dict(data))
+        for event in events:
+            self._events.append(LifecycleEvent.from_document(event))
         if self._events:
             self._trim(self._clock())
-        restored_next = int(state.get("next_sequence", 1))
+        restored_next = document.next_sequence if document.HasField("next_sequence") else 1
         newest = self._events[-1].sequence + 1 if self._events else 1
         self._next_sequence = max(restored_next, newest)
 

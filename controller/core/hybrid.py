@@ -56,6 +56,9 @@ import asyncio
 import dataclasses
 from typing import Any
 
+from mesh_runtime.json_values import from_struct, to_struct
+from rollmesh.controller.state.v1 import documents_pb2 as state_pb2
+
 from .config import SchedulingConfig
 from .context import DynamicScheduleContext
 from .errors import InvalidArgumentError, OutOfOrder
@@ -73,8 +76,6 @@ from .steps import (
     ReleaseResult,
     StepCall,
     StepReport,
-    answer_from_dict,
-    answer_to_dict,
 )
 
 S = ReplicaState
@@ -338,36 +339,41 @@ class DynamicResourceController:
             self.ctx.last_activate_duration_s, self.ctx.last_deactivate_duration_s, hybrid_ids,
             self.bytes_saved_total)
 
-    def state_dict(self) -> dict[str, Any]:
+    def to_document(self) -> state_pb2.SchedulerDocument:
         """Everything needed to resume after a restart (the registry persists itself)."""
-        return {"hybrid_state": self.hybrid_state.value, "next_call": self.next_call.value,
-                "current_step": self.current_step, "last_completed_step": self.last_completed_step,
-                "weight_version": self.weight_version, "activations": self.activations,
-                "deactivations": self.deactivations, "bytes_saved_total": self.bytes_saved_total,
-                "ctx": self.ctx.to_dict(), "outcome": self._outcome.to_dict(),
-                "base_version": self._base_version, "fed_step": self._fed_step,
-                "begin": answer_to_dict(self._begin), "release": answer_to_dict(self._release),
-                "complete": answer_to_dict(self._complete), "policy": self._policy.state_dict(),
-                "last_activation_s": self._last_activation_s}
+        def answer(value: BeginDecision | ReleaseResult | CompleteResult | None) -> Any:
+            return value.to_document() if value is not None else None
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.hybrid_state = HybridState(state["hybrid_state"])
-        self.next_call = StepCall(state["next_call"])
-        self.current_step = state["current_step"]
-        self.last_completed_step = state["last_completed_step"]
-        self.weight_version = state["weight_version"]
-        self.activations = state["activations"]
-        self.deactivations = state["deactivations"]
-        self.bytes_saved_total = state["bytes_saved_total"]
-        self.ctx = DynamicScheduleContext.from_dict(state["ctx"])
-        self._outcome = StepOutcome.from_dict(state["outcome"])
-        self._base_version = state.get("base_version")
-        self._fed_step = state.get("fed_step")
-        self._begin = answer_from_dict(BeginDecision, state["begin"])
-        self._release = answer_from_dict(ReleaseResult, state["release"])
-        self._complete = answer_from_dict(CompleteResult, state["complete"])
-        self._policy.load_state_dict(state.get("policy", {}))
-        self._last_activation_s = float(state.get("last_activation_s", 0.0))
+        return state_pb2.SchedulerDocument(
+            hybrid_state=self.hybrid_state.value, next_call=self.next_call.value, current_step=self.current_step or 0,
+            last_completed_step=self.last_completed_step, weight_version=self.weight_version or 0,
+            activations=self.activations, deactivations=self.deactivations,
+            bytes_saved_total=self.bytes_saved_total, ctx=self.ctx.to_document(),
+            outcome=self._outcome.to_document(), base_version=self._base_version, fed_step=self._fed_step,
+            begin=answer(self._begin), release=answer(self._release), complete=answer(self._complete),
+            policy=to_struct(self._policy.state_dict()), last_activation_s=self._last_activation_s)
+
+    def restore(self, doc: state_pb2.SchedulerDocument) -> None:
+        """Resume from ``doc`` (:meth:`to_document`). Steps count from 1, so a current step of 0 is "none
+        yet"; the weight version is the last completed step's, so it is "none yet" before one completed."""
+        completed = doc.HasField("last_completed_step")
+        self.hybrid_state = HybridState(doc.hybrid_state)
+        self.next_call = StepCall(doc.next_call)
+        self.current_step = doc.current_step or None
+        self.last_completed_step = doc.last_completed_step if completed else None
+        self.weight_version = doc.weight_version if completed else None
+        self.activations = doc.activations
+        self.deactivations = doc.deactivations
+        self.bytes_saved_total = doc.bytes_saved_total
+        self.ctx = DynamicScheduleContext.from_document(doc.ctx)
+        self._outcome = StepOutcome.from_document(doc.outcome)
+        self._base_version = doc.base_version if doc.HasField("base_version") else None
+        self._fed_step = doc.fed_step if doc.HasField("fed_step") else None
+        self._begin = BeginDecision.from_document(doc.begin) if doc.HasField("begin") else None
+        self._release = ReleaseResult.from_document(doc.release) if doc.HasField("release") else None
+        self._complete = CompleteResult.from_document(doc.complete) if doc.HasField("complete") else None
+        self._policy.load_state_dict(from_struct(doc.policy))
+        self._last_activation_s = doc.last_activation_s
 
     # --- internals ---
 

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
 
 from mesh_runtime.rollout_metrics import (  # noqa: F401 - section 4.2, shared with the trainer's rollouter
     ConcurrencyPoint,
@@ -47,6 +46,7 @@ from mesh_runtime.rollout_metrics import (  # noqa: F401 - section 4.2, shared w
     rollout_idle_ratio,
     rollout_resource_utilization,
 )
+from rollmesh.controller.state.v1 import documents_pb2 as state_pb2
 
 TRAIN_COMPUTE_KEYS = ("reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor")
 
@@ -114,8 +114,15 @@ class ClosedCycle:
     ended_at: float
     values: dict[str, float]
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    def to_document(self) -> state_pb2.MetricsCycle:
+        return state_pb2.MetricsCycle(cycle=self.cycle, global_step=self.global_step,
+                                      weight_version=self.weight_version, started_at=self.started_at,
+                                      ended_at=self.ended_at, values=self.values)
+
+    @classmethod
+    def from_document(cls, doc: state_pb2.MetricsCycle) -> ClosedCycle:
+        return cls(cycle=doc.cycle, global_step=doc.global_step, weight_version=doc.weight_version,
+                   started_at=doc.started_at, ended_at=doc.ended_at, values=dict(doc.values))
 
 
 class CycleMetrics:
@@ -213,13 +220,13 @@ class CycleMetrics:
         """Closed cycles from ``from_cycle`` on, oldest first."""
         return [c for c in self.closed if c.cycle >= from_cycle][:limit]
 
-    def state_dict(self) -> dict[str, Any]:
+    def to_document(self) -> state_pb2.MetricsDocument:
         """Closed cycles and the cycle counter (the open cycle restarts empty after a restore)."""
-        return {"next_cycle": self._next_cycle, "seeded": self._seeded,
-                "closed": [c.to_dict() for c in self.closed]}
+        return state_pb2.MetricsDocument(next_cycle=self._next_cycle, seeded=self._seeded,
+                                         closed=[c.to_document() for c in self.closed])
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.closed = [ClosedCycle(**data) for data in state.get("closed", [])]
-        self._next_cycle = int(state.get("next_cycle", len(self.closed) + 1))
-        self._seeded = bool(state.get("seeded", self._seeded))
+    def restore(self, document: state_pb2.MetricsDocument) -> None:
+        self.closed = [ClosedCycle.from_document(c) for c in document.closed]
+        self._next_cycle = document.next_cycle if document.HasField("next_cycle") else len(self.closed) + 1
+        self._seeded = document.seeded if document.HasField("seeded") else self._seeded
         self._reset(started_at=None)

@@ -19,6 +19,8 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
+from rollmesh.controller.state.v1 import documents_pb2 as state_pb2
+
 
 Clock = Callable[[], float]
 """Seconds on the controller's clock (wall or virtual)."""
@@ -63,18 +65,23 @@ class WeightSyncOutcome:
         return {r.replica_id: r.error_message or "weight sync failed"
                 for r in self.replica_results if not r.ok}
 
-    def to_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
-        data["replica_results"] = [dataclasses.asdict(r) for r in self.replica_results]
-        data["skipped_replica_ids"] = list(self.skipped_replica_ids)
-        return data
+    def to_document(self) -> state_pb2.WeightSync:
+        return state_pb2.WeightSync(
+            weight_version=self.weight_version, bytes_sent=self.bytes_sent, duration_s=self.duration_s,
+            sync_id=self.sync_id, source=self.source, skipped_replica_ids=self.skipped_replica_ids,
+            bytes_saved=self.bytes_saved,
+            replica_results=[state_pb2.ReplicaSync(replica_id=r.replica_id, ok=r.ok, error_message=r.error_message,
+                                                   duration_s=r.duration_s, bytes_received=r.bytes_received)
+                             for r in self.replica_results])
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> WeightSyncOutcome:
-        fields = dict(data)
-        fields["replica_results"] = tuple(ReplicaSyncOutcome(**r) for r in data.get("replica_results", ()))
-        fields["skipped_replica_ids"] = tuple(data.get("skipped_replica_ids", ()))
-        return cls(**fields)
+    def from_document(cls, doc: state_pb2.WeightSync) -> WeightSyncOutcome:
+        return cls(
+            weight_version=doc.weight_version, bytes_sent=doc.bytes_sent, duration_s=doc.duration_s,
+            sync_id=doc.sync_id, source=doc.source, skipped_replica_ids=tuple(doc.skipped_replica_ids),
+            bytes_saved=doc.bytes_saved,
+            replica_results=tuple(ReplicaSyncOutcome(r.replica_id, r.ok, r.error_message, r.duration_s,
+                                                     r.bytes_received) for r in doc.replica_results))
 
 
 class RoutingPort(Protocol):

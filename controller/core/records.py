@@ -1,5 +1,6 @@
 """What the registry holds: replica kinds and states, the transitions allowed between states, and the
-records of replicas and nodes (with their persisted form).
+records of replicas and nodes (with their persisted form: ``Replica`` and ``Node`` of
+``proto/rollmesh/controller/state/v1/documents.proto``).
 
 The state machine itself (who may move a replica where, with which event)
 is :class:`~controller.core.replicas.ReplicaRegistry`; this module is its
@@ -11,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 from typing import Any
+
+from rollmesh.controller.state.v1 import documents_pb2 as state_pb2
 
 from .leases import Lease
 
@@ -111,17 +114,27 @@ class ReplicaRecord:
     last_report: Any = dataclasses.field(default=None, compare=False)
     """The latest load report, opaque to the core; not persisted."""
 
-    def to_dict(self) -> dict[str, Any]:
-        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "last_report"}
-        data.update(kind=self.kind.value, state=self.state.value, slots=list(self.slots))
-        return data
+    def to_document(self) -> state_pb2.Replica:
+        return state_pb2.Replica(
+            replica_id=self.replica_id, node_id=self.node_id, address=self.address, kind=self.kind.value,
+            state=self.state.value, weight_version=self.weight_version, slots=self.slots,
+            memory_fraction=self.memory_fraction, initial=self.initial,
+            added_by_operation_id=self.added_by_operation_id, intentionally_removed=self.intentionally_removed,
+            state_reason=self.state_reason, model_name=self.model_name, lease_expires_at=self.lease_expires_at,
+            updated_at=self.updated_at, added_at=self.added_at, engine_url=self.engine_url,
+            data_address=self.data_address)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ReplicaRecord:
-        fields = {k: v for k, v in data.items() if k != "last_report"}
-        fields.update(kind=ReplicaKind(data["kind"]), state=ReplicaState(data["state"]),
-                      slots=tuple(data.get("slots", ())))
-        return cls(**fields)
+    def from_document(cls, doc: state_pb2.Replica) -> ReplicaRecord:
+        return cls(
+            replica_id=doc.replica_id, node_id=doc.node_id, address=doc.address, kind=ReplicaKind(doc.kind),
+            state=ReplicaState(doc.state), weight_version=doc.weight_version, slots=tuple(doc.slots),
+            memory_fraction=doc.memory_fraction, initial=doc.initial,
+            added_by_operation_id=doc.added_by_operation_id, intentionally_removed=doc.intentionally_removed,
+            state_reason=doc.state_reason, model_name=doc.model_name,
+            lease_expires_at=doc.lease_expires_at if doc.HasField("lease_expires_at") else None,
+            updated_at=doc.updated_at, added_at=doc.added_at, engine_url=doc.engine_url,
+            data_address=doc.data_address)
 
     @property
     def route_address(self) -> str:
@@ -155,16 +168,22 @@ class NodeRecord:
     def lease_expires_at(self) -> float:
         return self.lease.expires_at
 
-    def to_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
-        lease = data.pop("lease")
-        return {**data, "lease_expires_at": lease["expires_at"], "lease_held": lease["held"]}
+    def to_document(self) -> state_pb2.Node:
+        return state_pb2.Node(
+            node_id=self.node_id, address=self.address, slots_total=self.slots_total, backend=self.backend,
+            model=self.model, model_name=self.model_name, agent_version=self.agent_version,
+            registered_at=self.registered_at, last_report_at=self.last_report_at, external=self.external,
+            lease_expires_at=self.lease.expires_at, lease_held=self.lease.held)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> NodeRecord:
-        fields = dict(data)
-        lease = Lease(expires_at=fields.pop("lease_expires_at", 0.0), held=fields.pop("lease_held", True))
-        return cls(**fields, lease=lease)
+    def from_document(cls, doc: state_pb2.Node) -> NodeRecord:
+        return cls(
+            node_id=doc.node_id, address=doc.address, slots_total=doc.slots_total, backend=doc.backend,
+            model=doc.model, model_name=doc.model_name, agent_version=doc.agent_version,
+            registered_at=doc.registered_at,
+            last_report_at=doc.last_report_at if doc.HasField("last_report_at") else None,
+            external=doc.external,
+            lease=Lease(expires_at=doc.lease_expires_at, held=doc.lease_held if doc.HasField("lease_held") else True))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from rollmesh.controller.state.v1 import documents_pb2 as state_pb2
+
 from .errors import InvalidArgumentError, InvalidTransition, NotFoundError
 from .events import Clock, EventSink, EventType
 from .leases import Lessor
@@ -302,50 +304,52 @@ class ReplicaRegistry:
         """Mark the record of ``node_id`` changed (after changing one of its fields directly)."""
         self._dirty.add(node_id)
 
-    def take_changes(self) -> list[tuple[str, dict[str, Any] | None]]:
+    def take_changes(self) -> list[tuple[str, state_pb2.NodeDocument | None]]:
         """(node id, its document or None when nothing of it is left) for each node changed since the last
         call: O(the changed nodes' replicas), never the fleet."""
         changed, self._dirty = sorted(self._dirty), set()
         return [(node_id, self.node_document(node_id)) for node_id in changed]
 
-    def node_document(self, node_id: str) -> dict[str, Any] | None:
-        """The durable record of one node: the node (None once deregistered) and every replica on it."""
+    def node_document(self, node_id: str) -> state_pb2.NodeDocument | None:
+        """The durable record of one node: the node (unset once deregistered) and every replica on it."""
         node = self._nodes.get(node_id)
         replicas = self.replicas(node_id=node_id)
         if node is None and not replicas:
             return None
-        return {"node": node.to_dict() if node else None, "replicas": [r.to_dict() for r in replicas]}
+        return state_pb2.NodeDocument(node=node.to_document() if node else None,
+                                      replicas=[r.to_document() for r in replicas])
+
+    def documents(self) -> list[state_pb2.NodeDocument]:
+        """Every node's document (a whole snapshot; the store writes the changed ones only)."""
+        ids = sorted({*self._nodes, *(r.node_id for r in self._replicas.values())})
+        return [doc for doc in map(self.node_document, ids) if doc is not None]
 
     @classmethod
-    def from_documents(cls, documents: Iterable[dict[str, Any]], *, clock: Clock, emit: EventSink | None = None,
-                       lease_ttl_s: float = 10.0, now: float | None = None) -> ReplicaRegistry:
+    def from_documents(cls, documents: Iterable[state_pb2.NodeDocument], *, clock: Clock,
+                       emit: EventSink | None = None, lease_ttl_s: float = 10.0,
+                       now: float | None = None) -> ReplicaRegistry:
         """Restore from :meth:`node_document` documents; every node that held a lease gets a fresh one."""
-        merged: dict[str, Any] = {"lease_ttl_s": lease_ttl_s, "nodes": [], "replicas": []}
-        for document in documents:
-            if document.get("node"):
-                merged["nodes"].append(document["node"])
-            merged["replicas"] += document.get("replicas", [])
-        registry = cls.from_dict(merged, clock=clock, emit=emit, now=now)
-        registry._dirty.clear()
+        documents = list(documents)
+        registry = cls.restore([d.node for d in documents if d.HasField("node")],
+                               [r for d in documents for r in d.replicas],
+                               clock=clock, emit=emit, lease_ttl_s=lease_ttl_s, now=now)
+        registry._dirty.clear()   # as stored
         return registry
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"lease_ttl_s": self.leases.ttl_s,
-                "nodes": [node.to_dict() for node in self.nodes()],
-                "replicas": [record.to_dict() for record in self.replicas()]}
-
     @classmethod
-    def from_dict(cls, data: dict[str, Any], *, clock: Clock, emit: EventSink | None = None,
-                  now: float | None = None) -> ReplicaRegistry:
-        """Restore; every node that held a lease gets a fresh one from ``now``."""
-        registry = cls(clock=clock, emit=emit, lease_ttl_s=data.get("lease_ttl_s", 10.0))
+    def restore(cls, nodes: Iterable[state_pb2.Node], replicas: Iterable[state_pb2.Replica], *, clock: Clock,
+                emit: EventSink | None = None, lease_ttl_s: float = 10.0,
+                now: float | None = None) -> ReplicaRegistry:
+        """A registry of these records, each marked changed; every node that held a lease gets a fresh one
+        from ``now``."""
+        registry = cls(clock=clock, emit=emit, lease_ttl_s=lease_ttl_s)
         now = clock() if now is None else now
-        for node_data in data.get("nodes", []):
-            node = NodeRecord.from_dict(node_data)
+        for node_doc in nodes:
+            node = NodeRecord.from_document(node_doc)
             registry.leases.restore(node.lease, now)
             registry._nodes[node.node_id] = node
-        for replica_data in data.get("replicas", []):
-            record = ReplicaRecord.from_dict(replica_data)
+        for replica_doc in replicas:
+            record = ReplicaRecord.from_document(replica_doc)
             owner = registry._nodes.get(record.node_id)
             record.lease_expires_at = owner.lease_expires_at if owner else record.lease_expires_at
             registry._put(record)

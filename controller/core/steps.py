@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Mapping
-from typing import Any
+
+from rollmesh.controller.state.v1 import documents_pb2 as state_pb2
 
 from .errors import InvalidArgumentError
 from .metrics import ConcurrencyPoint
@@ -101,6 +101,17 @@ class BeginDecision:
     hybrid_state: HybridState
     next_call: StepCall
 
+    def to_document(self) -> state_pb2.BeginAnswer:
+        return state_pb2.BeginAnswer(global_step=self.global_step, deactivate=self.deactivate,
+                                     wait_samples=self.wait_samples, wait_timeout_s=self.wait_timeout_s,
+                                     hybrid_state=self.hybrid_state.value, next_call=self.next_call.value)
+
+    @classmethod
+    def from_document(cls, doc: state_pb2.BeginAnswer) -> BeginDecision:
+        return cls(global_step=doc.global_step, deactivate=doc.deactivate, wait_samples=doc.wait_samples,
+                   wait_timeout_s=doc.wait_timeout_s, hybrid_state=HybridState(doc.hybrid_state),
+                   next_call=StepCall(doc.next_call))
+
 
 @dataclasses.dataclass(frozen=True)
 class ReleaseResult:
@@ -114,6 +125,20 @@ class ReleaseResult:
     wait_expired: bool
     hybrid_state: HybridState
     next_call: StepCall
+
+    def to_document(self) -> state_pb2.ReleaseAnswer:
+        return state_pb2.ReleaseAnswer(
+            global_step=self.global_step, released_replica_ids=self.released_replica_ids,
+            failed_replica_ids=self.failed_replica_ids, duration_s=self.duration_s,
+            aborted_requests=self.aborted_requests, wait_expired=self.wait_expired,
+            hybrid_state=self.hybrid_state.value, next_call=self.next_call.value)
+
+    @classmethod
+    def from_document(cls, doc: state_pb2.ReleaseAnswer) -> ReleaseResult:
+        return cls(global_step=doc.global_step, released_replica_ids=tuple(doc.released_replica_ids),
+                   failed_replica_ids=tuple(doc.failed_replica_ids), duration_s=doc.duration_s,
+                   aborted_requests=doc.aborted_requests, wait_expired=doc.wait_expired,
+                   hybrid_state=HybridState(doc.hybrid_state), next_call=StepCall(doc.next_call))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,40 +161,27 @@ class CompleteResult:
     rebalanced_requests: int = 0
     """In-flight requests the rebalance after the activation moved to another replica."""
 
+    def to_document(self) -> state_pb2.CompleteAnswer:
+        return state_pb2.CompleteAnswer(
+            global_step=self.global_step,
+            standalone_sync=self.standalone_sync.to_document() if self.standalone_sync else None,
+            hybrid_activated=self.hybrid_activated, hybrid_sync_skipped=self.hybrid_sync_skipped,
+            hybrid_sync=self.hybrid_sync.to_document() if self.hybrid_sync else None, bytes_sent=self.bytes_sent,
+            bytes_saved=self.bytes_saved, rebalanced=self.rebalanced, deactivate_ratio=self.deactivate_ratio,
+            hybrid_state=self.hybrid_state.value, next_call=self.next_call.value,
+            activation_duration_s=self.activation_duration_s, failed_replica_ids=self.failed_replica_ids,
+            rebalanced_requests=self.rebalanced_requests)
 
-_ENUMS = {"hybrid_state": HybridState, "next_call": StepCall}
-_SYNCS = ("standalone_sync", "hybrid_sync")
-
-
-def answer_to_dict(answer: BeginDecision | ReleaseResult | CompleteResult | None) -> dict[str, Any] | None:
-    """Plain-dict form of a step answer (None stays None)."""
-    if answer is None:
-        return None
-    data: dict[str, Any] = {}
-    for field in dataclasses.fields(answer):
-        value = getattr(answer, field.name)
-        if isinstance(value, enum.Enum):
-            value = value.value
-        elif isinstance(value, WeightSyncOutcome):
-            value = value.to_dict()
-        elif isinstance(value, tuple):
-            value = list(value)
-        data[field.name] = value
-    return data
-
-
-def answer_from_dict(cls: type, data: Mapping[str, Any] | None) -> Any:
-    """Inverse of :func:`answer_to_dict` for the answer class ``cls``."""
-    if data is None:
-        return None
-    fields = dict(data)
-    for name, enum_cls in _ENUMS.items():
-        if name in fields:
-            fields[name] = enum_cls(fields[name])
-    for name in _SYNCS:
-        if fields.get(name) is not None:
-            fields[name] = WeightSyncOutcome.from_dict(fields[name])
-    for name in ("released_replica_ids", "failed_replica_ids"):
-        if name in fields:
-            fields[name] = tuple(fields[name])
-    return cls(**fields)
+    @classmethod
+    def from_document(cls, doc: state_pb2.CompleteAnswer) -> CompleteResult:
+        standalone = doc.standalone_sync if doc.HasField("standalone_sync") else None
+        hybrid = doc.hybrid_sync if doc.HasField("hybrid_sync") else None
+        return cls(
+            global_step=doc.global_step,
+            standalone_sync=WeightSyncOutcome.from_document(standalone) if standalone is not None else None,
+            hybrid_activated=doc.hybrid_activated, hybrid_sync_skipped=doc.hybrid_sync_skipped,
+            hybrid_sync=WeightSyncOutcome.from_document(hybrid) if hybrid is not None else None, bytes_sent=doc.bytes_sent, bytes_saved=doc.bytes_saved,
+            rebalanced=doc.rebalanced, deactivate_ratio=doc.deactivate_ratio,
+            hybrid_state=HybridState(doc.hybrid_state), next_call=StepCall(doc.next_call),
+            activation_duration_s=doc.activation_duration_s if doc.HasField("activation_duration_s") else None,
+            failed_replica_ids=tuple(doc.failed_replica_ids), rebalanced_requests=doc.rebalanced_requests)

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from mesh_runtime.durations import to_seconds
+from rollmesh.controller.state.v1 import documents_pb2 as state_pb2
+
 from .autoscaler import (
     NONE, SCALE_IN, SCALE_OUT, Autoscaler, AutoscalerConfig, Decision, MetricsSample, throughput_cv2)
 from ..core.events import EventType
@@ -55,17 +57,17 @@ class AutoscalerLoop:
         self.clock, self.emit, self.span, self.changed = clock, emit, span, changed
         self.core = Autoscaler(config) if config is not None else None
         self.running = False
-        self.history: list[dict[str, Any]] = []
+        self.history: list[state_pb2.AutoscalerAction] = []
         self.pending: set[str] = set()
         self.decided_at: float | None = None
-        store.track("autoscaler", self.state_dict)
-        saved = store.load("autoscaler")
-        if saved and self.core is not None:
-            self.core.enabled = saved.get("enabled", self.core.enabled)
-            self.core.last_scale_action = saved.get("last_scale_action")
-            self.core.last_scale_time = saved.get("last_scale_time")
-            self.history = saved.get("history", [])
-            self.pending = {h["operation_id"] for h in self.history if not h.get("completed_at")}
+        store.track("autoscaler", self.to_document)
+        saved = store.load("autoscaler", state_pb2.AutoscalerDocument)
+        if saved is not None and self.core is not None:
+            self.core.enabled = saved.enabled
+            self.core.last_scale_action = saved.last_scale_action if saved.HasField("last_scale_action") else None
+            self.core.last_scale_time = saved.last_scale_time if saved.HasField("last_scale_time") else None
+            self.history = list(saved.history)
+            self.pending = {h.operation_id for h in self.history if not h.completed_at}
         scaler.on_finished.append(self._finished)
 
     @property
@@ -79,11 +81,12 @@ class AutoscalerLoop:
             raise RuntimeError("no autoscaler is configured")
         return self.core
 
-    def state_dict(self) -> dict[str, Any]:
+    def to_document(self) -> state_pb2.AutoscalerDocument:
         core = self.core
-        return {"enabled": core.enabled if core else False, "history": self.history[-HISTORY_LIMIT:],
-                "last_scale_action": core.last_scale_action if core else None,
-                "last_scale_time": core.last_scale_time if core else None}
+        return state_pb2.AutoscalerDocument(enabled=core.enabled if core else False,
+                                            history=self.history[-HISTORY_LIMIT:],
+                                            last_scale_action=core.last_scale_action if core else None,
+                                            last_scale_time=core.last_scale_time if core else None)
 
     # ----------------------------------------------------------------- inputs
     def engines(self) -> int:
@@ -183,8 +186,9 @@ class AutoscalerLoop:
             return
         self.pending.discard(op.operation_id)
         for record in self.history:
-            if record["operation_id"] == op.operation_id:
-                record.update(state=op.state.value, completed_at=op.updated_at, error_message=op.error_message)
+            if record.operation_id == op.operation_id:
+                record.state, record.completed_at, record.error_message = (op.state.value, op.updated_at,
+                                                                          op.error_message)
         if self.core is not None:
             self.core.record_scale(SCALE_OUT if op.type is OperationType.SCALE_OUT else SCALE_IN, op.updated_at)
         self.changed()
@@ -197,17 +201,17 @@ class AutoscalerLoop:
                            attributes={"action": NONE, "enabled": enabled})
             self.changed()
 
-    def records(self, action: str | None, limit: int) -> tuple[list[dict[str, Any]], int]:
-        matching = [h for h in reversed(self.history) if action is None or h["action"] == action]
+    def records(self, action: str | None, limit: int) -> tuple[list[state_pb2.AutoscalerAction], int]:
+        matching = [h for h in reversed(self.history) if action is None or h.action == action]
         return matching[:limit], len(matching)
 
 
-def history_entry(op: ScaleOperation, decision: Decision, now: float) -> dict[str, Any]:
+def history_entry(op: ScaleOperation, decision: Decision, now: float) -> state_pb2.AutoscalerAction:
     """The autoscaler history's record of ``decision``, which started ``op`` (``AutoscalerAction`` in the
     state schema); :meth:`AutoscalerLoop._finished` fills in how it ended."""
-    return {"operation_id": op.operation_id, "action": decision.action, "state": op.state.value,
-            "triggered_at": now, "completed_at": None, "from_engines": op.engines_before,
-            "to_engines": op.num_replicas, "delta": decision.delta if decision.action == SCALE_OUT else -decision.delta,
-            "reason": decision.reason, "triggered_conditions": list(decision.triggered_conditions),
-            "metrics_snapshot": {k: float(v) for k, v in decision.metrics_snapshot.items() if k != "time"},
-            "error_message": ""}
+    return state_pb2.AutoscalerAction(
+        operation_id=op.operation_id, action=decision.action, state=op.state.value, triggered_at=now,
+        from_engines=op.engines_before, to_engines=op.num_replicas,
+        delta=decision.delta if decision.action == SCALE_OUT else -decision.delta, reason=decision.reason,
+        triggered_conditions=decision.triggered_conditions,
+        metrics_snapshot={k: float(v) for k, v in decision.metrics_snapshot.items() if k != "time"})

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
+from rollmesh.controller.state.v1 import documents_pb2 as state_pb2
 from rollmesh.controller.v1 import autoscaler_pb2, scaling_pb2
 
 from ..convert import duration, timestamp
@@ -70,13 +69,13 @@ def condition(c: ConditionStatus) -> autoscaler_pb2.AutoscalerCondition:
                                               value=value, threshold=c.threshold)
 
 
-def history_record(h: dict[str, Any]) -> autoscaler_pb2.ScaleHistoryRecord:
+def history_record(h: state_pb2.AutoscalerAction) -> autoscaler_pb2.ScaleHistoryRecord:
     msg = autoscaler_pb2.ScaleHistoryRecord(
-        operation_id=h["operation_id"], action=ACTIONS[h["action"]],
-        state=scaling_pb2.OperationState.Value(f"OPERATION_STATE_{h['state']}"),
-        triggered_at=timestamp(h["triggered_at"]), from_engines=h["from_engines"], to_engines=h["to_engines"],
-        delta=h["delta"], reason=h["reason"], triggered_conditions=h["triggered_conditions"],
-        metrics_snapshot=h["metrics_snapshot"], error_message=h.get("error_message") or "")
-    if h.get("completed_at"):
-        msg.completed_at.CopyFrom(timestamp(h["completed_at"]))
+        operation_id=h.operation_id, action=ACTIONS[h.action],
+        state=scaling_pb2.OperationState.Value(f"OPERATION_STATE_{h.state}"),
+        triggered_at=timestamp(h.triggered_at), from_engines=h.from_engines, to_engines=h.to_engines,
+        delta=h.delta, reason=h.reason, triggered_conditions=h.triggered_conditions,
+        metrics_snapshot=h.metrics_snapshot, error_message=h.error_message)
+    if h.HasField("completed_at") and h.completed_at:
+        msg.completed_at.CopyFrom(timestamp(h.completed_at))
     return msg

@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from mesh_runtime.reasons import Reason
+from rollmesh.controller.state.v1 import documents_pb2 as state_pb2
+
 from ..core.errors import CoreError, FailedPreconditionError, InvalidArgumentError, NotFoundError
 from ..core.events import EventSink, EventType
 
@@ -140,21 +142,31 @@ class ScaleOperation:
     def finished(self) -> bool:
         return self.state in TERMINAL
 
-    def to_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
-        data.update(type=self.type.value, state=self.state.value,
-                    state_history=[{"state": c.state.value, "at": c.at, "reason": c.reason}
-                                   for c in self.state_history])
-        return data
+    def to_document(self) -> state_pb2.ScaleOperation:
+        return state_pb2.ScaleOperation(
+            operation_id=self.operation_id, type=self.type.value, state=self.state.value,
+            model_name=self.model_name, num_replicas=self.num_replicas, engine_addresses=self.engine_addresses,
+            replica_ids=self.replica_ids, failed_replica_ids=self.failed_replica_ids, created_at=self.created_at,
+            updated_at=self.updated_at, error_message=self.error_message, weight_version=self.weight_version,
+            force=self.force, dry_run=self.dry_run, timeout_s=self.timeout_s,
+            partial_success_policy=self.partial_success_policy,
+            state_history=[state_pb2.OperationStateChange(state=c.state.value, at=c.at, reason=c.reason)
+                           for c in self.state_history],
+            triggered_by=self.triggered_by, request_id=self.request_id, fingerprint=self.fingerprint,
+            engines_before=self.engines_before, launched_replica_ids=self.launched_replica_ids)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ScaleOperation:
-        fields = dict(data)
-        fields.update(type=OperationType(data["type"]), state=OperationState(data["state"]),
-                      state_history=[StateChange(OperationState(c["state"]), c["at"], c.get("reason", ""))
-                                     for c in data.get("state_history", [])])
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in fields.items() if k in known})
+    def from_document(cls, doc: state_pb2.ScaleOperation) -> ScaleOperation:
+        return cls(
+            operation_id=doc.operation_id, type=OperationType(doc.type), state=OperationState(doc.state),
+            model_name=doc.model_name, num_replicas=doc.num_replicas, engine_addresses=list(doc.engine_addresses),
+            replica_ids=list(doc.replica_ids), failed_replica_ids=list(doc.failed_replica_ids),
+            created_at=doc.created_at, updated_at=doc.updated_at, error_message=doc.error_message,
+            weight_version=doc.weight_version if doc.HasField("weight_version") else None, force=doc.force,
+            dry_run=doc.dry_run, timeout_s=doc.timeout_s, partial_success_policy=doc.partial_success_policy,
+            state_history=[StateChange(OperationState(c.state), c.at, c.reason) for c in doc.state_history],
+            triggered_by=doc.triggered_by, request_id=doc.request_id, fingerprint=doc.fingerprint,
+            engines_before=doc.engines_before, launched_replica_ids=list(doc.launched_replica_ids))
 
 
 class OperationBook:
@@ -301,12 +313,12 @@ class OperationBook:
 
     # --- persistence ---
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"operations": [o.to_dict() for o in self.list()]}
+    def to_document(self) -> state_pb2.OperationsDocument:
+        return state_pb2.OperationsDocument(operations=[o.to_document() for o in self.list()])
 
-    def load_dict(self, data: dict[str, Any]) -> None:
+    def restore(self, document: state_pb2.OperationsDocument) -> None:
         self._ops = {}
-        for item in data.get("operations", []):
-            op = ScaleOperation.from_dict(item)
+        for item in document.operations:
+            op = ScaleOperation.from_document(item)
             self._ops[op.operation_id] = op
         self._wake()

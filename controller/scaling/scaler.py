@@ -34,6 +34,7 @@ from mesh_runtime.errors import FailedPrecondition, InvalidArgument, NotFound
 from mesh_runtime.net import AddressError, parse_host_port
 from mesh_runtime.reasons import Reason
 from mesh_runtime.validate import check_engine_url, is_engine_url
+from rollmesh.controller.state.v1 import documents_pb2 as state_pb2
 
 from . import runs as scale_runs
 from ..agents import AgentCalls
@@ -89,10 +90,10 @@ class Scaler:
         self.scheduler, self.transitions, self.calls = scheduler, transitions, calls
         self.clock, self.emit, self.span, self.renew = clock, emit, span, renew
         self.book = OperationBook(clock=clock, emit=emit)
-        saved = store.load("operations")
-        if saved:
-            self.book.load_dict(saved)
-        store.track("operations", self.book.to_dict)
+        saved = store.load("operations", state_pb2.OperationsDocument)
+        if saved is not None:
+            self.book.restore(saved)
+        store.track("operations", self.book.to_document)
         self.tasks: dict[str, asyncio.Task] = {}
         self.removing: set[str] = set()
         """Replicas a scale-in is taking out: never routed again, even if their agent re-registers."""

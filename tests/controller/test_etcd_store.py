@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from controller.store import StateStore
+from rollmesh.controller.state.v1 import documents_pb2 as state_pb2
 from controller.store_backends import MAX_TXN_OPS, SqliteBackend, StoreUnavailable, parse_store, parse_store_url
 from mesh_runtime.config import ConfigError
 from mesh_runtime.errors import error_info, retry_delay
@@ -69,18 +70,18 @@ async def test_state_store_commits_are_durable_in_etcd(etcd):
     url = etcd.url("/durable")
     store = StateStore(parse_store(url, ""))
     state = {"current_step": 0}
-    store.track("scheduler", lambda: dict(state))
-    changes: list[tuple[str, object]] = []
+    store.track("scheduler", lambda: state_pb2.SchedulerDocument(**state))
+    changes: list[tuple[str, state_pb2.NodeDocument | None]] = []
     store.track_collection("registry/node", lambda: [changes.pop() for _ in list(changes)])
     state["current_step"] = 7
-    changes.append(("n1", {"node": {"node_id": "n1"}, "replicas": []}))
-    store.append_event(1, {"type": "NODE_REGISTERED"})
+    changes.append(("n1", state_pb2.NodeDocument(node=state_pb2.Node(node_id="n1"))))
+    store.append_event(1, state_pb2.Event(sequence=1, type="NODE_REGISTERED"))
     await store.commit()
     store.close()
     again = StateStore(parse_store(url, ""))   # a new controller, another machine: nothing on a local disk
-    assert again.load("scheduler") == {"current_step": 7}
-    assert again.load_collection("registry/node") == [{"node": {"node_id": "n1"}, "replicas": []}]
-    assert again.load_events(10) == [{"type": "NODE_REGISTERED"}]
+    assert again.load("scheduler", state_pb2.SchedulerDocument).current_step == 7
+    assert [d.node.node_id for d in again.load_collection("registry/node", state_pb2.NodeDocument)] == ["n1"]
+    assert [e.type for e in again.load_events(10)] == ["NODE_REGISTERED"]
     again.close()
 
 
@@ -145,11 +146,11 @@ async def test_three_members_survive_one_lost_and_stop_without_quorum_then_resum
     with etcd_cluster(tmp_path / "etcd3", size=3) as cluster:
         store = StateStore(parse_store(cluster.url("/ha"), ""))
         state = {"next_cycle": 0}
-        store.track("metrics", lambda: dict(state))
+        store.track("metrics", lambda: state_pb2.MetricsDocument(**state))
         cluster.stop(cluster.members[0], kill=True)   # the first endpoint: calls move to the next member
         state["next_cycle"] = 1
         await store.commit()
-        assert store.load("metrics") == {"next_cycle": 1}
+        assert store.load("metrics", state_pb2.MetricsDocument).next_cycle == 1
 
         cluster.stop(cluster.members[1], kill=True)   # one of three left: no quorum, no write acknowledged
         state["next_cycle"] = 2
@@ -163,7 +164,7 @@ async def test_three_members_survive_one_lost_and_stop_without_quorum_then_resum
             cluster.start(member, state="existing")
         cluster.wait_healthy()
         await store.commit()   # the refused batch was kept: it is written now
-        assert StateStore(parse_store(cluster.url("/ha"), "")).load("metrics") == {"next_cycle": 2}
+        assert StateStore(parse_store(cluster.url("/ha"), "")).load("metrics", state_pb2.MetricsDocument).next_cycle == 2
         store.close()
 
 

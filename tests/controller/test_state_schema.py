@@ -14,10 +14,22 @@ from controller.scaling.autoscaler import Decision
 from controller.scaling.autoscaler_loop import history_entry
 from controller.scaling.operations import OperationBook, OperationState, OperationType
 from controller.server import SPEC
-from controller.state_schema import EVENT, DocumentMismatch, DocumentSchema, NewerDocument, UnknownDocument
+from controller.core.events import EventLog, LifecycleEvent
+from controller.core.replicas import ReplicaRegistry
+from controller.state_schema import (
+    EVENT,
+    SCHEMA_VERSION,
+    DocumentMismatch,
+    DocumentSchema,
+    NewerDocument,
+    UnknownDocument,
+)
 from controller.store import StateStore
 from mesh_runtime.config import load_config
 from google.longrunning import operations_pb2, operations_pb2_grpc
+from google.protobuf import json_format
+from google.protobuf.message import Message
+from rollmesh.controller.state.v1 import documents_pb2 as state_pb2
 from rollmesh.controller.v1 import controller_pb2_grpc, observability_pb2, registry_pb2, scaling_pb2, scheduling_pb2
 from tests.controller_core.conftest import AHEAD, LAGGING, build_mesh
 
@@ -33,19 +45,21 @@ def _progress(operation: operations_pb2.Operation) -> scaling_pb2.ScaleOperation
     return progress
 
 
-def _round_trip(schema: DocumentSchema, key: str, document: dict) -> dict:
-    text = schema.encode(key, document)
-    schema.check(key, text)
-    return schema.decode(key, text)
+def _round_trip(schema: DocumentSchema, key: str, document: Message) -> Message:
+    """``document`` stored and read back: equal to it, now stamped with the schema's version."""
+    return schema.decode(key, schema.encode(key, document))
 
 
-def test_every_document_of_a_store_written_before_the_schema_fits_its_message():
+def test_every_document_of_a_store_written_before_the_schema_fits_its_message_and_is_written_the_same():
+    """Read into its message and written again, each document of the release before the schema is the same JSON
+    (plus its version): that release reads what this one writes, so a rollback finds its state."""
     schema = DocumentSchema()
-    for key, document in BEFORE["documents"].items():
-        assert schema.decode(key, json.dumps(document)) == document, key   # version 0: read as it is
-        assert _round_trip(schema, key, document) == document, key
-    for event in BEFORE["events"]:
-        assert schema.decode(EVENT, json.dumps(event)) == event
+    for key, document in [*BEFORE["documents"].items(), *((EVENT, event) for event in BEFORE["events"])]:
+        message = schema.decode(key, json.dumps(document))   # version 0: read as it is
+        assert message.schema_version == 0, key
+        assert message == json_format.ParseDict(document, schema.message_of(key)()), key
+        assert json.loads(schema.encode(key, message)) == {**document, "schema_version": 1}, key
+        assert _round_trip(schema, key, message) == message, key
 
 
 async def test_a_controller_resumes_from_a_store_written_before_the_schema(tmp_path):
@@ -83,7 +97,10 @@ async def test_a_controller_resumes_from_a_store_written_before_the_schema(tmp_p
     assert rewritten.backend is not None
     newest = json.loads(rewritten.backend.load_events(1)[0])
     assert newest["schema_version"] == 1 and newest["type"] == "CONTROLLER_STATE_CHANGED"   # what it wrote: version 1
-    assert rewritten.load("scheduler") == BEFORE["documents"]["scheduler"]
+    scheduler = rewritten.load("scheduler", state_pb2.SchedulerDocument)
+    assert scheduler is not None
+    scheduler.ClearField("schema_version")   # 0 if untouched since, 1 if the scheduler wrote it back
+    assert scheduler == json_format.ParseDict(BEFORE["documents"]["scheduler"], state_pb2.SchedulerDocument())
 
 
 def test_a_document_of_a_newer_schema_is_refused_with_what_to_do(tmp_path):
@@ -91,26 +108,29 @@ def test_a_document_of_a_newer_schema_is_refused_with_what_to_do(tmp_path):
     assert store.backend is not None
     store.backend.write([("scheduler", json.dumps({"schema_version": 2, "current_step": 4}))], [], [])
     with pytest.raises(NewerDocument, match=r"'scheduler' has schema version 2, newer than this controller's 1"):
-        store.load("scheduler")
+        store.load("scheduler", state_pb2.SchedulerDocument)
 
 
 def test_a_document_its_message_does_not_describe_is_refused_and_nothing_is_written(tmp_path):
     store = StateStore(str(tmp_path))
-    store.track("scheduler", lambda: {"current_stepp": 4})   # a component that drifted from the schema
+    store.track("scheduler", lambda: state_pb2.MetricsDocument(next_cycle=4))   # a component wired wrong
     store.mark("scheduler")
-    with pytest.raises(DocumentMismatch, match=r"'scheduler' is not a rollmesh.controller.state.v1.Scheduler"
-                                               r"Document: .*current_stepp"):
+    with pytest.raises(DocumentMismatch, match=r"'scheduler' must be a rollmesh.controller.state.v1.Scheduler"
+                                               r"Document, not MetricsDocument"):
         store.flush()
     assert store.backend is not None and store.backend.load("scheduler") is None
+    with pytest.raises(DocumentMismatch, match=r"'scheduler' is a SchedulerDocument, not a MetricsDocument"):
+        store.load("scheduler", state_pb2.MetricsDocument)
     store.backend.write([("metrics", '{"next_cycle": "soon"}')], [], [])   # edited by hand
     with pytest.raises(DocumentMismatch, match=r"'metrics' is not a .*MetricsDocument.*starts '\{\"next_cycle\""):
-        store.load("metrics")
+        store.load("metrics", state_pb2.MetricsDocument)
     with pytest.raises(UnknownDocument, match="'checkpoints' has no message in the state schema"):
-        store.track("checkpoints", dict)
+        store.track("checkpoints", state_pb2.MetricsDocument)
 
 
 async def test_what_each_component_persists_is_its_message():
-    """Documents of a run that went through every kind of step answer, from the components themselves."""
+    """Documents of a run that went through every kind of step answer, from the components themselves: each
+    is stored and read back unchanged, and a fresh component restored from it writes the same document."""
     schema = DocumentSchema()
     mesh = build_mesh()
     ctrl = mesh.controller()
@@ -119,20 +139,55 @@ async def test_what_each_component_persists_is_its_message():
     await ctrl.begin_step(2, StepReport(**LAGGING))
     await ctrl.release_hybrid(2, buffered_samples=40, waited_s=12.0, wait_expired=False)
     await ctrl.complete_step(2, 2, StepReport(**AHEAD, step_wait_times=[0.5], step_wait_samples=[3]))
-    saved = ctrl.state_dict()
-    assert saved["begin"] and saved["release"] and saved["complete"] and saved["policy"]
-    assert _round_trip(schema, "scheduler", saved) == saved
-    for node_id, document in mesh.registry.take_changes():
-        assert document is not None and _round_trip(schema, f"registry/node/{node_id}", document) == document
-    assert _round_trip(schema, "metrics", mesh.metrics.state_dict()) == mesh.metrics.state_dict()
-    events = [event.to_dict() for event in mesh.events.since(0)[0]]
-    assert events and all(_round_trip(schema, EVENT, event) == event for event in events)
+    saved = ctrl.to_document()
+    assert all(saved.HasField(name) for name in ("begin", "release", "complete", "policy"))
+    assert saved.complete.standalone_sync.replica_results and saved.policy.fields
+    stored = _round_trip(schema, "scheduler", saved)
+    assert stored == saved
+    fresh = build_mesh().controller()
+    fresh.restore(stored)
+    assert _stamped(fresh.to_document()) == stored
+
+    documents = [document for _, document in mesh.registry.take_changes()]
+    assert documents and all(d is not None and _round_trip(schema, "registry/node/x", d) == d for d in documents)
+    restored = ReplicaRegistry.from_documents(documents, clock=mesh.clock, lease_ttl_s=30)
+
+    def records(registry: ReplicaRegistry) -> list[state_pb2.Replica]:
+        documents = [r.to_document() for r in registry.replicas()]
+        for document in documents:
+            document.ClearField("lease_expires_at")
+        return documents
+
+    assert records(restored) == records(mesh.registry)   # each lease starts afresh
+
+    metrics = _round_trip(schema, "metrics", mesh.metrics.to_document())
+    assert metrics.closed and metrics == _stamped(mesh.metrics.to_document())
+    again = build_mesh().metrics
+    again.restore(metrics)
+    assert _stamped(again.to_document()) == metrics
+
+    events = mesh.events.since(0)[0]
+    assert events and all(LifecycleEvent.from_document(_round_trip(schema, EVENT, e.to_document())) == e
+                          for e in events)
+    log = EventLog(mesh.clock)
+    log.restore(_round_trip(schema, "events", mesh.events.to_document()), [e.to_document() for e in events])
+    assert log.last_sequence == mesh.events.last_sequence
 
     book = OperationBook(clock=lambda: 5.0, emit=lambda *args, **kwargs: None)
     op = book.new(OperationType.SCALE_OUT, num_replicas=3)
     book.transition(op, OperationState.CREATING, "launching")
-    assert _round_trip(schema, "operations", book.to_dict()) == book.to_dict()
+    operations = _round_trip(schema, "operations", book.to_document())
+    assert operations == _stamped(book.to_document())
+    copy = OperationBook(clock=lambda: 5.0, emit=lambda *args, **kwargs: None)
+    copy.restore(operations)
+    assert copy.list() == book.list()
     entry = history_entry(op, Decision("scale_out", 1, "queue above threshold", ("queue_high",),
                                        {"time": 5.0, "num_engines": 2, "avg_token_usage": 0.93}), 5.0)
-    autoscaler = {"enabled": True, "history": [entry], "last_scale_action": "scale_out", "last_scale_time": 5.0}
+    autoscaler = state_pb2.AutoscalerDocument(enabled=True, history=[entry], last_scale_action="scale_out",
+                                              last_scale_time=5.0)
     assert _round_trip(schema, "autoscaler", autoscaler) == autoscaler
+
+
+def _stamped(document: Message) -> Message:
+    document.schema_version = SCHEMA_VERSION  # type: ignore[attr-defined]
+    return document

@@ -10,6 +10,7 @@ import json
 import pytest
 
 from controller.store import StateStore
+from rollmesh.controller.state.v1 import documents_pb2 as state_pb2
 from controller.store_backends import SqliteBackend, StoreUnavailable
 from tests.waiting import wait_until
 
@@ -17,18 +18,18 @@ from tests.waiting import wait_until
 def test_a_late_background_write_cannot_overwrite_a_newer_flush(tmp_path):
     store = StateStore(str(tmp_path))
     state = {"next_cycle": 1}
-    store.track("metrics", lambda: dict(state))
+    store.track("metrics", lambda: state_pb2.MetricsDocument(**state))
     store.mark("metrics")
     older = store._collect()  # a background write that is slow to reach the disk
     state["next_cycle"] = 2
     store.mark("metrics")
     store.flush()  # a synchronous flush of the newer state lands first
     store._write(*older)
-    assert store.load("metrics") == {"next_cycle": 2}
+    assert store.load("metrics", state_pb2.MetricsDocument).next_cycle == 2
     state["next_cycle"] = 3
     store.mark("metrics")
     store.flush()
-    assert StateStore(str(tmp_path)).load("metrics") == {"next_cycle": 3}
+    assert StateStore(str(tmp_path)).load("metrics", state_pb2.MetricsDocument).next_cycle == 3
 
 
 class Refusing(SqliteBackend):
@@ -48,10 +49,10 @@ async def test_a_refused_batch_is_kept_for_the_next_one_and_counted(tmp_path):
     outcomes: list[bool] = []
     store.on_write = lambda seconds, ok: outcomes.append(ok)
     doc = {"next_cycle": 1}
-    store.track("metrics", lambda: dict(doc))
-    changes = [("n1", {"node": {"node_id": "n1"}, "replicas": []})]
+    store.track("metrics", lambda: state_pb2.MetricsDocument(**doc))
+    changes = [("n1", state_pb2.NodeDocument(node=state_pb2.Node(node_id="n1")))]
     store.track_collection("registry/node", lambda: [changes.pop() for _ in list(changes)])   # handed out once
-    store.append_event(1, {"type": "NODE_REGISTERED"})
+    store.append_event(1, state_pb2.Event(sequence=1, type="NODE_REGISTERED"))
     backend.down = True
     with pytest.raises(StoreUnavailable):
         await store.commit()
@@ -59,17 +60,17 @@ async def test_a_refused_batch_is_kept_for_the_next_one_and_counted(tmp_path):
     doc["next_cycle"] = 2
     backend.down = False
     await store.commit()
-    assert store.load("metrics") == {"next_cycle": 2}   # a fresh snapshot of the tracked document
-    assert store.load_collection("registry/node") == [{"node": {"node_id": "n1"}, "replicas": []}]   # the member the refused batch had
-    assert store.load_events(5) == [{"type": "NODE_REGISTERED"}]
+    assert store.load("metrics", state_pb2.MetricsDocument).next_cycle == 2   # a fresh snapshot of the document
+    [member] = store.load_collection("registry/node", state_pb2.NodeDocument)   # the member the refused batch had
+    assert member.node.node_id == "n1" and not member.replicas
+    assert [(e.sequence, e.type) for e in store.load_events(5)] == [(1, "NODE_REGISTERED")]
     assert outcomes == [False, True]
 
 
 async def test_the_background_writer_outlives_a_store_outage(tmp_path):
     backend = Refusing(tmp_path / "s.sqlite")
     store = StateStore(backend)
-    doc = {"next_cycle": 1}
-    store.track("metrics", lambda: dict(doc))
+    store.track("metrics", lambda: state_pb2.MetricsDocument(next_cycle=1))
     refused: list[bool] = []
     store.on_write = lambda seconds, ok: refused.append(ok) if not ok else None
     backend.down = True
@@ -80,7 +81,7 @@ async def test_the_background_writer_outlives_a_store_outage(tmp_path):
         assert not writer.done() and backend.load("metrics") is None
         backend.down = False
         await wait_until(lambda: backend.load("metrics") is not None, 5, what="the retried write")
-        assert json.loads(backend.load("metrics")) == {"schema_version": 1, "next_cycle": 1}
+        assert json.loads(backend.load("metrics")) == {"schema_version": 1, "next_cycle": 1, "seeded": None, "closed": []}
     finally:
         writer.cancel()
         with contextlib.suppress(asyncio.CancelledError):

@@ -82,10 +82,10 @@ def test_membership_and_readiness_survive_a_takeover_with_fresh_leases():
     reg.register("lb-a", "10.0.0.1:7000", "1.0", "r")
     reg.register("lb-b", "10.0.0.2:7000", "1.0", "r")
     reg.set_ready("10.0.0.1:7000", True)
-    saved = reg.state_dict()
+    saved = reg.to_document()
     clock.now += 100   # the leases lapsed while no controller acted
     restored = make(clock, [])
-    restored.load_state_dict(saved)
+    restored.restore(saved)
     assert restored.addresses() == ["10.0.0.1:7000", "10.0.0.2:7000"]
     assert restored.ready == {"10.0.0.1:7000"}
     assert all(m.lease_expires_at == clock.now + 4.0 for m in restored.members())

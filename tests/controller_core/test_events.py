@@ -41,22 +41,25 @@ def test_restore_continues_numbering():
     log = EventLog(FakeClock(), max_events=10)
     for _ in range(4):
         log.append(EventType.NODE_REGISTERED, node_id="n1")
-    state = log.state_dict()
+    stored = [e.to_document() for e in log.since(1)[0]]   # the events table's rows
     restored = EventLog(FakeClock())
-    restored.load_state_dict(state)
+    restored.restore(log.to_document(), stored)
     assert restored.append(EventType.NODE_DEREGISTERED).sequence == 5
     assert [e.sequence for e in restored.since(1)[0]] == [1, 2, 3, 4, 5]
     bare = EventLog(FakeClock())
-    bare.load_state_dict(log.state_dict(include_events=False))
+    bare.restore(log.to_document(), [])
     assert bare.append(EventType.GAP).sequence == 5 and bare.since(1)[1] == 4
 
 
-def test_event_dict_round_trip_and_trace_ids():
+def test_event_document_round_trip_and_trace_ids():
     log = EventLog(FakeClock(), trace_ids=lambda: ("a" * 32, "b" * 16))
     event = log.append(EventType.REPLICA_STATE_CHANGED, replica_id="r1", from_state="REPLICA_STATE_ACTIVE",
-                       to_state="REPLICA_STATE_DRAINING", weight_version=3)
+                       to_state="REPLICA_STATE_DRAINING", weight_version=3,
+                       attributes={"attempts": 3, "ratio": 0.5, "ids": ["a", "b"], "forced": True})
     assert event.trace_id == "a" * 32 and event.span_id == "b" * 16
-    assert LifecycleEvent.from_dict(event.to_dict()) == event
+    again = LifecycleEvent.from_document(event.to_document())
+    assert again == event and again.details == {"attempts": 3, "ratio": 0.5, "ids": ["a", "b"], "forced": True}
+    assert type(again.details["attempts"]) is int and again.global_step is None   # as they were, through the Struct
 
 
 def test_retention_keeps_young_events_past_the_count_and_never_more_than_the_hard_bound():

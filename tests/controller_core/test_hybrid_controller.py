@@ -20,6 +20,7 @@ from controller.core import (
 )
 from controller.core.metrics import RESOURCE_UTILIZATION, TRAIN_ALLOCATED_TIME
 from controller.core.policies import DynamicSchedulePolicyBase
+from mesh_runtime.json_values import from_struct
 
 from .conftest import AHEAD, LAGGING, build_mesh, report
 from .fakes import FakeClock, FakeReplicas, FakeRouting, FakeWeights
@@ -320,7 +321,7 @@ async def test_reference_api_policy_runs_unchanged(mesh):
     assert not done.hybrid_activated and done.hybrid_sync_skipped and done.deactivate_ratio == 0.5
     state = ctrl.scheduler_state()
     assert state.policy_name == "my_policy" and state.switch_cost_s is None
-    assert ctrl.state_dict()["policy"] == {"deactivate_ratio": 0.5}
+    assert from_struct(ctrl.to_document().policy) == {"deactivate_ratio": 0.5}
 
 
 async def test_policy_by_import_path_through_the_controller(mesh):
@@ -346,22 +347,22 @@ async def test_metrics_cycles_follow_weight_syncs(mesh):
     assert second.values[RESOURCE_UTILIZATION] >= 0.0
 
 
-async def test_state_dict_round_trip_resumes_mid_step():
+async def test_document_round_trip_resumes_mid_step():
     original = build_mesh()
     ctrl = original.controller()
     await activate_in_step_1(original, ctrl)
     await ctrl.begin_step(2, report())
     released = await ctrl.release_hybrid(2, 40, 12.0)
-    saved_ctrl, saved_registry = ctrl.state_dict(), original.registry.to_dict()
+    saved_ctrl, saved_registry = ctrl.to_document(), original.registry.documents()
 
     clock = FakeClock(original.clock())
     log: list = []
-    registry = ReplicaRegistry.from_dict(saved_registry, clock=clock)
+    registry = ReplicaRegistry.from_documents(saved_registry, clock=clock)
     restored = DynamicResourceController(
         SchedulingConfig(**ctrl.config.__dict__), registry=registry, routing=FakeRouting(log, clock, 0.5),
         replicas=FakeReplicas(log, clock), weights=FakeWeights(log, clock, 1000, 3.0), clock=clock)
-    restored.load_state_dict(saved_ctrl)
-    assert restored.state_dict() == saved_ctrl
+    restored.restore(saved_ctrl)
+    assert restored.to_document() == saved_ctrl
     assert await restored.release_hybrid(2, 40, 12.0) == released and log == []
     with pytest.raises(OutOfOrder, match="expects CompleteTrainingStep"):
         await restored.begin_step(3, report())

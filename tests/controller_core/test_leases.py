@@ -62,6 +62,8 @@ def test_nodes_and_balancers_lapse_through_the_same_lessor_rules():
 
 def test_a_node_document_keeps_its_flat_lease_fields():
     node = NodeRecord("n1", "127.0.0.1:1", lease=Lease(expires_at=42.0, held=False))
-    document = node.to_dict()
-    assert (document["lease_expires_at"], document["lease_held"]) == (42.0, False) and "lease" not in document
-    assert NodeRecord.from_dict(document) == node
+    document = node.to_document()
+    assert (document.lease_expires_at, document.lease_held) == (42.0, False)
+    assert NodeRecord.from_document(document) == node
+    document.ClearField("lease_held")   # written before the flag: a lease is held
+    assert NodeRecord.from_document(document).lease == Lease(expires_at=42.0, held=True)

@@ -125,12 +125,12 @@ def test_x_is_zero_without_a_deactivation_wait_this_cycle():
     assert v[RESOURCE_UTILIZATION] == pytest.approx((8 * 0.5 + 24 * 0.0) / 32)
 
 
-def test_cycle_state_dict_round_trip():
+def test_cycle_document_round_trip():
     m = metrics()
     m.add_micro_step(timing_raw=M1, allocated_s=10.0)
     m.close_cycle(global_step=1, weight_version=1, now=1.0)
     restored = metrics()
-    restored.load_state_dict(m.state_dict())
+    restored.restore(m.to_document())
     assert restored.cycles() == m.cycles()
     assert restored.close_cycle(global_step=2, weight_version=2, now=2.0).cycle == 2
 

@@ -48,7 +48,8 @@ def test_context_has_exactly_the_reference_fields_and_derived_step_required():
     assert c.step_required_samples == 128
     c.required_samples = 10
     assert c.step_required_samples == 40
-    assert DynamicScheduleContext.from_dict(c.to_dict()) == c
+    c.step_wait_times, c.step_wait_samples, c.buffer_samples = [0.5, 2.0], [3, 4], 12.5
+    assert DynamicScheduleContext.from_document(c.to_document()) == c
 
 
 # --- default: adaptive ratio ---

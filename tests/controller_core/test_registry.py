@@ -113,20 +113,22 @@ def test_deregister_stops_replicas_and_unknown_ids_are_not_found():
         reg.transition("zz", S.ACTIVE)
 
 
-def test_dict_round_trip_gives_fresh_leases():
+def test_document_round_trip_gives_fresh_leases():
     reg, _, clock = make(ttl=5)
     reg.register_node("n1", "h:1", replicas=[ReplicaSpec("a", K.HYBRID, S.SLEEPING, weight_version=3,
                                                          slots=(0, 1), initial=True)])
     reg.record_report("a", object())
-    data = reg.to_dict()
+    data = reg.documents()
     clock.advance(1000)
-    restored = ReplicaRegistry.from_dict(data, clock=clock)
+    restored = ReplicaRegistry.from_documents(data, clock=clock, lease_ttl_s=5)
     assert restored.get("a").weight_version == 3 and restored.get("a").slots == (0, 1)
     assert restored.get("a").last_report is None
     assert restored.node("n1").lease_expires_at == clock() + 5
     assert restored.expire_leases() == []
-    assert restored.to_dict()["replicas"] == [
-        {**data["replicas"][0], "lease_expires_at": clock() + 5}]
+    [again] = restored.documents()
+    assert again.replicas[0].lease_expires_at == clock() + 5
+    again.replicas[0].lease_expires_at = data[0].replicas[0].lease_expires_at
+    assert list(again.replicas) == list(data[0].replicas)
 
 
 # --- stateful property test ---
@@ -240,7 +242,7 @@ class RegistryMachine(RuleBasedStateMachine):
     def persistence_round_trip(self):
         if not hasattr(self, "reg"):
             return
-        restored = ReplicaRegistry.from_dict(self.reg.to_dict(), clock=self.clock)
+        restored = ReplicaRegistry.from_documents(self.reg.documents(), clock=self.clock)
         assert [(r.replica_id, r.state, r.kind, r.intentionally_removed) for r in restored.replicas()] == \
                [(r.replica_id, r.state, r.kind, r.intentionally_removed) for r in self.reg.replicas()]
 
@@ -293,7 +295,7 @@ def test_the_node_index_follows_moves_forgets_and_restores():
     registry.forget_node("b", "rolled back")
     assert registry.replicas(node_id="b") == [] and "r1" not in registry
     registry.register_node("c", "c:1", replicas=[ReplicaSpec("r2", ReplicaKind.HYBRID, ReplicaState.SLEEPING)])
-    restored = ReplicaRegistry.from_dict(registry.to_dict(), clock=lambda: 0.0)
+    restored = ReplicaRegistry.from_documents(registry.documents(), clock=lambda: 0.0)
     assert [r.replica_id for r in restored.replicas(node_id="c")] == ["r2"]
 
 
@@ -308,7 +310,7 @@ def test_changes_name_only_the_nodes_that_changed_and_a_forgotten_node_is_delete
     registry.transition("n2-r0", ReplicaState.FAILED, "test")
     registry.set_weight_version("n0-r0", 4)
     changes = dict(registry.take_changes())
-    assert sorted(changes) == ["n0", "n2"] and changes["n0"]["replicas"][0]["weight_version"] == 4
+    assert sorted(changes) == ["n0", "n2"] and changes["n0"].replicas[0].weight_version == 4
     registry.forget_node("n1", "rolled back")
     assert registry.take_changes() == [("n1", None)]
     restored = ReplicaRegistry.from_documents([changes["n0"], changes["n2"]], clock=lambda: 0.0, lease_ttl_s=30)

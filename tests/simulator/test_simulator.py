@@ -6,7 +6,6 @@ import copy
 
 import pytest
 
-from controller.core.context import DynamicScheduleContext
 from controller.core.hybrid import DynamicResourceController
 from controller.core.policies import DefaultDynamicSchedulePolicy, StepOutcome
 from simulator.report import bottleneck
@@ -24,7 +23,7 @@ class RecordingDefault(DefaultDynamicSchedulePolicy):
         self.calls: list[tuple[str, tuple, dict, object]] = []
 
     def _rec(self, name, args, ctx, result):
-        self.calls.append((name, copy.deepcopy(args), ctx.to_dict(), result))
+        self.calls.append((name, copy.deepcopy(args), copy.deepcopy(ctx), result))
         return result
 
     def should_deactivate(self, global_steps, is_hybrid_active, ctx):
@@ -64,8 +63,8 @@ def test_policy_decisions_in_the_simulator_equal_the_policy_fed_the_same_context
 
     # the same policy class fed the same contexts directly, in the same order, decides the same
     fresh = DefaultDynamicSchedulePolicy(deactivate_ratio=0.6)
-    for name, args, ctx_dict, decided in policy.calls:
-        ctx = DynamicScheduleContext.from_dict(ctx_dict)
+    for name, args, seen, decided in policy.calls:
+        ctx = copy.deepcopy(seen)
         direct = getattr(fresh, name)(*args, ctx) if args else getattr(fresh, name)(ctx)
         assert direct == decided, (name, args)
 

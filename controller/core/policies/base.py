@@ -29,6 +29,8 @@ import abc
 import dataclasses
 from typing import Any
 
+from rollmesh.controller.state.v1 import documents_pb2 as state_pb2
+
 from ..context import DynamicScheduleContext
 
 
@@ -59,12 +61,17 @@ class StepOutcome:
         """True when the deactivate ratio decided a real wait this step."""
         return self.deactivated
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    def to_document(self) -> state_pb2.StepOutcome:
+        return state_pb2.StepOutcome(
+            global_step=self.global_step, deactivated=self.deactivated, wait_samples=self.wait_samples,
+            buffered_samples=self.buffered_samples, waited_s=self.waited_s, wait_expired=self.wait_expired,
+            deactivate_duration_s=self.deactivate_duration_s, activate_duration_s=self.activate_duration_s)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> StepOutcome:
-        return cls(**data)
+    def from_document(cls, doc: state_pb2.StepOutcome) -> StepOutcome:
+        return cls(global_step=doc.global_step, deactivated=doc.deactivated, wait_samples=doc.wait_samples,
+                   buffered_samples=doc.buffered_samples, waited_s=doc.waited_s, wait_expired=doc.wait_expired,
+                   deactivate_duration_s=doc.deactivate_duration_s, activate_duration_s=doc.activate_duration_s)
 
 
 class DynamicSchedulePolicyBase(abc.ABC):

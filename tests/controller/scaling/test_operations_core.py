@@ -102,7 +102,7 @@ def test_lookup_listing_and_round_trip():
     assert b.list(types=[OperationType.SCALE_IN], model_name="m2") == [second]
     assert b.list(model_name="m3") == []
     restored, _ = book()
-    restored.load_dict(b.to_dict())
+    restored.restore(b.to_document())
     again = restored.get(first.operation_id)
     assert again == first and restored.get(second.operation_id).replica_ids == ["r1"]
     assert isinstance(FailedPreconditionError("x"), CoreError)
