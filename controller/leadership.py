@@ -25,7 +25,6 @@ quorum), and it competes for the store again.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import socket
@@ -71,7 +70,6 @@ class Leadership:
         self.address = config.advertise_address
         self.leader_name = self.leader_address = ""
         self.ownership: StoreOwnership | None = None
-        self._acting: list[asyncio.Task] = []
         self._server: MeshServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._standby_since = time.monotonic()
@@ -148,7 +146,7 @@ class Leadership:
         if self.role == LEADER:
             self.leader_address = self.address
             await self._publish()
-            self._acting = self.mesh.start_acting(server.spawn)
+            self.mesh.start_acting(server.spawn)
         else:
             server.spawn(self._standby(), name="standby")
 
@@ -198,11 +196,11 @@ class Leadership:
         assert self._server is not None
         mesh = self._leader_mesh()
         self.role = LEADER
-        log.warning("leads the state store %s now (after %s)", mesh.store.description,
+        log.warning("leads the state store %s now (after %s)", mesh.state_store,
                     self.ownership.previous if self.ownership and self.ownership.previous else "nobody")
         await self._serve_from(mesh)
         await self._publish()
-        self._acting = mesh.start_acting(self._server.spawn)
+        mesh.start_acting(self._server.spawn)
 
     def _lost(self, why: str) -> None:
         """The store is owned elsewhere now (called from the lease thread or a writer thread)."""
@@ -217,20 +215,11 @@ class Leadership:
             return
         self.role = STANDBY
         self._standby_since = time.monotonic()
-        mesh = self.mesh
-        mesh.store.read_only = True
-        mesh.hub.close(Unavailable("this controller stopped leading; resume the stream on the new leader",
-                                   reason=Reason.NOT_LEADER, metadata={"leader": "", "leader_name": ""},
-                                   retry_delay_s=1.0))
-        log.critical("stopped acting: lost the state store %s (%s); serving as a standby", mesh.store.description,
+        log.critical("stopped acting: lost the state store %s (%s); serving as a standby", self.mesh.state_store,
                      why)
-        acting, self._acting = self._acting, []
-        for task in acting:
-            task.cancel()
-        await asyncio.gather(*acting, return_exceptions=True)
-        with contextlib.suppress(Exception):
-            await mesh.scaler.close()
-        mesh.ownership = None   # released by nobody: its lease is gone or going
+        await self.mesh.stop_acting(Unavailable(
+            "this controller stopped leading; resume the stream on the new leader", reason=Reason.NOT_LEADER,
+            metadata={"leader": "", "leader_name": ""}, retry_delay_s=1.0))
         self.leader_name = self.leader_address = ""
         assert self._server is not None
         backend = self._backend()

@@ -37,7 +37,7 @@ from .core.hybrid import DynamicResourceController
 from .core.metrics import CycleMetrics
 from .core.records import TERMINAL_STATES, Registration, ReplicaRecord, ReplicaState
 from .core.replicas import ReplicaRegistry
-from .core.steps import StepReport
+from .core.steps import BeginDecision, CompleteResult, ReleaseResult, StepReport
 from .agents import AgentCalls
 from .balancers import Balancers
 from .checkpoint_load import CheckpointFlip
@@ -64,7 +64,8 @@ def _trace_ids() -> tuple[str, str]:
 
 
 class Mesh:
-    """Registry + scheduling + weight sync + events, behind the controller's RPCs."""
+    """The controller's composition root: builds the registry, scheduling, weight sync, scaling, routing and
+    events, wires each its ports, and serves the RPCs as :class:`~controller.api.ControllerApi`."""
 
     def __init__(self, config: ControllerConfig, tracer_provider: TracerProvider | None, *,
                  backend: StoreBackend | None = None, ownership: StoreOwnership | None = None,
@@ -96,6 +97,7 @@ class Mesh:
         """Load reports in a row that lacked a live replica of their node."""
         self._leftover_stops: dict[str, float] = {}
         self._background: set[asyncio.Future] = set()
+        self._acting: list[asyncio.Task] = []
         self.channels = Channels(tracer_provider, tls=config.tls)
         sched = config.async_training
         self.balancers = Balancers(config.load_balancer_address, lease_ttl_s=config.lease_ttl_s, store=self.store,
@@ -204,6 +206,13 @@ class Mesh:
         self.store.mark("events", "registry/node")
         return event
 
+    def observe(self, on_event: Callable[[LifecycleEvent], None], on_write: Callable[[float, bool], None]) -> None:
+        """Call ``on_event`` with every event recorded from now on (once, however often it is asked), and
+        ``on_write`` after every batch the store writes (the controller's metrics)."""
+        if on_event not in self.event_listeners:
+            self.event_listeners.append(on_event)
+        self.store.on_write = on_write
+
     @contextlib.contextmanager
     def span(self, name: str, **attributes: Any) -> Iterator[trace.Span]:
         attrs = {f"rollmesh.{k}": (list(v) if isinstance(v, (list, tuple)) else v)
@@ -212,23 +221,43 @@ class Mesh:
             yield span
 
     # ------------------------------------------------ step protocol, weights
-    async def begin_step(self, global_step: int, report: StepReport) -> Any:
+    async def begin_step(self, global_step: int, report: StepReport) -> BeginDecision:
         decision = await self.scheduler.begin_step(global_step, report)
         await self.commit()   # durable before acknowledged
         return decision
 
     async def release_hybrid(self, global_step: int, buffered_samples: int, waited_s: float,
-                             wait_expired: bool) -> Any:
+                             wait_expired: bool) -> ReleaseResult:
         result = await self.scheduler.release_hybrid(global_step, buffered_samples, waited_s, wait_expired)
         await self.commit()
         return result
 
-    async def complete_step(self, global_step: int, weight_version: int, report: StepReport) -> Any:
+    async def complete_step(self, global_step: int, weight_version: int, report: StepReport) -> CompleteResult:
         result = await self.scheduler.complete_step(global_step, weight_version, report)
         await self.commit()
         return result
 
     # ----------------------------------------------------------- registration
+    @property
+    def state_store(self) -> str:
+        return self.store.description
+
+    @property
+    def last_event_sequence(self) -> int:
+        return self.events.last_sequence
+
+    def balancer_addresses(self) -> list[str]:
+        return [balancer.address for balancer in self.routing.balancers]
+
+    def admit(self) -> float:
+        return self.admission.admit()
+
+    async def deregister_node(self, node_id: str, reason: str) -> list[str]:
+        stopped = self.registry.deregister_node(node_id, reason)
+        await self.routing.converge(stopped)
+        await self.commit()
+        return stopped
+
     async def register_node(self, request: registry_pb2.RegisterNodeRequest) -> Registration:
         from mesh_runtime.validate import check_address, check_id, check_number, quote  # noqa: PLC0415
 
@@ -377,7 +406,7 @@ class Mesh:
             except Exception:  # noqa: BLE001 - leases must keep being checked after one bad round
                 log.exception("checking leases failed; trying again in %.2f s", interval)
 
-    def start_acting(self, spawn: Callable[..., asyncio.Task]) -> list[asyncio.Task]:
+    def start_acting(self, spawn: Callable[..., asyncio.Task]) -> None:
         """Start everything that acts on the mesh (the leader's work): the store writer, lease expiry, routing
         reconciliation, external engines' leases, the autoscaler; recover interrupted scale operations."""
         if self.read_only:
@@ -389,7 +418,21 @@ class Mesh:
         self.scaler.recover()
         if self.autoscaler.configured:
             tasks.append(spawn(self.autoscaler.run(), name="autoscaler"))
-        return tasks
+        self._acting = tasks
+
+    async def stop_acting(self, streams_end: Exception) -> None:
+        """Stop everything :meth:`start_acting` started (a deposed leader; this becomes a read-only copy):
+        nothing more is written, every event stream ends with ``streams_end``, scale operations stop driving,
+        and the store's ownership is forgotten (its lease is gone or going: nobody releases it)."""
+        self.store.read_only = True
+        self.hub.close(streams_end)
+        acting, self._acting = self._acting, []
+        for task in acting:
+            task.cancel()
+        await asyncio.gather(*acting, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await self.scaler.close()
+        self.ownership = None
 
     async def close(self) -> None:
         await self.scaler.close()

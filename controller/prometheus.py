@@ -27,7 +27,6 @@ if TYPE_CHECKING:
     from .balancers import Balancers
     from .core.metrics import CycleMetrics
     from .core.replicas import ReplicaRegistry
-    from .store import StateStore
     from .watchers import EventHub
 
 
@@ -35,13 +34,16 @@ class Observed(Protocol):
     """What the metrics read of the controller (its :class:`~controller.mesh.Mesh`, the leader's or a
     standby's copy): a typed port, not the whole mesh."""
 
-    store: StateStore
     registry: ReplicaRegistry
     balancers: Balancers
     metrics: CycleMetrics
     events: EventLog
     hub: EventHub
-    event_listeners: list[Callable[[LifecycleEvent], None]]
+
+    def observe(self, on_event: Callable[[LifecycleEvent], None],
+                on_write: Callable[[float, bool], None]) -> None:
+        """Call ``on_event`` with every event recorded from now on, ``on_write`` after every store batch."""
+        ...
 
 _GAUGES = {cycle_metrics.MQ_SIZE}
 _HISTOGRAMS = (cycle_metrics.TRAIN_UTILIZATION, cycle_metrics.TRAIN_COMPUTE_TIME, cycle_metrics.TRAIN_ALLOCATED_TIME,
@@ -73,12 +75,12 @@ def _number(value: Any) -> float:
 class ControllerMetrics:
     """Registers the controller's metrics on ``server`` and observes cycles as they close."""
 
-    def __init__(self, mesh: Observed, server: ServerMetrics) -> None:
-        self._mesh = mesh
+    def __init__(self, source: Observed, server: ServerMetrics) -> None:
+        self._source = source
         self._server = server
         self._histograms: dict[str, Histogram] = {}
         self._sums: dict[str, float] = {}
-        closed = mesh.metrics.closed
+        closed = source.metrics.closed
         self._observed = closed[-1].cycle if closed else 0
         server.on_scrape(self.families)   # first: it observes new cycles before the histograms below are read
         self._events = server.counter("rollmesh_controller_events", "Lifecycle events recorded, by type", ("type",))
@@ -112,16 +114,14 @@ class ControllerMetrics:
         self._cycles = server.counter("rollmesh_dynamic_resource_cycles", "Sync cycles closed since start-up")
         for name in _HISTOGRAMS:
             self._histogram(name)
-        self.bind(mesh)
+        self.bind(source)
 
-    def bind(self, mesh: Observed) -> None:
-        """Observe ``mesh`` from now on (a standby's refreshed copy, a promoted leader's mesh): its store's
+    def bind(self, source: Observed) -> None:
+        """Observe ``source`` from now on (a standby's refreshed copy, a promoted leader's mesh): its store's
         writes, its events, its cycles from the newest it has."""
-        self._mesh = mesh
-        mesh.store.on_write = self._on_write
-        if self.count_event not in mesh.event_listeners:
-            mesh.event_listeners.append(self.count_event)
-        closed = mesh.metrics.closed
+        self._source = source
+        source.observe(self.count_event, self._on_write)
+        closed = source.metrics.closed
         self._observed = max(self._observed, closed[-1].cycle if closed else 0)
 
     def count_event(self, event: LifecycleEvent) -> None:
@@ -142,7 +142,7 @@ class ControllerMetrics:
             self._sync_bytes.labels("saved").inc(_number(attrs.get("bytes_saved")))
 
     def observe_closed_cycles(self) -> None:
-        for cycle in self._mesh.metrics.closed:
+        for cycle in self._source.metrics.closed:
             if cycle.cycle <= self._observed:
                 continue
             self._observed = cycle.cycle
@@ -165,7 +165,7 @@ class ControllerMetrics:
 
     def families(self) -> list:
         self.observe_closed_cycles()
-        registry = self._mesh.registry
+        registry = self._source.registry
         out: list[CounterMetricFamily | GaugeMetricFamily] = []
         replicas = GaugeMetricFamily("rollmesh_controller_replicas", "Replicas in the registry, by kind and state",
                                      labels=["kind", "state"])
@@ -181,7 +181,7 @@ class ControllerMetrics:
         balancers = GaugeMetricFamily("rollmesh_controller_balancers", "Load balancers kept in line (configured and "
                                       "registered), by whether clients are sent to them (table filled, answering)",
                                       labels=["ready"])
-        records = self._mesh.balancers.records()
+        records = self._source.balancers.records()
         ready = sum(1 for b in records if b.routing_ready and b.lease_held)
         balancers.add_metric(["true"], ready)
         balancers.add_metric(["false"], len(records) - ready)
@@ -192,14 +192,14 @@ class ControllerMetrics:
             out.append(family)
         out.append(GaugeMetricFamily("rollmesh_controller_event_history_events",
                                      "Lifecycle events retained for replay (event_retention, event_retention_s, "
-                                     "event_retention_max)", value=len(self._mesh.events)))
-        queued = self._mesh.hub.sizes()
+                                     "event_retention_max)", value=len(self._source.events)))
+        queued = self._source.hub.sizes()
         out.append(GaugeMetricFamily("rollmesh_controller_event_watchers", "Open WatchEvents streams",
                                      value=len(queued)))
         out.append(GaugeMetricFamily("rollmesh_controller_event_watcher_queue_max_events",
                                      "Events queued for the most backed-up WatchEvents stream (bounded by "
                                      "watcher_queue_size)", value=max(queued, default=0)))
-        latest = self._mesh.metrics.closed[-1] if self._mesh.metrics.closed else None
+        latest = self._source.metrics.closed[-1] if self._source.metrics.closed else None
         if latest is not None and cycle_metrics.MQ_SIZE in latest.values:
             out.append(GaugeMetricFamily("rollmesh_dynamic_resource_mq_size",
                                          "Message-queue size at the newest closed sync cycle",

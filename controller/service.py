@@ -1,4 +1,4 @@
-"""gRPC surface of the controller: decode -> Mesh / core call -> encode."""
+"""gRPC surface of the controller: decode -> a :class:`~controller.api.ControllerApi` call -> encode."""
 
 from __future__ import annotations
 
@@ -27,10 +27,10 @@ from .auth import has_scale_token, require_own_node, require_scale_credential
 from .config import ControllerConfig
 from .core.events import EventType, LifecycleEvent
 from .leadership import Leadership, StandbyGate
-from .mesh import Mesh
+from .api import ControllerApi
 from .ports import Channels
 from .peers import Peers
-from .prometheus import ControllerMetrics
+from .prometheus import ControllerMetrics, Observed
 from .scaling import lro
 from .scaling.service import ScalingRpcs
 
@@ -48,19 +48,20 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
         self.leadership = Leadership(config, tracer_provider, on_mesh=self._serve_from)
         self.interceptors = [StandbyGate(self.leadership)]
         self.metrics = ServerMetrics()
-        self.prometheus = ControllerMetrics(self.mesh, self.metrics)
+        self.prometheus = ControllerMetrics(self.leadership.mesh, self.metrics)
         self._peer_channels = Channels(tracer_provider, tls=config.tls)
-        self.peers = Peers(balancers=lambda: [b.address for b in self.mesh.routing.balancers],
+        self.peers = Peers(balancers=lambda: self.api.balancer_addresses(),
                            timeout_s=config.peer_timeout_s, channels=self._peer_channels)
-        self.also_serves = [ServiceBinding(lro.SERVICE_NAME, lro.OperationsServicer(lambda: self.mesh.scaler, config),
+        self.also_serves = [ServiceBinding(lro.SERVICE_NAME, lro.OperationsServicer(lambda: self.api.scaler, config),
                                            operations_pb2_grpc.add_OperationsServicer_to_server)]
 
     @property
-    def mesh(self) -> Mesh:
-        """The mesh served from: the leader's, or a standby's read-only copy (replaced at each refresh)."""
+    def api(self) -> ControllerApi:
+        """The mesh served from (the leader's, or a standby's read-only copy, replaced at each refresh), as the
+        port the RPCs use."""
         return self.leadership.mesh
 
-    def _serve_from(self, mesh: Mesh) -> None:
+    def _serve_from(self, mesh: Observed) -> None:
         self.prometheus.bind(mesh)
 
     async def attach(self, server: MeshServer) -> None:
@@ -72,15 +73,15 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
     # ---------------------------------------------------------------- status
     async def GetStatus(self, request: controller_pb2.GetStatusRequest,  # noqa: N802 - gRPC method names throughout
                         context: grpc.aio.ServicerContext) -> controller_pb2.GetStatusResponse:
-        registry = self.mesh.registry
-        present, active = registry.present_and_active()
+        api = self.api
+        present, active = api.registry.present_and_active()
         return controller_pb2.GetStatusResponse(
             status=self.status.status(), peers=await self.peers.probe(),
-            hybrid_state=scheduling_pb2.HybridState.Value(self.mesh.scheduler.hybrid_state.proto_name),
-            node_count=registry.node_count(), replica_count=present, active_replica_count=active,
-            last_event_sequence=self.mesh.events.last_sequence,
-            running_operation_id=getattr(self.mesh.scaler.book.running(), "operation_id", ""),
-            state_store=self.mesh.store.description, **self.leadership.status_fields())
+            hybrid_state=scheduling_pb2.HybridState.Value(api.scheduler.hybrid_state.proto_name),
+            node_count=api.registry.node_count(), replica_count=present, active_replica_count=active,
+            last_event_sequence=api.last_event_sequence,
+            running_operation_id=getattr(api.scaler.book.running(), "operation_id", ""),
+            state_store=api.state_store, **self.leadership.status_fields())
 
     # -------------------------------------------------------------- registry
     def token_check(self, context: grpc.aio.ServicerContext) -> bool:
@@ -94,19 +95,19 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
         if remaining is not None and remaining <= 0:   # its caller gave up: doing it now would help nobody
             raise DeadlineExceeded(f"registration of node {request.node_id[:64]!r} reached the controller after "
                                    "its deadline; nothing was registered", reason=Reason.DEADLINE_PASSED)
-        wait = self.mesh.admission.admit()
+        wait = self.api.admit()
         if wait:
             raise ResourceExhausted(
                 f"more than max_registrations_per_s={self.config.max_registrations_per_s:g} registrations this "
                 f"second; node {request.node_id[:64]!r} was not registered: retry in {wait:.2f} s",
                 reason=Reason.REGISTRATIONS_THROTTLED, retry_delay_s=wait)
         check_reachable(request.address, context.peer(), f"node {request.node_id[:64]!r}")
-        self.mesh.pace()   # the lease it gets is the one of the fleet's current pace
-        registration = await self.mesh.register_node(request)
+        self.api.pace()   # the lease it gets is the one of the fleet's current pace
+        registration = await self.api.register_node(request)
         reply = registry_pb2.RegisterNodeResponse(node_id=registration.node_id,
                                                   accepted_replica_ids=registration.accepted,
                                                   rejected_replica_ids=list(registration.rejected))
-        interval, ttl = self.mesh.pace()
+        interval, ttl = self.api.pace()
         reply.lease_ttl.CopyFrom(convert.duration(ttl))
         reply.load_report_interval.CopyFrom(convert.duration(interval))
         return reply
@@ -114,9 +115,7 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
     async def DeregisterNode(self, request: registry_pb2.DeregisterNodeRequest,  # noqa: N802
                              context: grpc.aio.ServicerContext) -> registry_pb2.DeregisterNodeResponse:
         require_own_node(request.node_id, "DeregisterNode")
-        stopped = self.mesh.registry.deregister_node(request.node_id, request.reason)
-        await self.mesh.routing.converge(stopped)
-        await self.mesh.commit()
+        stopped = await self.api.deregister_node(request.node_id, request.reason)
         return registry_pb2.DeregisterNodeResponse(stopped_replica_ids=stopped)
 
     async def StreamLoadReports(  # noqa: N802
@@ -129,8 +128,8 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
                                       "node_id", reason=Reason.INVALID_NODE_ID)
             if not node_id:
                 require_own_node(message.node_id, "StreamLoadReports")
-            pace = self.mesh.pace()
-            expires, register_again = self.mesh.renew(message.node_id, message.reports)
+            pace = self.api.pace()
+            expires, register_again = self.api.renew(message.node_id, message.reports)
             # answer the first report, a needed re-registration, and every change of pace (the fleet grew)
             if not node_id or register_again or pace != told:
                 node_id, told = message.node_id, pace
@@ -143,19 +142,19 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
     async def RegisterBalancer(self, request: registry_pb2.RegisterBalancerRequest,  # noqa: N802
                                context: grpc.aio.ServicerContext) -> registry_pb2.RegisterBalancerResponse:
         check_reachable(request.address, context.peer(), f"balancer {request.balancer_id[:64]!r}")
-        return await self.mesh.balancers.register(request)
+        return await self.api.balancers.register(request)
 
     async def DeregisterBalancer(self, request: registry_pb2.DeregisterBalancerRequest,  # noqa: N802
                                  context: grpc.aio.ServicerContext) -> registry_pb2.DeregisterBalancerResponse:
-        return await self.mesh.balancers.deregister(request)
+        return await self.api.balancers.deregister(request)
 
     async def ListBalancers(self, request: registry_pb2.ListBalancersRequest,  # noqa: N802
                             context: grpc.aio.ServicerContext) -> registry_pb2.ListBalancersResponse:
-        return registry_pb2.ListBalancersResponse(balancers=self.mesh.balancers.records(ready_only=request.ready_only))
+        return registry_pb2.ListBalancersResponse(balancers=self.api.balancers.records(ready_only=request.ready_only))
 
     async def ListNodes(self, request: registry_pb2.ListNodesRequest,  # noqa: N802
                         context: grpc.aio.ServicerContext) -> registry_pb2.ListNodesResponse:
-        registry = self.mesh.registry
+        registry = self.api.registry
         nodes, token = pages.page(registry.nodes(), key=lambda n: n.node_id, page_size=request.page_size,
                                   page_token=request.page_token, filters=())
         records = await pages.convert_all(nodes, lambda n: convert.node_record(
@@ -164,7 +163,7 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
 
     async def GetNode(self, request: registry_pb2.GetNodeRequest,  # noqa: N802
                       context: grpc.aio.ServicerContext) -> registry_pb2.GetNodeResponse:
-        registry = self.mesh.registry
+        registry = self.api.registry
         node = registry.node(request.node_id)
         replicas = registry.replicas(node_id=node.node_id)
         return registry_pb2.GetNodeResponse(node=convert.node_record(node, [r.replica_id for r in replicas]),
@@ -174,7 +173,7 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
                            context: grpc.aio.ServicerContext) -> registry_pb2.ListReplicasResponse:
         kinds = {convert.kind_from_proto(k) for k in request.kinds}
         states = {convert.state_from_proto(s) for s in request.states}
-        records = [r for r in self.mesh.registry.replicas(node_id=request.node_id or None)
+        records = [r for r in self.api.registry.replicas(node_id=request.node_id or None)
                    if (not kinds or r.kind in kinds) and (not states or r.state in states)
                    and (not request.model_name or r.model_name == request.model_name)]
         filters = (sorted(request.kinds), sorted(request.states), request.node_id, request.model_name)
@@ -185,34 +184,34 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
 
     async def GetReplica(self, request: registry_pb2.GetReplicaRequest,  # noqa: N802
                          context: grpc.aio.ServicerContext) -> registry_pb2.GetReplicaResponse:
-        return registry_pb2.GetReplicaResponse(replica=convert.replica_record(self.mesh.registry.get(request.replica_id)))
+        return registry_pb2.GetReplicaResponse(replica=convert.replica_record(self.api.registry.get(request.replica_id)))
 
     # ------------------------------------------------------------ scheduling
     async def BeginTrainingStep(self, request: scheduling_pb2.BeginTrainingStepRequest,  # noqa: N802
                                 context: grpc.aio.ServicerContext) -> scheduling_pb2.BeginTrainingStepResponse:
-        decision = await self.mesh.begin_step(request.global_step, convert.step_report(request.report))
+        decision = await self.api.begin_step(request.global_step, convert.step_report(request.report))
         return convert.begin_response(decision)
 
     async def ReleaseHybridReplicas(self, request: scheduling_pb2.ReleaseHybridReplicasRequest,  # noqa: N802
                                     context: grpc.aio.ServicerContext) -> scheduling_pb2.ReleaseHybridReplicasResponse:
-        result = await self.mesh.release_hybrid(request.global_step, request.buffered_samples,
+        result = await self.api.release_hybrid(request.global_step, request.buffered_samples,
                                                 convert.seconds(request.waited), request.wait_expired)
         return convert.release_response(result)
 
     async def CompleteTrainingStep(self, request: scheduling_pb2.CompleteTrainingStepRequest,  # noqa: N802
                                    context: grpc.aio.ServicerContext) -> scheduling_pb2.CompleteTrainingStepResponse:
-        result = await self.mesh.complete_step(request.global_step, request.weight_version,
+        result = await self.api.complete_step(request.global_step, request.weight_version,
                                                convert.step_report(request.report))
         return convert.complete_response(result)
 
     async def GetSchedulerState(self, request: scheduling_pb2.GetSchedulerStateRequest,  # noqa: N802
                                 context: grpc.aio.ServicerContext) -> scheduling_pb2.GetSchedulerStateResponse:
-        return convert.scheduler_state(self.mesh.scheduler.scheduler_state())
+        return convert.scheduler_state(self.api.scheduler.scheduler_state())
 
     async def SyncWeights(self, request: weight_sync_pb2.SyncWeightsRequest,  # noqa: N802
                           context: grpc.aio.ServicerContext) -> weight_sync_pb2.SyncWeightsResponse:
         timeout_s = _weights_call(request)
-        outcome = await self.mesh.weight_requests.sync_weights(
+        outcome = await self.api.weight_requests.sync_weights(
             list(request.replica_ids), request.weight_version if request.HasField("weight_version") else None,
             timeout_s=timeout_s)
         return weight_sync_pb2.SyncWeightsResponse(result=convert.sync_result(outcome))
@@ -235,7 +234,7 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
         timeout_s = _weights_call(request)
         if request.on_failure not in weight_sync_pb2.WeightUpdateOnFailure.values():
             raise InvalidArgument(f"unknown on_failure {request.on_failure}", reason=Reason.INVALID_ARGUMENT)
-        flip = await self.mesh.weight_requests.load_weights(
+        flip = await self.api.weight_requests.load_weights(
             request.checkpoint_path, request.weight_version if request.HasField("weight_version") else None,
             list(request.replica_ids), rollback=request.on_failure == weight_sync_pb2.WEIGHT_UPDATE_ON_FAILURE_ROLLBACK,
             timeout_s=timeout_s)
@@ -269,7 +268,7 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
                 raise InvalidArgument("receive needs the tensors rank 0 broadcasts", reason=Reason.INVALID_ARGUMENT)
             _check_version(body)
         timeout_s = _weights_call(request)
-        outcome, committed = await self.mesh.weight_requests.update_from_group(list(request.replica_ids), request.group_name, step,
+        outcome, committed = await self.api.weight_requests.update_from_group(list(request.replica_ids), request.group_name, step,
                                                                body, timeout_s=timeout_s)
         return weight_sync_pb2.UpdateWeightsFromGroupResponse(result=convert.sync_result(outcome),
                                                               committed=committed)
@@ -277,11 +276,11 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
     # -------------------------------------------------------- events/metrics
     async def WatchEvents(self, request: observability_pb2.WatchEventsRequest,  # noqa: N802
                           context: grpc.aio.ServicerContext) -> AsyncIterator[observability_pb2.WatchEventsResponse]:
-        if request.from_sequence > self.mesh.events.last_sequence + 1:
+        if request.from_sequence > self.api.last_event_sequence + 1:
             from mesh_runtime.errors import OutOfRange  # noqa: PLC0415
 
             raise OutOfRange(f"from_sequence {request.from_sequence} is ahead of the newest event "
-                             f"({self.mesh.events.last_sequence})", reason=Reason.SEQUENCE_AHEAD)
+                             f"({self.api.last_event_sequence})", reason=Reason.SEQUENCE_AHEAD)
         replica_ids = set(request.replica_ids)
         types = {events_pb2.EventType.Name(t) for t in request.types}
 
@@ -291,12 +290,12 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
             return ((not replica_ids or not event.replica_id or event.replica_id in replica_ids)
                     and (not types or event.type.proto_name in types))
 
-        async for event in self.mesh.hub.watch(request.from_sequence, accept, request.include_history):
+        async for event in self.api.hub.watch(request.from_sequence, accept, request.include_history):
             yield observability_pb2.WatchEventsResponse(event=convert.event(event))
 
     async def GetMetrics(self, request: observability_pb2.GetMetricsRequest,  # noqa: N802
                          context: grpc.aio.ServicerContext) -> observability_pb2.GetMetricsResponse:
-        metrics = self.mesh.metrics
+        metrics = self.api.metrics
         limit = request.limit or 100
         if request.HasField("cycle"):
             cycles = [c for c in metrics.closed if c.cycle == request.cycle]

@@ -41,16 +41,16 @@ def _states(values: Iterable[scaling_pb2.OperationState.ValueType]) -> set[Opera
 
 
 class ScalingRpcs:
-    """Mixed into ``ControllerServicer``; needs ``self.mesh`` and ``self.config``."""
+    """Mixed into ``ControllerServicer``; needs ``self.api`` and ``self.config``."""
 
     if TYPE_CHECKING:
+        from ..api import ControllerApi
         from ..config import ControllerConfig
-        from ..mesh import Mesh
 
         config: ControllerConfig
 
         @property
-        def mesh(self) -> Mesh: ...
+        def api(self) -> ControllerApi: ...
 
     async def ScaleOut(self, request: scaling_pb2.ScaleOutRequest,  # noqa: N802 - gRPC method names throughout
                        context: grpc.aio.ServicerContext) -> operations_pb2.Operation:
@@ -65,7 +65,7 @@ class ScalingRpcs:
         if target == "num_replicas" and request.num_replicas <= 0:
             raise InvalidArgument(f"num_replicas must be at least 1, got {request.num_replicas}",
                                   reason=Reason.INVALID_TARGET)
-        op, message = await self.mesh.scaler.scale_out(
+        op, message = await self.api.scaler.scale_out(
             model_name=request.model_name, num_replicas=request.num_replicas,
             engine_addresses=list(request.external.addresses), timeout_s=_timeout(request),
             request_id=request.request_id, dry_run=request.dry_run,
@@ -85,7 +85,7 @@ class ScalingRpcs:
         if target == "replicas" and not request.replicas.replica_ids and not request.replicas.engine_addresses:
             raise InvalidArgument("replicas must name at least one replica (replica_ids or engine_addresses)",
                                   reason=Reason.NOTHING_TO_SCALE_IN)
-        op, would_remove, message = await self.mesh.scaler.scale_in(
+        op, would_remove, message = await self.api.scaler.scale_in(
             model_name=request.model_name, num_replicas=request.num_replicas,
             replica_ids=list(request.replicas.replica_ids), engine_addresses=list(request.replicas.engine_addresses),
             force=request.force, timeout_s=_timeout(request), dry_run=request.dry_run, request_id=request.request_id)
@@ -94,13 +94,13 @@ class ScalingRpcs:
     async def CancelOperations(self, request: scaling_pb2.CancelOperationsRequest,  # noqa: N802
                                context: grpc.aio.ServicerContext) -> scaling_pb2.CancelOperationsResponse:
         require_scale_credential(context, self.config, "CancelOperations")
-        ids = await self.mesh.scaler.cancel_many(_states(request.states), request.dry_run)
+        ids = await self.api.scaler.cancel_many(_states(request.states), request.dry_run)
         return scaling_pb2.CancelOperationsResponse(cancelled_operation_ids=ids)
 
     # ------------------------------------------------------------- autoscaler
     def _autoscaler_status(self) -> autoscaler_pb2.AutoscalerStatus:
-        loop = self.mesh.autoscaler
-        scaler = self.mesh.scaler
+        loop = self.api.autoscaler
+        scaler = self.api.scaler
         msg = autoscaler_pb2.AutoscalerStatus(configured=loop.configured, running=loop.running,
                                               current_engines=len(scaler.pool(MODEL)),
                                               pending_operation_ids=sorted(loop.pending))
@@ -119,11 +119,11 @@ class ScalingRpcs:
 
     def _configured_autoscaler(self) -> tuple[AutoscalerLoop, Autoscaler]:
         """The autoscaler loop and its decision core; FAILED_PRECONDITION without an autoscaler_config."""
-        if self.mesh.autoscaler.core is None:
+        if self.api.autoscaler.core is None:
             raise FailedPrecondition("the controller was started without autoscaler_config "
                                      "(--autoscaler-config FILE); there is no autoscaler",
                                      reason=Reason.AUTOSCALER_NOT_CONFIGURED)
-        return self.mesh.autoscaler, self.mesh.autoscaler.core
+        return self.api.autoscaler, self.api.autoscaler.core
 
     async def GetAutoscalerStatus(self, request: autoscaler_pb2.GetAutoscalerStatusRequest,  # noqa: N802
                                   context: grpc.aio.ServicerContext) -> autoscaler_pb2.GetAutoscalerStatusResponse:
@@ -139,7 +139,7 @@ class ScalingRpcs:
             self, request: autoscaler_pb2.GetAutoscalerConditionsRequest,
             context: grpc.aio.ServicerContext) -> autoscaler_pb2.GetAutoscalerConditionsResponse:
         loop, core = self._configured_autoscaler()
-        now = self.mesh.clock()
+        now = self.api.clock()
         conditions = core.conditions(now)
         return autoscaler_pb2.GetAutoscalerConditionsResponse(
             conditions=[convert_scaling.condition(c) for c in conditions.values()],
@@ -150,6 +150,6 @@ class ScalingRpcs:
         if request.action not in convert_scaling.ACTION_NAMES and request.action:
             raise InvalidArgument(f"unknown action {request.action}", reason=Reason.INVALID_ACTION)
         action = convert_scaling.ACTION_NAMES.get(request.action) if request.action else None
-        records, total = self.mesh.autoscaler.records(action, request.limit or 100)
+        records, total = self.api.autoscaler.records(action, request.limit or 100)
         return autoscaler_pb2.ListScaleHistoryResponse(
             history=[convert_scaling.history_record(h) for h in records], total_count=total)

@@ -82,7 +82,7 @@ async def test_a_registration_that_arrives_after_its_deadline_registers_nothing(
     context = types.SimpleNamespace(time_remaining=lambda: -0.5, peer=lambda: "ipv4:127.0.0.1:5000")
     with pytest.raises(DeadlineExceeded, match="after its deadline"):
         await servicer.RegisterNode(node(1), context)
-    assert servicer.mesh.registry.node_count() == 0
+    assert servicer.api.registry.node_count() == 0
 
 
 async def test_the_report_interval_and_lease_grow_with_the_fleet(tmp_path):
