@@ -4,35 +4,79 @@ UpdateWeightsFromGroup (weights from a trainer's own process group, :mod:`contro
 
 Each takes the one lock of routing and weight changes, records the versions replicas now hold, takes a
 replica that did not take them out of routing, emits the lifecycle events and commits the state; the
-:class:`~controller.mesh.Mesh` wires its ports.
+:class:`~controller.mesh.Mesh` wires its ports (the protocols below), and a test wires fakes.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, Protocol
 
 from mesh_runtime.errors import FailedPrecondition
 from mesh_runtime.reasons import Reason
+from rollmesh.common.v1 import weights_pb2
 
-from .checkpoint_load import CheckpointFlip, FlipOutcome
+from .checkpoint_load import FlipOutcome
 from .core.events import EventType
-from .core.hybrid import DynamicResourceController
 from .core.ports import WeightSyncOutcome
 from .core.records import ReplicaKind, ReplicaState
 from .core.replicas import ReplicaRegistry
-from .group_update import GroupUpdate
-from .routing import Routing
-from .weight_sync import WeightBroadcast
+
+
+class Broadcast(Protocol):
+    """The trainer's broadcast (:class:`~controller.weight_sync.WeightBroadcast`)."""
+
+    timeout_s: float
+    """The configured bound of one weight operation, seconds."""
+
+    async def sync(self, replica_ids: Sequence[str], version: int, *,
+                   timeout_s: float | None = None) -> WeightSyncOutcome: ...
+
+
+class Checkpoints(Protocol):
+    """A checkpoint on disk as one version flip (:class:`~controller.checkpoint_load.CheckpointFlip`)."""
+
+    async def load(self, replica_ids: Sequence[str], path: str, version: int, *, rollback: bool,
+                   timeout_s: float) -> FlipOutcome: ...
+
+
+class Groups(Protocol):
+    """A trainer's own process group (:class:`~controller.group_update.GroupUpdate`)."""
+
+    async def join(self, replica_ids: Sequence[str], group_name: str, step: Any,
+                   timeout_s: float) -> WeightSyncOutcome: ...
+
+    async def leave(self, replica_ids: Sequence[str], group_name: str, timeout_s: float) -> WeightSyncOutcome: ...
+
+    async def receive(self, replica_ids: Sequence[str], group_name: str, tensors: Sequence[weights_pb2.TensorSpec],
+                      version: int | None, timeout_s: float) -> tuple[WeightSyncOutcome, bool]: ...
+
+
+class StaleRouting(Protocol):
+    """Who is routed (:class:`~controller.routing.Routing`): a replica whose sync failed is stale, out of routing
+    until a later sync reaches it."""
+
+    stale: set[str]
+
+    async def converge(self, replica_ids: Sequence[str], *, abort_in_flight: bool = False) -> None: ...
+
+
+class TrainerVersion(Protocol):
+    """What the requests read of the hybrid scheduler."""
+
+    weight_version: int | None
+
+    @property
+    def is_hybrid_active(self) -> bool: ...
 
 
 class WeightRequests:
     """See the module docstring."""
 
-    def __init__(self, *, registry: ReplicaRegistry, routing: Routing, scheduler: DynamicResourceController,
-                 weights: WeightBroadcast, checkpoints: CheckpointFlip, groups: GroupUpdate,
+    def __init__(self, *, registry: ReplicaRegistry, routing: StaleRouting, scheduler: TrainerVersion,
+                 weights: Broadcast, checkpoints: Checkpoints, groups: Groups,
                  transitions: asyncio.Lock, emit: Callable[..., Any],
                  span: Callable[..., AbstractContextManager[Any]], commit: Callable[[], Awaitable[None]]) -> None:
         self.registry, self.routing, self.scheduler = registry, routing, scheduler
