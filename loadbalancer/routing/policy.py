@@ -8,21 +8,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
+from ..prefix_index import Routed
 
-class Candidate(Protocol):
-    """What the pieces read of a replica in the table (:class:`loadbalancer.table.Route`)."""
 
-    @property
-    def replica_id(self) -> str: ...
-
-    @property
-    def in_flight(self) -> int: ...
+class Candidate(Routed, Protocol):
+    """What the pieces read of a replica in the table (:class:`loadbalancer.table.Route`): what the prefix
+    index reads (its id, requests in flight, when it joined) and more."""
 
     @property
     def weight_version(self) -> int: ...
-
-    @property
-    def joined_at(self) -> float: ...
 
     @property
     def completed(self) -> int: ...
