@@ -13,9 +13,14 @@ caches under every policy, with enough in flight to keep every replica's batch f
 * **multi-turn**: ``--trajectories`` agentic trajectories of 8 turns (``--traj-concurrency`` in flight);
   every turn resends the whole context (a 512-token system prompt shared by all, a 256-1,024-token task,
   then each turn's response of 128-512 tokens and an observation of 64-512), as a harness does.
+* **shared document** (``--workload document`` or ``all``): ``--trajectories`` trajectories of 1-24 turns
+  (Zipf: most are short, a few long), 30% of them starting with one 4,096-token document and the rest with a
+  task of their own: a prefix shared by part of the traffic, where cache affinity by request counts piles the
+  document onto a few replicas.
 
 Policies: rollmesh ``least_loaded`` without session ids; ``least_loaded`` with session ids (the group, the
-trajectory: today's group stickiness); ``prefix_aware`` (with session ids, as the trainer sends them); SMG
+trajectory: today's group stickiness); ``prefix_aware`` and ``prefix_cost`` (with session ids, as the trainer
+sends them; ``prefix_cost`` pins none, it keeps a trajectory where its context is cached by cost); SMG
 ``cache_aware`` and ``round_robin``. rollmesh's clients send on the balancer's GenerateMany stream with
 ``final_only``, as the trainer's rollouter does; SMG's send ``POST /generate`` with ``input_ids`` on keep-alive
 connections (SMG's cache-aware tree matches token ids), with its admission limit off
@@ -121,6 +126,35 @@ async def run_multiturn(send, trajectories: int, concurrency: int, seed: int) ->
             context = system + [rng.randrange(2, 32000) for _ in range(rng.randint(256, 1024))]
             for turn in range(8):
                 call = Call(f"t{t}-{turn}", list(context), rng.randint(128, 512), session=f"t{t}")
+                ok = await send(call)
+                _count(result, call, ok)
+                if not ok:
+                    break
+                result.latencies.append(call.seconds)
+                context += call.output + [rng.randrange(2, 32000) for _ in range(rng.randint(64, 512))]
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    result.wall = time.perf_counter() - started
+    return result
+
+
+async def run_document(send, trajectories: int, concurrency: int, seed: int) -> Result:
+    """Multi-turn trajectories of skewed lengths (Zipf over 1-24 turns), 30% of them starting with one shared
+    4,096-token document: a prefix shared by part of the traffic."""
+    result = Result()
+    document = [random.Random(seed + 1).randrange(2, 32000) for _ in range(4096)]
+    turns, weights = range(1, 25), [1 / k for k in range(1, 25)]
+    left = list(range(trajectories))
+
+    async def worker() -> None:
+        while left:
+            t = left.pop()
+            rng = random.Random(seed * 1000 + t)
+            context = (document if rng.random() < 0.3 else []) + [rng.randrange(2, 32000)
+                                                                 for _ in range(rng.randint(256, 1024))]
+            for turn in range(rng.choices(turns, weights)[0]):
+                call = Call(f"d{t}-{turn}", list(context), rng.randint(128, 512), session=f"d{t}")
                 ok = await send(call)
                 _count(result, call, ok)
                 if not ok:
@@ -302,6 +336,7 @@ SYSTEMS = {
     "least_loaded": lambda tmp, model, n: Mesh(tmp, model, n, "least_loaded", sessions=False),
     "group stickiness": lambda tmp, model, n: Mesh(tmp, model, n, "least_loaded", sessions=True),
     "prefix_aware": lambda tmp, model, n: Mesh(tmp, model, n, "prefix_aware", sessions=True, lb_yaml=LB_YAML),
+    "prefix_cost": lambda tmp, model, n: Mesh(tmp, model, n, "prefix_cost", sessions=True, lb_yaml=LB_YAML),
     "SMG cache_aware": lambda tmp, model, n: Smg(tmp, model, n, "cache_aware"),
     "SMG round_robin": lambda tmp, model, n: Smg(tmp, model, n, "round_robin"),
 }
@@ -317,15 +352,17 @@ async def main() -> None:
     parser.add_argument("--trajectories", type=int, default=1024)
     parser.add_argument("--traj-concurrency", type=int, default=1024)
     parser.add_argument("--only", nargs="*", choices=list(SYSTEMS), help="policies to run (default: all)")
-    parser.add_argument("--workload", choices=("grpo", "multiturn", "both"), default="both")
+    parser.add_argument("--workload", choices=("grpo", "multiturn", "document", "both", "all"), default="both",
+                        help="both: grpo and multiturn; all: the three")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lb-yaml", default="", help="more balancer settings for prefix_aware (YAML), to tune")
     args = parser.parse_args()
     global LB_YAML
     LB_YAML = args.lb_yaml
     model = {"speed": args.speed}
-    table: dict[str, dict[str, Result]] = {"grpo": {}, "multiturn": {}}
-    workloads = ("grpo", "multiturn") if args.workload == "both" else (args.workload,)
+    table: dict[str, dict[str, Result]] = {"grpo": {}, "multiturn": {}, "document": {}}
+    workloads = {"both": ("grpo", "multiturn"), "all": ("grpo", "multiturn", "document")}.get(
+        args.workload, (args.workload,))
     with tempfile.TemporaryDirectory() as tmpdir:
         for name in args.only or list(SYSTEMS):
             for workload in workloads:
@@ -334,18 +371,24 @@ async def main() -> None:
                     if workload == "grpo":
                         calls = grpo(random.Random(args.seed), args.groups, args.n)
                         result = await run_grpo(system.send, calls, args.group_concurrency)
-                    else:
+                    elif workload == "multiturn":
                         result = await run_multiturn(system.send, args.trajectories, args.traj_concurrency,
                                                      args.seed)
+                    else:
+                        result = await run_document(system.send, args.trajectories, args.traj_concurrency,
+                                                    args.seed)
                 table[workload][name] = result
                 print(f"{workload:9} {name:17} {_row(result)}", flush=True)
     print(f"\n{args.replicas} replicas of the engine model (speed {args.speed:g}; Llama-3.1-8B on an H100 at speed 1), "
           f"{os.cpu_count()} CPU cores shared by everything")
     for workload in workloads:
-        what = (f"GRPO: {args.groups} groups of {args.n}, {args.group_concurrency} groups in flight; latency "
-                "of a group" if workload == "grpo" else
-                f"multi-turn: {args.trajectories} trajectories x 8 turns, {args.traj_concurrency} in flight; "
-                "latency of a turn")
+        what = {"grpo": f"GRPO: {args.groups} groups of {args.n}, {args.group_concurrency} groups in flight; "
+                        "latency of a group",
+                "multiturn": f"multi-turn: {args.trajectories} trajectories x 8 turns, {args.traj_concurrency} "
+                             "in flight; latency of a turn",
+                "document": f"shared document: {args.trajectories} trajectories of 1-24 turns (Zipf), 30% "
+                            f"starting with one 4,096-token document, {args.traj_concurrency} in flight; latency "
+                            "of a turn"}[workload]
         print(f"\n{what}")
         base = table[workload].get("least_loaded")
         print(f"  {'policy':18} {'tokens/s':>9} {'vs least_loaded':>16} {'p50':>8} {'p99':>8} {'prefix hit':>10} "

@@ -224,7 +224,9 @@ class Balancer:
         while True:
             choice = self.table.pick(run.request_id, session_id=run.request.session_id,
                                      min_weight_version=min_version, avoid=run.avoid,
-                                     prefix_keys=run.prefix_keys or ())
+                                     prefix_keys=run.prefix_keys or (),
+                                     prompt_tokens=len(run.request.prompt_token_ids),
+                                     max_tokens=run.request.sampling_params.max_tokens)
             if choice is not None:
                 self.stats.sticky_hits += int(choice.sticky_hit)
                 self.stats.sticky_migrations += int(choice.sticky_migrated)

@@ -74,6 +74,13 @@ class PrefixRoutingConfig:
                                           "WatchPrefixCache, where an engine publishes them): a replica's entries "
                                           "then leave when its engine evicts them, and all go when new weights "
                                           "empty its cache. Needs block_tokens equal to the engines' block size")
+    prefill_weight: float = setting(32.0, help="routing_policy prefix_cost: the price of prefilling a prompt "
+                                               "token, in tokens of context held (a request costs a replica the "
+                                               "context it already holds plus prefill_weight x the prompt tokens "
+                                               "not cached there)")
+    max_load_excess: float = setting(0.25, help="routing_policy prefix_cost: no replica takes a request that would "
+                                                "make it hold more than (1 + max_load_excess) x the fleet's mean "
+                                                "tokens while another stays within it (bounded-load affinity)")
     warmup_s: float = setting(0.0, help="a replica that joined the table less than this ago counts as loaded as "
                                         "the others' mean, less in proportion to its age, so a new empty "
                                         "replica is filled gradually instead of taking every spill at once; "
@@ -87,7 +94,7 @@ class PrefixRoutingConfig:
         if self.cache_tokens < self.block_tokens:
             raise ConfigError("cache_tokens", f"must hold a block of block_tokens ({self.block_tokens}), got "
                                               f"{self.cache_tokens}")
-        for key in ("max_load_gap", "max_load_ratio", "warmup_s"):
+        for key in ("max_load_gap", "max_load_ratio", "warmup_s", "prefill_weight", "max_load_excess"):
             if getattr(self, key) < 0:
                 raise ConfigError(key, f"must be >= 0, got {getattr(self, key)}")
 
@@ -113,12 +120,14 @@ class LoadBalancerConfig(ServerConfig):
     routing_policy: str = setting(
         "prefix_aware", help="prefix_aware: the replica that was sent most of the prompt's leading tokens (its "
                              "prefix cache holds them), within a load gap (prefix_routing), else the least "
-                             "loaded; least_loaded: the replica with the fewest in-flight requests (round robin "
-                             "among equals); a plug-in's name (loadbalancer.routing.register). Sessions stick "
-                             "either way")
+                             "loaded; prefix_cost: the replica where the request costs least in tokens (the "
+                             "tokens it holds plus the prompt it must prefill), within a bound on load in tokens "
+                             "(prefix_routing), with no session pins; least_loaded: the replica with the fewest "
+                             "in-flight requests (round robin among equals); a plug-in's name "
+                             "(loadbalancer.routing.register). Sessions stick but under prefix_cost")
     prefix_routing: PrefixRoutingConfig = setting(default_factory=PrefixRoutingConfig,
                                                   help="cache affinity against load, for routing_policy: "
-                                                       "prefix_aware")
+                                                       "prefix_aware and prefix_cost")
     sticky_max_load_gap: int = setting(4, help="a sticky session leaves its replica when that replica has more "
                                                "than this many in-flight requests above the least loaded one")
     max_sticky_sessions: int = setting(100_000, help="sticky-session pins kept (least recently used dropped)")

@@ -22,6 +22,7 @@ from .routing.breaker import Breaker, Breakers, OutlierDetection
 from .routing.least_loaded import LeastLoaded
 from .routing.policy import Filter, Pick, Selector
 from .routing.prefix_aware import PrefixAware
+from .routing.prefix_cost import PrefixCost
 from .routing.sticky import SessionAffinity
 from .routing.version import VersionFloor
 
@@ -48,6 +49,9 @@ class Route:
     """When the table added the route, on the table's clock (a prefix-aware table warms new replicas up)."""
     paused: bool = False
     """Out of picks until resumed (a caller's pause_generation through the RL control plane)."""
+    held_tokens: int = 0
+    """The context of the replica's requests in flight (each its prompt plus its expected completion, the
+    tickets' weights): a load in tokens, what its decode steps read."""
 
     @property
     def in_flight(self) -> int:
@@ -62,6 +66,8 @@ class Ticket:
     route: Route
     sent: bool = False
     tokens: int = 0
+    weight: int = 0
+    """The request's prompt plus its expected completion, from the pick (its part of :attr:`Route.held_tokens`)."""
     move_requested: bool = False
     cut_reason: str = ""
     """Why the balancer cut this attempt (its replica was removed with abort); set by :meth:`cut`."""
@@ -77,6 +83,23 @@ class Ticket:
     @property
     def revoked(self) -> bool:
         return self.route.removed
+
+
+class CompletionMean:
+    """A running mean of completion lengths (exponentially weighted: recent requests count most), for the
+    tokens a new request is expected to hold; ``initial`` until a request completes."""
+
+    def __init__(self, initial: float = 256.0, weight: float = 0.02) -> None:
+        self.mean = initial
+        self.weight = weight
+
+    def observe(self, tokens: int) -> None:
+        self.mean += self.weight * (tokens - self.mean)
+
+    def expected(self, max_tokens: int = 0) -> int:
+        """Tokens a request is expected to generate (at most ``max_tokens`` when that is known)."""
+        mean = round(self.mean)
+        return min(mean, max_tokens) if max_tokens > 0 else mean
 
 
 @dataclass
@@ -119,9 +142,12 @@ class RoutingTable:
         self.routes: dict[str, Route] = {}
         self.sessions = next((s for s in self.selectors if isinstance(s, SessionAffinity)), None)
         """The chain's session affinity, if it has one (sticky pins)."""
-        self.prefix: PrefixPolicy | None = next(
-            (s.policy for s in self.selectors if isinstance(s, PrefixAware)), None)
-        """The chain's prefix policy and its index, if it routes by prefix (the balancer keys prompts for it)."""
+        self.prefix: PrefixPolicy | PrefixCost | None = next(
+            (s.policy if isinstance(s, PrefixAware) else s for s in self.selectors
+             if isinstance(s, (PrefixAware, PrefixCost))), None)
+        """The chain's prefix piece and its index, if it routes by prefix (the balancer keys prompts for it)."""
+        self.completion_tokens = CompletionMean()
+        """Tokens a request generates, as the completed ones did (what a new request is expected to hold)."""
         self._listeners: list[Callable[[], None]] = []
 
     # ----------------------------------------------------------- membership
@@ -221,9 +247,10 @@ class RoutingTable:
         return self.versions.floor(min_weight_version, self.newest_version if self.routes else None)
 
     def _pick(self, request_id: str = "", *, session_id: str = "", min_weight_version: int | None = None,
-              prefix_keys: Sequence[int] = ()) -> Pick:
+              prefix_keys: Sequence[int] = (), prompt_tokens: int = 0, max_tokens: int = 0) -> Pick:
         return Pick(request_id, self.clock(), session_id=session_id, prefix_keys=prefix_keys,
-                    min_weight_version=min_weight_version, newest_version=self.newest_version)
+                    min_weight_version=min_weight_version, newest_version=self.newest_version,
+                    prompt_tokens=prompt_tokens, expected_completion=self.completion_tokens.expected(max_tokens))
 
     def unroutable_reason(self, route: Route, min_weight_version: int | None = None, *,
                           pick: Pick | None = None) -> str:
@@ -246,14 +273,16 @@ class RoutingTable:
         return "; ".join(f"{r.replica_id}: {self.unroutable_reason(r, pick=pick)}" for r in self.routes.values())
 
     def pick(self, request_id: str, *, session_id: str = "", min_weight_version: int | None = None,
-             avoid: frozenset[str] = frozenset(), prefix_keys: Sequence[int] = ()) -> Choice | None:
+             avoid: frozenset[str] = frozenset(), prefix_keys: Sequence[int] = (), prompt_tokens: int = 0,
+             max_tokens: int = 0) -> Choice | None:
         """Claim the best eligible route for a request, or ``None`` if there is none.
 
         ``avoid``: replicas to pass over while another is eligible (ones this request failed on).
         ``prefix_keys``: the prompt's leading block keys (:func:`mesh_runtime.prefix.block_keys`), for a
-        prefix-aware chain."""
+        prefix-aware chain. ``prompt_tokens`` and ``max_tokens`` (0: not known) size the tokens the chosen
+        replica holds for the request."""
         pick = self._pick(request_id, session_id=session_id, min_weight_version=min_weight_version,
-                          prefix_keys=prefix_keys)
+                          prefix_keys=prefix_keys, prompt_tokens=prompt_tokens, max_tokens=max_tokens)
         candidates = self.eligible(None, pick=pick)
         preferred = [r for r in candidates if r.replica_id not in avoid] or candidates
         if not preferred:
@@ -261,8 +290,10 @@ class RoutingTable:
         chosen = next(route for route in (s.select(pick, preferred) for s in self.selectors) if route is not None)
         for selector in self.selectors:
             selector.chosen(pick, chosen)
-        ticket = Ticket(request_id, chosen)
+        weight = pick.prompt_tokens + pick.expected_completion
+        ticket = Ticket(request_id, chosen, weight=weight)
         chosen.tickets[request_id] = ticket
+        chosen.held_tokens += weight
         return Choice(ticket, pick)
 
     # ------------------------------------------------------ outlier detection
@@ -284,6 +315,9 @@ class RoutingTable:
     def release(self, ticket: Ticket, *, completed: bool = False, failed: bool = False) -> None:
         if ticket.route.tickets.get(ticket.request_id) is ticket:
             del ticket.route.tickets[ticket.request_id]
+            ticket.route.held_tokens -= ticket.weight
+            if completed:
+                self.completion_tokens.observe(ticket.tokens)
         ticket.route.completed += int(completed)
         ticket.route.failed += int(failed)
 

@@ -15,6 +15,7 @@ from ..prefix_index import PrefixIndex, PrefixPolicy
 from .least_loaded import LeastLoaded
 from .policy import Candidate, Filter, Pick, Selector, Settings
 from .prefix_aware import PrefixAware
+from .prefix_cost import PrefixCost
 from .sticky import SessionAffinity
 
 __all__ = ["POLICIES", "Candidate", "Filter", "Pick", "Selector", "Settings", "register", "selectors"]
@@ -23,28 +24,49 @@ PolicyFactory = Callable[[Settings], Selector]
 """Builds the selector that ends a chain from the balancer's config."""
 
 
+def _index(config: Settings) -> PrefixIndex:
+    pr = config.prefix_routing
+    return PrefixIndex(block_tokens=pr.block_tokens, capacity_tokens=pr.cache_tokens, max_blocks=pr.max_blocks)
+
+
 def prefix_aware(config: Settings) -> PrefixAware:
     pr = config.prefix_routing
-    return PrefixAware(PrefixPolicy(PrefixIndex(block_tokens=pr.block_tokens, capacity_tokens=pr.cache_tokens,
-                                                max_blocks=pr.max_blocks),
-                                    max_load_gap=pr.max_load_gap, max_load_ratio=pr.max_load_ratio,
+    return PrefixAware(PrefixPolicy(_index(config), max_load_gap=pr.max_load_gap, max_load_ratio=pr.max_load_ratio,
                                     warmup_s=pr.warmup_s))
+
+
+def prefix_cost(config: Settings) -> PrefixCost:
+    pr = config.prefix_routing
+    return PrefixCost(_index(config), prefill_weight=pr.prefill_weight, max_load_excess=pr.max_load_excess)
 
 
 POLICIES: dict[str, PolicyFactory] = {
     "least_loaded": lambda config: LeastLoaded(),
     "prefix_aware": prefix_aware,
+    "prefix_cost": prefix_cost,
 }
-"""``routing_policy`` name -> the selector that ends its chain (sessions stick before it, whichever it is)."""
+"""``routing_policy`` name -> the selector that ends its chain (sessions stick before it, unless the policy is
+in :data:`UNPINNED`)."""
+
+UNPINNED: set[str] = {"prefix_cost"}
+"""Policies whose chain has no session pins: they keep a session where its context is cached on their own."""
 
 
-def register(name: str, factory: PolicyFactory) -> None:
-    """Make ``routing_policy: name`` choose with the selector ``factory`` builds (a plug-in's one line)."""
+def register(name: str, factory: PolicyFactory, *, pins_sessions: bool = True) -> None:
+    """Make ``routing_policy: name`` choose with the selector ``factory`` builds (a plug-in's one line);
+    ``pins_sessions`` False: no session affinity before it."""
     POLICIES[name] = factory
+    if pins_sessions:
+        UNPINNED.discard(name)
+    else:
+        UNPINNED.add(name)
 
 
 def selectors(config: Settings) -> list[Selector]:
-    """The chain ``config.routing_policy`` names: session affinity, then the policy's own selector."""
+    """The chain ``config.routing_policy`` names: session affinity (unless the policy is unpinned), then the
+    policy's own selector."""
+    own = POLICIES[config.routing_policy](config)
+    if config.routing_policy in UNPINNED:
+        return [own]
     return [SessionAffinity(max_load_gap=config.sticky_max_load_gap, max_sessions=config.max_sticky_sessions,
-                            idle_s=config.sticky_session_idle_s),
-            POLICIES[config.routing_policy](config)]
+                            idle_s=config.sticky_session_idle_s), own]

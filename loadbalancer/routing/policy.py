@@ -21,6 +21,9 @@ class Candidate(Routed, Protocol):
     @property
     def completed(self) -> int: ...
 
+    @property
+    def held_tokens(self) -> int: ...
+
 
 C = TypeVar("C", bound=Candidate)
 R_contra = TypeVar("R_contra", contravariant=True)
@@ -46,6 +49,12 @@ class PrefixSettings(Protocol):
 
     @property
     def warmup_s(self) -> float: ...
+
+    @property
+    def prefill_weight(self) -> float: ...
+
+    @property
+    def max_load_excess(self) -> float: ...
 
 
 class Settings(Protocol):
@@ -79,6 +88,12 @@ class Pick:
     min_weight_version: int | None = None
     newest_version: int = 0
     """The newest weight version in the table, for a version-aware filter."""
+    prompt_tokens: int = 0
+    """The prompt's length in tokens (0: not known)."""
+    expected_completion: int = 0
+    """Tokens the request is expected to generate: the table's running mean of completions, capped by the
+    request's ``max_tokens``."""
+
     sticky_hit: bool = False
     sticky_migrated: bool = False
     prefix_blocks: int = 0

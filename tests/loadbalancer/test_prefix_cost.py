@@ -1,0 +1,146 @@
+"""``routing_policy: prefix_cost`` on the table, without I/O: load counted in tokens, affinity bounded by it. A
+prompt many share spreads as its load needs while a trajectory keeps the replica caching its context unless
+another is lighter by more than the prefill a move costs; a GRPO group stays together; with no information it
+is least loaded."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from loadbalancer.config import LoadBalancerConfig, PrefixRoutingConfig
+from loadbalancer.prefix_index import PrefixIndex
+from loadbalancer.routing import selectors
+from loadbalancer.routing.prefix_cost import PrefixCost
+from loadbalancer.table import Route, RoutingTable
+from mesh_runtime.prefix import block_keys
+
+pytestmark = pytest.mark.timeout(30)
+BLOCK = 16
+
+
+def table(n: int = 4, *, excess: float = 0.25, prefill_weight: float = 32.0) -> RoutingTable:
+    cost = PrefixCost(PrefixIndex(block_tokens=BLOCK, capacity_tokens=1_000_000, max_blocks=1024),
+                      prefill_weight=prefill_weight, max_load_excess=excess)
+    t = RoutingTable([cost], clock=lambda: 0.0)
+    t.add(Route(f"r{i}", f"127.0.0.1:{1000 + i}") for i in range(n))
+    return t
+
+
+def tokens(seed: int, length: int) -> list[int]:
+    return [(seed * 7919 + i * 31) % 30000 + 2 for i in range(length)]
+
+
+def pick(t: RoutingTable, rid: str, prompt: list[int], max_tokens: int = 256, session_id: str = ""):
+    return t.pick(rid, prefix_keys=block_keys(prompt, BLOCK, 1024), prompt_tokens=len(prompt),
+                  max_tokens=max_tokens, session_id=session_id)
+
+
+def held(t: RoutingTable) -> dict[str, int]:
+    return {r.replica_id: r.held_tokens for r in t.routes.values()}
+
+
+def background(t: RoutingTable, per_replica: int = 20, length: int = 2000) -> None:
+    """Work of their own on every replica, evenly: a fleet under load."""
+    for r in list(t.routes):
+        for i in range(per_replica):
+            t.pick(f"{r}-bg{i}", prompt_tokens=length, max_tokens=256,
+                   avoid=frozenset(other for other in t.routes if other != r))
+
+
+def test_under_load_a_group_stays_together_where_its_prompt_is_cached():
+    t = table(4)
+    background(t)
+    prompt = tokens(1, 2048)
+    first = pick(t, "g0", prompt)
+    home = first.ticket.route.replica_id
+    assert first.ticket.weight == 2048 + 256 and first.prefix_blocks == 0
+    siblings = [pick(t, f"g{i}", prompt) for i in range(1, 4)]
+    assert {c.ticket.route.replica_id for c in siblings} == {home}
+    assert all(c.prefix_blocks == 2048 // BLOCK for c in siblings)
+    assert held(t)[home] == 20 * 2256 + 4 * 2304   # load is context: each sibling decodes over the prompt
+
+
+def test_load_counts_tokens_a_replica_with_one_long_context_is_as_loaded_as_one_with_many_short():
+    t = table(2, excess=10.0)
+    long = pick(t, "long", tokens(1, 8192))
+    shorts = [pick(t, f"s{i}", tokens(100 + i, 64)) for i in range(12)]
+    other = {r for r in held(t) if r != long.ticket.route.replica_id}
+    assert {c.ticket.route.replica_id for c in shorts} == other   # 12 short requests weigh less than the long one
+    assert held(t)[long.ticket.route.replica_id] > held(t)[next(iter(other))]
+
+
+def test_a_shared_document_spreads_as_its_load_needs_while_trajectories_keep_their_replicas():
+    t = table(4)
+    background(t, per_replica=8)
+    document = tokens(9, 4096)
+    homes = {}
+    for j in range(8):   # eight trajectories of their own, spread over the fleet
+        first = pick(t, f"own{j}-0", tokens(200 + j, 1024), session_id=f"own{j}")
+        homes[j] = first.ticket.route.replica_id
+    assert len(set(homes.values())) == 4
+    doc = Counter(pick(t, f"doc{k}", document + tokens(300 + k, 256)).ticket.route.replica_id for k in range(24))
+    assert len(doc) > 1 and max(doc.values()) < 24          # the document did not pile onto one replica
+    stayed = 0
+    for j in range(8):   # each trajectory's next turn: its context plus a response and an observation
+        before = held(t)
+        turn = pick(t, f"own{j}-1", tokens(200 + j, 1024) + tokens(400 + j, 300), session_id=f"own{j}")
+        went = turn.ticket.route.replica_id
+        if went == homes[j]:
+            stayed += 1
+            assert turn.prefix_blocks == 1024 // BLOCK
+        else:   # moved: its home was past the bound, or heavier by more than the prefill the move costs
+            mean = (sum(before.values()) + 1324 + 256) / 4
+            assert (before[homes[j]] + 1580 > 1.25 * mean
+                    or before[went] + 32 * 1324 < before[homes[j]] + 32 * 300)
+    assert stayed >= 6
+    loads = held(t).values()
+    mean = sum(loads) / 4
+    assert max(loads) <= 1.25 * mean + 4096 + 256   # bounded: within the excess, give or take one request
+
+
+def test_a_loaded_replica_is_passed_over_for_a_cheaper_one_even_with_the_prompt_cached():
+    t = table(2, excess=0.0)
+    prompt = tokens(5, 512)
+    home = pick(t, "a", prompt).ticket.route.replica_id
+    for i in range(6):   # the home replica fills up with other work
+        t.pick(f"x{i}", prompt_tokens=4096, max_tokens=256, avoid=frozenset(r for r in t.routes if r != home))
+    again = pick(t, "b", prompt)
+    assert again.ticket.route.replica_id != home and again.prefix_spilled and again.prefix_blocks == 0
+
+
+def test_released_tokens_leave_the_replica_and_completions_teach_the_expected_length():
+    t = table(2)
+    choice = pick(t, "a", tokens(1, 512), max_tokens=4096)
+    assert choice.ticket.weight == 512 + 256   # the initial expectation, before any request completed
+    choice.ticket.tokens = 1000
+    t.release(choice.ticket, completed=True)
+    assert held(t) == {"r0": 0, "r1": 0}
+    for i in range(200):
+        c = pick(t, f"c{i}", tokens(2, 16), max_tokens=4096)
+        c.ticket.tokens = 1000
+        t.release(c.ticket, completed=True)
+    assert pick(t, "next", tokens(3, 16), max_tokens=4096).ticket.weight == pytest.approx(16 + 1000, abs=20)
+    assert pick(t, "capped", tokens(4, 16), max_tokens=100).ticket.weight == 16 + 100
+
+
+def test_without_a_prompt_or_a_match_it_is_least_loaded():
+    t = table(3)
+    chosen = [t.pick(f"q{i}").ticket.route.replica_id for i in range(9)]
+    assert Counter(chosen) == {"r0": 3, "r1": 3, "r2": 3}
+
+
+def test_the_policy_is_configured_by_name_without_session_pins():
+    config = LoadBalancerConfig(routing_policy="prefix_cost",
+                                prefix_routing=PrefixRoutingConfig(block_tokens=16, prefill_weight=2.0,
+                                                                   max_load_excess=0.5))
+    config.validate()
+    chain = selectors(config)
+    [selector] = chain
+    assert isinstance(selector, PrefixCost) and (selector.prefill_weight, selector.max_load_excess) == (2.0, 0.5)
+    assert selector.index.block_tokens == 16
+    configured = RoutingTable(chain)
+    assert configured.prefix is selector and configured.sessions is None
+    with pytest.raises(Exception, match="max_load_excess"):
+        PrefixRoutingConfig(max_load_excess=-1.0).validate()
