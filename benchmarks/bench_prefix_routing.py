@@ -115,46 +115,42 @@ async def run_grpo(send, groups: list[list[Call]], concurrency: int) -> Result:
 
 
 async def run_multiturn(send, trajectories: int, concurrency: int, seed: int) -> Result:
-    result = Result()
     system = [random.Random(seed).randrange(2, 32000) for _ in range(512)]
-    left = list(range(trajectories))
 
-    async def worker() -> None:
-        while left:
-            t = left.pop()
-            rng = random.Random(seed * 1000 + t)
-            context = system + [rng.randrange(2, 32000) for _ in range(rng.randint(256, 1024))]
-            for turn in range(8):
-                call = Call(f"t{t}-{turn}", list(context), rng.randint(128, 512), session=f"t{t}")
-                ok = await send(call)
-                _count(result, call, ok)
-                if not ok:
-                    break
-                result.latencies.append(call.seconds)
-                context += call.output + [rng.randrange(2, 32000) for _ in range(rng.randint(64, 512))]
+    def opening(rng: random.Random) -> tuple[list[int], int]:
+        return system + [rng.randrange(2, 32000) for _ in range(rng.randint(256, 1024))], 8
 
-    started = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    result.wall = time.perf_counter() - started
-    return result
+    return await _run_trajectories(send, trajectories, concurrency, seed, "t", opening)
 
 
 async def run_document(send, trajectories: int, concurrency: int, seed: int) -> Result:
     """Multi-turn trajectories of skewed lengths (Zipf over 1-24 turns), 30% of them starting with one shared
     4,096-token document: a prefix shared by part of the traffic."""
-    result = Result()
     document = [random.Random(seed + 1).randrange(2, 32000) for _ in range(4096)]
     turns, weights = range(1, 25), [1 / k for k in range(1, 25)]
+
+    def opening(rng: random.Random) -> tuple[list[int], int]:
+        context = (document if rng.random() < 0.3 else []) + [rng.randrange(2, 32000)
+                                                             for _ in range(rng.randint(256, 1024))]
+        return context, rng.choices(turns, weights)[0]
+
+    return await _run_trajectories(send, trajectories, concurrency, seed, "d", opening)
+
+
+async def _run_trajectories(send, trajectories: int, concurrency: int, seed: int, tag: str, opening) -> Result:
+    """``trajectories`` agentic trajectories, ``concurrency`` in flight: ``opening(rng)`` gives each its first
+    context and its number of turns; every turn resends the whole context, then appends the response and an
+    observation of 64-512 tokens, as a harness does."""
+    result = Result()
     left = list(range(trajectories))
 
     async def worker() -> None:
         while left:
             t = left.pop()
             rng = random.Random(seed * 1000 + t)
-            context = (document if rng.random() < 0.3 else []) + [rng.randrange(2, 32000)
-                                                                 for _ in range(rng.randint(256, 1024))]
-            for turn in range(rng.choices(turns, weights)[0]):
-                call = Call(f"d{t}-{turn}", list(context), rng.randint(128, 512), session=f"d{t}")
+            context, turns = opening(rng)
+            for turn in range(turns):
+                call = Call(f"{tag}{t}-{turn}", list(context), rng.randint(128, 512), session=f"{tag}{t}")
                 ok = await send(call)
                 _count(result, call, ok)
                 if not ok:

@@ -124,7 +124,7 @@ class LoadBalancerConfig(ServerConfig):
                              "tokens it holds plus the prompt it must prefill), within a bound on load in tokens "
                              "(prefix_routing), with no session pins; least_loaded: the replica with the fewest "
                              "in-flight requests (round robin among equals); a plug-in's name "
-                             "(loadbalancer.routing.register). Sessions stick but under prefix_cost")
+                             "(loadbalancer.routing.register). Sessions stick, except under prefix_cost")
     prefix_routing: PrefixRoutingConfig = setting(default_factory=PrefixRoutingConfig,
                                                   help="cache affinity against load, for routing_policy: "
                                                        "prefix_aware and prefix_cost")

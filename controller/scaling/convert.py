@@ -76,6 +76,6 @@ def history_record(h: state_pb2.AutoscalerAction) -> autoscaler_pb2.ScaleHistory
         triggered_at=timestamp(h.triggered_at), from_engines=h.from_engines, to_engines=h.to_engines,
         delta=h.delta, reason=h.reason, triggered_conditions=h.triggered_conditions,
         metrics_snapshot=h.metrics_snapshot, error_message=h.error_message)
-    if h.HasField("completed_at") and h.completed_at:
+    if h.completed_at:   # unset (0) while the operation runs
         msg.completed_at.CopyFrom(timestamp(h.completed_at))
     return msg
