@@ -22,11 +22,11 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "errors": ("ChecksumMismatch", "GroupBusy", "GroupClosed", "InvalidManifest", "ManifestMismatch", "NotAuthentic",
+    "errors": ("ChecksumMismatch", "DeltaRefused", "GroupBusy", "GroupClosed", "InvalidManifest", "ManifestMismatch", "NotAuthentic",
                "PeerLost", "TransferCancelled", "TransferTimeout", "VerificationFailed", "WeightTransferError"),
     "groups": ("GroupCache", "GroupKey", "TransferGroup", "WeightTransferConfig"),
     "manifest": ("ALIGNMENT", "CHECKSUM_ALGORITHMS", "Manifest", "TensorEntry", "build_manifest", "manifest_tag",
-                 "validate_against"),
+                 "validate_against", "views_of"),
     "transfer": ("TOPOLOGIES", "SendResult", "broadcast_manifest", "receive_weights", "receive_weights_async",
                  "send_weights", "send_weights_async"),
     "spec": ("WeightSpec",),

@@ -79,6 +79,11 @@ class NotAuthentic(VerificationFailed):
     default_reason = Reason.WEIGHTS_NOT_AUTHENTIC
 
 
+class DeltaRefused(VerificationFailed):
+    """A received delta cannot be applied: its indices are out of range or out of order, or its bitmap and
+    values disagree. Nothing is swapped in."""
+
+
 class ChecksumMismatch(VerificationFailed):
     """The received bytes do not hash to the manifest's checksum."""
 

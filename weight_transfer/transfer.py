@@ -158,7 +158,7 @@ def _check_cancel(cancel: threading.Event | None) -> None:
         raise TransferCancelled("the weight transfer was cancelled")
 
 
-class _Packer:
+class StreamPacker:
     """Copies the sender's tensors, in manifest order, into consecutive stream windows.
 
     Each tensor is checked against its manifest entry (name, dtype, shape)
@@ -265,7 +265,7 @@ def send_weights(group: TransferGroup, manifest: Manifest,
         raise ValueError(f"ring_size must be at least 2, got {ring_size}")
     with group.claim():
         link = _Link(group, topology, timeout)
-        packer = _Packer(manifest, named_tensors)
+        packer = StreamPacker(manifest, named_tensors)
         count = manifest.num_buckets
         started = time.perf_counter()
         ring = group.staging_buffers(min(ring_size, count),
@@ -330,7 +330,7 @@ def receive_weights(group: TransferGroup, manifest: Manifest, *, topology: str |
     if group.rank == 0:
         raise ValueError("rank 0 is the sender; it cannot receive")
     manifest.check_layout()  # views into the buffer must stay inside it and aligned
-    if key and not manifest.bucket_digests:
+    if key and len(manifest.bucket_digests) != manifest.num_buckets:
         raise NotAuthentic("an authenticated weight broadcast needs a manifest with bucket digests; "
                            "this one has none (a sender that predates them?)")
     if window < 1:

@@ -1,0 +1,318 @@
+"""Delta versions: a weight version sent as what changed since a version the receivers hold.
+
+In an RL step at a typical learning rate most elements of a bf16 model do not
+change: an update smaller than half a unit in the last place rounds back to
+the same value. So instead of the whole stream, the sender can send, per
+bucket of the target version's stream (:mod:`.manifest`), only the words that
+differ from the *base* version the receivers already serve.
+
+Encoding
+--------
+Each bucket of the target stream is compared with the same bucket of the base
+stream as 16-bit words (8-bit for a bucket of odd length). The delta is itself
+a stream of named tensors, laid out and sent like any weights (so it travels
+through :func:`~.transfer.send_weights` with its chain or broadcast topology,
+its checksum, its manifest tag and bucket digests), with, per bucket ``k``:
+
+- nothing, when the bucket did not change;
+- ``k/i`` (int32 word indices, strictly increasing) or ``k/m`` (a bitmap,
+  one bit per word), whichever is smaller, followed by ``k/v`` (the new
+  words), when that is at most ``bucket_ratio`` of the bucket's bytes;
+- ``k/f`` (the bucket's bytes, uint8), otherwise.
+
+In bf16, indices cost 6 bytes per changed element and a bitmap 1/8 of a
+byte per element plus 2 per changed one; they break even at 3.1% of the
+elements changed, so a bucket at 2% costs 6% of its bytes and one at 4% 10%.
+With the default ``bucket_ratio`` of 0.5 a bucket goes whole once a bitmap
+and its words reach half its bytes (about 44% changed), because scattering
+words also costs the receiver time. The whole delta is offered
+only when it is at most ``max_ratio`` of the full stream
+(``weight_transfer.delta_max_ratio``); otherwise a full copy is cheaper.
+
+Receiving
+---------
+A receiver packs the weights it serves into the target layout (base and
+target versions of one model have the same layout), checks them against the
+base version's checksum (so the delta is applied to exactly the bytes it was
+computed from), applies the delta, and checks the result against the target
+manifest: its checksum, or with a sync key every BLAKE3 bucket digest. A
+delta that is malformed, out of order or applied to other bytes fails the
+check and is refused; the replica keeps serving its old weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from .errors import ChecksumMismatch, InvalidManifest, NotAuthentic
+from .manifest import Manifest, StreamHasher, bucket_digest, build_manifest
+from .transfer import StreamPacker
+
+DEFAULT_BUCKET_RATIO = 0.5
+"""A bucket goes sparse when its indices and values take at most this share of its bytes."""
+
+_INDEX = torch.int32
+_KINDS = ("i", "m", "v", "f")
+_SHIFTS = torch.arange(8, dtype=torch.uint8)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeltaStats:
+    """What a delta holds, for metrics and the step record."""
+
+    changed_words: int
+    total_words: int
+    sparse_buckets: int
+    full_buckets: int
+    unchanged_buckets: int
+    bytes: int
+    """Bytes of the delta stream (what travels)."""
+    full_bytes: int
+    """Bytes of the target stream (what a full copy sends)."""
+
+    @property
+    def density(self) -> float:
+        """Share of the target's words that changed."""
+        return self.changed_words / self.total_words if self.total_words else 0.0
+
+    @property
+    def ratio(self) -> float:
+        """Delta bytes over full bytes."""
+        return self.bytes / self.full_bytes if self.full_bytes else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Delta:
+    """A target version as a difference from ``base_version``."""
+
+    base_version: int
+    base_checksum: str
+    """Checksum of the base version's stream, in the target manifest's algorithm and layout."""
+    manifest: Manifest
+    """The delta stream's manifest (what the sender sends and the receivers receive)."""
+    tensors: tuple[tuple[str, torch.Tensor], ...]
+    stats: DeltaStats
+
+
+def _word(start: int, stop: int) -> torch.dtype:
+    """The unit a bucket is compared in: 16-bit words where the bucket's start and length allow."""
+    return torch.int16 if start % 2 == 0 and stop % 2 == 0 else torch.uint8
+
+
+def pack_stream(manifest: Manifest, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                out: torch.Tensor | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The whole stream ``manifest`` describes, as one uint8 tensor (``out`` or a new one on ``device``).
+
+    ``named_tensors`` in manifest order; :class:`~.errors.ManifestMismatch` if they differ from it.
+    """
+    flat = torch.empty(manifest.total_bytes, dtype=torch.uint8, device=device) if out is None else out
+    packer = StreamPacker(manifest, named_tensors)
+    if manifest.total_bytes:
+        packer.fill(flat[:manifest.total_bytes], 0)
+    packer.finish()
+    return flat
+
+
+def stream_checksum(manifest: Manifest, flat: torch.Tensor) -> str:
+    """Checksum of the stream in ``flat``, in ``manifest``'s algorithm (fed bucket by bucket)."""
+    hasher = StreamHasher(manifest.checksum_algorithm)
+    for index in range(manifest.num_buckets):
+        start, stop = manifest.bucket_range(index)
+        hasher.update(flat[start:stop])
+    return hasher.hexdigest()
+
+
+def check_stream(manifest: Manifest, flat: torch.Tensor, *, key: bytes = b"") -> None:
+    """Check a rebuilt stream against ``manifest``: every BLAKE3 bucket digest with a ``key``, else the checksum.
+
+    Raises :class:`~.errors.NotAuthentic` or :class:`~.errors.ChecksumMismatch`.
+    """
+    if key:
+        if len(manifest.bucket_digests) != manifest.num_buckets:
+            raise NotAuthentic("weights not authentic: the target manifest has no bucket digests to check the "
+                               "rebuilt weights against")
+        for index in range(manifest.num_buckets):
+            start, stop = manifest.bucket_range(index)
+            if bucket_digest(flat[start:stop]) != manifest.bucket_digests[index]:
+                raise NotAuthentic(f"weights not authentic: bucket {index} of {manifest.num_buckets} of the weights "
+                                   "rebuilt from the delta does not match its BLAKE3 digest in the manifest")
+        return
+    got = stream_checksum(manifest, flat)
+    if got != manifest.checksum:
+        raise ChecksumMismatch(manifest.checksum, got, manifest.checksum_algorithm)
+
+
+def same_layout(a: Manifest, b: Manifest) -> bool:
+    """Whether two versions' streams are laid out alike (so one can be a delta base of the other)."""
+    return (a.tensors, a.bucket_size_bytes, a.total_bytes, a.checksum_algorithm) == (
+        b.tensors, b.bucket_size_bytes, b.total_bytes, b.checksum_algorithm)
+
+
+def encode_delta(base: Manifest, base_tensors: Iterable[tuple[str, torch.Tensor]], target: Manifest,
+                 target_tensors: Iterable[tuple[str, torch.Tensor]], *, base_version: int,
+                 bucket_ratio: float = DEFAULT_BUCKET_RATIO, max_ratio: float = 1.0,
+                 device: torch.device | str = "cpu") -> Delta | None:
+    """The delta that turns the ``base`` stream into the ``target`` stream (tensors in manifest order, on
+    ``device``), or None once it would exceed ``max_ratio`` of the full stream (a full copy is cheaper).
+
+    Raises ``ValueError`` when the two layouts differ (a delta needs the same
+    tensors, bucket size and checksum algorithm).
+    """
+    if not same_layout(base, target):
+        raise ValueError("the base and target versions are laid out differently; a delta needs the same "
+                         "tensors, bucket size and checksum algorithm")
+    if not 0 < bucket_ratio <= 1:
+        raise ValueError(f"bucket_ratio must be in (0, 1], got {bucket_ratio}")
+    device = torch.device(device)
+    old_packer, new_packer = StreamPacker(base, base_tensors), StreamPacker(target, target_tensors)
+    scratch = [torch.empty(0, dtype=torch.uint8, device=device) for _ in range(2)]
+    tensors: list[tuple[str, torch.Tensor]] = []
+    changed = total = sparse = full = unchanged = size = 0
+    budget = max_ratio * target.total_bytes
+    for index in range(target.num_buckets):
+        start, stop = target.bucket_range(index)
+        old, new = (_bucket(packer, start, stop, scratch, which, device)
+                    for which, packer in enumerate((old_packer, new_packer)))
+        word = _word(start, stop)
+        words = new.view(word)
+        total += words.numel()
+        where = torch.ne(old.view(word), words).nonzero().flatten()
+        count = int(where.numel())
+        changed += count
+        if count == 0:
+            unchanged += 1
+        else:
+            kind, cost = _cheapest(count, words.numel(), word.itemsize)
+            if cost <= bucket_ratio * (stop - start):
+                sparse += 1
+                marks = where.to(_INDEX) if kind == "i" else _pack_bits(where, words.numel(), device)
+                tensors += [(f"{index}/{kind}", marks), (f"{index}/v", words[where])]
+                size += cost
+            else:
+                full += 1
+                tensors.append((f"{index}/f", new.clone()))
+                size += stop - start
+        if size > budget:
+            return None
+    old_packer.finish()
+    new_packer.finish()
+    manifest = build_manifest(tensors, target.bucket_size_bytes, checksum_algorithm=target.checksum_algorithm)
+    stats = DeltaStats(changed_words=changed, total_words=total, sparse_buckets=sparse, full_buckets=full,
+                       unchanged_buckets=unchanged, bytes=manifest.total_bytes, full_bytes=target.total_bytes)
+    return Delta(base_version, base.checksum, manifest, tuple(tensors), stats)
+
+
+def _cheapest(count: int, words: int, word_size: int) -> tuple[str, int]:
+    """The cheaper way to say which of ``words`` words changed: indices (``i``) or a bitmap (``m``), and its
+    bytes with the new words."""
+    by_index = count * (_INDEX.itemsize + word_size)
+    by_bitmap = -(-words // 8) + count * word_size
+    return ("i", by_index) if by_index <= by_bitmap else ("m", by_bitmap)
+
+
+def _pack_bits(where: torch.Tensor, words: int, device: torch.device) -> torch.Tensor:
+    """Bitmap of ``words`` bits (bit ``j % 8`` of byte ``j // 8``) with the bits at ``where`` set."""
+    bits = torch.zeros(-(-words // 8) * 8, dtype=torch.uint8, device=device)
+    bits[where] = 1
+    return (bits.view(-1, 8) << _SHIFTS.to(device)).sum(dim=1, dtype=torch.uint8)
+
+
+def _unpack_bits(bitmap: torch.Tensor, words: int) -> torch.Tensor:
+    """Positions of the set bits among the first ``words`` bits of ``bitmap``, increasing."""
+    bits = (bitmap.view(-1, 1) >> _SHIFTS.to(bitmap.device)) & 1
+    return bits.view(-1)[:words].nonzero().flatten()
+
+
+def _bucket(packer: StreamPacker, start: int, stop: int, scratch: list[torch.Tensor], which: int,
+            device: torch.device) -> torch.Tensor:
+    """Stream bytes ``[start, stop)`` from ``packer``: a view of one tensor where they lie in one, else packed
+    into ``scratch[which]`` (valid until the next call)."""
+    view = packer.direct_view(start, stop, device)
+    if view is not None:
+        return view
+    if scratch[which].numel() < stop - start:
+        scratch[which] = torch.empty(stop - start, dtype=torch.uint8, device=device)
+    buf = scratch[which][:stop - start]
+    packer.fill(buf, start)
+    return buf
+
+
+def delta_entries(delta_manifest: Manifest, target: Manifest) -> list[tuple[int, str]]:
+    """Check a delta stream's entries against the target and return ``(bucket, kind)`` of each, in order.
+
+    Per bucket, in increasing bucket order, a delta holds ``f`` alone, or ``i``
+    or ``m`` followed by ``v``. Raises :class:`~.errors.InvalidManifest` for an
+    entry that names no bucket of the target, another kind, buckets out of
+    order or repeated, or a dtype or shape that cannot be one.
+    """
+    out: list[tuple[int, str]] = []
+    entries = delta_manifest.tensors
+    for position, entry in enumerate(entries):
+        bucket_text, _, kind = entry.name.partition("/")
+        if not bucket_text.isdigit() or kind not in _KINDS:
+            raise InvalidManifest(f"delta entry {entry.name[:40]!r} is not BUCKET/i, BUCKET/m, BUCKET/v or "
+                                  "BUCKET/f")
+        bucket = int(bucket_text)
+        if bucket >= target.num_buckets:
+            raise InvalidManifest(f"delta entry {entry.name[:40]!r} names bucket {bucket}; the target has "
+                                  f"{target.num_buckets}")
+        opens = kind != "v"
+        after_marks = bool(out) and out[-1] == (bucket, out[-1][1]) and out[-1][1] in "im"
+        if (opens and out and bucket <= out[-1][0]) or (not opens and not after_marks):
+            raise InvalidManifest(f"delta entry {entry.name[:40]!r} is out of order, repeats its bucket or has "
+                                  "no indices before it")
+        start, stop = target.bucket_range(bucket)
+        word = _word(start, stop)
+        words = (stop - start) // word.itemsize
+        if kind == "f" and (entry.dtype, entry.shape) != ("uint8", (stop - start,)):
+            raise InvalidManifest(f"delta entry {entry.name!r} must be uint8 [{stop - start}]")
+        if kind == "m" and (entry.dtype, entry.shape) != ("uint8", (-(-words // 8),)):
+            raise InvalidManifest(f"delta entry {entry.name!r} must be uint8 [{-(-words // 8)}]")
+        if kind == "i" and (entry.dtype != "int32" or len(entry.shape) != 1):
+            raise InvalidManifest(f"delta entry {entry.name!r} must be 1-D int32")
+        if kind in "im":
+            follow = entries[position + 1] if position + 1 < len(entries) else None
+            if follow is None or follow.name != f"{bucket}/v":
+                raise InvalidManifest(f"delta entry {entry.name!r} must be followed by {bucket}/v")
+            word_name = str(word).removeprefix("torch.")
+            if follow.dtype != word_name or len(follow.shape) != 1 or (kind == "i" and follow.shape != entry.shape):
+                raise InvalidManifest(f"delta entry {follow.name!r} must be 1-D {word_name}"
+                                      + (f" [{entry.shape[0]}], like its indices" if kind == "i" else ""))
+        out.append((bucket, kind))
+    return out
+
+
+def apply_delta(target: Manifest, flat: torch.Tensor, delta_manifest: Manifest,
+                delta_tensors: Mapping[str, torch.Tensor]) -> None:
+    """Turn the base stream in ``flat`` into the target's, in place.
+
+    ``flat`` must hold the base stream (:func:`pack_stream` and a checksum
+    check); the result still needs :func:`check_stream`. Raises
+    :class:`~.errors.InvalidManifest` for a malformed delta (see
+    :func:`delta_entries`) or indices that are out of range or not strictly
+    increasing; ``flat`` may then be half-changed, so callers apply deltas to
+    a copy of what they serve.
+    """
+    for bucket, kind in delta_entries(delta_manifest, target):
+        start, stop = target.bucket_range(bucket)
+        if kind == "f":
+            flat[start:stop].copy_(delta_tensors[f"{bucket}/f"])
+        elif kind == "i":
+            indices = delta_tensors[f"{bucket}/i"].to(torch.int64)
+            words = flat[start:stop].view(_word(start, stop))
+            if indices.numel() and (int(indices[0]) < 0 or int(indices[-1]) >= words.numel()
+                                    or not bool((indices[1:] > indices[:-1]).all())):
+                raise InvalidManifest(f"delta indices of bucket {bucket} are out of range or not strictly "
+                                      "increasing")
+            words[indices] = delta_tensors[f"{bucket}/v"].to(words.device)
+        elif kind == "m":
+            words = flat[start:stop].view(_word(start, stop))
+            indices = _unpack_bits(delta_tensors[f"{bucket}/m"].to(words.device), words.numel())
+            values = delta_tensors[f"{bucket}/v"]
+            if indices.numel() != values.numel():
+                raise InvalidManifest(f"the bitmap of bucket {bucket} marks {indices.numel()} words but "
+                                      f"{values.numel()} values follow it")
+            words[indices] = values.to(words.device)
