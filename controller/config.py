@@ -105,8 +105,9 @@ class ControllerConfig(ServerConfig):
                              "replica it created, keep_partial keeps the ones that came up")
     scale_out_weight_source: Literal["auto", "trainer", "replica"] = setting(
         "auto", help="where replicas a scale-out adds get the current weight version before they take traffic: "
-                     "trainer (the trainer only), replica (a healthy ACTIVE replica already at that version) or "
-                     "auto (the trainer when configured and it prepares the version, else such a replica)")
+                     "trainer (the trainer only), replica (a healthy ACTIVE replica already at that version, on "
+                     "the new replicas' node first) or auto (such a replica when one prepares, else the trainer, "
+                     "so joins leave the trainer to the training steps' syncs)")
     scale_in_drain_timeout: float = setting(30.0, help="seconds a scale-in waits for in-flight requests on the "
                                                        "replicas it removes; then they are aborted and the load "
                                                        "balancer resumes them elsewhere")

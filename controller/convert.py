@@ -134,9 +134,11 @@ def sync_result(o: WeightSyncOutcome | None) -> weight_sync_pb2.WeightSyncResult
     return weight_sync_pb2.WeightSyncResult(
         sync_id=o.sync_id, weight_version=o.weight_version, bytes_sent=o.bytes_sent,
         skipped_replica_ids=o.skipped_replica_ids, bytes_saved=o.bytes_saved, duration=duration(o.duration_s),
-        source=o.source, replica_results=[weight_sync_pb2.ReplicaSyncResult(
+        source=o.source, delta_base_version=o.delta_base_version, delta_bytes=o.delta_bytes,
+        full_bytes=o.full_bytes, delta_density=o.delta_density,
+        replica_results=[weight_sync_pb2.ReplicaSyncResult(
             replica_id=r.replica_id, ok=r.ok, error_message=r.error_message, duration=duration(r.duration_s),
-            bytes_received=r.bytes_received) for r in o.replica_results])
+            bytes_received=r.bytes_received, copy=r.copy, source=r.source) for r in o.replica_results])
 
 
 def complete_response(c: CompleteResult) -> scheduling_pb2.CompleteTrainingStepResponse:

@@ -92,6 +92,14 @@ class ControllerMetrics:
         self._sync_bytes = server.counter("rollmesh_controller_weight_sync_bytes",
                                           "Bytes the weight syncs sent, and the bytes skipped hybrid syncs saved",
                                           ("kind",))
+        self._copies = server.counter("rollmesh_controller_weight_copies",
+                                      "Replicas a weight sync brought to its version, by the copy they took: delta "
+                                      "(the words that changed), full (from the trainer) or peer (a full copy from "
+                                      "a replica)", ("copy",))
+        self._delta_bytes = server.gauge("rollmesh_controller_weight_delta_bytes",
+                                         "Bytes of the last delta sent, and of a full copy of its version", ("kind",))
+        self._delta_density = server.gauge("rollmesh_controller_weight_delta_density_ratio",
+                                           "Share of the words that changed in the last version sent as a delta")
         writes = server.counter("rollmesh_controller_store_writes",
                                 "Batches written to the state store (SQLite or etcd), by outcome (ok, error)",
                                 ("outcome",))
@@ -111,6 +119,10 @@ class ControllerMetrics:
             self._syncs.labels(outcome)
         for kind in ("sent", "saved"):
             self._sync_bytes.labels(kind)
+        for copy in ("delta", "full", "peer"):
+            self._copies.labels(copy)
+        for kind in ("delta", "full"):
+            self._delta_bytes.labels(kind)
         self._cycles = server.counter("rollmesh_dynamic_resource_cycles", "Sync cycles closed since start-up")
         for name in _HISTOGRAMS:
             self._histogram(name)
@@ -135,6 +147,14 @@ class ControllerMetrics:
         elif kind == "WEIGHT_SYNC_COMPLETED":
             self._syncs.labels("completed").inc()
             self._sync_bytes.labels("sent").inc(_number(attrs.get("bytes_sent")))
+            peer = _number(attrs.get("peer_copies"))
+            self._copies.labels("delta").inc(_number(attrs.get("delta_copies")))
+            self._copies.labels("peer").inc(peer)
+            self._copies.labels("full").inc(max(0.0, _number(attrs.get("full_copies")) - peer))
+            if _number(attrs.get("delta_bytes")) > 0:   # a delta went out
+                self._delta_bytes.labels("delta").set(_number(attrs.get("delta_bytes")))
+                self._delta_bytes.labels("full").set(_number(attrs.get("full_bytes")))
+                self._delta_density.set(_number(attrs.get("delta_density")))
         elif kind == "WEIGHT_SYNC_FAILED":
             self._syncs.labels("failed").inc()
         elif kind == "WEIGHT_SYNC_SKIPPED":

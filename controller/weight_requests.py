@@ -107,7 +107,8 @@ class WeightRequests:
                 self.emit(EventType.WEIGHT_SYNC_FAILED, replica_id=replica_id, weight_version=version,
                           reason=f"{why}; removed from routing until it holds the current version")
         self.emit(EventType.WEIGHT_SYNC_COMPLETED, weight_version=version, reason="SyncWeights",
-                  attributes={"ok": len(targets) - len(failed), "failed": len(failed), "bytes_sent": outcome.bytes_sent})
+                  attributes={"ok": len(targets) - len(failed), "failed": len(failed),
+                              **outcome.attributes()})
         await self.commit()
         return outcome
 

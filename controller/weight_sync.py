@@ -3,14 +3,31 @@
 A weight sync: the source prepares the version (manifest + rendezvous), then
 the source's SendWeights and every node's ReceiveWeights run concurrently
 under one plan, and the replicas' new versions are pushed to the balancer.
-The source is the trainer, or for the replicas a scale-out adds, a healthy
-replica already at the version (seed-replica sync, ``sync_new_replicas``).
+
+Which replica gets which copy (the registry knows each replica's version):
+
+- the replicas at the *base* version (the newest one below it, which the
+  trainer keeps; a hybrid replica asleep at it included) get the new
+  version from the trainer as a delta from it, when the trainer offers one
+  (``weight_transfer.delta_max_ratio`` on the trainer agent);
+- the others (a restart, a missed version, a rollback) and any that turn out not to hold the base get a full
+  copy from a peer that now holds the version, on their node first, so the
+  trainer sends one delta stream and nothing more; the trainer sends the
+  full copy only when no peer can;
+- without a delta everyone gets one full broadcast from the trainer.
+
+Replicas a scale-out adds (``sync_new_replicas``) get a full copy from a
+healthy peer already at the version, on their node first, else from the
+trainer (``scale_out_weight_source``). On gloo the default chain topology
+relays each bucket down the receivers, so many joiners cost the source one
+copy, not one per joiner.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hashlib
 import logging
 import secrets
@@ -39,9 +56,12 @@ class _Source:
     """Rank 0 of a broadcast: how to prepare a version on it and how to make it send a plan."""
 
     what: str
-    prepare: Callable[[int], Awaitable]
+    prepare: Callable[[int, int], Awaitable]
+    """(version, delta base version or 0) -> PrepareWeightSyncResponse."""
     send: Callable[[weights_pb2.WeightSyncPlan], Awaitable]
     rank0: weights_pb2.WeightSyncMember
+    copy: str = "full"
+    """What a receiver of a full plan from this source records: ``full`` (the trainer) or ``peer``."""
 
 
 class WeightBroadcast:
@@ -90,39 +110,69 @@ class WeightBroadcast:
 
     async def sync_new_replicas(self, replica_ids: Sequence[str], version: int, *, seeds: Sequence[str],
                                 source: str = "auto") -> WeightSyncOutcome:
-        """Bring new replicas to ``version`` from the trainer or from a seed replica already at it.
+        """Bring new replicas to ``version`` from a seed replica already at it or from the trainer.
 
         ``source``: ``trainer`` (the trainer only), ``replica`` (a seed only) or
-        ``auto`` (the trainer when it is configured and prepares the version,
-        else a seed). Seeds are tried in order until one prepares; a source
-        that cannot prepare has moved no byte, so the next one is safe to try.
-        Once a source has prepared, its outcome is the answer (no retry).
+        ``auto`` (a seed when one prepares, else the trainer, so joins leave the
+        trainer to the training steps' syncs). Seeds are tried on the new
+        replicas' nodes first, then in the order given, until one prepares; a
+        source that cannot prepare has moved no byte, so the next one is safe
+        to try. Once a source has prepared, its outcome is the answer (no retry).
         """
         self.in_progress += 1
         try:
-            started, errors = time.monotonic(), []
-            if source in ("trainer", "auto"):
-                if not self.trainer_address:
-                    errors.append("no trainer_address configured")
-                else:
-                    outcome, prepare_error = await self._broadcast(replica_ids, version, self._trainer_source())
-                    if not prepare_error or source == "trainer":
-                        return outcome
-                    errors.append(prepare_error)
-                    log.warning("weight sync of %s to version %d: trainer not usable (%s); seeding from a replica",
-                                list(replica_ids), version, prepare_error)
-            if source in ("replica", "auto"):
-                if not seeds:
-                    errors.append(f"no healthy replica at weight version {version} to seed from")
-                for seed in seeds:
-                    outcome, prepare_error = await self._broadcast(replica_ids, version, self._replica_source(seed))
-                    if not prepare_error:
-                        return outcome
-                    errors.append(prepare_error)
-            sync_id = f"sync-{version}-{uuid.uuid4().hex[:8]}"
-            return self._all_failed(replica_ids, version, sync_id, "no weight source: " + "; ".join(errors), started)
+            return await self._full_copies(replica_ids, version, seeds,
+                                           use_seeds=source in ("replica", "auto"),
+                                           use_trainer=source in ("trainer", "auto"), timeout_s=self.timeout_s)
         finally:
             self._done()
+
+    async def _full_copies(self, replica_ids: Sequence[str], version: int, seeds: Sequence[str], *,
+                           use_seeds: bool, use_trainer: bool, timeout_s: float) -> WeightSyncOutcome:
+        """Full copies of ``version``: from the first seed that prepares (nearest first), else the trainer.
+
+        A source that prepared but whose copy reached none of the replicas (it
+        died mid-copy, say) is replaced by the next one.
+        """
+        started, errors = time.monotonic(), []
+        sources: list[Callable[[], _Source]] = []
+        if use_seeds:
+            if not seeds:
+                errors.append(f"no healthy replica at weight version {version} to seed from")
+            sources += [functools.partial(self._replica_source, seed)
+                        for seed in self._nearest_first(seeds, replica_ids)]
+        if use_trainer:
+            if not self.trainer_address:
+                errors.append("no trainer_address configured")
+            else:
+                sources.append(functools.partial(self._trainer_source, timeout_s))
+        failed: WeightSyncOutcome | None = None
+        for make_source in sources:
+            source = make_source()
+            outcome, prepare_error = await self._broadcast(replica_ids, version, source, timeout_s)
+            if prepare_error:
+                errors.append(prepare_error)
+                continue
+            if any(r.ok for r in outcome.replica_results):
+                return outcome
+            failed = outcome
+            errors.append(f"{source.what.removesuffix(' PrepareWeightSync')} sent no copy: "
+                          f"{next(iter(outcome.failed.values()), 'no replica received it')}")
+            log.warning("weight sync of %s to version %d: %s; trying the next source", list(replica_ids), version,
+                        errors[-1])
+        if failed is not None:
+            return failed
+        sync_id = f"sync-{version}-{uuid.uuid4().hex[:8]}"
+        return self._all_failed(replica_ids, version, sync_id, "no weight source: " + "; ".join(errors), started)
+
+    def _nearest_first(self, seeds: Sequence[str], replica_ids: Sequence[str]) -> list[str]:
+        """Seeds on the node holding most of ``replica_ids`` first (their bytes stay on the node), then the
+        others, each group in the order given."""
+        nodes: dict[str, int] = {}
+        for replica_id in replica_ids:
+            node = self.registry.get(replica_id).node_id
+            nodes[node] = nodes.get(node, 0) + 1
+        return sorted(seeds, key=lambda seed: -nodes.get(self.registry.get(seed).node_id, 0))
 
     def _done(self) -> None:
         self.in_progress -= 1
@@ -131,11 +181,53 @@ class WeightBroadcast:
             self._idle = None
 
     async def _sync(self, replica_ids: Sequence[str], version: int, timeout_s: float) -> WeightSyncOutcome:
+        started = time.monotonic()
         if not self.trainer_address:
             return self._all_failed(replica_ids, version, f"sync-{version}-{uuid.uuid4().hex[:8]}",
-                                    "no trainer_address configured", time.monotonic())
-        outcome, _ = await self._broadcast(replica_ids, version, self._trainer_source(timeout_s), timeout_s)
-        return outcome
+                                    "no trainer_address configured", started)
+        source = self._trainer_source(timeout_s)
+        base = self._delta_base(replica_ids, version)
+        if base is not None and not await self._offers_delta(source, version, base):
+            base = None
+        if base is None:
+            outcome, _ = await self._broadcast(replica_ids, version, source, timeout_s)
+            return outcome
+        at_base = [r for r in replica_ids if self.registry.get(r).weight_version == base]
+        behind = [r for r in replica_ids if r not in at_base]
+        outcome, why = await self._broadcast(at_base, version, source, timeout_s, delta_base=base)
+        if why:
+            return dataclasses.replace(outcome, replica_results=(
+                *outcome.replica_results, *self._all_failed(behind, version, outcome.sync_id, why,
+                                                            started).replica_results))
+        missing = [r.replica_id for r in outcome.replica_results if r.delta_base_missing]
+        need_full = behind + missing
+        if not need_full:
+            return outcome
+        seeds = [r.replica_id for r in outcome.replica_results if r.ok]
+        log.info("weight sync to version %d: %d replica(s) took the delta from %d; %s need full copies",
+                 version, len(seeds), base, need_full)
+        full = await self._full_copies(need_full, version, seeds, use_seeds=True, use_trainer=True,
+                                       timeout_s=timeout_s)
+        kept = tuple(r for r in outcome.replica_results if r.replica_id not in missing)
+        return dataclasses.replace(outcome, replica_results=(*kept, *full.replica_results),
+                                   bytes_sent=outcome.bytes_sent + full.bytes_sent,
+                                   duration_s=time.monotonic() - started)
+
+    @staticmethod
+    async def _offers_delta(source: _Source, version: int, base: int) -> bool:
+        """Whether ``source`` prepares ``version`` with a delta from ``base`` (the broadcast that follows asks
+        again and gets the same, recorded preparation; an error there is reported there)."""
+        try:
+            return (await source.prepare(version, base)).HasField("delta")
+        except grpc.aio.AioRpcError:
+            return False
+
+    def _delta_base(self, replica_ids: Sequence[str], version: int) -> int | None:
+        """The newest version below ``version`` that one of ``replica_ids`` holds (asleep or not): the last one
+        synced, which the trainer keeps as its delta base; None when there is none."""
+        held = [record.weight_version for record in map(self.registry.get, replica_ids)
+                if 0 < record.weight_version < version]
+        return max(held, default=None)
 
     def _trainer_source(self, timeout_s: float | None = None) -> _Source:
         return self._source("trainer", self.trainer_address, "", weights_pb2.WeightSyncMember(rank=0),
@@ -143,8 +235,10 @@ class WeightBroadcast:
 
     def _replica_source(self, seed: str) -> _Source:
         address = self.registry.get(seed).address
-        return self._source(f"seed replica {seed}", address, seed,
-                            weights_pb2.WeightSyncMember(rank=0, replica_id=seed, address=address), self.timeout_s)
+        return dataclasses.replace(
+            self._source(f"seed replica {seed}", address, seed,
+                         weights_pb2.WeightSyncMember(rank=0, replica_id=seed, address=address), self.timeout_s),
+            copy="peer")
 
     def _source(self, what: str, address: str, source_id: str, member: weights_pb2.WeightSyncMember,
                 timeout: float) -> _Source:
@@ -153,8 +247,10 @@ class WeightBroadcast:
 
         stub = self.channels.weight_source(address)
 
-        def prepare(version: int) -> Awaitable[weight_source_pb2.PrepareWeightSyncResponse]:
+        def prepare(version: int, delta_base: int) -> Awaitable[weight_source_pb2.PrepareWeightSyncResponse]:
             request = weight_source_pb2.PrepareWeightSyncRequest(source_id=source_id, weight_version=version)
+            if delta_base > 0:
+                request.delta_base_version = delta_base
             if self.bucket_size_bytes:
                 request.bucket_size_bytes = self.bucket_size_bytes
             return stub.PrepareWeightSync(request, timeout=timeout)
@@ -166,8 +262,12 @@ class WeightBroadcast:
                        member)
 
     async def _broadcast(self, replica_ids: Sequence[str], version: int, source: _Source,
-                         timeout_s: float | None = None) -> tuple[WeightSyncOutcome, str]:
+                         timeout_s: float | None = None, delta_base: int = 0) -> tuple[WeightSyncOutcome, str]:
         """One broadcast from ``source``; the outcome and, when the source could not prepare, why.
+
+        ``delta_base``: ask the source for a delta from that version; every one
+        of ``replica_ids`` should hold it (one that does not fails with
+        ``delta_base_missing`` and needs a full copy).
 
         A group needs every member: when a node's agent cannot be reached, the
         others would only wait out the rendezvous. So the first UNAVAILABLE
@@ -178,14 +278,14 @@ class WeightBroadcast:
         """
         timeout_s = timeout_s or self.timeout_s
         started = time.monotonic()
-        outcome, why, unreachable = await self._attempt(replica_ids, version, source, timeout_s)
+        outcome, why, unreachable = await self._attempt(replica_ids, version, source, timeout_s, delta_base)
         if unreachable and not why:
             lost = [r for r in replica_ids if self.registry.get(r).address in unreachable]
             rest = [r for r in replica_ids if r not in lost]
             if rest:
                 log.warning("weight sync to version %d: agent(s) %s unreachable; syncing the %d other replica(s) "
                             "without them", version, sorted(unreachable), len(rest))
-                retry, why, _ = await self._attempt(rest, version, source, timeout_s)
+                retry, why, _ = await self._attempt(rest, version, source, timeout_s, delta_base)
                 failed = [r for r in outcome.replica_results if r.replica_id in lost]
                 outcome = dataclasses.replace(retry, replica_results=(*failed, *retry.replica_results),
                                               duration_s=time.monotonic() - started)
@@ -194,7 +294,7 @@ class WeightBroadcast:
         return outcome, why
 
     async def _attempt(self, replica_ids: Sequence[str], version: int, source: _Source,
-                       timeout_s: float) -> tuple[WeightSyncOutcome, str, set[str]]:
+                       timeout_s: float, delta_base: int = 0) -> tuple[WeightSyncOutcome, str, set[str]]:
         """One plan: prepare, then send and receive concurrently.
 
         Returns the outcome, why the source could not prepare (or ""), and the
@@ -205,7 +305,7 @@ class WeightBroadcast:
             return WeightSyncOutcome(weight_version=version, sync_id=sync_id), "", set()
         started = time.monotonic()
         try:
-            prepared = await source.prepare(version)
+            prepared = await source.prepare(version, delta_base)
         except grpc.aio.AioRpcError as err:
             why = f"{source.what}: {describe_error(err)}"
             return self._all_failed(replica_ids, version, sync_id, why, started), why, set()
@@ -214,6 +314,9 @@ class WeightBroadcast:
             return self._all_failed(replica_ids, version, sync_id, why, started), why, set()
         self._model_bytes = prepared.manifest.total_bytes
         plan = self._plan(sync_id, prepared, list(replica_ids), source.rank0, timeout_s)
+        delta = prepared.delta if delta_base > 0 and prepared.HasField("delta") else None
+        if delta is not None:
+            plan.delta.CopyFrom(delta)
         by_node: dict[str, list[str]] = {}
         for replica_id in replica_ids:
             by_node.setdefault(self.registry.get(replica_id).address, []).append(replica_id)
@@ -232,13 +335,15 @@ class WeightBroadcast:
                 continue
             if (error := task.exception()) is not None:
                 why = f"ReceiveWeights on {address}: {describe_error(error)}"
-                results += [ReplicaSyncOutcome(r, False, why) for r in ids]
+                results += [ReplicaSyncOutcome(r, False, why, source=prepared.source) for r in ids]
                 continue
             for r in task.result().results:
                 ok = r.checksum_ok and r.weight_version == version
                 why = "" if ok else (r.error_message or "checksum mismatch")
-                results.append(ReplicaSyncOutcome(r.replica_id, ok, why,
-                                                  to_seconds(r.duration), r.bytes_received))
+                results.append(ReplicaSyncOutcome(r.replica_id, ok, why, to_seconds(r.duration), r.bytes_received,
+                                                  copy="delta" if delta is not None else source.copy,
+                                                  source=prepared.source,
+                                                  delta_base_missing=r.delta_base_missing))
         bytes_sent = 0
         sent_error = None if send.cancelled() else send.exception()
         send_failed = send.cancelled() or sent_error is not None
@@ -254,9 +359,15 @@ class WeightBroadcast:
         if send_failed or not all(r.ok for r in results):
             key = (prepared.source, *sorted(replica_ids))
             self._generations[key] = self._generations.get(key, 0) + 1
+        if delta is not None:
+            delta_fields: dict = dict(delta_base_version=delta.base_version, delta_bytes=delta.stream.total_bytes,
+                                      delta_density=delta.changed_words / delta.total_words if delta.total_words
+                                      else 0.0)
+        else:
+            delta_fields = {}
         return WeightSyncOutcome(weight_version=version, replica_results=tuple(results), bytes_sent=bytes_sent,
-                                 duration_s=time.monotonic() - started, sync_id=sync_id,
-                                 source=prepared.source), "", unreachable
+                                 duration_s=time.monotonic() - started, sync_id=sync_id, source=prepared.source,
+                                 full_bytes=prepared.manifest.total_bytes, **delta_fields), "", unreachable
 
     @staticmethod
     async def _until_done_or_unreachable(send: asyncio.Future, receives: Mapping[str, asyncio.Future]) -> set[str]:
@@ -313,7 +424,8 @@ class WeightBroadcast:
         """
         stale = self.routing.stale
         done = {r.replica_id: version for r in results if r.ok}
-        failed = [r.replica_id for r in results if not r.ok]
+        # one without the delta's base is neither: its full copy, next, decides
+        failed = [r.replica_id for r in results if not r.ok and not r.delta_base_missing]
         recovered = [r for r in done if r in stale]
         stale.difference_update(done)   # at the current version now, whatever its state
         stale.update(failed)

@@ -107,8 +107,13 @@ class JobRollout:
                                                                          "replicas; null = gpu_memory_utilization")
     multi_turn: MultiTurnSettings = setting(default_factory=MultiTurnSettings,
                                             help="verl's multi-turn keys: tool and environment turns")
+    dtype: str = setting("auto", help="dtype the replicas serve (verl's rollout.dtype): bfloat16, float16 or "
+                                      "float32; auto = the engine's own (float32 on CPU, bfloat16 on CUDA). The "
+                                      "trainer keeps its weights in its own dtype and broadcasts them in this one")
 
     def validate(self) -> None:
+        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ConfigError("dtype", f"must be auto, bfloat16, float16 or float32, got {self.dtype[:20]!r}")
         if self.n < 2:
             raise ConfigError("n", f"must be >= 2 (group-normalised advantages need two samples), got {self.n}")
         if not self.temperature > 0:
@@ -170,6 +175,10 @@ class JobMesh:
     stream_interval: int = setting(8, help="tokens per streamed Generate chunk")
     start_timeout_s: float = setting(180.0, help="longest wait for every server and replica to come up")
     gloo_interface: str = setting("lo", help="network interface of the gloo weight broadcasts")
+    weight_delta_max_ratio: float = setting(0.5, help="the trainer sends a new version as a delta from the one "
+                                                      "the replicas hold when it is at most this share of the "
+                                                      "full weights (the trainer agent's "
+                                                      "weight_transfer.delta_max_ratio); 0 = full copies only")
     torch_threads: int = setting(1, help="OMP/MKL threads per process (CPU machines have few cores)")
     tls: bool = setting(True, help="mutual TLS between the processes, with a CA made in the run directory "
                                    "(pki/); false = plaintext on loopback")
@@ -186,6 +195,8 @@ class JobMesh:
         for key in ("max_batch_size", "stream_interval", "torch_threads"):
             if getattr(self, key) < 1:
                 raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")
+        if not 0 <= self.weight_delta_max_ratio <= 1:
+            raise ConfigError("weight_delta_max_ratio", f"must be in [0, 1], got {self.weight_delta_max_ratio}")
 
 
 @dataclasses.dataclass
@@ -275,7 +286,8 @@ def server_configs(job: JobConfig, *, run_dir: Path, lb: str, controller: str, t
         "stream_interval": mesh.stream_interval, "gpu_memory_utilization": gpu_mem,
         "standalone_gpu_memory_utilization": standalone_mem,
         "weight_transfer": {"gloo_interface": mesh.gloo_interface},
-        "engine_options": {"max_batch_size": mesh.max_batch_size},
+        "engine_options": {"max_batch_size": mesh.max_batch_size,
+                           **({"dtype": arr.rollout.dtype} if arr.rollout.dtype != "auto" else {})},
     }
     configs: dict[str, dict] = {"controller": controller_cfg}
     for node in range(job.rollout.nnodes):
@@ -289,7 +301,8 @@ def server_configs(job: JobConfig, *, run_dir: Path, lb: str, controller: str, t
             "replicas": [{"replica_id": f"h{i}", "kind": "HYBRID"} for i in range(job.trainer.n_gpus_per_node)]}
     configs["trainer-agent"] = {
         "listen": trainer, "node_id": "trainer-0", "model": job.model, "model_seed": job.seed,
-        "weight_transfer": {"gloo_interface": mesh.gloo_interface},
+        "served_dtype": arr.rollout.dtype if arr.rollout.dtype != "auto" else "",
+        "weight_transfer": {"gloo_interface": mesh.gloo_interface, "delta_max_ratio": mesh.weight_delta_max_ratio},
         "driver": {
             "enabled": True, "controller_address": controller, "load_balancer_address": lb,
             "total_training_steps": job.trainer.total_training_steps,

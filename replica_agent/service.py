@@ -270,7 +270,7 @@ def _weights_results(results: list[ReceiveResult]) -> list[pb.ReplicaWeightsResu
     for r in results:
         item = pb.ReplicaWeightsResult(replica_id=r.replica_id, weight_version=r.weight_version,
                                        checksum_ok=r.checksum_ok, bytes_received=r.bytes_received,
-                                       error_message=r.error)
+                                       error_message=r.error, delta_base_missing=r.delta_base_missing)
         set_seconds(item.duration, r.duration_s)
         out.append(item)
     return out

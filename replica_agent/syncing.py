@@ -5,6 +5,12 @@ joins the plan's process group as that replica's rank, receives into fresh
 memory, checks the checksum, and only then swaps the weights into the engine
 (atomically: a failed or mismatched transfer leaves the old weights serving).
 A sleeping replica receives into freshly woken weight memory and stays asleep.
+
+A delta plan is applied to a copy of what the replica serves, laid out as the
+target and checked against the base first; a hybrid replica asleep at level 1
+wakes its weights (they come back bit for bit) to be that base. One that does
+not hold the base still receives the stream, keeps its weights and answers
+``delta_base_missing``: the controller then gives it a full copy.
 """
 
 from __future__ import annotations
@@ -14,9 +20,9 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from mesh_runtime.errors import Aborted, FailedPrecondition
+from mesh_runtime.errors import Aborted, FailedPrecondition, InvalidArgument
 from mesh_runtime.reasons import Reason
 
 from .replicas import Replica, ReplicaManager
@@ -88,14 +94,29 @@ async def _receive_one(groups: WeightGroups, replica: Replica, plan: SyncPlan) -
 
     started = time.monotonic()
     async with swapping_weights(replica) as weights_asleep:
+        base = None
+        if plan.delta is not None:   # before the stream: what this replica serves, laid out as the target
+            base = await _delta_base(replica, plan, weights_asleep)
         group = await asyncio.to_thread(groups.cache(replica.replica_id).get, plan.group_id, plan.members,
                                         plan.rendezvous, plan.backend, plan.sync_key)
         try:
-            tensors = await receive_weights_async(group, plan.manifest, timeout=plan.timeout_s, key=plan.sync_key)
+            received = await receive_weights_async(group, plan.stream, timeout=plan.timeout_s, key=plan.sync_key)
+            if plan.delta is not None:
+                if isinstance(base, str):   # the group is in step; this replica needs a full copy
+                    log.info("replica %s: %s; it keeps weight version %d and needs a full copy",
+                             replica.replica_id, base, replica.weight_version)
+                    result = ReceiveResult(replica.replica_id, replica.weight_version, False,
+                                           plan.stream.total_bytes, time.monotonic() - started, base,
+                                           delta_base_missing=True)
+                    groups.record(plan.sync_id, replica.replica_id, result)
+                    return result
+                tensors = await asyncio.to_thread(_apply_delta, plan, base, received)
+            else:
+                tensors = received
         except VerificationFailed as err:   # a bad checksum, or not from the sender the controller chose
             log.warning("replica %s: %s; keeping weight version %d", replica.replica_id, err,
                         replica.weight_version)
-            result = ReceiveResult(replica.replica_id, replica.weight_version, False, plan.manifest.total_bytes,
+            result = ReceiveResult(replica.replica_id, replica.weight_version, False, plan.stream.total_bytes,
                                    time.monotonic() - started, str(err))
             groups.record(plan.sync_id, replica.replica_id, result)
             return result
@@ -104,12 +125,61 @@ async def _receive_one(groups: WeightGroups, replica: Replica, plan: SyncPlan) -
         await replica.engine.load_weights(tensors, plan.weight_version)
         replica.weights_discarded = False
         groups.forget(replica.replica_id)  # its preparation as a source described the old weights
-    result = ReceiveResult(replica.replica_id, plan.weight_version, True, plan.manifest.total_bytes,
+    result = ReceiveResult(replica.replica_id, plan.weight_version, True, plan.stream.total_bytes,
                            time.monotonic() - started)
     groups.record(plan.sync_id, replica.replica_id, result)
-    log.info("replica %s now serves weight version %d (%d bytes in %.3f s)", replica.replica_id,
-             plan.weight_version, result.bytes_received, result.duration_s)
+    log.info("replica %s now serves weight version %d (%d bytes%s in %.3f s)", replica.replica_id,
+             plan.weight_version, result.bytes_received,
+             f" of a delta from {plan.delta.base_version}" if plan.delta is not None else "", result.duration_s)
     return result
+
+
+async def _delta_base(replica: Replica, plan: SyncPlan, weights_asleep: bool) -> Any:
+    """The weights ``replica`` serves packed in the target's layout, checked against the delta's base; or,
+    when it cannot be the base, why (a string)."""
+    from weight_transfer import ManifestMismatch  # noqa: PLC0415
+    from weight_transfer.delta import pack_stream, stream_checksum  # noqa: PLC0415
+
+    assert plan.delta is not None
+    if replica.weight_version != plan.delta.base_version:
+        return (f"the plan is a delta from weight version {plan.delta.base_version}, and this replica serves "
+                f"{replica.weight_version}")
+    if replica.weights_discarded:
+        return "the plan is a delta and this replica's weights were discarded (it slept at level 2)"
+    if weights_asleep:   # level 1 kept them on the host, bit for bit: wake them to apply the delta to
+        try:
+            await replica.engine.wake_up({"weights"})
+        except Exception as err:   # noqa: BLE001 - then it takes a full copy, received while asleep
+            return f"the plan is a delta and this replica's weights could not be woken ({err})"[:300]
+    try:
+        named = dict(replica.engine.named_weights())
+    except Exception as err:   # noqa: BLE001 - an engine that cannot read its weights back takes full copies
+        return f"the plan is a delta and this replica's engine cannot read back its weights ({err})"[:300]
+    order = [(e.name, named[e.name]) for e in plan.manifest.tensors if e.name in named]
+    device = order[0][1].device if order else "cpu"   # the weights' own device: NCCL deltas apply there
+    try:
+        flat = await asyncio.to_thread(pack_stream, plan.manifest, order, device=device)
+    except ManifestMismatch as err:
+        return f"the weights this replica serves do not fit the delta's layout: {err}"
+    got = await asyncio.to_thread(stream_checksum, plan.manifest, flat)
+    if got != plan.delta.base_checksum:
+        return (f"the weights this replica serves (checksum {got[:16]}) are not the delta's base version "
+                f"{plan.delta.base_version} (checksum {plan.delta.base_checksum[:16]})")
+    return flat
+
+
+def _apply_delta(plan: SyncPlan, base: Any, received: dict) -> dict:
+    """Apply the received delta to the packed base; the target's tensors, as views, once the result checks."""
+    from weight_transfer import DeltaRefused, InvalidManifest, views_of  # noqa: PLC0415
+    from weight_transfer.delta import apply_delta, check_stream  # noqa: PLC0415
+
+    assert plan.delta is not None
+    try:
+        apply_delta(plan.manifest, base, plan.delta.stream, received)
+    except InvalidManifest as err:
+        raise DeltaRefused(f"the delta from weight version {plan.delta.base_version} was refused: {err}") from err
+    check_stream(plan.manifest, base, key=plan.sync_key)
+    return views_of(plan.manifest, base)
 
 
 def _check_servable(replica: Replica) -> None:
@@ -154,31 +224,41 @@ async def prepare(manager: ReplicaManager, groups: WeightGroups, replica_id: str
 
 
 async def send(manager: ReplicaManager, groups: WeightGroups, replica_id: str, plan: SyncPlan) -> SendResult:
-    """Send a replica's weights as rank 0 of ``plan`` (seed-replica sync for new replicas)."""
+    """Send a replica's weights as rank 0 of ``plan`` (a peer's full copy for replicas that need one).
+
+    The weights are copied out first, under the replica's lock, and sent from the copy: the replica serves
+    and may take a weight sync of its own while its copy is still on the wire (a join's copy never holds up
+    a training step's sync). The copy costs one model's memory on the replica's device until the send ends.
+    """
     from weight_transfer import send_weights_async  # noqa: PLC0415
+    from weight_transfer.delta import pack_stream  # noqa: PLC0415
+    from weight_transfer.manifest import views_of  # noqa: PLC0415
 
     replica = manager.get(replica_id)
     if plan.source != replica_id:
         raise FailedPrecondition(f"plan {plan.sync_id} is sourced from {plan.source!r}, not {replica_id!r}",
                                  reason=Reason.NOT_PLAN_SOURCE)
-    _check_servable(replica)
-    if replica.weight_version != plan.weight_version:
-        raise FailedPrecondition(f"replica {replica_id!r} holds weight version {replica.weight_version}, the plan "
-                                 f"asks for {plan.weight_version}", reason=Reason.VERSION_MISMATCH)
-    if replica.busy == "weights":
-        raise Aborted(f"replica {replica_id!r} is already sending or receiving weights",
-                      reason=Reason.TRANSFER_IN_PROGRESS)
+    if plan.delta is not None:
+        raise InvalidArgument(f"plan {plan.sync_id} is a delta; a replica sends full copies only",
+                              reason=Reason.INVALID_SYNC_PLAN)
     started = time.monotonic()
-    replica.busy = "weights"
-    try:
-        cache = groups.cache(replica_id)
-        await asyncio.to_thread(cache.host_rendezvous, plan.rendezvous[0], plan.rendezvous[1])
-        group = await asyncio.to_thread(cache.get, plan.group_id, plan.members, plan.rendezvous, plan.backend,
-                                        plan.sync_key)
+    async with replica.lock:   # no weight load swaps the tensors while they are copied
+        _check_servable(replica)
+        if replica.weight_version != plan.weight_version:
+            raise FailedPrecondition(f"replica {replica_id!r} holds weight version {replica.weight_version}, the "
+                                     f"plan asks for {plan.weight_version}", reason=Reason.VERSION_MISMATCH)
+        if replica.busy == "weights":
+            raise Aborted(f"replica {replica_id!r} is already sending or receiving weights",
+                          reason=Reason.TRANSFER_IN_PROGRESS)
         named = dict(replica.engine.named_weights())
-        sent = await send_weights_async(group, plan.manifest,
-                                        ((e.name, named[e.name]) for e in plan.manifest.tensors),
-                                        timeout=plan.timeout_s, key=plan.sync_key)
-    finally:
-        replica.busy = ""
+        order = [(e.name, named[e.name]) for e in plan.manifest.tensors if e.name in named]
+        device = order[0][1].device if order else "cpu"
+        flat = await asyncio.to_thread(pack_stream, plan.manifest, order, device=device)
+    cache = groups.cache(replica_id)
+    await asyncio.to_thread(cache.host_rendezvous, plan.rendezvous[0], plan.rendezvous[1])
+    group = await asyncio.to_thread(cache.get, plan.group_id, plan.members, plan.rendezvous, plan.backend,
+                                    plan.sync_key)
+    copy = views_of(plan.manifest, flat)
+    sent = await send_weights_async(group, plan.manifest, ((e.name, copy[e.name]) for e in plan.manifest.tensors),
+                                    timeout=plan.timeout_s, key=plan.sync_key)
     return SendResult(sent.bytes, time.monotonic() - started, plan.manifest.checksum, plan.weight_version)

@@ -33,6 +33,8 @@ class ReceiveResult:
     bytes_received: int
     duration_s: float
     error: str = ""
+    delta_base_missing: bool = False
+    """The plan was a delta and this replica did not serve its base: it needs a full copy."""
 
 
 @dataclasses.dataclass

@@ -22,6 +22,18 @@ One broadcast runs at a time. The prepared snapshot stays until a newer
 prepare replaces it (or :meth:`release` drops it), so several syncs of one
 version (standalone replicas, then hybrid ones, then scaled-out ones) reuse
 it without copying or hashing the weights again.
+
+Delta versions (``weight_transfer.delta_max_ratio`` > 0): when a newer
+version is prepared, the one before stays as the *base*, what the fleet
+holds. A prepare that names that base (``delta_base_version``) also encodes
+the new version as a delta from it (:mod:`weight_transfer.delta`), once per
+version, and a plan carrying that delta sends the delta stream instead of the
+weights. Keeping the base costs one more copy of the weights in the served
+dtype; ``delta_max_ratio: 0`` turns deltas off and keeps none.
+
+``served_dtype`` (the trainer agent's ``served_dtype``): floating-point
+weights are cast to it when a version is prepared, so a trainer that keeps
+float32 weights broadcasts what bf16 replicas serve.
 """
 
 from __future__ import annotations
@@ -33,6 +45,7 @@ import logging
 import time
 from collections import OrderedDict
 
+import torch
 from opentelemetry import trace
 from opentelemetry.trace import Tracer
 
@@ -48,6 +61,7 @@ from weight_transfer import (
     build_manifest,
     send_weights_async,
 )
+from weight_transfer.delta import Delta, encode_delta, same_layout
 from weight_transfer.wire import SyncPlan
 
 from .weight_source import WeightSnapshot, WeightSource
@@ -63,6 +77,8 @@ class PreparedSync:
 
     snapshot: WeightSnapshot
     manifest: Manifest
+    deltas: dict[int, Delta | None] = dataclasses.field(default_factory=dict, compare=False)
+    """Base version -> this version as a delta from it (None: a full copy is cheaper), computed on request."""
 
     @property
     def weight_version(self) -> int:
@@ -103,7 +119,7 @@ class WeightBroadcaster:
 
     def __init__(self, source: WeightSource, *, member_id: str, rendezvous: tuple[str, int],
                  config: WeightTransferConfig, tracer: Tracer | None = None,
-                 adopt_newer_versions: bool = False) -> None:
+                 adopt_newer_versions: bool = False, served_dtype: str = "") -> None:
         self.source = source
         self.member_id = member_id
         self.adopt_newer_versions = adopt_newer_versions
@@ -113,6 +129,9 @@ class WeightBroadcaster:
         self._host, self._port = rendezvous
         self._cache: GroupCache | None = None
         self._prepared: PreparedSync | None = None
+        self._base: PreparedSync | None = None
+        """The version prepared before the current one: the base of its delta."""
+        self.served_dtype = getattr(torch, served_dtype) if served_dtype else None
         self._prepare_lock = asyncio.Lock()
         self._active: tuple[str, asyncio.Task] | None = None
         self._results: OrderedDict[str, SendResult] = OrderedDict()
@@ -133,7 +152,7 @@ class WeightBroadcaster:
         cache, self._cache = self._cache, None
         if cache is not None:
             await asyncio.to_thread(cache.close)
-        self._prepared = None
+        self._prepared = self._base = None
 
     @property
     def rendezvous(self) -> tuple[str, int] | None:
@@ -157,14 +176,18 @@ class WeightBroadcaster:
         """Drop the prepared snapshot (e.g. to free accelerator memory) unless a send is running."""
         if self._active is not None or self._prepared is None:
             return False
-        self._prepared = None
+        self._prepared = self._base = None
         return True
 
     # -- PrepareWeightSync ---------------------------------------------------------------------
 
     async def prepare(self, weight_version: int = 0, bucket_size_bytes: int | None = None,
-                      checksum_algorithm: str | None = None) -> PreparedSync:
-        """Fix ``weight_version`` (0 = current) for broadcasting; repeat calls return the same preparation."""
+                      checksum_algorithm: str | None = None, delta_base_version: int = 0) -> PreparedSync:
+        """Fix ``weight_version`` (0 = current) for broadcasting; repeat calls return the same preparation.
+
+        With ``delta_base_version``, also encode the version as a delta from
+        that one where this trainer still holds it (``prepared.deltas``).
+        """
         bucket = self.config.bucket_size_bytes if bucket_size_bytes is None else bucket_size_bytes
         algorithm = checksum_algorithm or self.config.checksum_algorithm
         if weight_version < 0:
@@ -180,6 +203,7 @@ class WeightBroadcaster:
             prepared = self._prepared
             wanted = weight_version or self.source.weight_version
             if prepared is not None and prepared.serves(wanted, bucket, algorithm):
+                await self._prepare_delta(prepared, delta_base_version)
                 return prepared
             if self.adopt_newer_versions and weight_version > self.source.weight_version + 1:
                 raise FailedPrecondition(
@@ -193,7 +217,14 @@ class WeightBroadcaster:
             prepared = await asyncio.to_thread(self._build_prepared, weight_version, bucket, algorithm)
             # The store is up since start(); asking again is free and restarts nothing.
             await asyncio.to_thread(cache.host_rendezvous, self._host, self._port)
+            previous = self._prepared
+            if self.config.delta_max_ratio > 0 and previous is not None:
+                if previous.weight_version != prepared.weight_version:
+                    self._base = previous   # what the fleet was sent: the next delta's base
+            else:
+                self._base = None
             self._prepared = prepared
+            await self._prepare_delta(prepared, delta_base_version)
         log.info("prepared weight version %d: %d tensors, %d bytes in %d buckets, %s %s",
                  prepared.weight_version, len(prepared.manifest.tensors), prepared.manifest.total_bytes,
                  prepared.manifest.num_buckets, algorithm, prepared.manifest.checksum)
@@ -205,8 +236,38 @@ class WeightBroadcaster:
 
     def _build_prepared(self, weight_version: int, bucket: int, algorithm: str) -> PreparedSync:
         snapshot = self.source.snapshot(weight_version)
+        served = self.served_dtype
+        if served is not None:
+            snapshot = dataclasses.replace(snapshot, tensors=tuple(
+                (name, t.to(served) if t.is_floating_point() and t.dtype != served else t)
+                for name, t in snapshot.tensors))
         manifest = build_manifest(snapshot.tensors, bucket, checksum_algorithm=algorithm)
         return PreparedSync(snapshot, manifest)
+
+    async def _prepare_delta(self, prepared: PreparedSync, base_version: int) -> None:
+        """Encode ``prepared`` as a delta from ``base_version`` once, if this trainer holds that base."""
+        base = self._base
+        if (not base_version or base_version in prepared.deltas or base is None
+                or base.weight_version != base_version or self.config.delta_max_ratio <= 0
+                or not same_layout(base.manifest, prepared.manifest)):
+            return
+        started = time.monotonic()
+        device = prepared.snapshot.tensors[0][1].device if prepared.snapshot.tensors else "cpu"
+        delta = await asyncio.to_thread(
+            encode_delta, base.manifest, iter(base.snapshot.tensors), prepared.manifest,
+            iter(prepared.snapshot.tensors), base_version=base_version, device=device,
+            bucket_ratio=self.config.delta_bucket_ratio, max_ratio=self.config.delta_max_ratio)
+        prepared.deltas[base_version] = delta
+        if delta is None:
+            log.info("weight version %d from %d: the delta would exceed %.0f%% of the full %d bytes; receivers "
+                     "at %d get full copies", prepared.weight_version, base_version,
+                     100 * self.config.delta_max_ratio, prepared.manifest.total_bytes, base_version)
+            return
+        stats = delta.stats
+        log.info("weight version %d as a delta from %d: %.2f%% of the words changed, %d of %d bytes (%.1f%%; "
+                 "%d sparse, %d whole, %d unchanged buckets) in %.3f s", prepared.weight_version, base_version,
+                 100 * stats.density, stats.bytes, stats.full_bytes, 100 * stats.ratio, stats.sparse_buckets,
+                 stats.full_buckets, stats.unchanged_buckets, time.monotonic() - started)
 
     # -- SendWeights ---------------------------------------------------------------------------
 
@@ -250,6 +311,13 @@ class WeightBroadcaster:
             raise FailedPrecondition(f"the manifest of plan {plan.sync_id} is not the one prepared for version "
                                      f"{prepared.weight_version} ({difference}); copy the manifest "
                                      "PrepareWeightSync returned", reason=Reason.MANIFEST_MISMATCH)
+        if plan.delta is not None:
+            delta = prepared.deltas.get(plan.delta.base_version)
+            if delta is None or delta.manifest != plan.delta.stream or delta.base_checksum != plan.delta.base_checksum:
+                raise FailedPrecondition(f"plan {plan.sync_id} carries a delta from weight version "
+                                         f"{plan.delta.base_version} that this trainer did not prepare; ask "
+                                         "PrepareWeightSync with delta_base_version and copy its delta",
+                                         reason=Reason.MANIFEST_MISMATCH)
         if plan.rendezvous[1] != self._port:
             raise FailedPrecondition(f"plan {plan.sync_id} points receivers at port {plan.rendezvous[1]}, but this "
                                      f"trainer's rendezvous store listens at {self.rendezvous_address}",
@@ -258,9 +326,10 @@ class WeightBroadcaster:
 
     async def _transfer(self, cache: GroupCache, plan: SyncPlan, prepared: PreparedSync) -> SendResult:
         started = time.monotonic()
-        attributes = {"rollmesh.sync_id": plan.sync_id, "rollmesh.weight_version": plan.weight_version,
+        attributes: dict[str, str | int] = {"rollmesh.sync_id": plan.sync_id, "rollmesh.weight_version": plan.weight_version,
                       "rollmesh.group_id": plan.group_id, "rollmesh.world_size": len(plan.members),
-                      "rollmesh.backend": plan.backend, "rollmesh.bytes": prepared.manifest.total_bytes}
+                      "rollmesh.backend": plan.backend, "rollmesh.bytes": plan.stream.total_bytes,
+                      "rollmesh.delta_base_version": plan.delta.base_version if plan.delta is not None else -1}
         span = (self.tracer.start_as_current_span("weights.broadcast", attributes=attributes)
                 if self.tracer is not None else contextlib.nullcontext())
         with span:
@@ -271,8 +340,13 @@ class WeightBroadcaster:
                                                     (self._host, self._port), plan.backend, plan.sync_key)
                     reused = self.groups_built == built_before
                     trace.get_current_span().set_attribute("rollmesh.group_reused", reused)
-                    sent = await send_weights_async(group, prepared.manifest, iter(prepared.snapshot.tensors),
-                                                    timeout=plan.timeout_s, key=plan.sync_key)
+                    delta = prepared.deltas.get(plan.delta.base_version) if plan.delta is not None else None
+                    if delta is not None:
+                        sent = await send_weights_async(group, delta.manifest, iter(delta.tensors),
+                                                        timeout=plan.timeout_s, key=plan.sync_key)
+                    else:
+                        sent = await send_weights_async(group, prepared.manifest, iter(prepared.snapshot.tensors),
+                                                        timeout=plan.timeout_s, key=plan.sync_key)
             except TimeoutError:
                 raise DeadlineExceeded(f"weight broadcast {plan.sync_id} did not finish within its timeout of "
                                        f"{plan.timeout_s:g} s", reason=Reason.WEIGHT_TRANSFER_TIMEOUT) from None
@@ -283,8 +357,10 @@ class WeightBroadcaster:
         self._results[plan.sync_id] = result
         while len(self._results) > _RECORDED_SYNCS:
             self._results.popitem(last=False)
-        log.info("sent weight version %d to %d receiver(s) over %s group %s: %d bytes in %.3f s (sync %s)",
-                 plan.weight_version, len(plan.members) - 1, "a reused" if reused else "a new", plan.group_id,
+        log.info("sent weight version %d%s to %d receiver(s) over %s group %s: %d bytes in %.3f s (sync %s)",
+                 plan.weight_version,
+                 f" as a delta from {plan.delta.base_version}" if plan.delta is not None else "",
+                 len(plan.members) - 1, "a reused" if reused else "a new", plan.group_id,
                  sent.bytes, result.duration_s, plan.sync_id)
         return result
 

@@ -53,6 +53,10 @@ class TrainerAgentConfig(ServerConfig):
     weight_dtype: Literal["float32", "bfloat16", "float16"] = setting(
         "float32", help="dtype the weights are held and broadcast in; must match the replicas' engine dtype "
                         "(torch engine: float32 on CPU, bfloat16 on CUDA)")
+    served_dtype: Literal["", "float32", "bfloat16", "float16"] = setting(
+        "", help="dtype floating-point weights are broadcast in when it differs from weight_dtype: the "
+                 "replicas' engine dtype, e.g. bfloat16 replicas of a trainer that keeps float32 weights; "
+                 "empty = weight_dtype")
     device: str = setting("cpu", help="device the weights live on: cpu, cuda or cuda:N")
     metrics_listen: str = setting("", help="HOST:PORT for a Prometheus /metrics endpoint; empty = off")
     weight_rendezvous: str = setting(

@@ -48,7 +48,8 @@ class TrainerNode:
             self.source, member_id=self.member_id, rendezvous=parse_host_port(config.weight_rendezvous),
             config=config.weight_transfer, tracer=tracing.tracer(tracer_provider, "rollmesh.trainer_agent"),
             # Without a training loop here nothing else would ever move the version on.
-            adopt_newer_versions=config.adopt_requested_versions and not config.driver.enabled)
+            adopt_newer_versions=config.adopt_requested_versions and not config.driver.enabled,
+            served_dtype=config.served_dtype)
         self.driver = TrainingDriver(config, self.source, tracer_provider)
 
     async def start(self, server: MeshServer) -> None:

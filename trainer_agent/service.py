@@ -14,7 +14,7 @@ from mesh_runtime.metrics import ServerMetrics
 from mesh_runtime.reasons import Reason
 from mesh_runtime.server import ServiceBinding
 from mesh_runtime.status import StatusReporter
-from weight_transfer.wire import manifest_to_proto, plan_from_proto
+from weight_transfer.wire import DeltaPlan, delta_to_proto, manifest_to_proto, plan_from_proto
 from rollmesh.trainer.v1 import trainer_agent_pb2 as pb
 from rollmesh.trainer.v1 import trainer_agent_pb2_grpc
 from rollmesh.weights.v1 import weight_source_pb2 as weights_pb
@@ -125,14 +125,21 @@ class TrainerWeightSource(weight_source_pb2_grpc.WeightSourceServiceServicer):
         prepared = await broadcaster.prepare(
             request.weight_version,
             bucket_size_bytes=request.bucket_size_bytes if request.HasField("bucket_size_bytes") else None,
-            checksum_algorithm=request.checksum_algorithm if request.HasField("checksum_algorithm") else None)
+            checksum_algorithm=request.checksum_algorithm if request.HasField("checksum_algorithm") else None,
+            delta_base_version=request.delta_base_version)
         rendezvous = broadcaster.rendezvous
         assert rendezvous is not None   # prepare() started it
         host, port = rendezvous
-        return weights_pb.PrepareWeightSyncResponse(weight_version=prepared.weight_version,
-                                                    manifest=manifest_to_proto(prepared.manifest),
-                                                    rendezvous_host=host, rendezvous_port=port,
-                                                    source=self.node.member_id)
+        out = weights_pb.PrepareWeightSyncResponse(weight_version=prepared.weight_version,
+                                                   manifest=manifest_to_proto(prepared.manifest),
+                                                   rendezvous_host=host, rendezvous_port=port,
+                                                   source=self.node.member_id)
+        delta = prepared.deltas.get(request.delta_base_version) if request.delta_base_version > 0 else None
+        if delta is not None:
+            out.delta.CopyFrom(delta_to_proto(DeltaPlan(
+                base_version=delta.base_version, base_checksum=delta.base_checksum, stream=delta.manifest,
+                changed_words=delta.stats.changed_words, total_words=delta.stats.total_words)))
+        return out
 
     async def SendWeights(self, request: weights_pb.SendWeightsRequest,  # noqa: N802
                           context: grpc.aio.ServicerContext) -> weights_pb.SendWeightsResponse:

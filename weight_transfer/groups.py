@@ -73,6 +73,13 @@ class WeightTransferConfig:
     gloo_interface: str = setting("", help="network interface gloo binds to, e.g. 'lo' on loopback; "
                                            "empty = gloo's default device")
     gloo_threads: int = setting(2, help="gloo worker threads per group (collectives in flight at once)")
+    delta_max_ratio: float = setting(0.5, help="trainer side: a new version is offered as a delta from the "
+                                               "version the receivers hold when the delta's bytes are at most "
+                                               "this share of the full weights (weight_transfer.delta); 0 = "
+                                               "never, and no copy of the previous version is kept")
+    delta_bucket_ratio: float = setting(0.5, help="trainer side: a bucket of a delta is sent whole once its "
+                                                  "changed words (with their indices or bitmap) take more than "
+                                                  "this share of its bytes")
     rendezvous_ports: str = setting("", help="LOW-HIGH: the ports a rendezvous store asked for on port 0 "
                                              "binds in (the first free one), so a firewall can be opened "
                                              "for them; empty = any free port")
@@ -97,6 +104,10 @@ class WeightTransferConfig:
         for key in ("setup_timeout_s", "op_timeout_s"):
             if not getattr(self, key) > 0:
                 raise ConfigError(key, f"must be a positive number of seconds, got {getattr(self, key)}")
+        if not 0 <= self.delta_max_ratio <= 1:
+            raise ConfigError("delta_max_ratio", f"must be in [0, 1] (0 = no deltas), got {self.delta_max_ratio}")
+        if not 0 < self.delta_bucket_ratio <= 1:
+            raise ConfigError("delta_bucket_ratio", f"must be in (0, 1], got {self.delta_bucket_ratio}")
         if self.ring_size < 2:
             raise ConfigError("ring_size", f"must be at least 2 to overlap packing and sending, "
                                            f"got {self.ring_size}")

@@ -11,15 +11,28 @@ naming what is malformed.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from mesh_runtime.errors import InvalidArgument
 from mesh_runtime.reasons import Reason
 from rollmesh.common.v1 import weights_pb2
 
+from .errors import InvalidManifest
 from .manifest import Manifest, TensorEntry
 
 BACKENDS = {weights_pb2.PROCESS_GROUP_BACKEND_GLOO: "gloo", weights_pb2.PROCESS_GROUP_BACKEND_NCCL: "nccl"}
 """``ProcessGroupBackend`` value -> backend name used by :class:`~weight_transfer.GroupCache`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DeltaPlan:
+    """A validated ``WeightDelta``."""
+
+    base_version: int
+    base_checksum: str
+    stream: Manifest
+    changed_words: int = 0
+    total_words: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +51,13 @@ class SyncPlan:
     """Member ids by rank: ``members[0]`` is the sender (``source``), the rest are replica ids."""
     sync_key: bytes = dataclasses.field(default=b"", repr=False)
     """The per-sync secret (empty: unauthenticated); never printed."""
+    delta: DeltaPlan | None = None
+    """Set: the stream is a delta from a base version the receivers hold (:mod:`weight_transfer.delta`)."""
+
+    @property
+    def stream(self) -> Manifest:
+        """The manifest of what travels: the delta stream, or the full weights."""
+        return self.delta.stream if self.delta is not None else self.manifest
 
     def rank_of(self, member: str) -> int | None:
         return self.members.index(member) if member in self.members else None
@@ -95,7 +115,31 @@ def plan_from_proto(msg: weights_pb2.WeightSyncPlan, default_timeout_s: float) -
     timeout = msg.timeout.ToNanoseconds() / 1e9 if msg.timeout.ByteSize() else default_timeout_s
     if timeout <= 0:
         raise bad(f"timeout must be positive, got {timeout} s")
+    manifest = manifest_from_proto(msg.manifest)
+    delta = delta_from_proto(msg.delta, manifest, bad) if msg.HasField("delta") else None
     return SyncPlan(sync_id=msg.sync_id, weight_version=msg.weight_version, group_id=msg.group_id,
                     rendezvous=(msg.rendezvous_host, msg.rendezvous_port), backend=BACKENDS[msg.backend],
-                    manifest=manifest_from_proto(msg.manifest), timeout_s=timeout, source=members[0],
-                    members=tuple(members), sync_key=bytes(msg.sync_key))
+                    manifest=manifest, timeout_s=timeout, source=members[0],
+                    members=tuple(members), sync_key=bytes(msg.sync_key), delta=delta)
+
+
+def delta_from_proto(msg: weights_pb2.WeightDelta, target: Manifest,
+                     bad: Callable[[str], InvalidArgument]) -> DeltaPlan:
+    """Decode a plan's delta and check its stream names buckets of ``target`` in a usable order."""
+    from .delta import delta_entries  # noqa: PLC0415 - torch only when a delta is decoded
+
+    if msg.base_version < 0 or not msg.base_checksum:
+        raise bad("delta needs base_version >= 0 and a base_checksum")
+    stream = manifest_from_proto(msg.stream)
+    try:
+        delta_entries(stream, target)
+    except InvalidManifest as err:
+        raise bad(f"delta: {err}") from None
+    return DeltaPlan(base_version=msg.base_version, base_checksum=msg.base_checksum, stream=stream,
+                     changed_words=msg.changed_words, total_words=msg.total_words)
+
+
+def delta_to_proto(delta: DeltaPlan) -> weights_pb2.WeightDelta:
+    return weights_pb2.WeightDelta(base_version=delta.base_version, base_checksum=delta.base_checksum,
+                                   stream=manifest_to_proto(delta.stream), changed_words=delta.changed_words,
+                                   total_words=delta.total_words)

@@ -225,7 +225,7 @@ class HybridOperations:
                       weight_version=version, reason=why)
         self.emit(EventType.WEIGHT_SYNC_COMPLETED, global_step=global_step, weight_version=version,
                   reason=f"{role} weight sync", attributes={
-                      "bytes_sent": outcome.bytes_sent, "duration_s": outcome.duration_s or self.clock() - start,
+                      **outcome.attributes(), "duration_s": outcome.duration_s or self.clock() - start,
                       "replicas": len(ids), "failed": len(outcome.failed), "role": role})
         return outcome
 

@@ -45,6 +45,13 @@ class ReplicaSyncOutcome:
     error_message: str = ""
     duration_s: float = 0.0
     bytes_received: int = 0
+    copy: str = ""
+    """How it got the version: ``delta`` (from the version it held), ``full`` (a full copy from the trainer)
+    or ``peer`` (a full copy from a replica that held the version); empty when not recorded."""
+    source: str = ""
+    """Who sent it: the trainer's member id or a peer replica's id."""
+    delta_base_missing: bool = False
+    """It was in a delta plan without holding the base version: it needs a full copy."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,11 +66,33 @@ class WeightSyncOutcome:
     source: str = "trainer"
     skipped_replica_ids: tuple[str, ...] = ()
     bytes_saved: int = 0
+    delta_base_version: int = -1
+    """The version the delta went out from; -1: no delta."""
+    delta_bytes: int = 0
+    """Bytes of the delta stream (each receiver of the delta got this many)."""
+    full_bytes: int = 0
+    """Bytes of a full copy of the version."""
+    delta_density: float = 0.0
+    """Share of the version's words that changed since the delta's base."""
 
     @property
     def failed(self) -> dict[str, str]:
         return {r.replica_id: r.error_message or "weight sync failed"
                 for r in self.replica_results if not r.ok}
+
+    @property
+    def full_copies(self) -> dict[str, str]:
+        """Replicas that took a full copy (from the trainer or a peer) -> who sent it."""
+        return {r.replica_id: r.source for r in self.replica_results if r.ok and r.copy in ("full", "peer")}
+
+    def attributes(self) -> dict[str, object]:
+        """What an event about this sync records of its bytes and copies."""
+        return {"bytes_sent": self.bytes_sent, "delta_base_version": self.delta_base_version,
+                "delta_bytes": self.delta_bytes, "full_bytes": self.full_bytes,
+                "delta_density": round(self.delta_density, 6),
+                "delta_copies": sum(1 for r in self.replica_results if r.ok and r.copy == "delta"),
+                "full_copies": len(self.full_copies),
+                "peer_copies": sum(1 for r in self.replica_results if r.ok and r.copy == "peer")}
 
     def to_document(self) -> state_pb2.WeightSync:
         return state_pb2.WeightSync(

@@ -1,4 +1,4 @@
-"""Where replicas a scale-out adds get their weights: the trainer, a seed replica, or auto (trainer, else a seed).
+"""Where replicas a scale-out adds get their weights: the trainer, a seed replica, or auto (a seed, else the trainer).
 
 The port talks to fake trainer and agent stubs that record every call, so
 each test sees which source prepared, which one sent, and the plan it built.
@@ -35,6 +35,11 @@ class Stub:
     def __init__(self, name: str, log: list, prepared=None) -> None:
         self.name, self.log, self.prepared = name, log, prepared
         self.plans: list[weights_pb2.WeightSyncPlan] = []
+        self.send_error: Exception | None = None
+        self.lost_sources: set[str] = set()
+        self.missing_base: set[str] = set()
+        """Replicas that answer a delta plan with delta_base_missing."""
+        """Receives from these sources fail (their sender went away mid-copy)."""
 
     async def PrepareWeightSync(self, request, timeout=None):  # noqa: N802
         self.log.append((self.name, "prepare", request.weight_version))
@@ -45,14 +50,22 @@ class Stub:
     async def SendWeights(self, request, timeout=None):  # noqa: N802
         self.log.append((self.name, "send", request.source_id))
         self.plans.append(request.plan)
+        if self.send_error is not None:
+            raise self.send_error
         return types.SimpleNamespace(bytes_sent=request.plan.manifest.total_bytes)
 
     async def ReceiveWeights(self, request, timeout=None):  # noqa: N802
         self.log.append((self.name, "receive", tuple(request.replica_ids)))
         self.plans.append(request.plan)
-        return agent_pb.ReceiveWeightsResponse(results=[agent_pb.ReplicaWeightsResult(
-            replica_id=r, weight_version=request.plan.weight_version, checksum_ok=True, bytes_received=64)
-            for r in request.replica_ids])
+        lost = request.plan.source in self.lost_sources
+        results = []
+        for r in request.replica_ids:
+            no_base = request.plan.HasField("delta") and r in self.missing_base
+            results.append(agent_pb.ReplicaWeightsResult(
+                replica_id=r, weight_version=request.plan.weight_version, checksum_ok=not (lost or no_base),
+                bytes_received=64, delta_base_missing=no_base,
+                error_message="peer lost mid-transfer" if lost else "no base" if no_base else ""))
+        return agent_pb.ReceiveWeightsResponse(results=results)
 
 
 class Tables:
@@ -71,10 +84,12 @@ def prepared(cls, version: int, source: str, port: int = 4000):
                manifest=weights_pb2.WeightManifest(total_bytes=64, bucket_size_bytes=64, checksum="c"))
 
 
-def mesh(trainer=None, **agents):
-    """A registry with seeds s0 (node a) and s1 (node b) at version 3, new replica x0 (node c) at 0."""
+def mesh(trainer=None, new_on_a=False, **agents):
+    """A registry with seeds s0 (node a) and s1 (node b) at version 3, new replica x0 (node c) at 0 (and xa on
+    node a with ``new_on_a``)."""
     registry = ReplicaRegistry(clock=lambda: 0.0)
-    registry.register_node("a", "a:1", slots_total=1, replicas=[ReplicaSpec("s0", K.STANDALONE, S.ACTIVE, 3)])
+    registry.register_node("a", "a:1", slots_total=2, replicas=[ReplicaSpec("s0", K.STANDALONE, S.ACTIVE, 3)] + (
+        [ReplicaSpec("xa", K.STANDALONE, S.SYNCING, 0)] if new_on_a else []))
     registry.register_node("b", "b:1", slots_total=1, replicas=[ReplicaSpec("s1", K.STANDALONE, S.ACTIVE, 3)])
     registry.register_node("c", "c:1", slots_total=1, replicas=[ReplicaSpec("x0", K.STANDALONE, S.SYNCING, 0)])
     log: list = []
@@ -91,28 +106,52 @@ def mesh(trainer=None, **agents):
 UNAVAILABLE = rpc_error(grpc.StatusCode.UNAVAILABLE, "connection refused")
 
 
-async def test_auto_falls_back_to_the_first_seed_that_prepares():
-    port, log, stubs, _ = mesh(trainer=UNAVAILABLE,
-                               a=rpc_error(grpc.StatusCode.FAILED_PRECONDITION, "holds version 2"),
-                               b=prepared(ws.PrepareWeightSyncResponse, 3, "s1"))
+async def test_auto_takes_the_first_seed_that_prepares_and_leaves_the_trainer_alone():
+    port, log, stubs, trainer = mesh(trainer=prepared(ws.PrepareWeightSyncResponse, 3, "trainer-t"),
+                                     a=rpc_error(grpc.StatusCode.FAILED_PRECONDITION, "holds version 2"),
+                                     b=prepared(ws.PrepareWeightSyncResponse, 3, "s1"))
     outcome = await port.sync_new_replicas(["x0"], 3, seeds=["s0", "s1"], source="auto")
     assert not outcome.failed and outcome.source == "s1" and outcome.weight_version == 3
-    assert log[:3] == [("trainer", "prepare", 3), ("a:1", "prepare", 3), ("b:1", "prepare", 3)]
-    assert sorted(log[3:]) == [("b:1", "send", "s1"), ("c:1", "receive", ("x0",))]  # concurrently
+    assert log[:2] == [("a:1", "prepare", 3), ("b:1", "prepare", 3)]
+    assert sorted(log[2:]) == [("b:1", "send", "s1"), ("c:1", "receive", ("x0",))]  # concurrently
+    assert not trainer.plans
     [plan] = stubs["c:1"].plans
     assert plan.source == "s1" and plan.weight_version == 3 and plan.world_size == 2
     assert [(m.rank, m.replica_id, m.address) for m in plan.members] == [(0, "s1", "b:1"), (1, "x0", "c:1")]
     assert stubs["b:1"].plans == [plan]  # the seed sends exactly the plan the receiver got
+    assert outcome.full_copies == {"x0": "s1"} and outcome.attributes()["peer_copies"] == 1
     assert port.in_progress == 0
 
 
-async def test_auto_uses_a_trainer_that_prepares_and_no_seed():
+async def test_auto_uses_the_trainer_when_no_seed_prepares():
     port, log, _, trainer = mesh(trainer=prepared(ws.PrepareWeightSyncResponse, 3, "trainer-t"),
-                                 a=prepared(ws.PrepareWeightSyncResponse, 3, "s0"))
+                                 a=rpc_error(grpc.StatusCode.FAILED_PRECONDITION, "holds version 2"))
     outcome = await port.sync_new_replicas(["x0"], 3, seeds=["s0"], source="auto")
     assert not outcome.failed and outcome.source == "trainer-t"
-    assert not any(name == "a:1" for name, *_ in log)
+    assert log[:2] == [("a:1", "prepare", 3), ("trainer", "prepare", 3)]
     assert trainer.plans[0].members[0].replica_id == ""
+    assert outcome.replica_results[0].copy == "full"
+
+
+async def test_a_seed_on_the_new_replicas_node_goes_first():
+    port, log, _, _ = mesh(a=prepared(ws.PrepareWeightSyncResponse, 3, "s0"),
+                           b=prepared(ws.PrepareWeightSyncResponse, 3, "s1"), new_on_a=True)
+    outcome = await port.sync_new_replicas(["x0"], 3, seeds=["s1", "s0"], source="replica")
+    assert not outcome.failed and log[0] == ("b:1", "prepare", 3)   # x0's node holds no seed: order given
+    log.clear()
+    outcome = await port.sync_new_replicas(["xa"], 3, seeds=["s1", "s0"], source="replica")
+    assert not outcome.failed and outcome.source == "s0" and log[0] == ("a:1", "prepare", 3)
+
+
+async def test_a_seed_that_dies_mid_copy_is_replaced_by_the_next_source():
+    port, log, stubs, trainer = mesh(trainer=prepared(ws.PrepareWeightSyncResponse, 3, "trainer-t"),
+                                     a=prepared(ws.PrepareWeightSyncResponse, 3, "s0"),
+                                     b=prepared(ws.PrepareWeightSyncResponse, 3, "s1"))
+    stubs["a:1"].send_error = rpc_error(grpc.StatusCode.UNAVAILABLE, "seed s0's agent went away")
+    stubs["c:1"].lost_sources = {"s0"}
+    outcome = await port.sync_new_replicas(["x0"], 3, seeds=["s0", "s1"], source="auto")
+    assert not outcome.failed and outcome.source == "s1"
+    assert ("a:1", "send", "s0") in log and ("b:1", "send", "s1") in log and not trainer.plans
 
 
 async def test_trainer_only_never_seeds_from_a_replica():
@@ -152,3 +191,98 @@ def test_seeds_are_healthy_replicas_at_the_version_standalone_first():
     # s1: older version; s2: not ACTIVE; s3: missed a sync; s4: owned by a scale-in; s5: this operation's;
     # o0: another model. The hybrid one comes after every standalone one.
     assert seed_replicas(scaler, op, 3) == ["s0", "h0"]
+
+
+def with_delta(version: int, source: str, base: int) -> ws.PrepareWeightSyncResponse:
+    answer = prepared(ws.PrepareWeightSyncResponse, version, source)
+    answer.delta.CopyFrom(weights_pb2.WeightDelta(base_version=base, base_checksum="b", changed_words=3,
+                                                  total_words=32, stream=weights_pb2.WeightManifest(
+                                                      total_bytes=12, bucket_size_bytes=64, checksum="d")))
+    return answer
+
+
+def fleet(trainer, r0_state=S.ACTIVE, r0_version=2, **agents):
+    """s0 and s1 (nodes a, b) at version 3, ACTIVE; r0 (node c) at version 2, ACTIVE unless told."""
+    registry = ReplicaRegistry(clock=lambda: 0.0)
+    for node, replica, version, state in (("a", "s0", 3, S.ACTIVE), ("b", "s1", 3, S.ACTIVE),
+                                          ("c", "r0", r0_version, r0_state)):
+        kind = K.HYBRID if state is S.SLEEPING else K.STANDALONE
+        registry.register_node(node, f"{node}:1", slots_total=1, replicas=[ReplicaSpec(replica, kind, state, version)])
+    log: list = []
+    stubs = {f"{n}:1": Stub(f"{n}:1", log, agents.get(n)) for n in "abc"}
+    trainer_stub = Stub("trainer", log, trainer)
+    channels = types.SimpleNamespace(agent=lambda address: stubs[address],
+                                     weight_source={**stubs, "t:1": trainer_stub}.get)
+    port = WeightBroadcast(channels, registry, Routing(registry, Tables()), trainer_address="t:1", timeout_s=5.0)
+    return port, log, stubs, trainer_stub
+
+
+async def test_replicas_at_the_base_take_the_delta_and_the_others_a_full_copy_from_a_peer():
+    port, log, stubs, trainer = fleet(with_delta(4, "trainer-t", 3), a=prepared(ws.PrepareWeightSyncResponse, 4, "s0"))
+    outcome = await port.sync(["s0", "s1", "r0"], 4)
+    assert not outcome.failed
+    [delta_plan] = trainer.plans
+    assert delta_plan.delta.base_version == 3 and sorted(m.replica_id for m in delta_plan.members[1:]) == ["s0", "s1"]
+    [peer_plan] = stubs["a:1"].plans[-1:]
+    assert peer_plan.source == "s0" and not peer_plan.HasField("delta")
+    assert [m.replica_id for m in peer_plan.members[1:]] == ["r0"]
+    copies = {r.replica_id: (r.copy, r.source) for r in outcome.replica_results}
+    assert copies == {"s0": ("delta", "trainer-t"), "s1": ("delta", "trainer-t"), "r0": ("peer", "s0")}
+    assert outcome.delta_base_version == 3 and outcome.delta_bytes == 12 and outcome.full_bytes == 64
+    assert outcome.delta_density == 3 / 32
+    assert outcome.attributes()["delta_copies"] == 2 and outcome.attributes()["peer_copies"] == 1
+    assert ("trainer", "prepare", 4) in log and all(entry[0] != "trainer" or entry[1] != "send" or
+                                                    entry[2] == "" for entry in log)
+
+
+async def test_a_replica_without_the_base_gets_a_full_copy_and_stays_routed():
+    port, log, stubs, trainer = fleet(with_delta(4, "trainer-t", 3), a=prepared(ws.PrepareWeightSyncResponse, 4, "s0"))
+    stubs["b:1"].missing_base = {"s1"}   # a restart: the registry says 3, its weights say otherwise
+    outcome = await port.sync(["s0", "s1"], 4)
+    assert not outcome.failed
+    copies = {r.replica_id: r.copy for r in outcome.replica_results}
+    assert copies == {"s0": "delta", "s1": "peer"}
+    assert "s1" not in port.routing.stale
+
+
+async def test_without_a_delta_everyone_takes_one_full_broadcast_from_the_trainer():
+    port, log, stubs, trainer = fleet(prepared(ws.PrepareWeightSyncResponse, 4, "trainer-t"))
+    outcome = await port.sync(["s0", "s1", "r0"], 4)
+    assert not outcome.failed and outcome.delta_base_version == -1
+    [plan] = trainer.plans
+    assert sorted(m.replica_id for m in plan.members[1:]) == ["r0", "s0", "s1"] and not plan.HasField("delta")
+    assert {r.copy for r in outcome.replica_results} == {"full"}
+    assert [entry for entry in log if entry[0] == "trainer"][0] == ("trainer", "prepare", 4)
+
+
+async def test_no_peer_at_the_version_means_the_trainer_sends_the_full_copy():
+    port, log, stubs, trainer = fleet(with_delta(4, "trainer-t", 3),
+                                      a=rpc_error(grpc.StatusCode.FAILED_PRECONDITION, "busy"),
+                                      b=rpc_error(grpc.StatusCode.FAILED_PRECONDITION, "busy"))
+    outcome = await port.sync(["s0", "s1", "r0"], 4)
+    assert not outcome.failed
+    assert {r.replica_id: r.copy for r in outcome.replica_results}["r0"] == "full"
+    assert len(trainer.plans) == 2 and not trainer.plans[1].HasField("delta")
+
+
+async def test_a_sleeping_hybrid_at_the_base_takes_the_delta_and_one_without_its_weights_a_full_copy():
+    port, log, stubs, trainer = fleet(with_delta(4, "trainer-t", 3), r0_state=S.SLEEPING, r0_version=3,
+                                      a=prepared(ws.PrepareWeightSyncResponse, 4, "s0"))
+    outcome = await port.sync(["s0", "s1", "r0"], 4)
+    assert {r.replica_id: r.copy for r in outcome.replica_results} == {"s0": "delta", "s1": "delta", "r0": "delta"}
+    stubs["c:1"].missing_base = {"r0"}   # asleep at level 2: its weights are gone
+    port.registry.set_weight_version("r0", 4)
+    trainer.prepared = with_delta(5, "trainer-t", 4)
+    stubs["a:1"].prepared = prepared(ws.PrepareWeightSyncResponse, 5, "s0")
+    for replica_id in ("s0", "s1"):
+        port.registry.set_weight_version(replica_id, 4)
+    outcome = await port.sync(["s0", "s1", "r0"], 5)
+    assert not outcome.failed
+    assert {r.replica_id: r.copy for r in outcome.replica_results} == {"s0": "delta", "s1": "delta", "r0": "peer"}
+
+
+async def test_a_rollback_to_an_older_version_is_a_full_copy():
+    port, log, stubs, trainer = fleet(with_delta(2, "trainer-t", 3))
+    outcome = await port.sync(["s0", "s1"], 2)   # both hold 3: nothing below 2 to diff from
+    assert not outcome.failed and outcome.delta_base_version == -1
+    assert {r.copy for r in outcome.replica_results} == {"full"} and not trainer.plans[0].HasField("delta")

@@ -210,6 +210,7 @@ class WeightSyncPlan(_message.Message):
     SOURCE_FIELD_NUMBER: _builtins.int
     MEMBERS_FIELD_NUMBER: _builtins.int
     SYNC_KEY_FIELD_NUMBER: _builtins.int
+    DELTA_FIELD_NUMBER: _builtins.int
     sync_id: _builtins.str
     """Unique id of this broadcast. Repeating a call with the same sync_id is
     safe: a participant that already finished it answers with its recorded
@@ -256,6 +257,17 @@ class WeightSyncPlan(_message.Message):
     def members(self) -> _containers.RepeatedCompositeFieldContainer[Global___WeightSyncMember]:
         """Every participant, one per rank from 0 to world_size - 1."""
 
+    @_builtins.property
+    def delta(self) -> Global___WeightDelta:
+        """Set: the stream that travels is this delta from delta.base_version, not
+        the full manifest. Every receiver holds the base version, applies the
+        delta to the weights it serves and checks the result against manifest
+        (its checksum, or with a sync_key every bucket digest) before swapping
+        it in. A receiver without the base still receives the stream (the group
+        stays in step) and fails with delta_base_missing set, so the controller
+        gives it a full copy.
+        """
+
     def __init__(
         self,
         *,
@@ -271,11 +283,60 @@ class WeightSyncPlan(_message.Message):
         source: _builtins.str = ...,
         members: _abc.Iterable[Global___WeightSyncMember] | None = ...,
         sync_key: _builtins.bytes = ...,
+        delta: Global___WeightDelta | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["manifest", b"manifest", "timeout", b"timeout"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["delta", b"delta", "manifest", b"manifest", "timeout", b"timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "group_id", b"group_id", "manifest", b"manifest", "members", b"members", "rendezvous_host", b"rendezvous_host", "rendezvous_port", b"rendezvous_port", "source", b"source", "sync_id", b"sync_id", "sync_key", b"sync_key", "timeout", b"timeout", "weight_version", b"weight_version", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "delta", b"delta", "group_id", b"group_id", "manifest", b"manifest", "members", b"members", "rendezvous_host", b"rendezvous_host", "rendezvous_port", b"rendezvous_port", "source", b"source", "sync_id", b"sync_id", "sync_key", b"sync_key", "timeout", b"timeout", "weight_version", b"weight_version", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WeightSyncPlan: _TypeAlias = WeightSyncPlan  # noqa: Y015
+
+@_typing.final
+class WeightDelta(_message.Message):
+    """WeightDelta is a weight version as the words that changed since a base
+    version the receivers hold (weight_transfer.delta): per bucket of the
+    target stream nothing, indices or a bitmap of the changed 16-bit words and
+    their new values, or the whole bucket.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BASE_VERSION_FIELD_NUMBER: _builtins.int
+    BASE_CHECKSUM_FIELD_NUMBER: _builtins.int
+    STREAM_FIELD_NUMBER: _builtins.int
+    CHANGED_WORDS_FIELD_NUMBER: _builtins.int
+    TOTAL_WORDS_FIELD_NUMBER: _builtins.int
+    base_version: _builtins.int
+    """The version the delta applies to."""
+    base_checksum: _builtins.str
+    """Checksum of the base version's stream, in the target manifest's layout
+    and algorithm: a receiver checks what it serves against it first.
+    """
+    changed_words: _builtins.int
+    """Words (16-bit, 8-bit in a bucket of odd length) that changed."""
+    total_words: _builtins.int
+    """Words in the target stream."""
+    @_builtins.property
+    def stream(self) -> Global___WeightManifest:
+        """The delta stream: its tensors are named BUCKET/i, BUCKET/m, BUCKET/v and
+        BUCKET/f, laid out and checked like any weights.
+        """
+
+    def __init__(
+        self,
+        *,
+        base_version: _builtins.int = ...,
+        base_checksum: _builtins.str = ...,
+        stream: Global___WeightManifest | None = ...,
+        changed_words: _builtins.int = ...,
+        total_words: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["stream", b"stream"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_checksum", b"base_checksum", "base_version", b"base_version", "changed_words", b"changed_words", "stream", b"stream", "total_words", b"total_words"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WeightDelta: _TypeAlias = WeightDelta  # noqa: Y015

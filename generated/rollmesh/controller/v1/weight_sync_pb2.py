@@ -26,35 +26,35 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from rollmesh.common.v1 import weights_pb2 as rollmesh_dot_common_dot_v1_dot_weights__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(rollmesh/controller/v1/weight_sync.proto\x12\x16rollmesh.controller.v1\x1a\x1egoogle/protobuf/duration.proto\x1a rollmesh/common/v1/weights.proto\"\xc5\x01\n\x11ReplicaSyncResult\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\x12\x0e\n\x02ok\x18\x02 \x01(\x08R\x02ok\x12#\n\rerror_message\x18\x03 \x01(\tR\x0c\x65rrorMessage\x12\x35\n\x08\x64uration\x18\x04 \x01(\x0b\x32\x19.google.protobuf.DurationR\x08\x64uration\x12%\n\x0e\x62ytes_received\x18\x05 \x01(\x04R\rbytesReceived\"\xe5\x02\n\x10WeightSyncResult\x12\x17\n\x07sync_id\x18\x01 \x01(\tR\x06syncId\x12%\n\x0eweight_version\x18\x02 \x01(\x03R\rweightVersion\x12R\n\x0freplica_results\x18\x03 \x03(\x0b\x32).rollmesh.controller.v1.ReplicaSyncResultR\x0ereplicaResults\x12\x1d\n\nbytes_sent\x18\x04 \x01(\x04R\tbytesSent\x12.\n\x13skipped_replica_ids\x18\x05 \x03(\tR\x11skippedReplicaIds\x12\x1f\n\x0b\x62ytes_saved\x18\x06 \x01(\x04R\nbytesSaved\x12\x35\n\x08\x64uration\x18\x07 \x01(\x0b\x32\x19.google.protobuf.DurationR\x08\x64uration\x12\x16\n\x06source\x18\x08 \x01(\tR\x06source\"\xc8\x01\n\x12SyncWeightsRequest\x12*\n\x0eweight_version\x18\x01 \x01(\x03H\x00R\rweightVersion\x88\x01\x01\x12\x1f\n\x0breplica_ids\x18\x02 \x03(\tR\nreplicaIds\x12\x33\n\x07timeout\x18\x03 \x01(\x0b\x32\x19.google.protobuf.DurationR\x07timeout\x12\x1d\n\nrequest_id\x18\x04 \x01(\tR\trequestIdB\x11\n\x0f_weight_version\"W\n\x13SyncWeightsResponse\x12@\n\x06result\x18\x01 \x01(\x0b\x32(.rollmesh.controller.v1.WeightSyncResultR\x06result\"\xa0\x02\n\x12LoadWeightsRequest\x12\'\n\x0f\x63heckpoint_path\x18\x01 \x01(\tR\x0e\x63heckpointPath\x12*\n\x0eweight_version\x18\x02 \x01(\x03H\x00R\rweightVersion\x88\x01\x01\x12\x1f\n\x0breplica_ids\x18\x03 \x03(\tR\nreplicaIds\x12\x33\n\x07timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.DurationR\x07timeout\x12L\n\non_failure\x18\x05 \x01(\x0e\x32-.rollmesh.controller.v1.WeightUpdateOnFailureR\tonFailureB\x11\n\x0f_weight_version\"\x96\x01\n\x13LoadWeightsResponse\x12@\n\x06result\x18\x01 \x01(\x0b\x32(.rollmesh.controller.v1.WeightSyncResultR\x06result\x12\x1c\n\tcommitted\x18\x02 \x01(\x08R\tcommitted\x12\x1f\n\x0brolled_back\x18\x03 \x01(\x08R\nrolledBack\"\xe1\x02\n\x1dUpdateWeightsFromGroupRequest\x12\x1f\n\x0breplica_ids\x18\x01 \x03(\tR\nreplicaIds\x12\x1d\n\ngroup_name\x18\x02 \x01(\tR\tgroupName\x12;\n\x04join\x18\x03 \x01(\x0b\x32%.rollmesh.controller.v1.JoinGroupStepH\x00R\x04join\x12\x46\n\x07receive\x18\x04 \x01(\x0b\x32*.rollmesh.controller.v1.ReceiveTensorsStepH\x00R\x07receive\x12>\n\x05leave\x18\x05 \x01(\x0b\x32&.rollmesh.controller.v1.LeaveGroupStepH\x00R\x05leave\x12\x33\n\x07timeout\x18\x06 \x01(\x0b\x32\x19.google.protobuf.DurationR\x07timeoutB\x06\n\x04step\"\xda\x01\n\rJoinGroupStep\x12%\n\x0emaster_address\x18\x01 \x01(\tR\rmasterAddress\x12\x1f\n\x0bmaster_port\x18\x02 \x01(\rR\nmasterPort\x12\x1f\n\x0brank_offset\x18\x03 \x01(\rR\nrankOffset\x12\x1d\n\nworld_size\x18\x04 \x01(\rR\tworldSize\x12\x41\n\x07\x62\x61\x63kend\x18\x05 \x01(\x0e\x32\'.rollmesh.common.v1.ProcessGroupBackendR\x07\x62\x61\x63kend\"\x8d\x01\n\x12ReceiveTensorsStep\x12\x38\n\x07tensors\x18\x01 \x03(\x0b\x32\x1e.rollmesh.common.v1.TensorSpecR\x07tensors\x12*\n\x0eweight_version\x18\x02 \x01(\x03H\x00R\rweightVersion\x88\x01\x01\x42\x11\n\x0f_weight_version\"\x10\n\x0eLeaveGroupStep\"\x80\x01\n\x1eUpdateWeightsFromGroupResponse\x12@\n\x06result\x18\x01 \x01(\x0b\x32(.rollmesh.controller.v1.WeightSyncResultR\x06result\x12\x1c\n\tcommitted\x18\x02 \x01(\x08R\tcommitted*\x8e\x01\n\x15WeightUpdateOnFailure\x12(\n$WEIGHT_UPDATE_ON_FAILURE_UNSPECIFIED\x10\x00\x12$\n WEIGHT_UPDATE_ON_FAILURE_EXCLUDE\x10\x01\x12%\n!WEIGHT_UPDATE_ON_FAILURE_ROLLBACK\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(rollmesh/controller/v1/weight_sync.proto\x12\x16rollmesh.controller.v1\x1a\x1egoogle/protobuf/duration.proto\x1a rollmesh/common/v1/weights.proto\"\xf1\x01\n\x11ReplicaSyncResult\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\x12\x0e\n\x02ok\x18\x02 \x01(\x08R\x02ok\x12#\n\rerror_message\x18\x03 \x01(\tR\x0c\x65rrorMessage\x12\x35\n\x08\x64uration\x18\x04 \x01(\x0b\x32\x19.google.protobuf.DurationR\x08\x64uration\x12%\n\x0e\x62ytes_received\x18\x05 \x01(\x04R\rbytesReceived\x12\x12\n\x04\x63opy\x18\x06 \x01(\tR\x04\x63opy\x12\x16\n\x06source\x18\x07 \x01(\tR\x06source\"\xf8\x03\n\x10WeightSyncResult\x12\x17\n\x07sync_id\x18\x01 \x01(\tR\x06syncId\x12%\n\x0eweight_version\x18\x02 \x01(\x03R\rweightVersion\x12R\n\x0freplica_results\x18\x03 \x03(\x0b\x32).rollmesh.controller.v1.ReplicaSyncResultR\x0ereplicaResults\x12\x1d\n\nbytes_sent\x18\x04 \x01(\x04R\tbytesSent\x12.\n\x13skipped_replica_ids\x18\x05 \x03(\tR\x11skippedReplicaIds\x12\x1f\n\x0b\x62ytes_saved\x18\x06 \x01(\x04R\nbytesSaved\x12\x35\n\x08\x64uration\x18\x07 \x01(\x0b\x32\x19.google.protobuf.DurationR\x08\x64uration\x12\x16\n\x06source\x18\x08 \x01(\tR\x06source\x12,\n\x12\x64\x65lta_base_version\x18\t \x01(\x03R\x10\x64\x65ltaBaseVersion\x12\x1f\n\x0b\x64\x65lta_bytes\x18\n \x01(\x04R\ndeltaBytes\x12\x1d\n\nfull_bytes\x18\x0b \x01(\x04R\tfullBytes\x12#\n\rdelta_density\x18\x0c \x01(\x01R\x0c\x64\x65ltaDensity\"\xc8\x01\n\x12SyncWeightsRequest\x12*\n\x0eweight_version\x18\x01 \x01(\x03H\x00R\rweightVersion\x88\x01\x01\x12\x1f\n\x0breplica_ids\x18\x02 \x03(\tR\nreplicaIds\x12\x33\n\x07timeout\x18\x03 \x01(\x0b\x32\x19.google.protobuf.DurationR\x07timeout\x12\x1d\n\nrequest_id\x18\x04 \x01(\tR\trequestIdB\x11\n\x0f_weight_version\"W\n\x13SyncWeightsResponse\x12@\n\x06result\x18\x01 \x01(\x0b\x32(.rollmesh.controller.v1.WeightSyncResultR\x06result\"\xa0\x02\n\x12LoadWeightsRequest\x12\'\n\x0f\x63heckpoint_path\x18\x01 \x01(\tR\x0e\x63heckpointPath\x12*\n\x0eweight_version\x18\x02 \x01(\x03H\x00R\rweightVersion\x88\x01\x01\x12\x1f\n\x0breplica_ids\x18\x03 \x03(\tR\nreplicaIds\x12\x33\n\x07timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.DurationR\x07timeout\x12L\n\non_failure\x18\x05 \x01(\x0e\x32-.rollmesh.controller.v1.WeightUpdateOnFailureR\tonFailureB\x11\n\x0f_weight_version\"\x96\x01\n\x13LoadWeightsResponse\x12@\n\x06result\x18\x01 \x01(\x0b\x32(.rollmesh.controller.v1.WeightSyncResultR\x06result\x12\x1c\n\tcommitted\x18\x02 \x01(\x08R\tcommitted\x12\x1f\n\x0brolled_back\x18\x03 \x01(\x08R\nrolledBack\"\xe1\x02\n\x1dUpdateWeightsFromGroupRequest\x12\x1f\n\x0breplica_ids\x18\x01 \x03(\tR\nreplicaIds\x12\x1d\n\ngroup_name\x18\x02 \x01(\tR\tgroupName\x12;\n\x04join\x18\x03 \x01(\x0b\x32%.rollmesh.controller.v1.JoinGroupStepH\x00R\x04join\x12\x46\n\x07receive\x18\x04 \x01(\x0b\x32*.rollmesh.controller.v1.ReceiveTensorsStepH\x00R\x07receive\x12>\n\x05leave\x18\x05 \x01(\x0b\x32&.rollmesh.controller.v1.LeaveGroupStepH\x00R\x05leave\x12\x33\n\x07timeout\x18\x06 \x01(\x0b\x32\x19.google.protobuf.DurationR\x07timeoutB\x06\n\x04step\"\xda\x01\n\rJoinGroupStep\x12%\n\x0emaster_address\x18\x01 \x01(\tR\rmasterAddress\x12\x1f\n\x0bmaster_port\x18\x02 \x01(\rR\nmasterPort\x12\x1f\n\x0brank_offset\x18\x03 \x01(\rR\nrankOffset\x12\x1d\n\nworld_size\x18\x04 \x01(\rR\tworldSize\x12\x41\n\x07\x62\x61\x63kend\x18\x05 \x01(\x0e\x32\'.rollmesh.common.v1.ProcessGroupBackendR\x07\x62\x61\x63kend\"\x8d\x01\n\x12ReceiveTensorsStep\x12\x38\n\x07tensors\x18\x01 \x03(\x0b\x32\x1e.rollmesh.common.v1.TensorSpecR\x07tensors\x12*\n\x0eweight_version\x18\x02 \x01(\x03H\x00R\rweightVersion\x88\x01\x01\x42\x11\n\x0f_weight_version\"\x10\n\x0eLeaveGroupStep\"\x80\x01\n\x1eUpdateWeightsFromGroupResponse\x12@\n\x06result\x18\x01 \x01(\x0b\x32(.rollmesh.controller.v1.WeightSyncResultR\x06result\x12\x1c\n\tcommitted\x18\x02 \x01(\x08R\tcommitted*\x8e\x01\n\x15WeightUpdateOnFailure\x12(\n$WEIGHT_UPDATE_ON_FAILURE_UNSPECIFIED\x10\x00\x12$\n WEIGHT_UPDATE_ON_FAILURE_EXCLUDE\x10\x01\x12%\n!WEIGHT_UPDATE_ON_FAILURE_ROLLBACK\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rollmesh.controller.v1.weight_sync_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WEIGHTUPDATEONFAILURE']._serialized_start=2301
-  _globals['_WEIGHTUPDATEONFAILURE']._serialized_end=2443
+  _globals['_WEIGHTUPDATEONFAILURE']._serialized_start=2492
+  _globals['_WEIGHTUPDATEONFAILURE']._serialized_end=2634
   _globals['_REPLICASYNCRESULT']._serialized_start=135
-  _globals['_REPLICASYNCRESULT']._serialized_end=332
-  _globals['_WEIGHTSYNCRESULT']._serialized_start=335
-  _globals['_WEIGHTSYNCRESULT']._serialized_end=692
-  _globals['_SYNCWEIGHTSREQUEST']._serialized_start=695
-  _globals['_SYNCWEIGHTSREQUEST']._serialized_end=895
-  _globals['_SYNCWEIGHTSRESPONSE']._serialized_start=897
-  _globals['_SYNCWEIGHTSRESPONSE']._serialized_end=984
-  _globals['_LOADWEIGHTSREQUEST']._serialized_start=987
-  _globals['_LOADWEIGHTSREQUEST']._serialized_end=1275
-  _globals['_LOADWEIGHTSRESPONSE']._serialized_start=1278
-  _globals['_LOADWEIGHTSRESPONSE']._serialized_end=1428
-  _globals['_UPDATEWEIGHTSFROMGROUPREQUEST']._serialized_start=1431
-  _globals['_UPDATEWEIGHTSFROMGROUPREQUEST']._serialized_end=1784
-  _globals['_JOINGROUPSTEP']._serialized_start=1787
-  _globals['_JOINGROUPSTEP']._serialized_end=2005
-  _globals['_RECEIVETENSORSSTEP']._serialized_start=2008
-  _globals['_RECEIVETENSORSSTEP']._serialized_end=2149
-  _globals['_LEAVEGROUPSTEP']._serialized_start=2151
-  _globals['_LEAVEGROUPSTEP']._serialized_end=2167
-  _globals['_UPDATEWEIGHTSFROMGROUPRESPONSE']._serialized_start=2170
-  _globals['_UPDATEWEIGHTSFROMGROUPRESPONSE']._serialized_end=2298
+  _globals['_REPLICASYNCRESULT']._serialized_end=376
+  _globals['_WEIGHTSYNCRESULT']._serialized_start=379
+  _globals['_WEIGHTSYNCRESULT']._serialized_end=883
+  _globals['_SYNCWEIGHTSREQUEST']._serialized_start=886
+  _globals['_SYNCWEIGHTSREQUEST']._serialized_end=1086
+  _globals['_SYNCWEIGHTSRESPONSE']._serialized_start=1088
+  _globals['_SYNCWEIGHTSRESPONSE']._serialized_end=1175
+  _globals['_LOADWEIGHTSREQUEST']._serialized_start=1178
+  _globals['_LOADWEIGHTSREQUEST']._serialized_end=1466
+  _globals['_LOADWEIGHTSRESPONSE']._serialized_start=1469
+  _globals['_LOADWEIGHTSRESPONSE']._serialized_end=1619
+  _globals['_UPDATEWEIGHTSFROMGROUPREQUEST']._serialized_start=1622
+  _globals['_UPDATEWEIGHTSFROMGROUPREQUEST']._serialized_end=1975
+  _globals['_JOINGROUPSTEP']._serialized_start=1978
+  _globals['_JOINGROUPSTEP']._serialized_end=2196
+  _globals['_RECEIVETENSORSSTEP']._serialized_start=2199
+  _globals['_RECEIVETENSORSSTEP']._serialized_end=2340
+  _globals['_LEAVEGROUPSTEP']._serialized_start=2342
+  _globals['_LEAVEGROUPSTEP']._serialized_end=2358
+  _globals['_UPDATEWEIGHTSFROMGROUPRESPONSE']._serialized_start=2361
+  _globals['_UPDATEWEIGHTSFROMGROUPRESPONSE']._serialized_end=2489
 # @@protoc_insertion_point(module_scope)

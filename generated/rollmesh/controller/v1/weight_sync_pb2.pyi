@@ -63,6 +63,8 @@ class ReplicaSyncResult(_message.Message):
     ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
     DURATION_FIELD_NUMBER: _builtins.int
     BYTES_RECEIVED_FIELD_NUMBER: _builtins.int
+    COPY_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
     replica_id: _builtins.str
     """The receiving replica."""
     ok: _builtins.bool
@@ -74,6 +76,13 @@ class ReplicaSyncResult(_message.Message):
     """
     bytes_received: _builtins.int
     """Bytes the replica received."""
+    copy: _builtins.str
+    """How it got the version: "delta" (the words that changed since the
+    version it held), "full" (a full copy from the trainer) or "peer" (a full
+    copy from a replica that held the version).
+    """
+    source: _builtins.str
+    """Who sent its bytes: the trainer's member id or the peer's replica id."""
     @_builtins.property
     def duration(self) -> _duration_pb2.Duration:
         """Time the replica took to receive."""
@@ -86,10 +95,12 @@ class ReplicaSyncResult(_message.Message):
         error_message: _builtins.str = ...,
         duration: _duration_pb2.Duration | None = ...,
         bytes_received: _builtins.int = ...,
+        copy: _builtins.str = ...,
+        source: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["duration", b"duration"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_received", b"bytes_received", "duration", b"duration", "error_message", b"error_message", "ok", b"ok", "replica_id", b"replica_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_received", b"bytes_received", "copy", b"copy", "duration", b"duration", "error_message", b"error_message", "ok", b"ok", "replica_id", b"replica_id", "source", b"source"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -109,6 +120,10 @@ class WeightSyncResult(_message.Message):
     BYTES_SAVED_FIELD_NUMBER: _builtins.int
     DURATION_FIELD_NUMBER: _builtins.int
     SOURCE_FIELD_NUMBER: _builtins.int
+    DELTA_BASE_VERSION_FIELD_NUMBER: _builtins.int
+    DELTA_BYTES_FIELD_NUMBER: _builtins.int
+    FULL_BYTES_FIELD_NUMBER: _builtins.int
+    DELTA_DENSITY_FIELD_NUMBER: _builtins.int
     sync_id: _builtins.str
     """Id of the broadcast (WeightSyncPlan.sync_id)."""
     weight_version: _builtins.int
@@ -119,6 +134,14 @@ class WeightSyncResult(_message.Message):
     """Bytes not sent because replicas were skipped."""
     source: _builtins.str
     """Who sent: "trainer" or the seed replica's id."""
+    delta_base_version: _builtins.int
+    """The version the delta went out from; -1 when no replica took a delta."""
+    delta_bytes: _builtins.int
+    """Bytes of the delta stream (what each replica that took the delta got)."""
+    full_bytes: _builtins.int
+    """Bytes of a full copy of the version."""
+    delta_density: _builtins.float
+    """Share of the version's 16-bit words that changed since the delta's base."""
     @_builtins.property
     def replica_results(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReplicaSyncResult]:
         """One result per replica that took part."""
@@ -142,10 +165,14 @@ class WeightSyncResult(_message.Message):
         bytes_saved: _builtins.int = ...,
         duration: _duration_pb2.Duration | None = ...,
         source: _builtins.str = ...,
+        delta_base_version: _builtins.int = ...,
+        delta_bytes: _builtins.int = ...,
+        full_bytes: _builtins.int = ...,
+        delta_density: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["duration", b"duration"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_saved", b"bytes_saved", "bytes_sent", b"bytes_sent", "duration", b"duration", "replica_results", b"replica_results", "skipped_replica_ids", b"skipped_replica_ids", "source", b"source", "sync_id", b"sync_id", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_saved", b"bytes_saved", "bytes_sent", b"bytes_sent", "delta_base_version", b"delta_base_version", "delta_bytes", b"delta_bytes", "delta_density", b"delta_density", "duration", b"duration", "full_bytes", b"full_bytes", "replica_results", b"replica_results", "skipped_replica_ids", b"skipped_replica_ids", "source", b"source", "sync_id", b"sync_id", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

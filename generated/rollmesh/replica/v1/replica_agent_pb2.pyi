@@ -1051,6 +1051,7 @@ class ReplicaWeightsResult(_message.Message):
     BYTES_RECEIVED_FIELD_NUMBER: _builtins.int
     DURATION_FIELD_NUMBER: _builtins.int
     ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
+    DELTA_BASE_MISSING_FIELD_NUMBER: _builtins.int
     replica_id: _builtins.str
     """The receiving replica."""
     weight_version: _builtins.int
@@ -1067,6 +1068,10 @@ class ReplicaWeightsResult(_message.Message):
     """Bytes received."""
     error_message: _builtins.str
     """Why the bytes were discarded when checksum_ok is false; empty otherwise."""
+    delta_base_missing: _builtins.bool
+    """The plan was a delta and this replica does not serve its base version
+    (a restart, a missed version, weights asleep): it needs a full copy.
+    """
     @_builtins.property
     def duration(self) -> _duration_pb2.Duration:
         """Time from the start of the rendezvous to the weights being in place."""
@@ -1080,10 +1085,11 @@ class ReplicaWeightsResult(_message.Message):
         bytes_received: _builtins.int = ...,
         duration: _duration_pb2.Duration | None = ...,
         error_message: _builtins.str = ...,
+        delta_base_missing: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["duration", b"duration"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_received", b"bytes_received", "checksum_ok", b"checksum_ok", "duration", b"duration", "error_message", b"error_message", "replica_id", b"replica_id", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_received", b"bytes_received", "checksum_ok", b"checksum_ok", "delta_base_missing", b"delta_base_missing", "duration", b"duration", "error_message", b"error_message", "replica_id", b"replica_id", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

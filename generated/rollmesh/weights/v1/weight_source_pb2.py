@@ -27,7 +27,7 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from rollmesh.common.v1 import weights_pb2 as rollmesh_dot_common_dot_v1_dot_weights__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'rollmesh/weights/v1/weight_source.proto\x12\x13rollmesh.weights.v1\x1a\x1fgoogle/api/field_behavior.proto\x1a\x1egoogle/protobuf/duration.proto\x1a rollmesh/common/v1/weights.proto\"\xf0\x01\n\x18PrepareWeightSyncRequest\x12\x1b\n\tsource_id\x18\x01 \x01(\tR\x08sourceId\x12%\n\x0eweight_version\x18\x02 \x01(\x03R\rweightVersion\x12/\n\x11\x62ucket_size_bytes\x18\x03 \x01(\x04H\x00R\x0f\x62ucketSizeBytes\x88\x01\x01\x12\x32\n\x12\x63hecksum_algorithm\x18\x04 \x01(\tH\x01R\x11\x63hecksumAlgorithm\x88\x01\x01\x42\x14\n\x12_bucket_size_bytesB\x15\n\x13_checksum_algorithm\"\xec\x01\n\x19PrepareWeightSyncResponse\x12%\n\x0eweight_version\x18\x01 \x01(\x03R\rweightVersion\x12>\n\x08manifest\x18\x02 \x01(\x0b\x32\".rollmesh.common.v1.WeightManifestR\x08manifest\x12\'\n\x0frendezvous_host\x18\x03 \x01(\tR\x0erendezvousHost\x12\'\n\x0frendezvous_port\x18\x04 \x01(\rR\x0erendezvousPort\x12\x16\n\x06source\x18\x05 \x01(\tR\x06source\"o\n\x12SendWeightsRequest\x12\x1b\n\tsource_id\x18\x01 \x01(\tR\x08sourceId\x12<\n\x04plan\x18\x02 \x01(\x0b\x32\".rollmesh.common.v1.WeightSyncPlanB\x04\xe2\x41\x01\x02R\x04plan\"\xae\x01\n\x13SendWeightsResponse\x12\x1d\n\nbytes_sent\x18\x01 \x01(\x04R\tbytesSent\x12\x35\n\x08\x64uration\x18\x02 \x01(\x0b\x32\x19.google.protobuf.DurationR\x08\x64uration\x12\x1a\n\x08\x63hecksum\x18\x03 \x01(\tR\x08\x63hecksum\x12%\n\x0eweight_version\x18\x04 \x01(\x03R\rweightVersion2\xeb\x01\n\x13WeightSourceService\x12r\n\x11PrepareWeightSync\x12-.rollmesh.weights.v1.PrepareWeightSyncRequest\x1a..rollmesh.weights.v1.PrepareWeightSyncResponse\x12`\n\x0bSendWeights\x12\'.rollmesh.weights.v1.SendWeightsRequest\x1a(.rollmesh.weights.v1.SendWeightsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'rollmesh/weights/v1/weight_source.proto\x12\x13rollmesh.weights.v1\x1a\x1fgoogle/api/field_behavior.proto\x1a\x1egoogle/protobuf/duration.proto\x1a rollmesh/common/v1/weights.proto\"\xba\x02\n\x18PrepareWeightSyncRequest\x12\x1b\n\tsource_id\x18\x01 \x01(\tR\x08sourceId\x12%\n\x0eweight_version\x18\x02 \x01(\x03R\rweightVersion\x12/\n\x11\x62ucket_size_bytes\x18\x03 \x01(\x04H\x00R\x0f\x62ucketSizeBytes\x88\x01\x01\x12\x32\n\x12\x63hecksum_algorithm\x18\x04 \x01(\tH\x01R\x11\x63hecksumAlgorithm\x88\x01\x01\x12\x31\n\x12\x64\x65lta_base_version\x18\x05 \x01(\x03H\x02R\x10\x64\x65ltaBaseVersion\x88\x01\x01\x42\x14\n\x12_bucket_size_bytesB\x15\n\x13_checksum_algorithmB\x15\n\x13_delta_base_version\"\xa3\x02\n\x19PrepareWeightSyncResponse\x12%\n\x0eweight_version\x18\x01 \x01(\x03R\rweightVersion\x12>\n\x08manifest\x18\x02 \x01(\x0b\x32\".rollmesh.common.v1.WeightManifestR\x08manifest\x12\'\n\x0frendezvous_host\x18\x03 \x01(\tR\x0erendezvousHost\x12\'\n\x0frendezvous_port\x18\x04 \x01(\rR\x0erendezvousPort\x12\x16\n\x06source\x18\x05 \x01(\tR\x06source\x12\x35\n\x05\x64\x65lta\x18\x06 \x01(\x0b\x32\x1f.rollmesh.common.v1.WeightDeltaR\x05\x64\x65lta\"o\n\x12SendWeightsRequest\x12\x1b\n\tsource_id\x18\x01 \x01(\tR\x08sourceId\x12<\n\x04plan\x18\x02 \x01(\x0b\x32\".rollmesh.common.v1.WeightSyncPlanB\x04\xe2\x41\x01\x02R\x04plan\"\xae\x01\n\x13SendWeightsResponse\x12\x1d\n\nbytes_sent\x18\x01 \x01(\x04R\tbytesSent\x12\x35\n\x08\x64uration\x18\x02 \x01(\x0b\x32\x19.google.protobuf.DurationR\x08\x64uration\x12\x1a\n\x08\x63hecksum\x18\x03 \x01(\tR\x08\x63hecksum\x12%\n\x0eweight_version\x18\x04 \x01(\x03R\rweightVersion2\xeb\x01\n\x13WeightSourceService\x12r\n\x11PrepareWeightSync\x12-.rollmesh.weights.v1.PrepareWeightSyncRequest\x1a..rollmesh.weights.v1.PrepareWeightSyncResponse\x12`\n\x0bSendWeights\x12\'.rollmesh.weights.v1.SendWeightsRequest\x1a(.rollmesh.weights.v1.SendWeightsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,13 +37,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SENDWEIGHTSREQUEST'].fields_by_name['plan']._loaded_options = None
   _globals['_SENDWEIGHTSREQUEST'].fields_by_name['plan']._serialized_options = b'\342A\001\002'
   _globals['_PREPAREWEIGHTSYNCREQUEST']._serialized_start=164
-  _globals['_PREPAREWEIGHTSYNCREQUEST']._serialized_end=404
-  _globals['_PREPAREWEIGHTSYNCRESPONSE']._serialized_start=407
-  _globals['_PREPAREWEIGHTSYNCRESPONSE']._serialized_end=643
-  _globals['_SENDWEIGHTSREQUEST']._serialized_start=645
-  _globals['_SENDWEIGHTSREQUEST']._serialized_end=756
-  _globals['_SENDWEIGHTSRESPONSE']._serialized_start=759
-  _globals['_SENDWEIGHTSRESPONSE']._serialized_end=933
-  _globals['_WEIGHTSOURCESERVICE']._serialized_start=936
-  _globals['_WEIGHTSOURCESERVICE']._serialized_end=1171
+  _globals['_PREPAREWEIGHTSYNCREQUEST']._serialized_end=478
+  _globals['_PREPAREWEIGHTSYNCRESPONSE']._serialized_start=481
+  _globals['_PREPAREWEIGHTSYNCRESPONSE']._serialized_end=772
+  _globals['_SENDWEIGHTSREQUEST']._serialized_start=774
+  _globals['_SENDWEIGHTSREQUEST']._serialized_end=885
+  _globals['_SENDWEIGHTSRESPONSE']._serialized_start=888
+  _globals['_SENDWEIGHTSRESPONSE']._serialized_end=1062
+  _globals['_WEIGHTSOURCESERVICE']._serialized_start=1065
+  _globals['_WEIGHTSOURCESERVICE']._serialized_end=1300
 # @@protoc_insertion_point(module_scope)

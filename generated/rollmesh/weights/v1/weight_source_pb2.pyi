@@ -30,6 +30,7 @@ class PrepareWeightSyncRequest(_message.Message):
     WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
     BUCKET_SIZE_BYTES_FIELD_NUMBER: _builtins.int
     CHECKSUM_ALGORITHM_FIELD_NUMBER: _builtins.int
+    DELTA_BASE_VERSION_FIELD_NUMBER: _builtins.int
     source_id: _builtins.str
     """The source on the agent: on a replica agent the replica whose weights are
     sent (required there); on a trainer agent empty, or its member id
@@ -45,6 +46,14 @@ class PrepareWeightSyncRequest(_message.Message):
     """Checksum algorithm of the manifest: "wsum64", "crc32" or "sha256".
     Unset: the agent's configured weight_transfer.checksum_algorithm.
     """
+    delta_base_version: _builtins.int
+    """Also prepare this version as a delta from delta_base_version, the version
+    the receivers hold (see WeightDelta). The answer carries a delta only
+    when the source still holds that version's weights, its layout is the
+    same, and the delta is at most the source's weight_transfer.delta_max_ratio
+    of the full bytes; otherwise the receivers need a full copy. Unset or
+    0: no delta. A replica agent (seed) never answers with a delta.
+    """
     def __init__(
         self,
         *,
@@ -52,19 +61,24 @@ class PrepareWeightSyncRequest(_message.Message):
         weight_version: _builtins.int = ...,
         bucket_size_bytes: _builtins.int | None = ...,
         checksum_algorithm: _builtins.str | None = ...,
+        delta_base_version: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_bucket_size_bytes", b"_bucket_size_bytes", "_checksum_algorithm", b"_checksum_algorithm", "bucket_size_bytes", b"bucket_size_bytes", "checksum_algorithm", b"checksum_algorithm"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_bucket_size_bytes", b"_bucket_size_bytes", "_checksum_algorithm", b"_checksum_algorithm", "_delta_base_version", b"_delta_base_version", "bucket_size_bytes", b"bucket_size_bytes", "checksum_algorithm", b"checksum_algorithm", "delta_base_version", b"delta_base_version"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_bucket_size_bytes", b"_bucket_size_bytes", "_checksum_algorithm", b"_checksum_algorithm", "bucket_size_bytes", b"bucket_size_bytes", "checksum_algorithm", b"checksum_algorithm", "source_id", b"source_id", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_bucket_size_bytes", b"_bucket_size_bytes", "_checksum_algorithm", b"_checksum_algorithm", "_delta_base_version", b"_delta_base_version", "bucket_size_bytes", b"bucket_size_bytes", "checksum_algorithm", b"checksum_algorithm", "delta_base_version", b"delta_base_version", "source_id", b"source_id", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__bucket_size_bytes: _TypeAlias = _typing.Literal["bucket_size_bytes"]  # noqa: Y015
     _WhichOneofArgType__bucket_size_bytes: _TypeAlias = _typing.Literal["_bucket_size_bytes", b"_bucket_size_bytes"]  # noqa: Y015
     _WhichOneofReturnType__checksum_algorithm: _TypeAlias = _typing.Literal["checksum_algorithm"]  # noqa: Y015
     _WhichOneofArgType__checksum_algorithm: _TypeAlias = _typing.Literal["_checksum_algorithm", b"_checksum_algorithm"]  # noqa: Y015
+    _WhichOneofReturnType__delta_base_version: _TypeAlias = _typing.Literal["delta_base_version"]  # noqa: Y015
+    _WhichOneofArgType__delta_base_version: _TypeAlias = _typing.Literal["_delta_base_version", b"_delta_base_version"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__bucket_size_bytes) -> _WhichOneofReturnType__bucket_size_bytes | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__checksum_algorithm) -> _WhichOneofReturnType__checksum_algorithm | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__delta_base_version) -> _WhichOneofReturnType__delta_base_version | None: ...
 
 Global___PrepareWeightSyncRequest: _TypeAlias = PrepareWeightSyncRequest  # noqa: Y015
 
@@ -81,6 +95,7 @@ class PrepareWeightSyncResponse(_message.Message):
     RENDEZVOUS_HOST_FIELD_NUMBER: _builtins.int
     RENDEZVOUS_PORT_FIELD_NUMBER: _builtins.int
     SOURCE_FIELD_NUMBER: _builtins.int
+    DELTA_FIELD_NUMBER: _builtins.int
     weight_version: _builtins.int
     """Weight version that is prepared (the current one when 0 was asked for);
     becomes plan.weight_version.
@@ -99,6 +114,13 @@ class PrepareWeightSyncResponse(_message.Message):
     def manifest(self) -> _weights_pb2.WeightManifest:
         """Layout and checksum of the prepared weights; becomes plan.manifest."""
 
+    @_builtins.property
+    def delta(self) -> _weights_pb2.WeightDelta:
+        """The version as a delta from request.delta_base_version, when asked for
+        and cheaper than a full copy; becomes plan.delta of a plan whose
+        receivers all hold that base version.
+        """
+
     def __init__(
         self,
         *,
@@ -107,10 +129,11 @@ class PrepareWeightSyncResponse(_message.Message):
         rendezvous_host: _builtins.str = ...,
         rendezvous_port: _builtins.int = ...,
         source: _builtins.str = ...,
+        delta: _weights_pb2.WeightDelta | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["manifest", b"manifest"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["delta", b"delta", "manifest", b"manifest"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["manifest", b"manifest", "rendezvous_host", b"rendezvous_host", "rendezvous_port", b"rendezvous_port", "source", b"source", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["delta", b"delta", "manifest", b"manifest", "rendezvous_host", b"rendezvous_host", "rendezvous_port", b"rendezvous_port", "source", b"source", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -16,7 +16,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file rollmesh/common/v1/weights.proto.
  */
 export const file_rollmesh_common_v1_weights: GenFile = /*@__PURE__*/
-  fileDesc("CiByb2xsbWVzaC9jb21tb24vdjEvd2VpZ2h0cy5wcm90bxIScm9sbG1lc2guY29tbW9uLnYxInQKClRlbnNvclNwZWMSDAoEbmFtZRgBIAEoCRINCgVkdHlwZRgCIAEoCRINCgVzaGFwZRgDIAMoAxIUCgxidWNrZXRfaW5kZXgYBCABKA0SFAoMb2Zmc2V0X2J5dGVzGAUgASgEEg4KBm5ieXRlcxgGIAEoBCK3AQoOV2VpZ2h0TWFuaWZlc3QSLwoHdGVuc29ycxgBIAMoCzIeLnJvbGxtZXNoLmNvbW1vbi52MS5UZW5zb3JTcGVjEhkKEWJ1Y2tldF9zaXplX2J5dGVzGAIgASgEEhMKC3RvdGFsX2J5dGVzGAMgASgEEhAKCGNoZWNrc3VtGAQgASgJEhoKEmNoZWNrc3VtX2FsZ29yaXRobRgFIAEoCRIWCg5idWNrZXRfZGlnZXN0cxgGIAMoCSJFChBXZWlnaHRTeW5jTWVtYmVyEgwKBHJhbmsYASABKA0SEgoKcmVwbGljYV9pZBgCIAEoCRIPCgdhZGRyZXNzGAMgASgJIoYDCg5XZWlnaHRTeW5jUGxhbhIPCgdzeW5jX2lkGAEgASgJEhYKDndlaWdodF92ZXJzaW9uGAIgASgDEhAKCGdyb3VwX2lkGAMgASgJEhcKD3JlbmRlenZvdXNfaG9zdBgEIAEoCRIXCg9yZW5kZXp2b3VzX3BvcnQYBSABKA0SEgoKd29ybGRfc2l6ZRgGIAEoDRI4CgdiYWNrZW5kGAcgASgOMicucm9sbG1lc2guY29tbW9uLnYxLlByb2Nlc3NHcm91cEJhY2tlbmQSNAoIbWFuaWZlc3QYCCABKAsyIi5yb2xsbWVzaC5jb21tb24udjEuV2VpZ2h0TWFuaWZlc3QSKgoHdGltZW91dBgJIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhIOCgZzb3VyY2UYCiABKAkSNQoHbWVtYmVycxgLIAMoCzIkLnJvbGxtZXNoLmNvbW1vbi52MS5XZWlnaHRTeW5jTWVtYmVyEhAKCHN5bmNfa2V5GAwgASgMKnwKE1Byb2Nlc3NHcm91cEJhY2tlbmQSJQohUFJPQ0VTU19HUk9VUF9CQUNLRU5EX1VOU1BFQ0lGSUVEEAASHgoaUFJPQ0VTU19HUk9VUF9CQUNLRU5EX0dMT08QARIeChpQUk9DRVNTX0dST1VQX0JBQ0tFTkRfTkNDTBACYgZwcm90bzM", [file_google_protobuf_duration]);
+  fileDesc("CiByb2xsbWVzaC9jb21tb24vdjEvd2VpZ2h0cy5wcm90bxIScm9sbG1lc2guY29tbW9uLnYxInQKClRlbnNvclNwZWMSDAoEbmFtZRgBIAEoCRINCgVkdHlwZRgCIAEoCRINCgVzaGFwZRgDIAMoAxIUCgxidWNrZXRfaW5kZXgYBCABKA0SFAoMb2Zmc2V0X2J5dGVzGAUgASgEEg4KBm5ieXRlcxgGIAEoBCK3AQoOV2VpZ2h0TWFuaWZlc3QSLwoHdGVuc29ycxgBIAMoCzIeLnJvbGxtZXNoLmNvbW1vbi52MS5UZW5zb3JTcGVjEhkKEWJ1Y2tldF9zaXplX2J5dGVzGAIgASgEEhMKC3RvdGFsX2J5dGVzGAMgASgEEhAKCGNoZWNrc3VtGAQgASgJEhoKEmNoZWNrc3VtX2FsZ29yaXRobRgFIAEoCRIWCg5idWNrZXRfZGlnZXN0cxgGIAMoCSJFChBXZWlnaHRTeW5jTWVtYmVyEgwKBHJhbmsYASABKA0SEgoKcmVwbGljYV9pZBgCIAEoCRIPCgdhZGRyZXNzGAMgASgJIrYDCg5XZWlnaHRTeW5jUGxhbhIPCgdzeW5jX2lkGAEgASgJEhYKDndlaWdodF92ZXJzaW9uGAIgASgDEhAKCGdyb3VwX2lkGAMgASgJEhcKD3JlbmRlenZvdXNfaG9zdBgEIAEoCRIXCg9yZW5kZXp2b3VzX3BvcnQYBSABKA0SEgoKd29ybGRfc2l6ZRgGIAEoDRI4CgdiYWNrZW5kGAcgASgOMicucm9sbG1lc2guY29tbW9uLnYxLlByb2Nlc3NHcm91cEJhY2tlbmQSNAoIbWFuaWZlc3QYCCABKAsyIi5yb2xsbWVzaC5jb21tb24udjEuV2VpZ2h0TWFuaWZlc3QSKgoHdGltZW91dBgJIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhIOCgZzb3VyY2UYCiABKAkSNQoHbWVtYmVycxgLIAMoCzIkLnJvbGxtZXNoLmNvbW1vbi52MS5XZWlnaHRTeW5jTWVtYmVyEhAKCHN5bmNfa2V5GAwgASgMEi4KBWRlbHRhGA0gASgLMh8ucm9sbG1lc2guY29tbW9uLnYxLldlaWdodERlbHRhIpoBCgtXZWlnaHREZWx0YRIUCgxiYXNlX3ZlcnNpb24YASABKAMSFQoNYmFzZV9jaGVja3N1bRgCIAEoCRIyCgZzdHJlYW0YAyABKAsyIi5yb2xsbWVzaC5jb21tb24udjEuV2VpZ2h0TWFuaWZlc3QSFQoNY2hhbmdlZF93b3JkcxgEIAEoBBITCgt0b3RhbF93b3JkcxgFIAEoBCp8ChNQcm9jZXNzR3JvdXBCYWNrZW5kEiUKIVBST0NFU1NfR1JPVVBfQkFDS0VORF9VTlNQRUNJRklFRBAAEh4KGlBST0NFU1NfR1JPVVBfQkFDS0VORF9HTE9PEAESHgoaUFJPQ0VTU19HUk9VUF9CQUNLRU5EX05DQ0wQAmIGcHJvdG8z", [file_google_protobuf_duration]);
 
 /**
  * TensorSpec is one manifest entry: where a tensor's bytes sit in the stream
@@ -276,6 +276,19 @@ export type WeightSyncPlan = Message<"rollmesh.common.v1.WeightSyncPlan"> & {
    * @generated from field: bytes sync_key = 12;
    */
   syncKey: Uint8Array;
+
+  /**
+   * Set: the stream that travels is this delta from delta.base_version, not
+   * the full manifest. Every receiver holds the base version, applies the
+   * delta to the weights it serves and checks the result against manifest
+   * (its checksum, or with a sync_key every bucket digest) before swapping
+   * it in. A receiver without the base still receives the stream (the group
+   * stays in step) and fails with delta_base_missing set, so the controller
+   * gives it a full copy.
+   *
+   * @generated from field: rollmesh.common.v1.WeightDelta delta = 13;
+   */
+  delta?: WeightDelta | undefined;
 };
 
 /**
@@ -284,6 +297,60 @@ export type WeightSyncPlan = Message<"rollmesh.common.v1.WeightSyncPlan"> & {
  */
 export const WeightSyncPlanSchema: GenMessage<WeightSyncPlan> = /*@__PURE__*/
   messageDesc(file_rollmesh_common_v1_weights, 3);
+
+/**
+ * WeightDelta is a weight version as the words that changed since a base
+ * version the receivers hold (weight_transfer.delta): per bucket of the
+ * target stream nothing, indices or a bitmap of the changed 16-bit words and
+ * their new values, or the whole bucket.
+ *
+ * @generated from message rollmesh.common.v1.WeightDelta
+ */
+export type WeightDelta = Message<"rollmesh.common.v1.WeightDelta"> & {
+  /**
+   * The version the delta applies to.
+   *
+   * @generated from field: int64 base_version = 1;
+   */
+  baseVersion: bigint;
+
+  /**
+   * Checksum of the base version's stream, in the target manifest's layout
+   * and algorithm: a receiver checks what it serves against it first.
+   *
+   * @generated from field: string base_checksum = 2;
+   */
+  baseChecksum: string;
+
+  /**
+   * The delta stream: its tensors are named BUCKET/i, BUCKET/m, BUCKET/v and
+   * BUCKET/f, laid out and checked like any weights.
+   *
+   * @generated from field: rollmesh.common.v1.WeightManifest stream = 3;
+   */
+  stream?: WeightManifest | undefined;
+
+  /**
+   * Words (16-bit, 8-bit in a bucket of odd length) that changed.
+   *
+   * @generated from field: uint64 changed_words = 4;
+   */
+  changedWords: bigint;
+
+  /**
+   * Words in the target stream.
+   *
+   * @generated from field: uint64 total_words = 5;
+   */
+  totalWords: bigint;
+};
+
+/**
+ * Describes the message rollmesh.common.v1.WeightDelta.
+ * Use `create(WeightDeltaSchema)` to create a new message.
+ */
+export const WeightDeltaSchema: GenMessage<WeightDelta> = /*@__PURE__*/
+  messageDesc(file_rollmesh_common_v1_weights, 4);
 
 /**
  * ProcessGroupBackend is the collective-communication backend of a weight

@@ -10,7 +10,7 @@ import { fileDesc, messageDesc, serviceDesc } from "@bufbuild/protobuf/codegenv2
 import { file_google_api_field_behavior } from "../../../google/api/field_behavior_pb.js";
 import type { Duration } from "@bufbuild/protobuf/wkt";
 import { file_google_protobuf_duration } from "@bufbuild/protobuf/wkt";
-import type { WeightManifest, WeightSyncPlan } from "../../common/v1/weights_pb.js";
+import type { WeightDelta, WeightManifest, WeightSyncPlan } from "../../common/v1/weights_pb.js";
 import { file_rollmesh_common_v1_weights } from "../../common/v1/weights_pb.js";
 import type { Message } from "@bufbuild/protobuf";
 
@@ -18,7 +18,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file rollmesh/weights/v1/weight_source.proto.
  */
 export const file_rollmesh_weights_v1_weight_source: GenFile = /*@__PURE__*/
-  fileDesc("Cidyb2xsbWVzaC93ZWlnaHRzL3YxL3dlaWdodF9zb3VyY2UucHJvdG8SE3JvbGxtZXNoLndlaWdodHMudjEiswEKGFByZXBhcmVXZWlnaHRTeW5jUmVxdWVzdBIRCglzb3VyY2VfaWQYASABKAkSFgoOd2VpZ2h0X3ZlcnNpb24YAiABKAMSHgoRYnVja2V0X3NpemVfYnl0ZXMYAyABKARIAIgBARIfChJjaGVja3N1bV9hbGdvcml0aG0YBCABKAlIAYgBAUIUChJfYnVja2V0X3NpemVfYnl0ZXNCFQoTX2NoZWNrc3VtX2FsZ29yaXRobSKrAQoZUHJlcGFyZVdlaWdodFN5bmNSZXNwb25zZRIWCg53ZWlnaHRfdmVyc2lvbhgBIAEoAxI0CghtYW5pZmVzdBgCIAEoCzIiLnJvbGxtZXNoLmNvbW1vbi52MS5XZWlnaHRNYW5pZmVzdBIXCg9yZW5kZXp2b3VzX2hvc3QYAyABKAkSFwoPcmVuZGV6dm91c19wb3J0GAQgASgNEg4KBnNvdXJjZRgFIAEoCSJfChJTZW5kV2VpZ2h0c1JlcXVlc3QSEQoJc291cmNlX2lkGAEgASgJEjYKBHBsYW4YAiABKAsyIi5yb2xsbWVzaC5jb21tb24udjEuV2VpZ2h0U3luY1BsYW5CBOJBAQIigAEKE1NlbmRXZWlnaHRzUmVzcG9uc2USEgoKYnl0ZXNfc2VudBgBIAEoBBIrCghkdXJhdGlvbhgCIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhIQCghjaGVja3N1bRgDIAEoCRIWCg53ZWlnaHRfdmVyc2lvbhgEIAEoAzLrAQoTV2VpZ2h0U291cmNlU2VydmljZRJyChFQcmVwYXJlV2VpZ2h0U3luYxItLnJvbGxtZXNoLndlaWdodHMudjEuUHJlcGFyZVdlaWdodFN5bmNSZXF1ZXN0Gi4ucm9sbG1lc2gud2VpZ2h0cy52MS5QcmVwYXJlV2VpZ2h0U3luY1Jlc3BvbnNlEmAKC1NlbmRXZWlnaHRzEicucm9sbG1lc2gud2VpZ2h0cy52MS5TZW5kV2VpZ2h0c1JlcXVlc3QaKC5yb2xsbWVzaC53ZWlnaHRzLnYxLlNlbmRXZWlnaHRzUmVzcG9uc2ViBnByb3RvMw", [file_google_api_field_behavior, file_google_protobuf_duration, file_rollmesh_common_v1_weights]);
+  fileDesc("Cidyb2xsbWVzaC93ZWlnaHRzL3YxL3dlaWdodF9zb3VyY2UucHJvdG8SE3JvbGxtZXNoLndlaWdodHMudjEi6wEKGFByZXBhcmVXZWlnaHRTeW5jUmVxdWVzdBIRCglzb3VyY2VfaWQYASABKAkSFgoOd2VpZ2h0X3ZlcnNpb24YAiABKAMSHgoRYnVja2V0X3NpemVfYnl0ZXMYAyABKARIAIgBARIfChJjaGVja3N1bV9hbGdvcml0aG0YBCABKAlIAYgBARIfChJkZWx0YV9iYXNlX3ZlcnNpb24YBSABKANIAogBAUIUChJfYnVja2V0X3NpemVfYnl0ZXNCFQoTX2NoZWNrc3VtX2FsZ29yaXRobUIVChNfZGVsdGFfYmFzZV92ZXJzaW9uItsBChlQcmVwYXJlV2VpZ2h0U3luY1Jlc3BvbnNlEhYKDndlaWdodF92ZXJzaW9uGAEgASgDEjQKCG1hbmlmZXN0GAIgASgLMiIucm9sbG1lc2guY29tbW9uLnYxLldlaWdodE1hbmlmZXN0EhcKD3JlbmRlenZvdXNfaG9zdBgDIAEoCRIXCg9yZW5kZXp2b3VzX3BvcnQYBCABKA0SDgoGc291cmNlGAUgASgJEi4KBWRlbHRhGAYgASgLMh8ucm9sbG1lc2guY29tbW9uLnYxLldlaWdodERlbHRhIl8KElNlbmRXZWlnaHRzUmVxdWVzdBIRCglzb3VyY2VfaWQYASABKAkSNgoEcGxhbhgCIAEoCzIiLnJvbGxtZXNoLmNvbW1vbi52MS5XZWlnaHRTeW5jUGxhbkIE4kEBAiKAAQoTU2VuZFdlaWdodHNSZXNwb25zZRISCgpieXRlc19zZW50GAEgASgEEisKCGR1cmF0aW9uGAIgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEhAKCGNoZWNrc3VtGAMgASgJEhYKDndlaWdodF92ZXJzaW9uGAQgASgDMusBChNXZWlnaHRTb3VyY2VTZXJ2aWNlEnIKEVByZXBhcmVXZWlnaHRTeW5jEi0ucm9sbG1lc2gud2VpZ2h0cy52MS5QcmVwYXJlV2VpZ2h0U3luY1JlcXVlc3QaLi5yb2xsbWVzaC53ZWlnaHRzLnYxLlByZXBhcmVXZWlnaHRTeW5jUmVzcG9uc2USYAoLU2VuZFdlaWdodHMSJy5yb2xsbWVzaC53ZWlnaHRzLnYxLlNlbmRXZWlnaHRzUmVxdWVzdBooLnJvbGxtZXNoLndlaWdodHMudjEuU2VuZFdlaWdodHNSZXNwb25zZWIGcHJvdG8z", [file_google_api_field_behavior, file_google_protobuf_duration, file_rollmesh_common_v1_weights]);
 
 /**
  * Request of PrepareWeightSync.
@@ -57,6 +57,18 @@ export type PrepareWeightSyncRequest = Message<"rollmesh.weights.v1.PrepareWeigh
    * @generated from field: optional string checksum_algorithm = 4;
    */
   checksumAlgorithm?: string | undefined;
+
+  /**
+   * Also prepare this version as a delta from delta_base_version, the version
+   * the receivers hold (see WeightDelta). The answer carries a delta only
+   * when the source still holds that version's weights, its layout is the
+   * same, and the delta is at most the source's weight_transfer.delta_max_ratio
+   * of the full bytes; otherwise the receivers need a full copy. Unset or
+   * 0: no delta. A replica agent (seed) never answers with a delta.
+   *
+   * @generated from field: optional int64 delta_base_version = 5;
+   */
+  deltaBaseVersion?: bigint | undefined;
 };
 
 /**
@@ -110,6 +122,15 @@ export type PrepareWeightSyncResponse = Message<"rollmesh.weights.v1.PrepareWeig
    * @generated from field: string source = 5;
    */
   source: string;
+
+  /**
+   * The version as a delta from request.delta_base_version, when asked for
+   * and cheaper than a full copy; becomes plan.delta of a plan whose
+   * receivers all hold that base version.
+   *
+   * @generated from field: rollmesh.common.v1.WeightDelta delta = 6;
+   */
+  delta?: WeightDelta | undefined;
 };
 
 /**

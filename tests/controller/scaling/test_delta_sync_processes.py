@@ -1,0 +1,204 @@
+"""Delta weight versions on a real mesh: trainer agent (float32 weights served as bf16), controller, a torch
+replica agent serving bf16, gloo on loopback.
+
+Versions are published as files (DirectoryWeightSource), each a small update of the last. The second sync
+goes out as a delta; a replica that missed a version gets a full copy from a peer that holds the new one;
+every replica's weights are checked, byte for byte, against the published version cast to bf16.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from rollmesh.controller.v1 import weight_sync_pb2
+from rollmesh.weights.v1 import weight_source_pb2 as ws
+from rollmesh.weights.v1 import weight_source_pb2_grpc
+from tests.controller.scaling.helpers import Procs, controller_stub, replicas, until
+from tests.processes import clean_env
+from weight_transfer.published import publish
+
+pytestmark = pytest.mark.timeout(300)
+REPLICAS = ("a-s0", "a-s1", "a-s2")
+TRAINER = """model: tiny-llama
+served_dtype: bfloat16
+weight_source: trainer_agent.published_weights:DirectoryWeightSource
+weight_source_options: {{directory: {weights}}}
+weight_transfer: {{gloo_interface: lo, bucket_size_bytes: 65536}}
+"""
+CONTROLLER = """load_balancer_address: {lb}
+trainer_address: {trainer}
+lease_ttl_s: 10
+load_report_interval_s: 0.3
+async_training: {{weight_sync_timeout_s: 60}}
+"""
+AGENT = """node_id: a
+backend: torch
+model: tiny-llama
+slots: 3
+controller_address: {controller}
+engine_options: {{dtype: bfloat16, max_batch_size: 8}}
+weight_transfer: {{gloo_interface: lo}}
+replicas:
+""" + "".join(f"  - {{{{replica_id: {r}, kind: STANDALONE}}}}\n" for r in REPLICAS)
+
+
+async def _hand_made_delta(trainer: str, agent: str, *, version: int, base: int, receivers: list[str]) -> None:
+    """Prepare ``version`` as a delta from ``base`` on the trainer and run it to ``receivers`` by hand."""
+    import asyncio
+
+    from rollmesh.common.v1 import weights_pb2
+    from rollmesh.replica.v1 import replica_agent_pb2 as agent_pb
+    from rollmesh.replica.v1 import replica_agent_pb2_grpc
+
+    async with grpc.aio.insecure_channel(trainer) as tch, grpc.aio.insecure_channel(agent) as ach:
+        source = weight_source_pb2_grpc.WeightSourceServiceStub(tch)
+        prepared = await source.PrepareWeightSync(ws.PrepareWeightSyncRequest(weight_version=version,
+                                                                              delta_base_version=base))
+        assert prepared.HasField("delta") and prepared.delta.base_version == base
+        plan = weights_pb2.WeightSyncPlan(
+            sync_id=f"hand-{version}", weight_version=version, group_id=f"hand-{version}",
+            rendezvous_host=prepared.rendezvous_host, rendezvous_port=prepared.rendezvous_port,
+            world_size=len(receivers) + 1, backend=weights_pb2.PROCESS_GROUP_BACKEND_GLOO, source=prepared.source,
+            manifest=prepared.manifest, delta=prepared.delta,
+            members=[weights_pb2.WeightSyncMember(rank=0)] +
+                    [weights_pb2.WeightSyncMember(rank=i + 1, replica_id=r) for i, r in enumerate(receivers)])
+        plan.timeout.FromSeconds(60)
+        sent, received = await asyncio.gather(
+            source.SendWeights(ws.SendWeightsRequest(plan=plan)),
+            replica_agent_pb2_grpc.ReplicaAgentServiceStub(ach).ReceiveWeights(
+                agent_pb.ReceiveWeightsRequest(replica_ids=receivers, plan=plan, abort_in_flight=True)))
+    assert sent.bytes_sent == prepared.delta.stream.total_bytes
+    results = {r.replica_id: r for r in received.results}
+    assert results[receivers[0]].checksum_ok and not results[receivers[0]].delta_base_missing
+    missing = results[receivers[1]]
+    assert not missing.checksum_ok and missing.delta_base_missing and missing.weight_version != version
+
+
+async def _sleep(agent: str, replica_id: str, level: int) -> None:
+    from rollmesh.common.v1 import types_pb2
+    from rollmesh.replica.v1 import replica_agent_pb2 as agent_pb
+    from rollmesh.replica.v1 import replica_agent_pb2_grpc
+
+    async with grpc.aio.insecure_channel(agent) as channel:
+        await replica_agent_pb2_grpc.ReplicaAgentServiceStub(channel).Sleep(agent_pb.SleepRequest(
+            replica_id=replica_id, level=types_pb2.SLEEP_LEVEL_1 if level == 1 else types_pb2.SLEEP_LEVEL_2,
+            abort_in_flight=True))
+
+
+async def _wake(agent: str, replica_id: str) -> None:
+    from rollmesh.replica.v1 import replica_agent_pb2 as agent_pb
+    from rollmesh.replica.v1 import replica_agent_pb2_grpc
+
+    async with grpc.aio.insecure_channel(agent) as channel:
+        await replica_agent_pb2_grpc.ReplicaAgentServiceStub(channel).WakeUp(agent_pb.WakeUpRequest(
+            replica_id=replica_id, resume_generation=True))
+
+
+def versions_of(seed: int, count: int) -> list[dict[str, torch.Tensor]]:
+    """``count`` float32 versions of tiny-llama's weights, each an update of lr 1e-5 on the last."""
+    from trainer_agent.weight_source import TorchWeightSource
+
+    source = TorchWeightSource("tiny-llama")
+    source.load()
+    current = {name: tensor.clone() for name, tensor in source.named_weights()}
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        current = {name: t - 1e-5 * torch.sign(torch.randn(t.shape, generator=gen)) for name, t in current.items()}
+        out.append(current)
+    return out
+
+
+async def served_checksum(agent: str, replica_id: str) -> tuple[int, list[tuple[str, tuple[int, ...]]], str]:
+    """What the replica serves, as its agent lays it out for a seed sync: version, tensor order, sha256."""
+    async with grpc.aio.insecure_channel(agent) as channel:
+        prepared = await weight_source_pb2_grpc.WeightSourceServiceStub(channel).PrepareWeightSync(
+            ws.PrepareWeightSyncRequest(source_id=replica_id, bucket_size_bytes=65536, checksum_algorithm="sha256"))
+    return prepared.weight_version, [t.name for t in prepared.manifest.tensors], prepared.manifest.checksum
+
+
+def expected_checksum(tensors: dict[str, torch.Tensor], order: list[str]) -> str:
+    from weight_transfer import build_manifest
+
+    served = [(name, tensors[name].to(torch.bfloat16)) for name in order]
+    return build_manifest(served, 65536, checksum_algorithm="sha256").checksum
+
+
+async def test_deltas_and_peer_copies_leave_every_replica_bit_identical_to_a_full_copy(tmp_path: Path):
+    weights = tmp_path / "weights"
+    published = versions_of(11, 8)
+    procs = Procs(tmp_path, env=clean_env(GLOO_SOCKET_IFNAME="lo"))
+    try:
+        lb = procs.start("lb", "lb", "")
+        trainer = procs.start("trainer", "trainer-agent", TRAINER.format(weights=weights))
+        controller = procs.start("controller", "controller", CONTROLLER.format(lb=lb, trainer=trainer))
+        agent = procs.start("a", "replica-agent", AGENT.format(controller=controller))
+        async with grpc.aio.insecure_channel(controller) as channel:
+            ctl = controller_stub(channel)
+            await until(lambda: _all_registered(ctl))
+
+            async def sync(version: int, replica_ids=()) -> weight_sync_pb2.WeightSyncResult:
+                publish(weights, published[version - 1], version)
+                reply = await ctl.SyncWeights(weight_sync_pb2.SyncWeightsRequest(
+                    weight_version=version, replica_ids=list(replica_ids)))
+                assert all(r.ok for r in reply.result.replica_results), reply.result
+                return reply.result
+
+            async def check(version: int, replica_ids=REPLICAS) -> None:
+                for replica_id in replica_ids:
+                    held, order, checksum = await served_checksum(agent, replica_id)
+                    assert held == version
+                    assert checksum == expected_checksum(published[version - 1], order), replica_id
+
+            first = await sync(1)   # nothing to diff against yet
+            assert {r.copy for r in first.replica_results} == {"full"} and first.delta_base_version == -1
+            await check(1)
+
+            second = await sync(2)
+            assert second.delta_base_version == 1
+            assert {r.replica_id: r.copy for r in second.replica_results} == dict.fromkeys(REPLICAS, "delta")
+            assert 0 < second.delta_density < 0.2 and second.delta_bytes < second.full_bytes / 2
+            assert second.bytes_sent == second.delta_bytes
+            await check(2)
+
+            third = await sync(3, ["a-s0"])   # a-s1 and a-s2 miss version 3
+            assert [(r.replica_id, r.copy) for r in third.replica_results] == [("a-s0", "delta")]
+            await check(3, ["a-s0"])
+
+            fourth = await sync(4)
+            copies = {r.replica_id: (r.copy, r.source) for r in fourth.replica_results}
+            assert copies["a-s0"][0] == "delta" and fourth.delta_base_version == 3
+            assert copies["a-s1"] == copies["a-s2"] == ("peer", "a-s0")   # from the peer, not the trainer
+            assert (await replicas(ctl))["a-s1"].weight_version == 4
+            await check(4)
+
+            # Hybrid replicas waking: asleep at level 1 (weights kept on the host) a replica takes the delta;
+            # asleep at level 2 (weights discarded) it needs a full copy, and gets it from a peer.
+            fifth = await sync(5)
+            assert {r.copy for r in fifth.replica_results} == {"delta"}
+            await _sleep(agent, "a-s2", level=1)
+            await _sleep(agent, "a-s0", level=2)
+            sixth = await sync(6, REPLICAS)
+            copies = {r.replica_id: (r.copy, r.source) for r in sixth.replica_results}
+            assert copies["a-s1"][0] == copies["a-s2"][0] == "delta" and copies["a-s0"] == ("peer", "a-s1")
+            for replica_id in ("a-s2", "a-s0"):
+                await _wake(agent, replica_id)
+            await check(6)
+
+            # A delta plan reaching a replica that does not serve its base (the registry can be wrong after a
+            # restart): it receives the stream with the others, keeps its weights and says it needs a full copy.
+            await sync(7, ["a-s1"])
+            publish(weights, published[7], 8)
+            await _hand_made_delta(trainer, agent, version=8, base=7, receivers=["a-s1", "a-s0"])
+            await check(8, ["a-s1"])
+            await check(6, ["a-s0", "a-s2"])
+    finally:
+        procs.close()
+
+
+async def _all_registered(ctl) -> bool:
+    return set(await replicas(ctl)) == set(REPLICAS)
