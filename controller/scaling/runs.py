@@ -40,6 +40,7 @@ from ..core.records import ReplicaKind, ReplicaSpec, ReplicaState
 
 log = logging.getLogger(__name__)
 if TYPE_CHECKING:
+    from ..core.ports import WeightSyncOutcome
     from .ports import ScaleHost
 
 OS = OperationState
@@ -201,6 +202,14 @@ async def _settle(s: ScaleHost, op: ScaleOperation, failed: dict[str, str], stag
 
 
 async def _sync(s: ScaleHost, op: ScaleOperation, alive: list[str]) -> None:
+    """Bring the new replicas to the current weight version before they are routed.
+
+    The bulk of a join is a full copy from a peer already at the version, which runs outside the transitions
+    lock: the training steps' syncs (which take it) go on meanwhile, and the peer sends from a copy of its
+    weights, so it takes its own syncs too. Only when no peer can is the copy the trainer's, under the lock
+    (the trainer sends one broadcast at a time). Then, under the lock, the new replicas catch up with any
+    version the steps moved on to during the copy (a delta from the trainer), so none is routed behind.
+    """
     registry = s.registry
     version = s.current_version(op.model_name, exclude=set(op.replica_ids))
     behind = [r for r in alive if version is not None and registry.get(r).weight_version < version]
@@ -210,28 +219,54 @@ async def _sync(s: ScaleHost, op: ScaleOperation, alive: list[str]) -> None:
         registry.transition(replica_id, S.SYNCING, "weight sync before serving", operation_id=op.operation_id)
     failed: dict[str, str] = {}
     if behind and version is not None:   # (behind is empty without a version)
+        source = s.config.scale_out_weight_source
+        copied = False
+        seeds = seed_replicas(s, op, version)
+        if source == "replica" or (source == "auto" and seeds):
+            outcome = await _copy(s, op, behind, version, "replica", seeds)
+            copied = source == "replica" or any(r.ok for r in outcome.replica_results)
+            if copied:
+                failed = dict(outcome.failed)
         async with s.transitions:
-            s.emit(EventType.WEIGHT_SYNC_STARTED, weight_version=version, operation_id=op.operation_id,
-                      reason=f"scale-out {op.operation_id}", attributes={"replicas": len(behind)})
-            seeds = seed_replicas(s, op, version)
-            with s.span("weights.broadcast", weight_version=version, replica_ids=behind,
-                            operation_id=op.operation_id, weight_source=s.config.scale_out_weight_source,
-                            seeds=seeds):
-                outcome = await s.weights.sync_new_replicas(behind, version, seeds=seeds,
-                                                               source=s.config.scale_out_weight_source)
-            for result in outcome.replica_results:
-                if result.ok:
-                    registry.set_weight_version(result.replica_id, version)
-            failed = dict(outcome.failed)
-            s.routing.stale.difference_update(behind)
-            kind = EventType.WEIGHT_SYNC_FAILED if failed else EventType.WEIGHT_SYNC_COMPLETED
-            s.emit(kind, weight_version=version, operation_id=op.operation_id,
-                      reason=f"scale-out {op.operation_id}: " + ("; ".join(failed.values()) or "ok"),
-                      attributes={"ok": len(behind) - len(failed), "failed": len(failed),
-                                  "source": outcome.source if len(failed) < len(behind) else "none",
-                                  "sync_id": outcome.sync_id})
+            if not copied:
+                outcome = await _copy(s, op, behind, version, "trainer", [])
+                failed = dict(outcome.failed)
+            current = s.current_version(op.model_name, exclude=set(op.replica_ids))
+            synced = [r for r in alive if r not in failed]
+            if current is not None and current > version and synced:
+                outcome = await _copy(s, op, synced, current, "catch-up", [])
+                failed.update(outcome.failed)
+                version = current
     alive = await _settle(s, op, failed, "weight sync")
     op.weight_version = version if version is not None else min(registry.get(r).weight_version for r in alive)
+
+
+async def _copy(s: ScaleHost, op: ScaleOperation, replica_ids: list[str], version: int, source: str,
+                seeds: list[str]) -> WeightSyncOutcome:
+    """One sync of new replicas to ``version``: from a peer (``replica``), the trainer (``trainer``), or the
+    trainer's sync of a version the steps moved on to meanwhile (``catch-up``, a delta where it can be)."""
+    registry = s.registry
+    s.emit(EventType.WEIGHT_SYNC_STARTED, weight_version=version, operation_id=op.operation_id,
+           reason=f"scale-out {op.operation_id}" + (": catching up" if source == "catch-up" else ""),
+           attributes={"replicas": len(replica_ids)})
+    with s.span("weights.broadcast", weight_version=version, replica_ids=replica_ids, operation_id=op.operation_id,
+                weight_source=source, seeds=seeds):
+        if source == "catch-up":
+            outcome = await s.weights.sync(replica_ids, version)
+        else:
+            outcome = await s.weights.sync_new_replicas(replica_ids, version, seeds=seeds, source=source)
+    for result in outcome.replica_results:
+        if result.ok:
+            registry.set_weight_version(result.replica_id, version)
+    failed = outcome.failed
+    s.routing.stale.difference_update(replica_ids)
+    kind = EventType.WEIGHT_SYNC_FAILED if failed else EventType.WEIGHT_SYNC_COMPLETED
+    s.emit(kind, weight_version=version, operation_id=op.operation_id,
+           reason=f"scale-out {op.operation_id}: " + ("; ".join(failed.values()) or "ok"),
+           attributes={"ok": len(replica_ids) - len(failed), "failed": len(failed),
+                       "source": outcome.source if len(failed) < len(replica_ids) else "none",
+                       "sync_id": outcome.sync_id, **outcome.attributes()})
+    return outcome
 
 
 def seed_replicas(s: ScaleHost, op: ScaleOperation, version: int) -> list[str]:
