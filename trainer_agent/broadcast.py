@@ -29,7 +29,9 @@ holds. A prepare that names that base (``delta_base_version``) also encodes
 the new version as a delta from it (:mod:`weight_transfer.delta`), once per
 version, and a plan carrying that delta sends the delta stream instead of the
 weights. Keeping the base costs one more copy of the weights in the served
-dtype; ``delta_max_ratio: 0`` turns deltas off and keeps none.
+dtype, in host memory (a GPU trainer copies the previous snapshot out once
+per version; the encoder moves it back a bucket at a time);
+``delta_max_ratio: 0`` turns deltas off and keeps none.
 
 ``served_dtype`` (the trainer agent's ``served_dtype``): floating-point
 weights are cast to it when a version is prepared, so a trainer that keeps
@@ -112,6 +114,14 @@ def _first_difference(ours: Manifest, theirs: Manifest) -> str:
         if mine != other:
             return f"tensor {other.name!r} differs from prepared {mine.name!r}"
     return "no difference"
+
+
+def _on_host(prepared: PreparedSync) -> PreparedSync:
+    """``prepared`` with its tensors in host memory (a delta base must not hold accelerator memory)."""
+    if all(t.device.type == "cpu" for _, t in prepared.snapshot.tensors):
+        return prepared
+    tensors = tuple((name, t.to("cpu")) for name, t in prepared.snapshot.tensors)
+    return dataclasses.replace(prepared, snapshot=dataclasses.replace(prepared.snapshot, tensors=tensors))
 
 
 class WeightBroadcaster:
@@ -220,7 +230,8 @@ class WeightBroadcaster:
             previous = self._prepared
             if self.config.delta_max_ratio > 0 and previous is not None:
                 if previous.weight_version != prepared.weight_version:
-                    self._base = previous   # what the fleet was sent: the next delta's base
+                    # what the fleet was sent: the next delta's base, kept in host memory
+                    self._base = await asyncio.to_thread(_on_host, previous)
             else:
                 self._base = None
             self._prepared = prepared
