@@ -187,10 +187,10 @@ class WeightBroadcast:
                                     "no trainer_address configured", started)
         source = self._trainer_source(timeout_s)
         base = self._delta_base(replica_ids, version)
-        if base is not None and not await self._offers_delta(source, version, base):
-            base = None
-        if base is None:
-            outcome, _ = await self._broadcast(replica_ids, version, source, timeout_s)
+        if base is None or not await self._offers_delta(source, version, base):
+            # everyone takes one full broadcast (asked with the base, the answer already given is reused)
+            outcome, _ = await self._broadcast(replica_ids, version, source, timeout_s, delta_base=base or 0,
+                                               full=True)
             return outcome
         at_base = [r for r in replica_ids if self.registry.get(r).weight_version == base]
         behind = [r for r in replica_ids if r not in at_base]
@@ -246,14 +246,20 @@ class WeightBroadcast:
         seed replica) as the source of one broadcast."""
 
         stub = self.channels.weight_source(address)
+        answers: dict[tuple[int, int], asyncio.Future] = {}
 
         def prepare(version: int, delta_base: int) -> Awaitable[weight_source_pb2.PrepareWeightSyncResponse]:
-            request = weight_source_pb2.PrepareWeightSyncRequest(source_id=source_id, weight_version=version)
-            if delta_base > 0:
-                request.delta_base_version = delta_base
-            if self.bucket_size_bytes:
-                request.bucket_size_bytes = self.bucket_size_bytes
-            return stub.PrepareWeightSync(request, timeout=timeout)
+            """One PrepareWeightSync per (version, delta base) for this source's sync: asking whether it offers a
+            delta and then broadcasting share the answer."""
+            if (version, delta_base) not in answers:
+                request = weight_source_pb2.PrepareWeightSyncRequest(source_id=source_id, weight_version=version)
+                if delta_base > 0:
+                    request.delta_base_version = delta_base
+                if self.bucket_size_bytes:
+                    request.bucket_size_bytes = self.bucket_size_bytes
+                answers[(version, delta_base)] = asyncio.ensure_future(stub.PrepareWeightSync(request,
+                                                                                             timeout=timeout))
+            return answers[(version, delta_base)]
 
         return _Source(f"{what} PrepareWeightSync", prepare,
                        lambda plan: stub.SendWeights(weight_source_pb2.SendWeightsRequest(source_id=source_id,
@@ -262,12 +268,14 @@ class WeightBroadcast:
                        member)
 
     async def _broadcast(self, replica_ids: Sequence[str], version: int, source: _Source,
-                         timeout_s: float | None = None, delta_base: int = 0) -> tuple[WeightSyncOutcome, str]:
+                         timeout_s: float | None = None, delta_base: int = 0,
+                         full: bool = False) -> tuple[WeightSyncOutcome, str]:
         """One broadcast from ``source``; the outcome and, when the source could not prepare, why.
 
         ``delta_base``: ask the source for a delta from that version; every one
         of ``replica_ids`` should hold it (one that does not fails with
-        ``delta_base_missing`` and needs a full copy).
+        ``delta_base_missing`` and needs a full copy). ``full``: send the full
+        weights whatever the answer holds.
 
         A group needs every member: when a node's agent cannot be reached, the
         others would only wait out the rendezvous. So the first UNAVAILABLE
@@ -278,14 +286,14 @@ class WeightBroadcast:
         """
         timeout_s = timeout_s or self.timeout_s
         started = time.monotonic()
-        outcome, why, unreachable = await self._attempt(replica_ids, version, source, timeout_s, delta_base)
+        outcome, why, unreachable = await self._attempt(replica_ids, version, source, timeout_s, delta_base, full)
         if unreachable and not why:
             lost = [r for r in replica_ids if self.registry.get(r).address in unreachable]
             rest = [r for r in replica_ids if r not in lost]
             if rest:
                 log.warning("weight sync to version %d: agent(s) %s unreachable; syncing the %d other replica(s) "
                             "without them", version, sorted(unreachable), len(rest))
-                retry, why, _ = await self._attempt(rest, version, source, timeout_s, delta_base)
+                retry, why, _ = await self._attempt(rest, version, source, timeout_s, delta_base, full)
                 failed = [r for r in outcome.replica_results if r.replica_id in lost]
                 outcome = dataclasses.replace(retry, replica_results=(*failed, *retry.replica_results),
                                               duration_s=time.monotonic() - started)
@@ -293,8 +301,8 @@ class WeightBroadcast:
             await self.push_versions(list(outcome.replica_results), version)
         return outcome, why
 
-    async def _attempt(self, replica_ids: Sequence[str], version: int, source: _Source,
-                       timeout_s: float, delta_base: int = 0) -> tuple[WeightSyncOutcome, str, set[str]]:
+    async def _attempt(self, replica_ids: Sequence[str], version: int, source: _Source, timeout_s: float,
+                       delta_base: int = 0, full: bool = False) -> tuple[WeightSyncOutcome, str, set[str]]:
         """One plan: prepare, then send and receive concurrently.
 
         Returns the outcome, why the source could not prepare (or ""), and the
@@ -314,7 +322,7 @@ class WeightBroadcast:
             return self._all_failed(replica_ids, version, sync_id, why, started), why, set()
         self._model_bytes = prepared.manifest.total_bytes
         plan = self._plan(sync_id, prepared, list(replica_ids), source.rank0, timeout_s)
-        delta = prepared.delta if delta_base > 0 and prepared.HasField("delta") else None
+        delta = prepared.delta if delta_base > 0 and not full and prepared.HasField("delta") else None
         if delta is not None:
             plan.delta.CopyFrom(delta)
         by_node: dict[str, list[str]] = {}

@@ -94,14 +94,15 @@ async def _receive_one(groups: WeightGroups, replica: Replica, plan: SyncPlan) -
 
     started = time.monotonic()
     async with swapping_weights(replica) as weights_asleep:
-        base = None
-        if plan.delta is not None:   # before the stream: what this replica serves, laid out as the target
-            base = await _delta_base(replica, plan, weights_asleep)
-        group = await asyncio.to_thread(groups.cache(replica.replica_id).get, plan.group_id, plan.members,
-                                        plan.rendezvous, plan.backend, plan.sync_key)
+        # a delta's base (what this replica serves, laid out as the target) is packed while the stream arrives
+        base_task = (asyncio.ensure_future(_delta_base(replica, plan, weights_asleep)) if plan.delta is not None
+                     else None)
         try:
+            group = await asyncio.to_thread(groups.cache(replica.replica_id).get, plan.group_id, plan.members,
+                                            plan.rendezvous, plan.backend, plan.sync_key)
             received = await receive_weights_async(group, plan.stream, timeout=plan.timeout_s, key=plan.sync_key)
-            if plan.delta is not None:
+            if base_task is not None:
+                base = await base_task
                 if isinstance(base, str):   # the group is in step; this replica needs a full copy
                     log.info("replica %s: %s; it keeps weight version %d and needs a full copy",
                              replica.replica_id, base, replica.weight_version)
@@ -120,6 +121,10 @@ async def _receive_one(groups: WeightGroups, replica: Replica, plan: SyncPlan) -
                                    time.monotonic() - started, str(err))
             groups.record(plan.sync_id, replica.replica_id, result)
             return result
+        finally:
+            if base_task is not None and not base_task.done():
+                base_task.cancel()
+                await asyncio.gather(base_task, return_exceptions=True)
         if weights_asleep:
             await replica.engine.wake_up({"weights"})
         await replica.engine.load_weights(tensors, plan.weight_version)

@@ -83,7 +83,7 @@ async def test_a_replica_back_behind_the_version_is_routed_again_after_its_next_
 
         states: list[str] = []
 
-        async def broadcast(replica_ids, version, source, timeout_s, delta_base=0):   # the network part
+        async def broadcast(replica_ids, version, source, timeout_s, delta_base=0, full=False):   # one broadcast
             states.extend(mesh.registry.get(r).state.value for r in replica_ids)
             return WeightSyncOutcome(version, tuple(ReplicaSyncOutcome(r, True) for r in replica_ids)), "", set()
         monkeypatch.setattr(mesh.weights, "_attempt", broadcast)

@@ -231,6 +231,7 @@ async def test_replicas_at_the_base_take_the_delta_and_the_others_a_full_copy_fr
     assert outcome.delta_base_version == 3 and outcome.delta_bytes == 12 and outcome.full_bytes == 64
     assert outcome.delta_density == 3 / 32
     assert outcome.attributes()["delta_copies"] == 2 and outcome.attributes()["peer_copies"] == 1
+    assert log.count(("trainer", "prepare", 4)) == 1
     assert ("trainer", "prepare", 4) in log and all(entry[0] != "trainer" or entry[1] != "send" or
                                                     entry[2] == "" for entry in log)
 
@@ -253,6 +254,7 @@ async def test_without_a_delta_everyone_takes_one_full_broadcast_from_the_traine
     assert sorted(m.replica_id for m in plan.members[1:]) == ["r0", "s0", "s1"] and not plan.HasField("delta")
     assert {r.copy for r in outcome.replica_results} == {"full"}
     assert [entry for entry in log if entry[0] == "trainer"][0] == ("trainer", "prepare", 4)
+    assert log.count(("trainer", "prepare", 4)) == 1   # asking about a delta and sending share one answer
 
 
 async def test_no_peer_at_the_version_means_the_trainer_sends_the_full_copy():

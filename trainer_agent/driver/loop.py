@@ -131,6 +131,9 @@ class StepRecord:
     offload_s: float = 0.0
     onload_s: float = 0.0
     resynced_replica_ids: list[str] = field(default_factory=list)
+    weight_sync: dict[str, Any] = field(default_factory=dict)
+    """What the step's weight syncs sent (:func:`weight_sync_summary`): bytes, the delta's base version, bytes
+    and density, and each replica's copy (delta, full or peer) and who sent it."""
     samples: dict[str, Any] = field(default_factory=dict)
     """The trained samples' staleness, weight versions and turn counts (:mod:`.sample_metrics`)."""
     activities: list[dict[str, Any]] = field(default_factory=list)
@@ -345,6 +348,7 @@ class FullyAsyncLoop:
             hybrid_activated=done.hybrid_activated, hybrid_sync_skipped=done.hybrid_sync_skipped,
             synced_replica_ids=synced, bytes_saved=int(done.bytes_saved), offload_s=offload_s, onload_s=onload_s,
             resynced_replica_ids=resynced, activities=self._take_activities(),
+            weight_sync=weight_sync_summary(done.standalone_sync, done.hybrid_sync),
             samples=step_sample_metrics(trained, version))
 
     # -- checkpoint ----------------------------------------------------------------------------------
@@ -456,3 +460,20 @@ class FullyAsyncLoop:
                         staleness_threshold=cfg.staleness_threshold, generated_samples=self.queue.generated // cfg.n,
                         queued_samples=self._queued(), step_wait_times_s=list(wait_times),
                         step_wait_samples=list(wait_samples), timing_s=dict(timing or {}), **measured)
+
+
+def weight_sync_summary(*syncs: Any) -> dict[str, Any]:
+    """The step record's account of its weight syncs (``WeightSyncResult`` messages; unset ones are skipped)."""
+    out: dict[str, Any] = {"bytes_sent": 0, "copies": {}}
+    for sync in syncs:
+        if not sync.sync_id:
+            continue
+        out["bytes_sent"] += sync.bytes_sent
+        out["full_bytes"] = sync.full_bytes
+        if sync.delta_base_version >= 0 and sync.delta_bytes:
+            out.update(delta_base_version=sync.delta_base_version, delta_bytes=sync.delta_bytes,
+                       delta_density=sync.delta_density)
+        for result in sync.replica_results:
+            if result.ok:
+                out["copies"][result.replica_id] = {"copy": result.copy, "source": result.source}
+    return out
