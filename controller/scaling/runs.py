@@ -204,11 +204,12 @@ async def _settle(s: ScaleHost, op: ScaleOperation, failed: dict[str, str], stag
 async def _sync(s: ScaleHost, op: ScaleOperation, alive: list[str]) -> None:
     """Bring the new replicas to the current weight version before they are routed.
 
-    The bulk of a join is a full copy from a peer already at the version, which runs outside the transitions
-    lock: the training steps' syncs (which take it) go on meanwhile, and the peer sends from a copy of its
-    weights, so it takes its own syncs too. Only when no peer can is the copy the trainer's, under the lock
-    (the trainer sends one broadcast at a time). Then, under the lock, the new replicas catch up with any
-    version the steps moved on to during the copy (a delta from the trainer), so none is routed behind.
+    The bulk of a join is a full copy from a peer at the newest version a healthy replica holds, which runs
+    outside the transitions lock: the training steps' syncs (which take it) go on meanwhile, and the peer sends
+    from a copy of its weights, so it takes its own syncs too. Only when no peer can is the copy the
+    trainer's, under the lock (the trainer sends one broadcast at a time). Then, under the lock, the new
+    replicas catch up with the version the steps are at (a delta from the trainer where it holds the version
+    they got), so none is routed behind.
     """
     registry = s.registry
     version = s.current_version(op.model_name, exclude=set(op.replica_ids))
@@ -221,24 +222,36 @@ async def _sync(s: ScaleHost, op: ScaleOperation, alive: list[str]) -> None:
     if behind and version is not None:   # (behind is empty without a version)
         source = s.config.scale_out_weight_source
         copied = False
-        seeds = seed_replicas(s, op, version)
+        held, seeds = newest_seeds(s, op, version)   # a sync may be taking the serving replicas to `version`
         if source == "replica" or (source == "auto" and seeds):
-            outcome = await _copy(s, op, behind, version, "replica", seeds)
+            outcome = await _copy(s, op, behind, held, "replica", seeds)
             copied = source == "replica" or any(r.ok for r in outcome.replica_results)
             if copied:
                 failed = dict(outcome.failed)
         async with s.transitions:
-            if not copied:
-                outcome = await _copy(s, op, behind, version, "trainer", [])
-                failed = dict(outcome.failed)
             current = s.current_version(op.model_name, exclude=set(op.replica_ids))
-            synced = [r for r in alive if r not in failed]
-            if current is not None and current > version and synced:
-                outcome = await _copy(s, op, synced, current, "catch-up", [])
+            if not copied:   # the version the steps are at now that the lock is held: the one the trainer holds
+                outcome = await _copy(s, op, behind, current if current is not None else version, "trainer", [])
+                failed = dict(outcome.failed)
+            lagging = [r for r in alive if r not in failed and current is not None
+                       and registry.get(r).weight_version < current]
+            if lagging and current is not None:
+                outcome = await _copy(s, op, lagging, current, "catch-up", [])
                 failed.update(outcome.failed)
-                version = current
+            version = current if current is not None else version
     alive = await _settle(s, op, failed, "weight sync")
     op.weight_version = version if version is not None else min(registry.get(r).weight_version for r in alive)
+
+
+def newest_seeds(s: ScaleHost, op: ScaleOperation, version: int) -> tuple[int, list[str]]:
+    """The newest version at most ``version`` that healthy replicas hold, and those replicas (see
+    :func:`seed_replicas`); ``(version, [])`` when none holds any."""
+    held = sorted({r.weight_version for r in s.registry.replicas() if r.weight_version <= version}, reverse=True)
+    for candidate in held:
+        seeds = seed_replicas(s, op, candidate)
+        if seeds:
+            return candidate, seeds
+    return version, []
 
 
 async def _copy(s: ScaleHost, op: ScaleOperation, replica_ids: list[str], version: int, source: str,
@@ -265,7 +278,7 @@ async def _copy(s: ScaleHost, op: ScaleOperation, replica_ids: list[str], versio
            reason=f"scale-out {op.operation_id}: " + ("; ".join(failed.values()) or "ok"),
            attributes={"ok": len(replica_ids) - len(failed), "failed": len(failed),
                        "source": outcome.source if len(failed) < len(replica_ids) else "none",
-                       "sync_id": outcome.sync_id, **outcome.attributes()})
+                       "sync_id": outcome.sync_id, "duration_s": outcome.duration_s, **outcome.attributes()})
     return outcome
 
 

@@ -43,10 +43,10 @@ class Weights:
         return WeightSyncOutcome(version, tuple(ReplicaSyncOutcome(r, True, copy="delta") for r in replica_ids))
 
 
-def host(seeded: bool):
+def host(seeded: bool, seed_version: int = 4):
     registry = ReplicaRegistry(clock=lambda: 0.0)
-    registry.register_node("a", "a:1", slots_total=3, replicas=[ReplicaSpec("s0", ReplicaKind.STANDALONE, S.ACTIVE, 4)]
-                           if seeded else [])
+    registry.register_node("a", "a:1", slots_total=3, replicas=[
+        ReplicaSpec("s0", ReplicaKind.STANDALONE, S.ACTIVE, seed_version)] if seeded else [])
     registry.register_node("b", "b:1", slots_total=2, replicas=[ReplicaSpec("new", ReplicaKind.STANDALONE,
                                                                             S.LOADING, 0)])
     lock = asyncio.Lock()
@@ -90,4 +90,12 @@ async def test_without_a_peer_the_trainer_copies_under_the_lock():
     s, op, _ = host(seeded=False)
     await asyncio.wait_for(runs._sync(s, op, ["new"]), 5)
     assert s.weights.calls == [("copy", ("new",), 4, "trainer", True)]
+    assert op.weight_version == 4 and s.registry.get("new").weight_version == 4
+
+
+async def test_while_the_serving_replicas_are_still_being_synced_the_join_copies_their_version_then_catches_up():
+    s, op, _ = host(seeded=True, seed_version=3)   # the step announced version 4; the serving sync has not ended
+    s.weights.release.set()
+    await asyncio.wait_for(runs._sync(s, op, ["new"]), 5)
+    assert s.weights.calls == [("copy", ("new",), 3, "replica", False), ("sync", ("new",), 4, None, True)]
     assert op.weight_version == 4 and s.registry.get("new").weight_version == 4
