@@ -30,6 +30,7 @@ from .replicas import Replica, ReplicaManager
 from .weights import PreparedSource, ReceiveResult, SendResult, WeightGroups
 
 if TYPE_CHECKING:
+    from weight_transfer import Manifest
     from weight_transfer.wire import SyncPlan
 
 log = logging.getLogger(__name__)
@@ -143,7 +144,7 @@ async def _delta_base(replica: Replica, plan: SyncPlan, weights_asleep: bool) ->
     """The weights ``replica`` serves packed in the target's layout, checked against the delta's base; or,
     when it cannot be the base, why (a string)."""
     from weight_transfer import ManifestMismatch  # noqa: PLC0415
-    from weight_transfer.delta import pack_stream, stream_checksum  # noqa: PLC0415
+    from weight_transfer.delta import stream_checksum  # noqa: PLC0415
 
     assert plan.delta is not None
     if replica.weight_version != plan.delta.base_version:
@@ -157,20 +158,27 @@ async def _delta_base(replica: Replica, plan: SyncPlan, weights_asleep: bool) ->
         except Exception as err:   # noqa: BLE001 - then it takes a full copy, received while asleep
             return f"the plan is a delta and this replica's weights could not be woken ({err})"[:300]
     try:
-        named = dict(replica.engine.named_weights())
-    except Exception as err:   # noqa: BLE001 - an engine that cannot read its weights back takes full copies
-        return f"the plan is a delta and this replica's engine cannot read back its weights ({err})"[:300]
-    order = [(e.name, named[e.name]) for e in plan.manifest.tensors if e.name in named]
-    device = order[0][1].device if order else "cpu"   # the weights' own device: NCCL deltas apply there
-    try:
-        flat = await asyncio.to_thread(pack_stream, plan.manifest, order, device=device)
+        flat = await _packed(replica, plan.manifest)
     except ManifestMismatch as err:
         return f"the weights this replica serves do not fit the delta's layout: {err}"
+    except Exception as err:   # noqa: BLE001 - an engine that cannot read its weights back takes full copies
+        return f"the plan is a delta and this replica's engine cannot read back its weights ({err})"[:300]
     got = await asyncio.to_thread(stream_checksum, plan.manifest, flat)
     if got != plan.delta.base_checksum:
         return (f"the weights this replica serves (checksum {got[:16]}) are not the delta's base version "
                 f"{plan.delta.base_version} (checksum {plan.delta.base_checksum[:16]})")
     return flat
+
+
+async def _packed(replica: Replica, manifest: Manifest) -> Any:
+    """A copy of the weights ``replica`` serves, laid out as ``manifest`` on the weights' own device (NCCL deltas
+    apply there); ``ManifestMismatch`` when they do not fit it, the engine's error when it cannot read them."""
+    from weight_transfer.delta import pack_stream  # noqa: PLC0415
+
+    named = dict(replica.engine.named_weights())
+    order = [(e.name, named[e.name]) for e in manifest.tensors if e.name in named]
+    device = order[0][1].device if order else "cpu"
+    return await asyncio.to_thread(pack_stream, manifest, order, device=device)
 
 
 def _apply_delta(plan: SyncPlan, base: Any, received: dict) -> dict:
@@ -236,7 +244,6 @@ async def send(manager: ReplicaManager, groups: WeightGroups, replica_id: str, p
     a training step's sync). The copy costs one model's memory on the replica's device until the send ends.
     """
     from weight_transfer import send_weights_async  # noqa: PLC0415
-    from weight_transfer.delta import pack_stream  # noqa: PLC0415
     from weight_transfer.manifest import views_of  # noqa: PLC0415
 
     replica = manager.get(replica_id)
@@ -255,10 +262,7 @@ async def send(manager: ReplicaManager, groups: WeightGroups, replica_id: str, p
         if replica.busy == "weights":
             raise Aborted(f"replica {replica_id!r} is already sending or receiving weights",
                           reason=Reason.TRANSFER_IN_PROGRESS)
-        named = dict(replica.engine.named_weights())
-        order = [(e.name, named[e.name]) for e in plan.manifest.tensors if e.name in named]
-        device = order[0][1].device if order else "cpu"
-        flat = await asyncio.to_thread(pack_stream, plan.manifest, order, device=device)
+        flat = await _packed(replica, plan.manifest)
     cache = groups.cache(replica_id)
     await asyncio.to_thread(cache.host_rendezvous, plan.rendezvous[0], plan.rendezvous[1])
     group = await asyncio.to_thread(cache.get, plan.group_id, plan.members, plan.rendezvous, plan.backend,

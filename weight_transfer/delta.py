@@ -260,7 +260,7 @@ def delta_entries(delta_manifest: Manifest, target: Manifest) -> list[tuple[int,
             raise InvalidManifest(f"delta entry {entry.name[:40]!r} names bucket {bucket}; the target has "
                                   f"{target.num_buckets}")
         opens = kind != "v"
-        after_marks = bool(out) and out[-1] == (bucket, out[-1][1]) and out[-1][1] in "im"
+        after_marks = bool(out) and out[-1][0] == bucket and out[-1][1] in ("i", "m")
         if (opens and out and bucket <= out[-1][0]) or (not opens and not after_marks):
             raise InvalidManifest(f"delta entry {entry.name[:40]!r} is out of order, repeats its bucket or has "
                                   "no indices before it")
