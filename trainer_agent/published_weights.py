@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from weight_transfer.published import publish
+from weight_transfer.published import publish, read_published
 
 from .weight_source import TorchWeightSource, WeightSnapshot, WeightSource
 
@@ -44,14 +44,14 @@ class DirectoryWeightSource(WeightSource):
         self.directory = Path(directory)
         self._seed, self._dtype = seed, dtype
         self._tensors: dict[str, torch.Tensor] = {}
+        self._owned = False   # _write takes the tensors as they are (read for this source alone)
 
     def _versions(self) -> list[int]:
         return sorted(int(p.stem) for p in self.directory.glob("*.safetensors") if p.stem.isdigit())
 
     def _read(self, version: int) -> dict[str, torch.Tensor]:
-        from safetensors.torch import load_file
-
-        return load_file(str(self.directory / f"{version}.safetensors"))
+        """Version ``version``'s tensors over a mapping of its file (no copy: see :func:`read_published`)."""
+        return read_published(self.directory / f"{version}.safetensors")
 
     def _load(self) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -68,11 +68,26 @@ class DirectoryWeightSource(WeightSource):
         yield from self._tensors.items()
 
     def _write(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
-        self._tensors.update({n: t.detach().clone() for n, t in named_tensors.items()})
+        if self._owned:
+            self._tensors.update({n: t.detach() for n, t in named_tensors.items()})
+        else:
+            self._tensors.update({n: t.detach().clone() for n, t in named_tensors.items()})
 
     def snapshot(self, weight_version: int = 0) -> WeightSnapshot:
+        """Load ``weight_version`` if it is newer and published, then the current tensors themselves: this source
+        replaces tensors and never writes into one, so a snapshot shares them (no copy)."""
         self._check_loaded()
         with self._lock:
             if weight_version > self._version and weight_version in self._versions():
-                self.set_weights(self._read(weight_version), weight_version)
-        return super().snapshot(weight_version)
+                self._take(self._read(weight_version), weight_version)
+            if weight_version not in (0, self._version):
+                return super().snapshot(weight_version)   # raises, naming the version held
+            return WeightSnapshot(self._version, tuple(self._tensors.items()))
+
+    def _take(self, named_tensors: dict[str, torch.Tensor], weight_version: int) -> None:
+        """:meth:`set_weights` without its copy: the tensors were read for this source alone."""
+        self._owned = True
+        try:
+            self.set_weights(named_tensors, weight_version)
+        finally:
+            self._owned = False
