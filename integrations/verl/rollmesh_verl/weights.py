@@ -11,7 +11,8 @@ worker. With this backend:
   every standalone and active hybrid replica (gloo on CPU, NCCL on GPU, manifests signed on a secure mesh) and
   commits it fleet-wide: a replica that fails to take it leaves routing until it holds the current version, so no
   routed replica serves another version and requests pinned by ``min_weight_version`` behave as with rollmesh's
-  own trainer. The other ranks take part in the gather and drop what they read;
+  own trainer. Once the controller answers, the agent holds the version and the older files are deleted (one
+  file per step would fill the disk). The other ranks take part in the gather and drop what they read;
 - the rollout side receives nothing through verl: rollmesh's replicas get the weights from rollmesh's broadcast,
   which builds its own process groups, so ``prepare``, ``build_topology``, ``init_process_group`` and ``finalize``
   have no group of verl's to build or free.
@@ -85,11 +86,12 @@ class RollmeshCheckpointEngine(CheckpointEngine):
         tensors = {}
         async for name, tensor in ensure_async_iterator(weights):
             tensors[name] = tensor.detach().to("cpu", copy=True).contiguous()
-        from weight_transfer.published import publish  # noqa: PLC0415
+        from weight_transfer.published import prune, publish  # noqa: PLC0415
 
         publish(self.settings.weights_dir, tensors, int(global_steps))
         written = time.perf_counter()
         result = await self._sync(int(global_steps))
+        prune(self.settings.weights_dir, below=int(global_steps))   # the trainer agent holds this one now
         ok = [r.replica_id for r in result.replica_results if r.ok]
         failed = {r.replica_id: r.error_message for r in result.replica_results if not r.ok}
         if failed:
