@@ -153,7 +153,7 @@ def _readable(value: object) -> str:
     return str(value) if value != "" else "-"
 
 
-ORDER = ("lb", "controller", "replica-agent", "trainer-agent")
+ORDER = ("lb", "trainer-agent", "controller", "replica-agent")   # the controller is told the trainer's address
 
 
 _PREFIX = {"lb": "ROLLMESH_LB", "controller": "ROLLMESH_CONTROLLER", "replica-agent": "ROLLMESH_REPLICA_AGENT",
@@ -191,6 +191,8 @@ async def start_local_mesh(run_dir: Path, env: dict[str, str], *, tls: bool = Tr
                 child_env.update(pki.env(_PREFIX[name], name, _IDENTITY[name]))
             if name == "controller":
                 child_env["ROLLMESH_CONTROLLER__LOAD_BALANCER_ADDRESS"] = started["lb"].address
+                if "trainer-agent" in started and configs is not None:
+                    child_env["ROLLMESH_CONTROLLER__TRAINER_ADDRESS"] = started["trainer-agent"].address
             if name == "replica-agent" and "controller" in started and configs is not None:
                 child_env["ROLLMESH_REPLICA_AGENT__CONTROLLER_ADDRESS"] = started["controller"].address
             started[name] = await start_server(name, args, env=child_env, log_path=run_dir / f"{name}.log")
@@ -239,6 +241,9 @@ async def up(run_dir: str, *, exit_after_status: bool, env: dict[str, str], conf
             routed = await _wait_routed(servers["lb"].address, tls, serve.replicas)
             print(f"replicas routed: {routed} of {serve.replicas}")
             print(f"openai: http://{http_listen}/v1", flush=True)
+            if serve.weights_dir:
+                print("verl: " + " ".join(verl_overrides(Path(run_dir), servers["controller"].address,
+                                                         serve.weights_dir)), flush=True)
         if not exit_after_status:
             print("mesh running; press Ctrl-C to stop", flush=True)
             stop = asyncio.Event()
@@ -251,6 +256,18 @@ async def up(run_dir: str, *, exit_after_status: bool, env: dict[str, str], conf
             codes = await stop_all(servers)
             print("stopped: " + ", ".join(f"{n} (exit {c})" for n, c in codes.items()))
     return 0 if codes and all(c == 0 for c in codes.values()) else 1
+
+
+VERL_BLOCK = "actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.rollmesh"
+
+
+def verl_overrides(run_dir: Path, controller: str, weights_dir: str) -> list[str]:
+    """The overrides that point verl's rollmesh plugin at this mesh (docs/coming-from-verl.md): the
+    controller, the directory its trainer agent reads, and a trainer-agent identity of the mesh's CA (made
+    in ``run_dir/pki`` the first time: verl's trainer commits weight versions with it)."""
+    tls = LocalPki(run_dir.resolve() / "pki").section("trainer-agent", "verl")
+    return [f"+{VERL_BLOCK}.controller={controller}", f"+{VERL_BLOCK}.weights_dir={Path(weights_dir).resolve()}",
+            *(f"+{VERL_BLOCK}.tls.{key}={value}" for key, value in tls.items())]
 
 
 async def _wait_routed(lb: str, tls: TlsConfig, want: int, timeout_s: float = 180.0) -> int:

@@ -31,6 +31,11 @@ class ServeConfig:
     engine_options: dict[str, Any] = setting(default_factory=dict, help="the engine's options (max_batch_size, "
                                                                         "...)")
     lease_ttl_s: float = setting(10.0, help="the replica agent's lease with the controller")
+    weights_dir: str = setting("", path=True, help="a directory a trainer outside rollmesh publishes weight "
+                                                   "versions into (verl's rollmesh checkpoint engine, "
+                                                   "examples/verl): set, a trainer agent serves them to the "
+                                                   "replicas and `rollmesh up` prints verl's overrides; empty = "
+                                                   "no trainer")
 
     def validate(self) -> None:
         if not 1 <= self.replicas <= 64:
@@ -46,10 +51,11 @@ def load_serve_config(path: str | Path) -> ServeConfig:
 
 
 def serve_server_configs(serve: ServeConfig, http_listen: str) -> dict[str, dict[str, Any]]:
-    """The configs of ``lb``, ``controller`` and ``replica-agent`` (addresses between them come from the
-    launcher as environment overrides, once each server is up)."""
+    """The configs of ``lb``, ``controller`` and ``replica-agent``, and with ``weights_dir`` the
+    ``trainer-agent``'s (addresses between them come from the launcher as environment overrides, once each
+    server is up)."""
     model = str(Path(serve.model).resolve()) if Path(serve.model).exists() else serve.model
-    return {
+    configs: dict[str, dict[str, Any]] = {
         "lb": {"http_listen": http_listen, "model": model, "served_model_name": serve.served_model_name,
                "http_api_token": serve.http_api_token, "http_plaintext": True},
         "controller": {"lease_ttl_s": serve.lease_ttl_s, "load_report_interval_s": 1.0},
@@ -57,3 +63,9 @@ def serve_server_configs(serve: ServeConfig, http_listen: str) -> dict[str, dict
                           "slots": serve.replicas, "engine_options": serve.engine_options,
                           "replicas": [{"replica_id": f"s{i}", "kind": "STANDALONE"} for i in range(serve.replicas)]},
     }
+    if serve.weights_dir:
+        configs["trainer-agent"] = {
+            "model": model, "model_seed": serve.seed,
+            "weight_source": "trainer_agent.published_weights:DirectoryWeightSource",
+            "weight_source_options": {"directory": str(Path(serve.weights_dir).resolve())}}
+    return configs
