@@ -6,9 +6,11 @@ rollmesh preset written as a Hugging Face directory; default small-llama, 4.5 M 
 
 1. **Weight update.** verl's ``CheckpointEngineManager.update_weights`` with the ``rollmesh`` backend (its abort
    and resume of the replicas, rank 0 writing the version for the trainer agent, the controller's broadcast and
-   commit) against rollmesh's own sync of the same model: ``SyncWeights`` of the version the trainer agent holds
-   in memory, as rollmesh's built-in trainer's step does (a second fleet with the default weight source). Median
-   and spread of ``--syncs`` updates each.
+   commit) against rollmesh's own sync of the same model: ``SyncWeights`` of a new version the trainer agent
+   holds in memory, as after rollmesh's built-in trainer's step (a second fleet whose trainer agent steps its
+   weights in place the same way the verl side's stand-in optimizer does, :class:`SteppedWeightSource`, so both
+   sides broadcast versions that differ equally: same delta attempt, same bytes). Median and spread of
+   ``--syncs`` updates each.
 2. **Per-request cost.** The same requests (``--requests`` of 16 prompt tokens and 16 sampled, ``--concurrency``
    at once) through verl's ``FullyAsyncLLMServerClient`` (verl's Ray load-balancer actor, the replica's server
    actor, then the balancer) and through rollmesh's ``MeshClient`` (straight to the balancer): wall time and the
@@ -162,21 +164,66 @@ def main() -> None:
     print(f"   verl's client adds {(verl_cpu - mesh_cpu) / args.requests * 1000:.2f} ms of CPU per request")
 
 
+def _stepped_weight_source() -> type:
+    import torch
+
+    from trainer_agent.weight_source import TorchWeightSource
+
+    class Stepped(TorchWeightSource):
+        """The model in memory, stepped in place to version ``v`` when version ``v`` is asked for: every weight
+        moves by N(0, 0.05) drawn from seed ``v``, as ``CpuTrainerWorker.train_a_step`` moves verl's side. The
+        steps are drawn at load, so a sync times the broadcast alone, as after an optimizer step."""
+
+        def __init__(self, model: str, *, steps: int = 8, **kwargs: object) -> None:
+            super().__init__(model, **kwargs)   # type: ignore[arg-type]
+            self._steps_wanted = steps
+            self._moves: dict[int, dict[str, torch.Tensor]] = {}
+
+        def _load(self) -> None:
+            super()._load()
+            names = sorted(name for name, _ in self._named_tensors())
+            live = dict(self._named_tensors())
+            for version in range(1, self._steps_wanted + 1):
+                generator = torch.Generator().manual_seed(version)
+                self._moves[version] = {n: torch.randn(live[n].shape, generator=generator).to(live[n].dtype) * 0.05
+                                        for n in names}
+
+        def snapshot(self, weight_version: int = 0):   # type: ignore[no-untyped-def]
+            if weight_version > self.weight_version and weight_version in self._moves:
+                with self.updating(weight_version), torch.no_grad():
+                    live = dict(self._named_tensors())
+                    for name, move in self._moves[weight_version].items():
+                        live[name].add_(move)
+            return super().snapshot(weight_version)
+
+    return Stepped
+
+
+def __getattr__(name: str) -> type:
+    """``SteppedWeightSource``, made on first use: the trainer agent imports it from rollmesh's environment, and
+    this module also runs in verl's, which lacks the agent."""
+    if name == "SteppedWeightSource":
+        return _stepped_weight_source()
+    raise AttributeError(name)
+
+
 def _own_syncs(tmp: Path, model: str, n: int) -> list[float]:
-    """rollmesh's own sync: a fleet whose trainer agent holds the model in memory (the default weight source)."""
+    """rollmesh's own sync: a fleet whose trainer agent steps the model in memory (:class:`SteppedWeightSource`)
+    and broadcasts each new version."""
     import grpc
 
     from mesh_runtime.durations import set_seconds
     from rollmesh.controller.v1 import controller_pb2_grpc, weight_sync_pb2
     from tests.integrations.verl.fleet import fleet
 
-    # no weight_source: the trainer agent's own TorchWeightSource, the model in memory
-    with fleet(tmp, model=model, trainer="model: {model}\n") as f:
+    trainer = ("model: {model}\nweight_source: benchmarks.bench_verl:SteppedWeightSource\n"
+               f"weight_source_options: {{{{steps: {n}}}}}\n")
+    with fleet(tmp, model=model, trainer=trainer) as f:
         times = []
         with grpc.insecure_channel(f.controller) as channel:
             stub = controller_pb2_grpc.ControllerServiceStub(channel)
             for i in range(n):
-                request = weight_sync_pb2.SyncWeightsRequest(request_id=f"own-{i}")
+                request = weight_sync_pb2.SyncWeightsRequest(request_id=f"own-{i}", weight_version=i + 1)
                 set_seconds(request.timeout, 120)
                 t0 = time.perf_counter()
                 reply = stub.SyncWeights(request, timeout=180)
