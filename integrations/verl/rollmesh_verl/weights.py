@@ -82,6 +82,7 @@ class RollmeshCheckpointEngine(CheckpointEngine):
             return {}
         if global_steps is None:
             raise WeightSyncFailed("the rollmesh backend needs the trainer's global_steps as the weight version")
+        self._check_not_behind(int(global_steps))
         started = time.perf_counter()
         tensors = {}
         async for name, tensor in ensure_async_iterator(weights):
@@ -103,6 +104,20 @@ class RollmeshCheckpointEngine(CheckpointEngine):
         return {"rollmesh/publish_s": written - started, "rollmesh/sync_s": time.perf_counter() - written,
                 "rollmesh/bytes_sent": float(result.bytes_sent), "rollmesh/replicas_synced": float(len(ok)),
                 "rollmesh/replicas_failed": float(len(failed))}
+
+    def _check_not_behind(self, version: int) -> None:
+        """A directory holding a newer version than ``version`` is an earlier run's: the fleet's trainer agent
+        serves that one and versions only grow, so this run's would never be taken. Say so before sending."""
+        from pathlib import Path  # noqa: PLC0415
+
+        newer = [int(p.stem) for p in Path(self.settings.weights_dir).glob("*.safetensors")
+                 if p.stem.isdigit() and int(p.stem) > version]
+        if newer:
+            raise WeightSyncFailed(
+                f"rollmesh: {self.settings.weights_dir} holds weight version {max(newer)}, newer than this run's "
+                f"{version}: the fleet serves an earlier run's versions (they only grow). Start a fresh fleet (an "
+                f"empty {SECTION}.weights_dir for its trainer agent) or resume verl from its checkpoint of step "
+                f"{max(newer)} or later")
 
     async def _sync(self, version: int) -> Any:
         import grpc  # noqa: PLC0415

@@ -1,11 +1,12 @@
 """verl's ``CheckpointEngineManager.update_weights`` with the ``rollmesh`` backend moves the trainer's weights into
 the fleet: the controller commits the version on every replica, and the replicas' greedy outputs then equal the
-trainer's model's (transformers' ``generate`` in verl's environment). A version the fleet cannot take fails the
-update with the controller's reason."""
+trainer's model's (transformers' ``generate`` in verl's environment), and the older versions' files are deleted.
+A version older than the fleet's (an earlier run's fleet) fails the update before anything is sent."""
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -85,8 +86,11 @@ def test_verls_update_weights_moves_the_trainers_weights_into_every_replica(setu
     assert before.token_ids != expected
 
 
-def test_a_version_the_fleet_cannot_take_fails_the_update_with_the_reason(setup, rollmesh_fleet):
+def test_a_version_older_than_the_fleets_fails_the_update_naming_both_before_sending(setup, rollmesh_fleet):
+    """A verl run started afresh against a fleet that served an earlier run: versions only grow, so the update
+    fails at once with what to do, and nothing is written or sent."""
     manager, trainer, checkpoints = setup
-    with pytest.raises(Exception, match=r"SyncWeights of version 1 .*FAILED_PRECONDITION|no replica took"):
-        checkpoints.update_weights(global_steps=1)   # older than what the fleet holds: never re-attached
+    with pytest.raises(Exception, match=r"holds weight version 2, newer than this run's 1: .*Start a fresh fleet"):
+        checkpoints.update_weights(global_steps=1)
     assert set(asyncio.run(_versions(rollmesh_fleet.controller)).values()) == {2}
+    assert sorted(p.name for p in Path(rollmesh_fleet.weights_dir).iterdir()) == ["2.safetensors"]
