@@ -124,7 +124,8 @@ def main() -> None:
     from tests.integrations.verl.trainer_worker import CpuTrainerWorker
 
     print(f"machine: {os.cpu_count()} cores; model {args.model}")
-    with tempfile.TemporaryDirectory() as tmp:
+    # the versions go through /dev/shm, as the docs deploy it (a disk-backed directory adds its writeback)
+    with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as tmp:
         model = write_model(Path(tmp) / "model", preset=args.model)
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
@@ -137,13 +138,14 @@ def main() -> None:
             checkpoints = CheckpointEngineManager(
                 config=omega_conf_to_dataclass(config.actor_rollout_ref.rollout.checkpoint_engine), actor_wg=trainer,
                 replicas=manager.get_replicas())
-            verl_syncs, inner = [], []
+            verl_syncs, inner, writes = [], [], []
             for step in range(1, args.syncs + 1):
                 trainer.train_a_step(seed=step)
                 t0 = time.perf_counter()
                 metrics = checkpoints.update_weights(global_steps=step)
                 verl_syncs.append(time.perf_counter() - t0)
                 inner.append(metrics["rollmesh/publish_s"] + metrics["rollmesh/sync_s"])
+                writes.append(metrics["rollmesh/publish_s"])
                 assert metrics["rollmesh/replicas_synced"] == 2
             client = manager.get_client(client_cls=FullyAsyncLLMServerClient)
             verl_wall, verl_cpu = asyncio.run(_verl_requests(client, args.requests, args.concurrency))
@@ -154,6 +156,7 @@ def main() -> None:
     print("\n1. weight update of the same model to 2 replicas (gloo on loopback)")
     print(f"   verl CheckpointEngineManager.update_weights, rollmesh backend: {_spread(verl_syncs)}")
     print(f"     of which rank 0 writing the version + the controller's broadcast: {_spread(inner)}")
+    print(f"       of which rank 0 copying and writing the version: {_spread(writes)}")
     print(f"   rollmesh's own sync (SyncWeights from the trainer agent's in-memory model): {_spread(own)}")
     print(f"   ratio of medians: {statistics.median(verl_syncs) / statistics.median(own):.2f}x")
     print(f"\n2. {args.requests} requests (16 tokens in, 16 sampled), {args.concurrency} at once")

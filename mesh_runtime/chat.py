@@ -28,7 +28,7 @@ if TYPE_CHECKING:   # both load only when a tokenizer or template is built
 
 VOCAB_SIZE = 256
 SPECIALS = ("<pad>", "</s>", "<sep>", "<unk>", "<s>", "<|system|>", "<|user|>", "<|assistant|>")
-PRESET_CONTEXT = {"tiny-llama": 512, "tiny-qwen2": 512, "small-llama": 2048}
+PRESET_CONTEXT = {"tiny-llama": 512, "tiny-qwen2": 512, "small-llama": 2048, "medium-llama": 2048}
 """Longest sequence (prompt + completion) of each model preset (``modeling.presets``; a test keeps them equal)."""
 
 # The presets' chat template: <|role|>content</s> per message, <|assistant|> to prompt the model. With tools,

@@ -43,6 +43,13 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
              num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
              max_position_embeddings=2048, tie_word_embeddings=False),
     ),
+    # Larger again, for benchmarks where fixed costs must not dominate (~32 M parameters, 126 MB in fp32).
+    "medium-llama": (
+        "llama",
+        dict(_COMMON, vocab_size=8192, hidden_size=512, intermediate_size=1376,
+             num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+             max_position_embeddings=2048, tie_word_embeddings=False),
+    ),
 }
 
 
