@@ -8,6 +8,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from mesh_runtime.net import free_port
 
 from .fleet import ROOT
@@ -45,16 +47,10 @@ def test_verl_picks_the_cpu_platform_and_builds_its_process_group_with_gloo():
     assert seen["group"] == "cpu:gloo" and seen["world"] == 1
 
 
-def test_without_the_module_verls_own_default_is_refused_by_torch():
-    """What the module is for: without it there is no CPU platform (verl falls back to CUDA and cannot run
-    here), and verl's backend string on a CPU platform is one torch refuses."""
-    done = _probe(VERL_USE_EXTERNAL_MODULES="rollmesh_verl", VERL_PLATFORM="cpu")
-    assert done.returncode != 0 and "Unknown platform 'cpu'" in done.stderr
+def test_verls_own_default_on_cpu_is_a_backend_string_torch_refuses():
+    """What the module's third change is for: verl's ``cpu:gloo,{device}:{backend}`` reads ``cpu:gloo,cpu:gloo``
+    on CPU, which torch refuses; if a torch ever accepts it, the wrapper is no longer needed."""
     import torch.distributed as dist
 
-    try:
+    with pytest.raises(ValueError, match="Duplicate device type cpu"):
         dist.distributed_c10d.BackendConfig(dist.Backend("cpu:gloo,cpu:gloo"))
-    except ValueError as err:
-        assert "Duplicate device type cpu" in str(err)
-    else:
-        raise AssertionError("torch accepted cpu:gloo,cpu:gloo: rollmesh_verl.cpu's third change is not needed")

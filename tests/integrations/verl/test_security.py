@@ -1,10 +1,10 @@
-"""The verl plugin on a secure mesh (mutual TLS, roles, signed weight manifests): verl generates and commits weight
-versions with a trainer-agent certificate of the mesh's CA; another CA's certificate, plaintext, or a role that may
-not commit weights are refused with errors that say so."""
+"""The verl plugin on a secure mesh (mutual TLS, roles, signed weight manifests): another CA's certificate,
+plaintext, or a role that may not commit weights are refused with errors that say so. verl generating and
+committing versions with a trainer-agent certificate of the mesh's CA is the example's run
+(``test_example.py``: ``rollmesh up`` makes a secure mesh)."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +14,6 @@ from .conftest import verl_config
 from .fleet import Fleet, fleet
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("ray_cluster")]
-
-SAMPLING = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True,
-            "max_tokens": 8}
 
 
 @pytest.fixture(scope="module")
@@ -49,22 +46,6 @@ def _checkpoints(f: Fleet, config: Any, manager: Any, tls: dict[str, str]) -> An
     return trainer, CheckpointEngineManager(
         config=omega_conf_to_dataclass(config.actor_rollout_ref.rollout.checkpoint_engine), actor_wg=trainer,
         replicas=manager.get_replicas())
-
-
-def test_verl_generates_and_commits_versions_on_a_secure_mesh(secure):
-    from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient
-
-    f, pki = secure
-    tls = pki.section("trainer-agent", "verl")
-    config = verl_config(f, replicas=1, tls=tls)
-    manager = _manager(config)
-    out = asyncio.run(manager.get_client(client_cls=FullyAsyncLLMServerClient).generate(
-        "secure", prompt_ids=[5, 6, 7], sampling_params=SAMPLING))
-    assert len(out.token_ids) == 8
-    trainer, checkpoints = _checkpoints(f, config, manager, tls)
-    trainer.train_a_step(seed=1)
-    metrics = checkpoints.update_weights(global_steps=1)   # the broadcast's manifest is signed on this mesh
-    assert metrics["rollmesh/replicas_synced"] == 1 and metrics["rollmesh/replicas_failed"] == 0
 
 
 def test_a_certificate_of_another_ca_is_refused(secure, tmp_path: Path):
