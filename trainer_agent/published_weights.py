@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from weight_transfer.published import publish, read_published
+from weight_transfer.published import publish, published_versions, read_published
 
 from .weight_source import TorchWeightSource, WeightSnapshot, WeightSource
 
@@ -44,10 +44,6 @@ class DirectoryWeightSource(WeightSource):
         self.directory = Path(directory)
         self._seed, self._dtype = seed, dtype
         self._tensors: dict[str, torch.Tensor] = {}
-        self._owned = False   # _write takes the tensors as they are (read for this source alone)
-
-    def _versions(self) -> list[int]:
-        return sorted(int(p.stem) for p in self.directory.glob("*.safetensors") if p.stem.isdigit())
 
     def _read(self, version: int) -> dict[str, torch.Tensor]:
         """Version ``version``'s tensors over a mapping of its file (no copy: see :func:`read_published`)."""
@@ -59,7 +55,7 @@ class DirectoryWeightSource(WeightSource):
         initial.load()
         self._tensors = {name: tensor.clone() for name, tensor in initial.named_weights()}
         initial.close()
-        versions = [v for v in self._versions() if v > self._version]
+        versions = [v for v in published_versions(self.directory) if v > self._version]
         if versions:
             self._tensors.update(self._read(versions[-1]))
             self._version = versions[-1]
@@ -68,17 +64,14 @@ class DirectoryWeightSource(WeightSource):
         yield from self._tensors.items()
 
     def _write(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
-        if self._owned:
-            self._tensors.update({n: t.detach() for n, t in named_tensors.items()})
-        else:
-            self._tensors.update({n: t.detach().clone() for n, t in named_tensors.items()})
+        self._tensors.update({n: t.detach().clone() for n, t in named_tensors.items()})
 
     def snapshot(self, weight_version: int = 0) -> WeightSnapshot:
         """Load ``weight_version`` if it is newer and published, then the current tensors themselves: this source
         replaces tensors and never writes into one, so a snapshot shares them (no copy)."""
         self._check_loaded()
         with self._lock:
-            if weight_version > self._version and weight_version in self._versions():
+            if weight_version > self._version and weight_version in published_versions(self.directory):
                 self._take(self._read(weight_version), weight_version)
             if weight_version not in (0, self._version):
                 return super().snapshot(weight_version)   # raises, naming the version held
@@ -86,8 +79,6 @@ class DirectoryWeightSource(WeightSource):
 
     def _take(self, named_tensors: dict[str, torch.Tensor], weight_version: int) -> None:
         """:meth:`set_weights` without its copy: the tensors were read for this source alone."""
-        self._owned = True
-        try:
-            self.set_weights(named_tensors, weight_version)
-        finally:
-            self._owned = False
+        named_tensors = self._checked(named_tensors)
+        with self.updating(weight_version):
+            self._tensors.update({n: t.detach() for n, t in named_tensors.items()})

@@ -159,6 +159,13 @@ class WeightSource(abc.ABC):
         mismatch raises :class:`~mesh_runtime.errors.InvalidArgument` and
         changes nothing.
         """
+        checked = self._checked(named_tensors)
+        with self.updating(weight_version):
+            self._write(checked)
+
+    def _checked(self, named_tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``named_tensors`` under their canonical names, once every one fits the spec; else
+        :class:`~mesh_runtime.errors.InvalidArgument` naming what does not."""
         spec = {s.name: s for s in self.weight_spec()}
         problems = []
         for name, tensor in named_tensors.items():
@@ -171,8 +178,7 @@ class WeightSource(abc.ABC):
         if problems:
             raise InvalidArgument("weights do not fit the model: " + "; ".join(problems[:5]),
                                   reason=Reason.WEIGHT_MISMATCH)
-        with self.updating(weight_version):
-            self._write({self._canonical_name(n): t for n, t in named_tensors.items()})
+        return {self._canonical_name(n): t for n, t in named_tensors.items()}
 
     def snapshot(self, weight_version: int = 0) -> WeightSnapshot:
         """A frozen copy of the weights of ``weight_version`` (0 = the current one).

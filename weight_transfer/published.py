@@ -85,7 +85,7 @@ def read_published(path: str | Path) -> dict[str, Any]:
         except ValueError as err:
             raise ValueError(f"{path}: not a safetensors file (header: {err})") from None
         size = source.seek(0, 2)
-        mapped = mmap.mmap(source.fileno(), 0, access=mmap.ACCESS_COPY) if size else b""
+        mapped = mmap.mmap(source.fileno(), 0, access=mmap.ACCESS_COPY)   # at least the 8 bytes read
     start = 8 + length
     tensors = {}
     for name, entry in header.items():
@@ -106,13 +106,16 @@ def read_published(path: str | Path) -> dict[str, Any]:
     return tensors
 
 
+def published_versions(directory: str | Path) -> list[int]:
+    """The versions published in ``directory`` (``<version>.safetensors``), oldest first."""
+    return sorted(int(p.stem) for p in Path(directory).glob("*.safetensors") if p.stem.isdigit())
+
+
 def prune(directory: str | Path, below: int) -> list[int]:
     """Delete the versions older than ``below`` from ``directory`` (once the trainer agent holds ``below``, it
     never reads them again: a version a trainer publishes per step would otherwise fill the disk, /dev/shm
     first); the versions deleted."""
-    gone = []
-    for path in Path(directory).glob("*.safetensors"):
-        if path.stem.isdigit() and int(path.stem) < below:
-            path.unlink(missing_ok=True)
-            gone.append(int(path.stem))
-    return sorted(gone)
+    gone = [version for version in published_versions(directory) if version < below]
+    for version in gone:
+        (Path(directory) / f"{version}.safetensors").unlink(missing_ok=True)
+    return gone

@@ -108,10 +108,9 @@ class RollmeshCheckpointEngine(CheckpointEngine):
     def _check_not_behind(self, version: int) -> None:
         """A directory holding a newer version than ``version`` is an earlier run's: the fleet's trainer agent
         serves that one and versions only grow, so this run's would never be taken. Say so before sending."""
-        from pathlib import Path  # noqa: PLC0415
+        from weight_transfer.published import published_versions  # noqa: PLC0415
 
-        newer = [int(p.stem) for p in Path(self.settings.weights_dir).glob("*.safetensors")
-                 if p.stem.isdigit() and int(p.stem) > version]
+        newer = [v for v in published_versions(self.settings.weights_dir) if v > version]
         if newer:
             raise WeightSyncFailed(
                 f"rollmesh: {self.settings.weights_dir} holds weight version {max(newer)}, newer than this run's "
