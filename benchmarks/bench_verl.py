@@ -184,12 +184,11 @@ def _stepped_weight_source() -> type:
 
         def _load(self) -> None:
             super()._load()
-            names = sorted(name for name, _ in self._named_tensors())
             live = dict(self._named_tensors())
             for version in range(1, self._steps_wanted + 1):
                 generator = torch.Generator().manual_seed(version)
                 self._moves[version] = {n: torch.randn(live[n].shape, generator=generator).to(live[n].dtype) * 0.05
-                                        for n in names}
+                                        for n in sorted(live)}
 
         def snapshot(self, weight_version: int = 0):   # type: ignore[no-untyped-def]
             if weight_version > self.weight_version and weight_version in self._moves:

@@ -230,15 +230,16 @@ async def _sync(s: ScaleHost, op: ScaleOperation, alive: list[str]) -> None:
                 failed = dict(outcome.failed)
         async with s.transitions:
             current = s.current_version(op.model_name, exclude=set(op.replica_ids))
-            if not copied:   # the version the steps are at now that the lock is held: the one the trainer holds
-                outcome = await _copy(s, op, behind, current if current is not None else version, "trainer", [])
+            if current is not None:   # the version the steps are at now that the lock is held: the trainer's
+                version = current
+            if not copied:
+                outcome = await _copy(s, op, behind, version, "trainer", [])
                 failed = dict(outcome.failed)
-            lagging = [r for r in alive if r not in failed and current is not None
-                       and registry.get(r).weight_version < current]
-            if lagging and current is not None:
-                outcome = await _copy(s, op, lagging, current, "catch-up", [])
+            lagging = [] if current is None else [r for r in alive if r not in failed
+                                                  and registry.get(r).weight_version < current]
+            if lagging:
+                outcome = await _copy(s, op, lagging, version, "catch-up", [])   # version == current here
                 failed.update(outcome.failed)
-            version = current if current is not None else version
     alive = await _settle(s, op, failed, "weight sync")
     op.weight_version = version if version is not None else min(registry.get(r).weight_version for r in alive)
 
