@@ -179,8 +179,8 @@ def encode_delta(base: Manifest, base_tensors: Iterable[tuple[str, torch.Tensor]
         word = _word(start, stop)
         words = new.view(word)
         total += words.numel()
-        where = torch.ne(old.view(word), words).nonzero().flatten()
-        count = int(where.numel())
+        differs = torch.ne(old.view(word), words)
+        count = int(torch.count_nonzero(differs))   # counted first: a dense bucket never lists its positions
         changed += count
         if count == 0:
             unchanged += 1
@@ -188,6 +188,7 @@ def encode_delta(base: Manifest, base_tensors: Iterable[tuple[str, torch.Tensor]
             kind, cost = _cheapest(count, words.numel(), word.itemsize)
             if cost <= bucket_ratio * (stop - start):
                 sparse += 1
+                where = differs.nonzero().flatten()
                 marks = where.to(_INDEX) if kind == "i" else _pack_bits(where, words.numel(), device)
                 tensors += [(f"{index}/{kind}", marks), (f"{index}/v", words[where])]
                 size += cost
