@@ -17,7 +17,7 @@ from mesh_runtime.metrics import LoopStallMonitor, ServerMetrics
 from mesh_runtime.reasons import Reason
 from mesh_runtime.server import MeshServer, ServiceBinding
 from mesh_runtime.status import StatusReporter
-from mesh_runtime.validate import check_reachable
+from mesh_runtime.validate import check_address, check_reachable
 from rollmesh.controller.v1 import controller_pb2, controller_pb2_grpc, events_pb2, observability_pb2, registry_pb2
 from rollmesh.common.v1 import weights_pb2
 from rollmesh.controller.v1 import scheduling_pb2, weight_sync_pb2
@@ -211,9 +211,11 @@ class ControllerServicer(ScalingRpcs, controller_pb2_grpc.ControllerServiceServi
     async def SyncWeights(self, request: weight_sync_pb2.SyncWeightsRequest,  # noqa: N802
                           context: grpc.aio.ServicerContext) -> weight_sync_pb2.SyncWeightsResponse:
         timeout_s = _weights_call(request)
+        if request.source_address:
+            check_address(request.source_address, "source_address")
         outcome = await self.api.weight_requests.sync_weights(
             list(request.replica_ids), request.weight_version if request.HasField("weight_version") else None,
-            timeout_s=timeout_s)
+            timeout_s=timeout_s, source_address=request.source_address)
         return weight_sync_pb2.SyncWeightsResponse(result=convert.sync_result(outcome))
 
     def _require_weights_caller(self, context: grpc.aio.ServicerContext, method: str) -> None:

@@ -32,7 +32,7 @@ class Broadcast(Protocol):
     """The configured bound of one weight operation, seconds."""
 
     async def sync(self, replica_ids: Sequence[str], version: int, *,
-                   timeout_s: float | None = None) -> WeightSyncOutcome: ...
+                   timeout_s: float | None = None, source_address: str = "") -> WeightSyncOutcome: ...
 
 
 class Checkpoints(Protocol):
@@ -84,10 +84,11 @@ class WeightRequests:
         self.transitions, self.emit, self.span, self.commit = transitions, emit, span, commit
 
     async def sync_weights(self, replica_ids: list[str], version: int | None, *,
-                           timeout_s: float | None) -> WeightSyncOutcome:
+                           timeout_s: float | None, source_address: str = "") -> WeightSyncOutcome:
         """A requested weight sync (SyncWeights): ``version`` (None: the trainer's current one) to the named
         replicas, or to every serving one (hybrid replicas while they are active). A replica that does not
-        take it leaves routing until it holds the current version."""
+        take it leaves routing until it holds the current version. ``source_address``: the trainer's weight
+        source from now on (a trainer process serving its own weights); empty: the one the broadcast holds."""
         targets = self._weight_targets(replica_ids)
         if version is None:
             version = self.scheduler.weight_version or 0
@@ -95,7 +96,8 @@ class WeightRequests:
                   attributes={"replicas": len(targets)})
         async with self.transitions:
             with self.span("weights.broadcast", weight_version=version, replica_ids=targets):
-                outcome = await self.weights.sync(targets, version, timeout_s=timeout_s)
+                outcome = await self.weights.sync(targets, version, timeout_s=timeout_s,
+                                                  source_address=source_address)
         failed = outcome.failed
         for result in outcome.replica_results:
             if result.ok:

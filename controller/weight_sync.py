@@ -78,6 +78,10 @@ class WeightBroadcast:
         self.registry = registry
         self.routing = routing
         self.trainer_address = trainer_address
+        """The trainer agent configured at start; empty: none."""
+        self.named_source = ""
+        """The weight source the last sync that named one used (a trainer process serving its own weights):
+        the trainer of the syncs that name none while no trainer agent is configured."""
         self.timeout_s = timeout_s
         self.backend = backend
         self.bucket_size_bytes = bucket_size_bytes
@@ -100,11 +104,20 @@ class WeightBroadcast:
             await self._idle.wait()
 
     async def sync(self, replica_ids: Sequence[str], version: int, *,
-                   timeout_s: float | None = None) -> WeightSyncOutcome:
-        """Broadcast ``version`` from the trainer; ``timeout_s`` overrides the configured bound."""
+                   timeout_s: float | None = None, source_address: str = "") -> WeightSyncOutcome:
+        """Broadcast ``version`` from the trainer; ``timeout_s`` overrides the configured bound.
+
+        ``source_address``: the trainer's WeightSourceService for this sync (a trainer process that serves its
+        own weights says where it is with each sync), and for the syncs that name none while no trainer agent
+        is configured; empty: :meth:`trainer`.
+        """
+        if source_address and source_address != self.named_source:
+            log.info("weight source named by the trainer: %s (was %s)", source_address, self.named_source or "none")
+            self.named_source = source_address
         self.in_progress += 1
         try:
-            return await self._sync(replica_ids, version, timeout_s or self.timeout_s)
+            return await self._sync(replica_ids, version, timeout_s or self.timeout_s,
+                                    source_address or self.trainer())
         finally:
             self._done()
 
@@ -121,13 +134,17 @@ class WeightBroadcast:
         """
         self.in_progress += 1
         try:
-            return await self._full_copies(replica_ids, version, seeds,
+            return await self._full_copies(replica_ids, version, seeds, self.trainer(),
                                            use_seeds=source in ("replica", "auto"),
                                            use_trainer=source in ("trainer", "auto"), timeout_s=self.timeout_s)
         finally:
             self._done()
 
-    async def _full_copies(self, replica_ids: Sequence[str], version: int, seeds: Sequence[str], *,
+    def trainer(self) -> str:
+        """The trainer's weight source: the trainer agent configured, else the source the last sync named."""
+        return self.trainer_address or self.named_source
+
+    async def _full_copies(self, replica_ids: Sequence[str], version: int, seeds: Sequence[str], trainer: str, *,
                            use_seeds: bool, use_trainer: bool, timeout_s: float) -> WeightSyncOutcome:
         """Full copies of ``version``: from the first seed that prepares (nearest first), else the trainer.
 
@@ -142,10 +159,10 @@ class WeightBroadcast:
             sources += [functools.partial(self._replica_source, seed)
                         for seed in self._nearest_first(seeds, replica_ids)]
         if use_trainer:
-            if not self.trainer_address:
+            if not trainer:
                 errors.append("no trainer_address configured")
             else:
-                sources.append(functools.partial(self._trainer_source, timeout_s))
+                sources.append(functools.partial(self._trainer_source, trainer, timeout_s))
         failed: WeightSyncOutcome | None = None
         for make_source in sources:
             source = make_source()
@@ -180,12 +197,13 @@ class WeightBroadcast:
             self._idle.set()
             self._idle = None
 
-    async def _sync(self, replica_ids: Sequence[str], version: int, timeout_s: float) -> WeightSyncOutcome:
+    async def _sync(self, replica_ids: Sequence[str], version: int, timeout_s: float,
+                    trainer: str) -> WeightSyncOutcome:
         started = time.monotonic()
-        if not self.trainer_address:
+        if not trainer:
             return self._all_failed(replica_ids, version, f"sync-{version}-{uuid.uuid4().hex[:8]}",
                                     "no trainer_address configured", started)
-        source = self._trainer_source(timeout_s)
+        source = self._trainer_source(trainer, timeout_s)
         base = self._delta_base(replica_ids, version)
         if base is None or not await self._offers_delta(source, version, base):
             # everyone takes one full broadcast (asked with the base, the answer already given is reused)
@@ -206,7 +224,7 @@ class WeightBroadcast:
         seeds = [r.replica_id for r in outcome.replica_results if r.ok]
         log.info("weight sync to version %d: %d replica(s) took the delta from %d; %s need full copies",
                  version, len(seeds), base, need_full)
-        full = await self._full_copies(need_full, version, seeds, use_seeds=True, use_trainer=True,
+        full = await self._full_copies(need_full, version, seeds, trainer, use_seeds=True, use_trainer=True,
                                        timeout_s=timeout_s)
         kept = tuple(r for r in outcome.replica_results if r.replica_id not in missing)
         return dataclasses.replace(outcome, replica_results=(*kept, *full.replica_results),
@@ -229,8 +247,8 @@ class WeightBroadcast:
                 if 0 < record.weight_version < version]
         return max(held, default=None)
 
-    def _trainer_source(self, timeout_s: float | None = None) -> _Source:
-        return self._source("trainer", self.trainer_address, "", weights_pb2.WeightSyncMember(rank=0),
+    def _trainer_source(self, address: str, timeout_s: float | None = None) -> _Source:
+        return self._source("trainer", address, "", weights_pb2.WeightSyncMember(rank=0),
                             timeout_s or self.timeout_s)
 
     def _replica_source(self, seed: str) -> _Source:

@@ -45,6 +45,8 @@ async def test_bad_input_gets_clear_statuses_and_changes_nothing(tmp_path):
              grpc.StatusCode.INVALID_ARGUMENT, "timeout must be positive"),
             (stub.SyncWeights(weight_sync_pb2.SyncWeightsRequest(replica_ids=["ghost"])),
              grpc.StatusCode.NOT_FOUND, "ghost"),
+            (stub.SyncWeights(weight_sync_pb2.SyncWeightsRequest(source_address="trainer-0" + "x" * 300)),
+             grpc.StatusCode.INVALID_ARGUMENT, "source_address must be HOST:PORT, got 'trainer-0xxx"),
         ]
         for call, code, fragment in cases:
             with pytest.raises(grpc.aio.AioRpcError) as info:

@@ -107,3 +107,29 @@ async def test_a_replica_back_behind_the_version_is_routed_again_after_its_next_
         assert await mesh.reconcile_routing() == (["s0"], []) and balancer.added == ["s0"]
     finally:
         await mesh.close()
+
+
+async def test_a_source_named_by_a_sync_is_its_trainer_and_without_a_trainer_agent_the_later_ones_too():
+    """SyncWeights' source_address: a trainer process serving its own weights (verl's rank 0) says where it is;
+    the broadcast dials it; with no trainer agent configured, the syncs that name none (a scale-out, a hybrid
+    waking) dial it too, and a configured trainer agent stays the trainer of those."""
+    from mesh_runtime.net import free_port
+
+    registry = ReplicaRegistry(clock=lambda: 0.0)
+    registry.register_node("n", "127.0.0.1:1", slots_total=1,
+                           replicas=[ReplicaSpec("s0", ReplicaKind.STANDALONE, ReplicaState.ACTIVE)])
+    channels = Channels(None)
+    source, agent = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"   # nothing listens at either
+    alone = WeightBroadcast(channels, registry, Routing(registry, FakeTables()), trainer_address="", timeout_s=1.0)
+    configured = WeightBroadcast(channels, registry, Routing(registry, FakeTables()), trainer_address=agent,
+                                 timeout_s=1.0)
+    try:
+        outcomes = [await alone.sync(["s0"], 2, source_address=source), await alone.sync(["s0"], 2)]
+        assert alone.trainer() == source
+        outcomes.append(await configured.sync(["s0"], 2, source_address=source))
+        assert configured.trainer() == agent
+        for outcome in outcomes:   # each dialed the named source (gRPC's message names the address it tried)
+            assert "trainer PrepareWeightSync: UNAVAILABLE" in outcome.failed["s0"] and source in outcome.failed["s0"]
+        assert agent in (await configured.sync(["s0"], 2)).failed["s0"]
+    finally:
+        await channels.close()

@@ -43,8 +43,10 @@ class Parts:
         self.weight_version: int | None = 7
         self.is_hybrid_active = False
 
-    async def sync(self, replica_ids: Sequence[str], version: int, *, timeout_s: float | None = None):
-        self.calls.append(("sync", tuple(replica_ids), version, timeout_s))
+    async def sync(self, replica_ids: Sequence[str], version: int, *, timeout_s: float | None = None,
+                   source_address: str = ""):
+        self.calls.append(("sync", tuple(replica_ids), version, timeout_s, *((source_address,) if source_address
+                                                                             else ())))
         return _outcome(version, replica_ids, self.failing)
 
     async def load(self, replica_ids: Sequence[str], path: str, version: int, *, rollback: bool, timeout_s: float):

@@ -477,13 +477,14 @@ class ControllerServiceServicer:
         weight_sync.
 
         Errors:
-        - INVALID_ARGUMENT: weight_version is negative or timeout is not
-        positive.
+        - INVALID_ARGUMENT: weight_version is negative, timeout is not
+        positive, or source_address is not HOST:PORT.
         - NOT_FOUND: a listed replica is not in the registry.
         - FAILED_PRECONDITION: the trainer does not hold weight_version, or a
         listed replica cannot receive (not ACTIVE, PAUSED or SLEEPING).
         - ABORTED: another weight sync is in progress.
-        - UNAVAILABLE: the trainer agent could not be reached.
+        - UNAVAILABLE: the trainer agent (or source_address) could not be
+        reached.
         - DEADLINE_EXCEEDED: the sender did not finish within timeout.
         - UNAUTHENTICATED, PERMISSION_DENIED: auth.
 

@@ -188,11 +188,22 @@ class SyncWeightsRequest(_message.Message):
     REPLICA_IDS_FIELD_NUMBER: _builtins.int
     TIMEOUT_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    SOURCE_ADDRESS_FIELD_NUMBER: _builtins.int
     weight_version: _builtins.int
     """Version to broadcast. Unset: the trainer's current param_version."""
     request_id: _builtins.str
     """Idempotency key. A retry with the same request_id returns the first
     call's result without broadcasting again.
+    """
+    source_address: _builtins.str
+    """HOST:PORT of the WeightSourceService to broadcast from: a trainer
+    process that serves its own weights (verl's rank 0 with the rollmesh
+    checkpoint engine) instead of the trainer agent. While the controller
+    has no trainer_address configured, it also takes full copies from there
+    for the syncs that name no source (a scale-out with no seed replica, a
+    hybrid replica waking), until another SyncWeights names another or the
+    controller restarts. Unset: the configured trainer agent, else the
+    source named last.
     """
     @_builtins.property
     def replica_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -213,10 +224,11 @@ class SyncWeightsRequest(_message.Message):
         replica_ids: _abc.Iterable[_builtins.str] | None = ...,
         timeout: _duration_pb2.Duration | None = ...,
         request_id: _builtins.str = ...,
+        source_address: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_weight_version", b"_weight_version", "timeout", b"timeout", "weight_version", b"weight_version"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_weight_version", b"_weight_version", "replica_ids", b"replica_ids", "request_id", b"request_id", "timeout", b"timeout", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_weight_version", b"_weight_version", "replica_ids", b"replica_ids", "request_id", b"request_id", "source_address", b"source_address", "timeout", b"timeout", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__weight_version: _TypeAlias = _typing.Literal["weight_version"]  # noqa: Y015
     _WhichOneofArgType__weight_version: _TypeAlias = _typing.Literal["_weight_version", b"_weight_version"]  # noqa: Y015
