@@ -24,14 +24,10 @@ from mesh_runtime.status import node_name
 from .broadcast import WeightBroadcaster
 from .config import TrainerAgentConfig
 from .driver.runner import TrainingDriver
+from .weight_service import trainer_member_id
 from .weight_source import TorchWeightSource, WeightSource, load_source_class
 
 log = logging.getLogger(__name__)
-
-
-def trainer_member_id(node_id: str) -> str:
-    """The trainer's member id in weight-broadcast groups (rank 0, ``plan.source``)."""
-    return f"trainer-{node_id}"
 
 
 class TrainerNode:

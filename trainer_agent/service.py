@@ -9,25 +9,19 @@ from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from mesh_runtime.durations import set_seconds
-from mesh_runtime.errors import NotFound
 from mesh_runtime.metrics import ServerMetrics
-from mesh_runtime.reasons import Reason
-from mesh_runtime.server import ServiceBinding
 from mesh_runtime.status import StatusReporter
-from weight_transfer.wire import DeltaPlan, delta_to_proto, manifest_to_proto, plan_from_proto
 from rollmesh.trainer.v1 import trainer_agent_pb2 as pb
 from rollmesh.trainer.v1 import trainer_agent_pb2_grpc
-from rollmesh.weights.v1 import weight_source_pb2 as weights_pb
-from rollmesh.weights.v1 import weight_source_pb2_grpc
 
 from .config import TrainerAgentConfig
 from .node import TrainerNode
+from .weight_service import weight_source_binding
 
 if TYPE_CHECKING:
     from mesh_runtime.server import MeshServer
 
 DESCRIPTOR = pb.DESCRIPTOR.services_by_name["TrainerAgentService"]
-WEIGHTS_DESCRIPTOR = weights_pb.DESCRIPTOR.services_by_name["WeightSourceService"]
 
 
 class TrainerAgentServicer(trainer_agent_pb2_grpc.TrainerAgentServiceServicer):
@@ -38,8 +32,8 @@ class TrainerAgentServicer(trainer_agent_pb2_grpc.TrainerAgentServiceServicer):
         self.status = StatusReporter(config, ["status", "weights", "progress", "offload"])
         self.metrics = ServerMetrics()
         self.metrics.on_scrape(self._progress_families)
-        self.also_serves = [ServiceBinding(WEIGHTS_DESCRIPTOR.full_name, TrainerWeightSource(self.node),
-                                           weight_source_pb2_grpc.add_WeightSourceServiceServicer_to_server)]
+        self.also_serves = [weight_source_binding(self.node.broadcaster, self.node.member_id,
+                                                  config.weight_transfer_timeout_s)]
 
     async def attach(self, server: MeshServer) -> None:
         await self.node.start(server)
@@ -104,49 +98,4 @@ class TrainerAgentServicer(trainer_agent_pb2_grpc.TrainerAgentServiceServicer):
         moved = await self.node.driver.onload()
         out = pb.OnloadTrainingStateResponse(bytes_moved=moved.bytes_moved)
         set_seconds(out.duration, moved.duration_s)
-        return out
-
-
-class TrainerWeightSource(weight_source_pb2_grpc.WeightSourceServiceServicer):
-    """Implements ``rollmesh.weights.v1.WeightSourceService`` on the trainer agent: the trainer's weights."""
-
-    def __init__(self, node: TrainerNode) -> None:
-        self.node = node
-
-    def _check_source(self, source_id: str) -> None:
-        if source_id and source_id != self.node.member_id:
-            raise NotFound(f"this trainer agent's one weight source is {self.node.member_id}, not "
-                           f"{source_id[:80]!r} (leave source_id empty)", reason=Reason.UNKNOWN_WEIGHT_SOURCE)
-
-    async def PrepareWeightSync(self, request: weights_pb.PrepareWeightSyncRequest,  # noqa: N802 - gRPC method names
-                                context: grpc.aio.ServicerContext) -> weights_pb.PrepareWeightSyncResponse:
-        self._check_source(request.source_id)
-        broadcaster = self.node.broadcaster
-        prepared = await broadcaster.prepare(
-            request.weight_version,
-            bucket_size_bytes=request.bucket_size_bytes if request.HasField("bucket_size_bytes") else None,
-            checksum_algorithm=request.checksum_algorithm if request.HasField("checksum_algorithm") else None,
-            delta_base_version=request.delta_base_version)
-        rendezvous = broadcaster.rendezvous
-        assert rendezvous is not None   # prepare() started it
-        host, port = rendezvous
-        out = weights_pb.PrepareWeightSyncResponse(weight_version=prepared.weight_version,
-                                                   manifest=manifest_to_proto(prepared.manifest),
-                                                   rendezvous_host=host, rendezvous_port=port,
-                                                   source=self.node.member_id)
-        delta = prepared.deltas.get(request.delta_base_version) if request.delta_base_version > 0 else None
-        if delta is not None:
-            out.delta.CopyFrom(delta_to_proto(DeltaPlan(
-                base_version=delta.base_version, base_checksum=delta.base_checksum, stream=delta.manifest,
-                changed_words=delta.stats.changed_words, total_words=delta.stats.total_words)))
-        return out
-
-    async def SendWeights(self, request: weights_pb.SendWeightsRequest,  # noqa: N802
-                          context: grpc.aio.ServicerContext) -> weights_pb.SendWeightsResponse:
-        self._check_source(request.source_id)
-        plan = plan_from_proto(request.plan, self.node.config.weight_transfer_timeout_s)
-        sent = await self.node.broadcaster.send(plan)
-        out = weights_pb.SendWeightsResponse(bytes_sent=sent.bytes_sent, checksum=sent.checksum,
-                                             weight_version=sent.weight_version)
-        set_seconds(out.duration, sent.duration_s)
         return out
