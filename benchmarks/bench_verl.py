@@ -5,8 +5,9 @@ tests (:mod:`tests.integrations.verl.fleet`): 2 replica agents of one torch repl
 rollmesh preset written as a Hugging Face directory; default small-llama, 4.5 M parameters, 18 MB in fp32).
 
 1. **Weight update.** verl's ``CheckpointEngineManager.update_weights`` with the ``rollmesh`` backend (its abort
-   and resume of the replicas, rank 0 writing the version for the trainer agent, the controller's broadcast and
-   commit) against rollmesh's own sync of the same model: ``SyncWeights`` of a new version the trainer agent
+   and resume of the replicas, rank 0 copying the version to host memory and serving it from its own process, the
+   controller's broadcast from there and commit; ``--weights-dir``: rank 0 writes the version for the fleet's
+   trainer agent instead) against rollmesh's own sync of the same model: ``SyncWeights`` of a new version the trainer agent
    holds in memory, as after rollmesh's built-in trainer's step (a second fleet whose trainer agent steps its
    weights in place the same way the verl side's stand-in optimizer does, :class:`SteppedWeightSource`, so both
    sides broadcast versions that differ equally: same delta attempt, same bytes). Median and spread of
@@ -17,7 +18,7 @@ rollmesh preset written as a Hugging Face directory; default small-llama, 4.5 M 
    CPU seconds of the client side's processes per request (this process, plus for verl its Ray actors'), read
    from ``/proc``.
 
-    .venv-verl/bin/python -m benchmarks.bench_verl [--model small-llama] [--syncs 7] [--requests 512]
+    .venv-verl/bin/python -m benchmarks.bench_verl [--model small-llama] [--syncs 7] [--requests 512] [--weights-dir]
 """
 
 from __future__ import annotations
@@ -111,6 +112,8 @@ def main() -> None:
     parser.add_argument("--syncs", type=int, default=7)
     parser.add_argument("--requests", type=int, default=512)
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--weights-dir", action="store_true", help="rank 0 hands versions to the fleet's trainer "
+                                                                   "agent through files (the plugin's weights_dir)")
     args = parser.parse_args()
 
     import ray
@@ -134,7 +137,9 @@ def main() -> None:
             manager = FullyAsyncLLMServerManager.create(config=config, worker_group=None)
             pool = RayResourcePool(process_on_nodes=[1], use_gpu=False, max_colocate_count=1)
             trainer = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(
-                cls=ray.remote(CpuTrainerWorker), model_path=model, engine_kwargs=f.engine_kwargs()), use_gpu=False)
+                cls=ray.remote(CpuTrainerWorker), model_path=model,
+                engine_kwargs=f.engine_kwargs(**({"weights_dir": f.weights_dir} if args.weights_dir else {}))),
+                use_gpu=False)
             checkpoints = CheckpointEngineManager(
                 config=omega_conf_to_dataclass(config.actor_rollout_ref.rollout.checkpoint_engine), actor_wg=trainer,
                 replicas=manager.get_replicas())
@@ -154,9 +159,10 @@ def main() -> None:
         ray.shutdown()
 
     print("\n1. weight update of the same model to 2 replicas (gloo on loopback)")
+    how = "writing it for the trainer agent" if args.weights_dir else "handing it to its own weight server"
     print(f"   verl CheckpointEngineManager.update_weights, rollmesh backend: {_spread(verl_syncs)}")
-    print(f"     of which rank 0 writing the version + the controller's broadcast: {_spread(inner)}")
-    print(f"       of which rank 0 copying and writing the version: {_spread(writes)}")
+    print(f"     of which rank 0's send_weights (copy, hand-over, the controller's broadcast): {_spread(inner)}")
+    print(f"       of which rank 0 copying the version to host memory and {how}: {_spread(writes)}")
     print(f"   rollmesh's own sync (SyncWeights from the trainer agent's in-memory model): {_spread(own)}")
     print(f"   ratio of medians: {statistics.median(verl_syncs) / statistics.median(own):.2f}x")
     print(f"\n2. {args.requests} requests (16 tokens in, 16 sampled), {args.concurrency} at once")

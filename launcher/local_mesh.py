@@ -241,7 +241,7 @@ async def up(run_dir: str, *, exit_after_status: bool, env: dict[str, str], conf
             routed = await _wait_routed(servers["lb"].address, tls, serve.replicas)
             print(f"replicas routed: {routed} of {serve.replicas}")
             print(f"openai: http://{http_listen}/v1", flush=True)
-            if serve.weights_dir:
+            if serve.verl or serve.weights_dir:
                 print("verl: " + " ".join(verl_overrides(Path(run_dir), servers["controller"].address,
                                                          serve.weights_dir)), flush=True)
         if not exit_after_status:
@@ -261,12 +261,14 @@ async def up(run_dir: str, *, exit_after_status: bool, env: dict[str, str], conf
 VERL_BLOCK = "actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.rollmesh"
 
 
-def verl_overrides(run_dir: Path, controller: str, weights_dir: str) -> list[str]:
+def verl_overrides(run_dir: Path, controller: str, weights_dir: str = "") -> list[str]:
     """The overrides that point verl's rollmesh plugin at this mesh (docs/coming-from-verl.md): the
-    controller, the directory its trainer agent reads, and a trainer-agent identity of the mesh's CA (made
-    in ``run_dir/pki`` the first time: verl's trainer commits weight versions with it)."""
+    controller, the directory its trainer agent reads (with ``weights_dir``; else verl's rank 0 serves its
+    weights), and a trainer-agent identity of the mesh's CA (made in ``run_dir/pki`` the first time: verl's
+    trainer commits weight versions with it, and its rank 0 serves them with it)."""
     tls = LocalPki(run_dir.resolve() / "pki").section("trainer-agent", "verl")
-    return [f"+{VERL_BLOCK}.controller={controller}", f"+{VERL_BLOCK}.weights_dir={Path(weights_dir).resolve()}",
+    return [f"+{VERL_BLOCK}.controller={controller}",
+            *([f"+{VERL_BLOCK}.weights_dir={Path(weights_dir).resolve()}"] if weights_dir else []),
             *(f"+{VERL_BLOCK}.tls.{key}={value}" for key, value in tls.items())]
 
 

@@ -31,11 +31,13 @@ class ServeConfig:
     engine_options: dict[str, Any] = setting(default_factory=dict, help="the engine's options (max_batch_size, "
                                                                         "...)")
     lease_ttl_s: float = setting(10.0, help="the replica agent's lease with the controller")
+    verl: bool = setting(False, help="a verl trainer uses this fleet (examples/verl): `rollmesh up` prints verl's "
+                                     "overrides, with a trainer-agent identity of the mesh's CA made for verl; "
+                                     "verl's rank 0 serves each weight version from its own process")
     weights_dir: str = setting("", path=True, help="a directory a trainer outside rollmesh publishes weight "
-                                                   "versions into (verl's rollmesh checkpoint engine, "
-                                                   "examples/verl): set, a trainer agent serves them to the "
-                                                   "replicas and `rollmesh up` prints verl's overrides; empty = "
-                                                   "no trainer")
+                                                   "versions into (verl's rollmesh checkpoint engine with its "
+                                                   "weights_dir): set, a trainer agent serves them to the "
+                                                   "replicas (implies verl); empty = no trainer agent")
 
     def validate(self) -> None:
         if not 1 <= self.replicas <= 64:

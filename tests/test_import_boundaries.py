@@ -7,7 +7,9 @@
 - the simulator uses the controller core only; the launcher is the one package above several servers;
 - the client library for custom trainers (trainer_client) uses the runtime only: no server, no torch;
 - the verl plugin (rollmesh_verl, in integrations/verl, run inside verl's environment) uses the runtime, the client
-  library and the model-shared packages: no server, so no engine code in verl's processes.
+  library and the model-shared packages, and of the servers one module: the trainer's weight sender
+  (trainer_agent.in_process, rank 0 serving its own weights), which loads no driver, no engine and no transformers
+  (checked in a fresh interpreter); so no engine code in verl's processes.
 
 Every ``import`` / ``from ... import`` counts, also inside functions: a lazy import is still a
 dependency, and so is ``importlib.import_module("name")`` (the ``rollmesh`` command, which finds every server
@@ -53,6 +55,9 @@ ALLOWED: dict[str, set[str]] = {
 }
 """Top-level packages of ours each package may import."""
 
+ALLOWED_MODULES: dict[str, set[str]] = {"rollmesh_verl": {"trainer_agent.in_process"}}
+"""Single modules of another layer a package may import (what they load is checked below)."""
+
 NO_TORCH = {"mesh_runtime", "controller", "loadbalancer", "simulator", "trainer_client"}
 
 
@@ -93,7 +98,7 @@ def _violations() -> list[str]:
             for line, name in _imports(path):
                 top = name.split(".")[0]
                 where = f"{path.relative_to(ROOT)}:{line} imports {name}"
-                if top in OURS and top not in allowed:
+                if top in OURS and top not in allowed and name not in ALLOWED_MODULES.get(package, ()):
                     problems.append(f"{where} ({package} may import {', '.join(sorted(allowed))})")
                 if package in NO_TORCH and top in TORCH:
                     problems.append(f"{where} ({package} must not need torch)")
@@ -159,3 +164,13 @@ def test_no_module_outgrows_one_concern():
             for path in ROOT.rglob("*.py") if not skip & set(path.relative_to(ROOT).parts)
             if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES]
     assert not long, "split these modules:\n" + "\n".join(long)
+
+
+def test_the_trainers_weight_sender_loads_no_driver_engine_or_transformers():
+    """What the verl plugin may import of the trainer agent (ALLOWED_MODULES) stays the broadcast alone."""
+    code = ("import sys\nimport trainer_agent.in_process\n"
+            "print(','.join(sorted(m for m in sys.modules if m.startswith(('trainer_agent.driver', "
+            "'trainer_agent.training', 'trainer_agent.megatron', 'replica_agent', 'transformers')))))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=90)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "", f"loaded: {result.stdout.strip()}"

@@ -17,7 +17,6 @@ ROLLMESH_PYTHON=${ROLLMESH_PYTHON:-.venv/bin/python}
 VERL_PYTHON=${VERL_PYTHON:-.venv-verl/bin/python}
 RUN=runs/verl
 mkdir -p "$RUN"
-rm -rf "$RUN/weights"   # a new run starts at version 0; a fleet serves one run's versions
 
 if [ ! -f "$RUN/model/config.json" ]; then
   "$ROLLMESH_PYTHON" -c 'import sys; from modeling.presets import save_preset; save_preset("tiny-llama", 0, sys.argv[1])' \

@@ -18,8 +18,9 @@ def _load(tmp_path: Path, text: str):
 
 
 def test_without_weights_dir_there_is_no_trainer_agent(tmp_path):
-    configs = serve_server_configs(_load(tmp_path, "model: tiny-llama\nreplicas: 2\n"), "127.0.0.1:8000")
-    assert sorted(configs) == ["controller", "lb", "replica-agent"]
+    for text in ("model: tiny-llama\nreplicas: 2\n", "verl: true\n"):   # verl's rank 0 serves its own weights
+        configs = serve_server_configs(_load(tmp_path, text), "127.0.0.1:8000")
+        assert sorted(configs) == ["controller", "lb", "replica-agent"]
 
 
 def test_weights_dir_adds_a_trainer_agent_reading_it_relative_to_the_file(tmp_path):
@@ -42,3 +43,9 @@ def test_verl_overrides_name_the_controller_the_directory_and_a_trainer_agent_id
     assert Path(values["tls.cert"]).name == "trainer-agent-verl.pem" and Path(values["tls.key"]).is_file()
     assert Path(values["tls.ca"]) == (tmp_path / "run" / "pki" / "ca.pem").resolve()
     assert all(o.startswith(f"+{VERL_BLOCK}.") for o in overrides)
+
+
+def test_without_weights_dir_verls_overrides_name_no_directory(tmp_path):
+    values = dict(o.removeprefix(f"+{VERL_BLOCK}.").split("=", 1)
+                  for o in verl_overrides(tmp_path / "run", "127.0.0.1:4000"))
+    assert sorted(values) == ["controller", "tls.ca", "tls.cert", "tls.key"]

@@ -52,7 +52,7 @@ async def check_fleet(settings: MeshSettings, model_config: Any) -> None:
     if key in _checked:
         return
     check_verl_version(getattr(verl, "__version__", "0"))
-    nodes, replicas = await _fleet(settings)
+    nodes, replicas = await list_fleet(settings)
     if not replicas:
         raise FleetCheckFailed(f"the rollmesh controller at {settings.controller} lists no replica: start the "
                                "fleet's replica agents before verl")
@@ -72,7 +72,7 @@ async def check_fleet(settings: MeshSettings, model_config: Any) -> None:
     _checked.add(key)
 
 
-async def _fleet(settings: MeshSettings) -> tuple[list[Any], list[Any]]:
+async def list_fleet(settings: MeshSettings) -> tuple[list[Any], list[Any]]:
     import grpc  # noqa: PLC0415
 
     from mesh_runtime.channels import open_channel  # noqa: PLC0415

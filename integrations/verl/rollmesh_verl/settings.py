@@ -6,7 +6,6 @@ and every rollout replica holds the whole rollout config; so one block of verl's
     actor_rollout_ref.rollout.name=rollmesh
     actor_rollout_ref.rollout.checkpoint_engine.backend=rollmesh
     +actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.rollmesh.controller=ctl.example:50051
-    +actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.rollmesh.weights_dir=/dev/shm/rollmesh-weights
 
 Every key is checked when verl builds a replica or a checkpoint engine, before anything is started; a problem names
 the key under its full verl path.
@@ -35,10 +34,23 @@ class MeshSettings:
     tls: TlsConfig | None = setting(None, help="this process's mesh identity (a trainer-agent certificate: it "
                                                "generates and commits weight versions); unset = plaintext, "
                                                "loopback meshes only")
-    weights_dir: str = setting("", help="directory the trainer agent's DirectoryWeightSource reads "
-                                        "(weight_source_options.directory): the trainer's rank 0 writes each "
-                                        "version there, then asks the controller to broadcast it; required "
-                                        "on the trainer's workers")
+    source_listen: str = setting("127.0.0.1:0", help="HOST:PORT the trainer's rank 0 serves its weights on "
+                                                     "(rollmesh's WeightSourceService, in verl's own process): "
+                                                     "each version is handed over there and the controller "
+                                                     "broadcasts it from there; port 0 = a free port; a "
+                                                     "wildcard HOST advertises the node's address as Ray knows "
+                                                     "it. Unused with weights_dir")
+    source_threads: int = setting(0, help="torch threads of rank 0's weight server for its CPU work (checksums, "
+                                          "the delta from the version the fleet holds), in its own threads only "
+                                          "(verl's workers run torch on one); 0 = the CPUs the process may use")
+    served_dtype: str = setting("", help="dtype the replicas serve (float32, bfloat16, float16) when verl's "
+                                         "trainer hands over floating-point weights in another; empty = as "
+                                         "handed over")
+    weights_dir: str = setting("", help="instead of serving from verl's process: a directory a trainer agent's "
+                                        "DirectoryWeightSource reads (weight_source_options.directory), where "
+                                        "rank 0 writes each version before asking the controller to broadcast "
+                                        "it (one more copy per version, through the file); empty = serve from "
+                                        "rank 0 (source_listen)")
     call_timeout_s: float = setting(30.0, help="deadline of one control call (status, listing, abort)")
     generate_timeout_s: float = setting(600.0, help="deadline of one generation through the balancer")
     sync_timeout_s: float = setting(600.0, help="deadline of one weight sync (SyncWeights) to the fleet")
@@ -51,7 +63,13 @@ class MeshSettings:
     def validate(self) -> None:
         if not self.controller:
             raise ConfigError("controller", "is required: HOST:PORT of the rollmesh controller")
-        check_addresses(self, list_keys=("controller", "load_balancer"))
+        check_addresses(self, listen_keys=("source_listen",), list_keys=("controller", "load_balancer"))
+        if self.source_threads < 0:
+            raise ConfigError("source_threads", f"must be >= 0 (0 = the CPUs the process may use), got "
+                                                f"{self.source_threads}")
+        if self.served_dtype not in ("", "float32", "bfloat16", "float16"):
+            raise ConfigError("served_dtype", f"must be float32, bfloat16, float16 or empty, got "
+                                              f"{self.served_dtype[:40]!r}")
         for key in ("call_timeout_s", "generate_timeout_s", "sync_timeout_s"):
             if not getattr(self, key) > 0:
                 raise ConfigError(key, f"must be > 0, got {getattr(self, key)}")

@@ -3,7 +3,8 @@ tests run in verl's (``.venv-verl``: verl 0.9 pins transformers < 5.11, rollmesh
 verl user runs them: separate processes, one environment each.
 
 The fleet: a load balancer; a trainer agent whose weights are the versions published into ``weights_dir``
-(``DirectoryWeightSource``); a controller; and ``agents`` replica agents with one torch replica each, all serving
+(``DirectoryWeightSource``: the plugin's file hand-off; by default verl's rank 0 serves its own weights and names
+itself in each sync); a controller; and ``agents`` replica agents with one torch replica each, all serving
 one Hugging Face directory (tiny-llama, seed 0, written by rollmesh's environment).
 """
 
@@ -62,8 +63,9 @@ class Fleet:
         os.killpg(self.agents[node].pid, signal.SIGKILL)
 
     def engine_kwargs(self, **more: object) -> dict[str, object]:
-        """The ``engine_kwargs.rollmesh`` block of verl's config for this fleet."""
-        return {"controller": self.controller, "weights_dir": self.weights_dir, **more}
+        """The ``engine_kwargs.rollmesh`` block of verl's config for this fleet: rank 0 serves its weights from
+        its own process (``weights_dir=fleet.weights_dir`` among ``more``: through the trainer agent instead)."""
+        return {"controller": self.controller, **more}
 
 
 def write_model(directory: Path, seed: int = 0, preset: str = "tiny-llama") -> str:

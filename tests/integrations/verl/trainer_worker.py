@@ -28,12 +28,14 @@ class CpuTrainerWorker(Worker):
                                                               bucket_size=1 << 20, **engine_kwargs)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def train_a_step(self, seed: int) -> None:
-        """Move every weight, the same way on every rank (a stand-in for an optimizer step)."""
+    def train_a_step(self, seed: int, only: str = "") -> None:
+        """Move every weight (or the one named ``only``), the same way on every rank (a stand-in for an optimizer
+        step)."""
         generator = torch.Generator().manual_seed(seed)
         with torch.no_grad():
-            for _, param in sorted(self.model.named_parameters()):
-                param.add_(torch.randn(param.shape, generator=generator) * 0.05)
+            for name, param in sorted(self.model.named_parameters()):
+                if not only or name == only:
+                    param.add_(torch.randn(param.shape, generator=generator) * 0.05)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def state(self) -> dict[str, torch.Tensor]:
