@@ -1,8 +1,10 @@
 """Versions a trainer publishes for the trainer agent's DirectoryWeightSource: written atomically, and the old
-ones deleted once the agent holds a newer one."""
+ones deleted once the agent holds a newer one; and the weights a trainer hands over in its own process
+(HandedWeightSource)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from trainer_agent.published_weights import DirectoryWeightSource
@@ -81,3 +83,31 @@ def test_a_snapshot_shares_the_tensors_of_the_version_read(tmp_path):
     first, again = source.snapshot(1), source.snapshot(1)
     assert dict(first.tensors)[name].data_ptr() == dict(again.tensors)[name].data_ptr()
     assert torch.equal(dict(first.tensors)[name], tensor + 1)
+
+
+def test_handed_weights_fix_their_layout_at_the_first_hand_over_and_are_shared_not_copied():
+    from mesh_runtime.errors import FailedPrecondition, InvalidArgument
+    from trainer_agent.published_weights import HandedWeightSource
+
+    source = HandedWeightSource()
+    source.load()   # loads nothing: the trainer has handed nothing over
+    with pytest.raises(FailedPrecondition, match="not loaded"):
+        source.snapshot()
+    with pytest.raises(InvalidArgument, match="no tensor"):
+        source.hand_over({}, 1)
+    first = {"a": torch.ones(2, 3), "b": torch.zeros(4, dtype=torch.bfloat16)}
+    source.hand_over(first, 1)
+    snapshot = source.snapshot(1)
+    assert [t.data_ptr() for _, t in snapshot.tensors] == [first["a"].data_ptr(), first["b"].data_ptr()]
+    for bad, why in (({"a": torch.ones(3, 2)}, "a: float32 \\[3, 2\\] where the model has float32 \\[2, 3\\]"),
+                     ({"b": torch.zeros(4)}, "b: float32"), ({"c": torch.ones(1)}, "unknown weight 'c'")):
+        with pytest.raises(InvalidArgument, match=why):
+            source.hand_over(bad, 2)
+    with pytest.raises(FailedPrecondition, match="not newer"):
+        source.hand_over({"a": torch.ones(2, 3)}, 1)
+    assert source.weight_version == 1 and source.snapshot().tensors == snapshot.tensors   # nothing changed
+    source.hand_over({"a": torch.full((2, 3), 2.0)}, 2)   # a part: the rest stays
+    assert source.snapshot(2).tensors[1][1].data_ptr() == first["b"].data_ptr()
+    assert torch.equal(snapshot.tensors[0][1], torch.ones(2, 3))   # the version 1 snapshot is untouched
+    with pytest.raises(FailedPrecondition, match="holds weight version 2, not 1"):
+        source.snapshot(1)
