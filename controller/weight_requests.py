@@ -87,8 +87,8 @@ class WeightRequests:
                            timeout_s: float | None, source_address: str = "") -> WeightSyncOutcome:
         """A requested weight sync (SyncWeights): ``version`` (None: the trainer's current one) to the named
         replicas, or to every serving one (hybrid replicas while they are active). A replica that does not
-        take it leaves routing until it holds the current version. ``source_address``: the trainer's weight
-        source from now on (a trainer process serving its own weights); empty: the one the broadcast holds."""
+        take it leaves routing until it holds the current version. ``source_address``: the weight source of this
+        sync (a trainer process serving its own weights), see :meth:`Broadcast.sync`; empty: the trainer's."""
         targets = self._weight_targets(replica_ids)
         if version is None:
             version = self.scheduler.weight_version or 0

@@ -40,7 +40,8 @@ from .weight_service import trainer_member_id, weight_source_binding
 
 log = logging.getLogger(__name__)
 
-_START_TIMEOUT_S = 60.0
+_WAIT_S = 60.0
+"""Bound of starting and of stopping the server."""
 
 
 class InProcessWeightServer:
@@ -90,7 +91,7 @@ class InProcessWeightServer:
         self._thread = threading.Thread(target=self._loop.run_forever, name="rollmesh-weight-source", daemon=True)
         self._thread.start()
         try:
-            port = asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(_START_TIMEOUT_S)
+            port = asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(_WAIT_S)
         except BaseException:
             self.close()
             raise
@@ -123,11 +124,11 @@ class InProcessWeightServer:
         if loop is None:
             return
         try:
-            asyncio.run_coroutine_threadsafe(self._stop(), loop).result(_START_TIMEOUT_S)
+            asyncio.run_coroutine_threadsafe(self._stop(), loop).result(_WAIT_S)
         finally:
             loop.call_soon_threadsafe(loop.stop)
             if self._thread is not None:
-                self._thread.join(_START_TIMEOUT_S)
+                self._thread.join(_WAIT_S)
             loop.close()
 
     async def _stop(self) -> None:
