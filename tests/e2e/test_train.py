@@ -337,6 +337,11 @@ def test_a_second_ctrl_c_stops_every_process_at_once(tmp_path):
     while time.monotonic() < deadline and proc.poll() is None and not (steps_file.exists() and steps_file.read_text()):
         time.sleep(0.2)
     pids = {name: p["pid"] for name, p in json.loads((run_dir / "processes.json").read_text()).items()}
+    # Signal just as a step ends, so the next step is a whole step long: the first Ctrl-C alone would end the
+    # run at that step's end, and that must not come before the second.
+    steps = len(steps_file.read_text().splitlines())
+    while time.monotonic() < deadline and proc.poll() is None and len(steps_file.read_text().splitlines()) == steps:
+        time.sleep(0.01)
     proc.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C delivers to the foreground process
     time.sleep(0.1)                  # the first ends the run after its step (tests/e2e/test_train_stop.py) ...
     proc.send_signal(signal.SIGINT)  # ... the second before that

@@ -221,6 +221,16 @@ async def test_abort_all_ends_every_generation_through_the_front(mesh):
     assert all(o["meta_info"]["finish_reason"]["type"] == "abort" and len(o["output_ids"]) < 400 for o in outs)
 
 
+async def _stream(base: str, body: dict, chunks: list[dict]) -> None:
+    """Streams /generate, appending each chunk to ``chunks`` as it arrives."""
+    async with aiohttp.ClientSession() as session, session.post(f"{base}/generate", json=body) as response:
+        assert response.status == 200
+        async for line in response.content:
+            line = line.strip()
+            if line and line != b"data: [DONE]":
+                chunks.append(json.loads(line[len(b"data: "):]))
+
+
 async def _post_get(base: str, path: str) -> tuple[int, dict]:
     async with aiohttp.ClientSession() as session, session.get(f"{base}{path}") as response:
         return response.status, await response.json()
@@ -346,25 +356,39 @@ async def test_smgs_own_rl_client_lists_workers_and_pauses_the_fleet(mesh):
     call = await asyncio.to_thread(rl.call, "a-s0", "get_weight_version", {})
     assert call.status == 200 and call.body == {"weight_version": "0"}
 
-    whole = asyncio.create_task(_post(mesh.base, "/generate", {"input_ids": PROMPT, "sampling_params": _greedy(300)}))
-    deadline = time.monotonic() + 60
-    while (await _post_get(mesh.base, "/v1/loads"))[1]["loads"][0]["num_running_reqs"] == 0:
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.02)
-    await asyncio.sleep(0.2)
-    with paused(rl, "engine=rollmesh") as result:
-        assert result.total == result.succeeded == 2 and not result.failed
-        assert {w.health for w in rl.workers()} == {"paused"}
-        held = asyncio.create_task(_post(mesh.base, "/generate", {"input_ids": PROMPT,
-                                                                  "sampling_params": {"max_new_tokens": 3}}))
-        await asyncio.sleep(0.8)
-        assert not held.done() and not whole.done()   # nothing is served while the fleet is paused
+    _, direct = await _post(mesh.base, "/generate", {"input_ids": PROMPT, "sampling_params": _greedy(400)})
+    # The pause must land while the request runs; on a fast machine 400 tokens can finish first, so the
+    # stream shows which happened and a request that finished before the pause is tried again.
+    for _ in range(5):
+        chunks: list[dict] = []
+        whole = asyncio.create_task(_stream(mesh.base, {"input_ids": PROMPT, "stream": True,
+                                                        "sampling_params": _greedy(400)}, chunks))
+        deadline = time.monotonic() + 60
+        while not chunks:
+            assert time.monotonic() < deadline and not whole.done()
+            await asyncio.sleep(0.005)
+        with paused(rl, "engine=rollmesh") as result:
+            assert result.total == result.succeeded == 2 and not result.failed
+            assert {w.health for w in rl.workers()} == {"paused"}
+            await asyncio.sleep(0.5)
+            if whole.done():   # it finished before the pause reached its replica
+                continue
+            held = asyncio.create_task(_post(mesh.base, "/generate", {"input_ids": PROMPT,
+                                                                      "sampling_params": {"max_new_tokens": 3}}))
+            served = len(chunks[-1]["output_ids"])
+            await asyncio.sleep(0.8)
+            # nothing is served while the fleet is paused: the running request was aborted and waits
+            assert not held.done() and not whole.done() and len(chunks[-1]["output_ids"]) == served < 400
+        break
+    else:
+        pytest.fail("a 400-token request finished before the pause every time")
     status, out = await asyncio.wait_for(held, 30)
     assert status == 200 and len(out["output_ids"]) == 3
-    status, out = await asyncio.wait_for(whole, 60)
-    assert status == 200 and len(out["output_ids"]) == 300 and out["meta_info"]["finish_reason"]["type"] == "length"
-    _, direct = await _post(mesh.base, "/generate", {"input_ids": PROMPT, "sampling_params": _greedy(300)})
+    await asyncio.wait_for(whole, 60)
+    out = chunks[-1]
+    assert len(out["output_ids"]) == 400 and out["meta_info"]["finish_reason"]["type"] == "length"
     assert out["output_ids"] == direct["output_ids"]   # resumed with its tokens so far: the same greedy ids
+    assert len(out["meta_info"]["segments"]) >= 2 and sum(s["num_tokens"] for s in out["meta_info"]["segments"]) == 400
 
     with pytest.raises(RlError) as err:
         await asyncio.to_thread(rl.fanout, "update_weights_from_disk", {"model_path": "/x", "weight_version": "1"},
