@@ -25,6 +25,7 @@ from rollmesh.common.v1 import generation_pb2
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2, routing_pb2
 from rollmesh.replica.v1 import replica_agent_pb2
 
+from .prefix_index import PromptKeys
 from .table import Route, Ticket
 
 AgentCall = grpc.aio.UnaryStreamCall
@@ -175,8 +176,8 @@ class RequestRun:
     """Replicas an attempt of this request failed on (UNAVAILABLE, broken stream): later attempts avoid them
     while another eligible replica exists."""
     restart_pending: bool = False
-    prefix_keys: list[int] | None = None
-    """The prompt's leading block keys, computed at the first pick of a prefix-aware balancer."""
+    prefix_keys: PromptKeys | None = None
+    """The prompt's keys for a prefix-aware balancer, made at its first pick (computed per block size once)."""
     clock: Callable[[], float] = time.monotonic
     """The balancer's clock, which ``deadline`` is on."""
 

@@ -29,7 +29,6 @@ from mesh_runtime.generation import check_generation, check_streaming
 from mesh_runtime import tracing
 from mesh_runtime.durations import set_seconds
 from mesh_runtime.metrics import ServerMetrics
-from mesh_runtime.prefix import block_keys
 from mesh_runtime.reasons import Reason
 from mesh_runtime.retry import RetryPolicy, retry_elsewhere
 from mesh_runtime.validate import check_session_id
@@ -219,18 +218,17 @@ class Balancer:
         waited = False
         prefix = self.table.prefix
         if prefix is not None and run.prefix_keys is None:
-            run.prefix_keys = block_keys(run.request.prompt_token_ids, prefix.index.block_tokens,
-                                         prefix.index.max_blocks)
+            run.prefix_keys = prefix.index.prompt(run.request.prompt_token_ids)
         while True:
             choice = self.table.pick(run.request_id, session_id=run.request.session_id,
                                      min_weight_version=min_version, avoid=run.avoid,
-                                     prefix_keys=run.prefix_keys or (),
+                                     prefix_keys=run.prefix_keys,
                                      prompt_tokens=len(run.request.prompt_token_ids),
                                      max_tokens=run.request.sampling_params.max_tokens)
             if choice is not None:
                 self.stats.sticky_hits += int(choice.sticky_hit)
                 self.stats.sticky_migrations += int(choice.sticky_migrated)
-                self.stats.prefix_hits += int(choice.prefix_blocks > 0)
+                self.stats.prefix_hits += int(choice.prefix_tokens > 0)
                 self.stats.prefix_spills += int(choice.prefix_spilled)
                 return choice
             if not waited:

@@ -57,10 +57,11 @@ class OutlierDetectionConfig:
 class PrefixRoutingConfig:
     """``prefix_routing``: how ``routing_policy: prefix_aware`` weighs cache affinity against load."""
 
-    block_tokens: int = setting(64, help="prompt tokens per indexed block; a prompt shorter than one block is "
-                                         "routed by load alone")
-    max_blocks: int = setting(128, help="leading blocks of a prompt indexed and matched (block_tokens x this "
-                                        "tokens of it)")
+    block_tokens: int = setting(64, help="prompt tokens per indexed block for replicas whose engines publish no "
+                                         "prefix events (with kv_events, a replica is indexed at its engine's "
+                                         "block size); a prompt shorter than one block is routed by load alone")
+    max_prefix_tokens: int = setting(0, help="leading tokens of a prompt indexed and matched; 0 = the whole "
+                                             "prompt (the index's memory is bounded by cache_tokens either way)")
     cache_tokens: int = setting(400_000, help="tokens of prompts remembered per replica, least recently used "
                                               "first out: set it to the replicas' KV cache size (the engine "
                                               "evicts beyond it)")
@@ -73,7 +74,8 @@ class PrefixRoutingConfig:
     kv_events: bool = setting(False, help="also follow the replicas' own prefix-cache events (the agents' "
                                           "WatchPrefixCache, where an engine publishes them): a replica's entries "
                                           "then leave when its engine evicts them, and all go when new weights "
-                                          "empty its cache. Needs block_tokens equal to the engines' block size")
+                                          "empty its cache. Each replica is then indexed at the block size its "
+                                          "engine uses, whatever block_tokens says")
     prefill_weight: float = setting(32.0, help="routing_policy prefix_cost: the price of prefilling a prompt "
                                                "token, in tokens of context held (a request costs a replica the "
                                                "context it already holds plus prefill_weight x the prompt tokens "
@@ -88,9 +90,11 @@ class PrefixRoutingConfig:
                                         "because capacity is short, and should take load at once)")
 
     def validate(self) -> None:
-        for key in ("block_tokens", "max_blocks", "cache_tokens"):
+        for key in ("block_tokens", "cache_tokens"):
             if getattr(self, key) < 1:
                 raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")
+        if self.max_prefix_tokens < 0:
+            raise ConfigError("max_prefix_tokens", f"must be >= 0 (0: the whole prompt), got {self.max_prefix_tokens}")
         if self.cache_tokens < self.block_tokens:
             raise ConfigError("cache_tokens", f"must hold a block of block_tokens ({self.block_tokens}), got "
                                               f"{self.cache_tokens}")

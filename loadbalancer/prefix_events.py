@@ -5,9 +5,9 @@ least recently used at ``cache_tokens``. With events each agent in the table str
 a replica's blocks as its engine stores and evicts them, and a reset when new weights empty its cache, so
 the index forgets exactly what the engine forgot (routing still records blocks at once, for siblings sent
 before their prompt is prefilled). One stream per agent address, opened when a route at that address
-appears, reopened with backoff when it breaks, closed when the address leaves the table. Events of a
-replica whose engine uses another block size than ``block_tokens`` cannot be matched and are ignored (logged
-once).
+appears, reopened with backoff when it breaks, closed when the address leaves the table. Each replica is
+indexed at the block size its events give (its engine's), whatever ``block_tokens`` says: the predicted
+entries of another size are dropped when its first event arrives.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class PrefixWatchers:
         self._stub_for = stub_for
         self._retry_s, self._max_retry_s = retry_s, max_retry_s
         self._tasks: dict[str, tuple[asyncio.Task, frozenset[str]]] = {}
-        self._mismatch: set[str] = set()
+        self._sizeless: set[str] = set()
         self.applied = 0
         """Event messages applied to the index (for tests and logs)."""
         table.on_change(self.sync)
@@ -121,13 +121,15 @@ class PrefixWatchers:
         route = self.table.routes.get(message.replica_id)
         if route is None or route.address != address:
             return   # a replica of that agent this balancer does not route to
-        if message.block_tokens != self.index.block_tokens:
-            if message.replica_id not in self._mismatch:
-                self._mismatch.add(message.replica_id)
-                log.warning("replica %s publishes prefix events of %d-token blocks but prefix_routing.block_tokens "
-                            "is %d: its events are ignored (set block_tokens to the engines' block size)",
-                            message.replica_id, message.block_tokens, self.index.block_tokens,
-                            extra={"replica_id": message.replica_id})
+        if message.block_tokens < 1:
+            if message.replica_id not in self._sizeless:
+                self._sizeless.add(message.replica_id)
+                log.warning("replica %s publishes prefix events with no block size: its events are ignored",
+                            message.replica_id, extra={"replica_id": message.replica_id})
             return
-        self.index.apply(message.replica_id, reset=message.reset, stored=message.stored, removed=message.removed)
+        if message.block_tokens != self.index.block_size(message.replica_id):
+            log.info("replica %s: prefix events of %d-token blocks; its prefixes are indexed at that size",
+                     message.replica_id, message.block_tokens, extra={"replica_id": message.replica_id})
+        self.index.apply(message.replica_id, block_tokens=message.block_tokens, reset=message.reset,
+                         stored=message.stored, removed=message.removed)
         self.applied += 1

@@ -1,12 +1,18 @@
 """What each replica's prefix cache probably holds, as the balancer sees it: the leading blocks of the prompts
-it routed there. I/O-free; the routing table owns one when ``routing_policy`` is ``prefix_aware``.
+it routed there. I/O-free; the routing table owns one when ``routing_policy`` is ``prefix_aware`` or
+``prefix_cost``.
 
-A prompt's leading ``block_tokens``-token blocks are keyed by :func:`mesh_runtime.prefix.block_keys` (a key
-covers every token before it). Routing a request to a replica records its keys there at once, so the
-request's siblings that arrive before it has even been prefilled (a GRPO group's ``n`` responses, sent
-together) already find them: the placement is predicted, not waited for. Each replica's entries are a least
-recently used list bounded by ``capacity_tokens`` (what its engine's KV cache can hold), aged out as the
-engine's own LRU would evict them; a replica that leaves the table takes its entries with it.
+A prompt's leading blocks are keyed by :func:`mesh_runtime.prefix.block_keys` (a key covers every token
+before it), as deep as the prompt goes (or ``max_prefix_tokens``). Each replica is indexed at its own block
+size: ``block_tokens`` until its engine's prefix events say what size its cache uses, that size after, so
+events are matched whatever block size the engines use and a fleet may mix sizes. A prompt's keys are
+computed once per block size in use (:class:`PromptKeys`). Routing a request to a replica records its keys
+there at once, so the request's siblings that arrive before it has even been prefilled (a GRPO group's ``n``
+responses, sent together) already find them: the placement is predicted, not waited for. Each replica's
+entries are a least recently used list bounded by ``capacity_tokens`` (what its engine's KV cache can hold),
+aged out as the engine's own LRU would evict them; a replica that leaves the table takes its entries with
+it. Memory is bounded by tokens, not by how deep a prompt is: a replica's entries cover at most
+``capacity_tokens`` of context.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Protocol, TypeVar
+
+from mesh_runtime.prefix import block_keys
 
 
 class Routed(Protocol):
@@ -32,36 +40,106 @@ class Routed(Protocol):
 R = TypeVar("R", bound=Routed)
 
 
-class PrefixIndex:
-    """Per replica, the block keys it was sent recently, least recently used first."""
+class PromptKeys:
+    """A prompt's leading block keys at each block size asked for, each computed once (a request's retries
+    and every replica of one block size share them); ``max_tokens`` > 0 stops them at that many tokens."""
 
-    def __init__(self, *, block_tokens: int, capacity_tokens: int, max_blocks: int) -> None:
+    __slots__ = ("tokens", "max_tokens", "_keys")
+
+    def __init__(self, tokens: Sequence[int], max_tokens: int = 0) -> None:
+        self.tokens = tokens
+        self.max_tokens = max_tokens
+        self._keys: dict[int, list[int]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.tokens)
+
+    def keys(self, size: int) -> list[int]:
+        keys = self._keys.get(size)
+        if keys is None:
+            depth = min(len(self.tokens), self.max_tokens) if self.max_tokens > 0 else len(self.tokens)
+            keys = self._keys[size] = block_keys(self.tokens, size, depth // size)
+        return keys
+
+
+class PrefixIndex:
+    """Per replica, the block keys it was sent recently, least recently used first, at its block size."""
+
+    def __init__(self, *, block_tokens: int, capacity_tokens: int, max_prefix_tokens: int = 0) -> None:
         self.block_tokens = block_tokens
-        self.capacity_blocks = max(1, capacity_tokens // block_tokens)
-        self.max_blocks = max_blocks
+        """The block size of replicas whose engines said none (predicted entries only)."""
+        self.capacity_tokens = capacity_tokens
+        self.max_prefix_tokens = max_prefix_tokens
         self._owners: dict[int, set[str]] = {}
         self._replicas: dict[str, OrderedDict[int, None]] = {}
+        self._sizes: dict[str, int] = {}
+
+    def prompt(self, tokens: Sequence[int]) -> PromptKeys:
+        """``tokens``' keys as this index matches them."""
+        return PromptKeys(tokens, self.max_prefix_tokens)
+
+    def block_size(self, replica_id: str) -> int:
+        """The block size ``replica_id`` is indexed at."""
+        return self._sizes.get(replica_id, self.block_tokens)
+
+    def capacity_blocks(self, replica_id: str) -> int:
+        return max(1, self.capacity_tokens // self.block_size(replica_id))
 
     def blocks(self, replica_id: str) -> int:
         return len(self._replicas.get(replica_id, ()))
 
-    def match(self, keys: Sequence[int], replica_ids: Iterable[str]) -> dict[str, int]:
-        """For each of ``replica_ids``, how many of ``keys`` from the first it holds (absent: none)."""
-        candidates = set(replica_ids)
+    def match(self, prompt: PromptKeys, replica_ids: Iterable[str]) -> dict[str, int]:
+        """For each of ``replica_ids``, how many of the prompt's leading tokens it holds, in whole blocks of
+        its size (absent: none)."""
+        by_size: dict[int, set[str]] = {}
+        for replica_id in replica_ids:
+            by_size.setdefault(self._sizes.get(replica_id, self.block_tokens), set()).add(replica_id)
         matched: dict[str, int] = {}
-        for depth, key in enumerate(keys, start=1):
-            owners = self._owners.get(key)
-            if not owners:
-                break
-            candidates &= owners
-            if not candidates:
-                break
-            for replica_id in candidates:
-                matched[replica_id] = depth
+        for size, candidates in by_size.items():
+            depth = 0
+            for key in prompt.keys(size):
+                owners = self._owners.get(key)
+                if owners is None:
+                    break
+                if not candidates <= owners:       # some candidates stop here (the common case: none do)
+                    held = candidates & owners
+                    if not held:
+                        break
+                    if depth:
+                        for replica_id in candidates - held:
+                            matched[replica_id] = depth
+                    candidates = held
+                depth += size
+            if depth:
+                for replica_id in candidates:
+                    matched[replica_id] = depth
         return matched
 
-    def record(self, replica_id: str, keys: Sequence[int]) -> None:
-        """``replica_id`` was sent a prompt starting with ``keys``: they are its most recently used."""
+    def record(self, replica_id: str, prompt: PromptKeys) -> None:
+        """``replica_id`` was sent ``prompt``: its keys are its most recently used."""
+        self._touch(replica_id, prompt.keys(self.block_size(replica_id)))
+
+    def apply(self, replica_id: str, *, block_tokens: int, reset: bool, stored: Sequence[int],
+              removed: Sequence[int]) -> None:
+        """The replica's engine says what it holds, in ``block_tokens``-token blocks: after ``reset`` nothing
+        but ``stored``; ``stored`` keys become its most recently used, ``removed`` ones go. A block size other
+        than the one the replica is indexed at drops its entries and indexes it at the new size."""
+        if reset or block_tokens != self.block_size(replica_id):
+            self._clear(replica_id)
+            self._sizes[replica_id] = block_tokens
+        entries = self._replicas.setdefault(replica_id, OrderedDict())
+        for key in removed:
+            if key in entries:
+                del entries[key]
+                self._drop_owner(key, replica_id)
+        self._touch(replica_id, stored)
+
+    def forget(self, replica_id: str) -> None:
+        """Drop a replica (it left the table): its entries and its block size."""
+        self._clear(replica_id)
+        self._sizes.pop(replica_id, None)
+
+    def _touch(self, replica_id: str, keys: Sequence[int]) -> None:
         entries = self._replicas.setdefault(replica_id, OrderedDict())
         for key in reversed(keys):           # the head most recent: the tail is evicted first, as engines do
             if key in entries:
@@ -69,24 +147,12 @@ class PrefixIndex:
             else:
                 entries[key] = None
                 self._owners.setdefault(key, set()).add(replica_id)
-        while len(entries) > self.capacity_blocks:
+        capacity = self.capacity_blocks(replica_id)
+        while len(entries) > capacity:
             old, _ = entries.popitem(last=False)
             self._drop_owner(old, replica_id)
 
-    def apply(self, replica_id: str, *, reset: bool, stored: Sequence[int], removed: Sequence[int]) -> None:
-        """The replica's engine says what it holds: after ``reset`` nothing but ``stored``; ``stored`` keys
-        become its most recently used, ``removed`` ones go."""
-        if reset:
-            self.forget(replica_id)
-        entries = self._replicas.setdefault(replica_id, OrderedDict())
-        for key in removed:
-            if key in entries:
-                del entries[key]
-                self._drop_owner(key, replica_id)
-        self.record(replica_id, stored)
-
-    def forget(self, replica_id: str) -> None:
-        """Drop a replica's entries (it left the table, or its cache was emptied)."""
+    def _clear(self, replica_id: str) -> None:
         for key in self._replicas.pop(replica_id, {}):
             self._drop_owner(key, replica_id)
 
@@ -128,10 +194,11 @@ class PrefixPolicy:
                 loads[route.replica_id] += (1 - age / self.warmup_s) * others
         return loads
 
-    def affine(self, keys: Sequence[int], routes: Sequence[R], loads: dict[str, float]) -> tuple[R | None, int, bool]:
-        """(the route to take for its cached prefix or None, its matched blocks, whether a match was passed
-        over for load)."""
-        matched = self.index.match(keys, loads)
+    def affine(self, prompt: PromptKeys, routes: Sequence[R],
+               loads: dict[str, float]) -> tuple[R | None, int, bool]:
+        """(the route to take for its cached prefix or None, its matched prompt tokens, whether a match was
+        passed over for load)."""
+        matched = self.index.match(prompt, loads)
         if not matched:
             return None, 0, False
         least = min(loads.values())

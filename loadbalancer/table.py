@@ -17,7 +17,7 @@ from mesh_runtime.errors import AlreadyExists, InvalidArgument, NotFound
 from mesh_runtime.reasons import Reason
 from mesh_runtime.validate import check_address
 
-from .prefix_index import PrefixPolicy
+from .prefix_index import PrefixPolicy, PromptKeys
 from .routing.breaker import Breaker, Breakers, OutlierDetection
 from .routing.least_loaded import LeastLoaded
 from .routing.policy import Filter, Pick, Selector
@@ -118,8 +118,8 @@ class Choice:
         return self.pick.sticky_migrated
 
     @property
-    def prefix_blocks(self) -> int:
-        return self.pick.prefix_blocks
+    def prefix_tokens(self) -> int:
+        return self.pick.prefix_tokens
 
     @property
     def prefix_spilled(self) -> bool:
@@ -247,7 +247,7 @@ class RoutingTable:
         return self.versions.floor(min_weight_version, self.newest_version if self.routes else None)
 
     def _pick(self, request_id: str = "", *, session_id: str = "", min_weight_version: int | None = None,
-              prefix_keys: Sequence[int] = (), prompt_tokens: int = 0, max_tokens: int = 0) -> Pick:
+              prefix_keys: PromptKeys | None = None, prompt_tokens: int = 0, max_tokens: int = 0) -> Pick:
         return Pick(request_id, self.clock(), session_id=session_id, prefix_keys=prefix_keys,
                     min_weight_version=min_weight_version, newest_version=self.newest_version,
                     prompt_tokens=prompt_tokens, expected_completion=self.completion_tokens.expected(max_tokens))
@@ -273,12 +273,12 @@ class RoutingTable:
         return "; ".join(f"{r.replica_id}: {self.unroutable_reason(r, pick=pick)}" for r in self.routes.values())
 
     def pick(self, request_id: str, *, session_id: str = "", min_weight_version: int | None = None,
-             avoid: frozenset[str] = frozenset(), prefix_keys: Sequence[int] = (), prompt_tokens: int = 0,
+             avoid: frozenset[str] = frozenset(), prefix_keys: PromptKeys | None = None, prompt_tokens: int = 0,
              max_tokens: int = 0) -> Choice | None:
         """Claim the best eligible route for a request, or ``None`` if there is none.
 
         ``avoid``: replicas to pass over while another is eligible (ones this request failed on).
-        ``prefix_keys``: the prompt's leading block keys (:func:`mesh_runtime.prefix.block_keys`), for a
+        ``prefix_keys``: the prompt's keys (:meth:`loadbalancer.prefix_index.PrefixIndex.prompt`), for a
         prefix-aware chain. ``prompt_tokens`` and ``max_tokens`` (0: not known) size the tokens the chosen
         replica holds for the request."""
         pick = self._pick(request_id, session_id=session_id, min_weight_version=min_weight_version,

@@ -26,7 +26,8 @@ PolicyFactory = Callable[[Settings], Selector]
 
 def _index(config: Settings) -> PrefixIndex:
     pr = config.prefix_routing
-    return PrefixIndex(block_tokens=pr.block_tokens, capacity_tokens=pr.cache_tokens, max_blocks=pr.max_blocks)
+    return PrefixIndex(block_tokens=pr.block_tokens, capacity_tokens=pr.cache_tokens,
+                       max_prefix_tokens=pr.max_prefix_tokens)
 
 
 def prefix_aware(config: Settings) -> PrefixAware:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from ..prefix_index import Routed
+from ..prefix_index import PromptKeys, Routed
 
 
 class Candidate(Routed, Protocol):
@@ -39,7 +39,7 @@ class PrefixSettings(Protocol):
     def cache_tokens(self) -> int: ...
 
     @property
-    def max_blocks(self) -> int: ...
+    def max_prefix_tokens(self) -> int: ...
 
     @property
     def max_load_gap(self) -> int: ...
@@ -83,8 +83,8 @@ class Pick:
     request_id: str
     now: float
     session_id: str = ""
-    prefix_keys: Sequence[int] = ()
-    """The prompt's leading block keys (:func:`mesh_runtime.prefix.block_keys`), for a prefix-aware piece."""
+    prefix_keys: PromptKeys | None = None
+    """The prompt's leading block keys at each block size asked for, for a prefix-aware piece."""
     min_weight_version: int | None = None
     newest_version: int = 0
     """The newest weight version in the table, for a version-aware filter."""
@@ -96,8 +96,8 @@ class Pick:
 
     sticky_hit: bool = False
     sticky_migrated: bool = False
-    prefix_blocks: int = 0
-    """Leading prompt blocks the chosen replica was found to hold (prefix-aware routing)."""
+    prefix_tokens: int = 0
+    """Leading prompt tokens the chosen replica was found to hold, in whole blocks (prefix-aware routing)."""
     prefix_spilled: bool = False
     """A replica held part of the prompt but was too loaded (prefix-aware routing)."""
 

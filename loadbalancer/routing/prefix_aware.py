@@ -1,4 +1,4 @@
-"""Prefix aware: the replica whose prefix cache holds most of the prompt's leading blocks, within a load gap,
+"""Prefix aware: the replica whose prefix cache holds most of the prompt's leading tokens, within a load gap,
 else the least loaded with new replicas warming up (:class:`~loadbalancer.prefix_index.PrefixPolicy` says
 how the two are weighed). Every chosen replica's index learns the prompt."""
 
@@ -21,7 +21,7 @@ class PrefixAware:
     def select(self, pick: Pick, routes: Sequence[C]) -> C:
         loads = self.policy.loads(routes, pick.now)
         if pick.prefix_keys:
-            chosen, pick.prefix_blocks, pick.prefix_spilled = self.policy.affine(pick.prefix_keys, routes, loads)
+            chosen, pick.prefix_tokens, pick.prefix_spilled = self.policy.affine(pick.prefix_keys, routes, loads)
             if chosen is not None:
                 return chosen
         lightest = min(loads.values())

@@ -39,9 +39,8 @@ class PrefixCost:
         self._ties = RoundRobin()
 
     def select(self, pick: Pick, routes: Sequence[C]) -> C:
-        block = self.index.block_tokens
         matched = self.index.match(pick.prefix_keys, [r.replica_id for r in routes]) if pick.prefix_keys else {}
-        uncached = {r.replica_id: max(0, pick.prompt_tokens - matched.get(r.replica_id, 0) * block) for r in routes}
+        uncached = {r.replica_id: max(0, pick.prompt_tokens - matched.get(r.replica_id, 0)) for r in routes}
         weight = pick.prompt_tokens + pick.expected_completion
         held = sum(r.held_tokens for r in routes)
         bound = (1 + self.max_load_excess) * (held + weight) / len(routes)
@@ -51,9 +50,9 @@ class PrefixCost:
         tied = [r for r in within if cost[r.replica_id] == cheapest]
         fewest = min(r.in_flight for r in tied)
         chosen = self._ties.among([r for r in tied if r.in_flight == fewest])
-        pick.prefix_blocks = matched.get(chosen.replica_id, 0)
+        pick.prefix_tokens = matched.get(chosen.replica_id, 0)
         best = max(matched.values(), default=0)
-        pick.prefix_spilled = best > pick.prefix_blocks   # a replica cached more of it, but was loaded
+        pick.prefix_spilled = best > pick.prefix_tokens   # a replica cached more of it, but was loaded
         return chosen
 
     def chosen(self, pick: Pick, route: Candidate) -> None:

@@ -10,18 +10,17 @@ from collections import Counter
 import pytest
 
 from loadbalancer.config import LoadBalancerConfig, PrefixRoutingConfig
-from loadbalancer.prefix_index import PrefixIndex
+from loadbalancer.prefix_index import PrefixIndex, PromptKeys
 from loadbalancer.routing import selectors
 from loadbalancer.routing.prefix_cost import PrefixCost
 from loadbalancer.table import Route, RoutingTable
-from mesh_runtime.prefix import block_keys
 
 pytestmark = pytest.mark.timeout(30)
 BLOCK = 16
 
 
 def table(n: int = 4, *, excess: float = 0.25, prefill_weight: float = 32.0) -> RoutingTable:
-    cost = PrefixCost(PrefixIndex(block_tokens=BLOCK, capacity_tokens=1_000_000, max_blocks=1024),
+    cost = PrefixCost(PrefixIndex(block_tokens=BLOCK, capacity_tokens=1_000_000),
                       prefill_weight=prefill_weight, max_load_excess=excess)
     t = RoutingTable([cost], clock=lambda: 0.0)
     t.add(Route(f"r{i}", f"127.0.0.1:{1000 + i}") for i in range(n))
@@ -33,7 +32,7 @@ def tokens(seed: int, length: int) -> list[int]:
 
 
 def pick(t: RoutingTable, rid: str, prompt: list[int], max_tokens: int = 256, session_id: str = ""):
-    return t.pick(rid, prefix_keys=block_keys(prompt, BLOCK, 1024), prompt_tokens=len(prompt),
+    return t.pick(rid, prefix_keys=PromptKeys(prompt), prompt_tokens=len(prompt),
                   max_tokens=max_tokens, session_id=session_id)
 
 
@@ -55,10 +54,10 @@ def test_under_load_a_group_stays_together_where_its_prompt_is_cached():
     prompt = tokens(1, 2048)
     first = pick(t, "g0", prompt)
     home = first.ticket.route.replica_id
-    assert first.ticket.weight == 2048 + 256 and first.prefix_blocks == 0
+    assert first.ticket.weight == 2048 + 256 and first.prefix_tokens == 0
     siblings = [pick(t, f"g{i}", prompt) for i in range(1, 4)]
     assert {c.ticket.route.replica_id for c in siblings} == {home}
-    assert all(c.prefix_blocks == 2048 // BLOCK for c in siblings)
+    assert all(c.prefix_tokens == 2048 for c in siblings)
     assert held(t)[home] == 20 * 2256 + 4 * 2304   # load is context: each sibling decodes over the prompt
 
 
@@ -89,7 +88,7 @@ def test_a_shared_document_spreads_as_its_load_needs_while_trajectories_keep_the
         went = turn.ticket.route.replica_id
         if went == homes[j]:
             stayed += 1
-            assert turn.prefix_blocks == 1024 // BLOCK
+            assert turn.prefix_tokens == 1024
         else:   # moved: its home was past the bound, or heavier by more than the prefill the move costs
             mean = (sum(before.values()) + 1324 + 256) / 4
             assert (before[homes[j]] + 1580 > 1.25 * mean
@@ -107,7 +106,7 @@ def test_a_loaded_replica_is_passed_over_for_a_cheaper_one_even_with_the_prompt_
     for i in range(6):   # the home replica fills up with other work
         t.pick(f"x{i}", prompt_tokens=4096, max_tokens=256, avoid=frozenset(r for r in t.routes if r != home))
     again = pick(t, "b", prompt)
-    assert again.ticket.route.replica_id != home and again.prefix_spilled and again.prefix_blocks == 0
+    assert again.ticket.route.replica_id != home and again.prefix_spilled and again.prefix_tokens == 0
 
 
 def test_released_tokens_leave_the_replica_and_completions_teach_the_expected_length():

@@ -17,7 +17,6 @@ from mesh_runtime.config import load_config
 from rollmesh.common.v1 import generation_pb2
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2 as pb
 from rollmesh.loadbalancer.v1 import loadbalancer_pb2_grpc, routing_pb2
-from mesh_runtime.prefix import block_keys
 from rollmesh.replica.v1 import replica_agent_pb2, replica_agent_pb2_grpc
 from tests.replica_agent.in_process import synthetic_agent
 from tests.waiting import wait_until
@@ -87,7 +86,8 @@ async def test_with_kv_events_the_index_forgets_what_the_engine_evicted(kv_event
     async with synthetic_agent(["r0", "r1"], engine_options=options) as (_, address):
         config = load_config(LoadBalancerConfig, None, overrides={
             "listen": "127.0.0.1:0", "routing_policy": "prefix_aware",
-            "prefix_routing": {"block_tokens": 16, "kv_events": kv_events}})
+            # with events the engine's 16-token blocks are adopted over the table's default of 64
+            "prefix_routing": {"kv_events": True} if kv_events else {"block_tokens": 16}})
 
         def servicer(c, t):
             servicers.append(LoadBalancerServicer(c, t))
@@ -101,15 +101,16 @@ async def test_with_kv_events_the_index_forgets_what_the_engine_evicted(kv_event
                 index = servicers[0].table.prefix.index
                 first = [(17 * i) % 30000 + 2 for i in range(400)]
                 home = (await generate(stub, "a", first)).attempts[-1].replica_id
-                keys = block_keys(first, 16, 128)
+                keys = index.prompt(first)
                 if kv_events:   # the engine's own blocks arrive: 24 prompt blocks and the whole sequence's
                     await wait_until(lambda: servicers[0].prefix_watchers.applied >= 2, timeout_s=10)
+                    assert index.block_size(home) == 16 and index.match(keys, {home}) == {home: 400}
                 for k in range(12):   # other prompts fill both caches (2,048 tokens each) many times over
                     await generate(stub, f"o{k}", [(31 * i + k) % 30000 + 2 for i in range(400)])
                 left = index.match(keys, {home}).get(home, 0)
                 if kv_events:
                     await wait_until(lambda: index.match(keys, {home}).get(home, 0) == 0, timeout_s=10)
                 else:
-                    assert left == 25   # predicted: still there, though the engine evicted it long ago
+                    assert left == 400   # predicted: still there, though the engine evicted it long ago
         finally:
             await lb.stop(0)
