@@ -17,6 +17,13 @@ caches under every policy, with enough in flight to keep every replica's batch f
   (Zipf: most are short, a few long), 30% of them starting with one 4,096-token document and the rest with a
   task of their own: a prefix shared by part of the traffic, where cache affinity by request counts piles the
   document onto a few replicas.
+* **hot system prompt** (``--workload system`` or ``all``): ``--trajectories`` trajectories of 1-8 turns,
+  every one starting with one 6,144-token system prompt (deeper than the 2,048 tokens the prefix index used
+  to stop at with KV events on), then a task of its own.
+* **tool pauses** (``--workload tools`` or ``all``): ``--trajectories`` trajectories of 4-12 turns; each turn
+  but the last ends in a tool call that takes a lognormal time (median 2 s, sigma 1: p99 about 20 s, divided
+  by ``--speed`` like every engine duration) before its result (64-512 tokens) is appended; the engines' KV
+  fills with trajectories waiting on tools.
 
 Policies: rollmesh ``least_loaded`` without session ids; ``least_loaded`` with session ids (the group, the
 trajectory: today's group stickiness); ``prefix_aware`` and ``prefix_cost`` (with session ids, as the trainer
@@ -36,6 +43,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import subprocess
@@ -137,10 +145,36 @@ async def run_document(send, trajectories: int, concurrency: int, seed: int) -> 
     return await _run_trajectories(send, trajectories, concurrency, seed, "d", opening)
 
 
-async def _run_trajectories(send, trajectories: int, concurrency: int, seed: int, tag: str, opening) -> Result:
+async def run_system(send, trajectories: int, concurrency: int, seed: int) -> Result:
+    """Trajectories of 1-8 turns, every one starting with one shared 6,144-token system prompt."""
+    system = [random.Random(seed + 2).randrange(2, 32000) for _ in range(6144)]
+
+    def opening(rng: random.Random) -> tuple[list[int], int]:
+        return system + [rng.randrange(2, 32000) for _ in range(rng.randint(256, 1024))], rng.randint(1, 8)
+
+    return await _run_trajectories(send, trajectories, concurrency, seed, "s", opening)
+
+
+async def run_tools(send, trajectories: int, concurrency: int, seed: int, speed: float) -> Result:
+    """Trajectories of 4-12 turns behind a 512-token system prompt; a tool call of lognormal latency (median
+    2 s, sigma 1, over ``speed``) between turns."""
+    system = [random.Random(seed + 3).randrange(2, 32000) for _ in range(512)]
+
+    def opening(rng: random.Random) -> tuple[list[int], int]:
+        return system + [rng.randrange(2, 32000) for _ in range(rng.randint(256, 1024))], rng.randint(4, 12)
+
+    def tool_s(rng: random.Random) -> float:
+        return rng.lognormvariate(math.log(2.0), 1.0) / speed
+
+    return await _run_trajectories(send, trajectories, concurrency, seed, "k", opening, tool_s)
+
+
+async def _run_trajectories(send, trajectories: int, concurrency: int, seed: int, tag: str, opening,
+                            tool_s=None) -> Result:
     """``trajectories`` agentic trajectories, ``concurrency`` in flight: ``opening(rng)`` gives each its first
     context and its number of turns; every turn resends the whole context, then appends the response and an
-    observation of 64-512 tokens, as a harness does."""
+    observation of 64-512 tokens, as a harness does; ``tool_s(rng)``, if given, is the wait for the tool
+    before the observation."""
     result = Result()
     left = list(range(trajectories))
 
@@ -156,6 +190,8 @@ async def _run_trajectories(send, trajectories: int, concurrency: int, seed: int
                 if not ok:
                     break
                 result.latencies.append(call.seconds)
+                if tool_s is not None and turn + 1 < turns:
+                    await asyncio.sleep(tool_s(rng))
                 context += call.output + [rng.randrange(2, 32000) for _ in range(rng.randint(64, 512))]
 
     started = time.perf_counter()
@@ -348,17 +384,16 @@ async def main() -> None:
     parser.add_argument("--trajectories", type=int, default=1024)
     parser.add_argument("--traj-concurrency", type=int, default=1024)
     parser.add_argument("--only", nargs="*", choices=list(SYSTEMS), help="policies to run (default: all)")
-    parser.add_argument("--workload", choices=("grpo", "multiturn", "document", "both", "all"), default="both",
-                        help="both: grpo and multiturn; all: the three")
+    parser.add_argument("--workload", choices=("grpo", "multiturn", "document", "system", "tools", "both", "all"),
+                        default="both", help="both: grpo and multiturn; all: the five")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lb-yaml", default="", help="more balancer settings for prefix_aware (YAML), to tune")
     args = parser.parse_args()
     global LB_YAML
     LB_YAML = args.lb_yaml
     model = {"speed": args.speed}
-    table: dict[str, dict[str, Result]] = {"grpo": {}, "multiturn": {}, "document": {}}
-    workloads = {"both": ("grpo", "multiturn"), "all": ("grpo", "multiturn", "document")}.get(
-        args.workload, (args.workload,))
+    table: dict[str, dict[str, Result]] = {w: {} for w in ("grpo", "multiturn", "document", "system", "tools")}
+    workloads = {"both": ("grpo", "multiturn"), "all": tuple(table)}.get(args.workload, (args.workload,))
     with tempfile.TemporaryDirectory() as tmpdir:
         for name in args.only or list(SYSTEMS):
             for workload in workloads:
@@ -370,6 +405,11 @@ async def main() -> None:
                     elif workload == "multiturn":
                         result = await run_multiturn(system.send, args.trajectories, args.traj_concurrency,
                                                      args.seed)
+                    elif workload == "system":
+                        result = await run_system(system.send, args.trajectories, args.traj_concurrency, args.seed)
+                    elif workload == "tools":
+                        result = await run_tools(system.send, args.trajectories, args.traj_concurrency, args.seed,
+                                                 args.speed)
                     else:
                         result = await run_document(system.send, args.trajectories, args.traj_concurrency,
                                                     args.seed)
@@ -384,7 +424,12 @@ async def main() -> None:
                              "in flight; latency of a turn",
                 "document": f"shared document: {args.trajectories} trajectories of 1-24 turns (Zipf), 30% "
                             f"starting with one 4,096-token document, {args.traj_concurrency} in flight; latency "
-                            "of a turn"}[workload]
+                            "of a turn",
+                "system": f"hot system prompt: {args.trajectories} trajectories of 1-8 turns behind one "
+                          f"6,144-token system prompt, {args.traj_concurrency} in flight; latency of a turn",
+                "tools": f"tool pauses: {args.trajectories} trajectories of 4-12 turns, a lognormal tool wait "
+                         f"(median 2 s / speed) between turns, {args.traj_concurrency} in flight; latency of a "
+                         "turn"}[workload]
         print(f"\n{what}")
         base = table[workload].get("least_loaded")
         print(f"  {'policy':18} {'tokens/s':>9} {'vs least_loaded':>16} {'p50':>8} {'p99':>8} {'prefix hit':>10} "

@@ -176,6 +176,9 @@ class RequestRun:
     """Replicas an attempt of this request failed on (UNAVAILABLE, broken stream): later attempts avoid them
     while another eligible replica exists."""
     restart_pending: bool = False
+    hold_kv_s: float = 0.0
+    """How long its replica holds the session's KV after it ends (the caller's expected_pause, else the
+    balancer's estimate)."""
     prefix_keys: PromptKeys | None = None
     """The prompt's keys for a prefix-aware balancer, made at its first pick (computed per block size once)."""
     clock: Callable[[], float] = time.monotonic

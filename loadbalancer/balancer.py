@@ -25,7 +25,7 @@ from opentelemetry import trace
 from mesh_runtime.errors import (
     AlreadyExists, DeadlineExceeded, Internal, InvalidArgument, ResourceExhausted, Unavailable,
 )
-from mesh_runtime.generation import check_generation, check_streaming
+from mesh_runtime.generation import check_duration, check_generation, check_streaming
 from mesh_runtime import tracing
 from mesh_runtime.durations import set_seconds
 from mesh_runtime.metrics import ServerMetrics
@@ -53,6 +53,7 @@ from .attempts import (
 )
 from .completed import CompletedCache
 from .control import FleetControl
+from .pauses import PauseEstimator
 from .config import LoadBalancerConfig
 from .stats import Stats
 from .table import Choice, Route, RoutingTable, Ticket
@@ -90,7 +91,10 @@ class Balancer:
                                         max_bytes=config.completed_cache_bytes, ttl_s=config.completed_cache_ttl_s)
         self._table_changed = asyncio.Event()
         table.on_change(self._notify)
-        self.control = FleetControl(table, upstreams, abort_grace_s=config.abort_grace_s)
+        self.pauses = PauseEstimator(max_hold_s=config.max_kv_hold_s, quantile=config.kv_hold_quantile,
+                                     max_sessions=config.max_sticky_sessions)
+        """Sessions' pauses between requests: how long replicas hold a session's KV after a request."""
+        self.control = FleetControl(table, upstreams, abort_grace_s=config.abort_grace_s, pauses=self.pauses)
         """Operations on the fleet as a whole (sessions, removal, pauses, rebalancing)."""
 
     def _notify(self) -> None:
@@ -115,6 +119,7 @@ class Balancer:
                          request.resume_segments)
         check_streaming(request)
         check_session_id(request.session_id, "session_id", required=False)
+        expected_pause = check_duration(request, "expected_pause", Reason.INVALID_KV_HOLD)
         if request.request_id in self._running:
             raise AlreadyExists(f"request {request.request_id!r} is already in flight", reason=Reason.REQUEST_IN_FLIGHT)
         record = self.completed.get(request.request_id)
@@ -127,6 +132,9 @@ class Balancer:
             budget=request.retry_budget if request.HasField("retry_budget") else self.config.retry_budget,
             deadline=None if time_remaining is None else self.clock() + time_remaining,
             segments=list(request.resume_segments), clock=self.clock)
+        if request.session_id:
+            self.pauses.arrived(request.session_id, self.clock())
+            run.hold_kv_s = expected_pause if expected_pause is not None else self.pauses.hold_s()
         self._running[request.request_id] = run
         self.stats.requests_total += 1
         return run
@@ -157,6 +165,9 @@ class Balancer:
                 span.set_attribute("rollmesh.attempts", len(run.attempts))
             await out.drain()
             outcome = "completed"
+            if request.session_id:
+                self.pauses.ended(request.session_id, self.clock(), last=run.hold_kv_s == 0 and
+                                  request.HasField("expected_pause"))
         except asyncio.CancelledError:   # the caller went away: not a failure of ours
             outcome = "cancelled"
             raise
@@ -259,6 +270,8 @@ class Balancer:
             replica_id=ticket.route.replica_id, request_id=run.request_id,
             prompt_token_ids=request.prompt_token_ids, sampling_params=request.sampling_params,
             resume_segments=run.segments, session_id=request.session_id)
+        if run.hold_kv_s > 0:
+            set_seconds(msg.hold_kv, run.hold_kv_s)
         if request.HasField("stream_interval"):
             msg.stream_interval = request.stream_interval
         if request.HasField("flush_interval"):

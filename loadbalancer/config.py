@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 from mesh_runtime.config import ConfigError, ServerConfig, check_addresses, setting
@@ -138,6 +139,14 @@ class LoadBalancerConfig(ServerConfig):
     sticky_session_idle_s: float | None = setting(3600.0, help="a sticky-session pin unused this long is dropped "
                                                                "(a trajectory that never sent CloseSession); "
                                                                "null = kept until evicted by count")
+    max_kv_hold_s: float = setting(30.0, help="a session's request asks its replica to hold the session's KV "
+                                              "after it ends, for the session's next request (an agent's tool "
+                                              "call in between): for the request's expected_pause, or when it "
+                                              "gives none for the kv_hold_quantile of the pauses seen between "
+                                              "sessions' requests, at most this long; 0 = never hold. Held KV "
+                                              "is evicted after KV nobody holds and given up under pressure")
+    kv_hold_quantile: float = setting(0.9, help="see max_kv_hold_s: the share of returning sessions whose pause "
+                                                "the estimated hold covers")
     max_version_lag: int | None = setting(None, help="route only to replicas at most this many weight versions "
                                                      "behind the newest known; null = no limit")
     retry_budget: int = setting(16, help="extra attempts allowed per request after the first (aborts and "
@@ -212,6 +221,10 @@ class LoadBalancerConfig(ServerConfig):
             raise ConfigError("sticky_session_idle_s", f"must be > 0 or null, got {self.sticky_session_idle_s}")
         if self.retry_budget < 0:
             raise ConfigError("retry_budget", f"must be >= 0, got {self.retry_budget}")
+        if not 0 <= self.max_kv_hold_s < math.inf:
+            raise ConfigError("max_kv_hold_s", f"must be >= 0 and finite, got {self.max_kv_hold_s}")
+        if not 0 < self.kv_hold_quantile <= 1:
+            raise ConfigError("kv_hold_quantile", f"must be in (0, 1], got {self.kv_hold_quantile}")
         for key in ("no_replica_wait_s", "retry_initial_backoff_s", "retry_max_backoff_s", "upstream_call_timeout_s",
                     "stall_timeout_s"):
             if getattr(self, key) <= 0:

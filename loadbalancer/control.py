@@ -12,6 +12,7 @@ from mesh_runtime.reasons import Reason
 from mesh_runtime.validate import check_session_id
 
 from .attempts import cut_all
+from .pauses import PauseEstimator
 from .table import RoutingTable, Ticket
 from .upstreams import Upstreams
 
@@ -19,15 +20,19 @@ from .upstreams import Upstreams
 class FleetControl:
     """See the module docstring."""
 
-    def __init__(self, table: RoutingTable, upstreams: Upstreams, *, abort_grace_s: float) -> None:
+    def __init__(self, table: RoutingTable, upstreams: Upstreams, *, abort_grace_s: float,
+                 pauses: PauseEstimator | None = None) -> None:
         self.table = table
         self.upstreams = upstreams
         self.abort_grace_s = abort_grace_s
+        self.pauses = pauses
 
     async def close_session(self, session_id: str) -> tuple[str, bool]:
         """End a session: drop its pin and tell its replica (``(replica_id, released)``; ``("", False)`` when
         it was pinned to no routed replica)."""
         check_session_id(session_id, "session_id")
+        if self.pauses is not None:
+            self.pauses.forget(session_id)
         replica_id = self.table.drop_session(session_id)
         route = self.table.routes.get(replica_id or "")
         if route is None:

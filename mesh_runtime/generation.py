@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rollmesh.common.v1 import generation_pb2
 
@@ -134,6 +134,17 @@ def check_generation(request_id: str, prompt_token_ids: Sequence[int], sampling:
 def flush_interval_of(msg: AnyGenerateRequest) -> float | None:
     """A Generate request's ``flush_interval`` in seconds; None when unset."""
     return to_seconds(msg.flush_interval) if msg.HasField("flush_interval") else None
+
+
+def check_duration(msg: Any, field: str, reason: str) -> float | None:
+    """A message's optional Duration ``field`` in seconds (None when unset); ``InvalidArgument`` with
+    ``reason`` when it is negative."""
+    if not msg.HasField(field):
+        return None
+    value = getattr(msg, field)
+    if value.seconds < 0 or value.nanos < 0:
+        raise InvalidArgument(f"{field} must not be negative, got {value.seconds}s {value.nanos}ns", reason=reason)
+    return to_seconds(value)
 
 
 def check_streaming(msg: AnyGenerateRequest) -> None:

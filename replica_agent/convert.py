@@ -10,7 +10,9 @@ from typing import Any
 
 from mesh_runtime.durations import set_seconds
 from mesh_runtime.errors import InvalidArgument
+from mesh_runtime.reasons import Reason
 from mesh_runtime.generation import (
+    check_duration,
     check_generation,
     check_streaming,
     flush_interval_of,
@@ -56,11 +58,13 @@ def generation_request(msg: replica_agent_pb2.GenerateRequest) -> EngineRequest:
     """Decode and validate a Generate request, once: the engine checks only its own limits (``checked``)."""
     check_generation(msg.request_id, msg.prompt_token_ids, msg.sampling_params, msg.resume_segments)
     check_streaming(msg)
+    hold_kv_s = check_duration(msg, "hold_kv", Reason.INVALID_KV_HOLD) or 0.0
     return EngineRequest(request_id=msg.request_id, prompt_token_ids=list(msg.prompt_token_ids),
                              sampling=sampling_from_proto(msg.sampling_params),
                              resume_segments=[segment_from_proto(s) for s in msg.resume_segments],
                              stream_interval=msg.stream_interval if msg.HasField("stream_interval") else None,
-                             flush_interval_s=flush_interval_of(msg), session_id=msg.session_id, checked=True)
+                             flush_interval_s=flush_interval_of(msg), session_id=msg.session_id,
+                             hold_kv_s=hold_kv_s if msg.session_id else 0.0, checked=True)
 
 
 def chunk_to_proto(chunk: GenerationChunk) -> replica_agent_pb2.GenerateResponse:

@@ -84,6 +84,8 @@ class SteppedEngine(LifecycleFlags, Engine):
         self._waiting: collections.deque[ActiveRequest] = collections.deque()
         self._running: list[ActiveRequest] = []
         self._dropped: list[str] = []
+        self._holds: dict[str, float] = {}
+        """Of ``_dropped``, requests that finished asking their session's KV held (request id -> seconds)."""
         self._reserved = 0
         self._work = asyncio.Event()
         self._idle = asyncio.Event()
@@ -129,8 +131,9 @@ class SteppedEngine(LifecycleFlags, Engine):
     async def _reset_batch(self) -> None:
         """Forget every row of the batch (all requests have been retired)."""
 
-    async def _retire_batch(self) -> None:
-        """Every row of the batch finished: forget them (an engine with a prefix cache keeps their KV)."""
+    async def _retire_batch(self, holds: dict[str, float]) -> None:
+        """Every row of the batch finished: forget them (an engine with a prefix cache keeps their KV, holding
+        ``holds``' for their sessions that many seconds)."""
         await self._reset_batch()
 
     @abc.abstractmethod
@@ -272,7 +275,8 @@ class SteppedEngine(LifecycleFlags, Engine):
                         async with self._step_lock:  # free the retired rows' cache now
                             if not self._running:
                                 self._dropped = []
-                                await self._retire_batch()
+                                holds, self._holds = self._holds, {}
+                                await self._retire_batch(holds)
                         continue
                     self._work.clear()
                     await self._work.wait()
@@ -310,8 +314,10 @@ class SteppedEngine(LifecycleFlags, Engine):
                 admitted.append(head)
         self._running.extend(admitted)
         dropped, self._dropped = self._dropped, []
+        holds, self._holds = self._holds, {}
         batch = StepBatch(
             dropped=dropped,
+            holds=holds,
             running=[a.row(with_context=False) for a in running],
             admitted=[a.row(with_context=True) for a in admitted],
         )
@@ -384,6 +390,8 @@ class SteppedEngine(LifecycleFlags, Engine):
         if active in self._running:
             self._running.remove(active)
             self._dropped.append(active.request_id)
+            if active.hold_kv_s > 0:
+                self._holds[active.request_id] = active.hold_kv_s
             self._unreserve(active)
         elif active in self._waiting:
             self._waiting.remove(active)

@@ -16,6 +16,12 @@ clock: callers ask what a step costs and sleep that long.
   evicted to make room, and a request that still does not fit waits. ``max_prefill_tokens`` bounds the
   uncached prompt tokens admitted per decode iteration (chunked prefill's token budget); one request always
   fits.
+* **Holds across a pause.** A request that ends with ``hold_s`` > 0 (a trajectory's turn that ends in a tool
+  call) keeps its sequence's blocks pinned for that long after it ends: other requests' admissions evict
+  every block nobody holds before one a paused trajectory will come back for. The hold ends when the
+  session's next request is admitted (its blocks are then that request's), at its deadline, when the
+  session is closed, or under pressure: an admission that finds no room otherwise releases holds, the
+  soonest to expire first, before it waits.
 * **Time.** A step of ``k`` decode iterations over a batch of ``B`` requests with contexts ``c_i`` costs
   ``k * (decode_step_s + B * decode_per_seq_s) + decode_per_context_token_s * sum over the k iterations of the
   batch's context tokens``, plus the uncached prompt tokens of the requests it admits over
@@ -173,12 +179,28 @@ class _Held:
     context: int            # tokens of context now (prompt + generated so far)
 
 
+@dataclasses.dataclass
+class _Hold:
+    keys: list[int]         # the blocks pinned for the session's next request
+    until: float            # on the caller's clock
+
+
+@dataclasses.dataclass
+class HoldStats:
+    held: int = 0           # requests that ended with a hold
+    used: int = 0           # holds the session's next request came back to
+    expired: int = 0
+    released: int = 0       # given up under pressure
+
+
 class EngineModel:
     """One engine's prefix cache, KV reservations and step costs; see the module docstring."""
 
-    def __init__(self, config: EngineModelConfig | None = None, *, iterations_per_step: int = 1) -> None:
+    def __init__(self, config: EngineModelConfig | None = None, *, iterations_per_step: int = 1,
+                 clock: Callable[[], float] | None = None) -> None:
         """``iterations_per_step``: decode iterations a caller's step stands for (the prefill budget of a step
-        is ``max_prefill_tokens`` per iteration)."""
+        is ``max_prefill_tokens`` per iteration). ``clock``: what holds' deadlines are on (without one, a
+        hold lasts until used, closed or released under pressure)."""
         self.config = config or EngineModelConfig()
         self.config.validate()
         self.iterations_per_step = iterations_per_step
@@ -193,10 +215,15 @@ class EngineModel:
         self._recent: collections.deque[tuple[int, int]] = collections.deque(maxlen=HIT_WINDOW)
         self.prompt_tokens = 0
         self.cached_tokens = 0
+        self._clock = clock
+        self._holds: dict[str, _Hold] = {}
+        self.hold_stats = HoldStats()
 
     # ----------------------------------------------------------------- requests
-    def admit(self, request_id: str, context: Sequence[int], max_tokens: int) -> int | None:
-        """Admit a request: its cached prompt tokens, or ``None`` when it must wait (KV or prefill budget)."""
+    def admit(self, request_id: str, context: Sequence[int], max_tokens: int, session: str = "") -> int | None:
+        """Admit a request: its cached prompt tokens, or ``None`` when it must wait (KV or prefill budget).
+        The session's hold, if any, ends once the request is admitted (its blocks are the request's then)."""
+        self._expire_holds()
         size = self.config.block_size
         keys = block_keys(context, size)
         usable = (len(context) - 1) // size         # the last prompt token is always computed
@@ -207,12 +234,16 @@ class EngineModel:
         private = math.ceil((len(context) - len(keys) * size + max_tokens) / size)
         for key in keys[:hit]:
             self.blocks.pin(key)
-        if not self.blocks.make_room(len(keys) - hit, self._private + private):
-            for key in reversed(keys[:hit]):
-                self.blocks.unpin(key)
-            return None
+        while not self.blocks.make_room(len(keys) - hit, self._private + private):
+            if not self._release_a_hold(but=session):
+                for key in reversed(keys[:hit]):
+                    self.blocks.unpin(key)
+                return None
         for key in keys[hit:]:
             self.blocks.pin(key)
+        if session in self._holds:
+            self.hold_stats.used += 1
+            self._end_hold(session)
         self._private += private
         self._held[request_id] = _Held(keys, False, private, len(context))
         self._prefill += uncached
@@ -223,9 +254,11 @@ class EngineModel:
         self._publish()
         return hit * size
 
-    def release(self, request_id: str, sequence: Sequence[int] = ()) -> None:
+    def release(self, request_id: str, sequence: Sequence[int] = (), *, session: str = "",
+                hold_s: float = 0.0) -> None:
         """A request left (finished or aborted): unpin its blocks and cache ``sequence``'s (its prompt and the
-        tokens it generated) for whoever continues it."""
+        tokens it generated) for whoever continues it; with ``session`` and ``hold_s`` > 0, keep them pinned
+        for the session's next request that long (see the module docstring)."""
         held = self._held.pop(request_id, None)
         if held is None:
             return
@@ -239,11 +272,57 @@ class EngineModel:
                 self.blocks.add_idle(key)
         for key in reversed(held.keys):
             self.blocks.unpin(key, keep=current)
+        if session and hold_s > 0 and current:
+            self._hold(session, [*held.keys, *new], hold_s)
         self._publish()
 
+    def close_session(self, session: str) -> bool:
+        """The session ended: its hold, if any, ends now (its blocks stay cached, unpinned)."""
+        return self._end_hold(session)
+
+    @property
+    def held_sessions(self) -> int:
+        return len(self._holds)
+
+    def _hold(self, session: str, keys: list[int], hold_s: float) -> None:
+        self._end_hold(session)
+        kept = [key for key in keys if key in self.blocks]
+        for key in kept:
+            self.blocks.pin(key)
+        until = self._clock() + hold_s if self._clock is not None else math.inf
+        self._holds[session] = _Hold(kept, until)
+        self.hold_stats.held += 1
+
+    def _end_hold(self, session: str) -> bool:
+        hold = self._holds.pop(session, None)
+        if hold is None:
+            return False
+        for key in reversed(hold.keys):
+            self.blocks.unpin(key)
+        return True
+
+    def _expire_holds(self) -> None:
+        if not self._holds or self._clock is None:
+            return
+        now = self._clock()
+        for session in [s for s, h in self._holds.items() if h.until <= now]:
+            self._end_hold(session)
+            self.hold_stats.expired += 1
+
+    def _release_a_hold(self, but: str) -> bool:
+        """Under pressure: end the hold that would expire soonest (not ``but``'s); whether there was one."""
+        victims = [(h.until, s) for s, h in self._holds.items() if s != but]
+        if not victims:
+            return False
+        self._end_hold(min(victims)[1])
+        self.hold_stats.released += 1
+        return True
+
     def clear(self) -> None:
-        """New weights make cached KV wrong: idle blocks go; blocks running requests hold are renamed (never
-        matched again) and go when those requests end."""
+        """New weights make cached KV wrong: holds end and idle blocks go; blocks running requests hold are
+        renamed (never matched again) and go when those requests end."""
+        for session in list(self._holds):
+            self._end_hold(session)
         self.blocks.idle.clear()
         self._generation += 1
         stale = {key: hash(("stale", self._generation, key)) for key in self.blocks.pinned}

@@ -40,6 +40,8 @@ class StepBatch:
     """Rows already in the batch: decode one token each."""
     admitted: list[RowSpec]
     """Rows joining now: prefill their context and produce their first token."""
+    holds: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Of ``dropped``, those that finished asking their session's KV held: request id -> seconds."""
 
 
 class ActiveRequest:
@@ -75,6 +77,15 @@ class ActiveRequest:
     def reserved_tokens(self) -> int:
         """Worst-case KV footprint: prompt + max_tokens."""
         return len(self.request.prompt_token_ids) + self.request.sampling.max_tokens
+
+    @property
+    def hold_kv_s(self) -> float:
+        """How long its session's KV is to be held now that it left: the request's ``hold_kv_s`` when it
+        finished (STOP or LENGTH) in a session, else 0 (an aborted request is resumed, not continued)."""
+        request = self.request
+        if request.session_id and self.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+            return request.hold_kv_s
+        return 0.0
 
     @property
     def held_tokens(self) -> int:

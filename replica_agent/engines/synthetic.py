@@ -215,7 +215,8 @@ class SyntheticEngine(SteppedEngine):
             clock=clock or time.monotonic,
         )
         self.config = config
-        self.model = (EngineModel(config.engine_model, iterations_per_step=config.tokens_per_step)
+        self.model = (EngineModel(config.engine_model, iterations_per_step=config.tokens_per_step,
+                                  clock=clock or time.monotonic)
                       if config.engine_model is not None else None)
         self._sequences: dict[str, list[int]] = {}
         """With the engine model: each running request's context and tokens so far (cached when it ends)."""
@@ -257,7 +258,8 @@ class SyntheticEngine(SteppedEngine):
             return super()._reserve(active)
         context = [*active.request.prompt_token_ids, *active.prefix]
         cached = self.model.admit(active.request_id, context,
-                                  active.request.sampling.max_tokens - active.completion_tokens)
+                                  active.request.sampling.max_tokens - active.completion_tokens,
+                                  session=active.request.session_id)
         if cached is None:
             return False
         active.cached_tokens = cached
@@ -267,7 +269,8 @@ class SyntheticEngine(SteppedEngine):
     def _unreserve(self, active: ActiveRequest) -> None:
         if self.model is None:
             return super()._unreserve(active)
-        self.model.release(active.request_id, self._sequences.pop(active.request_id, ()))
+        self.model.release(active.request_id, self._sequences.pop(active.request_id, ()),
+                           session=active.request.session_id, hold_s=active.hold_kv_s)
 
     def _run_length(self, row: RowSpec) -> int:
         """Tokens the row gets this step: ``tokens_per_step``, fewer where its response ends sooner."""
@@ -301,6 +304,9 @@ class SyntheticEngine(SteppedEngine):
                 if sequence is not None:
                     sequence += ids
         return out
+
+    async def close_session(self, session_id: str) -> bool:
+        return self.model.close_session(session_id) if self.model is not None else False
 
     def prefix_events(self) -> PrefixEvents | None:
         return self.model.events if self.model is not None else None

@@ -57,11 +57,11 @@ class BatchRunner:
         self.positions: torch.Tensor | None = None
         self.last_tokens: torch.Tensor | None = None
 
-    def reset(self, keep: bool = False) -> None:
+    def reset(self, keep: bool = False, holds: dict[str, float] | None = None) -> None:
         """Forget every row and free the cache; ``keep``: put the rows' sequences into the prefix cache first
-        (they finished)."""
+        (they finished), held for their sessions as ``holds`` says (request id -> seconds)."""
         if keep and self.prefix is not None and self.ids:
-            self._keep_leaving(set(self.ids))
+            self._keep_leaving(set(self.ids), holds or {})
         self.ids, self.tokens, self.sessions, self.generations = [], [], [], []
         self.cache = self.mask = self.positions = self.last_tokens = None
 
@@ -72,7 +72,7 @@ class BatchRunner:
     def step(self, batch: StepBatch) -> list[tuple[int, float]]:
         """Run one step; results follow ``batch.running + batch.admitted``."""
         with torch.no_grad():
-            self._drop(batch.dropped)
+            self._drop(batch.dropped, batch.holds)
             running = {r.request_id: r for r in batch.running}
             if set(running) != set(self.ids):
                 raise RuntimeError(f"batch out of sync: engine runs {sorted(running)}, cache holds {sorted(self.ids)}")
@@ -88,12 +88,12 @@ class BatchRunner:
             return [by_id[r.request_id] for r in (*batch.running, *batch.admitted)]
 
     # ------------------------------------------------------------- internals
-    def _drop(self, dropped: list[str]) -> None:
+    def _drop(self, dropped: list[str], holds: dict[str, float]) -> None:
         gone = set(dropped) & set(self.ids)
         if not gone:
             return
         if self.prefix is not None:
-            self._keep_leaving(gone)
+            self._keep_leaving(gone, holds)
         keep = [i for i, rid in enumerate(self.ids) if rid not in gone]
         if not keep:
             self.reset()
@@ -185,9 +185,9 @@ class BatchRunner:
         self.generations.extend([self.prefix.generation if self.prefix is not None else 0] * len(rows))
         return logits
 
-    def _keep_leaving(self, gone: set[str]) -> None:
+    def _keep_leaving(self, gone: set[str], holds: dict[str, float]) -> None:
         """Put the whole sequence of each leaving row into the prefix cache (a session's next turn, a resume
-        here, a repeated prompt start with it)."""
+        here, a repeated prompt start with it), held for the session as long as ``holds`` says."""
         assert self.prefix is not None and self.cache is not None and self.mask is not None
         layers: Any = self.cache.layers
         width = self.mask.shape[1]
@@ -196,7 +196,7 @@ class BatchRunner:
                 held = len(self.tokens[i])
                 self.prefix.insert(self.tokens[i], [layer.keys[i, :, width - held:] for layer in layers],
                                    [layer.values[i, :, width - held:] for layer in layers], self.sessions[i],
-                                   generation=self.generations[i])
+                                   generation=self.generations[i], hold_s=holds.get(rid, 0.0))
 
     def _merge(self, cache: DynamicCache, mask: torch.Tensor) -> None:
         width = max(self.cache_length, mask.shape[1])

@@ -211,9 +211,9 @@ class TorchEngine(SteppedEngine):
         if self._runner is not None:
             await self._in_worker(self._runner.reset)
 
-    async def _retire_batch(self) -> None:
+    async def _retire_batch(self, holds: dict[str, float]) -> None:
         if self._runner is not None:
-            await self._in_worker(self._runner.reset, True)
+            await self._in_worker(self._runner.reset, True, holds)
 
     # ------------------------------------------------------------- weights
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -12,7 +12,10 @@ Entries are block-aligned (``block`` tokens; the partial last block is not kept)
 chain over their blocks, so a lookup finds the longest cached prefix of a context in one pass over its
 blocks (tokens are compared, never trusted to the hash). The cache holds at most ``capacity`` tokens,
 least recently used first out; an entry unused for ``idle_s`` seconds is dropped, and ``close_session``
-drops a session's entries at once. Weights that change make every entry wrong: the engine calls
+drops a session's entries at once. A sequence inserted with ``hold_s`` (a session's turn that ends in a
+tool call) is *held* that long: eviction passes over it while an entry nobody holds remains, and takes
+the held entry that expires soonest only when every entry is held. The hold ends at its deadline or when a
+lookup uses the entry (the session came back). Weights that change make every entry wrong: the engine calls
 :meth:`PrefixCache.clear` on every weight swap and release, which starts a new :attr:`generation`; KV
 computed under an earlier generation (a row that was running across the swap) is refused by
 :meth:`insert`, so no stale entry can come back after a clear.
@@ -38,6 +41,7 @@ class Entry:
     session: str
     used: float
     entry_id: int = -1
+    held_until: float = 0.0       # on the cache's clock; 0: not held
 
 
 @dataclasses.dataclass
@@ -48,6 +52,9 @@ class PrefixStats:
     hit_tokens: int = 0
     evicted: int = 0
     expired: int = 0
+    held: int = 0                 # sequences inserted with a hold
+    holds_used: int = 0           # holds a lookup came back to
+    holds_evicted: int = 0        # held entries evicted because every entry was held
 
 
 class PrefixCache:
@@ -97,13 +104,17 @@ class PrefixCache:
         if entry is not None:
             self.stats.hits += 1
             self.stats.hit_tokens += length
+            if entry.held_until:
+                entry.held_until = 0.0
+                self.stats.holds_used += 1
             self._touch(entry)
         return best
 
     def insert(self, tokens: Sequence[int], keys: list[torch.Tensor], values: list[torch.Tensor],
-               session: str = "", generation: int | None = None) -> None:
+               session: str = "", generation: int | None = None, hold_s: float = 0.0) -> None:
         """Keep the KV of ``tokens`` (per layer ``[kv_heads, len(tokens), head_dim]``, copied here), computed
-        under ``generation`` (None: the current one); KV of an earlier generation is not kept."""
+        under ``generation`` (None: the current one), held for ``hold_s`` seconds when > 0; KV of an earlier
+        generation is not kept."""
         n = (len(tokens) // self.block) * self.block
         if n == 0 or n > self.capacity or (generation is not None and generation != self.generation):
             return
@@ -112,19 +123,35 @@ class PrefixCache:
         known = self._entries.get(self._index.get(chain[-1], -1))
         if known is not None and known.tokens == tuple(tokens[:n]):
             known.session = known.session or session
+            self._hold(known, hold_s)
             self._touch(known)
             return
         entry_id = self._next_id
         entry = Entry(tuple(tokens[:n]), [k[:, :n].clone() for k in keys], [v[:, :n].clone() for v in values],
                       session, self.clock(), entry_id)
         self._next_id += 1
+        self._hold(entry, hold_s)
         self._entries[entry_id] = entry
         for key in chain:
             self._index[key] = entry_id
         self.tokens += n
         while self.tokens > self.capacity:
-            self._remove(next(iter(self._entries)))
+            self._remove(self._victim())
             self.stats.evicted += 1
+
+    def _hold(self, entry: Entry, hold_s: float) -> None:
+        if hold_s > 0:
+            entry.held_until = max(entry.held_until, self.clock() + hold_s)
+            self.stats.held += 1
+
+    def _victim(self) -> int:
+        """The least recently used entry nobody holds; when all are held, the one whose hold ends soonest."""
+        now = self.clock()
+        for entry_id, entry in self._entries.items():
+            if entry.held_until <= now:
+                return entry_id
+        self.stats.holds_evicted += 1
+        return min(self._entries.values(), key=lambda e: e.held_until).entry_id
 
     def close_session(self, session: str) -> bool:
         """Drop a session's entries; whether there were any."""

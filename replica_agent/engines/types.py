@@ -99,6 +99,10 @@ class EngineRequest:
     session_id: str = ""
     """The session (trajectory) the request belongs to; an engine may keep its context until
     ``close_session``. Empty: none."""
+    hold_kv_s: float = 0.0
+    """With ``session_id``: after the request ends, keep its sequence's KV for the session's next request
+    this long (a turn that ends in a tool call), ahead of KV nobody will come back for; engines with a
+    prefix cache honour it and give it up under pressure. 0: not held."""
     checked: bool = False
     """True when the request passed the mesh's checks where it entered this process (the replica agent's
     decoding of a Generate call, :func:`replica_agent.convert.generation_request`): the engine then checks

@@ -10,7 +10,7 @@ from mesh_runtime.prefix import block_keys
 from replica_agent.engines.engine_model import EngineModel, EngineModelConfig
 from replica_agent.engines.errors import InvalidRequest
 from replica_agent.engines.synthetic import SyntheticEngine, SyntheticEngineConfig, VirtualClock
-from replica_agent.engines.types import EngineRequest, SamplingParams
+from replica_agent.engines.types import EngineRequest, FinishReason, SamplingParams
 
 
 def model(**kw) -> EngineModel:
@@ -148,3 +148,71 @@ def test_the_cache_publishes_what_it_stores_and_removes_and_a_reset_on_new_weigh
     m.events.unsubscribe(queue)
     m.admit("c", list(range(8)), 1)
     assert queue.empty()
+
+
+def test_a_held_session_keeps_its_blocks_over_idle_ones_until_it_comes_back_expires_or_pressure():
+    """A turn that ends in a tool call holds its sequence: admissions evict every idle block first; the session's
+    next request ends the hold; a hold ends at its deadline; under pressure the soonest-ending hold goes."""
+    now = [0.0]
+    m = EngineModel(EngineModelConfig(block_size=4, kv_capacity_tokens=48), clock=lambda: now[0])   # 12 blocks
+    m.admit("t1", list(range(12)), 4, session="traj")
+    m.release("t1", list(range(16)), session="traj", hold_s=10.0)   # 4 blocks held
+    m.admit("x", list(range(100, 112)), 4)
+    m.release("x", list(range(100, 116)))                           # 4 idle blocks, more recent than traj's
+    assert m.held_sessions == 1 and m.hold_stats.held == 1
+    m.admit("y", list(range(200, 220)), 8)                          # 5 + 2 blocks: x's go, traj's stay
+    assert m.blocks.matched(block_keys(list(range(16)), 4)) == 4 and m.blocks.matched(block_keys(list(range(100, 116)), 4)) < 4
+    m.release("y")
+    assert m.admit("t2", list(range(16)) + [7, 7], 4, session="traj") == 16   # the session came back: all cached
+    assert m.held_sessions == 0 and m.hold_stats.used == 1
+    m.release("t2", list(range(16)) + [7, 7], session="traj", hold_s=10.0)
+    now[0] = 11.0                                                   # past the deadline: unpinned at the next admit
+    m.admit("z", [1, 2], 1)
+    assert m.held_sessions == 0 and m.hold_stats.expired == 1
+    m.release("z")
+
+    # pressure: two holds fill the cache; an admission that needs room ends the one that would expire soonest
+    p = EngineModel(EngineModelConfig(block_size=4, kv_capacity_tokens=40), clock=lambda: 0.0)      # 10 blocks
+    for session, base, hold in (("a", 0, 5.0), ("b", 100, 50.0)):
+        p.admit(session, list(range(base, base + 16)), 1, session=session)
+        p.release(session, list(range(base, base + 16)), session=session, hold_s=hold)
+    assert len(p.blocks.idle) == 0 and p.held_sessions == 2 and p.hold_stats.released == 0
+    assert p.admit("c", list(range(300, 312)), 4) == 0              # 3 + 1 blocks: a's hold is given up
+    assert p.hold_stats.released == 1 and p.held_sessions == 1
+    assert p.blocks.matched(block_keys(list(range(100, 116)), 4)) == 4        # b's, ending later, stay
+    assert p.close_session("b") and not p.close_session("b") and p.held_sessions == 0
+    # new weights end every hold
+    p.release("c")
+    p.admit("d", list(range(16)), 1, session="d")
+    p.release("d", list(range(16)), session="d", hold_s=5.0)
+    p.clear()
+    assert p.held_sessions == 0 and len(p.blocks) == 0
+
+
+def test_the_synthetic_engine_holds_a_finished_turn_and_not_an_aborted_one():
+    clock = VirtualClock()
+    config = SyntheticEngineConfig(engine_model=EngineModelConfig(block_size=4, kv_capacity_tokens=4096),
+                                   tokens_per_step=4, vocab_size=1000)
+    engine = SyntheticEngine(config, clock=clock, sleep=clock.sleep)
+
+    async def run() -> None:
+        await engine.start()
+        try:
+            request = EngineRequest("t1", list(range(10, 30)), SamplingParams(max_tokens=8, ignore_eos=True),
+                                    session_id="traj", hold_kv_s=30.0)
+            async for _ in engine.generate(request):
+                pass
+            assert engine.model.held_sessions == 1
+            assert await engine.close_session("traj") and engine.model.held_sessions == 0
+            request = EngineRequest("t2", list(range(10, 30)), SamplingParams(max_tokens=4000, ignore_eos=True),
+                                    session_id="other", hold_kv_s=30.0)
+            stream = engine.generate(request)
+            await stream.__anext__()
+            assert await engine.abort(["t2"]) == ["t2"]
+            async for last in stream:
+                pass
+            assert last.finish_reason is FinishReason.ABORTED and engine.model.held_sessions == 0     # aborted: resumed elsewhere, not continued here
+        finally:
+            await engine.close()
+
+    asyncio.run(run())

@@ -132,3 +132,56 @@ def test_results_report_the_cached_tokens_of_their_context():
             await engine.close()
 
     assert asyncio.run(run()) == (0, 96)   # 6 whole blocks of 16 of the first prompt
+
+
+def test_a_held_sequence_outlives_idle_ones_until_used_expired_or_all_are_held():
+    """Eviction passes over held entries while one nobody holds remains; a lookup that uses a held entry ends its
+    hold; a hold past its deadline is evictable again; with every entry held, the one ending soonest goes."""
+    clock = [0.0]
+    cache = PrefixCache(24, block=4, idle_s=100, clock=lambda: clock[0])
+    cache.insert([1] * 8, *kv(8), session="s1", hold_s=10)
+    cache.insert([2] * 8, *kv(8))
+    cache.insert([3] * 8, *kv(8))
+    cache.insert([4] * 8, *kv(8))                       # full: [2] goes, not the older but held [1]
+    assert cache.lookup([2] * 9)[0] is None and cache.lookup([1] * 9)[1] == 8
+    assert cache.stats.holds_used == 1                  # that lookup was the session coming back: hold over
+    cache.insert([1] * 12, *kv(12), session="s1", hold_s=10)   # its next turn, held again; [3] and [4] make room
+    assert cache.lookup([3] * 9)[0] is None and cache.lookup([1] * 13)[1] == 12
+    clock[0] = 20.0
+    cache.insert([5] * 8, *kv(8), hold_s=5)             # the unheld [1] entries make room for these two
+    cache.insert([6] * 8, *kv(8), hold_s=50)
+    cache.insert([7] * 8, *kv(8), hold_s=30)
+    assert cache.stats.holds_evicted == 0 and cache.lookup([1] * 9)[0] is None
+    cache.insert([8] * 8, *kv(8), hold_s=40)             # every entry is held: [5] ends soonest and goes
+    assert cache.stats.holds_evicted == 1 and cache.lookup([5] * 9)[0] is None
+    assert cache.lookup([6] * 9)[1] == 8 and cache.stats.held == 6
+    clock[0] = 100.0                                     # past every deadline: plain LRU again
+    cache.insert([9] * 8, *kv(8))
+    assert cache.stats.holds_evicted == 1 and cache.lookup([7] * 9)[0] is None
+
+
+def test_the_torch_engine_holds_a_session_turn_that_finished_and_not_one_aborted():
+    async def run():
+        engine = create_engine("torch", preset="tiny-llama", seed=5, prefix_cache_tokens=4096, num_threads=1)
+        await engine.start()
+        try:
+            prompt = list(range(10, 110))
+            async for _ in engine.generate(EngineRequest("a", prompt, SamplingParams(max_tokens=3, ignore_eos=True),
+                                                         session_id="traj", hold_kv_s=30.0)):
+                pass
+            stream = engine.generate(EngineRequest("b", list(range(130, 230)),
+                                                   SamplingParams(max_tokens=300, ignore_eos=True),
+                                                   session_id="other", hold_kv_s=30.0))
+            await stream.__anext__()
+            assert await engine.abort(["b"]) == ["b"]
+            async for _ in stream:
+                pass
+            async for chunk in engine.generate(EngineRequest("c", prompt + [7, 7], SamplingParams(max_tokens=2),
+                                                             session_id="traj")):
+                usage = chunk.usage
+            return engine._runner.prefix.stats, usage.cached_tokens
+        finally:
+            await engine.close()
+
+    stats, cached = asyncio.run(run())
+    assert stats.held == 1 and stats.holds_used == 1 and cached == 96   # a's hold, used by its session's next turn

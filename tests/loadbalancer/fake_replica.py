@@ -28,6 +28,7 @@ class Seen:
     replica_id: str
     request_id: str
     resumed: int
+    hold_kv_s: float = 0.0
 
 
 @dataclass
@@ -44,7 +45,8 @@ class FakeReplicas(replica_agent_pb2_grpc.ReplicaAgentServiceServicer):
 
     async def Generate(self, request, context):  # noqa: N802
         resumed = sum(len(s.token_ids) for s in request.resume_segments)
-        self.seen.append(Seen(request.replica_id, request.request_id, resumed))
+        self.seen.append(Seen(request.replica_id, request.request_id, resumed,
+                              request.hold_kv.seconds + request.hold_kv.nanos / 1e9))
         mode = self.modes.get(request.replica_id)
         if mode is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no replica {request.replica_id}")

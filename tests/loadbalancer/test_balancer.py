@@ -430,3 +430,61 @@ async def test_replicas_are_listed_in_pages_by_id(mesh):
                                                        routable_only=True))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert error_info(info.value).reason == "INVALID_PAGE_TOKEN"
+
+
+async def test_a_sessions_request_asks_its_replica_to_hold_its_kv_for_the_pause(mesh):
+    """expected_pause is passed on as the replica's hold_kv (0: the session's last turn, nothing held; no session:
+    nothing held); unset, the hold is the balancer's estimate from the pauses it saw, capped by max_kv_hold_s;
+    a negative one is refused before routing."""
+    from google.protobuf.duration_pb2 import Duration
+
+    stub, fake, _ = await mesh({"a": "normal"}, lb_overrides={"max_kv_hold_s": 20.0})
+    await collect(stub, request("p1", 4, session_id="s", expected_pause=Duration(seconds=5)))
+    await collect(stub, request("p2", 4, session_id="s", expected_pause=Duration(seconds=60)))
+    await collect(stub, request("p3", 4, session_id="s", expected_pause=Duration()))
+    await collect(stub, request("p4", 4, expected_pause=Duration(seconds=5)))
+    assert [s.hold_kv_s for s in fake.seen] == [5.0, 60.0, 0.0, 0.0]   # the caller's own figure is not capped
+    for i in range(20):   # sessions of two turns, nothing said: the balancer learns their pause
+        await collect(stub, request(f"t{i}-0", 4, session_id=f"t{i}"))
+        await asyncio.sleep(0.01)
+        await collect(stub, request(f"t{i}-1", 4, session_id=f"t{i}"))
+    holds = [s.hold_kv_s for s in fake.seen[4:]]
+    # nothing held before 16 pauses were seen: s's two, then one per second turn; t13-1 brings the 16th
+    assert holds[:27] == [0.0] * 27 and all(0.01 <= h < 1.0 for h in holds[27:])
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await collect(stub, request("neg", 4, session_id="s", expected_pause=Duration(seconds=-1)))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "expected_pause" in info.value.details()
+    assert fake.seen[-1].request_id != "neg"
+    off, off_fake, _ = await mesh({"b": "normal"}, lb_overrides={"max_kv_hold_s": 0})
+    for i in range(20):
+        await collect(off, request(f"u{i}-0", 4, session_id=f"u{i}"))
+        await collect(off, request(f"u{i}-1", 4, session_id=f"u{i}"))
+    assert {s.hold_kv_s for s in off_fake.seen} == {0.0}
+
+
+def test_the_pause_estimate_is_a_quantile_of_recent_pauses_capped():
+    from loadbalancer.pauses import PauseEstimator
+
+    pauses = PauseEstimator(max_hold_s=10.0, quantile=0.9, min_samples=4)
+    for i, pause in enumerate([1.0, 2.0, 3.0]):
+        pauses.ended(f"s{i}", 100.0)
+        pauses.arrived(f"s{i}", 100.0 + pause)
+    assert pauses.hold_s() == 0.0 and pauses.samples == 3          # too few pauses seen
+    pauses.arrived("never-ended", 200.0)                             # a session's first request: no pause
+    pauses.ended("long", 0.0)
+    pauses.arrived("long", 500.0)                                    # picked up much later: not a pause
+    pauses.ended("last", 0.0, last=True)
+    pauses.arrived("last", 1.0)                                      # said to be over: not a pause
+    pauses.ended("closed", 0.0)
+    pauses.forget("closed")
+    pauses.arrived("closed", 1.0)
+    assert pauses.samples == 3
+    for i, pause in enumerate([4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 30.0]):
+        pauses.ended(f"t{i}", 0.0)
+        pauses.arrived(f"t{i}", pause)
+    assert pauses.samples == 10 and pauses.hold_s() == 10.0          # the 90th percentile is 30 s: capped
+    quick = PauseEstimator(max_hold_s=60.0, quantile=0.5, min_samples=1)
+    for i, pause in enumerate([1.0, 2.0, 3.0, 4.0]):
+        quick.ended(f"q{i}", 0.0)
+        quick.arrived(f"q{i}", pause)
+    assert quick.hold_s() == 3.0

@@ -493,6 +493,8 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """The engine's cache holds blocks of running requests and cannot be flushed
     now (SGLang's /flush_cache with requests pending).
     """
+    INVALID_KV_HOLD: _ErrorReason.ValueType  # 179
+    """A Generate request's expected_pause or hold_kv is negative."""
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """ErrorReason lists every reason a rollmesh server raises, grouped by where
@@ -964,4 +966,6 @@ CACHE_IN_USE: ErrorReason.ValueType  # 178
 """The engine's cache holds blocks of running requests and cannot be flushed
 now (SGLang's /flush_cache with requests pending).
 """
+INVALID_KV_HOLD: ErrorReason.ValueType  # 179
+"""A Generate request's expected_pause or hold_kv is negative."""
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015

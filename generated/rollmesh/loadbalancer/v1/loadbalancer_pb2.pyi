@@ -98,6 +98,7 @@ class GenerateRequest(_message.Message):
     RESUME_SEGMENTS_FIELD_NUMBER: _builtins.int
     FLUSH_INTERVAL_FIELD_NUMBER: _builtins.int
     FINAL_ONLY_FIELD_NUMBER: _builtins.int
+    EXPECTED_PAUSE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller's unique id for this generation; the exactly-once key."""
     session_id: _builtins.str
@@ -157,6 +158,18 @@ class GenerateRequest(_message.Message):
         negative.
         """
 
+    @_builtins.property
+    def expected_pause(self) -> _duration_pb2.Duration:
+        """With session_id: how long after this request ends the session's next
+        request is expected (an agent waiting on a tool call). The replica then
+        keeps the session's KV that long, ahead of KV nobody will come back for,
+        and gives it up under memory pressure. Zero: the session ends with this
+        request (its last turn), nothing is kept. Unset: the balancer's estimate
+        from the pauses it has seen between sessions' requests (its
+        max_kv_hold_s caps the estimate; 0 there turns estimates off). Must not
+        be negative.
+        """
+
     def __init__(
         self,
         *,
@@ -171,11 +184,14 @@ class GenerateRequest(_message.Message):
         resume_segments: _abc.Iterable[_generation_pb2.TokenSegment] | None = ...,
         flush_interval: _duration_pb2.Duration | None = ...,
         final_only: _builtins.bool = ...,
+        expected_pause: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_min_weight_version", b"_min_weight_version", "_partial_rollout", b"_partial_rollout", "_retry_budget", b"_retry_budget", "_stream_interval", b"_stream_interval", "flush_interval", b"flush_interval", "min_weight_version", b"min_weight_version", "partial_rollout", b"partial_rollout", "retry_budget", b"retry_budget", "sampling_params", b"sampling_params", "stream_interval", b"stream_interval"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_expected_pause", b"_expected_pause", "_min_weight_version", b"_min_weight_version", "_partial_rollout", b"_partial_rollout", "_retry_budget", b"_retry_budget", "_stream_interval", b"_stream_interval", "expected_pause", b"expected_pause", "flush_interval", b"flush_interval", "min_weight_version", b"min_weight_version", "partial_rollout", b"partial_rollout", "retry_budget", b"retry_budget", "sampling_params", b"sampling_params", "stream_interval", b"stream_interval"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_min_weight_version", b"_min_weight_version", "_partial_rollout", b"_partial_rollout", "_retry_budget", b"_retry_budget", "_stream_interval", b"_stream_interval", "final_only", b"final_only", "flush_interval", b"flush_interval", "min_weight_version", b"min_weight_version", "partial_rollout", b"partial_rollout", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "resume_segments", b"resume_segments", "retry_budget", b"retry_budget", "sampling_params", b"sampling_params", "session_id", b"session_id", "stream_interval", b"stream_interval"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_expected_pause", b"_expected_pause", "_min_weight_version", b"_min_weight_version", "_partial_rollout", b"_partial_rollout", "_retry_budget", b"_retry_budget", "_stream_interval", b"_stream_interval", "expected_pause", b"expected_pause", "final_only", b"final_only", "flush_interval", b"flush_interval", "min_weight_version", b"min_weight_version", "partial_rollout", b"partial_rollout", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "resume_segments", b"resume_segments", "retry_budget", b"retry_budget", "sampling_params", b"sampling_params", "session_id", b"session_id", "stream_interval", b"stream_interval"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__expected_pause: _TypeAlias = _typing.Literal["expected_pause"]  # noqa: Y015
+    _WhichOneofArgType__expected_pause: _TypeAlias = _typing.Literal["_expected_pause", b"_expected_pause"]  # noqa: Y015
     _WhichOneofReturnType__min_weight_version: _TypeAlias = _typing.Literal["min_weight_version"]  # noqa: Y015
     _WhichOneofArgType__min_weight_version: _TypeAlias = _typing.Literal["_min_weight_version", b"_min_weight_version"]  # noqa: Y015
     _WhichOneofReturnType__partial_rollout: _TypeAlias = _typing.Literal["partial_rollout"]  # noqa: Y015
@@ -184,6 +200,8 @@ class GenerateRequest(_message.Message):
     _WhichOneofArgType__retry_budget: _TypeAlias = _typing.Literal["_retry_budget", b"_retry_budget"]  # noqa: Y015
     _WhichOneofReturnType__stream_interval: _TypeAlias = _typing.Literal["stream_interval"]  # noqa: Y015
     _WhichOneofArgType__stream_interval: _TypeAlias = _typing.Literal["_stream_interval", b"_stream_interval"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__expected_pause) -> _WhichOneofReturnType__expected_pause | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__min_weight_version) -> _WhichOneofReturnType__min_weight_version | None: ...
     @_typing.overload

@@ -405,6 +405,7 @@ class GenerateRequest(_message.Message):
     STREAM_INTERVAL_FIELD_NUMBER: _builtins.int
     FLUSH_INTERVAL_FIELD_NUMBER: _builtins.int
     SESSION_ID_FIELD_NUMBER: _builtins.int
+    HOLD_KV_FIELD_NUMBER: _builtins.int
     replica_id: _builtins.str
     """Replica that generates."""
     request_id: _builtins.str
@@ -443,6 +444,16 @@ class GenerateRequest(_message.Message):
         the agent's flush_interval_s. Must not be negative.
         """
 
+    @_builtins.property
+    def hold_kv(self) -> _duration_pb2.Duration:
+        """With session_id: after the request ends (not when aborted), keep its
+        sequence's KV for the session's next request this long (a turn that
+        ends in a tool call): engines with a prefix cache evict it after KV
+        nobody holds, release it under memory pressure, and release it when the
+        session's next request arrives or CloseSession. Zero or unset: not held.
+        Must not be negative.
+        """
+
     def __init__(
         self,
         *,
@@ -454,10 +465,11 @@ class GenerateRequest(_message.Message):
         stream_interval: _builtins.int | None = ...,
         flush_interval: _duration_pb2.Duration | None = ...,
         session_id: _builtins.str = ...,
+        hold_kv: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_stream_interval", b"_stream_interval", "flush_interval", b"flush_interval", "sampling_params", b"sampling_params", "stream_interval", b"stream_interval"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_stream_interval", b"_stream_interval", "flush_interval", b"flush_interval", "hold_kv", b"hold_kv", "sampling_params", b"sampling_params", "stream_interval", b"stream_interval"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_stream_interval", b"_stream_interval", "flush_interval", b"flush_interval", "prompt_token_ids", b"prompt_token_ids", "replica_id", b"replica_id", "request_id", b"request_id", "resume_segments", b"resume_segments", "sampling_params", b"sampling_params", "session_id", b"session_id", "stream_interval", b"stream_interval"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_stream_interval", b"_stream_interval", "flush_interval", b"flush_interval", "hold_kv", b"hold_kv", "prompt_token_ids", b"prompt_token_ids", "replica_id", b"replica_id", "request_id", b"request_id", "resume_segments", b"resume_segments", "sampling_params", b"sampling_params", "session_id", b"session_id", "stream_interval", b"stream_interval"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__stream_interval: _TypeAlias = _typing.Literal["stream_interval"]  # noqa: Y015
     _WhichOneofArgType__stream_interval: _TypeAlias = _typing.Literal["_stream_interval", b"_stream_interval"]  # noqa: Y015
