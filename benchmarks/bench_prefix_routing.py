@@ -122,16 +122,16 @@ async def run_grpo(send, groups: list[list[Call]], concurrency: int) -> Result:
     return result
 
 
-async def run_multiturn(send, trajectories: int, concurrency: int, seed: int) -> Result:
+async def run_multiturn(system, trajectories: int, concurrency: int, seed: int) -> Result:
     system = [random.Random(seed).randrange(2, 32000) for _ in range(512)]
 
     def opening(rng: random.Random) -> tuple[list[int], int]:
         return system + [rng.randrange(2, 32000) for _ in range(rng.randint(256, 1024))], 8
 
-    return await _run_trajectories(send, trajectories, concurrency, seed, "t", opening)
+    return await _run_trajectories(system, trajectories, concurrency, seed, "t", opening)
 
 
-async def run_document(send, trajectories: int, concurrency: int, seed: int) -> Result:
+async def run_document(system, trajectories: int, concurrency: int, seed: int) -> Result:
     """Multi-turn trajectories of skewed lengths (Zipf over 1-24 turns), 30% of them starting with one shared
     4,096-token document: a prefix shared by part of the traffic."""
     document = [random.Random(seed + 1).randrange(2, 32000) for _ in range(4096)]
@@ -142,20 +142,20 @@ async def run_document(send, trajectories: int, concurrency: int, seed: int) -> 
                                                              for _ in range(rng.randint(256, 1024))]
         return context, rng.choices(turns, weights)[0]
 
-    return await _run_trajectories(send, trajectories, concurrency, seed, "d", opening)
+    return await _run_trajectories(system, trajectories, concurrency, seed, "d", opening)
 
 
-async def run_system(send, trajectories: int, concurrency: int, seed: int) -> Result:
+async def run_system(system, trajectories: int, concurrency: int, seed: int) -> Result:
     """Trajectories of 1-8 turns, every one starting with one shared 6,144-token system prompt."""
     system = [random.Random(seed + 2).randrange(2, 32000) for _ in range(6144)]
 
     def opening(rng: random.Random) -> tuple[list[int], int]:
         return system + [rng.randrange(2, 32000) for _ in range(rng.randint(256, 1024))], rng.randint(1, 8)
 
-    return await _run_trajectories(send, trajectories, concurrency, seed, "s", opening)
+    return await _run_trajectories(system, trajectories, concurrency, seed, "s", opening)
 
 
-async def run_tools(send, trajectories: int, concurrency: int, seed: int, speed: float) -> Result:
+async def run_tools(system, trajectories: int, concurrency: int, seed: int, speed: float) -> Result:
     """Trajectories of 4-12 turns behind a 512-token system prompt; a tool call of lognormal latency (median
     2 s, sigma 1, over ``speed``) between turns."""
     system = [random.Random(seed + 3).randrange(2, 32000) for _ in range(512)]
@@ -166,15 +166,17 @@ async def run_tools(send, trajectories: int, concurrency: int, seed: int, speed:
     def tool_s(rng: random.Random) -> float:
         return rng.lognormvariate(math.log(2.0), 1.0) / speed
 
-    return await _run_trajectories(send, trajectories, concurrency, seed, "k", opening, tool_s)
+    return await _run_trajectories(system, trajectories, concurrency, seed, "k", opening, tool_s)
 
 
-async def _run_trajectories(send, trajectories: int, concurrency: int, seed: int, tag: str, opening,
+async def _run_trajectories(system, trajectories: int, concurrency: int, seed: int, tag: str, opening,
                             tool_s=None) -> Result:
     """``trajectories`` agentic trajectories, ``concurrency`` in flight: ``opening(rng)`` gives each its first
     context and its number of turns; every turn resends the whole context, then appends the response and an
     observation of 64-512 tokens, as a harness does; ``tool_s(rng)``, if given, is the wait for the tool
-    before the observation."""
+    before the observation. A system with sessions is told when a trajectory ends (``close``), as the
+    driver tells the balancer with CloseSession."""
+    send, close = system.send, getattr(system, "close", None)
     result = Result()
     left = list(range(trajectories))
 
@@ -193,6 +195,8 @@ async def _run_trajectories(send, trajectories: int, concurrency: int, seed: int
                 if tool_s is not None and turn + 1 < turns:
                     await asyncio.sleep(tool_s(rng))
                 context += call.output + [rng.randrange(2, 32000) for _ in range(rng.randint(64, 512))]
+            if close is not None:
+                await close(f"{tag}{t}")   # the trajectory ended, as the driver says with CloseSession
 
     started = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -245,6 +249,11 @@ class Mesh:
             await self.generations.close()
         await self.channel.close()
         await asyncio.gather(*(p.terminate() for p in self.procs))
+
+    async def close(self, session: str) -> None:
+        if self.sessions:
+            await loadbalancer_pb2_grpc.LoadBalancerServiceStub(self.channel).CloseSession(
+                loadbalancer_pb2.CloseSessionRequest(session_id=session))
 
     async def send(self, call: Call) -> bool:
         assert self.generations is not None
@@ -403,15 +412,15 @@ async def main() -> None:
                         calls = grpo(random.Random(args.seed), args.groups, args.n)
                         result = await run_grpo(system.send, calls, args.group_concurrency)
                     elif workload == "multiturn":
-                        result = await run_multiturn(system.send, args.trajectories, args.traj_concurrency,
+                        result = await run_multiturn(system, args.trajectories, args.traj_concurrency,
                                                      args.seed)
                     elif workload == "system":
-                        result = await run_system(system.send, args.trajectories, args.traj_concurrency, args.seed)
+                        result = await run_system(system, args.trajectories, args.traj_concurrency, args.seed)
                     elif workload == "tools":
-                        result = await run_tools(system.send, args.trajectories, args.traj_concurrency, args.seed,
+                        result = await run_tools(system, args.trajectories, args.traj_concurrency, args.seed,
                                                  args.speed)
                     else:
-                        result = await run_document(system.send, args.trajectories, args.traj_concurrency,
+                        result = await run_document(system, args.trajectories, args.traj_concurrency,
                                                     args.seed)
                 table[workload][name] = result
                 print(f"{workload:9} {name:17} {_row(result)}", flush=True)

@@ -217,6 +217,8 @@ class EngineModel:
         self.cached_tokens = 0
         self._clock = clock
         self._holds: dict[str, _Hold] = {}
+        self._hold_pins: collections.Counter[int] = collections.Counter()
+        """Per block, the pins of holds on it."""
         self.hold_stats = HoldStats()
 
     # ----------------------------------------------------------------- requests
@@ -289,6 +291,7 @@ class EngineModel:
         kept = [key for key in keys if key in self.blocks]
         for key in kept:
             self.blocks.pin(key)
+        self._hold_pins.update(kept)
         until = self._clock() + hold_s if self._clock is not None else math.inf
         self._holds[session] = _Hold(kept, until)
         self.hold_stats.held += 1
@@ -299,6 +302,10 @@ class EngineModel:
             return False
         for key in reversed(hold.keys):
             self.blocks.unpin(key)
+        self._hold_pins.subtract(hold.keys)
+        for key in hold.keys:
+            if self._hold_pins[key] <= 0:
+                del self._hold_pins[key]
         return True
 
     def _expire_holds(self) -> None:
@@ -372,8 +379,10 @@ class EngineModel:
 
     @property
     def used_tokens(self) -> int:
-        """KV in use by running requests: their prompt blocks and their reservations."""
-        return (len(self.blocks.pinned) + self._private) * self.config.block_size
+        """KV in use by running requests: their prompt blocks and their reservations (blocks only holds pin
+        are not: they are given up under pressure)."""
+        only_held = sum(1 for key, count in self._hold_pins.items() if self.blocks.pinned.get(key, 0) <= count)
+        return (len(self.blocks.pinned) - only_held + self._private) * self.config.block_size
 
     @property
     def hit_rate(self) -> float:

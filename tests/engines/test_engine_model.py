@@ -160,6 +160,7 @@ def test_a_held_session_keeps_its_blocks_over_idle_ones_until_it_comes_back_expi
     m.admit("x", list(range(100, 112)), 4)
     m.release("x", list(range(100, 116)))                           # 4 idle blocks, more recent than traj's
     assert m.held_sessions == 1 and m.hold_stats.held == 1
+    assert m.used_tokens == 0                                       # held, not used: given up under pressure
     m.admit("y", list(range(200, 220)), 8)                          # 5 + 2 blocks: x's go, traj's stay
     assert m.blocks.matched(block_keys(list(range(16)), 4)) == 4 and m.blocks.matched(block_keys(list(range(100, 116)), 4)) < 4
     m.release("y")
