@@ -47,8 +47,9 @@ from rollmesh.loadbalancer.v1.loadbalancer_pb2 import GenerateRequest, GenerateR
 from ..balancer import Balancer
 from ..config import LoadBalancerConfig
 from .openai_choices import ChoiceResult, ChoiceRun, Delta
-from .openai_requests import (VERSION_POLICY_HEADER, ApiError, Plan, api_error, apply_version_policy,
-                              check_request_id, parse_chat, parse_completion)
+from .openai_requests import (EXPECTED_PAUSE_HEADER, VERSION_POLICY_HEADER, ApiError, Plan, api_error,
+                              apply_expected_pause, apply_version_policy, check_request_id, parse_chat,
+                              parse_completion)
 from .sglang_front import SglangApi
 from .sglang_workers import WorkerApi
 from .smg_rl import RlApi
@@ -256,6 +257,7 @@ class OpenAIFront:
     async def _serve(self, request: web.Request, plan: Plan) -> web.StreamResponse:
         apply_version_policy(plan.requests, request.headers.get(VERSION_POLICY_HEADER),
                              self.balancer.table.newest_version)
+        apply_expected_pause(plan.requests, request.headers.get(EXPECTED_PAUSE_HEADER))
         with self.admitted(len(plan.requests)):
             return await self._serve_admitted(request, plan)
 

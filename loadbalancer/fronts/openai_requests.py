@@ -21,6 +21,7 @@ import uuid
 from typing import Any
 
 from mesh_runtime.chat import ChatError, ChatTokenizer
+from mesh_runtime.durations import set_seconds
 from mesh_runtime.errors import RollmeshError
 from mesh_runtime.validate import ID_MAX_LENGTH, ID_PATTERN, SESSION_ID_MAX_LENGTH, quote
 from rollmesh.common.v1 import generation_pb2
@@ -96,6 +97,26 @@ def apply_version_policy(requests: list[pb.GenerateRequest], policy: str | None,
     for request in requests:
         if not request.HasField("min_weight_version") or request.min_weight_version < floor:
             request.min_weight_version = floor
+
+
+EXPECTED_PAUSE_HEADER = "x-expected-pause"
+
+
+def apply_expected_pause(requests: list[pb.GenerateRequest], value: str | None) -> None:
+    """The ``x-expected-pause`` header: seconds until the session's next request (an agent about to run a
+    tool), or 0 on its last turn; the replica holds the session's KV that long (``expected_pause``)."""
+    if value is None:
+        return
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not 0 <= seconds <= 86_400:
+        raise ApiError(400, f"{EXPECTED_PAUSE_HEADER} must be seconds in [0, 86400], got {quote(value)}",
+                       param=EXPECTED_PAUSE_HEADER, code="invalid_argument")
+    for request in requests:
+        if request.session_id:
+            set_seconds(request.expected_pause, seconds)
 
 
 @dataclasses.dataclass

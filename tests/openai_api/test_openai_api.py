@@ -205,6 +205,11 @@ def test_error_shapes(mesh):
     assert [m.id for m in bare.models.list().data] == [MODEL]
     response = httpx.post(f"{mesh.base}/completions", content=b"{not json", timeout=10)
     assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_json"
+    for pause in ("-1", "soon", "1e9"):
+        with pytest.raises(openai.BadRequestError) as err:
+            mesh.client.completions.create(model=MODEL, prompt="x", max_tokens=2,
+                                           extra_headers={"x-session-id": "t", "x-expected-pause": pause})
+        assert err.value.body["param"] == "x-expected-pause" and pause in err.value.body["message"]
 
 
 def test_a_request_id_in_flight_is_refused_and_deadlines_are_kept(mesh):
