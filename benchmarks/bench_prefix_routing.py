@@ -122,16 +122,16 @@ async def run_grpo(send, groups: list[list[Call]], concurrency: int) -> Result:
     return result
 
 
-async def run_multiturn(system, trajectories: int, concurrency: int, seed: int) -> Result:
+async def run_multiturn(target, trajectories: int, concurrency: int, seed: int) -> Result:
     system = [random.Random(seed).randrange(2, 32000) for _ in range(512)]
 
     def opening(rng: random.Random) -> tuple[list[int], int]:
         return system + [rng.randrange(2, 32000) for _ in range(rng.randint(256, 1024))], 8
 
-    return await _run_trajectories(system, trajectories, concurrency, seed, "t", opening)
+    return await _run_trajectories(target, trajectories, concurrency, seed, "t", opening)
 
 
-async def run_document(system, trajectories: int, concurrency: int, seed: int) -> Result:
+async def run_document(target, trajectories: int, concurrency: int, seed: int) -> Result:
     """Multi-turn trajectories of skewed lengths (Zipf over 1-24 turns), 30% of them starting with one shared
     4,096-token document: a prefix shared by part of the traffic."""
     document = [random.Random(seed + 1).randrange(2, 32000) for _ in range(4096)]
@@ -142,20 +142,20 @@ async def run_document(system, trajectories: int, concurrency: int, seed: int) -
                                                              for _ in range(rng.randint(256, 1024))]
         return context, rng.choices(turns, weights)[0]
 
-    return await _run_trajectories(system, trajectories, concurrency, seed, "d", opening)
+    return await _run_trajectories(target, trajectories, concurrency, seed, "d", opening)
 
 
-async def run_system(system, trajectories: int, concurrency: int, seed: int) -> Result:
+async def run_system(target, trajectories: int, concurrency: int, seed: int) -> Result:
     """Trajectories of 1-8 turns, every one starting with one shared 6,144-token system prompt."""
     system = [random.Random(seed + 2).randrange(2, 32000) for _ in range(6144)]
 
     def opening(rng: random.Random) -> tuple[list[int], int]:
         return system + [rng.randrange(2, 32000) for _ in range(rng.randint(256, 1024))], rng.randint(1, 8)
 
-    return await _run_trajectories(system, trajectories, concurrency, seed, "s", opening)
+    return await _run_trajectories(target, trajectories, concurrency, seed, "s", opening)
 
 
-async def run_tools(system, trajectories: int, concurrency: int, seed: int, speed: float) -> Result:
+async def run_tools(target, trajectories: int, concurrency: int, seed: int, speed: float) -> Result:
     """Trajectories of 4-12 turns behind a 512-token system prompt; a tool call of lognormal latency (median
     2 s, sigma 1, over ``speed``) between turns."""
     system = [random.Random(seed + 3).randrange(2, 32000) for _ in range(512)]
@@ -166,17 +166,17 @@ async def run_tools(system, trajectories: int, concurrency: int, seed: int, spee
     def tool_s(rng: random.Random) -> float:
         return rng.lognormvariate(math.log(2.0), 1.0) / speed
 
-    return await _run_trajectories(system, trajectories, concurrency, seed, "k", opening, tool_s)
+    return await _run_trajectories(target, trajectories, concurrency, seed, "k", opening, tool_s)
 
 
-async def _run_trajectories(system, trajectories: int, concurrency: int, seed: int, tag: str, opening,
+async def _run_trajectories(target, trajectories: int, concurrency: int, seed: int, tag: str, opening,
                             tool_s=None) -> Result:
-    """``trajectories`` agentic trajectories, ``concurrency`` in flight: ``opening(rng)`` gives each its first
-    context and its number of turns; every turn resends the whole context, then appends the response and an
-    observation of 64-512 tokens, as a harness does; ``tool_s(rng)``, if given, is the wait for the tool
+    """``trajectories`` agentic trajectories on ``target`` (a system under test), ``concurrency`` in flight:
+    ``opening(rng)`` gives each its first context and its number of turns; every turn resends the whole
+    context, then appends the response and an observation of 64-512 tokens, as a harness does; ``tool_s(rng)``, if given, is the wait for the tool
     before the observation. A system with sessions is told when a trajectory ends (``close``), as the
     driver tells the balancer with CloseSession."""
-    send, close = system.send, getattr(system, "close", None)
+    send, close = target.send, getattr(target, "close", None)
     result = Result()
     left = list(range(trajectories))
 
