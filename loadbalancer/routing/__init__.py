@@ -50,7 +50,8 @@ POLICIES: dict[str, PolicyFactory] = {
 in :data:`UNPINNED`)."""
 
 UNPINNED: set[str] = {"prefix_cost"}
-"""Policies whose chain has no session pins: they keep a session where its context is cached on their own."""
+"""Policies whose chain has no session pins: they keep a session where its context is cached on their own
+(their chain's session piece only records where each session's last request went)."""
 
 
 def register(name: str, factory: PolicyFactory, *, pins_sessions: bool = True) -> None:
@@ -64,10 +65,9 @@ def register(name: str, factory: PolicyFactory, *, pins_sessions: bool = True) -
 
 
 def selectors(config: Settings) -> list[Selector]:
-    """The chain ``config.routing_policy`` names: session affinity (unless the policy is unpinned), then the
-    policy's own selector."""
+    """The chain ``config.routing_policy`` names: session affinity (for an unpinned policy, one that only
+    records where each session's last request went), then the policy's own selector."""
     own = POLICIES[config.routing_policy](config)
-    if config.routing_policy in UNPINNED:
-        return [own]
     return [SessionAffinity(max_load_gap=config.sticky_max_load_gap, max_sessions=config.max_sticky_sessions,
-                            idle_s=config.sticky_session_idle_s), own]
+                            idle_s=config.sticky_session_idle_s, steers=config.routing_policy not in UNPINNED),
+            own]

@@ -16,7 +16,8 @@ share then spreads onto as many replicas as its load needs, each prefilling it o
 requests: a replica holding a few long contexts is as loaded as one holding many short ones.
 
 It pins no sessions: a trajectory's next turn goes where its context is cached, by cost (the index learned
-it when the previous turn was routed). Without a prompt or an index match every replica costs what it holds,
+it when the previous turn was routed); the chain still records where each session's last request went, for
+CloseSession. Without a prompt or an index match every replica costs what it holds,
 so it is least loaded in tokens, and with nothing held least loaded in requests.
 """
 

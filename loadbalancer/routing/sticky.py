@@ -1,7 +1,9 @@
 """Session affinity with bounded load: a session sticks to the replica it was routed to until that replica
 carries more than ``max_load_gap`` requests above the least loaded eligible one; then the session moves (and
 sticks to its new replica). Pins are kept least recently used first, at most ``max_sessions`` of them, and
-one unused for ``idle_s`` is dropped."""
+one unused for ``idle_s`` is dropped. With ``steers`` False it only records where each session's last request
+went (a policy that pins no sessions still lets CloseSession and the KV hold reach a session's replica) and
+never chooses."""
 
 from __future__ import annotations
 
@@ -14,15 +16,16 @@ from .policy import C, Candidate, Pick
 class SessionAffinity:
     """See the module docstring; a pick without a session id passes to the next selector."""
 
-    def __init__(self, *, max_load_gap: int, max_sessions: int, idle_s: float | None) -> None:
+    def __init__(self, *, max_load_gap: int, max_sessions: int, idle_s: float | None, steers: bool = True) -> None:
         self.max_load_gap = max_load_gap
         self.max_sessions = max_sessions
         self.idle_s = idle_s
+        self.steers = steers
         self._pins: OrderedDict[str, tuple[str, float]] = OrderedDict()
         """Session -> (replica it is pinned to, when it was last used), least recently used first."""
 
     def select(self, pick: Pick, routes: Sequence[C]) -> C | None:
-        if not pick.session_id:
+        if not pick.session_id or not self.steers:
             return None
         self._expire(pick.now)
         pinned = self.replica(pick.session_id)

@@ -136,10 +136,18 @@ def test_the_policy_is_configured_by_name_without_session_pins():
                                                                    max_load_excess=0.5))
     config.validate()
     chain = selectors(config)
-    [selector] = chain
+    [record, selector] = chain
     assert isinstance(selector, PrefixCost) and (selector.prefill_weight, selector.max_load_excess) == (2.0, 0.5)
     assert selector.index.block_tokens == 16
-    configured = RoutingTable(chain)
-    assert configured.prefix is selector and configured.sessions is None
+    configured = RoutingTable(chain, clock=lambda: 0.0)
+    assert configured.prefix is selector and configured.sessions is record and not record.steers
+    # sessions are recorded, never pinned: CloseSession still finds the replica a session's last request went to
+    configured.add(Route(f"r{i}", f"127.0.0.1:{1000 + i}") for i in range(2))
+    first = configured.pick("a", session_id="s", prefix_keys=PromptKeys(tokens(1, 64)), prompt_tokens=64)
+    home = first.ticket.route.replica_id
+    configured.pick("b", prefix_keys=PromptKeys(tokens(2, 64)), prompt_tokens=64)
+    other = configured.pick("c", session_id="s", prefix_keys=PromptKeys(tokens(3, 64)), prompt_tokens=64)
+    assert not other.sticky_hit and configured.sticky_replica("s") == other.ticket.route.replica_id
+    assert configured.drop_session("s") == other.ticket.route.replica_id and configured.drop_session("s") is None
     with pytest.raises(Exception, match="max_load_excess"):
         PrefixRoutingConfig(max_load_excess=-1.0).validate()
