@@ -25,9 +25,11 @@ class SessionAffinity:
         """Session -> (replica it is pinned to, when it was last used), least recently used first."""
 
     def select(self, pick: Pick, routes: Sequence[C]) -> C | None:
-        if not pick.session_id or not self.steers:
+        if not pick.session_id:
             return None
         self._expire(pick.now)
+        if not self.steers:
+            return None
         pinned = self.replica(pick.session_id)
         route = next((r for r in routes if r.replica_id == pinned), None)
         if route is None:
