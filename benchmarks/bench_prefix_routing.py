@@ -24,6 +24,9 @@ caches under every policy, with enough in flight to keep every replica's batch f
   but the last ends in a tool call that takes a lognormal time (median 2 s, sigma 1: p99 about 20 s, divided
   by ``--speed`` like every engine duration) before its result (64-512 tokens) is appended; the engines' KV
   fills with trajectories waiting on tools.
+* **replicas joining** (``--workload join`` or ``all``): the multi-turn workload on half the replicas, the
+  other half added ``--join-after`` seconds in (a scale-out while trajectories hold their caches where they
+  are); for SMG with ``POST /workers``.
 
 Policies: rollmesh ``least_loaded`` without session ids; ``least_loaded`` with session ids (the group, the
 trajectory: today's group stickiness); ``prefix_aware`` and ``prefix_cost`` (with session ids, as the trainer
@@ -169,6 +172,22 @@ async def run_tools(target, trajectories: int, concurrency: int, seed: int, spee
     return await _run_trajectories(target, trajectories, concurrency, seed, "k", opening, tool_s)
 
 
+async def run_join(target, trajectories: int, concurrency: int, seed: int, join_after_s: float) -> Result:
+    """The multi-turn workload, with the replicas held back joining ``join_after_s`` in."""
+    async def join() -> None:
+        await asyncio.sleep(join_after_s)
+        await target.join()
+
+    joining = asyncio.create_task(join())
+    try:
+        return await run_multiturn(target, trajectories, concurrency, seed)
+    finally:
+        if not joining.done():
+            joining.cancel()
+        elif joining.exception() is not None:
+            raise RuntimeError("the held-back replicas could not join") from joining.exception()
+
+
 async def _run_trajectories(target, trajectories: int, concurrency: int, seed: int, tag: str, opening,
                             tool_s=None) -> Result:
     """``trajectories`` agentic trajectories on ``target`` (a system under test), ``concurrency`` in flight:
@@ -218,9 +237,11 @@ def _count(result: Result, call: Call, ok: bool) -> None:
 class Mesh:
     """4 replica agents on the engine model behind one balancer of the given policy."""
 
-    def __init__(self, tmp: Path, model: dict, replicas: int, policy: str, sessions: bool, lb_yaml: str = "") -> None:
+    def __init__(self, tmp: Path, model: dict, replicas: int, policy: str, sessions: bool, lb_yaml: str = "",
+                 start_with: int | None = None) -> None:
         self.tmp, self.model, self.replicas, self.policy, self.sessions = tmp, model, replicas, policy, sessions
         self.lb_yaml = lb_yaml
+        self.start_with = replicas if start_with is None else start_with
         self.procs: list = []
         self.generations: BalancerGenerations | None = None
 
@@ -237,9 +258,8 @@ class Mesh:
                                 log_path=self.tmp / "lb.log")
         self.procs = [lb, *agents]
         self.channel = open_channel(lb.address)
-        await loadbalancer_pb2_grpc.LoadBalancerServiceStub(self.channel).AddReplicas(
-            loadbalancer_pb2.AddReplicasRequest(replicas=[
-                routing_pb2.ReplicaEndpoint(replica_id=f"n{i}-0", address=a.address) for i, a in enumerate(agents)]))
+        self.agents = agents
+        await self._add(range(self.start_with))
         self.generations = BalancerGenerations(self.channel)
         await self.generations.check()
         return self
@@ -249,6 +269,15 @@ class Mesh:
             await self.generations.close()
         await self.channel.close()
         await asyncio.gather(*(p.terminate() for p in self.procs))
+
+    async def _add(self, indices) -> None:
+        await loadbalancer_pb2_grpc.LoadBalancerServiceStub(self.channel).AddReplicas(
+            loadbalancer_pb2.AddReplicasRequest(replicas=[
+                routing_pb2.ReplicaEndpoint(replica_id=f"n{i}-0", address=self.agents[i].address) for i in indices]))
+
+    async def join(self) -> None:
+        """The replicas held back at the start join the balancer."""
+        await self._add(range(self.start_with, self.replicas))
 
     async def close(self, session: str) -> None:
         if self.sessions:
@@ -293,11 +322,11 @@ class HttpPool:
         self.port = port
         self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
 
-    async def post(self, body: dict) -> dict:
+    async def post(self, body: dict, path: str = "/generate") -> dict:
         conn = self.idle.pop() if self.idle else await asyncio.open_connection("127.0.0.1", self.port)
         reader, writer = conn
         data = json.dumps(body).encode()
-        writer.write(f"POST /generate HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+        writer.write(f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
                      f"content-length: {len(data)}\r\n\r\n".encode() + data)
         try:
             head = await reader.readuntil(b"\r\n\r\n")
@@ -307,7 +336,7 @@ class HttpPool:
             writer.close()
             raise
         self.idle.append(conn)
-        if head.split(b" ", 2)[1] != b"200":
+        if head.split(b" ", 2)[1] not in (b"200", b"202"):
             raise RuntimeError(payload[:200].decode(errors="replace"))
         return json.loads(payload)
 
@@ -319,8 +348,9 @@ class HttpPool:
 class Smg:
     """4 fake SGLang workers on the engine model behind SMG with the given policy."""
 
-    def __init__(self, tmp: Path, model: dict, replicas: int, policy: str) -> None:
+    def __init__(self, tmp: Path, model: dict, replicas: int, policy: str, start_with: int | None = None) -> None:
         self.tmp, self.model, self.replicas, self.policy = tmp, model, replicas, policy
+        self.start_with = replicas if start_with is None else start_with
 
     async def __aenter__(self) -> "Smg":
         self.workers = []
@@ -335,7 +365,7 @@ class Smg:
             [str(smg_binary()), "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", self.policy,
              "--max-concurrent-requests", "0",   # its default (4,096 here, 100 queued) refuses this load with 429
              "--log-level", "warn", "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-             "--worker-urls", *[f"http://127.0.0.1:{p}" for _, p in self.workers]],
+             "--worker-urls", *[f"http://127.0.0.1:{p}" for _, p in self.workers[:self.start_with]]],
             stdout=(self.tmp / f"smg-{self.policy}.log").open("wb"), stderr=subprocess.STDOUT)
         self.pool = HttpPool(port)
         deadline = time.monotonic() + 60
@@ -347,6 +377,11 @@ class Smg:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"smg did not start; see {self.tmp}") from None
                 await asyncio.sleep(0.3)
+
+    async def join(self) -> None:
+        """The workers held back at the start join SMG (its worker API; it adds them once they are healthy)."""
+        for _, port in self.workers[self.start_with:]:
+            await self.pool.post({"url": f"http://127.0.0.1:{port}", "worker_type": "regular"}, path="/workers")
 
     async def __aexit__(self, *exc) -> None:
         self.pool.close()
@@ -374,12 +409,14 @@ class Smg:
 
 LB_YAML = ""
 SYSTEMS = {
-    "least_loaded": lambda tmp, model, n: Mesh(tmp, model, n, "least_loaded", sessions=False),
-    "group stickiness": lambda tmp, model, n: Mesh(tmp, model, n, "least_loaded", sessions=True),
-    "prefix_aware": lambda tmp, model, n: Mesh(tmp, model, n, "prefix_aware", sessions=True, lb_yaml=LB_YAML),
-    "prefix_cost": lambda tmp, model, n: Mesh(tmp, model, n, "prefix_cost", sessions=True, lb_yaml=LB_YAML),
-    "SMG cache_aware": lambda tmp, model, n: Smg(tmp, model, n, "cache_aware"),
-    "SMG round_robin": lambda tmp, model, n: Smg(tmp, model, n, "round_robin"),
+    "least_loaded": lambda tmp, model, n, k: Mesh(tmp, model, n, "least_loaded", sessions=False, start_with=k),
+    "group stickiness": lambda tmp, model, n, k: Mesh(tmp, model, n, "least_loaded", sessions=True, start_with=k),
+    "prefix_aware": lambda tmp, model, n, k: Mesh(tmp, model, n, "prefix_aware", sessions=True, lb_yaml=LB_YAML,
+                                                  start_with=k),
+    "prefix_cost": lambda tmp, model, n, k: Mesh(tmp, model, n, "prefix_cost", sessions=True, lb_yaml=LB_YAML,
+                                                 start_with=k),
+    "SMG cache_aware": lambda tmp, model, n, k: Smg(tmp, model, n, "cache_aware", start_with=k),
+    "SMG round_robin": lambda tmp, model, n, k: Smg(tmp, model, n, "round_robin", start_with=k),
 }
 
 
@@ -393,21 +430,26 @@ async def main() -> None:
     parser.add_argument("--trajectories", type=int, default=1024)
     parser.add_argument("--traj-concurrency", type=int, default=1024)
     parser.add_argument("--only", nargs="*", choices=list(SYSTEMS), help="policies to run (default: all)")
-    parser.add_argument("--workload", choices=("grpo", "multiturn", "document", "system", "tools", "both", "all"),
-                        default="both", help="both: grpo and multiturn; all: the five")
+    parser.add_argument("--workload", choices=("grpo", "multiturn", "document", "system", "tools", "join", "both",
+                                               "all"),
+                        default="both", help="both: grpo and multiturn; all: the six")
+    parser.add_argument("--join-after", type=float, default=15.0,
+                        help="join: seconds before the second half of the replicas joins")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lb-yaml", default="", help="more balancer settings for prefix_aware (YAML), to tune")
     args = parser.parse_args()
     global LB_YAML
     LB_YAML = args.lb_yaml
     model = {"speed": args.speed}
-    table: dict[str, dict[str, Result]] = {w: {} for w in ("grpo", "multiturn", "document", "system", "tools")}
+    table: dict[str, dict[str, Result]] = {w: {} for w in ("grpo", "multiturn", "document", "system", "tools",
+                                                            "join")}
     workloads = {"both": ("grpo", "multiturn"), "all": tuple(table)}.get(args.workload, (args.workload,))
     with tempfile.TemporaryDirectory() as tmpdir:
         for name in args.only or list(SYSTEMS):
             for workload in workloads:
                 _FAILURES_SHOWN[0] = 0
-                async with SYSTEMS[name](Path(tmpdir), model, args.replicas) as system:
+                start_with = max(1, args.replicas // 2) if workload == "join" else args.replicas
+                async with SYSTEMS[name](Path(tmpdir), model, args.replicas, start_with) as system:
                     if workload == "grpo":
                         calls = grpo(random.Random(args.seed), args.groups, args.n)
                         result = await run_grpo(system.send, calls, args.group_concurrency)
@@ -419,6 +461,9 @@ async def main() -> None:
                     elif workload == "tools":
                         result = await run_tools(system, args.trajectories, args.traj_concurrency, args.seed,
                                                  args.speed)
+                    elif workload == "join":
+                        result = await run_join(system, args.trajectories, args.traj_concurrency, args.seed,
+                                                args.join_after)
                     else:
                         result = await run_document(system, args.trajectories, args.traj_concurrency,
                                                     args.seed)
@@ -438,7 +483,11 @@ async def main() -> None:
                           f"6,144-token system prompt, {args.traj_concurrency} in flight; latency of a turn",
                 "tools": f"tool pauses: {args.trajectories} trajectories of 4-12 turns, a lognormal tool wait "
                          f"(median 2 s / speed) between turns, {args.traj_concurrency} in flight; latency of a "
-                         "turn"}[workload]
+                         "turn",
+                "join": f"replicas joining: multi-turn, {args.trajectories} trajectories x 8 turns, "
+                        f"{args.traj_concurrency} in flight, on {max(1, args.replicas // 2)} replicas, the other "
+                        f"{args.replicas - max(1, args.replicas // 2)} joining after {args.join_after:g} s; "
+                        "latency of a turn"}[workload]
         print(f"\n{what}")
         base = table[workload].get("least_loaded")
         print(f"  {'policy':18} {'tokens/s':>9} {'vs least_loaded':>16} {'p50':>8} {'p99':>8} {'prefix hit':>10} "
