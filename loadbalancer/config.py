@@ -133,6 +133,9 @@ class LoadBalancerConfig(ServerConfig):
     prefix_routing: PrefixRoutingConfig = setting(default_factory=PrefixRoutingConfig,
                                                   help="cache affinity against load, for routing_policy: "
                                                        "prefix_aware and prefix_cost")
+    pin_sessions: bool | None = setting(None, help="whether a session sticks to its replica (within "
+                                                   "sticky_max_load_gap) before the policy chooses; null = the "
+                                                   "policy's own way (prefix_cost pins none, the others do)")
     sticky_max_load_gap: int = setting(4, help="a sticky session leaves its replica when that replica has more "
                                                "than this many in-flight requests above the least loaded one")
     max_sticky_sessions: int = setting(100_000, help="sticky-session pins kept (least recently used dropped)")

@@ -65,9 +65,10 @@ def register(name: str, factory: PolicyFactory, *, pins_sessions: bool = True) -
 
 
 def selectors(config: Settings) -> list[Selector]:
-    """The chain ``config.routing_policy`` names: session affinity (for an unpinned policy, one that only
-    records where each session's last request went), then the policy's own selector."""
+    """The chain ``config.routing_policy`` names: session affinity (for an unpinned policy, or with
+    ``pin_sessions`` false, one that only records where each session's last request went), then the policy's
+    own selector."""
     own = POLICIES[config.routing_policy](config)
+    pins = config.pin_sessions if config.pin_sessions is not None else config.routing_policy not in UNPINNED
     return [SessionAffinity(max_load_gap=config.sticky_max_load_gap, max_sessions=config.max_sticky_sessions,
-                            idle_s=config.sticky_session_idle_s, steers=config.routing_policy not in UNPINNED),
-            own]
+                            idle_s=config.sticky_session_idle_s, steers=pins), own]

@@ -67,6 +67,9 @@ class Settings(Protocol):
     def prefix_routing(self) -> PrefixSettings: ...
 
     @property
+    def pin_sessions(self) -> bool | None: ...
+
+    @property
     def sticky_max_load_gap(self) -> int: ...
 
     @property

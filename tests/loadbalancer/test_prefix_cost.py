@@ -151,3 +151,12 @@ def test_the_policy_is_configured_by_name_without_session_pins():
     assert configured.drop_session("s") == other.ticket.route.replica_id and configured.drop_session("s") is None
     with pytest.raises(Exception, match="max_load_excess"):
         PrefixRoutingConfig(max_load_excess=-1.0).validate()
+
+
+def test_pin_sessions_overrides_the_policys_own_way():
+    for policy, pin, steers in (("prefix_cost", None, False), ("prefix_cost", True, True),
+                                ("prefix_aware", None, True), ("prefix_aware", False, False),
+                                ("least_loaded", False, False)):
+        config = LoadBalancerConfig(routing_policy=policy, pin_sessions=pin)
+        config.validate()
+        assert RoutingTable(selectors(config)).sessions.steers is steers, (policy, pin)
