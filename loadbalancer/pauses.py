@@ -18,6 +18,11 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 
 
+RECOMPUTE_EVERY = 16
+"""New pauses between two computations of the estimate (a sort of the window; per request it would cost the
+hot path tens of microseconds)."""
+
+
 class PauseEstimator:
     """See the module docstring."""
 
@@ -30,7 +35,7 @@ class PauseEstimator:
         self._samples: deque[float] = deque(maxlen=window)
         self._ended: OrderedDict[str, float] = OrderedDict()
         self._estimate = 0.0
-        self._stale = False
+        self._fresh = 0        # samples since the estimate was computed
 
     def arrived(self, session: str, now: float) -> None:
         """A request of ``session`` arrived: the time since its previous one ended is a pause sample (one
@@ -41,7 +46,7 @@ class PauseEstimator:
         pause = max(0.0, now - ended)
         if pause <= 10 * self.max_hold_s:
             self._samples.append(pause)
-            self._stale = True
+            self._fresh += 1
 
     def ended(self, session: str, now: float, *, last: bool = False) -> None:
         """A request of ``session`` completed at ``now``; ``last``: the caller said the session ends with it."""
@@ -61,10 +66,10 @@ class PauseEstimator:
         """How long to hold a session's KV after a request when its caller said nothing."""
         if self.max_hold_s <= 0 or len(self._samples) < self.min_samples:
             return 0.0
-        if self._stale:
+        if self._fresh >= RECOMPUTE_EVERY or self._fresh == len(self._samples):   # every request would sort
             ordered = sorted(self._samples)
             self._estimate = min(self.max_hold_s, ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))])
-            self._stale = False
+            self._fresh = 0
         return self._estimate
 
     @property
