@@ -151,6 +151,4 @@ def check_streaming(msg: AnyGenerateRequest) -> None:
     """Raise ``InvalidArgument`` for a Generate request's bad ``stream_interval`` or ``flush_interval``."""
     if msg.HasField("stream_interval") and msg.stream_interval == 0:
         raise InvalidArgument("stream_interval must be > 0 when set", reason=Reason.INVALID_STREAM_INTERVAL)
-    if msg.HasField("flush_interval") and (msg.flush_interval.seconds < 0 or msg.flush_interval.nanos < 0):
-        raise InvalidArgument(f"flush_interval must not be negative, got {msg.flush_interval.seconds}s "
-                              f"{msg.flush_interval.nanos}ns", reason=Reason.INVALID_STREAM_INTERVAL)
+    check_duration(msg, "flush_interval", Reason.INVALID_STREAM_INTERVAL)
