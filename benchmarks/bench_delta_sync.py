@@ -19,17 +19,18 @@ The replicas' weights are checked against the trainer's at every version by the 
 target manifest's checksum, or with the run's TLS its BLAKE3 bucket digests): a sync whose result differed
 would be a failed sync, and the table counts those.
 
-With ``--part join`` it measures a replica joining mid-training instead: the same job (2 replicas, deltas on)
-runs, an extra replica agent with one free slot registers at step ``--join-at``, and a native scale-out adds a
-replica there, once taking the current version from a peer (``scale_out_weight_source: replica``) and once
-from the trainer. It prints the time from the scale-out to the new replica serving and its weight copy, and
-the trainer's step cycle (time between consecutive serving syncs) and its ``param_sync`` time for the steps
-the join overlapped against the others.
+With ``--part join`` it measures replicas joining mid-training instead: the same job (``--serving`` replicas,
+2 by default, deltas on) runs, an extra replica agent with ``--joiners`` free slots (1) registers at step
+``--join-at``, and a native scale-out adds that many replicas there, taking the current version from peers
+(``scale_out_weight_source: replica``, once per ``--peer-copy-sources`` value: how many peers the joiners are
+split over) and once from the trainer. It prints the time from the scale-out to the new replicas serving and
+their weight copies, and the trainer's weight-sync time for the steps the join overlapped against the others.
 
     .venv/bin/python -m benchmarks.bench_delta_sync                      # small-llama, 50 steps, 1e-6 and 1e-5
     .venv/bin/python -m benchmarks.bench_delta_sync --link-gbit 0 1      # loopback as is, then shaped to 1 Gbit/s
     .venv/bin/python -m benchmarks.bench_delta_sync --steps 10 --receivers 1
     .venv/bin/python -m benchmarks.bench_delta_sync --part join --steps 40
+    .venv/bin/python -m benchmarks.bench_delta_sync --part join --serving 4 --joiners 4 --peer-copy-sources 1 4
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ JOIN_AGENT = """node_id: join
 backend: torch
 model: {model}
 model_seed: 3
-slots: 1
+slots: {slots}
 controller_address: {controller}
 engine_options: {{dtype: bfloat16, max_batch_size: 64}}
 weight_transfer: {{gloo_interface: lo}}
@@ -119,8 +120,9 @@ replicas: []
 """
 
 
-async def join_run(tmp: Path, args: argparse.Namespace, source: str) -> dict:
-    """Train with deltas; at step ``join_at`` add a replica whose weights come from ``source``."""
+async def join_run(tmp: Path, args: argparse.Namespace, source: str, sources: int) -> dict:
+    """Train with deltas; at step ``join_at`` add ``--joiners`` replicas whose weights come from ``source``
+    (peers: split over up to ``sources`` of them)."""
     import asyncio
     import os
 
@@ -128,9 +130,11 @@ async def join_run(tmp: Path, args: argparse.Namespace, source: str) -> dict:
 
     from tests.controller.scaling.helpers import controller_stub, finished, scale_out
 
-    config = job_config(tmp, model=args.model, lr=args.lr[0], receivers=2, delta=True, steps=args.steps, tls=False)
-    run_dir = tmp / f"join-{source}"
-    env = {**os.environ, "ROLLMESH_CONTROLLER__SCALE_OUT_WEIGHT_SOURCE": source}
+    config = job_config(tmp, model=args.model, lr=args.lr[0], receivers=args.serving, delta=True,
+                        steps=args.steps, tls=False)
+    run_dir = tmp / f"join-{source}-{sources}"
+    env = {**os.environ, "ROLLMESH_CONTROLLER__SCALE_OUT_WEIGHT_SOURCE": source,
+           "ROLLMESH_CONTROLLER__PEER_COPY_SOURCES": str(sources)}
     train = await asyncio.create_subprocess_exec(str(ROOT / ".venv" / "bin" / "rollmesh"), "train", "--config",
                                                  str(config), "--run-dir", str(run_dir), cwd=ROOT, env=env,
                                                  stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
@@ -141,17 +145,18 @@ async def join_run(tmp: Path, args: argparse.Namespace, source: str) -> dict:
                 sys.exit(f"rollmesh train ended early; see {run_dir}/logs")
             await asyncio.sleep(0.2)
         controller = json.loads((run_dir / "processes.json").read_text())["controller"]["address"]
-        (tmp / "join.yaml").write_text(JOIN_AGENT.format(model=args.model, controller=controller))
+        (tmp / "join.yaml").write_text(JOIN_AGENT.format(model=args.model, controller=controller,
+                                                         slots=args.joiners))
         agent = await asyncio.create_subprocess_exec(
             str(ROOT / ".venv" / "bin" / "rollmesh"), "replica-agent", "--config", str(tmp / "join.yaml"),
             "--listen", "127.0.0.1:0", cwd=ROOT, env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"},
-            stdout=(tmp / f"join-agent-{source}.log").open("wb"), stderr=asyncio.subprocess.STDOUT)
+            stdout=(tmp / f"join-agent-{source}-{sources}.log").open("wb"), stderr=asyncio.subprocess.STDOUT)
         async with grpc.aio.insecure_channel(controller) as channel:
             ctl = controller_stub(channel)
             while True:   # the new node registers
                 try:
                     started = time.time()
-                    op = await scale_out(ctl, num_replicas=3)   # a target: the job's 2 replicas + 1
+                    op = await scale_out(ctl, num_replicas=args.serving + args.joiners)   # a target
                     break
                 except grpc.aio.AioRpcError as err:
                     if "slot" not in (err.details() or "").lower():
@@ -197,7 +202,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--receivers", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--link-gbit", type=float, nargs="+", default=[0.0],
                         help="loopback rates to run at, Gbit/s (0: unshaped); shaping needs root and tc")
-    parser.add_argument("--join-at", type=int, default=10, help="step at which a replica joins (--part join)")
+    parser.add_argument("--join-at", type=int, default=10, help="step at which replicas join (--part join)")
+    parser.add_argument("--joiners", type=int, default=1, help="replicas that join (--part join)")
+    parser.add_argument("--serving", type=int, default=2, help="the job's replicas (--part join)")
+    parser.add_argument("--peer-copy-sources", type=int, nargs="+", default=[4],
+                        help="peer_copy_sources values to run the join from peers with (--part join)")
     parser.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
     args = parser.parse_args(argv)
     if args.part == "join":
@@ -209,24 +218,25 @@ def main(argv: list[str] | None = None) -> None:
             tmp = args.keep or Path(tmpdir)
             tmp.mkdir(parents=True, exist_ok=True)
             results = {}
-            for source in ("replica", "trainer"):
-                print(f"running the join from the {source} ...", flush=True)
+            for source, sources in [("replica", k) for k in args.peer_copy_sources] + [("trainer", 1)]:
+                name = f"peers<={sources}" if source == "replica" else source
+                print(f"running the join from {name} ...", flush=True)
                 with shaped_loopback(args.link_gbit[0]):
-                    results[source] = asyncio.run(join_run(tmp, args, source))
+                    results[name] = asyncio.run(join_run(tmp, args, source, sources))
         link = f"loopback shaped to {args.link_gbit[0]:g} Gbit/s" if args.link_gbit[0] else "loopback"
-        print(f"\n{args.model}, {args.steps} steps at lr {args.lr[0]:g}, 2 replicas, one joins at step "
-              f"{args.join_at}; {link}\n")
-        print(f"{'source':>8} {'join s':>7} {'syncing s':>9} {'copy s':>7} {'step syncs during':>18} "
+        print(f"\n{args.model}, {args.steps} steps at lr {args.lr[0]:g}, {args.serving} replicas, "
+              f"{args.joiners} join at step {args.join_at}; {link}\n")
+        print(f"{'source':>9} {'join s':>7} {'syncing s':>9} {'copy s':>7} {'step syncs during':>18} "
               f"{'other (median)':>14}  copies")
         for source, r in results.items():
             if r["state"] != scaling_pb2.OPERATION_STATE_ACTIVE:
-                print(f"{source:>8} the scale-out ended {scaling_pb2.OperationState.Name(r['state'])}")
+                print(f"{source:>9} the scale-out ended {scaling_pb2.OperationState.Name(r['state'])}")
                 continue
             during = ", ".join(f"{1e3 * d:.0f} ({1e3 * w:.0f})" for d, w in r["during"]) or "none"
-            print(f"{source:>8} {r['join_s']:>7.2f} {r['window_s']:>9.3f} {r['copy_s']:>7.3f} {during:>18} "
+            print(f"{source:>9} {r['join_s']:>7.2f} {r['window_s']:>9.3f} {r['copy_s']:>7.3f} {during:>18} "
                   f"{1e3 * statistics.median(d for d, _ in r['other']):>14.0f}  {'; '.join(r['copies'])}")
-        print("\njoin s: ScaleOut to the new replica serving; syncing s: its WEIGHT_SYNCING phase; copy s: its "
-              "weight syncs; step syncs: the trainer's weight-sync time (ms, CompleteTrainingStep) of the steps "
+        print("\njoin s: ScaleOut to the new replicas serving; syncing s: their WEIGHT_SYNCING phase; copy s: "
+              "their weight syncs; step syncs: the trainer's weight-sync time (ms, CompleteTrainingStep) of the steps "
               "that overlapped the phase, in brackets how long it waited before its serving sync started (the "
               "controller's lock), and the median of the others.")
         return

@@ -108,6 +108,13 @@ class ControllerConfig(ServerConfig):
                      "trainer (the trainer only), replica (a healthy ACTIVE replica already at that version, on "
                      "the new replicas' node first) or auto (such a replica when one prepares, else the trainer, "
                      "so joins leave the trainer to the training steps' syncs)")
+    peer_copy_sources: int = setting(4, help="most peers that send full copies at once (a scale-out's replicas, "
+                                              "ones behind the delta's base): one copy enters each node, from a "
+                                              "replica at the version on that node when there is one, else "
+                                              "from peers elsewhere, each sending a chain that its members "
+                                              "relay; beyond this many sources, nodes join the shortest chain. "
+                                              "Each source holds one more copy of the model while it sends. "
+                                              "1 = one chain from one peer")
     scale_in_drain_timeout: float = setting(30.0, help="seconds a scale-in waits for in-flight requests on the "
                                                        "replicas it removes; then they are aborted and the load "
                                                        "balancer resumes them elsewhere")
@@ -151,7 +158,7 @@ class ControllerConfig(ServerConfig):
             if getattr(self, key) < 0:
                 raise ConfigError(key, f"must be >= 0, got {getattr(self, key)}")
         for key in ("scale_out_timeout", "scale_in_drain_timeout", "scale_in_shutdown_timeout",
-                    "rollout_num_gpus_per_engine", "max_replicas_per_model"):
+                    "rollout_num_gpus_per_engine", "max_replicas_per_model", "peer_copy_sources"):
             if getattr(self, key) <= 0:
                 raise ConfigError(key, f"must be > 0, got {getattr(self, key)}")
         if self.store:

@@ -109,7 +109,8 @@ class Mesh:
         self.weights = WeightBroadcast(self.channels, self.registry, self.routing,
                                        trainer_address=config.trainer_address, timeout_s=sched.weight_sync_timeout_s,
                                        backend=config.weight_sync_backend,
-                                       bucket_size_bytes=config.weight_bucket_size_bytes)
+                                       bucket_size_bytes=config.weight_bucket_size_bytes,
+                                       peer_copy_sources=config.peer_copy_sources)
         self.metrics = CycleMetrics(hybrid_gpus=config.hybrid_gpus, standalone_gpus=config.standalone_gpus,
                                     concurrent_samples_per_replica=config.concurrent_samples_per_replica,
                                     max_required_samples=config.max_required_samples)

@@ -16,18 +16,22 @@ Which replica gets which copy (the registry knows each replica's version):
   full copy only when no peer can;
 - without a delta everyone gets one full broadcast from the trainer.
 
-Replicas a scale-out adds (``sync_new_replicas``) get a full copy from a
-healthy peer already at the version, on their node first, else from the
-trainer (``scale_out_weight_source``). On gloo the default chain topology
-relays each bucket down the receivers, so many joiners cost the source one
-copy, not one per joiner.
+Replicas a scale-out adds (``sync_new_replicas``) get a full copy from
+healthy peers already at the version, on their node first, else from the
+trainer (``scale_out_weight_source``).
+
+Many full copies fan out as a tree of chains, one copy into each node: a
+node's replicas share one chain (on gloo the default chain topology relays
+each bucket down it, so its source sends one copy however long it is), fed
+by a peer on that node when there is one, else by up to
+``peer_copy_sources`` peers elsewhere; the replicas done become sources for
+any left (a relay that failed left the chain below it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import hashlib
 import logging
 import secrets
@@ -73,7 +77,8 @@ class WeightBroadcast:
     """
 
     def __init__(self, channels: Channels, registry: ReplicaRegistry, routing: Routing, *,
-                 trainer_address: str, timeout_s: float, backend: str = "gloo", bucket_size_bytes: int = 0) -> None:
+                 trainer_address: str, timeout_s: float, backend: str = "gloo", bucket_size_bytes: int = 0,
+                 peer_copy_sources: int = 4) -> None:
         self.channels = channels
         self.registry = registry
         self.routing = routing
@@ -85,6 +90,8 @@ class WeightBroadcast:
         self.timeout_s = timeout_s
         self.backend = backend
         self.bucket_size_bytes = bucket_size_bytes
+        self.peer_copy_sources = peer_copy_sources
+        """Peers that send full copies at once (``peer_copy_sources``)."""
         self._model_bytes = 0
         self.in_progress = 0
         """Weight syncs running now (a scale-in waits until none is)."""
@@ -146,50 +153,116 @@ class WeightBroadcast:
 
     async def _full_copies(self, replica_ids: Sequence[str], version: int, seeds: Sequence[str], trainer: str, *,
                            use_seeds: bool, use_trainer: bool, timeout_s: float) -> WeightSyncOutcome:
-        """Full copies of ``version``: from the first seed that prepares (nearest first), else the trainer.
-
-        A source that prepared but whose copy reached none of the replicas (it
-        died mid-copy, say) is replaced by the next one.
-        """
+        """Full copies of ``version``: from peers that hold it (``seeds``, then the replicas done; see
+        :meth:`_peer_copies`), and what they could not deliver from the trainer, in one broadcast."""
         started, errors = time.monotonic(), []
-        sources: list[Callable[[], _Source]] = []
+        results: dict[str, ReplicaSyncOutcome] = {}
+        outcomes: list[WeightSyncOutcome] = []
+        pending = list(replica_ids)
         if use_seeds:
             if not seeds:
                 errors.append(f"no healthy replica at weight version {version} to seed from")
-            sources += [functools.partial(self._replica_source, seed)
-                        for seed in self._nearest_first(seeds, replica_ids)]
-        if use_trainer:
+            pending = await self._peer_copies(pending, version, list(seeds), timeout_s, results, outcomes, errors)
+        if pending and use_trainer:
             if not trainer:
                 errors.append("no trainer_address configured")
             else:
-                sources.append(functools.partial(self._trainer_source, trainer, timeout_s))
-        failed: WeightSyncOutcome | None = None
-        for make_source in sources:
-            source = make_source()
-            outcome, prepare_error = await self._broadcast(replica_ids, version, source, timeout_s)
-            if prepare_error:
-                errors.append(prepare_error)
-                continue
-            if any(r.ok for r in outcome.replica_results):
-                return outcome
-            failed = outcome
-            errors.append(f"{source.what.removesuffix(' PrepareWeightSync')} sent no copy: "
-                          f"{next(iter(outcome.failed.values()), 'no replica received it')}")
-            log.warning("weight sync of %s to version %d: %s; trying the next source", list(replica_ids), version,
-                        errors[-1])
-        if failed is not None:
-            return failed
-        sync_id = f"sync-{version}-{uuid.uuid4().hex[:8]}"
-        return self._all_failed(replica_ids, version, sync_id, "no weight source: " + "; ".join(errors), started)
+                outcome, prepare_error = await self._broadcast(pending, version,
+                                                               self._trainer_source(trainer, timeout_s), timeout_s)
+                if prepare_error:
+                    errors.append(prepare_error)
+                else:
+                    outcomes.append(outcome)
+                    results.update((r.replica_id, r) for r in outcome.replica_results)
+        why = "no weight source: " + "; ".join(errors)
+        for replica_id in replica_ids:   # a failed copy's own answer stands; never tried: no source
+            results.setdefault(replica_id, ReplicaSyncOutcome(replica_id, False, why))
+        senders = list(dict.fromkeys(r.source for r in results.values() if r.ok and r.source))
+        return WeightSyncOutcome(
+            weight_version=version, replica_results=tuple(results[r] for r in replica_ids),
+            bytes_sent=sum(o.bytes_sent for o in outcomes), duration_s=time.monotonic() - started,
+            sync_id=outcomes[0].sync_id if outcomes else f"sync-{version}-{uuid.uuid4().hex[:8]}",
+            full_bytes=max((o.full_bytes for o in outcomes), default=0),
+            source=", ".join(senders) or (outcomes[-1].source if outcomes else "trainer"))
 
-    def _nearest_first(self, seeds: Sequence[str], replica_ids: Sequence[str]) -> list[str]:
-        """Seeds on the node holding most of ``replica_ids`` first (their bytes stay on the node), then the
-        others, each group in the order given."""
-        nodes: dict[str, int] = {}
-        for replica_id in replica_ids:
-            node = self.registry.get(replica_id).node_id
-            nodes[node] = nodes.get(node, 0) + 1
-        return sorted(seeds, key=lambda seed: -nodes.get(self.registry.get(seed).node_id, 0))
+    async def _peer_copies(self, pending: list[str], version: int, holders: list[str], timeout_s: float,
+                           results: dict[str, ReplicaSyncOutcome], outcomes: list[WeightSyncOutcome],
+                           errors: list[str]) -> list[str]:
+        """Copy ``version`` from ``holders`` (replicas at it) to ``pending`` in rounds; the replicas left.
+
+        Each round splits the pending replicas over up to ``peer_copy_sources``
+        holders (:meth:`_shares`), each the root of one broadcast down its
+        share, all at once: on gloo a chain that relays each bucket, so every
+        source sends one copy and the depth is the share's length. The
+        replicas that got theirs hold the version and are sources in later
+        rounds. A holder that cannot prepare (it moved no byte) or whose copy
+        reached none of its share (it died mid-copy) is dropped, and its share
+        goes to the others. In a share that some got, the first member to fail
+        has failed; the members after it (a relay that dies takes the chain
+        below it along) are tried once more.
+        """
+        retried: set[str] = set()
+        while pending and holders:
+            shares = self._shares(pending, holders)
+            runs = await asyncio.gather(*(self._broadcast(share, version, self._replica_source(seed), timeout_s)
+                                          for seed, share in shares))
+            pending = []
+            for (seed, share), (outcome, prepare_error) in zip(shares, runs, strict=True):
+                if prepare_error:
+                    errors.append(prepare_error)
+                    holders.remove(seed)
+                    pending += share
+                    continue
+                outcomes.append(outcome)
+                results.update((r.replica_id, r) for r in outcome.replica_results)
+                got = [r for r in share if results[r].ok]
+                if not got:
+                    errors.append(f"seed replica {seed} sent no copy: "
+                                  f"{next(iter(outcome.failed.values()), 'no replica received it')}")
+                    log.warning("weight sync of %s to version %d: %s; trying another source", share, version,
+                                errors[-1])
+                    holders.remove(seed)
+                    pending += share
+                    continue
+                holders += got
+                again = [r for r in self._ranked(share, seed) if not results[r].ok][1:]   # below the first failure
+                pending += [r for r in again if r not in retried]
+                retried.update(again)
+                if again:
+                    log.warning("weight sync to version %d: %s failed below a relay that failed; trying them once "
+                                "more", version, again)
+        return pending
+
+    def _shares(self, pending: list[str], holders: list[str]) -> list[tuple[str, list[str]]]:
+        """``pending`` as shares, each the chain of one holder, ranked by :meth:`_ranked`.
+
+        A node's pending replicas stay in one share, so one copy enters a node and its members relay it on: from
+        a holder on that node when there is one, else the nodes are dealt over other holders, the largest first
+        to the least loaded, a node the sources do not yet send from first. ``peer_copy_sources`` bounds the
+        sources; beyond it, nodes join the shortest chains.
+        """
+        node = {r: self.registry.get(r).node_id for r in (*holders, *pending)}
+        groups: dict[str, list[str]] = {}
+        for replica_id in pending:
+            groups.setdefault(node[replica_id], []).append(replica_id)
+        cap = max(1, self.peer_copy_sources)
+        shares: dict[str, list[str]] = {}
+        remote = []
+        for where, members in groups.items():
+            local = next((h for h in holders if node[h] == where and h not in shares), None)
+            if local is not None and len(shares) < cap:
+                shares[local] = list(members)
+            else:
+                remote.append(members)
+        while remote and len(shares) < min(cap, len(groups)):
+            spare = [h for h in holders if h not in shares]
+            if not spare:
+                break
+            sending = [node[h] for h in shares]
+            shares[min(spare, key=lambda h: sending.count(node[h]))] = []   # the first on a node sending least
+        for members in sorted(remote, key=len, reverse=True):
+            shares[min(shares, key=lambda h: len(shares[h]))] += members
+        return [(seed, share) for seed, share in shares.items() if share]
 
     def _done(self) -> None:
         self.in_progress -= 1
@@ -420,10 +493,17 @@ class WeightBroadcast:
             raise
         return unreachable
 
+    def _ranked(self, replica_ids: Sequence[str], source: str = "") -> list[str]:
+        """The receivers in rank order: on the source replica's node first, then node by node (a chain crosses
+        between nodes as few times as it can), by id within a node."""
+        node = {r: self.registry.get(r).node_id for r in replica_ids}
+        home = self.registry.get(source).node_id if source in self.registry else None
+        return sorted(replica_ids, key=lambda r: (node[r] != home, node[r], r))
+
     def _plan(self, sync_id: str, prepared: weight_source_pb2.PrepareWeightSyncResponse, replica_ids: list[str],
               rank0: weights_pb2.WeightSyncMember, timeout_s: float) -> weights_pb2.WeightSyncPlan:
-        members = sorted(replica_ids)
-        key = (prepared.source, *members)
+        members = self._ranked(replica_ids, rank0.replica_id)
+        key = (prepared.source, *sorted(members))
         digest = hashlib.sha1("\0".join(key).encode()).hexdigest()[:12]
         group_id = f"g-{digest}-{self._generations.get(key, 0)}"
         plan = weights_pb2.WeightSyncPlan(

@@ -37,9 +37,11 @@ class Stub:
         self.plans: list[weights_pb2.WeightSyncPlan] = []
         self.send_error: Exception | None = None
         self.lost_sources: set[str] = set()
+        """Receives from these sources fail (their sender went away mid-copy)."""
         self.missing_base: set[str] = set()
         """Replicas that answer a delta plan with delta_base_missing."""
-        """Receives from these sources fail (their sender went away mid-copy)."""
+        self.failures: dict[str, int] = {}
+        """Replica -> how many of its next receives fail (a relay that died, or one below it)."""
 
     async def PrepareWeightSync(self, request, timeout=None):  # noqa: N802
         self.log.append((self.name, "prepare", request.weight_version))
@@ -61,10 +63,13 @@ class Stub:
         results = []
         for r in request.replica_ids:
             no_base = request.plan.HasField("delta") and r in self.missing_base
+            broken = self.failures.get(r, 0) > 0
+            if broken:
+                self.failures[r] -= 1
             results.append(agent_pb.ReplicaWeightsResult(
-                replica_id=r, weight_version=request.plan.weight_version, checksum_ok=not (lost or no_base),
+                replica_id=r, weight_version=request.plan.weight_version, checksum_ok=not (lost or no_base or broken),
                 bytes_received=64, delta_base_missing=no_base,
-                error_message="peer lost mid-transfer" if lost else "no base" if no_base else ""))
+                error_message="peer lost mid-transfer" if lost or broken else "no base" if no_base else ""))
         return agent_pb.ReceiveWeightsResponse(results=results)
 
 
@@ -288,3 +293,106 @@ async def test_a_rollback_to_an_older_version_is_a_full_copy():
     outcome = await port.sync(["s0", "s1"], 2)   # both hold 3: nothing below 2 to diff from
     assert not outcome.failed and outcome.delta_base_version == -1
     assert {r.copy for r in outcome.replica_results} == {"full"} and not trainer.plans[0].HasField("delta")
+
+
+def nodes(layout: dict[str, list[tuple[str, int]]], sources: int = 4, trainer=None):
+    """Node -> [(replica, version)] (version 3: a seed, ACTIVE; 0: a new replica, SYNCING); every agent
+    prepares as the replica a PrepareWeightSync names."""
+    registry = ReplicaRegistry(clock=lambda: 0.0)
+    for node, replicas in layout.items():
+        registry.register_node(node, f"{node}:1", slots_total=len(replicas), replicas=[
+            ReplicaSpec(r, K.STANDALONE, S.ACTIVE if v else S.SYNCING, v) for r, v in replicas])
+    log: list = []
+
+    class Agent(Stub):
+        async def PrepareWeightSync(self, request, timeout=None):  # noqa: N802
+            answer = await super().PrepareWeightSync(request, timeout)
+            return prepared(ws.PrepareWeightSyncResponse, answer.weight_version, request.source_id)
+
+    stubs = {f"{node}:1": Agent(f"{node}:1", log, prepared(ws.PrepareWeightSyncResponse, 3, ""))
+             for node in layout}
+    trainer_stub = Stub("trainer", log, trainer)
+    channels = types.SimpleNamespace(agent=lambda address: stubs[address],
+                                     weight_source={**stubs, "t:1": trainer_stub}.get)
+    port = WeightBroadcast(channels, registry, Routing(registry, Tables()), trainer_address="t:1",
+                           timeout_s=5.0, peer_copy_sources=sources)
+    return port, log, stubs, trainer_stub
+
+
+JOIN = {"a": [("s0", 3), ("a1", 0), ("a2", 0)], "b": [("s1", 3), ("s3", 3)], "d": [("s2", 3)],
+        "c": [("c1", 0), ("c2", 0)], "e": [("e1", 0), ("e2", 0), ("e3", 0)], "f": [("f1", 0)]}
+JOINERS = ["a1", "a2", "c1", "c2", "e1", "e2", "e3", "f1"]
+
+
+async def test_one_copy_enters_each_node_from_a_peer_there_else_nodes_are_dealt_over_peers_on_other_nodes():
+    port, log, stubs, trainer = nodes(JOIN)
+    outcome = await port.sync_new_replicas(JOINERS, 3, seeds=["s1", "s3", "s2", "s0"], source="auto")
+    assert not outcome.failed and not trainer.plans
+    sends = sorted(entry for entry in log if entry[1] == "send")
+    assert sends == [("a:1", "send", "s0"), ("b:1", "send", "s1"), ("b:1", "send", "s3"), ("d:1", "send", "s2")]
+    # a's joiners from the peer on a; e (the largest) to s1, c to s2 (node d sends nothing yet), f to s3
+    assert outcome.full_copies == {"a1": "s0", "a2": "s0", "e1": "s1", "e2": "s1", "e3": "s1", "c1": "s2",
+                                   "c2": "s2", "f1": "s3"}
+    assert outcome.attributes()["peer_copies"] == 8 and outcome.bytes_sent == 4 * 64
+    assert outcome.source == "s0, s1, s2, s3"
+
+
+async def test_beyond_peer_copy_sources_nodes_join_the_shortest_chain_crossing_between_nodes_once_each():
+    port, log, stubs, _ = nodes(JOIN, sources=2)
+    outcome = await port.sync_new_replicas(JOINERS, 3, seeds=["s1", "s3", "s2", "s0"], source="replica")
+    assert not outcome.failed
+    assert sorted(entry for entry in log if entry[1] == "send") == [("a:1", "send", "s0"), ("b:1", "send", "s1")]
+    assert outcome.full_copies == {"a1": "s0", "a2": "s0", "c1": "s0", "c2": "s0", "e1": "s1", "e2": "s1",
+                                   "e3": "s1", "f1": "s1"}
+    [chain] = [plan for plan in stubs["a:1"].plans if plan.source == "s0"][:1]
+    assert [m.replica_id for m in chain.members] == ["s0", "a1", "a2", "c1", "c2"]   # its own node first
+
+
+async def test_one_source_sends_a_single_chain_from_the_nearest_peer():
+    port, log, stubs, _ = nodes(JOIN, sources=1)
+    outcome = await port.sync_new_replicas(JOINERS, 3, seeds=["s1", "s3", "s2", "s0"], source="replica")
+    assert not outcome.failed and [entry for entry in log if entry[1] == "send"] == [("a:1", "send", "s0")]
+    [plan] = stubs["a:1"].plans[:1]
+    assert [m.replica_id for m in plan.members] == ["s0", *JOINERS]   # a, a, c, c, e, e, e, f
+
+
+async def test_a_share_whose_source_cannot_prepare_goes_to_another_source():
+    port, log, stubs, trainer = nodes({"a": [("s0", 3)], "b": [("s1", 3)], "c": [("c1", 0), ("c2", 0)],
+                                       "d": [("d1", 0)]})
+    stubs["b:1"].prepared = rpc_error(grpc.StatusCode.FAILED_PRECONDITION, "replica 's1' is busy")
+    outcome = await port.sync_new_replicas(["c1", "c2", "d1"], 3, seeds=["s0", "s1"], source="auto")
+    assert not outcome.failed and not trainer.plans
+    assert outcome.full_copies == {"c1": "s0", "c2": "s0", "d1": "s0"}
+    assert ("b:1", "prepare", 3) in log and ("b:1", "send", "s1") not in log
+    assert [entry for entry in log if entry[1] == "send"] == [("a:1", "send", "s0")] * 2   # c's chain, then d1
+
+
+async def test_the_replicas_below_a_relay_that_died_are_tried_again_and_the_relay_is_not():
+    port, log, stubs, trainer = nodes({"a": [("s0", 3)], "c": [("j1", 0), ("j2", 0), ("j3", 0)]}, sources=1)
+    stubs["c:1"].failures = {"j2": 5, "j3": 1}   # the chain's second member dies: the third gets nothing
+    outcome = await port.sync_new_replicas(["j1", "j2", "j3"], 3, seeds=["s0"], source="auto")
+    assert outcome.failed == {"j2": "peer lost mid-transfer"}
+    assert outcome.full_copies == {"j1": "s0", "j3": "j1"}   # again, from the replica done on its node
+    assert [entry for entry in log if entry[1] in ("send", "prepare")] == [
+        ("a:1", "prepare", 3), ("a:1", "send", "s0"), ("c:1", "prepare", 3), ("c:1", "send", "j1")]
+    assert not trainer.plans   # the relay that failed is not tried again, by anyone
+
+
+async def test_replicas_no_peer_could_reach_go_to_the_trainer_in_one_broadcast():
+    port, log, stubs, trainer = nodes({"a": [("s0", 3)], "c": [("c1", 0), ("c2", 0)]},
+                                      trainer=prepared(ws.PrepareWeightSyncResponse, 3, "trainer-t"))
+    stubs["a:1"].send_error = rpc_error(grpc.StatusCode.UNAVAILABLE, "seed s0's agent went away")
+    stubs["c:1"].lost_sources = {"s0"}
+    outcome = await port.sync_new_replicas(["c1", "c2"], 3, seeds=["s0"], source="auto")
+    assert not outcome.failed and outcome.full_copies == {"c1": "trainer-t", "c2": "trainer-t"}
+    [plan] = trainer.plans
+    assert [m.replica_id for m in plan.members[1:]] == ["c1", "c2"]
+
+
+async def test_a_chain_stays_on_the_sources_node_first_and_crosses_between_nodes_once_each():
+    port, log, stubs, _ = nodes({"a": [("s0", 3), ("r2", 0)], "b": [("r1", 0), ("r3", 0)], "c": [("r0", 0)]},
+                                sources=1)
+    outcome = await port.sync_new_replicas(["r0", "r1", "r2", "r3"], 3, seeds=["s0"], source="replica")
+    assert not outcome.failed
+    [plan] = stubs["a:1"].plans[:1]
+    assert [m.replica_id for m in plan.members] == ["s0", "r2", "r1", "r3", "r0"]   # a, a, b, b, c

@@ -22,7 +22,9 @@ from tests.processes import clean_env
 from weight_transfer.published import publish
 
 pytestmark = pytest.mark.timeout(300)
-REPLICAS = ("a-s0", "a-s1", "a-s2")
+REPLICAS = ("a-s0", "a-s1", "a-s2", "a-s3")
+ON_B = ("b-s0", "b-s1")
+ALL = REPLICAS + ON_B
 TRAINER = """model: tiny-llama
 served_dtype: bfloat16
 weight_source: trainer_agent.published_weights:DirectoryWeightSource
@@ -35,15 +37,20 @@ lease_ttl_s: 10
 load_report_interval_s: 0.3
 async_training: {{weight_sync_timeout_s: 60}}
 """
-AGENT = """node_id: a
+AGENT = """node_id: {node}
 backend: torch
 model: tiny-llama
-slots: 3
+slots: 4
 controller_address: {controller}
 engine_options: {{dtype: bfloat16, max_batch_size: 8}}
 weight_transfer: {{gloo_interface: lo}}
 replicas:
-""" + "".join(f"  - {{{{replica_id: {r}, kind: STANDALONE}}}}\n" for r in REPLICAS)
+"""
+
+
+def agent_config(node: str, replica_ids: tuple[str, ...], controller: str) -> str:
+    return AGENT.format(node=node, controller=controller) + "".join(
+        f"  - {{replica_id: {r}, kind: STANDALONE}}\n" for r in replica_ids)
 
 
 async def _hand_made_delta(trainer: str, agent: str, *, version: int, base: int, receivers: list[str]) -> None:
@@ -130,13 +137,14 @@ def expected_checksum(tensors: dict[str, torch.Tensor], order: list[str]) -> str
 
 async def test_deltas_and_peer_copies_leave_every_replica_bit_identical_to_a_full_copy(tmp_path: Path):
     weights = tmp_path / "weights"
-    published = versions_of(11, 8)
+    published = versions_of(11, 10)
     procs = Procs(tmp_path, env=clean_env(GLOO_SOCKET_IFNAME="lo"))
     try:
         lb = procs.start("lb", "lb", "")
         trainer = procs.start("trainer", "trainer-agent", TRAINER.format(weights=weights))
         controller = procs.start("controller", "controller", CONTROLLER.format(lb=lb, trainer=trainer))
-        agent = procs.start("a", "replica-agent", AGENT.format(controller=controller))
+        agent = procs.start("a", "replica-agent", agent_config("a", REPLICAS, controller))
+        agents = {"a": agent, "b": procs.start("b", "replica-agent", agent_config("b", ON_B, controller))}
         async with grpc.aio.insecure_channel(controller) as channel:
             ctl = controller_stub(channel)
             await until(lambda: _all_registered(ctl))
@@ -150,55 +158,67 @@ async def test_deltas_and_peer_copies_leave_every_replica_bit_identical_to_a_ful
 
             async def check(version: int, replica_ids=REPLICAS) -> None:
                 for replica_id in replica_ids:
-                    held, order, checksum = await served_checksum(agent, replica_id)
+                    held, order, checksum = await served_checksum(agents[replica_id[0]], replica_id)
                     assert held == version
                     assert checksum == expected_checksum(published[version - 1], order), replica_id
 
             first = await sync(1)   # nothing to diff against yet
             assert {r.copy for r in first.replica_results} == {"full"} and first.delta_base_version == -1
-            await check(1)
+            await check(1, ALL)
 
             second = await sync(2)
             assert second.delta_base_version == 1
-            assert {r.replica_id: r.copy for r in second.replica_results} == dict.fromkeys(REPLICAS, "delta")
+            assert {r.replica_id: r.copy for r in second.replica_results} == dict.fromkeys(ALL, "delta")
             assert 0 < second.delta_density < 0.2 and second.delta_bytes < second.full_bytes / 2
             assert second.bytes_sent == second.delta_bytes
-            await check(2)
+            await check(2, ALL)
 
-            third = await sync(3, ["a-s0"])   # a-s1 and a-s2 miss version 3
+            third = await sync(3, ["a-s0"])   # the others miss version 3
             assert [(r.replica_id, r.copy) for r in third.replica_results] == [("a-s0", "delta")]
             await check(3, ["a-s0"])
 
             fourth = await sync(4)
             copies = {r.replica_id: (r.copy, r.source) for r in fourth.replica_results}
             assert copies["a-s0"][0] == "delta" and fourth.delta_base_version == 3
-            assert copies["a-s1"] == copies["a-s2"] == ("peer", "a-s0")   # from the peer, not the trainer
+            # one chain from the only peer at the version: node a's replicas, then node b's (not the trainer)
+            assert {copies[r] for r in ALL if r != "a-s0"} == {("peer", "a-s0")}
+            assert fourth.bytes_sent == fourth.delta_bytes + fourth.full_bytes
             assert (await replicas(ctl))["a-s1"].weight_version == 4
-            await check(4)
+            await check(4, ALL)
+
+            # A peer at the version on each node: each node's replicas behind take one copy from it, both at once.
+            await sync(5, ["a-s0", "b-s0"])
+            split = await sync(6)
+            copies = {r.replica_id: (r.copy, r.source) for r in split.replica_results}
+            assert copies["a-s0"][0] == copies["b-s0"][0] == "delta"
+            assert {r: copies[r] for r in ("a-s1", "a-s2", "a-s3", "b-s1")} == {
+                "a-s1": ("peer", "a-s0"), "a-s2": ("peer", "a-s0"), "a-s3": ("peer", "a-s0"), "b-s1": ("peer", "b-s0")}
+            assert split.bytes_sent == split.delta_bytes + 2 * split.full_bytes
+            await check(6, ALL)
 
             # Hybrid replicas waking: asleep at level 1 (weights kept on the host) a replica takes the delta;
             # asleep at level 2 (weights discarded) it needs a full copy, and gets it from a peer.
-            fifth = await sync(5)
-            assert {r.copy for r in fifth.replica_results} == {"delta"}
+            seventh = await sync(7)
+            assert {r.copy for r in seventh.replica_results} == {"delta"}
             await _sleep(agent, "a-s2", level=1)
             await _sleep(agent, "a-s0", level=2)
-            sixth = await sync(6, REPLICAS)
-            copies = {r.replica_id: (r.copy, r.source) for r in sixth.replica_results}
+            eighth = await sync(8, REPLICAS)
+            copies = {r.replica_id: (r.copy, r.source) for r in eighth.replica_results}
             assert copies["a-s1"][0] == copies["a-s2"][0] == "delta" and copies["a-s0"] == ("peer", "a-s1")
             for replica_id in ("a-s2", "a-s0"):
                 await _wake(agent, replica_id)
-            await check(6)
+            await check(8)
 
             # A delta plan reaching a replica that does not serve its base (the registry can be wrong after a
             # restart): it receives the stream with the others, keeps its weights and says it needs a full copy.
-            await sync(7, ["a-s1"])
-            publish(weights, published[7], 8)
-            await _hand_made_delta(trainer, agent, version=8, base=7, receivers=["a-s1", "a-s0"])
-            await check(8, ["a-s1"])
-            await check(6, ["a-s0", "a-s2"])
+            await sync(9, ["a-s1"])
+            publish(weights, published[9], 10)
+            await _hand_made_delta(trainer, agent, version=10, base=9, receivers=["a-s1", "a-s0"])
+            await check(10, ["a-s1"])
+            await check(8, ["a-s0", "a-s2", "a-s3"])
     finally:
         procs.close()
 
 
 async def _all_registered(ctl) -> bool:
-    return set(await replicas(ctl)) == set(REPLICAS)
+    return set(await replicas(ctl)) == set(ALL)
