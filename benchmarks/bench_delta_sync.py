@@ -184,8 +184,15 @@ async def join_run(tmp: Path, args: argparse.Namespace, source: str, sources: in
              for a in step.get("activities", []) if a["activity"] == "weight_sync"]
     return {"state": op.state, "join_s": ended - started, "window_s": window[1] - window[0],
             "copy_s": sum(float(e["details"].get("duration_s", 0.0)) for e in copy),
-            "copies": [f"{e['details'].get('source')} v{e['weight_version']}" for e in copy],
+            "copies": [f"{e['details'].get('source')} v{e['weight_version']} ({_kinds(e['details'])})" for e in copy],
             "during": [d for d, overlaps in syncs if overlaps], "other": [d for d, overlaps in syncs if not overlaps]}
+
+
+def _kinds(details: dict) -> str:
+    """What copies a sync event counts: ``2 delta, 1 peer``."""
+    counts = {"delta": details.get("delta_copies", 0), "peer": details.get("peer_copies", 0),
+              "full": details.get("full_copies", 0) - details.get("peer_copies", 0)}
+    return ", ".join(f"{int(n)} {kind}" for kind, n in counts.items() if n) or "none"
 
 
 def _steps_synced(run_dir: Path) -> int:
@@ -236,9 +243,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{source:>9} {r['join_s']:>7.2f} {r['window_s']:>9.3f} {r['copy_s']:>7.3f} {during:>18} "
                   f"{1e3 * statistics.median(d for d, _ in r['other']):>14.0f}  {'; '.join(r['copies'])}")
         print("\njoin s: ScaleOut to the new replicas serving; syncing s: their WEIGHT_SYNCING phase; copy s: "
-              "their weight syncs; step syncs: the trainer's weight-sync time (ms, CompleteTrainingStep) of the steps "
-              "that overlapped the phase, in brackets how long it waited before its serving sync started (the "
-              "controller's lock), and the median of the others.")
+              "their weight syncs (copies: source, version, kinds); step syncs: the trainer's weight-sync time "
+              "(ms, CompleteTrainingStep) of the steps that overlapped the phase, in brackets how long it waited "
+              "before its serving sync started (the controller's lock), and the median of the others.")
         return
     rows = []
     with tempfile.TemporaryDirectory() as tmpdir:

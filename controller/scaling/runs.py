@@ -206,10 +206,11 @@ async def _sync(s: ScaleHost, op: ScaleOperation, alive: list[str]) -> None:
 
     The bulk of a join is a full copy from a peer at the newest version a healthy replica holds, which runs
     outside the transitions lock: the training steps' syncs (which take it) go on meanwhile, and the peer sends
-    from a copy of its weights, so it takes its own syncs too. Only when no peer can is the copy the
-    trainer's, under the lock (the trainer sends one broadcast at a time). Then, under the lock, the new
-    replicas catch up with the version the steps are at (a delta from the trainer where it holds the version
-    they got), so none is routed behind.
+    from a copy of its weights, so it takes its own syncs too; while the steps run more than one version
+    ahead of it, it copies again (:func:`_keep_up`). Only when no peer can is the copy the trainer's, under the
+    lock (the trainer sends one broadcast at a time). Then, under the lock, the new replicas catch up with the
+    version the steps are at (a delta from the trainer where it holds the version they got), so none is
+    routed behind.
     """
     registry = s.registry
     version = s.current_version(op.model_name, exclude=set(op.replica_ids))
@@ -228,6 +229,7 @@ async def _sync(s: ScaleHost, op: ScaleOperation, alive: list[str]) -> None:
             copied = source == "replica" or any(r.ok for r in outcome.replica_results)
             if copied:
                 failed = dict(outcome.failed)
+                await _keep_up(s, op, [r for r in behind if r not in failed])
         async with s.transitions:
             current = s.current_version(op.model_name, exclude=set(op.replica_ids))
             if current is not None:   # the version the steps are at now that the lock is held: the trainer's
@@ -242,6 +244,32 @@ async def _sync(s: ScaleHost, op: ScaleOperation, alive: list[str]) -> None:
                 failed.update(outcome.failed)
     alive = await _settle(s, op, failed, "weight sync")
     op.weight_version = version if version is not None else min(registry.get(r).weight_version for r in alive)
+
+
+KEEP_UP_ROUNDS = 2
+"""Peer copies a join makes, after its first, while the steps run ahead of it (:func:`_keep_up`)."""
+
+
+async def _keep_up(s: ScaleHost, op: ScaleOperation, replica_ids: list[str]) -> None:
+    """Copy the newest version from peers again, still outside the lock, while the steps have moved on by more
+    than one version since the new replicas' copy began.
+
+    One version behind, the catch-up under the lock is a delta (the trainer keeps the version before its
+    current one as its delta base); further behind it would be a full copy that the steps wait for. At most
+    :data:`KEEP_UP_ROUNDS` rounds: a copy slower than a step never catches up by itself. A replica a round
+    fails keeps the version it had, for the catch-up.
+    """
+    registry = s.registry
+    for _ in range(KEEP_UP_ROUNDS):
+        current = s.current_version(op.model_name, exclude=set(op.replica_ids))
+        have = min((registry.get(r).weight_version for r in replica_ids), default=None)
+        if current is None or have is None or current <= have + 1:
+            return
+        held, seeds = newest_seeds(s, op, current)
+        if not seeds or held <= have:
+            return
+        await _copy(s, op, [r for r in replica_ids if registry.get(r).weight_version < held], held, "replica",
+                    seeds)
 
 
 def newest_seeds(s: ScaleHost, op: ScaleOperation, version: int) -> tuple[int, list[str]]:

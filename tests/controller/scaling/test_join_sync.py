@@ -1,6 +1,7 @@
 """A join's weight copy from a peer leaves the training steps alone: it runs outside the transitions lock (the
-lock every step-protocol call takes), and the new replicas then catch up with any version the steps moved on
-to meanwhile, under the lock, before they are routed. A copy only the trainer can send runs under the lock."""
+lock every step-protocol call takes), copies again while the steps ran more than a version ahead, and the new
+replicas then catch up with any version the steps moved on to meanwhile, under the lock, before they are
+routed. A copy only the trainer can send runs under the lock."""
 
 from __future__ import annotations
 
@@ -28,12 +29,15 @@ class Weights:
         self.lock, self.calls = lock, []
         self.copying = asyncio.Event()
         self.release = asyncio.Event()
+        self.during_copy = lambda: None
+        """What the steps do while a peer copy is on the wire."""
 
     async def sync_new_replicas(self, replica_ids, version, *, seeds, source):
         self.calls.append(("copy", tuple(replica_ids), version, source, self.lock.locked()))
         if source == "replica":
             self.copying.set()
             await self.release.wait()
+            self.during_copy()
         return WeightSyncOutcome(version, tuple(ReplicaSyncOutcome(r, True, copy="peer" if source == "replica"
                                                                    else "full") for r in replica_ids),
                                  source=seeds[0] if seeds else "trainer-t")
@@ -99,3 +103,35 @@ async def test_while_the_serving_replicas_are_still_being_synced_the_join_copies
     await asyncio.wait_for(runs._sync(s, op, ["new"]), 5)
     assert s.weights.calls == [("copy", ("new",), 3, "replica", False), ("sync", ("new",), 4, None, True)]
     assert op.weight_version == 4 and s.registry.get("new").weight_version == 4
+
+
+async def test_a_join_the_steps_ran_more_than_a_version_ahead_of_copies_again_from_peers_outside_the_lock():
+    s, op, scheduler = host(seeded=True)
+    s.weights.release.set()
+
+    def two_steps():   # the steps (and the peer with them) move on by two versions during the first copy only
+        if scheduler.weight_version == 4:
+            scheduler.weight_version = 6
+            s.registry.set_weight_version("s0", 6)
+
+    s.weights.during_copy = two_steps
+    await asyncio.wait_for(runs._sync(s, op, ["new"]), 5)
+    assert s.weights.calls == [("copy", ("new",), 4, "replica", False), ("copy", ("new",), 6, "replica", False)]
+    assert op.weight_version == 6 and s.registry.get("new").weight_version == 6   # nothing left under the lock
+
+
+async def test_a_join_slower_than_the_steps_copies_again_a_bounded_number_of_times_then_catches_up_under_the_lock():
+    s, op, scheduler = host(seeded=True)
+    s.weights.release.set()
+
+    def two_steps():   # every copy takes two steps
+        scheduler.weight_version += 2
+        s.registry.set_weight_version("s0", scheduler.weight_version)
+
+    s.weights.during_copy = two_steps
+    await asyncio.wait_for(runs._sync(s, op, ["new"]), 5)
+    copies = [call for call in s.weights.calls if call[0] == "copy"]
+    assert [call[2] for call in copies] == [4, 6, 8] and len(copies) == 1 + runs.KEEP_UP_ROUNDS
+    assert not any(call[4] for call in copies)
+    assert s.weights.calls[-1] == ("sync", ("new",), 10, None, True)
+    assert op.weight_version == 10 and s.registry.get("new").weight_version == 10
