@@ -396,3 +396,12 @@ async def test_a_chain_stays_on_the_sources_node_first_and_crosses_between_nodes
     assert not outcome.failed
     [plan] = stubs["a:1"].plans[:1]
     assert [m.replica_id for m in plan.members] == ["s0", "r2", "r1", "r3", "r0"]   # a, a, b, b, c
+
+
+@pytest.mark.parametrize("value", [0, -2])
+def test_peer_copy_sources_below_one_is_refused_naming_the_key(value):
+    from controller.config import ControllerConfig
+    from mesh_runtime.config import ConfigError
+
+    with pytest.raises(ConfigError, match=f"peer_copy_sources.*must be > 0, got {value}"):
+        ControllerConfig(peer_copy_sources=value).validate()
