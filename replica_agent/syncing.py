@@ -104,15 +104,21 @@ async def _receive_one(groups: WeightGroups, replica: Replica, plan: SyncPlan) -
             received = await receive_weights_async(group, plan.stream, timeout=plan.timeout_s, key=plan.sync_key)
             if base_task is not None:
                 base = await base_task
-                if isinstance(base, str):   # the group is in step; this replica needs a full copy
+                why = base if isinstance(base, str) else ""
+                if not why:
+                    try:
+                        tensors = await asyncio.to_thread(_apply_delta, plan, base, received)
+                    except VerificationFailed:   # only now is the base checked: the target check covers it
+                        if not (why := await _not_the_base(replica, plan)):
+                            raise
+                if why:   # the group is in step; this replica needs a full copy
                     log.info("replica %s: %s; it keeps weight version %d and needs a full copy",
-                             replica.replica_id, base, replica.weight_version)
+                             replica.replica_id, why, replica.weight_version)
                     result = ReceiveResult(replica.replica_id, replica.weight_version, False,
-                                           plan.stream.total_bytes, time.monotonic() - started, base,
+                                           plan.stream.total_bytes, time.monotonic() - started, why,
                                            delta_base_missing=True)
                     groups.record(plan.sync_id, replica.replica_id, result)
                     return result
-                tensors = await asyncio.to_thread(_apply_delta, plan, base, received)
             else:
                 tensors = received
         except VerificationFailed as err:   # a bad checksum, or not from the sender the controller chose
@@ -141,10 +147,11 @@ async def _receive_one(groups: WeightGroups, replica: Replica, plan: SyncPlan) -
 
 
 async def _delta_base(replica: Replica, plan: SyncPlan, weights_asleep: bool) -> Any:
-    """The weights ``replica`` serves packed in the target's layout, checked against the delta's base; or,
-    when it cannot be the base, why (a string)."""
+    """The weights ``replica`` serves packed in the target's layout; or, when it cannot be the base, why (a
+    string). Their checksum is not compared with the base's here: the result of the delta is checked against
+    the target, which a wrong base fails, and only then :func:`_not_the_base` tells the two failures apart
+    (one pass over the weights fewer per delta)."""
     from weight_transfer import ManifestMismatch  # noqa: PLC0415
-    from weight_transfer.delta import stream_checksum  # noqa: PLC0415
 
     assert plan.delta is not None
     if replica.weight_version != plan.delta.base_version:
@@ -158,16 +165,27 @@ async def _delta_base(replica: Replica, plan: SyncPlan, weights_asleep: bool) ->
         except Exception as err:   # noqa: BLE001 - then it takes a full copy, received while asleep
             return f"the plan is a delta and this replica's weights could not be woken ({err})"[:300]
     try:
-        flat = await _packed(replica, plan.manifest)
+        return await _packed(replica, plan.manifest)
     except ManifestMismatch as err:
         return f"the weights this replica serves do not fit the delta's layout: {err}"
     except Exception as err:   # noqa: BLE001 - an engine that cannot read its weights back takes full copies
         return f"the plan is a delta and this replica's engine cannot read back its weights ({err})"[:300]
-    got = await asyncio.to_thread(stream_checksum, plan.manifest, flat)
-    if got != plan.delta.base_checksum:
-        return (f"the weights this replica serves (checksum {got[:16]}) are not the delta's base version "
-                f"{plan.delta.base_version} (checksum {plan.delta.base_checksum[:16]})")
-    return flat
+
+
+async def _not_the_base(replica: Replica, plan: SyncPlan) -> str:
+    """Why the weights ``replica`` still serves are not the delta's base (their checksum against the base's),
+    or "" when they are (then the delta itself failed its check)."""
+    from weight_transfer.delta import stream_checksum  # noqa: PLC0415
+
+    assert plan.delta is not None
+    try:
+        got = await asyncio.to_thread(stream_checksum, plan.manifest, await _packed(replica, plan.manifest))
+    except Exception as err:   # noqa: BLE001 - then it cannot be checked as the base: a full copy it is
+        return f"the plan is a delta and this replica's weights could not be read back to check ({err})"[:300]
+    if got == plan.delta.base_checksum:
+        return ""
+    return (f"the weights this replica serves (checksum {got[:16]}) are not the delta's base version "
+            f"{plan.delta.base_version} (checksum {plan.delta.base_checksum[:16]})")
 
 
 async def _packed(replica: Replica, manifest: Manifest) -> Any:

@@ -81,8 +81,20 @@ async def _hand_made_delta(trainer: str, agent: str, *, version: int, base: int,
     assert sent.bytes_sent == prepared.delta.stream.total_bytes
     results = {r.replica_id: r for r in received.results}
     assert results[receivers[0]].checksum_ok and not results[receivers[0]].delta_base_missing
-    missing = results[receivers[1]]
-    assert not missing.checksum_ok and missing.delta_base_missing and missing.weight_version != version
+    for missing in (results[r] for r in receivers[1:]):
+        assert not missing.checksum_ok and missing.delta_base_missing and missing.weight_version != version
+
+
+async def _install(agent: str, replica_id: str, directory: Path, version: int) -> None:
+    """Load the checkpoint in ``directory`` into a replica as ``version`` (whatever it holds)."""
+    from rollmesh.replica.v1 import replica_agent_pb2 as agent_pb
+    from rollmesh.replica.v1 import replica_agent_pb2_grpc
+
+    async with grpc.aio.insecure_channel(agent) as channel:
+        reply = await replica_agent_pb2_grpc.ReplicaAgentServiceStub(channel).LoadCheckpoint(
+            agent_pb.LoadCheckpointRequest(replica_ids=[replica_id], checkpoint_path=str(directory),
+                                           weight_version=version, step=agent_pb.CHECKPOINT_STEP_INSTALL))
+    assert reply.results[0].checksum_ok and reply.results[0].weight_version == version, reply
 
 
 async def _sleep(agent: str, replica_id: str, level: int) -> None:
@@ -210,12 +222,18 @@ async def test_deltas_and_peer_copies_leave_every_replica_bit_identical_to_a_ful
             await check(8)
 
             # A delta plan reaching a replica that does not serve its base (the registry can be wrong after a
-            # restart): it receives the stream with the others, keeps its weights and says it needs a full copy.
+            # restart): it receives the stream with the others, keeps its weights and says it needs a full copy,
+            # whether its version says so (a-s0, at 8) or only its weights do (a-s3, version 8's weights
+            # installed as 9: the rebuilt weights fail the target's check, then its weights the base's).
             await sync(9, ["a-s1"])
+            publish(tmp_path / "not-9", published[7], 9)
+            await _install(agent, "a-s3", tmp_path / "not-9", 9)
             publish(weights, published[9], 10)
-            await _hand_made_delta(trainer, agent, version=10, base=9, receivers=["a-s1", "a-s0"])
+            await _hand_made_delta(trainer, agent, version=10, base=9, receivers=["a-s1", "a-s0", "a-s3"])
             await check(10, ["a-s1"])
-            await check(8, ["a-s0", "a-s2", "a-s3"])
+            await check(8, ["a-s0", "a-s2"])
+            held, order, checksum = await served_checksum(agent, "a-s3")
+            assert held == 9 and checksum == expected_checksum(published[7], order)   # its weights kept
     finally:
         procs.close()
 
