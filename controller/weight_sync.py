@@ -20,12 +20,8 @@ Replicas a scale-out adds (``sync_new_replicas``) get a full copy from
 healthy peers already at the version, on their node first, else from the
 trainer (``scale_out_weight_source``).
 
-Many full copies fan out as a tree of chains, one copy into each node: a
-node's replicas share one chain (on gloo the default chain topology relays
-each bucket down it, so its source sends one copy however long it is), fed
-by a peer on that node when there is one, else by up to
-``peer_copy_sources`` peers elsewhere; the replicas done become sources for
-any left (a relay that failed left the chain below it).
+Many full copies fan out as a tree of chains, one copy into each node
+(:mod:`controller.copy_tree`); the replicas done become sources for any left.
 """
 
 from __future__ import annotations
@@ -46,6 +42,7 @@ from rollmesh.common.v1 import weights_pb2
 from rollmesh.replica.v1 import replica_agent_pb2
 from rollmesh.weights.v1 import weight_source_pb2
 
+from . import copy_tree
 from .convert import duration
 from .core.ports import ReplicaSyncOutcome, WeightSyncOutcome
 from .core.replicas import ReplicaRegistry
@@ -190,20 +187,17 @@ class WeightBroadcast:
                            errors: list[str]) -> list[str]:
         """Copy ``version`` from ``holders`` (replicas at it) to ``pending`` in rounds; the replicas left.
 
-        Each round splits the pending replicas over up to ``peer_copy_sources``
-        holders (:meth:`_shares`), each the root of one broadcast down its
-        share, all at once: on gloo a chain that relays each bucket, so every
-        source sends one copy and the depth is the share's length. The
-        replicas that got theirs hold the version and are sources in later
-        rounds. A holder that cannot prepare (it moved no byte) or whose copy
-        reached none of its share (it died mid-copy) is dropped, and its share
-        goes to the others. In a share that some got, the first member to fail
-        has failed; the members after it (a relay that dies takes the chain
-        below it along) are tried once more.
+        Each round runs the chains :func:`copy_tree.shares` plans, all at once.
+        The replicas that got their copy are sources in later rounds. A holder
+        that cannot prepare (it moved no byte) or whose copy reached none of
+        its chain (it died mid-copy) is dropped, and its chain goes to the
+        others. In a chain that some got, the first member to fail has failed;
+        the members after it (a relay that dies takes the chain below it
+        along) are tried once more.
         """
         retried: set[str] = set()
         while pending and holders:
-            shares = self._shares(pending, holders)
+            shares = copy_tree.shares(pending, holders, self._node, self.peer_copy_sources)
             runs = await asyncio.gather(*(self._broadcast(share, version, self._replica_source(seed), timeout_s)
                                           for seed, share in shares))
             pending = []
@@ -225,7 +219,7 @@ class WeightBroadcast:
                     pending += share
                     continue
                 holders += got
-                again = [r for r in self._ranked(share, seed) if not results[r].ok][1:]   # below the first failure
+                again = [r for r in copy_tree.ranked(share, seed, self._node) if not results[r].ok][1:]   # below it
                 pending += [r for r in again if r not in retried]
                 retried.update(again)
                 if again:
@@ -233,36 +227,9 @@ class WeightBroadcast:
                                 "more", version, again)
         return pending
 
-    def _shares(self, pending: list[str], holders: list[str]) -> list[tuple[str, list[str]]]:
-        """``pending`` as shares, each the chain of one holder, ranked by :meth:`_ranked`.
-
-        A node's pending replicas stay in one share, so one copy enters a node and its members relay it on: from
-        a holder on that node when there is one, else the nodes are dealt over other holders, the largest first
-        to the least loaded, a node the sources do not yet send from first. ``peer_copy_sources`` bounds the
-        sources; beyond it, nodes join the shortest chains.
-        """
-        node = {r: self.registry.get(r).node_id for r in (*holders, *pending)}
-        groups: dict[str, list[str]] = {}
-        for replica_id in pending:
-            groups.setdefault(node[replica_id], []).append(replica_id)
-        cap = max(1, self.peer_copy_sources)
-        shares: dict[str, list[str]] = {}
-        remote = []
-        for where, members in groups.items():
-            local = next((h for h in holders if node[h] == where and h not in shares), None)
-            if local is not None and len(shares) < cap:
-                shares[local] = list(members)
-            else:
-                remote.append(members)
-        while remote and len(shares) < min(cap, len(groups)):
-            spare = [h for h in holders if h not in shares]
-            if not spare:
-                break
-            sending = [node[h] for h in shares]
-            shares[min(spare, key=lambda h: sending.count(node[h]))] = []   # the first on a node sending least
-        for members in sorted(remote, key=len, reverse=True):
-            shares[min(shares, key=lambda h: len(shares[h]))] += members
-        return [(seed, share) for seed, share in shares.items() if share]
+    def _node(self, replica_id: str) -> str | None:
+        """The node of a replica the registry knows; None for any other member (the trainer)."""
+        return self.registry.get(replica_id).node_id if replica_id in self.registry else None
 
     def _done(self) -> None:
         self.in_progress -= 1
@@ -493,16 +460,9 @@ class WeightBroadcast:
             raise
         return unreachable
 
-    def _ranked(self, replica_ids: Sequence[str], source: str = "") -> list[str]:
-        """The receivers in rank order: on the source replica's node first, then node by node (a chain crosses
-        between nodes as few times as it can), by id within a node."""
-        node = {r: self.registry.get(r).node_id for r in replica_ids}
-        home = self.registry.get(source).node_id if source in self.registry else None
-        return sorted(replica_ids, key=lambda r: (node[r] != home, node[r], r))
-
     def _plan(self, sync_id: str, prepared: weight_source_pb2.PrepareWeightSyncResponse, replica_ids: list[str],
               rank0: weights_pb2.WeightSyncMember, timeout_s: float) -> weights_pb2.WeightSyncPlan:
-        members = self._ranked(replica_ids, rank0.replica_id)
+        members = copy_tree.ranked(replica_ids, rank0.replica_id, self._node)
         key = (prepared.source, *sorted(members))
         digest = hashlib.sha1("\0".join(key).encode()).hexdigest()[:12]
         group_id = f"g-{digest}-{self._generations.get(key, 0)}"
