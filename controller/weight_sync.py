@@ -131,10 +131,11 @@ class WeightBroadcast:
 
         ``source``: ``trainer`` (the trainer only), ``replica`` (a seed only) or
         ``auto`` (a seed when one prepares, else the trainer, so joins leave the
-        trainer to the training steps' syncs). Seeds are tried on the new
-        replicas' nodes first, then in the order given, until one prepares; a
-        source that cannot prepare has moved no byte, so the next one is safe
-        to try. Once a source has prepared, its outcome is the answer (no retry).
+        trainer to the training steps' syncs). The copies fan out from the
+        seeds as :meth:`_peer_copies` says (a seed on a new replica's node
+        first); a seed that cannot prepare has moved no byte, so another is
+        safe to try. With ``auto``, the replicas no seed reached take one
+        broadcast from the trainer.
         """
         self.in_progress += 1
         try:
@@ -463,7 +464,7 @@ class WeightBroadcast:
     def _plan(self, sync_id: str, prepared: weight_source_pb2.PrepareWeightSyncResponse, replica_ids: list[str],
               rank0: weights_pb2.WeightSyncMember, timeout_s: float) -> weights_pb2.WeightSyncPlan:
         members = copy_tree.ranked(replica_ids, rank0.replica_id, self._node)
-        key = (prepared.source, *sorted(members))
+        key = (prepared.source, *sorted(replica_ids))
         digest = hashlib.sha1("\0".join(key).encode()).hexdigest()[:12]
         group_id = f"g-{digest}-{self._generations.get(key, 0)}"
         plan = weights_pb2.WeightSyncPlan(
