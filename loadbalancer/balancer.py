@@ -54,6 +54,7 @@ from .attempts import (
 from .completed import CompletedCache
 from .control import FleetControl
 from .pauses import PauseEstimator
+from .programs import ProgramAdmission
 from .config import LoadBalancerConfig
 from .stats import Stats
 from .table import Choice, Route, RoutingTable, Ticket
@@ -94,10 +95,18 @@ class Balancer:
         self.pauses = PauseEstimator(max_hold_s=config.max_kv_hold_s, quantile=config.kv_hold_quantile,
                                      max_sessions=config.max_sticky_sessions)
         """Sessions' pauses between requests: how long replicas hold a session's KV after a request."""
-        self.control = FleetControl(table, upstreams, abort_grace_s=config.abort_grace_s, pauses=self.pauses)
+        pa = config.program_admission
+        self.programs = ProgramAdmission(kv_tokens=pa.kv_tokens, kv_fraction=pa.kv_fraction, idle_s=pa.idle_s,
+                                         max_programs=config.max_sticky_sessions, clock=clock,
+                                         stats=self.stats) if pa.enabled else None
+        """Sessions as programs admitted by KV room (``program_admission``), when on."""
+        self.control = FleetControl(table, upstreams, abort_grace_s=config.abort_grace_s, pauses=self.pauses,
+                                    programs=self.programs)
         """Operations on the fleet as a whole (sessions, removal, pauses, rebalancing)."""
 
     def _notify(self) -> None:
+        if self.programs is not None:
+            self.programs.retain(self.table.routes)
         self._table_changed.set()
         self._table_changed = asyncio.Event()
 
@@ -168,10 +177,16 @@ class Balancer:
             if request.session_id:
                 self.pauses.ended(request.session_id, self.clock(), last=run.hold_kv_s == 0 and
                                   request.HasField("expected_pause"))
+                if self.programs is not None:
+                    self.control.release_holds(self.programs.ended(
+                        request.session_id, run.request_id,
+                        last=request.HasField("expected_pause") and run.hold_kv_s == 0))
         except asyncio.CancelledError:   # the caller went away: not a failure of ours
             outcome = "cancelled"
             raise
         finally:
+            if self.programs is not None and request.session_id:
+                self.programs.leave(request.session_id)   # failed or cancelled while waiting for room
             del self._running[request.request_id]
             setattr(self.stats, outcome, getattr(self.stats, outcome) + 1)
             if timing is not None:
@@ -230,13 +245,19 @@ class Balancer:
         prefix = self.table.prefix
         if prefix is not None and run.prefix_keys is None:
             run.prefix_keys = prefix.index.prompt(run.request.prompt_token_ids)
+        programs = self.programs if run.request.session_id else None
+        prompt, max_tokens = len(run.request.prompt_token_ids), run.request.sampling_params.max_tokens
         while True:
+            only = None if programs is None else await programs.admit(
+                run.request.session_id, prompt + self.table.completion_tokens.expected(max_tokens),
+                lambda: self.table.admissible(min_version, avoid=run.avoid), run.remaining)
             choice = self.table.pick(run.request_id, session_id=run.request.session_id,
-                                     min_weight_version=min_version, avoid=run.avoid,
-                                     prefix_keys=run.prefix_keys,
-                                     prompt_tokens=len(run.request.prompt_token_ids),
-                                     max_tokens=run.request.sampling_params.max_tokens)
+                                     min_weight_version=min_version, avoid=run.avoid, prefix_keys=run.prefix_keys,
+                                     prompt_tokens=prompt, max_tokens=max_tokens, only=only)
             if choice is not None:
+                if programs is not None and only is not None:
+                    programs.placed(run.request.session_id, choice.ticket.route.replica_id, choice.ticket.weight,
+                                    run.request_id)
                 self.stats.sticky_hits += int(choice.sticky_hit)
                 self.stats.sticky_migrations += int(choice.sticky_migrated)
                 self.stats.prefix_hits += int(choice.prefix_tokens > 0)

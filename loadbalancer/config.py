@@ -104,6 +104,37 @@ class PrefixRoutingConfig:
                 raise ConfigError(key, f"must be >= 0, got {getattr(self, key)}")
 
 
+@dataclasses.dataclass(frozen=True)
+class ProgramAdmissionConfig:
+    """``program_admission``: a session's requests as one program, admitted to a replica while its KV has room
+    (loadbalancer/programs.py)."""
+
+    enabled: bool = setting(False, help="route a session's requests as one program: its turns go to the replica "
+                                        "it is active on, and a new (or parked) program waits at the balancer "
+                                        "until a replica's active programs leave room for its context in that "
+                                        "replica's KV budget (oldest program first); when a replica's programs "
+                                        "outgrow it, the youngest waiting on a tool there are parked (their KV "
+                                        "hold released). Requests without a session_id are not affected")
+    kv_tokens: int = setting(0, help="every replica's KV capacity in tokens; 0 = each replica's own, from its "
+                                     "agent's load reports (max_total_tokens); a replica whose capacity is "
+                                     "not known admits every program")
+    kv_fraction: float = setting(1.0, help="share of a replica's KV capacity its active programs' contexts (each "
+                                           "the latest turn's prompt plus its expected completion) may fill")
+    idle_s: float = setting(300.0, help="a program with no request for this long ends (a trajectory that never "
+                                        "sent CloseSession nor marked its last turn with expected_pause 0)")
+    report_interval_s: float = setting(5.0, help="how often the balancer reads the agents' load reports for "
+                                                 "their replicas' KV capacity (kv_tokens 0)")
+
+    def validate(self) -> None:
+        if self.kv_tokens < 0:
+            raise ConfigError("kv_tokens", f"must be >= 0 (0: from the load reports), got {self.kv_tokens}")
+        if not 0 < self.kv_fraction <= 4:
+            raise ConfigError("kv_fraction", f"must be in (0, 4], got {self.kv_fraction}")
+        for key in ("idle_s", "report_interval_s"):
+            if not 0 < getattr(self, key) < math.inf:
+                raise ConfigError(key, f"must be > 0 and finite, got {getattr(self, key)}")
+
+
 @dataclasses.dataclass
 class LoadBalancerConfig(ServerConfig):
     """Settings of the load balancer (``--print-default-config`` lists them)."""
@@ -133,6 +164,8 @@ class LoadBalancerConfig(ServerConfig):
     prefix_routing: PrefixRoutingConfig = setting(default_factory=PrefixRoutingConfig,
                                                   help="cache affinity against load, for routing_policy: "
                                                        "prefix_aware and prefix_cost")
+    program_admission: ProgramAdmissionConfig = setting(default_factory=ProgramAdmissionConfig,
+                                                        help="sessions as programs admitted by KV room")
     pin_sessions: bool | None = setting(None, help="whether a session sticks to its replica (within "
                                                    "sticky_max_load_gap) before the policy chooses; null = the "
                                                    "policy's own way (prefix_cost pins none, the others do)")

@@ -13,6 +13,7 @@ from mesh_runtime.validate import check_session_id
 
 from .attempts import cut_all
 from .pauses import PauseEstimator
+from .programs import ProgramAdmission
 from .table import RoutingTable, Ticket
 from .upstreams import Upstreams
 
@@ -21,11 +22,13 @@ class FleetControl:
     """See the module docstring."""
 
     def __init__(self, table: RoutingTable, upstreams: Upstreams, *, abort_grace_s: float,
-                 pauses: PauseEstimator | None = None) -> None:
+                 pauses: PauseEstimator | None = None, programs: ProgramAdmission | None = None) -> None:
         self.table = table
         self.upstreams = upstreams
         self.abort_grace_s = abort_grace_s
         self.pauses = pauses
+        self.programs = programs
+        self._releases: set[asyncio.Task] = set()
 
     async def close_session(self, session_id: str) -> tuple[str, bool]:
         """End a session: drop its pin and tell its replica (``(replica_id, released)``; ``("", False)`` when
@@ -33,11 +36,22 @@ class FleetControl:
         check_session_id(session_id, "session_id")
         if self.pauses is not None:
             self.pauses.forget(session_id)
-        replica_id = self.table.drop_session(session_id)
+        active_on = self.programs.close(session_id) if self.programs is not None else ""
+        replica_id = self.table.drop_session(session_id) or active_on
         route = self.table.routes.get(replica_id or "")
         if route is None:
             return "", False
         return route.replica_id, await self.upstreams.close_session(route, session_id)
+
+    def release_holds(self, parked: list[tuple[str, str]]) -> None:
+        """Parked programs' KV holds end on their replicas (in the background: the request that parked them
+        does not wait)."""
+        for session_id, replica_id in parked:
+            route = self.table.routes.get(replica_id)
+            if route is not None:
+                task = asyncio.create_task(self.upstreams.close_session(route, session_id))
+                self._releases.add(task)
+                task.add_done_callback(self._releases.discard)
 
     async def flush_cache(self, replica_ids: list[str]) -> dict[str, str]:
         """Flush the routed replicas' prefix caches (SGLang's ``/flush_cache``), all at once: per replica "" when

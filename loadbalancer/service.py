@@ -23,6 +23,7 @@ from rollmesh.loadbalancer.v1 import loadbalancer_pb2_grpc, routing_pb2
 
 from .balancer import Balancer
 from .config import LoadBalancerConfig
+from .kv_reports import CapacityReports
 from .prefix_events import PrefixWatchers
 from . import routing
 from .table import OutlierDetection, Route, RoutingTable
@@ -88,6 +89,8 @@ class LoadBalancerServicer(loadbalancer_pb2_grpc.LoadBalancerServiceServicer):
         """The channel to the controller (``controller_address``), once attached."""
         self.prefix_watchers: PrefixWatchers | None = None
         """The replicas' prefix-cache event streams (``prefix_routing.kv_events``), once attached."""
+        self.capacity_reports: CapacityReports | None = None
+        """The replicas' KV capacity for program admission (``program_admission`` with ``kv_tokens`` 0)."""
 
     async def attach(self, server: MeshServer) -> None:
         server.add_cleanup(self.balancer.upstreams.close)
@@ -95,6 +98,13 @@ class LoadBalancerServicer(loadbalancer_pb2_grpc.LoadBalancerServiceServicer):
             self.prefix_watchers = PrefixWatchers(self.table, self.balancer.upstreams.stub)
             await self.prefix_watchers.start()
             server.add_cleanup(self.prefix_watchers.close)
+        pa = self.config.program_admission
+        if self.balancer.programs is not None and not pa.kv_tokens:
+            self.capacity_reports = CapacityReports(self.table, self.balancer.programs, self.balancer.upstreams.stub,
+                                                    interval_s=pa.report_interval_s,
+                                                    call_timeout_s=self.config.upstream_call_timeout_s)
+            await self.capacity_reports.start()
+            server.add_cleanup(self.capacity_reports.close)
         if self.config.controller_address:
             from mesh_runtime.channels import open_channel  # noqa: PLC0415
 

@@ -29,6 +29,8 @@ class Stats:
     cancelled: int = 0
     prefix_hits: int = 0
     prefix_spills: int = 0
+    program_waits: int = 0
+    programs_parked: int = 0
     since: float = dataclasses.field(default_factory=time.time)
 
     def to_proto(self, in_flight: int) -> routing_pb2.LoadBalancerStats:
@@ -80,6 +82,10 @@ COUNTERS = {
                     "(routing_policy prefix_aware)"),
     "prefix_spills": ("rollmesh_lb_prefix_spills", "Requests whose prompt a replica held, routed elsewhere "
                       "because that replica was too loaded (routing_policy prefix_aware)"),
+    "program_waits": ("rollmesh_lb_program_waits", "Times a session's program waited for KV room on a replica "
+                      "(program_admission)"),
+    "programs_parked": ("rollmesh_lb_programs_parked", "Programs whose KV hold was released to keep a replica "
+                        "within its KV budget (program_admission)"),
     "no_replica_waits": ("rollmesh_lb_no_replica_waits", "Times a request waited because no replica was eligible"),
     "outlier_ejections": ("rollmesh_lb_outlier_ejections", "Replicas ejected from picks after consecutive failures"),
 }

@@ -266,6 +266,14 @@ class RoutingTable:
         pick = pick or self._pick(min_weight_version=min_weight_version)
         return [r for r in self.routes.values() if not self.unroutable_reason(r, pick=pick)]
 
+    def admissible(self, min_weight_version: int | None, avoid: frozenset[str] = frozenset()) -> list[str]:
+        """Ids of the replicas a request may be admitted to: the eligible ones and the paused ones (a pause
+        holds requests; it does not move a session's program), less ``avoid`` while any other is left."""
+        pick = self._pick(min_weight_version=min_weight_version)
+        ids = [r.replica_id for r in self.routes.values()
+               if not r.removed and (r.paused or not self.unroutable_reason(r, pick=pick))]
+        return [i for i in ids if i not in avoid] or ids
+
     def explain_ineligible(self, min_weight_version: int | None) -> str:
         if not self.routes:
             return "the routing table is empty"
@@ -274,16 +282,18 @@ class RoutingTable:
 
     def pick(self, request_id: str, *, session_id: str = "", min_weight_version: int | None = None,
              avoid: frozenset[str] = frozenset(), prefix_keys: PromptKeys | None = None, prompt_tokens: int = 0,
-             max_tokens: int = 0) -> Choice | None:
+             max_tokens: int = 0, only: frozenset[str] | None = None) -> Choice | None:
         """Claim the best eligible route for a request, or ``None`` if there is none.
 
         ``avoid``: replicas to pass over while another is eligible (ones this request failed on).
         ``prefix_keys``: the prompt's keys (:meth:`loadbalancer.prefix_index.PrefixIndex.prompt`), for a
         prefix-aware chain. ``prompt_tokens`` and ``max_tokens`` (0: not known) size the tokens the chosen
-        replica holds for the request."""
+        replica holds for the request. ``only``: the replicas it may go to at all (program admission's)."""
         pick = self._pick(request_id, session_id=session_id, min_weight_version=min_weight_version,
                           prefix_keys=prefix_keys, prompt_tokens=prompt_tokens, max_tokens=max_tokens)
         candidates = self.eligible(None, pick=pick)
+        if only is not None:
+            candidates = [r for r in candidates if r.replica_id in only]
         preferred = [r for r in candidates if r.replica_id not in avoid] or candidates
         if not preferred:
             return None

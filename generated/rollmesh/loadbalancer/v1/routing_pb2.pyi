@@ -260,6 +260,8 @@ class LoadBalancerStats(_message.Message):
     CANCELLED_FIELD_NUMBER: _builtins.int
     PREFIX_HITS_FIELD_NUMBER: _builtins.int
     PREFIX_SPILLS_FIELD_NUMBER: _builtins.int
+    PROGRAM_WAITS_FIELD_NUMBER: _builtins.int
+    PROGRAMS_PARKED_FIELD_NUMBER: _builtins.int
     requests_total: _builtins.int
     """Generate calls accepted."""
     completed: _builtins.int
@@ -304,6 +306,14 @@ class LoadBalancerStats(_message.Message):
     """Requests whose prompt a replica held, sent elsewhere because that
     replica was too loaded (routing_policy prefix_aware).
     """
+    program_waits: _builtins.int
+    """Times a session's program waited for KV room on a replica before its
+    request was routed (program_admission).
+    """
+    programs_parked: _builtins.int
+    """Programs parked: their KV hold released to bring a replica back within
+    its KV budget; their next request waits for room (program_admission).
+    """
     @_builtins.property
     def since(self) -> _timestamp_pb2.Timestamp:
         """When counting started (the balancer's start)."""
@@ -327,10 +337,12 @@ class LoadBalancerStats(_message.Message):
         cancelled: _builtins.int = ...,
         prefix_hits: _builtins.int = ...,
         prefix_spills: _builtins.int = ...,
+        program_waits: _builtins.int = ...,
+        programs_parked: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["since", b"since"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancelled", b"cancelled", "completed", b"completed", "failed", b"failed", "in_flight", b"in_flight", "no_replica_waits", b"no_replica_waits", "outlier_ejections", b"outlier_ejections", "prefix_hits", b"prefix_hits", "prefix_spills", b"prefix_spills", "regenerations", b"regenerations", "requests_total", b"requests_total", "resumes", b"resumes", "retries", b"retries", "since", b"since", "sticky_hits", b"sticky_hits", "sticky_migrations", b"sticky_migrations", "truncated_dropped", b"truncated_dropped"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancelled", b"cancelled", "completed", b"completed", "failed", b"failed", "in_flight", b"in_flight", "no_replica_waits", b"no_replica_waits", "outlier_ejections", b"outlier_ejections", "prefix_hits", b"prefix_hits", "prefix_spills", b"prefix_spills", "program_waits", b"program_waits", "programs_parked", b"programs_parked", "regenerations", b"regenerations", "requests_total", b"requests_total", "resumes", b"resumes", "retries", b"retries", "since", b"since", "sticky_hits", b"sticky_hits", "sticky_migrations", b"sticky_migrations", "truncated_dropped", b"truncated_dropped"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
