@@ -256,8 +256,8 @@ class Balancer:
                                      prompt_tokens=prompt, max_tokens=max_tokens, only=only)
             if choice is not None:
                 if programs is not None and only is not None:
-                    programs.placed(run.request.session_id, choice.ticket.route.replica_id, choice.ticket.weight,
-                                    run.request_id)
+                    programs.placed(run.request.session_id, choice.ticket.route.replica_id, run.request_id,
+                                    prompt=prompt, completion=choice.pick.expected_completion)
                 self.stats.sticky_hits += int(choice.sticky_hit)
                 self.stats.sticky_migrations += int(choice.sticky_migrated)
                 self.stats.prefix_hits += int(choice.prefix_tokens > 0)

@@ -52,10 +52,14 @@ class Program:
     """First seen order: lower is older, served first."""
     replica_id: str = ""
     """Where it is active; empty while new or parked."""
+    prompt: int = 0
+    """The latest request's prompt tokens."""
+    completions: dict[str, int] = field(default_factory=dict)
+    """Its requests in flight (placed and not yet ended) and the tokens each is expected to generate."""
+    last_completion: int = 0
     tokens: int = 0
-    """Its context as last known: the latest turn's prompt plus its expected completion."""
-    requests: set[str] = field(default_factory=set)
-    """Its requests in flight (placed and not yet ended)."""
+    """What it counts for on its replica: the prompt plus the completions of its requests in flight (siblings
+    of a GRPO group share the prompt), or the last one's while it waits on a tool."""
     last_seen: float = 0.0
 
 
@@ -198,17 +202,16 @@ class ProgramAdmission:
             self._waiting[head][1].set()
 
     # ------------------------------------------------------------ bookkeeping
-    def placed(self, session_id: str, replica_id: str, tokens: int, request_id: str) -> None:
-        """A request of the session was sent to ``replica_id`` with ``tokens`` of context: the program is
-        active there."""
+    def placed(self, session_id: str, replica_id: str, request_id: str, *, prompt: int, completion: int = 0) -> None:
+        """A request of the session was sent to ``replica_id`` with ``prompt`` tokens, expected to generate
+        ``completion``: the program is active there."""
         program = self._program(session_id)
         if program.replica_id != replica_id:
             self._deactivate(program)
             program.replica_id = replica_id
-            program.tokens = 0
-        self._add(replica_id, tokens - program.tokens)
-        program.tokens = tokens
-        program.requests.add(request_id)
+        program.prompt = prompt
+        program.completions[request_id] = completion
+        self._recount(program)
         self._touch(program)
         if self._waiting.pop(session_id, None) is not None:
             self.wake()
@@ -220,7 +223,10 @@ class ProgramAdmission:
         program = self.programs.get(session_id)
         if program is None:
             return []
-        program.requests.discard(request_id)
+        completion = program.completions.pop(request_id, None)
+        if completion is not None:
+            program.last_completion = completion
+            self._recount(program)
         self._touch(program)
         if last:
             self.close(session_id)
@@ -243,7 +249,7 @@ class ProgramAdmission:
             return parked
         while self.active_tokens.get(replica_id, 0) > budget:
             mine = [p for p in self.programs.values() if p.replica_id == replica_id]
-            idle = [p for p in mine if not p.requests]
+            idle = [p for p in mine if not p.completions]
             if len(mine) < 2 or not idle:
                 break
             youngest = max(idle, key=lambda p: p.order)
@@ -274,10 +280,17 @@ class ProgramAdmission:
             program = next(iter(self.programs.values()))
             if program.last_seen > horizon:
                 return
-            if program.requests or program.session_id in self._waiting:
+            if program.completions or program.session_id in self._waiting:
                 self._touch(program)        # a long turn, or a wait: not idle
                 continue
             self.close(program.session_id)
+
+    def _recount(self, program: Program) -> None:
+        if program.replica_id:
+            size = program.prompt + (sum(program.completions.values()) if program.completions
+                                     else program.last_completion)
+            self._add(program.replica_id, size - program.tokens)
+            program.tokens = size
 
     def _deactivate(self, program: Program) -> None:
         if program.replica_id:

@@ -34,18 +34,30 @@ def admission(**kw) -> tuple[ProgramAdmission, Clock]:
 def test_an_active_program_goes_to_its_replica_only():
     programs, _ = admission()
     assert programs.allowed("s", 300, ["a", "b"]) == {"a", "b"}
-    programs.placed("s", "a", 300, "s-0")
+    programs.placed("s", "a", "s-0", prompt=300)
     programs.ended("s", "s-0")
     assert programs.allowed("s", 500, ["a", "b"]) == {"a"}   # its KV is on a, whatever the policy would choose
-    programs.placed("s", "a", 500, "s-1")
+    programs.placed("s", "a", "s-1", prompt=500)
     assert programs.active_tokens == {"a": 500}             # its context grew: counted once, at its new size
+
+
+def test_a_groups_siblings_count_their_prompt_once_and_each_completion():
+    programs, _ = admission()
+    for i in range(4):                                       # a GRPO group: one session, one prompt
+        programs.placed("g", "a", f"g-{i}", prompt=200, completion=100)
+    assert programs.active_tokens == {"a": 600}
+    programs.ended("g", "g-0")
+    assert programs.active_tokens == {"a": 500}
+    for i in range(1, 4):
+        programs.ended("g", f"g-{i}")
+    assert programs.active_tokens == {"a": 300}              # idle: the prompt and the last completion
 
 
 def test_a_new_program_goes_only_where_there_is_room_and_waits_when_there_is_none():
     programs, _ = admission()
-    programs.placed("s1", "a", 800, "s1-0")
+    programs.placed("s1", "a", "s1-0", prompt=800)
     assert programs.allowed("new", 300, ["a", "b"]) == {"b"}
-    programs.placed("s2", "b", 900, "s2-0")
+    programs.placed("s2", "b", "s2-0", prompt=900)
     assert programs.allowed("new", 300, ["a", "b"]) == frozenset()
     assert programs.allowed("new", 100, ["a", "b"]) == {"a", "b"}   # a smaller one fits both
 
@@ -53,7 +65,7 @@ def test_a_new_program_goes_only_where_there_is_room_and_waits_when_there_is_non
 def test_a_replica_with_no_active_program_admits_one_larger_than_its_budget():
     programs, _ = admission()
     assert programs.allowed("huge", 5000, ["a"]) == {"a"}
-    programs.placed("huge", "a", 5000, "h-0")
+    programs.placed("huge", "a", "h-0", prompt=5000)
     assert programs.allowed("next", 10, ["a"]) == frozenset()
 
 
@@ -61,23 +73,23 @@ def test_without_a_known_capacity_every_program_is_admitted():
     programs = ProgramAdmission(clock=Clock())
     for i in range(50):
         assert programs.allowed(f"s{i}", 100_000, ["a", "b"]) == {"a", "b"}
-        programs.placed(f"s{i}", "a", 100_000, f"r{i}")
+        programs.placed(f"s{i}", "a", f"r{i}", prompt=100_000)
     fixed = ProgramAdmission(clock=Clock(), kv_tokens=1000, kv_fraction=0.5)   # kv_tokens sets every replica's
-    fixed.placed("s", "a", 400, "r")
+    fixed.placed("s", "a", "r", prompt=400)
     assert fixed.budget("a") == 500 and fixed.allowed("t", 200, ["a", "b"]) == {"b"}
 
 
 def test_waiting_programs_go_oldest_first_and_a_younger_one_waits_behind_an_older_one():
     async def scenario():
         programs, _ = admission()
-        programs.placed("s1", "a", 900, "s1-0")
-        programs.placed("s2", "b", 900, "s2-0")
+        programs.placed("s1", "a", "s1-0", prompt=900)
+        programs.placed("s2", "b", "s2-0", prompt=900)
         order: list[str] = []
 
         async def request(session: str, tokens: int) -> None:
             only = await programs.admit(session, tokens, lambda: ["a", "b"], lambda: None)
             assert only
-            programs.placed(session, sorted(only)[0], tokens, f"{session}-0")
+            programs.placed(session, sorted(only)[0], f"{session}-0", prompt=tokens)
             order.append(session)
 
         old = asyncio.ensure_future(request("old", 500))
@@ -96,12 +108,12 @@ def test_waiting_programs_go_oldest_first_and_a_younger_one_waits_behind_an_olde
 
 def test_a_replica_outgrown_by_its_programs_parks_the_youngest_idle_one():
     programs, _ = admission()
-    programs.placed("oldest", "a", 300, "o-0")
-    programs.placed("middle", "a", 300, "m-0")
-    programs.placed("young", "a", 300, "y-0")
+    programs.placed("oldest", "a", "o-0", prompt=300)
+    programs.placed("middle", "a", "m-0", prompt=300)
+    programs.placed("young", "a", "y-0", prompt=300)
     for session, rid in (("middle", "m-0"), ("young", "y-0")):
         assert programs.ended(session, rid) == []              # within the budget: nothing parked
-    programs.placed("oldest", "a", 600, "o-1")                 # the oldest's context grew: 1,200 of 1,000
+    programs.placed("oldest", "a", "o-1", prompt=600)     # the oldest's context grew: 1,200 of 1,000
     assert programs.ended("oldest", "o-1") == [("young", "a")]  # the youngest idle one goes, its hold released
     assert programs.replica("young") == "" and programs.active_tokens == {"a": 900}
     assert programs.stats.programs_parked == 1
@@ -110,24 +122,24 @@ def test_a_replica_outgrown_by_its_programs_parks_the_youngest_idle_one():
 
 def test_a_program_with_a_turn_running_and_the_oldest_are_never_parked():
     programs, _ = admission()
-    programs.placed("oldest", "a", 900, "o-0")
-    programs.placed("young", "a", 50, "y-0")                   # still running
+    programs.placed("oldest", "a", "o-0", prompt=900)
+    programs.placed("young", "a", "y-0", prompt=50)       # still running
     programs.ended("oldest", "o-0")
-    programs.placed("oldest", "a", 1500, "o-1")
+    programs.placed("oldest", "a", "o-1", prompt=1500)
     assert programs.ended("oldest", "o-1") == []               # the young one is running; the oldest stays
     assert programs.ended("young", "y-0") == [("young", "a")]  # idle now: parked
 
 
 def test_a_last_turn_an_idle_program_and_a_removed_replica_end_a_programs_place():
     programs, clock = admission(idle_s=60)
-    programs.placed("s", "a", 400, "s-0")
+    programs.placed("s", "a", "s-0", prompt=400)
     assert programs.ended("s", "s-0", last=True) == [] and "s" not in programs.programs
-    programs.placed("quiet", "a", 400, "q-0")
+    programs.placed("quiet", "a", "q-0", prompt=400)
     programs.ended("quiet", "q-0")
     clock.now = 61
     programs.allowed("other", 10, ["a"])                       # looking expires what idled past idle_s
     assert "quiet" not in programs.programs and programs.active_tokens == {}
-    programs.placed("t", "b", 400, "t-0")
+    programs.placed("t", "b", "t-0", prompt=400)
     programs.retain(["a"])                                     # b left the table: t is placed again
     assert programs.replica("t") == "" and "b" not in programs.capacity
     assert programs.allowed("t", 400, ["a"]) == {"a"}
@@ -135,7 +147,7 @@ def test_a_last_turn_an_idle_program_and_a_removed_replica_end_a_programs_place(
 
 def test_an_active_programs_replica_out_of_picks_places_it_again():
     programs, _ = admission()
-    programs.placed("s", "a", 400, "s-0")
+    programs.placed("s", "a", "s-0", prompt=400)
     programs.ended("s", "s-0")
     assert programs.allowed("s", 400, ["b"]) == {"b"}          # a is not eligible (ejected): placed again
     assert programs.active_tokens == {}
@@ -144,8 +156,8 @@ def test_an_active_programs_replica_out_of_picks_places_it_again():
 def test_a_wait_ends_at_the_deadline_and_leaves_the_queue():
     async def scenario():
         programs, _ = admission()
-        programs.placed("s1", "a", 900, "s1-0")
-        programs.placed("s2", "b", 900, "s2-0")
+        programs.placed("s1", "a", "s1-0", prompt=900)
+        programs.placed("s2", "b", "s2-0", prompt=900)
         left = [0.5]
 
         def remaining():
