@@ -169,7 +169,7 @@ class ProgramAdmission:
                 self.leave(session_id)
                 raise DeadlineExceeded(f"session {session_id[:64]!r}: deadline passed while its program waited "
                                        "for KV room on a replica", reason=Reason.DEADLINE_EXCEEDED)
-            await self.wait(session_id, left)
+            await self.wait(session_id, self.idle_s if left is None else min(left, self.idle_s))   # idle ones expire
 
     async def wait(self, session_id: str, timeout_s: float | None) -> None:
         """Wait (at most ``timeout_s``) until room may have opened for this session's program: it is then the
@@ -290,6 +290,8 @@ class ProgramAdmission:
             size = program.prompt + (sum(program.completions.values()) if program.completions
                                      else program.last_completion)
             self._add(program.replica_id, size - program.tokens)
+            if size < program.tokens:
+                self.wake()
             program.tokens = size
 
     def _deactivate(self, program: Program) -> None:

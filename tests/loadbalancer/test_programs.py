@@ -286,3 +286,19 @@ def test_a_program_whose_replica_fails_is_placed_again_on_another():
     first, second, active, calls = run_virtual(Idle(), scenario())
     assert second != first and active == second
     assert calls == [first, first, second]      # one failed attempt, then the program moved
+
+
+def test_a_waiting_program_gets_in_when_an_idle_one_expires_with_nothing_else_happening():
+    from simulator.vloop import run_virtual
+    from tests.loadbalancer.test_balancer_virtual_time import Idle
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        programs = ProgramAdmission(clock=loop.time, kv_tokens=1000, idle_s=60)
+        programs.placed("gone", "a", "g-0", prompt=900)
+        programs.ended("gone", "g-0")                     # its client went away without CloseSession
+        only = await programs.admit("new", 500, lambda: ["a"], lambda: None)
+        return only, loop.time()
+
+    only, admitted_at = run_virtual(Idle(), scenario())
+    assert only == {"a"} and 60 <= admitted_at <= 120
