@@ -24,19 +24,26 @@ caches under every policy, with enough in flight to keep every replica's batch f
   but the last ends in a tool call that takes a lognormal time (median 2 s, sigma 1: p99 about 20 s, divided
   by ``--speed`` like every engine duration) before its result (64-512 tokens) is appended; the engines' KV
   fills with trajectories waiting on tools.
+* **coding agent** (``--workload agent`` or ``all``): ``--trajectories`` trajectories behind one 2,048-token
+  system prompt and a task of 512-2,048 tokens, 8-32 turns of 64-512 tokens each ending in a tool call whose
+  output (256-2,048 tokens) is appended after a lognormal wait (median 2 s over ``--speed``): contexts of
+  10-60K tokens, more than the engines' KV holds at the concurrency of the others.
 * **replicas joining** (``--workload join`` or ``all``): the multi-turn workload on half the replicas, the
   other half added ``--join-after`` seconds in (a scale-out while trajectories hold their caches where they
   are); for SMG with ``POST /workers``.
 
 Policies: rollmesh ``least_loaded`` without session ids; ``least_loaded`` with session ids (the group, the
 trajectory: today's group stickiness); ``prefix_aware`` and ``prefix_cost`` (with session ids, as the trainer
-sends them; ``prefix_cost`` pins none, it keeps a trajectory where its context is cached by cost); SMG
+sends them; ``prefix_cost`` pins none, it keeps a trajectory where its context is cached by cost); ``programs``:
+``prefix_aware`` with ``program_admission`` on (a session's turns stay where its KV is, new trajectories wait
+for KV room, oldest first); SMG
 ``cache_aware`` and ``round_robin``. rollmesh's clients send on the balancer's GenerateMany stream with
 ``final_only``, as the trainer's rollouter does; SMG's send ``POST /generate`` with ``input_ids`` on keep-alive
 connections (SMG's cache-aware tree matches token ids), with its admission limit off
 (``--max-concurrent-requests 0``: its default bound, 4,096 requests here plus 100 queued, answers the rest
 429). Printed per workload and policy: fleet completion tokens/s, latency p50/p99 (of a GRPO group, of a
-turn), and the prefix hit rate (cached over prompt tokens, from each result's ``cached_tokens``).
+turn, and of a whole trajectory), and the prefix hit rate (cached over prompt tokens, from each result's
+``cached_tokens``).
 
     .venv/bin/python -m benchmarks.bench_prefix_routing [--replicas 16] [--speed 2] [--workload grpo]
 """
@@ -46,17 +53,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import random
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.bench_loadbalancer import pct
+from benchmarks.routing_workloads import (
+    Call, Result, grpo, run_agent, run_document, run_grpo, run_join, run_multiturn, run_system, run_tools,
+)
 from benchmarks.bench_vs_smg import free_port, smg_binary
 from launcher.processes import start_server
 from mesh_runtime.channels import open_channel
@@ -70,166 +78,6 @@ backend: synthetic
 engine_options: {{engine_model: {model}, max_batch_size: 256, tokens_per_step: 16, vocab_size: 32000}}
 replicas: [{{replica_id: {node}-0}}]
 """
-
-
-@dataclass
-class Call:
-    """One generation: its prompt, its length, and what came back."""
-
-    key: str
-    prompt: list[int]
-    max_tokens: int
-    session: str = ""
-    output: list[int] = field(default_factory=list)
-    cached: int = 0
-    seconds: float = 0.0
-
-
-@dataclass
-class Result:
-    tokens: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    latencies: list[float] = field(default_factory=list)
-    failed: int = 0
-    wall: float = 0.0
-
-
-# ------------------------------------------------------------------------------------------------ workloads
-
-def grpo(rng: random.Random, groups: int, n: int) -> list[list[Call]]:
-    out = []
-    for g in range(groups):
-        prompt = [rng.randrange(2, 32000) for _ in range(rng.randint(1024, 4096))]
-        out.append([Call(f"g{g}-{i}", prompt, rng.randint(256, 1024), session=f"g{g}") for i in range(n)])
-    return out
-
-
-async def run_grpo(send, groups: list[list[Call]], concurrency: int) -> Result:
-    result = Result()
-    queue = list(reversed(groups))
-
-    async def worker() -> None:
-        while queue:
-            group = queue.pop()
-            started = time.perf_counter()
-            done = await asyncio.gather(*(send(call) for call in group))
-            if all(done):
-                result.latencies.append(time.perf_counter() - started)
-            for call, ok in zip(group, done):
-                _count(result, call, ok)
-
-    started = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    result.wall = time.perf_counter() - started
-    return result
-
-
-async def run_multiturn(target, trajectories: int, concurrency: int, seed: int) -> Result:
-    system = [random.Random(seed).randrange(2, 32000) for _ in range(512)]
-
-    def opening(rng: random.Random) -> tuple[list[int], int]:
-        return system + [rng.randrange(2, 32000) for _ in range(rng.randint(256, 1024))], 8
-
-    return await _run_trajectories(target, trajectories, concurrency, seed, "t", opening)
-
-
-async def run_document(target, trajectories: int, concurrency: int, seed: int) -> Result:
-    """Multi-turn trajectories of skewed lengths (Zipf over 1-24 turns), 30% of them starting with one shared
-    4,096-token document: a prefix shared by part of the traffic."""
-    document = [random.Random(seed + 1).randrange(2, 32000) for _ in range(4096)]
-    turns, weights = range(1, 25), [1 / k for k in range(1, 25)]
-
-    def opening(rng: random.Random) -> tuple[list[int], int]:
-        context = (document if rng.random() < 0.3 else []) + [rng.randrange(2, 32000)
-                                                             for _ in range(rng.randint(256, 1024))]
-        return context, rng.choices(turns, weights)[0]
-
-    return await _run_trajectories(target, trajectories, concurrency, seed, "d", opening)
-
-
-async def run_system(target, trajectories: int, concurrency: int, seed: int) -> Result:
-    """Trajectories of 1-8 turns, every one starting with one shared 6,144-token system prompt."""
-    system = [random.Random(seed + 2).randrange(2, 32000) for _ in range(6144)]
-
-    def opening(rng: random.Random) -> tuple[list[int], int]:
-        return system + [rng.randrange(2, 32000) for _ in range(rng.randint(256, 1024))], rng.randint(1, 8)
-
-    return await _run_trajectories(target, trajectories, concurrency, seed, "s", opening)
-
-
-async def run_tools(target, trajectories: int, concurrency: int, seed: int, speed: float) -> Result:
-    """Trajectories of 4-12 turns behind a 512-token system prompt; a tool call of lognormal latency (median
-    2 s, sigma 1, over ``speed``) between turns."""
-    system = [random.Random(seed + 3).randrange(2, 32000) for _ in range(512)]
-
-    def opening(rng: random.Random) -> tuple[list[int], int]:
-        return system + [rng.randrange(2, 32000) for _ in range(rng.randint(256, 1024))], rng.randint(4, 12)
-
-    def tool_s(rng: random.Random) -> float:
-        return rng.lognormvariate(math.log(2.0), 1.0) / speed
-
-    return await _run_trajectories(target, trajectories, concurrency, seed, "k", opening, tool_s)
-
-
-async def run_join(target, trajectories: int, concurrency: int, seed: int, join_after_s: float) -> Result:
-    """The multi-turn workload, with the replicas held back joining ``join_after_s`` in."""
-    async def join() -> None:
-        await asyncio.sleep(join_after_s)
-        await target.join()
-
-    joining = asyncio.create_task(join())
-    try:
-        return await run_multiturn(target, trajectories, concurrency, seed)
-    finally:
-        if not joining.done():
-            joining.cancel()
-        elif joining.exception() is not None:
-            raise RuntimeError("the held-back replicas could not join") from joining.exception()
-
-
-async def _run_trajectories(target, trajectories: int, concurrency: int, seed: int, tag: str, opening,
-                            tool_s=None) -> Result:
-    """``trajectories`` agentic trajectories on ``target`` (a system under test), ``concurrency`` in flight:
-    ``opening(rng)`` gives each its first context and its number of turns; every turn resends the whole
-    context, then appends the response and an observation of 64-512 tokens, as a harness does; ``tool_s(rng)``, if given, is the wait for the tool
-    before the observation. A system with sessions is told when a trajectory ends (``close``), as the
-    driver tells the balancer with CloseSession."""
-    send, close = target.send, getattr(target, "close", None)
-    result = Result()
-    left = list(range(trajectories))
-
-    async def worker() -> None:
-        while left:
-            t = left.pop()
-            rng = random.Random(seed * 1000 + t)
-            context, turns = opening(rng)
-            for turn in range(turns):
-                call = Call(f"{tag}{t}-{turn}", list(context), rng.randint(128, 512), session=f"{tag}{t}")
-                ok = await send(call)
-                _count(result, call, ok)
-                if not ok:
-                    break
-                result.latencies.append(call.seconds)
-                if tool_s is not None and turn + 1 < turns:
-                    await asyncio.sleep(tool_s(rng))
-                context += call.output + [rng.randrange(2, 32000) for _ in range(rng.randint(64, 512))]
-            if close is not None:
-                await close(f"{tag}{t}")   # the trajectory ended, as the driver says with CloseSession
-
-    started = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    result.wall = time.perf_counter() - started
-    return result
-
-
-def _count(result: Result, call: Call, ok: bool) -> None:
-    if not ok:
-        result.failed += 1
-        return
-    result.tokens += len(call.output)
-    result.prompt_tokens += len(call.prompt)
-    result.cached_tokens += call.cached
 
 
 # ------------------------------------------------------------------------------------------------- rollmesh
@@ -407,6 +255,8 @@ class Smg:
 
 # ------------------------------------------------------------------------------------------------------ main
 
+WORKLOADS = {"grpo": None, "multiturn": run_multiturn, "document": run_document, "system": run_system,
+             "tools": run_tools, "join": run_join, "agent": run_agent}
 LB_YAML = ""
 SYSTEMS = {
     "least_loaded": lambda tmp, model, n, k: Mesh(tmp, model, n, "least_loaded", sessions=False, start_with=k),
@@ -415,6 +265,8 @@ SYSTEMS = {
                                                   start_with=k),
     "prefix_cost": lambda tmp, model, n, k: Mesh(tmp, model, n, "prefix_cost", sessions=True, lb_yaml=LB_YAML,
                                                  start_with=k),
+    "programs": lambda tmp, model, n, k: Mesh(tmp, model, n, "prefix_aware", sessions=True, start_with=k,
+                                              lb_yaml="program_admission: {enabled: true}\n" + LB_YAML),
     "SMG cache_aware": lambda tmp, model, n, k: Smg(tmp, model, n, "cache_aware", start_with=k),
     "SMG round_robin": lambda tmp, model, n, k: Smg(tmp, model, n, "round_robin", start_with=k),
 }
@@ -430,9 +282,8 @@ async def main() -> None:
     parser.add_argument("--trajectories", type=int, default=1024)
     parser.add_argument("--traj-concurrency", type=int, default=1024)
     parser.add_argument("--only", nargs="*", choices=list(SYSTEMS), help="policies to run (default: all)")
-    parser.add_argument("--workload", choices=("grpo", "multiturn", "document", "system", "tools", "join", "both",
-                                               "all"),
-                        default="both", help="both: grpo and multiturn; all: the six")
+    parser.add_argument("--workload", choices=(*WORKLOADS, "both", "all"),
+                        default="both", help="both: grpo and multiturn; all: the seven")
     parser.add_argument("--join-after", type=float, default=15.0,
                         help="join: seconds before the second half of the replicas joins")
     parser.add_argument("--seed", type=int, default=0)
@@ -441,8 +292,7 @@ async def main() -> None:
     global LB_YAML
     LB_YAML = args.lb_yaml
     model = {"speed": args.speed}
-    table: dict[str, dict[str, Result]] = {w: {} for w in ("grpo", "multiturn", "document", "system", "tools",
-                                                            "join")}
+    table: dict[str, dict[str, Result]] = {w: {} for w in WORKLOADS}
     workloads = {"both": ("grpo", "multiturn"), "all": tuple(table)}.get(args.workload, (args.workload,))
     with tempfile.TemporaryDirectory() as tmpdir:
         for name in args.only or list(SYSTEMS):
@@ -450,23 +300,16 @@ async def main() -> None:
                 _FAILURES_SHOWN[0] = 0
                 start_with = max(1, args.replicas // 2) if workload == "join" else args.replicas
                 async with SYSTEMS[name](Path(tmpdir), model, args.replicas, start_with) as system:
+                    trajectories = (system, args.trajectories, args.traj_concurrency, args.seed)
                     if workload == "grpo":
                         calls = grpo(random.Random(args.seed), args.groups, args.n)
                         result = await run_grpo(system.send, calls, args.group_concurrency)
-                    elif workload == "multiturn":
-                        result = await run_multiturn(system, args.trajectories, args.traj_concurrency,
-                                                     args.seed)
-                    elif workload == "system":
-                        result = await run_system(system, args.trajectories, args.traj_concurrency, args.seed)
-                    elif workload == "tools":
-                        result = await run_tools(system, args.trajectories, args.traj_concurrency, args.seed,
-                                                 args.speed)
+                    elif workload in ("tools", "agent"):
+                        result = await WORKLOADS[workload](*trajectories, args.speed)
                     elif workload == "join":
-                        result = await run_join(system, args.trajectories, args.traj_concurrency, args.seed,
-                                                args.join_after)
+                        result = await run_join(*trajectories, args.join_after)
                     else:
-                        result = await run_document(system, args.trajectories, args.traj_concurrency,
-                                                    args.seed)
+                        result = await WORKLOADS[workload](*trajectories)
                 table[workload][name] = result
                 print(f"{workload:9} {name:17} {_row(result)}", flush=True)
     print(f"\n{args.replicas} replicas of the engine model (speed {args.speed:g}; Llama-3.1-8B on an H100 at speed 1), "
@@ -484,6 +327,9 @@ async def main() -> None:
                 "tools": f"tool pauses: {args.trajectories} trajectories of 4-12 turns, a lognormal tool wait "
                          f"(median 2 s / speed) between turns, {args.traj_concurrency} in flight; latency of a "
                          "turn",
+                "agent": f"coding agent: {args.trajectories} trajectories of 8-32 turns behind one 2,048-token "
+                         "system prompt, 256-2,048-token tool outputs after a lognormal wait (median 2 s / speed), "
+                         f"contexts to 60K tokens, {args.traj_concurrency} in flight; latency of a turn",
                 "join": f"replicas joining: multi-turn, {args.trajectories} trajectories x 8 turns, "
                         f"{args.traj_concurrency} in flight, on {max(1, args.replicas // 2)} replicas, the other "
                         f"{args.replicas - max(1, args.replicas // 2)} joining after {args.join_after:g} s; "
@@ -491,11 +337,13 @@ async def main() -> None:
         print(f"\n{what}")
         base = table[workload].get("least_loaded")
         print(f"  {'policy':18} {'tokens/s':>9} {'vs least_loaded':>16} {'p50':>8} {'p99':>8} {'prefix hit':>10} "
-              f"{'failed':>6}")
+              f"{'failed':>6} {'trajectory p50/p99':>19}")
         for name, r in table[workload].items():
             ratio = f"{(r.tokens / r.wall) / (base.tokens / base.wall):.2f}x" if base else "-"
+            whole = (f"{pct(r.trajectories, 50):8.1f}s/{pct(r.trajectories, 99):.1f}s" if r.trajectories else "-")
             print(f"  {name:18} {r.tokens / r.wall:9.0f} {ratio:>16} {pct(r.latencies, 50):7.2f}s "
-                  f"{pct(r.latencies, 99):7.2f}s {r.cached_tokens / max(1, r.prompt_tokens):10.1%} {r.failed:6}")
+                  f"{pct(r.latencies, 99):7.2f}s {r.cached_tokens / max(1, r.prompt_tokens):10.1%} {r.failed:6} "
+                  f"{whole:>19}")
 
 
 def _row(r: Result) -> str:
