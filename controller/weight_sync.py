@@ -10,10 +10,11 @@ Which replica gets which copy (the registry knows each replica's version):
   trainer keeps; a hybrid replica asleep at it included) get the new
   version from the trainer as a delta from it, when the trainer offers one
   (``weight_transfer.delta_max_ratio`` on the trainer agent);
-- the others (a restart, a missed version, a rollback) and any that turn out not to hold the base get a full
-  copy from a peer that now holds the version, on their node first, so the
-  trainer sends one delta stream and nothing more; the trainer sends the
-  full copy only when no peer can;
+- the replicas further behind get a delta from the version they hold where the trainer still has the way
+  there (its kept deltas, composed: :mod:`controller.delta_catch_up`);
+- the others (a restart, a rollback, a version too old) and any that turn out not to hold their base get a
+  full copy from a peer that now holds the version, on their node first; the trainer sends the full copy
+  only when no peer can;
 - without a delta everyone gets one full broadcast from the trainer.
 
 Replicas a scale-out adds (``sync_new_replicas``) get a full copy from
@@ -42,7 +43,7 @@ from rollmesh.common.v1 import weights_pb2
 from rollmesh.replica.v1 import replica_agent_pb2
 from rollmesh.weights.v1 import weight_source_pb2
 
-from . import copy_tree
+from . import copy_tree, delta_catch_up
 from .convert import duration
 from .core.ports import ReplicaSyncOutcome, WeightSyncOutcome
 from .core.replicas import ReplicaRegistry
@@ -259,25 +260,28 @@ class WeightBroadcast:
                 *outcome.replica_results, *self._all_failed(behind, version, outcome.sync_id, why,
                                                             started).replica_results))
         missing = [r.replica_id for r in outcome.replica_results if r.delta_base_missing]
+        older, behind = await delta_catch_up.catch_up(
+            behind, lambda r: self.registry.get(r).weight_version, lambda b: self._offers_delta(source, version, b),
+            lambda ids, b: self._broadcast(ids, version, source, timeout_s, delta_base=b))
         need_full = behind + missing
-        if not need_full:
-            return outcome
-        seeds = [r.replica_id for r in outcome.replica_results if r.ok]
-        log.info("weight sync to version %d: %d replica(s) took the delta from %d; %s need full copies",
-                 version, len(seeds), base, need_full)
+        seeds = [r.replica_id for o in (outcome, *older) for r in o.replica_results if r.ok]
+        log.info("weight sync to version %d: %d replica(s) took a delta (%d from %d); %s need full copies",
+                 version, len(seeds), len(seeds) - sum(r.ok for o in older for r in o.replica_results), base,
+                 need_full)
         full = await self._full_copies(need_full, version, seeds, trainer, use_seeds=True, use_trainer=True,
-                                       timeout_s=timeout_s)
-        kept = tuple(r for r in outcome.replica_results if r.replica_id not in missing)
-        return dataclasses.replace(outcome, replica_results=(*kept, *full.replica_results),
-                                   bytes_sent=outcome.bytes_sent + full.bytes_sent,
-                                   duration_s=time.monotonic() - started)
+                                       timeout_s=timeout_s) if need_full else None
+        done = (outcome, *older, *([full] if full else []))
+        return dataclasses.replace(outcome, replica_results=tuple(
+            r for o in done for r in o.replica_results if o is full or r.replica_id not in need_full),
+            bytes_sent=sum(o.bytes_sent for o in done), duration_s=time.monotonic() - started)
 
     @staticmethod
     async def _offers_delta(source: _Source, version: int, base: int) -> bool:
         """Whether ``source`` prepares ``version`` with a delta from ``base`` (the broadcast that follows asks
         again and gets the same, recorded preparation; an error there is reported there)."""
         try:
-            return (await source.prepare(version, base)).HasField("delta")
+            answer = await source.prepare(version, base)
+            return answer.HasField("delta") and answer.delta.base_version == base
         except grpc.aio.AioRpcError:
             return False
 

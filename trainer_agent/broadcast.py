@@ -31,7 +31,11 @@ version, and a plan carrying that delta sends the delta stream instead of the
 weights. Keeping the base costs one more copy of the weights in the served
 dtype, in host memory (a GPU trainer copies the previous snapshot out once
 per version; the encoder moves it back a bucket at a time);
-``delta_max_ratio: 0`` turns deltas off and keeps none.
+``delta_max_ratio: 0`` turns deltas off and keeps none. The deltas of the last
+``delta_history`` versions are kept too (host memory, at most one model's
+bytes): a prepare that names an older base gets them composed into one delta
+(:func:`weight_transfer.delta.compose_deltas`), for a replica that missed
+versions.
 
 ``served_dtype`` (the trainer agent's ``served_dtype``): floating-point
 weights are cast to it when a version is prepared, so a trainer that keeps
@@ -63,7 +67,7 @@ from weight_transfer import (
     build_manifest,
     send_weights_async,
 )
-from weight_transfer.delta import Delta, encode_delta, same_layout
+from weight_transfer.delta import Delta, compose_deltas, encode_delta, same_layout
 from weight_transfer.wire import SyncPlan
 
 from .weight_source import WeightSnapshot, WeightSource
@@ -141,6 +145,9 @@ class WeightBroadcaster:
         self._prepared: PreparedSync | None = None
         self._base: PreparedSync | None = None
         """The version prepared before the current one: the base of its delta."""
+        self._history: list[tuple[int, Delta]] = []
+        """(version, its delta from the version before), consecutive, newest last, in host memory: what an
+        older base's delta is composed of."""
         self.served_dtype = getattr(torch, served_dtype) if served_dtype else None
         self._prepare_lock = asyncio.Lock()
         self._active: tuple[str, asyncio.Task] | None = None
@@ -163,6 +170,7 @@ class WeightBroadcaster:
         if cache is not None:
             await asyncio.to_thread(cache.close)
         self._prepared = self._base = None
+        self._history.clear()
 
     @property
     def rendezvous(self) -> tuple[str, int] | None:
@@ -187,6 +195,7 @@ class WeightBroadcaster:
         if self._active is not None or self._prepared is None:
             return False
         self._prepared = self._base = None
+        self._history.clear()
         return True
 
     # -- PrepareWeightSync ---------------------------------------------------------------------
@@ -256,11 +265,16 @@ class WeightBroadcaster:
         return PreparedSync(snapshot, manifest)
 
     async def _prepare_delta(self, prepared: PreparedSync, base_version: int) -> None:
-        """Encode ``prepared`` as a delta from ``base_version`` once, if this trainer holds that base."""
+        """Encode ``prepared`` as a delta from ``base_version`` once, if this trainer holds that base (the
+        version before) or the deltas since it (an older one: :meth:`_compose`)."""
         base = self._base
         if (not base_version or base_version in prepared.deltas or base is None
-                or base.weight_version != base_version or self.config.delta_max_ratio <= 0
-                or not same_layout(base.manifest, prepared.manifest)):
+                or self.config.delta_max_ratio <= 0 or not same_layout(base.manifest, prepared.manifest)):
+            return
+        if base_version < base.weight_version:
+            await self._compose(prepared, base_version)
+            return
+        if base.weight_version != base_version:
             return
         started = time.monotonic()
         device = prepared.snapshot.tensors[0][1].device if prepared.snapshot.tensors else "cpu"
@@ -269,6 +283,7 @@ class WeightBroadcaster:
             iter(prepared.snapshot.tensors), base_version=base_version, device=device,
             bucket_ratio=self.config.delta_bucket_ratio, max_ratio=self.config.delta_max_ratio)
         prepared.deltas[base_version] = delta
+        self._record(prepared.weight_version, delta)
         if delta is None:
             log.info("weight version %d from %d: the delta would exceed %.0f%% of the full %d bytes; receivers "
                      "at %d get full copies", prepared.weight_version, base_version,
@@ -279,6 +294,44 @@ class WeightBroadcaster:
                  "%d sparse, %d whole, %d unchanged buckets) in %.3f s", prepared.weight_version, base_version,
                  100 * stats.density, stats.bytes, stats.full_bytes, 100 * stats.ratio, stats.sparse_buckets,
                  stats.full_buckets, stats.unchanged_buckets, time.monotonic() - started)
+
+    def _record(self, version: int, delta: Delta | None) -> None:
+        """Keep ``version``'s delta from the version before (host memory; at most ``delta_history`` of them and
+        one model's bytes), or forget them all when there is none (older bases then get full copies)."""
+        if delta is None or not self.config.delta_history:
+            self._history.clear()
+            return
+        if self._history and self._history[-1][0] != delta.base_version:
+            self._history.clear()
+        on_host = tuple((name, t.to("cpu")) for name, t in delta.tensors)
+        self._history.append((version, dataclasses.replace(delta, tensors=on_host)))
+        limit = delta.stats.full_bytes
+        while len(self._history) > self.config.delta_history or (
+                len(self._history) > 1 and sum(d.stats.bytes for _, d in self._history) > limit):
+            self._history.pop(0)
+
+    async def _compose(self, prepared: PreparedSync, base_version: int) -> None:
+        """``prepared`` as a delta from an older ``base_version``: the kept deltas since it, composed
+        (:func:`~weight_transfer.delta.compose_deltas`); none when they do not reach back that far."""
+        base = self._base
+        assert base is not None
+        await self._prepare_delta(prepared, base.weight_version)   # the newest link, recorded
+        versions = [v for v, _ in self._history]
+        chain = [d for v, d in self._history if v > base_version]
+        if (not versions or versions[-1] != prepared.weight_version or not chain
+                or chain[0].base_version != base_version):
+            return
+        started = time.monotonic()
+        device = prepared.snapshot.tensors[0][1].device if prepared.snapshot.tensors else "cpu"
+        delta = await asyncio.to_thread(
+            compose_deltas, chain, prepared.manifest, iter(prepared.snapshot.tensors), device=device,
+            bucket_ratio=self.config.delta_bucket_ratio, max_ratio=self.config.delta_max_ratio)
+        prepared.deltas[base_version] = delta
+        if delta is not None:
+            log.info("weight version %d from %d, composed of %d deltas: %.2f%% of the words changed, %d bytes "
+                     "(%.1f%%) in %.3f s", prepared.weight_version, base_version, len(chain),
+                     100 * delta.stats.density, delta.stats.bytes, 100 * delta.stats.ratio,
+                     time.monotonic() - started)
 
     # -- SendWeights ---------------------------------------------------------------------------
 

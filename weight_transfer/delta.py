@@ -29,6 +29,13 @@ words also costs the receiver time. The whole delta is offered
 only when it is at most ``max_ratio`` of the full stream
 (``weight_transfer.delta_max_ratio``); otherwise a full copy is cheaper.
 
+Composing
+---------
+Consecutive deltas (``v -> v+1 -> ... -> n``) compose into one from ``v``
+(:func:`compose_deltas`): per bucket the words any of them changed, their
+values read from version ``n``, a bucket one of them sent whole sent whole.
+A replica that missed versions takes it instead of a full copy.
+
 Receiving
 ---------
 A receiver packs the weights it serves into the target layout (base and
@@ -204,6 +211,72 @@ def encode_delta(base: Manifest, base_tensors: Iterable[tuple[str, torch.Tensor]
     stats = DeltaStats(changed_words=changed, total_words=total, sparse_buckets=sparse, full_buckets=full,
                        unchanged_buckets=unchanged, bytes=manifest.total_bytes, full_bytes=target.total_bytes)
     return Delta(base_version, base.checksum, manifest, tuple(tensors), stats)
+
+
+def compose_deltas(deltas: list[Delta], target: Manifest, target_tensors: Iterable[tuple[str, torch.Tensor]], *,
+                   bucket_ratio: float = DEFAULT_BUCKET_RATIO, max_ratio: float = 1.0,
+                   device: torch.device | str = "cpu") -> Delta | None:
+    """One delta from the first one's base to ``target``, from consecutive ``deltas`` (each one's target the
+    next one's base, the last one's the ``target`` stream given): per bucket the words any of them changed,
+    with their values in ``target``; a bucket one of them sent whole goes whole. None once it would exceed
+    ``max_ratio`` of the full stream. A replica that missed versions catches up with it, bit for bit the
+    target (checked as any delta is).
+
+    Raises ``ValueError`` without deltas or when a delta's layout differs from ``target``'s.
+    """
+    if not deltas:
+        raise ValueError("composing needs at least one delta")
+    device = torch.device(device)
+    changed: dict[int, list[torch.Tensor] | None] = {}      # bucket -> positions from each delta, None: whole
+    for delta in deltas:
+        tensors = dict(delta.tensors)
+        for bucket, kind in delta_entries(delta.manifest, target):
+            if kind == "f":
+                changed[bucket] = None
+            elif kind in "im":
+                parts = changed.setdefault(bucket, [])
+                if parts is not None:
+                    marks = tensors[f"{bucket}/{kind}"].to(device)
+                    start, stop = target.bucket_range(bucket)
+                    count = (stop - start) // _word(start, stop).itemsize
+                    parts.append(marks.to(torch.int64) if kind == "i" else _unpack_bits(marks, count))
+    packer = StreamPacker(target, target_tensors)
+    scratch = [torch.empty(0, dtype=torch.uint8, device=device)]
+    tensors_out: list[tuple[str, torch.Tensor]] = []
+    count_all = sparse = full = size = 0
+    budget = max_ratio * target.total_bytes
+    for bucket in range(target.num_buckets):
+        start, stop = target.bucket_range(bucket)
+        new = _bucket(packer, start, stop, scratch, 0, device)   # every bucket, in order: the packer reads on
+        if bucket not in changed:
+            continue
+        word = _word(start, stop)
+        words = new.view(word)
+        positions = changed[bucket]
+        where = torch.unique(torch.cat(positions)) if positions is not None else None   # sorted, each once
+        count = words.numel() if where is None else where.numel()
+        count_all += count
+        kind, cost = _cheapest(count, words.numel(), word.itemsize)
+        if where is not None and cost <= bucket_ratio * (stop - start):
+            sparse += 1
+            marks = where.to(_INDEX) if kind == "i" else _pack_bits(where, words.numel(), device)
+            tensors_out += [(f"{bucket}/{kind}", marks), (f"{bucket}/v", words[where])]
+            size += cost
+        else:
+            full += 1
+            tensors_out.append((f"{bucket}/f", new.clone()))
+            size += stop - start
+        if size > budget:
+            return None
+    packer.finish()
+    manifest = build_manifest(tensors_out, target.bucket_size_bytes, checksum_algorithm=target.checksum_algorithm)
+    total = sum((stop - start) // _word(start, stop).itemsize
+                for start, stop in map(target.bucket_range, range(target.num_buckets)))
+    stats = DeltaStats(changed_words=count_all, total_words=total, sparse_buckets=sparse, full_buckets=full,
+                       unchanged_buckets=target.num_buckets - sparse - full, bytes=manifest.total_bytes,
+                       full_bytes=target.total_bytes)
+    first = deltas[0]
+    return Delta(first.base_version, first.base_checksum, manifest, tuple(tensors_out), stats)
 
 
 def _cheapest(count: int, words: int, word_size: int) -> tuple[str, int]:

@@ -80,6 +80,10 @@ class WeightTransferConfig:
     delta_bucket_ratio: float = setting(0.5, help="trainer side: a bucket of a delta is sent whole once its "
                                                   "changed words (with their indices or bitmap) take more than "
                                                   "this share of its bytes")
+    delta_history: int = setting(8, help="trainer side: the deltas of this many recent versions are kept (in host "
+                                         "memory, at most one model's bytes in all), so a replica that many "
+                                         "versions behind catches up by one delta composed of them; 0 = only "
+                                         "a replica at the version before gets a delta")
     rendezvous_ports: str = setting("", help="LOW-HIGH: the ports a rendezvous store asked for on port 0 "
                                              "binds in (the first free one), so a firewall can be opened "
                                              "for them; empty = any free port")
@@ -106,6 +110,8 @@ class WeightTransferConfig:
                 raise ConfigError(key, f"must be a positive number of seconds, got {getattr(self, key)}")
         if not 0 <= self.delta_max_ratio <= 1:
             raise ConfigError("delta_max_ratio", f"must be in [0, 1] (0 = no deltas), got {self.delta_max_ratio}")
+        if self.delta_history < 0:
+            raise ConfigError("delta_history", f"must be >= 0, got {self.delta_history}")
         if not 0 < self.delta_bucket_ratio <= 1:
             raise ConfigError("delta_bucket_ratio", f"must be in (0, 1], got {self.delta_bucket_ratio}")
         if self.ring_size < 2:

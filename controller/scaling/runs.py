@@ -254,10 +254,10 @@ async def _keep_up(s: ScaleHost, op: ScaleOperation, replica_ids: list[str]) -> 
     """Copy the newest version from peers again, still outside the lock, while the steps have moved on by more
     than one version since the new replicas' copy began.
 
-    One version behind, the catch-up under the lock is a delta (the trainer keeps the version before its
-    current one as its delta base); further behind it would be a full copy that the steps wait for. At most
-    :data:`KEEP_UP_ROUNDS` rounds: a copy slower than a step never catches up by itself. A replica a round
-    fails keeps the version it had, for the catch-up.
+    The catch-up under the lock is a delta from the version the new replicas hold while the trainer keeps
+    the deltas since it (``weight_transfer.delta_history``), a full copy that the steps wait for beyond; the
+    fewer versions behind, the smaller the delta. At most :data:`KEEP_UP_ROUNDS` rounds: a copy slower than a
+    step never catches up by itself. A replica a round fails keeps the version it had, for the catch-up.
     """
     registry = s.registry
     for _ in range(KEEP_UP_ROUNDS):

@@ -47,6 +47,8 @@ class Stub:
         self.log.append((self.name, "prepare", request.weight_version))
         if isinstance(self.prepared, Exception):
             raise self.prepared
+        if isinstance(self.prepared, dict):   # per delta base asked (0: none)
+            return self.prepared.get(request.delta_base_version) or self.prepared[0]
         return self.prepared
 
     async def SendWeights(self, request, timeout=None):  # noqa: N802
@@ -236,9 +238,23 @@ async def test_replicas_at_the_base_take_the_delta_and_the_others_a_full_copy_fr
     assert outcome.delta_base_version == 3 and outcome.delta_bytes == 12 and outcome.full_bytes == 64
     assert outcome.delta_density == 3 / 32
     assert outcome.attributes()["delta_copies"] == 2 and outcome.attributes()["peer_copies"] == 1
-    assert log.count(("trainer", "prepare", 4)) == 1
+    assert log.count(("trainer", "prepare", 4)) == 2   # from the base, 3; and from r0's 2, not offered here
     assert ("trainer", "prepare", 4) in log and all(entry[0] != "trainer" or entry[1] != "send" or
                                                     entry[2] == "" for entry in log)
+
+
+async def test_a_replica_further_behind_takes_a_delta_from_its_version_where_the_trainer_offers_one():
+    answers = {0: prepared(ws.PrepareWeightSyncResponse, 4, "trainer-t"), 3: with_delta(4, "trainer-t", 3),
+               2: with_delta(4, "trainer-t", 2)}
+    port, log, stubs, trainer = fleet(answers, a=prepared(ws.PrepareWeightSyncResponse, 4, "s0"))
+    outcome = await port.sync(["s0", "s1", "r0"], 4)
+    assert not outcome.failed
+    assert [(p.delta.base_version, sorted(m.replica_id for m in p.members[1:])) for p in trainer.plans] == [
+        (3, ["s0", "s1"]), (2, ["r0"])]                       # the base's delta first, then r0's
+    assert [e for e in log if e[1] == "send"] == [("trainer", "send", ""), ("trainer", "send", "")]   # no peer's
+    assert {r.replica_id: (r.copy, r.source) for r in outcome.replica_results} == {
+        "s0": ("delta", "trainer-t"), "s1": ("delta", "trainer-t"), "r0": ("delta", "trainer-t")}
+    assert outcome.bytes_sent == 2 * 64 and outcome.delta_base_version == 3   # two broadcasts (the fake: 64 each)
 
 
 async def test_a_replica_without_the_base_gets_a_full_copy_and_stays_routed():

@@ -186,3 +186,57 @@ async def test_a_released_snapshot_must_be_prepared_again(broadcaster):
     await broadcaster.close()
     with pytest.raises(FailedPrecondition, match="not started or is shutting down"):
         await broadcaster.prepare()
+
+
+async def _step(sender: WeightBroadcaster, version: int, seed: int):
+    """Train one step (a small change to 5% of the weights), publish ``version`` and prepare it with a delta from
+    the version before, as the controller asks each step."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = {name: t + 1e-3 * torch.sign(torch.randn(t.shape, generator=gen))
+               * (torch.rand(t.shape, generator=gen) < 0.05) for name, t in sender.source.named_weights()}
+    sender.source.set_weights(weights, version)
+    return await sender.prepare(version, delta_base_version=version - 1)
+
+
+async def test_a_replica_several_versions_behind_gets_one_delta_composed_of_the_kept_ones():
+    from weight_transfer import views_of
+    from weight_transfer.delta import apply_delta, check_stream, pack_stream
+
+    source = TorchWeightSource("tiny-llama", seed=5, weight_version=7)
+    source.load()
+    sender = WeightBroadcaster(source, member_id=TRAINER, rendezvous=(HOST, 0),
+                               config=transfer_config(delta_history=2))
+    await sender.start()
+    try:
+        await sender.prepare(7)
+        eight = (await _step(sender, 8, 8)).snapshot.tensors     # frozen: what a replica at 8 serves
+        await _step(sender, 9, 9)
+        ten = await _step(sender, 10, 10)
+        ten = await sender.prepare(10, delta_base_version=8)     # kept: 9 (from 8) and 10 (from 9)
+        older = await sender.prepare(10, delta_base_version=7)   # 8 (from 7) was let go: delta_history 2
+    finally:
+        await sender.close()
+    composed = ten.deltas[8]
+    assert composed is not None and composed.base_version == 8 and 7 not in older.deltas
+    flat = pack_stream(ten.manifest, iter(eight))
+    received = views_of(composed.manifest, pack_stream(composed.manifest, iter(composed.tensors)))
+    apply_delta(ten.manifest, flat, composed.manifest, received)
+    check_stream(ten.manifest, flat)
+    assert torch.equal(flat, pack_stream(ten.manifest, iter(ten.snapshot.tensors)))   # version 10, bit for bit
+    assert 0 < composed.stats.ratio < 0.5
+
+
+async def test_deltas_from_older_versions_need_their_history():
+    source = TorchWeightSource("tiny-llama", seed=5, weight_version=7)
+    source.load()
+    sender = WeightBroadcaster(source, member_id=TRAINER, rendezvous=(HOST, 0),
+                               config=transfer_config(delta_history=0))
+    await sender.start()
+    try:
+        await sender.prepare(7)
+        for version in (8, 9):
+            await _step(sender, version, version)
+        nine = await sender.prepare(9, delta_base_version=7)
+    finally:
+        await sender.close()
+    assert nine.deltas.get(8) is not None and 7 not in nine.deltas

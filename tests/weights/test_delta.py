@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from weight_transfer import InvalidManifest, views_of
-from weight_transfer.delta import (apply_delta, check_stream, delta_entries, encode_delta, pack_stream,
-                                   stream_checksum)
+from weight_transfer.delta import (apply_delta, check_stream, compose_deltas, delta_entries, encode_delta,
+                                   pack_stream, stream_checksum)
 from weight_transfer.errors import ChecksumMismatch, NotAuthentic
 from weight_transfer.manifest import build_manifest
 
@@ -168,3 +168,34 @@ def test_malformed_delta_streams_are_refused_by_name_order_and_shape():
     lone_values = dataclasses.replace(entries[0], name="0/v", dtype="int16", shape=(3,))
     with pytest.raises(InvalidManifest, match="no indices before it"):
         delta_entries(with_entries([lone_values]), t)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bucket", [1 << 20, 999])
+@pytest.mark.parametrize("lrs", [(1e-6, 1e-6, 1e-6), (1e-6, 1e-1, 1e-6)])
+def test_composed_deltas_take_a_replica_several_versions_behind_to_the_target_bit_for_bit(dtype, bucket, lrs):
+    """Versions 1..4; the deltas 1->2, 2->3, 3->4 composed rebuild version 4 from version 1 exactly (a dense
+    step in between sends some buckets whole), and so do 2->3, 3->4 from version 2."""
+    versions = [model(0, dtype)]
+    for seed, lr in enumerate(lrs):
+        versions.append(step(versions[-1], lr, seed + 10))
+    manifests = [build_manifest(v, bucket) for v in versions]
+    deltas = [encode_delta(manifests[i], iter(versions[i]), manifests[i + 1], iter(versions[i + 1]),
+                           base_version=i + 1) for i in range(3)]
+    assert all(d is not None for d in deltas)
+    target = manifests[3]
+    for first in (0, 1):
+        composed = compose_deltas(deltas[first:], target, iter(versions[3]))   # type: ignore[arg-type]
+        assert composed is not None
+        assert composed.base_version == first + 1 and composed.base_checksum == manifests[first].checksum
+        flat = pack_stream(target, iter(versions[first]))
+        received = views_of(composed.manifest, pack_stream(composed.manifest, iter(composed.tensors)))
+        apply_delta(target, flat, composed.manifest, received)
+        check_stream(target, flat)
+        assert torch.equal(flat, pack_stream(target, iter(versions[3])))
+        single = sum(d.stats.changed_words for d in deltas[first:])   # type: ignore[union-attr]
+        assert composed.stats.changed_words <= single or composed.stats.full_buckets
+    too_dense = compose_deltas(deltas, target, iter(versions[3]), max_ratio=1e-6)   # type: ignore[arg-type]
+    assert too_dense is None
+    with pytest.raises(ValueError, match="at least one delta"):
+        compose_deltas([], target, iter(versions[3]))

@@ -2,8 +2,9 @@
 replica agent serving bf16, gloo on loopback.
 
 Versions are published as files (DirectoryWeightSource), each a small update of the last. The second sync
-goes out as a delta; a replica that missed a version gets a full copy from a peer that holds the new one;
-every replica's weights are checked, byte for byte, against the published version cast to bf16.
+goes out as a delta; a replica that missed versions gets one delta composed of the ones since its version where
+the trainer keeps them, else a full copy from a peer that holds the new one; every replica's weights are
+checked, byte for byte, against the published version cast to bf16.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ TRAINER = """model: tiny-llama
 served_dtype: bfloat16
 weight_source: trainer_agent.published_weights:DirectoryWeightSource
 weight_source_options: {{directory: {weights}}}
-weight_transfer: {{gloo_interface: lo, bucket_size_bytes: 65536}}
+weight_transfer: {{gloo_interface: lo, bucket_size_bytes: 65536, delta_history: {history}}}
 """
 CONTROLLER = """load_balancer_address: {lb}
 trainer_address: {trainer}
@@ -153,7 +154,8 @@ async def test_deltas_and_peer_copies_leave_every_replica_bit_identical_to_a_ful
     procs = Procs(tmp_path, env=clean_env(GLOO_SOCKET_IFNAME="lo"))
     try:
         lb = procs.start("lb", "lb", "")
-        trainer = procs.start("trainer", "trainer-agent", TRAINER.format(weights=weights))
+        # no deltas of older versions kept: a replica that missed one takes a full copy (from a peer)
+        trainer = procs.start("trainer", "trainer-agent", TRAINER.format(weights=weights, history=0))
         controller = procs.start("controller", "controller", CONTROLLER.format(lb=lb, trainer=trainer))
         agent = procs.start("a", "replica-agent", agent_config("a", REPLICAS, controller))
         agents = {"a": agent, "b": procs.start("b", "replica-agent", agent_config("b", ON_B, controller))}
@@ -236,6 +238,55 @@ async def test_deltas_and_peer_copies_leave_every_replica_bit_identical_to_a_ful
             assert held == 9 and checksum == expected_checksum(published[7], order)   # its weights kept
     finally:
         procs.close()
+
+
+async def test_replicas_that_missed_versions_catch_up_by_one_composed_delta(tmp_path: Path):
+    """The trainer keeps its last deltas: replicas two and three versions behind, and one that slept through
+    a version, each take one delta from the version they hold, and serve the new version bit for bit."""
+    weights = tmp_path / "weights"
+    published = versions_of(12, 7)
+    procs = Procs(tmp_path, env=clean_env(GLOO_SOCKET_IFNAME="lo"))
+    try:
+        lb = procs.start("lb", "lb", "")
+        trainer = procs.start("trainer", "trainer-agent", TRAINER.format(weights=weights, history=8))
+        controller = procs.start("controller", "controller", CONTROLLER.format(lb=lb, trainer=trainer))
+        agent = procs.start("a", "replica-agent", agent_config("a", REPLICAS, controller))
+        async with grpc.aio.insecure_channel(controller) as channel:
+            ctl = controller_stub(channel)
+            await until(lambda: _registered(ctl, REPLICAS))
+
+            async def sync(version: int, replica_ids=()) -> dict[str, tuple[str, str]]:
+                publish(weights, published[version - 1], version)
+                reply = await ctl.SyncWeights(weight_sync_pb2.SyncWeightsRequest(
+                    weight_version=version, replica_ids=list(replica_ids)))
+                assert all(r.ok for r in reply.result.replica_results), reply.result
+                return {r.replica_id: (r.copy, r.source) for r in reply.result.replica_results}
+
+            async def check(version: int, replica_ids=REPLICAS) -> None:
+                for replica_id in replica_ids:
+                    held, order, checksum = await served_checksum(agent, replica_id)
+                    assert held == version
+                    assert checksum == expected_checksum(published[version - 1], order), replica_id
+
+            await sync(1)
+            await sync(2)
+            await sync(3, ["a-s0", "a-s1"])       # a-s2, a-s3 miss 3
+            await sync(4, ["a-s0"])               # and a-s1 misses 4
+            copies = await sync(5)                # a-s0 from 4, a-s1 from 3, a-s2 and a-s3 from 2
+            assert {copy for copy, _ in copies.values()} == {"delta"}, copies
+            await check(5)
+            await _sleep(agent, "a-s2", level=1)  # a hybrid replica lent back, asleep through version 6
+            await sync(6, ["a-s0", "a-s1", "a-s3"])
+            await _wake(agent, "a-s2")
+            copies = await sync(7)
+            assert copies["a-s2"][0] == "delta" and {copy for copy, _ in copies.values()} == {"delta"}, copies
+            await check(7)
+    finally:
+        procs.close()
+
+
+async def _registered(ctl, replica_ids) -> bool:
+    return set(replica_ids) <= set(await replicas(ctl))
 
 
 async def _all_registered(ctl) -> bool:
