@@ -50,7 +50,7 @@ check and is refused; the replica keeps serving its old weights.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
@@ -192,17 +192,12 @@ def encode_delta(base: Manifest, base_tensors: Iterable[tuple[str, torch.Tensor]
         if count == 0:
             unchanged += 1
         else:
-            kind, cost = _cheapest(count, words.numel(), word.itemsize)
-            if cost <= bucket_ratio * (stop - start):
-                sparse += 1
-                where = differs.nonzero().flatten()
-                marks = where.to(_INDEX) if kind == "i" else _pack_bits(where, words.numel(), device)
-                tensors += [(f"{index}/{kind}", marks), (f"{index}/v", words[where])]
-                size += cost
-            else:
-                full += 1
-                tensors.append((f"{index}/f", new.clone()))
-                size += stop - start
+            entries, cost = _entries(index, new, words, count, lambda: differs.nonzero().flatten(), bucket_ratio,
+                                     device)
+            tensors += entries
+            sparse += len(entries) > 1
+            full += len(entries) == 1
+            size += cost
         if size > budget:
             return None
     old_packer.finish()
@@ -256,16 +251,12 @@ def compose_deltas(deltas: list[Delta], target: Manifest, target_tensors: Iterab
         where = torch.unique(torch.cat(positions)) if positions is not None else None   # sorted, each once
         count = words.numel() if where is None else where.numel()
         count_all += count
-        kind, cost = _cheapest(count, words.numel(), word.itemsize)
-        if where is not None and cost <= bucket_ratio * (stop - start):
-            sparse += 1
-            marks = where.to(_INDEX) if kind == "i" else _pack_bits(where, words.numel(), device)
-            tensors_out += [(f"{bucket}/{kind}", marks), (f"{bucket}/v", words[where])]
-            size += cost
-        else:
-            full += 1
-            tensors_out.append((f"{bucket}/f", new.clone()))
-            size += stop - start
+        entries, cost = _entries(bucket, new, words, count, None if where is None else lambda: where, bucket_ratio,
+                                 device)
+        tensors_out += entries
+        sparse += len(entries) > 1
+        full += len(entries) == 1
+        size += cost
         if size > budget:
             return None
     packer.finish()
@@ -277,6 +268,20 @@ def compose_deltas(deltas: list[Delta], target: Manifest, target_tensors: Iterab
                        full_bytes=target.total_bytes)
     first = deltas[0]
     return Delta(first.base_version, first.base_checksum, manifest, tuple(tensors_out), stats)
+
+
+def _entries(bucket: int, new: torch.Tensor, words: torch.Tensor, count: int,
+             where: Callable[[], torch.Tensor] | None, bucket_ratio: float,
+             device: torch.device) -> tuple[list[tuple[str, torch.Tensor]], int]:
+    """A changed bucket's entries in a delta and their bytes: its ``count`` changed words (at ``where()``, asked
+    only when they go sparse; None: send it whole) with their indices or bitmap, or the whole bucket once
+    that would take more than ``bucket_ratio`` of its bytes."""
+    kind, cost = _cheapest(count, words.numel(), words.element_size())
+    if where is None or cost > bucket_ratio * new.numel():
+        return [(f"{bucket}/f", new.clone())], new.numel()
+    at = where()
+    marks = at.to(_INDEX) if kind == "i" else _pack_bits(at, words.numel(), device)
+    return [(f"{bucket}/{kind}", marks), (f"{bucket}/v", words[at])], cost
 
 
 def _cheapest(count: int, words: int, word_size: int) -> tuple[str, int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 
@@ -198,24 +199,31 @@ async def _step(sender: WeightBroadcaster, version: int, seed: int):
     return await sender.prepare(version, delta_base_version=version - 1)
 
 
+@contextlib.asynccontextmanager
+async def history_sender(delta_history: int):
+    """A trainer at version 7 that keeps the deltas of its last ``delta_history`` versions."""
+    source = TorchWeightSource("tiny-llama", seed=5, weight_version=7)
+    source.load()
+    sender = WeightBroadcaster(source, member_id=TRAINER, rendezvous=(HOST, 0),
+                               config=transfer_config(delta_history=delta_history))
+    await sender.start()
+    try:
+        await sender.prepare(7)
+        yield sender
+    finally:
+        await sender.close()
+
+
 async def test_a_replica_several_versions_behind_gets_one_delta_composed_of_the_kept_ones():
     from weight_transfer import views_of
     from weight_transfer.delta import apply_delta, check_stream, pack_stream
 
-    source = TorchWeightSource("tiny-llama", seed=5, weight_version=7)
-    source.load()
-    sender = WeightBroadcaster(source, member_id=TRAINER, rendezvous=(HOST, 0),
-                               config=transfer_config(delta_history=2))
-    await sender.start()
-    try:
-        await sender.prepare(7)
+    async with history_sender(2) as sender:
         eight = (await _step(sender, 8, 8)).snapshot.tensors     # frozen: what a replica at 8 serves
         await _step(sender, 9, 9)
-        ten = await _step(sender, 10, 10)
+        await _step(sender, 10, 10)
         ten = await sender.prepare(10, delta_base_version=8)     # kept: 9 (from 8) and 10 (from 9)
         older = await sender.prepare(10, delta_base_version=7)   # 8 (from 7) was let go: delta_history 2
-    finally:
-        await sender.close()
     composed = ten.deltas[8]
     assert composed is not None and composed.base_version == 8 and 7 not in older.deltas
     flat = pack_stream(ten.manifest, iter(eight))
@@ -227,16 +235,8 @@ async def test_a_replica_several_versions_behind_gets_one_delta_composed_of_the_
 
 
 async def test_deltas_from_older_versions_need_their_history():
-    source = TorchWeightSource("tiny-llama", seed=5, weight_version=7)
-    source.load()
-    sender = WeightBroadcaster(source, member_id=TRAINER, rendezvous=(HOST, 0),
-                               config=transfer_config(delta_history=0))
-    await sender.start()
-    try:
-        await sender.prepare(7)
+    async with history_sender(0) as sender:
         for version in (8, 9):
             await _step(sender, version, version)
         nine = await sender.prepare(9, delta_base_version=7)
-    finally:
-        await sender.close()
     assert nine.deltas.get(8) is not None and 7 not in nine.deltas
