@@ -188,8 +188,11 @@ class ProgramAdmission:
             pass
 
     def leave(self, session_id: str) -> None:
-        """The session's request stopped waiting (placed, failed, cancelled): the next oldest may go."""
-        if self._waiting.pop(session_id, None) is not None:
+        """The session's request stopped waiting (placed, failed, cancelled): its other requests waiting (a
+        group's siblings) look again, and the next oldest program may go."""
+        entry = self._waiting.pop(session_id, None)
+        if entry is not None:
+            entry[1].set()
             self.wake()
 
     def _head(self) -> str | None:
@@ -213,8 +216,7 @@ class ProgramAdmission:
         program.completions[request_id] = completion
         self._recount(program)
         self._touch(program)
-        if self._waiting.pop(session_id, None) is not None:
-            self.wake()
+        self.leave(session_id)
 
     def ended(self, session_id: str, request_id: str, *, last: bool = False) -> list[tuple[str, str]]:
         """A request of the session ended. ``last``: the caller said it was the session's last turn (the program

@@ -302,3 +302,30 @@ def test_a_waiting_program_gets_in_when_an_idle_one_expires_with_nothing_else_ha
 
     only, admitted_at = run_virtual(Idle(), scenario())
     assert only == {"a"} and 60 <= admitted_at <= 120
+
+
+def test_a_groups_siblings_still_wait_and_go_when_one_of_them_leaves_the_queue():
+    async def scenario():
+        programs, _ = admission()
+        programs.placed("s1", "a", "s1-0", prompt=900)
+        programs.placed("s2", "b", "s2-0", prompt=900)
+        placed: list[str] = []
+
+        async def sibling(i: int) -> None:
+            only = await programs.admit("g", 300, lambda: ["a", "b"], lambda: None)
+            programs.placed("g", sorted(only)[0], f"g-{i}", prompt=200, completion=100)
+            placed.append(f"g-{i}")
+
+        siblings = [asyncio.ensure_future(sibling(i)) for i in range(4)]
+        await asyncio.sleep(1)
+        assert placed == []
+        siblings[0].cancel()           # its caller went away: the balancer's request ends with leave()
+        programs.leave("g")
+        await asyncio.sleep(1)
+        programs.close("s1")
+        await asyncio.wait_for(asyncio.gather(*siblings[1:]), 5)   # the others still wait, and go
+        return placed, programs
+
+    placed, programs = asyncio.run(scenario())
+    assert sorted(placed) == ["g-1", "g-2", "g-3"]
+    assert programs.replica("g") == "a" and programs.active_tokens == {"a": 500, "b": 900}
