@@ -177,16 +177,14 @@ class Balancer:
             if request.session_id:
                 self.pauses.ended(request.session_id, self.clock(), last=run.hold_kv_s == 0 and
                                   request.HasField("expected_pause"))
-                if self.programs is not None:
-                    self.control.release_holds(self.programs.ended(
-                        request.session_id, run.request_id,
-                        last=request.HasField("expected_pause") and run.hold_kv_s == 0))
         except asyncio.CancelledError:   # the caller went away: not a failure of ours
             outcome = "cancelled"
             raise
         finally:
-            if self.programs is not None and request.session_id:
-                self.programs.leave(request.session_id)   # failed or cancelled while waiting for room
+            if self.programs is not None and request.session_id:   # ended, failed or cancelled (waiting or not)
+                self.programs.leave(request.session_id)
+                self.control.release_holds(self.programs.ended(request.session_id, run.request_id, last=(
+                    outcome == "completed" and request.HasField("expected_pause") and run.hold_kv_s == 0)))
             del self._running[request.request_id]
             setattr(self.stats, outcome, getattr(self.stats, outcome) + 1)
             if timing is not None:

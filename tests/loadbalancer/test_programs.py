@@ -329,3 +329,19 @@ def test_a_groups_siblings_still_wait_and_go_when_one_of_them_leaves_the_queue()
     placed, programs = asyncio.run(scenario())
     assert sorted(placed) == ["g-1", "g-2", "g-3"]
     assert programs.replica("g") == "a" and programs.active_tokens == {"a": 500, "b": 900}
+
+
+def test_a_failed_request_leaves_its_program_idle_not_running():
+    from simulator.vloop import run_virtual
+    from tests.loadbalancer.test_balancer_virtual_time import Idle
+
+    async def scenario():
+        lb = _balancer(["a"], 100)
+        await _turn(lb, "s-0", "s", 3)
+        lb.upstreams.modes["a"] = "down"
+        with pytest.raises(Exception):
+            await _turn(lb, "s-1", "s", 3)
+        return lb.programs.programs["s"]
+
+    program = run_virtual(Idle(), scenario())
+    assert program.completions == {}        # idle: it can be parked and expire
