@@ -1,7 +1,8 @@
 """The replicas' KV capacity from their agents' load reports, for program admission (``program_admission`` with
 ``kv_tokens`` 0): every ``report_interval_s``, and at once when the table changes, the balancer calls
 ``GetLoadReports`` on each agent address in its table and tells :class:`~.programs.ProgramAdmission` each routed
-replica's ``max_total_tokens``. An agent that does not answer keeps what it last reported (a replica never
+replica's ``max_total_tokens``. A table change polls at once only when a routed replica has not reported yet
+(every weight version moves the table; capacities do not move with it). An agent that does not answer keeps what it last reported (a replica never
 reported admits every program)."""
 
 from __future__ import annotations
@@ -34,7 +35,11 @@ class CapacityReports:
         self._changed = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._failing: set[str] = set()
-        table.on_change(self._changed.set)
+        table.on_change(self._new_replicas)
+
+    def _new_replicas(self) -> None:
+        if any(replica_id not in self.programs.capacity for replica_id in self.table.routes):
+            self._changed.set()
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run())

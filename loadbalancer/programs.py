@@ -97,29 +97,19 @@ class ProgramAdmission:
             self.capacity[replica_id] = tokens
             self.wake()
 
-    def forget(self, replica_ids: Iterable[str]) -> None:
-        """Replicas left the table: their programs are parked (their KV went with them)."""
-        gone = set(replica_ids)
-        for program in self.programs.values():
-            if program.replica_id in gone:
-                self._deactivate(program)
-        for replica_id in gone:
-            self.capacity.pop(replica_id, None)
-            self.active_tokens.pop(replica_id, None)
-        self.wake()
-
     def retain(self, replica_ids: Iterable[str]) -> None:
-        """The table changed: forget the replicas not in ``replica_ids``; waiters look again."""
+        """The table changed: the replicas not in ``replica_ids`` left it, and their programs are placed again
+        (their KV went with them); waiters look again."""
         keep = set(replica_ids)
         gone = {r for r in (*self.active_tokens, *self.capacity) if r not in keep}
         if gone:
-            self.forget(gone)
-        else:
-            self.wake()
-
-    @property
-    def active(self) -> int:
-        return sum(1 for p in self.programs.values() if p.replica_id)
+            for program in self.programs.values():
+                if program.replica_id in gone:
+                    self._deactivate(program)
+            for replica_id in gone:
+                self.capacity.pop(replica_id, None)
+                self.active_tokens.pop(replica_id, None)
+        self.wake()
 
     @property
     def waiting(self) -> int:
