@@ -9,6 +9,7 @@ checked, byte for byte, against the published version cast to bf16.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import grpc
@@ -148,6 +149,29 @@ def expected_checksum(tensors: dict[str, torch.Tensor], order: list[str]) -> str
     return build_manifest(served, 65536, checksum_algorithm="sha256").checksum
 
 
+async def sync_to(ctl, weights: Path, published: list[dict[str, torch.Tensor]], version: int,
+                  replica_ids=()) -> weight_sync_pb2.WeightSyncResult:
+    """Publish ``version`` and sync it to ``replica_ids`` (none: every replica); every replica must succeed."""
+    publish(weights, published[version - 1], version)
+    reply = await ctl.SyncWeights(weight_sync_pb2.SyncWeightsRequest(weight_version=version,
+                                                                     replica_ids=list(replica_ids)))
+    assert all(r.ok for r in reply.result.replica_results), reply.result
+    return reply.result
+
+
+async def check_served(agents: dict[str, str], published: list[dict[str, torch.Tensor]], version: int,
+                       replica_ids=REPLICAS) -> None:
+    """Each replica (on the agent its id's first letter names) serves ``version``, bit for bit."""
+    for replica_id in replica_ids:
+        held, order, checksum = await served_checksum(agents[replica_id[0]], replica_id)
+        assert held == version
+        assert checksum == expected_checksum(published[version - 1], order), replica_id
+
+
+def copies_of(result: weight_sync_pb2.WeightSyncResult) -> dict[str, tuple[str, str]]:
+    return {r.replica_id: (r.copy, r.source) for r in result.replica_results}
+
+
 async def test_deltas_and_peer_copies_leave_every_replica_bit_identical_to_a_full_copy(tmp_path: Path):
     weights = tmp_path / "weights"
     published = versions_of(11, 10)
@@ -163,18 +187,8 @@ async def test_deltas_and_peer_copies_leave_every_replica_bit_identical_to_a_ful
             ctl = controller_stub(channel)
             await until(lambda: _all_registered(ctl))
 
-            async def sync(version: int, replica_ids=()) -> weight_sync_pb2.WeightSyncResult:
-                publish(weights, published[version - 1], version)
-                reply = await ctl.SyncWeights(weight_sync_pb2.SyncWeightsRequest(
-                    weight_version=version, replica_ids=list(replica_ids)))
-                assert all(r.ok for r in reply.result.replica_results), reply.result
-                return reply.result
-
-            async def check(version: int, replica_ids=REPLICAS) -> None:
-                for replica_id in replica_ids:
-                    held, order, checksum = await served_checksum(agents[replica_id[0]], replica_id)
-                    assert held == version
-                    assert checksum == expected_checksum(published[version - 1], order), replica_id
+            sync = functools.partial(sync_to, ctl, weights, published)
+            check = functools.partial(check_served, agents, published)
 
             first = await sync(1)   # nothing to diff against yet
             assert {r.copy for r in first.replica_results} == {"full"} and first.delta_base_version == -1
@@ -192,7 +206,7 @@ async def test_deltas_and_peer_copies_leave_every_replica_bit_identical_to_a_ful
             await check(3, ["a-s0"])
 
             fourth = await sync(4)
-            copies = {r.replica_id: (r.copy, r.source) for r in fourth.replica_results}
+            copies = copies_of(fourth)
             assert copies["a-s0"][0] == "delta" and fourth.delta_base_version == 3
             # one chain from the only peer at the version: node a's replicas, then node b's (not the trainer)
             assert {copies[r] for r in ALL if r != "a-s0"} == {("peer", "a-s0")}
@@ -203,7 +217,7 @@ async def test_deltas_and_peer_copies_leave_every_replica_bit_identical_to_a_ful
             # A peer at the version on each node: each node's replicas behind take one copy from it, both at once.
             await sync(5, ["a-s0", "b-s0"])
             split = await sync(6)
-            copies = {r.replica_id: (r.copy, r.source) for r in split.replica_results}
+            copies = copies_of(split)
             assert copies["a-s0"][0] == copies["b-s0"][0] == "delta"
             assert {r: copies[r] for r in ("a-s1", "a-s2", "a-s3", "b-s1")} == {
                 "a-s1": ("peer", "a-s0"), "a-s2": ("peer", "a-s0"), "a-s3": ("peer", "a-s0"), "b-s1": ("peer", "b-s0")}
@@ -217,7 +231,7 @@ async def test_deltas_and_peer_copies_leave_every_replica_bit_identical_to_a_ful
             await _sleep(agent, "a-s2", level=1)
             await _sleep(agent, "a-s0", level=2)
             eighth = await sync(8, REPLICAS)
-            copies = {r.replica_id: (r.copy, r.source) for r in eighth.replica_results}
+            copies = copies_of(eighth)
             assert copies["a-s1"][0] == copies["a-s2"][0] == "delta" and copies["a-s0"] == ("peer", "a-s1")
             for replica_id in ("a-s2", "a-s0"):
                 await _wake(agent, replica_id)
@@ -255,30 +269,20 @@ async def test_replicas_that_missed_versions_catch_up_by_one_composed_delta(tmp_
             ctl = controller_stub(channel)
             await until(lambda: _registered(ctl, REPLICAS))
 
-            async def sync(version: int, replica_ids=()) -> dict[str, tuple[str, str]]:
-                publish(weights, published[version - 1], version)
-                reply = await ctl.SyncWeights(weight_sync_pb2.SyncWeightsRequest(
-                    weight_version=version, replica_ids=list(replica_ids)))
-                assert all(r.ok for r in reply.result.replica_results), reply.result
-                return {r.replica_id: (r.copy, r.source) for r in reply.result.replica_results}
-
-            async def check(version: int, replica_ids=REPLICAS) -> None:
-                for replica_id in replica_ids:
-                    held, order, checksum = await served_checksum(agent, replica_id)
-                    assert held == version
-                    assert checksum == expected_checksum(published[version - 1], order), replica_id
+            sync = functools.partial(sync_to, ctl, weights, published)
+            check = functools.partial(check_served, {"a": agent}, published)
 
             await sync(1)
             await sync(2)
             await sync(3, ["a-s0", "a-s1"])       # a-s2, a-s3 miss 3
             await sync(4, ["a-s0"])               # and a-s1 misses 4
-            copies = await sync(5)                # a-s0 from 4, a-s1 from 3, a-s2 and a-s3 from 2
+            copies = copies_of(await sync(5))     # a-s0 from 4, a-s1 from 3, a-s2 and a-s3 from 2
             assert {copy for copy, _ in copies.values()} == {"delta"}, copies
             await check(5)
             await _sleep(agent, "a-s2", level=1)  # a hybrid replica lent back, asleep through version 6
             await sync(6, ["a-s0", "a-s1", "a-s3"])
             await _wake(agent, "a-s2")
-            copies = await sync(7)
+            copies = copies_of(await sync(7))
             assert copies["a-s2"][0] == "delta" and {copy for copy, _ in copies.values()} == {"delta"}, copies
             await check(7)
     finally:
