@@ -264,10 +264,10 @@ class WeightBroadcast:
             behind, lambda r: self.registry.get(r).weight_version, lambda b: self._offers_delta(source, version, b),
             lambda ids, b: self._broadcast(ids, version, source, timeout_s, delta_base=b))
         need_full = behind + missing
-        seeds = [r.replica_id for o in (outcome, *older) for r in o.replica_results if r.ok]
-        log.info("weight sync to version %d: %d replica(s) took a delta (%d from %d); %s need full copies",
-                 version, len(seeds), len(seeds) - sum(r.ok for o in older for r in o.replica_results), base,
-                 need_full)
+        took = [[r.replica_id for r in o.replica_results if r.ok] for o in (outcome, *older)]
+        seeds = [replica_id for group in took for replica_id in group]
+        log.info("weight sync to version %d: %d replica(s) took the delta from %d, %d one from an older version; "
+                 "%s need full copies", version, len(took[0]), base, len(seeds) - len(took[0]), need_full)
         full = await self._full_copies(need_full, version, seeds, trainer, use_seeds=True, use_trainer=True,
                                        timeout_s=timeout_s) if need_full else None
         done = (outcome, *older, *([full] if full else []))
