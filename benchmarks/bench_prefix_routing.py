@@ -258,6 +258,7 @@ class Smg:
 WORKLOADS = {"grpo": None, "multiturn": run_multiturn, "document": run_document, "system": run_system,
              "tools": run_tools, "join": run_join, "agent": run_agent}
 LB_YAML = ""
+PROGRAMS_YAML = "{enabled: true}"
 SYSTEMS = {
     "least_loaded": lambda tmp, model, n, k: Mesh(tmp, model, n, "least_loaded", sessions=False, start_with=k),
     "group stickiness": lambda tmp, model, n, k: Mesh(tmp, model, n, "least_loaded", sessions=True, start_with=k),
@@ -266,7 +267,7 @@ SYSTEMS = {
     "prefix_cost": lambda tmp, model, n, k: Mesh(tmp, model, n, "prefix_cost", sessions=True, lb_yaml=LB_YAML,
                                                  start_with=k),
     "programs": lambda tmp, model, n, k: Mesh(tmp, model, n, "prefix_aware", sessions=True, start_with=k,
-                                              lb_yaml="program_admission: {enabled: true}\n" + LB_YAML),
+                                              lb_yaml=f"program_admission: {PROGRAMS_YAML}\n" + LB_YAML),
     "SMG cache_aware": lambda tmp, model, n, k: Smg(tmp, model, n, "cache_aware", start_with=k),
     "SMG round_robin": lambda tmp, model, n, k: Smg(tmp, model, n, "round_robin", start_with=k),
 }
@@ -288,9 +289,11 @@ async def main() -> None:
                         help="join: seconds before the second half of the replicas joins")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lb-yaml", default="", help="more balancer settings for prefix_aware (YAML), to tune")
+    parser.add_argument("--programs-yaml", default="{enabled: true}",
+                        help="program_admission of the programs system (a YAML mapping), to tune")
     args = parser.parse_args()
-    global LB_YAML
-    LB_YAML = args.lb_yaml
+    global LB_YAML, PROGRAMS_YAML
+    LB_YAML, PROGRAMS_YAML = args.lb_yaml, args.programs_yaml
     model = {"speed": args.speed}
     table: dict[str, dict[str, Result]] = {w: {} for w in WORKLOADS}
     workloads = {"both": ("grpo", "multiturn"), "all": tuple(table)}.get(args.workload, (args.workload,))

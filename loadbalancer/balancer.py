@@ -96,7 +96,8 @@ class Balancer:
                                      max_sessions=config.max_sticky_sessions)
         """Sessions' pauses between requests: how long replicas hold a session's KV after a request."""
         pa = config.program_admission
-        self.programs = ProgramAdmission(kv_tokens=pa.kv_tokens, kv_fraction=pa.kv_fraction, idle_s=pa.idle_s,
+        self.programs = ProgramAdmission(kv_tokens=pa.kv_tokens, kv_fraction=pa.kv_fraction,
+                                         reserve_final=pa.reserve_final, idle_s=pa.idle_s,
                                          max_programs=config.max_sticky_sessions, clock=clock,
                                          stats=self.stats) if pa.enabled else None
         """Sessions as programs admitted by KV room (``program_admission``), when on."""

@@ -120,6 +120,11 @@ class ProgramAdmissionConfig:
                                      "not known admits every program")
     kv_fraction: float = setting(1.0, help="share of a replica's KV capacity its active programs' contexts (each "
                                            "the latest turn's prompt plus its expected completion) may fill")
+    reserve_final: float = setting(0.0, help="admit by whole-program cost: every program, the one asking and "
+                                             "those active on a replica, counts for at least this share of the "
+                                             "mean final context of the programs that ended (a running mean), so "
+                                             "a replica takes no more young programs than it holds once grown; "
+                                             "0 = their contexts so far. Parking counts the contexts themselves")
     idle_s: float = setting(300.0, help="a program with no request for this long ends (a trajectory that never "
                                         "sent CloseSession nor marked its last turn with expected_pause 0)")
     report_interval_s: float = setting(5.0, help="how often the balancer reads the agents' load reports for "
@@ -130,6 +135,8 @@ class ProgramAdmissionConfig:
             raise ConfigError("kv_tokens", f"must be >= 0 (0: from the load reports), got {self.kv_tokens}")
         if not 0 < self.kv_fraction <= 4:
             raise ConfigError("kv_fraction", f"must be in (0, 4], got {self.kv_fraction}")
+        if not 0 <= self.reserve_final <= 4:
+            raise ConfigError("reserve_final", f"must be in [0, 4], got {self.reserve_final}")
         for key in ("idle_s", "report_interval_s"):
             if not 0 < getattr(self, key) < math.inf:
                 raise ConfigError(key, f"must be > 0 and finite, got {getattr(self, key)}")

@@ -24,6 +24,12 @@ contexts (a turn's prompt plus its expected completion), and keeps that sum with
 * a program ends on ``CloseSession``, after a turn the caller marked as the last (``expected_pause`` 0), or
   after ``idle_s`` without a request.
 
+With ``reserve_final`` > 0 admission weighs a program by its whole cost, not only its context so far: every
+program, the one asking and those active on the replica, counts for at least ``reserve_final`` times the mean
+final context of the programs that ended (a running mean, :data:`FINAL_WEIGHT`), so a replica takes no more
+young programs than it can hold once they have grown. Parking still counts the contexts themselves: a program
+is never parked for tokens it does not hold yet.
+
 A replica whose KV capacity is not known admits every program: with no information this is the routing policy
 alone. Pure bookkeeping on the caller's clock, plus the waits; the balancer (:mod:`.balancer`) asks before
 each pick and tells it where requests went and when they ended.
@@ -41,6 +47,9 @@ from mesh_runtime.errors import DeadlineExceeded
 from mesh_runtime.reasons import Reason
 
 from .stats import Stats
+
+FINAL_WEIGHT = 0.05
+"""Weight of each ended program's final context in the running mean ``reserve_final`` scales."""
 
 
 @dataclass
@@ -66,12 +75,16 @@ class Program:
 class ProgramAdmission:
     """See the module docstring."""
 
-    def __init__(self, *, kv_tokens: int = 0, kv_fraction: float = 1.0, idle_s: float = 300.0,
-                 max_programs: int = 100_000, clock: Callable[[], float], stats: Stats | None = None) -> None:
+    def __init__(self, *, kv_tokens: int = 0, kv_fraction: float = 1.0, reserve_final: float = 0.0,
+                 idle_s: float = 300.0, max_programs: int = 100_000, clock: Callable[[], float],
+                 stats: Stats | None = None) -> None:
         """``kv_tokens``: every replica's KV capacity in tokens (0: as :meth:`set_capacity` reports it, per
-        replica). ``stats``: where waits and parks are counted."""
+        replica). ``reserve_final``: see the module docstring. ``stats``: where waits and parks are counted."""
         self.kv_tokens = kv_tokens
         self.kv_fraction = kv_fraction
+        self.reserve_final = reserve_final
+        self.final_context = 0.0
+        """Running mean of the final context (last prompt and completion) of the programs that ended."""
         self.idle_s = idle_s
         self.max_programs = max_programs
         self.clock = clock
@@ -81,6 +94,8 @@ class ProgramAdmission:
         """Replica -> its KV capacity in tokens, from its load reports."""
         self.active_tokens: dict[str, int] = {}
         """Replica -> the tokens of the programs active on it."""
+        self.active: dict[str, dict[str, Program]] = {}
+        """Replica -> the programs active on it, by session."""
         self._order = itertools.count()
         self._waiting: dict[str, tuple[int, asyncio.Event]] = {}
         self.stats = stats or Stats()
@@ -101,7 +116,7 @@ class ProgramAdmission:
         """The table changed: the replicas not in ``replica_ids`` left it, and their programs are placed again
         (their KV went with them); waiters look again."""
         keep = set(replica_ids)
-        gone = {r for r in (*self.active_tokens, *self.capacity) if r not in keep}
+        gone = {r for r in (*self.active_tokens, *self.active, *self.capacity) if r not in keep}
         if gone:
             for program in self.programs.values():
                 if program.replica_id in gone:
@@ -109,6 +124,7 @@ class ProgramAdmission:
             for replica_id in gone:
                 self.capacity.pop(replica_id, None)
                 self.active_tokens.pop(replica_id, None)
+                self.active.pop(replica_id, None)
         self.wake()
 
     @property
@@ -134,12 +150,19 @@ class ProgramAdmission:
             self._deactivate(program)        # its replica is out of picks: it is placed again
         if any(order < program.order for order, _ in self._waiting.values()):
             return frozenset()
-        return frozenset(r for r in eligible if self._fits(r, tokens))
+        floor = self.reserve_final * self.final_context
+        return frozenset(r for r in eligible if self._fits(r, max(tokens, floor), floor))
 
-    def _fits(self, replica_id: str, tokens: int) -> bool:
+    def _fits(self, replica_id: str, tokens: float, floor: float) -> bool:
+        """Whether ``tokens`` more fit in the replica's budget beside its active programs, each counted for at
+        least ``floor``."""
         budget = self.budget(replica_id)
-        held = self.active_tokens.get(replica_id, 0)
-        return budget is None or held == 0 or held + tokens <= budget
+        active = self.active.get(replica_id)
+        if budget is None or not active:
+            return True
+        held = (sum(max(p.tokens, floor) for p in active.values()) if floor > 0
+                else self.active_tokens.get(replica_id, 0))
+        return held + tokens <= budget
 
     async def admit(self, session_id: str, tokens: int, eligible: Callable[[], list[str]],
                     remaining: Callable[[], float | None]) -> frozenset[str] | None:
@@ -202,6 +225,7 @@ class ProgramAdmission:
         if program.replica_id != replica_id:
             self._deactivate(program)
             program.replica_id = replica_id
+            self.active.setdefault(replica_id, {})[session_id] = program
         program.prompt = prompt
         program.completions[request_id] = completion
         self._recount(program)
@@ -230,6 +254,9 @@ class ProgramAdmission:
         program = self.programs.pop(session_id, None)
         if program is None:
             return ""
+        if program.prompt:
+            final = program.prompt + program.last_completion
+            self.final_context += (final - self.final_context) * (FINAL_WEIGHT if self.final_context else 1.0)
         replica_id = program.replica_id
         self._deactivate(program)
         return replica_id
@@ -240,7 +267,7 @@ class ProgramAdmission:
         if budget is None:
             return parked
         while self.active_tokens.get(replica_id, 0) > budget:
-            mine = [p for p in self.programs.values() if p.replica_id == replica_id]
+            mine = list(self.active.get(replica_id, {}).values())
             idle = [p for p in mine if not p.completions]
             if len(mine) < 2 or not idle:
                 break
@@ -289,6 +316,10 @@ class ProgramAdmission:
     def _deactivate(self, program: Program) -> None:
         if program.replica_id:
             self._add(program.replica_id, -program.tokens)
+            active = self.active.get(program.replica_id, {})
+            active.pop(program.session_id, None)
+            if not active:
+                self.active.pop(program.replica_id, None)
             program.replica_id = ""
             program.tokens = 0
             self.wake()

@@ -179,8 +179,31 @@ def test_no_eligible_replica_is_not_an_admission_wait():
     assert asyncio.run(scenario()) == (None, 0)
 
 
+def test_whole_program_cost_counts_each_program_for_a_share_of_the_mean_final_context():
+    programs, _ = admission(reserve_final=0.5)
+    assert programs.allowed("new", 100, ["a"]) == {"a"}        # no program ended yet: contexts as they are
+    for i, final in enumerate((800, 1200)):                    # two programs end at 800 and 1,200 tokens
+        programs.placed(f"done{i}", "b", f"d{i}", prompt=final - 100, completion=100)
+        programs.ended(f"done{i}", f"d{i}", last=True)
+    assert programs.final_context == pytest.approx(800 + 0.05 * 400)   # 820: a running mean
+    floor = 0.5 * programs.final_context                       # 410 tokens a program counts for at least
+    programs.placed("young", "a", "y-0", prompt=100)
+    assert programs.active_tokens == {"a": 100}                # its real context: what parking counts
+    assert programs.allowed("next", 100, ["a"]) == {"a"}       # 410 + 410 of 1,000
+    programs.placed("next", "a", "n-0", prompt=100)
+    assert programs.allowed("third", 100, ["a"]) == frozenset()   # 3 x 410 > 1,000, with 300 tokens held
+    without, _ = admission()
+    for session in ("young", "next"):
+        without.placed(session, "a", f"{session}-0", prompt=100)
+    assert without.allowed("third", 100, ["a"]) == {"a"}       # by contexts so far, a has room for many
+    programs.placed("grown", "b", "g-0", prompt=700)           # larger than the floor: counted as it is
+    assert programs.allowed("small", 100, ["b"]) == frozenset() and 700 + floor > 1000
+    assert programs.ended("grown", "g-0") == []                # 700 real tokens: within the budget, not parked
+
+
 @pytest.mark.parametrize(("key", "value", "message"), [
     ("kv_tokens", -1, "must be >= 0"),
+    ("reserve_final", -0.5, "must be in [0, 4]"),
     ("kv_fraction", 0, "must be in (0, 4]"),
     ("idle_s", 0, "must be > 0"),
     ("report_interval_s", float("inf"), "finite"),
@@ -193,7 +216,7 @@ def test_bad_settings_are_refused(key, value, message):
 
 # ----------------------------------------------------------------------------------- in the balancer, virtual time
 
-def _balancer(replicas: list[str], kv_tokens: int):
+def _balancer(replicas: list[str], kv_tokens: int, **admission):
     from tests.loadbalancer.test_balancer_virtual_time import Upstreams, balancer
 
     class Closing(Upstreams):
@@ -206,20 +229,24 @@ def _balancer(replicas: list[str], kv_tokens: int):
             return True
 
     lb = balancer({r: "ok" for r in replicas}, routing_policy="least_loaded",
-                  program_admission={"enabled": True, "kv_tokens": kv_tokens})
+                  program_admission={"enabled": True, "kv_tokens": kv_tokens, **admission})
     lb.upstreams = Closing(lb.upstreams.modes)
     lb.control.upstreams = lb.upstreams
     lb.programs.clock = lb.clock
     return lb
 
 
-async def _turn(lb, request_id: str, session: str, prompt: int, max_tokens: int = 40):
+async def _turn(lb, request_id: str, session: str, prompt: int, max_tokens: int = 40, last: bool = False):
+    from google.protobuf import duration_pb2
+
     from rollmesh.common.v1 import generation_pb2
     from rollmesh.loadbalancer.v1 import loadbalancer_pb2 as pb
 
     request = pb.GenerateRequest(request_id=request_id, prompt_token_ids=list(range(1, prompt + 1)),
                                  session_id=session,
                                  sampling_params=generation_pb2.SamplingParams(max_tokens=max_tokens))
+    if last:
+        request.expected_pause.CopyFrom(duration_pb2.Duration())
     last = None
     async for msg in lb.generate(request, None):
         last = msg
@@ -248,6 +275,28 @@ def test_the_balancer_holds_a_new_program_until_a_replica_has_room_then_routes_i
     assert replica == placed["s1"]
     assert ended == pytest.approx(40 * PER_TOKEN_S + 10 + 40 * PER_TOKEN_S)   # it started when s1 closed
     assert lb.stats.program_waits == 1 and lb.upstreams.closed[0][1:] == (placed["s1"], "s1")
+
+
+def test_the_balancer_admits_by_whole_program_cost_once_programs_have_ended():
+    """reserve_final 1.0: after a program ended at 100 tokens (60 of prompt, 40 generated), every program counts
+    for 100 of a replica's 100, so turns of 43 tokens run one program per replica (by context, two would)."""
+    from simulator.vloop import run_virtual
+    from tests.loadbalancer.test_balancer_virtual_time import Idle
+
+    async def scenario():
+        lb = _balancer(["a", "b"], 100, reserve_final=1.0)
+        await _turn(lb, "done-0", "done", 60, last=True)           # the program ends with its last turn
+        final = lb.programs.final_context
+        first = await asyncio.gather(*(_turn(lb, f"s{i}-0", f"s{i}", 3) for i in range(2)))
+        third = asyncio.ensure_future(_turn(lb, "s2-0", "s2", 3))
+        await asyncio.sleep(10)
+        waited = not third.done() and lb.programs.waiting == 1
+        await lb.control.close_session("s0")
+        return final, [r for _, r in first], waited, (await third)[1]
+
+    final, first, waited, third = run_virtual(Idle(), scenario())
+    assert final == 100 and sorted(first) == ["a", "b"]
+    assert waited and third == first[0]                        # it went where s0 ended
 
 
 def test_the_balancer_releases_the_hold_of_a_program_it_parks_and_its_next_turn_waits():
