@@ -251,7 +251,7 @@ class WeightBroadcast:
             # everyone takes one full broadcast (asked with the base, the answer already given is reused)
             outcome, _ = await self._broadcast(replica_ids, version, source, timeout_s, delta_base=base or 0,
                                                full=True)
-            return outcome
+            return dataclasses.replace(outcome, duration_s=time.monotonic() - started)
         at_base = [r for r in replica_ids if self.registry.get(r).weight_version == base]
         behind = [r for r in replica_ids if r not in at_base]
         outcome, why = await self._broadcast(at_base, version, source, timeout_s, delta_base=base)

@@ -6,6 +6,7 @@ each test sees which source prepared, which one sent, and the plan it built.
 
 from __future__ import annotations
 
+import asyncio
 import types
 
 import grpc
@@ -42,9 +43,14 @@ class Stub:
         """Replicas that answer a delta plan with delta_base_missing."""
         self.failures: dict[str, int] = {}
         """Replica -> how many of its next receives fail (a relay that died, or one below it)."""
+        self.first_prepare_s = 0.0
+        """The first PrepareWeightSync takes this long (a trainer encoding the version; repeats are recorded)."""
 
     async def PrepareWeightSync(self, request, timeout=None):  # noqa: N802
         self.log.append((self.name, "prepare", request.weight_version))
+        if self.first_prepare_s:
+            await asyncio.sleep(self.first_prepare_s)
+            self.first_prepare_s = 0.0
         if isinstance(self.prepared, Exception):
             raise self.prepared
         if isinstance(self.prepared, dict):   # per delta base asked (0: none)
@@ -241,6 +247,22 @@ async def test_replicas_at_the_base_take_the_delta_and_the_others_a_full_copy_fr
     assert log.count(("trainer", "prepare", 4)) == 2   # from the base, 3; and from r0's 2, not offered here
     assert ("trainer", "prepare", 4) in log and all(entry[0] != "trainer" or entry[1] != "send" or
                                                     entry[2] == "" for entry in log)
+
+
+async def test_a_syncs_time_counts_the_trainers_preparation_delta_or_full():
+    """The time a step's sync took (its events, the step record, the benchmark) runs from the first
+    PrepareWeightSync, where the trainer snapshots the version and encodes the delta, not from the recorded
+    answer's repeat; for a delta and for a full copy alike, so the two compare."""
+    port, _, _, trainer = fleet(with_delta(4, "trainer-t", 3), r0_version=3)
+    trainer.first_prepare_s = 0.2
+    outcome = await port.sync(["s0", "s1", "r0"], 4)
+    assert not outcome.failed and outcome.attributes()["delta_copies"] == 3
+    assert outcome.duration_s >= 0.2
+    port, _, _, trainer = fleet(prepared(ws.PrepareWeightSyncResponse, 4, "trainer-t"), r0_version=3)
+    trainer.first_prepare_s = 0.2                             # no delta offered: one full broadcast, timed alike
+    outcome = await port.sync(["s0", "s1", "r0"], 4)
+    assert not outcome.failed and outcome.attributes()["delta_copies"] == 0
+    assert outcome.duration_s >= 0.2
 
 
 async def test_a_replica_further_behind_takes_a_delta_from_its_version_where_the_trainer_offers_one():
