@@ -258,7 +258,8 @@ class Smg:
 WORKLOADS = {"grpo": None, "multiturn": run_multiturn, "document": run_document, "system": run_system,
              "tools": run_tools, "join": run_join, "agent": run_agent}
 LB_YAML = ""
-PROGRAMS_YAML = "{enabled: true}"
+DEFAULT_PROGRAMS_YAML = "{enabled: true}"
+PROGRAMS_YAML = DEFAULT_PROGRAMS_YAML
 SYSTEMS = {
     "least_loaded": lambda tmp, model, n, k: Mesh(tmp, model, n, "least_loaded", sessions=False, start_with=k),
     "group stickiness": lambda tmp, model, n, k: Mesh(tmp, model, n, "least_loaded", sessions=True, start_with=k),
@@ -289,7 +290,7 @@ async def main() -> None:
                         help="join: seconds before the second half of the replicas joins")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lb-yaml", default="", help="more balancer settings for prefix_aware (YAML), to tune")
-    parser.add_argument("--programs-yaml", default="{enabled: true}",
+    parser.add_argument("--programs-yaml", default=DEFAULT_PROGRAMS_YAML,
                         help="program_admission of the programs system (a YAML mapping), to tune")
     args = parser.parse_args()
     global LB_YAML, PROGRAMS_YAML

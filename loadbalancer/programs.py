@@ -116,15 +116,11 @@ class ProgramAdmission:
         """The table changed: the replicas not in ``replica_ids`` left it, and their programs are placed again
         (their KV went with them); waiters look again."""
         keep = set(replica_ids)
-        gone = {r for r in (*self.active_tokens, *self.active, *self.capacity) if r not in keep}
-        if gone:
-            for program in self.programs.values():
-                if program.replica_id in gone:
-                    self._deactivate(program)
-            for replica_id in gone:
-                self.capacity.pop(replica_id, None)
-                self.active_tokens.pop(replica_id, None)
-                self.active.pop(replica_id, None)
+        gone = {r for r in (*self.active, *self.capacity) if r not in keep}
+        for replica_id in gone:
+            for program in list(self.active.get(replica_id, {}).values()):
+                self._deactivate(program)       # leaves neither its tokens nor its entry in ``active``
+            self.capacity.pop(replica_id, None)
         self.wake()
 
     @property
