@@ -91,6 +91,10 @@ class HybridOperations:
             except Exception as err:
                 raise PortUnavailable(f"the load balancer did not remove hybrid replicas {ids} from "
                                       f"routing ({_describe(err)}); nothing was slept, retry the call") from err
+            # an agent that registered again (a controller restart) while the balancer call awaited may report
+            # its replica asleep: the release that died with the old leader got that far, so it is released
+            asleep = [rid for rid in ids if rid in self.registry and self.registry.get(rid).state is S.SLEEPING]
+            ids = [rid for rid in ids if rid not in asleep]
             for rid in ids:
                 self._move(rid, S.DRAINING, "removed from routing", global_step)
             failed, aborted = await self._per_node(self.replica_port.abort, ids, "abort")
@@ -101,7 +105,7 @@ class HybridOperations:
                                                        self.config.sleep_level)
             await self._fail(sleep_failed, global_step)
             failed.update(sleep_failed)
-            released = tuple(rid for rid in rest if rid not in sleep_failed)
+            released = tuple(asleep) + tuple(rid for rid in rest if rid not in sleep_failed)
             for rid in released:
                 if rid in self.registry and self.registry.get(rid).state in (S.ACTIVE, S.PAUSED):
                     # its agent registered again (a controller restart) while this release awaited it,

@@ -30,9 +30,13 @@ class FakeRouting:
         self.log, self.clock, self.cost = log, clock, cost
         self.fail: set[str] = set()   # method names that raise
         self.routed: set[str] = set()
+        self.during: dict[str, Any] = {}
+        """``during[method]()`` runs inside the call (something else happening while it awaits the balancer)."""
 
     async def _do(self, name: str, *args: Any) -> None:
         self.log.append((name, *args))
+        if name in self.during:
+            self.during.pop(name)()
         self.clock.advance(self.cost)
         if name in self.fail:
             raise ConnectionError(f"{name} refused")

@@ -423,6 +423,22 @@ async def test_an_agent_registering_again_during_a_release_does_not_break_it(mes
     assert [mesh.state(r) for r in ("h1", "h2")] == [S.SLEEPING, S.SLEEPING]
 
 
+async def test_a_replica_reported_asleep_during_the_retried_release_counts_as_released(mesh):
+    # the leader died after its release had slept h1; the agent registered with the new leader, reporting
+    # h1 SLEEPING, while the trainer's retried release was waiting for the balancer to take h1 out
+    from controller.core.records import ReplicaSpec
+
+    ctrl = mesh.controller()
+    await activate_in_step_1(mesh, ctrl)
+    await ctrl.begin_step(2, report())
+    mesh.routing.during["remove"] = lambda: mesh.registry.register_node(
+        "t1", "t1:1", replicas=[ReplicaSpec("h1", K.HYBRID, S.SLEEPING, weight_version=1)])
+    released = await ctrl.release_hybrid(2, 40, 3.0)
+    assert set(released.released_replica_ids) == {"h1", "h2"} and not released.failed_replica_ids
+    assert [mesh.state(r) for r in ("h1", "h2")] == [S.SLEEPING, S.SLEEPING]
+    assert [call for call in mesh.log if call[0] in ("abort", "sleep")] == [("abort", ("h2",)), ("sleep", ("h2",), 1)]
+
+
 async def test_interrupted_sync_restores_states_and_the_retry_counts_once(mesh):
     import asyncio
 
