@@ -38,13 +38,16 @@ A replica that missed versions takes it instead of a full copy.
 
 Receiving
 ---------
-A receiver packs the weights it serves into the target layout (base and
-target versions of one model have the same layout), checks them against the
-base version's checksum (so the delta is applied to exactly the bytes it was
-computed from), applies the delta, and checks the result against the target
-manifest: its checksum, or with a sync key every BLAKE3 bucket digest. A
-delta that is malformed, out of order or applied to other bytes fails the
-check and is refused; the replica keeps serving its old weights.
+A receiver whose engine lends its weights applies the delta where they lie
+(:mod:`.delta_in_place`); any other packs the weights it serves into the
+target layout (base and target versions of one model have the same layout),
+applies the delta (:func:`apply_delta`) and loads the result. Either way the
+result is checked against the target manifest: its checksum, or with a sync
+key every BLAKE3 bucket digest. A delta that is malformed, out of order or
+applied to other bytes fails the check and is refused; the replica keeps
+serving its old weights, and only then are they compared with the base
+version's checksum, to tell a replica that needs a full copy from a bad
+delta.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 
+import numpy as np
 import torch
 
 from .errors import ChecksumMismatch, InvalidManifest, NotAuthentic
@@ -104,7 +108,7 @@ class Delta:
     stats: DeltaStats
 
 
-def _word(start: int, stop: int) -> torch.dtype:
+def word_dtype(start: int, stop: int) -> torch.dtype:
     """The unit a bucket is compared in: 16-bit words where the bucket's start and length allow."""
     return torch.int16 if start % 2 == 0 and stop % 2 == 0 else torch.uint8
 
@@ -138,18 +142,29 @@ def check_stream(manifest: Manifest, flat: torch.Tensor, *, key: bytes = b"") ->
     Raises :class:`~.errors.NotAuthentic` or :class:`~.errors.ChecksumMismatch`.
     """
     if key:
-        if len(manifest.bucket_digests) != manifest.num_buckets:
-            raise NotAuthentic("weights not authentic: the target manifest has no bucket digests to check the "
-                               "rebuilt weights against")
-        for index in range(manifest.num_buckets):
-            start, stop = manifest.bucket_range(index)
-            if bucket_digest(flat[start:stop]) != manifest.bucket_digests[index]:
-                raise NotAuthentic(f"weights not authentic: bucket {index} of {manifest.num_buckets} of the weights "
-                                   "rebuilt from the delta does not match its BLAKE3 digest in the manifest")
+        check_digests(manifest, (bucket_digest(flat[start:stop])
+                                 for start, stop in map(manifest.bucket_range, range(manifest.num_buckets))))
         return
     got = stream_checksum(manifest, flat)
     if got != manifest.checksum:
         raise ChecksumMismatch(manifest.checksum, got, manifest.checksum_algorithm)
+
+
+def check_digests(manifest: Manifest, digests: Iterable[str]) -> None:
+    """Compare rebuilt weights' BLAKE3 bucket digests (in bucket order, read one at a time) with ``manifest``'s;
+    :class:`~.errors.NotAuthentic` at the first that differs."""
+    if len(manifest.bucket_digests) != manifest.num_buckets:
+        raise NotAuthentic("weights not authentic: the target manifest has no bucket digests to check the "
+                           "rebuilt weights against")
+    checked = 0
+    for index, digest in enumerate(digests):
+        if index >= manifest.num_buckets or digest != manifest.bucket_digests[index]:
+            raise NotAuthentic(f"weights not authentic: bucket {index} of {manifest.num_buckets} of the weights "
+                               "rebuilt from the delta does not match its BLAKE3 digest in the manifest")
+        checked += 1
+    if checked != manifest.num_buckets:
+        raise NotAuthentic(f"weights not authentic: the rebuilt weights have {checked} buckets, the manifest "
+                           f"{manifest.num_buckets}")
 
 
 def same_layout(a: Manifest, b: Manifest) -> bool:
@@ -183,16 +198,16 @@ def encode_delta(base: Manifest, base_tensors: Iterable[tuple[str, torch.Tensor]
         start, stop = target.bucket_range(index)
         old, new = (_bucket(packer, start, stop, scratch, which, device)
                     for which, packer in enumerate((old_packer, new_packer)))
-        word = _word(start, stop)
+        word = word_dtype(start, stop)
         words = new.view(word)
         total += words.numel()
-        differs = torch.ne(old.view(word), words)
-        count = int(torch.count_nonzero(differs))   # counted first: a dense bucket never lists its positions
+        differs = _differs(old.view(word), words)
+        count = _count(differs)   # counted first: a dense bucket never lists its positions
         changed += count
         if count == 0:
             unchanged += 1
         else:
-            entries, cost = _entries(index, new, words, count, lambda: differs.nonzero().flatten(), bucket_ratio,
+            entries, cost = _entries(index, new, words, count, lambda: _where(differs), bucket_ratio,
                                      device)
             tensors += entries
             sparse += len(entries) > 1
@@ -233,8 +248,8 @@ def compose_deltas(deltas: list[Delta], target: Manifest, target_tensors: Iterab
                 if parts is not None:
                     marks = tensors[f"{bucket}/{kind}"].to(device)
                     start, stop = target.bucket_range(bucket)
-                    count = (stop - start) // _word(start, stop).itemsize
-                    parts.append(marks.to(torch.int64) if kind == "i" else _unpack_bits(marks, count))
+                    count = (stop - start) // word_dtype(start, stop).itemsize
+                    parts.append(marks.to(torch.int64) if kind == "i" else unpack_bits(marks, count))
     packer = StreamPacker(target, target_tensors)
     scratch = [torch.empty(0, dtype=torch.uint8, device=device)]
     tensors_out: list[tuple[str, torch.Tensor]] = []
@@ -245,7 +260,7 @@ def compose_deltas(deltas: list[Delta], target: Manifest, target_tensors: Iterab
         new = _bucket(packer, start, stop, scratch, 0, device)   # every bucket, in order: the packer reads on
         if bucket not in changed:
             continue
-        word = _word(start, stop)
+        word = word_dtype(start, stop)
         words = new.view(word)
         positions = changed[bucket]
         where = torch.unique(torch.cat(positions)) if positions is not None else None   # sorted, each once
@@ -261,7 +276,7 @@ def compose_deltas(deltas: list[Delta], target: Manifest, target_tensors: Iterab
             return None
     packer.finish()
     manifest = build_manifest(tensors_out, target.bucket_size_bytes, checksum_algorithm=target.checksum_algorithm)
-    total = sum((stop - start) // _word(start, stop).itemsize
+    total = sum((stop - start) // word_dtype(start, stop).itemsize
                 for start, stop in map(target.bucket_range, range(target.num_buckets)))
     stats = DeltaStats(changed_words=count_all, total_words=total, sparse_buckets=sparse, full_buckets=full,
                        unchanged_buckets=target.num_buckets - sparse - full, bytes=manifest.total_bytes,
@@ -292,15 +307,44 @@ def _cheapest(count: int, words: int, word_size: int) -> tuple[str, int]:
     return ("i", by_index) if by_index <= by_bitmap else ("m", by_bitmap)
 
 
+# On the CPU numpy compares, counts and lists 16-bit words several times faster than torch does (measured on
+# 32 MB buckets: 2.3 ms against 14 ms to compare, 3.0 against 10.7 to list), so host buffers go through it; a
+# device's go through torch, on the device.
+
+def _differs(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """Where two equally long 1-D word tensors differ (bool)."""
+    if old.device.type == "cpu":
+        return torch.from_numpy(np.not_equal(old.detach().numpy(), new.detach().numpy()))
+    return torch.ne(old, new)
+
+
+def _count(mask: torch.Tensor) -> int:
+    return int(np.count_nonzero(mask.numpy())) if mask.device.type == "cpu" else int(torch.count_nonzero(mask))
+
+
+def _where(mask: torch.Tensor) -> torch.Tensor:
+    """Positions of the set elements of a 1-D bool tensor, increasing (int64)."""
+    if mask.device.type == "cpu":
+        return torch.from_numpy(np.flatnonzero(mask.numpy()))
+    return mask.nonzero().flatten()
+
+
 def _pack_bits(where: torch.Tensor, words: int, device: torch.device) -> torch.Tensor:
     """Bitmap of ``words`` bits (bit ``j % 8`` of byte ``j // 8``) with the bits at ``where`` set."""
+    if device.type == "cpu":
+        flags = np.zeros(words, dtype=np.bool_)
+        flags[where.numpy()] = True
+        return torch.from_numpy(np.packbits(flags, bitorder="little"))
     bits = torch.zeros(-(-words // 8) * 8, dtype=torch.uint8, device=device)
     bits[where] = 1
     return (bits.view(-1, 8) << _SHIFTS.to(device)).sum(dim=1, dtype=torch.uint8)
 
 
-def _unpack_bits(bitmap: torch.Tensor, words: int) -> torch.Tensor:
+def unpack_bits(bitmap: torch.Tensor, words: int) -> torch.Tensor:
     """Positions of the set bits among the first ``words`` bits of ``bitmap``, increasing."""
+    if bitmap.device.type == "cpu":
+        flags = np.unpackbits(bitmap.contiguous().numpy(), count=words, bitorder="little")
+        return torch.from_numpy(np.flatnonzero(flags))
     bits = (bitmap.view(-1, 1) >> _SHIFTS.to(bitmap.device)) & 1
     return bits.view(-1)[:words].nonzero().flatten()
 
@@ -344,7 +388,7 @@ def delta_entries(delta_manifest: Manifest, target: Manifest) -> list[tuple[int,
             raise InvalidManifest(f"delta entry {entry.name[:40]!r} is out of order, repeats its bucket or has "
                                   "no indices before it")
         start, stop = target.bucket_range(bucket)
-        word = _word(start, stop)
+        word = word_dtype(start, stop)
         words = (stop - start) // word.itemsize
         if kind == "f" and (entry.dtype, entry.shape) != ("uint8", (stop - start,)):
             raise InvalidManifest(f"delta entry {entry.name!r} must be uint8 [{stop - start}]")
@@ -381,15 +425,15 @@ def apply_delta(target: Manifest, flat: torch.Tensor, delta_manifest: Manifest,
             flat[start:stop].copy_(delta_tensors[f"{bucket}/f"])
         elif kind == "i":
             indices = delta_tensors[f"{bucket}/i"].to(torch.int64)
-            words = flat[start:stop].view(_word(start, stop))
+            words = flat[start:stop].view(word_dtype(start, stop))
             if indices.numel() and (int(indices[0]) < 0 or int(indices[-1]) >= words.numel()
                                     or not bool((indices[1:] > indices[:-1]).all())):
                 raise InvalidManifest(f"delta indices of bucket {bucket} are out of range or not strictly "
                                       "increasing")
             words[indices] = delta_tensors[f"{bucket}/v"].to(words.device)
         elif kind == "m":
-            words = flat[start:stop].view(_word(start, stop))
-            indices = _unpack_bits(delta_tensors[f"{bucket}/m"].to(words.device), words.numel())
+            words = flat[start:stop].view(word_dtype(start, stop))
+            indices = unpack_bits(delta_tensors[f"{bucket}/m"].to(words.device), words.numel())
             values = delta_tensors[f"{bucket}/v"]
             if indices.numel() != values.numel():
                 raise InvalidManifest(f"the bitmap of bucket {bucket} marks {indices.numel()} words but "
