@@ -6,10 +6,13 @@ memory, checks the checksum, and only then swaps the weights into the engine
 (atomically: a failed or mismatched transfer leaves the old weights serving).
 A sleeping replica receives into freshly woken weight memory and stays asleep.
 
-A delta plan is applied to a copy of what the replica serves, laid out as the
-target and checked against the base first; a hybrid replica asleep at level 1
-wakes its weights (they come back bit for bit) to be that base. One that does
-not hold the base still receives the stream, keeps its weights and answers
+A delta plan is applied where the engine's weights lie when the engine lends
+them (``patches_weights_in_place``: the torch engine), else to a copy of what
+the replica serves laid out as the target, which the engine then loads; either
+way the result is checked against the target before it serves, and a refused
+delta leaves the old weights serving. A hybrid replica asleep at level 1 wakes
+its weights (they come back bit for bit) to be that base. One that does not
+hold the base still receives the stream, keeps its weights and answers
 ``delta_base_missing``: the controller then gives it a full copy.
 """
 
@@ -25,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from mesh_runtime.errors import Aborted, FailedPrecondition, InvalidArgument
 from mesh_runtime.reasons import Reason
 
+from .engines.errors import EngineUnavailable
 from .replicas import Replica, ReplicaManager
 
 from .weights import PreparedSource, ReceiveResult, SendResult, WeightGroups
@@ -95,14 +99,19 @@ async def _receive_one(groups: WeightGroups, replica: Replica, plan: SyncPlan) -
 
     started = time.monotonic()
     async with swapping_weights(replica) as weights_asleep:
-        # a delta's base (what this replica serves, laid out as the target) is packed while the stream arrives
-        base_task = (asyncio.ensure_future(_delta_base(replica, plan, weights_asleep)) if plan.delta is not None
-                     else None)
+        in_place = plan.delta is not None and replica.engine.patches_weights_in_place
+        # a delta's base (what this replica serves, laid out as the target) is packed while the stream arrives,
+        # unless the engine takes the delta where its weights lie
+        base_task = (asyncio.ensure_future(_delta_base(replica, plan, weights_asleep))
+                     if plan.delta is not None and not in_place else None)
         try:
             group = await asyncio.to_thread(groups.cache(replica.replica_id).get, plan.group_id, plan.members,
                                             plan.rendezvous, plan.backend, plan.sync_key)
             received = await receive_weights_async(group, plan.stream, timeout=plan.timeout_s, key=plan.sync_key)
-            if base_task is not None:
+            why, tensors = "", received
+            if in_place:
+                why = await _patch_in_place(replica, plan, received, weights_asleep)
+            elif base_task is not None:
                 base = await base_task
                 why = base if isinstance(base, str) else ""
                 if not why:
@@ -111,16 +120,14 @@ async def _receive_one(groups: WeightGroups, replica: Replica, plan: SyncPlan) -
                     except VerificationFailed:   # only now is the base checked: the target check covers it
                         if not (why := await _not_the_base(replica, plan)):
                             raise
-                if why:   # the group is in step; this replica needs a full copy
-                    log.info("replica %s: %s; it keeps weight version %d and needs a full copy",
-                             replica.replica_id, why, replica.weight_version)
-                    result = ReceiveResult(replica.replica_id, replica.weight_version, False,
-                                           plan.stream.total_bytes, time.monotonic() - started, why,
-                                           delta_base_missing=True)
-                    groups.record(plan.sync_id, replica.replica_id, result)
-                    return result
-            else:
-                tensors = received
+            if why:   # the group is in step; this replica needs a full copy
+                log.info("replica %s: %s; it keeps weight version %d and needs a full copy",
+                         replica.replica_id, why, replica.weight_version)
+                result = ReceiveResult(replica.replica_id, replica.weight_version, False,
+                                       plan.stream.total_bytes, time.monotonic() - started, why,
+                                       delta_base_missing=True)
+                groups.record(plan.sync_id, replica.replica_id, result)
+                return result
         except VerificationFailed as err:   # a bad checksum, or not from the sender the controller chose
             log.warning("replica %s: %s; keeping weight version %d", replica.replica_id, err,
                         replica.weight_version)
@@ -132,9 +139,10 @@ async def _receive_one(groups: WeightGroups, replica: Replica, plan: SyncPlan) -
             if base_task is not None and not base_task.done():
                 base_task.cancel()
                 await asyncio.gather(base_task, return_exceptions=True)
-        if weights_asleep:
-            await replica.engine.wake_up({"weights"})
-        await replica.engine.load_weights(tensors, plan.weight_version)
+        if not in_place:
+            if weights_asleep:
+                await replica.engine.wake_up({"weights"})
+            await replica.engine.load_weights(tensors, plan.weight_version)
         replica.weights_discarded = False
         groups.forget(replica.replica_id)  # its preparation as a source described the old weights
     result = ReceiveResult(replica.replica_id, plan.weight_version, True, plan.stream.total_bytes,
@@ -142,8 +150,32 @@ async def _receive_one(groups: WeightGroups, replica: Replica, plan: SyncPlan) -
     groups.record(plan.sync_id, replica.replica_id, result)
     log.info("replica %s now serves weight version %d (%d bytes%s in %.3f s)", replica.replica_id,
              plan.weight_version, result.bytes_received,
-             f" of a delta from {plan.delta.base_version}" if plan.delta is not None else "", result.duration_s)
+             f" of a delta from {plan.delta.base_version}{' in place' if in_place else ''}"
+             if plan.delta is not None else "", result.duration_s)
     return result
+
+
+def _without_base(replica: Replica, plan: SyncPlan) -> str:
+    """Why ``replica`` cannot be the base of the plan's delta by what it records (another version, weights
+    discarded), or ""."""
+    assert plan.delta is not None
+    if replica.weight_version != plan.delta.base_version:
+        return (f"the plan is a delta from weight version {plan.delta.base_version}, and this replica serves "
+                f"{replica.weight_version}")
+    if replica.weights_discarded:
+        return "the plan is a delta and this replica's weights were discarded (it slept at level 2)"
+    return ""
+
+
+async def _wake_base(replica: Replica, weights_asleep: bool) -> str:
+    """Wake the weights of a replica asleep at level 1 (they come back bit for bit) to apply a delta to; why
+    not, when they cannot be woken."""
+    if weights_asleep:
+        try:
+            await replica.engine.wake_up({"weights"})
+        except Exception as err:   # noqa: BLE001 - then it takes a full copy, received while asleep
+            return f"the plan is a delta and this replica's weights could not be woken ({err})"[:300]
+    return ""
 
 
 async def _delta_base(replica: Replica, plan: SyncPlan, weights_asleep: bool) -> Any:
@@ -153,23 +185,46 @@ async def _delta_base(replica: Replica, plan: SyncPlan, weights_asleep: bool) ->
     (one pass over the weights fewer per delta)."""
     from weight_transfer import ManifestMismatch  # noqa: PLC0415
 
-    assert plan.delta is not None
-    if replica.weight_version != plan.delta.base_version:
-        return (f"the plan is a delta from weight version {plan.delta.base_version}, and this replica serves "
-                f"{replica.weight_version}")
-    if replica.weights_discarded:
-        return "the plan is a delta and this replica's weights were discarded (it slept at level 2)"
-    if weights_asleep:   # level 1 kept them on the host, bit for bit: wake them to apply the delta to
-        try:
-            await replica.engine.wake_up({"weights"})
-        except Exception as err:   # noqa: BLE001 - then it takes a full copy, received while asleep
-            return f"the plan is a delta and this replica's weights could not be woken ({err})"[:300]
+    if why := _without_base(replica, plan) or await _wake_base(replica, weights_asleep):
+        return why
     try:
         return await _packed(replica, plan.manifest)
     except ManifestMismatch as err:
         return f"the weights this replica serves do not fit the delta's layout: {err}"
     except Exception as err:   # noqa: BLE001 - an engine that cannot read its weights back takes full copies
         return f"the plan is a delta and this replica's engine cannot read back its weights ({err})"[:300]
+
+
+async def _patch_in_place(replica: Replica, plan: SyncPlan, received: dict, weights_asleep: bool) -> str:
+    """Apply the received delta to the weights ``replica`` serves, where they lie (engines that lend them):
+    "" once it serves the target; else why it needs a full copy, its weights as they were. Raises
+    ``VerificationFailed`` when the delta itself fails (refused, or not the target), its weights as they
+    were."""
+    from weight_transfer import DeltaRefused, InvalidManifest, ManifestMismatch, VerificationFailed  # noqa: PLC0415
+    from weight_transfer.delta_in_place import apply_delta_in_place  # noqa: PLC0415
+
+    delta = plan.delta
+    assert delta is not None
+    if why := _without_base(replica, plan) or await _wake_base(replica, weights_asleep):
+        return why
+
+    def patch(named: list[tuple[str, Any]]) -> None:
+        try:
+            apply_delta_in_place(plan.manifest, named, delta.stream, received, key=plan.sync_key)
+        except InvalidManifest as err:
+            raise DeltaRefused(f"the delta from weight version {delta.base_version} was refused: {err}") from err
+
+    try:
+        await replica.engine.patch_weights(patch, plan.weight_version)
+    except ManifestMismatch as err:
+        return f"the weights this replica serves do not fit the delta's layout: {err}"
+    except EngineUnavailable as err:
+        return f"the plan is a delta and this replica's engine cannot change its weights now ({err})"[:300]
+    except VerificationFailed:   # the weights are as they were: tell a wrong base from a bad delta
+        if why := await _not_the_base(replica, plan):
+            return why
+        raise
+    return ""
 
 
 async def _not_the_base(replica: Replica, plan: SyncPlan) -> str:

@@ -422,18 +422,18 @@ def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def build_manifest(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_size_bytes: int, *,
-                   checksum_algorithm: str = DEFAULT_CHECKSUM) -> Manifest:
+                   checksum_algorithm: str = DEFAULT_CHECKSUM, digests: bool = True) -> Manifest:
     """Lay ``named_tensors`` out in buckets (see the module docstring) and checksum their bytes.
 
-    Reads every tensor once (device tensors are copied to host to hash them) for the checksum and the
-    BLAKE3 hash of every bucket.
+    Reads every tensor once (device tensors are copied to host to hash them) for the checksum and, unless
+    ``digests`` is False, the BLAKE3 hash of every bucket.
     Raises :class:`InvalidManifest` for a repeated or empty name or a
     non-positive bucket size.
     """
     if bucket_size_bytes <= 0:
         raise InvalidManifest(f"bucket_size_bytes must be positive, got {bucket_size_bytes}")
     hasher = StreamHasher(checksum_algorithm)
-    digests = BucketDigests(bucket_size_bytes)
+    buckets = BucketDigests(bucket_size_bytes) if digests else None
     entries: list[TensorEntry] = []
     names: set[str] = set()
     cursor = 0
@@ -445,18 +445,20 @@ def build_manifest(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_siz
         start = _align_up(cursor, ALIGNMENT) if nbytes else cursor
         if start > cursor:
             hasher.update(bytes(start - cursor))
-            digests.update(bytes(start - cursor))
+            if buckets is not None:
+                buckets.update(bytes(start - cursor))
         bucket_index, offset = divmod(start, bucket_size_bytes)
         entries.append(TensorEntry(name=name, dtype=dtype_name(tensor.dtype), shape=tuple(tensor.shape),
                                    bucket_index=bucket_index, offset_bytes=offset, nbytes=nbytes))
         if nbytes:
             data = tensor_bytes(tensor)
             hasher.update(data)
-            digests.update(data)
+            if buckets is not None:
+                buckets.update(data)
         cursor = start + nbytes
     return Manifest(tensors=tuple(entries), bucket_size_bytes=bucket_size_bytes, total_bytes=cursor,
                     checksum=hasher.hexdigest(), checksum_algorithm=checksum_algorithm,
-                    bucket_digests=digests.finish())
+                    bucket_digests=buckets.finish() if buckets is not None else ())
 
 
 def views_of(manifest: Manifest, flat: torch.Tensor) -> dict[str, torch.Tensor]:

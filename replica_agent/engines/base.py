@@ -109,6 +109,17 @@ class Engine(abc.ABC):
         """Yield ``(hf_name, tensor)`` for every weight, tied ones once.
         Raises ``EngineUnavailable`` while the weights are not resident."""
 
+    patches_weights_in_place: bool = False
+    """Whether :meth:`patch_weights` changes the served weights where they lie (a delta sync then needs no
+    packed copy of them and no load)."""
+
+    async def patch_weights(self, patch: Callable[[list[tuple[str, Any]]], object], version: int) -> None:
+        """Run ``patch`` over the served weights (as :meth:`named_weights` yields them) while no step runs, then
+        serve them as ``version``. ``patch`` restores whatever it changed before it raises; the old version then
+        serves on. Raises ``EngineUnavailable`` while the weights are not resident and loaded, and where
+        :attr:`patches_weights_in_place` is False (the default: such an engine loads a rebuilt copy)."""
+        raise EngineUnavailable(f"{type(self).__name__} cannot change its weights in place; load them instead")
+
     @abc.abstractmethod
     def weight_spec(self) -> list[WeightSpec]:
         """Name, dtype name and shape of every weight :meth:`named_weights`

@@ -82,6 +82,10 @@ class TorchEngineConfig:
     """Granularity of the prefix cache in tokens."""
     session_idle_timeout_s: float = 600.0
     """A cached sequence unused this long is dropped (a session that never sent CloseSession)."""
+    delta_in_place: bool = True
+    """Apply a weight delta where the weights lie (checked, undone if it fails); False: rebuild the target in a
+    packed copy of the weights and load it, as engines that cannot lend their weights do (one more model of
+    memory and two more passes over it per sync)."""
 
     def validate(self) -> None:
         if (self.model_path is None) == (self.preset is None):
@@ -230,6 +234,27 @@ class TorchEngine(SteppedEngine):
 
     def _check_weights(self, named_tensors: Mapping[str, Any], require_complete: bool) -> None:
         self._loaded(self._weights).check(named_tensors, require_complete)
+
+    @property
+    def patches_weights_in_place(self) -> bool:   # type: ignore[override]
+        return self.config.delta_in_place
+
+    async def patch_weights(self, patch: Callable[[list[tuple[str, Any]]], object], version: int) -> None:
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise InvalidRequest(f"weight version must be an integer, got {version!r}")
+        self._check_alive()
+        if not self.config.delta_in_place:
+            raise EngineUnavailable("this torch engine changes no weights in place (delta_in_place: false)")
+        async with self._step_lock:
+            if not (self._weights_resident and self._weights_loaded):
+                raise EngineUnavailable("weights are not resident or not loaded (asleep or still loading)")
+            await self._in_worker(self._patch_sync, patch)
+            self._weight_version = version
+        self._work.set()
+
+    def _patch_sync(self, patch: Callable[[list[tuple[str, Any]]], object]) -> None:
+        patch(list(self._loaded(self._weights).named_tensors()))
+        self._clear_prefixes()   # only once the patch took: a refused one left the weights the cache was built on
 
     async def _swap_weights(self, named_tensors: Mapping[str, Any]) -> None:
         await self._in_worker(self._swap_sync, named_tensors)

@@ -3,6 +3,7 @@ bit for bit, and load_weights is atomic and versioned."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 
 import pytest
@@ -187,3 +188,48 @@ async def test_concurrent_generation_survives_sleep_wake_cycles(torch_engine, co
         assert all(f.finish_reason is FinishReason.ABORTED for f in finals)
         await torch_engine.wake_up()
     assert len((await collect(torch_engine, request("after"))).tokens) == 24
+
+
+async def test_patch_weights_changes_the_served_weights_in_place_or_nothing(torch_engine, collect):
+    before = await collect(torch_engine, request())
+    saved = snapshot(torch_engine)
+    for _ in range(200):   # the finished sequence is cached for reuse once the loop retires it
+        if len(torch_engine._runner.prefix):
+            break
+        await asyncio.sleep(0.01)
+    assert len(torch_engine._runner.prefix)
+    name = "model.layers.0.mlp.up_proj.weight"
+
+    def refused(named):   # changes a weight, restores it, raises: the old version serves on
+        weights = dict(named)
+        kept = weights[name].clone()
+        weights[name].add_(1.0)
+        weights[name].copy_(kept)
+        raise RuntimeError("refused")
+
+    with pytest.raises(RuntimeError, match="refused"):
+        await torch_engine.patch_weights(refused, version=5)
+    assert torch_engine.weight_version == 0 and len(torch_engine._runner.prefix)   # its cache still holds
+    assert all(torch.equal(t, saved[n]) for n, t in torch_engine.named_weights())
+
+    def patch(named):
+        assert all(t.data_ptr() == p.data_ptr() for (_, t), p in zip(named, torch_engine.model.parameters()))
+        dict(named)[name].add_(1.0)
+
+    await torch_engine.patch_weights(patch, version=5)
+    assert torch_engine.weight_version == 5 and not len(torch_engine._runner.prefix)   # KV of the old weights
+    assert torch.equal(dict(torch_engine.named_weights())[name], saved[name] + 1.0)
+    after = await collect(torch_engine, request())
+    assert after.tokens != before.tokens and after.final.segments[0].weight_version == 5
+
+
+async def test_patch_weights_needs_resident_weights_and_can_be_turned_off(torch_engine_factory):
+    engine = await torch_engine_factory()
+    await engine.sleep(1)
+    with pytest.raises(EngineUnavailable, match="not resident"):
+        await engine.patch_weights(lambda named: None, version=1)
+    off = await torch_engine_factory(delta_in_place=False)
+    assert not off.patches_weights_in_place and engine.patches_weights_in_place
+    with pytest.raises(EngineUnavailable, match="delta_in_place: false"):
+        await off.patch_weights(lambda named: None, version=1)
+    assert off.weight_version == 0

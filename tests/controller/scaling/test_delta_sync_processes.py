@@ -44,14 +44,14 @@ backend: torch
 model: tiny-llama
 slots: 4
 controller_address: {controller}
-engine_options: {{dtype: bfloat16, max_batch_size: 8}}
+engine_options: {{dtype: bfloat16, max_batch_size: 8, delta_in_place: {in_place}}}
 weight_transfer: {{gloo_interface: lo}}
 replicas:
 """
 
 
-def agent_config(node: str, replica_ids: tuple[str, ...], controller: str) -> str:
-    return AGENT.format(node=node, controller=controller) + "".join(
+def agent_config(node: str, replica_ids: tuple[str, ...], controller: str, in_place: bool = True) -> str:
+    return AGENT.format(node=node, controller=controller, in_place=str(in_place).lower()) + "".join(
         f"  - {{replica_id: {r}, kind: STANDALONE}}\n" for r in replica_ids)
 
 
@@ -254,9 +254,11 @@ async def test_deltas_and_peer_copies_leave_every_replica_bit_identical_to_a_ful
         procs.close()
 
 
-async def test_replicas_that_missed_versions_catch_up_by_one_composed_delta(tmp_path: Path):
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "packed-copy"])
+async def test_replicas_that_missed_versions_catch_up_by_one_composed_delta(tmp_path: Path, in_place: bool):
     """The trainer keeps its last deltas: replicas two and three versions behind, and one that slept through
-    a version, each take one delta from the version they hold, and serve the new version bit for bit."""
+    a version, each take one delta from the version they hold, and serve the new version bit for bit; applied
+    where the engine's weights lie, or (as engines that cannot lend them do) to a packed copy then loaded."""
     weights = tmp_path / "weights"
     published = versions_of(12, 7)
     procs = Procs(tmp_path, env=clean_env(GLOO_SOCKET_IFNAME="lo"))
@@ -264,7 +266,7 @@ async def test_replicas_that_missed_versions_catch_up_by_one_composed_delta(tmp_
         lb = procs.start("lb", "lb", "")
         trainer = procs.start("trainer", "trainer-agent", TRAINER.format(weights=weights, history=8))
         controller = procs.start("controller", "controller", CONTROLLER.format(lb=lb, trainer=trainer))
-        agent = procs.start("a", "replica-agent", agent_config("a", REPLICAS, controller))
+        agent = procs.start("a", "replica-agent", agent_config("a", REPLICAS, controller, in_place))
         async with grpc.aio.insecure_channel(controller) as channel:
             ctl = controller_stub(channel)
             await until(lambda: _registered(ctl, REPLICAS))
@@ -285,6 +287,9 @@ async def test_replicas_that_missed_versions_catch_up_by_one_composed_delta(tmp_
             copies = copies_of(await sync(7))
             assert copies["a-s2"][0] == "delta" and {copy for copy, _ in copies.values()} == {"delta"}, copies
             await check(7)
+        applied = [line for line in (tmp_path / "a.log").read_text().splitlines() if " of a delta from " in line]
+        assert applied and all(line.endswith("s)") for line in applied)
+        assert all((" in place " in line) == in_place for line in applied), applied[:2]
     finally:
         procs.close()
 
