@@ -25,27 +25,43 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 from collections.abc import Callable, Iterable, Mapping
 
+import numpy as np
 import torch
 
 from .delta import check_digests, delta_entries, unpack_bits, word_dtype
 from .errors import ChecksumMismatch, InvalidManifest, ManifestMismatch
-from .manifest import Manifest, TensorEntry, build_manifest, dtype_name
+from .manifest import BucketDigests, Manifest, StreamHasher, TensorEntry, dtype_name, tensor_bytes
 
 
 def check_tensors(manifest: Manifest, named_tensors: Iterable[tuple[str, torch.Tensor]], *, key: bytes = b"") -> None:
     """Check tensors (in manifest order) against ``manifest`` as :func:`~.delta.check_stream` checks a packed
-    stream, hashing the tensors where they lie. Raises :class:`~.errors.ManifestMismatch` when they are laid
-    out otherwise, :class:`~.errors.NotAuthentic` or :class:`~.errors.ChecksumMismatch`."""
-    rebuilt = build_manifest(named_tensors, manifest.bucket_size_bytes, checksum_algorithm=manifest.checksum_algorithm,
-                             digests=bool(key))
-    if (rebuilt.tensors, rebuilt.total_bytes) != (manifest.tensors, manifest.total_bytes):
-        raise ManifestMismatch("the tensors checked are not laid out as the target manifest")
-    if key:
-        check_digests(manifest, rebuilt.bucket_digests)
-    elif rebuilt.checksum != manifest.checksum:
-        raise ChecksumMismatch(manifest.checksum, rebuilt.checksum, manifest.checksum_algorithm)
+    stream, hashing the tensors where they lie (padding as zeros): every BLAKE3 bucket digest with a ``key``,
+    else the checksum. Raises :class:`~.errors.ManifestMismatch` when they are laid out otherwise,
+    :class:`~.errors.NotAuthentic` or :class:`~.errors.ChecksumMismatch`."""
+    hasher = None if key else StreamHasher(manifest.checksum_algorithm)
+    digests = BucketDigests(manifest.bucket_size_bytes) if key else None
+    feed = digests.update if digests is not None else hasher.update if hasher is not None else None
+    assert feed is not None
+    cursor = 0
+    for pair, entry in itertools.zip_longest(named_tensors, manifest.tensors):
+        if pair is None or entry is None or pair[0] != entry.name:
+            raise ManifestMismatch("the tensors checked are not the target manifest's, in its order")
+        _check_fits(entry, pair[1])
+        if entry.nbytes:
+            start = manifest.stream_offset(entry)
+            if start > cursor:
+                feed(bytes(start - cursor))
+            feed(tensor_bytes(pair[1]))
+            cursor = start + entry.nbytes
+    if manifest.total_bytes > cursor:
+        feed(bytes(manifest.total_bytes - cursor))
+    if digests is not None:
+        check_digests(manifest, digests.finish())
+    elif hasher is not None and (got := hasher.hexdigest()) != manifest.checksum:
+        raise ChecksumMismatch(manifest.checksum, got, manifest.checksum_algorithm)
 
 
 class _Served:
@@ -67,8 +83,8 @@ class _Served:
                 self.stops.append(self.starts[-1] + entry.nbytes)
                 self.bytes.append(tensor.detach().reshape(-1).view(torch.uint8))
         self.device = self.bytes[0].device if self.bytes else torch.device("cpu")
-        self._starts = torch.tensor(self.starts, dtype=torch.int64, device=self.device)
-        self._stops = torch.tensor(self.stops, dtype=torch.int64, device=self.device)
+        self._starts = np.array(self.starts, dtype=np.int64)
+        self._stops = np.array(self.stops, dtype=np.int64)
         self.undo: list[Callable[[], object]] = []
 
     def copy(self, start: int, data: torch.Tensor) -> None:
@@ -89,26 +105,38 @@ class _Served:
         self._zeros(data, cursor - start, stop - start)
 
     def scatter(self, start: int, words: torch.Tensor, values: torch.Tensor, word: torch.dtype) -> None:
-        """Write ``values`` at word positions ``words`` (increasing) of the bucket starting at ``start``."""
+        """Write ``values`` at word positions ``words`` (increasing) of the bucket starting at ``start``.
+
+        The positions are routed to their tensors on the host (they are few: the changed words), with numpy,
+        whose small operations cost a fraction of torch's; host tensors are written through numpy too."""
         size = word.itemsize
-        at = words.to(self.device) * size + start
+        at = words.cpu().numpy().astype(np.int64) * size + start
+        raw = values.cpu().contiguous().view(torch.uint8).numpy().reshape(-1)
         if size > 1:   # every byte of a word: one of them may be the last of a tensor, the next padding
-            at = (at.view(-1, 1) + torch.arange(size, device=self.device)).reshape(-1)
-        raw = values.to(self.device).contiguous().view(torch.uint8).reshape(-1)
-        which = torch.searchsorted(self._starts, at, right=True) - 1
-        inside = (which >= 0) & (at < self._stops[which.clamp(min=0)])
-        if not bool(inside.all()):   # a word's other byte may be padding; it stays zero
-            if bool(raw[~inside].any()):
+            at = (at[:, None] + np.arange(size)).reshape(-1)
+        which = np.searchsorted(self._starts, at, side="right") - 1
+        inside = (which >= 0) & (at < self._stops[np.maximum(which, 0)])
+        if not inside.all():   # a word's other byte may be padding; it stays zero
+            if raw[~inside].any():
                 raise InvalidManifest(f"the delta writes non-zero padding between tensors in the bucket at stream "
                                       f"byte {start}")
             at, raw, which = at[inside], raw[inside], which[inside]
-        tensors, counts = torch.unique_consecutive(which, return_counts=True)
-        for k, positions, new in zip(tensors.tolist(), at.split(counts.tolist()), raw.split(counts.tolist())):
-            local = positions - self.starts[k]
-            target = self.bytes[k]
-            kept = target[local]
-            self.undo.append(functools.partial(target.index_put_, (local,), kept))
-            target[local] = new
+        if not at.size:
+            return
+        cuts = (np.flatnonzero(np.diff(which)) + 1).tolist()
+        for lo, hi in zip([0, *cuts], [*cuts, at.size]):
+            k = int(which[lo])
+            self._put(self.bytes[k], at[lo:hi] - self.starts[k], raw[lo:hi])
+
+    def _put(self, target: torch.Tensor, local: np.ndarray, new: np.ndarray) -> None:
+        if target.device.type == "cpu":
+            host = target.numpy()
+            self.undo.append(functools.partial(np.put, host, local, host[local]))
+            host[local] = new
+            return
+        index = torch.from_numpy(local).to(target.device)
+        self.undo.append(functools.partial(target.index_put_, (index,), target[index]))
+        target[index] = torch.from_numpy(new).to(target.device)
 
     def restore(self) -> None:
         for step in reversed(self.undo):
