@@ -73,10 +73,11 @@ async def receive(manager: ReplicaManager, groups: WeightGroups, replica_ids: li
 
 
 @contextlib.asynccontextmanager
-async def swapping_weights(replica: Replica) -> AsyncIterator[bool]:
+async def swapping_weights(replica: Replica, *, abort: bool = True) -> AsyncIterator[bool]:
     """Hold ``replica`` while its weights change (a broadcast received, a checkpoint loaded or reverted): its
     lock, the SYNCING phase (new requests wait for the end when it was serving, see ``sync_wait_s``), its
-    in-flight requests aborted (they resume through the balancer). Yields whether its weights were asleep."""
+    in-flight requests aborted (they resume through the balancer; with ``abort`` False the caller aborts them
+    itself before the weights change). Yields whether its weights were asleep."""
     async with replica.lock:
         weights_asleep = replica.state == "SLEEPING"
         serving = replica.state == "ACTIVE"
@@ -85,7 +86,7 @@ async def swapping_weights(replica: Replica) -> AsyncIterator[bool]:
             replica.serving_through_sync = True
             replica.synced.clear()
         try:
-            if replica.in_flight:
+            if abort and replica.in_flight:
                 await replica.engine.abort(None)
             yield weights_asleep
         finally:
@@ -98,7 +99,10 @@ async def _receive_one(groups: WeightGroups, replica: Replica, plan: SyncPlan) -
     from weight_transfer import VerificationFailed, receive_weights_async  # noqa: PLC0415
 
     started = time.monotonic()
-    async with swapping_weights(replica) as weights_asleep:
+    async with swapping_weights(replica, abort=False) as weights_asleep:
+        # The in-flight requests are aborted while the stream arrives, into memory of its own: an abort waits
+        # for the decode step in progress, which is most of a small model's sync.
+        quiet = asyncio.ensure_future(replica.engine.abort(None)) if replica.in_flight else None
         in_place = plan.delta is not None and replica.engine.patches_weights_in_place
         # a delta's base (what this replica serves, laid out as the target) is packed while the stream arrives,
         # unless the engine takes the delta where its weights lie
@@ -108,6 +112,8 @@ async def _receive_one(groups: WeightGroups, replica: Replica, plan: SyncPlan) -
             group = await asyncio.to_thread(groups.cache(replica.replica_id).get, plan.group_id, plan.members,
                                             plan.rendezvous, plan.backend, plan.sync_key)
             received = await receive_weights_async(group, plan.stream, timeout=plan.timeout_s, key=plan.sync_key)
+            if quiet is not None:   # no request runs on the weights from here on
+                await quiet
             why, tensors = "", received
             if in_place:
                 why = await _patch_in_place(replica, plan, received, weights_asleep)
@@ -139,6 +145,8 @@ async def _receive_one(groups: WeightGroups, replica: Replica, plan: SyncPlan) -
             if base_task is not None and not base_task.done():
                 base_task.cancel()
                 await asyncio.gather(base_task, return_exceptions=True)
+            if quiet is not None:   # the plan asked for it whatever became of the stream
+                await asyncio.gather(quiet, return_exceptions=True)
         if not in_place:
             if weights_asleep:
                 await replica.engine.wake_up({"weights"})

@@ -136,3 +136,31 @@ async def test_deep_sleep_frees_memory_and_needs_weights_before_serving(agent):
         assert asleep.state == types_pb2.REPLICA_STATE_SLEEPING  # received into fresh memory, still asleep
         await stub.WakeUp(pb.WakeUpRequest(replica_id="h0", resume_generation=True))
         assert await greedy(stub, "h0", "woken") == sender.greedy == await greedy(stub, "s1", "peer")
+
+
+async def test_a_request_in_flight_is_aborted_before_the_new_weights_serve(agent):
+    # the abort runs while the stream arrives; it ends before any weight changes, so the aborted request's
+    # tokens all come from the old version, and the sync itself succeeds
+    import asyncio
+
+    async with grpc.aio.insecure_channel(agent) as channel:
+        stub = replica_agent_pb2_grpc.ReplicaAgentServiceStub(channel)
+        old = (await stub.GetReplica(pb.GetReplicaRequest(replica_id="s1"))).replica.weight_version
+        sender = Sender("sync-f", ["s1"], "--seed", "4")   # started first: the request runs for about a second
+        req = pb.GenerateRequest(replica_id="s1", request_id="long", prompt_token_ids=[5, 6, 7],
+                                 sampling_params=generation_pb2.SamplingParams(max_tokens=500, temperature=0,
+                                                                               ignore_eos=True))
+        stream = stub.Generate(req, timeout=120)
+        chunks = [await stream.read()]   # it runs
+        reply = await stub.ReceiveWeights(pb.ReceiveWeightsRequest(replica_ids=["s1"], plan=sender.plan("sync-f", 9),
+                                                                   abort_in_flight=True))
+        sender.finish()
+        while (chunk := await stream.read()) is not grpc.aio.EOF:
+            chunks.append(chunk)
+        assert reply.results[0].checksum_ok and reply.results[0].weight_version == 9
+        final = chunks[-1]
+        assert final.finish_reason == generation_pb2.FINISH_REASON_ABORTED
+        assert 0 < sum(len(c.token_ids) for c in chunks) < 500
+        assert {c.weight_version for c in chunks if c.token_ids} == {old}
+        assert {s.weight_version for s in final.segments} == {old}
+        assert await asyncio.wait_for(greedy(stub, "s1", "after"), 60) == sender.greedy
