@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import bisect
 import functools
-import itertools
 from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
@@ -33,7 +32,7 @@ import torch
 
 from .delta import check_digests, delta_entries, unpack_bits, word_dtype
 from .errors import ChecksumMismatch, InvalidManifest, ManifestMismatch
-from .manifest import BucketDigests, Manifest, StreamHasher, TensorEntry, dtype_name, tensor_bytes
+from .manifest import BucketDigests, Manifest, StreamHasher, TensorEntry, dtype_name, lay_out
 
 
 def check_tensors(manifest: Manifest, named_tensors: Iterable[tuple[str, torch.Tensor]], *, key: bytes = b"") -> None:
@@ -41,26 +40,13 @@ def check_tensors(manifest: Manifest, named_tensors: Iterable[tuple[str, torch.T
     stream, hashing the tensors where they lie (padding as zeros): every BLAKE3 bucket digest with a ``key``,
     else the checksum. Raises :class:`~.errors.ManifestMismatch` when they are laid out otherwise,
     :class:`~.errors.NotAuthentic` or :class:`~.errors.ChecksumMismatch`."""
-    hasher = None if key else StreamHasher(manifest.checksum_algorithm)
-    digests = BucketDigests(manifest.bucket_size_bytes) if key else None
-    feed = digests.update if digests is not None else hasher.update if hasher is not None else None
-    assert feed is not None
-    cursor = 0
-    for pair, entry in itertools.zip_longest(named_tensors, manifest.tensors):
-        if pair is None or entry is None or pair[0] != entry.name:
-            raise ManifestMismatch("the tensors checked are not the target manifest's, in its order")
-        _check_fits(entry, pair[1])
-        if entry.nbytes:
-            start = manifest.stream_offset(entry)
-            if start > cursor:
-                feed(bytes(start - cursor))
-            feed(tensor_bytes(pair[1]))
-            cursor = start + entry.nbytes
-    if manifest.total_bytes > cursor:
-        feed(bytes(manifest.total_bytes - cursor))
-    if digests is not None:
-        check_digests(manifest, digests.finish())
-    elif hasher is not None and (got := hasher.hexdigest()) != manifest.checksum:
+    hasher = BucketDigests(manifest.bucket_size_bytes) if key else StreamHasher(manifest.checksum_algorithm)
+    entries, total = lay_out(named_tensors, manifest.bucket_size_bytes, hasher.update)
+    if (entries, total) != (manifest.tensors, manifest.total_bytes):
+        raise ManifestMismatch("the tensors checked are not laid out as the target manifest")
+    if isinstance(hasher, BucketDigests):
+        check_digests(manifest, hasher.finish())
+    elif (got := hasher.hexdigest()) != manifest.checksum:
         raise ChecksumMismatch(manifest.checksum, got, manifest.checksum_algorithm)
 
 

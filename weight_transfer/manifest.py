@@ -68,7 +68,7 @@ import hmac
 import json
 import math
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -422,18 +422,34 @@ def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def build_manifest(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_size_bytes: int, *,
-                   checksum_algorithm: str = DEFAULT_CHECKSUM, digests: bool = True) -> Manifest:
+                   checksum_algorithm: str = DEFAULT_CHECKSUM) -> Manifest:
     """Lay ``named_tensors`` out in buckets (see the module docstring) and checksum their bytes.
 
-    Reads every tensor once (device tensors are copied to host to hash them) for the checksum and, unless
-    ``digests`` is False, the BLAKE3 hash of every bucket.
+    Reads every tensor once (device tensors are copied to host to hash them) for the checksum and the
+    BLAKE3 hash of every bucket.
     Raises :class:`InvalidManifest` for a repeated or empty name or a
     non-positive bucket size.
     """
     if bucket_size_bytes <= 0:
         raise InvalidManifest(f"bucket_size_bytes must be positive, got {bucket_size_bytes}")
     hasher = StreamHasher(checksum_algorithm)
-    buckets = BucketDigests(bucket_size_bytes) if digests else None
+    digests = BucketDigests(bucket_size_bytes)
+
+    def feed(data: torch.Tensor | bytes) -> None:
+        hasher.update(data)
+        digests.update(data)
+
+    entries, total = lay_out(named_tensors, bucket_size_bytes, feed)
+    return Manifest(tensors=entries, bucket_size_bytes=bucket_size_bytes, total_bytes=total,
+                    checksum=hasher.hexdigest(), checksum_algorithm=checksum_algorithm,
+                    bucket_digests=digests.finish())
+
+
+def lay_out(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_size_bytes: int,
+            feed: Callable[[torch.Tensor | bytes], None]) -> tuple[tuple[TensorEntry, ...], int]:
+    """The entries of ``named_tensors`` laid out in buckets of ``bucket_size_bytes`` (> 0) and the stream's
+    length; every stream byte (padding as zeros) goes to ``feed`` in order. Raises :class:`InvalidManifest`
+    for a repeated or empty name."""
     entries: list[TensorEntry] = []
     names: set[str] = set()
     cursor = 0
@@ -444,21 +460,14 @@ def build_manifest(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_siz
         nbytes = tensor.numel() * tensor.element_size()
         start = _align_up(cursor, ALIGNMENT) if nbytes else cursor
         if start > cursor:
-            hasher.update(bytes(start - cursor))
-            if buckets is not None:
-                buckets.update(bytes(start - cursor))
+            feed(bytes(start - cursor))
         bucket_index, offset = divmod(start, bucket_size_bytes)
         entries.append(TensorEntry(name=name, dtype=dtype_name(tensor.dtype), shape=tuple(tensor.shape),
                                    bucket_index=bucket_index, offset_bytes=offset, nbytes=nbytes))
         if nbytes:
-            data = tensor_bytes(tensor)
-            hasher.update(data)
-            if buckets is not None:
-                buckets.update(data)
+            feed(tensor_bytes(tensor))
         cursor = start + nbytes
-    return Manifest(tensors=tuple(entries), bucket_size_bytes=bucket_size_bytes, total_bytes=cursor,
-                    checksum=hasher.hexdigest(), checksum_algorithm=checksum_algorithm,
-                    bucket_digests=buckets.finish() if buckets is not None else ())
+    return tuple(entries), cursor
 
 
 def views_of(manifest: Manifest, flat: torch.Tensor) -> dict[str, torch.Tensor]:
