@@ -289,13 +289,16 @@ async def main() -> None:
     parser.add_argument("--join-after", type=float, default=15.0,
                         help="join: seconds before the second half of the replicas joins")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--preempt", action="store_true",
+                        help="engines allocate KV as they decode and preempt when out of it (vLLM), instead of "
+                             "reserving max_tokens at admission")
     parser.add_argument("--lb-yaml", default="", help="more balancer settings for prefix_aware (YAML), to tune")
     parser.add_argument("--programs-yaml", default=DEFAULT_PROGRAMS_YAML,
                         help="program_admission of the programs system (a YAML mapping), to tune")
     args = parser.parse_args()
     global LB_YAML, PROGRAMS_YAML
     LB_YAML, PROGRAMS_YAML = args.lb_yaml, args.programs_yaml
-    model = {"speed": args.speed}
+    model = {"speed": args.speed, "preempt": args.preempt}
     table: dict[str, dict[str, Result]] = {w: {} for w in WORKLOADS}
     workloads = {"both": ("grpo", "multiturn"), "all": tuple(table)}.get(args.workload, (args.workload,))
     with tempfile.TemporaryDirectory() as tmpdir:
@@ -316,7 +319,8 @@ async def main() -> None:
                         result = await WORKLOADS[workload](*trajectories)
                 table[workload][name] = result
                 print(f"{workload:9} {name:17} {_row(result)}", flush=True)
-    print(f"\n{args.replicas} replicas of the engine model (speed {args.speed:g}; Llama-3.1-8B on an H100 at speed 1), "
+    print(f"\n{args.replicas} replicas of the engine model (speed {args.speed:g}; Llama-3.1-8B on an H100 at speed 1; "
+          f"KV {'allocated as decoded, preempting' if args.preempt else 'reserved at admission'}), "
           f"{os.cpu_count()} CPU cores shared by everything")
     for workload in workloads:
         what = {"grpo": f"GRPO: {args.groups} groups of {args.n}, {args.group_concurrency} groups in flight; "

@@ -142,20 +142,28 @@ class ModelledWorker(Worker):
                 "num_used_tokens": self.model.used_tokens, "cache_hit_rate": self.model.hit_rate}
 
     async def run(self) -> None:
+        preempted: list[str] = []
         while True:
-            while self.waiting and len(self.jobs) < self.max_running:
+            while self.waiting and len(self.jobs) < self.max_running and not preempted:
                 job = self.waiting[0]
-                cached = self.model.admit(job.rid, job.context, job.max_new)
+                cached = self.model.admit(job.rid, job.context + job.output, job.max_new - len(job.output))
                 if cached is None:
                     break
                 self.waiting.popleft()
-                job.cached = cached
+                job.cached = job.cached if job.output else cached
                 self.jobs[job.rid] = job
             if not self.jobs:
+                if preempted:           # every running one was preempted: admit again
+                    preempted = []
+                    continue
                 self.work.clear()
                 await self.work.wait()
                 continue
             runs = [(rid, min(self.chunk, job.max_new - len(job.output))) for rid, job in self.jobs.items()]
+            preempted = self.model.grow(runs, lambda rid: self.jobs[rid].context + self.jobs[rid].output)
+            for rid in preempted:       # the most recent first: the earliest ends at the head of the queue
+                self.waiting.appendleft(self.jobs.pop(rid))
+            runs = [(rid, count) for rid, count in runs if rid in self.jobs]
             await asyncio.sleep(self.model.step_seconds(runs))
             for rid, count in runs:
                 job = self.jobs[rid]

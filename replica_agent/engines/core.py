@@ -171,6 +171,15 @@ class SteppedEngine(LifecycleFlags, Engine):
         """Give back what :meth:`_reserve` claimed (the request left the batch)."""
         self._reserved -= active.reserved_tokens
 
+    def _grow(self, running: list[ActiveRequest]) -> list[ActiveRequest]:
+        """Before a step, find KV for the running requests' next tokens; returns those preempted to make room
+        (their KV given back; they wait to be admitted again). By default none: :meth:`_reserve` claimed all
+        a request can use."""
+        return []
+
+    def _discard(self, active: ActiveRequest) -> None:
+        """A preempted request left while waiting to be admitted again: forget what was kept to resume it."""
+
     def _default_seed(self, request: EngineRequest) -> int:
         """Sampling seed of a request that brings none (random by default)."""
         return secrets.randbits(63)
@@ -300,17 +309,24 @@ class SteppedEngine(LifecycleFlags, Engine):
             self._fail(exc)
 
     def _plan_step(self) -> tuple[list[ActiveRequest], StepBatch]:
+        preempted = self._grow(list(self._running)) if self._running else []
+        for active in preempted:        # back to the head of the queue, in their order (as vLLM does)
+            self._running.remove(active)
+            self._dropped.append(active.request_id)
+            active.preemptions += 1
+        self._waiting.extendleft(reversed(preempted))
         running = list(self._running)
         admitted: list[ActiveRequest] = []
-        if self._weights_resident and self._kv_resident and self._weights_loaded:
+        if self._weights_resident and self._kv_resident and self._weights_loaded and not preempted:
             now = self._clock()
             while self._waiting and len(running) + len(admitted) < self.max_batch_size:
                 head = self._waiting[0]
                 if not self._reserve(head):
                     break
                 self._waiting.popleft()
+                if head.admitted_at is None:
+                    self._metrics.record_queue_time(now - head.submitted_at)
                 head.admitted_at = now
-                self._metrics.record_queue_time(now - head.submitted_at)
                 admitted.append(head)
         self._running.extend(admitted)
         dropped, self._dropped = self._dropped, []
@@ -395,6 +411,8 @@ class SteppedEngine(LifecycleFlags, Engine):
             self._unreserve(active)
         elif active in self._waiting:
             self._waiting.remove(active)
+            if active.preemptions:
+                self._discard(active)
         active.done.set()
         if not self._requests:
             self._idle.set()

@@ -10,12 +10,15 @@ clock: callers ask what a step costs and sleep that long.
   reuse them) and its generated blocks when it ends (a trajectory's next turn starts with them). Blocks no
   running request uses stay cached and are evicted least recently used when room is needed, a sequence's last
   blocks first (as vLLM frees them). At least one prompt token is always computed, as in vLLM.
-* **KV capacity.** ``kv_capacity_tokens`` in blocks. Admission needs room for the uncached prompt blocks and
-  the request's ``max_tokens`` (reserved up front, no preemption: vLLM allocates as decoding goes and preempts
-  when out of blocks, so it runs somewhat larger batches at the same capacity); cached blocks nobody uses are
-  evicted to make room, and a request that still does not fit waits. ``max_prefill_tokens`` bounds the
-  uncached prompt tokens admitted per decode iteration (chunked prefill's token budget); one request always
-  fits.
+* **KV capacity.** ``kv_capacity_tokens`` in blocks, allocated one of two ways. By default admission needs
+  room for the uncached prompt blocks and the request's ``max_tokens``, reserved up front, so a running request
+  never runs out. With ``preempt`` (as vLLM does) admission needs room for the uncached prompt blocks and the
+  first step's tokens only, and the blocks of later tokens are allocated step by step (:meth:`EngineModel.grow`);
+  when they run out, the most recently admitted running request is preempted: its blocks are freed (its full
+  ones stay cached until evicted) and it waits to be admitted again, recomputing what is no longer cached.
+  Either way cached blocks nobody uses are evicted to make room, and a request that still does not fit waits.
+  ``max_prefill_tokens`` bounds the uncached prompt tokens admitted per decode iteration (chunked prefill's
+  token budget); one request always fits.
 * **Holds across a pause.** A request that ends with ``hold_s`` > 0 (a trajectory's turn that ends in a tool
   call) keeps its sequence's blocks pinned for that long after it ends: other requests' admissions evict
   every block nobody holds before one a paused trajectory will come back for. The hold ends when the
@@ -70,6 +73,10 @@ class EngineModelConfig:
     max_prefill_tokens: int = 8192
     """Uncached prompt tokens admitted per decode iteration (chunked prefill's budget; one request always
     fits)."""
+    preempt: bool = False
+    """False: a request reserves the KV of its ``max_tokens`` when admitted; True: KV is allocated as tokens are
+    generated and, when it runs out, the most recently admitted running request is preempted and recomputed
+    later (vLLM's scheduler)."""
 
     def validate(self) -> None:
         for name in ("speed", "prefill_tokens_per_s"):
@@ -80,6 +87,8 @@ class EngineModelConfig:
                 raise InvalidRequest(f"engine_model: {name} must be >= 0, got {getattr(self, name)}")
         if self.block_size < 1 or self.max_prefill_tokens < 1:
             raise InvalidRequest("engine_model: block_size and max_prefill_tokens must be >= 1")
+        if not isinstance(self.preempt, bool):
+            raise InvalidRequest(f"engine_model: preempt must be true or false, got {str(self.preempt)[:32]!r}")
         if self.kv_capacity_tokens < self.block_size:
             raise InvalidRequest(f"engine_model: kv_capacity_tokens must hold a block, got {self.kv_capacity_tokens}")
 
@@ -175,7 +184,7 @@ class BlockCache:
 class _Held:
     keys: list[int]         # the prompt's full blocks, pinned while the request runs
     stale: bool             # admitted under weights since replaced: its blocks are not kept
-    private_blocks: int     # reserved for the partial prompt block and max_tokens
+    private_blocks: int     # for the partial prompt block and generated tokens (max_tokens' worth if reserved)
     context: int            # tokens of context now (prompt + generated so far)
 
 
@@ -220,6 +229,8 @@ class EngineModel:
         self._hold_pins: collections.Counter[int] = collections.Counter()
         """Per block, the pins of holds on it."""
         self.hold_stats = HoldStats()
+        self.preemptions = 0
+        """Running requests preempted for KV so far (``preempt`` only)."""
 
     # ----------------------------------------------------------------- requests
     def admit(self, request_id: str, context: Sequence[int], max_tokens: int, session: str = "") -> int | None:
@@ -233,7 +244,8 @@ class EngineModel:
         uncached = len(context) - hit * size
         if self._prefill and uncached > self._step_budget:
             return None
-        private = math.ceil((len(context) - len(keys) * size + max_tokens) / size)
+        ahead = min(max_tokens, self.iterations_per_step) if self.config.preempt else max_tokens
+        private = math.ceil((len(context) - len(keys) * size + ahead) / size)
         for key in keys[:hit]:
             self.blocks.pin(key)
         while not self.blocks.make_room(len(keys) - hit, self._private + private):
@@ -255,6 +267,40 @@ class EngineModel:
         self.cached_tokens += hit * size
         self._publish()
         return hit * size
+
+    def grow(self, runs: Sequence[tuple[str, int]], sequence_of: Callable[[str], Sequence[int]]) -> list[str]:
+        """Before a step in which each ``(request id, tokens)`` row decodes that many tokens, allocate the blocks
+        those tokens need (with ``preempt``; otherwise they were reserved at admission). Rows are served in
+        the order they were admitted; where blocks run out after evicting idle ones and releasing holds, the
+        most recently admitted rows are preempted: released (``sequence_of(id)``'s full blocks cached) and
+        returned, in that order, to be admitted again later. A row preempted to make room for itself ends
+        the allocation."""
+        if not self.config.preempt:
+            return []
+        self._expire_holds()
+        size = self.config.block_size
+        tokens = dict(runs)
+        order = [request_id for request_id in self._held if request_id in tokens]
+        preempted: list[str] = []
+        index = 0
+        while index < len(order):
+            held = self._held[order[index]]
+            need = -(-(held.context + tokens[order[index]]) // size) - len(held.keys) - held.private_blocks
+            while need > 0 and not self.blocks.make_room(need, self._private):
+                if self._release_a_hold(but=""):
+                    continue
+                victim = order.pop()
+                self.release(victim, sequence_of(victim))
+                preempted.append(victim)
+                self.preemptions += 1
+                if len(order) == index:     # the row itself was the most recent
+                    break
+            else:
+                if need > 0:
+                    held.private_blocks += need
+                    self._private += need
+                index += 1
+        return preempted
 
     def release(self, request_id: str, sequence: Sequence[int] = (), *, session: str = "",
                 hold_s: float = 0.0) -> None:

@@ -62,6 +62,8 @@ class ActiveRequest:
         self.abort_requested = False
         self.cached_tokens = 0
         """Context tokens whose KV the engine had cached when it admitted the request (not recomputed)."""
+        self.preemptions = 0
+        """Times the engine preempted it for KV (it then waited to be admitted again)."""
         self.finish_reason: FinishReason | None = None
         self.done = asyncio.Event()
 

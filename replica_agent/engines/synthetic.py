@@ -220,6 +220,8 @@ class SyntheticEngine(SteppedEngine):
                       if config.engine_model is not None else None)
         self._sequences: dict[str, list[int]] = {}
         """With the engine model: each running request's context and tokens so far (cached when it ends)."""
+        self._preempted: dict[str, list[int]] = {}
+        """With the engine model: a preempted request's context and tokens so far, to be admitted with."""
         self._sleep = sleep or asyncio.sleep
         self._weight_version = config.weight_version
         self._targets: dict[str, int] = {}
@@ -256,15 +258,29 @@ class SyntheticEngine(SteppedEngine):
     def _reserve(self, active: ActiveRequest) -> bool:
         if self.model is None:
             return super()._reserve(active)
-        context = [*active.request.prompt_token_ids, *active.prefix]
+        context = self._preempted.get(active.request_id) or [*active.request.prompt_token_ids, *active.prefix]
         cached = self.model.admit(active.request_id, context,
                                   active.request.sampling.max_tokens - active.completion_tokens,
                                   session=active.request.session_id)
         if cached is None:
             return False
-        active.cached_tokens = cached
+        if not active.preemptions:      # as vLLM: the cache a request found when first scheduled
+            active.cached_tokens = cached
+        self._preempted.pop(active.request_id, None)
         self._sequences[active.request_id] = context
         return True
+
+    def _grow(self, running: list[ActiveRequest]) -> list[ActiveRequest]:
+        if self.model is None:
+            return []
+        runs = [(active.request_id, self._run_length(active.row(with_context=False))) for active in running]
+        preempted = set(self.model.grow(runs, lambda request_id: self._sequences[request_id]))
+        for request_id in preempted:
+            self._preempted[request_id] = self._sequences.pop(request_id)
+        return [active for active in running if active.request_id in preempted]
+
+    def _discard(self, active: ActiveRequest) -> None:
+        self._preempted.pop(active.request_id, None)
 
     def _unreserve(self, active: ActiveRequest) -> None:
         if self.model is None:

@@ -217,3 +217,120 @@ def test_the_synthetic_engine_holds_a_finished_turn_and_not_an_aborted_one():
             await engine.close()
 
     asyncio.run(run())
+
+
+def test_with_preemption_kv_is_allocated_as_tokens_come_and_the_newest_request_gives_way():
+    reserving = EngineModel(EngineModelConfig(block_size=4, kv_capacity_tokens=40), iterations_per_step=4)
+    assert reserving.admit("a", list(range(8)), 32) == 0
+    assert reserving.admit("b", list(range(50, 58)), 32) is None      # a reserved all 32 tokens' blocks
+    assert reserving.grow([("a", 4)], lambda _: []) == []
+
+    m = EngineModel(EngineModelConfig(block_size=4, kv_capacity_tokens=40, preempt=True), iterations_per_step=4)
+    a, b = list(range(8)), list(range(50, 58))
+    assert m.admit("a", a, 32) == 0 and m.admit("b", b, 32) == 0     # 2 prompt blocks + 1 for a step each
+    assert m.used_tokens == 24
+    sequences = {"a": list(a), "b": list(b)}
+    for _ in range(2):                                                 # a block more per step, 10 in all
+        m.step_seconds([("a", 4), ("b", 4)])
+        for rid in sequences:
+            sequences[rid] += [rid == "a" and 7 or 9] * 4
+        assert m.grow([("a", 4), ("b", 4)], sequences.__getitem__) == []
+    assert m.used_tokens == 40
+    m.step_seconds([("a", 4), ("b", 4)])
+    for rid in sequences:
+        sequences[rid] += [rid == "a" and 7 or 9] * 4
+    assert m.grow([("a", 4), ("b", 4)], sequences.__getitem__) == ["b"]     # the newest gives way
+    assert m.preemptions == 1 and m.used_tokens == 24                   # a's 2 + 4 blocks
+    # b's 5 full blocks were cached; a's growth evicted its last: b comes back to 4 of them
+    assert m.admit("b", sequences["b"], 20) is None                     # but waits for room
+    m.release("a", sequences["a"])
+    assert m.admit("b", sequences["b"], 20) == 16
+
+
+def test_with_preemption_holds_give_way_before_a_running_request():
+    m = EngineModel(EngineModelConfig(block_size=4, kv_capacity_tokens=32, preempt=True), iterations_per_step=4,
+                    clock=lambda: 0.0)
+    m.admit("t1", list(range(8)), 4)
+    m.release("t1", list(range(8)) + [5] * 4, session="s", hold_s=60)  # 3 blocks held for the next turn
+    assert m.admit("a", list(range(100, 116)), 64) == 0                # 4 + 1
+    sequence = list(range(100, 116))
+    for _ in range(3):                                                 # to 8 blocks: the hold goes
+        m.step_seconds([("a", 4)])
+        sequence += [3] * 4
+        assert m.grow([("a", 4)], lambda _: sequence) == []
+    assert m.hold_stats.released == 1 and m.preemptions == 0
+    assert m.held_sessions == 0
+    m.step_seconds([("a", 4)])
+    sequence += [3] * 4
+    assert m.grow([("a", 4)], lambda _: sequence) == ["a"]            # alone and out of room: itself
+    assert m.used_tokens == 0 and m.cache_tokens == 32                 # its 8 full blocks stay cached
+
+
+def test_preempted_requests_finish_with_the_tokens_an_unpressed_engine_gives():
+    def run(capacity):
+        async def go():
+            clock = VirtualClock()
+            engine = SyntheticEngine(SyntheticEngineConfig(
+                engine_model={"block_size": 16, "kv_capacity_tokens": capacity, "preempt": True},
+                lengths={"kind": "fixed", "value": 150}), clock=clock, sleep=clock.sleep)
+            await engine.start()
+
+            async def one(rid):
+                prompt = [2 + i for i in range(100)] + [int(rid[1:]) + 3]
+                tokens = []
+                async for chunk in engine.generate(EngineRequest(rid, prompt, SamplingParams(max_tokens=200))):
+                    tokens += chunk.token_ids
+                return tokens, chunk.finish_reason, chunk.usage.cached_tokens
+
+            out = await asyncio.gather(*(one(f"r{i}") for i in range(6)))
+            preempted = engine.model.preemptions
+            left = dict(engine._preempted)
+            # each came back with the tokens it had generated as context, not with its prompt alone
+            assert engine.model.prompt_tokens > 101 * (6 + preempted) or not preempted
+            await engine.close()
+            return out, preempted, left
+
+        return asyncio.run(go())
+
+    ample, none_preempted, _ = run(400_000)
+    tight, preempted, left = run(640)                   # 40 blocks: six requests of 16-17 blocks each
+    assert none_preempted == 0 and preempted > 0 and left == {}
+    assert tight == ample
+    assert all(len(tokens) == 150 and reason == FinishReason.STOP for tokens, reason, _ in tight)
+    assert [cached for *_, cached in tight] == [0] + [96] * 5   # the prompt's shared blocks, as first found
+
+
+def test_a_preempted_request_aborted_while_it_waits_leaves_nothing_behind():
+    async def go():
+        clock = VirtualClock()
+        engine = SyntheticEngine(SyntheticEngineConfig(
+            engine_model={"block_size": 16, "kv_capacity_tokens": 320, "preempt": True},
+            lengths={"kind": "fixed", "value": 200}), clock=clock, sleep=clock.sleep)
+        await engine.start()
+
+        async def one(rid):
+            prompt = [rid] * 60
+            async for chunk in engine.generate(EngineRequest(f"r{rid}", prompt, SamplingParams(max_tokens=250))):
+                pass
+            return chunk.finish_reason
+
+        tasks = [asyncio.ensure_future(one(i + 2)) for i in range(3)]
+        while not engine._preempted:
+            await asyncio.sleep(0)
+        victim = next(iter(engine._preempted))
+        assert victim in [a.request_id for a in engine._waiting]
+        await engine.abort([victim])
+        reasons = await asyncio.gather(*tasks)
+        left = dict(engine._preempted)
+        await engine.close()
+        return victim, reasons, left
+
+    victim, reasons, left = asyncio.run(go())
+    assert left == {}
+    assert reasons[int(victim[1:]) - 2] == FinishReason.ABORTED
+    assert sorted(reasons, key=str).count(FinishReason.STOP) == 2
+
+
+def test_preempt_must_be_a_bool():
+    with pytest.raises(InvalidRequest, match="preempt must be true or false"):
+        EngineModel(EngineModelConfig(preempt="yes"))
