@@ -84,6 +84,10 @@ class PrefixRoutingConfig:
     max_load_excess: float = setting(0.25, help="routing_policy prefix_cost: no replica takes a request that would "
                                                 "make it hold more than (1 + max_load_excess) x the fleet's mean "
                                                 "tokens while another stays within it (bounded-load affinity)")
+    prefill_load: float = setting(2.0, help="routing_policy prefix_cost: a request in flight loads its replica by "
+                                            "its context plus prefill_load x the prompt tokens it found uncached "
+                                            "there, so a replica prefilling many new prompts counts as busier "
+                                            "than one holding the same context cached")
     warmup_s: float = setting(0.0, help="a replica that joined the table less than this ago counts as loaded as "
                                         "the others' mean, less in proportion to its age, so a new empty "
                                         "replica is filled gradually instead of taking every spill at once; "
@@ -99,7 +103,8 @@ class PrefixRoutingConfig:
         if self.cache_tokens < self.block_tokens:
             raise ConfigError("cache_tokens", f"must hold a block of block_tokens ({self.block_tokens}), got "
                                               f"{self.cache_tokens}")
-        for key in ("max_load_gap", "max_load_ratio", "warmup_s", "prefill_weight", "max_load_excess"):
+        for key in ("max_load_gap", "max_load_ratio", "warmup_s", "prefill_weight", "max_load_excess",
+                    "prefill_load"):
             if getattr(self, key) < 0:
                 raise ConfigError(key, f"must be >= 0, got {getattr(self, key)}")
 

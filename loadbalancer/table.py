@@ -300,7 +300,7 @@ class RoutingTable:
         chosen = next(route for route in (s.select(pick, preferred) for s in self.selectors) if route is not None)
         for selector in self.selectors:
             selector.chosen(pick, chosen)
-        weight = pick.prompt_tokens + pick.expected_completion
+        weight = pick.held_weight or pick.prompt_tokens + pick.expected_completion
         ticket = Ticket(request_id, chosen, weight=weight)
         chosen.tickets[request_id] = ticket
         chosen.held_tokens += weight

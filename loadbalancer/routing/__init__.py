@@ -38,7 +38,8 @@ def prefix_aware(config: Settings) -> PrefixAware:
 
 def prefix_cost(config: Settings) -> PrefixCost:
     pr = config.prefix_routing
-    return PrefixCost(_index(config), prefill_weight=pr.prefill_weight, max_load_excess=pr.max_load_excess)
+    return PrefixCost(_index(config), prefill_weight=pr.prefill_weight, max_load_excess=pr.max_load_excess,
+                      prefill_load=pr.prefill_load)
 
 
 POLICIES: dict[str, PolicyFactory] = {

@@ -56,6 +56,9 @@ class PrefixSettings(Protocol):
     @property
     def max_load_excess(self) -> float: ...
 
+    @property
+    def prefill_load(self) -> float: ...
+
 
 class Settings(Protocol):
     """What a policy's factory may read of the balancer's config (:class:`loadbalancer.config.LoadBalancerConfig`)."""
@@ -103,6 +106,9 @@ class Pick:
     """Leading prompt tokens the chosen replica was found to hold, in whole blocks (prefix-aware routing)."""
     prefix_spilled: bool = False
     """A replica held part of the prompt but was too loaded (prefix-aware routing)."""
+    held_weight: int = 0
+    """Tokens of load the chosen replica takes on for the request (0: its prompt plus its expected completion);
+    a selector that weighs load in tokens sets it."""
 
 
 class Filter(Protocol[R_contra]):

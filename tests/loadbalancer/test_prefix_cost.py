@@ -19,9 +19,10 @@ pytestmark = pytest.mark.timeout(30)
 BLOCK = 16
 
 
-def table(n: int = 4, *, excess: float = 0.25, prefill_weight: float = 32.0) -> RoutingTable:
+def table(n: int = 4, *, excess: float = 0.25, prefill_weight: float = 32.0, prefill_load: float = 0.0
+          ) -> RoutingTable:
     cost = PrefixCost(PrefixIndex(block_tokens=BLOCK, capacity_tokens=1_000_000),
-                      prefill_weight=prefill_weight, max_load_excess=excess)
+                      prefill_weight=prefill_weight, max_load_excess=excess, prefill_load=prefill_load)
     t = RoutingTable([cost], clock=lambda: 0.0)
     t.add(Route(f"r{i}", f"127.0.0.1:{1000 + i}") for i in range(n))
     return t
@@ -99,6 +100,27 @@ def test_a_shared_document_spreads_as_its_load_needs_while_trajectories_keep_the
     assert max(loads) <= 1.25 * mean + 4096 + 256   # bounded: within the excess, give or take one request
 
 
+def test_a_replica_prefilling_new_prompts_is_busier_than_one_holding_the_same_context_cached():
+    """The document workload's hot spot: replicas holding few long cached contexts and replicas taking many
+    new trajectories held the same tokens, but the latter also prefilled every one of them."""
+    t = table(2, excess=10.0, prefill_load=2.0)
+    contexts = [tokens(10 + i, 4000) for i in range(4)]
+    for i, context in enumerate(contexts):   # r0 served these trajectories' earlier turns: it caches them
+        t.release(t.pick(f"turn0-{i}", prefix_keys=PromptKeys(context), prompt_tokens=4000, max_tokens=256,
+                         avoid=frozenset({"r1"})).ticket)
+    cached = [pick(t, f"turn1-{i}", context + tokens(20 + i, 96)) for i, context in enumerate(contexts)]
+    fresh = [t.pick(f"new{i}", prefix_keys=PromptKeys(tokens(30 + i, 4096)), prompt_tokens=4096, max_tokens=256,
+                    avoid=frozenset({"r0"})) for i in range(4)]
+    assert {c.ticket.route.replica_id for c in cached} == {"r0"} and all(c.prefix_tokens == 4000 for c in cached)
+    assert all(c.ticket.weight == 4096 + 256 + 2 * 96 for c in cached)       # context + 2 x its uncached part
+    assert all(c.ticket.weight == 4096 + 256 + 2 * 4096 for c in fresh)
+    assert held(t) == {"r0": 4 * (4352 + 192), "r1": 4 * (4352 + 8192)}
+    assert pick(t, "next", tokens(40, 1024)).ticket.route.replica_id == "r0"
+    for choice in fresh:                      # what a request held leaves with it
+        t.release(choice.ticket)
+    assert held(t)["r1"] == 0
+
+
 def test_a_loaded_replica_is_passed_over_for_a_cheaper_one_even_with_the_prompt_cached():
     t = table(2, excess=0.0)
     prompt = tokens(5, 512)
@@ -133,11 +155,12 @@ def test_without_a_prompt_or_a_match_it_is_least_loaded():
 def test_the_policy_is_configured_by_name_without_session_pins():
     config = LoadBalancerConfig(routing_policy="prefix_cost",
                                 prefix_routing=PrefixRoutingConfig(block_tokens=16, prefill_weight=2.0,
-                                                                   max_load_excess=0.5))
+                                                                   max_load_excess=0.5, prefill_load=3.0))
     config.validate()
     chain = selectors(config)
     [record, selector] = chain
-    assert isinstance(selector, PrefixCost) and (selector.prefill_weight, selector.max_load_excess) == (2.0, 0.5)
+    assert isinstance(selector, PrefixCost)
+    assert (selector.prefill_weight, selector.max_load_excess, selector.prefill_load) == (2.0, 0.5, 3.0)
     assert selector.index.block_tokens == 16
     configured = RoutingTable(chain, clock=lambda: 0.0)
     assert configured.prefix is selector and configured.sessions is record and not record.steers
@@ -151,6 +174,8 @@ def test_the_policy_is_configured_by_name_without_session_pins():
     assert configured.drop_session("s") == other.ticket.route.replica_id and configured.drop_session("s") is None
     with pytest.raises(Exception, match="max_load_excess"):
         PrefixRoutingConfig(max_load_excess=-1.0).validate()
+    with pytest.raises(Exception, match="prefill_load"):
+        PrefixRoutingConfig(prefill_load=-0.5).validate()
 
 
 def test_pin_sessions_overrides_the_policys_own_way():
