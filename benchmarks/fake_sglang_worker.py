@@ -150,7 +150,8 @@ class ModelledWorker(Worker):
                 if cached is None:
                     break
                 self.waiting.popleft()
-                job.cached = job.cached if job.output else cached
+                if not job.output:      # a preempted job keeps what it found when first admitted
+                    job.cached = cached
                 self.jobs[job.rid] = job
             if not self.jobs:
                 if preempted:           # every running one was preempted: admit again

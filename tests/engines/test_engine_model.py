@@ -230,16 +230,17 @@ def test_with_preemption_kv_is_allocated_as_tokens_come_and_the_newest_request_g
     assert m.admit("a", a, 32) == 0 and m.admit("b", b, 32) == 0     # 2 prompt blocks + 1 for a step each
     assert m.used_tokens == 24
     sequences = {"a": list(a), "b": list(b)}
-    for _ in range(2):                                                 # a block more per step, 10 in all
+
+    def step() -> list[str]:
+        """Both decode 4 tokens; then the model finds blocks for their next 4."""
         m.step_seconds([("a", 4), ("b", 4)])
-        for rid in sequences:
-            sequences[rid] += [rid == "a" and 7 or 9] * 4
-        assert m.grow([("a", 4), ("b", 4)], sequences.__getitem__) == []
+        for rid, sequence in sequences.items():
+            sequence += [7 if rid == "a" else 9] * 4
+        return m.grow([("a", 4), ("b", 4)], sequences.__getitem__)
+
+    assert step() == [] and step() == []                               # a block more per step, 10 in all
     assert m.used_tokens == 40
-    m.step_seconds([("a", 4), ("b", 4)])
-    for rid in sequences:
-        sequences[rid] += [rid == "a" and 7 or 9] * 4
-    assert m.grow([("a", 4), ("b", 4)], sequences.__getitem__) == ["b"]     # the newest gives way
+    assert step() == ["b"]                                              # the newest gives way
     assert m.preemptions == 1 and m.used_tokens == 24                   # a's 2 + 4 blocks
     # b's 5 full blocks were cached; a's growth evicted its last: b comes back to 4 of them
     assert m.admit("b", sequences["b"], 20) is None                     # but waits for room

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -141,8 +142,6 @@ async def test_deep_sleep_frees_memory_and_needs_weights_before_serving(agent):
 async def test_a_request_in_flight_is_aborted_before_the_new_weights_serve(agent):
     # the abort runs while the stream arrives; it ends before any weight changes, so the aborted request's
     # tokens all come from the old version, and the sync itself succeeds
-    import asyncio
-
     async with grpc.aio.insecure_channel(agent) as channel:
         stub = replica_agent_pb2_grpc.ReplicaAgentServiceStub(channel)
         old = (await stub.GetReplica(pb.GetReplicaRequest(replica_id="s1"))).replica.weight_version
