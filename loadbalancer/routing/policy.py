@@ -100,6 +100,12 @@ class Pick:
     """Tokens the request is expected to generate: the table's running mean of completions, capped by the
     request's ``max_tokens``."""
 
+    session_replica: str = ""
+    """The replica the session's last request went to ("": none known), set by the session piece whether or not
+    it pins sessions."""
+    session_tokens: int = 0
+    """The prompt tokens of the session's last request, which its replica has prefilled."""
+
     sticky_hit: bool = False
     sticky_migrated: bool = False
     prefix_tokens: int = 0

@@ -19,9 +19,12 @@ many share then spreads onto as many replicas as its load needs, each prefilling
 not requests: a replica holding a few long contexts is as loaded as one holding many short ones.
 
 It pins no sessions: a trajectory's next turn goes where its context is cached, by cost (the index learned
-it when the previous turn was routed); the chain still records where each session's last request went, for
-CloseSession. Without a prompt or an index match every replica costs what it holds,
-so it is least loaded in tokens, and with nothing held least loaded in requests.
+it when the previous turn was routed). The session's affinity is bounded by load the same way: the replica
+its last request went to counts as holding that request's prompt (as much of this one as it covers), since
+a session's next turn extends its last, whatever the index still holds or the prompt's blocks divide; so a
+session stays on its replica while that replica is within the bound and no other is lighter by more than the
+prefill a move costs. Without a prompt, an index match or a session every replica costs what it holds, so
+it is least loaded in tokens, and with nothing held least loaded in requests.
 """
 
 from __future__ import annotations
@@ -46,7 +49,11 @@ class PrefixCost:
 
     def select(self, pick: Pick, routes: Sequence[C]) -> C:
         matched = self.index.match(pick.prefix_keys, [r.replica_id for r in routes]) if pick.prefix_keys else {}
-        uncached = {r.replica_id: max(0, pick.prompt_tokens - matched.get(r.replica_id, 0)) for r in routes}
+        cached = dict(matched)
+        if pick.session_replica:   # the session's next turn is expected to extend its last one, prefilled there
+            cached[pick.session_replica] = max(cached.get(pick.session_replica, 0),
+                                               min(pick.session_tokens, pick.prompt_tokens))
+        uncached = {r.replica_id: max(0, pick.prompt_tokens - cached.get(r.replica_id, 0)) for r in routes}
         weight = {r.replica_id: pick.prompt_tokens + pick.expected_completion
                   + round(self.prefill_load * uncached[r.replica_id]) for r in routes}
         held = sum(r.held_tokens for r in routes)

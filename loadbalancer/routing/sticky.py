@@ -3,7 +3,8 @@ carries more than ``max_load_gap`` requests above the least loaded eligible one;
 sticks to its new replica). Pins are kept least recently used first, at most ``max_sessions`` of them, and
 one unused for ``idle_s`` is dropped. With ``steers`` False it only records where each session's last request
 went (a policy that pins no sessions still lets CloseSession and the KV hold reach a session's replica) and
-never chooses."""
+never chooses. Either way it tells the pick where the session's last request went and how long its prompt
+was, for a policy that weighs what a replica has cached."""
 
 from __future__ import annotations
 
@@ -21,17 +22,21 @@ class SessionAffinity:
         self.max_sessions = max_sessions
         self.idle_s = idle_s
         self.steers = steers
-        self._pins: OrderedDict[str, tuple[str, float]] = OrderedDict()
-        """Session -> (replica it is pinned to, when it was last used), least recently used first."""
+        self._pins: OrderedDict[str, tuple[str, float, int]] = OrderedDict()
+        """Session -> (replica it is pinned to, when it was last used, its last prompt's tokens), least recently
+        used first."""
 
     def select(self, pick: Pick, routes: Sequence[C]) -> C | None:
         if not pick.session_id:
             return None
         self._expire(pick.now)
+        pin = self._pins.get(pick.session_id)
+        if pin is None:
+            return None
+        pick.session_replica, _, pick.session_tokens = pin
         if not self.steers:
             return None
-        pinned = self.replica(pick.session_id)
-        route = next((r for r in routes if r.replica_id == pinned), None)
+        route = next((r for r in routes if r.replica_id == pin[0]), None)
         if route is None:
             return None
         if route.in_flight - min(r.in_flight for r in routes) <= self.max_load_gap:
@@ -43,7 +48,7 @@ class SessionAffinity:
     def chosen(self, pick: Pick, route: Candidate) -> None:
         if not pick.session_id:
             return
-        self._pins[pick.session_id] = (route.replica_id, pick.now)
+        self._pins[pick.session_id] = (route.replica_id, pick.now, pick.prompt_tokens)
         self._pins.move_to_end(pick.session_id)
         while len(self._pins) > self.max_sessions:
             self._pins.popitem(last=False)
@@ -56,7 +61,7 @@ class SessionAffinity:
         return len(self._pins)
 
     def count(self, replica_id: str) -> int:
-        return sum(1 for rid, _ in self._pins.values() if rid == replica_id)
+        return sum(1 for rid, _, _ in self._pins.values() if rid == replica_id)
 
     def replica(self, session_id: str) -> str | None:
         pin = self._pins.get(session_id)
@@ -70,7 +75,7 @@ class SessionAffinity:
     def clear(self, replica_ids: Iterable[str] = ()) -> int:
         """Drop the pins to these replicas (all pins when none are named); how many were dropped."""
         ids = set(replica_ids)
-        doomed = [s for s, (rid, _) in self._pins.items() if not ids or rid in ids]
+        doomed = [s for s, (rid, _, _) in self._pins.items() if not ids or rid in ids]
         for session in doomed:
             del self._pins[session]
         return len(doomed)
@@ -81,7 +86,7 @@ class SessionAffinity:
             return
         horizon = now - self.idle_s
         while self._pins:
-            session, (_, used) = next(iter(self._pins.items()))
+            session, (_, used, _) = next(iter(self._pins.items()))
             if used > horizon:
                 break
             del self._pins[session]

@@ -13,6 +13,7 @@ from loadbalancer.config import LoadBalancerConfig, PrefixRoutingConfig
 from loadbalancer.prefix_index import PrefixIndex, PromptKeys
 from loadbalancer.routing import selectors
 from loadbalancer.routing.prefix_cost import PrefixCost
+from loadbalancer.routing.sticky import SessionAffinity
 from loadbalancer.table import Route, RoutingTable
 
 pytestmark = pytest.mark.timeout(30)
@@ -185,3 +186,27 @@ def test_pin_sessions_overrides_the_policys_own_way():
         config = LoadBalancerConfig(routing_policy=policy, pin_sessions=pin)
         config.validate()
         assert RoutingTable(selectors(config)).sessions.steers is steers, (policy, pin)
+
+
+def test_a_session_keeps_its_replica_by_cost_even_where_the_index_cannot_see_its_context():
+    """Short prompts fill no block, so the index matches nothing: the session's last replica still counts as
+    holding the last prompt, and the session stays there until that replica is past the bound."""
+    sessions = SessionAffinity(max_load_gap=4, max_sessions=100, idle_s=None, steers=False)
+    cost = PrefixCost(PrefixIndex(block_tokens=BLOCK, capacity_tokens=1_000_000),
+                      prefill_weight=32.0, max_load_excess=0.25, prefill_load=2.0)
+    t = RoutingTable([sessions, cost], clock=lambda: 0.0)
+    t.add(Route(f"r{i}", f"127.0.0.1:{1000 + i}") for i in range(4))
+    first = pick(t, "turn0", tokens(1, 6), max_tokens=4, session_id="s")
+    home = first.ticket.route.replica_id
+    t.release(first.ticket, completed=True)
+    for turn in range(1, 6):   # unrelated short prompts under the same session, as an HTTP client may send
+        choice = pick(t, f"turn{turn}", tokens(10 + turn, 6), max_tokens=4, session_id="s")
+        assert choice.ticket.route.replica_id == home and choice.prefix_tokens == 0 and not choice.sticky_hit
+        t.release(choice.ticket, completed=True)
+    for i in range(8):   # its replica fills up past the bound
+        t.pick(f"x{i}", prompt_tokens=2048, max_tokens=256, avoid=frozenset(r for r in t.routes if r != home))
+    moved = pick(t, "turn6", tokens(20, 6), max_tokens=4, session_id="s")
+    assert moved.ticket.route.replica_id != home
+    assert t.sticky_replica("s") == moved.ticket.route.replica_id
+    assert pick(t, "turn7", tokens(21, 6), max_tokens=4, session_id="s").ticket.route.replica_id \
+        == moved.ticket.route.replica_id   # and keeps its new one
