@@ -56,7 +56,8 @@ class OutlierDetectionConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PrefixRoutingConfig:
-    """``prefix_routing``: how ``routing_policy: prefix_aware`` weighs cache affinity against load."""
+    """``prefix_routing``: how ``routing_policy: prefix_cost`` and ``prefix_aware`` weigh cache affinity against
+    load."""
 
     block_tokens: int = setting(64, help="prompt tokens per indexed block for replicas whose engines publish no "
                                          "prefix events (with kv_events, a replica is indexed at its engine's "
@@ -66,9 +67,10 @@ class PrefixRoutingConfig:
     cache_tokens: int = setting(400_000, help="tokens of prompts remembered per replica, least recently used "
                                               "first out: set it to the replicas' KV cache size (the engine "
                                               "evicts beyond it)")
-    max_load_gap: int = setting(4, help="a request goes to the replica holding most of its prefix unless that "
-                                        "replica has more than max(max_load_gap, max_load_ratio x least) "
-                                        "in-flight requests above the least loaded one; then it spills to "
+    max_load_gap: int = setting(4, help="routing_policy prefix_aware: a request goes to the replica holding most "
+                                        "of its prefix unless that replica has more than max(max_load_gap, "
+                                        "max_load_ratio x least) in-flight requests above the least loaded one; "
+                                        "then it spills to "
                                         "the least loaded (so at light load a shared prompt still spreads, "
                                         "and at heavy load a GRPO group stays together)")
     max_load_ratio: float = setting(0.5, help="see max_load_gap")
@@ -88,8 +90,9 @@ class PrefixRoutingConfig:
                                             "its context plus prefill_load x the prompt tokens it found uncached "
                                             "there, so a replica prefilling many new prompts counts as busier "
                                             "than one holding the same context cached")
-    warmup_s: float = setting(0.0, help="a replica that joined the table less than this ago counts as loaded as "
-                                        "the others' mean, less in proportion to its age, so a new empty "
+    warmup_s: float = setting(0.0, help="routing_policy prefix_aware: a replica that joined the table less than "
+                                        "this ago counts as loaded as the others' mean, less in proportion to "
+                                        "its age, so a new empty "
                                         "replica is filled gradually instead of taking every spill at once; "
                                         "0 = off (the default: replicas are added, scaled out or activated "
                                         "because capacity is short, and should take load at once)")
@@ -166,21 +169,24 @@ class LoadBalancerConfig(ServerConfig):
     replicas: list[StaticReplica] = setting(default_factory=list, help="replicas to route to from the start "
                                             "(the controller adds and removes replicas at run time)")
     routing_policy: str = setting(
-        "prefix_aware", help="prefix_aware: the replica that was sent most of the prompt's leading tokens (its "
-                             "prefix cache holds them), within a load gap (prefix_routing), else the least "
-                             "loaded; prefix_cost: the replica where the request costs least in tokens (the "
-                             "tokens it holds plus the prompt it must prefill), within a bound on load in tokens "
-                             "(prefix_routing), with no session pins; least_loaded: the replica with the fewest "
-                             "in-flight requests (round robin among equals); a plug-in's name "
-                             "(loadbalancer.routing.register). Sessions stick, except under prefix_cost")
+        "prefix_cost", help="prefix_cost: the replica where the request costs least in tokens (the tokens it "
+                            "holds plus the prompt it must prefill; a session's last replica counts as holding "
+                            "its last prompt), within a bound on load in tokens (prefix_routing); prefix_aware: "
+                            "the replica that was sent most of the prompt's leading tokens (its prefix cache "
+                            "holds them), within a load gap in requests (prefix_routing), else the least loaded; "
+                            "least_loaded: the replica with the fewest in-flight requests (round robin among "
+                            "equals); a plug-in's name (loadbalancer.routing.register). Under prefix_aware and "
+                            "least_loaded sessions are pinned (sticky_max_load_gap); under prefix_cost a session "
+                            "keeps its replica by cost")
     prefix_routing: PrefixRoutingConfig = setting(default_factory=PrefixRoutingConfig,
                                                   help="cache affinity against load, for routing_policy: "
-                                                       "prefix_aware and prefix_cost")
+                                                       "prefix_cost and prefix_aware")
     program_admission: ProgramAdmissionConfig = setting(default_factory=ProgramAdmissionConfig,
                                                         help="sessions as programs admitted by KV room")
     pin_sessions: bool | None = setting(None, help="whether a session sticks to its replica (within "
                                                    "sticky_max_load_gap) before the policy chooses; null = the "
-                                                   "policy's own way (prefix_cost pins none, the others do)")
+                                                   "policy's own way (prefix_cost pins none: a session keeps "
+                                                   "its replica by cost; the others pin)")
     sticky_max_load_gap: int = setting(4, help="a sticky session leaves its replica when that replica has more "
                                                "than this many in-flight requests above the least loaded one")
     max_sticky_sessions: int = setting(100_000, help="sticky-session pins kept (least recently used dropped)")

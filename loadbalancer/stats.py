@@ -79,9 +79,9 @@ COUNTERS = {
     "sticky_hits": ("rollmesh_lb_sticky_hits", "Requests routed to their session's replica"),
     "sticky_migrations": ("rollmesh_lb_sticky_migrations", "Sessions moved off a replica that was too loaded"),
     "prefix_hits": ("rollmesh_lb_prefix_hits", "Requests routed to a replica holding part of their prompt "
-                    "(routing_policy prefix_aware)"),
+                    "(routing_policy prefix_cost or prefix_aware)"),
     "prefix_spills": ("rollmesh_lb_prefix_spills", "Requests whose prompt a replica held, routed elsewhere "
-                      "because that replica was too loaded (routing_policy prefix_aware)"),
+                      "because that replica was too loaded (routing_policy prefix_cost or prefix_aware)"),
     "program_waits": ("rollmesh_lb_program_waits", "Times a session's program waited for KV room on a replica "
                       "(program_admission)"),
     "programs_parked": ("rollmesh_lb_programs_parked", "Programs whose KV hold was released to keep a replica "

@@ -300,11 +300,11 @@ class LoadBalancerStats(_message.Message):
     """
     prefix_hits: _builtins.int
     """Requests routed to a replica that held part of their prompt's leading
-    blocks (routing_policy prefix_aware).
+    blocks (routing_policy prefix_cost or prefix_aware).
     """
     prefix_spills: _builtins.int
     """Requests whose prompt a replica held, sent elsewhere because that
-    replica was too loaded (routing_policy prefix_aware).
+    replica was too loaded (routing_policy prefix_cost or prefix_aware).
     """
     program_waits: _builtins.int
     """Times a session's program waited for KV room on a replica before its

@@ -343,7 +343,7 @@ export type LoadBalancerStats = Message<"rollmesh.loadbalancer.v1.LoadBalancerSt
 
   /**
    * Requests routed to a replica that held part of their prompt's leading
-   * blocks (routing_policy prefix_aware).
+   * blocks (routing_policy prefix_cost or prefix_aware).
    *
    * @generated from field: uint64 prefix_hits = 15;
    */
@@ -351,7 +351,7 @@ export type LoadBalancerStats = Message<"rollmesh.loadbalancer.v1.LoadBalancerSt
 
   /**
    * Requests whose prompt a replica held, sent elsewhere because that
-   * replica was too loaded (routing_policy prefix_aware).
+   * replica was too loaded (routing_policy prefix_cost or prefix_aware).
    *
    * @generated from field: uint64 prefix_spills = 16;
    */
