@@ -36,7 +36,7 @@ Policies: rollmesh ``least_loaded`` without session ids; ``least_loaded`` with s
 trajectory: today's group stickiness); ``prefix_aware`` and ``prefix_cost`` (with session ids, as the trainer
 sends them; ``prefix_cost`` pins none, it keeps a trajectory where its context is cached by cost); ``programs``:
 ``prefix_aware`` with ``program_admission`` on (a session's turns stay where its KV is, new trajectories wait
-for KV room, oldest first); SMG
+for KV room, oldest first), and ``programs prefix_cost`` the same under the default policy; SMG
 ``cache_aware`` and ``round_robin``. rollmesh's clients send on the balancer's GenerateMany stream with
 ``final_only``, as the trainer's rollouter does; SMG's send ``POST /generate`` with ``input_ids`` on keep-alive
 connections (SMG's cache-aware tree matches token ids), with its admission limit off
@@ -269,6 +269,9 @@ SYSTEMS = {
                                                  start_with=k),
     "programs": lambda tmp, model, n, k: Mesh(tmp, model, n, "prefix_aware", sessions=True, start_with=k,
                                               lb_yaml=f"program_admission: {PROGRAMS_YAML}\n" + LB_YAML),
+    "programs prefix_cost": lambda tmp, model, n, k: Mesh(tmp, model, n, "prefix_cost", sessions=True,
+                                                          start_with=k, lb_yaml=f"program_admission: "
+                                                                                f"{PROGRAMS_YAML}\n" + LB_YAML),
     "SMG cache_aware": lambda tmp, model, n, k: Smg(tmp, model, n, "cache_aware", start_with=k),
     "SMG round_robin": lambda tmp, model, n, k: Smg(tmp, model, n, "round_robin", start_with=k),
 }
