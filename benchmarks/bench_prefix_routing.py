@@ -260,6 +260,14 @@ WORKLOADS = {"grpo": None, "multiturn": run_multiturn, "document": run_document,
 LB_YAML = ""
 DEFAULT_PROGRAMS_YAML = "{enabled: true}"
 PROGRAMS_YAML = DEFAULT_PROGRAMS_YAML
+
+
+def _programs(tmp: Path, model: dict, n: int, k: int | None, policy: str) -> Mesh:
+    """rollmesh with program_admission on (``--programs-yaml``), ``policy`` choosing among replicas with room."""
+    return Mesh(tmp, model, n, policy, sessions=True, start_with=k,
+                lb_yaml=f"program_admission: {PROGRAMS_YAML}\n" + LB_YAML)
+
+
 SYSTEMS = {
     "least_loaded": lambda tmp, model, n, k: Mesh(tmp, model, n, "least_loaded", sessions=False, start_with=k),
     "group stickiness": lambda tmp, model, n, k: Mesh(tmp, model, n, "least_loaded", sessions=True, start_with=k),
@@ -267,11 +275,8 @@ SYSTEMS = {
                                                   start_with=k),
     "prefix_cost": lambda tmp, model, n, k: Mesh(tmp, model, n, "prefix_cost", sessions=True, lb_yaml=LB_YAML,
                                                  start_with=k),
-    "programs": lambda tmp, model, n, k: Mesh(tmp, model, n, "prefix_aware", sessions=True, start_with=k,
-                                              lb_yaml=f"program_admission: {PROGRAMS_YAML}\n" + LB_YAML),
-    "programs prefix_cost": lambda tmp, model, n, k: Mesh(tmp, model, n, "prefix_cost", sessions=True,
-                                                          start_with=k, lb_yaml=f"program_admission: "
-                                                                                f"{PROGRAMS_YAML}\n" + LB_YAML),
+    "programs": lambda tmp, model, n, k: _programs(tmp, model, n, k, "prefix_aware"),
+    "programs prefix_cost": lambda tmp, model, n, k: _programs(tmp, model, n, k, "prefix_cost"),
     "SMG cache_aware": lambda tmp, model, n, k: Smg(tmp, model, n, "cache_aware", start_with=k),
     "SMG round_robin": lambda tmp, model, n, k: Smg(tmp, model, n, "round_robin", start_with=k),
 }

@@ -70,9 +70,8 @@ class PrefixRoutingConfig:
     max_load_gap: int = setting(4, help="routing_policy prefix_aware: a request goes to the replica holding most "
                                         "of its prefix unless that replica has more than max(max_load_gap, "
                                         "max_load_ratio x least) in-flight requests above the least loaded one; "
-                                        "then it spills to "
-                                        "the least loaded (so at light load a shared prompt still spreads, "
-                                        "and at heavy load a GRPO group stays together)")
+                                        "then it spills to the least loaded (so at light load a shared prompt "
+                                        "still spreads, and at heavy load a GRPO group stays together)")
     max_load_ratio: float = setting(0.5, help="see max_load_gap")
     kv_events: bool = setting(False, help="also follow the replicas' own prefix-cache events (the agents' "
                                           "WatchPrefixCache, where an engine publishes them): a replica's entries "
@@ -92,8 +91,8 @@ class PrefixRoutingConfig:
                                             "than one holding the same context cached")
     warmup_s: float = setting(0.0, help="routing_policy prefix_aware: a replica that joined the table less than "
                                         "this ago counts as loaded as the others' mean, less in proportion to "
-                                        "its age, so a new empty "
-                                        "replica is filled gradually instead of taking every spill at once; "
+                                        "its age, so a new empty replica is filled gradually instead of taking "
+                                        "every spill at once; "
                                         "0 = off (the default: replicas are added, scaled out or activated "
                                         "because capacity is short, and should take load at once)")
 

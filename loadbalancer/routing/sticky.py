@@ -10,8 +10,17 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 from .policy import C, Candidate, Pick
+
+
+class _Pin(NamedTuple):
+    replica_id: str
+    used: float
+    """When the session last picked."""
+    prompt_tokens: int
+    """Its last request's prompt, which the replica prefilled."""
 
 
 class SessionAffinity:
@@ -22,9 +31,8 @@ class SessionAffinity:
         self.max_sessions = max_sessions
         self.idle_s = idle_s
         self.steers = steers
-        self._pins: OrderedDict[str, tuple[str, float, int]] = OrderedDict()
-        """Session -> (replica it is pinned to, when it was last used, its last prompt's tokens), least recently
-        used first."""
+        self._pins: OrderedDict[str, _Pin] = OrderedDict()
+        """Session -> its pin, least recently used first."""
 
     def select(self, pick: Pick, routes: Sequence[C]) -> C | None:
         if not pick.session_id:
@@ -33,10 +41,10 @@ class SessionAffinity:
         pin = self._pins.get(pick.session_id)
         if pin is None:
             return None
-        pick.session_replica, _, pick.session_tokens = pin
+        pick.session_replica, pick.session_tokens = pin.replica_id, pin.prompt_tokens
         if not self.steers:
             return None
-        route = next((r for r in routes if r.replica_id == pin[0]), None)
+        route = next((r for r in routes if r.replica_id == pin.replica_id), None)
         if route is None:
             return None
         if route.in_flight - min(r.in_flight for r in routes) <= self.max_load_gap:
@@ -48,7 +56,7 @@ class SessionAffinity:
     def chosen(self, pick: Pick, route: Candidate) -> None:
         if not pick.session_id:
             return
-        self._pins[pick.session_id] = (route.replica_id, pick.now, pick.prompt_tokens)
+        self._pins[pick.session_id] = _Pin(route.replica_id, pick.now, pick.prompt_tokens)
         self._pins.move_to_end(pick.session_id)
         while len(self._pins) > self.max_sessions:
             self._pins.popitem(last=False)
@@ -61,21 +69,21 @@ class SessionAffinity:
         return len(self._pins)
 
     def count(self, replica_id: str) -> int:
-        return sum(1 for rid, _, _ in self._pins.values() if rid == replica_id)
+        return sum(1 for pin in self._pins.values() if pin.replica_id == replica_id)
 
     def replica(self, session_id: str) -> str | None:
         pin = self._pins.get(session_id)
-        return pin[0] if pin is not None else None
+        return pin.replica_id if pin is not None else None
 
     def drop(self, session_id: str) -> str | None:
         """Forget a session's pin; the replica it was pinned to, if any."""
         pin = self._pins.pop(session_id, None)
-        return pin[0] if pin is not None else None
+        return pin.replica_id if pin is not None else None
 
     def clear(self, replica_ids: Iterable[str] = ()) -> int:
         """Drop the pins to these replicas (all pins when none are named); how many were dropped."""
         ids = set(replica_ids)
-        doomed = [s for s, (rid, _, _) in self._pins.items() if not ids or rid in ids]
+        doomed = [s for s, pin in self._pins.items() if not ids or pin.replica_id in ids]
         for session in doomed:
             del self._pins[session]
         return len(doomed)
@@ -86,7 +94,7 @@ class SessionAffinity:
             return
         horizon = now - self.idle_s
         while self._pins:
-            session, (_, used, _) = next(iter(self._pins.items()))
-            if used > horizon:
+            session, pin = next(iter(self._pins.items()))
+            if pin.used > horizon:
                 break
             del self._pins[session]
